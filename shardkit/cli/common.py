@@ -1,0 +1,111 @@
+"""What every command shares: error mapping, progress bars, JSON output, option types."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import sys
+import traceback
+import warnings
+from typing import Any, Callable, Iterator
+
+import click
+
+from ..errors import ShardkitError
+
+
+def _debug_requested(argv: list[str]) -> bool:
+    return "--debug" in argv
+
+
+def run_cli(group: click.Group, argv: list[str] | None = None) -> int:
+    """Run the click group; map errors to one line and an exit code (2 input, 1 check failed)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = _debug_requested(args)
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.showwarning = _show_warning
+        try:
+            group.main(args=args, prog_name="shardkit", standalone_mode=False)
+        except click.exceptions.Abort:
+            click.echo("interrupted; nothing was published", err=True)
+            return 130
+        except KeyboardInterrupt:
+            click.echo("interrupted; nothing was published", err=True)
+            return 130
+        except click.ClickException as e:
+            e.show()
+            return 2 if e.exit_code not in (0, 1) else e.exit_code
+        except ShardkitError as e:
+            if debug:
+                traceback.print_exc()
+            click.echo(f"error: {e}", err=True)
+            return e.exit_code
+        except click.exceptions.Exit as e:
+            return e.exit_code
+        except Exception as e:  # a bug or an unexpected library error: still one line unless --debug
+            if debug:
+                traceback.print_exc()
+            click.echo(f"error: {type(e).__name__}: {e} (run with --debug for the traceback)", err=True)
+            return 2
+    return 0
+
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _show_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+    from ..errors import ShardkitWarning
+
+    if issubclass(category, ShardkitWarning):
+        click.echo(f"warning: {message}", err=True)
+
+
+@contextlib.contextmanager
+def byte_progress(description: str, *, enabled: bool) -> Iterator[Callable[[int, int], None]]:
+    """A ``(done_bytes, total_bytes)`` callback rendered as a tqdm bar on stderr."""
+    if not enabled:
+        yield lambda done, total: None
+        return
+    from tqdm import tqdm
+
+    bar = None
+    last = 0
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar, last
+        if bar is None:
+            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc=description,
+                       file=sys.stderr, dynamic_ncols=True, leave=False)
+        bar.update(done - last)
+        last = done
+
+    try:
+        yield update
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def echo_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+class SizeParam(click.ParamType):
+    """A size option: '5GB' (10⁹), '2GiB' (2³⁰), '500MB', or bytes."""
+
+    name = "SIZE"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        from ..units import parse_size
+
+        try:
+            return parse_size(value, name=f"--{param.name.replace('_', '-')}" if param else "size")
+        except ShardkitError as e:
+            self.fail(str(e), param, ctx)
+
+
+SIZE = SizeParam()

@@ -1,0 +1,78 @@
+"""``shardkit split``."""
+
+from __future__ import annotations
+
+import os
+
+import click
+
+from ..units import format_size
+from .common import SIZE, byte_progress, echo_json
+
+EPILOG = """\b
+Examples:
+  shardkit split sdxl-unet.safetensors out/ --max-shard-size 5GB
+  shardkit split pytorch_model.bin out/ --max-shard-size 2GiB --dtype bf16
+  shardkit split ckpt-dir/ resharded/ --max-shard-size 500MB --dry-run
+  shardkit split ckpt-dir/ ckpt-dir/ --max-shard-size 2GB --overwrite   # reshard in place
+
+\b
+Sizes: KB/MB/GB/TB are powers of 10 (5GB = 5,000,000,000 bytes, like huggingface_hub);
+KiB/MiB/GiB/TiB are powers of 2 (2GiB = 2,147,483,648 bytes, like accelerate).
+The limit counts tensor bytes; a tensor larger than it gets a shard of its own.
+Output naming follows the source (diffusers 'diffusion_pytorch_model' or transformers
+'model'); --name overrides. One shard gets no suffix and no index.
+Tied tensors of in-memory sources are written once; aliases go into the shard metadata.
+"""
+
+
+@click.command(epilog=EPILOG)
+@click.argument("source", type=click.Path(path_type=str))
+@click.argument("output", type=click.Path(path_type=str))
+@click.option("--max-shard-size", "max_shard_size", type=SIZE, default="5GB", show_default=True,
+              help="Largest shard, in tensor bytes (5GB = 10^9 units, 5GiB = 2^30 units).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"]),
+              help="Cast floating-point tensors (F64/F32/F16/BF16) in bounded chunks.")
+@click.option("--allow-lossy", is_flag=True, help="Permit casts that lose range or precision (fp8).")
+@click.option("--name", help="Output file prefix, e.g. 'model' or 'diffusion_pytorch_model'.")
+@click.option("--variant", help="Variant inserted before the extension, e.g. 'fp16'.")
+@click.option("--key", help="For pickles: the dict key holding the state dict (default: auto).")
+@click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
+@click.option("--overwrite", is_flag=True, help="Replace the checkpoint in an existing output folder.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
+def split(source: str, output: str, max_shard_size: int, dtype: str | None, allow_lossy: bool,
+          name: str | None, variant: str | None, key: str | None, dry_run: bool, overwrite: bool,
+          as_json: bool, quiet: bool) -> None:
+    """Stream SOURCE into size-bounded safetensors shards in the OUTPUT folder.
+
+    SOURCE is a .safetensors file, a sharded folder or its index, or a .bin/.pt/.pth/.ckpt pickle
+    (loaded with weights_only, never executing code). The output loads unchanged with
+    diffusers, transformers, accelerate and huggingface_hub. Writes are atomic: on failure or
+    Ctrl-C nothing partial is left, and the source is never modified.
+    """
+    from ..reshard import split as split_api
+
+    with byte_progress("split", enabled=not (quiet or as_json or dry_run)) as progress:
+        result = split_api(source, output, max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy,
+                           name=name, variant=variant, key=key, dry_run=dry_run, overwrite=overwrite,
+                           progress=progress)
+    if as_json:
+        echo_json(result.to_dict())
+    elif not quiet:
+        print_plan(result)
+
+
+def print_plan(result: object) -> None:
+    plan = result.plan  # type: ignore[attr-defined]
+    verb = "would write" if result.dry_run else "wrote"  # type: ignore[attr-defined]
+    width = max(len(s.filename) for s in plan.shards)
+    for shard in plan.shards:
+        click.echo(f"  {shard.filename:<{width}}  {len(shard.names):>6} tensors  {format_size(shard.nbytes):>10}")
+    if plan.index_filename:
+        click.echo(f"  {plan.index_filename}")
+    click.echo(f"{verb} {len(plan.shards)} shard(s), {format_size(plan.total_bytes)} to "
+               f"{os.path.abspath(result.output)}")  # type: ignore[attr-defined]
+
+
+COMMANDS = [split]

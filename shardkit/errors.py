@@ -1,0 +1,68 @@
+"""The one error hierarchy of shardkit.
+
+Every error derives from :class:`ShardkitError` and also from the builtin a caller would
+naturally catch (``ValueError``, ``FileNotFoundError``, ``OSError``). ``exit_code`` is what
+the CLI exits with: 2 for bad input or usage, 1 for a check that failed.
+"""
+
+from __future__ import annotations
+
+
+class ShardkitError(Exception):
+    """Base class of every error shardkit raises on purpose."""
+
+    exit_code = 2
+
+
+class InvalidInputError(ShardkitError, ValueError):
+    """The input (a file, an option, a state dict) is not usable as given."""
+
+
+class InvalidSizeError(InvalidInputError):
+    """A size string such as ``"5XB"`` could not be parsed."""
+
+
+class HeaderError(InvalidInputError):
+    """A safetensors header is malformed, inconsistent or unsafe."""
+
+
+class CheckpointIndexError(InvalidInputError):
+    """An index JSON file is malformed, inconsistent or names unsafe paths."""
+
+
+class UnsafePickleError(InvalidInputError):
+    """A pickle holds objects other than tensors, or would execute code."""
+
+
+class KeyMismatchError(InvalidInputError):
+    """Checkpoint keys or shapes do not match the model they are loaded into."""
+
+
+class SourceNotFoundError(ShardkitError, FileNotFoundError):
+    """The source path does not exist or holds no checkpoint."""
+
+
+class OutputExistsError(ShardkitError, FileExistsError):
+    """The output exists and is not empty; pass ``overwrite=True`` to replace it."""
+
+
+class ShardkitWriteError(ShardkitError, OSError):
+    """Writing the output failed (disk full, file too large, I/O error)."""
+
+
+class VerificationError(ShardkitError):
+    """A check found problems; ``findings`` lists them."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, findings: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.findings = list(findings or [])
+
+
+class HubError(ShardkitError):
+    """Talking to the Hugging Face Hub failed."""
+
+
+class ShardkitWarning(UserWarning):
+    """Something worth a user's attention that is not an error (the CLI prints it as one line)."""

@@ -1,0 +1,154 @@
+"""``split`` and ``save_sharded``: source → plan → writer → index, the tool's main job."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .commit import OutputTransaction
+from .errors import InvalidInputError
+from .index import DIFFUSERS_PREFIX, Naming, dump_index, naming_from_filename
+from .plan import ShardPlan, plan_shards
+from .sources import Source, open_source
+from .units import LOSSLESS_TARGETS, normalize_dtype, parse_size
+from .writer import Placement, place, write_safetensors
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+@dataclass
+class SplitResult:
+    """What a split wrote (or, with ``dry_run``, would write)."""
+
+    output: str
+    plan: ShardPlan
+    source: str
+    dtype: str | None = None
+    dry_run: bool = False
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def files(self) -> list[str]:
+        return [os.path.join(self.output, f) for f in self.plan.filenames()]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "output": self.output,
+            "source": self.source,
+            "dry_run": self.dry_run,
+            "dtype": self.dtype,
+            "total_bytes": self.plan.total_bytes,
+            "max_shard_bytes": self.plan.max_shard_bytes,
+            "index": self.plan.index_filename,
+            "aliases": self.aliases,
+            "shards": [
+                {"file": s.filename, "tensors": len(s.names), "bytes": s.nbytes} for s in self.plan.shards
+            ],
+        }
+
+
+def resolve_naming(source: Source, *, name: str | None, variant: str | None) -> Naming:
+    """``name`` overrides; otherwise keep the source's convention (diffusers or transformers)."""
+    base = source.naming
+    if name is not None:
+        if not name or "/" in name or "." in name:
+            raise InvalidInputError(f"invalid --name {name!r}: give a file prefix such as 'model' or '{DIFFUSERS_PREFIX}'")
+        base = Naming(name, base.variant)
+    return Naming(base.prefix, variant if variant is not None else base.variant)
+
+
+def resolve_cast(dtype: str | None, *, allow_lossy: bool) -> str | None:
+    if dtype is None:
+        return None
+    code = normalize_dtype(str(dtype).removeprefix("torch."))
+    if code not in LOSSLESS_TARGETS and not allow_lossy:
+        raise InvalidInputError(f"casting to {dtype} loses precision; pass --allow-lossy (allow_lossy=True) to do it")
+    return code
+
+
+def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+          dtype: str | None = None, name: str | None = None, variant: str | None = None,
+          allow_lossy: bool = False, overwrite: bool = False, dry_run: bool = False, key: str | None = None,
+          metadata: dict[str, str] | None = None, progress: ProgressCallback | None = None) -> SplitResult:
+    """Stream a checkpoint into size-bounded safetensors shards with an index.
+
+    ``source`` is a path (safetensors file, index, sharded folder, pickle) or an open Source.
+
+    >>> import shardkit
+    >>> result = shardkit.split("model.safetensors", "out/", max_shard_size="5GB")  # doctest: +SKIP
+    >>> [os.path.basename(f) for f in result.files]                                  # doctest: +SKIP
+    ['model-00001-of-00003.safetensors', ..., 'model.safetensors.index.json']
+    """
+    max_shard_bytes = parse_size(max_shard_size, name="max shard size")
+    cast_to = resolve_cast(dtype, allow_lossy=allow_lossy)
+    output = os.fspath(output)
+    if isinstance(source, (str, os.PathLike)) and not dry_run:
+        from .commit import recover
+
+        path = os.fspath(source)
+        recover(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
+    with open_source(source, key=key) as src:
+        naming = resolve_naming(src, name=name, variant=variant)
+        placements = [place(e, cast_to) for e in src.entries()]
+        plan = plan_shards([(p.out.name, p.out.nbytes) for p in placements], max_shard_bytes=max_shard_bytes, naming=naming)
+        result = SplitResult(output, plan, src.description, cast_to, dry_run, src.aliases())
+        if not dry_run:
+            write_plan(plan, placements, src, output, overwrite=overwrite, metadata=metadata, progress=progress)
+    return result
+
+
+def save_sharded(obj: Any, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+                 dtype: str | None = None, name: str | None = None, variant: str | None = None,
+                 allow_lossy: bool = False, overwrite: bool = False, metadata: dict[str, str] | None = None,
+                 progress: ProgressCallback | None = None) -> SplitResult:
+    """Save a state dict or ``nn.Module`` (tensors on any device) as sharded safetensors.
+
+    Tensors are moved to the host one at a time; tied tensors are written once.
+
+    >>> shardkit.save_sharded(model, "out/", max_shard_size="2GB")  # doctest: +SKIP
+    """
+    from .sources.memory import MemorySource, module_state_dict
+
+    source = MemorySource(module_state_dict(obj), description=f"in-memory {type(obj).__name__}")
+    return split(source, output, max_shard_size=max_shard_size, dtype=dtype, name=name, variant=variant,
+                 allow_lossy=allow_lossy, overwrite=overwrite, metadata=metadata, progress=progress)
+
+
+def _existing_checkpoint_files(output: str, naming: Naming) -> list[str]:
+    """Files in ``output`` that belong to a checkpoint with the same naming (replaced by a write)."""
+    if not os.path.isdir(output):
+        return []
+    found = []
+    for filename in os.listdir(output):
+        if filename.startswith("."):
+            continue
+        if filename.endswith(".safetensors") or (".safetensors.index" in filename and filename.endswith(".json")):
+            if naming_from_filename(filename) == naming:
+                found.append(filename)
+    return found
+
+
+def write_plan(plan: ShardPlan, placements: list[Placement], source: Source, output: str, *,
+               overwrite: bool = False, metadata: dict[str, str] | None = None,
+               progress: ProgressCallback | None = None) -> None:
+    """Write every shard of ``plan`` and then its index, atomically (see :mod:`shardkit.commit`)."""
+    by_name = {p.out.name: p for p in placements}
+    shard_metadata = {"format": "pt", **(metadata or {}), **source.aliases()}
+    done = 0
+
+    def tick(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, plan.total_bytes)
+
+    stale = _existing_checkpoint_files(output, plan.naming)
+    with OutputTransaction(output, overwrite=overwrite, stale=stale) as tx:
+        for shard in plan.shards:
+            write_safetensors(tx.path_for(shard.filename), [by_name[n] for n in shard.names], source,
+                              metadata=shard_metadata, progress=tick)
+        if plan.index_filename:
+            tx.write_bytes(plan.index_filename, dump_index(plan.weight_map(), total_size_bytes=plan.total_bytes))
+        tx.commit(last=plan.index_filename)

@@ -1,0 +1,91 @@
+"""Input kinds. Each opener returns a :class:`Source`; :func:`open_source` picks one by a table.
+
+To add a kind, write ``sources/<kind>.py`` with an opener and add a row to ``_PATH_OPENERS``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from ..errors import InvalidInputError, SourceNotFoundError
+from .base import Source
+
+__all__ = ["Source", "open_source"]
+
+
+def _is_safetensors_file(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".safetensors")
+
+
+def _is_safetensors_index(path: str) -> bool:
+    return os.path.isfile(path) and ".safetensors.index" in os.path.basename(path) and path.endswith(".json")
+
+
+def _is_pickle_file(path: str) -> bool:
+    from .pickle import PICKLE_SUFFIXES
+
+    return os.path.isfile(path) and path.endswith(PICKLE_SUFFIXES)
+
+
+def _is_safetensors_folder(path: str) -> bool:
+    from .safetensors import has_safetensors
+
+    return os.path.isdir(path) and has_safetensors(path)
+
+
+def _open_safetensors_file(path: str, **_: Any) -> Source:
+    from .safetensors import open_safetensors_file
+
+    return open_safetensors_file(path)
+
+
+def _open_safetensors_index(path: str, **_: Any) -> Source:
+    from .safetensors import open_safetensors_index
+
+    return open_safetensors_index(path)
+
+
+def _open_safetensors_folder(path: str, *, variant: str | None = None, **_: Any) -> Source:
+    from .safetensors import open_safetensors_folder
+
+    return open_safetensors_folder(path, variant=variant)
+
+
+def _open_pickle(path: str, *, key: str | None = None, **_: Any) -> Source:
+    from .pickle import open_pickle
+
+    return open_pickle(path, key=key)
+
+
+# (test, opener, description) rows, tried in order.
+_PATH_OPENERS: list[tuple[Callable[[str], bool], Callable[..., Source], str]] = [
+    (_is_safetensors_file, _open_safetensors_file, "a .safetensors file"),
+    (_is_safetensors_index, _open_safetensors_index, "a .safetensors.index.json file"),
+    (_is_pickle_file, _open_pickle, "a .bin/.pt/.pth/.ckpt pickle"),
+    (_is_safetensors_folder, _open_safetensors_folder, "a folder with safetensors weights"),
+]
+
+
+def open_source(obj: Any, *, key: str | None = None, variant: str | None = None) -> Source:
+    """Open any supported input: a path (file, index, folder), a state dict or an ``nn.Module``.
+
+    >>> with open_source("model.safetensors") as src:   # doctest: +SKIP
+    ...     print(len(src.entries()))
+    """
+    if isinstance(obj, Source):
+        return obj
+    if not isinstance(obj, (str, os.PathLike)):
+        from .memory import MemorySource, module_state_dict
+
+        return MemorySource(module_state_dict(obj))
+    path = os.fspath(obj)
+    if not os.path.exists(path):
+        raise SourceNotFoundError(f"{path}: no such file or folder")
+    for test, opener, _ in _PATH_OPENERS:
+        if test(path):
+            return opener(path, key=key, variant=variant)
+    kinds = "; ".join(desc for _, _, desc in _PATH_OPENERS)
+    if os.path.isdir(path):
+        raise SourceNotFoundError(f"{path}: no checkpoint found in this folder (expected {kinds})")
+    raise InvalidInputError(f"{path}: unsupported checkpoint file (expected {kinds})")

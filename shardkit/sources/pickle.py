@@ -1,0 +1,133 @@
+"""Pickled checkpoints (``.bin``, ``.pt``, ``.pth``, ``.ckpt``), loaded without running code.
+
+``torch.load(weights_only=True)`` refuses every global that is not a tensor building block, so
+a malicious ``__reduce__`` never runs. Zip-format files are opened with ``mmap=True``: tensors
+are not copied into RAM, and their byte ranges inside the zip are located so the writer can copy
+them kernel-side instead of touching the mapping.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import warnings
+import zipfile
+from typing import Any, Mapping
+
+from ..errors import InvalidInputError, ShardkitWarning, SourceNotFoundError, UnsafePickleError
+from ..format import TensorEntry
+from ..index import naming_from_filename
+from .memory import MemorySource
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+STATE_DICT_KEYS = ("state_dict", "model", "module", "model_state_dict")
+
+
+def load_pickle(path: str) -> Any:
+    """``torch.load`` with ``weights_only=True`` (and ``mmap=True`` for zip files), errors mapped."""
+    import torch
+
+    if not os.path.isfile(path):
+        raise SourceNotFoundError(f"{path}: no such file")
+    if os.path.getsize(path) == 0:
+        raise InvalidInputError(f"{path}: file is empty")
+    is_zip = zipfile.is_zipfile(path)
+    if not is_zip:
+        warnings.warn(
+            f"{path} is a legacy (non-zip) pickle: it is loaded fully into memory; "
+            "re-save it with torch.save to stream it", ShardkitWarning, stacklevel=3)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UnsafePickleError(
+            f"{path}: refused to unpickle: it holds objects other than tensors ({first[:200]}); "
+            "shardkit never executes pickled code"
+        ) from e
+    except (RuntimeError, EOFError, ValueError, OSError, struct.error) as e:
+        raise InvalidInputError(f"{path}: not a readable PyTorch checkpoint ({str(e).splitlines()[0][:200]})") from e
+
+
+def select_state_dict(obj: Any, *, key: str | None = None, where: str = "checkpoint") -> Mapping[str, Any]:
+    """Pick the tensor mapping out of a loaded checkpoint.
+
+    With ``key``, ``obj[key]`` (a ``/``-separated path reaches nested dicts). Without it, a
+    top-level ``state_dict`` / ``model`` / ``module`` dict is unwrapped when present.
+    """
+    if key is not None:
+        node = obj
+        for part in key.split("/"):
+            if not isinstance(node, Mapping) or part not in node:
+                keys = list(node.keys()) if isinstance(node, Mapping) else []
+                raise InvalidInputError(
+                    f"{where}: key {key!r} not found; top-level keys are: {', '.join(map(str, keys[:20]))}"
+                )
+            node = node[part]
+        obj = node
+    elif isinstance(obj, Mapping):
+        for candidate in STATE_DICT_KEYS:
+            if isinstance(obj.get(candidate), Mapping) and not _is_tensor(obj.get(candidate)):
+                obj = obj[candidate]
+                break
+    if not isinstance(obj, Mapping):
+        raise InvalidInputError(f"{where}: expected a dict of tensors, found {type(obj).__name__}")
+    return obj
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)
+
+
+def zip_record_offsets(path: str) -> dict[str, tuple[int, int]]:
+    """Absolute data offset and size of each stored (uncompressed) member of a zip file."""
+    out: dict[str, tuple[int, int]] = {}
+    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+        for info in z.infolist():
+            if info.compress_type != zipfile.ZIP_STORED:
+                continue
+            f.seek(info.header_offset)
+            local = f.read(30)
+            name_len, extra_len = struct.unpack("<HH", local[26:30])
+            out[info.filename] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
+    return out
+
+
+def locate_in_file(path: str, tensors: Mapping[str, Any]) -> dict[str, int]:
+    """File offsets of tensors that ``torch.load(mmap=True)`` mapped straight from ``path``.
+
+    torch maps the whole file once; a storage's address minus the mapping base is its record's
+    offset. The base is found as the one shift that maps every storage onto a record start.
+    """
+    records = {off: size for name, (off, size) in zip_record_offsets(path).items() if "/data/" in name}
+    ptrs = {t.untyped_storage().data_ptr() for t in tensors.values() if t.numel()}
+    if not ptrs or not records:
+        return {}
+    lowest = min(ptrs)
+    base = next((lowest - off for off in sorted(records) if all(p - (lowest - off) in records for p in ptrs)), None)
+    if base is None:
+        return {}
+    located = {}
+    for name, t in tensors.items():
+        record = t.untyped_storage().data_ptr() - base
+        start = record + t.storage_offset() * t.element_size()
+        if t.numel() and t.is_contiguous() and start + t.numel() * t.element_size() <= record + records[record]:
+            located[name] = start
+    return located
+
+
+def open_pickle(path: str, *, key: str | None = None) -> MemorySource:
+    """A source over a pickled checkpoint; see the module docstring for the safety story."""
+    obj = load_pickle(path)
+    tensors = select_state_dict(obj, key=key, where=path)
+    source = MemorySource(tensors, description=f"pickle {path}", naming=naming_from_filename(path))
+    if zipfile.is_zipfile(path):
+        offsets = locate_in_file(path, tensors)
+        source._entries = [
+            TensorEntry(e.name, e.dtype, e.shape, e.nbytes, path, offsets[e.name]) if e.name in offsets else e
+            for e in source._entries
+        ]
+    source.paths = (path,)
+    return source

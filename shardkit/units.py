@@ -1,0 +1,109 @@
+"""Sizes and dtype widths.
+
+Size strings are parsed here and only here, at the edges (CLI options, public API
+arguments). Everything inside shardkit works on ints named ``*_bytes``.
+
+Units: ``KB``/``MB``/``GB``/``TB`` are decimal (10³ steps), as in huggingface_hub;
+``KiB``/``MiB``/``GiB``/``TiB`` are binary (2¹⁰ steps), as accelerate also accepts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from .errors import InvalidInputError, InvalidSizeError
+
+_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*$")
+
+# Bits per element of every safetensors dtype code. Sub-byte types pack; a tensor's byte
+# size is ceil(numel * bits / 8).
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8, "U8": 8, "I8": 8,
+    "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32,
+    "C64": 64, "F64": 64, "I64": 64, "U64": 64,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}
+
+FLOAT_DTYPES = frozenset(
+    {"F64", "F32", "F16", "BF16", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ", "F8_E5M2FNUZ"}
+)
+
+# Names users type for --dtype, mapped to safetensors codes.
+DTYPE_ALIASES: dict[str, str] = {
+    "fp32": "F32", "float32": "F32", "f32": "F32",
+    "fp16": "F16", "float16": "F16", "half": "F16", "f16": "F16",
+    "bf16": "BF16", "bfloat16": "BF16",
+    "fp64": "F64", "float64": "F64",
+    "fp8": "F8_E4M3", "fp8_e4m3": "F8_E4M3", "float8_e4m3fn": "F8_E4M3", "f8_e4m3": "F8_E4M3",
+    "fp8_e5m2": "F8_E5M2", "float8_e5m2": "F8_E5M2", "f8_e5m2": "F8_E5M2",
+}
+
+LOSSLESS_TARGETS = frozenset({"F32", "F16", "BF16", "F64"})
+
+
+def parse_size(value: str | int, *, name: str = "size") -> int:
+    """Parse a size such as ``"5GB"``, ``"2GiB"``, ``"1.5GB"``, ``"500MB"`` or ``1000`` into bytes.
+
+    >>> parse_size("5GB"), parse_size("1GiB"), parse_size(42)
+    (5000000000, 1073741824, 42)
+    """
+    if isinstance(value, bool):
+        raise InvalidSizeError(f"invalid {name} {value!r}: expected a size like '5GB', '2GiB' or a byte count")
+    if isinstance(value, int):
+        size_bytes = value
+    else:
+        match = _SIZE_RE.match(str(value))
+        unit = match.group(2).upper() if match else None
+        if match is None or unit not in _UNITS:
+            raise InvalidSizeError(
+                f"invalid {name} {value!r}: expected a number with an optional unit "
+                "(KB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB powers of 2), e.g. '5GB' or '2GiB'"
+            )
+        size_bytes = int(float(match.group(1)) * _UNITS[unit])
+    if size_bytes <= 0:
+        raise InvalidSizeError(f"invalid {name} {value!r}: must be greater than zero")
+    return size_bytes
+
+
+def format_size(size_bytes: int) -> str:
+    """Human-readable decimal size: ``format_size(5_000_000_000) == '5.00 GB'``."""
+    step = 1000.0
+    value = float(size_bytes)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(value) < step or unit == "TB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= step
+    raise AssertionError("unreachable")
+
+
+def tensor_nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
+    """Bytes a tensor of ``dtype`` and ``shape`` takes in a safetensors file.
+
+    >>> tensor_nbytes("BF16", (2, 3)), tensor_nbytes("F4", (3,))
+    (12, 2)
+    """
+    bits = DTYPE_BITS.get(dtype)
+    if bits is None:
+        raise InvalidInputError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BITS))}")
+    return (math.prod(shape) * bits + 7) // 8
+
+
+def normalize_dtype(name: str) -> str:
+    """Map a user dtype name (``bf16``, ``float16``, ``F32``...) to its safetensors code."""
+    key = name.strip()
+    if key.upper() in DTYPE_BITS:
+        return key.upper()
+    code = DTYPE_ALIASES.get(key.lower())
+    if code is None:
+        raise InvalidInputError(
+            f"unknown dtype {name!r}; use one of bf16, fp16, fp32, fp8_e4m3, fp8_e5m2"
+        )
+    return code
