@@ -54,9 +54,18 @@ def recover(folder: str) -> None:
     journal = os.path.join(folder, JOURNAL)
     if os.path.exists(journal):
         _roll_forward(folder)
-    for name in os.listdir(folder):
-        if name.startswith(TMP_MARK) or name.startswith(JOURNAL):
-            _remove(os.path.join(folder, name))
+    for dirpath, dirnames, filenames in os.walk(folder):
+        for name in filenames + dirnames:
+            if name.startswith(TMP_MARK) or name.startswith(JOURNAL):
+                _remove(os.path.join(dirpath, name))
+        if dirpath != folder:
+            dirnames[:] = []  # temporary files live at most one folder down (pipeline components)
+
+
+def _tmp_name(token: str, filename: str) -> str:
+    """``unet/model.safetensors`` → ``unet/.shardkit-tmp-<token>-model.safetensors``."""
+    head, tail = os.path.split(filename)
+    return os.path.join(head, f"{TMP_MARK}{token}-{tail}")
 
 
 def _cleanup_stale_staging(output: str) -> None:
@@ -90,6 +99,8 @@ def _roll_forward(folder: str) -> None:
             os.replace(os.path.join(folder, tmp), os.path.join(folder, final))
     for stale in plan["delete"]:
         _remove(os.path.join(folder, stale))
+    for sub in {os.path.dirname(final) for _, final in plan["renames"]} - {""}:
+        fsync_dir(os.path.join(folder, sub))
     fsync_dir(folder)
     os.unlink(path)
     fsync_dir(folder)
@@ -107,7 +118,7 @@ class OutputTransaction:
                  stale: Iterable[str] = ()) -> None:
         self.output = os.path.abspath(os.fspath(output))
         self.overwrite = overwrite
-        self.stale = [os.path.basename(s) for s in stale]
+        self.stale = list(stale)  # paths relative to the output folder
         self._token = f"{os.getpid()}-{secrets.token_hex(4)}"
         self._lock_fd: int | None = None
         self._staging: str | None = None
@@ -149,10 +160,13 @@ class OutputTransaction:
 
     def path_for(self, filename: str) -> str:
         """Where to write the file that will be published as ``filename``."""
+        if os.path.isabs(filename) or ".." in filename.split("/"):
+            raise ValueError(f"output file name {filename!r} must be relative and stay inside the output")
         self._written.append(filename)
-        if self._staging is not None:
-            return os.path.join(self._staging, filename)
-        return os.path.join(self.output, f"{TMP_MARK}{self._token}-{filename}")
+        root = self._staging if self._staging is not None else self.output
+        path = os.path.join(root, filename if self._staging is not None else _tmp_name(self._token, filename))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        return path
 
     def write_bytes(self, filename: str, data: bytes) -> None:
         """Write a small file (an index, a config) durably under the transaction."""
@@ -183,7 +197,7 @@ class OutputTransaction:
 
     def _commit_replace(self, last: str | None) -> None:
         files = [f for f in self._written if f != last] + ([last] if last else [])
-        renames = [[f"{TMP_MARK}{self._token}-{f}", f] for f in files]
+        renames = [[_tmp_name(self._token, f), f] for f in files]
         present = [s for s in self.stale if os.path.exists(os.path.join(self.output, s))]
         plan = {
             "remove_first": [s for s in present if s.endswith(".json")],
@@ -207,7 +221,7 @@ class OutputTransaction:
             self._staging = None
         else:
             for filename in self._written:
-                _remove(os.path.join(self.output, f"{TMP_MARK}{self._token}-{filename}"))
+                _remove(os.path.join(self.output, _tmp_name(self._token, filename)))
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         try:
