@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -95,7 +96,8 @@ def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | 
         plan = plan_shards([(p.out.name, p.out.nbytes) for p in placements], max_shard_bytes=max_shard_bytes, naming=naming)
         result = SplitResult(output, plan, src.description, cast_to, dry_run, src.aliases())
         if not dry_run:
-            write_plan(plan, placements, src, output, overwrite=overwrite, metadata=metadata, progress=progress)
+            write_plan(plan, placements, src, output, overwrite=overwrite, metadata=metadata, progress=progress,
+                       extra_files=side_files(source, output))
     return result
 
 
@@ -116,6 +118,26 @@ def save_sharded(obj: Any, output: str | os.PathLike[str], *, max_shard_size: st
                  allow_lossy=allow_lossy, overwrite=overwrite, metadata=metadata, progress=progress)
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".distcp", ".index.json")
+
+
+def side_files(source: Any, output: str) -> list[str]:
+    """Files that travel with a checkpoint folder (config.json, README...) but hold no weights.
+
+    They are copied unchanged when a folder is split into another folder.
+    """
+    if not isinstance(source, (str, os.PathLike)) or not os.path.isdir(source):
+        return []
+    folder = os.fspath(source)
+    if os.path.abspath(folder) == os.path.abspath(output):
+        return []
+    return sorted(
+        os.path.join(folder, name) for name in os.listdir(folder)
+        if not name.startswith(".") and os.path.isfile(os.path.join(folder, name))
+        and not name.endswith(_WEIGHT_SUFFIXES) and not (".index." in name and name.endswith(".json"))
+    )
+
+
 def _existing_checkpoint_files(output: str, naming: Naming) -> list[str]:
     """Files in ``output`` that belong to a checkpoint with the same naming (replaced by a write)."""
     if not os.path.isdir(output):
@@ -132,8 +154,11 @@ def _existing_checkpoint_files(output: str, naming: Naming) -> list[str]:
 
 def write_plan(plan: ShardPlan, placements: list[Placement], source: Source, output: str, *,
                overwrite: bool = False, metadata: dict[str, str] | None = None,
-               progress: ProgressCallback | None = None) -> None:
-    """Write every shard of ``plan`` and then its index, atomically (see :mod:`shardkit.commit`)."""
+               progress: ProgressCallback | None = None, extra_files: list[str] = ()) -> None:  # type: ignore[assignment]
+    """Write every shard of ``plan`` and then its index, atomically (see :mod:`shardkit.commit`).
+
+    ``extra_files`` (paths) are copied unchanged into the output beside the shards.
+    """
     by_name = {p.out.name: p for p in placements}
     shard_metadata = {"format": "pt", **(metadata or {}), **source.aliases()}
     done = 0
@@ -149,6 +174,8 @@ def write_plan(plan: ShardPlan, placements: list[Placement], source: Source, out
         for shard in plan.shards:
             write_safetensors(tx.path_for(shard.filename), [by_name[n] for n in shard.names], source,
                               metadata=shard_metadata, progress=tick)
+        for path in extra_files:
+            shutil.copyfile(path, tx.path_for(os.path.basename(path)))
         if plan.index_filename:
             tx.write_bytes(plan.index_filename, dump_index(plan.weight_map(), total_size_bytes=plan.total_bytes))
         tx.commit(last=plan.index_filename)
