@@ -1,0 +1,84 @@
+"""Shared helpers for the benchmarks: run a command in a fresh process, time it, read its peak RSS.
+
+Each case runs as ``python benchlib.py --run CMD`` in a child process: getrusage(RUSAGE_CHILDREN)
+there is the peak RSS of exactly that command's process tree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Case:
+    name: str
+    command: str                 # run with bash -c; include "&& sync" for honest write timings
+    target: str = ""
+    cleanup: list[str] = field(default_factory=list)  # paths removed before each run
+    times: list[float] = field(default_factory=list)
+    rss_mb: list[float] = field(default_factory=list)
+
+
+def measure(command: str) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MB) of ``bash -c command``, run from a fresh process."""
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--run", command],
+                         check=True, capture_output=True, text=True)
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    return data["seconds"], data["rss_mb"]
+
+
+def _run_and_report(command: str) -> None:
+    start = time.perf_counter()
+    proc = subprocess.run(["bash", "-c", command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seconds = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr)
+        raise SystemExit(f"benchmark command failed ({proc.returncode}): {command}")
+    rss_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    print(json.dumps({"seconds": seconds, "rss_mb": rss_kb / 1024}))
+
+
+def run_interleaved(cases: list[Case], *, runs: int, log=print) -> None:
+    """Run every case ``runs`` times, interleaved (case order rotates each round)."""
+    for r in range(runs):
+        order = cases[r % len(cases):] + cases[: r % len(cases)]
+        for case in order:
+            for path in case.cleanup:
+                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else (
+                    os.path.exists(path) and os.unlink(path))
+            subprocess.run(["sync"], check=True)
+            seconds, rss = measure(case.command)
+            case.times.append(seconds)
+            case.rss_mb.append(rss)
+            log(f"  run {r + 1}/{runs} {case.name}: {seconds:.2f} s, {rss:.0f} MB peak RSS")
+    for case in cases:
+        for path in case.cleanup:
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else (
+                os.path.exists(path) and os.unlink(path))
+
+
+def machine_line() -> str:
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{platform.machine()}, {os.cpu_count()} cores, {mem_gb:.0f} GiB RAM, Linux {platform.release()}, Python {platform.python_version()}"
+
+
+def table(cases: list[Case], *, floor: str) -> str:
+    base = statistics.median(next(c for c in cases if c.name == floor).times)
+    lines = ["| case | median s | × floor | peak RSS MB | target |", "|---|---:|---:|---:|---|"]
+    for c in cases:
+        med = statistics.median(c.times)
+        lines.append(f"| {c.name} | {med:.2f} | {med / base:.2f}× | {max(c.rss_mb):.0f} | {c.target} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--run":
+    _run_and_report(sys.argv[2])

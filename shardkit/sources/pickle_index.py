@@ -1,0 +1,137 @@
+"""Sharded pickles: ``pytorch_model-0000x-of-0000y.bin`` files named by ``pytorch_model.bin.index.json``.
+
+Each shard is loaded with ``weights_only=True`` (and ``mmap=True`` for zip files), one at a
+time: listing the entries opens every shard in turn and lets it go; reading opens the shard that
+holds the tensor and drops the one before. Tensors whose bytes lie contiguously in a zip shard
+carry their file offset, so the writer copies them kernel-side and never touches the mapping.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import CheckpointIndexError
+from ..format import TensorEntry
+from ..index import CheckpointIndex, load_index, naming_from_filename
+from .base import Source
+from .memory import MemorySource
+
+INDEX_SUFFIX = ".bin.index.json"
+
+
+def is_pickle_index(path: str) -> bool:
+    """A ``*.bin.index.json`` (optionally with a variant: ``*.bin.index.fp16.json``) file."""
+    name = os.path.basename(path)
+    return os.path.isfile(path) and name.endswith(".json") and ".bin.index" in name
+
+
+def find_pickle_index(folder: str) -> str | None:
+    """The one ``*.bin.index*.json`` in ``folder`` (None when there is none)."""
+    if not os.path.isdir(folder):
+        return None
+    found = sorted(n for n in os.listdir(folder) if not n.startswith(".") and is_pickle_index(os.path.join(folder, n)))
+    if len(found) > 1:
+        plain = [n for n in found if naming_from_filename(n).variant is None]
+        if len(plain) != 1:
+            raise CheckpointIndexError(f"{folder}: several pickle index files ({', '.join(found)}); pass the one to use")
+        found = plain
+    return os.path.join(folder, found[0]) if found else None
+
+
+def find_single_pickle(folder: str) -> str | None:
+    """A folder's lone ``pytorch_model.bin`` / ``diffusion_pytorch_model.bin`` (None when absent)."""
+    if not os.path.isdir(folder):
+        return None
+    for name in ("pytorch_model.bin", "diffusion_pytorch_model.bin", "model.bin"):
+        if os.path.isfile(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    return None
+
+
+class PickleIndexSource(Source):
+    """Tensors of a sharded pickle checkpoint; at most one shard is loaded at any moment."""
+
+    def __init__(self, index: CheckpointIndex, *, key: str | None = None) -> None:
+        self.index = index
+        self.key = key
+        self.description = f"sharded pickle checkpoint {index.path} ({len(index.shard_names())} shards)"
+        self.naming = naming_from_filename(index.path)
+        self.paths = tuple(index.shard_paths())
+        self._shard_of: dict[str, str] = {}
+        self._entries: list[TensorEntry] = []
+        self._aliases: dict[str, str] = {}
+        self._current: tuple[str, MemorySource] | None = None
+        for shard in self._shard_order():
+            self._add_shard(shard)
+        missing = [t for t in index.weight_map if t not in self._shard_of and t not in self._aliases]
+        if missing:
+            raise CheckpointIndexError(
+                f"{index.path}: tensor {missing[0]!r} is not in its shard {index.weight_map[missing[0]]}"
+                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            )
+
+    def _shard_order(self) -> list[str]:
+        # Shard files in number order: the order their tensors were written in.
+        return sorted(self.index.shard_names())
+
+    def _add_shard(self, shard: str) -> None:
+        path = os.path.join(self.index.folder, shard)
+        if not os.path.isfile(path):
+            raise CheckpointIndexError(f"{self.index.path}: names shard {shard!r}, which does not exist in {self.index.folder}")
+        source = _open_shard(path, key=self.key)
+        try:
+            for entry in source.entries():
+                self._claim(entry.name, shard)
+                self._entries.append(entry)
+            for alias, kept in source.aliases().items():
+                self._claim(alias, shard)
+                self._aliases[alias] = kept
+        finally:
+            source.close()
+
+    def _claim(self, name: str, shard: str) -> None:
+        if name in self._shard_of:
+            raise CheckpointIndexError(
+                f"{self.index.path}: tensor {name!r} appears in both {self._shard_of[name]} and {shard}"
+            )
+        if self.index.weight_map.get(name) != shard:
+            where = self.index.weight_map.get(name)
+            raise CheckpointIndexError(
+                f"{self.index.path}: tensor {name!r} in shard {shard} is "
+                + ("missing from the index" if where is None else f"indexed under {where}")
+            )
+        self._shard_of[name] = shard
+
+    def entries(self) -> list[TensorEntry]:
+        return list(self._entries)
+
+    def aliases(self) -> dict[str, str]:
+        return dict(self._aliases)
+
+    def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
+        shard = self._shard_of[entry.name]
+        if self._current is None or self._current[0] != shard:
+            self.close()  # let the previous shard's mapping go before opening the next
+            self._current = (shard, _open_shard(os.path.join(self.index.folder, shard), key=self.key))
+        source = self._current[1]
+        return source.read(entry, begin, end)
+
+    def close(self) -> None:
+        if self._current is not None:
+            self._current[1].close()
+            self._current = None
+
+
+def _open_shard(path: str, *, key: str | None) -> MemorySource:
+    from .pickle import open_pickle
+
+    return open_pickle(path, key=key)
+
+
+def open_pickle_index(path: str, *, key: str | None = None) -> PickleIndexSource:
+    """Open a ``pytorch_model.bin.index.json`` and check it against the shards it names.
+
+    >>> with open_pickle_index("ckpt/pytorch_model.bin.index.json") as src:   # doctest: +SKIP
+    ...     len(src.entries())
+    """
+    return PickleIndexSource(load_index(path, ext=".bin"), key=key)
