@@ -8,8 +8,9 @@ what happens there:
 ``SHARDKIT_FAULT_KILL_AT=n``              SIGKILL this process at the n-th point (1-based)
 ``SHARDKIT_FAULT_KILL_AFTER_BYTES=n``     SIGKILL at the first point after n bytes were written
 ``SHARDKIT_FAULT_ERRNO_AT=n:ENOSPC``      raise ``OSError(ENOSPC)`` at the n-th point instead
-``SHARDKIT_FAULT_WAIT_AT=label-prefix``   at a matching point, create ``$SHARDKIT_FAULT_WAIT_FILE.ready``
-                                          and block until ``$SHARDKIT_FAULT_WAIT_FILE`` exists
+``SHARDKIT_FAULT_WAIT_AT=label-prefix``   at the first matching point, create
+                                          ``$SHARDKIT_FAULT_WAIT_FILE.ready.<pid>`` and block until
+                                          ``$SHARDKIT_FAULT_WAIT_FILE`` exists
 
 With none set, :func:`point` is one global lookup and a return: nothing to pay in production.
 """
@@ -56,11 +57,11 @@ def _hit(label: str, nbytes: int) -> None:
             f.write(f"{_points} {label} {_bytes}\n")
     if _KILL_AT and _points == _KILL_AT or _KILL_AFTER_BYTES and _bytes >= _KILL_AFTER_BYTES:
         os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(10)  # SIGKILL is asynchronous to nothing, but never run past the point
+        time.sleep(10)  # never run past the point, even if delivery lags
     if _ERRNO_AT_N and _points == _ERRNO_AT_N:
         code = getattr(errno, _ERRNO_NAME or "EIO", errno.EIO)
         raise OSError(code, f"{os.strerror(code)} (injected at {label})")
     if _WAIT_AT and _WAIT_FILE and label.startswith(_WAIT_AT):
-        open(f"{_WAIT_FILE}.ready", "a").close()
+        open(f"{_WAIT_FILE}.ready.{os.getpid()}", "a").close()
         while not os.path.exists(_WAIT_FILE):
             time.sleep(0.01)

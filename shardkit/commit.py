@@ -3,15 +3,27 @@
 Two paths:
 
 * **fresh** (the output does not exist, or is an empty folder): every file is written into a
-  hidden staging folder beside the output, fsynced, and the staging folder is renamed onto the
-  output in one step. Another process that wins the race makes our rename fail cleanly.
+  hidden staging folder beside the output (``.<name>.shardkit-tmp-<pid>-<hex>``, locked with
+  ``flock`` while its writer lives), fsynced, and the staging folder is renamed onto the output
+  in one step. Another process that wins the race makes our rename fail cleanly.
 * **replace** (``overwrite=True``, including resharding a folder into itself): new files are
-  written under hidden temporary names inside the output, under an exclusive lock. Then a
-  journal naming every rename and deletion is made durable (the commit point), the old index is
-  removed first, files are renamed into place, the new index goes last, stale files are deleted
-  and the journal is removed. A crash after the commit point is rolled forward by the next
-  shardkit call on that folder (:func:`recover`); a crash before it leaves the old checkpoint
-  untouched and only temporary files, which the next run removes.
+  written under hidden temporary names inside the output, under an exclusive ``flock`` on the
+  folder. Then a journal naming every rename and deletion is made durable (the commit point),
+  the old index files are removed first, data files are renamed into place, index files go
+  last, stale files are deleted and the journal is removed. A crash before the commit point
+  leaves the old checkpoint untouched plus temporary files; a crash after it leaves the journal,
+  and the next shardkit call on the folder rolls it forward (:func:`recover`).
+
+At no moment does the folder hold an index naming a missing or partial shard: an index is
+either the old one (all old shards still in place, because nothing is renamed before it is
+removed) or the new one (renamed after every shard it names).
+
+Readers (:func:`read_consistently`, used by :func:`shardkit.sources.open_source`) take no lock:
+they note the folder's state (every visible file's inode, size and mtime, plus the journal),
+open the checkpoint — holding a descriptor on every file, so later reads see those inodes even
+if they are replaced — and check that the state did not change; otherwise they retry. A
+pending journal of a crashed writer is rolled forward first when the folder is writable, and
+refused with a one-line error when it is not.
 """
 
 from __future__ import annotations
@@ -21,12 +33,15 @@ import json
 import os
 import secrets
 import shutil
-from typing import Iterable
+import time
+from typing import Any, Callable, Iterable, TypeVar
 
-from .errors import OutputExistsError, ShardkitError, ShardkitWriteError
+from . import _faults
+from .errors import CheckpointIndexError, OutputExistsError, ShardkitError, ShardkitWriteError
 
 TMP_MARK = ".shardkit-tmp-"
 JOURNAL = ".shardkit-journal.json"
+T = TypeVar("T")
 
 
 def fsync_dir(path: str) -> None:
@@ -47,35 +62,100 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def recover(folder: str) -> None:
-    """Finish an interrupted commit (journal present) or remove stale temporary files."""
+def _try_lock(path: str) -> int | None:
+    """An fd holding an exclusive flock on ``path``, or None when another process holds it."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+# ----------------------------------------------------------------------------- recovery
+
+def recover(folder: str | os.PathLike[str]) -> bool:
+    """Finish an interrupted commit in ``folder`` and remove temporary files of dead writers.
+
+    Returns False (and touches nothing) while another process is writing the folder.
+
+    >>> recover("out/")  # doctest: +SKIP
+    True
+    """
+    folder = os.fspath(folder)
     if not os.path.isdir(folder):
-        return
-    journal = os.path.join(folder, JOURNAL)
-    if os.path.exists(journal):
-        _roll_forward(folder)
+        _cleanup_stale_staging(folder)
+        return True
+    fd = _try_lock(folder)
+    if fd is None:
+        return False
+    try:
+        _recover_locked(folder)
+    finally:
+        os.close(fd)
+    _cleanup_stale_staging(folder)
+    return True
+
+
+def _recover_locked(folder: str) -> None:
+    if os.path.exists(os.path.join(folder, JOURNAL)):
+        _roll_forward(folder, _read_journal(folder))
     for dirpath, dirnames, filenames in os.walk(folder):
         for name in filenames + dirnames:
-            if name.startswith(TMP_MARK) or name.startswith(JOURNAL):
+            if name.startswith(JOURNAL + ".") or (name.startswith(TMP_MARK) and _stale_tmp(name)):
                 _remove(os.path.join(dirpath, name))
         if dirpath != folder:
             dirnames[:] = []  # temporary files live at most one folder down (pipeline components)
 
 
-def _tmp_name(token: str, filename: str) -> str:
-    """``unet/model.safetensors`` → ``unet/.shardkit-tmp-<token>-model.safetensors``."""
-    head, tail = os.path.split(filename)
-    return os.path.join(head, f"{TMP_MARK}{token}-{tail}")
+def _stale_tmp(name: str) -> bool:
+    """A ``.shardkit-tmp-<pid>-...`` file whose writer is gone (the folder lock is ours)."""
+    pid = name[len(TMP_MARK):].split("-")[0]
+    return not (pid.isdigit() and _pid_alive(int(pid)))
+
+
+def _read_journal(folder: str) -> dict[str, list[Any]]:
+    path = os.path.join(folder, JOURNAL)
+    try:
+        with open(path, encoding="utf-8") as f:
+            plan = json.load(f)
+        _check_journal(plan)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointIndexError(
+            f"{path}: unreadable shardkit journal ({e}); it was written durably before use, so this "
+            "file was altered by hand: inspect the folder and delete the journal to proceed"
+        ) from e
+    return plan
+
+
+def _check_journal(plan: Any) -> None:
+    for key in ("remove_first", "renames", "delete"):
+        for item in plan[key]:
+            names = item if key == "renames" else [item]
+            if not all(isinstance(n, str) and n and not os.path.isabs(n) and ".." not in n.split("/") for n in names):
+                raise ValueError(f"bad entry {item!r} in {key}")
 
 
 def _cleanup_stale_staging(output: str) -> None:
+    """Remove staging folders beside ``output`` whose writer died (their flock is free)."""
     parent, base = os.path.split(os.path.abspath(output))
     prefix = f".{base}{TMP_MARK}"
-    for name in os.listdir(parent):
-        if name.startswith(prefix):
-            pid = name[len(prefix):].split("-")[0]
-            if pid.isdigit() and not _pid_alive(int(pid)):
-                shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(prefix)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(parent, name)
+        try:
+            fd = _try_lock(path)
+        except OSError:
+            continue
+        if fd is not None:
+            try:
+                shutil.rmtree(path, ignore_errors=True)
+            finally:
+                os.close(fd)
 
 
 def _remove(path: str) -> None:
@@ -88,22 +168,118 @@ def _remove(path: str) -> None:
         pass
 
 
-def _roll_forward(folder: str) -> None:
-    path = os.path.join(folder, JOURNAL)
-    with open(path, encoding="utf-8") as f:
-        plan = json.load(f)
+def _roll_forward(folder: str, plan: dict[str, list[Any]]) -> None:
+    """Apply a journal; every step is idempotent, so a crash here is rolled forward again."""
+    renamed = {final for tmp, final in plan["renames"] if not os.path.lexists(os.path.join(folder, tmp))}
     for old_index in plan["remove_first"]:
-        _remove(os.path.join(folder, old_index))
+        if old_index not in renamed:  # already replaced by its new version on an earlier pass
+            _remove(os.path.join(folder, old_index))
+        _faults.point("commit:removed-old-index")
     for tmp, final in plan["renames"]:
-        if os.path.exists(os.path.join(folder, tmp)):
+        if os.path.lexists(os.path.join(folder, tmp)):
             os.replace(os.path.join(folder, tmp), os.path.join(folder, final))
+        _faults.point("commit:renamed")
     for stale in plan["delete"]:
         _remove(os.path.join(folder, stale))
+        _faults.point("commit:deleted-stale")
     for sub in {os.path.dirname(final) for _, final in plan["renames"]} - {""}:
         fsync_dir(os.path.join(folder, sub))
     fsync_dir(folder)
-    os.unlink(path)
+    _faults.point("commit:before-journal-removal")
+    os.unlink(os.path.join(folder, JOURNAL))
     fsync_dir(folder)
+    _faults.point("commit:done")
+
+
+# ----------------------------------------------------------------------------- reading
+
+def folder_state(folder: str) -> tuple[tuple[str, int, int, int], ...]:
+    """What a reader of ``folder`` would see: each visible file's name, inode, mtime and size.
+
+    Temporary files are left out (they change nothing a reader sees); the journal is kept in.
+    """
+    entries = []
+    with os.scandir(folder) as it:
+        for entry in it:
+            if entry.name.startswith(TMP_MARK) or entry.name.startswith(JOURNAL + "."):
+                continue
+            st = entry.stat(follow_symlinks=False)
+            entries.append((entry.name, st.st_ino, st.st_mtime_ns, st.st_size))
+    return tuple(sorted(entries))
+
+
+def _pending_journal_folder(folder: str) -> str | None:
+    """The folder (this one or its parent, for pipeline components) with a pending journal."""
+    for candidate in (folder, os.path.dirname(os.path.abspath(folder))):
+        if os.path.exists(os.path.join(candidate, JOURNAL)):
+            return candidate
+    return None
+
+
+def _settle(folder: str) -> bool:
+    """Roll a crashed writer's journal forward; False while a live writer is committing."""
+    pending = _pending_journal_folder(folder)
+    if pending is None:
+        return True
+    try:
+        return recover(pending) and _pending_journal_folder(folder) is None
+    except OSError as e:
+        raise CheckpointIndexError(
+            f"{pending}: an interrupted shardkit write left a journal that could not be finished here "
+            f"({e.strerror or e}); run `python -m shardkit.commit {pending}` with write access"
+        ) from e
+
+
+def read_consistently(folder: str | os.PathLike[str], open_fn: Callable[[], T], *,
+                      timeout_s: float = 60.0) -> T:
+    """Run ``open_fn`` (which opens a checkpoint in ``folder``) until no writer changed it meanwhile.
+
+    ``open_fn`` must keep a descriptor on every file it will read later, so a consistent open is
+    a consistent snapshot. Results of discarded attempts are closed when they have ``close()``.
+
+    >>> source = read_consistently("ckpt/", lambda: open_safetensors_folder("ckpt/"))  # doctest: +SKIP
+    """
+    folder = os.fspath(folder)
+    deadline = time.monotonic() + timeout_s
+    delay = 0.002
+    while True:
+        before = folder_state(folder) if _settle(folder) else None
+        if before is not None and not any(name == JOURNAL for name, *_ in before):
+            try:
+                result = open_fn()
+            except (ShardkitError, OSError):
+                if folder_state(folder) == before:
+                    raise
+            else:
+                if folder_state(folder) == before:
+                    return result
+                _close(result)
+        if time.monotonic() > deadline:
+            raise CheckpointIndexError(
+                f"{folder}: kept changing while being opened (another process is rewriting it); try again"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def _close(obj: object) -> None:
+    close = getattr(obj, "close", None)
+    if callable(close):
+        close()
+
+
+# ----------------------------------------------------------------------------- writing
+
+def _tmp_name(token: str, filename: str) -> str:
+    """``unet/model.safetensors`` → ``unet/.shardkit-tmp-<token>-model.safetensors``."""
+    head, tail = os.path.split(filename)
+    return os.path.join(head, f"{TMP_MARK}{token}-{tail}")
+
+
+def _write_error(what: str, e: OSError) -> ShardkitWriteError:
+    from .writer import describe_os_error
+
+    return ShardkitWriteError(f"{what} failed: {describe_os_error(e)}; nothing was published")
 
 
 class OutputTransaction:
@@ -111,7 +287,7 @@ class OutputTransaction:
 
     >>> with OutputTransaction("out/", overwrite=False) as tx:           # doctest: +SKIP
     ...     write_file(tx.path_for("model.safetensors"))
-    ...     tx.commit(["model.safetensors"])
+    ...     tx.commit(last="model.safetensors")
     """
 
     def __init__(self, output: str | os.PathLike[str], *, overwrite: bool = False,
@@ -124,6 +300,7 @@ class OutputTransaction:
         self._staging: str | None = None
         self._written: list[str] = []
         self._committed = False
+        self._past_commit_point = False
 
     def __enter__(self) -> "OutputTransaction":
         if os.path.exists(self.output) and not os.path.isdir(self.output):
@@ -131,27 +308,33 @@ class OutputTransaction:
         parent = os.path.dirname(self.output)
         if not os.path.isdir(parent):
             raise ShardkitWriteError(f"{parent}: parent folder of the output does not exist")
-        if os.path.isdir(self.output):
-            self._lock()
-            recover(self.output)
-        if os.path.isdir(self.output) and os.listdir(self.output):
-            if not self.overwrite:
-                self._unlock()
-                raise OutputExistsError(f"{self.output} exists and is not empty; pass --overwrite to replace its checkpoint")
-        else:
+        try:
+            self._enter(parent)
+        except OSError as e:
             self._unlock()
-            _cleanup_stale_staging(self.output)
-            self._staging = os.path.join(parent, f".{os.path.basename(self.output)}{TMP_MARK}{self._token}")
-            os.mkdir(self._staging)
+            if isinstance(e, ShardkitError):
+                raise
+            raise _write_error(f"preparing {self.output}", e) from e
         return self
 
-    def _lock(self) -> None:
-        self._lock_fd = os.open(self.output, os.O_RDONLY)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as e:
-            self._unlock()
-            raise OutputExistsError(f"{self.output} is being written by another shardkit process") from e
+    def _enter(self, parent: str) -> None:
+        if os.path.isdir(self.output):
+            self._lock(self.output)
+            _recover_locked(self.output)
+        if os.path.isdir(self.output) and os.listdir(self.output):
+            if not self.overwrite:
+                raise OutputExistsError(f"{self.output} exists and is not empty; pass --overwrite to replace its checkpoint")
+            return
+        self._unlock()
+        _cleanup_stale_staging(self.output)
+        self._staging = os.path.join(parent, f".{os.path.basename(self.output)}{TMP_MARK}{self._token}")
+        os.mkdir(self._staging)
+        self._lock(self._staging)
+
+    def _lock(self, path: str) -> None:
+        self._lock_fd = _try_lock(path)
+        if self._lock_fd is None:
+            raise OutputExistsError(f"{self.output} is being written by another shardkit process; try again when it is done")
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:
@@ -170,22 +353,45 @@ class OutputTransaction:
 
     def write_bytes(self, filename: str, data: bytes) -> None:
         """Write a small file (an index, a config) durably under the transaction."""
-        with open(self.path_for(filename), "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        path = self.path_for(filename)
+        try:
+            with open(path, "xb") as f:
+                half = len(data) // 2  # two writes, so crash tests can stop inside the index
+                f.write(data[:half])
+                f.flush()
+                _faults.point("write:small-file", half)
+                f.write(data[half:])
+                f.flush()
+                _faults.point("write:small-file", len(data) - half)
+                os.fsync(f.fileno())
+        except OSError as e:
+            raise _write_error(f"writing {path}", e) from e
+        _faults.point("file-done:small-file")
 
     def commit(self, last: str | None = None) -> None:
-        """Publish every written file; ``last`` (the index) becomes visible after the others."""
-        if self._staging is not None:
-            self._commit_staging()
-        else:
-            self._commit_replace(last)
+        """Publish every written file; index files (``last`` the very last) follow the data."""
+        try:
+            if self._staging is not None:
+                self._commit_staging()
+            else:
+                self._commit_replace(last)
+        except OSError as e:
+            if isinstance(e, ShardkitError):
+                raise
+            if not self._past_commit_point:
+                raise _write_error(f"publishing into {self.output}", e) from e
+            raise ShardkitWriteError(
+                f"publishing into {self.output} was committed but could not finish ({e.strerror or e}); "
+                "the next shardkit command on this folder completes it"
+            ) from e
         self._committed = True
 
     def _commit_staging(self) -> None:
         assert self._staging is not None
+        for sub in {os.path.dirname(f) for f in self._written} - {""}:
+            fsync_dir(os.path.join(self._staging, sub))
         fsync_dir(self._staging)
+        _faults.point("commit:before-staging-rename")
         try:
             os.rename(self._staging, self.output)
         except OSError as e:
@@ -193,35 +399,51 @@ class OutputTransaction:
                 f"{self.output} was created by another process while writing; nothing was published"
             ) from e
         self._staging = None
+        _faults.point("commit:after-staging-rename")
         fsync_dir(os.path.dirname(self.output))
 
-    def _commit_replace(self, last: str | None) -> None:
-        files = [f for f in self._written if f != last] + ([last] if last else [])
-        renames = [[_tmp_name(self._token, f), f] for f in files]
-        present = [s for s in self.stale if os.path.exists(os.path.join(self.output, s))]
-        plan = {
-            "remove_first": [s for s in present if s.endswith(".json")],
-            "renames": renames,
-            "delete": [s for s in present if s not in files and not s.endswith(".json")],
+    def _journal(self, last: str | None) -> dict[str, list[Any]]:
+        def is_index(name: str) -> bool:
+            return name.endswith(".json")
+
+        files = sorted(dict.fromkeys(self._written), key=lambda f: (f == last, is_index(f)))
+        present = [s for s in self.stale if os.path.lexists(os.path.join(self.output, s))]
+        replaced_indexes = [f for f in files if is_index(f) and os.path.lexists(os.path.join(self.output, f))]
+        return {
+            "remove_first": list(dict.fromkeys([s for s in present if is_index(s)] + replaced_indexes)),
+            "renames": [[_tmp_name(self._token, f), f] for f in files],
+            "delete": [s for s in present if s not in files and not is_index(s)],
         }
+
+    def _commit_replace(self, last: str | None) -> None:
+        plan = self._journal(last)
+        for sub in {os.path.dirname(f) for f in self._written} - {""}:
+            fsync_dir(os.path.join(self.output, sub))
         tmp = os.path.join(self.output, f"{JOURNAL}.{self._token}")
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(plan, f)
             f.flush()
+            _faults.point("commit:journal-written")
             os.fsync(f.fileno())
         fsync_dir(self.output)
+        _faults.point("commit:before-commit-point")
         os.replace(tmp, os.path.join(self.output, JOURNAL))  # the commit point
+        self._past_commit_point = True
         fsync_dir(self.output)
-        _roll_forward(self.output)
+        _faults.point("commit:after-commit-point")
+        _roll_forward(self.output, plan)
 
     def abort(self) -> None:
         """Remove everything this transaction wrote; the previous output stays as it was."""
+        if self._past_commit_point:
+            return  # the journal owns the temporary files now; recovery finishes the commit
         if self._staging is not None:
             shutil.rmtree(self._staging, ignore_errors=True)
             self._staging = None
-        else:
-            for filename in self._written:
-                _remove(os.path.join(self.output, _tmp_name(self._token, filename)))
+            return
+        for filename in self._written:
+            _remove(os.path.join(self.output, _tmp_name(self._token, filename)))
+        _remove(os.path.join(self.output, f"{JOURNAL}.{self._token}"))
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         try:
@@ -245,5 +467,28 @@ def atomic_output_file(path: str, *, overwrite: bool = False) -> str:
 
 def publish_file(tmp: str, path: str) -> None:
     """Rename a finished temporary file onto ``path`` durably."""
+    _faults.point("commit:before-file-rename")
     os.replace(tmp, path)
+    _faults.point("commit:after-file-rename")
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m shardkit.commit FOLDER...``: finish interrupted writes, remove stale temporaries."""
+    import sys
+
+    folders = sys.argv[1:] if argv is None else argv
+    for folder in folders:
+        try:
+            done = recover(folder)
+        except (ShardkitError, OSError) as e:
+            print(f"error: {folder}: {e}", file=sys.stderr)
+            return 2
+        if not done:
+            print(f"error: {folder} is being written by another shardkit process", file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -141,7 +141,8 @@ def parse_index(raw: bytes, *, path: str, ext: str = ".safetensors") -> Checkpoi
         raise CheckpointIndexError(f"{path}: not a valid UTF-8 JSON index ({e})") from e
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
         raise CheckpointIndexError(f"{path}: index must be an object with a 'weight_map' object")
-    metadata = doc.get("metadata") or {}
+    metadata = doc.get("metadata")
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict):
         raise CheckpointIndexError(f"{path}: 'metadata' must be an object")
     weight_map: dict[str, str] = {}

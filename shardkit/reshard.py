@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -82,6 +83,14 @@ def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | 
     >>> [os.path.basename(f) for f in result.files]                                  # doctest: +SKIP
     ['model-00001-of-00003.safetensors', ..., 'model.safetensors.index.json']
     """
+    from .components import is_pipeline_folder
+
+    if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
+        from .pipeline_folder import split_pipeline
+
+        return split_pipeline(source, output, max_shard_size=max_shard_size, dtype=dtype, name=name, variant=variant,
+                              allow_lossy=allow_lossy, overwrite=overwrite, dry_run=dry_run, key=key,
+                              metadata=metadata, progress=progress)
     max_shard_bytes = parse_size(max_shard_size, name="max shard size")
     cast_to = resolve_cast(dtype, allow_lossy=allow_lossy)
     output = os.fspath(output)
@@ -139,17 +148,16 @@ def side_files(source: Any, output: str) -> list[str]:
 
 
 def _existing_checkpoint_files(output: str, naming: Naming) -> list[str]:
-    """Files in ``output`` that belong to a checkpoint with the same naming (replaced by a write)."""
+    """Files in ``output`` named exactly as ``naming``'s checkpoint (replaced by a write).
+
+    Only exact names count: ``vae.safetensors`` beside ``model.safetensors`` is another file,
+    not part of the checkpoint, and is never deleted.
+    """
     if not os.path.isdir(output):
         return []
-    found = []
-    for filename in os.listdir(output):
-        if filename.startswith("."):
-            continue
-        if filename.endswith(".safetensors") or (".safetensors.index" in filename and filename.endswith(".json")):
-            if naming_from_filename(filename) == naming:
-                found.append(filename)
-    return found
+    single, index = naming.single(), naming.index()
+    shard = re.compile(re.escape(naming.shard(1, 1)).replace("00001", r"\d{5}") + "$")
+    return sorted(name for name in os.listdir(output) if name in (single, index) or shard.match(name))
 
 
 def write_plan(plan: ShardPlan, placements: list[Placement], source: Source, output: str, *,
@@ -160,7 +168,8 @@ def write_plan(plan: ShardPlan, placements: list[Placement], source: Source, out
     ``extra_files`` (paths) are copied unchanged into the output beside the shards.
     """
     by_name = {p.out.name: p for p in placements}
-    shard_metadata = {"format": "pt", **(metadata or {}), **source.aliases()}
+    # The source's own metadata travels with its tensors, so a split and its merge keep it.
+    shard_metadata = {"format": "pt", **source.metadata(), **(metadata or {}), **source.aliases()}
     done = 0
 
     def tick(n: int) -> None:

@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from . import _faults
 from .errors import InvalidInputError, ShardkitWriteError
 from .format import TensorEntry, build_header
 from .sources.base import Source
@@ -57,6 +58,7 @@ def write_safetensors(path: str, placements: list[Placement], source: Source, *,
         raise _write_error(path, e) from e
     finally:
         os.close(fd)
+    _faults.point("file-done")
 
 
 def _runs(placements: list[Placement]) -> Iterator[list[Placement]]:
@@ -90,7 +92,8 @@ def _write_run(fd: int, run: list[Placement], source: Source, path: str, tick: P
 
 def _copy_file_range(fd: int, src_path: str, offset: int, count: int, tick: ProgressFn,
                      source: Source, run: list[Placement]) -> None:
-    src_fd = os.open(src_path, os.O_RDONLY)
+    held = source.held_fd(src_path) if hasattr(source, "held_fd") else None
+    src_fd = held if held is not None else os.open(src_path, os.O_RDONLY)
     try:
         done = 0
         while done < count:
@@ -106,9 +109,11 @@ def _copy_file_range(fd: int, src_path: str, offset: int, count: int, tick: Prog
                     f"{src_path}: ended early while copying tensor data near {run[0].src.name!r} (file truncated?)"
                 )
             done += n
+            _faults.point("write:copy", n)
             tick(n)
     finally:
-        os.close(src_fd)
+        if held is None:
+            os.close(src_fd)
 
 
 def _copy_by_chunks(src_fd: int, fd: int, offset: int, count: int, tick: ProgressFn) -> None:
@@ -132,9 +137,9 @@ def _cast_tensor(fd: int, p: Placement, source: Source, path: str, tick: Progres
     step = max(itemsize, CAST_CHUNK_BYTES // itemsize * itemsize)
     for begin in range(0, p.src.nbytes, step):
         raw = bytearray(source.read(p.src, begin, min(begin + step, p.src.nbytes)))
-        cast = torch.frombuffer(raw, dtype=src_dtype).to(out_dtype)
-        _write_all(fd, memoryview(cast.view(torch.uint8).numpy()), path)
-        tick(len(raw))
+        cast = torch.frombuffer(raw, dtype=src_dtype).to(out_dtype).view(torch.uint8).numpy()
+        _write_all(fd, memoryview(cast), path)
+        tick(cast.nbytes)  # progress counts output bytes, as the plan's total does
 
 
 def _write_all(fd: int, data: bytes | memoryview, path: str) -> None:
@@ -142,6 +147,7 @@ def _write_all(fd: int, data: bytes | memoryview, path: str) -> None:
     while view:
         written = os.write(fd, view)
         view = view[written:]
+        _faults.point("write", written)
 
 
 _WRITE_ERRORS = {
@@ -154,6 +160,10 @@ _WRITE_ERRORS = {
 }
 
 
+def describe_os_error(e: OSError) -> str:
+    """A short reason for a failed write: ``no space left on the device``, ``I/O error``..."""
+    return _WRITE_ERRORS.get(e.errno or 0, e.strerror or str(e))
+
+
 def _write_error(path: str, e: OSError) -> ShardkitWriteError:
-    reason = _WRITE_ERRORS.get(e.errno or 0, e.strerror or str(e))
-    return ShardkitWriteError(f"writing {path} failed: {reason}; nothing was published")
+    return ShardkitWriteError(f"writing {path} failed: {describe_os_error(e)}; nothing was published")

@@ -40,7 +40,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     run_slow = config.getoption("--runslow") or "slow" in (config.getoption("-m") or "")
-    has_cuda = _has_cuda()
+    # importing torch costs seconds: only ask about CUDA when a gpu test was collected
+    has_cuda = any("gpu" in item.keywords for item in items) and _has_cuda()
     skip_slow = pytest.mark.skip(reason="slow: run with --runslow")
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     for item in items:

@@ -36,7 +36,7 @@ def run_cli(group: click.Group, argv: list[str] | None = None) -> int:
             click.echo("interrupted; nothing was published", err=True)
             return 130
         except click.ClickException as e:
-            e.show()
+            _echo_click_error(e)
             return 2 if e.exit_code not in (0, 1) else e.exit_code
         except ShardkitError as e:
             if debug:
@@ -51,6 +51,14 @@ def run_cli(group: click.Group, argv: list[str] | None = None) -> int:
             click.echo(f"error: {type(e).__name__}: {e} (run with --debug for the traceback)", err=True)
             return 2
     return 0
+
+
+def _echo_click_error(e: click.ClickException) -> None:
+    """Usage errors as one line (click's default is a usage block plus the message)."""
+    message = " ".join(e.format_message().split())
+    ctx = getattr(e, "ctx", None)
+    hint = f" (see '{ctx.command_path} --help')" if isinstance(e, click.UsageError) and ctx is not None else ""
+    click.echo(f"error: {message}{hint}", err=True)
 
 
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
@@ -103,7 +111,7 @@ class SizeParam(click.ParamType):
         from ..units import parse_size
 
         try:
-            return parse_size(value, name=f"--{param.name.replace('_', '-')}" if param else "size")
+            return parse_size(value, name="size")
         except ShardkitError as e:
             self.fail(str(e), param, ctx)
 

@@ -41,9 +41,11 @@ Tied tensors of in-memory sources are written once; aliases go into the shard me
 @click.option("--overwrite", is_flag=True, help="Replace the checkpoint in an existing output folder.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
+@click.option("--push-to", "push_to", metavar="REPO_ID",
+              help="After the split, push OUTPUT to this Hub repository (see `shardkit push`).")
 def split(source: str, output: str, max_shard_size: int, dtype: str | None, allow_lossy: bool,
           name: str | None, variant: str | None, key: str | None, dry_run: bool, overwrite: bool,
-          as_json: bool, quiet: bool) -> None:
+          as_json: bool, quiet: bool, push_to: str | None = None) -> None:
     """Stream SOURCE into size-bounded safetensors shards in the OUTPUT folder.
 
     SOURCE is a .safetensors file, a sharded folder or its index, or a .bin/.pt/.pth/.ckpt pickle
@@ -57,10 +59,15 @@ def split(source: str, output: str, max_shard_size: int, dtype: str | None, allo
         result = split_api(source, output, max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy,
                            name=name, variant=variant, key=key, dry_run=dry_run, overwrite=overwrite,
                            progress=progress)
-    if as_json:
-        echo_json(result.to_dict())
-    elif not quiet:
+    if not (as_json or quiet):
         print_plan(result)
+    pushed = None
+    if push_to and not dry_run:
+        from .push import push_and_report
+
+        pushed = push_and_report(output, push_to, report="none" if as_json else "url" if quiet else "summary")
+    if as_json:
+        echo_json({**result.to_dict(), "push": pushed.to_dict()} if pushed else result.to_dict())
 
 
 def print_plan(result: object) -> None:

@@ -58,12 +58,65 @@ def _open_pickle(path: str, *, key: str | None = None, **_: Any) -> Source:
     return open_pickle(path, key=key)
 
 
+def _is_pickle_index(path: str) -> bool:
+    from .pickle_index import is_pickle_index
+
+    return is_pickle_index(path)
+
+
+def _open_pickle_index(path: str, *, key: str | None = None, **_: Any) -> Source:
+    from .pickle_index import open_pickle_index
+
+    return open_pickle_index(path, key=key)
+
+
+def _is_dcp_folder(path: str) -> bool:
+    from .dcp import is_dcp_folder
+
+    return is_dcp_folder(path)
+
+
+def _open_dcp(path: str, *, key: str | None = None, **_: Any) -> Source:
+    from .dcp import open_dcp
+
+    return open_dcp(path, key=key)
+
+
+def _is_pickle_index_folder(path: str) -> bool:
+    from .pickle_index import find_pickle_index
+
+    return os.path.isdir(path) and find_pickle_index(path) is not None
+
+
+def _open_pickle_index_folder(path: str, *, key: str | None = None, **_: Any) -> Source:
+    from .pickle_index import find_pickle_index, open_pickle_index
+
+    return open_pickle_index(find_pickle_index(path) or path, key=key)
+
+
+def _is_single_pickle_folder(path: str) -> bool:
+    from .pickle_index import find_single_pickle
+
+    return find_single_pickle(path) is not None
+
+
+def _open_single_pickle_folder(path: str, *, key: str | None = None, **_: Any) -> Source:
+    from .pickle import open_pickle
+    from .pickle_index import find_single_pickle
+
+    return open_pickle(find_single_pickle(path) or path, key=key)
+
+
 # (test, opener, description) rows, tried in order.
 _PATH_OPENERS: list[tuple[Callable[[str], bool], Callable[..., Source], str]] = [
     (_is_safetensors_file, _open_safetensors_file, "a .safetensors file"),
     (_is_safetensors_index, _open_safetensors_index, "a .safetensors.index.json file"),
+    (_is_pickle_index, _open_pickle_index, "a pytorch_model.bin.index.json file"),
     (_is_pickle_file, _open_pickle, "a .bin/.pt/.pth/.ckpt pickle"),
+    (_is_dcp_folder, _open_dcp, "a torch.distributed.checkpoint folder"),
     (_is_safetensors_folder, _open_safetensors_folder, "a folder with safetensors weights"),
+    (_is_pickle_index_folder, _open_pickle_index_folder, "a folder with pytorch_model.bin.index.json"),
+    (_is_single_pickle_folder, _open_single_pickle_folder, "a folder with one pytorch_model.bin"),
 ]
 
 
@@ -82,6 +135,14 @@ def open_source(obj: Any, *, key: str | None = None, variant: str | None = None)
     path = os.fspath(obj)
     if not os.path.exists(path):
         raise SourceNotFoundError(f"{path}: no such file or folder")
+    from ..commit import read_consistently
+
+    # A consistent snapshot even while another process rewrites the folder (see shardkit.commit).
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    return read_consistently(folder, lambda: _open_path(path, key=key, variant=variant))
+
+
+def _open_path(path: str, *, key: str | None, variant: str | None) -> Source:
     for test, opener, _ in _PATH_OPENERS:
         if test(path):
             return opener(path, key=key, variant=variant)

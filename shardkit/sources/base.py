@@ -33,6 +33,15 @@ class Source(abc.ABC):
     @abc.abstractmethod
     def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview: ...
 
+    def held_fd(self, path: str) -> int | None:
+        """A descriptor this source holds open on ``path``, if any.
+
+        Kernel copies go through it, so they see the file this source validated even if another
+        process has since renamed a new file onto the same path.
+        """
+        fds = getattr(self, "_fds", None)
+        return fds.get(path) if isinstance(fds, dict) else None
+
     def close(self) -> None:
         pass
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import struct
 import warnings
 import zipfile
@@ -40,13 +41,29 @@ def load_pickle(path: str) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
     except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UnsafePickleError(
-            f"{path}: refused to unpickle: it holds objects other than tensors ({first[:200]}); "
+            f"{path}: refused to unpickle: it holds objects other than tensors ({_refusal_reason(e)}); "
             "shardkit never executes pickled code"
         ) from e
-    except (RuntimeError, EOFError, ValueError, OSError, struct.error) as e:
-        raise InvalidInputError(f"{path}: not a readable PyTorch checkpoint ({str(e).splitlines()[0][:200]})") from e
+    except Exception as e:  # torch's unpickler raises many kinds (IndexError, KeyError...) on garbage
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise InvalidInputError(f"{path}: not a readable PyTorch checkpoint ({first})") from e
+
+
+_REFUSAL_RE = re.compile(
+    r"(unsupported GLOBAL \S+(?: whose module \S+ is blocked)?|Unsupported global: GLOBAL \S+|Unsupported operand \S+)",
+    re.IGNORECASE,
+)
+
+
+def _refusal_reason(error: Exception) -> str:
+    """The specific part of torch's long weights_only message (the global it refused)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(error))
+    match = _REFUSAL_RE.search(text)
+    if match:
+        return match.group(1).rstrip(".")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0][:200] if lines else type(error).__name__
 
 
 def select_state_dict(obj: Any, *, key: str | None = None, where: str = "checkpoint") -> Mapping[str, Any]:
@@ -95,27 +112,55 @@ def zip_record_offsets(path: str) -> dict[str, tuple[int, int]]:
     return out
 
 
-def locate_in_file(path: str, tensors: Mapping[str, Any]) -> dict[str, int]:
+def locate_in_file(path: str, tensors: Mapping[str, Any], *, every: Any = None) -> dict[str, int]:
     """File offsets of tensors that ``torch.load(mmap=True)`` mapped straight from ``path``.
 
     torch maps the whole file once; a storage's address minus the mapping base is its record's
-    offset. The base is found as the one shift that maps every storage onto a record start.
+    offset. The base is the one shift that maps every storage of the loaded object (``every``,
+    which must hold all of them, or the selection is ambiguous) onto a record start. Located
+    bytes are spot-checked against the file, so a wrong guess costs speed, never correctness.
     """
     records = {off: size for name, (off, size) in zip_record_offsets(path).items() if "/data/" in name}
-    ptrs = {t.untyped_storage().data_ptr() for t in tensors.values() if t.numel()}
+    ptrs = {t.untyped_storage().data_ptr() for t in _all_tensors(tensors if every is None else every) if t.numel()}
     if not ptrs or not records:
         return {}
     lowest = min(ptrs)
-    base = next((lowest - off for off in sorted(records) if all(p - (lowest - off) in records for p in ptrs)), None)
-    if base is None:
+    bases = [lowest - off for off in sorted(records) if all(p - (lowest - off) in records for p in ptrs)]
+    if len(bases) != 1:
         return {}
     located = {}
-    for name, t in tensors.items():
-        record = t.untyped_storage().data_ptr() - base
-        start = record + t.storage_offset() * t.element_size()
-        if t.numel() and t.is_contiguous() and start + t.numel() * t.element_size() <= record + records[record]:
-            located[name] = start
+    with open(path, "rb") as f:
+        for name, t in tensors.items():
+            record = t.untyped_storage().data_ptr() - bases[0]
+            start = record + t.storage_offset() * t.element_size()
+            nbytes = t.numel() * t.element_size()
+            if record in records and t.numel() and t.is_contiguous() and start + nbytes <= record + records[record] \
+                    and _ends_match(f.fileno(), start, t):
+                located[name] = start
     return located
+
+
+def _ends_match(fd: int, start: int, tensor: Any) -> bool:
+    """The first and last bytes of ``tensor`` are the file's bytes at ``start``."""
+    import torch
+
+    flat = tensor.reshape(-1).view(torch.uint8)
+    k = min(64, flat.numel())
+    head, tail = bytes(flat[:k].numpy()), bytes(flat[-k:].numpy())
+    return os.pread(fd, k, start) == head and os.pread(fd, k, start + flat.numel() - k) == tail
+
+
+def _all_tensors(obj: Any, depth: int = 0) -> list[Any]:
+    """Every tensor inside nested dicts, lists and tuples (what a weights_only pickle can hold)."""
+    if _is_tensor(obj):
+        return [obj]
+    if depth > 32:
+        return []
+    if isinstance(obj, Mapping):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple, set)):
+        return [t for item in obj for t in _all_tensors(item, depth + 1)]
+    return []
 
 
 def open_pickle(path: str, *, key: str | None = None) -> MemorySource:
@@ -124,10 +169,11 @@ def open_pickle(path: str, *, key: str | None = None) -> MemorySource:
     tensors = select_state_dict(obj, key=key, where=path)
     source = MemorySource(tensors, description=f"pickle {path}", naming=naming_from_filename(path))
     if zipfile.is_zipfile(path):
-        offsets = locate_in_file(path, tensors)
+        offsets = locate_in_file(path, tensors, every=obj)
         source._entries = [
             TensorEntry(e.name, e.dtype, e.shape, e.nbytes, path, offsets[e.name]) if e.name in offsets else e
             for e in source._entries
         ]
     source.paths = (path,)
+    source._fds[path] = os.open(path, os.O_RDONLY)  # held: later reads see this file even if replaced
     return source

@@ -19,6 +19,12 @@ class SafetensorsSource(Source):
         self.naming = naming
         self.paths = tuple(h.path for h in headers)
         self._fds: dict[str, int] = {}
+        try:  # held from the start: reads see these files even if a writer replaces them later
+            for header in headers:
+                self._fds[header.path] = os.open(header.path, os.O_RDONLY)
+        except OSError:
+            self.close()
+            raise
 
     def entries(self) -> list[TensorEntry]:
         return [e for h in self.headers for e in h.entries]

@@ -1,0 +1,85 @@
+"""``shardkit convert``."""
+
+from __future__ import annotations
+
+import click
+
+from .common import SIZE, byte_progress, echo_json
+
+EPILOG = """\b
+Examples:
+  shardkit convert v1-5-pruned.ckpt unet-out/ --key state_dict \\
+      --strip-prefix model.diffusion_model. --dtype fp16
+  shardkit convert pytorch_model.bin.index.json out/ --max-shard-size 5GB
+  shardkit convert fsdp-checkpoint/ out/ --max-shard-size 5GB     # torch.distributed.checkpoint folder
+  shardkit convert model.ckpt out/ --exclude 'model_ema.*' --rename first_stage_model.=vae.
+  shardkit convert my-sd-pipeline/ out/ --max-shard-size 2GB       # every component of a pipeline
+
+\b
+SOURCE kinds: .safetensors file, index or folder; .bin/.pt/.pth/.ckpt pickle (loaded with
+weights_only: pickled code never runs); pytorch_model.bin.index.json or a folder with it;
+a torch.distributed.checkpoint (DCP) folder; a diffusers pipeline folder (model_index.json).
+
+\b
+Key options, applied in this order:
+  --include/--exclude GLOB   match the names as stored in the source (after --key)
+  --strip-prefix P           keep only names starting with P, and remove P
+  --rename OLD=NEW           a name starting with OLD gets NEW instead (first match wins)
+  --add-prefix P             prepend P
+A prefix or rename that matches nothing, filters that leave nothing, or two tensors renamed
+to one name are errors. --key picks a nested state dict ('state_dict', 'model', 'a/b'); by
+default a top-level state_dict/model/module dict is picked (Lightning, SD .ckpt, FSDP).
+Values in the state dict that are not tensors are an error naming them.
+
+\b
+Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers of 2.
+"""
+
+
+@click.command(epilog=EPILOG)
+@click.argument("source", type=click.Path(path_type=str))
+@click.argument("output", type=click.Path(path_type=str))
+@click.option("--max-shard-size", "max_shard_size", type=SIZE, default="5GB", show_default=True,
+              help="Largest shard, in tensor bytes (5GB = 10^9 units, 5GiB = 2^30 units).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"]),
+              help="Cast floating-point tensors (F64/F32/F16/BF16) in bounded chunks.")
+@click.option("--allow-lossy", is_flag=True, help="Permit casts that lose range or precision (fp8).")
+@click.option("--key", help="The nested dict holding the state dict, e.g. 'state_dict' (default: auto).")
+@click.option("--strip-prefix", help="Keep only tensors whose name starts with this, and remove it.")
+@click.option("--add-prefix", help="Prepend this to every tensor name.")
+@click.option("--include", multiple=True, metavar="GLOB", help="Keep only tensors matching (repeatable).")
+@click.option("--exclude", multiple=True, metavar="GLOB", help="Drop tensors matching (repeatable).")
+@click.option("--rename", multiple=True, metavar="OLD=NEW", help="Replace a leading OLD with NEW (repeatable).")
+@click.option("--name", help="Output file prefix, e.g. 'model' or 'diffusion_pytorch_model'.")
+@click.option("--variant", help="Variant inserted before the extension, e.g. 'fp16'.")
+@click.option("--overwrite", is_flag=True, help="Replace the checkpoint in an existing output folder.")
+@click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
+def convert(source: str, output: str, max_shard_size: int, dtype: str | None, allow_lossy: bool, key: str | None,
+            strip_prefix: str | None, add_prefix: str | None, include: tuple[str, ...], exclude: tuple[str, ...],
+            rename: tuple[str, ...], name: str | None, variant: str | None, overwrite: bool, dry_run: bool,
+            as_json: bool, quiet: bool) -> None:
+    """Convert SOURCE (any supported checkpoint) into safetensors shards in the OUTPUT folder.
+
+    Streams in bounded memory with the same atomic writer as `split`: on failure or Ctrl-C
+    nothing partial is left, and the source is never modified.
+    """
+    from ..conversion import convert as convert_api
+    from .split import print_plan
+
+    with byte_progress("convert", enabled=not (quiet or as_json or dry_run)) as progress:
+        result = convert_api(source, output, max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy,
+                             key=key, strip_prefix=strip_prefix, add_prefix=add_prefix, include=include,
+                             exclude=exclude, rename=rename, name=name, variant=variant, overwrite=overwrite,
+                             dry_run=dry_run, progress=progress)
+    if as_json:
+        echo_json(result.to_dict())
+    elif not quiet:
+        print_plan(result)
+        dropped = getattr(result, "dropped", 0)
+        if dropped:
+            click.echo(f"left out {dropped} source tensor(s) by the key options")
+
+
+COMMANDS = [convert]

@@ -1,0 +1,114 @@
+"""``shardkit info``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ..units import format_size
+from .common import echo_json
+
+EPILOG = """\b
+Examples:
+  shardkit info model.safetensors
+  shardkit info out/                      # a sharded folder (or its index .json)
+  shardkit info sd-pipeline/              # a diffusers pipeline: one section per component
+  shardkit info pytorch_model.bin --json
+
+\b
+Reads headers only (safetensors) or maps the pickle with torch.load(weights_only=True,
+mmap=True): no tensor data is read, so it is fast on 100 GB checkpoints.
+Memory columns: floating-point tensors recast to fp32 / bf16 / fp8, others as stored.
+Sizes are decimal (1 GB = 10^9 bytes).
+"""
+
+
+@click.command(epilog=EPILOG)
+@click.argument("path", type=click.Path(path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+def info(path: str, as_json: bool) -> None:
+    """Show what a checkpoint holds: format, tensors, parameters, dtypes, shards, metadata."""
+    from ..inspect import info as info_api
+
+    summary = info_api(path)
+    if as_json:
+        echo_json(summary.to_dict())
+    elif summary.components:
+        print_pipeline(summary)
+    else:
+        print_checkpoint(summary)
+
+
+def print_checkpoint(s: Any, *, title: str | None = None) -> None:
+    layout = s.format + (f", {len(s.shards)} shards" if s.index else "")
+    naming = f"{s.naming}" + (f", variant {s.variant}" if s.variant else "") if s.naming else "-"
+    click.echo(click.style(title or s.path, bold=True))
+    rows = [("format", layout), ("naming", naming)]
+    if s.class_name:
+        rows.append(("class", f"{s.library} {s.class_name}"))
+    rows += _totals_rows(s)
+    if s.metadata:
+        rows.append(("metadata", ", ".join(f"{k}={_short(v)}" for k, v in sorted(s.metadata.items()))))
+    if s.index_metadata:
+        rows.append(("index metadata", ", ".join(f"{k}={_short(str(v))}" for k, v in sorted(s.index_metadata.items()))))
+    _table([(f"  {k}", v) for k, v in rows], header=None)
+    click.echo("  shards")
+    _table([(f"    {sh.file}", f"{sh.tensors:,}", format_size(sh.bytes)) for sh in s.shards],
+           header=("    file", "tensors", "size"), right=(1, 2))
+    _print_largest(s)
+
+
+def print_pipeline(s: Any) -> None:
+    click.echo(click.style(f"{s.path}  (diffusers pipeline, {len(s.components)} weight-bearing components)", bold=True))
+    for name, component in s.components.items():
+        click.echo()
+        print_checkpoint(component, title=f"[{name}]")
+    click.echo()
+    click.echo(click.style("totals", bold=True))
+    rows = [(name, f"{c.tensor_count:,}", f"{c.parameter_count:,}", format_size(c.total_bytes),
+             *[format_size(c.memory_bytes[k]) for k in ("fp32", "bf16", "fp8")]) for name, c in s.components.items()]
+    rows.append(("total", f"{s.tensor_count:,}", f"{s.parameter_count:,}", format_size(s.total_bytes),
+                 *[format_size(s.memory_bytes[k]) for k in ("fp32", "bf16", "fp8")]))
+    _table([(f"  {r[0]}", *r[1:]) for r in rows],
+           header=("  component", "tensors", "parameters", "size", "fp32", "bf16", "fp8"), right=(1, 2, 3, 4, 5, 6))
+    _print_largest(s)
+
+
+def _totals_rows(s: Any) -> list[tuple[str, str]]:
+    by_dtype = ", ".join(f"{d} {format_size(b)} ({s.tensors_by_dtype[d]:,})" for d, b in s.bytes_by_dtype.items())
+    memory = "  ".join(f"{k} {format_size(v)}" for k, v in s.memory_bytes.items())
+    return [("tensors", f"{s.tensor_count:,}"), ("parameters", f"{s.parameter_count:,} ({_human(s.parameter_count)})"),
+            ("size", f"{format_size(s.total_bytes)} of tensors"), ("by dtype", by_dtype or "-"),
+            ("memory as", memory)]
+
+
+def _print_largest(s: Any) -> None:
+    if not s.largest:
+        return
+    click.echo("  largest tensors")
+    _table([(f"    {t.name}", t.dtype, "x".join(map(str, t.shape)) or "scalar", format_size(t.bytes)) for t in s.largest],
+           header=("    name", "dtype", "shape", "size"), right=(3,))
+
+
+def _table(rows: list[tuple[str, ...]], *, header: tuple[str, ...] | None, right: tuple[int, ...] = ()) -> None:
+    """Print rows as aligned columns (numbers right-aligned)."""
+    allrows = ([header] if header else []) + rows
+    widths = [max(len(r[i]) for r in allrows) for i in range(len(allrows[0]))]
+    for row in allrows:
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        click.echo("  ".join(cells).rstrip())
+
+
+def _human(count: int) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            return f"{count / size:.2f}{unit}"
+    return str(count)
+
+
+def _short(value: str, limit: int = 80) -> str:
+    return value if len(value) <= limit else value[: limit - 3] + "..."
+
+
+COMMANDS = [info]

@@ -1,0 +1,42 @@
+"""``shardkit merge``."""
+
+from __future__ import annotations
+
+import click
+
+from ..units import format_size
+from .common import byte_progress, echo_json
+
+EPILOG = """\b
+Examples:
+  shardkit merge out/ model.safetensors
+  shardkit merge out/model.safetensors.index.json merged.safetensors --overwrite
+  shardkit merge my-pipeline/unet/ unet.safetensors
+
+\b
+Tensors keep their order (shard by shard) and the shards' metadata, so merging a split of a
+file shardkit wrote gives back that file byte for byte. Bytes are copied kernel-side; the
+output appears only when complete.
+"""
+
+
+@click.command(epilog=EPILOG)
+@click.argument("folder", type=click.Path(path_type=str))
+@click.argument("output", type=click.Path(path_type=str))
+@click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
+def merge(folder: str, output: str, overwrite: bool, as_json: bool, quiet: bool) -> None:
+    """Merge the sharded safetensors checkpoint in FOLDER into one OUTPUT .safetensors file."""
+    from ..merging import merge as merge_api
+
+    with byte_progress("merge", enabled=not (quiet or as_json)) as progress:
+        result = merge_api(folder, output, overwrite=overwrite, progress=progress)
+    if as_json:
+        echo_json(result.to_dict())
+    elif not quiet:
+        click.echo(f"merged {result.shards} shard(s), {result.tensors} tensors, "
+                   f"{format_size(result.total_bytes)} into {result.output}")
+
+
+COMMANDS = [merge]

@@ -1,0 +1,104 @@
+"""``shardkit push``: publish a verified checkpoint folder to the Hugging Face Hub."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ..units import format_size
+from .common import byte_progress, echo_json
+
+EPILOG = """\b
+Examples:
+  shardkit push out/ my-org/sdxl-unet-sharded --private --message "reshard to 5GB"
+  shardkit push out/ my-org/sdxl-unet-sharded --revision fp16 --create-pr
+  shardkit push pipeline/ my-org/sd15 --include "unet/*" --path-in-repo unet --dry-run
+  shardkit split model.safetensors out/ --max-shard-size 5GB --push-to my-org/model
+
+\b
+The folder is verified first and a broken checkpoint is refused (--no-verify skips it).
+Files identical to the remote ones (sha256 for LFS files, git blob id for small files) are
+not sent again; an unchanged folder makes no commit. A push is one commit (several only
+above 100 files, the index always last), so the remote never shows an index whose shards
+are missing; an interrupted push, run again, does not resend what already arrived.
+Remote shards of the same checkpoint that the folder no longer has are deleted with it.
+Token: --token, else HF_TOKEN, else the stored `hf auth login`. Files over 50 GB are refused.
+"""
+
+
+@click.command(epilog=EPILOG)
+@click.argument("path", type=click.Path(path_type=str))
+@click.argument("repo_id")
+@click.option("--private", is_flag=True, help="Create the repository as private (if it does not exist).")
+@click.option("--revision", help="Branch to push to (created from main if missing), or the base of --create-pr.")
+@click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing to the branch.")
+@click.option("--message", "-m", help="Commit message (default: 'Upload N file(s) with shardkit').")
+@click.option("--path-in-repo", help="Folder in the repository to upload into (default: its root).")
+@click.option("--repo-type", type=click.Choice(["model", "dataset"]), default="model", show_default=True)
+@click.option("--token", help="Hugging Face token with write access (default: HF_TOKEN or the stored login).")
+@click.option("--include", multiple=True, help="Only push files matching this glob (repeatable).")
+@click.option("--exclude", multiple=True, help="Skip files matching this glob (repeatable).")
+@click.option("--dry-run", is_flag=True, help="List what would be uploaded and what is already there; change nothing.")
+@click.option("--no-verify", "no_verify", is_flag=True, help="Push without verifying the checkpoint first.")
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the commit URL.")
+def push(path: str, repo_id: str, private: bool, revision: str | None, create_pr: bool, message: str | None,
+         path_in_repo: str | None, repo_type: str, token: str | None, include: tuple[str, ...],
+         exclude: tuple[str, ...], dry_run: bool, no_verify: bool, as_json: bool, quiet: bool) -> None:
+    """Upload the checkpoint in PATH (a folder or file) to the Hub repository REPO_ID.
+
+    Creates the repository if it does not exist, uploads only what changed, and prints the
+    commit URL (and the pull request URL with --create-pr).
+    """
+    result = push_and_report(path, repo_id, private=private, revision=revision, create_pr=create_pr,
+                             message=message, path_in_repo=path_in_repo, repo_type=repo_type, token=token,
+                             include=list(include) or None, exclude=list(exclude) or None, dry_run=dry_run,
+                             verify=not no_verify, report="none" if as_json else "url" if quiet else "summary")
+    if as_json:
+        echo_json(result.to_dict())
+
+
+def push_and_report(path: str, repo_id: str, *, report: str = "summary", **options: Any) -> Any:
+    """Push with a byte progress bar; ``report`` is "summary", "url" (quiet) or "none" (JSON).
+
+    Shared with ``split --push-to``.
+    """
+    from ..hub import push as push_api
+
+    with byte_progress("push", enabled=report == "summary" and not options.get("dry_run")) as progress:
+        result = push_api(path, repo_id, progress=progress, **options)
+    if report == "summary":
+        print_summary(result)
+    elif report == "url" and result.commit_url and not result.dry_run:
+        click.echo(result.pr_url or result.commit_url)
+    return result
+
+
+def print_summary(result: Any) -> None:
+    target = f"{result.repo_id}@{result.revision}"
+    if result.dry_run:
+        for path in result.uploaded:
+            click.echo(f"  upload     {path}")
+        for path in result.unchanged:
+            click.echo(f"  unchanged  {path}")
+        for path in result.deleted:
+            click.echo(f"  delete     {path}")
+        creates = [w for w, flag in (("repository", result.created_repo), ("branch", result.created_branch)) if flag]
+        extra = f"; would create the {' and '.join(creates)}" if creates else ""
+        click.echo(f"dry run: would upload {len(result.uploaded)} file(s) ({format_size(result.uploaded_bytes)}), "
+                   f"{len(result.unchanged)} already on {target}, {len(result.deleted)} to delete{extra}")
+        return
+    if not result.commits:
+        click.echo(f"nothing to upload: {target} already has these {len(result.unchanged)} file(s)")
+        click.echo(result.commit_url)
+        return
+    deleted = f", deleted {len(result.deleted)} stale file(s)" if result.deleted else ""
+    click.echo(f"uploaded {len(result.uploaded)} file(s) ({format_size(result.uploaded_bytes)}) to {target} in "
+               f"{len(result.commits)} commit(s), {len(result.unchanged)} unchanged{deleted}")
+    if result.pr_url:
+        click.echo(f"pull request: {result.pr_url}")
+    click.echo(result.commit_url)
+
+
+COMMANDS = [push]

@@ -1,0 +1,443 @@
+"""``push``: publish a verified checkpoint folder to the Hugging Face Hub, never half-visible.
+
+The steps: list the local files (``include``/``exclude``), refuse files over the Hub's 50 GB
+limit, verify the checkpoint, create the repository (and branch) if missing, compare with the
+remote tree (sha256 of LFS files, git blob id of small ones) so identical files are not sent,
+then upload and commit with huggingface_hub.
+
+Why it never exposes a broken state: a push is one commit whenever it has at most
+``MAX_FILES_PER_COMMIT`` operations, and a commit is atomic on the Hub. A larger push first
+commits only files that are new paths (no visible index can name them), a batch at a time;
+the last commit carries every index file, every changed file and the deletions of stale
+shards. An interrupted push, run again, skips what was committed (identical remote files) and
+what was uploaded but not committed (the LFS batch API and Xet deduplication answer that the
+server already has it).
+
+Stale files: when the pushed folder holds a complete checkpoint (its index or single file),
+remote files of the same checkpoint family (same folder, prefix and variant) that the folder no
+longer has are deleted in the last commit, so a new index never sits beside an old single file
+that transformers would load instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator
+
+from .errors import HubError, InvalidInputError, ShardkitWarning, SourceNotFoundError, VerificationError
+from .index import add_variant
+from .units import format_size
+
+MAX_FILE_BYTES = 50 * 10**9  # the Hub refuses larger files
+WARN_FILE_BYTES = 20 * 10**9  # the Hub's recommended maximum
+MAX_FILES_PER_COMMIT = 100  # the Hub's advice; larger pushes take several commits
+ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
+
+_LAST_COMMIT_RE = re.compile(r"(^|/)(model_index\.json|[^/]+\.index(\.[^./]+)?\.json)$")
+_INDEX_RE = re.compile(r"^(?P<prefix>[^.]+)\.safetensors\.index(?:\.(?P<variant>[^.]+))?\.json$")
+_WEIGHTS_RE = re.compile(r"^(?P<stem>.+?)(?P<shard>-\d{5}-of-\d{5})?\.safetensors$")
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    path_in_repo: str
+    local_path: str
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    size_bytes: int
+    blob_id: str
+    lfs_sha256: str | None
+
+
+@dataclass
+class PushResult:
+    """What a push did (or, with ``dry_run``, would do)."""
+
+    repo_id: str
+    repo_type: str
+    revision: str
+    repo_url: str
+    commit_url: str | None = None
+    pr_url: str | None = None
+    commits: list[str] = field(default_factory=list)
+    uploaded: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    uploaded_bytes: int = 0
+    dry_run: bool = False
+    created_repo: bool = False
+    created_branch: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, revision: str | None = None,
+         create_pr: bool = False, message: str | None = None, path_in_repo: str | None = None,
+         repo_type: str = "model", token: str | None = None, include: list[str] | str | None = None,
+         exclude: list[str] | str | None = None, dry_run: bool = False, verify: bool = True,
+         progress: ProgressCallback | None = None) -> PushResult:
+    """Upload a checkpoint folder (or file) to ``repo_id``; identical remote files are not sent again.
+
+    The folder is verified first (``verify=False`` skips it). ``token`` defaults to ``HF_TOKEN`` or
+    the stored login. ``progress(done_bytes, total_bytes)`` is called as each file's upload ends.
+
+    >>> result = shardkit.push("out/", "my-org/model", private=True)  # doctest: +SKIP
+    >>> result.commit_url                                              # doctest: +SKIP
+    'https://huggingface.co/my-org/model/commit/4f1c...'
+    """
+    files = collect_files(path, path_in_repo=path_in_repo, include=include, exclude=exclude)
+    check_sizes(files)
+    if verify:
+        verify_folder(path)
+    if create_pr and revision is not None and revision.startswith("refs/pr/"):
+        raise InvalidInputError(f"--revision {revision} is a pull request already; push to it without --create-pr")
+    with hub_errors(repo_id, revision or "main"), _client_silenced():
+        return _Pusher(repo_id, repo_type=repo_type, token=token, revision=revision, create_pr=create_pr,
+                       private=private, dry_run=dry_run).run(files, prefix=_clean_prefix(path_in_repo),
+                                                             message=message, progress=progress)
+
+
+# ----------------------------------------------------------------------------- local side
+
+def collect_files(path: str | os.PathLike[str], *, path_in_repo: str | None = None,
+                  include: list[str] | str | None = None, exclude: list[str] | str | None = None) -> list[LocalFile]:
+    """The files to push, with their paths in the repo; hidden files and shardkit temporaries are skipped."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    root = os.fspath(path)
+    if os.path.isfile(root):
+        relative = [os.path.basename(root)]
+        root = os.path.dirname(os.path.abspath(root))
+    elif os.path.isdir(root):
+        relative = sorted(_walk(root))
+    else:
+        raise SourceNotFoundError(f"{root}: no such file or folder to push")
+    chosen = list(filter_repo_objects(relative, allow_patterns=include, ignore_patterns=exclude))
+    if not chosen:
+        raise InvalidInputError(f"{path}: no files to push (check --include/--exclude)")
+    prefix = _clean_prefix(path_in_repo)
+    return [LocalFile(f"{prefix}{name}", os.path.join(root, name), os.path.getsize(os.path.join(root, name)))
+            for name in chosen]
+
+
+def _walk(root: str) -> Iterator[str]:
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in names:
+            if not name.startswith(".") and ".shardkit-" not in name:
+                yield os.path.relpath(os.path.join(folder, name), root).replace(os.sep, "/")
+
+
+def _clean_prefix(path_in_repo: str | None) -> str:
+    prefix = (path_in_repo or "").strip("/")
+    if any(part in ("..", ".") for part in prefix.split("/")) or prefix.startswith((".git/", ".cache/")):
+        raise InvalidInputError(f"--path-in-repo {path_in_repo!r} must be a plain folder inside the repository")
+    return f"{prefix}/" if prefix else ""
+
+
+def check_sizes(files: list[LocalFile]) -> None:
+    """Refuse files over the Hub's 50 GB limit before anything is sent; warn above 20 GB."""
+    for f in files:
+        if f.size_bytes > MAX_FILE_BYTES:
+            raise InvalidInputError(
+                f"{f.local_path}: {format_size(f.size_bytes)} is over the Hub's 50 GB per-file limit; "
+                f"re-split it with `shardkit split ... --max-shard-size 5GB`")
+        if f.size_bytes > WARN_FILE_BYTES:
+            warnings.warn(f"{f.path_in_repo} is {format_size(f.size_bytes)}, above the Hub's recommended 20 GB "
+                          f"per file; consider --max-shard-size 5GB", ShardkitWarning, stacklevel=3)
+
+
+def verify_folder(path: str | os.PathLike[str]) -> None:
+    """Run ``shardkit.verify`` and refuse a broken checkpoint."""
+    from .verification import verify as verify_checkpoint
+
+    report = verify_checkpoint(path)
+    if not report.ok:
+        findings = [_describe(finding) for finding in report.findings]
+        first = findings[0] if findings else "see `shardkit verify`"
+        raise VerificationError(f"{path}: refusing to push, verification found {len(findings)} problem(s), "
+                                f"first: {first} (fix the folder, or pass --no-verify)", findings)
+
+
+def _describe(finding: Any) -> str:
+    where = ": ".join(str(part) for part in (getattr(finding, "file", None), getattr(finding, "tensor", None)) if part)
+    text = getattr(finding, "message", None) or str(finding)
+    return f"{where}: {text}" if where else text
+
+
+def sha256_file(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def git_blob_id(path: str) -> str:
+    with open(path, "rb") as f:
+        data = f.read()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+# ----------------------------------------------------------------------------- comparing
+
+def split_changed(files: list[LocalFile], remote: dict[str, RemoteFile],
+                  digests: dict[str, str]) -> tuple[list[LocalFile], list[LocalFile]]:
+    """``(changed or new, identical)``; sha256 digests computed on the way land in ``digests``."""
+    changed, same = [], []
+    for f in files:
+        r = remote.get(f.path_in_repo)
+        if r is None or r.size_bytes != f.size_bytes:
+            changed.append(f)
+            continue
+        if r.lfs_sha256 is not None:
+            digests[f.path_in_repo] = sha256_file(f.local_path)
+            identical = digests[f.path_in_repo] == r.lfs_sha256
+        else:
+            identical = git_blob_id(f.local_path) == r.blob_id
+        (same if identical else changed).append(f)
+    return changed, same
+
+
+def checkpoint_family(path_in_repo: str) -> tuple[str, str, bool] | None:
+    """``(folder, stem, complete)`` of a safetensors checkpoint file; ``complete`` for index or single file.
+
+    >>> checkpoint_family("unet/diffusion_pytorch_model.safetensors.index.fp16.json")
+    ('unet', 'diffusion_pytorch_model.fp16', True)
+    """
+    folder, _, name = path_in_repo.rpartition("/")
+    if match := _INDEX_RE.match(name):
+        return folder, add_variant(f"{match['prefix']}.safetensors", match["variant"])[: -len(".safetensors")], True
+    if match := _WEIGHTS_RE.match(name):
+        return folder, match["stem"], match["shard"] is None
+    return None
+
+
+def stale_files(files: list[LocalFile], remote: dict[str, RemoteFile]) -> list[str]:
+    """Remote files of a checkpoint family the push replaces completely, that the folder no longer has."""
+    local = {f.path_in_repo for f in files}
+    families = set()
+    for path in local:
+        family = checkpoint_family(path)
+        if family and family[2]:
+            families.add(family[:2])
+    return sorted(p for p in remote if p not in local and (family := checkpoint_family(p)) and family[:2] in families)
+
+
+def plan_commits(upload: list[LocalFile], deletions: list[str],
+                 remote: dict[str, RemoteFile]) -> list[tuple[list[LocalFile], list[str]]]:
+    """Group operations into commits so that no commit exposes an index before its shards."""
+    if len(upload) + len(deletions) <= MAX_FILES_PER_COMMIT:
+        return [(upload, deletions)]
+    early = [f for f in upload if f.path_in_repo not in remote and not _LAST_COMMIT_RE.search(f.path_in_repo)]
+    last = [f for f in upload if f not in early]
+    groups: list[tuple[list[LocalFile], list[str]]] = [
+        (early[i:i + MAX_FILES_PER_COMMIT], []) for i in range(0, len(early), MAX_FILES_PER_COMMIT)]
+    return groups + [(last, deletions)] if last or deletions else groups
+
+
+# ----------------------------------------------------------------------------- remote side
+
+class _Pusher:
+    """One push: the API client, the target, and the running result."""
+
+    def __init__(self, repo_id: str, *, repo_type: str, token: str | None, revision: str | None,
+                 create_pr: bool, private: bool, dry_run: bool) -> None:
+        from huggingface_hub import HfApi
+        from huggingface_hub.utils import get_token
+
+        self.token = token or get_token()
+        if self.token is None and not dry_run:
+            raise HubError("no Hugging Face token: pass --token, set HF_TOKEN, or run `hf auth login`")
+        self.api = HfApi(token=self.token)
+        self.repo_id, self.repo_type, self.private = repo_id, repo_type, private
+        self.revision, self.create_pr, self.dry_run = revision, create_pr, dry_run
+        prefix = "" if repo_type == "model" else f"{repo_type}s/"
+        self.result = PushResult(repo_id, repo_type, revision or "main", f"{self.api.endpoint}/{prefix}{repo_id}",
+                                 dry_run=dry_run)
+
+    def run(self, files: list[LocalFile], *, prefix: str, message: str | None,
+            progress: ProgressCallback | None) -> PushResult:
+        head = self._prepare_target()
+        remote = self._remote_files(head, prefix) if head else {}
+        digests: dict[str, str] = {}
+        upload, same = split_changed(files, remote, digests)
+        deletions = stale_files(files, remote)
+        res = self.result
+        res.uploaded = [f.path_in_repo for f in upload]
+        res.unchanged = [f.path_in_repo for f in same]
+        res.deleted = deletions
+        res.uploaded_bytes = sum(f.size_bytes for f in upload)
+        if self.dry_run:
+            return res
+        if not upload and not deletions:
+            res.commit_url = f"{res.repo_url}/commit/{head}"
+            return res
+        message = message or f"Upload {len(upload)} file(s) with shardkit"
+        sent = _Progress(res.uploaded_bytes, progress)
+        parent = head
+        groups = plan_commits(upload, deletions, remote)
+        for number, (group, deleted) in enumerate(groups, 1):
+            title = message if len(groups) == 1 else f"{message} ({number}/{len(groups)})"
+            parent = self._commit(group, deleted, digests, title=title, parent=parent, sent=sent)
+        return res
+
+    def _prepare_target(self) -> str | None:
+        """Create the repo and branch if missing (not in a dry run); the head commit, or None if none."""
+        from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+        if not self.dry_run:
+            self.api.create_repo(self.repo_id, repo_type=self.repo_type, private=self.private, exist_ok=True)
+        try:
+            return self._head()
+        except RepositoryNotFoundError:
+            if not self.dry_run:
+                raise
+            self.result.created_repo = True
+            return None
+        except RevisionNotFoundError:
+            if self.create_pr:
+                raise
+            self.result.created_branch = True
+            if self.dry_run:
+                return None
+            self.api.create_branch(self.repo_id, branch=self.result.revision, repo_type=self.repo_type)
+            return self._head()
+
+    def _head(self) -> str:
+        info = self.api.repo_info(self.repo_id, repo_type=self.repo_type, revision=self.result.revision)
+        return str(info.sha)
+
+    def _remote_files(self, head: str, prefix: str) -> dict[str, RemoteFile]:
+        from huggingface_hub.errors import RemoteEntryNotFoundError
+        from huggingface_hub.hf_api import RepoFile
+
+        try:
+            entries = list(self.api.list_repo_tree(self.repo_id, path_in_repo=prefix.rstrip("/") or None,
+                                                   recursive=True, revision=head, repo_type=self.repo_type))
+        except RemoteEntryNotFoundError:  # the prefix folder does not exist yet
+            return {}
+        return {e.path: RemoteFile(e.size, e.blob_id, e.lfs.sha256 if e.lfs else None)
+                for e in entries if isinstance(e, RepoFile)}
+
+    def _commit(self, group: list[LocalFile], deleted: list[str], digests: dict[str, str], *, title: str,
+                parent: str | None, sent: "_Progress") -> str:
+        """Upload a group's contents one file at a time, then commit it; returns the new head."""
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        revision = self.revision
+        additions = []
+        for f in group:
+            op = CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=f.local_path)
+            if f.path_in_repo in digests:  # already hashed while comparing
+                op.upload_info.sha256 = bytes.fromhex(digests[f.path_in_repo])
+            self.api.preupload_lfs_files(self.repo_id, additions=[op], repo_type=self.repo_type,
+                                         revision=revision, create_pr=self.create_pr, free_memory=False)
+            additions.append(op)
+            sent.add(f.size_bytes)
+        operations: list[Any] = [*additions, *(CommitOperationDelete(path_in_repo=p) for p in deleted)]
+        info = self.api.create_commit(self.repo_id, operations, commit_message=title, repo_type=self.repo_type,
+                                      revision=revision, create_pr=self.create_pr, parent_commit=parent)
+        res = self.result
+        res.commit_url = info.commit_url
+        res.commits.append(info.oid)
+        if info.pr_url is not None:  # later commits go to the pull request's ref
+            res.pr_url, self.revision, self.create_pr = info.pr_url, info.pr_revision, False
+            res.revision = str(info.pr_revision)
+        return str(info.oid)
+
+
+class _Progress:
+    def __init__(self, total_bytes: int, callback: ProgressCallback | None) -> None:
+        self.total_bytes, self.done_bytes, self.callback = total_bytes, 0, callback
+        self.add(0)
+
+    def add(self, nbytes: int) -> None:
+        self.done_bytes += nbytes
+        if self.callback is not None:
+            self.callback(self.done_bytes, self.total_bytes)
+
+
+@contextlib.contextmanager
+def _client_silenced() -> Iterator[None]:
+    """The library never prints: turn off huggingface_hub's own bars and retry warnings meanwhile."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from huggingface_hub.utils import logging as hf_logging
+
+    bars_were_off, verbosity = are_progress_bars_disabled(), hf_logging.get_verbosity()
+    disable_progress_bars()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if not bars_were_off:
+            enable_progress_bars()
+
+
+# ----------------------------------------------------------------------------- errors
+
+@contextlib.contextmanager
+def hub_errors(repo_id: str, revision: str) -> Iterator[None]:
+    """Turn huggingface_hub / network exceptions into one-line :class:`HubError` messages."""
+    try:
+        yield
+    except HubError:
+        raise
+    except Exception as e:
+        message = describe_hub_error(e, repo_id, revision)
+        if message is None:
+            raise
+        raise HubError(message) from e
+
+
+def describe_hub_error(error: BaseException, repo_id: str, revision: str) -> str | None:
+    """A one-line explanation of a failed Hub call, or None if ``error`` is not one."""
+    import httpx2
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    endpoint = constants.ENDPOINT
+    for e in _chain(error):
+        if isinstance(e, RevisionNotFoundError):
+            return (f"revision {revision!r} not found in {repo_id}; a pull request needs an existing branch "
+                    f"(push it first without --create-pr)")
+        if isinstance(e, HfHubHTTPError) and e.response is not None:
+            status = e.response.status_code
+            detail = e.server_message or e.response.headers.get("X-Error-Message") or ""
+            if status == 401:
+                return (f"authentication failed (401) at {endpoint}: the token was rejected; pass a valid --token, "
+                        f"set HF_TOKEN, or run `hf auth login`")
+            if status == 403:
+                return f"no permission to write to {repo_id} (403): {detail or 'use a token with write access'}"
+            if isinstance(e, RepositoryNotFoundError):
+                return f"repository {repo_id} not found at {endpoint}, or not visible with this token"
+            if status == 412:
+                return f"{repo_id}@{revision} changed while pushing; run the push again"
+            first = (detail or str(e)).strip().splitlines()[0]
+            if status >= 500 or status in (408, 429):
+                return (f"the Hub failed ({status}) for {repo_id}: {first}; run the push again to resume "
+                        f"(what already arrived is not sent again)")
+            return f"the Hub answered {status} for {repo_id}: {first}"
+        if isinstance(e, (httpx2.TransportError, ConnectionError, TimeoutError)):
+            return (f"network failure talking to {endpoint} after retries: {e or type(e).__name__}; "
+                    f"run the push again to resume")
+    text = str(error).strip().splitlines()
+    if type(error).__module__.startswith(("huggingface_hub", "hf_xet")) or "hf_xet" in repr(type(error)):
+        return f"upload to {repo_id} failed: {text[0] if text else type(error).__name__}"
+    return None
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__

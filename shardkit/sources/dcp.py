@@ -1,0 +1,463 @@
+"""``torch.distributed.checkpoint`` (DCP) folders, as FSDP training and ``dcp.save`` write them.
+
+A DCP folder holds a pickled ``.metadata`` (every tensor's dtype, size and chunks, and where each
+chunk lies: ``__<rank>_<n>.distcp`` file, byte offset, length) and the data files. Each chunk is
+a small ``torch.save`` zip embedded in a data file; its tensor bytes are one stored (never
+compressed) zip record. We read the embedded zip's directory and pickle with allowlists, never
+running pickled code, and locate every chunk's bytes:
+
+* a tensor in one chunk (every tensor of a single-process save) becomes an entry with a file
+  offset, so the writer copies it kernel-side;
+* a tensor cut into chunks by several ranks is reassembled slab by slab along its first
+  dimension, so memory stays bounded by the writer's chunk size, not the tensor's.
+
+Nested state dicts (``{"model": ..., "optimizer": ...}``) are selected with ``key`` (``model``,
+``a/b``); without one, a top-level ``model``/``state_dict``/``module`` entry is chosen when
+present, as ``accelerate merge-weights`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import io
+import math
+import os
+import pickle
+import struct
+import warnings
+import zipfile
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InvalidInputError, ShardkitWarning, SourceNotFoundError, UnsafePickleError
+from ..format import TensorEntry
+from ..index import Naming
+from .base import Source
+
+METADATA_FILE = ".metadata"
+DATA_SUFFIX = ".distcp"
+STATE_DICT_KEYS = ("model", "state_dict", "module", "model_state_dict")
+MAX_METADATA_BYTES = 2_000_000_000
+
+
+def is_dcp_folder(path: str) -> bool:
+    """A folder with a ``.metadata`` file or ``*.distcp`` data files."""
+    if not os.path.isdir(path):
+        return False
+    return os.path.isfile(os.path.join(path, METADATA_FILE)) or any(n.endswith(DATA_SUFFIX) for n in os.listdir(path))
+
+
+# ----------------------------------------------------------------------------- safe unpickling
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Only DCP's own metadata dataclasses/enums and a few plain torch values may be built."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        value = _allowed_metadata_global(module, name, torch)
+        if value is None:
+            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
+        return value
+
+
+def _allowed_metadata_global(module: str, name: str, torch: Any) -> Any:
+    import collections
+    import importlib
+    import pathlib
+
+    plain = {("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): None,
+             ("collections", "OrderedDict"): collections.OrderedDict}
+    if (module, name) in plain:
+        return plain[(module, name)] or torch.serialization._get_layout
+    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
+        return getattr(pathlib, name)
+    if module.startswith(("torch.distributed.checkpoint", "torch.distributed._shard")):
+        try:
+            value = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            return None
+        if isinstance(value, type) and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum)):
+            return value
+    return None
+
+
+def load_metadata(folder: str) -> Any:
+    """Unpickle ``folder/.metadata`` with the allowlist above."""
+    path = os.path.join(folder, METADATA_FILE)
+    if not os.path.isfile(path):
+        data = sorted(n for n in os.listdir(folder) if n.endswith(DATA_SUFFIX))
+        raise SourceNotFoundError(
+            f"{folder}: DCP folder has no {METADATA_FILE} file"
+            + (f" (found {len(data)} .distcp data file(s); the save did not finish or the file was lost)" if data else "")
+        )
+    if os.path.getsize(path) > MAX_METADATA_BYTES:
+        raise InvalidInputError(f"{path}: too large to be DCP metadata")
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as e:
+        raise UnsafePickleError(f"{path}: refused to unpickle DCP metadata ({e}); shardkit never executes pickled code") from e
+    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, struct.error) as e:
+        raise InvalidInputError(f"{path}: not readable DCP metadata ({type(e).__name__}: {e})") from e
+    if not hasattr(metadata, "state_dict_metadata") or not hasattr(metadata, "storage_data"):
+        raise InvalidInputError(f"{path}: not DCP metadata (found {type(metadata).__name__})")
+    return metadata
+
+
+@dataclass(frozen=True)
+class _StoredTensor:
+    """Where a chunk's bytes are inside its torch.save record: dtype code, storage key, element offset, layout."""
+
+    storage_dtype: str
+    key: str
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class _BlobUnpickler(pickle.Unpickler):
+    """Reads a chunk's ``data.pkl`` into a :class:`_StoredTensor` without building a tensor."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _record_tensor
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v3"):  # dtypes without a typed storage (fp8...)
+            return _record_tensor_v3
+        if (module, name) == ("collections", "OrderedDict"):
+            import collections
+
+            return collections.OrderedDict
+        if module in ("torch", "torch.storage") and name.endswith("Storage"):
+            return ("storage-type", name)
+        if module == "torch":
+            import torch
+
+            from ..torch_dtypes import from_torch
+
+            value = getattr(torch, name, None)
+            if isinstance(value, torch.dtype):
+                return ("dtype", from_torch(value))
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"):
+            raise pickle.UnpicklingError("unexpected persistent id")
+        return pid[1][1] if isinstance(pid[1], tuple) else str(pid[1]), str(pid[2])
+
+
+def _record_tensor(storage: Any, storage_offset: int, shape: Any, stride: Any, *_: Any) -> _StoredTensor:
+    storage_type, key = storage
+    return _StoredTensor(_STORAGE_CODES.get(storage_type, storage_type), key, int(storage_offset), tuple(shape),
+                         tuple(stride))
+
+
+def _record_tensor_v3(storage: Any, storage_offset: int, shape: Any, stride: Any, requires_grad: Any,
+                      hooks: Any, dtype: Any, *_: Any) -> _StoredTensor:
+    _, key = storage
+    code = dtype[1] if isinstance(dtype, tuple) and dtype[:1] == ("dtype",) else "?"
+    return _StoredTensor(code, key, int(storage_offset), tuple(shape), tuple(stride))
+
+
+# ----------------------------------------------------------------------------- chunks
+
+@dataclass
+class _Chunk:
+    """One stored piece of a tensor: where it sits in the full tensor and in its file."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    blob_offset: int
+    blob_length: int
+    data_offset: int | None = None  # absolute offset of its contiguous bytes, when located
+
+
+class _FileSlice(io.RawIOBase):
+    """A read-only, seekable window onto ``[offset, offset + length)`` of an open file."""
+
+    def __init__(self, f: Any, offset: int, length: int) -> None:
+        self.f, self.offset, self.length, self.pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buf: Any) -> int:
+        n = max(0, min(len(buf), self.length - self.pos))
+        self.f.seek(self.offset + self.pos)
+        data = self.f.read(n)
+        buf[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+_STORAGE_CODES = {
+    "FloatStorage": "F32", "DoubleStorage": "F64", "HalfStorage": "F16", "BFloat16Storage": "BF16",
+    "LongStorage": "I64", "IntStorage": "I32", "ShortStorage": "I16", "CharStorage": "I8",
+    "ByteStorage": "U8", "BoolStorage": "BOOL", "ComplexFloatStorage": "C64",
+    "Float8_e4m3fnStorage": "F8_E4M3", "Float8_e5m2Storage": "F8_E5M2",
+}
+
+
+def locate_chunk(chunk: _Chunk, f: Any, *, dtype: str, itemsize: int) -> int | None:
+    """Absolute offset of the chunk's bytes in its file, or None when they are not one plain run."""
+    try:
+        with zipfile.ZipFile(_FileSlice(f, chunk.blob_offset, chunk.blob_length)) as z:
+            pkl = next(n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+            record = _BlobUnpickler(io.BytesIO(z.read(pkl))).load()
+            if not isinstance(record, _StoredTensor):
+                return None
+            prefix = pkl[: -len("data.pkl")]
+            info = z.getinfo(f"{prefix}data/{record.key}")
+    except (zipfile.BadZipFile, StopIteration, KeyError, pickle.UnpicklingError, EOFError, ValueError, TypeError):
+        return None
+    contiguous = _is_contiguous(record.shape, record.stride)
+    if record.storage_dtype != dtype or record.shape != chunk.sizes or not contiguous:
+        return None
+    if info.compress_type != zipfile.ZIP_STORED:
+        return None
+    f.seek(chunk.blob_offset + info.header_offset)
+    local = f.read(30)
+    if len(local) < 30 or local[:4] != b"PK\x03\x04":
+        return None
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    start = info.header_offset + 30 + name_len + extra_len + record.storage_offset * itemsize
+    if start + math.prod(chunk.sizes) * itemsize > info.header_offset + 30 + name_len + extra_len + info.file_size:
+        return None
+    return chunk.blob_offset + start
+
+
+def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    expected = 1
+    for size, step in reversed(list(zip(shape, stride))):
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
+
+
+# ----------------------------------------------------------------------------- the source
+
+@dataclass
+class _Tensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: list[_Chunk]
+
+
+class DCPSource(Source):
+    """Tensors of a DCP folder; see the module docstring."""
+
+    def __init__(self, folder: str, tensors: list[_Tensor], *, description: str) -> None:
+        self.folder = folder
+        self.description = description
+        self.naming = Naming()
+        self._tensors = {t.name: t for t in tensors}
+        self.paths = tuple(sorted({c.file for t in tensors for c in t.chunks}))
+        self._entries = [_entry(t) for t in tensors]
+        self._fds: dict[str, int] = {}
+        self._loaded: tuple[tuple[str, int], memoryview] | None = None
+
+    def entries(self) -> list[TensorEntry]:
+        return list(self._entries)
+
+    def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
+        tensor = self._tensors[entry.name]
+        if len(tensor.chunks) == 1:
+            return self._chunk_bytes(tensor.chunks[0], entry.dtype, begin, end)
+        return self._assemble(tensor, begin, end)
+
+    def _chunk_bytes(self, chunk: _Chunk, dtype: str, begin: int, end: int) -> bytes | memoryview:
+        if chunk.data_offset is not None:
+            data = os.pread(self._fd(chunk.file), end - begin, chunk.data_offset + begin)
+            if len(data) != end - begin:
+                raise InvalidInputError(f"{chunk.file}: ended early while reading tensor data (truncated?)")
+            return data
+        return self._load_chunk(chunk)[begin:end]
+
+    def _load_chunk(self, chunk: _Chunk) -> memoryview:
+        """Fallback for chunks whose bytes are not one run: ``torch.load(weights_only=True)`` on the record."""
+        import torch
+
+        from .memory import host_bytes
+
+        key = (chunk.file, chunk.blob_offset)
+        if self._loaded is None or self._loaded[0] != key:
+            self._loaded = None
+            with open(chunk.file, "rb") as f:
+                f.seek(chunk.blob_offset)
+                blob = io.BytesIO(f.read(chunk.blob_length))
+            try:
+                value = torch.load(blob, map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise UnsafePickleError(f"{chunk.file}: chunk at byte {chunk.blob_offset} is not a plain tensor ({e})") from e
+            self._loaded = (key, host_bytes(value))
+        return self._loaded[1]
+
+    def _assemble(self, tensor: _Tensor, begin: int, end: int) -> bytes:
+        """Bytes ``[begin, end)`` of a tensor cut into chunks, built one slab of rows at a time."""
+        import numpy as np
+
+        itemsize = _itemsize(tensor.dtype)
+        shape = _byte_shape(tensor.shape, itemsize)
+        row_bytes = math.prod(shape[1:])
+        r0, r1 = begin // row_bytes, -(-end // row_bytes)
+        slab = np.zeros((r1 - r0, *shape[1:]), dtype=np.uint8)
+        for chunk in tensor.chunks:
+            offsets = _byte_offsets(chunk.offsets, itemsize)
+            sizes = _byte_shape(chunk.sizes, itemsize)
+            a, b = max(r0, offsets[0]), min(r1, offsets[0] + sizes[0])
+            if a >= b or 0 in sizes:
+                continue
+            chunk_row = math.prod(sizes[1:])
+            raw = self._chunk_bytes(chunk, tensor.dtype, (a - offsets[0]) * chunk_row, (b - offsets[0]) * chunk_row)
+            piece = np.frombuffer(raw, dtype=np.uint8).reshape((b - a, *sizes[1:]))
+            target = (slice(a - r0, b - r0),) + tuple(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:]))
+            slab[target] = piece
+        flat = slab.reshape(-1)
+        return flat[begin - r0 * row_bytes: end - r0 * row_bytes].tobytes()
+
+    def _fd(self, path: str) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY)
+        return fd
+
+    def close(self) -> None:
+        self._loaded = None
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def _itemsize(dtype: str) -> int:
+    from ..units import DTYPE_BITS
+
+    return DTYPE_BITS[dtype] // 8
+
+
+def _byte_shape(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """A shape measured in bytes along the last dimension; a scalar is one row of one item."""
+    if not shape:
+        return (itemsize,)
+    return (*shape[:-1], shape[-1] * itemsize)
+
+
+def _byte_offsets(offsets: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    if not offsets:
+        return (0,)
+    return (*offsets[:-1], offsets[-1] * itemsize)
+
+
+def _entry(t: _Tensor) -> TensorEntry:
+    from ..units import tensor_nbytes
+
+    nbytes = tensor_nbytes(t.dtype, t.shape)
+    only = t.chunks[0] if len(t.chunks) == 1 else None
+    if only is not None and only.data_offset is not None:
+        return TensorEntry(t.name, t.dtype, t.shape, nbytes, only.file, only.data_offset)
+    return TensorEntry(t.name, t.dtype, t.shape, nbytes)
+
+
+# ----------------------------------------------------------------------------- opening
+
+def open_dcp(folder: str, *, key: str | None = None) -> DCPSource:
+    """Open a DCP folder (see the module docstring).
+
+    >>> with open_dcp("fsdp-checkpoint/") as src:    # doctest: +SKIP
+    ...     [e.name for e in src.entries()][:2]
+    """
+    metadata = load_metadata(folder)
+    paths = getattr(metadata, "planner_data", None) or {}
+    selected = _select(metadata.state_dict_metadata, paths, key=key, where=folder)
+    storage = {(k.fqn, tuple(k.offset) if k.offset is not None else None): v for k, v in metadata.storage_data.items()}
+    tensors = [_build_tensor(folder, fqn, name, metadata.state_dict_metadata[fqn], storage) for fqn, name in selected]
+    _locate_all(tensors)
+    chosen = f" (key {key!r})" if key else ""
+    return DCPSource(folder, tensors, description=f"DCP checkpoint {folder}{chosen}")
+
+
+def _select(items: dict[str, Any], paths: dict[str, Any], *, key: str | None, where: str) -> list[tuple[str, str]]:
+    """(fqn, output name) pairs of the chosen sub-dict, in metadata order; non-tensors refused."""
+    def path_of(fqn: str) -> tuple[str, ...]:
+        return tuple(str(p) for p in paths.get(fqn, (fqn,)))
+
+    parts = tuple(key.split("/")) if key else _auto_key(items, path_of, where)
+    chosen = [(fqn, ".".join(path_of(fqn)[len(parts):])) for fqn in items
+              if path_of(fqn)[: len(parts)] == parts and len(path_of(fqn)) > len(parts)]
+    if not chosen:
+        tops = sorted({path_of(f)[0] for f in items})
+        raise InvalidInputError(f"{where}: key {key!r} not found; top-level keys are: {', '.join(tops[:20])}")
+    bad = [fqn for fqn, _ in chosen if not hasattr(items[fqn], "chunks")]
+    if bad:
+        raise InvalidInputError(
+            f"{where}: {len(bad)} value(s) are not tensors: {', '.join(repr(b) for b in bad[:5])}"
+            f"{' ...' if len(bad) > 5 else ''}; select the model's state dict with --key (key=...)"
+        )
+    return chosen
+
+
+def _auto_key(items: dict[str, Any], path_of: Any, where: str) -> tuple[str, ...]:
+    tops = {path_of(f)[0] for f in items if len(path_of(f)) > 1}
+    for candidate in STATE_DICT_KEYS:
+        if candidate in tops:
+            others = sorted({path_of(f)[0] for f in items} - {candidate})
+            if others:
+                warnings.warn(f"{where}: converting the {candidate!r} state dict; also present: "
+                              f"{', '.join(others[:10])} (choose with --key)", ShardkitWarning, stacklevel=4)
+            return (candidate,)
+    return ()
+
+
+def _build_tensor(folder: str, fqn: str, name: str, meta: Any, storage: dict) -> _Tensor:
+    from ..torch_dtypes import from_torch
+
+    chunks = []
+    for chunk in meta.chunks:
+        info = storage.get((fqn, tuple(chunk.offsets)))
+        if info is None:
+            raise InvalidInputError(f"{folder}: .metadata lists a chunk of {fqn!r} at {list(chunk.offsets)} with no storage record")
+        if getattr(info, "transform_descriptors", None):
+            raise InvalidInputError(
+                f"{folder}: tensor {fqn!r} is stored with transforms {list(info.transform_descriptors)} "
+                "(e.g. compression); only plain DCP checkpoints are supported"
+            )
+        path = os.path.join(folder, info.relative_path)
+        chunks.append(_Chunk(tuple(chunk.offsets), tuple(chunk.sizes), path, info.offset, info.length))
+    return _Tensor(name, from_torch(meta.properties.dtype), tuple(meta.size), chunks)
+
+
+def _locate_all(tensors: list[_Tensor]) -> None:
+    """Check every data file exists and is long enough, then find each chunk's bytes."""
+    handles: dict[str, Any] = {}
+    try:
+        for t in tensors:
+            for chunk in t.chunks:
+                f = handles.get(chunk.file)
+                if f is None:
+                    if not os.path.isfile(chunk.file):
+                        raise SourceNotFoundError(
+                            f"{os.path.dirname(chunk.file)}: .metadata names data file "
+                            f"{os.path.basename(chunk.file)}, which does not exist (tensor {t.name!r})"
+                        )
+                    f = handles[chunk.file] = open(chunk.file, "rb")
+                if chunk.blob_offset + chunk.blob_length > os.fstat(f.fileno()).st_size:
+                    raise InvalidInputError(f"{chunk.file}: shorter than .metadata says (truncated?); tensor {t.name!r}")
+                chunk.data_offset = locate_chunk(chunk, f, dtype=t.dtype, itemsize=_itemsize(t.dtype))
+    finally:
+        for f in handles.values():
+            f.close()

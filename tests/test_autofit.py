@@ -1,0 +1,161 @@
+"""The fit planner: pure ranking on fake sizes, and fit="auto" on a tiny real pipeline."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardkit.autofit import Budget, FitError, FitPlan, Margin, fit, plan_fit
+from shardkit.fit_sizes import ComponentProfile
+
+GB = 10**9
+NO_MARGIN = Margin(0.0, 0)
+
+
+def fake_pipeline(*, vae_tiling: bool = True, castable: bool = True) -> list[ComponentProfile]:
+    """Sizes shaped like a small SD pipeline (GB-scale round numbers so the peaks are easy to read).
+
+    all on one GPU: 6.2 weights + 3.0 VAE decode = 9.2; tiling drops the decode to 0.5.
+    """
+    vae_acts = {"": 3 * GB, "vae_slicing": 3 * GB}
+    if vae_tiling:
+        vae_acts.update({"vae_tiling": GB // 2, "vae_slicing+vae_tiling": GB // 2})
+    return [
+        ComponentProfile("text_encoder", "text_encoder", weight_bytes=GB, leaf_bytes=GB // 5,
+                         activation_bytes={"": GB // 10}),
+        ComponentProfile("unet", "denoiser", weight_bytes=5 * GB, block_bytes=(4 * GB // 10,) * 10,
+                         leaf_bytes=GB // 10, castable_bytes=4 * GB if castable else 0, dtype_bytes=2,
+                         activation_bytes={"": GB, "attention_slicing": 3 * GB // 2}),
+        ComponentProfile("vae", "vae", weight_bytes=GB // 5, leaf_bytes=GB // 20, activation_bytes=vae_acts),
+    ]
+
+
+def choose(gpu_gb: float, **kwargs: object) -> FitPlan:
+    return plan_fit(fake_pipeline(**kwargs.pop("profile", {})), Budget((int(gpu_gb * GB),)),  # type: ignore[arg-type]
+                    margin=NO_MARGIN, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("gpu_gb, kwargs, expected", [
+    (10, {}, "gpu"),
+    (7.5, {}, "gpu+vae_tiling"),
+    (6.5, {}, "gpu+fp8+vae_tiling"),
+    (6.5, {"allow_fp8": False}, "model_offload"),
+    (4.5, {}, "group_block_stream"),
+    (4.5, {"streams": False}, "model_offload+fp8"),
+    (3.0, {"allow_fp8": False}, "group_block_stream+vae_tiling"),
+    (1.5, {"allow_fp8": False}, "group_leaf_stream+vae_tiling"),
+    (3.7, {"allow_fp8": False, "streams": False}, "group_block_4"),
+    (3.0, {"allow_fp8": False, "streams": False}, "group_block_2+vae_tiling"),
+    (2.5, {"allow_fp8": False, "streams": False}, "group_block_1+vae_tiling"),
+    (1.15, {"allow_fp8": False, "streams": False}, "group_leaf+vae_tiling"),
+    (1.15, {"allow_fp8": False, "exclude": ["group"]}, "sequential+vae_tiling"),
+])
+def test_budget_forces_each_strategy(gpu_gb: float, kwargs: dict, expected: str) -> None:
+    plan = choose(gpu_gb, **kwargs)
+    assert plan.chosen.name == expected
+    # The pick fits, and every faster candidate was ruled out with a stated reason.
+    assert max(plan.chosen.peaks.gpu) <= gpu_gb * GB
+    faster = plan.candidates[:plan.candidates.index(plan.chosen)]
+    assert all(not c.fits and c.reason for c in faster)
+    assert len(plan.why()) == len(faster) + (1 if plan.chosen.switches else 0)
+
+
+def test_multi_gpu_balanced_and_staged() -> None:
+    # Two 6 GB GPUs: the 6.0 GB UNet + 1.0 GB activations needs a GPU of its own; the rest fits the other.
+    plan = plan_fit(fake_pipeline(), Budget((int(7.5 * GB), 6 * GB)), margin=NO_MARGIN)
+    assert plan.chosen.name == "balanced"
+    assert plan.setup()["device_map"] == {"unet": 0, "vae": 1, "text_encoder": 1}
+    # Two 5 GB GPUs: no GPU holds the whole UNet, so the staged split (denoiser blocks over both) wins
+    # over offloading.
+    plan = plan_fit(fake_pipeline(), Budget((5 * GB, 5 * GB)), margin=NO_MARGIN, allow_fp8=False)
+    assert plan.chosen.placement.name == "staged"
+    assert plan.setup()["device_map"]["unet"] == [0, 1]
+    assert all(p <= 5 * GB for p in plan.chosen.peaks.gpu)
+    assert any("balanced" in line for line in plan.why())
+
+
+def test_impossible_budget_names_the_smallest_budget_that_fits() -> None:
+    with pytest.raises(FitError) as info:
+        choose(0.5)
+    err = info.value
+    assert "smallest budget that would fit is --gpu" in str(err)
+    assert err.min_gpu_bytes is not None and err.min_gpu_bytes > 0.5 * GB
+    # The stated budget really is the smallest: it fits, and one byte less does not.
+    plan = plan_fit(fake_pipeline(), Budget((err.min_gpu_bytes,)), margin=NO_MARGIN)
+    assert plan.chosen.fits
+    with pytest.raises(FitError):
+        plan_fit(fake_pipeline(), Budget((err.min_gpu_bytes - 1,)), margin=NO_MARGIN)
+
+
+def test_impossible_cpu_budget_says_both_budgets() -> None:
+    with pytest.raises(FitError) as info:
+        plan_fit(fake_pipeline(), Budget((GB,), cpu_bytes=GB), margin=NO_MARGIN)
+    # Either a bigger GPU with the same RAM, or the smallest GPU with the RAM offloading needs
+    # (offloaded weights live in CPU RAM).
+    message = str(info.value)
+    assert "--gpu 5.30 GB (all on one GPU" in message
+    assert ", or --gpu 1.10 GB --cpu 6.20 GB (group offload, leaf" in message
+    assert info.value.min_gpu_bytes == int(5.3 * GB) and info.value.min_cpu_bytes == 0
+
+
+def test_margin_is_applied_per_device() -> None:
+    margin = Margin(0.10, 512 * 2**20)
+    need = 9_200_000_000  # all on one GPU, see fake_pipeline
+    assert plan_fit(fake_pipeline(), Budget((margin.budget_for(need, gpu=True),)), margin=margin).chosen.name == "gpu"
+    plan = plan_fit(fake_pipeline(), Budget((margin.budget_for(need, gpu=True) - 1,)), margin=margin)
+    assert plan.chosen.name == "gpu+vae_tiling"
+    assert any(line.startswith("all on one GPU without vae tiling: cuda:0 would need 9.20 GB") and "usable" in line
+               for line in plan.why())
+
+
+def test_options_a_component_lacks_are_never_chosen() -> None:
+    # Without VAE tiling, 7.5 GB cannot keep everything on the GPU (decode 3.0 GB): the planner
+    # must pick something else rather than a switch the VAE does not have.
+    profiles = fake_pipeline(vae_tiling=False)
+    for gpu_gb in (10, 7.5, 6.5, 4.5, 3.5, 2.0):
+        try:
+            plan = plan_fit(profiles, Budget((int(gpu_gb * GB),)), margin=NO_MARGIN)
+        except FitError:
+            continue
+        assert all("vae_tiling" not in c.switches for c in plan.candidates)
+    assert plan_fit(profiles, Budget((int(7.5 * GB),)), margin=NO_MARGIN).chosen.name == "gpu+fp8"
+    # No castable layers: no fp8 candidate at all.
+    plan = plan_fit(fake_pipeline(castable=False), Budget((int(6.5 * GB),)), margin=NO_MARGIN)
+    assert not any(c.fp8 for c in plan.candidates)
+
+
+def test_attention_slicing_only_when_it_lowers_the_peak() -> None:
+    # With SDPA the sliced activation is larger: never chosen. With eager attention it is smaller.
+    for plan in (choose(g) for g in (10, 7.5, 4.5, 3.0)):
+        assert "attention_slicing" not in plan.chosen.switches
+    eager = fake_pipeline()
+    eager[1] = ComponentProfile("unet", "denoiser", weight_bytes=5 * GB, leaf_bytes=GB // 10,
+                                activation_bytes={"": 4 * GB, "attention_slicing": 2 * GB})
+    plan = plan_fit(eager, Budget((int(8.5 * GB),)), margin=NO_MARGIN)
+    assert plan.chosen.name == "gpu+attention_slicing+vae_tiling"
+
+
+def test_budget_parsing_and_input_errors() -> None:
+    budget = Budget.parse(max_memory={1: "16GB", 0: "8GB", "cpu": "24GiB"})
+    assert budget == Budget((8 * GB, 16 * GB), 24 * 2**30)
+    assert Budget.parse(["8GB", "16GB"], "1GB") == Budget((8 * GB, 16 * GB), GB)
+    with pytest.raises(Exception, match="unknown device"):
+        Budget.parse(max_memory={"tpu": "8GB"})
+    with pytest.raises(Exception, match="no memory budget"):
+        plan_fit(fake_pipeline(), Budget())
+    # CPU-only budget: everything on the CPU.
+    assert plan_fit(fake_pipeline(), Budget((), 20 * GB), margin=NO_MARGIN).chosen.name == "cpu"
+    with pytest.raises(FitError, match="--cpu"):
+        plan_fit(fake_pipeline(), Budget((), GB), margin=NO_MARGIN)
+
+
+def test_plan_explains_itself() -> None:
+    plan = choose(4.5, streams=False)
+    text = str(plan)
+    assert text.startswith("chosen: model offload + fp8 layerwise casting")
+    assert "cuda:0" in text and "faster setups ruled out" in text
+    data = plan.to_dict()
+    assert data["chosen"]["name"] == "model_offload+fp8"
+    assert data["setup"]["offload"] == "model"
+    assert data["setup"]["layerwise_casting"] == ("float8_e4m3fn", "bfloat16")
+    assert [c["name"] for c in data["candidates"]][: len(plan.why())] == [c.name for c in plan.candidates][: len(plan.why())]
+    assert fit(fake_pipeline(), gpu="4.5GB", margin=NO_MARGIN, device="cpu").chosen.name == "model_offload+fp8"

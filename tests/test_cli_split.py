@@ -1,0 +1,387 @@
+"""``shardkit split`` on the command line: output, options, and every bad input of issue 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+from conftest import (
+    SHARDKIT_BIN,
+    assert_bit_equal,
+    assert_one_line_error,
+    leftovers,
+    load_folder,
+    make_state_dict,
+    raw_header,
+    snapshot,
+    write_raw_safetensors,
+)
+
+from shardkit.format import MAX_HEADER_BYTES
+
+
+def _good_file(tmp_path: Path) -> Path:
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model.safetensors"
+    save_file(make_state_dict(["F32", "I64", "BF16"], shapes=[(30,), (5, 5)]), str(path))
+    return path
+
+
+# ------------------------------------------------------------------ happy paths
+
+def test_split_prints_a_summary_and_writes_shards(run_cli, tmp_path: Path) -> None:
+    src = _good_file(tmp_path)
+    out = tmp_path / "out"
+    result = run_cli("split", src, out, "--max-shard-size", "200")
+    assert result.exit_code == 0, result.stderr
+    assert "model-00001-of-" in result.stdout and "model.safetensors.index.json" in result.stdout
+    assert "wrote" in result.stdout and str(out) in result.stdout
+    from safetensors.torch import load_file
+
+    assert_bit_equal(load_folder(out), load_file(str(src)))
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(run_cli, tmp_path: Path) -> None:
+    src = _good_file(tmp_path)
+    before = snapshot(tmp_path)
+    result = run_cli("split", src, tmp_path / "out", "--max-shard-size", "200", "--dry-run")
+    assert result.exit_code == 0, result.stderr
+    assert snapshot(tmp_path) == before
+    lines = result.stdout.splitlines()
+    assert lines[-1].startswith("would write")
+    shard_lines = [line for line in lines if line.startswith("  model-")]
+    assert shard_lines and all("tensors" in line and "B" in line for line in shard_lines)
+
+
+def test_json_summary(run_cli, tmp_path: Path) -> None:
+    src = _good_file(tmp_path)
+    result = run_cli("split", src, tmp_path / "out", "--max-shard-size", "200", "--json")
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["index"] == "model.safetensors.index.json"
+    assert doc["dry_run"] is False and doc["max_shard_bytes"] == 200
+    assert [s["file"] for s in doc["shards"]] == sorted(p.name for p in (tmp_path / "out").glob("*.safetensors"))
+    assert sum(s["bytes"] for s in doc["shards"]) == doc["total_bytes"]
+    dry = json.loads(run_cli("split", src, tmp_path / "out2", "--json", "--dry-run").stdout)
+    assert dry["dry_run"] is True and len(dry["shards"]) == 1 and dry["index"] is None
+
+
+def test_quiet_prints_nothing_and_default_shows_progress(run_cli, tmp_path: Path) -> None:
+    src = _good_file(tmp_path)
+    quiet = run_cli("split", src, tmp_path / "q", "--max-shard-size", "200", "-q")
+    assert quiet.exit_code == 0 and quiet.stdout == "" and quiet.stderr == ""
+    loud = run_cli("split", src, tmp_path / "l", "--max-shard-size", "200")
+    assert "split" in loud.stderr  # the tqdm bar, in bytes
+
+
+def test_help_has_examples_and_units(run_cli) -> None:
+    result = run_cli("split", "--help")
+    assert result.exit_code == 0
+    for text in ("Examples:", "shardkit split", "--max-shard-size", "--dry-run", "--overwrite", "GiB", "10"):
+        assert text in result.stdout
+    top = run_cli("--help")
+    assert "split" in top.stdout and "Examples" in top.stdout
+
+
+def test_dtype_and_naming_options(run_cli, tmp_path: Path) -> None:
+    import torch
+
+    src = _good_file(tmp_path)
+    result = run_cli("split", src, tmp_path / "out", "--dtype", "bf16", "--name", "diffusion_pytorch_model",
+                     "--variant", "bf16", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["diffusion_pytorch_model.bf16.safetensors"]
+    loaded = load_folder(tmp_path / "out")
+    assert loaded["layers.F32.0"].dtype == torch.bfloat16 and loaded["layers.I64.0"].dtype == torch.int64
+
+
+def test_in_place_reshard_with_overwrite(run_cli, tmp_path: Path) -> None:
+    src = _good_file(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    assert run_cli("split", src, ckpt, "--max-shard-size", "100", "-q").exit_code == 0
+    refused = run_cli("split", ckpt, ckpt, "--max-shard-size", "400")
+    assert_one_line_error(refused, contains="--overwrite")
+    result = run_cli("split", ckpt, ckpt, "--max-shard-size", "400", "--overwrite", "-q")
+    assert result.exit_code == 0, result.stderr
+    from safetensors.torch import load_file
+
+    assert_bit_equal(load_folder(ckpt), load_file(str(src)))
+    assert leftovers(tmp_path) == []
+
+
+# ------------------------------------------------------------------ bad inputs
+
+def _entry(dtype: str = "F32", shape: object = (2,), offsets: object = (0, 8)) -> dict:
+    return {"dtype": dtype, "shape": list(shape) if isinstance(shape, tuple) else shape,
+            "data_offsets": list(offsets) if isinstance(offsets, tuple) else offsets}
+
+
+def _raw(header: object, data: bytes = b"\0" * 8, **kw: object) -> Callable[[Path], Path]:
+    return lambda tmp: write_raw_safetensors(tmp / "bad.safetensors", header, data, **kw)
+
+
+def _truncated(tmp: Path) -> Path:
+    path = _good_file(tmp)
+    path.write_bytes(path.read_bytes()[:-7])
+    return path
+
+
+def _empty_folder(tmp: Path) -> Path:
+    (tmp / "empty").mkdir()
+    (tmp / "empty" / "config.json").write_text("{}")
+    return tmp / "empty"
+
+
+def _sharded(tmp: Path, mutate: Callable[[Path, dict], None]) -> Path:
+    import shardkit
+
+    shardkit.split(_good_file(tmp), tmp / "ckpt", max_shard_size=150)
+    index_path = tmp / "ckpt" / "model.safetensors.index.json"
+    doc = json.loads(index_path.read_text())
+    mutate(tmp / "ckpt", doc["weight_map"])
+    index_path.write_text(json.dumps(doc))
+    return tmp / "ckpt"
+
+
+def _dup_across_shards(folder: Path, wm: dict) -> None:
+    from safetensors.torch import load_file, save_file
+
+    first, second = sorted(set(wm.values()))[:2]
+    both = {**load_file(str(folder / second)), **load_file(str(folder / first))}
+    save_file(both, str(folder / second))
+
+
+def _move_to_another_shard(folder: Path, wm: dict) -> None:
+    name = next(iter(wm))
+    wm[name] = next(shard for shard in sorted(set(wm.values())) if shard != wm[name])
+
+
+def _missing_from_index(folder: Path, wm: dict) -> None:
+    del wm[sorted(wm)[0]]
+
+
+def _pickle_with(tmp: Path, extra: object) -> Path:
+    import torch
+
+    path = tmp / "model.pt"
+    torch.save({"w": torch.zeros(2), "extra": extra}, path)
+    return path
+
+
+BAD_SOURCES: dict[str, tuple[Callable[[Path], Path], str]] = {
+    "missing source": (lambda tmp: tmp / "nope.safetensors", "no such"),
+    "folder with no checkpoint": (_empty_folder, "no checkpoint"),
+    "truncated file": (_truncated, "truncated"),
+    "header past EOF": (_raw({"a": _entry()}, length=4096), "past the end"),
+    "header over 100 MB": (_raw({"a": _entry()}, length=MAX_HEADER_BYTES + 8), "limit"),
+    "header not UTF-8": (_raw(b'{"\xff": 1}'), "utf-8"),
+    "header not JSON": (_raw(b"{nope"), "json"),
+    "header not an object": (_raw(b"[]"), "'{'"),
+    "entry missing fields": (_raw({"a": {"dtype": "F32", "shape": [2]}}), "missing"),
+    "entry ill-typed": (_raw({"a": _entry(offsets="0-8")}), "data_offsets"),
+    "unknown dtype": (_raw({"a": _entry(dtype="F7")}), "unknown dtype"),
+    "negative shape": (_raw({"a": _entry(shape=[-2])}), "shape"),
+    "non-integer shape": (_raw({"a": _entry(shape=[2.5])}), "shape"),
+    "offsets out of bounds": (_raw({"a": _entry(shape=(4,), offsets=(0, 16))}), "truncated"),
+    "offsets overlapping": (_raw({"a": _entry(), "b": _entry(shape=(1,), offsets=(4, 8))}), "overlaps"),
+    "offsets with a gap": (_raw({"a": _entry(shape=(1,), offsets=(4, 8))}), "gap"),
+    "offsets reversed": (_raw({"a": _entry(shape=(0,), offsets=(8, 0))}), "reversed"),
+    "size not matching shape": (_raw({"a": _entry(shape=(3,))}), "needs 12"),
+    "same tensor in two shards": (lambda tmp: _sharded(tmp, _dup_across_shards), "both"),
+    "index names a missing shard": (
+        lambda tmp: _sharded(tmp, lambda f, wm: wm.update({next(iter(wm)): "model-00099-of-00099.safetensors"})),
+        "does not exist"),
+    "index absolute path": (
+        lambda tmp: _sharded(tmp, lambda f, wm: wm.update({next(iter(wm)): str(f / wm[next(iter(wm))])})),
+        "absolute"),
+    "index dot dot": (
+        lambda tmp: _sharded(tmp, lambda f, wm: wm.update({next(iter(wm)): "../model.safetensors"})), "path"),
+    "tensor not in its shard": (
+        lambda tmp: _sharded(tmp, _move_to_another_shard),
+        "not in its shard"),
+    "shard tensor missing from index": (lambda tmp: _sharded(tmp, _missing_from_index), "missing from the index"),
+    "pickle with non-tensor objects": (lambda tmp: _pickle_with(tmp, {"step": 3}), "not tensors"),
+    "pickle with a non-allowlisted class": (lambda tmp: _pickle_with(tmp, ValueError("x")), "refused to unpickle"),
+    "not a checkpoint file": (lambda tmp: (tmp / "notes.txt", (tmp / "notes.txt").write_text("hi"))[0],
+                              "unsupported"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_SOURCES))
+def test_bad_source_gets_one_line_error_and_no_output(run_cli, tmp_path: Path, case: str) -> None:
+    build, fragment = BAD_SOURCES[case]
+    src = build(tmp_path)
+    before = snapshot(tmp_path)
+    out = tmp_path / "out"
+    result = run_cli("split", src, out, "--max-shard-size", "100")
+    line = assert_one_line_error(result, contains=fragment)
+    assert line.startswith("error: ")
+    assert not out.exists()
+    assert snapshot(tmp_path) == before, "nothing written, source untouched"
+
+
+@pytest.mark.parametrize("size", ["5XB", "0", "-1GB", "abc", "1.5.2GB", ""])
+def test_bad_max_shard_size(run_cli, tmp_path: Path, size: str) -> None:
+    src = _good_file(tmp_path)
+    result = run_cli("split", src, tmp_path / "out", "--max-shard-size", size)
+    assert_one_line_error(result, contains="--max-shard-size")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--dtype", "int4"], "--dtype"),
+    (["--dtype", "fp8_e4m3"], "--allow-lossy"),
+    (["--name", "a/b"], "--name"),
+    (["--key", "nope"], None),  # a key on a safetensors source is ignored
+])
+def test_bad_options(run_cli, tmp_path: Path, args: list[str], fragment: str | None) -> None:
+    src = _good_file(tmp_path)
+    result = run_cli("split", src, tmp_path / "out", *args)
+    if fragment is None:
+        assert result.exit_code == 0
+        return
+    assert_one_line_error(result, contains=fragment)
+    assert not (tmp_path / "out").exists()
+
+
+def test_usage_errors_are_one_line(run_cli) -> None:
+    assert_one_line_error(run_cli("split", "only-one-arg"), contains="missing argument")
+    assert_one_line_error(run_cli("nosuchcommand"), contains="no such command")
+
+
+def test_output_already_exists(run_cli, tmp_path: Path) -> None:
+    src = _good_file(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"precious")
+    assert_one_line_error(run_cli("split", src, out), contains="exists")
+    assert (out / "model.safetensors").read_bytes() == b"precious"
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    assert_one_line_error(run_cli("split", src, afile), contains="is a file")
+    assert afile.read_text() == "x"
+
+
+def test_malicious_pickle_payload_never_runs(run_cli, tmp_path: Path) -> None:
+    import torch
+
+    marker = tmp_path / "PWNED"
+
+    class Payload:
+        def __reduce__(self) -> tuple:
+            return (os.system, (f"touch {marker}",))
+
+    path = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "payload": Payload()}, path)
+    result = run_cli("split", path, tmp_path / "out")
+    assert_one_line_error(result, contains="never executes pickled code")
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists()
+    # and the payload is real: a plain torch.load would run it
+    torch.load(path, weights_only=False)
+    assert marker.exists()
+
+
+# ------------------------------------------------------------------ real processes: full disk, kill, Ctrl-C
+
+def _limit_file_size(max_bytes: int) -> Callable[[], None]:
+    def preexec() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, resource.RLIM_INFINITY))
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG instead of being killed
+
+    return preexec
+
+
+def _sparse_source(path: Path, n_tensors: int, tensor_bytes: int) -> Path:
+    doc, size = raw_header([(f"t.{i:03d}", "F32", [tensor_bytes // 4], tensor_bytes) for i in range(n_tensors)])
+    write_raw_safetensors(path, doc, pad=True)
+    with open(path, "r+b") as f:
+        f.truncate(f.seek(0, 2) + size)
+    return path
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+def test_disk_full_mid_write_leaves_nothing(run_shardkit, tmp_path: Path, dtype: str | None) -> None:
+    src = _sparse_source(tmp_path / "src.safetensors", 8, 256 * 1024)
+    out = tmp_path / "out"
+    args = ["split", src, out, "--max-shard-size", "600KB", "-q"] + (["--dtype", dtype] if dtype else [])
+    done = run_shardkit(*args, preexec_fn=_limit_file_size(300_000))
+    assert_one_line_error(done, contains="too large")
+    assert not out.exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_disk_full_during_in_place_reshard_keeps_the_old_checkpoint(run_shardkit, tmp_path: Path) -> None:
+    src = _sparse_source(tmp_path / "src.safetensors", 8, 256 * 1024)
+    ckpt = tmp_path / "ckpt"
+    assert run_shardkit("split", src, ckpt, "--max-shard-size", "600KB", "-q").returncode == 0
+    before = snapshot(ckpt)
+    done = run_shardkit("split", ckpt, ckpt, "--max-shard-size", "2MB", "--overwrite", "-q",
+                        preexec_fn=_limit_file_size(700_000))
+    assert_one_line_error(done, contains="too large")
+    assert snapshot(ckpt) == before
+    assert leftovers(tmp_path) == []
+
+
+def _start_and_kill_mid_write(args: list[object], staging_parent: Path, sig: int,
+                              tmp_marker: str) -> subprocess.Popen:
+    """Start the CLI, wait until a shard is being written, then send ``sig``."""
+    proc = subprocess.Popen([SHARDKIT_BIN, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        writing = [p for p in staging_parent.rglob("*.safetensors") if tmp_marker in str(p) and p.stat().st_size]
+        if writing:
+            proc.send_signal(sig)
+            break
+        time.sleep(0.002)
+    proc.wait(timeout=120)
+    return proc
+
+
+def test_sigkill_mid_write_publishes_nothing_and_next_run_cleans_up(tmp_path: Path) -> None:
+    src = _sparse_source(tmp_path / "src.safetensors", 6, 12 * 2**20)  # 72 MB
+    out = tmp_path / "out"
+    args = ["split", src, out, "--max-shard-size", "20MB", "--dtype", "bf16", "-q"]
+    proc = _start_and_kill_mid_write(args, tmp_path, signal.SIGKILL, ".out.shardkit-tmp-")
+    assert proc.returncode == -signal.SIGKILL, "the process finished before it could be killed"
+    assert not out.exists()
+    assert any(".shardkit-tmp-" in name for name in os.listdir(tmp_path)), "staging of the killed run"
+    done = subprocess.run([SHARDKIT_BIN, *map(str, args)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert leftovers(tmp_path) == []
+    assert len(list(out.glob("*.safetensors"))) == 3
+
+
+def test_sigkill_during_in_place_reshard_keeps_the_old_checkpoint(tmp_path: Path) -> None:
+    src = _sparse_source(tmp_path / "src.safetensors", 6, 12 * 2**20)
+    ckpt = tmp_path / "ckpt"
+    subprocess.run([SHARDKIT_BIN, "split", src, ckpt, "--max-shard-size", "30MB", "-q"], check=True)
+    before = snapshot(ckpt)
+    args = ["split", ckpt, ckpt, "--max-shard-size", "20MB", "--dtype", "bf16", "--overwrite", "-q"]
+    proc = _start_and_kill_mid_write(args, ckpt, signal.SIGKILL, ".shardkit-tmp-")
+    assert proc.returncode == -signal.SIGKILL
+    assert {k: v for k, v in snapshot(ckpt).items() if ".shardkit-" not in k} == before
+    import shardkit
+
+    shardkit.split(ckpt, tmp_path / "check", max_shard_size="1GB")  # the old checkpoint still reads cleanly
+    assert leftovers(ckpt) == [], "reading the folder removed the dead writer's temporaries"
+
+
+def test_ctrl_c_mid_write_exits_130_and_leaves_nothing(tmp_path: Path) -> None:
+    src = _sparse_source(tmp_path / "src.safetensors", 6, 12 * 2**20)
+    out = tmp_path / "out"
+    args = ["split", src, out, "--max-shard-size", "20MB", "--dtype", "bf16", "-q"]
+    proc = _start_and_kill_mid_write(args, tmp_path, signal.SIGINT, ".out.shardkit-tmp-")
+    assert proc.returncode == 130, proc.stderr.read()
+    assert "interrupted" in proc.stderr.read()
+    assert not out.exists()
+    assert leftovers(tmp_path) == []

@@ -1,0 +1,141 @@
+"""Basic behaviour of the atomic output transaction (crash and full-disk cases live elsewhere)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import leftovers
+
+from shardkit.commit import JOURNAL, OutputTransaction, atomic_output_file, publish_file, recover
+from shardkit.errors import OutputExistsError, ShardkitError, ShardkitWriteError
+
+
+def _write(tx: OutputTransaction, name: str, data: bytes) -> None:
+    with open(tx.path_for(name), "xb") as f:
+        f.write(data)
+
+
+def test_fresh_output_appears_all_at_once(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with OutputTransaction(out) as tx:
+        _write(tx, "a.safetensors", b"a")
+        _write(tx, "unet/b.safetensors", b"b")
+        tx.write_bytes("model.safetensors.index.json", b"{}")
+        assert not out.exists(), "nothing is visible before commit"
+        tx.commit(last="model.safetensors.index.json")
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == [
+        "a.safetensors", "model.safetensors.index.json", "unet", "unet/b.safetensors"]
+    assert leftovers(tmp_path) == []
+
+
+def test_empty_existing_folder_counts_as_fresh(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    with OutputTransaction(out) as tx:
+        _write(tx, "a.safetensors", b"a")
+        tx.commit()
+    assert (out / "a.safetensors").read_bytes() == b"a"
+    assert leftovers(tmp_path) == []
+
+
+def test_failure_before_commit_leaves_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError), OutputTransaction(out) as tx:
+        _write(tx, "a.safetensors", b"a")
+        raise RuntimeError("boom")
+    assert not out.exists()
+    assert os.listdir(tmp_path) == []
+
+
+def test_existing_output_is_refused_without_overwrite(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"old")
+    with pytest.raises(OutputExistsError, match="--overwrite"):
+        OutputTransaction(out).__enter__()
+    assert (out / "model.safetensors").read_bytes() == b"old"
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    with pytest.raises(OutputExistsError, match="is a file"):
+        OutputTransaction(afile).__enter__()
+    with pytest.raises(ShardkitWriteError, match="parent folder"):
+        OutputTransaction(tmp_path / "no" / "such" / "out").__enter__()
+
+
+def test_overwrite_replaces_checkpoint_files_and_keeps_others(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                 "model.safetensors.index.json", "config.json", "README.md"):
+        (out / name).write_text("old " + name)
+    stale = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    with OutputTransaction(out, overwrite=True, stale=stale) as tx:
+        _write(tx, "model.safetensors", b"new")
+        assert (out / "model.safetensors.index.json").exists(), "old checkpoint intact until commit"
+        tx.commit()
+    assert sorted(os.listdir(out)) == ["README.md", "config.json", "model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == b"new"
+    assert (out / "config.json").read_text() == "old config.json"
+
+
+def test_overwrite_failure_keeps_the_old_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"old")
+    with pytest.raises(RuntimeError), OutputTransaction(out, overwrite=True, stale=["model.safetensors"]) as tx:
+        _write(tx, "model.safetensors", b"new")
+        raise RuntimeError("boom")
+    assert os.listdir(out) == ["model.safetensors"]
+    assert (out / "model.safetensors").read_bytes() == b"old"
+
+
+def test_a_second_writer_on_the_same_folder_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"old")
+    with OutputTransaction(out, overwrite=True) as tx:
+        with pytest.raises(OutputExistsError, match="another shardkit process"):
+            OutputTransaction(out, overwrite=True).__enter__()
+        tx.commit()
+
+
+def test_recover_rolls_a_journal_forward_and_removes_temporaries(tmp_path: Path) -> None:
+    (tmp_path / ".shardkit-tmp-1-abcd-model.safetensors").write_bytes(b"new")
+    (tmp_path / ".shardkit-tmp-9-ffff-orphan.safetensors").write_bytes(b"junk")
+    (tmp_path / "model.safetensors.index.json").write_text("old index")
+    (tmp_path / "model-00001-of-00001.safetensors").write_bytes(b"old")
+    (tmp_path / JOURNAL).write_text(json.dumps({
+        "remove_first": ["model.safetensors.index.json"],
+        "renames": [[".shardkit-tmp-1-abcd-model.safetensors", "model.safetensors"]],
+        "delete": ["model-00001-of-00001.safetensors"],
+    }))
+    recover(str(tmp_path))
+    assert os.listdir(tmp_path) == ["model.safetensors"]
+    assert (tmp_path / "model.safetensors").read_bytes() == b"new"
+    recover(str(tmp_path / "missing"))  # no-op
+
+
+def test_path_for_refuses_escaping_names(tmp_path: Path) -> None:
+    with OutputTransaction(tmp_path / "out") as tx:
+        for bad in ("/abs.safetensors", "../up.safetensors", "a/../../b.safetensors"):
+            with pytest.raises(ValueError):
+                tx.path_for(bad)
+
+
+def test_single_file_output(tmp_path: Path) -> None:
+    target = tmp_path / "merged.safetensors"
+    tmp = atomic_output_file(str(target))
+    assert os.path.dirname(tmp) == str(tmp_path) and ".shardkit-tmp-" in tmp
+    Path(tmp).write_bytes(b"data")
+    publish_file(tmp, str(target))
+    assert target.read_bytes() == b"data" and os.listdir(tmp_path) == ["merged.safetensors"]
+    with pytest.raises(OutputExistsError):
+        atomic_output_file(str(target))
+    assert atomic_output_file(str(target), overwrite=True)
+    with pytest.raises(OutputExistsError, match="folder"):
+        atomic_output_file(str(tmp_path), overwrite=True)
+    with pytest.raises(ShardkitError, match="does not exist"):
+        atomic_output_file(str(tmp_path / "nope" / "x.safetensors"))
