@@ -15,7 +15,7 @@ all on one GPU              1.0x   Σ weights + largest activation
 balanced across GPUs        1.0x   per GPU: its whole components + their largest activation
 staged (denoiser split)     1.05x  per GPU: its share of denoiser blocks + other components
 model offload               1.25x  largest (component weights + its activations)
-group block, stream         1.35x  unmatched params + 2 blocks (prefetch) + activations
+group block, stream         1.35x  unmatched params + 2 adjacent blocks (prefetch) + activations
 group leaf, stream          1.5x   2 largest leaves + activations
 group block, n=4/2/1        1.7x–1.9x  unmatched params + n blocks + activations
 group leaf                  3.0x   largest leaf + activations
@@ -131,6 +131,8 @@ class FitPlan:
         peaks = ", ".join(f"{dev} {format_size(b)}" for dev, b in c.peak_by_device().items())
         lines = [f"chosen: {c.label} (speed {c.slowdown:.2f}x of all-on-one-GPU, {speed_class(c.slowdown)})",
                  f"estimated peak: {peaks}"]
+        if self.device and not str(self.device).startswith("cuda"):
+            lines.append(f"runs on: {self.device} (the GPU budget describes that device)")
         why = self.why()
         if why:
             lines.append("faster setups ruled out:")
@@ -155,6 +157,8 @@ def plan_fit(profiles: Sequence[ComponentProfile], budget: Budget, *, workload: 
     """
     if not profiles:
         raise InvalidInputError("nothing to fit: no component with weights")
+    if any(b <= 0 for b in budget.gpu_bytes) or (budget.cpu_bytes is not None and budget.cpu_bytes <= 0):
+        raise InvalidInputError("memory budgets must be greater than zero")
     if not budget.gpu_bytes and budget.cpu_bytes is None:
         raise InvalidInputError("no memory budget: give at least one GPU budget (--gpu 8GB) or a CPU budget")
     candidates = tuple(rank(profiles, budget, margin=margin, allow_fp8=allow_fp8, streams=streams, exclude=exclude))

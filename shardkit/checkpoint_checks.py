@@ -232,6 +232,13 @@ def check_stray_files(layout: Layout, referenced: set[str]) -> None:
                                        "transformers loads the single file, diffusers the shards; delete the stale one"))
 
 
+def naming_shards(layout: Layout) -> list[str]:
+    """Shard files in the folder that follow the checkpoint's naming (for an unreadable index)."""
+    stem, _ = _naming_of(layout)
+    return [n for n in sorted(os.listdir(layout.root))
+            if (m := _SHARD_NAME_RE.match(n)) and m["stem"] == stem and os.path.isfile(os.path.join(layout.root, n))]
+
+
 def _naming_of(layout: Layout) -> tuple[str, str]:
     """(shard stem, single-file name) of the checkpoint's naming, e.g. ('model.fp16', 'model.fp16.safetensors')."""
     if layout.index:

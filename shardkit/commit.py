@@ -462,7 +462,11 @@ def atomic_output_file(path: str, *, overwrite: bool = False) -> str:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
         raise ShardkitError(f"{folder}: folder of the output does not exist")
-    return os.path.join(folder, f"{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}-{os.path.basename(path)}")
+    base = os.path.basename(path)
+    for name in os.listdir(folder):  # temporaries of earlier, killed writes of this same file
+        if name.startswith(TMP_MARK) and name.endswith(f"-{base}") and _stale_tmp(name):
+            _remove(os.path.join(folder, name))
+    return os.path.join(folder, f"{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}-{base}")
 
 
 def publish_file(tmp: str, path: str) -> None:

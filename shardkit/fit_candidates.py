@@ -119,8 +119,13 @@ def _group_block(n: int, stream: bool) -> Callable[[View], int]:
     def unit(v: View) -> int:
         if not v.blocks:
             return v.weight
-        groups = max(sum(run[i:i + n]) for run in v.blocks for i in range(0, len(run), n))
-        return v.unmatched + groups * (2 if stream else 1)  # a stream prefetches the next group
+        window = 0
+        for run in v.blocks:
+            groups = [sum(run[i:i + n]) for i in range(0, len(run), n)]
+            # A stream prefetches the next group of the same list while the current one runs.
+            pairs = [a + b for a, b in zip(groups, groups[1:])] if stream and len(groups) > 1 else groups
+            window = max(window, *pairs)
+        return v.unmatched + window
     return unit
 
 

@@ -22,39 +22,23 @@ that transformers would load instead.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
-import re
-import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterator
 
-from .errors import HubError, InvalidInputError, ShardkitWarning, SourceNotFoundError, VerificationError
-from .index import add_variant
-from .units import format_size
+from .errors import HubError, InvalidInputError, VerificationError
+from .push_plan import (
+    LocalFile,
+    RemoteFile,
+    check_sizes,
+    clean_prefix,
+    collect_files,
+    plan_commits,
+    split_changed,
+    stale_files,
+)
 
-MAX_FILE_BYTES = 50 * 10**9  # the Hub refuses larger files
-WARN_FILE_BYTES = 20 * 10**9  # the Hub's recommended maximum
-MAX_FILES_PER_COMMIT = 100  # the Hub's advice; larger pushes take several commits
 ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
-
-_LAST_COMMIT_RE = re.compile(r"(^|/)(model_index\.json|[^/]+\.index(\.[^./]+)?\.json)$")
-_INDEX_RE = re.compile(r"^(?P<prefix>[^.]+)\.safetensors\.index(?:\.(?P<variant>[^.]+))?\.json$")
-_WEIGHTS_RE = re.compile(r"^(?P<stem>.+?)(?P<shard>-\d{5}-of-\d{5})?\.safetensors$")
-
-
-@dataclass(frozen=True)
-class LocalFile:
-    path_in_repo: str
-    local_path: str
-    size_bytes: int
-
-
-@dataclass(frozen=True)
-class RemoteFile:
-    size_bytes: int
-    blob_id: str
-    lfs_sha256: str | None
 
 
 @dataclass
@@ -102,58 +86,8 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
         raise InvalidInputError(f"--revision {revision} is a pull request already; push to it without --create-pr")
     with hub_errors(repo_id, revision or "main"), _client_silenced():
         return _Pusher(repo_id, repo_type=repo_type, token=token, revision=revision, create_pr=create_pr,
-                       private=private, dry_run=dry_run).run(files, prefix=_clean_prefix(path_in_repo),
+                       private=private, dry_run=dry_run).run(files, prefix=clean_prefix(path_in_repo),
                                                              message=message, progress=progress)
-
-
-# ----------------------------------------------------------------------------- local side
-
-def collect_files(path: str | os.PathLike[str], *, path_in_repo: str | None = None,
-                  include: list[str] | str | None = None, exclude: list[str] | str | None = None) -> list[LocalFile]:
-    """The files to push, with their paths in the repo; hidden files and shardkit temporaries are skipped."""
-    from huggingface_hub.utils import filter_repo_objects
-
-    root = os.fspath(path)
-    if os.path.isfile(root):
-        relative = [os.path.basename(root)]
-        root = os.path.dirname(os.path.abspath(root))
-    elif os.path.isdir(root):
-        relative = sorted(_walk(root))
-    else:
-        raise SourceNotFoundError(f"{root}: no such file or folder to push")
-    chosen = list(filter_repo_objects(relative, allow_patterns=include, ignore_patterns=exclude))
-    if not chosen:
-        raise InvalidInputError(f"{path}: no files to push (check --include/--exclude)")
-    prefix = _clean_prefix(path_in_repo)
-    return [LocalFile(f"{prefix}{name}", os.path.join(root, name), os.path.getsize(os.path.join(root, name)))
-            for name in chosen]
-
-
-def _walk(root: str) -> Iterator[str]:
-    for folder, dirs, names in os.walk(root):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        for name in names:
-            if not name.startswith(".") and ".shardkit-" not in name:
-                yield os.path.relpath(os.path.join(folder, name), root).replace(os.sep, "/")
-
-
-def _clean_prefix(path_in_repo: str | None) -> str:
-    prefix = (path_in_repo or "").strip("/")
-    if any(part in ("..", ".") for part in prefix.split("/")) or prefix.startswith((".git/", ".cache/")):
-        raise InvalidInputError(f"--path-in-repo {path_in_repo!r} must be a plain folder inside the repository")
-    return f"{prefix}/" if prefix else ""
-
-
-def check_sizes(files: list[LocalFile]) -> None:
-    """Refuse files over the Hub's 50 GB limit before anything is sent; warn above 20 GB."""
-    for f in files:
-        if f.size_bytes > MAX_FILE_BYTES:
-            raise InvalidInputError(
-                f"{f.local_path}: {format_size(f.size_bytes)} is over the Hub's 50 GB per-file limit; "
-                f"re-split it with `shardkit split ... --max-shard-size 5GB`")
-        if f.size_bytes > WARN_FILE_BYTES:
-            warnings.warn(f"{f.path_in_repo} is {format_size(f.size_bytes)}, above the Hub's recommended 20 GB "
-                          f"per file; consider --max-shard-size 5GB", ShardkitWarning, stacklevel=3)
 
 
 def verify_folder(path: str | os.PathLike[str]) -> None:
@@ -174,74 +108,6 @@ def _describe(finding: Any) -> str:
     return f"{where}: {text}" if where else text
 
 
-def sha256_file(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def git_blob_id(path: str) -> str:
-    with open(path, "rb") as f:
-        data = f.read()
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-# ----------------------------------------------------------------------------- comparing
-
-def split_changed(files: list[LocalFile], remote: dict[str, RemoteFile],
-                  digests: dict[str, str]) -> tuple[list[LocalFile], list[LocalFile]]:
-    """``(changed or new, identical)``; sha256 digests computed on the way land in ``digests``."""
-    changed, same = [], []
-    for f in files:
-        r = remote.get(f.path_in_repo)
-        if r is None or r.size_bytes != f.size_bytes:
-            changed.append(f)
-            continue
-        if r.lfs_sha256 is not None:
-            digests[f.path_in_repo] = sha256_file(f.local_path)
-            identical = digests[f.path_in_repo] == r.lfs_sha256
-        else:
-            identical = git_blob_id(f.local_path) == r.blob_id
-        (same if identical else changed).append(f)
-    return changed, same
-
-
-def checkpoint_family(path_in_repo: str) -> tuple[str, str, bool] | None:
-    """``(folder, stem, complete)`` of a safetensors checkpoint file; ``complete`` for index or single file.
-
-    >>> checkpoint_family("unet/diffusion_pytorch_model.safetensors.index.fp16.json")
-    ('unet', 'diffusion_pytorch_model.fp16', True)
-    """
-    folder, _, name = path_in_repo.rpartition("/")
-    if match := _INDEX_RE.match(name):
-        return folder, add_variant(f"{match['prefix']}.safetensors", match["variant"])[: -len(".safetensors")], True
-    if match := _WEIGHTS_RE.match(name):
-        return folder, match["stem"], match["shard"] is None
-    return None
-
-
-def stale_files(files: list[LocalFile], remote: dict[str, RemoteFile]) -> list[str]:
-    """Remote files of a checkpoint family the push replaces completely, that the folder no longer has."""
-    local = {f.path_in_repo for f in files}
-    families = set()
-    for path in local:
-        family = checkpoint_family(path)
-        if family and family[2]:
-            families.add(family[:2])
-    return sorted(p for p in remote if p not in local and (family := checkpoint_family(p)) and family[:2] in families)
-
-
-def plan_commits(upload: list[LocalFile], deletions: list[str],
-                 remote: dict[str, RemoteFile]) -> list[tuple[list[LocalFile], list[str]]]:
-    """Group operations into commits so that no commit exposes an index before its shards."""
-    if len(upload) + len(deletions) <= MAX_FILES_PER_COMMIT:
-        return [(upload, deletions)]
-    early = [f for f in upload if f.path_in_repo not in remote and not _LAST_COMMIT_RE.search(f.path_in_repo)]
-    last = [f for f in upload if f not in early]
-    groups: list[tuple[list[LocalFile], list[str]]] = [
-        (early[i:i + MAX_FILES_PER_COMMIT], []) for i in range(0, len(early), MAX_FILES_PER_COMMIT)]
-    return groups + [(last, deletions)] if last or deletions else groups
-
-
 # ----------------------------------------------------------------------------- remote side
 
 class _Pusher:
@@ -258,9 +124,8 @@ class _Pusher:
         self.api = HfApi(token=self.token)
         self.repo_id, self.repo_type, self.private = repo_id, repo_type, private
         self.revision, self.create_pr, self.dry_run = revision, create_pr, dry_run
-        prefix = "" if repo_type == "model" else f"{repo_type}s/"
-        self.result = PushResult(repo_id, repo_type, revision or "main", f"{self.api.endpoint}/{prefix}{repo_id}",
-                                 dry_run=dry_run)
+        self.result = PushResult(repo_id, repo_type, revision or "main", "", dry_run=dry_run)
+        self._name_repo(repo_id)
 
     def run(self, files: list[LocalFile], *, prefix: str, message: str | None,
             progress: ProgressCallback | None) -> PushResult:
@@ -293,7 +158,10 @@ class _Pusher:
         from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
         if not self.dry_run:
-            self.api.create_repo(self.repo_id, repo_type=self.repo_type, private=self.private, exist_ok=True)
+            url = self.api.create_repo(self.repo_id, repo_type=self.repo_type, private=self.private, exist_ok=True)
+            self._name_repo(url.repo_id)
+        elif "/" not in self.repo_id:  # a bare name lives in the token owner's namespace
+            self._name_repo(f"{self.api.whoami()['name']}/{self.repo_id}")
         try:
             return self._head()
         except RepositoryNotFoundError:
@@ -309,6 +177,11 @@ class _Pusher:
                 return None
             self.api.create_branch(self.repo_id, branch=self.result.revision, repo_type=self.repo_type)
             return self._head()
+
+    def _name_repo(self, repo_id: str) -> None:
+        prefix = "" if self.repo_type == "model" else f"{self.repo_type}s/"
+        self.repo_id = self.result.repo_id = repo_id
+        self.result.repo_url = f"{self.api.endpoint}/{prefix}{repo_id}"
 
     def _head(self) -> str:
         info = self.api.repo_info(self.repo_id, repo_type=self.repo_type, revision=self.result.revision)
@@ -401,10 +274,13 @@ def describe_hub_error(error: BaseException, repo_id: str, revision: str) -> str
     """A one-line explanation of a failed Hub call, or None if ``error`` is not one."""
     import httpx2
     from huggingface_hub import constants
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import (HfHubHTTPError, HFValidationError, RepositoryNotFoundError,
+                                       RevisionNotFoundError)
 
     endpoint = constants.ENDPOINT
     for e in _chain(error):
+        if isinstance(e, HFValidationError):
+            return f"invalid repository id or revision for {repo_id!r}: {str(e).splitlines()[0]}"
         if isinstance(e, RevisionNotFoundError):
             return (f"revision {revision!r} not found in {repo_id}; a pull request needs an existing branch "
                     f"(push it first without --create-pr)")
@@ -426,8 +302,8 @@ def describe_hub_error(error: BaseException, repo_id: str, revision: str) -> str
                         f"(what already arrived is not sent again)")
             return f"the Hub answered {status} for {repo_id}: {first}"
         if isinstance(e, (httpx2.TransportError, ConnectionError, TimeoutError)):
-            return (f"network failure talking to {endpoint} after retries: {e or type(e).__name__}; "
-                    f"run the push again to resume")
+            return (f"network failure talking to {endpoint}: {e or type(e).__name__}; check the connection "
+                    f"(or HF_ENDPOINT) and run the push again to resume")
     text = str(error).strip().splitlines()
     if type(error).__module__.startswith(("huggingface_hub", "hf_xet")) or "hf_xet" in repr(type(error)):
         return f"upload to {repo_id} failed: {text[0] if text else type(error).__name__}"

@@ -7,10 +7,11 @@ Which library builds it is a table (:data:`_BUILDERS`), not a branch per class n
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from .errors import InvalidInputError, SourceNotFoundError
 
@@ -120,6 +121,31 @@ def is_meta_module(module: Any) -> bool:
     return bool(params) and all(p.is_meta for p in params)
 
 
+@contextlib.contextmanager
+def _ties_kept(torch_register: Callable[..., None]) -> Iterator[None]:
+    """Inside ``init_empty_weights``: keep ``self.b.weight = self.a.weight`` a tie.
+
+    accelerate re-wraps every registered parameter in a new meta Parameter, which silently unties
+    weights tied in ``__init__``. A parameter that is already on meta needs no re-wrapping, so it
+    is registered as is (with torch's own ``register_parameter``), which keeps the tie.
+    """
+    from torch import nn
+
+    accelerate_register = nn.Module.register_parameter
+
+    def register(module: Any, name: str, param: Any) -> None:
+        if param is not None and param.is_meta:
+            torch_register(module, name, param)
+        else:
+            accelerate_register(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = accelerate_register
+
+
 def build_skeleton(model: ModelSpec, *, config: Any = None, dtype: "str | torch.dtype | None" = None) -> Any:
     """Build ``model`` on the meta device: no parameter memory is allocated.
 
@@ -150,7 +176,8 @@ def build_skeleton(model: ModelSpec, *, config: Any = None, dtype: "str | torch.
         factory = resolve_model_class(model)
         cfg = load_config(config)
         builder = next(build for test, build in _BUILDERS if test(factory))
-        with init_empty_weights():
+        torch_register = torch.nn.Module.register_parameter
+        with init_empty_weights(), _ties_kept(torch_register):
             skeleton = builder(factory, cfg)
         if not isinstance(skeleton, torch.nn.Module):
             raise InvalidInputError(f"{getattr(factory, '__name__', factory)!r} returned {type(skeleton).__name__}, not an nn.Module")

@@ -21,6 +21,7 @@ from .checkpoint_checks import (
     check_index,
     check_missing_shards,
     check_stray_files,
+    naming_shards,
     read_index,
     read_shard_header,
     resolve_layout,
@@ -163,7 +164,8 @@ def _prepare_checkpoint(path: str, against: Any, report: VerifyReport, opened: l
 
         source = open_source(against)
         opened.append(source)
-        comparator = _compare_entries(layout, headers, source, report.against or "the source")
+        label = os.fspath(against) if isinstance(against, (str, os.PathLike)) else "the source"
+        comparator = _compare_entries(layout, headers, source, label)
     for problem in layout.problems:
         report.findings.append(Finding(prefix + problem.file, problem.tensor, problem.message))
     report.tensors_checked += sum(len(r.header.entries) for r in headers.values() if r.header)
@@ -184,6 +186,8 @@ def _check_structure(layout: Layout) -> dict[str, HeaderRead]:
         if parsed is not None:
             weight_map, metadata = parsed
             files = check_missing_shards(layout, weight_map)
+        else:  # still read the shards the index should have named
+            files = naming_shards(layout)
     headers = {name: read_shard_header(os.path.join(layout.root, name), name, layout.problems) for name in files}
     if any(read.header is None for read in headers.values()) or (layout.index and not weight_map):
         layout.all_present = False

@@ -266,11 +266,12 @@ def kill_at(scenario: Scenario, work: Path, ref: Reference, point: int) -> KillO
     outcome = KillOutcome(scenario.name, point, label, proc.returncode == -signal.SIGKILL, "?", "?")
     if not outcome.killed:
         outcome.problems.append(f"not killed: exit {proc.returncode} {proc.stderr.strip()[:200]}")
-    check_after_kill(scenario, src, out, ref, outcome)
+    check_after_kill(scenario, src, out, ref, outcome, rerun=point % 2 == 0)
     return outcome
 
 
-def check_after_kill(scenario: Scenario, src: Path, out: Path, ref: Reference, outcome: KillOutcome) -> None:
+def check_after_kill(scenario: Scenario, src: Path, out: Path, ref: Reference, outcome: KillOutcome, *,
+                     rerun: bool = False) -> None:
     problems = outcome.problems
     if not scenario.in_place and tree_hashes(src) != ref.source:
         problems.append("source changed")
@@ -284,19 +285,32 @@ def check_after_kill(scenario: Scenario, src: Path, out: Path, ref: Reference, o
         problems.append(f"visible files are neither old nor new right after the kill: {sorted(visible)}")
     problems += index_invariant_problems(out)
     _settle_with_shardkit(out, problems)
-    from shardkit.commit import recover
+    if rerun:
+        _rerun(scenario, src, out, problems)
+    else:
+        from shardkit.commit import recover
 
-    recover(out if out.is_dir() or not out.exists() else out.parent)
+        recover(out if out.suffix != ".safetensors" else out.parent)
     after = classify(tree_hashes(out, visible_only=True), ref)
     outcome.state_after_recovery = after
     if after not in ("absent", "old", "new"):
         problems.append(f"after recovery the output is neither old nor new: {sorted(tree_hashes(out))}")
     if after in ("old", "new"):
         problems += verify_problems(out)
+    if rerun and after != "new":
+        problems.append(f"after the next run the output is {after}, not the new checkpoint")
     if state == "pending" and after != "new":
         problems.append("a journal was pending but recovery did not produce the new checkpoint")
     if leftovers(out, src):
         problems.append(f"leftovers after recovery: {leftovers(out, src)}")
+
+
+def _rerun(scenario: Scenario, src: Path, out: Path, problems: list[str]) -> None:
+    """The next run of the same command must succeed, or refuse cleanly an output that is complete."""
+    proc = run_shardkit(scenario.args(src, out))
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    if proc.returncode != 0 and not (proc.returncode == 2 and len(lines) == 1 and "exists" in lines[0]):
+        problems.append(f"the next run failed: exit {proc.returncode}: {proc.stderr.strip()[:300]}")
 
 
 def _settle_with_shardkit(out: Path, problems: list[str]) -> None:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+import numpy as np
+
 from shardkit.autofit import Budget, FitError, FitPlan, Margin, fit, plan_fit
+from shardkit.errors import InvalidInputError
 from shardkit.fit_sizes import ComponentProfile
 
 GB = 10**9
@@ -159,3 +162,102 @@ def test_plan_explains_itself() -> None:
     assert data["setup"]["layerwise_casting"] == ("float8_e4m3fn", "bfloat16")
     assert [c["name"] for c in data["candidates"]][: len(plan.why())] == [c.name for c in plan.candidates][: len(plan.why())]
     assert fit(fake_pipeline(), gpu="4.5GB", margin=NO_MARGIN, device="cpu").chosen.name == "model_offload+fp8"
+
+
+# ----------------------------------------------------------------------------- a real tiny pipeline
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory):
+    from helpers_fit import save_tiny_pipeline
+
+    root = tmp_path_factory.mktemp("fit")
+    save_tiny_pipeline(root / "pipe", root / "scratch")
+    return root / "pipe"
+
+
+@pytest.fixture(scope="module")
+def plain_image(tiny_folder):
+    import shardkit
+    from helpers_pipeline import generate
+
+    return generate(shardkit.load_pipeline(tiny_folder))
+
+
+def test_profiles_come_from_headers_and_skeletons(tiny_folder) -> None:
+    from safetensors import safe_open
+
+    plan = fit(tiny_folder, gpu="1GB")
+    sizes = {p.name: p for p in plan.components}
+    assert set(sizes) == {"text_encoder", "unet", "vae"}
+    with safe_open(str(tiny_folder / "unet" / "diffusion_pytorch_model.safetensors"), "pt") as f:
+        unet_bytes = sum(f.get_slice(k).get_shape().numel() if hasattr(f.get_slice(k).get_shape(), "numel")
+                         else int(np.prod(f.get_slice(k).get_shape())) for k in f.keys()) * 4
+    assert sizes["unet"].weight_bytes == unet_bytes
+    assert len(sizes["unet"].block_bytes) == 4 and sizes["unet"].block_lists == (2, 2)  # down_blocks, up_blocks
+    assert sizes["unet"].castable_bytes > 0 and sizes["vae"].castable_bytes == 0
+    assert {"vae_tiling", "vae_slicing"} <= sizes["vae"].switches()
+    assert plan.workload.height == 16 * 2  # the UNet's sample_size x the VAE's scale factor
+    assert plan.chosen.name == "gpu"
+
+
+def test_vae_without_tiling_is_never_chosen(tmp_path) -> None:
+    from helpers_fit import save_tiny_pipeline, swap_in_vq_vae
+
+    save_tiny_pipeline(tmp_path / "pipe", tmp_path / "scratch")
+    swap_in_vq_vae(tmp_path / "pipe")
+    margin = Margin(0.1, 0)
+    plan = fit(tmp_path / "pipe", gpu="100MB", height=256, width=256, margin=margin)
+    vae = next(p for p in plan.components if p.name == "vae")
+    assert not vae.switches() and any("VQModel does not support tiling" in n for n in vae.notes)
+    for budget in ("8MB", "4MB", "2MB"):
+        try:
+            plan = fit(tmp_path / "pipe", gpu=budget, height=256, width=256, margin=margin)
+        except FitError:
+            continue
+        assert all("vae_tiling" not in c.switches and "vae_slicing" not in c.switches for c in plan.candidates)
+
+
+@pytest.mark.parametrize("gpu, expected, atol", [
+    ("3MB", "model_offload+fp8", 0.1),   # fp8 storage: within 0.1 on a [0, 1] image
+    ("2MB", "group_leaf", 1e-5),         # fp32 hooks only: same image
+])
+def test_fitted_pipeline_matches_the_plain_one(tiny_folder, plain_image, gpu, expected, atol) -> None:
+    import shardkit
+    from helpers_pipeline import generate
+
+    plan = fit(tiny_folder, gpu=gpu, cpu="1GB", margin=Margin(0.1, 0), device="cpu")
+    assert plan.chosen.name == expected
+    pipe = shardkit.load_pipeline(tiny_folder, fit=plan)
+    assert pipe.shardkit_plan is plan
+    assert pipe.shardkit_offload[0] == plan.setup()["offload"]
+    if plan.chosen.fp8:
+        assert pipe.unet.down_blocks[0].resnets[0].conv1.weight.dtype == __import__("torch").float8_e4m3fn
+    np.testing.assert_allclose(generate(pipe), plain_image, atol=atol)
+
+
+def test_fit_auto_in_load_pipeline(tiny_folder, plain_image) -> None:
+    import shardkit
+    from helpers_pipeline import generate
+
+    pipe = shardkit.load_pipeline(tiny_folder, fit="auto", max_memory={0: "1GB", "cpu": "2GB"})
+    plan = pipe.shardkit_plan
+    assert plan.chosen.name == "gpu" and "estimated peak: cuda:0" in str(plan)
+    np.testing.assert_allclose(generate(pipe), plain_image, atol=1e-6)
+    with pytest.raises(InvalidInputError, match="fit= chooses"):
+        shardkit.load_pipeline(tiny_folder, fit="auto", max_memory={0: "1GB"}, offload="model")
+    with pytest.raises(FitError, match="smallest budget that would fit"):
+        shardkit.load_pipeline(tiny_folder, fit="auto", max_memory={0: "1MB", "cpu": "1GB"})
+
+
+def test_fit_plans_a_meta_skeleton() -> None:
+    from shardkit.skeleton import build_skeleton
+
+    config = {"block_out_channels": [32, 64], "layers_per_block": 1, "sample_size": 16,
+              "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+              "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"], "cross_attention_dim": 32,
+              "attention_head_dim": 4, "norm_num_groups": 8}
+    skeleton = build_skeleton("diffusers:UNet2DConditionModel", config=config, dtype="bf16")
+    plan = fit(skeleton, gpu="1GB", height=64, width=64)
+    unet = plan.components[0]
+    assert unet.role == "denoiser" and unet.dtype_bytes == 2
+    assert unet.weight_bytes == sum(p.numel() for p in skeleton.parameters()) * 2

@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 from pathlib import Path
 
 import pytest
 
-from helpers_hub import TOKEN, download, hub, hub_env, index_problems, run_python, run_shardkit  # noqa: F401
+import shardkit
+from helpers_hub import download, hub, hub_env, index_problems, run_python, run_shardkit  # noqa: F401
 
 pytestmark = pytest.mark.hub
 
@@ -37,8 +39,6 @@ def make_source(path: Path, *, seed: int = 0, changed_last: bool = False) -> Pat
 
 def make_checkpoint(tmp_path: Path, name: str = "out", **source_options) -> tuple[Path, Path]:
     """``(source file, folder)``: the source split into 4 shards of 2 tensors plus an index."""
-    import shardkit
-
     source = make_source(tmp_path / f"{name}-src" / "model.safetensors", **source_options)
     shardkit.split(source, tmp_path / name, max_shard_size="40KB")
     return source, tmp_path / name
@@ -79,8 +79,8 @@ def test_round_trip_split_push_download_verify(hub, tmp_path, xet):
         assert all(s.sha256 in hub.state.lfs for s in shards)
 
     downloaded = download(env, REPO, tmp_path / "dl")
-    proc = run_shardkit(env, "verify", downloaded, "--against", source, "-q")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = shardkit.verify(downloaded, against=source)  # every tensor, bit for bit
+    assert report.ok, [str(f) for f in report.findings]
     for f in folder.iterdir():
         assert (downloaded / f.name).read_bytes() == f.read_bytes()
 
@@ -124,7 +124,7 @@ def test_transient_5xx_is_retried_and_the_push_succeeds(hub, tmp_path):
     assert set(hub.state.files_at(REPO)) == {".gitattributes", *(f.name for f in folder.iterdir())}
 
 
-def test_wrong_or_missing_token_fails_with_one_clear_line(hub, tmp_path):
+def test_token_permission_revision_and_network_errors_are_one_clear_line(hub, tmp_path):
     _, folder = make_checkpoint(tmp_path)
     line = one_error_line(run_shardkit(hub_env(hub, tmp_path / "h1", token="hf_wrong"), "push", folder, REPO))
     assert "401" in line and "token" in line
@@ -137,11 +137,17 @@ def test_wrong_or_missing_token_fails_with_one_clear_line(hub, tmp_path):
     assert "revision 'nope' not found" in line
     assert not hub.state.repos or all(len(r.history) == 1 for r in hub.state.repos.values())
 
+    with socket.socket() as sock:  # a port where nothing listens
+        sock.bind(("127.0.0.1", 0))
+        env["HF_ENDPOINT"] = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    line = one_error_line(run_shardkit(env, "push", folder, REPO))
+    assert "network failure" in line and "run the push again" in line
+
 
 _PUSH_IN_BATCHES = """
 import sys
-import shardkit, shardkit.hub
-shardkit.hub.MAX_FILES_PER_COMMIT = 2   # force several commits on a tiny checkpoint
+import shardkit, shardkit.push_plan
+shardkit.push_plan.MAX_FILES_PER_COMMIT = 2   # force several commits on a tiny checkpoint
 result = shardkit.push(sys.argv[1], sys.argv[2])
 print(len(result.commits))
 """

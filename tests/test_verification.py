@@ -232,6 +232,8 @@ def test_broken_index_json(sharded):
     report = verify(sharded)
     assert report.findings[0].file == "model.safetensors.index.json"
     assert "unreadable index" in report.findings[0].message
+    assert len(report.findings) == 1  # the shards are still read, and are fine
+    assert len(report.files) == len(list(sharded.iterdir()))  # the index is hashed too
 
 
 def test_hub_cache_blob_name_is_checked(tmp_path, source):

@@ -34,10 +34,12 @@ Exit codes: 0 a setup fits, 2 bad input or no setup fits (the error names the sm
               help="Attention kernel: sdpa never materialises scores; eager does.")
 @click.option("--no-fp8", is_flag=True, help="Never propose fp8 layerwise casting (lossy).")
 @click.option("--exclude", multiple=True, help="Drop setups by name prefix (group, sequential, staged...).")
+@click.option("--reserve", type=SIZE, default="512MiB", show_default=True,
+              help="Memory kept free on each GPU on top of the 10% margin (CUDA context, workspaces).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan and the ranking as JSON.")
 def fit(folder: str, gpus: tuple[int, ...], cpu: int | None, height: int | None, width: int | None,
         batch_size: int, dtype: str | None, attention: str, no_fp8: bool, exclude: tuple[str, ...],
-        as_json: bool) -> None:
+        reserve: int, as_json: bool) -> None:
     """Rank inference setups for the pipeline or component in FOLDER and pick the fastest that fits.
 
     Reads only safetensors headers and config files (no weights). Candidates: everything on one
@@ -46,10 +48,12 @@ def fit(folder: str, gpus: tuple[int, ...], cpu: int | None, height: int | None,
     without fp8 layerwise casting, plus VAE tiling/slicing and attention slicing where the
     components support them.
     """
+    from ..autofit import DEFAULT_MARGIN, Margin
     from ..autofit import fit as fit_api
 
+    margin = Margin(DEFAULT_MARGIN.fraction, reserve)
     plan = fit_api(folder, gpu=list(gpus), cpu=cpu, height=height, width=width, batch_size=batch_size,
-                   dtype=dtype, attention=attention, allow_fp8=not no_fp8, exclude=exclude)
+                   dtype=dtype, attention=attention, allow_fp8=not no_fp8, exclude=exclude, margin=margin)
     if as_json:
         echo_json(plan.to_dict())
         return

@@ -142,7 +142,8 @@ def _map_entries(entries: list[TensorEntry], keymap: KeyMap, *, where: str
 
 def _check_matches(entries: list[TensorEntry], keymap: KeyMap, *, where: str) -> None:
     """A strip prefix or rename that matches no tensor is a typo: say so, with example names."""
-    kept = [e.name for e in entries if KeyMap(include=keymap.include, exclude=keymap.exclude).map(e.name) is not None]
+    filters = KeyMap(include=keymap.include, exclude=keymap.exclude)
+    kept = [e.name for e in entries if filters.map(e.name) is not None]
     if keymap.strip_prefix and kept and not any(n.startswith(keymap.strip_prefix) for n in kept):
         raise InvalidInputError(
             f"{where}: --strip-prefix {keymap.strip_prefix!r} matches no tensor name "
