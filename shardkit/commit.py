@@ -203,7 +203,11 @@ def folder_state(folder: str) -> tuple[tuple[str, int, int, int], ...]:
         for entry in it:
             if entry.name.startswith(TMP_MARK) or entry.name.startswith(JOURNAL + "."):
                 continue
-            st = entry.stat(follow_symlinks=False)
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:  # removed while listing: a writer is active, never a stable state
+                entries.append((entry.name, -1, -1, -1))
+                continue
             entries.append((entry.name, st.st_ino, st.st_mtime_ns, st.st_size))
     return tuple(sorted(entries))
 
@@ -244,7 +248,7 @@ def read_consistently(folder: str | os.PathLike[str], open_fn: Callable[[], T], 
     delay = 0.002
     while True:
         before = folder_state(folder) if _settle(folder) else None
-        if before is not None and not any(name == JOURNAL for name, *_ in before):
+        if before is not None and not any(name == JOURNAL or ino == -1 for name, ino, *_ in before):
             try:
                 result = open_fn()
             except (ShardkitError, OSError):

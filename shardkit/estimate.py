@@ -320,19 +320,22 @@ def estimate_memory(
     ...     unet = UNet2DConditionModel.from_config(config)
     >>> print(estimate_memory(unet, gpu_bytes="8GB", dtype="fp16").table())     # doctest: +SKIP
     """
+    from torch import nn
+
     from .casting import DEFAULT_PIPELINE_COMPONENTS
     from .units import parse_size
 
     modules = _component_modules(skeleton)
+    per_component = not isinstance(skeleton, nn.Module)
     budget = None if gpu_bytes is None else parse_size(gpu_bytes, name="gpu size")
     load_dtype, compute = _resolve(dtype), _resolve(compute_dtype)
-    if len(modules) == 1:
+    if not per_component:
         cast_names = set(modules)
     else:
         cast_names = set(cast_components if cast_components is not None else DEFAULT_PIPELINE_COMPONENTS)
     notes, components = [], []
     for name, module in modules.items():
-        headers = _checkpoint_itemsizes(checkpoint, name, len(modules) > 1)
+        headers = _checkpoint_itemsizes(checkpoint, name, per_component)
         itemsize = _itemsize_fn(load_dtype, headers)
         components.append(measure_component(module, name=name, itemsize=itemsize, cast=name in cast_names,
                                             compute_itemsize=compute.itemsize))

@@ -19,9 +19,9 @@ Activation estimates (bytes, inference without autograd, compute dtype of ``e`` 
 the batch size, doubled for classifier-free guidance when the denoiser uses it):
 
 * UNet: skip tensors ``Σ_i (layers_per_block+1)·N_i·C_i`` plus the widest working set
-  ``max_i k_i·N_i·C_i`` (``k=12`` at levels with attention — q/k/v/out and the GEGLU 8× feed-forward —,
-  ``k=4`` for resnet-only levels), where ``N_i = (H/f)(W/f)/4^i`` latent pixels and ``C_i`` the
-  level's channels; eager attention adds ``heads·N_i²`` score bytes (``slice_size`` heads at a
+  ``max_i k_i·N_i·C_i`` (``k=20`` at levels with attention — q/k/v/out, the GEGLU 8× feed-forward,
+  norms —, ``k=8`` for resnet-only levels; calibrated on CPU by scripts/calibrate_fit.py), where
+  ``N_i = (H/f)(W/f)/4^i`` latent pixels and ``C_i`` the level's channels; eager attention adds ``heads·N_i²`` score bytes (``slice_size`` heads at a
   time with attention slicing), SDPA adds none;
 * transformer (DiT/MMDiT/Flux): ``14·T·D`` with ``T = (H/f/p)(W/f/p) + text tokens``, ``D`` the
   hidden width; eager attention adds ``heads·T²``;
@@ -225,7 +225,7 @@ def unet_activations(config: Mapping[str, Any], ctx: Context, *, sliceable: bool
         n = pixels // 4**i
         attn = "Attn" in down_types[i] if i < len(down_types) else False
         skips += (layers + 1) * n * c
-        work = max(work, (12 if attn else 4) * n * c)
+        work = max(work, (20 if attn else 8) * n * c)
         if attn:
             scores.append(heads[i] * n * n)
     plain = skips + work

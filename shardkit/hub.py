@@ -6,7 +6,7 @@ remote tree (sha256 of LFS files, git blob id of small ones) so identical files 
 then upload and commit with huggingface_hub.
 
 Why it never exposes a broken state: a push is one commit whenever it has at most
-``MAX_FILES_PER_COMMIT`` operations, and a commit is atomic on the Hub. A larger push first
+``push_plan.MAX_FILES_PER_COMMIT`` (100) operations, and a commit is atomic on the Hub. A larger push first
 commits only files that are new paths (no visible index can name them), a batch at a time;
 the last commit carries every index file, every changed file and the deletions of stale
 shards. An interrupted push, run again, skips what was committed (identical remote files) and

@@ -209,12 +209,10 @@ class LazyCheckpoint(Mapping):
                 if shard.fd is not None:
                     os.close(shard.fd)
                     shard.fd = None
-                if shard.mapped is not None:
-                    try:
-                        shard.mapped.close()
-                    except BufferError:
-                        pass  # zero-copy tensors still use it; it unmaps when they go
-                    shard.mapped = None
+                # Never mmap.close(): torch.frombuffer keeps a reference to the map but holds no
+                # buffer export, so closing would unmap pages live tensors still point to. Dropping
+                # our reference unmaps it once the last zero-copy tensor is gone.
+                shard.mapped = None
 
     def __enter__(self) -> "LazyCheckpoint":
         return self

@@ -230,6 +230,7 @@ def load_model(model: Any, checkpoint: Any, *, config: Any = None, device_map: A
     >>> unet.hf_device_map                                              # doctest: +SKIP
     """
     from accelerate import dispatch_model
+    from accelerate.utils import check_device_map
 
     from .lazy import open as open_checkpoint
     from .torch_dtypes import resolve_torch_dtype
@@ -245,6 +246,7 @@ def load_model(model: Any, checkpoint: Any, *, config: Any = None, device_map: A
         mapping = resolve_device_map(skeleton, device_map, max_memory=budget, no_split_module_classes=no_split_module_classes)
         check_devices_exist(list(mapping.values()), where="device_map")
         try:
+            check_device_map(skeleton, mapping)
             offload_index = fill_skeleton(skeleton, ckpt, match, mapping, offload_folder)
             dispatch_model(skeleton, mapping, main_device=_main_device(mapping), offload_index=offload_index,
                            offload_dir=os.fspath(offload_folder) if offload_index is not None else None)

@@ -106,7 +106,7 @@ def _from_pretrained(folder: str, kwargs: dict[str, Any]) -> Any:
         return DiffusionPipeline.from_pretrained(folder, **kwargs)
     except ShardkitError:
         raise
-    except (OSError, ValueError, NotImplementedError, RuntimeError, KeyError) as e:
+    except (OSError, ValueError, NotImplementedError, RuntimeError, KeyError, AttributeError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InvalidInputError(f"could not load the pipeline in {folder}: {first}") from e
 

@@ -71,7 +71,7 @@ def _walk(root: str) -> Iterator[str]:
 
 def clean_prefix(path_in_repo: str | None) -> str:
     prefix = (path_in_repo or "").strip("/")
-    if any(part in ("..", ".") for part in prefix.split("/")) or prefix.startswith((".git/", ".cache/")):
+    if any(part in ("..", ".", ".git", ".cache") for part in prefix.split("/")):
         raise InvalidInputError(f"--path-in-repo {path_in_repo!r} must be a plain folder inside the repository")
     return f"{prefix}/" if prefix else ""
 

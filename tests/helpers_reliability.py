@@ -326,17 +326,24 @@ def _settle_with_shardkit(out: Path, problems: list[str]) -> None:
         problems.append(f"shardkit could not open the output after the kill: {type(e).__name__}: {e}")
 
 
+MUST_KILL = ("write:small-file", "commit:before-commit-point", "commit:after-commit-point", "commit:renamed",
+             "commit:before-journal-removal", "commit:before-staging-rename", "commit:before-file-rename")
+
+
 def pick_points(ref: Reference, budget: int | None) -> list[int]:
-    """All points, or ``budget`` of them: every commit step plus evenly spread write points."""
+    """All points, or ``budget`` of them: one of each commit step kind, the rest spread evenly."""
     n = len(ref.points)
     if budget is None or budget >= n:
         return list(range(1, n + 1))
-    commit = [p for p, label, _ in ref.points if label.startswith(("commit:", "file-done:small"))]
-    rest = [p for p, _, _ in ref.points if p not in commit]
-    spare = max(budget - len(commit), 1)
-    step = max(len(rest) / spare, 1.0)
-    chosen = {rest[int(i * step)] for i in range(spare) if int(i * step) < len(rest)}
-    return sorted(chosen | set(commit[: budget]))
+    first_of: dict[str, int] = {}
+    for p, label, _ in ref.points:
+        if label in MUST_KILL:
+            first_of.setdefault(label, p)
+    chosen = set(list(first_of.values())[:budget])
+    spare = budget - len(chosen)
+    for i in range(spare):
+        chosen.add(1 + round(i * (n - 1) / max(spare - 1, 1)))
+    return sorted(chosen)[:budget] if len(chosen) > budget else sorted(chosen)
 
 
 def run_scenario(scenario: Scenario, root: Path, *, budget: int | None = None,
@@ -372,11 +379,12 @@ def _cached(tensors_args: dict[str, Any], shard_bytes: int | None, cache: dict) 
     key = (tuple(sorted(tensors_args.items())), shard_bytes)
 
     def build(dest: Path) -> None:
-        master = cache.get(key)
-        if master is None or not Path(master).exists():
-            master = Path(cache["root"]) / f"master-{len(cache)}"
-            write_checkpoint(master, make_tensors(**tensors_args), shard_bytes=shard_bytes)
-            cache[key] = master
+        master = Path(cache["root"]) / hashlib.sha256(repr(key).encode()).hexdigest()[:12]
+        if not master.exists():
+            building = master.with_name(master.name + ".building")
+            shutil.rmtree(building, ignore_errors=True)
+            write_checkpoint(building, make_tensors(**tensors_args), shard_bytes=shard_bytes)
+            building.rename(master)
         shutil.copytree(master, dest)
     return build
 

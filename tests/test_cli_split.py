@@ -385,3 +385,21 @@ def test_ctrl_c_mid_write_exits_130_and_leaves_nothing(tmp_path: Path) -> None:
     assert "interrupted" in proc.stderr.read()
     assert not out.exists()
     assert leftovers(tmp_path) == []
+
+
+def test_pickle_sources_on_the_command_line(run_cli, tmp_path: Path) -> None:
+    import torch
+
+    tensors = make_state_dict(["F32", "I64", "BF16"], shapes=[(30,)])
+    torch.save({"ema": tensors, "state_dict": make_state_dict(["F32"])}, tmp_path / "model.ckpt")
+    result = run_cli("split", tmp_path / "model.ckpt", tmp_path / "ema", "--key", "ema", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert_bit_equal(load_folder(tmp_path / "ema"), tensors)
+    torch.save(tensors, tmp_path / "legacy.bin", _use_new_zipfile_serialization=False)
+    result = run_cli("split", tmp_path / "legacy.bin", tmp_path / "legacy", "-q")
+    assert result.exit_code == 0
+    assert result.error_lines == [line for line in result.error_lines if line.startswith("warning: ")]
+    assert len(result.error_lines) == 1 and "legacy" in result.error_lines[0]
+    assert_bit_equal(load_folder(tmp_path / "legacy"), tensors)
+    missing = run_cli("split", tmp_path / "model.ckpt", tmp_path / "x", "--key", "nope")
+    assert_one_line_error(missing, contains="key 'nope' not found")

@@ -241,3 +241,45 @@ def test_parse_header_without_file_size_computes_the_end() -> None:
 
 def test_all_torch_codes_are_known_to_the_format() -> None:
     assert set(TORCH_DTYPE_CODES) <= set(DTYPE_BITS)
+
+
+# ------------------------------------------------------------------ fuzzing: only HeaderError, ever
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
+_entries = st.fixed_dictionaries(
+    {}, optional={"dtype": st.sampled_from([*DTYPE_BITS, "F7", 3, None]) | _json_values,
+                  "shape": st.lists(st.integers(min_value=-2, max_value=2**40), max_size=4) | _json_values,
+                  "data_offsets": st.lists(st.integers(min_value=-2, max_value=64), max_size=3) | _json_values})
+_headers = st.dictionaries(st.text(max_size=5), _entries | _json_values, max_size=4)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(doc=_headers, data_bytes=st.integers(min_value=0, max_value=80))
+def test_structured_garbage_raises_only_header_errors(doc: dict, data_bytes: int) -> None:
+    raw = json.dumps(doc).encode()
+    try:
+        header = parse_header(raw, file_bytes=8 + len(raw) + data_bytes)
+    except HeaderError as e:
+        assert "\n" not in str(e)
+        return
+    cursor = header.data_start
+    for entry in header.entries:  # whatever we accept must tile the buffer exactly
+        assert entry.offset == cursor
+        cursor += entry.nbytes
+    assert cursor == header.file_bytes
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=st.binary(max_size=64))
+def test_random_bytes_raise_only_header_errors(raw: bytes) -> None:
+    try:
+        parse_header(raw, file_bytes=8 + len(raw))
+    except HeaderError:
+        pass

@@ -233,6 +233,8 @@ def test_dry_run_lists_the_plan_and_changes_nothing(hub, tmp_path):
     result = json.loads(proc.stdout)
     assert result["dry_run"] and sorted(result["uploaded"]) == ["README.md", "model-00004-of-00004.safetensors"]
     assert len(result["unchanged"]) == 4
+    proc = run_shardkit(env, "push", changed, REPO, "--dry-run", "--json", "--exclude", "*.md")
+    assert json.loads(proc.stdout)["uploaded"] == ["model-00004-of-00004.safetensors"]
     assert hub.state.repo(REPO).history == history
     assert {method for method, _, _ in hub.state.requests[start:]} <= {"GET", "HEAD"}
 

@@ -13,7 +13,8 @@ EPILOG = """\b
 Examples:
   shardkit push out/ my-org/sdxl-unet-sharded --private --message "reshard to 5GB"
   shardkit push out/ my-org/sdxl-unet-sharded --revision fp16 --create-pr
-  shardkit push pipeline/ my-org/sd15 --include "unet/*" --path-in-repo unet --dry-run
+  shardkit push unet-out/ my-org/sd15 --path-in-repo unet --dry-run
+  shardkit push sd15-pipeline/ my-org/sd15 --include "unet/*" --include "*.json"
   shardkit split model.safetensors out/ --max-shard-size 5GB --push-to my-org/model
 
 \b

@@ -59,7 +59,8 @@ def open_safetensors_file(path: str) -> SafetensorsSource:
 def open_safetensors_index(path: str) -> SafetensorsSource:
     """Open every shard an index names and check the index against their headers."""
     index = load_index(path)
-    headers = [_read_shard(index, shard) for shard in index.shard_names()]
+    # Shard order (not the alphabetical weight_map's order), so resharding a folder is idempotent.
+    headers = [_read_shard(index, shard) for shard in sorted(index.shard_names())]
     check_index_against_headers(index, headers)
     return SafetensorsSource(
         headers, description=f"sharded checkpoint {path} ({len(headers)} shards)", naming=naming_from_filename(path)

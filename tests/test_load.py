@@ -1,0 +1,255 @@
+"""load_model: skeleton + lazy checkpoint → accelerate dispatch over CPU and disk, checked against eager models.
+
+Disk-offloaded weights are read by accelerate through safetensors at file offsets that need not be
+64-byte aligned, and CPU kernels pick different (equally valid) summation orders for unaligned
+weights; outputs then agree to float rounding, not bit for bit. Non-disk placements are compared
+exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import safetensors.torch
+import torch
+
+import shardkit
+from conftest import TINY_UNET_CONFIG, tiny_clip_text_config, tiny_unet, unet_forward
+from helpers_load import TINY_VAE_CONFIG, folder_bytes, lm_forward, make_tied_lm, save_model, tiny_vae, vae_forward
+from shardkit.errors import CheckpointIndexError, HeaderError, InvalidInputError, KeyMismatchError, ShardkitWarning
+
+
+def _unet() -> tuple[Any, Any, dict, Callable]:
+    from diffusers import UNet2DConditionModel
+
+    return tiny_unet(), UNet2DConditionModel, TINY_UNET_CONFIG, unet_forward
+
+
+def _vae() -> tuple[Any, Any, dict, Callable]:
+    from diffusers import AutoencoderKL
+
+    return tiny_vae(), AutoencoderKL, TINY_VAE_CONFIG, vae_forward
+
+
+def _lm() -> tuple[Any, Any, dict | None, Callable]:
+    factory = make_tied_lm()
+    torch.manual_seed(0)
+    return factory().eval(), factory, None, lm_forward
+
+
+MODELS = {"unet": _unet, "vae": _vae, "plain-lm": _lm}
+
+
+def _model_bytes(model: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in {id(t): t for t in model.state_dict().values()}.values())
+
+
+def _close(got: Any, want: Any, *, exact: bool) -> None:
+    if exact:
+        assert torch.equal(got, want), (got - want).abs().max()
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_outputs_equal_eager_model_for_cpu_auto_disk_and_explicit_maps(tmp_path, kind) -> None:
+    eager, cls, config, forward = MODELS[kind]()
+    folder = save_model(eager, tmp_path / "ckpt", max_shard_size="16KB")
+    want = forward(eager)
+
+    model = shardkit.load_model(cls, folder, config=config, device_map="cpu")
+    assert model.hf_device_map == {"": "cpu"} and not model.training
+    _close(forward(model), want, exact=True)
+
+    budget = {"cpu": _model_bytes(eager) // 2}
+    model = shardkit.load_model(cls, folder, config=config, device_map="auto", max_memory=budget,
+                                offload_folder=tmp_path / "off-auto")
+    assert set(model.hf_device_map.values()) == {"cpu", "disk"}
+    _close(forward(model), want, exact=False)
+
+    children = [name for name, _ in eager.named_children()]
+    explicit = {name: ("disk" if i % 2 else "cpu") for i, name in enumerate(children)}
+    explicit.update({name: "cpu" for name, _ in eager.named_buffers(recurse=False)})
+    model = shardkit.load_model(cls, folder, config=config, device_map=explicit, offload_folder=tmp_path / "off-dict")
+    assert model.hf_device_map == explicit
+    _close(forward(model), want, exact=False)
+    if kind == "plain-lm":
+        assert model.head.weight is model.embed.weight or model.head.weight.is_meta
+
+
+def test_disk_offload_points_into_the_shards_instead_of_copying(tmp_path) -> None:
+    eager, cls, config, forward = _unet()
+    folder = save_model(eager, tmp_path / "ckpt", max_shard_size="16KB")
+    offload = tmp_path / "offload"
+    model = shardkit.load_model(cls, folder, config=config, device_map="auto",
+                                max_memory={"cpu": _model_bytes(eager) // 2}, offload_folder=offload)
+    index = json.loads((offload / "index.json").read_text())
+    disk_modules = [m for m, d in model.hf_device_map.items() if d == "disk"]
+    assert disk_modules and len(index) > 10
+    assert all(any(m in ("", name) or name.startswith(m + ".") for m in disk_modules) for name in index)
+    assert all(Path(e["safetensors_file"]).parent == folder.resolve() for e in index.values())
+    assert sorted(p.name for p in offload.iterdir()) == ["index.json"], "no weight was written again"
+    assert folder_bytes(offload) < 1_000_000
+    _close(forward(model), forward(eager), exact=False)
+
+
+def test_disk_offload_writes_only_tensors_needing_a_cast(tmp_path) -> None:
+    eager, cls, config, forward = _unet()
+    folder = save_model(eager, tmp_path / "ckpt", max_shard_size="16KB")
+    explicit = {name: ("disk" if name == "down_blocks" else "cpu") for name, _ in eager.named_children()}
+    offload = tmp_path / "offload"
+    model = shardkit.load_model(cls, folder, config=config, device_map=explicit, offload_folder=offload,
+                                dtype=torch.float16)
+    index = json.loads((offload / "index.json").read_text())
+    dat = sorted(p.name for p in offload.glob("*.dat"))
+    disk_params = {n: p for n, p in eager.named_parameters() if n.startswith("down_blocks.")}
+    assert dat == sorted(f"{n}.dat" for n in disk_params)
+    assert all(index[n]["dtype"] == "float16" and "safetensors_file" not in index[n] for n in disk_params)
+    assert sum(p.stat().st_size for p in offload.glob("*.dat")) == sum(p.numel() * 2 for p in disk_params.values())
+    assert model.conv_in.weight.dtype == torch.float16
+    sample, context = torch.randn(1, 4, 8, 8), torch.randn(1, 3, 8)
+    with torch.no_grad():
+        got = model(sample.half(), torch.tensor([10]), encoder_hidden_states=context.half()).sample
+        want = eager.half()(sample.half(), torch.tensor([10]), encoder_hidden_states=context.half()).sample
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_dtype_casts_and_none_keeps_checkpoint_dtypes(tmp_path) -> None:
+    eager, cls, config, forward = _unet()
+    folder = save_model(eager, tmp_path / "ckpt")
+    model = shardkit.load_model("diffusers:UNet2DConditionModel", folder, config=folder / "config.json", dtype="bf16")
+    ref = tiny_unet().to(torch.bfloat16)
+    for (name, got), want in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+    half = save_model(eager, tmp_path / "half", dtype="fp16")
+    model = shardkit.load_model(cls, half, config=config)
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
+def test_transformers_model_and_open_checkpoint_object(tmp_path) -> None:
+    from transformers import CLIPTextModel
+
+    config = tiny_clip_text_config()
+    torch.manual_seed(0)
+    eager = CLIPTextModel(config).eval()
+    folder = save_model(eager, tmp_path / "clip", name="model", max_shard_size="8KB")
+    ids = torch.tensor([[0, 5, 7, 1]])
+    with shardkit.open(folder) as ckpt:
+        model = shardkit.load_model("transformers:CLIPTextModel", ckpt, config=config.to_dict())
+    with torch.no_grad():
+        assert torch.equal(model(ids).last_hidden_state, eager(ids).last_hidden_state)
+
+
+def test_tied_weights_end_up_tied(tmp_path) -> None:
+    eager, factory, _, forward = _lm()
+    folder = save_model(eager, tmp_path / "aliased", name="model", max_shard_size="2KB")
+    with shardkit.open(folder) as ckpt:
+        assert ckpt.aliases == {"head.weight": "embed.weight"}
+    model = shardkit.load_model(factory, folder)
+    assert model.head.weight is model.embed.weight
+    assert torch.equal(forward(model), forward(eager))
+    # A checkpoint that stores only one of the names, without alias metadata (transformers style).
+    state = {k: v.clone() for k, v in eager.state_dict().items() if k != "head.weight"}
+    safetensors.torch.save_file(state, tmp_path / "one-name.safetensors")
+    model = shardkit.load_model(factory, tmp_path / "one-name.safetensors")
+    assert model.head.weight is model.embed.weight and torch.equal(forward(model), forward(eager))
+
+
+def test_strict_names_missing_unexpected_and_mismatched_keys_in_one_error(tmp_path) -> None:
+    eager, cls, config, forward = _unet()
+    state = {k: v.clone() for k, v in eager.state_dict().items()}
+    del state["conv_in.bias"]
+    state["extra.weight"] = torch.zeros(2)
+    state["conv_out.bias"] = torch.zeros(5)
+    shardkit.save_sharded(state, tmp_path / "bad", max_shard_size="16KB")
+    with pytest.raises(KeyMismatchError) as info:
+        shardkit.load_model(cls, tmp_path / "bad", config=config)
+    message = str(info.value)
+    assert "\n" not in message
+    for needle in ("conv_in.bias", "extra.weight", "conv_out.bias (checkpoint [5], model [4])", "strict=False"):
+        assert needle in message
+    with pytest.warns(ShardkitWarning, match="conv_in.bias"):
+        model = shardkit.load_model(cls, tmp_path / "bad", config=config, strict=False)
+    assert torch.count_nonzero(model.conv_in.bias) == 0 and torch.count_nonzero(model.conv_out.bias) == 0
+    assert torch.equal(model.conv_in.weight, eager.conv_in.weight)
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path) -> None:
+    eager, cls, config, _ = _unet()
+    folder = save_model(eager, tmp_path / "ckpt", max_shard_size="16KB")
+    missing_gpu = torch.cuda.device_count()  # the first index this machine does not have
+    cases = [
+        (dict(max_memory={missing_gpu: "1GB", "cpu": "1GB"}), InvalidInputError, f"GPU {missing_gpu}"),
+        (dict(device_map={"": missing_gpu}), InvalidInputError, f"GPU {missing_gpu}"),
+        (dict(device_map={"": "disk"}), InvalidInputError, "offload_folder"),
+        (dict(device_map={"conv_in": "cpu"}), InvalidInputError, "device map"),
+        (dict(device_map="everywhere"), InvalidInputError, "unknown device_map"),
+        (dict(max_memory="cpu=lots"), InvalidInputError, "cpu"),
+        (dict(offload_options={"device": "cpu"}), InvalidInputError, "offload="),
+    ]
+    for kwargs, error, needle in cases:
+        with pytest.raises(error, match=needle) as info:
+            shardkit.load_model(cls, folder, config=config, **kwargs)
+        assert "\n" not in str(info.value), kwargs
+    with pytest.raises(InvalidInputError, match="unknown model class"):
+        shardkit.load_model("diffusers:NoSuchUNet", folder, config=config)
+    shards = sorted(folder.glob("*.safetensors"))
+    shards[1].write_bytes(b"\xff" * 64)
+    with pytest.raises(HeaderError, match=shards[1].name):
+        shardkit.load_model(cls, folder, config=config)
+    shards[2].unlink()
+    with pytest.raises(CheckpointIndexError, match=shards[2].name):
+        shardkit.load_model(cls, folder, config=config)
+
+
+def test_layerwise_casting_and_offload_are_applied_after_loading(tmp_path) -> None:
+    pytest.importorskip("shardkit.casting")
+    pytest.importorskip("shardkit.offload")
+    eager, cls, config, forward = _unet()
+    folder = save_model(eager, tmp_path / "ckpt")
+    model = shardkit.load_model(cls, folder, config=config, layerwise_casting=("float8_e4m3fn", "bfloat16"))
+    dtypes = {p.dtype for p in model.parameters()}
+    assert torch.float8_e4m3fn in dtypes and torch.float32 not in dtypes
+    model = shardkit.load_model(cls, folder, config=config, offload="sequential", offload_options={"device": "cpu"})
+    assert any(hasattr(m, "_hf_hook") for m in model.modules())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _close(forward(model), forward(eager), exact=True)
+
+
+PEAK_SCRIPT = textwrap.dedent("""
+    import sys, torch, shardkit, accelerate.utils, shardkit.load
+    from torch import nn
+
+    def status(field):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+    factory = lambda: nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(24)])
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) so that import-time spikes do not count
+    base = status("VmRSS")
+    model = shardkit.load_model(factory, sys.argv[1], device_map="cpu")
+    print(base, status("VmHWM"), sum(p.numel() * 4 for p in model.parameters()))
+""")
+
+
+def test_peak_host_memory_stays_near_the_model_bytes(tmp_path) -> None:
+    from torch import nn
+
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(24)])
+    shardkit.save_sharded(model, tmp_path / "ckpt", max_shard_size="30MB")
+    del model
+    (tmp_path / "peak.py").write_text(PEAK_SCRIPT)
+    done = subprocess.run([sys.executable, str(tmp_path / "peak.py"), str(tmp_path / "ckpt")], capture_output=True,
+                          text=True, timeout=300, check=True)
+    base, peak, model_bytes = map(int, done.stdout.split()[-3:])
+    # The model's own bytes plus one tensor in flight: never a second whole-checkpoint copy.
+    assert peak - base < 1.15 * model_bytes, (base, peak, model_bytes)
