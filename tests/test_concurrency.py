@@ -67,7 +67,9 @@ WRITER = """
 import sys, shardkit
 a, b, out, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 for i in range(n):
-    src, size = (a, "250KB") if i % 2 == 0 else (b, "400KB")
+    # A and B alternate; the shard size changes every two writes, so half of the rewrites keep every
+    # file name and header and change only the values: the hardest case for a reader.
+    src, size = (a if i % 2 == 0 else b), ("250KB" if i % 4 < 2 else "400KB")
     shardkit.split(src, out, max_shard_size=size, overwrite=True)
 """
 

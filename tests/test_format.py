@@ -58,8 +58,9 @@ def test_build_header_matches_the_reference_serializer() -> None:
     blob = safetensors.torch.save(tensors, metadata=metadata)
     (n,) = struct.unpack("<Q", blob[:8])
     reference = parse_header(blob[8:8 + n], file_bytes=len(blob))
-    ours, _ = build_header(
-        [TensorEntry(e.name, e.dtype, e.shape, e.nbytes) for e in reference.entries], metadata=metadata
+    assert reference.metadata == metadata
+    ours, _ = build_header(  # the reference orders metadata keys by hash: give ours in its order
+        [TensorEntry(e.name, e.dtype, e.shape, e.nbytes) for e in reference.entries], metadata=reference.metadata
     )
     assert ours == blob[:8 + n]
 
