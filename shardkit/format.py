@@ -128,7 +128,9 @@ def _decode_json(raw: bytes, path: str) -> dict:
 
     try:
         doc = json.loads(text, object_pairs_hook=no_duplicates)
-    except (json.JSONDecodeError, RecursionError) as e:
+    except HeaderError:  # a duplicate name: already a precise message (HeaderError is a ValueError)
+        raise
+    except (ValueError, RecursionError) as e:  # ValueError: also integers over Python's digit limit
         raise HeaderError(f"{path}: header is not valid JSON ({e})") from e
     if not isinstance(doc, dict):
         raise HeaderError(f"{path}: header JSON must be an object, got {type(doc).__name__}")
@@ -139,14 +141,25 @@ def _parse_metadata(value: object, path: str) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+        isinstance(k, str) and isinstance(v, str) and _is_text(k) and _is_text(v) for k, v in value.items()
     ):
         raise HeaderError(f"{path}: __metadata__ must map strings to strings")
     return dict(value)
 
 
+def _is_text(value: str) -> bool:
+    """False for strings JSON can carry but UTF-8 cannot (lone surrogate escapes like \\ud800)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _parse_entry(name: str, spec: object, path: str, data_start: int) -> TensorEntry:
     where = f"{path}: tensor {name!r}"
+    if not _is_text(name):
+        raise HeaderError(f"{where}: name is not valid Unicode (a lone surrogate escape)")
     if not isinstance(spec, dict):
         raise HeaderError(f"{where}: entry must be an object with dtype, shape and data_offsets")
     missing = [k for k in ("dtype", "shape", "data_offsets") if k not in spec]

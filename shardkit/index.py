@@ -105,11 +105,52 @@ def check_shard_name(name: object, *, where: str, ext: str = ".safetensors") -> 
         raise CheckpointIndexError(f"{where}: shard name {name!r} is an absolute path; only file names are allowed")
     if "/" in name or "\\" in name or name in (".", ".."):
         raise CheckpointIndexError(f"{where}: shard name {name!r} contains a path; only file names in the index's folder are allowed")
-    if any(ord(c) < 32 for c in name):
-        raise CheckpointIndexError(f"{where}: shard name {name!r} contains control characters")
+    if any(ord(c) < 32 or 0xD800 <= ord(c) <= 0xDFFF for c in name):
+        raise CheckpointIndexError(f"{where}: shard name {name!r} contains control characters or invalid Unicode")
     if not name.endswith(ext):
         raise CheckpointIndexError(f"{where}: shard name {name!r} is not a {ext} file")
     return name
+
+
+def shard_file(folder: str, name: str, *, where: str) -> str:
+    """The path of file ``name`` found in ``folder``, after the symlink policy.
+
+    Names never hold paths (see :func:`check_shard_name`). A file that is a symlink is followed
+    only to a regular file inside ``folder`` or inside the ``blobs/`` of the Hugging Face cache
+    repo whose ``snapshots/`` holds ``folder`` (the cache's own layout). Anything else, e.g. a
+    link a downloaded repo planted towards ``~/.ssh`` or another model, is refused.
+    """
+    path = os.path.join(folder, name)
+    if not os.path.lexists(path):
+        raise CheckpointIndexError(f"{where}: names shard {name!r}, which does not exist in {folder}")
+    if os.path.islink(path):
+        target = os.path.realpath(path)
+        if not os.path.isfile(target):
+            raise CheckpointIndexError(f"{where}: {name!r} is a symlink to {target}, which is not a regular file")
+        if not any(_inside(target, root) for root in _link_roots(folder)):
+            raise CheckpointIndexError(
+                f"{where}: {name!r} is a symlink leading outside the checkpoint folder (to {target}); shardkit "
+                "follows such links only inside the folder or into a Hugging Face cache's blobs/; copy the file "
+                "in, or pass its path directly"
+            )
+    elif not os.path.isfile(path):
+        raise CheckpointIndexError(f"{where}: {name!r} in {folder} is not a regular file")
+    return path
+
+
+def _inside(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root
+
+
+def _link_roots(folder: str) -> list[str]:
+    """Where symlinked files may lead: the folder itself, and ``<repo>/blobs`` for an HF-cache snapshot."""
+    real = os.path.realpath(folder)
+    roots = [real]
+    parts = os.path.abspath(folder).split(os.sep)
+    if "snapshots" in parts:
+        repo = os.sep.join(parts[: len(parts) - 1 - parts[::-1].index("snapshots")]) or os.sep
+        roots.append(os.path.realpath(os.path.join(repo, "blobs")))
+    return roots
 
 
 def load_index(path: str | os.PathLike[str], *, ext: str = ".safetensors") -> CheckpointIndex:
@@ -137,7 +178,7 @@ def parse_index(raw: bytes, *, path: str, ext: str = ".safetensors") -> Checkpoi
     """Validate index JSON bytes. See :func:`load_index`."""
     try:
         doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # ValueError: also integers over Python's digit limit
         raise CheckpointIndexError(f"{path}: not a valid UTF-8 JSON index ({e})") from e
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
         raise CheckpointIndexError(f"{path}: index must be an object with a 'weight_map' object")
@@ -191,11 +232,11 @@ def find_checkpoint(folder: str | os.PathLike[str], *, variant: str | None = Non
             f"{folder}: several index files ({', '.join(indexes)}); pass the one to use, or a variant"
         )
     if indexes:
-        return Layout("index", str(root / indexes[0]), naming_from_filename(indexes[0]))
+        return Layout("index", shard_file(str(root), indexes[0], where=str(folder)), naming_from_filename(indexes[0]))
     if len(singles) > 1:
         raise CheckpointIndexError(
             f"{folder}: several .{ext} files and no index ({', '.join(singles)}); pass the file to use"
         )
     if singles:
-        return Layout("file", str(root / singles[0]), naming_from_filename(singles[0]))
+        return Layout("file", shard_file(str(root), singles[0], where=str(folder)), naming_from_filename(singles[0]))
     raise SourceNotFoundError(f"{folder}: no .{ext} checkpoint or index found in this folder")

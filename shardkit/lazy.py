@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from .commit import JOURNAL
 from .errors import CheckpointIndexError, HeaderError, InvalidInputError, SourceNotFoundError
 from .format import Header, TensorEntry, read_header
-from .index import find_checkpoint, load_index
+from .index import find_checkpoint, load_index, shard_file
 
 if TYPE_CHECKING:
     import torch
@@ -267,9 +267,7 @@ def _indexed(path: str) -> LazyCheckpoint:
     index = load_index(path)
     shards: dict[str, _Shard] = {}
     for shard_name in index.shard_names():
-        shard_path = os.path.join(index.folder, shard_name)
-        if not os.path.isfile(shard_path):
-            raise CheckpointIndexError(f"{index.path}: names shard {shard_name!r}, which does not exist in {index.folder}")
+        shard_path = shard_file(index.folder, shard_name, where=index.path)  # existence + symlink policy
         names = frozenset(t for t, s in index.weight_map.items() if s == shard_name)
         shards[shard_name] = _Shard(shard_path, names)
     return LazyCheckpoint(dict(index.weight_map), shards, index_metadata=index.metadata,

@@ -246,10 +246,13 @@ def load_model(model: Any, checkpoint: Any, *, config: Any = None, device_map: A
         mapping = resolve_device_map(skeleton, device_map, max_memory=budget, no_split_module_classes=no_split_module_classes)
         check_devices_exist(list(mapping.values()), where="device_map")
         try:
-            check_device_map(skeleton, mapping)
-            offload_index = fill_skeleton(skeleton, ckpt, match, mapping, offload_folder)
-            dispatch_model(skeleton, mapping, main_device=_main_device(mapping), offload_index=offload_index,
-                           offload_dir=os.fspath(offload_folder) if offload_index is not None else None)
+            with warnings.catch_warnings():
+                # accelerate's own maps name top-level buffers/params, which its checker calls "not submodules"
+                warnings.filterwarnings("ignore", message="The following device_map keys do not match")
+                check_device_map(skeleton, mapping)
+                offload_index = fill_skeleton(skeleton, ckpt, match, mapping, offload_folder)
+                dispatch_model(skeleton, mapping, main_device=_main_device(mapping), offload_index=offload_index,
+                               offload_dir=os.fspath(offload_folder) if offload_index is not None else None)
         except ValueError as e:
             if isinstance(e, InvalidInputError):
                 raise

@@ -104,12 +104,9 @@ def _shard_key(name: str) -> tuple[int, str]:
 
 
 def _read_shard(folder: str, name: str, index_path: str) -> Header:
-    from .errors import CheckpointIndexError
+    from .index import shard_file
 
-    path = os.path.join(folder, name)
-    if not os.path.isfile(path):
-        raise CheckpointIndexError(f"{index_path}: names shard {name!r}, which does not exist in {folder}")
-    return read_header(path)
+    return read_header(shard_file(folder, name, where=index_path))  # existence + symlink policy
 
 
 def _refuse_overlap(source: SafetensorsSource, folder: str, output_file: str) -> None:

@@ -32,6 +32,7 @@ def load_pipeline(
     layerwise_casting: Any = None,
     fit: Any = None,
     variant: str | None = None,
+    switches: Any = None,
 ) -> Any:
     """Load the pipeline in ``path`` and apply placement, casting and offload options.
 
@@ -40,6 +41,9 @@ def load_pipeline(
     ints). ``dtype``: ``"bf16"``, ``torch.float16``... ``offload``/``offload_options``: see
     :func:`shardkit.apply_offload`. ``layerwise_casting``: ``("float8_e4m3fn", "bfloat16")`` or a
     dict of :func:`shardkit.apply_layerwise_casting` keywords (the pipeline's denoiser by default).
+    ``switches``: memory/speed switches, e.g. ``{"vae_tiling": True, "attention_backend": "sdpa"}``
+    (see :mod:`shardkit.switches`). ``fit="auto"`` (or a plan from :func:`shardkit.fit`) chooses
+    placement, offload, casting and switches for ``max_memory`` itself.
 
     >>> pipe = load_pipeline("flux/", dtype="bf16", offload="group",
     ...                      offload_options={"offload_type": "leaf_level", "use_stream": True},
@@ -68,6 +72,10 @@ def load_pipeline(
     if variant is not None:
         kwargs["variant"] = variant
     pipe = _from_pretrained(folder, kwargs)
+    if switches:
+        from .switches import apply_switches  # VAE tiling/slicing, attention, channels_last, tf32...
+
+        apply_switches(pipe, switches)
     _apply_runtime_options(pipe, offload, offload_options, layerwise_casting)
     return pipe
 

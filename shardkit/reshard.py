@@ -140,8 +140,10 @@ def side_files(source: Any, output: str) -> list[str]:
     folder = os.fspath(source)
     if os.path.abspath(folder) == os.path.abspath(output):
         return []
-    return sorted(
-        os.path.join(folder, name) for name in os.listdir(folder)
+    from .index import shard_file
+
+    return sorted(  # shard_file: a symlinked side file may not pull in a file from outside the folder
+        shard_file(folder, name, where=folder) for name in os.listdir(folder)
         if not name.startswith(".") and os.path.isfile(os.path.join(folder, name))
         and not name.endswith(_WEIGHT_SUFFIXES) and not (".index." in name and name.endswith(".json"))
     )

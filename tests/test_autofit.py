@@ -205,10 +205,10 @@ def test_vae_without_tiling_is_never_chosen(tmp_path) -> None:
     save_tiny_pipeline(tmp_path / "pipe", tmp_path / "scratch")
     swap_in_vq_vae(tmp_path / "pipe")
     margin = Margin(0.1, 0)
-    plan = fit(tmp_path / "pipe", gpu="100MB", height=256, width=256, margin=margin)
+    plan = fit(tmp_path / "pipe", gpu="1GB", height=256, width=256, margin=margin)
     vae = next(p for p in plan.components if p.name == "vae")
     assert not vae.switches() and any("VQModel does not support tiling" in n for n in vae.notes)
-    for budget in ("8MB", "4MB", "2MB"):
+    for budget in ("1GB", "200MB", "120MB", "100MB"):
         try:
             plan = fit(tmp_path / "pipe", gpu=budget, height=256, width=256, margin=margin)
         except FitError:
@@ -216,15 +216,23 @@ def test_vae_without_tiling_is_never_chosen(tmp_path) -> None:
         assert all("vae_tiling" not in c.switches and "vae_slicing" not in c.switches for c in plan.candidates)
 
 
-@pytest.mark.parametrize("gpu, expected, atol", [
-    ("3MB", "model_offload+fp8", 0.1),   # fp8 storage: within 0.1 on a [0, 1] image
-    ("2MB", "group_leaf", 1e-5),         # fp32 hooks only: same image
+def budget_forcing(folder, name: str, margin: Margin, **kwargs: object) -> int:
+    """The GPU budget that just holds candidate ``name``'s estimated peak."""
+    roomy = fit(folder, gpu="10GB", margin=margin, **kwargs)  # type: ignore[arg-type]
+    return margin.budget_for(int(max(next(c for c in roomy.candidates if c.name == name).peaks.gpu)), gpu=True)
+
+
+@pytest.mark.parametrize("expected, atol", [
+    ("model_offload+fp8", 0.1),   # fp8 storage: within 0.1 on a [0, 1] image
+    ("group_leaf", 1e-5),         # fp32 hooks only: the same image
 ])
-def test_fitted_pipeline_matches_the_plain_one(tiny_folder, plain_image, gpu, expected, atol) -> None:
+def test_fitted_pipeline_matches_the_plain_one(tiny_folder, plain_image, expected, atol) -> None:
     import shardkit
     from helpers_pipeline import generate
 
-    plan = fit(tiny_folder, gpu=gpu, cpu="1GB", margin=Margin(0.1, 0), device="cpu")
+    margin = Margin(0.1, 0)
+    gpu = budget_forcing(tiny_folder, expected, margin, device="cpu")
+    plan = fit(tiny_folder, gpu=gpu, cpu="1GB", margin=margin, device="cpu")
     assert plan.chosen.name == expected
     pipe = shardkit.load_pipeline(tiny_folder, fit=plan)
     assert pipe.shardkit_plan is plan
@@ -246,6 +254,8 @@ def test_fit_auto_in_load_pipeline(tiny_folder, plain_image) -> None:
         shardkit.load_pipeline(tiny_folder, fit="auto", max_memory={0: "1GB"}, offload="model")
     with pytest.raises(FitError, match="smallest budget that would fit"):
         shardkit.load_pipeline(tiny_folder, fit="auto", max_memory={0: "1MB", "cpu": "1GB"})
+    # The switches are load_pipeline options too.
+    assert shardkit.load_pipeline(tiny_folder, switches=["vae_tiling"]).vae.use_tiling
 
 
 def test_fit_plans_a_meta_skeleton() -> None:

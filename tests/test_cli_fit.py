@@ -23,8 +23,19 @@ def run(*args: object) -> tuple[int, str, str]:
     return result.exit_code, result.stdout, result.stderr
 
 
+def budget_holding(folder, name: str, gpus: int = 1) -> str:
+    """The per-GPU budget (bytes, as the CLI takes it) that just holds candidate ``name``'s peak."""
+    from shardkit.autofit import Margin, fit
+
+    margin = Margin(0.1, 1)
+    roomy = fit(folder, gpu=["10GB"] * gpus, margin=margin)
+    peak = max(next(c for c in roomy.candidates if c.name == name).peaks.gpu)
+    return str(margin.budget_for(int(peak), gpu=True))
+
+
 def test_fit_json_ranks_every_candidate(folder) -> None:
-    code, out, _ = run("fit", str(folder), "--gpu", "3MB", "--cpu", "1GB", "--reserve", "1", "--json")
+    gpu = budget_holding(folder, "model_offload+fp8")
+    code, out, _ = run("fit", str(folder), "--gpu", gpu, "--cpu", "1GB", "--reserve", "1", "--json")
     assert code == 0
     data = json.loads(out)
     assert data["chosen"]["name"] == "model_offload+fp8"
@@ -40,7 +51,8 @@ def test_fit_json_ranks_every_candidate(folder) -> None:
 
 
 def test_fit_table_for_two_gpus(folder) -> None:
-    code, out, _ = run("fit", str(folder), "--gpu", "3MB", "--gpu", "3MB", "--reserve", "1", "--height", "32")
+    gpu = budget_holding(folder, "balanced", gpus=2)
+    code, out, _ = run("fit", str(folder), "--gpu", gpu, "--gpu", gpu, "--reserve", "1", "--height", "32")
     assert code == 0
     header = out.splitlines()[0]
     assert "cuda:0" in header and "cuda:1" in header and "fits" in header

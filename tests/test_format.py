@@ -164,7 +164,10 @@ BAD_HEADERS = {
     "same range twice": ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
                           "b": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8, "overlaps"),
     "duplicate name": ('{"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},'
-                       '"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}', b"\0\0", "appears twice"),
+                       '"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}', b"\0\0", "tensor 'a' appears twice"),
+    "lone surrogate name": ('{"\\ud800":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}', b"\0", "unicode"),
+    "lone surrogate metadata": ('{"__metadata__":{"k":"\\udfff"}}', b"", "__metadata__"),
+    "huge integer": ('{"a":{"dtype":"U8","shape":[1' + "0" * 5000 + '],"data_offsets":[0,1]}}', b"\0", "json"),
     "metadata not strings": ({"__metadata__": {"a": 1}}, b"", "__metadata__"),
     "metadata not object": ({"__metadata__": ["a"]}, b"", "__metadata__"),
     "shape overflows": ({"a": {"dtype": "F64", "shape": [2**40, 2**40], "data_offsets": [0, 8]}}, b"\0" * 8,

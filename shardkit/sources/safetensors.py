@@ -6,7 +6,7 @@ import os
 
 from ..errors import CheckpointIndexError, HeaderError, SourceNotFoundError
 from ..format import Header, TensorEntry, read_header
-from ..index import CheckpointIndex, Naming, find_checkpoint, load_index, naming_from_filename
+from ..index import CheckpointIndex, Naming, find_checkpoint, load_index, naming_from_filename, shard_file
 from .base import Source
 
 
@@ -68,10 +68,7 @@ def open_safetensors_index(path: str) -> SafetensorsSource:
 
 
 def _read_shard(index: CheckpointIndex, shard: str) -> Header:
-    shard_path = os.path.join(index.folder, shard)
-    if not os.path.isfile(shard_path):
-        raise CheckpointIndexError(f"{index.path}: names shard {shard!r}, which does not exist in {index.folder}")
-    return read_header(shard_path)
+    return read_header(shard_file(index.folder, shard, where=index.path))
 
 
 def check_index_against_headers(index: CheckpointIndex, headers: list[Header]) -> None:

@@ -1,0 +1,92 @@
+"""``shardkit plan`` through the real CLI entry point."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import SHARDKIT_BIN, assert_one_line_error, tiny_unet
+from helpers_load import FLUX_DEV_CONFIG, save_model, write_config
+
+
+@pytest.fixture(scope="module")
+def flux_config(tmp_path_factory) -> str:
+    return str(write_config(tmp_path_factory.mktemp("flux"), FLUX_DEV_CONFIG))
+
+
+def test_flux_docs_scenario_table(run_cli, flux_config) -> None:
+    for budget in ("0=16GB,1=16GB,cpu=64GB", "0=16GB,1=16GB"):
+        result = run_cli("plan", "--model", "diffusers:FluxTransformer2DModel", "--config", flux_config,
+                         "--max-memory", budget, "--dtype", "bf16")
+        assert result.exit_code == 0, result.stderr
+        assert "11.90B parameters" in result.stdout and "GPU 0" in result.stdout and "GPU 1" in result.stdout
+        assert "offloaded: nothing" in result.stdout
+        assert "not available" not in result.stderr, "planning for absent GPUs must not warn"
+
+
+def test_json_output_and_strategy_choice(run_cli, flux_config) -> None:
+    result = run_cli("plan", "--model", "diffusers:FluxTransformer2DModel", "--config", flux_config,
+                     "--max-memory", "0=8GB,1=8GB,cpu=64GB", "--dtype", "bf16", "--device-map", "balanced_low_0", "--json")
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["strategy"] == "balanced_low_0" and doc["dtype"] == "bfloat16"
+    devices = {d["device"]: d for d in doc["devices"]}
+    assert devices[0]["bytes"] <= 8e9 and devices["cpu"]["bytes"] == doc["offloaded_bytes"] > 0
+    assert sum(d["bytes"] for d in doc["devices"]) == doc["total_bytes"]
+
+
+def test_checkpoint_argument_uses_its_config_and_dtypes(run_cli, tmp_path) -> None:
+    folder = save_model(tiny_unet(), tmp_path / "unet", dtype="fp16")
+    result = run_cli("plan", folder, "--model", "diffusers:UNet2DConditionModel", "--max-memory", "0=1MB,cpu=1GB", "--json")
+    assert result.exit_code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["dtype"] == "float16" and str(folder) in doc["checkpoint"]
+
+
+def test_strategies_table(run_cli, tmp_path) -> None:
+    pytest.importorskip("shardkit.estimate")
+    folder = save_model(tiny_unet(), tmp_path / "unet")
+    result = run_cli("plan", folder, "--model", "diffusers:UNet2DConditionModel", "--gpu", "1MB", "--strategies", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert "strategies" in json.loads(result.stdout)
+    result = run_cli("plan", folder, "--model", "diffusers:UNet2DConditionModel", "--gpu", "1MB", "--strategies",
+                     "--max-memory", "0=1MB,cpu=1GB")
+    assert result.exit_code == 0, result.stderr
+    assert "GPU 0" in result.stdout and len(result.stdout.splitlines()) > 10
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--max-memory", "0:16GB"], "unparseable max memory"),
+    (["--max-memory", "0=16XB"], "invalid max memory"),
+    (["--max-memory", "tpu=1GB"], "unknown device"),
+    ([], "--max-memory"),
+])
+def test_bad_options_are_one_line_errors(run_cli, flux_config, args, needle) -> None:
+    result = run_cli("plan", "--model", "diffusers:FluxTransformer2DModel", "--config", flux_config, *args)
+    assert_one_line_error(result, contains=needle)
+
+
+def test_unknown_class_and_missing_checkpoint(run_cli, tmp_path) -> None:
+    assert_one_line_error(run_cli("plan", "--model", "diffusers:NoSuchModel", "--max-memory", "0=1GB"),
+                          contains="unknown model class")
+    assert_one_line_error(run_cli("plan", "--model", "nomodule", "--max-memory", "0=1GB"), contains="unknown model class")
+    assert_one_line_error(run_cli("plan", tmp_path / "nope", "--model", "diffusers:UNet2DConditionModel",
+                                  "--config", tmp_path, "--max-memory", "0=1GB"), contains="nope")
+
+
+MEASURE = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
+           "print(done.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)")
+
+
+@pytest.mark.slow
+def test_flux_plan_process_stays_under_600mb(flux_config) -> None:
+    """The 12B skeleton plans in a fresh process, imports included, under 600 MB peak RSS."""
+    done = subprocess.run([sys.executable, "-c", MEASURE, SHARDKIT_BIN, "plan", "--model", "diffusers:FluxTransformer2DModel",
+                           "--config", flux_config, "--max-memory", "0=16GB,1=16GB", "--dtype", "bf16"],
+                          capture_output=True, text=True, timeout=300)
+    code, peak_bytes = map(int, done.stdout.split()[-2:])
+    assert code == 0, done.stderr
+    assert peak_bytes < 600 * 2**20, peak_bytes
