@@ -1,0 +1,242 @@
+#!/usr/bin/env python3
+"""Benchmark loading sharded checkpoints: shardkit.load_model against the floor and the incumbents.
+
+Builds the SDXL UNet (default, ~10.3 GB fp32) or with ``--small`` the SD 1.5 UNet (~3.4 GB) with
+random weights, splits it into shards with shardkit, then runs every case interleaved,
+``--runs`` times (median reported), each in a fresh process:
+
+* ``safetensors.torch.load_file`` over all shards (the floor: bytes into host memory)
+* ``shardkit.load_model(device_map="cpu")``
+* ``accelerate.load_checkpoint_and_dispatch`` into an ``init_empty_weights`` skeleton
+* ``UNet2DConditionModel.from_pretrained``
+* disk offload: ``max_memory={"cpu": 4GiB}`` (scaled to the model for ``--small``) + offload
+  folder, for shardkit and accelerate: time, RSS and bytes written to the offload folder
+* ``shardkit plan`` for the 12B FLUX.1-dev transformer skeleton (whole process: imports included)
+* with CUDA: host → GPU 0 for shardkit and accelerate
+
+"load s" is the load call alone (imports excluded, the same for every case); "process s" is the
+whole process. "peak RSS" is the process's high-water mark (VmHWM); "above imports" subtracts the
+RSS after imports. Checkpoint pages are in the page cache (warm) for every run after the first.
+
+    .venv/bin/python scripts/bench_load.py --small --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FLUX_DEV = {
+    "_class_name": "FluxTransformer2DModel", "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
+    "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56], "patch_size": 1,
+}
+
+
+# ------------------------------------------------------------------------- cases (child side)
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _skeleton(folder: str):
+    from accelerate import init_empty_weights
+    from diffusers import UNet2DConditionModel
+
+    with init_empty_weights():
+        return UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder))
+
+
+def _floor(folder: str, **_):
+    from safetensors.torch import load_file
+
+    state = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(folder, name)))
+    return state
+
+
+def _shardkit(folder: str, *, device_map="cpu", max_memory=None, offload=None, **_):
+    import shardkit
+    from diffusers import UNet2DConditionModel
+
+    return shardkit.load_model(UNet2DConditionModel, folder, config=folder, device_map=device_map,
+                               max_memory=max_memory, offload_folder=offload)
+
+
+def _accelerate(folder: str, *, device_map="cpu", max_memory=None, offload=None, **_):
+    from accelerate import load_checkpoint_and_dispatch
+
+    device_map = {"": device_map} if device_map in ("cpu", 0) else device_map
+    return load_checkpoint_and_dispatch(_skeleton(folder), folder, device_map=device_map, max_memory=max_memory,
+                                        offload_folder=offload)
+
+
+def _diffusers(folder: str, **_):
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel.from_pretrained(folder)
+
+
+CASES = {"floor": _floor, "shardkit": _shardkit, "accelerate": _accelerate, "diffusers": _diffusers}
+
+
+def run_case(name: str, folder: str, options: dict) -> None:
+    """Child process: import, load, print one JSON line."""
+    import torch  # noqa: F401  (imports are not part of the load time)
+    import accelerate  # noqa: F401
+    import diffusers  # noqa: F401
+    import safetensors.torch  # noqa: F401
+
+    import shardkit.load  # noqa: F401
+
+    base = _status_bytes("VmRSS")
+    start = time.perf_counter()
+    loaded = CASES[name](folder, **options)
+    if options.get("device_map") == 0:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    offload = options.get("offload")
+    written = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(offload) for f in fs) if offload else 0
+    print(json.dumps({"load_s": seconds, "base": base, "hwm": _status_bytes("VmHWM"), "written": written}))
+    del loaded
+
+
+# ------------------------------------------------------------------------- orchestration (parent side)
+
+def prepare(kind: str, work: str) -> tuple[str, int]:
+    sys.path.insert(0, HERE)
+    import shardkit
+
+    folder = os.path.join(work, f"{kind}-unet-sharded")
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        from build_checkpoint import build_unet
+
+        single = os.path.join(work, f"{kind}-unet")
+        print(f"building {single} ...", flush=True)
+        build_unet(kind, single, overwrite=True)
+        shardkit.split(single, folder, max_shard_size="5GB" if kind == "sdxl" else "2GB", overwrite=True)
+        shutil.copy(os.path.join(single, "config.json"), folder)
+        shutil.rmtree(single)
+    with shardkit.open(folder) as ckpt:
+        return folder, ckpt.nbytes()
+
+
+def measure(args: list[str]) -> dict:
+    start = time.perf_counter()
+    done = subprocess.run(args, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"case failed ({done.returncode}): {' '.join(args)}\n{done.stderr[-3000:]}")
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    result = json.loads(lines[-1]) if lines else {}
+    result["wall_s"] = wall
+    return result
+
+
+def build_cases(folder: str, model_bytes: int, work: str, *, gpu: bool) -> list[tuple[str, list[str], str | None]]:
+    me = [sys.executable, os.path.abspath(__file__), "--case"]
+    budget = 4 * 2**30 if model_bytes > 8e9 else int(model_bytes * 4 * 2**30 / 10.3e9)
+    cases: list[tuple[str, list[str], str | None]] = [
+        ("safetensors load_file (floor)", [*me, "floor", folder, "{}"], None),
+        ("shardkit.load_model cpu", [*me, "shardkit", folder, "{}"], None),
+        ("accelerate.load_checkpoint_and_dispatch cpu", [*me, "accelerate", folder, "{}"], None),
+        ("diffusers from_pretrained", [*me, "diffusers", folder, "{}"], None),
+    ]
+    for label, case in (("shardkit.load_model", "shardkit"), ("accelerate", "accelerate")):
+        off = os.path.join(work, f"offload-{case}")
+        opts = json.dumps({"device_map": "auto", "max_memory": {"cpu": budget}, "offload": off})
+        cases.append((f"{label} cpu={budget / 2**30:.2f}GiB + disk", [*me, case, folder, opts], off))
+    if gpu:
+        for label, case in (("shardkit.load_model → cuda:0", "shardkit"), ("accelerate → cuda:0", "accelerate")):
+            cases.append((label, [*me, case, folder, json.dumps({"device_map": 0})], None))
+    flux = os.path.join(work, "flux-config.json")
+    with open(flux, "w") as f:
+        json.dump(FLUX_DEV, f)
+    shardkit_bin = os.path.join(os.path.dirname(sys.executable), "shardkit")
+    cases.append(("shardkit plan Flux 12B (process)", [shardkit_bin, "plan", "--model", "diffusers:FluxTransformer2DModel",
+                                                        "--config", flux, "--max-memory", "0=16GB,1=16GB", "--dtype", "bf16"], None))
+    return cases
+
+
+def run_all(cases: list, runs: int) -> dict[str, list[dict]]:
+    results: dict[str, list[dict]] = {name: [] for name, _, _ in cases}
+    for r in range(runs):
+        order = cases[r % len(cases):] + cases[: r % len(cases)]
+        for name, args, cleanup in order:
+            if cleanup:
+                shutil.rmtree(cleanup, ignore_errors=True)
+            if "plan" in name:  # a process measured from outside: its children's peak
+                wrapper = ("import resource,subprocess,sys,json,time; t=time.perf_counter(); "
+                           "subprocess.run(sys.argv[1:],check=True,stdout=subprocess.DEVNULL); "
+                           "print(json.dumps({'load_s': time.perf_counter()-t, 'base': 0, "
+                           "'hwm': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss*1024, 'written': 0}))")
+                result = measure([sys.executable, "-c", wrapper, *args])
+            else:
+                result = measure(args)
+            results[name].append(result)
+            print(f"  run {r + 1}/{runs} {name}: load {result['load_s']:.2f} s, process {result['wall_s']:.2f} s, "
+                  f"peak {result['hwm'] / 2**20:.0f} MB, written {result['written'] / 1e6:.1f} MB", flush=True)
+        for _, _, cleanup in cases:
+            if cleanup:
+                shutil.rmtree(cleanup, ignore_errors=True)
+    return results
+
+
+def table(results: dict[str, list[dict]], model_bytes: int) -> str:
+    floor = statistics.median(r["load_s"] for r in results["safetensors load_file (floor)"])
+    lines = ["| case | load s (median) | × floor | process s | peak RSS MB | above imports MB | × model bytes | offload written |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, runs in results.items():
+        load = statistics.median(r["load_s"] for r in runs)
+        wall = statistics.median(r["wall_s"] for r in runs)
+        hwm = max(r["hwm"] for r in runs)
+        above = max(r["hwm"] - r["base"] for r in runs) if runs[0]["base"] else None
+        plan = "plan" in name
+        lines.append(
+            f"| {name} | {load:.2f} | {'' if plan else f'{load / floor:.2f}×'} | {wall:.2f} | {hwm / 2**20:.0f} | "
+            f"{'' if above is None else f'{above / 2**20:.0f}'} | {'' if plan or above is None else f'{above / model_bytes:.2f}'} | "
+            f"{'' if 'disk' not in name else f'{max(r['written'] for r in runs) / 1e6:.2f} MB'} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if len(sys.argv) >= 2 and sys.argv[1] == "--case":
+        run_case(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="SD 1.5 UNet (3.4 GB) instead of SDXL (10.3 GB)")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--work", default="/tmp/shardkit-bench-load", help="scratch folder (checkpoints, offload)")
+    parser.add_argument("--keep", action="store_true", help="keep the built checkpoint for the next run")
+    args = parser.parse_args()
+    import platform
+
+    import torch
+
+    os.makedirs(args.work, exist_ok=True)
+    kind = "sd15" if args.small else "sdxl"
+    folder, model_bytes = prepare(kind, args.work)
+    gpu = torch.cuda.is_available()
+    print(f"{kind} UNet: {model_bytes / 1e9:.2f} GB in {folder}; {os.cpu_count()} cores, "
+          f"{platform.machine()}, CUDA: {torch.cuda.get_device_name(0) if gpu else 'none'}", flush=True)
+    results = run_all(build_cases(folder, model_bytes, args.work, gpu=gpu), args.runs)
+    print()
+    print(f"{kind} UNet, {model_bytes / 1e9:.2f} GB fp32, median of {args.runs} interleaved runs:")
+    print(table(results, model_bytes))
+    if not args.keep:
+        shutil.rmtree(args.work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
