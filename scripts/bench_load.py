@@ -202,10 +202,11 @@ def table(results: dict[str, list[dict]], model_bytes: int) -> str:
         hwm = max(r["hwm"] for r in runs)
         above = max(r["hwm"] - r["base"] for r in runs) if runs[0]["base"] else None
         plan = "plan" in name
+        written = f"{max(r['written'] for r in runs) / 1e6:.2f} MB" if "disk" in name else ""
         lines.append(
             f"| {name} | {load:.2f} | {'' if plan else f'{load / floor:.2f}×'} | {wall:.2f} | {hwm / 2**20:.0f} | "
             f"{'' if above is None else f'{above / 2**20:.0f}'} | {'' if plan or above is None else f'{above / model_bytes:.2f}'} | "
-            f"{'' if 'disk' not in name else f'{max(r['written'] for r in runs) / 1e6:.2f} MB'} |")
+            f"{written} |")
     return "\n".join(lines)
 
 

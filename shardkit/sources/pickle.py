@@ -34,12 +34,8 @@ def load_pickle(path: str) -> Any:
     if os.path.getsize(path) == 0:
         raise InvalidInputError(f"{path}: file is empty")
     is_zip = zipfile.is_zipfile(path)
-    if not is_zip:
-        warnings.warn(
-            f"{path} is a legacy (non-zip) pickle: it is loaded fully into memory; "
-            "re-save it with torch.save to stream it", ShardkitWarning, stacklevel=3)
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
     except pickle.UnpicklingError as e:
         raise UnsafePickleError(
             f"{path}: refused to unpickle: it holds objects other than tensors ({_refusal_reason(e)}); "
@@ -48,6 +44,11 @@ def load_pickle(path: str) -> Any:
     except Exception as e:  # torch's unpickler raises many kinds (IndexError, KeyError...) on garbage
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise InvalidInputError(f"{path}: not a readable PyTorch checkpoint ({first})") from e
+    if not is_zip:  # warned only once loaded: a refused file gets its one-line error alone
+        warnings.warn(
+            f"{path} is a legacy (non-zip) pickle: it is loaded fully into memory; "
+            "re-save it with torch.save to stream it", ShardkitWarning, stacklevel=3)
+    return loaded
 
 
 _REFUSAL_RE = re.compile(
