@@ -5,7 +5,9 @@ Builds the SDXL UNet (default, ~10.3 GB fp32) or with ``--small`` the SD 1.5 UNe
 random weights, splits it into shards with shardkit, then runs every case interleaved,
 ``--runs`` times (median reported), each in a fresh process:
 
-* ``safetensors.torch.load_file`` over all shards (the floor: bytes into host memory)
+* ``safetensors.torch.load_file`` over all shards (the floor; since safetensors 0.6 it maps the
+  files lazily, so it reads nothing until a tensor is used), and a meta skeleton filled from it
+  with ``load_state_dict(assign=True)`` (the least work that yields a model)
 * ``shardkit.load_model(device_map="cpu")``
 * ``accelerate.load_checkpoint_and_dispatch`` into an ``init_empty_weights`` skeleton
 * ``UNet2DConditionModel.from_pretrained``
@@ -87,15 +89,23 @@ def _diffusers(folder: str, **_):
     return UNet2DConditionModel.from_pretrained(folder)
 
 
-CASES = {"floor": _floor, "shardkit": _shardkit, "accelerate": _accelerate, "diffusers": _diffusers}
+def _assign(folder: str, **_):
+    model = _skeleton(folder)
+    model.load_state_dict(_floor(folder), assign=True, strict=True)
+    return model
+
+
+CASES = {"floor": _floor, "assign": _assign, "shardkit": _shardkit, "accelerate": _accelerate,
+         "diffusers": _diffusers}
 
 
 def run_case(name: str, folder: str, options: dict) -> None:
     """Child process: import, load, print one JSON line."""
     import torch  # noqa: F401  (imports are not part of the load time)
     import accelerate  # noqa: F401
-    import diffusers  # noqa: F401
+    import accelerate.big_modeling  # noqa: F401
     import safetensors.torch  # noqa: F401
+    from diffusers import UNet2DConditionModel  # noqa: F401  (diffusers imports its models lazily)
 
     import shardkit.load  # noqa: F401
 
@@ -105,9 +115,16 @@ def run_case(name: str, folder: str, options: dict) -> None:
     if options.get("device_map") == 0:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
+    loaded_hwm = _status_bytes("VmHWM")
+    tensors = loaded.values() if isinstance(loaded, dict) else list(loaded.parameters()) + list(loaded.buffers())
+    for tensor in tensors:  # use every weight once: lazily mapped pages become resident here
+        if not tensor.is_meta:
+            tensor.float().sum().item()
+    touched = time.perf_counter() - start
     offload = options.get("offload")
     written = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(offload) for f in fs) if offload else 0
-    print(json.dumps({"load_s": seconds, "base": base, "hwm": _status_bytes("VmHWM"), "written": written}))
+    print(json.dumps({"load_s": seconds, "touch_s": touched, "base": base, "loaded_hwm": loaded_hwm,
+                      "hwm": _status_bytes("VmHWM"), "written": written}))
     del loaded
 
 
@@ -148,6 +165,7 @@ def build_cases(folder: str, model_bytes: int, work: str, *, gpu: bool) -> list[
     budget = 4 * 2**30 if model_bytes > 8e9 else int(model_bytes * 4 * 2**30 / 10.3e9)
     cases: list[tuple[str, list[str], str | None]] = [
         ("safetensors load_file (floor)", [*me, "floor", folder, "{}"], None),
+        ("meta skeleton + load_file + load_state_dict(assign=True)", [*me, "assign", folder, "{}"], None),
         ("shardkit.load_model cpu", [*me, "shardkit", folder, "{}"], None),
         ("accelerate.load_checkpoint_and_dispatch cpu", [*me, "accelerate", folder, "{}"], None),
         ("diffusers from_pretrained", [*me, "diffusers", folder, "{}"], None),
@@ -178,8 +196,8 @@ def run_all(cases: list, runs: int) -> dict[str, list[dict]]:
             if "plan" in name:  # a process measured from outside: its children's peak
                 wrapper = ("import resource,subprocess,sys,json,time; t=time.perf_counter(); "
                            "subprocess.run(sys.argv[1:],check=True,stdout=subprocess.DEVNULL); "
-                           "print(json.dumps({'load_s': time.perf_counter()-t, 'base': 0, "
-                           "'hwm': resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss*1024, 'written': 0}))")
+                           "s=time.perf_counter()-t; h=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss*1024; "
+                           "print(json.dumps({'load_s': s, 'touch_s': s, 'base': 0, 'loaded_hwm': h, 'hwm': h, 'written': 0}))")
                 result = measure([sys.executable, "-c", wrapper, *args])
             else:
                 result = measure(args)
@@ -193,20 +211,27 @@ def run_all(cases: list, runs: int) -> dict[str, list[dict]]:
 
 
 def table(results: dict[str, list[dict]], model_bytes: int) -> str:
-    floor = statistics.median(r["load_s"] for r in results["safetensors load_file (floor)"])
-    lines = ["| case | load s (median) | × floor | process s | peak RSS MB | above imports MB | × model bytes | offload written |",
+    def med(runs: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    floor = med(results["safetensors load_file (floor)"], "load_s")
+    lines = ["| case | load s | × floor | load + use every weight s | peak RSS after load MB | "
+             "peak RSS after use MB (× model) | process s | offload written |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, runs in results.items():
-        load = statistics.median(r["load_s"] for r in runs)
-        wall = statistics.median(r["wall_s"] for r in runs)
-        hwm = max(r["hwm"] for r in runs)
-        above = max(r["hwm"] - r["base"] for r in runs) if runs[0]["base"] else None
-        plan = "plan" in name
+        if "plan" in name:
+            lines.append(f"| {name} | {med(runs, 'load_s'):.2f} | | | | {max(r['hwm'] for r in runs) / 2**20:.0f} "
+                         f"(whole process) | {med(runs, 'wall_s'):.2f} | |")
+            continue
+        loaded = max(r["loaded_hwm"] - r["base"] for r in runs)
+        used = max(r["hwm"] - r["base"] for r in runs)
         written = f"{max(r['written'] for r in runs) / 1e6:.2f} MB" if "disk" in name else ""
-        lines.append(
-            f"| {name} | {load:.2f} | {'' if plan else f'{load / floor:.2f}×'} | {wall:.2f} | {hwm / 2**20:.0f} | "
-            f"{'' if above is None else f'{above / 2**20:.0f}'} | {'' if plan or above is None else f'{above / model_bytes:.2f}'} | "
-            f"{written} |")
+        lines.append(f"| {name} | {med(runs, 'load_s'):.2f} | {med(runs, 'load_s') / floor:.1f}× | "
+                     f"{med(runs, 'touch_s'):.2f} | {loaded / 2**20:.0f} | {used / 2**20:.0f} ({used / model_bytes:.2f}×) | "
+                     f"{med(runs, 'wall_s'):.2f} | {written} |")
+    lines.append("")
+    lines.append("RSS columns are above the process's RSS after imports (torch, diffusers, accelerate: the same for "
+                 "every case); 'use every weight' sums each tensor once, which pages lazily mapped weights in.")
     return "\n".join(lines)
 
 

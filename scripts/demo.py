@@ -73,14 +73,20 @@ def check_forward(src: str, dst: str) -> None:
     gen = torch.Generator().manual_seed(0)
     sample = torch.randn(1, cfg.in_channels, 16, 16, generator=gen)
     context = torch.randn(1, 8, cfg.cross_attention_dim, generator=gen)
+    ours_sd, theirs_sd = model.state_dict(), reference.state_dict()
+    mismatched = [k for k in theirs_sd if not torch.equal(ours_sd[k], theirs_sd[k])]
+    if set(ours_sd) != set(theirs_sd) or mismatched:
+        raise SystemExit(f"weights differ from the source: {mismatched[:5]}")
+    print(f"all {len(theirs_sd)} tensors bit-identical to UNet2DConditionModel.from_pretrained(source)")
     with torch.no_grad():
         ours = model(sample, 10, encoder_hidden_states=context).sample
         theirs = reference(sample, 10, encoder_hidden_states=context).sample
-    if not torch.equal(ours, theirs):
-        raise SystemExit("forward outputs differ: the sharded checkpoint does not match the source")
-    print(f"forward pass on a {tuple(sample.shape)} latent: identical outputs "
-          f"(shardkit.load_model vs UNet2DConditionModel.from_pretrained)")
-
+    # Same weights, but CPU kernels may round the last bit differently depending on where the
+    # weights lie in memory (mapped shards vs copied tensors), so outputs are compared closely.
+    diff = (ours - theirs).abs().max().item()
+    if not torch.allclose(ours, theirs, rtol=1e-5, atol=1e-5):
+        raise SystemExit(f"forward outputs differ by up to {diff:.3g}")
+    print(f"forward pass on a {tuple(sample.shape)} latent: outputs match (max abs difference {diff:.2g})")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -18,12 +18,19 @@ At no moment does the folder hold an index naming a missing or partial shard: an
 either the old one (all old shards still in place, because nothing is renamed before it is
 removed) or the new one (renamed after every shard it names).
 
-Readers (:func:`read_consistently`, used by :func:`shardkit.sources.open_source`) take no lock:
-they note the folder's state (every visible file's inode, size and mtime, plus the journal),
-open the checkpoint — holding a descriptor on every file, so later reads see those inodes even
-if they are replaced — and check that the state did not change; otherwise they retry. A
-pending journal of a crashed writer is rolled forward first when the folder is writable, and
-refused with a one-line error when it is not.
+Right after a crash past the commit point the folder is *pending* (journal present, possibly no
+index): not yet the complete new checkpoint. Policy: every shardkit entry point settles it first.
+Writers recover under the folder lock; :func:`shardkit.sources.open_source` (split, convert,
+info) and ``verify`` roll the journal forward when the folder is writable (:func:`shardkit.snapshot.settle`), wait
+while a live writer is mid-commit, and give a one-line error naming ``python -m shardkit.commit
+FOLDER`` when it is read-only; the lazy ``shardkit.open``, which never writes, refuses a pending
+folder with a one-line error. Other tools see no index during that window, never a wrong one.
+
+Readers take a consistent snapshot without a lock: see :mod:`shardkit.snapshot`.
+
+Temporary files carry the writer's pid (``.shardkit-tmp-<pid>-<hex>-<name>``) and are removed
+by the next writer or :func:`recover` once that pid is gone; staging folders are removed once
+their ``flock`` is free. Fault points (:mod:`shardkit._faults`) mark every step for crash tests.
 """
 
 from __future__ import annotations
@@ -33,15 +40,13 @@ import json
 import os
 import secrets
 import shutil
-import time
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Iterable
 
 from . import _faults
 from .errors import CheckpointIndexError, OutputExistsError, ShardkitError, ShardkitWriteError
 
 TMP_MARK = ".shardkit-tmp-"
 JOURNAL = ".shardkit-journal.json"
-T = TypeVar("T")
 
 
 def fsync_dir(path: str) -> None:
@@ -191,87 +196,6 @@ def _roll_forward(folder: str, plan: dict[str, list[Any]]) -> None:
     _faults.point("commit:done")
 
 
-# ----------------------------------------------------------------------------- reading
-
-def folder_state(folder: str) -> tuple[tuple[str, int, int, int], ...]:
-    """What a reader of ``folder`` would see: each visible file's name, inode, mtime and size.
-
-    Temporary files are left out (they change nothing a reader sees); the journal is kept in.
-    """
-    entries = []
-    with os.scandir(folder) as it:
-        for entry in it:
-            if entry.name.startswith(TMP_MARK) or entry.name.startswith(JOURNAL + "."):
-                continue
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:  # removed while listing: a writer is active, never a stable state
-                entries.append((entry.name, -1, -1, -1))
-                continue
-            entries.append((entry.name, st.st_ino, st.st_mtime_ns, st.st_size))
-    return tuple(sorted(entries))
-
-
-def _pending_journal_folder(folder: str) -> str | None:
-    """The folder (this one or its parent, for pipeline components) with a pending journal."""
-    for candidate in (folder, os.path.dirname(os.path.abspath(folder))):
-        if os.path.exists(os.path.join(candidate, JOURNAL)):
-            return candidate
-    return None
-
-
-def _settle(folder: str) -> bool:
-    """Roll a crashed writer's journal forward; False while a live writer is committing."""
-    pending = _pending_journal_folder(folder)
-    if pending is None:
-        return True
-    try:
-        return recover(pending) and _pending_journal_folder(folder) is None
-    except OSError as e:
-        raise CheckpointIndexError(
-            f"{pending}: an interrupted shardkit write left a journal that could not be finished here "
-            f"({e.strerror or e}); run `python -m shardkit.commit {pending}` with write access"
-        ) from e
-
-
-def read_consistently(folder: str | os.PathLike[str], open_fn: Callable[[], T], *,
-                      timeout_s: float = 60.0) -> T:
-    """Run ``open_fn`` (which opens a checkpoint in ``folder``) until no writer changed it meanwhile.
-
-    ``open_fn`` must keep a descriptor on every file it will read later, so a consistent open is
-    a consistent snapshot. Results of discarded attempts are closed when they have ``close()``.
-
-    >>> source = read_consistently("ckpt/", lambda: open_safetensors_folder("ckpt/"))  # doctest: +SKIP
-    """
-    folder = os.fspath(folder)
-    deadline = time.monotonic() + timeout_s
-    delay = 0.002
-    while True:
-        before = folder_state(folder) if _settle(folder) else None
-        if before is not None and not any(name == JOURNAL or ino == -1 for name, ino, *_ in before):
-            try:
-                result = open_fn()
-            except (ShardkitError, OSError):
-                if folder_state(folder) == before:
-                    raise
-            else:
-                if folder_state(folder) == before:
-                    return result
-                _close(result)
-        if time.monotonic() > deadline:
-            raise CheckpointIndexError(
-                f"{folder}: kept changing while being opened (another process is rewriting it); try again"
-            )
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
-
-
-def _close(obj: object) -> None:
-    close = getattr(obj, "close", None)
-    if callable(close):
-        close()
-
-
 # ----------------------------------------------------------------------------- writing
 
 def _tmp_name(token: str, filename: str) -> str:
@@ -384,6 +308,11 @@ class OutputTransaction:
                 raise
             if not self._past_commit_point:
                 raise _write_error(f"publishing into {self.output}", e) from e
+            if self._staging is None and not os.path.exists(os.path.join(self.output, JOURNAL)):
+                raise ShardkitWriteError(
+                    f"{self.output} was published complete, but syncing its folder failed ({e.strerror or e}); "
+                    "it may not survive a power loss: check the disk"
+                ) from e
             raise ShardkitWriteError(
                 f"publishing into {self.output} was committed but could not finish ({e.strerror or e}); "
                 "the next shardkit command on this folder completes it"
@@ -403,6 +332,7 @@ class OutputTransaction:
                 f"{self.output} was created by another process while writing; nothing was published"
             ) from e
         self._staging = None
+        self._past_commit_point = True
         _faults.point("commit:after-staging-rename")
         fsync_dir(os.path.dirname(self.output))
 
@@ -455,6 +385,9 @@ class OutputTransaction:
                 self.abort()
         finally:
             self._unlock()
+        if isinstance(exc, OSError) and not isinstance(exc, ShardkitError):
+            # Any I/O failure inside the transaction (a side file, a folder) gets the same clear line.
+            raise _write_error(f"writing into {self.output}", exc) from exc
 
 
 def atomic_output_file(path: str, *, overwrite: bool = False) -> str:

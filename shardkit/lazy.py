@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
 _READ_CHUNK_BYTES = 1 << 30  # Linux returns at most ~2 GiB per read call
+_CAST_CHUNK_BYTES = 16 << 20
 
 
 @dataclass
@@ -68,6 +69,7 @@ class LazyCheckpoint(Mapping):
         self.description = description
         self.index_metadata = dict(index_metadata or {})
         self._lock = threading.Lock()
+        self._local = threading.local()
         self._closed = False
 
     # -- Mapping -----------------------------------------------------------------------------
@@ -128,8 +130,12 @@ class LazyCheckpoint(Mapping):
     # -- data -----------------------------------------------------------------------------------
     def get_tensor(self, name: str, *, device: "str | torch.device | None" = None,
                    dtype: "torch.dtype | None" = None, copy: bool = False) -> "torch.Tensor":
-        """Read one tensor; zero-copy from the mapped shard unless a cast, a device or ``copy``
-        asks for new memory (then it is read with ``pread`` into fresh memory, not via the map).
+        """Read one tensor.
+
+        Without ``copy`` the host tensor views the shard's private memory map (no copy; pages are
+        read when touched; writes stay private). A host-side cast, ``copy=True`` or a tensor not
+        aligned to its element size reads with ``pread`` into fresh memory instead. A ``device``
+        gets the bytes moved there first and cast there.
         """
         import torch
 
@@ -139,19 +145,47 @@ class LazyCheckpoint(Mapping):
         shard = self._open_shard(self._shard_of[name])
         src_dtype = to_torch(entry.dtype)
         itemsize = torch.empty((), dtype=src_dtype).element_size()
-        needs_new = copy or (dtype is not None and dtype != src_dtype) or (device is not None and torch.device(device).type != "cpu")
+        on_host = device is None or torch.device(device).type == "cpu"
+        host_cast = on_host and dtype is not None and dtype != src_dtype
         if entry.nbytes == 0:
             tensor = torch.empty(entry.shape, dtype=src_dtype)
-        elif needs_new or entry.offset % itemsize:
+        elif host_cast:
+            assert dtype is not None
+            return self._read_cast(shard, entry, src_dtype, itemsize, dtype)
+        elif copy or entry.offset % itemsize:
             tensor = torch.empty(entry.shape, dtype=src_dtype)
             assert shard.fd is not None
             read_into(shard.fd, tensor, entry.offset, entry.nbytes, where=f"{entry.file}: tensor {name!r}")
         else:
             tensor = torch.frombuffer(shard.mapped, dtype=src_dtype, count=entry.nbytes // itemsize,
                                       offset=entry.offset).view(entry.shape)
-        if dtype is not None or device is not None:
-            tensor = tensor.to(device=device, dtype=dtype)
+        if not on_host:
+            tensor = tensor.to(device)
+        if dtype is not None:
+            tensor = tensor.to(dtype)
         return tensor
+
+    def _read_cast(self, shard: _Shard, entry: TensorEntry, src_dtype: "torch.dtype", itemsize: int,
+                   dtype: "torch.dtype") -> "torch.Tensor":
+        """Cast through one small reusable buffer per thread: memory never depends on the tensor's size
+        (a whole-tensor temporary would also fragment the heap, pinning a second copy's worth of RAM).
+        """
+        import torch
+
+        out = torch.empty(entry.shape, dtype=dtype)
+        flat = out.view(-1)
+        staging = getattr(self._local, "staging", None)
+        if staging is None:
+            staging = self._local.staging = torch.empty(_CAST_CHUNK_BYTES, dtype=torch.uint8)
+        per_chunk = max(1, _CAST_CHUNK_BYTES // itemsize)
+        assert shard.fd is not None
+        for start in range(0, flat.numel(), per_chunk):
+            count = min(per_chunk, flat.numel() - start)
+            chunk = staging[: count * itemsize]
+            read_into(shard.fd, chunk, entry.offset + start * itemsize, count * itemsize,
+                      where=f"{entry.file}: tensor {entry.name!r}")
+            flat[start:start + count].copy_(chunk.view(src_dtype))
+        return out
 
     def get_slice(self, name: str) -> TensorSlice:
         """A handle for partial reads, like ``safetensors.safe_open(...).get_slice``."""

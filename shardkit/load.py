@@ -3,8 +3,9 @@
 Flow: skeleton (meta) → keys matched against the checkpoint → dtypes made final on the meta
 tensors (free) → device map from accelerate → each tensor read once, straight to its device →
 disk tensors get an offload index that points into the shards → ``accelerate.dispatch_model``.
-Host memory peaks near the bytes placed on the host: tensors are read with ``pread`` into their
-final memory, one at a time, never through a whole-shard state dict.
+Host memory peaks near the bytes placed on the host: host tensors that need no cast are views of
+the shards' memory maps (file-backed pages, read on first use, never copied); tensors that need a
+cast are read with ``pread`` one at a time and cast; nothing goes through a whole-shard state dict.
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ class KeyMatch:
     tied: list[list[str]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
-    mismatched: list[str] = field(default_factory=list)
+    mismatched: dict[str, str] = field(default_factory=dict)  # name → "checkpoint [..], model [..]"
 
     def problems(self) -> str:
         parts = []
+        shapes = [f"{name} ({detail})" for name, detail in self.mismatched.items()]
         for label, names in (("missing from the checkpoint", self.missing), ("unexpected", self.unexpected),
-                             ("with a different shape", self.mismatched)):
+                             ("with a different shape", shapes)):
             if names:
                 more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
                 parts.append(f"{len(names)} key(s) {label}: {', '.join(names[:_SHOWN])}{more}")
@@ -73,7 +75,7 @@ def match_keys(skeleton: Any, checkpoint: LazyCheckpoint) -> KeyMatch:
             continue
         match.source_of[name] = src
         if checkpoint.shape_of(src) != tuple(tensor.shape):
-            match.mismatched.append(f"{name} (checkpoint {list(checkpoint.shape_of(src))}, model {list(tensor.shape)})")
+            match.mismatched[name] = f"checkpoint {list(checkpoint.shape_of(src))}, model {list(tensor.shape)}"
             continue
         group = group_of.get(name)
         if group is None or not any(member in match.loads for member in group):
@@ -182,10 +184,9 @@ def fill_skeleton(skeleton: Any, checkpoint: LazyCheckpoint, match: KeyMatch, de
     state = skeleton.state_dict(keep_vars=True)
     params = {name for name, _ in skeleton.named_parameters(remove_duplicate=False)}
     on_disk: list[DiskTensor] = []
-    mismatched = {m.split(" ", 1)[0] for m in match.mismatched}
     for name, tensor in state.items():
         device = module_device(device_map, name)
-        src = None if name in mismatched else match.source_of.get(name)
+        src = None if name in match.mismatched else match.source_of.get(name)
         if device == "disk" and name in params:
             on_disk.append(DiskTensor(name, src, tensor.dtype, tuple(tensor.shape)))
             continue
@@ -199,14 +200,14 @@ def fill_skeleton(skeleton: Any, checkpoint: LazyCheckpoint, match: KeyMatch, de
 
             value = torch.zeros(tensor.shape, dtype=tensor.dtype, device=target)
         else:
-            value = checkpoint.get_tensor(src, device=None if target == "cpu" else target, dtype=tensor.dtype, copy=True)
+            # Host tensors without a cast stay views of the mapped shards (no copy, pages read on
+            # first use), as safetensors' own load_file does; casts read into fresh memory.
+            value = checkpoint.get_tensor(src, device=None if target == "cpu" else target, dtype=tensor.dtype)
         set_module_tensor_to_device(skeleton, name, target, value=value, clear_cache=False)
     retie_parameters(skeleton, match.tied)
     if not on_disk:
         return None
-    if offload_folder is None:
-        modules = sorted({n for n, d in device_map.items() if d == "disk"})
-        raise InvalidInputError(f"the device map sends {', '.join(modules[:_SHOWN])} to disk; pass offload_folder=")
+    assert offload_folder is not None  # checked by load_model before anything is read
     return write_offload_index(checkpoint, on_disk, os.fspath(offload_folder))
 
 
@@ -245,6 +246,9 @@ def load_model(model: Any, checkpoint: Any, *, config: Any = None, device_map: A
         assert match is not None
         mapping = resolve_device_map(skeleton, device_map, max_memory=budget, no_split_module_classes=no_split_module_classes)
         check_devices_exist(list(mapping.values()), where="device_map")
+        disk_modules = [name or "(whole model)" for name, device in mapping.items() if device == "disk"]
+        if disk_modules and offload_folder is None:
+            raise InvalidInputError(f"the device map sends {', '.join(disk_modules[:_SHOWN])} to disk; pass offload_folder=")
         try:
             with warnings.catch_warnings():
                 # accelerate's own maps name top-level buffers/params, which its checker calls "not submodules"

@@ -33,7 +33,7 @@ def parse_device(key: Any) -> Device:
         return int(match.group(1))
     if text in ("cpu", "disk", "mps"):
         return text
-    raise InvalidInputError(f"unknown device {key!r} in max_memory: use a GPU index (0, 1, ...), 'cpu', 'disk' or 'mps'")
+    raise InvalidInputError(f"unknown device {key!r}: use a GPU index (0, 1, ...), 'cpu', 'disk' or 'mps'")
 
 
 def parse_max_memory(value: str | Mapping[Any, Any] | None) -> dict[Device, int] | None:

@@ -57,6 +57,7 @@ def parse_size(value: str | int, *, name: str = "size") -> int:
     """
     if isinstance(value, bool):
         raise InvalidSizeError(f"invalid {name} {value!r}: expected a size like '5GB', '2GiB' or a byte count")
+    shown = _shown(value)
     if isinstance(value, int):
         size_bytes = value
     else:
@@ -64,13 +65,27 @@ def parse_size(value: str | int, *, name: str = "size") -> int:
         unit = match.group(2).upper() if match else None
         if match is None or unit not in _UNITS:
             raise InvalidSizeError(
-                f"invalid {name} {value!r}: expected a number with an optional unit "
+                f"invalid {name} {shown}: expected a number with an optional unit "
                 "(KB/MB/GB/TB are powers of 10, KiB/MiB/GiB/TiB powers of 2), e.g. '5GB' or '2GiB'"
             )
-        size_bytes = int(float(match.group(1)) * _UNITS[unit])
+        number = float(match.group(1))
+        size_bytes = int(number * _UNITS[unit]) if math.isfinite(number * _UNITS[unit]) else MAX_SIZE_BYTES
     if size_bytes <= 0:
-        raise InvalidSizeError(f"invalid {name} {value!r}: must be greater than zero")
+        raise InvalidSizeError(f"invalid {name} {shown}: must be greater than zero")
+    if size_bytes >= MAX_SIZE_BYTES:
+        raise InvalidSizeError(f"invalid {name} {shown}: larger than any file can be (2^63 bytes)")
     return size_bytes
+
+
+MAX_SIZE_BYTES = 2**63
+
+
+def _shown(value: object) -> str:
+    """``repr`` for messages, kept short (and safe for integers over Python's digit limit)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"<a {value.bit_length()}-bit integer>"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "...'"
 
 
 def format_size(size_bytes: int) -> str:

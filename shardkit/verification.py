@@ -101,9 +101,11 @@ def verify(path: str | os.PathLike[str], *, against: Any = None,
     >>> report.ok, [str(f) for f in report.findings]             # doctest: +SKIP
     (True, [])
     """
+    from .snapshot import settle
     from .components import is_pipeline_folder
 
     path = os.fspath(path)
+    settle(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))  # a crashed in-place write
     against_path = os.fspath(against) if isinstance(against, (str, os.PathLike)) else None
     report = VerifyReport(path, against=against_path if against is not None else None)
     if against is not None and report.against is None:

@@ -87,7 +87,7 @@ def test_in_place_kill_after_commit_point_is_rolled_forward_by_a_reader(tmp_path
 
 
 def test_pending_journal_on_a_read_only_folder_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from shardkit import commit
+    from shardkit import snapshot
     from shardkit.errors import CheckpointIndexError
     from shardkit.sources import open_source
 
@@ -100,7 +100,7 @@ def test_pending_journal_on_a_read_only_folder_is_a_clear_error(tmp_path: Path, 
     def read_only(folder: str) -> bool:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(commit, "recover", read_only)
+    monkeypatch.setattr(snapshot, "recover", read_only)
     with pytest.raises(CheckpointIndexError, match="interrupted shardkit write"):
         open_source(str(out))
     monkeypatch.undo()
@@ -140,3 +140,27 @@ def test_recover_never_touches_a_folder_another_writer_holds(tmp_path: Path) -> 
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert not h.leftovers(out)
+
+
+def test_every_reader_handles_a_pending_journal_clearly(tmp_path: Path) -> None:
+    """Policy after a crash past the commit point: `shardkit verify`/`info` and open_source roll it
+    forward and see the new checkpoint; the lazy `shardkit.open` never writes, so it refuses with a
+    one-line error that says how to finish the write."""
+    import shardkit
+    from shardkit.commit import JOURNAL
+    from shardkit.errors import ShardkitError
+
+    scenario = _scenarios(tmp_path)["split-in-place"]
+    ref = h.reference_run(scenario, tmp_path / "ref")
+    renamed = next(p for p, label, _ in ref.points if label == "commit:renamed")
+    src, out = h.prepare_fresh(scenario, tmp_path / "w")
+    assert h.run_shardkit(scenario.args(src, out), SHARDKIT_FAULT_KILL_AT=renamed + 1).returncode == -9
+    with pytest.raises(ShardkitError, match="interrupted shardkit write"):
+        shardkit.open(str(out))
+    assert (out / JOURNAL).exists()
+    proc = h.run_shardkit(["verify", out])
+    assert proc.returncode == 0, proc.stderr
+    assert not (out / JOURNAL).exists()
+    assert h.tree_hashes(out) == ref.new
+    with shardkit.open(str(out)) as lazy:
+        assert sorted(lazy) == sorted(h.make_tensors(**h.TENSORS_A))

@@ -226,13 +226,14 @@ def test_load_index_files(raw: bytes) -> None:
 
 size_like = st.builds(lambda n, sep, unit: f"{n}{sep}{unit}",
                       st.one_of(st.integers(-10, 10**30).map(str), st.floats(allow_nan=True, allow_infinity=True).map(str),
-                                st.text("0123456789.", max_size=400)),
+                                st.text("0123456789.", max_size=40), st.integers(300, 5000).map(lambda n: "9" * n),
+                                st.integers(1, 400).map(lambda n: "0." + "0" * n + "1")),
                       st.sampled_from(["", " ", "\t"]),
                       st.sampled_from(["", "B", "KB", "MB", "GB", "TB", "KiB", "GiB", "TiB", "XB", "gib", "e5"]))
 
 
 @FUZZ
-@given(value=st.one_of(st.text(max_size=40), size_like, st.integers(), st.booleans()))
+@given(value=st.one_of(st.text(max_size=40), size_like, st.integers(), st.integers(2**60, 10**5000), st.booleans()))
 def test_parse_size(value: Any) -> None:
     with guarded("parse_size"):
         size = parse_size(value)

@@ -1,9 +1,9 @@
 """load_model: skeleton + lazy checkpoint → accelerate dispatch over CPU and disk, checked against eager models.
 
-Disk-offloaded weights are read by accelerate through safetensors at file offsets that need not be
-64-byte aligned, and CPU kernels pick different (equally valid) summation orders for unaligned
-weights; outputs then agree to float rounding, not bit for bit. Non-disk placements are compared
-exactly.
+Loaded host weights are views of the memory-mapped shards (as with safetensors' own load_file), so
+they sit at file offsets that are rarely 64-byte aligned; CPU kernels pick different, equally valid
+summation orders for unaligned weights. So weights are compared bit for bit, and outputs to float
+rounding (1e-5).
 """
 
 from __future__ import annotations
@@ -66,7 +66,9 @@ def test_outputs_equal_eager_model_for_cpu_auto_disk_and_explicit_maps(tmp_path,
 
     model = shardkit.load_model(cls, folder, config=config, device_map="cpu")
     assert model.hf_device_map == {"": "cpu"} and not model.training
-    _close(forward(model), want, exact=True)
+    for (name, got), expected in zip(model.state_dict().items(), eager.state_dict().values()):
+        assert got.dtype == expected.dtype and torch.equal(got, expected), name
+    _close(forward(model), want, exact=False)
 
     budget = {"cpu": _model_bytes(eager) // 2}
     model = shardkit.load_model(cls, folder, config=config, device_map="auto", max_memory=budget,
@@ -144,7 +146,7 @@ def test_transformers_model_and_open_checkpoint_object(tmp_path) -> None:
     with shardkit.open(folder) as ckpt:
         model = shardkit.load_model("transformers:CLIPTextModel", ckpt, config=config.to_dict())
     with torch.no_grad():
-        assert torch.equal(model(ids).last_hidden_state, eager(ids).last_hidden_state)
+        _close(model(ids).last_hidden_state, eager(ids).last_hidden_state, exact=False)
 
 
 def test_tied_weights_end_up_tied(tmp_path) -> None:
@@ -154,12 +156,13 @@ def test_tied_weights_end_up_tied(tmp_path) -> None:
         assert ckpt.aliases == {"head.weight": "embed.weight"}
     model = shardkit.load_model(factory, folder)
     assert model.head.weight is model.embed.weight
-    assert torch.equal(forward(model), forward(eager))
+    _close(forward(model), forward(eager), exact=False)
     # A checkpoint that stores only one of the names, without alias metadata (transformers style).
     state = {k: v.clone() for k, v in eager.state_dict().items() if k != "head.weight"}
     safetensors.torch.save_file(state, tmp_path / "one-name.safetensors")
     model = shardkit.load_model(factory, tmp_path / "one-name.safetensors")
-    assert model.head.weight is model.embed.weight and torch.equal(forward(model), forward(eager))
+    assert model.head.weight is model.embed.weight
+    _close(forward(model), forward(eager), exact=False)
 
 
 def test_strict_names_missing_unexpected_and_mismatched_keys_in_one_error(tmp_path) -> None:
@@ -221,11 +224,11 @@ def test_layerwise_casting_and_offload_are_applied_after_loading(tmp_path) -> No
     assert any(hasattr(m, "_hf_hook") for m in model.modules())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _close(forward(model), forward(eager), exact=True)
+        _close(forward(model), forward(eager), exact=False)
 
 
 PEAK_SCRIPT = textwrap.dedent("""
-    import sys, torch, shardkit, accelerate.utils, shardkit.load
+    import json, sys, torch, shardkit, accelerate.utils, shardkit.load
     from torch import nn
 
     def status(field):
@@ -233,23 +236,32 @@ PEAK_SCRIPT = textwrap.dedent("""
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
     factory = lambda: nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(24)])
+    dtype = getattr(torch, sys.argv[2]) if sys.argv[2] != "none" else None
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak (VmHWM) so that import-time spikes do not count
     base = status("VmRSS")
-    model = shardkit.load_model(factory, sys.argv[1], device_map="cpu")
-    print(base, status("VmHWM"), sum(p.numel() * 4 for p in model.parameters()))
+    model = shardkit.load_model(factory, sys.argv[1], device_map="cpu", dtype=dtype)
+    loaded = status("VmHWM")
+    for p in model.parameters():  # touch every weight: mapped pages become resident
+        p.sum()
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(json.dumps({"base": base, "loaded": loaded, "touched": status("VmHWM"), "model": model_bytes}))
 """)
 
 
-def test_peak_host_memory_stays_near_the_model_bytes(tmp_path) -> None:
+@pytest.mark.parametrize("dtype", ["none", "bfloat16"])
+def test_peak_host_memory_stays_near_the_model_bytes(tmp_path, dtype) -> None:
     from torch import nn
 
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(24)])
     shardkit.save_sharded(model, tmp_path / "ckpt", max_shard_size="30MB")
     del model
     (tmp_path / "peak.py").write_text(PEAK_SCRIPT)
-    done = subprocess.run([sys.executable, str(tmp_path / "peak.py"), str(tmp_path / "ckpt")], capture_output=True,
-                          text=True, timeout=300, check=True)
-    base, peak, model_bytes = map(int, done.stdout.split()[-3:])
-    # The model's own bytes plus one tensor in flight: never a second whole-checkpoint copy.
-    assert peak - base < 1.15 * model_bytes, (base, peak, model_bytes)
+    done = subprocess.run([sys.executable, str(tmp_path / "peak.py"), str(tmp_path / "ckpt"), dtype],
+                          capture_output=True, text=True, timeout=300, check=True)
+    m = json.loads(done.stdout.strip().splitlines()[-1])
+    largest_fp32_tensor = 1024 * 1024 * 4
+    # Even with every page touched: the model's own bytes plus one tensor in flight, never two copies.
+    assert m["touched"] - m["base"] < 1.15 * m["model"] + largest_fp32_tensor, m
+    if dtype == "none":  # zero-copy: loading itself reads (almost) nothing
+        assert m["loaded"] - m["base"] < 0.25 * m["model"], m

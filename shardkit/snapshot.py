@@ -1,0 +1,119 @@
+"""Reading a checkpoint folder that another process may be rewriting: one version, never a mix.
+
+The read side of :mod:`shardkit.commit`. Readers take no lock: :func:`read_consistently` notes
+the folder's state (every visible file's name, inode, size and mtime, plus the journal), runs the
+opener — which keeps a descriptor on every file it will read, so later reads see those inodes even
+if a writer replaces them — and checks that the state did not change; otherwise it retries. A
+checkpoint opened this way is a snapshot of exactly one version, even while another process
+rewrites the folder in place (``tests/test_concurrency.py`` proves it with a reader racing a writer
+that swaps two checkpoints with identical names, shapes and headers but different values).
+
+A folder left *pending* by a crash past the commit point is settled first (:func:`settle`): the
+journal is rolled forward when the folder is writable, readers wait while a live writer is
+mid-commit, and a read-only folder gets a one-line error.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, TypeVar
+
+from .commit import JOURNAL, TMP_MARK, recover
+from .errors import CheckpointIndexError, ShardkitError
+
+T = TypeVar("T")
+
+
+def folder_state(folder: str) -> tuple[tuple[str, int, int, int], ...]:
+    """What a reader of ``folder`` would see: each visible file's name, inode, mtime and size.
+
+    Temporary files are left out (they change nothing a reader sees); the journal is kept in.
+    """
+    entries = []
+    with os.scandir(folder) as it:
+        for entry in it:
+            if entry.name.startswith(TMP_MARK) or entry.name.startswith(JOURNAL + "."):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:  # removed while listing: a writer is active, never a stable state
+                entries.append((entry.name, -1, -1, -1))
+                continue
+            entries.append((entry.name, st.st_ino, st.st_mtime_ns, st.st_size))
+    return tuple(sorted(entries))
+
+
+def _pending_journal_folder(folder: str) -> str | None:
+    """The folder (this one or its parent, for pipeline components) with a pending journal."""
+    for candidate in (folder, os.path.dirname(os.path.abspath(folder))):
+        if os.path.exists(os.path.join(candidate, JOURNAL)):
+            return candidate
+    return None
+
+
+def _settle(folder: str) -> bool:
+    """Roll a crashed writer's journal forward; False while a live writer is committing."""
+    pending = _pending_journal_folder(folder)
+    if pending is None:
+        return True
+    try:
+        return recover(pending) and _pending_journal_folder(folder) is None
+    except OSError as e:
+        raise CheckpointIndexError(
+            f"{pending}: an interrupted shardkit write left a journal that could not be finished here "
+            f"({e.strerror or e}); run `python -m shardkit.commit {pending}` with write access"
+        ) from e
+
+
+def settle(folder: str | os.PathLike[str], *, timeout_s: float = 60.0) -> None:
+    """Finish a crashed writer's committed write in ``folder`` (or wait for a live one to finish).
+
+    Raises a one-line :class:`CheckpointIndexError` when the folder cannot be written.
+
+    >>> settle("ckpt/")  # doctest: +SKIP
+    """
+    folder = os.fspath(folder)
+    deadline = time.monotonic() + timeout_s
+    while os.path.isdir(folder) and not _settle(folder):
+        if time.monotonic() > deadline:
+            raise CheckpointIndexError(f"{folder} is being written by another shardkit process; try again")
+        time.sleep(0.05)
+
+
+def read_consistently(folder: str | os.PathLike[str], open_fn: Callable[[], T], *,
+                      timeout_s: float = 60.0) -> T:
+    """Run ``open_fn`` (which opens a checkpoint in ``folder``) until no writer changed it meanwhile.
+
+    ``open_fn`` must keep a descriptor on every file it will read later, so a consistent open is
+    a consistent snapshot. Results of discarded attempts are closed when they have ``close()``.
+
+    >>> source = read_consistently("ckpt/", lambda: open_safetensors_folder("ckpt/"))  # doctest: +SKIP
+    """
+    folder = os.fspath(folder)
+    deadline = time.monotonic() + timeout_s
+    delay = 0.002
+    while True:
+        before = folder_state(folder) if _settle(folder) else None
+        if before is not None and not any(name == JOURNAL or ino == -1 for name, ino, *_ in before):
+            try:
+                result = open_fn()
+            except (ShardkitError, OSError):
+                if folder_state(folder) == before:
+                    raise
+            else:
+                if folder_state(folder) == before:
+                    return result
+                _close(result)
+        if time.monotonic() > deadline:
+            raise CheckpointIndexError(
+                f"{folder}: kept changing while being opened (another process is rewriting it); try again"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def _close(obj: object) -> None:
+    close = getattr(obj, "close", None)
+    if callable(close):
+        close()
