@@ -25,15 +25,23 @@ from .errors import CheckpointIndexError, ShardkitError
 T = TypeVar("T")
 
 
-def folder_state(folder: str) -> tuple[tuple[str, int, int, int], ...]:
-    """What a reader of ``folder`` would see: each visible file's name, inode, mtime and size.
+# Names a checkpoint reader depends on; other files (a browser's growing download, logs) may
+# change all the time without making a read inconsistent.
+WATCHED_SUFFIXES = (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt", ".distcp", ".metadata")
+
+
+def folder_state(folder: str, *, only: str | None = None) -> tuple[tuple[str, int, int, int], ...]:
+    """What a reader of ``folder`` would see: each checkpoint file's name, inode, mtime and size.
 
     Temporary files are left out (they change nothing a reader sees); the journal is kept in.
+    ``only`` restricts the state to one file name (plus the journal).
     """
     entries = []
     with os.scandir(folder) as it:
         for entry in it:
-            if entry.name.startswith(TMP_MARK) or entry.name.startswith(JOURNAL + "."):
+            name = entry.name
+            if name.startswith(TMP_MARK) or name.startswith(JOURNAL + ".") or (
+                    name != JOURNAL and (not name.endswith(WATCHED_SUFFIXES) if only is None else name != only)):
                 continue
             try:
                 st = entry.stat(follow_symlinks=False)
@@ -82,11 +90,12 @@ def settle(folder: str | os.PathLike[str], *, timeout_s: float = 60.0) -> None:
 
 
 def read_consistently(folder: str | os.PathLike[str], open_fn: Callable[[], T], *,
-                      timeout_s: float = 60.0) -> T:
+                      only: str | None = None, timeout_s: float = 60.0) -> T:
     """Run ``open_fn`` (which opens a checkpoint in ``folder``) until no writer changed it meanwhile.
 
     ``open_fn`` must keep a descriptor on every file it will read later, so a consistent open is
     a consistent snapshot. Results of discarded attempts are closed when they have ``close()``.
+    ``only`` names the one file that matters (a single-file checkpoint), see :func:`folder_state`.
 
     >>> source = read_consistently("ckpt/", lambda: open_safetensors_folder("ckpt/"))  # doctest: +SKIP
     """
@@ -94,15 +103,15 @@ def read_consistently(folder: str | os.PathLike[str], open_fn: Callable[[], T], 
     deadline = time.monotonic() + timeout_s
     delay = 0.002
     while True:
-        before = folder_state(folder) if _settle(folder) else None
+        before = folder_state(folder, only=only) if _settle(folder) else None
         if before is not None and not any(name == JOURNAL or ino == -1 for name, ino, *_ in before):
             try:
                 result = open_fn()
             except (ShardkitError, OSError):
-                if folder_state(folder) == before:
+                if folder_state(folder, only=only) == before:
                     raise
             else:
-                if folder_state(folder) == before:
+                if folder_state(folder, only=only) == before:
                     return result
                 _close(result)
         if time.monotonic() > deadline:

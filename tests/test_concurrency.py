@@ -128,3 +128,31 @@ def test_reader_waits_out_a_commit_in_progress(tmp_path: Path) -> None:
         data = {e.name: bytes(source.read(e, 0, e.nbytes)) for e in source.entries()}
     assert data == {name: arr.tobytes() for name, arr in tensors_a.items()}
     assert writer.wait(timeout=60) == 0
+
+
+def test_unrelated_files_changing_beside_a_checkpoint_do_not_stall_readers(tmp_path: Path) -> None:
+    """Only checkpoint files count for consistency: a growing download next to it is ignored."""
+    import threading
+
+    from shardkit.sources import open_source
+
+    folder = h.write_checkpoint(tmp_path / "ckpt", h.make_tensors(8, total_bytes=4000), shard_bytes=2000)
+    single = h.write_checkpoint(tmp_path / "ckpt" / "sub", h.make_tensors(4, total_bytes=400))
+    stop = threading.Event()
+
+    def grow() -> None:
+        with open(folder / "download.part", "ab") as f:
+            while not stop.is_set():
+                f.write(b"x")
+                f.flush()
+
+    thread = threading.Thread(target=grow)
+    thread.start()
+    try:
+        for path in (folder, folder / "model.safetensors.index.json", single / "model.safetensors"):
+            for _ in range(5):
+                with open_source(str(path)) as source:
+                    assert source.entries()
+    finally:
+        stop.set()
+        thread.join()

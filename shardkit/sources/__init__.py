@@ -139,7 +139,8 @@ def open_source(obj: Any, *, key: str | None = None, variant: str | None = None)
 
     # A consistent snapshot even while another process rewrites the folder (see shardkit.commit).
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    return read_consistently(folder, lambda: _open_path(path, key=key, variant=variant))
+    only = None if os.path.isdir(path) or path.endswith(".json") else os.path.basename(path)  # one file: watch it alone
+    return read_consistently(folder, lambda: _open_path(path, key=key, variant=variant), only=only)
 
 
 def _open_path(path: str, *, key: str | None, variant: str | None) -> Source:
