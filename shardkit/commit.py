@@ -22,7 +22,7 @@ Right after a crash past the commit point the folder is *pending* (journal prese
 index): not yet the complete new checkpoint. Policy: every shardkit entry point settles it first.
 Writers recover under the folder lock; :func:`shardkit.sources.open_source` (split, convert,
 info) and ``verify`` roll the journal forward when the folder is writable (:func:`shardkit.snapshot.settle`), wait
-while a live writer is mid-commit, and give a one-line error naming ``python -m shardkit.commit
+while a live writer is mid-commit, and give a one-line error naming ``shardkit recover
 FOLDER`` when it is read-only; the lazy ``shardkit.open``, which never writes, refuses a pending
 folder with a one-line error. Other tools see no index during that window, never a wrong one.
 
@@ -412,24 +412,3 @@ def publish_file(tmp: str, path: str) -> None:
     os.replace(tmp, path)
     _faults.point("commit:after-file-rename")
     fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m shardkit.commit FOLDER...``: finish interrupted writes, remove stale temporaries."""
-    import sys
-
-    folders = sys.argv[1:] if argv is None else argv
-    for folder in folders:
-        try:
-            done = recover(folder)
-        except (ShardkitError, OSError) as e:
-            print(f"error: {folder}: {e}", file=sys.stderr)
-            return 2
-        if not done:
-            print(f"error: {folder} is being written by another shardkit process", file=sys.stderr)
-            return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

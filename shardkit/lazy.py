@@ -285,8 +285,8 @@ def read_into(fd: int, tensor: "torch.Tensor", offset: int, nbytes: int, *, wher
 def _check_no_journal(folder: str) -> None:
     if os.path.exists(os.path.join(folder, JOURNAL)):
         raise InvalidInputError(
-            f"{folder}: an interrupted shardkit write left {JOURNAL} here; re-run that shardkit command "
-            "(or any shardkit write on this folder, e.g. 'shardkit split' with --overwrite) to finish it first"
+            f"{folder}: an interrupted shardkit write left {JOURNAL} here; run "
+            f"'shardkit recover {folder}' to finish it first"
         )
 
 

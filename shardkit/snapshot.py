@@ -70,7 +70,7 @@ def _settle(folder: str) -> bool:
     except OSError as e:
         raise CheckpointIndexError(
             f"{pending}: an interrupted shardkit write left a journal that could not be finished here "
-            f"({e.strerror or e}); run `python -m shardkit.commit {pending}` with write access"
+            f"({e.strerror or e}); run `shardkit recover {pending}` with write access"
         ) from e
 
 

@@ -173,7 +173,7 @@ def test_refuses_journal_pipeline_folders_pickles_and_missing_paths(tmp_path) ->
     out = _sharded(tmp_path, {"a": torch.randn(8)}, max_shard_size="1GB")
     journal = out / ".shardkit-journal.json"
     journal.write_text("{}")
-    with pytest.raises(InvalidInputError, match="re-run"):
+    with pytest.raises(InvalidInputError, match="shardkit recover"):
         shardkit.open(out)
     assert journal.exists(), "opening must never modify the folder"
     pipe = tmp_path / "pipe"
