@@ -29,6 +29,13 @@ def cli(ctx: click.Context, debug: bool) -> None:
       shardkit split model.safetensors out/ --max-shard-size 5GB
       shardkit split pytorch_model.bin out/ --max-shard-size 2GiB --dtype bf16
       shardkit split ckpt-dir/ resharded/ --max-shard-size 500MB --dry-run
+      shardkit convert v1-5-pruned.ckpt unet/ --strip-prefix model.diffusion_model. --dtype fp16
+      shardkit info out/ && shardkit verify out/ --against model.safetensors
+      shardkit push out/ my-org/model --private
+      shardkit plan out/ --model diffusers:UNet2DConditionModel --config out/config.json --max-memory 0=8GB,cpu=16GB
+      shardkit fit sdxl-sharded/ --gpu 8GB --cpu 24GB
+
+    Run 'shardkit COMMAND --help' for each command's options and examples.
 
     Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers of 2.
     Exit codes: 0 ok, 1 a check failed, 2 bad input or usage.
