@@ -35,7 +35,6 @@ their ``flock`` is free. Fault points (:mod:`shardkit._faults`) mark every step 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import secrets
@@ -43,157 +42,11 @@ import shutil
 from typing import Any, Iterable
 
 from . import _faults
-from .errors import CheckpointIndexError, OutputExistsError, ShardkitError, ShardkitWriteError
+from .errors import OutputExistsError, ShardkitError, ShardkitWriteError
+from .journal import (JOURNAL, TMP_MARK, cleanup_stale_staging, fsync_dir, is_stale_tmp, recover, recover_locked,
+                      remove_path, roll_forward, try_lock)
 
-TMP_MARK = ".shardkit-tmp-"
-JOURNAL = ".shardkit-journal.json"
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _try_lock(path: str) -> int | None:
-    """An fd holding an exclusive flock on ``path``, or None when another process holds it."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
-# ----------------------------------------------------------------------------- recovery
-
-def recover(folder: str | os.PathLike[str]) -> bool:
-    """Finish an interrupted commit in ``folder`` and remove temporary files of dead writers.
-
-    Returns False (and touches nothing) while another process is writing the folder.
-
-    >>> recover("out/")  # doctest: +SKIP
-    True
-    """
-    folder = os.fspath(folder)
-    if not os.path.isdir(folder):
-        _cleanup_stale_staging(folder)
-        return True
-    fd = _try_lock(folder)
-    if fd is None:
-        return False
-    try:
-        _recover_locked(folder)
-    finally:
-        os.close(fd)
-    _cleanup_stale_staging(folder)
-    return True
-
-
-def _recover_locked(folder: str) -> None:
-    if os.path.exists(os.path.join(folder, JOURNAL)):
-        _roll_forward(folder, _read_journal(folder))
-    for dirpath, dirnames, filenames in os.walk(folder):
-        for name in filenames + dirnames:
-            if name.startswith(JOURNAL + ".") or (name.startswith(TMP_MARK) and _stale_tmp(name)):
-                _remove(os.path.join(dirpath, name))
-        if dirpath != folder:
-            dirnames[:] = []  # temporary files live at most one folder down (pipeline components)
-
-
-def _stale_tmp(name: str) -> bool:
-    """A ``.shardkit-tmp-<pid>-...`` file whose writer is gone (the folder lock is ours)."""
-    pid = name[len(TMP_MARK):].split("-")[0]
-    return not (pid.isdigit() and _pid_alive(int(pid)))
-
-
-def _read_journal(folder: str) -> dict[str, list[Any]]:
-    path = os.path.join(folder, JOURNAL)
-    try:
-        with open(path, encoding="utf-8") as f:
-            plan = json.load(f)
-        _check_journal(plan)
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointIndexError(
-            f"{path}: unreadable shardkit journal ({e}); it was written durably before use, so this "
-            "file was altered by hand: inspect the folder and delete the journal to proceed"
-        ) from e
-    return plan
-
-
-def _check_journal(plan: Any) -> None:
-    for key in ("remove_first", "renames", "delete"):
-        for item in plan[key]:
-            names = item if key == "renames" else [item]
-            if not all(isinstance(n, str) and n and not os.path.isabs(n) and ".." not in n.split("/") for n in names):
-                raise ValueError(f"bad entry {item!r} in {key}")
-
-
-def _cleanup_stale_staging(output: str) -> None:
-    """Remove staging folders beside ``output`` whose writer died (their flock is free)."""
-    parent, base = os.path.split(os.path.abspath(output))
-    prefix = f".{base}{TMP_MARK}"
-    try:
-        names = [n for n in os.listdir(parent) if n.startswith(prefix)]
-    except OSError:
-        return
-    for name in names:
-        path = os.path.join(parent, name)
-        try:
-            fd = _try_lock(path)
-        except OSError:
-            continue
-        if fd is not None:
-            try:
-                shutil.rmtree(path, ignore_errors=True)
-            finally:
-                os.close(fd)
-
-
-def _remove(path: str) -> None:
-    try:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _roll_forward(folder: str, plan: dict[str, list[Any]]) -> None:
-    """Apply a journal; every step is idempotent, so a crash here is rolled forward again."""
-    renamed = {final for tmp, final in plan["renames"] if not os.path.lexists(os.path.join(folder, tmp))}
-    for old_index in plan["remove_first"]:
-        if old_index not in renamed:  # already replaced by its new version on an earlier pass
-            _remove(os.path.join(folder, old_index))
-        _faults.point("commit:removed-old-index")
-    for tmp, final in plan["renames"]:
-        if os.path.lexists(os.path.join(folder, tmp)):
-            os.replace(os.path.join(folder, tmp), os.path.join(folder, final))
-        _faults.point("commit:renamed")
-    for stale in plan["delete"]:
-        _remove(os.path.join(folder, stale))
-        _faults.point("commit:deleted-stale")
-    for sub in {os.path.dirname(final) for _, final in plan["renames"]} - {""}:
-        fsync_dir(os.path.join(folder, sub))
-    fsync_dir(folder)
-    _faults.point("commit:before-journal-removal")
-    os.unlink(os.path.join(folder, JOURNAL))
-    fsync_dir(folder)
-    _faults.point("commit:done")
+__all__ = ["JOURNAL", "TMP_MARK", "OutputTransaction", "atomic_output_file", "fsync_dir", "publish_file", "recover"]
 
 
 # ----------------------------------------------------------------------------- writing
@@ -248,19 +101,19 @@ class OutputTransaction:
     def _enter(self, parent: str) -> None:
         if os.path.isdir(self.output):
             self._lock(self.output)
-            _recover_locked(self.output)
+            recover_locked(self.output)
         if os.path.isdir(self.output) and os.listdir(self.output):
             if not self.overwrite:
                 raise OutputExistsError(f"{self.output} exists and is not empty; pass --overwrite to replace its checkpoint")
             return
         self._unlock()
-        _cleanup_stale_staging(self.output)
+        cleanup_stale_staging(self.output)
         self._staging = os.path.join(parent, f".{os.path.basename(self.output)}{TMP_MARK}{self._token}")
         os.mkdir(self._staging)
         self._lock(self._staging)
 
     def _lock(self, path: str) -> None:
-        self._lock_fd = _try_lock(path)
+        self._lock_fd = try_lock(path)
         if self._lock_fd is None:
             raise OutputExistsError(f"{self.output} is being written by another shardkit process; try again when it is done")
 
@@ -365,7 +218,7 @@ class OutputTransaction:
         self._past_commit_point = True
         fsync_dir(self.output)
         _faults.point("commit:after-commit-point")
-        _roll_forward(self.output, plan)
+        roll_forward(self.output, plan)
 
     def abort(self) -> None:
         """Remove everything this transaction wrote; the previous output stays as it was."""
@@ -376,8 +229,8 @@ class OutputTransaction:
             self._staging = None
             return
         for filename in self._written:
-            _remove(os.path.join(self.output, _tmp_name(self._token, filename)))
-        _remove(os.path.join(self.output, f"{JOURNAL}.{self._token}"))
+            remove_path(os.path.join(self.output, _tmp_name(self._token, filename)))
+        remove_path(os.path.join(self.output, f"{JOURNAL}.{self._token}"))
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         try:
@@ -401,8 +254,8 @@ def atomic_output_file(path: str, *, overwrite: bool = False) -> str:
         raise ShardkitError(f"{folder}: folder of the output does not exist")
     base = os.path.basename(path)
     for name in os.listdir(folder):  # temporaries of earlier, killed writes of this same file
-        if name.startswith(TMP_MARK) and name.endswith(f"-{base}") and _stale_tmp(name):
-            _remove(os.path.join(folder, name))
+        if name.startswith(TMP_MARK) and name.endswith(f"-{base}") and is_stale_tmp(name):
+            remove_path(os.path.join(folder, name))
     return os.path.join(folder, f"{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}-{base}")
 
 

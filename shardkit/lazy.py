@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .commit import JOURNAL
+from .journal import JOURNAL
 from .errors import CheckpointIndexError, HeaderError, InvalidInputError, SourceNotFoundError
 from .format import Header, TensorEntry, read_header
 from .index import find_checkpoint, load_index, shard_file

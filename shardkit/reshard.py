@@ -14,7 +14,7 @@ from .index import DIFFUSERS_PREFIX, Naming, dump_index, naming_from_filename
 from .plan import ShardPlan, plan_shards
 from .sources import Source, open_source
 from .units import LOSSLESS_TARGETS, normalize_dtype, parse_size
-from .writer import Placement, place, write_safetensors
+from .writer import BackgroundSync, Placement, place, write_safetensors
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -181,12 +181,15 @@ def write_plan(plan: ShardPlan, placements: list[Placement], source: Source, out
             progress(done, plan.total_bytes)
 
     stale = _existing_checkpoint_files(output, plan.naming)
-    with OutputTransaction(output, overwrite=overwrite, stale=stale) as tx:
+    with OutputTransaction(output, overwrite=overwrite, stale=stale) as tx, BackgroundSync() as sync:
         for shard in plan.shards:
             write_safetensors(tx.path_for(shard.filename), [by_name[n] for n in shard.names], source,
-                              metadata=shard_metadata, progress=tick)
+                              metadata=shard_metadata, progress=tick, sync=sync)
         for path in extra_files:
-            shutil.copyfile(path, tx.path_for(os.path.basename(path)))
+            copy = tx.path_for(os.path.basename(path))
+            shutil.copyfile(path, copy)
+            sync.submit(copy)
+        sync.wait()  # every shard is on disk before the index that names it can appear
         if plan.index_filename:
             tx.write_bytes(plan.index_filename, dump_index(plan.weight_map(), total_size_bytes=plan.total_bytes))
         tx.commit(last=plan.index_filename)

@@ -19,7 +19,7 @@ import os
 import time
 from typing import Callable, TypeVar
 
-from .commit import JOURNAL, TMP_MARK, recover
+from .journal import JOURNAL, TMP_MARK, recover
 from .errors import CheckpointIndexError, ShardkitError
 
 T = TypeVar("T")

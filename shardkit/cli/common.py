@@ -1,4 +1,4 @@
-"""What every command shares: error mapping, progress bars, JSON output, option types."""
+"""What every command shares: error mapping, progress bars, JSON output, option types and options."""
 
 from __future__ import annotations
 
@@ -117,3 +117,34 @@ class SizeParam(click.ParamType):
 
 
 SIZE = SizeParam()
+
+
+# The output options of the commands that write shards (split, convert), each defined once.
+_SHARD_OPTIONS = {
+    "max-shard-size": click.option("--max-shard-size", "max_shard_size", type=SIZE, default="5GB", show_default=True,
+                                   help="Largest shard, in tensor bytes (5GB = 10^9 units, 5GiB = 2^30 units)."),
+    "dtype": click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"]),
+                          help="Cast floating-point tensors (F64/F32/F16/BF16) in bounded chunks."),
+    "allow-lossy": click.option("--allow-lossy", is_flag=True, help="Permit casts that lose range or precision (fp8)."),
+    "name": click.option("--name", help="Output file prefix, e.g. 'model' or 'diffusion_pytorch_model'."),
+    "variant": click.option("--variant", help="Variant inserted before the extension, e.g. 'fp16'."),
+    "overwrite": click.option("--overwrite", is_flag=True, help="Replace the checkpoint in an existing output folder."),
+    "dry-run": click.option("--dry-run", is_flag=True, help="Print the plan and write nothing."),
+    "json": click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary."),
+    "quiet": click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary."),
+}
+
+
+def shard_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add the named shard-writing options, in the given order (the order ``--help`` lists them).
+
+    >>> @click.command()
+    ... @shard_options("max-shard-size", "dtype", "dry-run")
+    ... def cmd(max_shard_size: int, dtype: str | None, dry_run: bool) -> None: ...
+    """
+    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        for name in reversed(names):  # click lists options in the order the decorators are written
+            f = _SHARD_OPTIONS[name](f)
+        return f
+
+    return decorate

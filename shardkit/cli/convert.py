@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from .common import SIZE, byte_progress, echo_json
+from .common import byte_progress, echo_json, shard_options
 
 EPILOG = """\b
 Examples:
@@ -39,23 +39,14 @@ Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers
 @click.command(epilog=EPILOG)
 @click.argument("source", type=click.Path(path_type=str))
 @click.argument("output", type=click.Path(path_type=str))
-@click.option("--max-shard-size", "max_shard_size", type=SIZE, default="5GB", show_default=True,
-              help="Largest shard, in tensor bytes (5GB = 10^9 units, 5GiB = 2^30 units).")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"]),
-              help="Cast floating-point tensors (F64/F32/F16/BF16) in bounded chunks.")
-@click.option("--allow-lossy", is_flag=True, help="Permit casts that lose range or precision (fp8).")
+@shard_options("max-shard-size", "dtype", "allow-lossy")
 @click.option("--key", help="The nested dict holding the state dict, e.g. 'state_dict' (default: auto).")
 @click.option("--strip-prefix", help="Keep only tensors whose name starts with this, and remove it.")
 @click.option("--add-prefix", help="Prepend this to every tensor name.")
 @click.option("--include", multiple=True, metavar="GLOB", help="Keep only tensors matching (repeatable).")
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Drop tensors matching (repeatable).")
 @click.option("--rename", multiple=True, metavar="OLD=NEW", help="Replace a leading OLD with NEW (repeatable).")
-@click.option("--name", help="Output file prefix, e.g. 'model' or 'diffusion_pytorch_model'.")
-@click.option("--variant", help="Variant inserted before the extension, e.g. 'fp16'.")
-@click.option("--overwrite", is_flag=True, help="Replace the checkpoint in an existing output folder.")
-@click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
-@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
+@shard_options("name", "variant", "overwrite", "dry-run", "json", "quiet")
 def convert(source: str, output: str, max_shard_size: int, dtype: str | None, allow_lossy: bool, key: str | None,
             strip_prefix: str | None, add_prefix: str | None, include: tuple[str, ...], exclude: tuple[str, ...],
             rename: tuple[str, ...], name: str | None, variant: str | None, overwrite: bool, dry_run: bool,

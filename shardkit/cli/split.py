@@ -7,7 +7,7 @@ import os
 import click
 
 from ..units import format_size
-from .common import SIZE, byte_progress, echo_json
+from .common import byte_progress, echo_json, shard_options
 
 EPILOG = """\b
 Examples:
@@ -29,18 +29,9 @@ Tied tensors of in-memory sources are written once; aliases go into the shard me
 @click.command(epilog=EPILOG)
 @click.argument("source", type=click.Path(path_type=str))
 @click.argument("output", type=click.Path(path_type=str))
-@click.option("--max-shard-size", "max_shard_size", type=SIZE, default="5GB", show_default=True,
-              help="Largest shard, in tensor bytes (5GB = 10^9 units, 5GiB = 2^30 units).")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"]),
-              help="Cast floating-point tensors (F64/F32/F16/BF16) in bounded chunks.")
-@click.option("--allow-lossy", is_flag=True, help="Permit casts that lose range or precision (fp8).")
-@click.option("--name", help="Output file prefix, e.g. 'model' or 'diffusion_pytorch_model'.")
-@click.option("--variant", help="Variant inserted before the extension, e.g. 'fp16'.")
+@shard_options("max-shard-size", "dtype", "allow-lossy", "name", "variant")
 @click.option("--key", help="For pickles: the dict key holding the state dict (default: auto).")
-@click.option("--dry-run", is_flag=True, help="Print the plan and write nothing.")
-@click.option("--overwrite", is_flag=True, help="Replace the checkpoint in an existing output folder.")
-@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
+@shard_options("dry-run", "overwrite", "json", "quiet")
 @click.option("--push-to", "push_to", metavar="REPO_ID",
               help="After the split, push OUTPUT to this Hub repository (see `shardkit push`).")
 def split(source: str, output: str, max_shard_size: int, dtype: str | None, allow_lossy: bool,

@@ -18,8 +18,6 @@ present, as ``accelerate merge-weights`` does.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import io
 import math
 import os
@@ -34,11 +32,12 @@ from ..errors import InvalidInputError, ShardkitWarning, SourceNotFoundError, Un
 from ..format import TensorEntry
 from ..index import Naming
 from .base import Source
+from .dcp_metadata import DATA_SUFFIX, MAX_METADATA_BYTES, METADATA_FILE, StoredTensor, load_chunk_record, load_metadata
 
-METADATA_FILE = ".metadata"
-DATA_SUFFIX = ".distcp"
+__all__ = ["DATA_SUFFIX", "MAX_METADATA_BYTES", "METADATA_FILE", "DCPSource", "is_dcp_folder", "load_metadata",
+           "locate_chunk", "open_dcp"]
+
 STATE_DICT_KEYS = ("model", "state_dict", "module", "model_state_dict")
-MAX_METADATA_BYTES = 2_000_000_000
 
 
 def is_dcp_folder(path: str) -> bool:
@@ -46,120 +45,6 @@ def is_dcp_folder(path: str) -> bool:
     if not os.path.isdir(path):
         return False
     return os.path.isfile(os.path.join(path, METADATA_FILE)) or any(n.endswith(DATA_SUFFIX) for n in os.listdir(path))
-
-
-# ----------------------------------------------------------------------------- safe unpickling
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Only DCP's own metadata dataclasses/enums and a few plain torch values may be built."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        import torch
-
-        value = _allowed_metadata_global(module, name, torch)
-        if value is None:
-            raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in DCP metadata")
-        return value
-
-
-def _allowed_metadata_global(module: str, name: str, torch: Any) -> Any:
-    import collections
-    import importlib
-    import pathlib
-
-    plain = {("torch", "Size"): torch.Size, ("torch.serialization", "_get_layout"): None,
-             ("collections", "OrderedDict"): collections.OrderedDict}
-    if (module, name) in plain:
-        return plain[(module, name)] or torch.serialization._get_layout
-    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-        return getattr(torch, name)
-    if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
-        return getattr(pathlib, name)
-    if module.startswith(("torch.distributed.checkpoint", "torch.distributed._shard")):
-        try:
-            value = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            return None
-        if isinstance(value, type) and (dataclasses.is_dataclass(value) or issubclass(value, enum.Enum)):
-            return value
-    return None
-
-
-def load_metadata(folder: str) -> Any:
-    """Unpickle ``folder/.metadata`` with the allowlist above."""
-    path = os.path.join(folder, METADATA_FILE)
-    if not os.path.isfile(path):
-        data = sorted(n for n in os.listdir(folder) if n.endswith(DATA_SUFFIX))
-        raise SourceNotFoundError(
-            f"{folder}: DCP folder has no {METADATA_FILE} file"
-            + (f" (found {len(data)} .distcp data file(s); the save did not finish or the file was lost)" if data else "")
-        )
-    if os.path.getsize(path) > MAX_METADATA_BYTES:
-        raise InvalidInputError(f"{path}: too large to be DCP metadata")
-    try:
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-    except pickle.UnpicklingError as e:
-        raise UnsafePickleError(f"{path}: refused to unpickle DCP metadata ({e}); shardkit never executes pickled code") from e
-    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, struct.error) as e:
-        raise InvalidInputError(f"{path}: not readable DCP metadata ({type(e).__name__}: {e})") from e
-    if not hasattr(metadata, "state_dict_metadata") or not hasattr(metadata, "storage_data"):
-        raise InvalidInputError(f"{path}: not DCP metadata (found {type(metadata).__name__})")
-    return metadata
-
-
-@dataclass(frozen=True)
-class _StoredTensor:
-    """Where a chunk's bytes are inside its torch.save record: dtype code, storage key, element offset, layout."""
-
-    storage_dtype: str
-    key: str
-    storage_offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-
-
-class _BlobUnpickler(pickle.Unpickler):
-    """Reads a chunk's ``data.pkl`` into a :class:`_StoredTensor` without building a tensor."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _record_tensor
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v3"):  # dtypes without a typed storage (fp8...)
-            return _record_tensor_v3
-        if (module, name) == ("collections", "OrderedDict"):
-            import collections
-
-            return collections.OrderedDict
-        if module in ("torch", "torch.storage") and name.endswith("Storage"):
-            return ("storage-type", name)
-        if module == "torch":
-            import torch
-
-            from ..torch_dtypes import from_torch
-
-            value = getattr(torch, name, None)
-            if isinstance(value, torch.dtype):
-                return ("dtype", from_torch(value))
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-    def persistent_load(self, pid: Any) -> Any:
-        if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"):
-            raise pickle.UnpicklingError("unexpected persistent id")
-        return pid[1][1] if isinstance(pid[1], tuple) else str(pid[1]), str(pid[2])
-
-
-def _record_tensor(storage: Any, storage_offset: int, shape: Any, stride: Any, *_: Any) -> _StoredTensor:
-    storage_type, key = storage
-    return _StoredTensor(_STORAGE_CODES.get(storage_type, storage_type), key, int(storage_offset), tuple(shape),
-                         tuple(stride))
-
-
-def _record_tensor_v3(storage: Any, storage_offset: int, shape: Any, stride: Any, requires_grad: Any,
-                      hooks: Any, dtype: Any, *_: Any) -> _StoredTensor:
-    _, key = storage
-    code = dtype[1] if isinstance(dtype, tuple) and dtype[:1] == ("dtype",) else "?"
-    return _StoredTensor(code, key, int(storage_offset), tuple(shape), tuple(stride))
 
 
 # ----------------------------------------------------------------------------- chunks
@@ -204,21 +89,13 @@ class _FileSlice(io.RawIOBase):
         return len(data)
 
 
-_STORAGE_CODES = {
-    "FloatStorage": "F32", "DoubleStorage": "F64", "HalfStorage": "F16", "BFloat16Storage": "BF16",
-    "LongStorage": "I64", "IntStorage": "I32", "ShortStorage": "I16", "CharStorage": "I8",
-    "ByteStorage": "U8", "BoolStorage": "BOOL", "ComplexFloatStorage": "C64",
-    "Float8_e4m3fnStorage": "F8_E4M3", "Float8_e5m2Storage": "F8_E5M2",
-}
-
-
 def locate_chunk(chunk: _Chunk, f: Any, *, dtype: str, itemsize: int) -> int | None:
     """Absolute offset of the chunk's bytes in its file, or None when they are not one plain run."""
     try:
         with zipfile.ZipFile(_FileSlice(f, chunk.blob_offset, chunk.blob_length)) as z:
             pkl = next(n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
-            record = _BlobUnpickler(io.BytesIO(z.read(pkl))).load()
-            if not isinstance(record, _StoredTensor):
+            record = load_chunk_record(z.read(pkl))
+            if not isinstance(record, StoredTensor):
                 return None
             prefix = pkl[: -len("data.pkl")]
             info = z.getinfo(f"{prefix}data/{record.key}")
