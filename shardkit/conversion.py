@@ -17,14 +17,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from .commit import recover
 from .errors import InvalidInputError, ShardkitWarning
-from .plan import plan_shards
-from .reshard import DEFAULT_MAX_SHARD_SIZE, SplitResult, resolve_cast, resolve_naming, side_files, split, write_plan
-from .sources import Source, open_source
+from .reshard import (DEFAULT_MAX_SHARD_SIZE, SplitResult, open_settled, prepare_split, resolve_cast, side_files, split,
+                      write_plan)
+from .sources import Source
 from .sources.keymap import KeyMap, KeyMapSource, parse_renames
 from .units import parse_size
-from .writer import place
 
 EMA_PREFIX = "model_ema."
 
@@ -73,16 +71,11 @@ def convert(source: Any, output: str | os.PathLike[str], *, max_shard_size: str 
     max_shard_bytes = parse_size(max_shard_size, name="max shard size")
     cast_to = resolve_cast(dtype, allow_lossy=allow_lossy)
     output = os.fspath(output)
-    if isinstance(source, (str, os.PathLike)) and not dry_run:
-        path = os.fspath(source)
-        recover(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
-    with open_source(source, key=key) as inner:
+    with open_settled(source, key=key, dry_run=dry_run) as inner:
         wrapped: Source = inner if keymap.is_identity() else KeyMapSource(inner, keymap)
         ema = _report_ema(inner, keymap)
-        naming = resolve_naming(wrapped, name=name, variant=variant)
-        placements = [place(e, cast_to) for e in wrapped.entries()]
-        plan = plan_shards([(p.out.name, p.out.nbytes) for p in placements], max_shard_bytes=max_shard_bytes,
-                           naming=naming)
+        placements, plan = prepare_split(wrapped, max_shard_bytes=max_shard_bytes, cast_to=cast_to, name=name,
+                                         variant=variant)
         if not dry_run:
             write_plan(plan, placements, wrapped, output, overwrite=overwrite, metadata=metadata, progress=progress,
                        extra_files=side_files(source, output))

@@ -23,11 +23,11 @@ from .commit import OutputTransaction, recover
 from .components import find_components, is_pipeline_folder
 from .errors import InvalidInputError, ShardkitWarning
 from .index import dump_index, naming_from_filename
-from .plan import ShardPlan, ShardSpec, plan_shards
-from .reshard import SplitResult, resolve_cast, resolve_naming
+from .plan import ShardPlan, ShardSpec
+from .reshard import SplitResult, prepare_split, resolve_cast
 from .sources import Source, open_source
 from .units import parse_size
-from .writer import Placement, place, write_safetensors
+from .writer import Placement, write_safetensors
 
 __all__ = ["PipelineResult", "split_pipeline", "is_pipeline_folder"]
 
@@ -110,10 +110,8 @@ def _open_components(folder: str, *, max_shard_bytes: int, cast_to: str | None, 
                 continue
             source = open_source(component.path)
             works.append(_Work(component.name, source, [], ShardPlan((), None, 0, max_shard_bytes), []))
-            naming = resolve_naming(source, name=None, variant=variant)
-            works[-1].placements = [place(e, cast_to) for e in source.entries()]
-            works[-1].plan = plan_shards([(p.out.name, p.out.nbytes) for p in works[-1].placements],
-                                         max_shard_bytes=max_shard_bytes, naming=naming)
+            works[-1].placements, works[-1].plan = prepare_split(source, max_shard_bytes=max_shard_bytes,
+                                                                 cast_to=cast_to, name=None, variant=variant)
             works[-1].skipped = _other_weight_files(component.path, source)
     except BaseException:
         for work in works:

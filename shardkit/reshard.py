@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from .commit import OutputTransaction
 from .errors import InvalidInputError
-from .index import DIFFUSERS_PREFIX, Naming, dump_index, naming_from_filename
+from .index import DIFFUSERS_PREFIX, Naming, dump_index
 from .plan import ShardPlan, plan_shards
 from .sources import Source, open_source
 from .units import LOSSLESS_TARGETS, normalize_dtype, parse_size
@@ -70,6 +70,33 @@ def resolve_cast(dtype: str | None, *, allow_lossy: bool) -> str | None:
     return code
 
 
+def open_settled(source: Any, *, key: str | None, dry_run: bool) -> Source:
+    """Open ``source`` after finishing any interrupted commit in its folder (skipped by a dry run).
+
+    >>> with open_settled("ckpt/", key=None, dry_run=False) as src:    # doctest: +SKIP
+    ...     len(src.entries())
+    """
+    if isinstance(source, (str, os.PathLike)) and not dry_run:
+        from .commit import recover
+
+        path = os.fspath(source)
+        recover(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
+    return open_source(source, key=key)
+
+
+def prepare_split(src: Source, *, max_shard_bytes: int, cast_to: str | None, name: str | None,
+                  variant: str | None) -> tuple[list[Placement], ShardPlan]:
+    """Every tensor of ``src`` placed in the output dtype, and the shard plan under the output naming.
+
+    >>> placements, plan = prepare_split(src, max_shard_bytes=5 * 10**9, cast_to="BF16",   # doctest: +SKIP
+    ...                                  name=None, variant=None)
+    """
+    naming = resolve_naming(src, name=name, variant=variant)
+    placements = [place(e, cast_to) for e in src.entries()]
+    plan = plan_shards([(p.out.name, p.out.nbytes) for p in placements], max_shard_bytes=max_shard_bytes, naming=naming)
+    return placements, plan
+
+
 def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
           dtype: str | None = None, name: str | None = None, variant: str | None = None,
           allow_lossy: bool = False, overwrite: bool = False, dry_run: bool = False, key: str | None = None,
@@ -94,15 +121,9 @@ def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | 
     max_shard_bytes = parse_size(max_shard_size, name="max shard size")
     cast_to = resolve_cast(dtype, allow_lossy=allow_lossy)
     output = os.fspath(output)
-    if isinstance(source, (str, os.PathLike)) and not dry_run:
-        from .commit import recover
-
-        path = os.fspath(source)
-        recover(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
-    with open_source(source, key=key) as src:
-        naming = resolve_naming(src, name=name, variant=variant)
-        placements = [place(e, cast_to) for e in src.entries()]
-        plan = plan_shards([(p.out.name, p.out.nbytes) for p in placements], max_shard_bytes=max_shard_bytes, naming=naming)
+    with open_settled(source, key=key, dry_run=dry_run) as src:
+        placements, plan = prepare_split(src, max_shard_bytes=max_shard_bytes, cast_to=cast_to, name=name,
+                                         variant=variant)
         result = SplitResult(output, plan, src.description, cast_to, dry_run, src.aliases())
         if not dry_run:
             write_plan(plan, placements, src, output, overwrite=overwrite, metadata=metadata, progress=progress,
