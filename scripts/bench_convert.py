@@ -27,32 +27,22 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from benchlib import Case, machine_line, run_interleaved, table  # noqa: E402
+from benchlib import (TORCH_SAVE, Case, build_once, build_unet_source, machine_line,  # noqa: E402
+                      publish_report, run_interleaved, table)
+
+# Child-process code saving sys.argv[1] (safetensors) as a DCP folder at sys.argv[2], as FSDP training does.
+DCP_SAVE = ("import sys, warnings; warnings.simplefilter('ignore'); import torch.distributed.checkpoint as dcp; "
+            "from safetensors.torch import load_file; "
+            "dcp.save({'model': load_file(sys.argv[1])}, checkpoint_id=sys.argv[2], no_dist=True)")
 
 
 def prepare(kind: str, work: str) -> dict[str, str]:
     """Build (once) the safetensors source, its zip pickle, its DCP folder and a sharded copy."""
-    from build_checkpoint import build_unet
-
-    src_dir = os.path.join(work, f"{kind}-unet")
-    src = os.path.join(src_dir, "diffusion_pytorch_model.safetensors")
-    if not os.path.exists(src):
-        print(f"building {src} ...", flush=True)
-        build_unet(kind, src_dir, overwrite=True)
+    src = build_unet_source(kind, work)
     paths = {"src": src, "bin": os.path.join(work, f"{kind}-unet.bin"), "dcp": os.path.join(work, f"{kind}-unet-dcp"),
              "sharded": os.path.join(work, f"{kind}-unet-5GB")}
-    steps = {
-        "bin": f"import torch; from safetensors.torch import load_file; torch.save(load_file({src!r}), TMP)",
-        "dcp": ("import warnings; warnings.simplefilter('ignore'); import torch.distributed.checkpoint as dcp; "
-                f"from safetensors.torch import load_file; "
-                f"dcp.save({{'model': load_file({src!r})}}, checkpoint_id=TMP, no_dist=True)"),
-    }
-    for key, code in steps.items():
-        if not os.path.exists(paths[key]):
-            print(f"building {paths[key]} ...", flush=True)
-            tmp = paths[key] + ".tmp"
-            subprocess.run([sys.executable, "-c", code.replace("TMP", repr(tmp))], check=True, stderr=subprocess.DEVNULL)
-            os.replace(tmp, paths[key])
+    build_once(paths["bin"], TORCH_SAVE, src, hide_stderr=True)
+    build_once(paths["dcp"], DCP_SAVE, src, hide_stderr=True)
     if not os.path.exists(paths["sharded"]):
         sk = os.path.join(os.path.dirname(sys.executable), "shardkit")
         subprocess.run([sk, "split", src, paths["sharded"], "--max-shard-size", "2GB", "-q"], check=True)
@@ -126,10 +116,7 @@ def main() -> int:
     if "verify" not in all_groups:
         parts.append("\n(shardkit verify not available: verify read speed not measured)")
     report = "\n".join(parts) + "\n"
-    print("\n" + report)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(report)
+    publish_report(report, args.output)
     return 0
 
 

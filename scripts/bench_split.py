@@ -14,30 +14,19 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from benchlib import Case, machine_line, run_interleaved, table  # noqa: E402
+from benchlib import (TORCH_SAVE, Case, build_once, build_unet_source, machine_line,  # noqa: E402
+                      publish_report, run_interleaved, table)
 
 
 def prepare(kind: str, work: str) -> tuple[str, str]:
-    from build_checkpoint import build_unet
-
-    src_dir = os.path.join(work, f"{kind}-unet")
-    src = os.path.join(src_dir, "diffusion_pytorch_model.safetensors")
-    if not os.path.exists(src):
-        print(f"building {src} ...", flush=True)
-        build_unet(kind, src_dir, overwrite=True)
-    pickle = os.path.join(work, f"{kind}-unet.bin")
-    if not os.path.exists(pickle):
-        print(f"building {pickle} (torch.save of the same state dict) ...", flush=True)
-        code = (f"import torch; from safetensors.torch import load_file; "
-                f"torch.save(load_file({src!r}), {pickle + '.tmp'!r})")
-        subprocess.run([sys.executable, "-c", code], check=True)
-        os.replace(pickle + ".tmp", pickle)
+    src = build_unet_source(kind, work)
+    pickle = build_once(os.path.join(work, f"{kind}-unet.bin"), TORCH_SAVE, src,
+                        note=" (torch.save of the same state dict)")
     return src, pickle
 
 
@@ -83,10 +72,7 @@ def main() -> int:
     run_interleaved(all_cases, runs=args.runs)
     report = (f"split benchmark: {args.size} UNet, {size_gb:.2f} GB fp32 safetensors, median of {args.runs} runs, "
               f"interleaved, each write followed by sync\nmachine: {machine_line()}\n\n{table(all_cases, floor='cp (floor)')}\n")
-    print("\n" + report)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(report)
+    publish_report(report, args.output)
     return 0
 
 

@@ -66,6 +66,14 @@ def run_interleaved(cases: list[Case], *, runs: int, log=print) -> None:
                 os.path.exists(path) and os.unlink(path))
 
 
+def publish_report(report: str, output: str | None) -> None:
+    """Print the report, and write it to ``output`` too when one is given."""
+    print("\n" + report)
+    if output:
+        with open(output, "w", encoding="utf-8") as f:
+            f.write(report)
+
+
 def machine_line() -> str:
     mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{platform.machine()}, {os.cpu_count()} cores, {mem_gb:.0f} GiB RAM, Linux {platform.release()}, Python {platform.python_version()}"
@@ -78,6 +86,37 @@ def table(cases: list[Case], *, floor: str) -> str:
         med = statistics.median(c.times)
         lines.append(f"| {c.name} | {med:.2f} | {med / base:.2f}× | {max(c.rss_mb):.0f} | {c.target} |")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- inputs
+
+# Child-process code writing sys.argv[1] (a safetensors file) as a torch.save zip pickle at sys.argv[2].
+TORCH_SAVE = ("import sys, torch; from safetensors.torch import load_file; "
+              "torch.save(load_file(sys.argv[1]), sys.argv[2])")
+
+
+def build_unet_source(kind: str, work: str) -> str:
+    """The ``kind`` UNet's safetensors file under ``work``, built once with random weights."""
+    from build_checkpoint import build_unet
+
+    src_dir = os.path.join(work, f"{kind}-unet")
+    src = os.path.join(src_dir, "diffusion_pytorch_model.safetensors")
+    if not os.path.exists(src):
+        print(f"building {src} ...", flush=True)
+        build_unet(kind, src_dir, overwrite=True)
+    return src
+
+
+def build_once(path: str, code: str, *args: str, note: str = "", hide_stderr: bool = False) -> str:
+    """Build ``path`` unless it exists: run Python ``code`` in a child process with ``sys.argv[1:]``
+    = ``[*args, tmp]``, then rename ``tmp`` onto ``path`` (an interrupted build leaves no input)."""
+    if not os.path.exists(path):
+        print(f"building {path}{note} ...", flush=True)
+        tmp = path + ".tmp"
+        subprocess.run([sys.executable, "-c", code, *args, tmp], check=True,
+                       stderr=subprocess.DEVNULL if hide_stderr else None)
+        os.replace(tmp, path)
+    return path
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--run":
