@@ -94,7 +94,7 @@ def _checkpoint_info(path: str) -> CheckpointInfo:
         entries = source.entries()
         metadata = source.metadata()
         headers = getattr(source, "headers", None)
-    fmt = "pickle" if headers is None else ("safetensors-sharded" if index_name else "safetensors")
+    fmt = _format_name(target, headers, index_name)
     filename = index_name or os.path.basename(target)
     naming = naming_from_filename(filename)
     known = filename.split(".")[0].split("-")[0] in (DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, "pytorch_model")
@@ -107,16 +107,33 @@ def _checkpoint_info(path: str) -> CheckpointInfo:
                                    h.file_bytes) for h in sorted(headers, key=lambda h: h.path)]
     else:
         result.shards = [ShardInfo(os.path.basename(target), len(entries), sum(e.nbytes for e in entries),
-                                   os.path.getsize(target))]
+                                   _disk_bytes(target))]
     _summarize(result, [("", e) for e in entries])
     return result
+
+
+def _format_name(target: str, headers: object, index_name: str | None) -> str:
+    if headers is not None:
+        return "safetensors-sharded" if index_name else "safetensors"
+    if os.path.isdir(target):
+        return "dcp" if os.path.exists(os.path.join(target, ".metadata")) else "pickle-sharded"
+    return "pickle-sharded" if target.endswith(".json") else "pickle"
+
+
+def _disk_bytes(target: str) -> int:
+    if not os.path.isdir(target):
+        return os.path.getsize(target)
+    return sum(e.stat().st_size for e in os.scandir(target) if e.is_file())
 
 
 def _resolve(path: str) -> tuple[str, str | None]:
     """(path to open, index file name or None)."""
     from .components import weight_files
     from .index import find_checkpoint
+    from .sources import _is_dcp_folder, _is_pickle_index_folder
 
+    if os.path.isdir(path) and (_is_dcp_folder(path) or _is_pickle_index_folder(path)):
+        return path, None  # opened whole by its source; no safetensors index to show
     if os.path.isdir(path):
         names = weight_files(path)
         if names and not any(n.endswith(".safetensors") for n in names) and len(names) == 1:

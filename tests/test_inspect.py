@@ -140,3 +140,21 @@ def test_reads_headers_only(tmp_path, monkeypatch):
 def test_missing_path(tmp_path):
     with pytest.raises(SourceNotFoundError):
         info(tmp_path / "nope")
+
+
+def test_dcp_folder(tmp_path):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    state = {"a": torch.randn(4, 4), "b": torch.arange(3)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": state}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = info(str(tmp_path / "ck"))
+    assert result.format == "dcp"
+    assert result.tensor_count == 2
+    assert result.parameter_count == 16 + 3
+    assert result.total_bytes == 16 * 4 + 3 * 8
