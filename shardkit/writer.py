@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from . import _faults
+from .journal import fsync_dir as _fsync_path  # fsync works the same on a file
 from .errors import InvalidInputError, ShardkitWriteError
 from .format import TensorEntry, build_header
 from .sources.base import Source
@@ -71,14 +72,6 @@ class BackgroundSync:
 
     def __exit__(self, *exc: object) -> None:
         self._pool.shutdown(wait=True)
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_safetensors(path: str, placements: list[Placement], source: Source, *,
