@@ -70,6 +70,16 @@ def resolve_cast(dtype: str | None, *, allow_lossy: bool) -> str | None:
     return code
 
 
+def warn_if_output_taken(output: str, *, overwrite: bool) -> None:
+    """A dry run writes nothing, but says when the real run would refuse the output."""
+    if not overwrite and os.path.isdir(output) and os.listdir(output):
+        import warnings
+
+        from .errors import ShardkitWarning
+
+        warnings.warn(f"{output} exists and is not empty: the real run needs --overwrite", ShardkitWarning, stacklevel=3)
+
+
 def open_settled(source: Any, *, key: str | None, dry_run: bool) -> Source:
     """Open ``source`` after finishing any interrupted commit in its folder (skipped by a dry run).
 
@@ -125,7 +135,9 @@ def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | 
         placements, plan = prepare_split(src, max_shard_bytes=max_shard_bytes, cast_to=cast_to, name=name,
                                          variant=variant)
         result = SplitResult(output, plan, src.description, cast_to, dry_run, src.aliases())
-        if not dry_run:
+        if dry_run:
+            warn_if_output_taken(output, overwrite=overwrite)
+        else:
             write_plan(plan, placements, src, output, overwrite=overwrite, metadata=metadata, progress=progress,
                        extra_files=side_files(source, output))
     return result

@@ -49,6 +49,19 @@ def test_split_prints_a_summary_and_writes_shards(run_cli, tmp_path: Path) -> No
     assert_bit_equal(load_folder(out), load_file(str(src)))
 
 
+def test_dry_run_warns_when_the_real_run_would_need_overwrite(run_cli, tmp_path: Path) -> None:
+    src = _good_file(tmp_path)
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "README.md").write_text("keep me")
+    result = run_cli("split", src, out, "--dry-run")
+    assert result.exit_code == 0, result.stderr
+    assert "needs --overwrite" in result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["README.md"]
+    quiet = run_cli("split", src, out, "--dry-run", "--overwrite")
+    assert "needs --overwrite" not in quiet.stderr
+
+
 def test_dry_run_prints_the_plan_and_writes_nothing(run_cli, tmp_path: Path) -> None:
     src = _good_file(tmp_path)
     before = snapshot(tmp_path)
