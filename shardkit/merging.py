@@ -18,7 +18,7 @@ from .errors import InvalidInputError, OutputExistsError
 from .format import Header, read_header
 from .index import find_checkpoint, load_index, naming_from_filename
 from .sources.safetensors import SafetensorsSource, check_index_against_headers
-from .writer import place, write_safetensors
+from .writer import ByteCounter, place, write_safetensors
 
 _SHARD_NUMBER = re.compile(r"-(\d{5})-of-(\d{5})\.safetensors$")
 
@@ -55,14 +55,7 @@ def merge(folder: str | os.PathLike[str], output_file: str | os.PathLike[str], *
         placements = [place(e, None) for e in source.entries()]
         total = sum(p.out.nbytes for p in placements)
         tmp = atomic_output_file(output_file, overwrite=overwrite)
-        done = 0
-
-        def tick(n: int) -> None:
-            nonlocal done
-            done += n
-            if progress is not None:
-                progress(done, total)
-
+        tick = ByteCounter(total, progress)
         try:
             write_safetensors(tmp, placements, source, metadata=source.metadata(), progress=tick)
             publish_file(tmp, output_file)

@@ -27,7 +27,7 @@ from .plan import ShardPlan, ShardSpec
 from .reshard import SplitResult, prepare_split, resolve_cast
 from .sources import Source, open_source
 from .units import parse_size
-from .writer import Placement, write_safetensors
+from .writer import ByteCounter, Placement, write_safetensors
 
 __all__ = ["PipelineResult", "split_pipeline", "is_pipeline_folder"]
 
@@ -185,14 +185,7 @@ def _stale(output: str, works: list[_Work]) -> list[str]:
 
 def _write(folder: str, output: str, works: list[_Work], copied: list[str], *, overwrite: bool,
            metadata: dict[str, str] | None, progress: ProgressCallback | None, total_bytes: int) -> None:
-    done = 0
-
-    def tick(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress(done, total_bytes)
-
+    tick = ByteCounter(total_bytes, progress)
     in_place = os.path.abspath(folder) == os.path.abspath(output)
     with OutputTransaction(output, overwrite=overwrite, stale=_stale(output, works)) as tx:
         for rel in copied:

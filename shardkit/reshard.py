@@ -14,7 +14,7 @@ from .index import DIFFUSERS_PREFIX, Naming, dump_index
 from .plan import ShardPlan, plan_shards
 from .sources import Source, open_source
 from .units import LOSSLESS_TARGETS, normalize_dtype, parse_size
-from .writer import BackgroundSync, Placement, place, write_safetensors
+from .writer import BackgroundSync, ByteCounter, Placement, place, write_safetensors
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -205,14 +205,7 @@ def write_plan(plan: ShardPlan, placements: list[Placement], source: Source, out
     by_name = {p.out.name: p for p in placements}
     # The source's own metadata travels with its tensors, so a split and its merge keep it.
     shard_metadata = {"format": "pt", **source.metadata(), **(metadata or {}), **source.aliases()}
-    done = 0
-
-    def tick(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress(done, plan.total_bytes)
-
+    tick = ByteCounter(plan.total_bytes, progress)
     stale = _existing_checkpoint_files(output, plan.naming)
     with OutputTransaction(output, overwrite=overwrite, stale=stale) as tx, BackgroundSync() as sync:
         for shard in plan.shards:

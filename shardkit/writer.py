@@ -41,6 +41,20 @@ def place(entry: TensorEntry, cast_to: str | None) -> Placement:
     return Placement(entry, TensorEntry(entry.name, cast_to, entry.shape, tensor_nbytes(cast_to, entry.shape)))
 
 
+class ByteCounter:
+    """Turns per-chunk byte counts into ``progress(done_bytes, total_bytes)`` calls."""
+
+    def __init__(self, total_bytes: int, progress: "Callable[[int, int], None] | None") -> None:
+        self.total_bytes = total_bytes
+        self.done_bytes = 0
+        self._progress = progress
+
+    def __call__(self, n: int) -> None:
+        self.done_bytes += n
+        if self._progress is not None:
+            self._progress(self.done_bytes, self.total_bytes)
+
+
 class BackgroundSync:
     """fsync finished files on a worker thread while the next one is written.
 
