@@ -147,7 +147,7 @@ def _write_run(fd: int, run: list[Placement], source: Source, path: str, tick: P
 
 def _copy_file_range(fd: int, src_path: str, offset: int, count: int, tick: ProgressFn,
                      source: Source, run: list[Placement]) -> None:
-    held = source.held_fd(src_path) if hasattr(source, "held_fd") else None
+    held = source.held_fd(src_path)
     src_fd = held if held is not None else os.open(src_path, os.O_RDONLY)
     try:
         done = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import os
 
 from ..format import TensorEntry
 from ..index import Naming
@@ -39,11 +40,24 @@ class Source(abc.ABC):
         Kernel copies go through it, so they see the file this source validated even if another
         process has since renamed a new file onto the same path.
         """
-        fds = getattr(self, "_fds", None)
-        return fds.get(path) if isinstance(fds, dict) else None
+        return self._held_fds().get(path)
+
+    def _fd(self, path: str) -> int:
+        """A read descriptor on ``path``, opened on first use and held until :meth:`close`."""
+        fds = self._held_fds()
+        if path not in fds:
+            fds[path] = os.open(path, os.O_RDONLY)
+        return fds[path]
+
+    def _held_fds(self) -> dict[str, int]:
+        # Created on demand so subclasses need not call an __init__ here.
+        return self.__dict__.setdefault("_fds", {})
 
     def close(self) -> None:
-        pass
+        fds = self._held_fds()
+        for fd in fds.values():
+            os.close(fd)
+        fds.clear()
 
     def __enter__(self) -> "Source":
         return self

@@ -146,7 +146,6 @@ class DCPSource(Source):
         self._tensors = {t.name: t for t in tensors}
         self.paths = tuple(sorted({c.file for t in tensors for c in t.chunks}))
         self._entries = [_entry(t) for t in tensors]
-        self._fds: dict[str, int] = {}
         self._loaded: tuple[tuple[str, int], memoryview] | None = None
 
     def entries(self) -> list[TensorEntry]:
@@ -208,17 +207,9 @@ class DCPSource(Source):
         flat = slab.reshape(-1)
         return flat[begin - r0 * row_bytes: end - r0 * row_bytes].tobytes()
 
-    def _fd(self, path: str) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
-        return fd
-
     def close(self) -> None:
         self._loaded = None
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        super().close()
 
 
 def _itemsize(dtype: str) -> int:

@@ -103,6 +103,9 @@ class KeyMapSource(Source):
         plain = {k: v for k, v in inner_meta.items() if k not in records}
         return {**plain, **_map_pairs(records, self.keymap)}
 
+    def held_fd(self, path: str) -> int | None:
+        return self.inner.held_fd(path)
+
     def close(self) -> None:
         self.inner.close()
 

@@ -36,7 +36,6 @@ class MemorySource(Source):
             if name not in self._aliases
         ]
         self._cached: tuple[str, memoryview] | None = None
-        self._fds: dict[str, int] = {}
 
     def entries(self) -> list[TensorEntry]:
         return list(self._entries)
@@ -54,19 +53,14 @@ class MemorySource(Source):
 
     def _pread(self, entry: TensorEntry, begin: int, end: int) -> bytes:
         assert entry.file is not None
-        fd = self._fds.get(entry.file)
-        if fd is None:
-            fd = self._fds[entry.file] = os.open(entry.file, os.O_RDONLY)
-        return os.pread(fd, end - begin, entry.offset + begin)
+        return os.pread(self._fd(entry.file), end - begin, entry.offset + begin)
 
     def tensor(self, name: str) -> Any:
         return self._tensors[name]
 
     def close(self) -> None:
         self._cached = None
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        super().close()
 
 
 def check_all_tensors(tensors: Mapping[str, Any], *, where: str) -> None:

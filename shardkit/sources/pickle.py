@@ -176,5 +176,5 @@ def open_pickle(path: str, *, key: str | None = None) -> MemorySource:
             for e in source._entries
         ]
     source.paths = (path,)
-    source._fds[path] = os.open(path, os.O_RDONLY)  # held: later reads see this file even if replaced
+    source._fd(path)  # held: later reads see this file even if replaced
     return source

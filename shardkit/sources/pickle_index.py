@@ -116,6 +116,9 @@ class PickleIndexSource(Source):
         source = self._current[1]
         return source.read(entry, begin, end)
 
+    def held_fd(self, path: str) -> int | None:
+        return self._current[1].held_fd(path) if self._current is not None else None
+
     def close(self) -> None:
         if self._current is not None:
             self._current[1].close()

@@ -18,10 +18,9 @@ class SafetensorsSource(Source):
         self.description = description
         self.naming = naming
         self.paths = tuple(h.path for h in headers)
-        self._fds: dict[str, int] = {}
         try:  # held from the start: reads see these files even if a writer replaces them later
             for header in headers:
-                self._fds[header.path] = os.open(header.path, os.O_RDONLY)
+                self._fd(header.path)
         except OSError:
             self.close()
             raise
@@ -37,18 +36,10 @@ class SafetensorsSource(Source):
 
     def read(self, entry: TensorEntry, begin: int, end: int) -> bytes:
         assert entry.file is not None
-        fd = self._fds.get(entry.file)
-        if fd is None:
-            fd = self._fds[entry.file] = os.open(entry.file, os.O_RDONLY)
-        data = os.pread(fd, end - begin, entry.offset + begin)
+        data = os.pread(self._fd(entry.file), end - begin, entry.offset + begin)
         if len(data) != end - begin:
             raise HeaderError(f"{entry.file}: tensor {entry.name!r} is truncated (file shrank while reading?)")
         return data
-
-    def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
 
 
 def open_safetensors_file(path: str) -> SafetensorsSource:
