@@ -430,44 +430,29 @@ def standard_scenarios(root: Path, *, extended: bool = False) -> list[Scenario]:
             Scenario("split-in-place-to-single", lambda s, o: ["split", s, o, "--max-shard-size", "50MB", "--overwrite", "-q"],
                      in_place, in_place=True),
         ]
-    scenarios += _optional_scenarios(sharded_a, _cached(TENSORS_B, None, cache), extended=extended)
+    single_b = _cached(TENSORS_B, None, cache)
+
+    def merge_fresh(work: Path) -> tuple[Path, Path]:
+        sharded_a(work / "src")
+        return work / "src", work / "merged.safetensors"
+
+    def merge_overwrite(work: Path) -> tuple[Path, Path]:
+        sharded_a(work / "src")
+        single_b(work / "old")
+        (work / "old" / "model.safetensors").rename(work / "merged.safetensors")
+        shutil.rmtree(work / "old")
+        return work / "src", work / "merged.safetensors"
+
+    convert = ["--rename", "layers.=blocks.", "--max-shard-size", "350KB", "-q"]
+    scenarios += [
+        Scenario("merge-fresh", lambda s, o: ["merge", s, o, "-q"], merge_fresh),
+        Scenario("merge-overwrite", lambda s, o: ["merge", s, o, "--overwrite", "-q"], merge_overwrite),
+        Scenario("convert-fresh", lambda s, o: ["convert", s, o, *convert], fresh),
+    ]
+    if extended:
+        scenarios.append(Scenario("convert-in-place", lambda s, o: ["convert", s, o, *convert, "--overwrite"],
+                                  in_place, in_place=True, idempotent=False))
     return scenarios
-
-
-def _optional_scenarios(sharded: Callable[[Path], None], other: Callable[[Path], None], *,
-                        extended: bool) -> list[Scenario]:
-    """convert and merge join the harness once their modules exist."""
-    found = []
-    if (REPO / "shardkit" / "merging.py").exists():
-        def merge_fresh(work: Path) -> tuple[Path, Path]:
-            sharded(work / "src")
-            return work / "src", work / "merged.safetensors"
-
-        def merge_overwrite(work: Path) -> tuple[Path, Path]:
-            sharded(work / "src")
-            other(work / "old")
-            (work / "old" / "model.safetensors").rename(work / "merged.safetensors")
-            shutil.rmtree(work / "old")
-            return work / "src", work / "merged.safetensors"
-
-        found.append(Scenario("merge-fresh", lambda s, o: ["merge", s, o, "-q"], merge_fresh))
-        found.append(Scenario("merge-overwrite", lambda s, o: ["merge", s, o, "--overwrite", "-q"], merge_overwrite))
-    if (REPO / "shardkit" / "conversion.py").exists():
-        def convert_fresh(work: Path) -> tuple[Path, Path]:
-            sharded(work / "src")
-            return work / "src", work / "out"
-
-        def convert_in_place(work: Path) -> tuple[Path, Path]:
-            sharded(work / "ckpt")
-            return work / "ckpt", work / "ckpt"
-
-        found.append(Scenario("convert-fresh", lambda s, o: ["convert", s, o, "--rename", "layers.=blocks.",
-                                                             "--max-shard-size", "350KB", "-q"], convert_fresh))
-        if extended:
-            found.append(Scenario("convert-in-place", lambda s, o: ["convert", s, o, "--rename", "layers.=blocks.",
-                                                                    "--max-shard-size", "350KB", "--overwrite", "-q"],
-                                  convert_in_place, in_place=True, idempotent=False))
-    return found
 
 
 def summarize(outcomes: list[KillOutcome]) -> str:
