@@ -107,7 +107,7 @@ def run_case(name: str, folder: str, options: dict) -> None:
     import safetensors.torch  # noqa: F401
     from diffusers import UNet2DConditionModel  # noqa: F401  (diffusers imports its models lazily)
 
-    import shardkit.load  # noqa: F401
+    import shardkit.loading.load  # noqa: F401
 
     base = _status_bytes("VmRSS")
     start = time.perf_counter()

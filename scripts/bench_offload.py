@@ -3,7 +3,7 @@
 
 With CUDA: builds a real-size denoiser (SDXL UNet or Flux transformer; random weights, or
 filled from shards with ``--checkpoint``), then for every strategy of
-:func:`shardkit.estimate.strategy_specs` installs it with ``apply_offload`` /
+:func:`shardkit.fit.estimate.strategy_specs` installs it with ``apply_offload`` /
 ``apply_layerwise_casting``, runs ``--steps`` forward passes at ``--size`` pixels and records
 ``torch.cuda.max_memory_allocated`` and the median step time. Without CUDA it says so and prints
 the estimator's table for the real-size meta skeleton only.
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import shardkit
-    from shardkit.torch_dtypes import resolve_torch_dtype
+    from shardkit.formats.dtypes import resolve_torch_dtype
     from shardkit.units import format_size
 
     dtype = resolve_torch_dtype(args.dtype)

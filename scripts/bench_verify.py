@@ -2,7 +2,7 @@
 import hashlib, json, mmap, os, statistics, struct, subprocess, sys, time
 
 import shardkit
-from shardkit.verification import verify
+from shardkit.checking.verify import verify
 
 root = sys.argv[1]
 total_bytes = int(float(sys.argv[2]) * 1e9)

@@ -84,8 +84,8 @@ def cpu_rows(height: int, width: int) -> list[str]:
     import torch
     from diffusers import UNet2DConditionModel
 
-    from shardkit.fit_sizes import profile_module
-    from shardkit.fit_sizes import Workload
+    from shardkit.fit.profile import profile_module
+    from shardkit.fit.profile import Workload
 
     rows = []
     for name, config in SMALL_UNETS.items():
@@ -109,9 +109,9 @@ def gpu_rows(checkpoint: str | None, height: int, width: int, steps: int) -> lis
     import torch
     from diffusers import UNet2DConditionModel
 
-    from shardkit.autofit import Budget, Margin
-    from shardkit.fit_candidates import PLACEMENTS, evaluate
-    from shardkit.fit_sizes import Workload, profile_module
+    from shardkit.fit.autofit import Budget, Margin
+    from shardkit.fit.candidates import PLACEMENTS, evaluate
+    from shardkit.fit.profile import Workload, profile_module
 
     def build() -> Any:
         if checkpoint:
@@ -134,9 +134,9 @@ def gpu_rows(checkpoint: str | None, height: int, width: int, steps: int) -> lis
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            from shardkit.autofit import apply_plan  # noqa: F401  (same code path as fit="auto")
-            from shardkit.casting import apply_layerwise_casting
-            from shardkit.offload import apply_offload
+            from shardkit.fit.autofit import apply_plan  # noqa: F401  (same code path as fit="auto")
+            from shardkit.runtime.casting import apply_layerwise_casting
+            from shardkit.runtime.offload import apply_offload
 
             if fp8:
                 apply_layerwise_casting(model, "float8_e4m3fn", "float16")

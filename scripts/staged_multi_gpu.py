@@ -109,7 +109,7 @@ def staged(folder: str, *, size: int, steps: int, max_memory: str | None, dtype:
 
     import shardkit
 
-    torch_dtype = shardkit.torch_dtypes.resolve_torch_dtype(dtype) if dtype else None
+    torch_dtype = shardkit.formats.dtypes.resolve_torch_dtype(dtype) if dtype else None
     device_map, budget = _memory(max_memory)
     info: dict[str, Any] = {}
 
@@ -154,7 +154,7 @@ def staged(folder: str, *, size: int, steps: int, max_memory: str | None, dtype:
 def _gpu_only(budget: Any) -> Any:
     if not budget:
         return None
-    from shardkit.placement import parse_max_memory
+    from shardkit.loading.device_map import parse_max_memory
 
     return {k: v for k, v in parse_max_memory(budget).items() if k != "cpu"} or None
 

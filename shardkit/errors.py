@@ -7,6 +7,8 @@ the CLI exits with: 2 for bad input or usage, 1 for a check that failed.
 
 from __future__ import annotations
 
+import errno
+
 
 class ShardkitError(Exception):
     """Base class of every error shardkit raises on purpose."""
@@ -66,3 +68,28 @@ class HubError(ShardkitError):
 
 class ShardkitWarning(UserWarning):
     """Something worth a user's attention that is not an error (the CLI prints it as one line)."""
+
+
+_WRITE_ERRORS = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EFBIG: "file too large for this filesystem or process limit",
+    errno.EIO: "I/O error",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only filesystem",
+    errno.EACCES: "permission denied",
+}
+
+
+def describe_os_error(e: OSError) -> str:
+    """A short reason for a failed write.
+
+    Args:
+        e: the ``OSError`` a write, fsync or rename raised.
+
+    Returns:
+        ``"no space left on the device"``, ``"I/O error"``... or the OS's own message.
+
+    >>> describe_os_error(OSError(28, "No space left on device"))
+    'no space left on the device'
+    """
+    return _WRITE_ERRORS.get(e.errno or 0, e.strerror or str(e))

@@ -63,7 +63,7 @@ def _has_cuda() -> bool:
 # ----------------------------------------------------------------------------- tensors
 
 def torch_dtype(code: str) -> Any:
-    from shardkit.torch_dtypes import to_torch
+    from shardkit.formats.dtypes import to_torch
 
     return to_torch(code)
 

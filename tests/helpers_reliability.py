@@ -156,7 +156,7 @@ def index_invariant_problems(folder: str | os.PathLike[str]) -> list[str]:
 def verify_problems(folder: str | os.PathLike[str]) -> list[str]:
     """Findings of ``shardkit.verify`` when it exists, else of the safetensors-based check above."""
     try:
-        from shardkit.verification import verify  # type: ignore[import-not-found]
+        from shardkit.checking.verify import verify  # type: ignore[import-not-found]
     except ImportError:
         problems = index_invariant_problems(folder)
         from shardkit.sources import open_source
@@ -289,7 +289,7 @@ def check_after_kill(scenario: Scenario, src: Path, out: Path, ref: Reference, o
     if rerun:
         _rerun(scenario, src, out, problems)
     else:
-        from shardkit.commit import recover
+        from shardkit.atomic.commit import recover
 
         recover(out if out.suffix != ".safetensors" else out.parent)
     after = classify(tree_hashes(out, visible_only=True), ref)

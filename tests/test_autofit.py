@@ -6,9 +6,9 @@ import pytest
 
 import numpy as np
 
-from shardkit.autofit import Budget, FitError, FitPlan, Margin, fit, plan_fit
+from shardkit.fit.autofit import Budget, FitError, FitPlan, Margin, fit, plan_fit
 from shardkit.errors import InvalidInputError
-from shardkit.fit_sizes import ComponentProfile
+from shardkit.fit.profile import ComponentProfile
 
 GB = 10**9
 NO_MARGIN = Margin(0.0, 0)
@@ -259,7 +259,7 @@ def test_fit_auto_in_load_pipeline(tiny_folder, plain_image) -> None:
 
 
 def test_fit_plans_a_meta_skeleton() -> None:
-    from shardkit.skeleton import build_skeleton
+    from shardkit.loading.skeleton import build_skeleton
 
     config = {"block_out_channels": [32, 64], "layers_per_block": 1, "sample_size": 16,
               "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],

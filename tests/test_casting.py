@@ -7,7 +7,7 @@ import torch
 from accelerate import init_empty_weights
 
 import shardkit
-from shardkit.casting import casting_targets, is_cast
+from shardkit.runtime.casting import casting_targets, is_cast
 from shardkit.errors import InvalidInputError
 
 from helpers_offload import flux_inputs, plain_net, run_flux, tiny_flux_transformer

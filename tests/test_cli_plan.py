@@ -47,7 +47,6 @@ def test_checkpoint_argument_uses_its_config_and_dtypes(run_cli, tmp_path) -> No
 
 
 def test_strategies_table(run_cli, tmp_path) -> None:
-    pytest.importorskip("shardkit.estimate")
     folder = save_model(tiny_unet(), tmp_path / "unet")
     result = run_cli("plan", folder, "--model", "diffusers:UNet2DConditionModel", "--gpu", "1MB", "--strategies", "--json")
     assert result.exit_code == 0, result.stderr

@@ -24,7 +24,7 @@ from conftest import (
     write_raw_safetensors,
 )
 
-from shardkit.format import MAX_HEADER_BYTES
+from shardkit.formats.header import MAX_HEADER_BYTES
 
 
 def _good_file(tmp_path: Path) -> Path:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from conftest import leftovers
 
-from shardkit.commit import JOURNAL, OutputTransaction, atomic_output_file, publish_file, recover
+from shardkit.atomic.commit import JOURNAL, OutputTransaction, atomic_output_file, publish_file, recover
 from shardkit.errors import OutputExistsError, ShardkitError, ShardkitWriteError
 
 
@@ -104,7 +104,10 @@ def test_a_second_writer_on_the_same_folder_is_refused(tmp_path: Path) -> None:
 
 def test_recover_rolls_a_journal_forward_and_removes_temporaries(tmp_path: Path) -> None:
     (tmp_path / ".shardkit-tmp-1-abcd-model.safetensors").write_bytes(b"new")
-    (tmp_path / ".shardkit-tmp-9-ffff-orphan.safetensors").write_bytes(b"junk")
+    # The orphan's writer must be a pid that no process can have (pid 9 is a live kernel thread on
+    # some machines, which made this test flaky): one past the kernel's pid_max.
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    (tmp_path / f".shardkit-tmp-{dead}-ffff-orphan.safetensors").write_bytes(b"junk")
     (tmp_path / "model.safetensors.index.json").write_text("old index")
     (tmp_path / "model-00001-of-00001.safetensors").write_bytes(b"old")
     (tmp_path / JOURNAL).write_text(json.dumps({

@@ -3,7 +3,7 @@
 Writers: a fresh output is published by renaming a staging folder (only one rename can win); an
 existing folder is written under an exclusive flock (the second writer fails at once). Readers
 take no lock: ``open_source`` notes the folder's state, opens every file (keeping descriptors),
-and retries if a writer changed the folder meanwhile (``shardkit.snapshot.read_consistently``).
+and retries if a writer changed the folder meanwhile (``shardkit.atomic.snapshot.read_consistently``).
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ def test_chunked_tensors_are_reassembled(tmp_path: Path) -> None:
         dcp.load(loaded, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     assert_bit_equal(loaded, full)
     # small writer chunks force reassembly across slab boundaries
-    from shardkit import writer
+    from shardkit.sharding import writer
 
     old = writer.CHUNK_BYTES
     writer.CHUNK_BYTES = 24

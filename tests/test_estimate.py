@@ -10,7 +10,7 @@ from accelerate import init_empty_weights
 
 import shardkit
 from shardkit.errors import InvalidInputError
-from shardkit.estimate import (
+from shardkit.fit.estimate import (
     ComponentSizes, Footprint, StrategySpec, component_peak, default_activation_bytes, measure_component,
     strategy_peaks, strategy_specs,
 )

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from shardkit.errors import CheckpointIndexError, SourceNotFoundError
-from shardkit.index import (
+from shardkit.formats.index import (
     Naming,
     add_variant,
     check_shard_name,

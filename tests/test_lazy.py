@@ -14,7 +14,7 @@ import torch
 
 import shardkit
 from conftest import make_state_dict, tensor_bytes
-from shardkit import lazy
+from shardkit.loading import lazy
 from shardkit.errors import CheckpointIndexError, HeaderError, InvalidInputError, SourceNotFoundError
 
 

@@ -213,8 +213,6 @@ def test_bad_inputs_are_one_line_errors(tmp_path) -> None:
 
 
 def test_layerwise_casting_and_offload_are_applied_after_loading(tmp_path) -> None:
-    pytest.importorskip("shardkit.casting")
-    pytest.importorskip("shardkit.offload")
     eager, cls, config, forward = _unet()
     folder = save_model(eager, tmp_path / "ckpt")
     model = shardkit.load_model(cls, folder, config=config, layerwise_casting=("float8_e4m3fn", "bfloat16"))
@@ -228,7 +226,7 @@ def test_layerwise_casting_and_offload_are_applied_after_loading(tmp_path) -> No
 
 
 PEAK_SCRIPT = textwrap.dedent("""
-    import json, sys, torch, shardkit, accelerate.utils, shardkit.load
+    import json, sys, torch, shardkit, accelerate.utils, shardkit.loading.load
     from torch import nn
 
     def status(field):

@@ -9,7 +9,7 @@ import torch
 
 import shardkit
 from shardkit.errors import InvalidInputError, ShardkitError
-from shardkit.offload import OffloadError, installed_hooks
+from shardkit.runtime.offload import OffloadError, installed_hooks
 
 from helpers_offload import flux_inputs, plain_net, run_flux, staged_script, tiny_flux_transformer
 
@@ -144,7 +144,7 @@ def test_dispatched_module_is_refused():
 
 def test_weights_already_on_accelerator_before_sequential_are_refused(monkeypatch, pipe):
     # A CPU machine cannot place weights on CUDA; pretend the placement probe saw it (the GPU test does it for real).
-    monkeypatch.setattr("shardkit.offload.placed_devices", lambda obj: {"cuda:0"})
+    monkeypatch.setattr("shardkit.runtime.offload.placed_devices", lambda obj: {"cuda:0"})
     with pytest.raises(OffloadError, match="already moved to cuda:0 before sequential offload"):
         shardkit.apply_offload(pipe, "sequential", device="cpu")
     with pytest.raises(OffloadError, match="already moved"):

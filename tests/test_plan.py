@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardkit.errors import InvalidInputError
-from shardkit.index import Naming
-from shardkit.plan import plan_shards
-from shardkit.reshard import resolve_naming
+from shardkit.formats.index import Naming
+from shardkit.sharding.plan import plan_shards
+from shardkit.sharding.split import resolve_naming
 from shardkit.sources.base import Source
 
 

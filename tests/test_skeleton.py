@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from shardkit.errors import InvalidInputError, SourceNotFoundError
-from shardkit.skeleton import build_skeleton, cast_floating, is_meta_module, resolve_model_class
+from shardkit.loading.skeleton import build_skeleton, cast_floating, is_meta_module, resolve_model_class
 from conftest import TINY_UNET_CONFIG, tiny_clip_text_config
 from helpers_load import make_tied_lm
 

@@ -18,7 +18,7 @@ from shardkit.errors import (
     SourceNotFoundError,
     UnsafePickleError,
 )
-from shardkit.index import Naming
+from shardkit.formats.index import Naming
 from shardkit.sources import Source, open_source
 from shardkit.sources.memory import MemorySource, find_aliases
 from shardkit.sources.pickle import load_pickle, locate_in_file, open_pickle, select_state_dict

@@ -10,7 +10,7 @@ import pytest
 from helpers_fit import tiny_vq_model
 from helpers_pipeline import build_tiny_sd_pipeline, generate
 from shardkit.errors import InvalidInputError
-from shardkit.switches import SWITCHES, apply_switches, normalize_switches, unsupported_reason
+from shardkit.runtime.switches import SWITCHES, apply_switches, normalize_switches, unsupported_reason
 
 
 @pytest.fixture(scope="module")

@@ -97,7 +97,7 @@ def test_torch_table_agrees_with_safetensors_and_dtype_widths() -> None:
     import safetensors.torch as st
     import torch
 
-    from shardkit.torch_dtypes import from_torch, to_torch
+    from shardkit.formats.dtypes import from_torch, to_torch
 
     for code in TORCH_DTYPE_CODES:
         dtype = to_torch(code)
@@ -112,7 +112,7 @@ def test_torch_table_agrees_with_safetensors_and_dtype_widths() -> None:
 def test_torch_table_refuses_what_torch_cannot_hold() -> None:
     import torch
 
-    from shardkit.torch_dtypes import from_torch, to_torch
+    from shardkit.formats.dtypes import from_torch, to_torch
 
     for code in ("F4", "F6_E2M3", "F6_E3M2"):
         with pytest.raises(InvalidInputError, match=code):
@@ -124,7 +124,7 @@ def test_torch_table_refuses_what_torch_cannot_hold() -> None:
 def test_resolve_torch_dtype() -> None:
     import torch
 
-    from shardkit.torch_dtypes import resolve_torch_dtype
+    from shardkit.formats.dtypes import resolve_torch_dtype
 
     assert resolve_torch_dtype(None) is None
     assert resolve_torch_dtype(torch.float16) is torch.float16

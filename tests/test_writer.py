@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from conftest import SHARDKIT_BIN, assert_bit_equal, float_state_dict, make_state_dict, tensor_bytes
 
-from shardkit import writer
+from shardkit.sharding import writer
 from shardkit.errors import HeaderError, InvalidInputError, ShardkitWriteError
-from shardkit.format import read_header
+from shardkit.formats.header import read_header
 from shardkit.sources.memory import MemorySource
 from shardkit.sources.safetensors import open_safetensors_file
-from shardkit.writer import Placement, place, write_safetensors
+from shardkit.sharding.writer import Placement, place, write_safetensors
 
 
 class RecordingSource:
@@ -111,7 +111,7 @@ CAST_TARGETS = ["BF16", "F16", "F32", "F8_E4M3", "F8_E5M2"]
 def test_chunked_cast_matches_torch_to(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, target: str) -> None:
     import torch
 
-    from shardkit.torch_dtypes import to_torch
+    from shardkit.formats.dtypes import to_torch
 
     monkeypatch.setattr(writer, "CAST_CHUNK_BYTES", 24)  # many chunks per tensor, not a multiple of 8
     monkeypatch.setattr(writer, "CHUNK_BYTES", 24)
@@ -150,7 +150,7 @@ def test_cast_from_a_file_source_matches_torch(safetensors_file: Path, state_dic
 
 
 def test_place_casts_only_wide_floats() -> None:
-    from shardkit.format import TensorEntry
+    from shardkit.formats.header import TensorEntry
 
     keep = ["BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64", "C64", "F8_E4M3", "F8_E5M2", "F4"]
     for dtype in keep:

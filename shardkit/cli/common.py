@@ -19,10 +19,44 @@ def _debug_requested(argv: list[str]) -> bool:
     return "--debug" in argv
 
 
+def configure_logging(*, debug: bool) -> None:
+    """The CLI is the application, so it (and only it) sets logging up.
+
+    shardkit's own logger goes to stderr (INFO, DEBUG with ``--debug``); the libraries shardkit
+    drives are quieted to errors, since their warnings (accelerate on GPUs a plan names but this
+    machine lacks, diffusers on experimental APIs) and huggingface_hub's own progress bars would
+    interleave with ours.
+    """
+    import logging
+
+    log = logging.getLogger("shardkit")
+    if not any(getattr(h, "_shardkit_cli", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler._shardkit_cli = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+    log.setLevel(logging.DEBUG if debug else logging.WARNING)
+    if debug:
+        return
+    import os
+
+    # diffusers and transformers reset their loggers' level from these on first use.
+    for variable in ("DIFFUSERS_VERBOSITY", "TRANSFORMERS_VERBOSITY", "HF_HUB_VERBOSITY"):
+        os.environ.setdefault(variable, "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    for name in ("accelerate", "diffusers", "transformers", "huggingface_hub"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+
 def run_cli(group: click.Group, argv: list[str] | None = None) -> int:
     """Run the click group; map errors to one line and an exit code (2 input, 1 check failed)."""
     args = list(sys.argv[1:] if argv is None else argv)
     debug = _debug_requested(args)
+    configure_logging(debug=debug)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     with warnings.catch_warnings():
         warnings.simplefilter("default")

@@ -56,7 +56,7 @@ def convert(source: str, output: str, max_shard_size: int, dtype: str | None, al
     Streams in bounded memory with the same atomic writer as `split`: on failure or Ctrl-C
     nothing partial is left, and the source is never modified.
     """
-    from ..conversion import convert as convert_api
+    from ..sharding.convert import convert as convert_api
     from .split import print_plan
 
     with byte_progress("convert", enabled=not (quiet or as_json or dry_run)) as progress:

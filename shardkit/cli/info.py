@@ -29,7 +29,7 @@ Sizes are decimal (1 GB = 10^9 bytes).
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 def info(path: str, as_json: bool) -> None:
     """Show what a checkpoint holds: format, tensors, parameters, dtypes, shards, metadata."""
-    from ..inspect import info as info_api
+    from ..checking.info import info as info_api
 
     summary = info_api(path)
     if as_json:

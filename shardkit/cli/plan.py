@@ -50,7 +50,7 @@ def plan(checkpoint: str | None, model_spec: str, config_path: str | None, max_m
         config = os.path.join(checkpoint, "config.json")
     output: dict = {}
     if max_memory is not None:
-        from ..placement import parse_max_memory, plan_device_map
+        from ..loading.device_map import parse_max_memory, plan_device_map
 
         result = plan_device_map(model_spec, config=config, checkpoint=checkpoint, max_memory=parse_max_memory(max_memory),
                                  dtype=dtype, device_map=device_map)
@@ -70,10 +70,10 @@ def plan(checkpoint: str | None, model_spec: str, config_path: str | None, max_m
 def _estimate(model_spec: str, *, config: str | None, checkpoint: str | None, dtype: str | None,
               gpu_bytes: int | None) -> object:
     try:
-        from ..estimate import estimate_memory
+        from ..fit.estimate import estimate_memory
     except ImportError as e:
         raise InvalidInputError(f"--strategies needs shardkit.estimate, which is not available in this build ({e})") from e
-    from ..skeleton import build_skeleton
+    from ..loading.skeleton import build_skeleton
 
     skeleton = build_skeleton(model_spec, config=config)
     return estimate_memory(skeleton, gpu_bytes=gpu_bytes, dtype=dtype, checkpoint=checkpoint)

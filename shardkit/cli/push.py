@@ -65,7 +65,7 @@ def push_and_report(path: str, repo_id: str, *, report: str = "summary", **optio
 
     Shared with ``split --push-to``.
     """
-    from ..hub import push as push_api
+    from ..hub.push import push as push_api
 
     with byte_progress("push", enabled=report == "summary" and not options.get("dry_run")) as progress:
         result = push_api(path, repo_id, progress=progress, **options)

@@ -26,7 +26,7 @@ def recover(folders: tuple[str, ...]) -> None:
     behind names every step; this rolls it forward. Temporary files and staging folders of dead
     shardkit processes are removed. A folder another shardkit process is writing is left alone.
     """
-    from ..commit import recover as recover_folder
+    from ..atomic.commit import recover as recover_folder
 
     for folder in folders:
         if not recover_folder(folder):

@@ -44,7 +44,7 @@ def split(source: str, output: str, max_shard_size: int, dtype: str | None, allo
     diffusers, transformers, accelerate and huggingface_hub. Writes are atomic: on failure or
     Ctrl-C nothing partial is left, and the source is never modified.
     """
-    from ..reshard import split as split_api
+    from ..sharding.split import split as split_api
 
     with byte_progress("split", enabled=not (quiet or as_json or dry_run)) as progress:
         result = split_api(source, output, max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy,

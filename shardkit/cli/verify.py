@@ -39,7 +39,7 @@ def verify(path: str, against: str | None, as_json: bool, quiet: bool) -> None:
 
     Lists every finding by file and tensor; exits 1 if there is any.
     """
-    from ..verification import verify as verify_api
+    from ..checking.verify import verify as verify_api
 
     # no bar in logs and pipes: findings and the summary line are what matter there
     with byte_progress("verify", enabled=not (quiet or as_json) and sys.stderr.isatty()) as progress:

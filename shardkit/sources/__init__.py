@@ -135,7 +135,7 @@ def open_source(obj: Any, *, key: str | None = None, variant: str | None = None)
     path = os.fspath(obj)
     if not os.path.exists(path):
         raise SourceNotFoundError(f"{path}: no such file or folder")
-    from ..snapshot import read_consistently
+    from ..atomic.snapshot import read_consistently
 
     # A consistent snapshot even while another process rewrites the folder (see shardkit.commit).
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))

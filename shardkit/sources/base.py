@@ -5,8 +5,8 @@ from __future__ import annotations
 import abc
 import os
 
-from ..format import TensorEntry
-from ..index import Naming
+from ..formats.header import TensorEntry
+from ..formats.index import Naming
 
 
 class Source(abc.ABC):

@@ -28,11 +28,23 @@ import zipfile
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidInputError, ShardkitWarning, SourceNotFoundError, UnsafePickleError
-from ..format import TensorEntry
-from ..index import Naming
+from ..errors import (
+    InvalidInputError,
+    ShardkitWarning,
+    SourceNotFoundError,
+    UnsafePickleError,
+)
+from ..formats.header import TensorEntry
+from ..formats.index import Naming
 from .base import Source
-from .dcp_metadata import DATA_SUFFIX, MAX_METADATA_BYTES, METADATA_FILE, StoredTensor, load_chunk_record, load_metadata
+from .dcp_metadata import (
+    DATA_SUFFIX,
+    MAX_METADATA_BYTES,
+    METADATA_FILE,
+    StoredTensor,
+    load_chunk_record,
+    load_metadata,
+)
 
 __all__ = ["DATA_SUFFIX", "MAX_METADATA_BYTES", "METADATA_FILE", "DCPSource", "is_dcp_folder", "load_metadata",
            "locate_chunk", "open_dcp"]
@@ -292,7 +304,7 @@ def _auto_key(items: dict[str, Any], path_of: Any, where: str) -> tuple[str, ...
 
 
 def _build_tensor(folder: str, fqn: str, name: str, meta: Any, storage: dict) -> _Tensor:
-    from ..torch_dtypes import from_torch
+    from ..formats.dtypes import from_torch
 
     chunks = []
     for chunk in meta.chunks:

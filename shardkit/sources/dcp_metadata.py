@@ -118,7 +118,7 @@ class _BlobUnpickler(pickle.Unpickler):
         if module == "torch":
             import torch
 
-            from ..torch_dtypes import from_torch
+            from ..formats.dtypes import from_torch
 
             value = getattr(torch, name, None)
             if isinstance(value, torch.dtype):

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from ..errors import InvalidInputError
-from ..format import TensorEntry
+from ..formats.header import TensorEntry
 from .base import Source
 
 

@@ -12,8 +12,8 @@ import os
 from typing import Any, Mapping
 
 from ..errors import InvalidInputError
-from ..format import TensorEntry
-from ..index import Naming
+from ..formats.header import TensorEntry
+from ..formats.index import Naming
 from ..units import tensor_nbytes
 from .base import Source
 
@@ -23,7 +23,7 @@ class MemorySource(Source):
 
     def __init__(self, tensors: Mapping[str, Any], *, description: str = "in-memory state dict",
                  naming: Naming = Naming(), dedupe: bool = True) -> None:
-        from ..torch_dtypes import from_torch
+        from ..formats.dtypes import from_torch
 
         check_all_tensors(tensors, where=description)
         self.description = description

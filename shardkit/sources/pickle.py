@@ -16,9 +16,14 @@ import warnings
 import zipfile
 from typing import Any, Mapping
 
-from ..errors import InvalidInputError, ShardkitWarning, SourceNotFoundError, UnsafePickleError
-from ..format import TensorEntry
-from ..index import naming_from_filename
+from ..errors import (
+    InvalidInputError,
+    ShardkitWarning,
+    SourceNotFoundError,
+    UnsafePickleError,
+)
+from ..formats.header import TensorEntry
+from ..formats.index import naming_from_filename
 from .memory import MemorySource
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")

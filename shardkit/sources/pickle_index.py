@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 
 from ..errors import CheckpointIndexError
-from ..format import TensorEntry
-from ..index import CheckpointIndex, load_index, naming_from_filename
+from ..formats.header import TensorEntry
+from ..formats.index import CheckpointIndex, load_index, naming_from_filename
 from .base import Source
 from .memory import MemorySource
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 import os
 
 from ..errors import CheckpointIndexError, HeaderError, SourceNotFoundError
-from ..format import Header, TensorEntry, read_header
-from ..index import CheckpointIndex, Naming, find_checkpoint, load_index, naming_from_filename, shard_file
+from ..formats.header import Header, TensorEntry, read_header
+from ..formats.index import (
+    CheckpointIndex,
+    Naming,
+    find_checkpoint,
+    load_index,
+    naming_from_filename,
+    shard_file,
+)
 from .base import Source
 
 

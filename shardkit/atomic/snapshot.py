@@ -1,0 +1,128 @@
+"""Reading a checkpoint folder that another process may be rewriting: one version, never a mix.
+
+The read side of :mod:`shardkit.commit`. Readers take no lock: :func:`read_consistently` notes
+the folder's state (every visible file's name, inode, size and mtime, plus the journal), runs the
+opener — which keeps a descriptor on every file it will read, so later reads see those inodes even
+if a writer replaces them — and checks that the state did not change; otherwise it retries. A
+checkpoint opened this way is a snapshot of exactly one version, even while another process
+rewrites the folder in place (``tests/test_concurrency.py`` proves it with a reader racing a writer
+that swaps two checkpoints with identical names, shapes and headers but different values).
+
+A folder left *pending* by a crash past the commit point is settled first (:func:`settle`): the
+journal is rolled forward when the folder is writable, readers wait while a live writer is
+mid-commit, and a read-only folder gets a one-line error.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, TypeVar
+
+from ..errors import CheckpointIndexError, ShardkitError
+from .journal import JOURNAL, TMP_MARK, recover
+
+T = TypeVar("T")
+
+
+# Names a checkpoint reader depends on; other files (a browser's growing download, logs) may
+# change all the time without making a read inconsistent.
+WATCHED_SUFFIXES = (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt", ".distcp", ".metadata")
+
+
+def folder_state(folder: str, *, only: str | None = None) -> tuple[tuple[str, int, int, int], ...]:
+    """What a reader of ``folder`` would see: each checkpoint file's name, inode, mtime and size.
+
+    Temporary files are left out (they change nothing a reader sees); the journal is kept in.
+    ``only`` restricts the state to one file name (plus the journal).
+    """
+    entries = []
+    with os.scandir(folder) as it:
+        for entry in it:
+            name = entry.name
+            if name.startswith(TMP_MARK) or name.startswith(JOURNAL + ".") or (
+                    name != JOURNAL and (not name.endswith(WATCHED_SUFFIXES) if only is None else name != only)):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:  # removed while listing: a writer is active, never a stable state
+                entries.append((entry.name, -1, -1, -1))
+                continue
+            entries.append((entry.name, st.st_ino, st.st_mtime_ns, st.st_size))
+    return tuple(sorted(entries))
+
+
+def _pending_journal_folder(folder: str) -> str | None:
+    """The folder (this one or its parent, for pipeline components) with a pending journal."""
+    for candidate in (folder, os.path.dirname(os.path.abspath(folder))):
+        if os.path.exists(os.path.join(candidate, JOURNAL)):
+            return candidate
+    return None
+
+
+def _settle(folder: str) -> bool:
+    """Roll a crashed writer's journal forward; False while a live writer is committing."""
+    pending = _pending_journal_folder(folder)
+    if pending is None:
+        return True
+    try:
+        return recover(pending) and _pending_journal_folder(folder) is None
+    except OSError as e:
+        raise CheckpointIndexError(
+            f"{pending}: an interrupted shardkit write left a journal that could not be finished here "
+            f"({e.strerror or e}); run `shardkit recover {pending}` with write access"
+        ) from e
+
+
+def settle(folder: str | os.PathLike[str], *, timeout_s: float = 60.0) -> None:
+    """Finish a crashed writer's committed write in ``folder`` (or wait for a live one to finish).
+
+    Raises a one-line :class:`CheckpointIndexError` when the folder cannot be written.
+
+    >>> settle("ckpt/")  # doctest: +SKIP
+    """
+    folder = os.fspath(folder)
+    deadline = time.monotonic() + timeout_s
+    while os.path.isdir(folder) and not _settle(folder):
+        if time.monotonic() > deadline:
+            raise CheckpointIndexError(f"{folder} is being written by another shardkit process; try again")
+        time.sleep(0.05)
+
+
+def read_consistently(folder: str | os.PathLike[str], open_fn: Callable[[], T], *,
+                      only: str | None = None, timeout_s: float = 60.0) -> T:
+    """Run ``open_fn`` (which opens a checkpoint in ``folder``) until no writer changed it meanwhile.
+
+    ``open_fn`` must keep a descriptor on every file it will read later, so a consistent open is
+    a consistent snapshot. Results of discarded attempts are closed when they have ``close()``.
+    ``only`` names the one file that matters (a single-file checkpoint), see :func:`folder_state`.
+
+    >>> source = read_consistently("ckpt/", lambda: open_safetensors_folder("ckpt/"))  # doctest: +SKIP
+    """
+    folder = os.fspath(folder)
+    deadline = time.monotonic() + timeout_s
+    delay = 0.002
+    while True:
+        before = folder_state(folder, only=only) if _settle(folder) else None
+        if before is not None and not any(name == JOURNAL or ino == -1 for name, ino, *_ in before):
+            try:
+                result = open_fn()
+            except (ShardkitError, OSError):
+                if folder_state(folder, only=only) == before:
+                    raise
+            else:
+                if folder_state(folder, only=only) == before:
+                    return result
+                _close(result)
+        if time.monotonic() > deadline:
+            raise CheckpointIndexError(
+                f"{folder}: kept changing while being opened (another process is rewriting it); try again"
+            )
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def _close(obj: object) -> None:
+    close = getattr(obj, "close", None)
+    if callable(close):
+        close()

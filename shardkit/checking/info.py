@@ -1,0 +1,195 @@
+"""``info``: what a checkpoint holds, from its headers alone (fast on 100 GB: no tensor data is read).
+
+Works on a ``.safetensors`` file, a sharded folder or its index, a pickle (opened with
+``torch.load(weights_only=True, mmap=True)``, so tensor data is mapped, not read), and a
+diffusers pipeline folder (one section per weight-bearing component, plus totals).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import SourceNotFoundError
+from ..formats.header import TensorEntry
+from ..units import FLOAT_DTYPES
+
+LARGEST_COUNT = 10
+# Memory if float tensors were cast to these widths (bits); other tensors count as stored.
+MEMORY_TARGETS = {"fp32": 32, "bf16": 16, "fp8": 8}
+
+
+@dataclass
+class ShardInfo:
+    """One weight file: its name, tensor count, tensor bytes and size on disk."""
+
+    file: str
+    tensors: int
+    bytes: int
+    file_bytes: int
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: list[int]
+    bytes: int
+
+
+@dataclass
+class CheckpointInfo:
+    """Summary of a checkpoint. For a pipeline, ``components`` holds one per component and the
+    counts are totals; tensor names in ``largest`` are then ``component/name``."""
+
+    path: str
+    format: str                      # "safetensors", "safetensors-sharded", "pickle", "diffusers-pipeline"
+    naming: str | None = None        # file prefix: "model" or "diffusion_pytorch_model"
+    variant: str | None = None
+    index: str | None = None         # index file name, for sharded checkpoints
+    tensor_count: int = 0
+    parameter_count: int = 0
+    total_bytes: int = 0             # tensor bytes as stored
+    bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    tensors_by_dtype: dict[str, int] = field(default_factory=dict)
+    memory_bytes: dict[str, int] = field(default_factory=dict)
+    shards: list[ShardInfo] = field(default_factory=list)
+    metadata: dict[str, str] = field(default_factory=dict)
+    index_metadata: dict[str, Any] = field(default_factory=dict)
+    largest: list[TensorInfo] = field(default_factory=list)
+    components: dict[str, "CheckpointInfo"] = field(default_factory=dict)
+    library: str | None = None       # pipeline components: "diffusers", "transformers", ...
+    class_name: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def info(path: str | os.PathLike[str]) -> CheckpointInfo:
+    """Describe a checkpoint without reading its tensor data.
+
+    >>> summary = info("sdxl-unet/")                            # doctest: +SKIP
+    >>> summary.format, summary.tensor_count, summary.parameter_count   # doctest: +SKIP
+    ('safetensors-sharded', 1680, 2567463684)
+    """
+    from ..formats.layout import is_pipeline_folder
+
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise SourceNotFoundError(f"{path}: no such file or folder")
+    if is_pipeline_folder(path):
+        return _pipeline_info(path)
+    return _checkpoint_info(path)
+
+
+def _checkpoint_info(path: str) -> CheckpointInfo:
+    from ..formats.index import (
+        DIFFUSERS_PREFIX,
+        TRANSFORMERS_PREFIX,
+        load_index,
+        naming_from_filename,
+    )
+    from ..sources import open_source
+
+    target, index_name = _resolve(path)
+    with open_source(target) as source:
+        entries = source.entries()
+        metadata = source.metadata()
+        headers = getattr(source, "headers", None)
+    fmt = _format_name(target, headers, index_name)
+    filename = index_name or os.path.basename(target)
+    naming = naming_from_filename(filename)
+    known = filename.split(".")[0].split("-")[0] in (DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, "pytorch_model")
+    result = CheckpointInfo(path, fmt, naming.prefix if known else None, naming.variant if known else None,
+                            index_name, metadata=dict(metadata))
+    if index_name:
+        result.index_metadata = dict(load_index(target).metadata)
+    if headers is not None:
+        result.shards = [ShardInfo(os.path.basename(h.path), len(h.entries), sum(e.nbytes for e in h.entries),
+                                   h.file_bytes) for h in sorted(headers, key=lambda h: h.path)]
+    else:
+        result.shards = [ShardInfo(os.path.basename(target), len(entries), sum(e.nbytes for e in entries),
+                                   _disk_bytes(target))]
+    _summarize(result, [("", e) for e in entries])
+    return result
+
+
+def _format_name(target: str, headers: object, index_name: str | None) -> str:
+    if headers is not None:
+        return "safetensors-sharded" if index_name else "safetensors"
+    if os.path.isdir(target):
+        return "dcp" if os.path.exists(os.path.join(target, ".metadata")) else "pickle-sharded"
+    return "pickle-sharded" if target.endswith(".json") else "pickle"
+
+
+def _disk_bytes(target: str) -> int:
+    if not os.path.isdir(target):
+        return os.path.getsize(target)
+    return sum(e.stat().st_size for e in os.scandir(target) if e.is_file())
+
+
+def _resolve(path: str) -> tuple[str, str | None]:
+    """(path to open, index file name or None)."""
+    from ..formats.index import find_checkpoint
+    from ..formats.layout import weight_files
+    from ..sources import _is_dcp_folder, _is_pickle_index_folder
+
+    if os.path.isdir(path) and (_is_dcp_folder(path) or _is_pickle_index_folder(path)):
+        return path, None  # opened whole by its source; no safetensors index to show
+    if os.path.isdir(path):
+        names = weight_files(path)
+        if names and not any(n.endswith(".safetensors") for n in names) and len(names) == 1:
+            return os.path.join(path, names[0]), None  # a folder with one pickle (e.g. pytorch_model.bin)
+        layout = find_checkpoint(path)
+        return layout.path, os.path.basename(layout.path) if layout.kind == "index" else None
+    name = os.path.basename(path)
+    return path, name if name.endswith(".json") else None
+
+
+def _pipeline_info(path: str) -> CheckpointInfo:
+    from ..formats.layout import find_components
+
+    result = CheckpointInfo(path, "diffusers-pipeline")
+    tagged: list[tuple[str, TensorEntry]] = []
+    for component in find_components(path):
+        if not component.has_weights:
+            continue
+        sub = _checkpoint_info(component.path)
+        sub.path, sub.library, sub.class_name = component.name, component.library, component.class_name
+        result.components[component.name] = sub
+        result.shards += [ShardInfo(f"{component.name}/{s.file}", s.tensors, s.bytes, s.file_bytes) for s in sub.shards]
+        tagged += [(f"{component.name}/", _as_entry(t)) for t in sub.largest]
+        for key in ("tensor_count", "parameter_count", "total_bytes"):
+            setattr(result, key, getattr(result, key) + getattr(sub, key))
+        for key in ("bytes_by_dtype", "tensors_by_dtype", "memory_bytes"):
+            for k, v in getattr(sub, key).items():
+                getattr(result, key)[k] = getattr(result, key).get(k, 0) + v
+    result.largest = _largest(tagged)
+    return result
+
+
+def _summarize(result: CheckpointInfo, tagged: list[tuple[str, TensorEntry]]) -> None:
+    result.memory_bytes = {k: 0 for k in MEMORY_TARGETS}
+    for _, entry in tagged:
+        numel = math.prod(entry.shape)
+        result.tensor_count += 1
+        result.parameter_count += numel
+        result.total_bytes += entry.nbytes
+        result.bytes_by_dtype[entry.dtype] = result.bytes_by_dtype.get(entry.dtype, 0) + entry.nbytes
+        result.tensors_by_dtype[entry.dtype] = result.tensors_by_dtype.get(entry.dtype, 0) + 1
+        for target, bits in MEMORY_TARGETS.items():
+            result.memory_bytes[target] += (numel * bits + 7) // 8 if entry.dtype in FLOAT_DTYPES else entry.nbytes
+    result.bytes_by_dtype = dict(sorted(result.bytes_by_dtype.items(), key=lambda kv: -kv[1]))
+    result.largest = _largest(tagged)
+
+
+def _largest(tagged: list[tuple[str, TensorEntry]]) -> list[TensorInfo]:
+    top = heapq.nlargest(LARGEST_COUNT, tagged, key=lambda t: t[1].nbytes)
+    return [TensorInfo(prefix + e.name, e.dtype, list(e.shape), e.nbytes) for prefix, e in top]
+
+
+def _as_entry(t: TensorInfo) -> TensorEntry:
+    return TensorEntry(t.name, t.dtype, tuple(t.shape), t.bytes)

@@ -1,0 +1,255 @@
+"""Structural checks of one safetensors checkpoint, collecting every problem instead of raising.
+
+Used by :mod:`shardkit.verification`: a file, or a sharded folder with its index. Each header
+is parsed on its own, so one corrupt shard does not hide the problems of the others, and a
+truncated shard still yields its tensor list (the tensors past the end are named).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+
+from ..errors import (
+    CheckpointIndexError,
+    HeaderError,
+    InvalidInputError,
+    SourceNotFoundError,
+)
+from ..formats.header import MAX_HEADER_BYTES, Header, TensorEntry, parse_header
+from ..formats.index import MAX_INDEX_BYTES, check_shard_name
+
+_INDEX_NAME_RE = re.compile(r"^(?P<prefix>.+)\.safetensors\.index(?:\.(?P<variant>[^.]+))?\.json$")
+_SHARD_NAME_RE = re.compile(r"^(?P<stem>.+)-\d{5}-of-\d{5}\.safetensors$")
+
+
+@dataclass
+class Problem:
+    """One finding, before it is given its display path: ``file`` is relative to the root."""
+
+    file: str
+    tensor: str | None
+    message: str
+
+
+@dataclass
+class Layout:
+    """What to check: the files of one checkpoint, relative to ``root``."""
+
+    root: str
+    index: str | None            # index file name, if the checkpoint has (or should have) one
+    files: list[str]             # weight files to read, in order
+    folder_mode: bool            # a folder was given: look for orphans and stale files
+    problems: list[Problem] = field(default_factory=list)
+    all_present: bool = True     # every file the index names exists and has a readable header
+
+
+@dataclass
+class HeaderRead:
+    """A shard's parsed header (None when unreadable) and its size on disk."""
+
+    header: Header | None
+    file_bytes: int
+    complete: list[TensorEntry] = field(default_factory=list)  # tensors whose bytes are all present
+
+
+def resolve_layout(path: str) -> Layout:
+    """Find the checkpoint files behind a file, index or folder path; raise for unusable input."""
+    if not os.path.exists(path):
+        raise SourceNotFoundError(f"{path}: no such file or folder")
+    if os.path.isdir(path):
+        return _folder_layout(path)
+    root, name = os.path.split(os.path.abspath(path))
+    if _INDEX_NAME_RE.match(name):
+        return Layout(root, name, [], folder_mode=False)
+    if name.endswith(".safetensors"):
+        return Layout(root, None, [name], folder_mode=False)
+    raise InvalidInputError(
+        f"{path}: not a safetensors checkpoint (expected a .safetensors file, an index .json or a folder); "
+        "verify checks safetensors output; convert pickles first with 'shardkit convert'"
+    )
+
+
+def _folder_layout(folder: str) -> Layout:
+    names = sorted(n for n in os.listdir(folder) if not n.startswith("."))
+    indexes = [n for n in names if _INDEX_NAME_RE.match(n)]
+    plain = [n for n in indexes if _INDEX_NAME_RE.match(n)["variant"] is None] or indexes  # type: ignore[index]
+    if len(plain) > 1:
+        raise CheckpointIndexError(f"{folder}: several index files ({', '.join(plain)}); pass the one to verify")
+    if plain:
+        return Layout(folder, plain[0], [], folder_mode=True)
+    singles = [n for n in names if n.endswith(".safetensors") and not _SHARD_NAME_RE.match(n)]
+    shards = [n for n in names if _SHARD_NAME_RE.match(n)]
+    if len(singles) > 1:
+        raise CheckpointIndexError(f"{folder}: several .safetensors files and no index ({', '.join(singles)}); "
+                                   "pass the file to verify")
+    if singles:
+        return Layout(folder, None, singles, folder_mode=True)
+    if shards:
+        layout = Layout(folder, None, shards, folder_mode=False)
+        layout.problems.append(Problem(shards[0], None, f"the folder holds {len(shards)} shard file(s) but no index "
+                                       "file; loaders cannot find the tensors"))
+        return layout
+    raise SourceNotFoundError(f"{folder}: no .safetensors checkpoint or index in this folder")
+
+
+def read_index(layout: Layout) -> tuple[dict[str, str], dict] | None:
+    """Parse the index, recording unsafe shard names and malformed JSON as problems."""
+    assert layout.index is not None
+    name = layout.index
+    path = os.path.join(layout.root, name)
+    try:
+        if os.path.getsize(path) > MAX_INDEX_BYTES:
+            raise CheckpointIndexError("too large to be an index file")
+        with open(path, "rb") as f:
+            doc = json.loads(f.read().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, CheckpointIndexError) as e:
+        layout.problems.append(Problem(name, None, f"unreadable index: {e}"))
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
+        layout.problems.append(Problem(name, None, "index must be a JSON object with a 'weight_map' object"))
+        return None
+    metadata = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    weight_map: dict[str, str] = {}
+    for tensor, shard in doc["weight_map"].items():
+        try:
+            weight_map[tensor] = check_shard_name(shard, where=name)
+        except CheckpointIndexError as e:
+            layout.problems.append(Problem(name, tensor, str(e).removeprefix(f"{name}: ")))
+    if not doc["weight_map"]:
+        layout.problems.append(Problem(name, None, "weight_map is empty"))
+    return weight_map, metadata
+
+
+def read_shard_header(path: str, name: str, problems: list[Problem]) -> HeaderRead:
+    """Parse one file's header; truncation and trailing bytes become problems, not errors."""
+    try:
+        with open(path, "rb") as f:
+            file_bytes = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise HeaderError(f"file is {file_bytes} bytes, too short to be safetensors (truncated?)")
+            (header_bytes,) = struct.unpack("<Q", prefix)
+            if header_bytes > MAX_HEADER_BYTES or 8 + header_bytes > file_bytes or header_bytes < 2:
+                raise HeaderError(f"header length {header_bytes} is impossible for a {file_bytes}-byte file "
+                                  "(truncated or not a safetensors file)")
+            raw = f.read(header_bytes)
+        header = parse_header(raw, path=path)
+    except HeaderError as e:
+        problems.append(Problem(name, None, str(e).removeprefix(f"{path}: ")))
+        return HeaderRead(None, _size(path))
+    except OSError as e:
+        problems.append(Problem(name, None, f"cannot read: {e.strerror or e}"))
+        return HeaderRead(None, _size(path))
+    end = header.file_bytes  # where the tensors end, from the header alone
+    if file_bytes < end:
+        problems.append(Problem(name, None, f"truncated: the file has {file_bytes} bytes but its tensors end "
+                                f"at byte {end} ({end - file_bytes} bytes missing)"))
+        for entry in header.entries:
+            if entry.offset + entry.nbytes > file_bytes:
+                problems.append(Problem(name, entry.name, "data lies past the end of the file (truncated)"))
+    elif file_bytes > end:
+        problems.append(Problem(name, None, f"{file_bytes - end} bytes of trailing data after the last tensor"))
+    complete = [e for e in header.entries if e.offset + e.nbytes <= file_bytes]
+    return HeaderRead(header, file_bytes, complete)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def check_index(layout: Layout, weight_map: dict[str, str], metadata: dict,
+                headers: dict[str, HeaderRead]) -> None:
+    """Index ↔ files ↔ headers: placement, duplicates, orphans, total_size."""
+    index, problems = layout.index, layout.problems
+    stored: dict[str, list[str]] = {}
+    for shard in sorted(headers):
+        for entry in headers[shard].header.entries if headers[shard].header else []:  # type: ignore[union-attr]
+            stored.setdefault(entry.name, []).append(shard)
+    for name, shards in stored.items():
+        if name not in weight_map:
+            problems += [Problem(s, name, "orphan tensor: in this shard but not in the index") for s in shards]
+            continue
+        home = weight_map[name] if weight_map[name] in shards else shards[0]
+        problems += [Problem(s, name, f"duplicate: also stored in {home}") for s in shards if s != home]
+        if home != weight_map[name]:
+            problems.append(Problem(index, name, f"the index places it in {weight_map[name]} "
+                                    f"but it is stored in {home}"))
+    for tensor, shard in weight_map.items():
+        read = headers.get(shard)
+        if read is not None and read.header is not None and tensor not in stored:
+            problems.append(Problem(index, tensor, f"the index places it in {shard}, which does not hold it"))
+    _check_total_size(layout, weight_map, metadata, headers)
+
+
+def _check_total_size(layout: Layout, weight_map: dict[str, str], metadata: dict,
+                      headers: dict[str, HeaderRead]) -> None:
+    """total_size is the sum of the bytes of the tensors the index names, each counted once."""
+    if "total_size" not in metadata or not layout.all_present:
+        return
+    sizes: dict[str, int] = {}
+    for read in headers.values():
+        for entry in read.header.entries if read.header else []:
+            sizes.setdefault(entry.name, entry.nbytes)
+    if any(t not in sizes for t in weight_map):
+        return  # already reported as misplaced; the sum would be meaningless
+    actual = sum(sizes[t] for t in weight_map)
+    declared = metadata["total_size"]
+    if not isinstance(declared, (int, float)) or isinstance(declared, bool) or declared != actual:
+        layout.problems.append(Problem(layout.index, None, f"metadata.total_size is {declared!r} but the "
+                                       f"tensors it indexes hold {actual} bytes"))
+
+
+def check_missing_shards(layout: Layout, weight_map: dict[str, str]) -> list[str]:
+    """Report shards the index names that are not on disk; return the ones that are."""
+    present = []
+    for shard in sorted(set(weight_map.values())):
+        if os.path.isfile(os.path.join(layout.root, shard)):
+            present.append(shard)
+            continue
+        layout.all_present = False
+        lost = [t for t, s in weight_map.items() if s == shard]
+        shown = ", ".join(repr(t) for t in lost[:3]) + (", ..." if len(lost) > 3 else "")
+        layout.problems.append(Problem(shard, None, f"missing: the index places {len(lost)} tensor(s) in this "
+                                       f"file ({shown}) but it does not exist"))
+    return present
+
+
+def check_stray_files(layout: Layout, referenced: set[str]) -> None:
+    """Shard files of the same naming that the index does not name, and a stale single file."""
+    if not layout.folder_mode:
+        return
+    stem, single = _naming_of(layout)
+    for name in sorted(os.listdir(layout.root)):
+        match = _SHARD_NAME_RE.match(name)
+        if match and match["stem"] == stem and name not in referenced:
+            owner = "the index" if layout.index else single
+            layout.problems.append(Problem(name, None, f"orphan shard file: not referenced by {owner} "
+                                           "(left over from an earlier split?); delete it"))
+    if layout.index and os.path.isfile(os.path.join(layout.root, single)):
+        layout.problems.append(Problem(single, None, f"a single-file checkpoint sits next to {layout.index}: "
+                                       "transformers loads the single file, diffusers the shards; delete the stale one"))
+
+
+def naming_shards(layout: Layout) -> list[str]:
+    """Shard files in the folder that follow the checkpoint's naming (for an unreadable index)."""
+    stem, _ = _naming_of(layout)
+    return [n for n in sorted(os.listdir(layout.root))
+            if (m := _SHARD_NAME_RE.match(n)) and m["stem"] == stem and os.path.isfile(os.path.join(layout.root, n))]
+
+
+def _naming_of(layout: Layout) -> tuple[str, str]:
+    """(shard stem, single-file name) of the checkpoint's naming, e.g. ('model.fp16', 'model.fp16.safetensors')."""
+    if layout.index:
+        match = _INDEX_NAME_RE.match(layout.index)
+        assert match is not None
+        stem = match["prefix"] + (f".{match['variant']}" if match["variant"] else "")
+    else:
+        stem = layout.files[0].removesuffix(".safetensors")
+    return stem, f"{stem}.safetensors"

@@ -1,0 +1,303 @@
+"""``verify``: check a checkpoint's structure, read every byte, and optionally compare with a source.
+
+Findings are collected, never raised: a report lists every problem by file and tensor. Only
+unusable input (a missing path, something that is not a checkpoint) raises ``ShardkitError``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from ..errors import InvalidInputError
+from ..formats.header import TensorEntry
+from ..units import FLOAT_DTYPES
+from .bytescan import ScanResult, TensorComparator, scan_file
+from .structure import (
+    HeaderRead,
+    Layout,
+    Problem,
+    check_index,
+    check_missing_shards,
+    check_stray_files,
+    naming_shards,
+    read_index,
+    read_shard_header,
+    resolve_layout,
+)
+
+ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
+_HUB_BLOB_RE = re.compile(r"^[0-9a-f]{64}$")
+MAX_SCAN_THREADS = 8
+
+
+@dataclass
+class Finding:
+    """One problem: the file it is in (relative to the checked path), the tensor if any, what is wrong."""
+
+    file: str
+    tensor: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"{self.file}: tensor {self.tensor!r}" if self.tensor is not None else self.file
+        return f"{where}: {self.message}"
+
+
+@dataclass
+class FileReport:
+    """A weight file that was read in full: its name, size in bytes and sha256."""
+
+    name: str
+    bytes: int
+    sha256: str
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of :func:`verify`. ``ok`` is true when there are no findings."""
+
+    path: str
+    findings: list[Finding] = field(default_factory=list)
+    files: list[FileReport] = field(default_factory=list)
+    tensors_checked: int = 0
+    bytes_read: int = 0
+    against: str | None = None
+    tensors_compared: int = 0
+    components: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        return {"path": self.path, "ok": self.ok, **{k: v for k, v in data.items() if k != "path"}}
+
+
+@dataclass
+class _ScanJob:
+    path: str
+    name: str                     # display name relative to the verified path
+    entries: list[TensorEntry]
+    comparator: TensorComparator | None
+
+
+def verify(path: str | os.PathLike[str], *, against: Any = None,
+           progress: ProgressCallback | None = None) -> VerifyReport:
+    """Check a checkpoint: structure, every byte (sha256 per file), and optionally every tensor.
+
+    ``path`` is a ``.safetensors`` file, a sharded folder or its index, or a diffusers pipeline
+    folder (each weight-bearing component is checked; file names are then ``component/file``).
+    ``against`` is any source :func:`shardkit.open_source` accepts (for a pipeline, another
+    pipeline folder); every tensor is compared bit for bit, after casting the source the way
+    ``split --dtype`` does where the dtypes differ.
+
+    >>> report = verify("out/", against="model.safetensors")   # doctest: +SKIP
+    >>> report.ok, [str(f) for f in report.findings]             # doctest: +SKIP
+    (True, [])
+    """
+    from ..atomic.snapshot import settle
+    from ..formats.layout import is_pipeline_folder
+
+    path = os.fspath(path)
+    settle(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))  # a crashed in-place write
+    against_path = os.fspath(against) if isinstance(against, (str, os.PathLike)) else None
+    report = VerifyReport(path, against=against_path if against is not None else None)
+    if against is not None and report.against is None:
+        report.against = "<in-memory source>"
+    opened: list[Any] = []
+    try:
+        if is_pipeline_folder(path):
+            jobs = _prepare_pipeline(path, against, report, opened)
+        else:
+            jobs = _prepare_checkpoint(path, against, report, opened, prefix="")
+        _run_scans(jobs, report, progress)
+    finally:
+        for source in opened:
+            source.close()
+    return report
+
+
+def _prepare_pipeline(path: str, against: Any, report: VerifyReport, opened: list[Any]) -> list[_ScanJob]:
+    from ..formats.layout import find_components, is_pipeline_folder
+
+    if against is not None and not (isinstance(against, (str, os.PathLike)) and is_pipeline_folder(against)):
+        raise InvalidInputError(f"{path} is a pipeline folder: --against must be a pipeline folder too "
+                                f"(got {against!r}); or verify one component folder against a checkpoint")
+    theirs = {c.name: c for c in find_components(against)} if against is not None else {}
+    jobs: list[_ScanJob] = []
+    for component in find_components(path):
+        other = theirs.get(component.name)
+        if not component.has_weights:
+            if os.path.isfile(os.path.join(component.path, "config.json")):
+                report.findings.append(Finding(f"{component.name}/", None, "component has config.json but no weight files"))
+            elif other is not None and other.has_weights:
+                report.findings.append(Finding(f"{component.name}/", None, f"no weights, but {against} has them"))
+            continue
+        report.components.append(component.name)
+        pickled = _pickled_only(component.path)
+        if pickled:  # not safetensors: nothing to check structurally, but hash what is there
+            jobs += [_ScanJob(os.path.join(component.path, n), f"{component.name}/{n}", [], None) for n in pickled]
+            continue
+        if against is not None and (other is None or not other.has_weights):
+            report.findings.append(Finding(f"{component.name}/", None, f"component has weights but {against} has none"))
+            other = None
+        jobs += _prepare_checkpoint(component.path, other.path if other else None, report, opened,
+                                    prefix=f"{component.name}/")
+    for name, other in theirs.items():
+        if other.has_weights and name not in report.components and not os.path.isdir(os.path.join(path, name)):
+            report.findings.append(Finding(f"{name}/", None, f"component missing: {against} has it with weights"))
+    return jobs
+
+
+def _prepare_checkpoint(path: str, against: Any, report: VerifyReport, opened: list[Any], *,
+                        prefix: str) -> list[_ScanJob]:
+    """Structural checks of one checkpoint; returns the files still to be read."""
+    layout = resolve_layout(path)
+    headers = _check_structure(layout)
+    comparator = None
+    if against is not None:
+        from ..sources import open_source
+
+        source = open_source(against)
+        opened.append(source)
+        label = os.fspath(against) if isinstance(against, (str, os.PathLike)) else "the source"
+        comparator = _compare_entries(layout, headers, source, label)
+    for problem in layout.problems:
+        report.findings.append(Finding(prefix + problem.file, problem.tensor, problem.message))
+    report.tensors_checked += sum(len(r.header.entries) for r in headers.values() if r.header)
+    jobs = [_ScanJob(os.path.join(layout.root, name), prefix + name,
+                     read.complete if read.header else [], comparator) for name, read in headers.items()]
+    if layout.index:
+        jobs.append(_ScanJob(os.path.join(layout.root, layout.index), prefix + layout.index, [], None))
+    return jobs
+
+
+def _check_structure(layout: Layout) -> dict[str, HeaderRead]:
+    """Headers of every file on disk, with index/orphan/total_size problems added to the layout."""
+    weight_map: dict[str, str] = {}
+    metadata: dict = {}
+    files = list(layout.files)
+    if layout.index:
+        parsed = read_index(layout)
+        if parsed is not None:
+            weight_map, metadata = parsed
+            files = check_missing_shards(layout, weight_map)
+        else:  # still read the shards the index should have named
+            files = naming_shards(layout)
+    headers = {name: read_shard_header(os.path.join(layout.root, name), name, layout.problems) for name in files}
+    if any(read.header is None for read in headers.values()) or (layout.index and not weight_map):
+        layout.all_present = False
+    if layout.index and weight_map:
+        check_index(layout, weight_map, metadata, headers)
+    check_stray_files(layout, set(files))
+    return headers
+
+
+def _compare_entries(layout: Layout, headers: dict[str, HeaderRead], source: Any, label: str) -> TensorComparator:
+    """Missing/extra tensors and shape/dtype mismatches; the comparator gets the comparable rest."""
+    expected = {e.name: e for e in source.entries()}
+    groups = {name: [name] for name in expected}
+    for alias, kept in source.aliases().items():  # tied tensors: any one of the names may have been kept
+        if kept in expected:
+            expected.setdefault(alias, expected[kept])
+            groups[kept].append(alias)
+    actual: dict[str, tuple[str, TensorEntry]] = {}
+    for shard, read in headers.items():
+        for entry in read.header.entries if read.header else []:
+            actual.setdefault(entry.name, (shard, entry))
+    where = layout.index or (layout.files[0] if layout.files else "")
+    if layout.all_present:  # otherwise the tensors of an unreadable shard are already reported
+        for kept, names in groups.items():
+            if not any(n in actual for n in names):
+                layout.problems.append(Problem(where, kept, f"missing: in {label} but not in this checkpoint"))
+    comparable: dict[str, TensorEntry] = {}
+    for name, (shard, entry) in actual.items():
+        src = expected.get(name)
+        if src is None:
+            layout.problems.append(Problem(shard, name, f"extra tensor: not in {label}"))
+        elif tuple(src.shape) != tuple(entry.shape):
+            layout.problems.append(Problem(shard, name, f"shape {list(entry.shape)} but {label} has {list(src.shape)}"))
+        elif src.dtype != entry.dtype and not _castable(src.dtype, entry.dtype):
+            layout.problems.append(Problem(shard, name, f"dtype {entry.dtype} but {label} has {src.dtype} "
+                                           "(not a floating-point cast)"))
+        else:
+            comparable[name] = src
+    return TensorComparator(source, comparable)
+
+
+def _pickled_only(folder: str) -> list[str]:
+    from ..formats.layout import weight_files
+
+    names = weight_files(folder)
+    return [] if any(n.endswith(".safetensors") for n in names) else names
+
+
+def _castable(src: str, out: str) -> bool:
+    if src not in FLOAT_DTYPES or out not in FLOAT_DTYPES:
+        return False
+    try:
+        from ..formats.dtypes import to_torch
+
+        to_torch(src), to_torch(out)
+    except Exception:
+        return False
+    return True
+
+
+def _run_scans(jobs: list[_ScanJob], report: VerifyReport, progress: ProgressCallback | None) -> None:
+    """Read every file (several at once: sha256 is CPU-bound) and record digests and mismatches."""
+    total = sum(_size(j.path) for j in jobs)
+    done = 0
+    lock = threading.Lock()
+
+    def tick(n: int) -> None:
+        nonlocal done
+        with lock:
+            done += n
+            if progress is not None:
+                progress(done, total)
+
+    def run(job: _ScanJob) -> ScanResult:
+        return scan_file(job.path, job.entries, comparator=job.comparator, tick=tick)
+
+    workers = max(1, min(len(jobs), os.cpu_count() or 1, MAX_SCAN_THREADS))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        results = list(pool.map(run, jobs))
+    for job, result in zip(jobs, results):
+        _record(job, result, report)
+
+
+def _record(job: _ScanJob, result: ScanResult, report: VerifyReport) -> None:
+    report.bytes_read += result.bytes_read
+    if result.error:
+        report.findings.append(Finding(job.name, None, result.error))
+        return
+    report.files.append(FileReport(job.name, result.bytes_read, result.sha256))
+    for tensor, message in result.mismatches:
+        report.findings.append(Finding(job.name, tensor, message))
+    report.tensors_compared += result.tensors_compared
+    blob = _hub_blob_sha256(job.path)
+    if blob and blob != result.sha256:
+        report.findings.append(Finding(job.name, None, f"sha256 {result.sha256} does not match the Hugging Face "
+                                       f"cache blob it links to ({blob}): the file is corrupt; re-download it"))
+
+
+def _hub_blob_sha256(path: str) -> str | None:
+    """In the Hugging Face cache, a snapshot file links to a blob named by its sha256 (LFS files)."""
+    if not os.path.islink(path):
+        return None
+    name = os.path.basename(os.path.realpath(path))
+    return name if _HUB_BLOB_RE.match(name) else None
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0

@@ -1,0 +1,119 @@
+"""The one device and ``max_memory`` parser: every command and API call goes through it.
+
+Device keys: ``0``, ``"0"``, ``"cuda:1"``, ``"gpu:0"`` → GPU index; ``"cpu"``, ``"disk"``,
+``"mps"`` as they are. Sizes: ``"16GB"`` (decimal), ``"2GiB"`` (binary) or an int of bytes.
+
+>>> parse_max_memory("gpu:0=16GB,cpu=2GiB")
+{0: 16000000000, 'cpu': 2147483648}
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Mapping
+
+from .errors import InvalidInputError
+from .units import parse_size
+
+Device = Any  # int (accelerator index), "cpu", "disk", "mps"
+NAMED_DEVICES = ("cpu", "disk", "mps")
+
+
+def parse_device(key: Any) -> Device:
+    """Normalize one device key.
+
+    Args:
+        key: ``0``, ``"0"``, ``"cuda:0"``, ``"gpu:0"``, a ``torch.device``, ``"cpu"``, ``"disk"`` or ``"mps"``.
+
+    Returns:
+        The GPU index as an int, or the device name as a lower-case string.
+
+    >>> parse_device("cuda:1"), parse_device("gpu:0"), parse_device("CPU")
+    (1, 0, 'cpu')
+    """
+    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+        return key
+    if type(key).__name__ == "device" and hasattr(key, "type"):  # torch.device, without importing torch
+        return key.index if key.type == "cuda" and key.index is not None else (0 if key.type == "cuda" else key.type)
+    text = str(key).strip().lower()
+    if text.isdigit():
+        return int(text)
+    match = re.fullmatch(r"(?:cuda|gpu):(\d+)", text)
+    if match:
+        return int(match.group(1))
+    if text in NAMED_DEVICES:
+        return text
+    raise InvalidInputError(
+        f"unknown device {key!r}: use a GPU index (0, 'cuda:1', 'gpu:0'), 'cpu', 'disk' or 'mps'"
+    )
+
+
+def parse_max_memory(value: str | Mapping[Any, Any] | None) -> dict[Device, int] | None:
+    """Parse a memory budget per device into bytes.
+
+    Args:
+        value: ``"0=16GB,1=16GB,cpu=64GB"`` or ``{0: "16GB", "cuda:1": 16e9, "cpu": "64GB"}``; ``None`` passes through.
+
+    Returns:
+        ``{device: bytes}`` with keys normalized by :func:`parse_device`, or ``None``.
+
+    >>> parse_max_memory("0=16GB,cpu=2GiB")
+    {0: 16000000000, 'cpu': 2147483648}
+    """
+    if value is None:
+        return None
+    out: dict[Device, int] = {}
+    for device, size in _pairs(value):
+        key = parse_device(device)
+        if key in out:
+            raise InvalidInputError(f"max memory names device {key!r} twice")
+        out[key] = parse_size(size.strip() if isinstance(size, str) else size, name=f"max memory for {key!r}")
+    return out
+
+
+def _pairs(value: str | Mapping[Any, Any]) -> list[tuple[Any, Any]]:
+    if isinstance(value, Mapping):
+        return list(value.items())
+    if not isinstance(value, str):
+        raise InvalidInputError(f"max_memory must be a dict or a 'DEVICE=SIZE,...' string, got {type(value).__name__}")
+    pairs = []
+    for part in filter(None, (p.strip() for p in value.split(","))):
+        device, sep, size = part.partition("=")
+        if not sep or not size.strip():
+            raise InvalidInputError(
+                f"unparseable max memory {value!r}: write DEVICE=SIZE pairs separated by commas, "
+                "e.g. '0=16GB,1=16GB,cpu=64GB'"
+            )
+        pairs.append((device, size))
+    if not pairs:
+        raise InvalidInputError(f"unparseable max memory {value!r}: give at least one DEVICE=SIZE pair, e.g. '0=16GB'")
+    return pairs
+
+
+def gpu_and_cpu_bytes(max_memory: dict[Device, int]) -> tuple[tuple[int, ...], int | None]:
+    """Split a parsed budget into GPU budgets (ordered by index) and the CPU budget.
+
+    Args:
+        max_memory: the result of :func:`parse_max_memory`.
+
+    Returns:
+        ``(gpu_bytes_by_index, cpu_bytes_or_None)``; ``disk`` and ``mps`` are refused.
+
+    >>> gpu_and_cpu_bytes({1: 8, 0: 16, "cpu": 32})
+    ((16, 8), 32)
+    """
+    others = [d for d in max_memory if not isinstance(d, int) and d != "cpu"]
+    if others:
+        raise InvalidInputError(f"max_memory: device(s) {others} cannot hold a fitted model; use GPU indices and 'cpu'")
+    gpus = tuple(max_memory[d] for d in sorted(d for d in max_memory if isinstance(d, int)))
+    return gpus, max_memory.get("cpu")
+
+
+def device_label(device: Device) -> str:
+    """``0`` → ``"GPU 0"``, ``"cpu"`` → ``"CPU"``, others unchanged."""
+    return f"GPU {device}" if isinstance(device, int) else "CPU" if device == "cpu" else str(device)
+
+
+def parse_devices(keys: Iterable[Any]) -> list[Device]:
+    """:func:`parse_device` over several keys."""
+    return [parse_device(k) for k in keys]

@@ -1,0 +1,162 @@
+"""The local half of a push: which files go, whether the Hub accepts them, and how they compare.
+
+Pure except for reading the local files: no network. :mod:`shardkit.hub` feeds it the remote
+tree and turns the result into uploads and commits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from typing import Iterator
+
+from ..errors import InvalidInputError, ShardkitWarning, SourceNotFoundError
+from ..formats.index import add_variant
+from ..units import format_size
+
+MAX_FILE_BYTES = 50 * 10**9  # the Hub refuses larger files
+WARN_FILE_BYTES = 20 * 10**9  # the Hub's recommended maximum
+MAX_FILES_PER_COMMIT = 100  # the Hub's advice; larger pushes take several commits
+
+_LAST_COMMIT_RE = re.compile(r"(^|/)(model_index\.json|[^/]+\.index(\.[^./]+)?\.json)$")
+_INDEX_RE = re.compile(r"^(?P<prefix>[^.]+)\.safetensors\.index(?:\.(?P<variant>[^.]+))?\.json$")
+_WEIGHTS_RE = re.compile(r"^(?P<stem>.+?)(?P<shard>-\d{5}-of-\d{5})?\.safetensors$")
+
+
+@dataclass(frozen=True)
+class LocalFile:
+    path_in_repo: str
+    local_path: str
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    size_bytes: int
+    blob_id: str  # git blob id (of the LFS pointer, for LFS files)
+    lfs_sha256: str | None
+
+
+def collect_files(path: str | os.PathLike[str], *, path_in_repo: str | None = None,
+                  include: list[str] | str | None = None, exclude: list[str] | str | None = None) -> list[LocalFile]:
+    """The files to push, with their paths in the repo; hidden files and shardkit temporaries are skipped."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    root = os.fspath(path)
+    if os.path.isfile(root):
+        relative = [os.path.basename(root)]
+        root = os.path.dirname(os.path.abspath(root))
+    elif os.path.isdir(root):
+        relative = sorted(_walk(root))
+    else:
+        raise SourceNotFoundError(f"{root}: no such file or folder to push")
+    chosen = list(filter_repo_objects(relative, allow_patterns=include, ignore_patterns=exclude))
+    if not chosen:
+        raise InvalidInputError(f"{path}: no files to push (check --include/--exclude)")
+    prefix = clean_prefix(path_in_repo)
+    return [LocalFile(f"{prefix}{name}", os.path.join(root, name), os.path.getsize(os.path.join(root, name)))
+            for name in chosen]
+
+
+def _walk(root: str) -> Iterator[str]:
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in names:
+            if not name.startswith(".") and ".shardkit-" not in name:
+                yield os.path.relpath(os.path.join(folder, name), root).replace(os.sep, "/")
+
+
+def clean_prefix(path_in_repo: str | None) -> str:
+    prefix = (path_in_repo or "").strip("/")
+    if any(part in ("..", ".", ".git", ".cache") for part in prefix.split("/")):
+        raise InvalidInputError(f"--path-in-repo {path_in_repo!r} must be a plain folder inside the repository")
+    return f"{prefix}/" if prefix else ""
+
+
+def check_sizes(files: list[LocalFile]) -> None:
+    """Refuse files over the Hub's 50 GB limit before anything is sent; warn above 20 GB."""
+    for f in files:
+        if f.size_bytes > MAX_FILE_BYTES:
+            raise InvalidInputError(
+                f"{f.local_path}: {format_size(f.size_bytes)} is over the Hub's 50 GB per-file limit; "
+                f"re-split it with `shardkit split ... --max-shard-size 5GB`")
+        if f.size_bytes > WARN_FILE_BYTES:
+            warnings.warn(f"{f.path_in_repo} is {format_size(f.size_bytes)}, above the Hub's recommended 20 GB "
+                          f"per file; consider --max-shard-size 5GB", ShardkitWarning, stacklevel=3)
+
+
+def sha256_file(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def git_blob_id(path: str) -> str:
+    with open(path, "rb") as f:
+        data = f.read()
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+# ----------------------------------------------------------------------------- comparing
+
+def split_changed(files: list[LocalFile], remote: dict[str, RemoteFile],
+                  digests: dict[str, str]) -> tuple[list[LocalFile], list[LocalFile]]:
+    """``(changed or new, identical)``; sha256 digests computed on the way land in ``digests``."""
+    changed, same = [], []
+    for f in files:
+        r = remote.get(f.path_in_repo)
+        if r is None or r.size_bytes != f.size_bytes:
+            changed.append(f)
+            continue
+        if r.lfs_sha256 is not None:
+            digests[f.path_in_repo] = sha256_file(f.local_path)
+            identical = digests[f.path_in_repo] == r.lfs_sha256
+        else:
+            identical = git_blob_id(f.local_path) == r.blob_id
+        (same if identical else changed).append(f)
+    return changed, same
+
+
+def checkpoint_family(path_in_repo: str) -> tuple[str, str, bool] | None:
+    """``(folder, stem, complete)`` of a safetensors checkpoint file; ``complete`` for index or single file.
+
+    >>> checkpoint_family("unet/diffusion_pytorch_model.safetensors.index.fp16.json")
+    ('unet', 'diffusion_pytorch_model.fp16', True)
+    """
+    folder, _, name = path_in_repo.rpartition("/")
+    if match := _INDEX_RE.match(name):
+        return folder, add_variant(f"{match['prefix']}.safetensors", match["variant"])[: -len(".safetensors")], True
+    if match := _WEIGHTS_RE.match(name):
+        return folder, match["stem"], match["shard"] is None
+    return None
+
+
+def stale_files(files: list[LocalFile], remote: dict[str, RemoteFile]) -> list[str]:
+    """Remote files of a checkpoint family the push replaces completely, that the folder no longer has."""
+    local = {f.path_in_repo for f in files}
+    families = set()
+    for path in local:
+        family = checkpoint_family(path)
+        if family and family[2]:
+            families.add(family[:2])
+    return sorted(p for p in remote if p not in local and (family := checkpoint_family(p)) and family[:2] in families)
+
+
+def plan_commits(upload: list[LocalFile], deletions: list[str],
+                 remote: dict[str, RemoteFile]) -> list[tuple[list[LocalFile], list[str]]]:
+    """Group operations into ``(uploads, deletions)`` commits; no commit shows an index before its shards.
+
+    One commit when the push is small. Otherwise the early commits hold only new paths that are
+    not index files (nothing visible can name them yet) and the last commit holds the rest.
+    """
+    limit = MAX_FILES_PER_COMMIT
+    if len(upload) + len(deletions) <= limit:
+        return [(upload, deletions)]
+    early = [f for f in upload if f.path_in_repo not in remote and not _LAST_COMMIT_RE.search(f.path_in_repo)]
+    last = [f for f in upload if f not in early]
+    groups: list[tuple[list[LocalFile], list[str]]] = [(early[i:i + limit], []) for i in range(0, len(early), limit)]
+    return groups + [(last, deletions)] if last or deletions else groups
+
+

@@ -1,0 +1,309 @@
+"""``push``: publish a verified checkpoint folder to the Hugging Face Hub, never half-visible.
+
+The steps: list the local files (``include``/``exclude``), refuse files over the Hub's 50 GB
+limit, verify the checkpoint, create the repository (and branch) if missing, compare with the
+remote tree (sha256 of LFS files, git blob id of small ones) so identical files are not sent,
+then upload and commit with huggingface_hub.
+
+Why it never exposes a broken state: a push is one commit whenever it has at most
+``push_plan.MAX_FILES_PER_COMMIT`` (100) operations, and a commit is atomic on the Hub. A larger push first
+commits only files that are new paths (no visible index can name them), a batch at a time;
+the last commit carries every index file, every changed file and the deletions of stale
+shards. An interrupted push, run again, skips what was committed (identical remote files) and
+what was uploaded but not committed (the LFS batch API and Xet deduplication answer that the
+server already has it).
+
+Stale files: when the pushed folder holds a complete checkpoint (its index or single file),
+remote files of the same checkpoint family (same folder, prefix and variant) that the folder no
+longer has are deleted in the last commit, so a new index never sits beside an old single file
+that transformers would load instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator
+
+from ..errors import HubError, InvalidInputError, VerificationError
+from .commits import (
+    LocalFile,
+    RemoteFile,
+    check_sizes,
+    clean_prefix,
+    collect_files,
+    plan_commits,
+    split_changed,
+    stale_files,
+)
+
+ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+@dataclass
+class PushResult:
+    """What a push did (or, with ``dry_run``, would do)."""
+
+    repo_id: str
+    repo_type: str
+    revision: str
+    repo_url: str
+    commit_url: str | None = None
+    pr_url: str | None = None
+    commits: list[str] = field(default_factory=list)
+    uploaded: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    deleted: list[str] = field(default_factory=list)
+    uploaded_bytes: int = 0
+    dry_run: bool = False
+    created_repo: bool = False
+    created_branch: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, revision: str | None = None,
+         create_pr: bool = False, message: str | None = None, path_in_repo: str | None = None,
+         repo_type: str = "model", token: str | None = None, include: list[str] | str | None = None,
+         exclude: list[str] | str | None = None, dry_run: bool = False, verify: bool = True,
+         progress: ProgressCallback | None = None) -> PushResult:
+    """Upload a checkpoint folder (or file) to ``repo_id``; identical remote files are not sent again.
+
+    The folder is verified first (``verify=False`` skips it). ``token`` defaults to ``HF_TOKEN`` or
+    the stored login. ``progress(done_bytes, total_bytes)`` is called as each file's upload ends.
+
+    >>> result = shardkit.push("out/", "my-org/model", private=True)  # doctest: +SKIP
+    >>> result.commit_url                                              # doctest: +SKIP
+    'https://huggingface.co/my-org/model/commit/4f1c...'
+    """
+    files = collect_files(path, path_in_repo=path_in_repo, include=include, exclude=exclude)
+    check_sizes(files)
+    if verify:
+        verify_folder(path)
+    if create_pr and revision is not None and revision.startswith("refs/pr/"):
+        raise InvalidInputError(f"--revision {revision} is a pull request already; push to it without --create-pr")
+    with hub_errors(repo_id, revision or "main"):
+        return _Pusher(repo_id, repo_type=repo_type, token=token, revision=revision, create_pr=create_pr,
+                       private=private, dry_run=dry_run).run(files, prefix=clean_prefix(path_in_repo),
+                                                             message=message, progress=progress)
+
+
+def verify_folder(path: str | os.PathLike[str]) -> None:
+    """Run ``shardkit.verify`` and refuse a broken checkpoint."""
+    from ..checking.verify import verify as verify_checkpoint
+
+    report = verify_checkpoint(path)
+    if not report.ok:
+        findings = [_describe(finding) for finding in report.findings]
+        first = findings[0] if findings else "see `shardkit verify`"
+        raise VerificationError(f"{path}: refusing to push, verification found {len(findings)} problem(s), "
+                                f"first: {first} (fix the folder, or pass --no-verify)", findings)
+
+
+def _describe(finding: Any) -> str:
+    where = ": ".join(str(part) for part in (getattr(finding, "file", None), getattr(finding, "tensor", None)) if part)
+    text = getattr(finding, "message", None) or str(finding)
+    return f"{where}: {text}" if where else text
+
+
+# ----------------------------------------------------------------------------- remote side
+
+class _Pusher:
+    """One push: the API client, the target, and the running result."""
+
+    def __init__(self, repo_id: str, *, repo_type: str, token: str | None, revision: str | None,
+                 create_pr: bool, private: bool, dry_run: bool) -> None:
+        from huggingface_hub import HfApi
+        from huggingface_hub.utils import get_token
+
+        self.token = token or get_token()
+        if self.token is None and not dry_run:
+            raise HubError("no Hugging Face token: pass --token, set HF_TOKEN, or run `hf auth login`")
+        self.api = HfApi(token=self.token)
+        self.repo_id, self.repo_type, self.private = repo_id, repo_type, private
+        self.revision, self.create_pr, self.dry_run = revision, create_pr, dry_run
+        self.result = PushResult(repo_id, repo_type, revision or "main", "", dry_run=dry_run)
+        self._name_repo(repo_id)
+
+    def run(self, files: list[LocalFile], *, prefix: str, message: str | None,
+            progress: ProgressCallback | None) -> PushResult:
+        head = self._prepare_target()
+        remote = self._remote_files(head, prefix) if head else {}
+        digests: dict[str, str] = {}
+        upload, same = split_changed(files, remote, digests)
+        deletions = stale_files(files, remote)
+        res = self.result
+        res.uploaded = [f.path_in_repo for f in upload]
+        res.unchanged = [f.path_in_repo for f in same]
+        res.deleted = deletions
+        res.uploaded_bytes = sum(f.size_bytes for f in upload)
+        if self.dry_run:
+            return res
+        if not upload and not deletions:
+            res.commit_url = f"{res.repo_url}/commit/{head}"
+            return res
+        message = message or f"Upload {len(upload)} file(s) with shardkit"
+        sent = _Progress(res.uploaded_bytes, progress)
+        parent = head
+        groups = plan_commits(upload, deletions, remote)
+        for number, (group, deleted) in enumerate(groups, 1):
+            title = message if len(groups) == 1 else f"{message} ({number}/{len(groups)})"
+            parent = self._commit(group, deleted, digests, title=title, parent=parent, sent=sent)
+        return res
+
+    def _prepare_target(self) -> str | None:
+        """Create the repo and branch if missing (not in a dry run); the head commit, or None if none."""
+        from huggingface_hub.errors import (
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+
+        if not self.dry_run:
+            url = self.api.create_repo(self.repo_id, repo_type=self.repo_type, private=self.private, exist_ok=True)
+            self._name_repo(url.repo_id)
+        elif "/" not in self.repo_id:  # a bare name lives in the token owner's namespace
+            self._name_repo(f"{self.api.whoami()['name']}/{self.repo_id}")
+        try:
+            return self._head()
+        except RepositoryNotFoundError:
+            if not self.dry_run:
+                raise
+            self.result.created_repo = True
+            return None
+        except RevisionNotFoundError:
+            if self.create_pr:
+                raise
+            self.result.created_branch = True
+            if self.dry_run:
+                return None
+            self.api.create_branch(self.repo_id, branch=self.result.revision, repo_type=self.repo_type)
+            return self._head()
+
+    def _name_repo(self, repo_id: str) -> None:
+        prefix = "" if self.repo_type == "model" else f"{self.repo_type}s/"
+        self.repo_id = self.result.repo_id = repo_id
+        self.result.repo_url = f"{self.api.endpoint}/{prefix}{repo_id}"
+
+    def _head(self) -> str:
+        info = self.api.repo_info(self.repo_id, repo_type=self.repo_type, revision=self.result.revision)
+        return str(info.sha)
+
+    def _remote_files(self, head: str, prefix: str) -> dict[str, RemoteFile]:
+        from huggingface_hub.errors import RemoteEntryNotFoundError
+        from huggingface_hub.hf_api import RepoFile
+
+        try:
+            entries = list(self.api.list_repo_tree(self.repo_id, path_in_repo=prefix.rstrip("/") or None,
+                                                   recursive=True, revision=head, repo_type=self.repo_type))
+        except RemoteEntryNotFoundError:  # the prefix folder does not exist yet
+            return {}
+        return {e.path: RemoteFile(e.size, e.blob_id, e.lfs.sha256 if e.lfs else None)
+                for e in entries if isinstance(e, RepoFile)}
+
+    def _commit(self, group: list[LocalFile], deleted: list[str], digests: dict[str, str], *, title: str,
+                parent: str | None, sent: "_Progress") -> str:
+        """Upload a group's contents one file at a time, then commit it; returns the new head."""
+        from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+        revision = self.revision
+        additions = []
+        for f in group:
+            op = CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=f.local_path)
+            if f.path_in_repo in digests:  # already hashed while comparing
+                op.upload_info.sha256 = bytes.fromhex(digests[f.path_in_repo])
+            self.api.preupload_lfs_files(self.repo_id, additions=[op], repo_type=self.repo_type,
+                                         revision=revision, create_pr=self.create_pr, free_memory=False)
+            additions.append(op)
+            sent.add(f.size_bytes)
+        operations: list[Any] = [*additions, *(CommitOperationDelete(path_in_repo=p) for p in deleted)]
+        info = self.api.create_commit(self.repo_id, operations, commit_message=title, repo_type=self.repo_type,
+                                      revision=revision, create_pr=self.create_pr, parent_commit=parent)
+        res = self.result
+        res.commit_url = info.commit_url
+        res.commits.append(info.oid)
+        if info.pr_url is not None:  # later commits go to the pull request's ref
+            res.pr_url, self.revision, self.create_pr = info.pr_url, info.pr_revision, False
+            res.revision = str(info.pr_revision)
+        return str(info.oid)
+
+
+class _Progress:
+    def __init__(self, total_bytes: int, callback: ProgressCallback | None) -> None:
+        self.total_bytes, self.done_bytes, self.callback = total_bytes, 0, callback
+        self.add(0)
+
+    def add(self, nbytes: int) -> None:
+        self.done_bytes += nbytes
+        if self.callback is not None:
+            self.callback(self.done_bytes, self.total_bytes)
+
+
+# ----------------------------------------------------------------------------- errors
+
+@contextlib.contextmanager
+def hub_errors(repo_id: str, revision: str) -> Iterator[None]:
+    """Turn huggingface_hub / network exceptions into one-line :class:`HubError` messages."""
+    try:
+        yield
+    except HubError:
+        raise
+    except Exception as e:
+        message = describe_hub_error(e, repo_id, revision)
+        if message is None:
+            raise
+        raise HubError(message) from e
+
+
+def describe_hub_error(error: BaseException, repo_id: str, revision: str) -> str | None:
+    """A one-line explanation of a failed Hub call, or None if ``error`` is not one."""
+    import httpx2
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        HFValidationError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    endpoint = constants.ENDPOINT
+    for e in _chain(error):
+        if isinstance(e, HFValidationError):
+            return f"invalid repository id or revision for {repo_id!r}: {str(e).splitlines()[0]}"
+        if isinstance(e, RevisionNotFoundError):
+            return (f"revision {revision!r} not found in {repo_id}; a pull request needs an existing branch "
+                    f"(push it first without --create-pr)")
+        if isinstance(e, HfHubHTTPError) and e.response is not None:
+            status = e.response.status_code
+            detail = e.server_message or e.response.headers.get("X-Error-Message") or ""
+            if status == 401:
+                return (f"authentication failed (401) at {endpoint}: the token was rejected; pass a valid --token, "
+                        f"set HF_TOKEN, or run `hf auth login`")
+            if status == 403:
+                return f"no permission to write to {repo_id} (403): {detail or 'use a token with write access'}"
+            if isinstance(e, RepositoryNotFoundError):
+                return f"repository {repo_id} not found at {endpoint}, or not visible with this token"
+            if status == 412:
+                return f"{repo_id}@{revision} changed while pushing; run the push again"
+            first = (detail or str(e)).strip().splitlines()[0]
+            if status >= 500 or status in (408, 429):
+                return (f"the Hub failed ({status}) for {repo_id}: {first}; run the push again to resume "
+                        f"(what already arrived is not sent again)")
+            return f"the Hub answered {status} for {repo_id}: {first}"
+        if isinstance(e, (httpx2.TransportError, ConnectionError, TimeoutError)):
+            return (f"network failure talking to {endpoint}: {e or type(e).__name__}; check the connection "
+                    f"(or HF_ENDPOINT) and run the push again to resume")
+    text = str(error).strip().splitlines()
+    if type(error).__module__.startswith(("huggingface_hub", "hf_xet")) or "hf_xet" in repr(type(error)):
+        return f"upload to {repo_id} failed: {text[0] if text else type(error).__name__}"
+    return None
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__

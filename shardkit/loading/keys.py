@@ -1,0 +1,117 @@
+"""Key matching: the skeleton's tensor names and shapes against a checkpoint's headers.
+
+``prepare_skeleton`` builds the meta skeleton, matches it, and gives each meta tensor its final
+dtype, so that placement and loading both start from the same skeleton.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..errors import KeyMismatchError, ShardkitWarning
+from .lazy import LazyCheckpoint
+from .skeleton import build_skeleton, cast_floating, keeps_fp32
+
+if TYPE_CHECKING:
+    import torch
+
+_SHOWN = 5
+
+
+@dataclass
+class KeyMatch:
+    """How model tensor names map to checkpoint names.
+
+    ``loads`` holds one name per storage (tied parameters are re-tied after loading);
+    ``source_of`` covers every model name that has data, tied and aliased names included.
+    """
+
+    loads: dict[str, str] = field(default_factory=dict)
+    source_of: dict[str, str] = field(default_factory=dict)
+    tied: list[list[str]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: dict[str, str] = field(default_factory=dict)  # name → "checkpoint [..], model [..]"
+
+    def problems(self) -> str:
+        parts = []
+        shapes = [f"{name} ({detail})" for name, detail in self.mismatched.items()]
+        for label, names in (("missing from the checkpoint", self.missing), ("unexpected", self.unexpected),
+                             ("with a different shape", shapes)):
+            if names:
+                more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+                parts.append(f"{len(names)} key(s) {label}: {', '.join(names[:_SHOWN])}{more}")
+        return "; ".join(parts)
+
+
+def match_keys(skeleton: Any, checkpoint: LazyCheckpoint) -> KeyMatch:
+    """Compare the skeleton's state-dict names and shapes with the checkpoint's headers."""
+    from accelerate.utils import find_tied_parameters
+
+    state = skeleton.state_dict(keep_vars=True)
+    match = KeyMatch(tied=find_tied_parameters(skeleton))
+    group_of = {name: group for group in match.tied for name in group}
+    aliases = checkpoint.aliases
+
+    def source(name: str) -> str | None:
+        if name in checkpoint:
+            return name
+        return aliases.get(name)
+
+    for name, tensor in state.items():
+        src = source(name) or next((s for s in map(source, group_of.get(name, ())) if s), None)
+        if src is None:
+            if tensor.is_meta:  # buffers built with real values keep them
+                match.missing.append(name)
+            continue
+        match.source_of[name] = src
+        if checkpoint.shape_of(src) != tuple(tensor.shape):
+            match.mismatched[name] = f"checkpoint {list(checkpoint.shape_of(src))}, model {list(tensor.shape)}"
+            continue
+        group = group_of.get(name)
+        if group is None or not any(member in match.loads for member in group):
+            match.loads[name] = src
+    used = set(match.source_of.values())
+    match.unexpected = [k for k in checkpoint if k not in used and k not in state]
+    return match
+
+
+def check_match(match: KeyMatch, *, strict: bool, model: str, checkpoint: str) -> None:
+    """Strict: one error naming every problem. Otherwise a warning, and missing tensors become zeros."""
+    problems = match.problems()
+    if not problems:
+        return
+    if strict:
+        raise KeyMismatchError(f"{checkpoint} does not match {model}: {problems}; pass strict=False to load anyway")
+    warnings.warn(f"{checkpoint} vs {model}: {problems}; missing and mismatched tensors are zeros", ShardkitWarning, stacklevel=3)
+
+
+def final_dtypes(skeleton: Any, checkpoint: LazyCheckpoint | None, match: KeyMatch | None,
+                 dtype: "torch.dtype | None") -> Callable[[str], "torch.dtype | None"]:
+    """The dtype each tensor ends up in: ``dtype`` if given (fp32 for keep-in-fp32 modules), else the checkpoint's."""
+    import torch
+
+    def dtype_for(name: str) -> "torch.dtype | None":
+        if dtype is not None:
+            return torch.float32 if keeps_fp32(skeleton, name) else dtype
+        src = match.source_of.get(name) if match is not None else None
+        if checkpoint is None or src is None:
+            return None
+        stored = checkpoint.dtype_of(src)
+        return stored if stored.is_floating_point else None
+
+    return dtype_for
+
+
+def prepare_skeleton(model: Any, checkpoint: LazyCheckpoint | None, *, config: Any, dtype: "torch.dtype | None",
+                     strict: bool) -> tuple[Any, KeyMatch | None, str | None]:
+    """Build the skeleton, check it against ``checkpoint`` and give its meta tensors their final dtypes."""
+    skeleton = build_skeleton(model, config=config)
+    match = None
+    if checkpoint is not None:
+        match = match_keys(skeleton, checkpoint)
+        check_match(match, strict=strict, model=type(skeleton).__name__, checkpoint=checkpoint.description)
+    cast_floating(skeleton, final_dtypes(skeleton, checkpoint, match, dtype))
+    return skeleton, match, checkpoint.description if checkpoint is not None else None

@@ -1,0 +1,347 @@
+"""A lazy, read-only ``Mapping[str, torch.Tensor]`` over safetensors checkpoints.
+
+``open`` takes a single file, an index, a sharded folder (transformers or diffusers naming,
+variants) or a diffusers component folder. Nothing but the index is read up front; a shard's
+header is read and validated (with :mod:`shardkit.format`) the first time one of its tensors
+is touched, so a corrupt shard gives a clear error there instead of a crash.
+
+Tensors without a cast come straight from a private (copy-on-write) memory map: no copy, and
+only the pages of the tensors asked for are ever read. Each shard is opened once; reads are
+``pread``/``mmap`` and safe from several threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..atomic.journal import JOURNAL
+from ..errors import (
+    CheckpointIndexError,
+    HeaderError,
+    InvalidInputError,
+    SourceNotFoundError,
+)
+from ..formats.header import Header, TensorEntry, read_header
+from ..formats.index import find_checkpoint, load_index, shard_file
+
+if TYPE_CHECKING:
+    import torch
+
+_READ_CHUNK_BYTES = 1 << 30  # Linux returns at most ~2 GiB per read call
+_CAST_CHUNK_BYTES = 16 << 20
+
+
+@dataclass
+class _Shard:
+    path: str
+    expected: frozenset[str] | None  # names the index puts in this shard (None: single file)
+    header: Header | None = None
+    fd: int | None = None
+    mapped: mmap.mmap | None = None
+    entries: dict[str, TensorEntry] | None = None
+
+
+class TensorSlice:
+    """Partial reads of one tensor: ``ckpt.get_slice("w")[0:2, :]`` reads only those rows' pages."""
+
+    def __init__(self, checkpoint: "LazyCheckpoint", name: str) -> None:
+        self._checkpoint = checkpoint
+        self._name = name
+
+    def get_shape(self) -> list[int]:
+        return list(self._checkpoint.shape_of(self._name))
+
+    def get_dtype(self) -> "torch.dtype":
+        return self._checkpoint.dtype_of(self._name)
+
+    def __getitem__(self, index: Any) -> "torch.Tensor":
+        return self._checkpoint.get_tensor(self._name)[index].clone()
+
+
+class LazyCheckpoint(Mapping):
+    """Read-only mapping name → tensor over one or more safetensors shards. See :func:`open`."""
+
+    def __init__(self, shard_of: dict[str, str], shards: dict[str, _Shard], *, description: str,
+                 index_metadata: dict[str, Any] | None = None) -> None:
+        self._shard_of = shard_of
+        self._shards = shards
+        self.description = description
+        self.index_metadata = dict(index_metadata or {})
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._closed = False
+
+    # -- Mapping -----------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> "torch.Tensor":
+        return self.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shard_of)
+
+    def __len__(self) -> int:
+        return len(self._shard_of)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._shard_of
+
+    def __repr__(self) -> str:
+        return f"<LazyCheckpoint {self.description}: {len(self)} tensors>"
+
+    # -- metadata without reading data ---------------------------------------------------------
+    @property
+    def paths(self) -> list[str]:
+        return [s.path for s in self._shards.values()]
+
+    def entry(self, name: str) -> TensorEntry:
+        """The header record of ``name``: safetensors dtype code, shape, byte size, file and offset."""
+        shard = self._shards[self._shard_name(name)]
+        return self._load_header(shard)[name]
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self.entry(name).shape
+
+    def dtype_of(self, name: str) -> "torch.dtype":
+        from ..formats.dtypes import to_torch
+
+        return to_torch(self.entry(name).dtype)
+
+    def nbytes(self, name: str | None = None) -> int:
+        """Bytes of one tensor, or of the whole checkpoint when ``name`` is None."""
+        if name is not None:
+            return self.entry(name).nbytes
+        return sum(self.entry(n).nbytes for n in self)
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The shards' ``__metadata__`` maps, merged."""
+        merged: dict[str, str] = {}
+        for shard in self._shards.values():
+            self._load_header(shard)
+            assert shard.header is not None
+            merged.update(shard.header.metadata)
+        return merged
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """Tied names that were written once: dropped alias → stored name (from the metadata)."""
+        return {k: v for k, v in self.metadata.items() if v in self._shard_of and k not in self._shard_of}
+
+    # -- data -----------------------------------------------------------------------------------
+    def get_tensor(self, name: str, *, device: "str | torch.device | None" = None,
+                   dtype: "torch.dtype | None" = None, copy: bool = False) -> "torch.Tensor":
+        """Read one tensor.
+
+        Without ``copy`` the host tensor views the shard's private memory map (no copy; pages are
+        read when touched; writes stay private). A host-side cast, ``copy=True`` or a tensor not
+        aligned to its element size reads with ``pread`` into fresh memory instead. A ``device``
+        gets the bytes moved there first and cast there.
+        """
+        import torch
+
+        from ..formats.dtypes import to_torch
+
+        entry = self.entry(name)
+        shard = self._open_shard(self._shard_of[name])
+        src_dtype = to_torch(entry.dtype)
+        itemsize = torch.empty((), dtype=src_dtype).element_size()
+        on_host = device is None or torch.device(device).type == "cpu"
+        host_cast = on_host and dtype is not None and dtype != src_dtype
+        if entry.nbytes == 0:
+            tensor = torch.empty(entry.shape, dtype=src_dtype)
+        elif host_cast:
+            assert dtype is not None
+            return self._read_cast(shard, entry, src_dtype, itemsize, dtype)
+        elif copy or entry.offset % itemsize:
+            tensor = torch.empty(entry.shape, dtype=src_dtype)
+            assert shard.fd is not None
+            read_into(shard.fd, tensor, entry.offset, entry.nbytes, where=f"{entry.file}: tensor {name!r}")
+        else:
+            tensor = torch.frombuffer(shard.mapped, dtype=src_dtype, count=entry.nbytes // itemsize,
+                                      offset=entry.offset).view(entry.shape)
+        if not on_host:
+            tensor = tensor.to(device)
+        if dtype is not None:
+            tensor = tensor.to(dtype)
+        return tensor
+
+    def _read_cast(self, shard: _Shard, entry: TensorEntry, src_dtype: "torch.dtype", itemsize: int,
+                   dtype: "torch.dtype") -> "torch.Tensor":
+        """Cast through one small reusable buffer per thread: memory never depends on the tensor's size
+        (a whole-tensor temporary would also fragment the heap, pinning a second copy's worth of RAM).
+        """
+        import torch
+
+        out = torch.empty(entry.shape, dtype=dtype)
+        flat = out.view(-1)
+        staging = getattr(self._local, "staging", None)
+        if staging is None:
+            staging = self._local.staging = torch.empty(_CAST_CHUNK_BYTES, dtype=torch.uint8)
+        per_chunk = max(1, _CAST_CHUNK_BYTES // itemsize)
+        assert shard.fd is not None
+        for start in range(0, flat.numel(), per_chunk):
+            count = min(per_chunk, flat.numel() - start)
+            chunk = staging[: count * itemsize]
+            read_into(shard.fd, chunk, entry.offset + start * itemsize, count * itemsize,
+                      where=f"{entry.file}: tensor {entry.name!r}")
+            flat[start:start + count].copy_(chunk.view(src_dtype))
+        return out
+
+    def get_slice(self, name: str) -> TensorSlice:
+        """A handle for partial reads, like ``safetensors.safe_open(...).get_slice``."""
+        self._shard_name(name)
+        return TensorSlice(self, name)
+
+    def to_state_dict(self, *, device: "str | torch.device | None" = None, dtype: "torch.dtype | None" = None,
+                      copy: bool = False) -> dict[str, "torch.Tensor"]:
+        """Every tensor, zero-copy on the host by default; ``dtype`` casts floating-point tensors only."""
+        out = {}
+        for name in self:
+            cast = dtype if dtype is not None and self.dtype_of(name).is_floating_point else None
+            out[name] = self.get_tensor(name, device=device, dtype=cast, copy=copy)
+        return out
+
+    # -- shard management -------------------------------------------------------------------------
+    def _shard_name(self, name: str) -> str:
+        if self._closed:
+            raise InvalidInputError(f"{self.description}: checkpoint is closed")
+        try:
+            return self._shard_of[name]
+        except KeyError:
+            raise KeyError(name) from None
+
+    def _load_header(self, shard: _Shard) -> dict[str, TensorEntry]:
+        if shard.entries is None:
+            with self._lock:
+                if shard.entries is None:
+                    header = read_header(shard.path)
+                    check_shard_names(shard, header)
+                    shard.header = header
+                    shard.entries = header.by_name()
+        return shard.entries
+
+    def _open_shard(self, shard_name: str) -> _Shard:
+        shard = self._shards[shard_name]
+        self._load_header(shard)
+        if shard.fd is None:
+            with self._lock:
+                if shard.fd is None:
+                    fd = os.open(shard.path, os.O_RDONLY)
+                    try:
+                        shard.mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+                    except (OSError, ValueError) as e:
+                        os.close(fd)
+                        raise HeaderError(f"{shard.path}: cannot map the file ({e})") from e
+                    shard.fd = fd
+        return shard
+
+    def close(self) -> None:
+        """Close the files. Tensors already returned stay valid (they keep their mapping alive)."""
+        with self._lock:
+            self._closed = True
+            for shard in self._shards.values():
+                if shard.fd is not None:
+                    os.close(shard.fd)
+                    shard.fd = None
+                # Never mmap.close(): torch.frombuffer keeps a reference to the map but holds no
+                # buffer export, so closing would unmap pages live tensors still point to. Dropping
+                # our reference unmaps it once the last zero-copy tensor is gone.
+                shard.mapped = None
+
+    def __enter__(self) -> "LazyCheckpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_shard_names(shard: _Shard, header: Header) -> None:
+    """A shard must hold exactly the tensors its index assigns to it."""
+    if shard.expected is None:
+        return
+    names = {e.name for e in header.entries}
+    extra = sorted(names - shard.expected)
+    missing = sorted(shard.expected - names)
+    if extra or missing:
+        parts = []
+        if missing:
+            parts.append(f"lacks {', '.join(map(repr, missing[:5]))}{' ...' if len(missing) > 5 else ''}")
+        if extra:
+            parts.append(f"holds {', '.join(map(repr, extra[:5]))}{' ...' if len(extra) > 5 else ''} not in the index")
+        raise CheckpointIndexError(f"{shard.path}: does not match the index: it {' and '.join(parts)}")
+
+
+def read_into(fd: int, tensor: "torch.Tensor", offset: int, nbytes: int, *, where: str) -> None:
+    """``pread`` ``nbytes`` at ``offset`` straight into a contiguous CPU tensor's memory."""
+    view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+    done = 0
+    while done < nbytes:
+        got = os.preadv(fd, [view[done:done + _READ_CHUNK_BYTES]], offset + done)
+        if got <= 0:
+            raise HeaderError(f"{where}: file ended early (truncated while reading?)")
+        done += got
+
+
+def _check_no_journal(folder: str) -> None:
+    if os.path.exists(os.path.join(folder, JOURNAL)):
+        raise InvalidInputError(
+            f"{folder}: an interrupted shardkit write left {JOURNAL} here; run "
+            f"'shardkit recover {folder}' to finish it first"
+        )
+
+
+def _single_file(path: str) -> LazyCheckpoint:
+    header = read_header(path)
+    shard = _Shard(path, None, header=header, entries=header.by_name())
+    shard_of = {e.name: path for e in header.entries}
+    return LazyCheckpoint(shard_of, {path: shard}, description=f"safetensors file {path}")
+
+
+def _indexed(path: str) -> LazyCheckpoint:
+    index = load_index(path)
+    shards: dict[str, _Shard] = {}
+    for shard_name in index.shard_names():
+        shard_path = shard_file(index.folder, shard_name, where=index.path)  # existence + symlink policy
+        names = frozenset(t for t, s in index.weight_map.items() if s == shard_name)
+        shards[shard_name] = _Shard(shard_path, names)
+    return LazyCheckpoint(dict(index.weight_map), shards, index_metadata=index.metadata,
+                          description=f"sharded checkpoint {path} ({len(shards)} shards)")
+
+
+def open(path: str | os.PathLike[str], *, variant: str | None = None) -> LazyCheckpoint:  # noqa: A001
+    """Open a safetensors checkpoint lazily: a file, an index JSON or a (sharded) folder.
+
+    Opening never modifies anything. A folder with an unfinished shardkit write is refused.
+
+    >>> import shardkit
+    >>> with shardkit.open("out/") as ckpt:                       # doctest: +SKIP
+    ...     print(len(ckpt), ckpt.shape_of("conv_in.weight"))
+    ...     w = ckpt["conv_in.weight"]                             # reads only this tensor
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise SourceNotFoundError(f"{path}: no such file or folder")
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    _check_no_journal(folder)
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "model_index.json")):
+            raise InvalidInputError(
+                f"{path}: is a diffusers pipeline folder; open one component, e.g. {os.path.join(path, 'unet')}"
+            )
+        layout = find_checkpoint(path, variant=variant)
+        path = layout.path
+        if layout.kind == "file":
+            return _single_file(path)
+    if path.endswith(".json"):
+        return _indexed(path)
+    if path.endswith(".safetensors"):
+        return _single_file(path)
+    raise InvalidInputError(
+        f"{path}: not a safetensors checkpoint; convert it first with 'shardkit split {path} OUT/'"
+    )
+

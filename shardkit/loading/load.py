@@ -1,0 +1,123 @@
+"""``load_model``: a meta skeleton filled from a lazy checkpoint, dispatched by accelerate.
+
+Flow: skeleton (meta) → keys matched against the checkpoint → dtypes made final on the meta
+tensors (free) → device map from accelerate → each tensor read once, straight to its device →
+disk tensors get an offload index that points into the shards → ``accelerate.dispatch_model``.
+Host memory peaks near the bytes placed on the host: host tensors that need no cast are views of
+the shards' memory maps (file-backed pages, read on first use, never copied); tensors that need a
+cast are read with ``pread`` one at a time and cast; nothing goes through a whole-shard state dict.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from ..devices import Device, parse_max_memory
+from ..errors import InvalidInputError
+from ..runtime.apply import RuntimeSetup, apply_runtime
+from .device_map import check_devices_exist, module_device, resolve_device_map
+from .keys import KeyMatch, prepare_skeleton
+from .lazy import LazyCheckpoint
+
+if TYPE_CHECKING:
+    pass
+
+def _main_device(device_map: dict[str, Device]) -> Device:
+    accelerators = [d for d in device_map.values() if d not in ("cpu", "disk")]
+    return accelerators[0] if accelerators else "cpu"
+
+
+def fill_skeleton(skeleton: Any, checkpoint: LazyCheckpoint, match: KeyMatch, device_map: dict[str, Device],
+                  offload_folder: str | None) -> dict[str, Any] | None:
+    """Read each tensor once into its device; disk tensors go to an offload index. Returns that index."""
+    from accelerate.utils import retie_parameters, set_module_tensor_to_device
+
+    from .offload_index import DiskTensor, write_offload_index
+
+    state = skeleton.state_dict(keep_vars=True)
+    params = {name for name, _ in skeleton.named_parameters(remove_duplicate=False)}
+    on_disk: list[DiskTensor] = []
+    for name, tensor in state.items():
+        device = module_device(device_map, name)
+        src = None if name in match.mismatched else match.source_of.get(name)
+        if device == "disk" and name in params:
+            on_disk.append(DiskTensor(name, src, tensor.dtype, tuple(tensor.shape)))
+            continue
+        if src is not None and name not in match.loads:
+            continue  # a tied name: re-tied below
+        if src is None and not tensor.is_meta:
+            continue  # a buffer that keeps its built value
+        target = "cpu" if device == "disk" else device
+        if src is None:
+            import torch
+
+            value = torch.zeros(tensor.shape, dtype=tensor.dtype, device=target)
+        else:
+            # Host tensors without a cast stay views of the mapped shards (no copy, pages read on
+            # first use), as safetensors' own load_file does; casts read into fresh memory.
+            value = checkpoint.get_tensor(src, device=None if target == "cpu" else target, dtype=tensor.dtype)
+        set_module_tensor_to_device(skeleton, name, target, value=value, clear_cache=False)
+    retie_parameters(skeleton, match.tied)
+    if not on_disk:
+        return None
+    assert offload_folder is not None  # checked by load_model before anything is read
+    return write_offload_index(checkpoint, on_disk, os.fspath(offload_folder))
+
+
+def load_model(model: Any, checkpoint: Any, *, config: Any = None, device_map: Any = None, max_memory: Any = None,
+               offload_folder: str | os.PathLike[str] | None = None, dtype: Any = None,
+               no_split_module_classes: list[str] | None = None, strict: bool = True, offload: str | None = None,
+               offload_options: dict[str, Any] | None = None, layerwise_casting: Any = None) -> Any:
+    """Load a sharded safetensors checkpoint into ``model``, placed over GPUs, CPU and disk.
+
+    ``model``: a ``"diffusers:Class"``/``"transformers:Class"`` string or class (with ``config``),
+    any ``nn.Module`` factory, or a skeleton on the meta device. ``checkpoint``: a path for
+    :func:`shardkit.open` or an open checkpoint. ``device_map``: "auto", "balanced",
+    "balanced_low_0", "sequential", "cpu" or a dict of module → device; None means "cpu", or
+    "auto" when ``max_memory`` is given. ``dtype`` None keeps the checkpoint's dtypes.
+    ``offload`` / ``layerwise_casting`` apply :func:`shardkit.apply_layerwise_casting` (a
+    ``(storage, compute)`` pair) and then :func:`shardkit.apply_offload` after loading.
+
+    >>> unet = load_model("diffusers:UNet2DConditionModel", "out/", config="out/config.json",
+    ...                   device_map="auto", max_memory={0: "16GB", "cpu": "32GB"},
+    ...                   offload_folder="offload/", dtype="bf16")      # doctest: +SKIP
+    >>> unet.hf_device_map                                              # doctest: +SKIP
+    """
+    from accelerate import dispatch_model
+    from accelerate.utils import check_device_map
+
+    from ..formats.dtypes import resolve_torch_dtype
+    from .lazy import open as open_checkpoint
+
+    runtime = RuntimeSetup(layerwise_casting=layerwise_casting, offload=offload, offload_options=offload_options or {})
+    target = resolve_torch_dtype(dtype)
+    budget = parse_max_memory(max_memory)
+    if budget:
+        check_devices_exist(list(budget), where="max_memory")
+    with contextlib.ExitStack() as stack:
+        ckpt = checkpoint if isinstance(checkpoint, LazyCheckpoint) else stack.enter_context(open_checkpoint(checkpoint))
+        skeleton, match, _ = prepare_skeleton(model, ckpt, config=config, dtype=target, strict=strict)
+        assert match is not None
+        mapping = resolve_device_map(skeleton, device_map, max_memory=budget, no_split_module_classes=no_split_module_classes)
+        check_devices_exist(list(mapping.values()), where="device_map")
+        disk_modules = [name or "(whole model)" for name, device in mapping.items() if device == "disk"]
+        if disk_modules and offload_folder is None:
+            raise InvalidInputError(f"the device map sends {', '.join(disk_modules[:5])} to disk; pass offload_folder=")
+        try:
+            with warnings.catch_warnings():
+                # accelerate's own maps name top-level buffers/params, which its checker calls "not submodules"
+                warnings.filterwarnings("ignore", message="The following device_map keys do not match")
+                check_device_map(skeleton, mapping)
+                offload_index = fill_skeleton(skeleton, ckpt, match, mapping, offload_folder)
+                dispatch_model(skeleton, mapping, main_device=_main_device(mapping), offload_index=offload_index,
+                               offload_dir=os.fspath(offload_folder) if offload_index is not None else None)
+        except ValueError as e:
+            if isinstance(e, InvalidInputError):
+                raise
+            raise InvalidInputError(f"cannot place {type(skeleton).__name__} with this device map: {e}") from e
+    skeleton.eval()
+    apply_runtime(skeleton, runtime)
+    return skeleton

@@ -1,0 +1,107 @@
+"""Load a diffusers pipeline folder (sharded by shardkit or saved by diffusers) for inference.
+
+A thin wrapper over ``DiffusionPipeline.from_pretrained``: sizes and device keys are parsed
+here, component-level placement is diffusers' own (``device_map="balanced"`` puts whole
+components on GPUs, ``pipe.hf_device_map`` shows where, ``pipe.reset_device_map()`` undoes it),
+then the shardkit runtime options are applied — fp8 layerwise casting first, then the offload
+strategy, the order diffusers documents for combining them.
+
+>>> pipe = load_pipeline_folder("sdxl-sharded/", device_map="balanced",
+...                             max_memory={0: "16GB", 1: "16GB"})     # doctest: +SKIP
+>>> pipe.hf_device_map                                                # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+from ..devices import parse_max_memory
+from ..errors import InvalidInputError, ShardkitError, SourceNotFoundError
+from ..runtime.apply import RuntimeSetup, apply_runtime
+
+DEVICE_MAPS = ("balanced", "cpu", "cuda")
+
+
+def load_pipeline_folder(
+    path: str | os.PathLike[str],
+    *,
+    device_map: str | None = None,
+    max_memory: Mapping[Any, Any] | None = None,
+    dtype: Any = None,
+    variant: str | None = None,
+    runtime: RuntimeSetup | None = None,
+) -> Any:
+    """Load the pipeline in ``path`` with diffusers, then apply ``runtime`` (switches, casting, offload).
+
+    The planner-free half of :func:`shardkit.load_pipeline` (which lives in ``shardkit.fit`` because
+    ``fit=`` needs the planner).
+
+    Args:
+        path: a diffusers pipeline folder (``model_index.json`` at its root).
+        device_map: ``"balanced"`` (whole components spread over the GPUs in ``max_memory``),
+            ``"cuda"`` or ``"cpu"``.
+        max_memory: ``{0: "16GB", 1: "16GB"}``; any key :func:`shardkit.devices.parse_device` accepts.
+        dtype: ``"bf16"``, ``torch.float16``...
+        variant: the weights' variant (``"fp16"`` for ``*.fp16.safetensors``).
+        runtime: what to apply after loading.
+
+    Returns:
+        The ``DiffusionPipeline``.
+
+    >>> pipe = load_pipeline_folder("sdxl/", device_map="balanced", max_memory={0: "16GB"})  # doctest: +SKIP
+    """
+    folder = _check_folder(path)
+    runtime = runtime or RuntimeSetup()
+    _check_device_map(device_map, runtime.offload)
+    kwargs: dict[str, Any] = {}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    if max_memory is not None:
+        kwargs["max_memory"] = parse_max_memory(max_memory)
+    if dtype is not None:
+        from ..formats.dtypes import resolve_torch_dtype
+
+        kwargs["torch_dtype"] = resolve_torch_dtype(dtype)
+    if variant is not None:
+        kwargs["variant"] = variant
+    return apply_runtime(_from_pretrained(folder, kwargs), runtime)
+
+
+def _check_folder(path: str | os.PathLike[str]) -> str:
+    folder = os.fspath(path)
+    if not os.path.isdir(folder):
+        raise SourceNotFoundError(f"pipeline folder {folder} does not exist")
+    if not os.path.isfile(os.path.join(folder, "model_index.json")):
+        raise SourceNotFoundError(
+            f"{folder} has no model_index.json, so it is not a diffusers pipeline folder; "
+            "load a single model with shardkit.load_model"
+        )
+    return folder
+
+
+def _check_device_map(device_map: Any, offload: str | None) -> None:
+    if device_map is None:
+        return
+    if not isinstance(device_map, str) or device_map not in DEVICE_MAPS:
+        raise InvalidInputError(
+            f"pipeline device_map must be one of {', '.join(DEVICE_MAPS)} (diffusers places whole components), "
+            f"got {device_map!r}; to split one model over devices use shardkit.load_model(device_map='auto')"
+        )
+    if device_map == "balanced" and offload not in (None, "none"):
+        raise InvalidInputError(
+            f"device_map='balanced' and offload={offload!r} exclude each other: a device-mapped pipeline must be "
+            "reset (pipe.reset_device_map()) before offloading; pass one of them"
+        )
+
+
+def _from_pretrained(folder: str, kwargs: dict[str, Any]) -> Any:
+    from diffusers import DiffusionPipeline
+
+    try:
+        return DiffusionPipeline.from_pretrained(folder, **kwargs)
+    except ShardkitError:
+        raise
+    except (OSError, ValueError, NotImplementedError, RuntimeError, KeyError, AttributeError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise InvalidInputError(f"could not load the pipeline in {folder}: {first}") from e

@@ -1,0 +1,214 @@
+"""Model skeletons on the meta device: a class (or factory) plus a config → an ``nn.Module`` with
+no weights, built under ``accelerate.init_empty_weights``.
+
+A skeleton costs no memory for its parameters, so a 12B model plans in seconds on a laptop.
+Which library builds it is a table (:data:`_BUILDERS`), not a branch per class name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+
+from ..errors import InvalidInputError, SourceNotFoundError
+
+if TYPE_CHECKING:
+    import torch
+
+ModelSpec = Any  # "diffusers:ClassName", "transformers:ClassName", "pkg.module:Name", a class or a factory
+
+
+def resolve_model_class(spec: ModelSpec) -> Any:
+    """Turn ``"diffusers:UNet2DConditionModel"`` (or any ``"package.module:Name"``) into the object.
+
+    Classes and factories are returned unchanged.
+
+    >>> resolve_model_class("diffusers:UNet2DConditionModel").__name__   # doctest: +SKIP
+    'UNet2DConditionModel'
+    """
+    if not isinstance(spec, str):
+        if callable(spec):
+            return spec
+        raise InvalidInputError(f"model must be a 'library:ClassName' string, a class or a factory, got {type(spec).__name__}")
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise InvalidInputError(
+            f"unknown model class {spec!r}: write it as 'diffusers:ClassName', 'transformers:ClassName' "
+            "or 'package.module:ClassName'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise InvalidInputError(f"unknown model class {spec!r}: cannot import {module_name!r} ({e})") from e
+    try:
+        found = getattr(module, attr)
+    except (AttributeError, ImportError, RuntimeError) as e:
+        raise InvalidInputError(f"unknown model class {spec!r}: {module_name} has no {attr!r}") from e
+    if not callable(found):
+        raise InvalidInputError(f"unknown model class {spec!r}: {module_name}.{attr} is not a class or factory")
+    return found
+
+
+def load_config(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Read a config given as a dict, a ``config.json`` path or a folder holding ``config.json``."""
+    if config is None or isinstance(config, Mapping):
+        return dict(config) if config is not None else None
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError as e:
+        raise SourceNotFoundError(f"{path}: no such config file (pass config.json or the folder holding it)") from e
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidInputError(f"{path}: config is not valid JSON ({e})") from e
+    if not isinstance(doc, dict):
+        raise InvalidInputError(f"{path}: config must be a JSON object")
+    return doc
+
+
+def _is_diffusers_model(cls: Any) -> bool:
+    return isinstance(cls, type) and hasattr(cls, "from_config") and hasattr(cls, "config_name") \
+        and cls.__module__.startswith("diffusers")
+
+
+def _is_transformers_model(cls: Any) -> bool:
+    return isinstance(cls, type) and cls.__module__.startswith("transformers") and hasattr(cls, "config_class")
+
+
+def _build_diffusers(cls: Any, config: dict[str, Any] | None) -> Any:
+    if config is None:
+        raise InvalidInputError(f"{cls.__name__} needs a config: pass config= (a config.json path, its folder or a dict)")
+    return cls.from_config(config)
+
+
+def _build_transformers(cls: Any, config: dict[str, Any] | None) -> Any:
+    if config is None:
+        raise InvalidInputError(f"{cls.__name__} needs a config: pass config= (a config.json path, its folder or a dict)")
+    from transformers import AutoConfig, PretrainedConfig
+
+    config_class = getattr(cls, "config_class", None)
+    if isinstance(config_class, type) and config_class is not PretrainedConfig:
+        cfg = config_class.from_dict(config)
+    elif "model_type" in config:
+        cfg = AutoConfig.for_model(**config)
+    else:
+        raise InvalidInputError(f"{cls.__name__}: the config has no 'model_type'; pass a model-specific class")
+    if hasattr(cls, "_from_config"):
+        return cls._from_config(cfg)
+    return cls.from_config(cfg)  # the Auto* classes
+
+
+def _build_plain(factory: Callable[..., Any], config: dict[str, Any] | None) -> Any:
+    return factory(**config) if config else factory()
+
+
+# (test, builder) rows, tried in order; the last one accepts any callable.
+_BUILDERS: list[tuple[Callable[[Any], bool], Callable[[Any, dict[str, Any] | None], Any]]] = [
+    (_is_diffusers_model, _build_diffusers),
+    (_is_transformers_model, _build_transformers),
+    (callable, _build_plain),
+]
+
+
+def is_meta_module(module: Any) -> bool:
+    """True when every parameter of ``module`` is on the meta device (a skeleton)."""
+    params = list(module.parameters())
+    return bool(params) and all(p.is_meta for p in params)
+
+
+@contextlib.contextmanager
+def _ties_kept(torch_register: Callable[..., None]) -> Iterator[None]:
+    """Inside ``init_empty_weights``: keep ``self.b.weight = self.a.weight`` a tie.
+
+    accelerate re-wraps every registered parameter in a new meta Parameter, which silently unties
+    weights tied in ``__init__``. A parameter that is already on meta needs no re-wrapping, so it
+    is registered as is (with torch's own ``register_parameter``), which keeps the tie.
+    """
+    from torch import nn
+
+    accelerate_register = nn.Module.register_parameter
+
+    def register(module: Any, name: str, param: Any) -> None:
+        if param is not None and param.is_meta:
+            torch_register(module, name, param)
+        else:
+            accelerate_register(module, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = accelerate_register
+
+
+def build_skeleton(model: ModelSpec, *, config: Any = None, dtype: "str | torch.dtype | None" = None) -> Any:
+    """Build ``model`` on the meta device: no parameter memory is allocated.
+
+    ``model`` is a ``"library:ClassName"`` string, a diffusers/transformers class (with ``config``:
+    a dict, a ``config.json`` path or its folder), any ``nn.Module`` factory (called with the
+    config's keys as keyword arguments, or none), or a module already on the meta device
+    (returned as is). ``dtype`` casts floating-point parameters, except the class's
+    ``_keep_in_fp32_modules``.
+
+    >>> unet = build_skeleton("diffusers:UNet2DConditionModel", config="unet/config.json", dtype="bf16")  # doctest: +SKIP
+    >>> next(unet.parameters()).device                                                              # doctest: +SKIP
+    device(type='meta')
+    """
+    import torch
+    from accelerate import init_empty_weights
+
+    from ..formats.dtypes import resolve_torch_dtype
+
+    target = resolve_torch_dtype(dtype)
+    if isinstance(model, torch.nn.Module):
+        if not is_meta_module(model):
+            raise InvalidInputError(
+                f"{type(model).__name__} already holds weights; pass its class (or a factory), or a skeleton "
+                "built under accelerate.init_empty_weights()"
+            )
+        skeleton = model
+    else:
+        factory = resolve_model_class(model)
+        cfg = load_config(config)
+        builder = next(build for test, build in _BUILDERS if test(factory))
+        torch_register = torch.nn.Module.register_parameter
+        with init_empty_weights(), _ties_kept(torch_register):
+            skeleton = builder(factory, cfg)
+        if not isinstance(skeleton, torch.nn.Module):
+            raise InvalidInputError(f"{getattr(factory, '__name__', factory)!r} returned {type(skeleton).__name__}, not an nn.Module")
+    if target is not None:
+        cast_floating(skeleton, lambda name: target if not keeps_fp32(skeleton, name) else torch.float32)
+    return skeleton
+
+
+def keeps_fp32(model: Any, name: str) -> bool:
+    """Whether ``name`` lies in one of the model class's ``_keep_in_fp32_modules``."""
+    keep = getattr(model, "_keep_in_fp32_modules", None) or ()
+    parts = name.split(".")
+    return any(module in parts for module in keep)
+
+
+def cast_floating(model: Any, dtype_for: Callable[[str], "torch.dtype | None"]) -> None:
+    """Cast floating-point parameters and buffers in place, keeping tied parameters tied.
+
+    Meta tensors cost nothing to cast; ``param.data`` assignment keeps the Parameter object, so
+    ties (two names, one Parameter) survive.
+    """
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            target = dtype_for(name)
+            if target is not None and param.is_floating_point() and param.dtype != target:
+                param.data = param.data.to(target)
+        for name, buf in model.named_buffers():
+            target = dtype_for(name)
+            if target is not None and buf.is_floating_point() and buf.dtype != target:
+                module_name, _, attr = name.rpartition(".")
+                owner = model.get_submodule(module_name) if module_name else model
+                owner._buffers[attr] = buf.to(target)

@@ -1,0 +1,117 @@
+"""``merge``: a sharded checkpoint folder → one ``.safetensors`` file, streamed and atomic.
+
+Tensors are written in shard-number order and, inside each shard, in file order; the shards'
+metadata is carried over. Since a shardkit split keeps the source's tensor order and metadata,
+merging a split of a file that shardkit wrote gives back that file byte for byte. The bytes are
+copied kernel-side (``copy_file_range``), so memory stays flat whatever the checkpoint's size.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..atomic.commit import atomic_output_file, publish_file, recover
+from ..errors import InvalidInputError, OutputExistsError
+from ..formats.header import Header, read_header
+from ..formats.index import find_checkpoint, load_index, naming_from_filename
+from ..sources.safetensors import SafetensorsSource, check_index_against_headers
+from .writer import ByteCounter, place, write_safetensors
+
+_SHARD_NUMBER = re.compile(r"-(\d{5})-of-(\d{5})\.safetensors$")
+
+
+@dataclass
+class MergeResult:
+    """What a merge wrote."""
+
+    output: str
+    source: str
+    shards: int
+    tensors: int
+    total_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"output": self.output, "source": self.source, "shards": self.shards, "tensors": self.tensors,
+                "total_bytes": self.total_bytes}
+
+
+def merge(folder: str | os.PathLike[str], output_file: str | os.PathLike[str], *, overwrite: bool = False,
+          progress: Callable[[int, int], None] | None = None) -> MergeResult:
+    """Merge a sharded safetensors folder (or its index file) into ``output_file``.
+
+    >>> import shardkit
+    >>> shardkit.merge("out/", "model.safetensors")           # doctest: +SKIP
+    MergeResult(output='model.safetensors', ..., shards=3, ...)
+    """
+    folder, output_file = os.fspath(folder), os.fspath(output_file)
+    if not output_file.endswith(".safetensors"):
+        raise InvalidInputError(f"{output_file}: the merged file must end in .safetensors")
+    source = _open_sharded(folder)
+    try:
+        _refuse_overlap(source, folder, output_file)
+        placements = [place(e, None) for e in source.entries()]
+        total = sum(p.out.nbytes for p in placements)
+        tmp = atomic_output_file(output_file, overwrite=overwrite)
+        tick = ByteCounter(total, progress)
+        try:
+            write_safetensors(tmp, placements, source, metadata=source.metadata(), progress=tick)
+            publish_file(tmp, output_file)
+        except BaseException:
+            _unlink_quietly(tmp)
+            raise
+    finally:
+        source.close()
+    return MergeResult(output_file, source.description, len(source.headers), len(placements), total)
+
+
+def _open_sharded(path: str) -> SafetensorsSource:
+    """Every shard of the folder's (or index file's) checkpoint, headers in shard-number order."""
+    from ..formats.layout import is_pipeline_folder
+
+    if is_pipeline_folder(path):
+        raise InvalidInputError(f"{path}: is a diffusers pipeline folder; merge one component, e.g. {os.path.join(path, 'unet')}")
+    if os.path.isdir(path):
+        recover(path)
+        layout = find_checkpoint(path)
+        if layout.kind == "file":
+            header = read_header(layout.path)
+            return SafetensorsSource([header], description=f"safetensors file {layout.path}", naming=layout.naming)
+        index_path = layout.path
+    elif os.path.isfile(path) and path.endswith(".json"):
+        index_path = path
+    else:
+        raise InvalidInputError(f"{path}: expected a sharded checkpoint folder or its .safetensors.index.json")
+    index = load_index(index_path)
+    headers = [_read_shard(index.folder, name, index_path) for name in sorted(index.shard_names(), key=_shard_key)]
+    check_index_against_headers(index, headers)
+    return SafetensorsSource(headers, description=f"sharded checkpoint {index_path} ({len(headers)} shards)",
+                             naming=naming_from_filename(index_path))
+
+
+def _shard_key(name: str) -> tuple[int, str]:
+    match = _SHARD_NUMBER.search(name)
+    return (int(match.group(1)) if match else 0, name)
+
+
+def _read_shard(folder: str, name: str, index_path: str) -> Header:
+    from ..formats.index import shard_file
+
+    return read_header(shard_file(folder, name, where=index_path))  # existence + symlink policy
+
+
+def _refuse_overlap(source: SafetensorsSource, folder: str, output_file: str) -> None:
+    """Writing onto one of the files being read would destroy the checkpoint."""
+    target = os.path.realpath(output_file)
+    for path in source.paths:
+        if os.path.realpath(path) == target:
+            raise OutputExistsError(f"{output_file} is a shard of {folder}; write the merged file somewhere else")
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
