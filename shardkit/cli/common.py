@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import signal
 import sys
 import traceback
@@ -27,13 +28,10 @@ def configure_logging(*, debug: bool) -> None:
     machine lacks, diffusers on experimental APIs) and huggingface_hub's own progress bars would
     interleave with ours.
     """
-    import logging
-
     log = logging.getLogger("shardkit")
-    if not any(getattr(h, "_shardkit_cli", False) for h in log.handlers):
-        handler = logging.StreamHandler(sys.stderr)
+    if not any(isinstance(h, _StderrHandler) for h in log.handlers):
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        handler._shardkit_cli = True  # type: ignore[attr-defined]
         log.addHandler(handler)
     log.setLevel(logging.DEBUG if debug else logging.WARNING)
     if debug:
@@ -50,6 +48,21 @@ def configure_logging(*, debug: bool) -> None:
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at emit time (click's test runner swaps it)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
 
 
 def run_cli(group: click.Group, argv: list[str] | None = None) -> int:

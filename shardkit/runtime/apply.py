@@ -8,10 +8,13 @@ strategy's hooks — the order the diffusers docs give for combining them. ``loa
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from ..errors import InvalidInputError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,9 +56,10 @@ def apply_runtime(target: Any, setup: RuntimeSetup) -> Any:
     if setup.switches:
         from .switches import apply_switches
 
-        apply_switches(target, setup.switches)
+        log.debug("switches on %s: %s", type(target).__name__, apply_switches(target, setup.switches))
     if setup.layerwise_casting is not None:
         report = _cast(target, setup.layerwise_casting)
+        log.debug("layerwise casting on %s: %s", type(target).__name__, report)
         if not _is_module(target):
             object.__setattr__(target, "shardkit_casting", report)
     if setup.offload is not None:
@@ -66,6 +70,7 @@ def apply_runtime(target: Any, setup: RuntimeSetup) -> Any:
             options.setdefault("device", setup.device)
             if options.get("use_stream") and not str(setup.device).startswith("cuda"):
                 options.pop("use_stream")  # streams need CUDA; the same grouping runs synchronously
+        log.debug("offload %r on %s with %s", setup.offload, type(target).__name__, options)
         apply_offload(target, setup.offload, **options)
     return target
 
