@@ -35,7 +35,8 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "split": "sharding.split",
     "save_sharded": "sharding.split",
-    "SplitResult": "sharding.split",
+    "SplitResult": "sharding.job",
+    "WriteOptions": "sharding.options",
     "plan_shards": "sharding.plan",
     "read_header": "formats.header",
     "open_source": "sources",

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from shardkit.errors import InvalidInputError
 from shardkit.formats.index import Naming
 from shardkit.sharding.plan import plan_shards
-from shardkit.sharding.split import resolve_naming
+from shardkit.sharding.job import resolve_naming
 from shardkit.sources.base import Source
 
 

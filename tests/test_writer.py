@@ -19,7 +19,7 @@ from shardkit.errors import HeaderError, InvalidInputError, ShardkitWriteError
 from shardkit.formats.header import read_header
 from shardkit.sources.memory import MemorySource
 from shardkit.sources.safetensors import open_safetensors_file
-from shardkit.sharding.writer import Placement, place, write_safetensors
+from shardkit.sharding.writer import TensorWrite, tensor_write, write_safetensors
 
 
 class RecordingSource:
@@ -43,8 +43,8 @@ def _load(path: Path) -> dict:
     return load_file(str(path))
 
 
-def _placements(source: Any, cast_to: str | None = None) -> list[Placement]:
-    return [place(e, cast_to) for e in source.entries()]
+def _writes(source: Any, cast_to: str | None = None) -> list[TensorWrite]:
+    return [tensor_write(e, cast_to) for e in source.entries()]
 
 
 def test_file_source_is_copied_kernel_side_in_one_coalesced_call(
@@ -60,7 +60,7 @@ def test_file_source_is_copied_kernel_side_in_one_coalesced_call(
     with open_safetensors_file(str(safetensors_file)) as src:
         recording = RecordingSource(src)
         out = tmp_path / "out.safetensors"
-        write_safetensors(str(out), _placements(src), recording, metadata={"format": "pt"})
+        write_safetensors(str(out), _writes(src), recording, metadata={"format": "pt"})
     assert recording.reads == [], "bytes in a file must never go through Python"
     assert len(calls) == 1 and calls[0] == sum(e.nbytes for e in src.entries())
     assert_bit_equal(_load(out), state_dict)
@@ -69,7 +69,7 @@ def test_file_source_is_copied_kernel_side_in_one_coalesced_call(
 
 def test_non_adjacent_order_still_copies_exactly(safetensors_file: Path, state_dict: dict, tmp_path: Path) -> None:
     with open_safetensors_file(str(safetensors_file)) as src:
-        placements = list(reversed(_placements(src)))
+        placements = list(reversed(_writes(src)))
         out = tmp_path / "rev.safetensors"
         write_safetensors(str(out), placements, src)
     assert_bit_equal(_load(out), state_dict)
@@ -81,7 +81,7 @@ def test_falls_back_to_chunked_copy_when_kernel_copy_is_unsupported(
         safetensors_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, err: int) -> None:
     with open_safetensors_file(str(safetensors_file)) as src:
         fast = tmp_path / "fast.safetensors"
-        write_safetensors(str(fast), _placements(src), src)
+        write_safetensors(str(fast), _writes(src), src)
 
         def unsupported(*a: Any) -> int:
             raise OSError(err, os.strerror(err))
@@ -89,7 +89,7 @@ def test_falls_back_to_chunked_copy_when_kernel_copy_is_unsupported(
         monkeypatch.setattr(os, "copy_file_range", unsupported)
         monkeypatch.setattr(writer, "CHUNK_BYTES", 5)
         slow = tmp_path / "slow.safetensors"
-        write_safetensors(str(slow), _placements(src), src)
+        write_safetensors(str(slow), _writes(src), src)
     assert slow.read_bytes() == fast.read_bytes()
 
 
@@ -99,7 +99,7 @@ def test_memory_source_goes_through_bounded_chunks(tmp_path: Path, monkeypatch: 
     with MemorySource(tensors) as src:
         recording = RecordingSource(src)
         out = tmp_path / "mem.safetensors"
-        write_safetensors(str(out), _placements(src), recording)
+        write_safetensors(str(out), _writes(src), recording)
     assert recording.reads and max(recording.reads) <= 7
     assert_bit_equal(_load(out), tensors)
 
@@ -121,7 +121,7 @@ def test_chunked_cast_matches_torch_to(tmp_path: Path, monkeypatch: pytest.Monke
         recording = RecordingSource(src)
         out = tmp_path / "cast.safetensors"
         seen: list[int] = []
-        placements = _placements(src, target)
+        placements = _writes(src, target)
         write_safetensors(str(out), placements, recording, progress=seen.append)
     assert max(recording.reads) <= 24
     assert sum(seen) == sum(p.out.nbytes for p in placements), "progress counts output bytes"
@@ -140,7 +140,7 @@ def test_cast_from_a_file_source_matches_torch(safetensors_file: Path, state_dic
 
     out = tmp_path / "bf16.safetensors"
     with open_safetensors_file(str(safetensors_file)) as src:
-        write_safetensors(str(out), _placements(src, "BF16"), src)
+        write_safetensors(str(out), _writes(src, "BF16"), src)
     loaded = _load(out)
     for name, tensor in state_dict.items():
         castable = tensor.dtype in (torch.float32, torch.float16, torch.float64, torch.bfloat16)
@@ -149,23 +149,23 @@ def test_cast_from_a_file_source_matches_torch(safetensors_file: Path, state_dic
         assert loaded[name].dtype == want.dtype
 
 
-def test_place_casts_only_wide_floats() -> None:
+def test_tensor_write_casts_only_wide_floats() -> None:
     from shardkit.formats.header import TensorEntry
 
     keep = ["BOOL", "U8", "I8", "I16", "U16", "I32", "U32", "I64", "U64", "C64", "F8_E4M3", "F8_E5M2", "F4"]
     for dtype in keep:
         entry = TensorEntry("x", dtype, (2,), 2)
-        assert place(entry, "BF16").out == TensorEntry("x", dtype, (2,), 2)
-    p = place(TensorEntry("x", "F32", (3,), 12, "/f", 100), "BF16")
+        assert tensor_write(entry, "BF16").out == TensorEntry("x", dtype, (2,), 2)
+    p = tensor_write(TensorEntry("x", "F32", (3,), 12, "/f", 100), "BF16")
     assert p.out == TensorEntry("x", "BF16", (3,), 6)  # the output entry has no source file
-    assert place(TensorEntry("x", "F32", (3,), 12), None).out.dtype == "F32"
+    assert tensor_write(TensorEntry("x", "F32", (3,), 12), None).out.dtype == "F32"
 
 
 def test_header_is_aligned_and_metadata_sorted(tmp_path: Path) -> None:
     tensors = make_state_dict(["F32", "U8"], shapes=[(3,)])
     out = tmp_path / "m.safetensors"
     with MemorySource(tensors) as src:
-        write_safetensors(str(out), _placements(src), src, metadata={"z": "1", "a": "2", "format": "pt"})
+        write_safetensors(str(out), _writes(src), src, metadata={"z": "1", "a": "2", "format": "pt"})
     header = read_header(out)
     assert header.data_start % 8 == 0
     (n,) = struct.unpack("<Q", out.read_bytes()[:8])
@@ -176,7 +176,7 @@ def test_refuses_an_existing_file(tmp_path: Path) -> None:
     out = tmp_path / "exists.safetensors"
     out.write_bytes(b"keep me")
     with MemorySource(make_state_dict(["F32"])) as src, pytest.raises(ShardkitWriteError, match=str(out)):
-        write_safetensors(str(out), _placements(src), src)
+        write_safetensors(str(out), _writes(src), src)
     assert out.read_bytes() == b"keep me"
 
 
@@ -189,7 +189,7 @@ def test_write_errors_become_one_clear_error(tmp_path: Path, monkeypatch: pytest
 
     monkeypatch.setattr(os, "write", failing_write)
     with MemorySource(make_state_dict(["F32"])) as src, pytest.raises(ShardkitWriteError) as info:
-        write_safetensors(str(tmp_path / "x.safetensors"), _placements(src), src)
+        write_safetensors(str(tmp_path / "x.safetensors"), _writes(src), src)
     assert fragment in str(info.value) and isinstance(info.value, OSError)
 
 
@@ -201,9 +201,9 @@ def test_source_truncated_after_opening_is_detected(tmp_path: Path) -> None:
     with open_safetensors_file(str(path)) as src:
         os.truncate(path, path.stat().st_size - 10)
         with pytest.raises(InvalidInputError, match="truncated"):
-            write_safetensors(str(tmp_path / "a.safetensors"), _placements(src), src)
+            write_safetensors(str(tmp_path / "a.safetensors"), _writes(src), src)
         with pytest.raises(HeaderError, match="truncated"):
-            write_safetensors(str(tmp_path / "b.safetensors"), _placements(src, "BF16"), src)
+            write_safetensors(str(tmp_path / "b.safetensors"), _writes(src, "BF16"), src)
 
 
 # ------------------------------------------------------------------ memory, measured
@@ -261,5 +261,5 @@ def test_kernel_copy_reads_the_file_the_source_opened_even_if_replaced(tmp_path:
         save_file(make_state_dict(["F32", "I64"], shapes=[(50,)], seed=2), str(tmp_path / "new.safetensors"))
         os.replace(tmp_path / "new.safetensors", path)
         out = tmp_path / "out.safetensors"
-        write_safetensors(str(out), _placements(src), src)
+        write_safetensors(str(out), _writes(src), src)
     assert_bit_equal(_load(out), original)

@@ -166,9 +166,11 @@ class SizeParam(click.ParamType):
 SIZE = SizeParam()
 
 
-# The output options of the commands that write shards (split, convert), each defined once.
+# The output options of the commands that write shards (split, convert), each defined once. The
+# parameter names of the shaping options are WriteOptions' fields, so a command passes them on
+# as one ``**write`` mapping; the size is parsed here, at the edge, into bytes.
 _SHARD_OPTIONS = {
-    "max-shard-size": click.option("--max-shard-size", "max_shard_size", type=SIZE, default="5GB", show_default=True,
+    "max-shard-size": click.option("--max-shard-size", "max_shard_bytes", type=SIZE, default="5GB", show_default=True,
                                    help="Largest shard, in tensor bytes (5GB = 10^9 units, 5GiB = 2^30 units)."),
     "dtype": click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"]),
                           help="Cast floating-point tensors (F64/F32/F16/BF16) in bounded chunks."),
@@ -187,7 +189,7 @@ def shard_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., A
 
     >>> @click.command()
     ... @shard_options("max-shard-size", "dtype", "dry-run")
-    ... def cmd(max_shard_size: int, dtype: str | None, dry_run: bool) -> None: ...
+    ... def cmd(max_shard_bytes: int, dtype: str | None, dry_run: bool) -> None: ...
     """
     def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
         for name in reversed(names):  # click lists options in the order the decorators are written

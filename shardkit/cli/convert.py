@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from .common import byte_progress, echo_json, shard_options
@@ -47,23 +49,22 @@ Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Drop tensors matching (repeatable).")
 @click.option("--rename", multiple=True, metavar="OLD=NEW", help="Replace a leading OLD with NEW (repeatable).")
 @shard_options("name", "variant", "overwrite", "dry-run", "json", "quiet")
-def convert(source: str, output: str, max_shard_size: int, dtype: str | None, allow_lossy: bool, key: str | None,
-            strip_prefix: str | None, add_prefix: str | None, include: tuple[str, ...], exclude: tuple[str, ...],
-            rename: tuple[str, ...], name: str | None, variant: str | None, overwrite: bool, dry_run: bool,
-            as_json: bool, quiet: bool) -> None:
+def convert(source: str, output: str, key: str | None, strip_prefix: str | None, add_prefix: str | None,
+            include: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...], as_json: bool, quiet: bool,
+            **write: Any) -> None:
     """Convert SOURCE (any supported checkpoint) into safetensors shards in the OUTPUT folder.
 
     Streams in bounded memory with the same atomic writer as `split`: on failure or Ctrl-C
     nothing partial is left, and the source is never modified.
     """
-    from ..sharding.convert import convert as convert_api
+    from ..sharding.convert import build_keymap, convert_with
+    from ..sharding.options import WriteOptions
     from .split import print_plan
 
-    with byte_progress("convert", enabled=not (quiet or as_json or dry_run)) as progress:
-        result = convert_api(source, output, max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy,
-                             key=key, strip_prefix=strip_prefix, add_prefix=add_prefix, include=include,
-                             exclude=exclude, rename=rename, name=name, variant=variant, overwrite=overwrite,
-                             dry_run=dry_run, progress=progress)
+    keymap = build_keymap(include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
+                          rename=rename)
+    with byte_progress("convert", enabled=not (quiet or as_json or write["dry_run"])) as progress:
+        result = convert_with(source, output, WriteOptions(**write, progress=progress), key=key, keymap=keymap)
     if as_json:
         echo_json(result.to_dict())
     elif not quiet:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import click
 
@@ -34,9 +35,8 @@ Tied tensors of in-memory sources are written once; aliases go into the shard me
 @shard_options("dry-run", "overwrite", "json", "quiet")
 @click.option("--push-to", "push_to", metavar="REPO_ID",
               help="After the split, push OUTPUT to this Hub repository (see `shardkit push`).")
-def split(source: str, output: str, max_shard_size: int, dtype: str | None, allow_lossy: bool,
-          name: str | None, variant: str | None, key: str | None, dry_run: bool, overwrite: bool,
-          as_json: bool, quiet: bool, push_to: str | None = None) -> None:
+def split(source: str, output: str, key: str | None, as_json: bool, quiet: bool, push_to: str | None = None,
+          **write: Any) -> None:
     """Stream SOURCE into size-bounded safetensors shards in the OUTPUT folder.
 
     SOURCE is a .safetensors file, a sharded folder or its index, or a .bin/.pt/.pth/.ckpt pickle
@@ -44,12 +44,12 @@ def split(source: str, output: str, max_shard_size: int, dtype: str | None, allo
     diffusers, transformers, accelerate and huggingface_hub. Writes are atomic: on failure or
     Ctrl-C nothing partial is left, and the source is never modified.
     """
-    from ..sharding.split import split as split_api
+    from ..sharding.options import WriteOptions
+    from ..sharding.split import split_with
 
+    dry_run = write["dry_run"]
     with byte_progress("split", enabled=not (quiet or as_json or dry_run)) as progress:
-        result = split_api(source, output, max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy,
-                           name=name, variant=variant, key=key, dry_run=dry_run, overwrite=overwrite,
-                           progress=progress)
+        result = split_with(source, output, WriteOptions(**write, progress=progress), key=key)
     if not (as_json or quiet):
         print_plan(result)
     pushed = None

@@ -18,7 +18,7 @@ from ..errors import InvalidInputError, OutputExistsError
 from ..formats.header import Header, read_header
 from ..formats.index import find_checkpoint, load_index, naming_from_filename
 from ..sources.safetensors import SafetensorsSource, check_index_against_headers
-from .writer import ByteCounter, place, write_safetensors
+from .writer import ByteCounter, tensor_write, write_safetensors
 
 _SHARD_NUMBER = re.compile(r"-(\d{5})-of-(\d{5})\.safetensors$")
 
@@ -40,7 +40,17 @@ class MergeResult:
 
 def merge(folder: str | os.PathLike[str], output_file: str | os.PathLike[str], *, overwrite: bool = False,
           progress: Callable[[int, int], None] | None = None) -> MergeResult:
-    """Merge a sharded safetensors folder (or its index file) into ``output_file``.
+    """Merge a sharded safetensors folder (or its index file) into one ``.safetensors`` file.
+
+    Args:
+        folder: a sharded checkpoint folder, its ``*.safetensors.index.json``, or a folder with
+            one ``.safetensors`` file (a pipeline folder is refused: merge one component).
+        output_file: the merged file; must end in ``.safetensors`` and not be one of the shards.
+        overwrite: replace ``output_file`` if it exists.
+        progress: called as ``progress(done_bytes, total_bytes)`` while bytes are copied.
+
+    Returns:
+        A :class:`MergeResult`: how many shards, tensors and bytes went into ``output_file``.
 
     >>> import shardkit
     >>> shardkit.merge("out/", "model.safetensors")           # doctest: +SKIP
@@ -52,19 +62,19 @@ def merge(folder: str | os.PathLike[str], output_file: str | os.PathLike[str], *
     source = _open_sharded(folder)
     try:
         _refuse_overlap(source, folder, output_file)
-        placements = [place(e, None) for e in source.entries()]
-        total = sum(p.out.nbytes for p in placements)
+        writes = [tensor_write(e, None) for e in source.entries()]
+        total = sum(w.out.nbytes for w in writes)
         tmp = atomic_output_file(output_file, overwrite=overwrite)
         tick = ByteCounter(total, progress)
         try:
-            write_safetensors(tmp, placements, source, metadata=source.metadata(), progress=tick)
+            write_safetensors(tmp, writes, source, metadata=source.metadata(), progress=tick)
             publish_file(tmp, output_file)
         except BaseException:
             _unlink_quietly(tmp)
             raise
     finally:
         source.close()
-    return MergeResult(output_file, source.description, len(source.headers), len(placements), total)
+    return MergeResult(output_file, source.description, len(source.headers), len(writes), total)
 
 
 def _open_sharded(path: str) -> SafetensorsSource:

@@ -44,6 +44,14 @@ class ShardPlan:
 def plan_shards(items: Iterable[tuple[str, int]], *, max_shard_bytes: int, naming: Naming = Naming()) -> ShardPlan:
     """Group ``(name, nbytes)`` pairs into shards of at most ``max_shard_bytes`` tensor bytes.
 
+    Args:
+        items: ``(tensor name, byte count)`` pairs in write order; names must be unique.
+        max_shard_bytes: the limit on a shard's tensor bytes; a larger tensor gets its own shard.
+        naming: the file naming (prefix, variant) of the shards and index.
+
+    Returns:
+        A :class:`ShardPlan`; one shard means a single file with no index.
+
     >>> plan = plan_shards([("a", 6), ("b", 6), ("c", 20), ("d", 1)], max_shard_bytes=10)
     >>> [s.names for s in plan.shards]
     [('a',), ('b',), ('c',), ('d',)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -27,18 +28,26 @@ ProgressFn = Callable[[int], None]
 
 
 @dataclass(frozen=True)
-class Placement:
-    """A source tensor and the entry it becomes in the output (dtype may differ)."""
+class TensorWrite:
+    """Where one tensor's bytes go in a shard (``out``) and what they are produced from (``src``).
+
+    Equal dtypes mean a byte copy (kernel-side when ``src`` lies in a file); different dtypes
+    mean a chunked cast.
+    """
 
     src: TensorEntry
     out: TensorEntry
 
 
-def place(entry: TensorEntry, cast_to: str | None) -> Placement:
-    """Decide the output dtype of one tensor: float tensors are cast, others kept as stored."""
+def tensor_write(entry: TensorEntry, cast_to: str | None) -> TensorWrite:
+    """Decide the output dtype of one tensor: float tensors are cast, others kept as stored.
+
+    >>> tensor_write(TensorEntry("w", "F32", (2,), 8), "BF16").out.nbytes
+    4
+    """
     if cast_to is None or entry.dtype not in CASTABLE or entry.dtype == cast_to:
-        return Placement(entry, TensorEntry(entry.name, entry.dtype, entry.shape, entry.nbytes))
-    return Placement(entry, TensorEntry(entry.name, cast_to, entry.shape, tensor_nbytes(cast_to, entry.shape)))
+        return TensorWrite(entry, TensorEntry(entry.name, entry.dtype, entry.shape, entry.nbytes))
+    return TensorWrite(entry, TensorEntry(entry.name, cast_to, entry.shape, tensor_nbytes(cast_to, entry.shape)))
 
 
 class ByteCounter:
@@ -88,14 +97,14 @@ class BackgroundSync:
         self._pool.shutdown(wait=True)
 
 
-def write_safetensors(path: str, placements: list[Placement], source: Source, *,
+def write_safetensors(path: str, writes: list[TensorWrite], source: Source, *,
                       metadata: dict[str, str] | None = None, progress: ProgressFn | None = None,
                       sync: BackgroundSync | None = None) -> None:
-    """Write ``placements`` to a new file at ``path`` (which must not exist) and fsync it.
+    """Write ``writes`` to a new file at ``path`` (which must not exist) and fsync it.
 
     With ``sync``, the fsync is handed to that background worker instead of done in line.
     """
-    head, _ = build_header([p.out for p in placements], metadata=dict(sorted((metadata or {}).items())))
+    head, _ = build_header([p.out for p in writes], metadata=dict(sorted((metadata or {}).items())))
     tick = progress or (lambda n: None)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -103,7 +112,7 @@ def write_safetensors(path: str, placements: list[Placement], source: Source, *,
         raise _write_error(path, e) from e
     try:
         _write_all(fd, head, path)
-        for run in _runs(placements):
+        for run in _runs(writes):
             _write_run(fd, run, source, path, tick)
         if sync is None:
             os.fsync(fd)
@@ -116,10 +125,24 @@ def write_safetensors(path: str, placements: list[Placement], source: Source, *,
     _faults.point("file-done")
 
 
-def _runs(placements: list[Placement]) -> Iterator[list[Placement]]:
-    """Group placements whose bytes are adjacent in one source file and need no cast."""
-    run: list[Placement] = []
-    for p in placements:
+def copy_side_file(src: str, path: str, *, sync: BackgroundSync) -> None:
+    """Copy a file that travels with the weights (config, tokenizer...) to a new ``path``.
+
+    Its fsync goes to ``sync`` like a shard's: a side file that is published but still only in
+    the page cache could come back empty after a power loss, beside complete shards.
+    """
+    try:
+        shutil.copyfile(src, path)
+    except OSError as e:
+        raise _write_error(path, e) from e
+    sync.submit(path)
+    _faults.point("file-done:side-file")
+
+
+def _runs(writes: list[TensorWrite]) -> Iterator[list[TensorWrite]]:
+    """Group writes whose bytes are adjacent in one source file and need no cast."""
+    run: list[TensorWrite] = []
+    for p in writes:
         copyable = p.src.file is not None and p.src.dtype == p.out.dtype
         if run and copyable and run[-1].src.file == p.src.file and \
                 run[-1].src.offset + run[-1].src.nbytes == p.src.offset and run[-1].src.dtype == run[-1].out.dtype:
@@ -132,7 +155,7 @@ def _runs(placements: list[Placement]) -> Iterator[list[Placement]]:
         yield run
 
 
-def _write_run(fd: int, run: list[Placement], source: Source, path: str, tick: ProgressFn) -> None:
+def _write_run(fd: int, run: list[TensorWrite], source: Source, path: str, tick: ProgressFn) -> None:
     first = run[0]
     if first.src.dtype != first.out.dtype:
         _cast_tensor(fd, first, source, path, tick)
@@ -146,7 +169,7 @@ def _write_run(fd: int, run: list[Placement], source: Source, path: str, tick: P
 
 
 def _copy_file_range(fd: int, src_path: str, offset: int, count: int, tick: ProgressFn,
-                     source: Source, run: list[Placement]) -> None:
+                     source: Source, run: list[TensorWrite]) -> None:
     held = source.held_fd(src_path)
     src_fd = held if held is not None else os.open(src_path, os.O_RDONLY)
     try:
@@ -182,7 +205,7 @@ def _copy_by_chunks(src_fd: int, fd: int, offset: int, count: int, tick: Progres
         tick(len(chunk))
 
 
-def _cast_tensor(fd: int, p: Placement, source: Source, path: str, tick: ProgressFn) -> None:
+def _cast_tensor(fd: int, p: TensorWrite, source: Source, path: str, tick: ProgressFn) -> None:
     import torch
 
     from ..formats.dtypes import to_torch

@@ -1,0 +1,203 @@
+"""The writing job every command shares: source → plan → shards, side files, index → publish.
+
+``split``, ``convert``, ``save_sharded`` and pipeline folders differ only in which sources they
+open (a keymapped view, an in-memory state dict, one source per component) and which side
+files travel along; the planning, writing, syncing and publishing below is one piece of code.
+A job never imports the commands built on it, so the commands form no import cycle.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from ..atomic.commit import OutputTransaction
+from ..errors import InvalidInputError
+from ..formats.index import DIFFUSERS_PREFIX, Naming, dump_index
+from ..sources import Source, open_source
+from .options import WriteOptions, warn_if_output_taken
+from .plan import ShardPlan, plan_shards
+from .writer import BackgroundSync, ByteCounter, TensorWrite, copy_side_file, tensor_write, write_safetensors
+
+__all__ = ["ShardJob", "SideFile", "SplitResult", "open_settled", "plan_job", "resolve_naming", "run_jobs",
+           "side_files", "split_source"]
+
+SideFile = tuple[str, str]  # (path to copy from, file name inside the output)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".distcp", ".index.json")
+
+
+@dataclass
+class SplitResult:
+    """What a split wrote (or, with ``dry_run``, would write)."""
+
+    output: str
+    plan: ShardPlan
+    source: str
+    dtype: str | None = None
+    dry_run: bool = False
+    aliases: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def files(self) -> list[str]:
+        return [os.path.join(self.output, f) for f in self.plan.filenames()]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "output": self.output,
+            "source": self.source,
+            "dry_run": self.dry_run,
+            "dtype": self.dtype,
+            "total_bytes": self.plan.total_bytes,
+            "max_shard_bytes": self.plan.max_shard_bytes,
+            "index": self.plan.index_filename,
+            "aliases": self.aliases,
+            "shards": [
+                {"file": s.filename, "tensors": len(s.names), "bytes": s.nbytes} for s in self.plan.shards
+            ],
+        }
+
+
+@dataclass
+class ShardJob:
+    """One checkpoint to write: its open source, every tensor's write, and the shard plan.
+
+    ``folder`` is where it goes inside the output: ``""`` for the output itself, a component
+    name (``"unet"``) for a pipeline folder.
+    """
+
+    source: Source
+    writes: list[TensorWrite]
+    plan: ShardPlan
+    folder: str = ""
+
+    def path(self, filename: str) -> str:
+        """``filename`` relative to the output folder."""
+        return f"{self.folder}/{filename}" if self.folder else filename
+
+    def result(self, output: str, options: WriteOptions) -> SplitResult:
+        where = os.path.join(output, self.folder) if self.folder else output
+        return SplitResult(where, self.plan, self.source.description, options.cast_to, options.dry_run,
+                           self.source.aliases())
+
+
+def resolve_naming(source: Source, *, name: str | None, variant: str | None) -> Naming:
+    """``name`` overrides; otherwise keep the source's convention (diffusers or transformers)."""
+    base = source.naming
+    if name is not None:
+        if not name or "/" in name or "." in name:
+            raise InvalidInputError(f"invalid --name {name!r}: give a file prefix such as 'model' or '{DIFFUSERS_PREFIX}'")
+        base = Naming(name, base.variant)
+    return Naming(base.prefix, variant if variant is not None else base.variant)
+
+
+def open_settled(source: Any, *, key: str | None, dry_run: bool) -> Source:
+    """Open ``source`` after finishing any interrupted commit in its folder (skipped by a dry run).
+
+    >>> with open_settled("ckpt/", key=None, dry_run=False) as src:    # doctest: +SKIP
+    ...     len(src.entries())
+    """
+    if isinstance(source, (str, os.PathLike)) and not dry_run:
+        from ..atomic.commit import recover
+
+        path = os.fspath(source)
+        recover(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
+    return open_source(source, key=key)
+
+
+def plan_job(src: Source, options: WriteOptions, *, folder: str = "") -> ShardJob:
+    """Every tensor of ``src`` in its output dtype, and the shard plan under the output naming.
+
+    >>> job = plan_job(src, WriteOptions(max_shard_bytes=5 * 10**9, dtype="bf16"))  # doctest: +SKIP
+    >>> job.plan.filenames()                                                         # doctest: +SKIP
+    ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json']
+    """
+    naming = resolve_naming(src, name=options.name, variant=options.variant)
+    cast_to = options.cast_to
+    writes = [tensor_write(e, cast_to) for e in src.entries()]
+    plan = plan_shards([(w.out.name, w.out.nbytes) for w in writes], max_shard_bytes=options.max_shard_bytes,
+                       naming=naming)
+    return ShardJob(src, writes, plan, folder)
+
+
+def split_source(src: Source, output: str, options: WriteOptions, *,
+                 side_files: Sequence[SideFile] = ()) -> SplitResult:
+    """Plan ``src`` and write it into ``output``: the job behind split, convert and save_sharded.
+
+    >>> with open_source("model.safetensors") as src:                         # doctest: +SKIP
+    ...     split_source(src, "out/", WriteOptions(max_shard_bytes=10**9))
+    """
+    job = plan_job(src, options)
+    run_jobs(output, [job], options, side_files=side_files)
+    return job.result(output, options)
+
+
+def run_jobs(output: str, jobs: Sequence[ShardJob], options: WriteOptions, *,
+             side_files: Sequence[SideFile] = ()) -> None:
+    """Write every job and side file into ``output`` in ONE transaction (a dry run only warns).
+
+    The output appears complete or not at all (see :mod:`shardkit.atomic.commit`); every file
+    is fsynced before any index names it, and before the commit publishes anything.
+    """
+    if options.dry_run:
+        warn_if_output_taken(output, overwrite=options.overwrite)
+        return
+    stale = [job.path(name) for job in jobs for name in _checkpoint_files(os.path.join(output, job.folder), job.plan.naming)]
+    tick = ByteCounter(sum(job.plan.total_bytes for job in jobs), options.progress)
+    with OutputTransaction(output, overwrite=options.overwrite, stale=stale) as tx, BackgroundSync() as sync:
+        for path, name in side_files:
+            copy_side_file(path, tx.path_for(name), sync=sync)
+        for job in jobs:
+            _write_shards(job, tx.path_for, options.metadata or {}, tick, sync)
+        sync.wait()  # every shard and side file is on disk before an index that names it can appear
+        indexes = [_write_index(job, tx) for job in jobs if job.plan.index_filename]
+        tx.commit(last=indexes[-1] if indexes else None)
+
+
+def _write_shards(job: ShardJob, path_for: Callable[[str], str], metadata: Mapping[str, str],
+                  tick: ByteCounter, sync: BackgroundSync) -> None:
+    by_name = {w.out.name: w for w in job.writes}
+    # The source's own metadata travels with its tensors, so a split and its merge keep it.
+    shard_metadata = {"format": "pt", **job.source.metadata(), **metadata, **job.source.aliases()}
+    for shard in job.plan.shards:
+        write_safetensors(path_for(job.path(shard.filename)), [by_name[n] for n in shard.names], job.source,
+                          metadata=shard_metadata, progress=tick, sync=sync)
+
+
+def _write_index(job: ShardJob, tx: OutputTransaction) -> str:
+    name = job.path(job.plan.index_filename or "")
+    tx.write_bytes(name, dump_index(job.plan.weight_map(), total_size_bytes=job.plan.total_bytes))
+    return name
+
+
+def side_files(source: Any, output: str) -> list[SideFile]:
+    """Files that travel with a checkpoint folder (config.json, README...) but hold no weights.
+
+    They are copied unchanged when a folder is split into another folder; none in place.
+    """
+    if not isinstance(source, (str, os.PathLike)) or not os.path.isdir(source):
+        return []
+    folder = os.fspath(source)
+    if os.path.abspath(folder) == os.path.abspath(output):
+        return []
+    from ..formats.index import shard_file
+
+    return sorted(  # shard_file: a symlinked side file may not pull in a file from outside the folder
+        (shard_file(folder, name, where=folder), name) for name in os.listdir(folder)
+        if not name.startswith(".") and os.path.isfile(os.path.join(folder, name))
+        and not name.endswith(_WEIGHT_SUFFIXES) and not (".index." in name and name.endswith(".json"))
+    )
+
+
+def _checkpoint_files(folder: str, naming: Naming) -> list[str]:
+    """Files in ``folder`` named exactly as ``naming``'s checkpoint (replaced by a write).
+
+    Only exact names count: ``vae.safetensors`` beside ``model.safetensors`` is another file,
+    not part of the checkpoint, and is never deleted.
+    """
+    if not os.path.isdir(folder):
+        return []
+    single, index = naming.single(), naming.index()
+    shard = re.compile(re.escape(naming.shard(1, 1)).replace("00001", r"\d{5}") + "$")
+    return sorted(name for name in os.listdir(folder) if name in (single, index) or shard.match(name))
