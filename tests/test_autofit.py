@@ -23,12 +23,12 @@ def fake_pipeline(*, vae_tiling: bool = True, castable: bool = True) -> list[Com
     if vae_tiling:
         vae_acts.update({"vae_tiling": GB // 2, "vae_slicing+vae_tiling": GB // 2})
     return [
-        ComponentProfile("text_encoder", "text_encoder", weight_bytes=GB, leaf_bytes=GB // 5,
+        ComponentProfile.from_totals("text_encoder", "text_encoder", weight_bytes=GB, leaf_bytes=GB // 5,
                          activation_bytes={"": GB // 10}),
-        ComponentProfile("unet", "denoiser", weight_bytes=5 * GB, block_bytes=(4 * GB // 10,) * 10,
+        ComponentProfile.from_totals("unet", "denoiser", weight_bytes=5 * GB, block_bytes=(4 * GB // 10,) * 10,
                          leaf_bytes=GB // 10, castable_bytes=4 * GB if castable else 0, dtype_bytes=2,
                          activation_bytes={"": GB, "attention_slicing": 3 * GB // 2}),
-        ComponentProfile("vae", "vae", weight_bytes=GB // 5, leaf_bytes=GB // 20, activation_bytes=vae_acts),
+        ComponentProfile.from_totals("vae", "vae", weight_bytes=GB // 5, leaf_bytes=GB // 20, activation_bytes=vae_acts),
     ]
 
 
@@ -70,7 +70,7 @@ def test_multi_gpu_balanced_and_staged() -> None:
     # Two 5 GB GPUs: no GPU holds the whole UNet, so the staged split (denoiser blocks over both) wins
     # over offloading.
     plan = plan_fit(fake_pipeline(), Budget((5 * GB, 5 * GB)), margin=NO_MARGIN, allow_fp8=False)
-    assert plan.chosen.placement.name == "staged"
+    assert plan.chosen.strategy.name == "staged"
     assert plan.setup()["device_map"]["unet"] == [0, 1]
     assert all(p <= 5 * GB for p in plan.chosen.peaks.gpu)
     assert any("balanced" in line for line in plan.why())
@@ -131,7 +131,7 @@ def test_attention_slicing_only_when_it_lowers_the_peak() -> None:
     for plan in (choose(g) for g in (10, 7.5, 4.5, 3.0)):
         assert "attention_slicing" not in plan.chosen.switches
     eager = fake_pipeline()
-    eager[1] = ComponentProfile("unet", "denoiser", weight_bytes=5 * GB, leaf_bytes=GB // 10,
+    eager[1] = ComponentProfile.from_totals("unet", "denoiser", weight_bytes=5 * GB, leaf_bytes=GB // 10,
                                 activation_bytes={"": 4 * GB, "attention_slicing": 2 * GB})
     plan = plan_fit(eager, Budget((int(8.5 * GB),)), margin=NO_MARGIN)
     assert plan.chosen.name == "gpu+attention_slicing+vae_tiling"
@@ -192,8 +192,8 @@ def test_profiles_come_from_headers_and_skeletons(tiny_folder) -> None:
     with safe_open(str(tiny_folder / "unet" / "diffusion_pytorch_model.safetensors"), "pt") as f:
         unet_bytes = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys()) * 4  # fp32 checkpoint
     assert sizes["unet"].weight_bytes == unet_bytes
-    assert len(sizes["unet"].block_bytes) == 4 and sizes["unet"].block_lists == (2, 2)  # down_blocks, up_blocks
-    assert sizes["unet"].castable_bytes > 0 and sizes["vae"].castable_bytes == 0
+    assert [len(blocks) for blocks in sizes["unet"].weights.block_lists] == [2, 2]  # down_blocks, up_blocks
+    assert sizes["unet"].fp8_saving_bytes > 0 and sizes["vae"].fp8_saving_bytes == 0
     assert {"vae_tiling", "vae_slicing"} <= sizes["vae"].switches()
     assert plan.workload.height == 16 * 2  # the UNet's sample_size x the VAE's scale factor
     assert plan.chosen.name == "gpu"

@@ -10,10 +10,10 @@ from accelerate import init_empty_weights
 
 import shardkit
 from shardkit.errors import InvalidInputError
-from shardkit.fit.estimate import (
-    ComponentSizes, Footprint, StrategySpec, component_peak, default_activation_bytes, measure_component,
-    strategy_peaks, strategy_specs,
-)
+from shardkit.fit.activations import NO_SWITCH, Workload
+from shardkit.fit.estimate import ComponentSizes, Footprint, strategy_peaks, strategy_specs
+from shardkit.fit.profile import profile_module
+from shardkit.fit.weights import cast_layers_of, measure, module_tensors
 
 from helpers_offload import PlainNet, flux_inputs, plain_net, tiny_flux_transformer
 
@@ -34,36 +34,40 @@ def _peaks(components, **kw) -> dict[str, int]:
 
 def test_pure_peaks_follow_the_hook_semantics():
     p = _peaks([_fake()])
-    assert p["none"] == p["model"] == 105
-    assert p["group-block-1"] == 5 + 40                 # rest + largest block
-    assert p["group-block-2"] == 5 + 70                 # rest + blocks 3,4
-    assert p["group-block-4"] == 5 + 100
-    assert p["group-block-1-stream"] == 5 + 70          # current + prefetched block
-    assert p["group-leaf"] == p["sequential"] == 9 + 1  # largest leaf + non-leaf tensors
-    assert p["group-leaf-stream"] == 16 + 1
+    assert p["gpu"] == p["model_offload"] == 105
+    assert p["group_block_1"] == 5 + 40                 # rest + largest block
+    assert p["group_block_2"] == 5 + 70                 # rest + blocks 3,4
+    assert p["group_block_4"] == 5 + 100
+    assert p["group_block_stream"] == 5 + 70            # current + prefetched block
+    assert p["group_leaf"] == p["sequential"] == 9 + 1  # largest leaf + non-leaf tensors
+    assert p["group_leaf_stream"] == 16 + 1
     # fp8: stored bytes of cast layers + the running layer's upcast copy
-    assert p["none+fp8"] == 55 + 6
-    assert p["group-block-1+fp8"] == 5 + 20 + 6
-    assert p["group-leaf+fp8"] == max(9, 6 + 3) + 1
+    assert p["gpu+fp8"] == 55 + 6
+    assert p["group_block_1+fp8"] == 5 + 20 + 6
+    assert p["group_leaf+fp8"] == max(9, 6 + 3) + 1
 
 
-def test_pipeline_rows_sum_for_none_and_take_the_largest_component_otherwise():
+def test_pipeline_rows_sum_for_gpu_and_take_the_largest_component_otherwise():
     small = ComponentSizes("vae", Footprint(50, 50), leaves=(Footprint(50, 50),))
     p = _peaks([_fake(), small])
-    assert p["none"] == 155 and p["model"] == 105 and p["group-leaf"] == 50
+    assert p["gpu"] == 155 and p["model_offload"] == 105 and p["group_leaf"] == 50
+    # Per-component activations: the peak is the component whose weights + activations are largest.
+    p = {e.spec.name: e.peak_bytes for e in strategy_peaks([_fake(), small], activation_bytes=[0, 60])}
+    assert p["gpu"] == 155 + 60 and p["model_offload"] == 50 + 60 and p["group_block_1"] == 50 + 60
 
 
 def test_fits_and_activation_allowance():
     rows = strategy_peaks([_fake()], activation_bytes=20, gpu_bytes=70)
     fits = {e.spec.name: e.fits for e in rows}
-    assert fits["group-block-1"] and not fits["group-block-2"] and not fits["none"]
-    assert all(e.peak_bytes == e.param_bytes + 20 for e in rows)
-    assert default_activation_bytes(3072, 2, tokens=4096) == 8 * 4096 * 3072 * 2
+    assert fits["group_block_1"] and not fits["group_block_2"] and not fits["gpu"]
+    assert all(e.peak_bytes == e.param_bytes + 20 and e.activation_bytes == 20 for e in rows)
 
 
 def test_specs_are_directly_applicable_and_ranked(tmp_path):
     specs = strategy_specs()
-    assert len(specs) == 18 and len({s.speed_rank for s in specs}) == 18
+    assert len(specs) == 18 and [s.speed_rank for s in specs] == list(range(18))
+    slowdowns = [s.strategy.slowdown_with(s.fp8) for s in specs]
+    assert slowdowns == sorted(slowdowns) and specs[0].name == "gpu" and specs[-1].name == "sequential+fp8"
     model = plain_net()
     ids = torch.tensor([[1, 2, 3]])
     ref = model(ids).detach()
@@ -77,7 +81,7 @@ def test_specs_are_directly_applicable_and_ranked(tmp_path):
 
 def test_measure_matches_the_module():
     model = PlainNet(width=16, depth=4)
-    sizes = measure_component(model)
+    sizes = measure(module_tensors(model), cast_layers=cast_layers_of(model))
     param_bytes = sum(p.numel() * 4 for p in model.parameters())
     block_bytes = sum(p.numel() * 4 for p in model.blocks[0].parameters())
     assert sizes.total.plain_bytes == param_bytes
@@ -104,10 +108,10 @@ def test_checkpoint_headers_give_the_dtypes(tmp_path):
     with init_empty_weights():
         skeleton = tiny_flux_transformer()                 # fp32 skeleton
     from_headers = shardkit.estimate_memory(skeleton, checkpoint=tmp_path / "transformer")
-    assert from_headers.row("none").param_bytes == sum(p.numel() * 2 for p in real.parameters())
+    assert from_headers.components[0].total.plain_bytes == sum(p.numel() * 2 for p in real.parameters())
     assert "checkpoint headers" in " ".join(from_headers.notes)
     pipeline = shardkit.estimate_memory({"transformer": skeleton}, checkpoint=tmp_path)
-    assert pipeline.row("none").param_bytes == from_headers.row("none").param_bytes
+    assert pipeline.row("gpu").param_bytes == from_headers.row("gpu").param_bytes
 
 
 def test_fp8_rows_price_what_casting_actually_saves():
@@ -126,14 +130,15 @@ def test_real_size_flux_skeleton_on_16gb():
     report = shardkit.estimate_memory(flux, gpu_bytes="16GB", dtype="bf16")
     params = sum(p.numel() for p in flux.parameters())
     assert 11.8e9 < params < 12.0e9
-    assert report.row("none").param_bytes == params * 2
-    assert not report.row("none").fits and not report.row("model+fp8").fits
-    assert report.row("group-block-1").fits and report.row("sequential").peak_bytes < 2 * GB
-    assert report.fitting()[0].spec.name == "group-block-1-stream"
+    assert report.row("gpu").param_bytes == params * 2
+    assert not report.row("gpu").fits and not report.row("model_offload").fits
+    assert report.row("group_block_1").fits and report.row("sequential").peak_bytes < 2 * GB
+    assert report.row("gpu+fp8").peak_bytes < report.row("gpu").peak_bytes
+    assert report.fitting()[0].spec.name == "gpu+fp8"
     doc = json.loads(json.dumps(report.to_dict()))
     assert doc["gpu_bytes"] == 16 * GB and len(doc["strategies"]) == 18
     table = report.table()
-    assert "group-block-1-stream" in table and "GPU budget: 16.00 GB" in table
+    assert "group_block_stream" in table and "GPU budget: 16.00 GB" in table
 
 
 def test_pipeline_mapping_casts_only_the_denoiser():

@@ -22,14 +22,27 @@ peaks, and the planner adds a safety margin on top.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
-
-if TYPE_CHECKING:
-    from .profile import Workload
+from typing import Any, Iterable, Mapping
 
 # Switch sets a component's activation table may contain (sorted names joined with "+").
 NO_SWITCH = ""
 DEFAULT_TEXT_TOKENS = {"clip": 77, "t5": 512}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one pipeline call computes: image size, batch, guidance and the attention kernel."""
+
+    height: int | None = None  # None: the denoiser's default (sample_size x VAE scale), else 1024
+    width: int | None = None
+    batch_size: int = 1
+    guidance: bool | None = None  # None: classifier-free guidance unless the denoiser embeds guidance
+    attention: str = "sdpa"  # "sdpa" (memory-efficient kernels) or "eager" (materialised scores)
+
+
+def switch_key(switches: Iterable[str]) -> str:
+    """The activation-table key of a switch set: sorted names joined with ``+``."""
+    return "+".join(sorted(s for s in switches if s))
 
 
 @dataclass(frozen=True)
@@ -134,7 +147,6 @@ def text_encoder_activations(config: Mapping[str, Any], ctx: Context) -> dict[st
     if ctx.workload.attention == "eager":
         plain += heads * tokens * tokens
     return {NO_SWITCH: plain * _cfg_batch(ctx) * ctx.dtype_bytes}
-
 
 
 def activations_for(role: str, config: Mapping[str, Any], ctx: Context, *, features: set[str]) -> dict[str, int]:

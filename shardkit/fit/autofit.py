@@ -1,32 +1,16 @@
 """Auto-fit: rank the inference setups a pipeline could run with, keep those that fit, pick the fastest.
 
-The planner (:func:`plan_fit`) is pure: it takes :class:`~shardkit.fit_sizes.ComponentProfile`
+The planner (:func:`plan_fit`) is pure: it takes :class:`~shardkit.fit.profile.ComponentProfile`
 numbers (weights per offload unit, activations per switch set), a :class:`Budget` and a
 :class:`Margin`, and returns a :class:`FitPlan`. :func:`fit` builds the profiles from a folder's
-headers and configs (never loading weights) and calls it.
+headers and configs, or from a module (never loading weights), and calls it.
 
-Candidates, by expected time per image relative to everything on one GPU (coarse classes taken
-from the diffusers memory guides; transfers are what cost):
-
-==========================  =====  ======================================================
-setup                       speed  peak on the GPU
-==========================  =====  ======================================================
-all on one GPU              1.0x   Σ weights + largest activation
-balanced across GPUs        1.0x   per GPU: its whole components + their largest activation
-staged (denoiser split)     1.05x  per GPU: its share of denoiser blocks + other components
-model offload               1.25x  largest (component weights + its activations)
-group block, stream         1.35x  unmatched params + 2 adjacent blocks (prefetch) + activations
-group leaf, stream          1.5x   2 largest leaves + activations
-group block, n=4/2/1        1.7x–1.9x  unmatched params + n blocks + activations
-group leaf                  3.0x   largest leaf + activations
-sequential offload          8.0x   largest leaf + activations
-==========================  =====  ======================================================
-
-fp8 layerwise casting multiplies the time by 1.1 and stores castable weights in one byte (plus one
-layer upcast at a time); VAE tiling ×1.03, attention slicing ×1.1, VAE slicing free. Offloading
-setups hold every offloaded weight in CPU RAM. Safety margin (:data:`DEFAULT_MARGIN`): each GPU
-keeps 10% of its budget plus 512 MiB (CUDA context, cuBLAS/cuDNN workspaces, fragmentation) free,
-the CPU 10%.
+The candidates are the strategies of :data:`~shardkit.fit.peaks.STRATEGIES` (their speed classes
+and peak formulas are documented there, and :func:`shardkit.estimate_memory` prices the same
+ones), each with or without fp8 layerwise casting, plus VAE tiling (x1.03), attention slicing
+(x1.1) and VAE slicing (free) where components support them. Safety margin
+(:data:`DEFAULT_MARGIN`): each GPU keeps 10% of its budget plus 512 MiB (CUDA context,
+cuBLAS/cuDNN workspaces, fragmentation) free, the CPU 10%.
 
 >>> plan = fit("sdxl-sharded/", gpu=["8GB"], cpu="24GB")   # doctest: +SKIP
 >>> print(plan)                                           # doctest: +SKIP
@@ -39,19 +23,12 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import InvalidInputError
 from ..units import format_size
-from .candidates import (
-    DEFAULT_MARGIN,
-    PLACEMENTS,
-    Budget,
-    Candidate,
-    Margin,
-    fp8_saving,
-    rank,
-    speed_class,
-)
-from .profile import ComponentProfile, Workload
+from .activations import Workload
+from .candidates import DEFAULT_MARGIN, Budget, Candidate, Margin, rank, speed_class
+from .peaks import STRATEGIES
+from .profile import ComponentProfile
 
-__all__ = ["Budget", "Candidate", "ComponentProfile", "FitError", "FitPlan", "Margin", "PLACEMENTS", "Workload",
+__all__ = ["Budget", "Candidate", "ComponentProfile", "FitError", "FitPlan", "Margin", "STRATEGIES", "Workload",
            "apply_plan", "fit", "plan_fit"]
 
 
@@ -90,19 +67,22 @@ class FitPlan:
             lines.append(f"{c.label} ({c.slowdown:.2f}x): {c.reason}")
         chosen = self.chosen
         if chosen.switches and chosen.plain_reason:
-            plain = " + ".join([chosen.placement.label, *(["fp8 layerwise casting"] if chosen.fp8 else [])])
+            plain = " + ".join([chosen.strategy.label, *(["fp8 layerwise casting"] if chosen.fp8 else [])])
             lines.append(f"{plain} without {', '.join(s.replace('_', ' ') for s in chosen.switches)}: "
                          f"{chosen.plain_reason}")
         return lines
 
     def setup(self) -> dict[str, Any]:
-        """What to install: offload strategy and options, fp8 casting, switches, placement."""
-        placement = self.chosen.placement
+        """What to install: offload and options, fp8 casting, switches, device map.
+
+        ``"placement"`` names the chosen strategy (the key predates the strategy table).
+        """
+        strategy = self.chosen.strategy
         dtype_bytes = max((p.dtype_bytes for p in self.components), default=2)
         return {
-            "placement": placement.name,
-            "offload": placement.offload,
-            "offload_options": dict(placement.offload_options),
+            "placement": strategy.name,
+            "offload": strategy.offload,
+            "offload_options": dict(strategy.offload_options),
             "layerwise_casting": ("float8_e4m3fn", {2: "bfloat16", 4: "float32"}.get(dtype_bytes, "bfloat16"))
             if self.chosen.fp8 else None,
             "switches": list(self.chosen.switches),
@@ -121,7 +101,7 @@ class FitPlan:
                          "guidance": w.guidance, "attention": w.attention},
             "components": [{"name": p.name, "role": p.role, "weight_bytes": p.weight_bytes,
                             "activation_bytes": max(p.activation_bytes.values(), default=0),
-                            "fp8_saving_bytes": fp8_saving(p), "switches": sorted(p.switches()),
+                            "fp8_saving_bytes": p.fp8_saving_bytes, "switches": sorted(p.switches()),
                             "notes": list(p.notes)} for p in self.components],
             "candidates": [c.to_dict() for c in self.candidates],
         }
@@ -147,12 +127,28 @@ def plan_fit(profiles: Sequence[ComponentProfile], budget: Budget, *, workload: 
              exclude: Iterable[str] = (), device: str | None = None) -> FitPlan:
     """Pick the fastest candidate whose estimated peak fits ``budget`` with ``margin``.
 
-    Pure: profiles are plain numbers (see :class:`~shardkit.fit_sizes.ComponentProfile`).
-    Raises :class:`FitError` naming the smallest budget that would fit when none does.
+    Pure: profiles are plain numbers, so tests and tools can plan for fake sizes.
 
-    >>> unet = ComponentProfile("unet", "denoiser", weight_bytes=5 * 10**9, block_bytes=(10**9,) * 4,
-    ...                         leaf_bytes=10**8, activation_bytes={"": 10**9})
-    >>> plan_fit([unet], Budget((8 * 10**9,)), margin=Margin(0.1, 0)).chosen.placement.name
+    Args:
+        profiles: one :class:`~shardkit.fit.profile.ComponentProfile` per component.
+        budget: memory per GPU and for the CPU.
+        workload: what the profiles were computed for (reported only).
+        margin: memory kept free on each device.
+        allow_fp8: whether fp8 layerwise casting may be proposed.
+        streams: whether CUDA-stream strategies may be proposed (False without CUDA).
+        exclude: strategy names or prefixes to drop (``"group"``, ``"staged"``, ``"fp8"``).
+        device: where :func:`apply_plan` will run the model (reported only).
+
+    Returns:
+        The :class:`FitPlan`: the chosen candidate and every candidate ranked.
+
+    Raises:
+        FitError: nothing fits; the message and attributes name the smallest budget that would.
+
+    >>> unet = ComponentProfile.from_totals("unet", "denoiser", weight_bytes=5 * 10**9,
+    ...                                     block_bytes=(10**9,) * 4, leaf_bytes=10**8,
+    ...                                     activation_bytes={"": 10**9})
+    >>> plan_fit([unet], Budget((8 * 10**9,)), margin=Margin(0.1, 0)).chosen.strategy.name
     'gpu'
     """
     if not profiles:
@@ -172,7 +168,7 @@ def _no_fit(candidates: Sequence[Candidate], budget: Budget, margin: Margin) -> 
     """The error for an impossible budget, with the smallest single-device budget that fits."""
     options = []
     for c in candidates:
-        if c.placement.min_gpus > 1 or (c.placement.min_gpus == 1 and not c.peaks.gpu):
+        if c.strategy.min_gpus > 1 or (c.strategy.min_gpus == 1 and not c.peaks.gpu):
             continue
         gpu = margin.budget_for(int(max(c.peaks.gpu, default=0)), gpu=True) if c.peaks.gpu else 0
         cpu = margin.budget_for(int(c.peaks.cpu), gpu=False)
@@ -209,14 +205,26 @@ def fit(target: Any, *, gpu: Iterable[str | int] | str | int | None = None, cpu:
         device: str | None = None) -> FitPlan:
     """Choose the fastest inference setup for ``target`` that fits the memory budget; load nothing.
 
-    ``target`` is a diffusers pipeline folder, one component folder (``unet/``), an ``nn.Module``
-    (a meta skeleton is enough) or a list of :class:`~shardkit.fit_sizes.ComponentProfile`.
-    Budgets: ``gpu=["8GB", "16GB"]`` and ``cpu="24GB"``, or accelerate-style ``max_memory``.
-    ``dtype`` overrides the checkpoint's float dtype (``"bf16"``); ``attention="eager"`` plans
-    for kernels that materialise attention scores. ``exclude`` drops placements by name or
-    prefix (``"group"``, ``"sequential"``, ``"fp8"``). ``device`` is where :func:`apply_plan` runs
-    the model (default ``cuda``); ``device="cpu"`` plans without CUDA streams and exercises the
-    same hooks on the CPU (tests, machines without a GPU).
+    Args:
+        target: a diffusers pipeline folder, one component folder (``unet/``), an ``nn.Module``
+            (a meta skeleton is enough) or a list of :class:`~shardkit.fit.profile.ComponentProfile`.
+        gpu, cpu: budgets, ``gpu=["8GB", "16GB"]`` (one per GPU) and ``cpu="24GB"``.
+        max_memory: accelerate-style budgets instead, ``{0: "8GB", "cpu": "24GB"}``.
+        height, width, batch_size, guidance: the workload (default: the pipeline's image size,
+            1024² for a module; classifier-free guidance unless the denoiser embeds guidance).
+        attention: ``"sdpa"``, or ``"eager"`` for kernels that materialise attention scores.
+        dtype: the load/compute dtype (``"bf16"``; default: the checkpoint's, or the module's).
+        allow_fp8: whether fp8 layerwise casting may be proposed.
+        exclude: strategy names or prefixes to drop (``"group"``, ``"sequential"``, ``"fp8"``).
+        margin: memory kept free on each device.
+        device: where :func:`apply_plan` runs the model (default ``cuda``); ``"cpu"`` plans
+            without CUDA streams and exercises the same hooks on the CPU.
+
+    Returns:
+        The :class:`FitPlan`; ``print(plan)`` explains the choice.
+
+    Raises:
+        FitError: no setup fits; it names the smallest budget that would.
 
     >>> plan = fit("sdxl-sharded/", gpu="8GB", cpu="24GB", height=1024, width=1024)  # doctest: +SKIP
     >>> plan.setup()["offload"], plan.chosen.peak_by_device()                      # doctest: +SKIP
@@ -239,12 +247,18 @@ def fit(target: Any, *, gpu: Iterable[str | int] | str | int | None = None, cpu:
         profiles = list(target)
     elif hasattr(target, "named_parameters"):
         workload = Workload(height or 1024, width or 1024, batch_size, guidance, attention)
-        profiles = [profile_module(target, workload)]
+        profiles = [profile_module(target, workload, dtype_bytes=_dtype_bytes(dtype))]
     else:
         raise InvalidInputError(f"fit needs a folder, an nn.Module or component profiles, got {type(target).__name__}")
     streams = device is None or str(device).startswith("cuda")
     return plan_fit(profiles, budget, workload=workload, margin=margin, allow_fp8=allow_fp8, streams=streams,
                     exclude=exclude, device=device)
+
+
+def _dtype_bytes(dtype: str | None) -> int | None:
+    from ..units import DTYPE_BITS, normalize_dtype
+
+    return DTYPE_BITS[normalize_dtype(dtype)] // 8 if dtype else None
 
 
 def apply_plan(pipe: Any, plan: FitPlan, *, device: str | None = None) -> Any:
@@ -256,7 +270,7 @@ def apply_plan(pipe: Any, plan: FitPlan, *, device: str | None = None) -> Any:
         device: the compute device (default: the plan's, else ``cuda`` when available, else ``cpu``).
 
     Returns:
-        ``pipe``. Multi-GPU placements are chosen at load time (:func:`shardkit.load_pipeline`
+        ``pipe``. Multi-GPU strategies are chosen at load time (:func:`shardkit.load_pipeline`
         passes them as ``device_map``); here they only check that the pipeline was placed.
 
     >>> apply_plan(pipe, fit("sdxl/", gpu="8GB"))   # doctest: +SKIP
@@ -270,7 +284,8 @@ def apply_plan(pipe: Any, plan: FitPlan, *, device: str | None = None) -> Any:
     apply_runtime(pipe, RuntimeSetup(switches=setup["switches"], layerwise_casting=setup["layerwise_casting"] or None,
                                      offload=setup["offload"] or None, offload_options=setup["offload_options"] or {},
                                      device=device))
-    if not setup["offload"] and setup["placement"] in ("gpu", "cpu"):
-        pipe.to(device if setup["placement"] == "gpu" else "cpu")
+    resident = plan.chosen.strategy.resident
+    if resident is not None:
+        pipe.to(device if resident == "device" else "cpu")
     object.__setattr__(pipe, "shardkit_plan", plan)
     return pipe

@@ -1,27 +1,12 @@
-"""Peak accelerator memory per offload strategy, from a meta skeleton and the checkpoint's dtypes.
+"""Peak accelerator memory of every single-GPU strategy, for a model or pipeline skeleton.
 
-Two layers. :func:`measure_component` (:mod:`shardkit.estimate_sizes`) walks a module (a meta
-skeleton is enough) once and reduces it to :class:`ComponentSizes` — plain numbers. :func:`strategy_peaks` is a pure function
-of those numbers: it knows how each diffusers/accelerate hook moves weights and returns one
-:class:`StrategyEstimate` per strategy. The auto-fit planner ranks these same rows.
-
-What each strategy keeps on the accelerator at its peak (``P`` = parameter + buffer bytes):
-
-* ``none``: every component's ``P``.
-* ``model``: the largest component's ``P`` (the previous one is offloaded before the next loads).
-* ``group block_level n``: the component's ungrouped modules (embeddings, norms, heads: kept for
-  the whole forward) plus the largest window of ``n`` consecutive blocks of one ``ModuleList``;
-  with ``use_stream`` the next window is prefetched, so two adjacent windows.
-* ``group leaf_level`` / ``sequential``: the largest single layer plus the tensors owned by
-  non-leaf modules (an upper bound); streams prefetch the next layer (two largest layers).
-* fp8 layerwise casting: cast layers count 1 byte per element, plus the largest cast layer
-  upcast to the compute dtype during its forward.
-
-Activation allowance (documented heuristic, override with ``activation_bytes=``): eight live
-tensors of ``tokens × widest layer output × compute itemsize`` — residual stream, norm output,
-q/k/v, attention output and the MLP's widened hidden state — with ``tokens=4096`` (a 1024² image
-in a Flux-like latent space, batch 1). The CUDA context (~0.3–0.5 GB) is not included: numbers
-compare with ``torch.cuda.max_memory_allocated``.
+The report behind :func:`shardkit.estimate_memory` and ``shardkit plan --strategies``. It prices
+the same :class:`~shardkit.fit.profile.ComponentProfile` (weights per offload unit from
+:mod:`shardkit.fit.weights`, activations from :mod:`shardkit.fit.activations`) with the same
+strategy table (:data:`shardkit.fit.peaks.STRATEGIES`) as :func:`shardkit.fit`, so a strategy has
+one name and one peak everywhere. Unlike ``fit`` it reports every strategy, each without and with
+fp8 layerwise casting, applies no safety margin and proposes no switches. The CUDA context
+(~0.3–0.5 GB) is not included: numbers compare with ``torch.cuda.max_memory_allocated``.
 
 >>> report = estimate_memory(skeleton, gpu_bytes=16 * 10**9, dtype="bf16")   # doctest: +SKIP
 >>> print(report.table())                                                     # doctest: +SKIP
@@ -29,41 +14,47 @@ compare with ``torch.cuda.max_memory_allocated``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import os
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..errors import InvalidInputError
 from ..units import format_size
-from .estimate_sizes import (
-    FP8_ITEMSIZE,
-    ZERO,
-    ComponentSizes,
-    Footprint,
-    ItemSize,
-    measure_component,
-    widest_features,
-)
+from .activations import NO_SWITCH, Workload
+from .peaks import STRATEGIES, Strategy, View
+from .profile import ComponentProfile, profile_module
+from .weights import ComponentSizes, Footprint
 
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["DEFAULT_TOKENS", "FP8_ITEMSIZE", "LIVE_ACTIVATIONS", "ZERO", "ComponentSizes", "Footprint", "MemoryEstimate",
-           "StrategyEstimate", "StrategySpec", "component_peak", "default_activation_bytes", "estimate_memory",
-           "measure_component", "strategy_peaks", "strategy_specs"]
+__all__ = ["DEFAULT_TOKENS", "ComponentSizes", "Footprint", "MemoryEstimate", "StrategyEstimate", "StrategySpec", "estimate_memory",
+           "strategy_peaks", "strategy_specs"]
 
+# 4096 tokens: a 1024² image in a Flux-like latent space (8x VAE, 2x2 patches), batch 1.
 DEFAULT_TOKENS = 4096
-LIVE_ACTIVATIONS = 8
 
 
 @dataclass(frozen=True)
 class StrategySpec:
-    """A candidate setup: arguments for ``apply_offload`` / ``apply_layerwise_casting``."""
+    """A strategy with or without fp8 casting: arguments for ``apply_offload`` / ``apply_layerwise_casting``."""
 
-    name: str
-    offload: str
-    options: Mapping[str, Any]
+    strategy: Strategy
     fp8: bool
     speed_rank: int            # 0 = fastest; a class, not a measurement
+
+    @property
+    def name(self) -> str:
+        return self.strategy.name + ("+fp8" if self.fp8 else "")
+
+    @property
+    def offload(self) -> str:
+        return self.strategy.offload or "none"
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.strategy.offload_options)
 
     @property
     def layerwise_casting(self) -> tuple[str, str] | None:
@@ -72,6 +63,8 @@ class StrategySpec:
 
 @dataclass(frozen=True)
 class StrategyEstimate:
+    """One row: weights (with the running layer's fp8 upcast) and activations at the peak."""
+
     spec: StrategySpec
     param_bytes: int
     activation_bytes: int
@@ -83,79 +76,28 @@ class StrategyEstimate:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "strategy": self.spec.name, "offload": self.spec.offload, "offload_options": dict(self.spec.options),
+            "strategy": self.spec.name, "offload": self.spec.offload, "offload_options": self.spec.options,
             "layerwise_casting": list(self.spec.layerwise_casting or []) or None, "speed_rank": self.spec.speed_rank,
             "param_bytes": self.param_bytes, "activation_bytes": self.activation_bytes,
             "peak_bytes": self.peak_bytes, "fits": self.fits,
         }
 
 
-def _base_specs() -> list[tuple[str, str, dict[str, Any], int]]:
-    block = {"offload_type": "block_level"}
-    return [
-        ("none", "none", {}, 0),
-        ("model", "model", {}, 1),
-        ("group-block-4", "group", {**block, "num_blocks_per_group": 4}, 3),
-        ("group-block-2", "group", {**block, "num_blocks_per_group": 2}, 4),
-        ("group-block-1-stream", "group", {**block, "num_blocks_per_group": 1, "use_stream": True}, 2),
-        ("group-block-1", "group", {**block, "num_blocks_per_group": 1}, 5),
-        ("group-leaf-stream", "group", {"offload_type": "leaf_level", "use_stream": True}, 6),
-        ("group-leaf", "group", {"offload_type": "leaf_level"}, 7),
-        ("sequential", "sequential", {}, 8),
-    ]
-
-
 def strategy_specs() -> list[StrategySpec]:
-    """Every candidate, each without and with fp8 layerwise casting (casting costs one speed class)."""
-    specs = []
-    for name, offload, options, rank in _base_specs():
-        specs.append(StrategySpec(name, offload, options, False, rank * 2))
-        specs.append(StrategySpec(f"{name}+fp8", offload, options, True, rank * 2 + 1))
-    return specs
-
-
-# --- the pure model ------------------------------------------------------------------------------
-
-def _block_peak(sizes: ComponentSizes, n: int, stream: bool, fp8: bool) -> int:
-    if not sizes.block_lists:
-        return sizes.total.pick(fp8)
-    window = 0
-    for blocks in sizes.block_lists:
-        groups = [sum(b.pick(fp8) for b in blocks[i:i + n]) for i in range(0, len(blocks), n)]
-        pairs = [a + b for a, b in zip(groups, groups[1:])] if stream and len(groups) > 1 else groups
-        window = max(window, *pairs)
-    return sizes.rest.pick(fp8) + window
-
-
-def _leaf_peak(sizes: ComponentSizes, stream: bool, fp8: bool) -> int:
-    leaves = sorted((leaf.pick(fp8) for leaf in sizes.leaves), reverse=True) or [sizes.total.pick(fp8)]
-    resident = sum(leaves[:2] if stream else leaves[:1])
-    if fp8:
-        # Only the running layer is upcast; it may be smaller than the largest (uncast) layer.
-        upcast = sizes.upcast_bytes + sizes.upcast_fp8_bytes + (leaves[0] if stream else 0)
-        resident = max(resident, upcast)
-    return resident + sizes.nonleaf.pick(fp8)
-
-
-def component_peak(sizes: ComponentSizes, spec: StrategySpec) -> int:
-    """Parameter bytes ``sizes`` keeps on the accelerator at its peak under ``spec`` (pure)."""
-    fp8, options = spec.fp8, spec.options
-    if spec.offload in ("none", "model"):
-        return sizes.total.pick(fp8) + (sizes.upcast_bytes if fp8 else 0)
-    if spec.offload == "group" and options.get("offload_type") == "block_level":
-        peak = _block_peak(sizes, int(options.get("num_blocks_per_group", 1)), bool(options.get("use_stream")), fp8)
-        return peak + (sizes.upcast_bytes if fp8 else 0)
-    return _leaf_peak(sizes, bool(options.get("use_stream")), fp8)
+    """Every single-GPU strategy without and with fp8 casting, fastest first (as :func:`shardkit.fit` ranks)."""
+    pairs = sorted(((s, fp8) for s in STRATEGIES if s.min_gpus == 1 for fp8 in (False, True)),
+                   key=lambda pair: pair[0].slowdown_with(pair[1]))
+    return [StrategySpec(s, fp8, rank) for rank, (s, fp8) in enumerate(pairs)]
 
 
 def strategy_peaks(
-    components: Sequence[ComponentSizes], *, activation_bytes: int = 0, gpu_bytes: int | None = None,
+    components: Sequence[ComponentSizes], *, activation_bytes: int | Sequence[int] = 0, gpu_bytes: int | None = None,
     specs: Sequence[StrategySpec] | None = None,
 ) -> list[StrategyEstimate]:
     """One :class:`StrategyEstimate` per spec for a model (one component) or a pipeline (several).
 
-    Pure: a function of the sizes only. ``none`` keeps every component resident; every offload
-    strategy runs one component at a time, so its peak is the largest component's.
+    Pure: a function of the sizes only. ``activation_bytes`` is one number for every component or
+    one per component.
 
     >>> c = ComponentSizes("m", Footprint(100, 40), rest=Footprint(10, 10),
     ...                    block_lists=((Footprint(45, 15), Footprint(45, 15)),))
@@ -164,18 +106,15 @@ def strategy_peaks(
     """
     if not components:
         raise InvalidInputError("memory estimate: no components with parameters")
+    acts = [activation_bytes] * len(components) if isinstance(activation_bytes, int) else list(activation_bytes)
     rows = []
     for spec in specs if specs is not None else strategy_specs():
-        peaks = [component_peak(c, spec) for c in components]
-        params = sum(peaks) if spec.offload == "none" else max(peaks)
-        fits = None if gpu_bytes is None else params + activation_bytes <= gpu_bytes
-        rows.append(StrategyEstimate(spec, params, activation_bytes, fits))
+        views = [View(c.name, "", c, spec.fp8, a) for c, a in zip(components, acts)]
+        peaks = spec.strategy.peaks(views, ())
+        peak, act = peaks.gpu[0], peaks.activation_bytes
+        fits = None if gpu_bytes is None else peak <= gpu_bytes
+        rows.append(StrategyEstimate(spec, peak - act, act, fits))
     return rows
-
-
-def default_activation_bytes(widest_features: int, itemsize: int, *, tokens: int = DEFAULT_TOKENS) -> int:
-    """The documented allowance: ``8 × tokens × widest layer output × itemsize``."""
-    return LIVE_ACTIVATIONS * tokens * widest_features * itemsize
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -224,17 +163,28 @@ class MemoryEstimate:
 
 def estimate_memory(
     skeleton: Any, *, gpu_bytes: int | str | None = None, dtype: Any = None, checkpoint: Any = None,
-    activation_bytes: int | None = None, tokens: int = DEFAULT_TOKENS, compute_dtype: Any = "bfloat16",
+    activation_bytes: int | None = None, tokens: int = DEFAULT_TOKENS, compute_dtype: Any = None,
     cast_components: Sequence[str] | None = None,
 ) -> MemoryEstimate:
-    """Estimate the peak accelerator memory of every offload strategy, with and without fp8 casting.
+    """Estimate the peak accelerator memory of every single-GPU strategy, with and without fp8 casting.
 
-    ``skeleton``: an ``nn.Module`` (a meta skeleton from ``init_empty_weights`` is enough), a
-    ``{name: module}`` mapping or a diffusers pipeline. Bytes per element come from ``dtype``
-    (what ``load_model(dtype=)`` would cast floating tensors to), else from the ``checkpoint``
-    headers (a file/folder, or for a mapping a pipeline folder with one subfolder per
-    component), else from the skeleton. fp8 applies to ``cast_components`` (default: the
-    denoiser, or the single module).
+    Args:
+        skeleton: an ``nn.Module`` (a meta skeleton from ``init_empty_weights`` is enough), a
+            ``{name: module}`` mapping or a diffusers pipeline.
+        gpu_bytes: the GPU size rows are marked ``fits`` against (``"16GB"`` or bytes; no margin).
+        dtype: the load dtype floats are priced at (what ``load_model(dtype=)`` would cast to);
+            else the ``checkpoint`` headers' dtypes, else the skeleton's.
+        checkpoint: a file/folder whose headers give the dtypes; for a mapping or pipeline, a
+            pipeline folder with one subfolder per component.
+        activation_bytes: override the activation estimate (bytes, every component).
+        tokens: the workload, as latent tokens of a square image of side ``16·√tokens`` pixels
+            (4096: 1024², batch 1) that :mod:`shardkit.fit.activations` prices.
+        compute_dtype: the compute dtype of activations and fp8 upcasts (default: the load dtype).
+        cast_components: components fp8 casting applies to (default: the denoiser, or the module).
+
+    Returns:
+        A :class:`MemoryEstimate`: one row per strategy (names as :func:`shardkit.fit` uses them,
+        ``+fp8`` for casting), the component sizes and notes on where the numbers came from.
 
     >>> with accelerate.init_empty_weights():                                   # doctest: +SKIP
     ...     unet = UNet2DConditionModel.from_config(config)
@@ -248,26 +198,35 @@ def estimate_memory(
     modules = _component_modules(skeleton)
     per_component = not isinstance(skeleton, nn.Module)
     budget = None if gpu_bytes is None else parse_size(gpu_bytes, name="gpu size")
-    load_dtype, compute = _resolve(dtype), _resolve(compute_dtype)
+    load, compute = _itemsize(dtype), _itemsize(compute_dtype)
     if not per_component:
         cast_names = set(modules)
     else:
         cast_names = set(cast_components if cast_components is not None else DEFAULT_PIPELINE_COMPONENTS)
-    notes, components = [], []
+    side = 16 * math.isqrt(tokens)
+    profiles, notes = [], []
     for name, module in modules.items():
-        headers = _checkpoint_itemsizes(checkpoint, name, per_component)
-        itemsize = _itemsize_fn(load_dtype, headers)
-        components.append(measure_component(module, name=name, itemsize=itemsize, cast=name in cast_names,
-                                            compute_itemsize=compute.itemsize))
-        notes.append(f"{name}: dtypes from {'dtype=' + str(load_dtype) if load_dtype else 'checkpoint headers' if headers else 'the skeleton'}")
-    if activation_bytes is None:
-        largest = max(modules, key=lambda n: next(c for c in components if c.name == n).total.plain_bytes)
-        activation_bytes = default_activation_bytes(widest_features(modules[largest]), compute.itemsize, tokens=tokens)
-        notes.append(f"activations: {LIVE_ACTIVATIONS} x {tokens} tokens x widest layer of {largest} x {compute.itemsize} B "
-                     "(heuristic; pass activation_bytes= to override)")
+        stored = _checkpoint_bytes(checkpoint, name, per_component)
+        profile = profile_module(module, Workload(side, side), name=name, dtype_bytes=load, stored_bytes=stored,
+                                 cast=name in cast_names, compute_bytes=compute)
+        if activation_bytes is not None:
+            profile = replace(profile, activation_bytes={NO_SWITCH: activation_bytes})
+        profiles.append(profile)
+        source = f"dtype={dtype}" if load else "checkpoint headers" if stored else "the skeleton"
+        notes.append(f"{name}: dtypes from {source}")
+    notes.append(f"activations: {side}x{side} image, batch 1 (shardkit.fit.activations; pass activation_bytes= "
+                 "to override)" if activation_bytes is None else "activations: given")
     notes.append("peaks exclude the CUDA context (~0.3-0.5 GB); fp8 rows cast " + ", ".join(sorted(cast_names & set(modules))))
-    rows = strategy_peaks(components, activation_bytes=activation_bytes, gpu_bytes=budget)
-    return MemoryEstimate(rows, components, budget, notes)
+    return report(profiles, gpu_bytes=budget, notes=notes)
+
+
+def report(profiles: Sequence[ComponentProfile], *, gpu_bytes: int | None = None,
+           notes: Sequence[str] = ()) -> MemoryEstimate:
+    """The :class:`MemoryEstimate` of profiles, as :func:`shardkit.fit` would price them without switches."""
+    components = [p.weights for p in profiles]
+    acts = [p.activation_bytes.get(NO_SWITCH, 0) for p in profiles]
+    return MemoryEstimate(strategy_peaks(components, activation_bytes=acts, gpu_bytes=gpu_bytes), components,
+                          gpu_bytes, list(notes))
 
 
 def _component_modules(skeleton: Any) -> dict[str, "nn.Module"]:
@@ -283,16 +242,15 @@ def _component_modules(skeleton: Any) -> dict[str, "nn.Module"]:
     raise InvalidInputError(f"memory estimate needs an nn.Module, a {{name: module}} mapping or a pipeline, got {type(skeleton).__name__}")
 
 
-def _resolve(value: Any) -> Any:
+def _itemsize(value: Any) -> int | None:
     from ..formats.dtypes import resolve_torch_dtype
 
-    return resolve_torch_dtype(value)
+    resolved = resolve_torch_dtype(value)
+    return None if resolved is None else resolved.itemsize
 
 
-def _checkpoint_itemsizes(checkpoint: Any, name: str, per_component: bool) -> dict[str, float]:
-    """Tensor name → bytes per element from the checkpoint headers (no tensor data is read)."""
-    import os
-
+def _checkpoint_bytes(checkpoint: Any, name: str, per_component: bool) -> dict[str, int]:
+    """Tensor name → stored bytes from the checkpoint headers (no tensor data is read)."""
     from ..sources import open_source
 
     if checkpoint is None:
@@ -306,22 +264,4 @@ def _checkpoint_itemsizes(checkpoint: Any, name: str, per_component: bool) -> di
         if not os.path.isdir(checkpoint):
             return {}
     with open_source(checkpoint) as source:
-        return {e.name: e.nbytes / max(1, _numel(e.shape)) for e in source.entries()}
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _itemsize_fn(load_dtype: Any, headers: dict[str, float]) -> ItemSize:
-    def itemsize(name: str, tensor: Any) -> float:
-        if load_dtype is not None and tensor.is_floating_point():
-            return load_dtype.itemsize
-        if name in headers:
-            return headers[name]
-        return tensor.element_size()
-
-    return itemsize
+        return {e.name: e.nbytes for e in source.entries()}
