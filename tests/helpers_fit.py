@@ -38,3 +38,14 @@ def swap_in_vq_vae(folder: Path) -> None:
     index = json.loads((folder / "model_index.json").read_text())
     index["vae"] = ["diffusers", "VQModel"]
     (folder / "model_index.json").write_text(json.dumps(index))
+
+
+# The SDXL base UNet (stabilityai/stable-diffusion-xl-base-1.0 unet/config.json, the fields that shape it).
+SDXL_UNET_CONFIG: dict[str, Any] = {
+    "_class_name": "UNet2DConditionModel", "addition_embed_type": "text_time", "addition_embed_type_num_heads": 64,
+    "addition_time_embed_dim": 256, "attention_head_dim": [5, 10, 20], "block_out_channels": [320, 640, 1280],
+    "cross_attention_dim": 2048, "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+    "in_channels": 4, "layers_per_block": 2, "norm_num_groups": 32, "out_channels": 4,
+    "projection_class_embeddings_input_dim": 2816, "sample_size": 128, "transformer_layers_per_block": [1, 2, 10],
+    "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"], "use_linear_projection": True,
+}
