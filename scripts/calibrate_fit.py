@@ -84,8 +84,8 @@ def cpu_rows(height: int, width: int) -> list[str]:
     import torch
     from diffusers import UNet2DConditionModel
 
+    from shardkit.fit.activations import Workload
     from shardkit.fit.profile import profile_module
-    from shardkit.fit.profile import Workload
 
     rows = []
     for name, config in SMALL_UNETS.items():
@@ -109,9 +109,10 @@ def gpu_rows(checkpoint: str | None, height: int, width: int, steps: int) -> lis
     import torch
     from diffusers import UNet2DConditionModel
 
-    from shardkit.fit.autofit import Budget, Margin
-    from shardkit.fit.candidates import PLACEMENTS, evaluate
-    from shardkit.fit.profile import Workload, profile_module
+    from shardkit.fit.activations import Workload
+    from shardkit.fit.candidates import Budget, Margin, evaluate
+    from shardkit.fit.peaks import STRATEGIES
+    from shardkit.fit.profile import profile_module
 
     def build() -> Any:
         if checkpoint:
@@ -127,9 +128,9 @@ def gpu_rows(checkpoint: str | None, height: int, width: int, steps: int) -> lis
     del probe
     budget = Budget((torch.cuda.get_device_properties(0).total_memory,))
     rows = ["| setup | est. peak GB | measured peak GB | est/meas | s/step |", "|---|---:|---:|---:|---:|"]
-    for placement in [p for p in PLACEMENTS if p.min_gpus == 1]:
+    for strategy in [s for s in STRATEGIES if s.min_gpus == 1]:
         for fp8 in (False, True):
-            cand = evaluate(placement, fp8, [profile], budget, Margin(0.0, 0))
+            cand = evaluate(strategy, fp8, [profile], budget, Margin(0.0, 0))
             model = build()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -140,8 +141,8 @@ def gpu_rows(checkpoint: str | None, height: int, width: int, steps: int) -> lis
 
             if fp8:
                 apply_layerwise_casting(model, "float8_e4m3fn", "float16")
-            if placement.offload:
-                apply_offload(model, placement.offload, device="cuda", **dict(placement.offload_options))
+            if strategy.offload:
+                apply_offload(model, strategy.offload, device="cuda", **dict(strategy.offload_options))
             else:
                 model.to("cuda")
             inputs = unet_inputs(model, height, width, 2, "cuda", torch.float16)
