@@ -10,12 +10,10 @@ from accelerate import init_empty_weights
 
 import shardkit
 from shardkit.errors import InvalidInputError
-from shardkit.fit.activations import NO_SWITCH, Workload
 from shardkit.fit.estimate import ComponentSizes, Footprint, strategy_peaks, strategy_specs
-from shardkit.fit.profile import profile_module
 from shardkit.fit.weights import cast_layers_of, measure, module_tensors
 
-from helpers_offload import PlainNet, flux_inputs, plain_net, tiny_flux_transformer
+from helpers_offload import PlainNet, plain_net, tiny_flux_transformer
 
 GB = 10**9
 

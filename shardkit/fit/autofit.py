@@ -28,7 +28,7 @@ from .candidates import DEFAULT_MARGIN, Budget, Candidate, Margin, rank, speed_c
 from .peaks import STRATEGIES
 from .profile import ComponentProfile
 
-__all__ = ["Budget", "Candidate", "ComponentProfile", "FitError", "FitPlan", "Margin", "STRATEGIES", "Workload",
+__all__ = ["STRATEGIES", "Budget", "Candidate", "ComponentProfile", "FitError", "FitPlan", "Margin", "Workload",
            "apply_plan", "fit", "plan_fit"]
 
 

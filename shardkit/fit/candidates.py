@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from ..devices import gpu_and_cpu_bytes, parse_max_memory
 from ..errors import InvalidInputError
 from ..units import format_size, parse_size
-from .peaks import CPU_STRATEGY, SWITCH_SLOWDOWN, STRATEGIES, Peaks, Strategy, view_of
+from .peaks import CPU_STRATEGY, STRATEGIES, SWITCH_SLOWDOWN, Peaks, Strategy, view_of
 from .profile import ComponentProfile
 
 
@@ -46,7 +46,7 @@ class Budget:
 
     @classmethod
     def parse(cls, gpu: Iterable[str | int] | str | int | None = None, cpu: str | int | None = None,
-              max_memory: Mapping[Any, Any] | None = None) -> "Budget":
+              max_memory: Mapping[Any, Any] | None = None) -> Budget:
         """From ``gpu=["8GB", "16GB"], cpu="24GB"`` or accelerate-style ``max_memory={0: "8GB", "cpu": ...}``."""
         gpus = [gpu] if isinstance(gpu, (str, int)) else list(gpu or [])
         gpu_bytes: tuple[int, ...] = tuple(parse_size(g, name="GPU budget") for g in gpus)

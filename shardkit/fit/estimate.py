@@ -214,8 +214,9 @@ def estimate_memory(
         profiles.append(profile)
         source = f"dtype={dtype}" if load else "checkpoint headers" if stored else "the skeleton"
         notes.append(f"{name}: dtypes from {source}")
-    notes.append(f"activations: {side}x{side} image, batch 1 (shardkit.fit.activations; pass activation_bytes= "
-                 "to override)" if activation_bytes is None else "activations: given")
+    notes.append(f"activations: {side}x{side} image, batch 1, x2 under classifier-free guidance "
+                 "(shardkit.fit.activations; pass activation_bytes= to override)"
+                 if activation_bytes is None else "activations: given")
     notes.append("peaks exclude the CUDA context (~0.3-0.5 GB); fp8 rows cast " + ", ".join(sorted(cast_names & set(modules))))
     return report(profiles, gpu_bytes=budget, notes=notes)
 
@@ -229,7 +230,7 @@ def report(profiles: Sequence[ComponentProfile], *, gpu_bytes: int | None = None
                           gpu_bytes, list(notes))
 
 
-def _component_modules(skeleton: Any) -> dict[str, "nn.Module"]:
+def _component_modules(skeleton: Any) -> dict[str, nn.Module]:
     from torch import nn
 
     if isinstance(skeleton, nn.Module):

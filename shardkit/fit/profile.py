@@ -54,7 +54,7 @@ class ComponentProfile:
     @classmethod
     def from_totals(cls, name: str, role: str, *, weight_bytes: int, dtype_bytes: int = 2,
                     activation_bytes: Mapping[str, int] | None = None, notes: tuple[str, ...] = (),
-                    **units: Any) -> "ComponentProfile":
+                    **units: Any) -> ComponentProfile:
         """A hand-written profile: ``units`` are :func:`~shardkit.fit.weights.coarse_sizes` keywords."""
         sizes = coarse_sizes(name, weight_bytes, dtype_bytes=dtype_bytes, **units)
         return cls(name, role, sizes, dtype_bytes, dict(activation_bytes or {NO_SWITCH: 0}), notes)

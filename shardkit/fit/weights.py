@@ -45,7 +45,7 @@ class Footprint:
     def pick(self, fp8: bool) -> int:
         return self.fp8_bytes if fp8 else self.plain_bytes
 
-    def __add__(self, other: "Footprint") -> "Footprint":
+    def __add__(self, other: Footprint) -> Footprint:
         return Footprint(self.plain_bytes + other.plain_bytes, self.fp8_bytes + other.fp8_bytes)
 
 
