@@ -52,6 +52,19 @@ LOSSLESS_TARGETS = frozenset({"F32", "F16", "BF16", "F64"})
 def parse_size(value: str | int, *, name: str = "size") -> int:
     """Parse a size such as ``"5GB"``, ``"2GiB"``, ``"1.5GB"``, ``"500MB"`` or ``1000`` into bytes.
 
+    ``KB``/``MB``/``GB``/``TB`` are powers of 10 and ``KiB``/``MiB``/``GiB``/``TiB`` powers of 2;
+    units are case-insensitive, a bare number is a byte count, and fractions are truncated.
+
+    Args:
+        value: a size string with an optional unit, or an ``int`` byte count.
+        name: what the size is, for the error message (``"max_shard_size"``...).
+
+    Returns:
+        The size in bytes, greater than zero and below 2**63.
+
+    Raises:
+        InvalidSizeError: ``value`` is not a size, is not positive, or is too large for a file.
+
     >>> parse_size("5GB"), parse_size("1GiB"), parse_size(42)
     (5000000000, 1073741824, 42)
     """
@@ -89,7 +102,20 @@ def _shown(value: object) -> str:
 
 
 def format_size(size_bytes: int) -> str:
-    """Human-readable decimal size: ``format_size(5_000_000_000) == '5.00 GB'``."""
+    """Format a byte count as a short human-readable decimal size.
+
+    Units step by 1000 (as :func:`parse_size` reads ``KB``/``MB``/``GB``/``TB``), up to ``TB``;
+    byte counts under 1000 print as integers.
+
+    Args:
+        size_bytes: the number of bytes.
+
+    Returns:
+        A string such as ``"512 B"``, ``"1.50 MB"`` or ``"5.00 GB"``.
+
+    >>> format_size(5_000_000_000), format_size(512)
+    ('5.00 GB', '512 B')
+    """
     step = 1000.0
     value = float(size_bytes)
     for unit in ("B", "KB", "MB", "GB", "TB"):

@@ -21,12 +21,12 @@ removed) or the new one (renamed after every shard it names).
 Right after a crash past the commit point the folder is *pending* (journal present, possibly no
 index): not yet the complete new checkpoint. Policy: every shardkit entry point settles it first.
 Writers recover under the folder lock; :func:`shardkit.sources.open_source` (split, convert,
-info) and ``verify`` roll the journal forward when the folder is writable (:func:`shardkit.snapshot.settle`), wait
+info) and ``verify`` roll the journal forward when the folder is writable (:func:`shardkit.atomic.snapshot.settle`), wait
 while a live writer is mid-commit, and give a one-line error naming ``shardkit recover
 FOLDER`` when it is read-only; the lazy ``shardkit.open``, which never writes, refuses a pending
 folder with a one-line error. Other tools see no index during that window, never a wrong one.
 
-Readers take a consistent snapshot without a lock: see :mod:`shardkit.snapshot`.
+Readers take a consistent snapshot without a lock: see :mod:`shardkit.atomic.snapshot`.
 
 Temporary files carry the writer's pid (``.shardkit-tmp-<pid>-<hex>-<name>``) and are removed
 by the next writer or :func:`recover` once that pid is gone; staging folders are removed once

@@ -1,10 +1,10 @@
 """The replace path's journal, and recovery from a crash at any step of a commit.
 
-:class:`~shardkit.commit.OutputTransaction` writes ``.shardkit-journal.json`` (the commit point)
+:class:`~shardkit.atomic.commit.OutputTransaction` writes ``.shardkit-journal.json`` (the commit point)
 naming every removal and rename; :func:`roll_forward` applies it idempotently, so a crash while
 applying it is rolled forward again by the next call. :func:`recover` does that under the
 folder's ``flock`` and removes the temporary files and staging folders of writers that died.
-See :mod:`shardkit.commit` for the whole protocol.
+See :mod:`shardkit.atomic.commit` for the whole protocol.
 """
 
 from __future__ import annotations

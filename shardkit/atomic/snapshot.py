@@ -1,6 +1,6 @@
 """Reading a checkpoint folder that another process may be rewriting: one version, never a mix.
 
-The read side of :mod:`shardkit.commit`. Readers take no lock: :func:`read_consistently` notes
+The read side of :mod:`shardkit.atomic.commit`. Readers take no lock: :func:`read_consistently` notes
 the folder's state (every visible file's name, inode, size and mtime, plus the journal), runs the
 opener — which keeps a descriptor on every file it will read, so later reads see those inodes even
 if a writer replaces them — and checks that the state did not change; otherwise it retries. A

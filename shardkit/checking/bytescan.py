@@ -91,7 +91,7 @@ def scan_file(path: str, entries: list[TensorEntry], *, comparator: TensorCompar
               tick: TickFn | None = None) -> ScanResult:
     """Read ``path`` start to end; hash it and compare the ``entries`` that ``comparator`` knows.
 
-    ``entries`` carry absolute offsets (as :func:`shardkit.format.parse_header` gives them).
+    ``entries`` carry absolute offsets (as :func:`shardkit.formats.header.parse_header` gives them).
     A read error is reported in ``error`` rather than raised: the caller turns it into a finding.
     """
     tick = tick or (lambda n: None)

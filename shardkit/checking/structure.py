@@ -1,6 +1,6 @@
 """Structural checks of one safetensors checkpoint, collecting every problem instead of raising.
 
-Used by :mod:`shardkit.verification`: a file, or a sharded folder with its index. Each header
+Used by :mod:`shardkit.checking.verify`: a file, or a sharded folder with its index. Each header
 is parsed on its own, so one corrupt shard does not hide the problems of the others, and a
 truncated shard still yields its tensor list (the tensors past the end are named).
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import struct
 from dataclasses import dataclass, field
 
 from ..errors import (
@@ -19,7 +18,7 @@ from ..errors import (
     InvalidInputError,
     SourceNotFoundError,
 )
-from ..formats.header import MAX_HEADER_BYTES, Header, TensorEntry, parse_header
+from ..formats.header import Header, TensorEntry, parse_header, read_header_bytes
 from ..formats.index import MAX_INDEX_BYTES, check_shard_name
 
 _INDEX_NAME_RE = re.compile(r"^(?P<prefix>.+)\.safetensors\.index(?:\.(?P<variant>[^.]+))?\.json$")
@@ -128,15 +127,7 @@ def read_shard_header(path: str, name: str, problems: list[Problem]) -> HeaderRe
     """Parse one file's header; truncation and trailing bytes become problems, not errors."""
     try:
         with open(path, "rb") as f:
-            file_bytes = os.fstat(f.fileno()).st_size
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise HeaderError(f"file is {file_bytes} bytes, too short to be safetensors (truncated?)")
-            (header_bytes,) = struct.unpack("<Q", prefix)
-            if header_bytes > MAX_HEADER_BYTES or 8 + header_bytes > file_bytes or header_bytes < 2:
-                raise HeaderError(f"header length {header_bytes} is impossible for a {file_bytes}-byte file "
-                                  "(truncated or not a safetensors file)")
-            raw = f.read(header_bytes)
+            raw, file_bytes = read_header_bytes(f, path)
         header = parse_header(raw, path=path)
     except HeaderError as e:
         problems.append(Problem(name, None, str(e).removeprefix(f"{path}: ")))

@@ -12,6 +12,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 from ..errors import HeaderError, SourceNotFoundError
 from ..units import DTYPE_BITS
@@ -27,6 +28,14 @@ class TensorEntry:
 
     ``file`` and ``offset`` (absolute byte offset in ``file``) are set when the bytes lie
     contiguously in a file on disk, which lets the writer copy them kernel-side.
+
+    Attributes:
+        name: the tensor's key in the checkpoint.
+        dtype: a safetensors dtype code (``"F32"``, ``"BF16"``, ``"F8_E4M3"``...).
+        shape: the tensor's dimensions.
+        nbytes: bytes of its data (sub-byte dtypes rounded up).
+        file: the file holding the bytes, or None for tensors that are not in a file.
+        offset: absolute byte offset of the data in ``file``.
     """
 
     name: str
@@ -39,7 +48,15 @@ class TensorEntry:
 
 @dataclass
 class Header:
-    """A parsed, validated safetensors header. ``entries`` are in data-offset order."""
+    """A parsed, validated safetensors header, as :func:`read_header` returns it.
+
+    Attributes:
+        path: the file the header was read from.
+        entries: one :class:`TensorEntry` per tensor, in data-offset order.
+        metadata: the ``__metadata__`` string map (empty when absent).
+        data_start: absolute byte offset where the data buffer begins (8 + header length).
+        file_bytes: the file's size; equal to the end of the last tensor's data.
+    """
 
     path: str
     entries: list[TensorEntry]
@@ -48,11 +65,27 @@ class Header:
     file_bytes: int = 0
 
     def by_name(self) -> dict[str, TensorEntry]:
+        """The entries keyed by tensor name."""
         return {e.name: e for e in self.entries}
 
 
 def read_header(path: str | os.PathLike[str]) -> Header:
     """Read and fully validate the header of a safetensors file.
+
+    Only the header is read, never the tensor data. Validation covers the length prefix, the
+    JSON (UTF-8, no duplicate names), every entry's dtype, shape and byte count, and the data
+    offsets, which must tile the buffer with no gap or overlap and end exactly at the end of
+    the file.
+
+    Args:
+        path: a ``.safetensors`` file.
+
+    Returns:
+        The :class:`Header`, entries in data-offset order with absolute offsets.
+
+    Raises:
+        SourceNotFoundError: ``path`` does not exist.
+        HeaderError: the file is truncated, not safetensors, or its header is inconsistent.
 
     >>> header = read_header("model.safetensors")  # doctest: +SKIP
     >>> [e.name for e in header.entries][:2]         # doctest: +SKIP
@@ -61,26 +94,46 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     path = os.fspath(path)
     try:
         with open(path, "rb") as f:
-            file_bytes = os.fstat(f.fileno()).st_size
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise HeaderError(f"{path}: file is {file_bytes} bytes, too short to be safetensors (truncated?)")
-            (header_bytes,) = struct.unpack("<Q", prefix)
-            _check_header_length(path, header_bytes, file_bytes)
-            raw = f.read(header_bytes)
+            raw, file_bytes = read_header_bytes(f, path)
     except FileNotFoundError as e:
         raise SourceNotFoundError(f"{path}: no such file") from e
     except IsADirectoryError as e:
         raise HeaderError(f"{path}: is a directory, expected a .safetensors file") from e
+    return parse_header(raw, path=path, file_bytes=file_bytes)
+
+
+def read_header_bytes(f: BinaryIO, path: str) -> tuple[bytes, int]:
+    """Read the length prefix and the header JSON bytes of an open safetensors file.
+
+    The length is checked against the file's size before anything that large is read, so a
+    corrupt prefix never allocates gigabytes.
+
+    Args:
+        f: the file, opened for binary reading and positioned at its start.
+        path: its name, for error messages.
+
+    Returns:
+        ``(raw, file_bytes)``: the header JSON bytes (without the prefix) and the file's size.
+
+    Raises:
+        HeaderError: the file is too short, or the length prefix is impossible for it.
+    """
+    file_bytes = os.fstat(f.fileno()).st_size
+    prefix = f.read(8)
+    if len(prefix) < 8:
+        raise HeaderError(f"{path}: file is {file_bytes} bytes, too short to be safetensors (truncated?)")
+    (header_bytes,) = struct.unpack("<Q", prefix)
+    _check_header_length(path, header_bytes, file_bytes)
+    raw = f.read(header_bytes)
     if len(raw) != header_bytes:
         raise HeaderError(f"{path}: header is truncated")
-    return parse_header(raw, path=path, file_bytes=file_bytes)
+    return raw, file_bytes
 
 
 def _check_header_length(path: str, header_bytes: int, file_bytes: int) -> None:
     if header_bytes > MAX_HEADER_BYTES:
         raise HeaderError(
-            f"{path}: header claims {header_bytes} bytes, over the {MAX_HEADER_BYTES}-byte limit "
+            f"{path}: header length {header_bytes} is over the {MAX_HEADER_BYTES}-byte limit "
             "(corrupt or not a safetensors file)"
         )
     if 8 + header_bytes > file_bytes:
@@ -213,7 +266,7 @@ def build_header(
 
     >>> head, begins = build_header([TensorEntry("w", "F32", (2,), 8)])
     >>> head[:8], begins
-    (b'P\\x00\\x00\\x00\\x00\\x00\\x00\\x00', [0])
+    (b'8\\x00\\x00\\x00\\x00\\x00\\x00\\x00', [0])
     """
     doc: dict[str, object] = {}
     if metadata:

@@ -41,7 +41,23 @@ def infer_device_map(skeleton: Any, strategy: str, *, max_memory: dict[Device, i
 
 @dataclass
 class DevicePlan:
-    """Where each module goes, and how many bytes land on each device."""
+    """Where each module goes, and how many bytes land on each device.
+
+    Returned by :func:`plan_device_map`; ``table()`` renders it for people, ``to_dict()`` as JSON.
+    Devices are GPU indices (``0``, ``1``...), ``"mps"``, ``"cpu"`` or ``"disk"``.
+
+    Attributes:
+        model: the model's class name.
+        strategy: the placement strategy (``"auto"``, ``"balanced"``...).
+        dtype: the dtype the sizes assume (``"bfloat16"``...), or the dominant one of the model.
+        device_map: module name → device, as accelerate's ``device_map`` takes it.
+        module_bytes: module name → bytes of its parameters and buffers.
+        max_memory: the budget per device, in bytes.
+        total_bytes: bytes of the whole model.
+        parameters: the number of parameters.
+        checkpoint: the checkpoint the sizes came from, if one was given.
+        device_bytes: device → bytes placed there (computed from the map when not given).
+    """
 
     model: str
     strategy: str
@@ -73,6 +89,7 @@ class DevicePlan:
         return sorted(seen, key=lambda d: (0, d) if isinstance(d, int) else (order.get(d, 4), 0))
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: the fields, ``offloaded_bytes``, per-device totals and per-module rows."""
         return {
             "model": self.model,
             "checkpoint": self.checkpoint,
@@ -144,8 +161,32 @@ def plan_device_map(model: Any, *, config: Any = None, checkpoint: Any = None, m
                     no_split_module_classes: list[str] | None = None) -> DevicePlan:
     """Compute, without loading a byte, where each module of ``model`` would go.
 
-    With ``checkpoint`` the dtypes and sizes come from its headers (``dtype`` still overrides) and
-    its keys are checked against the skeleton. Devices in ``max_memory`` need not exist here.
+    The model is built on the meta device and placed by accelerate. With ``checkpoint`` the
+    dtypes and sizes come from its headers (``dtype`` still overrides) and its keys are checked
+    against the skeleton. Devices in ``max_memory`` need not exist here: a plan for two GPUs
+    can be made on a laptop.
+
+    Args:
+        model: a ``"diffusers:Class"`` / ``"transformers:Class"`` string or class (with
+            ``config``), any ``nn.Module`` factory, or a skeleton on the meta device.
+        config: the model's config: a dict, a ``config.json`` path or the folder holding it.
+        checkpoint: a path for :func:`shardkit.open` or an open checkpoint; optional.
+        max_memory: the budget per device, e.g. ``{0: "16GB", "cpu": "64GB"}`` (sizes as
+            :func:`shardkit.parse_size` reads them).
+        dtype: the dtype to size the weights in (``"bf16"``, ``torch.float16``...); None keeps
+            the checkpoint's or the model's.
+        device_map: the strategy: ``"auto"``, ``"balanced"``, ``"balanced_low_0"``,
+            ``"sequential"`` or ``"cpu"``.
+        no_split_module_classes: module classes kept whole on one device; None uses the
+            model's ``_no_split_modules``.
+
+    Returns:
+        A :class:`DevicePlan`.
+
+    Raises:
+        InvalidInputError: ``max_memory`` is missing or invalid, ``device_map`` is not a
+            strategy name, the model cannot be built, or accelerate cannot place it.
+        KeyMismatchError: the checkpoint's keys or shapes do not match the model.
 
     >>> plan = plan_device_map("diffusers:FluxTransformer2DModel", config="flux/config.json",
     ...                        max_memory={0: "16GB", 1: "16GB", "cpu": "64GB"}, dtype="bf16")  # doctest: +SKIP

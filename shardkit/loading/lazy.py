@@ -2,7 +2,7 @@
 
 ``open`` takes a single file, an index, a sharded folder (transformers or diffusers naming,
 variants) or a diffusers component folder. Nothing but the index is read up front; a shard's
-header is read and validated (with :mod:`shardkit.format`) the first time one of its tensors
+header is read and validated (with :mod:`shardkit.formats.header`) the first time one of its tensors
 is touched, so a corrupt shard gives a clear error there instead of a crash.
 
 Tensors without a cast come straight from a private (copy-on-write) memory map: no copy, and
@@ -48,16 +48,22 @@ class _Shard:
 
 
 class TensorSlice:
-    """Partial reads of one tensor: ``ckpt.get_slice("w")[0:2, :]`` reads only those rows' pages."""
+    """Partial reads of one tensor, like ``safetensors.safe_open(...).get_slice``.
+
+    Indexing returns a fresh tensor holding just the indexed part; ``ckpt.get_slice("w")[0:2, :]``
+    reads only those rows' pages.
+    """
 
     def __init__(self, checkpoint: "LazyCheckpoint", name: str) -> None:
         self._checkpoint = checkpoint
         self._name = name
 
     def get_shape(self) -> list[int]:
+        """The tensor's shape, from the header."""
         return list(self._checkpoint.shape_of(self._name))
 
     def get_dtype(self) -> "torch.dtype":
+        """The tensor's stored dtype, from the header."""
         return self._checkpoint.dtype_of(self._name)
 
     def __getitem__(self, index: Any) -> "torch.Tensor":
@@ -65,7 +71,21 @@ class TensorSlice:
 
 
 class LazyCheckpoint(Mapping):
-    """Read-only mapping name → tensor over one or more safetensors shards. See :func:`open`."""
+    """A read-only ``Mapping[str, torch.Tensor]`` over one or more safetensors shards.
+
+    Returned by :func:`open`. Iterating, ``len`` and ``in`` use the index alone; ``shape_of``,
+    ``dtype_of``, ``nbytes`` and ``entry`` read only headers; ``ckpt[name]`` reads one tensor
+    (zero-copy on the host). Use it as a context manager, or call :meth:`close`.
+
+    Attributes:
+        description: what was opened (``"sharded checkpoint out/model.safetensors.index.json
+            (3 shards)"``), for messages.
+        index_metadata: the index file's ``metadata`` object (``total_size``...); empty for a
+            single file.
+        paths: the shard files.
+        metadata: the shards' ``__metadata__`` maps, merged (reads every header).
+        aliases: tied names that were written once: dropped alias → stored name.
+    """
 
     def __init__(self, shard_of: dict[str, str], shards: dict[str, _Shard], *, description: str,
                  index_metadata: dict[str, Any] | None = None) -> None:
@@ -96,6 +116,7 @@ class LazyCheckpoint(Mapping):
     # -- metadata without reading data ---------------------------------------------------------
     @property
     def paths(self) -> list[str]:
+        """The shard files, in index order."""
         return [s.path for s in self._shards.values()]
 
     def entry(self, name: str) -> TensorEntry:
@@ -104,9 +125,11 @@ class LazyCheckpoint(Mapping):
         return self._load_header(shard)[name]
 
     def shape_of(self, name: str) -> tuple[int, ...]:
+        """The shape of tensor ``name``, from its shard's header."""
         return self.entry(name).shape
 
     def dtype_of(self, name: str) -> "torch.dtype":
+        """The stored ``torch.dtype`` of tensor ``name``, from its shard's header."""
         from ..formats.dtypes import to_torch
 
         return to_torch(self.entry(name).dtype)
@@ -141,6 +164,23 @@ class LazyCheckpoint(Mapping):
         read when touched; writes stay private). A host-side cast, ``copy=True`` or a tensor not
         aligned to its element size reads with ``pread`` into fresh memory instead. A ``device``
         gets the bytes moved there first and cast there.
+
+        Args:
+            name: the tensor's key.
+            device: where to put it (``"cuda:0"``, ``0``...); None or ``"cpu"`` keeps it on the host.
+            dtype: cast to this dtype; None keeps the stored one.
+            copy: read into fresh memory even when a zero-copy view is possible.
+
+        Returns:
+            The tensor, with the stored shape.
+
+        Raises:
+            KeyError: no tensor is named ``name``.
+            HeaderError: the shard's header is invalid or the file is truncated.
+            CheckpointIndexError: the shard does not hold the tensors its index assigns to it.
+            InvalidInputError: the checkpoint is closed.
+
+        >>> ckpt.get_tensor("conv_in.weight", device="cuda:0", dtype=torch.bfloat16)  # doctest: +SKIP
         """
         import torch
 
@@ -316,7 +356,27 @@ def _indexed(path: str) -> LazyCheckpoint:
 def open(path: str | os.PathLike[str], *, variant: str | None = None) -> LazyCheckpoint:  # noqa: A001
     """Open a safetensors checkpoint lazily: a file, an index JSON or a (sharded) folder.
 
-    Opening never modifies anything. A folder with an unfinished shardkit write is refused.
+    Only the index is read here; each shard's header is read and validated the first time one
+    of its tensors is touched. Opening never modifies anything. A folder with an unfinished
+    shardkit write is refused (``shardkit recover`` finishes it).
+
+    Args:
+        path: a ``.safetensors`` file, a ``*.safetensors.index*.json`` file, or a folder holding
+            one (transformers ``model*`` or diffusers ``diffusion_pytorch_model*`` naming).
+        variant: in a folder, the weight variant to open (``"fp16"`` for
+            ``model.fp16.safetensors``); None prefers the plain weights.
+
+    Returns:
+        A :class:`LazyCheckpoint`; use it as a context manager, or call ``close()``.
+
+    Raises:
+        SourceNotFoundError: the path does not exist, or the folder holds no safetensors
+            checkpoint.
+        InvalidInputError: the path is a diffusers pipeline folder (open a component folder),
+            not safetensors, or holds an interrupted shardkit write.
+        CheckpointIndexError: the index is malformed or names missing or unsafe shard files,
+            or a folder holds several candidate checkpoints (pass ``variant`` or the file).
+        HeaderError: a single file's header is invalid.
 
     >>> import shardkit
     >>> with shardkit.open("out/") as ckpt:                       # doctest: +SKIP

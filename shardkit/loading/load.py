@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..devices import Device, parse_max_memory
 from ..errors import InvalidInputError
@@ -22,8 +22,6 @@ from .device_map import check_devices_exist, module_device, resolve_device_map
 from .keys import KeyMatch, prepare_skeleton
 from .lazy import LazyCheckpoint
 
-if TYPE_CHECKING:
-    pass
 
 def _main_device(device_map: dict[str, Device]) -> Device:
     accelerators = [d for d in device_map.values() if d not in ("cpu", "disk")]
@@ -63,7 +61,7 @@ def fill_skeleton(skeleton: Any, checkpoint: LazyCheckpoint, match: KeyMatch, de
     retie_parameters(skeleton, match.tied)
     if not on_disk:
         return None
-    assert offload_folder is not None  # checked by load_model before anything is read
+    assert offload_folder is not None  # checked by _fill_and_dispatch before anything is read
     return write_offload_index(checkpoint, on_disk, os.fspath(offload_folder))
 
 
@@ -73,22 +71,48 @@ def load_model(model: Any, checkpoint: Any, *, config: Any = None, device_map: A
                offload_options: dict[str, Any] | None = None, layerwise_casting: Any = None) -> Any:
     """Load a sharded safetensors checkpoint into ``model``, placed over GPUs, CPU and disk.
 
-    ``model``: a ``"diffusers:Class"``/``"transformers:Class"`` string or class (with ``config``),
-    any ``nn.Module`` factory, or a skeleton on the meta device. ``checkpoint``: a path for
-    :func:`shardkit.open` or an open checkpoint. ``device_map``: "auto", "balanced",
-    "balanced_low_0", "sequential", "cpu" or a dict of module → device; None means "cpu", or
-    "auto" when ``max_memory`` is given. ``dtype`` None keeps the checkpoint's dtypes.
-    ``offload`` / ``layerwise_casting`` apply :func:`shardkit.apply_layerwise_casting` (a
-    ``(storage, compute)`` pair) and then :func:`shardkit.apply_offload` after loading.
+    The model is built on the meta device, its keys are matched against the checkpoint, and
+    each tensor is read once, straight to its device (host tensors without a cast stay views of
+    the shards' memory maps). Tensors placed on disk are read from the shards in place through
+    an offload index; only those that need a dtype change are written out. The result is
+    dispatched with accelerate and put in eval mode.
+
+    Args:
+        model: a ``"diffusers:Class"`` / ``"transformers:Class"`` string or class (with
+            ``config``), any ``nn.Module`` factory, or a skeleton on the meta device.
+        checkpoint: a path for :func:`shardkit.open` or an open checkpoint.
+        config: the model's config: a dict, a ``config.json`` path or the folder holding it.
+        device_map: ``"auto"``, ``"balanced"``, ``"balanced_low_0"``, ``"sequential"``,
+            ``"cpu"`` or a dict of module → device; None means ``"cpu"``, or ``"auto"`` when
+            ``max_memory`` is given.
+        max_memory: the budget per device, e.g. ``{0: "16GB", "cpu": "64GB"}``.
+        offload_folder: where the offload index (and disk tensors that need a dtype change)
+            go; required when the device map sends anything to disk.
+        dtype: the dtype of floating-point weights (``"bf16"``, ``torch.float16``...); None
+            keeps the checkpoint's dtypes. Modules the model keeps in fp32 stay fp32.
+        no_split_module_classes: module classes kept whole on one device; None uses the
+            model's ``_no_split_modules``.
+        strict: refuse missing, unexpected or mis-shaped tensors; with False they only warn
+            and missing tensors are zeros.
+        offload: an offload strategy for :func:`shardkit.apply_offload`, applied after loading.
+        offload_options: keyword options for that strategy.
+        layerwise_casting: a ``(storage, compute)`` dtype pair for
+            :func:`shardkit.apply_layerwise_casting`, applied before ``offload``.
+
+    Returns:
+        The loaded model, in eval mode, with ``hf_device_map`` set by accelerate.
+
+    Raises:
+        KeyMismatchError: with ``strict``, the checkpoint does not match the model.
+        InvalidInputError: a bad option, a device this machine lacks, disk placement without
+            ``offload_folder``, or a device map accelerate cannot apply.
+        SourceNotFoundError: the checkpoint or config does not exist.
 
     >>> unet = load_model("diffusers:UNet2DConditionModel", "out/", config="out/config.json",
     ...                   device_map="auto", max_memory={0: "16GB", "cpu": "32GB"},
     ...                   offload_folder="offload/", dtype="bf16")      # doctest: +SKIP
     >>> unet.hf_device_map                                              # doctest: +SKIP
     """
-    from accelerate import dispatch_model
-    from accelerate.utils import check_device_map
-
     from ..formats.dtypes import resolve_torch_dtype
     from .lazy import open as open_checkpoint
 
@@ -103,21 +127,30 @@ def load_model(model: Any, checkpoint: Any, *, config: Any = None, device_map: A
         assert match is not None
         mapping = resolve_device_map(skeleton, device_map, max_memory=budget, no_split_module_classes=no_split_module_classes)
         check_devices_exist(list(mapping.values()), where="device_map")
-        disk_modules = [name or "(whole model)" for name, device in mapping.items() if device == "disk"]
-        if disk_modules and offload_folder is None:
-            raise InvalidInputError(f"the device map sends {', '.join(disk_modules[:5])} to disk; pass offload_folder=")
-        try:
-            with warnings.catch_warnings():
-                # accelerate's own maps name top-level buffers/params, which its checker calls "not submodules"
-                warnings.filterwarnings("ignore", message="The following device_map keys do not match")
-                check_device_map(skeleton, mapping)
-                offload_index = fill_skeleton(skeleton, ckpt, match, mapping, offload_folder)
-                dispatch_model(skeleton, mapping, main_device=_main_device(mapping), offload_index=offload_index,
-                               offload_dir=os.fspath(offload_folder) if offload_index is not None else None)
-        except ValueError as e:
-            if isinstance(e, InvalidInputError):
-                raise
-            raise InvalidInputError(f"cannot place {type(skeleton).__name__} with this device map: {e}") from e
+        _fill_and_dispatch(skeleton, ckpt, match, mapping, offload_folder)
     skeleton.eval()
     apply_runtime(skeleton, runtime)
     return skeleton
+
+
+def _fill_and_dispatch(skeleton: Any, checkpoint: LazyCheckpoint, match: KeyMatch, mapping: dict[str, Device],
+                       offload_folder: str | os.PathLike[str] | None) -> None:
+    """Read the weights into their devices, then let accelerate install its dispatch hooks."""
+    from accelerate import dispatch_model
+    from accelerate.utils import check_device_map
+
+    disk_modules = [name or "(whole model)" for name, device in mapping.items() if device == "disk"]
+    if disk_modules and offload_folder is None:
+        raise InvalidInputError(f"the device map sends {', '.join(disk_modules[:5])} to disk; pass offload_folder=")
+    try:
+        with warnings.catch_warnings():
+            # accelerate's own maps name top-level buffers/params, which its checker calls "not submodules"
+            warnings.filterwarnings("ignore", message="The following device_map keys do not match")
+            check_device_map(skeleton, mapping)
+            offload_index = fill_skeleton(skeleton, checkpoint, match, mapping, offload_folder)
+            dispatch_model(skeleton, mapping, main_device=_main_device(mapping), offload_index=offload_index,
+                           offload_dir=os.fspath(offload_folder) if offload_index is not None else None)
+    except ValueError as e:
+        if isinstance(e, InvalidInputError):
+            raise
+        raise InvalidInputError(f"cannot place {type(skeleton).__name__} with this device map: {e}") from e

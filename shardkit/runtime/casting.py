@@ -110,7 +110,7 @@ def casting_targets(
 
     Pure (works on a meta skeleton, installs nothing); follows the same walk as diffusers'
     ``apply_layerwise_casting`` — a skipped name prunes its subtree, supported layers are leaves —
-    so :mod:`shardkit.estimate` can price fp8 storage without touching weights.
+    so :mod:`shardkit.fit.estimate` can price fp8 storage without touching weights.
     """
     from diffusers.hooks._common import _GO_LC_SUPPORTED_PYTORCH_LAYERS as supported
 

@@ -123,6 +123,29 @@ _PATH_OPENERS: list[tuple[Callable[[str], bool], Callable[..., Source], str]] = 
 def open_source(obj: Any, *, key: str | None = None, variant: str | None = None) -> Source:
     """Open any supported input: a path (file, index, folder), a state dict or an ``nn.Module``.
 
+    Paths are recognised by the first matching row of ``_PATH_OPENERS``: a ``.safetensors``
+    file or index, a ``pytorch_model.bin`` index, a pickle (``.bin``/``.pt``/``.pth``/``.ckpt``,
+    loaded with ``weights_only=True``), a ``torch.distributed.checkpoint`` folder, or a folder
+    holding one of these. The files are opened as one consistent snapshot even while another
+    process rewrites the folder; a folder left pending by a crashed shardkit write is settled
+    first. A :class:`Source` passed in is returned as is.
+
+    Args:
+        obj: a path, a :class:`Source`, a state dict (``name → tensor``) or an ``nn.Module``.
+        key: for pickles and DCP folders, the entry of the loaded dict that holds the state
+            dict (``"/"`` reaches nested dicts, e.g. ``"model/ema"``); None unwraps a top-level
+            ``state_dict`` / ``model`` / ``module`` / ``model_state_dict`` dict when there is one.
+        variant: for safetensors folders, the weight variant (``"fp16"`` for
+            ``model.fp16.safetensors``).
+
+    Returns:
+        An open :class:`Source`; use it as a context manager, or call ``close()``.
+
+    Raises:
+        SourceNotFoundError: the path does not exist, or the folder holds no checkpoint.
+        InvalidInputError: the file is of an unsupported kind, or its contents are unusable
+            (``HeaderError``, ``CheckpointIndexError``, ``UnsafePickleError`` are subclasses).
+
     >>> with open_source("model.safetensors") as src:   # doctest: +SKIP
     ...     print(len(src.entries()))
     """
@@ -137,7 +160,7 @@ def open_source(obj: Any, *, key: str | None = None, variant: str | None = None)
         raise SourceNotFoundError(f"{path}: no such file or folder")
     from ..atomic.snapshot import read_consistently
 
-    # A consistent snapshot even while another process rewrites the folder (see shardkit.commit).
+    # A consistent snapshot even while another process rewrites the folder (see shardkit.atomic.commit).
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     only = None if os.path.isdir(path) or path.endswith(".json") else os.path.basename(path)  # one file: watch it alone
     return read_consistently(folder, lambda: _open_path(path, key=key, variant=variant), only=only)

@@ -10,11 +10,17 @@ from ..formats.index import Naming
 
 
 class Source(abc.ABC):
-    """A checkpoint to read from.
+    """A checkpoint to read from, as :func:`shardkit.open_source` returns it.
 
     ``entries()`` lists tensors in the source's natural order (file order for safetensors,
     insertion order for state dicts). ``read(entry, begin, end)`` returns bytes of one tensor's
     little-endian buffer; entries with ``file`` set may also be copied straight from that file.
+    A source holds files open until :meth:`close` (it is a context manager).
+
+    Attributes:
+        description: a short human-readable name of the input, for messages.
+        naming: the file-name convention (prefix, variant) the input uses.
+        paths: the files the source reads.
     """
 
     description: str = "source"
@@ -22,9 +28,11 @@ class Source(abc.ABC):
     paths: tuple[str, ...] = ()
 
     @abc.abstractmethod
-    def entries(self) -> list[TensorEntry]: ...
+    def entries(self) -> list[TensorEntry]:
+        """Every tensor's name, dtype, shape and byte size (and file and offset when on disk)."""
 
     def metadata(self) -> dict[str, str]:
+        """The checkpoint's string metadata (safetensors ``__metadata__``); empty when it has none."""
         return {}
 
     def aliases(self) -> dict[str, str]:
@@ -32,7 +40,8 @@ class Source(abc.ABC):
         return {}
 
     @abc.abstractmethod
-    def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview: ...
+    def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
+        """Bytes ``begin:end`` of ``entry``'s little-endian data buffer (offsets relative to the tensor)."""
 
     def held_fd(self, path: str) -> int | None:
         """A descriptor this source holds open on ``path``, if any.
@@ -54,6 +63,7 @@ class Source(abc.ABC):
         return self.__dict__.setdefault("_fds", {})
 
     def close(self) -> None:
+        """Close the descriptors this source holds."""
         fds = self._held_fds()
         for fd in fds.values():
             os.close(fd)
