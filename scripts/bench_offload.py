@@ -3,7 +3,7 @@
 
 With CUDA: builds a real-size denoiser (SDXL UNet or Flux transformer; random weights, or
 filled from shards with ``--checkpoint``), then for every strategy of
-:func:`shardkit.fit.estimate.strategy_specs` (the single-GPU rows of :data:`shardkit.fit.peaks.STRATEGIES`,
+:func:`shardkit.fitting.estimate.strategy_specs` (the single-GPU rows of :data:`shardkit.fitting.peaks.STRATEGIES`,
 named as ``shardkit fit`` names them) installs it with ``apply_offload`` /
 ``apply_layerwise_casting``, runs ``--steps`` forward passes at ``--size`` pixels and records
 ``torch.cuda.max_memory_allocated`` and the median step time. Without CUDA it says so and prints

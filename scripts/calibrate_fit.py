@@ -84,8 +84,8 @@ def cpu_rows(height: int, width: int) -> list[str]:
     import torch
     from diffusers import UNet2DConditionModel
 
-    from shardkit.fit.activations import Workload
-    from shardkit.fit.profile import profile_module
+    from shardkit.fitting.activations import Workload
+    from shardkit.fitting.profile import profile_module
 
     rows = []
     for name, config in SMALL_UNETS.items():
@@ -109,10 +109,10 @@ def gpu_rows(checkpoint: str | None, height: int, width: int, steps: int) -> lis
     import torch
     from diffusers import UNet2DConditionModel
 
-    from shardkit.fit.activations import Workload
-    from shardkit.fit.candidates import Budget, Margin, evaluate
-    from shardkit.fit.peaks import STRATEGIES
-    from shardkit.fit.profile import profile_module
+    from shardkit.fitting.activations import Workload
+    from shardkit.fitting.candidates import Budget, Margin, evaluate
+    from shardkit.fitting.peaks import STRATEGIES
+    from shardkit.fitting.profile import profile_module
 
     def build() -> Any:
         if checkpoint:
@@ -135,7 +135,7 @@ def gpu_rows(checkpoint: str | None, height: int, width: int, steps: int) -> lis
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            from shardkit.fit.autofit import apply_plan  # noqa: F401  (same code path as fit="auto")
+            from shardkit.fitting.autofit import apply_plan  # noqa: F401  (same code path as fit="auto")
             from shardkit.runtime.casting import apply_layerwise_casting
             from shardkit.runtime.offload import apply_offload
 

@@ -50,9 +50,9 @@ _LAZY: dict[str, str] = {
     "push": "hub.push",
     "apply_offload": "runtime.offload",
     "apply_layerwise_casting": "runtime.casting",
-    "estimate_memory": "fit.estimate",
-    "load_pipeline": "fit.pipeline",
-    "fit": "fit.autofit",
+    "estimate_memory": "fitting.estimate",
+    "load_pipeline": "fitting.pipeline",
+    "fit": "fitting.autofit",
 }
 
 __all__ = sorted([*_LAZY, "parse_size", "format_size", "ShardkitError", "__version__"])

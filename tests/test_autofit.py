@@ -6,9 +6,9 @@ import pytest
 
 import numpy as np
 
-from shardkit.fit.autofit import Budget, FitError, FitPlan, Margin, fit, plan_fit
+from shardkit.fitting.autofit import Budget, FitError, FitPlan, Margin, fit, plan_fit
 from shardkit.errors import InvalidInputError
-from shardkit.fit.profile import ComponentProfile
+from shardkit.fitting.profile import ComponentProfile
 
 GB = 10**9
 NO_MARGIN = Margin(0.0, 0)

@@ -25,7 +25,7 @@ def run(*args: object) -> tuple[int, str, str]:
 
 def budget_holding(folder, name: str, gpus: int = 1) -> str:
     """The per-GPU budget (bytes, as the CLI takes it) that just holds candidate ``name``'s peak."""
-    from shardkit.fit.autofit import Margin, fit
+    from shardkit.fitting.autofit import Margin, fit
 
     margin = Margin(0.1, 1)
     roomy = fit(folder, gpu=["10GB"] * gpus, margin=margin)

@@ -10,8 +10,8 @@ from accelerate import init_empty_weights
 
 import shardkit
 from shardkit.errors import InvalidInputError
-from shardkit.fit.estimate import ComponentSizes, Footprint, strategy_peaks, strategy_specs
-from shardkit.fit.weights import cast_layers_of, measure, module_tensors
+from shardkit.fitting.estimate import ComponentSizes, Footprint, strategy_peaks, strategy_specs
+from shardkit.fitting.weights import cast_layers_of, measure, module_tensors
 
 from helpers_offload import PlainNet, plain_net, tiny_flux_transformer
 

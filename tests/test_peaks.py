@@ -10,7 +10,7 @@ import json
 import pytest
 
 import shardkit
-from shardkit.fit.peaks import STRATEGIES
+from shardkit.fitting.peaks import STRATEGIES
 from shardkit.loading.skeleton import build_skeleton
 
 from helpers_fit import SDXL_UNET_CONFIG

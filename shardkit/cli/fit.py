@@ -48,8 +48,8 @@ def fit(folder: str, gpus: tuple[int, ...], cpu: int | None, height: int | None,
     without fp8 layerwise casting, plus VAE tiling/slicing and attention slicing where the
     components support them.
     """
-    from ..fit.autofit import DEFAULT_MARGIN, Margin
-    from ..fit.autofit import fit as fit_api
+    from ..fitting.autofit import DEFAULT_MARGIN, Margin
+    from ..fitting.autofit import fit as fit_api
 
     margin = Margin(DEFAULT_MARGIN.fraction, reserve)
     plan = fit_api(folder, gpu=list(gpus), cpu=cpu, height=height, width=width, batch_size=batch_size,
@@ -79,7 +79,7 @@ def print_ranking(plan: object) -> None:
 
 
 def _short(candidate: object) -> str:
-    from ..fit.candidates import speed_class
+    from ..fitting.candidates import speed_class
 
     return f"({speed_class(candidate.slowdown)})"  # type: ignore[attr-defined]
 

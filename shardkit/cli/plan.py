@@ -69,7 +69,7 @@ def plan(checkpoint: str | None, model_spec: str, config_path: str | None, max_m
 
 def _estimate(model_spec: str, *, config: str | None, checkpoint: str | None, dtype: str | None,
               gpu_bytes: int | None) -> object:
-    from ..fit.estimate import estimate_memory
+    from ..fitting.estimate import estimate_memory
     from ..loading.skeleton import build_skeleton
 
     skeleton = build_skeleton(model_spec, config=config)

@@ -1,9 +1,9 @@
 """One :class:`ComponentProfile` per component: its weights per offload unit, activations and switches.
 
 Everything here is computed from checkpoint headers (names, dtypes, shapes), ``config.json`` and
-meta skeletons — never from weights. Weights per offload unit are :mod:`shardkit.fit.weights`,
-activations :mod:`shardkit.fit.activations`; a profile joins them for one component and one
-workload, as plain numbers, so the peak model (:mod:`shardkit.fit.peaks`) stays pure and
+meta skeletons — never from weights. Weights per offload unit are :mod:`shardkit.fitting.weights`,
+activations :mod:`shardkit.fitting.activations`; a profile joins them for one component and one
+workload, as plain numbers, so the peak model (:mod:`shardkit.fitting.peaks`) stays pure and
 testable with fake sizes. Both :func:`shardkit.fit` and :func:`shardkit.estimate_memory` price
 the profiles built here.
 """
@@ -55,7 +55,7 @@ class ComponentProfile:
     def from_totals(cls, name: str, role: str, *, weight_bytes: int, dtype_bytes: int = 2,
                     activation_bytes: Mapping[str, int] | None = None, notes: tuple[str, ...] = (),
                     **units: Any) -> ComponentProfile:
-        """A hand-written profile: ``units`` are :func:`~shardkit.fit.weights.coarse_sizes` keywords."""
+        """A hand-written profile: ``units`` are :func:`~shardkit.fitting.weights.coarse_sizes` keywords."""
         sizes = coarse_sizes(name, weight_bytes, dtype_bytes=dtype_bytes, **units)
         return cls(name, role, sizes, dtype_bytes, dict(activation_bytes or {NO_SWITCH: 0}), notes)
 

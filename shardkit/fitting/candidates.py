@@ -1,8 +1,8 @@
 """Ranking candidate setups for the fit planner: budgets, the safety margin, and which setup fits.
 
-A candidate is a strategy of :data:`~shardkit.fit.peaks.STRATEGIES`, with or without fp8 layerwise
+A candidate is a strategy of :data:`~shardkit.fitting.peaks.STRATEGIES`, with or without fp8 layerwise
 casting, plus the switches it needs. Pure: every function here works on
-:class:`~shardkit.fit.profile.ComponentProfile` numbers priced by :mod:`shardkit.fit.peaks`.
+:class:`~shardkit.fitting.profile.ComponentProfile` numbers priced by :mod:`shardkit.fitting.peaks`.
 """
 
 from __future__ import annotations

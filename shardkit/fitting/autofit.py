@@ -1,11 +1,11 @@
 """Auto-fit: rank the inference setups a pipeline could run with, keep those that fit, pick the fastest.
 
-The planner (:func:`plan_fit`) is pure: it takes :class:`~shardkit.fit.profile.ComponentProfile`
+The planner (:func:`plan_fit`) is pure: it takes :class:`~shardkit.fitting.profile.ComponentProfile`
 numbers (weights per offload unit, activations per switch set), a :class:`Budget` and a
 :class:`Margin`, and returns a :class:`FitPlan`. :func:`fit` builds the profiles from a folder's
 headers and configs, or from a module (never loading weights), and calls it.
 
-The candidates are the strategies of :data:`~shardkit.fit.peaks.STRATEGIES` (their speed classes
+The candidates are the strategies of :data:`~shardkit.fitting.peaks.STRATEGIES` (their speed classes
 and peak formulas are documented there, and :func:`shardkit.estimate_memory` prices the same
 ones), each with or without fp8 layerwise casting, plus VAE tiling (x1.03), attention slicing
 (x1.1) and VAE slicing (free) where components support them. Safety margin
@@ -130,7 +130,7 @@ def plan_fit(profiles: Sequence[ComponentProfile], budget: Budget, *, workload: 
     Pure: profiles are plain numbers, so tests and tools can plan for fake sizes.
 
     Args:
-        profiles: one :class:`~shardkit.fit.profile.ComponentProfile` per component.
+        profiles: one :class:`~shardkit.fitting.profile.ComponentProfile` per component.
         budget: memory per GPU and for the CPU.
         workload: what the profiles were computed for (reported only).
         margin: memory kept free on each device.
@@ -207,7 +207,7 @@ def fit(target: Any, *, gpu: Iterable[str | int] | str | int | None = None, cpu:
 
     Args:
         target: a diffusers pipeline folder, one component folder (``unet/``), an ``nn.Module``
-            (a meta skeleton is enough) or a list of :class:`~shardkit.fit.profile.ComponentProfile`.
+            (a meta skeleton is enough) or a list of :class:`~shardkit.fitting.profile.ComponentProfile`.
         gpu, cpu: budgets, ``gpu=["8GB", "16GB"]`` (one per GPU) and ``cpu="24GB"``.
         max_memory: accelerate-style budgets instead, ``{0: "8GB", "cpu": "24GB"}``.
         height, width, batch_size, guidance: the workload (default: the pipeline's image size,

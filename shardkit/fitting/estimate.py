@@ -1,9 +1,9 @@
 """Peak accelerator memory of every single-GPU strategy, for a model or pipeline skeleton.
 
 The report behind :func:`shardkit.estimate_memory` and ``shardkit plan --strategies``. It prices
-the same :class:`~shardkit.fit.profile.ComponentProfile` (weights per offload unit from
-:mod:`shardkit.fit.weights`, activations from :mod:`shardkit.fit.activations`) with the same
-strategy table (:data:`shardkit.fit.peaks.STRATEGIES`) as :func:`shardkit.fit`, so a strategy has
+the same :class:`~shardkit.fitting.profile.ComponentProfile` (weights per offload unit from
+:mod:`shardkit.fitting.weights`, activations from :mod:`shardkit.fitting.activations`) with the same
+strategy table (:data:`shardkit.fitting.peaks.STRATEGIES`) as :func:`shardkit.fit`, so a strategy has
 one name and one peak everywhere. Unlike ``fit`` it reports every strategy, each without and with
 fp8 layerwise casting, applies no safety margin and proposes no switches. The CUDA context
 (~0.3–0.5 GB) is not included: numbers compare with ``torch.cuda.max_memory_allocated``.
@@ -178,7 +178,7 @@ def estimate_memory(
             pipeline folder with one subfolder per component.
         activation_bytes: override the activation estimate (bytes, every component).
         tokens: the workload, as latent tokens of a square image of side ``16·√tokens`` pixels
-            (4096: 1024², batch 1) that :mod:`shardkit.fit.activations` prices.
+            (4096: 1024², batch 1) that :mod:`shardkit.fitting.activations` prices.
         compute_dtype: the compute dtype of activations and fp8 upcasts (default: the load dtype).
         cast_components: components fp8 casting applies to (default: the denoiser, or the module).
 
@@ -215,7 +215,7 @@ def estimate_memory(
         source = f"dtype={dtype}" if load else "checkpoint headers" if stored else "the skeleton"
         notes.append(f"{name}: dtypes from {source}")
     notes.append(f"activations: {side}x{side} image, batch 1, x2 under classifier-free guidance "
-                 "(shardkit.fit.activations; pass activation_bytes= to override)"
+                 "(shardkit.fitting.activations; pass activation_bytes= to override)"
                  if activation_bytes is None else "activations: given")
     notes.append("peaks exclude the CUDA context (~0.3-0.5 GB); fp8 rows cast " + ", ".join(sorted(cast_names & set(modules))))
     return report(profiles, gpu_bytes=budget, notes=notes)

@@ -3,7 +3,7 @@
 :data:`STRATEGIES` is the table both :func:`shardkit.estimate_memory` (``shardkit plan
 --strategies``) and :func:`shardkit.fit` price; a strategy is a row, never a branch on its name.
 Pure: every formula works on :class:`View` numbers (one component's
-:class:`~shardkit.fit.weights.ComponentSizes` plus its activation bytes for one switch set).
+:class:`~shardkit.fitting.weights.ComponentSizes` plus its activation bytes for one switch set).
 
 What a strategy keeps on the GPU at its peak (``stored``: a component's weights, fp8-stored
 where cast; ``live``: its activations plus, with fp8, the running layer upcast to the compute

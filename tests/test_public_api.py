@@ -1,0 +1,32 @@
+"""``import shardkit`` names: every public name resolves, stays what it is after submodules load, and is light."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import shardkit
+
+
+def test_every_public_name_resolves() -> None:
+    for name in shardkit.__all__:
+        assert getattr(shardkit, name) is not None, name
+
+
+def test_functions_stay_functions_after_their_folders_are_imported() -> None:
+    """A stage folder named like a public function would replace it on import (shardkit.fit once did)."""
+    code = ("import importlib, pkgutil, shardkit\n"
+            "for m in pkgutil.walk_packages(shardkit.__path__, 'shardkit.'):\n"
+            "    if not m.name.startswith('shardkit.cli'): importlib.import_module(m.name)\n"
+            "import inspect\n"
+            "bad = [n for n in shardkit._LAZY if inspect.ismodule(getattr(shardkit, n))]\n"
+            "assert not bad, bad\n"
+            "assert callable(shardkit.fit) and shardkit.fit.__module__ == 'shardkit.fitting.autofit'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_import_shardkit_loads_no_heavy_library() -> None:
+    code = "import shardkit, sys; print([m for m in ('torch', 'diffusers', 'huggingface_hub') if m in sys.modules])"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "[]", proc.stderr
