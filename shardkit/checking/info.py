@@ -34,6 +34,8 @@ class ShardInfo:
 
 @dataclass
 class TensorInfo:
+    """One tensor, as listed among the largest: its name, dtype code, shape and byte size."""
+
     name: str
     dtype: str
     shape: list[int]
@@ -42,8 +44,24 @@ class TensorInfo:
 
 @dataclass
 class CheckpointInfo:
-    """Summary of a checkpoint. For a pipeline, ``components`` holds one per component and the
-    counts are totals; tensor names in ``largest`` are then ``component/name``."""
+    """What :func:`info` found: a checkpoint's format, counts, sizes and files, from headers alone.
+
+    For a pipeline, ``components`` holds one per component and the counts are totals; file
+    names in ``shards`` and tensor names in ``largest`` are then ``component/name``.
+
+    Attributes:
+        path: the path described (a component's name, inside a pipeline).
+        format: ``"safetensors"``, ``"safetensors-sharded"``, ``"pickle"``, ``"pickle-sharded"``,
+            ``"dcp"`` or ``"diffusers-pipeline"``.
+        tensor_count: the number of tensors.
+        parameter_count: the number of elements over all tensors.
+        total_bytes: tensor bytes as stored.
+        bytes_by_dtype: stored bytes per dtype code, largest first.
+        memory_bytes: bytes if floating-point tensors were cast to ``fp32``, ``bf16`` or ``fp8``.
+        shards: one :class:`ShardInfo` per weight file.
+        largest: the :data:`LARGEST_COUNT` largest tensors.
+        components: for a pipeline, one :class:`CheckpointInfo` per weight-bearing component.
+    """
 
     path: str
     format: str                      # "safetensors", "safetensors-sharded", "pickle", "diffusers-pipeline"
@@ -65,11 +83,28 @@ class CheckpointInfo:
     class_name: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field as plain JSON-ready data."""
         return asdict(self)
 
 
 def info(path: str | os.PathLike[str]) -> CheckpointInfo:
     """Describe a checkpoint without reading its tensor data.
+
+    Safetensors checkpoints are described from their headers; pickles are opened with
+    ``torch.load(weights_only=True, mmap=True)``, so their data is mapped, not read.
+
+    Args:
+        path: a ``.safetensors`` file, a sharded folder or its index, a pickle
+            (``.bin``/``.pt``/``.pth``/``.ckpt``, sharded or not), a
+            ``torch.distributed.checkpoint`` folder, or a diffusers pipeline folder.
+
+    Returns:
+        A :class:`CheckpointInfo`.
+
+    Raises:
+        SourceNotFoundError: the path does not exist or holds no checkpoint.
+        InvalidInputError: the input is not a usable checkpoint (``HeaderError``,
+            ``CheckpointIndexError`` and ``UnsafePickleError`` are subclasses).
 
     >>> summary = info("sdxl-unet/")                            # doctest: +SKIP
     >>> summary.format, summary.tensor_count, summary.parameter_count   # doctest: +SKIP

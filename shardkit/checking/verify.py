@@ -59,7 +59,18 @@ class FileReport:
 
 @dataclass
 class VerifyReport:
-    """The outcome of :func:`verify`. ``ok`` is true when there are no findings."""
+    """The outcome of :func:`verify`. ``ok`` is true when there are no findings.
+
+    Attributes:
+        path: the checked path.
+        findings: every problem found, as :class:`Finding` records.
+        files: the weight and index files read in full, with their sha256.
+        tensors_checked: tensors whose headers were validated.
+        bytes_read: bytes read from disk.
+        against: the reference compared with (a path, ``"<in-memory source>"``), or None.
+        tensors_compared: tensors compared bit for bit with ``against``.
+        components: for a pipeline, the components checked.
+    """
 
     path: str
     findings: list[Finding] = field(default_factory=list)
@@ -72,9 +83,11 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """True when nothing is wrong."""
         return not self.findings
 
     def to_dict(self) -> dict[str, Any]:
+        """Every field, plus ``ok``, as plain JSON-ready data."""
         data = asdict(self)
         return {"path": self.path, "ok": self.ok, **{k: v for k, v in data.items() if k != "path"}}
 
@@ -96,6 +109,24 @@ def verify(path: str | os.PathLike[str], *, against: Any = None,
     ``against`` is any source :func:`shardkit.open_source` accepts (for a pipeline, another
     pipeline folder); every tensor is compared bit for bit, after casting the source the way
     ``split --dtype`` does where the dtypes differ.
+
+    Problems in the checkpoint are collected in the report, never raised. A folder left pending
+    by a crashed shardkit write is settled first (the journal is rolled forward).
+
+    Args:
+        path: the checkpoint to check.
+        against: the reference: a path, a state dict or an ``nn.Module``; None checks
+            ``path`` alone.
+        progress: called as ``progress(bytes_done, bytes_total)`` while files are read (from
+            several threads, one call at a time).
+
+    Returns:
+        A :class:`VerifyReport`; ``report.ok`` is true when nothing was found.
+
+    Raises:
+        SourceNotFoundError: ``path`` does not exist or holds no safetensors checkpoint.
+        InvalidInputError: ``path`` is not a safetensors checkpoint, ``against`` cannot be
+            opened, or a pipeline folder is checked against something other than a pipeline.
 
     >>> report = verify("out/", against="model.safetensors")   # doctest: +SKIP
     >>> report.ok, [str(f) for f in report.findings]             # doctest: +SKIP

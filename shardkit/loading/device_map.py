@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..devices import Device, device_label, parse_device, parse_max_memory
 from ..errors import InvalidInputError, ShardkitError
 from ..units import format_size
+
+if TYPE_CHECKING:
+    import torch
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 _BAR_WIDTH = 28
@@ -192,8 +195,6 @@ def plan_device_map(model: Any, *, config: Any = None, checkpoint: Any = None, m
     ...                        max_memory={0: "16GB", 1: "16GB", "cpu": "64GB"}, dtype="bf16")  # doctest: +SKIP
     >>> print(plan.table())                                                                    # doctest: +SKIP
     """
-    from accelerate.utils import compute_module_sizes
-
     from ..formats.dtypes import resolve_torch_dtype
     from .keys import prepare_skeleton
     from .lazy import LazyCheckpoint
@@ -210,21 +211,30 @@ def plan_device_map(model: Any, *, config: Any = None, checkpoint: Any = None, m
         skeleton, _, description = prepare_skeleton(model, ckpt, config=config, dtype=target, strict=True)
     if not isinstance(device_map, str):
         raise InvalidInputError("plan_device_map computes a device map; pass a strategy name, not a dict")
+    return _plan_skeleton(skeleton, device_map, budget, dtype=target, checkpoint=description,
+                          no_split_module_classes=no_split_module_classes)
+
+
+def _plan_skeleton(skeleton: Any, strategy: str, budget: dict[Device, int], *, dtype: "torch.dtype | None",
+                   checkpoint: str | None, no_split_module_classes: list[str] | None) -> DevicePlan:
+    """Place a skeleton whose dtypes are final and measure what lands where."""
+    from accelerate.utils import compute_module_sizes
+
     try:
         # accelerate logs a warning for each GPU this machine lacks; planning for them is the point,
         # and the CLI quiets accelerate's logger (the library leaves it alone).
-        mapping = infer_device_map(skeleton, device_map, max_memory=budget, no_split_module_classes=no_split_module_classes)
+        mapping = infer_device_map(skeleton, strategy, max_memory=budget, no_split_module_classes=no_split_module_classes)
     except ShardkitError:
         raise
     except (ValueError, RuntimeError) as e:
         raise InvalidInputError(f"accelerate could not place {type(skeleton).__name__}: {e}") from e
     sizes = compute_module_sizes(skeleton)
     return DevicePlan(
-        model=type(skeleton).__name__, strategy=device_map,
-        dtype=str(target).removeprefix("torch.") if target is not None else _dominant_dtype(skeleton),
+        model=type(skeleton).__name__, strategy=strategy,
+        dtype=str(dtype).removeprefix("torch.") if dtype is not None else _dominant_dtype(skeleton),
         device_map=mapping, module_bytes={n: int(sizes.get(n, 0)) for n in mapping}, max_memory=budget,
         total_bytes=int(sizes[""]), parameters=sum(p.numel() for p in skeleton.parameters()),
-        checkpoint=description,
+        checkpoint=checkpoint,
     )
 
 

@@ -36,7 +36,17 @@ DEFAULT_PIPELINE_COMPONENTS = ("transformer", "transformer_2", "unet", "prior", 
 
 @dataclass
 class CastingReport:
-    """What :func:`apply_layerwise_casting` did: which layers hold ``storage_dtype`` between calls."""
+    """What :func:`apply_layerwise_casting` did: which layers hold ``storage_dtype`` between calls.
+
+    Attributes:
+        storage_dtype: the dtype weights are stored in between forwards (``"float8_e4m3fn"``...).
+        compute_dtype: the dtype each layer computes in (``"bfloat16"``...).
+        cast_modules: names of the layers stored in ``storage_dtype`` (``component.`` prefixed
+            for a pipeline).
+        skipped_modules: names of the layers kept in ``compute_dtype``.
+        before_bytes: bytes of parameters and buffers before casting.
+        after_bytes: bytes after casting; ``saved_bytes`` is the difference.
+    """
 
     storage_dtype: str
     compute_dtype: str
@@ -47,9 +57,11 @@ class CastingReport:
 
     @property
     def saved_bytes(self) -> int:
+        """Bytes freed by casting."""
         return self.before_bytes - self.after_bytes
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (``cast_modules`` as a count)."""
         return {
             "storage_dtype": self.storage_dtype, "compute_dtype": self.compute_dtype,
             "cast_modules": len(self.cast_modules), "skipped_modules": self.skipped_modules,
@@ -110,7 +122,7 @@ def casting_targets(
 
     Pure (works on a meta skeleton, installs nothing); follows the same walk as diffusers'
     ``apply_layerwise_casting`` — a skipped name prunes its subtree, supported layers are leaves —
-    so :mod:`shardkit.fit.estimate` can price fp8 storage without touching weights.
+    so :mod:`shardkit.fitting.estimate` can price fp8 storage without touching weights.
     """
     from diffusers.hooks._common import _GO_LC_SUPPORTED_PYTORCH_LAYERS as supported
 
@@ -149,7 +161,27 @@ def apply_layerwise_casting(
     ``obj`` is any ``nn.Module`` (diffusers model, transformers model, plain torch) or a diffusers
     pipeline (then ``components`` are cast, by default the denoiser). Floating tensors that are not
     in ``compute_dtype`` are first converted to it, so skipped layers compute in the same dtype.
-    Not reversible: reload the model to undo. Returns a :class:`CastingReport`.
+    Not reversible: reload the model to undo.
+
+    Args:
+        obj: an ``nn.Module`` or a diffusers pipeline, with its weights loaded (not on meta).
+        storage_dtype: ``"float8_e4m3fn"`` or ``"float8_e5m2"`` (or the ``torch.dtype``).
+        compute_dtype: ``"bfloat16"``, ``"float16"`` or ``"float32"`` (aliases such as
+            ``"bf16"`` work too).
+        skip: ``"default"`` (diffusers' defaults, the model's own skip patterns and
+            :data:`EXTRA_SKIP_PATTERNS`), None to skip nothing, or regex patterns of module
+            names to keep in ``compute_dtype``; see :func:`skip_patterns`.
+        skip_classes: layer classes to keep; None means embeddings and norm layers.
+        components: for a pipeline, the components to cast; None means the denoisers in
+            :data:`DEFAULT_PIPELINE_COMPONENTS` that it has.
+        non_blocking: passed to diffusers' hook for the per-forward dtype moves.
+
+    Returns:
+        A :class:`CastingReport`.
+
+    Raises:
+        InvalidInputError: a dtype outside the allowed ones, casting already active, weights
+            still on the meta device, an unknown component, or ``components`` for a module.
 
     >>> r = apply_layerwise_casting(unet, "float8_e4m3fn", "bfloat16")   # doctest: +SKIP
     >>> print(r.saved_bytes, r.skipped_modules[:3])                       # doctest: +SKIP

@@ -58,7 +58,28 @@ def apply_offload(obj: Any, strategy: str = "model", **options: Any) -> Any:
 
     Any offload strategy already installed is removed first (layerwise casting hooks stay).
     ``device`` is the accelerator the weights are moved to for compute (default: ``cuda`` when
-    available; pass ``device="cpu"`` to exercise the hooks on a machine without one).
+    available; pass ``device="cpu"`` to exercise the hooks on a machine without one). The
+    strategy and options are recorded as ``shardkit_offload`` on ``obj`` and its modules.
+
+    Args:
+        obj: a diffusers pipeline, an ``nn.Module``, or a list of modules (``model`` offload
+            chains them: each one moves back to the host when the next one runs).
+        strategy: ``"model"``, ``"sequential"``, ``"group"``, ``"disk"`` or ``"none"`` (remove
+            every offload hook); see the table in this module's docstring.
+        **options: the strategy's options: ``device`` for all but ``none``;
+            ``offload_buffers`` for ``sequential`` and ``disk``; ``offload_dir`` (required)
+            for ``disk``; diffusers' group offloading arguments (:data:`GROUP_OPTIONS`) for
+            ``group``.
+
+    Returns:
+        ``obj``, with the hooks installed.
+
+    Raises:
+        InvalidInputError: an unknown strategy or option, a bad option value, or an ``obj``
+            that is not a pipeline or module.
+        OffloadError: the strategy cannot apply to ``obj`` as it is (dispatched over a device
+            map, weights already on an accelerator, no accelerator found, or the underlying
+            diffusers/accelerate call failed).
 
     >>> apply_offload(pipe, "group", offload_type="leaf_level", use_stream=True)   # doctest: +SKIP
     >>> apply_offload(pipe, "none")                                                # doctest: +SKIP
