@@ -7,7 +7,8 @@
 
 Scenarios: split into a new folder, over another checkpoint, in place (sharded → sharded, single →
 sharded, sharded → single, with --dtype fp16), merge (new and over an existing file), convert (new
-and in place). For each, a traced reference run lists every fault point (each write call, each
+and in place), and split of a diffusers pipeline folder (new, in place, over an older pipeline:
+every component plus the copied model_index.json, configs, tokenizer and README). For each, a traced reference run lists every fault point (each write call, each
 finished file, each commit step); then the command is re-run from fresh inputs and killed at each
 point. The checks after every kill are in tests/helpers_reliability.py. Prints a summary table and
 exits 1 if any kill point was not survived.

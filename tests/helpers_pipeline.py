@@ -1,7 +1,9 @@
 """A tiny Stable Diffusion pipeline built from configs, offline (no Hub access).
 
 UNet, VAE and CLIP text encoder get random weights from a fixed seed; the CLIP tokenizer is
-built from a hand-written byte-level vocabulary and merges file.
+built from a hand-written byte-level vocabulary and merges file. :func:`write_pipeline_folder`
+lays out the same folder shape from plain numpy arrays (no torch, no diffusers), for tests that
+only need the files, such as the crash harness's many short-lived runs.
 """
 
 from __future__ import annotations
@@ -49,10 +51,43 @@ def write_tiny_clip_tokenizer_files(folder: Path) -> tuple[Path, Path]:
     return vocab_path, merges_path
 
 
+def write_pipeline_folder(folder: Path, components: dict[str, dict[str, Any]]) -> Path:
+    """A diffusers pipeline folder: ``model_index.json``, one weight-bearing subfolder per entry of
+    ``components`` (``{"unet": {name: numpy array}}``), a tokenizer, a scheduler and a README.
+
+    ``text_encoder*`` components get transformers naming (``model.safetensors``), the others
+    diffusers naming (``diffusion_pytorch_model.safetensors``); every one gets a ``config.json``.
+    """
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    index: dict[str, Any] = {"_class_name": "StableDiffusionPipeline", "_diffusers_version": "0.30.0"}
+    for name, tensors in components.items():
+        transformers = name.startswith("text_encoder")
+        index[name] = ["transformers", "CLIPTextModel"] if transformers else ["diffusers", "UNet2DConditionModel"]
+        (folder / name).mkdir(exist_ok=True)
+        weights = "model.safetensors" if transformers else "diffusion_pytorch_model.safetensors"
+        save_file(tensors, str(folder / name / weights), metadata={"format": "pt"})
+        (folder / name / "config.json").write_text(json.dumps({"_class_name": index[name][1], "tensors": len(tensors)}))
+    index["tokenizer"] = ["transformers", "CLIPTokenizer"]
+    write_tiny_clip_tokenizer_files(folder / "tokenizer")
+    index["scheduler"] = ["diffusers", "DDIMScheduler"]
+    (folder / "scheduler").mkdir(exist_ok=True)
+    (folder / "scheduler" / "scheduler_config.json").write_text(json.dumps({"_class_name": "DDIMScheduler"}))
+    (folder / "model_index.json").write_text(json.dumps(index, indent=2))
+    (folder / "README.md").write_text("tiny test pipeline\n")
+    return folder
+
+
 def build_tiny_sd_pipeline(scratch: Path, *, seed: int = 0) -> Any:
     """A StableDiffusionPipeline with tiny random components (a few MB in all)."""
     import torch
-    from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers import (
+        AutoencoderKL,
+        DDIMScheduler,
+        StableDiffusionPipeline,
+        UNet2DConditionModel,
+    )
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
     torch.manual_seed(seed)

@@ -1,7 +1,8 @@
 """Crash-consistency harness and checkers, shared by the reliability tests and scripts/crash_harness.py.
 
 A *scenario* is one shardkit command (split, convert, merge; fresh output, overwrite, in place)
-on a small checkpoint with many tensors and shards. The harness runs it once with
+on a small checkpoint with many tensors and shards, or on a diffusers pipeline folder (several
+components plus configs, tokenizer and README that are copied and must be fsynced too). The harness runs it once with
 ``SHARDKIT_FAULT_TRACE`` to list every fault point (each write call, each finished file, each
 commit step; see ``shardkit/_faults.py``), then re-runs it from a fresh copy of its inputs and
 SIGKILLs it at chosen points. After every kill it checks:
@@ -132,7 +133,8 @@ def index_invariant_problems(folder: str | os.PathLike[str]) -> list[str]:
     problems = []
     if not folder.is_dir():
         return problems
-    for index_path in (p for p in folder.glob("*.index*.json") if not p.name.startswith(".")):
+    indexes = [*folder.glob("*.index*.json"), *folder.glob("*/*.index*.json")]  # */: pipeline components
+    for index_path in (p for p in indexes if not p.name.startswith(".")):
         try:
             weight_map = json.loads(index_path.read_text())["weight_map"]
         except (ValueError, KeyError) as e:
@@ -141,7 +143,7 @@ def index_invariant_problems(folder: str | os.PathLike[str]) -> list[str]:
         for shard in sorted(set(weight_map.values())):
             names = {t for t, s in weight_map.items() if s == shard}
             try:
-                with safe_open(str(folder / shard), framework="numpy") as f:
+                with safe_open(str(index_path.parent / shard), framework="numpy") as f:
                     keys = set(f.keys())
                     for key in keys:
                         f.get_tensor(key)
@@ -318,16 +320,25 @@ def _settle_with_shardkit(out: Path, problems: list[str]) -> None:
     """Open the output as any shardkit reader would (this rolls a pending journal forward)."""
     if not out.exists() or out.is_dir() and not any(p for p in out.iterdir() if not p.name.startswith(".")):
         return
+    from shardkit.atomic.snapshot import settle
+    from shardkit.formats.layout import find_components, is_pipeline_folder
     from shardkit.sources import open_source
 
     try:
-        with open_source(str(out)) as source:
-            source.entries()
+        if out.is_dir():  # a pending commit may have removed model_index.json first (it is a .json)
+            settle(out)
+        if is_pipeline_folder(out):  # one transaction for the whole folder: its journal is at the top
+            folders = [c.path for c in find_components(out) if c.has_weights]
+        else:
+            folders = [str(out)]
+        for folder in folders:
+            with open_source(folder) as source:
+                source.entries()
     except Exception as e:  # noqa: BLE001
         problems.append(f"shardkit could not open the output after the kill: {type(e).__name__}: {e}")
 
 
-MUST_KILL = ("write:small-file", "commit:before-commit-point", "commit:after-commit-point", "commit:renamed",
+MUST_KILL = ("write:small-file", "file-done:side-file", "commit:before-commit-point", "commit:after-commit-point", "commit:renamed",
              "commit:before-journal-removal", "commit:before-staging-rename", "commit:before-file-rename")
 
 
@@ -374,6 +385,8 @@ def byte_kill(scenario: Scenario, work: Path, ref: Reference, nbytes: int) -> Ki
 
 TENSORS_A = dict(n_tensors=48, seed=1)
 TENSORS_B = dict(n_tensors=48, seed=2)
+PIPELINE_UNET = dict(n_tensors=24, seed=3, total_bytes=800_000)
+PIPELINE_TEXT_ENCODER = dict(n_tensors=12, seed=4, total_bytes=400_000)
 
 
 def _cached(tensors_args: dict[str, Any], shard_bytes: int | None, cache: dict) -> Callable[[Path], None]:
@@ -391,7 +404,7 @@ def _cached(tensors_args: dict[str, Any], shard_bytes: int | None, cache: dict) 
 
 
 def standard_scenarios(root: Path, *, extended: bool = False) -> list[Scenario]:
-    """split fresh / overwrite / in place (plus convert and merge when those modules exist)."""
+    """split fresh / overwrite / in place, merge, convert, and split of a pipeline folder."""
     cache: dict[Any, Any] = {"root": root / "masters"}
     (root / "masters").mkdir(parents=True, exist_ok=True)
     sharded_a = _cached(TENSORS_A, 400_000, cache)
@@ -452,6 +465,51 @@ def standard_scenarios(root: Path, *, extended: bool = False) -> list[Scenario]:
     if extended:
         scenarios.append(Scenario("convert-in-place", lambda s, o: ["convert", s, o, *convert, "--overwrite"],
                                   in_place, in_place=True, idempotent=False))
+    return scenarios + pipeline_scenarios(cache, extended=extended)
+
+
+def _cached_pipeline(cache: dict) -> Callable[[Path], None]:
+    """A diffusers pipeline folder (unet + text_encoder with configs, tokenizer, scheduler, README)."""
+    from helpers_pipeline import write_pipeline_folder
+
+    def build(dest: Path) -> None:
+        master = Path(cache["root"]) / "pipeline"
+        if not master.exists():
+            building = master.with_name(master.name + ".building")
+            shutil.rmtree(building, ignore_errors=True)
+            write_pipeline_folder(building, {"unet": make_tensors(**PIPELINE_UNET),
+                                             "text_encoder": make_tensors(**PIPELINE_TEXT_ENCODER)})
+            building.rename(master)
+        shutil.copytree(master, dest)
+    return build
+
+
+def pipeline_scenarios(cache: dict, *, extended: bool = False) -> list[Scenario]:
+    """split of a whole pipeline folder: into a new folder, over another pipeline, in place."""
+    pipeline = _cached_pipeline(cache)
+
+    def fresh(work: Path) -> tuple[Path, Path]:
+        pipeline(work / "pipe")
+        return work / "pipe", work / "out"
+
+    def in_place(work: Path) -> tuple[Path, Path]:
+        pipeline(work / "pipe")
+        return work / "pipe", work / "pipe"
+
+    def overwrite(work: Path) -> tuple[Path, Path]:  # an older, unsharded pipeline with other configs
+        pipeline(work / "pipe")
+        pipeline(work / "out")
+        (work / "out" / "unet" / "config.json").write_text('{"old": true}')
+        (work / "out" / "README.md").write_text("an older pipeline\n")
+        return work / "pipe", work / "out"
+
+    args = ["--max-shard-size", "200KB", "-q"]
+    scenarios = [
+        Scenario("pipeline-fresh", lambda s, o: ["split", s, o, *args], fresh),
+        Scenario("pipeline-in-place", lambda s, o: ["split", s, o, *args, "--overwrite"], in_place, in_place=True),
+    ]
+    if extended:
+        scenarios.append(Scenario("pipeline-overwrite", lambda s, o: ["split", s, o, *args, "--overwrite"], overwrite))
     return scenarios
 
 

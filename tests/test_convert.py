@@ -195,6 +195,22 @@ def test_dry_run_writes_nothing_and_json_reports_the_plan(tmp_path: Path, run_cl
     assert not (tmp_path / "out").exists()
 
 
+def test_dry_run_warns_when_the_real_run_would_need_overwrite(tmp_path: Path, run_cli) -> None:
+    """convert --dry-run says what split --dry-run says: one job, so the two cannot drift apart."""
+    torch.save({"w": torch.ones(3)}, tmp_path / "m.bin")
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    result = run_cli("convert", tmp_path / "m.bin", out, "--dry-run")
+    assert result.exit_code == 0, result.stderr
+    assert "needs --overwrite" in result.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+    assert "needs --overwrite" not in run_cli("convert", tmp_path / "m.bin", out, "--dry-run", "--overwrite").stderr
+    assert "needs --overwrite" not in run_cli("convert", tmp_path / "m.bin", tmp_path / "new", "--dry-run").stderr
+    with pytest.warns(ShardkitWarning, match="needs --overwrite"):
+        shardkit.convert(tmp_path / "m.bin", out, dry_run=True, rename={"w": "v"})
+
+
 def test_existing_output_is_refused_and_left_alone(tmp_path: Path, run_cli) -> None:
     torch.save({"w": torch.ones(3)}, tmp_path / "m.bin")
     out = tmp_path / "out"

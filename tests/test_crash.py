@@ -1,4 +1,4 @@
-"""Crash consistency: SIGKILL split, convert and merge at many points; nothing is ever lost or half-visible.
+"""Crash consistency: SIGKILL split, convert, merge and pipeline splits at many points; nothing is lost or half-visible.
 
 See ``tests/helpers_reliability.py`` for what is checked after each kill, and
 ``scripts/crash_harness.py`` for the long mode (every fault point of every scenario, 300+).
@@ -18,7 +18,7 @@ import helpers_reliability as h
 # Kill points per scenario in the default run (the long mode takes all of them).
 BUDGETS = {
     "split-fresh": 6, "split-overwrite": 7, "split-in-place": 9, "split-single-in-place": 6,
-    "merge-fresh": 3, "merge-overwrite": 3, "convert-fresh": 4,
+    "merge-fresh": 3, "merge-overwrite": 3, "convert-fresh": 4, "pipeline-fresh": 5, "pipeline-in-place": 7,
 }
 _SURVIVED: list[h.KillOutcome] = []
 

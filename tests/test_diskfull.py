@@ -74,7 +74,8 @@ def _points(scenario: h.Scenario, root: Path) -> h.Reference:
 
 
 @pytest.mark.parametrize(("scenario_name", "errno_name"),
-                         [("split-fresh", "ENOSPC"), ("split-in-place", "EIO"), ("split-overwrite", "EDQUOT")])
+                         [("split-fresh", "ENOSPC"), ("split-in-place", "EIO"), ("split-overwrite", "EDQUOT"),
+                          ("pipeline-fresh", "ENOSPC")])
 def test_injected_write_errors_at_every_kind_of_point(errno_name: str, scenario_name: str, tmp_path: Path) -> None:
     """An OSError at a write, at the index, or at a commit step: one line, old or new, never partial."""
     from shardkit.atomic.commit import JOURNAL

@@ -93,12 +93,13 @@ def build_keymap(*, include: Iterable[str] = (), exclude: Iterable[str] = (), st
 
 
 def convert_with(source: Any, output: str | os.PathLike[str], options: WriteOptions, *, key: str | None = None,
-                 keymap: KeyMap = KeyMap()) -> SplitResult:
+                 keymap: KeyMap | None = None) -> SplitResult:
     """:func:`convert` with the options and key map already built: split of a keymapped source.
 
     >>> convert_with("m.ckpt", "out/", WriteOptions(), keymap=KeyMap(strip_prefix="model."))  # doctest: +SKIP
     """
     output = os.fspath(output)
+    keymap = keymap or KeyMap()
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
         if not keymap.is_identity():
             raise InvalidInputError(f"{source}: key options (--strip-prefix, --include, --rename ...) do not apply "

@@ -19,7 +19,14 @@ from ..formats.index import DIFFUSERS_PREFIX, Naming, dump_index
 from ..sources import Source, open_source
 from .options import WriteOptions, warn_if_output_taken
 from .plan import ShardPlan, plan_shards
-from .writer import BackgroundSync, ByteCounter, TensorWrite, copy_side_file, tensor_write, write_safetensors
+from .writer import (
+    BackgroundSync,
+    ByteCounter,
+    TensorWrite,
+    copy_side_file,
+    tensor_write,
+    write_safetensors,
+)
 
 __all__ = ["ShardJob", "SideFile", "SplitResult", "open_settled", "plan_job", "resolve_naming", "run_jobs",
            "side_files", "split_source"]

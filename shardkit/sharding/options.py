@@ -65,7 +65,7 @@ class WriteOptions:
         resolve_cast(self.dtype, allow_lossy=self.allow_lossy)
 
     @classmethod
-    def parse(cls, *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, **fields: object) -> "WriteOptions":
+    def parse(cls, *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, **fields: object) -> WriteOptions:
         """Build from a user-facing size (``"5GB"``, ``"2GiB"``, or bytes) and the other fields.
 
         Args:

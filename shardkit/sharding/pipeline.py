@@ -28,7 +28,7 @@ from .job import ShardJob, SideFile, SplitResult, plan_job, run_jobs
 from .options import WriteOptions
 from .plan import ShardPlan, ShardSpec
 
-__all__ = ["PipelineResult", "split_pipeline", "is_pipeline_folder"]
+__all__ = ["PipelineResult", "is_pipeline_folder", "split_pipeline"]
 
 _INDEX_MARK = ".index"
 
@@ -53,13 +53,14 @@ class PipelineResult(SplitResult):
 
 
 def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str],
-                   options: WriteOptions = WriteOptions(), *, key: str | None = None) -> PipelineResult:
+                   options: WriteOptions | None = None, *, key: str | None = None) -> PipelineResult:
     """Shard every weight-bearing component of a diffusers pipeline folder; copy everything else.
 
     Args:
         folder: the pipeline folder (``model_index.json`` plus component subfolders).
         output: the output folder; with ``options.overwrite`` it may be ``folder`` itself.
-        options: shard size, cast, variant...; ``name`` must be None (components keep their naming).
+        options: shard size, cast, variant... (default: :class:`WriteOptions` defaults); ``name``
+            must be None, since every component keeps its own naming.
         key: must be None (each component has its own state dict).
 
     Returns:
@@ -70,6 +71,7 @@ def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str
     ['text_encoder', 'text_encoder_2', 'unet', 'vae']
     """
     folder, output = os.fspath(folder), os.fspath(output)
+    options = options or WriteOptions()
     if options.name is not None or key is not None:
         option = "--name" if options.name is not None else "--key"
         raise InvalidInputError(f"{option} does not apply to a pipeline folder ({folder}): every component keeps "

@@ -15,7 +15,7 @@ from .job import SplitResult, open_settled, side_files, split_source
 from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions
 from .pipeline import split_pipeline
 
-__all__ = ["split", "split_with", "save_sharded", "SplitResult"]
+__all__ = ["SplitResult", "save_sharded", "split", "split_with"]
 
 
 def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
