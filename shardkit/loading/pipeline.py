@@ -34,7 +34,7 @@ def load_pipeline_folder(
 ) -> Any:
     """Load the pipeline in ``path`` with diffusers, then apply ``runtime`` (switches, casting, offload).
 
-    The planner-free half of :func:`shardkit.load_pipeline` (which lives in ``shardkit.fit`` because
+    The planner-free half of :func:`shardkit.load_pipeline` (which lives in ``shardkit.fitting`` because
     ``fit=`` needs the planner).
 
     Args:
