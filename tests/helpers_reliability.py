@@ -389,18 +389,41 @@ PIPELINE_UNET = dict(n_tensors=24, seed=3, total_bytes=800_000)
 PIPELINE_TEXT_ENCODER = dict(n_tensors=12, seed=4, total_bytes=400_000)
 
 
-def _cached(tensors_args: dict[str, Any], shard_bytes: int | None, cache: dict) -> Callable[[Path], None]:
-    key = (tuple(sorted(tensors_args.items())), shard_bytes)
-
+def _master(cache: dict, key: str, write: Callable[[Path], Any]) -> Callable[[Path], None]:
+    """``build(dest)``: copy a master input to ``dest``, writing the master once per root."""
     def build(dest: Path) -> None:
-        master = Path(cache["root"]) / hashlib.sha256(repr(key).encode()).hexdigest()[:12]
+        master = Path(cache["root"]) / key
         if not master.exists():
             building = master.with_name(master.name + ".building")
             shutil.rmtree(building, ignore_errors=True)
-            write_checkpoint(building, make_tensors(**tensors_args), shard_bytes=shard_bytes)
+            write(building)
             building.rename(master)
         shutil.copytree(master, dest)
     return build
+
+
+def _cached(tensors_args: dict[str, Any], shard_bytes: int | None, cache: dict) -> Callable[[Path], None]:
+    key = hashlib.sha256(repr((tuple(sorted(tensors_args.items())), shard_bytes)).encode()).hexdigest()[:12]
+    return _master(cache, key, lambda dest: write_checkpoint(dest, make_tensors(**tensors_args), shard_bytes=shard_bytes))
+
+
+Prepare = Callable[[Path], tuple[Path, Path]]
+
+
+def _into_new(build: Callable[[Path], None], name: str = "src") -> Prepare:
+    """The input built at ``work/name``, written into a new ``work/out``."""
+    def prepare(work: Path) -> tuple[Path, Path]:
+        build(work / name)
+        return work / name, work / "out"
+    return prepare
+
+
+def _in_place(build: Callable[[Path], None], name: str = "ckpt") -> Prepare:
+    """The input built at ``work/name``, rewritten in place."""
+    def prepare(work: Path) -> tuple[Path, Path]:
+        build(work / name)
+        return work / name, work / name
+    return prepare
 
 
 def standard_scenarios(root: Path, *, extended: bool = False) -> list[Scenario]:
@@ -411,22 +434,12 @@ def standard_scenarios(root: Path, *, extended: bool = False) -> list[Scenario]:
     sharded_b = _cached(TENSORS_B, 400_000, cache)
     single_a = _cached(TENSORS_A, None, cache)
 
-    def fresh(work: Path) -> tuple[Path, Path]:
-        sharded_a(work / "src")
-        return work / "src", work / "out"
+    fresh, in_place, single_in_place = _into_new(sharded_a), _in_place(sharded_a), _in_place(single_a)
 
     def overwrite(work: Path) -> tuple[Path, Path]:
         sharded_a(work / "src")
         sharded_b(work / "out")
         return work / "src", work / "out"
-
-    def in_place(work: Path) -> tuple[Path, Path]:
-        sharded_a(work / "ckpt")
-        return work / "ckpt", work / "ckpt"
-
-    def single_in_place(work: Path) -> tuple[Path, Path]:
-        single_a(work / "ckpt")
-        return work / "ckpt", work / "ckpt"
 
     scenarios = [
         Scenario("split-fresh", lambda s, o: ["split", s, o, "--max-shard-size", "250KB", "-q"], fresh),
@@ -472,29 +485,15 @@ def _cached_pipeline(cache: dict) -> Callable[[Path], None]:
     """A diffusers pipeline folder (unet + text_encoder with configs, tokenizer, scheduler, README)."""
     from helpers_pipeline import write_pipeline_folder
 
-    def build(dest: Path) -> None:
-        master = Path(cache["root"]) / "pipeline"
-        if not master.exists():
-            building = master.with_name(master.name + ".building")
-            shutil.rmtree(building, ignore_errors=True)
-            write_pipeline_folder(building, {"unet": make_tensors(**PIPELINE_UNET),
-                                             "text_encoder": make_tensors(**PIPELINE_TEXT_ENCODER)})
-            building.rename(master)
-        shutil.copytree(master, dest)
-    return build
+    components = {"unet": PIPELINE_UNET, "text_encoder": PIPELINE_TEXT_ENCODER}
+    return _master(cache, "pipeline", lambda dest: write_pipeline_folder(
+        dest, {name: make_tensors(**args) for name, args in components.items()}))
 
 
 def pipeline_scenarios(cache: dict, *, extended: bool = False) -> list[Scenario]:
     """split of a whole pipeline folder: into a new folder, over another pipeline, in place."""
     pipeline = _cached_pipeline(cache)
-
-    def fresh(work: Path) -> tuple[Path, Path]:
-        pipeline(work / "pipe")
-        return work / "pipe", work / "out"
-
-    def in_place(work: Path) -> tuple[Path, Path]:
-        pipeline(work / "pipe")
-        return work / "pipe", work / "pipe"
+    fresh, in_place = _into_new(pipeline, "pipe"), _in_place(pipeline, "pipe")
 
     def overwrite(work: Path) -> tuple[Path, Path]:  # an older, unsharded pipeline with other configs
         pipeline(work / "pipe")
