@@ -14,16 +14,15 @@ with ``key``); pickles are only ever loaded with ``weights_only=True``.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass, fields
 from typing import Any, Iterable
 
-from ..errors import InvalidInputError, ShardkitWarning
+from ..errors import InvalidInputError
 from ..formats.layout import is_pipeline_folder
 from ..sources import Source
 from ..sources.keymap import KeyMap, KeyMapSource, parse_renames
 from .job import SplitResult, open_settled, side_files, split_source
-from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions
+from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions, warn
 from .split import split_with
 
 __all__ = ["ConvertResult", "build_keymap", "convert", "convert_with"]
@@ -121,9 +120,8 @@ def _report_ema(inner: Source, keymap: KeyMap) -> int:
         return 0
     if any(keymap.map(n) is not None for n in ema):
         hint = f"drop them with --exclude '{EMA_PREFIX}*', or keep only them with --include '{EMA_PREFIX}*'"
-        warnings.warn(f"{inner.description}: {len(ema)} EMA tensors ({EMA_PREFIX}*) are included; {hint}",
-                      ShardkitWarning, stacklevel=4)
+        warn(f"{inner.description}: {len(ema)} EMA tensors ({EMA_PREFIX}*) are included; {hint}")
     else:
-        warnings.warn(f"{inner.description}: also holds {len(ema)} EMA tensors ({EMA_PREFIX}*), not selected; "
-                      f"select them with --include '{EMA_PREFIX}*'", ShardkitWarning, stacklevel=4)
+        warn(f"{inner.description}: also holds {len(ema)} EMA tensors ({EMA_PREFIX}*), not selected; "
+             f"select them with --include '{EMA_PREFIX}*'")
     return len(ema)

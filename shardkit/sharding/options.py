@@ -7,6 +7,7 @@ that edge, into one :class:`WriteOptions`, and everything below them takes that 
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -14,7 +15,7 @@ from typing import Callable, Mapping
 from ..errors import InvalidInputError, InvalidSizeError, ShardkitWarning
 from ..units import LOSSLESS_TARGETS, normalize_dtype, parse_size
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "ProgressCallback", "WriteOptions", "resolve_cast", "warn_if_output_taken"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "ProgressCallback", "WriteOptions", "resolve_cast", "warn", "warn_if_output_taken"]
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -96,4 +97,16 @@ def resolve_cast(dtype: str | None, *, allow_lossy: bool) -> str | None:
 def warn_if_output_taken(output: str, *, overwrite: bool) -> None:
     """A dry run writes nothing, but says when the real run would refuse the output."""
     if not overwrite and os.path.isdir(output) and os.listdir(output):
-        warnings.warn(f"{output} exists and is not empty: the real run needs --overwrite", ShardkitWarning, stacklevel=4)
+        warn(f"{output} exists and is not empty: the real run needs --overwrite")
+
+
+def warn(message: str) -> None:
+    """A :class:`ShardkitWarning` attributed to the first caller outside shardkit.
+
+    A fixed ``stacklevel`` would be wrong for some entry points: the same job runs under
+    ``split``, ``convert``, ``save_sharded`` and pipeline splits, at different depths.
+    """
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("shardkit."):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, ShardkitWarning, stacklevel=level)

@@ -15,17 +15,16 @@ Other weight files of a component (another variant, a ``.bin`` twin of the conve
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..atomic.commit import recover
-from ..errors import InvalidInputError, ShardkitWarning
+from ..errors import InvalidInputError
 from ..formats.index import naming_from_filename
 from ..formats.layout import find_components, is_pipeline_folder
 from ..sources import Source, open_source
 from .job import ShardJob, SideFile, SplitResult, plan_job, run_jobs
-from .options import WriteOptions
+from .options import WriteOptions, warn
 from .plan import ShardPlan, ShardSpec
 
 __all__ = ["PipelineResult", "is_pipeline_folder", "split_pipeline"]
@@ -115,8 +114,8 @@ def _open_components(folder: str, options: WriteOptions) -> tuple[list[ShardJob]
 def _warn_left_out(jobs: list[ShardJob], left_out: dict[str, list[str]]) -> None:
     for job in jobs:
         if left_out[job.folder]:
-            warnings.warn(f"{job.folder}: left out {', '.join(left_out[job.folder])} (other weight files of this "
-                          f"component; only {job.source.description} was converted)", ShardkitWarning, stacklevel=4)
+            warn(f"{job.folder}: left out {', '.join(left_out[job.folder])} (other weight files of this "
+                 f"component; only {job.source.description} was converted)")
 
 
 def _is_weight_file(filename: str) -> bool:
