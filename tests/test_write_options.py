@@ -6,13 +6,13 @@ import dataclasses
 import inspect
 from pathlib import Path
 
+import helpers_reliability as h
 import pytest
 from helpers_pipeline import write_pipeline_folder
 
-import helpers_reliability as h
 import shardkit
 from shardkit.errors import InvalidInputError, InvalidSizeError, ShardkitWarning
-from shardkit.sharding import job
+from shardkit.sharding import convert, job, pipeline, split
 from shardkit.sharding.options import WriteOptions
 
 
@@ -41,7 +41,8 @@ def test_options_are_frozen() -> None:
         WriteOptions().overwrite = True  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("fn", [shardkit.split, shardkit.convert, shardkit.save_sharded, shardkit.merge])
+@pytest.mark.parametrize("fn", [shardkit.split, shardkit.convert, shardkit.save_sharded, shardkit.merge,
+                                split.split_with, convert.convert_with, pipeline.split_pipeline])
 def test_public_functions_take_options_by_keyword_only(fn) -> None:
     params = list(inspect.signature(fn).parameters.values())
     assert [p.kind for p in params[:2]] == [inspect.Parameter.POSITIONAL_OR_KEYWORD] * 2
@@ -55,11 +56,9 @@ def test_split_convert_and_save_sharded_run_the_same_job(tmp_path: Path, monkeyp
     seen: list[WriteOptions] = []
     real = job.split_source
 
-    def spy(src, output, options, **kw):  # type: ignore[no-untyped-def]
+    def spy(src, output, *, options, **kw):  # type: ignore[no-untyped-def]
         seen.append(options)
-        return real(src, output, options, **kw)
-
-    from shardkit.sharding import convert, split
+        return real(src, output, options=options, **kw)
 
     monkeypatch.setattr(split, "split_source", spy)
     monkeypatch.setattr(convert, "split_source", spy)

@@ -64,7 +64,8 @@ def convert(source: str, output: str, key: str | None, strip_prefix: str | None,
     keymap = build_keymap(include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
                           rename=rename)
     with byte_progress("convert", enabled=not (quiet or as_json or write["dry_run"])) as progress:
-        result = convert_with(source, output, WriteOptions(**write, progress=progress), key=key, keymap=keymap)
+        options = WriteOptions(**write, progress=progress)
+        result = convert_with(source, output, options=options, key=key, keymap=keymap)
     if as_json:
         echo_json(result.to_dict())
     elif not quiet:

@@ -49,7 +49,7 @@ def split(source: str, output: str, key: str | None, as_json: bool, quiet: bool,
 
     dry_run = write["dry_run"]
     with byte_progress("split", enabled=not (quiet or as_json or dry_run)) as progress:
-        result = split_with(source, output, WriteOptions(**write, progress=progress), key=key)
+        result = split_with(source, output, options=WriteOptions(**write, progress=progress), key=key)
     if not (as_json or quiet):
         print_plan(result)
     pushed = None

@@ -74,7 +74,7 @@ def convert(source: Any, output: str | os.PathLike[str], *, max_shard_size: str 
                                  progress=progress)
     keymap = build_keymap(include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
                           rename=rename)
-    return convert_with(source, output, options, key=key, keymap=keymap)
+    return convert_with(source, output, options=options, key=key, keymap=keymap)
 
 
 def build_keymap(*, include: Iterable[str] = (), exclude: Iterable[str] = (), strip_prefix: str | None = None,
@@ -91,11 +91,11 @@ def build_keymap(*, include: Iterable[str] = (), exclude: Iterable[str] = (), st
     )
 
 
-def convert_with(source: Any, output: str | os.PathLike[str], options: WriteOptions, *, key: str | None = None,
+def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteOptions, key: str | None = None,
                  keymap: KeyMap | None = None) -> SplitResult:
     """:func:`convert` with the options and key map already built: split of a keymapped source.
 
-    >>> convert_with("m.ckpt", "out/", WriteOptions(), keymap=KeyMap(strip_prefix="model."))  # doctest: +SKIP
+    >>> convert_with("m.ckpt", "out/", options=WriteOptions(), keymap=KeyMap(strip_prefix="model."))  # doctest: +SKIP
     """
     output = os.fspath(output)
     keymap = keymap or KeyMap()
@@ -103,11 +103,11 @@ def convert_with(source: Any, output: str | os.PathLike[str], options: WriteOpti
         if not keymap.is_identity():
             raise InvalidInputError(f"{source}: key options (--strip-prefix, --include, --rename ...) do not apply "
                                     "to a pipeline folder; convert a component folder instead")
-        return split_with(source, output, options, key=key)
+        return split_with(source, output, options=options, key=key)
     with open_settled(source, key=key, dry_run=options.dry_run) as inner:
         mapped: Source = inner if keymap.is_identity() else KeyMapSource(inner, keymap)
         ema = _report_ema(inner, keymap)
-        result = split_source(mapped, output, options, side_files=side_files(source, output))
+        result = split_source(mapped, output, options=options, side_files=side_files(source, output))
         dropped = len(inner.entries()) - len(mapped.entries())
     as_split = {f.name: getattr(result, f.name) for f in fields(SplitResult)}
     return ConvertResult(**as_split, dropped=dropped, ema_tensors=ema)

@@ -113,10 +113,10 @@ def open_settled(source: Any, *, key: str | None, dry_run: bool) -> Source:
     return open_source(source, key=key)
 
 
-def plan_job(src: Source, options: WriteOptions, *, folder: str = "") -> ShardJob:
+def plan_job(src: Source, *, options: WriteOptions, folder: str = "") -> ShardJob:
     """Every tensor of ``src`` in its output dtype, and the shard plan under the output naming.
 
-    >>> job = plan_job(src, WriteOptions(max_shard_bytes=5 * 10**9, dtype="bf16"))  # doctest: +SKIP
+    >>> job = plan_job(src, options=WriteOptions(max_shard_bytes=5 * 10**9, dtype="bf16"))  # doctest: +SKIP
     >>> job.plan.filenames()                                                         # doctest: +SKIP
     ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json']
     """
@@ -128,19 +128,19 @@ def plan_job(src: Source, options: WriteOptions, *, folder: str = "") -> ShardJo
     return ShardJob(src, writes, plan, folder)
 
 
-def split_source(src: Source, output: str, options: WriteOptions, *,
+def split_source(src: Source, output: str, *, options: WriteOptions,
                  side_files: Sequence[SideFile] = ()) -> SplitResult:
     """Plan ``src`` and write it into ``output``: the job behind split, convert and save_sharded.
 
     >>> with open_source("model.safetensors") as src:                         # doctest: +SKIP
-    ...     split_source(src, "out/", WriteOptions(max_shard_bytes=10**9))
+    ...     split_source(src, "out/", options=WriteOptions(max_shard_bytes=10**9))
     """
-    job = plan_job(src, options)
-    run_jobs(output, [job], options, side_files=side_files)
+    job = plan_job(src, options=options)
+    run_jobs(output, [job], options=options, side_files=side_files)
     return job.result(output, options)
 
 
-def run_jobs(output: str, jobs: Sequence[ShardJob], options: WriteOptions, *,
+def run_jobs(output: str, jobs: Sequence[ShardJob], *, options: WriteOptions,
              side_files: Sequence[SideFile] = ()) -> None:
     """Write every job and side file into ``output`` in ONE transaction (a dry run only warns).
 

@@ -52,7 +52,7 @@ class PipelineResult(SplitResult):
 
 
 def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str],
-                   options: WriteOptions | None = None, *, key: str | None = None) -> PipelineResult:
+                   *, options: WriteOptions | None = None, key: str | None = None) -> PipelineResult:
     """Shard every weight-bearing component of a diffusers pipeline folder; copy everything else.
 
     Args:
@@ -65,7 +65,7 @@ def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str
     Returns:
         A :class:`PipelineResult`: the combined plan, one result per component, the copied files.
 
-    >>> result = split_pipeline("sdxl/", "sdxl-sharded/", WriteOptions(max_shard_bytes=2 * 10**9))  # doctest: +SKIP
+    >>> result = split_pipeline("sdxl/", "sdxl-sharded/", options=WriteOptions(max_shard_bytes=2 * 10**9))  # doctest: +SKIP
     >>> sorted(result.components)                                                                  # doctest: +SKIP
     ['text_encoder', 'text_encoder_2', 'unet', 'vae']
     """
@@ -83,7 +83,7 @@ def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str
         copied = [] if options.dry_run else _side_files(folder, jobs)
         in_place = os.path.abspath(folder) == os.path.abspath(output)
         copies: list[SideFile] = [] if in_place else [(os.path.join(folder, rel), rel) for rel in copied]
-        run_jobs(output, jobs, options, side_files=copies)
+        run_jobs(output, jobs, options=options, side_files=copies)
         return _result(folder, output, jobs, options, copied)
     finally:
         for job in jobs:
@@ -100,7 +100,7 @@ def _open_components(folder: str, options: WriteOptions) -> tuple[list[ShardJob]
             if not component.has_weights:
                 continue
             opened.append(open_source(component.path))
-            jobs.append(plan_job(opened[-1], options, folder=component.name))
+            jobs.append(plan_job(opened[-1], options=options, folder=component.name))
             left_out[component.name] = _other_weight_files(component.path, opened[-1])
     except BaseException:
         for source in opened:

@@ -44,20 +44,20 @@ def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | 
     options = WriteOptions.parse(max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy, name=name,
                                  variant=variant, overwrite=overwrite, dry_run=dry_run, metadata=metadata,
                                  progress=progress)
-    return split_with(source, output, options, key=key)
+    return split_with(source, output, options=options, key=key)
 
 
-def split_with(source: Any, output: str | os.PathLike[str], options: WriteOptions, *,
+def split_with(source: Any, output: str | os.PathLike[str], *, options: WriteOptions,
                key: str | None = None) -> SplitResult:
     """:func:`split` with the options already built.
 
-    >>> split_with("ckpt/", "out/", WriteOptions(max_shard_bytes=2 * 10**9, dry_run=True))  # doctest: +SKIP
+    >>> split_with("ckpt/", "out/", options=WriteOptions(max_shard_bytes=2 * 10**9, dry_run=True))  # doctest: +SKIP
     """
     output = os.fspath(output)
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
-        return split_pipeline(source, output, options, key=key)
+        return split_pipeline(source, output, options=options, key=key)
     with open_settled(source, key=key, dry_run=options.dry_run) as src:
-        return split_source(src, output, options, side_files=side_files(source, output))
+        return split_source(src, output, options=options, side_files=side_files(source, output))
 
 
 def save_sharded(obj: Any, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
@@ -86,4 +86,4 @@ def save_sharded(obj: Any, output: str | os.PathLike[str], *, max_shard_size: st
     options = WriteOptions.parse(max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy, name=name,
                                  variant=variant, overwrite=overwrite, metadata=metadata, progress=progress)
     with MemorySource(module_state_dict(obj), description=f"in-memory {type(obj).__name__}") as source:
-        return split_source(source, os.fspath(output), options)
+        return split_source(source, os.fspath(output), options=options)
