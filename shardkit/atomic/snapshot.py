@@ -20,6 +20,7 @@ import time
 from typing import Callable, TypeVar
 
 from ..errors import CheckpointIndexError, ShardkitError
+from ..formats.suffixes import CHECKPOINT_SUFFIXES, DCP_METADATA
 from .journal import JOURNAL, TMP_MARK, recover
 
 T = TypeVar("T")
@@ -27,7 +28,7 @@ T = TypeVar("T")
 
 # Names a checkpoint reader depends on; other files (a browser's growing download, logs) may
 # change all the time without making a read inconsistent.
-WATCHED_SUFFIXES = (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt", ".distcp", ".metadata")
+WATCHED_SUFFIXES = (*CHECKPOINT_SUFFIXES, ".json", DCP_METADATA)
 
 
 def folder_state(folder: str, *, only: str | None = None) -> tuple[tuple[str, int, int, int], ...]:

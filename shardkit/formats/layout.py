@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from ..errors import InvalidInputError, SourceNotFoundError
 from .index import DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, Naming, naming_from_filename
+from .suffixes import SAVED_WEIGHT_SUFFIXES
 
 MODEL_INDEX = "model_index.json"
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
 MAX_MODEL_INDEX_BYTES = 10_000_000
 # Library named in model_index.json → file prefix its save_pretrained writes.
 _LIBRARY_PREFIX = {"diffusers": DIFFUSERS_PREFIX, "transformers": TRANSFORMERS_PREFIX}
@@ -99,7 +99,7 @@ def weight_files(path: str) -> list[str]:
         return []
     return sorted(
         n for n in os.listdir(path)
-        if n.endswith(WEIGHT_SUFFIXES) and not n.startswith(".") and os.path.isfile(os.path.join(path, n))
+        if n.endswith(SAVED_WEIGHT_SUFFIXES) and not n.startswith(".") and os.path.isfile(os.path.join(path, n))
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 from ..atomic.commit import OutputTransaction
 from ..errors import InvalidInputError
 from ..formats.index import DIFFUSERS_PREFIX, Naming, dump_index
+from ..formats.suffixes import is_weight_file
 from ..sources import Source, open_source
 from .options import WriteOptions, warn_if_output_taken
 from .plan import ShardPlan, plan_shards
@@ -32,7 +33,6 @@ __all__ = ["ShardJob", "SideFile", "SplitResult", "open_settled", "plan_job", "r
            "side_files", "split_source"]
 
 SideFile = tuple[str, str]  # (path to copy from, file name inside the output)
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".distcp", ".index.json")
 
 
 @dataclass
@@ -193,7 +193,7 @@ def side_files(source: Any, output: str) -> list[SideFile]:
     return sorted(  # shard_file: a symlinked side file may not pull in a file from outside the folder
         (shard_file(folder, name, where=folder), name) for name in os.listdir(folder)
         if not name.startswith(".") and os.path.isfile(os.path.join(folder, name))
-        and not name.endswith(_WEIGHT_SUFFIXES) and not (".index." in name and name.endswith(".json"))
+        and not is_weight_file(name)
     )
 
 

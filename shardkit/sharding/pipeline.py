@@ -22,6 +22,7 @@ from ..atomic.commit import recover
 from ..errors import InvalidInputError
 from ..formats.index import naming_from_filename
 from ..formats.layout import find_components, is_pipeline_folder
+from ..formats.suffixes import is_saved_weight_file
 from ..sources import Source, open_source
 from .job import ShardJob, SideFile, SplitResult, plan_job, run_jobs
 from .options import WriteOptions, warn
@@ -29,7 +30,6 @@ from .plan import ShardPlan, ShardSpec
 
 __all__ = ["PipelineResult", "is_pipeline_folder", "split_pipeline"]
 
-_INDEX_MARK = ".index"
 
 
 @dataclass
@@ -118,11 +118,6 @@ def _warn_left_out(jobs: list[ShardJob], left_out: dict[str, list[str]]) -> None
                  f"component; only {job.source.description} was converted)")
 
 
-def _is_weight_file(filename: str) -> bool:
-    return filename.endswith((".safetensors", ".bin")) or (_INDEX_MARK in filename and filename.endswith(".json")
-                                                          and (".safetensors" in filename or ".bin" in filename))
-
-
 def _other_weight_files(component_path: str, source: Source) -> list[str]:
     """Weight files of the component that the chosen checkpoint does not use."""
     used = {os.path.basename(p) for p in source.paths}
@@ -131,7 +126,7 @@ def _other_weight_files(component_path: str, source: Source) -> list[str]:
     if index_path:
         used.add(os.path.basename(index_path))
     return sorted(n for n in os.listdir(component_path)
-                  if not n.startswith(".") and _is_weight_file(n) and n not in used
+                  if not n.startswith(".") and is_saved_weight_file(n) and n not in used
                   and os.path.isfile(os.path.join(component_path, n)))
 
 
@@ -146,7 +141,7 @@ def _side_files(folder: str, jobs: list[ShardJob]) -> list[str]:
         for filename in sorted(filenames):
             if filename.startswith("."):
                 continue
-            if top in components and rel_dir == top and _is_weight_file(filename):
+            if top in components and rel_dir == top and is_saved_weight_file(filename):
                 continue
             found.append(os.path.normpath(os.path.join(rel_dir, filename)))
     return found

@@ -23,7 +23,7 @@ def _is_safetensors_index(path: str) -> bool:
 
 
 def _is_pickle_file(path: str) -> bool:
-    from .pickle import PICKLE_SUFFIXES
+    from ..formats.suffixes import PICKLE_SUFFIXES
 
     return os.path.isfile(path) and path.endswith(PICKLE_SUFFIXES)
 

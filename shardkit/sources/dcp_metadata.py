@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidInputError, SourceNotFoundError, UnsafePickleError
+from ..formats.suffixes import DCP_DATA_SUFFIX as DATA_SUFFIX
 
 METADATA_FILE = ".metadata"
-DATA_SUFFIX = ".distcp"
 MAX_METADATA_BYTES = 2_000_000_000
 
 

@@ -26,7 +26,6 @@ from ..formats.header import TensorEntry
 from ..formats.index import naming_from_filename
 from .memory import MemorySource
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 STATE_DICT_KEYS = ("state_dict", "model", "module", "model_state_dict")
 
 
