@@ -142,3 +142,30 @@ def test_single_file_output(tmp_path: Path) -> None:
         atomic_output_file(str(tmp_path), overwrite=True)
     with pytest.raises(ShardkitError, match="does not exist"):
         atomic_output_file(str(tmp_path / "nope" / "x.safetensors"))
+
+
+def test_side_files_are_replaced_by_rename_and_never_missing_during_an_in_place_commit(tmp_path: Path,
+                                                                                         monkeypatch) -> None:
+    """Only index files are removed first; model_index.json and configs are swapped atomically."""
+    from shardkit import _faults
+
+    out = tmp_path / "pipe"
+    out.mkdir()
+    for name, data in {"model_index.json": b"old", "config.json": b"old", "model.safetensors.index.json": b"old",
+                       "model-00001-of-00001.safetensors": b"old"}.items():
+        (out / name).write_bytes(data)
+    seen: list[tuple[str, bool, bool]] = []
+
+    def watch(label: str, nbytes: int = 0) -> None:
+        seen.append((label, (out / "model_index.json").exists(), (out / "config.json").exists()))
+
+    monkeypatch.setattr(_faults, "point", watch)
+    with OutputTransaction(out, overwrite=True, stale=["model-00001-of-00001.safetensors"]) as tx:
+        for name in ("model_index.json", "config.json", "model.safetensors.index.json", "model.safetensors"):
+            tx.write_bytes(name, b"new")
+        tx.commit(last="model.safetensors.index.json")
+    assert [label for label, *_ in seen if label.startswith("commit:")], seen
+    assert all(has_index and has_config for _, has_index, has_config in seen), seen
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "model.safetensors.index.json",
+                                       "model_index.json"]
+    assert (out / "model_index.json").read_bytes() == b"new"

@@ -48,6 +48,7 @@ from ..errors import (
     ShardkitWriteError,
     describe_os_error,
 )
+from ..formats.suffixes import is_index_file
 from .journal import (
     JOURNAL,
     TMP_MARK,
@@ -203,8 +204,11 @@ class OutputTransaction:
         fsync_dir(os.path.dirname(self.output))
 
     def _journal(self, last: str | None) -> dict[str, list[Any]]:
+        # Only index files go first and last: they are what makes shards visible. model_index.json,
+        # configs and other side files are replaced by a plain atomic rename, so a pipeline folder
+        # never loses its model_index.json during the commit.
         def is_index(name: str) -> bool:
-            return name.endswith(".json")
+            return is_index_file(os.path.basename(name))
 
         files = sorted(dict.fromkeys(self._written), key=lambda f: (f == last, is_index(f)))
         present = [s for s in self.stale if os.path.lexists(os.path.join(self.output, s))]
