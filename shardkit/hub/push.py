@@ -258,7 +258,8 @@ def hub_errors(repo_id: str, revision: str) -> Iterator[None]:
 
 def describe_hub_error(error: BaseException, repo_id: str, revision: str) -> str | None:
     """A one-line explanation of a failed Hub call, or None if ``error`` is not one."""
-    import httpx2
+    # utils.httpx: the HTTP client module huggingface_hub itself uses (httpx2 in 2.x); importing it
+    # from there means shardkit never imports a package it does not declare.
     from huggingface_hub import constants
     from huggingface_hub.errors import (
         HfHubHTTPError,
@@ -266,6 +267,7 @@ def describe_hub_error(error: BaseException, repo_id: str, revision: str) -> str
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
+    from huggingface_hub.utils import httpx
 
     endpoint = constants.ENDPOINT
     for e in _chain(error):
@@ -291,7 +293,7 @@ def describe_hub_error(error: BaseException, repo_id: str, revision: str) -> str
                 return (f"the Hub failed ({status}) for {repo_id}: {first}; run the push again to resume "
                         f"(what already arrived is not sent again)")
             return f"the Hub answered {status} for {repo_id}: {first}"
-        if isinstance(e, (httpx2.TransportError, ConnectionError, TimeoutError)):
+        if isinstance(e, (httpx.TransportError, ConnectionError, TimeoutError)):
             return (f"network failure talking to {endpoint}: {e or type(e).__name__}; check the connection "
                     f"(or HF_ENDPOINT) and run the push again to resume")
     text = str(error).strip().splitlines()
