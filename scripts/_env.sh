@@ -1,6 +1,6 @@
 # Sourced by scripts/demo and scripts/test: make .venv in the repo and install shardkit into it.
 # SHARDKIT_TORCH overrides the torch requirement (default: the CPU build this project's
-# machines carry; on a GPU machine set e.g. SHARDKIT_TORCH="torch>=2.4").
+# machines carry; on a GPU machine set e.g. SHARDKIT_TORCH="torch>=2.13").
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"

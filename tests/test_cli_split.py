@@ -7,6 +7,7 @@ import os
 import resource
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -346,17 +347,35 @@ def test_disk_full_during_in_place_reshard_keeps_the_old_checkpoint(run_shardkit
 
 def _start_and_kill_mid_write(args: list[object], staging_parent: Path, sig: int,
                               tmp_marker: str) -> subprocess.Popen:
-    """Start the CLI, wait until a shard is being written, then send ``sig``."""
-    proc = subprocess.Popen([SHARDKIT_BIN, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        writing = [p for p in staging_parent.rglob("*.safetensors") if tmp_marker in str(p) and p.stat().st_size]
-        if writing:
+    """Start the CLI, let it stop at its first write into a shard, check that a partly written
+    temporary shard is on disk, then send ``sig``.
+
+    The pause is the ``write`` fault point (``shardkit/_faults.py``): the process signals it is
+    there and waits for a file that never comes, so the signal always lands mid-write, however
+    slow or loaded the machine. (Polling for the temporary file instead raced the writer: a fast
+    or lucky run published before the signal was sent, and exited 0.) SIGINT is reset to its
+    default in the child: a test run started in the background (``&`` in a script) ignores
+    SIGINT, the child would inherit that, and Python then installs no KeyboardInterrupt handler.
+    """
+    with tempfile.TemporaryDirectory() as signals:
+        go = Path(signals) / "go"
+        env = {**os.environ, "SHARDKIT_FAULT_WAIT_AT": "write", "SHARDKIT_FAULT_WAIT_FILE": str(go)}
+        proc = subprocess.Popen([SHARDKIT_BIN, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            deadline = time.monotonic() + 120
+            while not any(Path(signals).glob("go.ready.*")):
+                assert proc.poll() is None, f"the process ended before its first write: {proc.communicate()}"
+                assert time.monotonic() < deadline, "the process never reached its first write"
+                time.sleep(0.01)
+            writing = [p for p in staging_parent.rglob("*.safetensors") if tmp_marker in str(p) and p.stat().st_size]
+            assert writing, "paused at a write, but no partly written temporary shard is on disk"
             proc.send_signal(sig)
-            break
-        time.sleep(0.002)
-    proc.wait(timeout=120)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return proc
 
 
