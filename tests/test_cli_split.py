@@ -88,12 +88,14 @@ def test_json_summary(run_cli, tmp_path: Path) -> None:
     assert dry["dry_run"] is True and len(dry["shards"]) == 1 and dry["index"] is None
 
 
-def test_quiet_prints_nothing_and_default_shows_progress(run_cli, tmp_path: Path) -> None:
+def test_quiet_prints_nothing_and_progress_shows_only_on_request_off_a_terminal(run_cli, tmp_path: Path) -> None:
     src = _good_file(tmp_path)
     quiet = run_cli("split", src, tmp_path / "q", "--max-shard-size", "200", "-q")
     assert quiet.exit_code == 0 and quiet.stdout == "" and quiet.stderr == ""
-    loud = run_cli("split", src, tmp_path / "l", "--max-shard-size", "200")
-    assert "split" in loud.stderr  # the tqdm bar, in bytes
+    plain = run_cli("split", src, tmp_path / "p", "--max-shard-size", "200")
+    assert plain.exit_code == 0 and "%|" not in plain.stderr  # not a terminal: no bar
+    loud = run_cli("split", src, tmp_path / "l", "--max-shard-size", "200", "--progress")
+    assert "split:" in loud.stderr and "%|" in loud.stderr  # the tqdm bar, in bytes
 
 
 def test_help_has_examples_and_units(run_cli) -> None:

@@ -12,16 +12,17 @@ import sys
 
 import click
 
-from .common import run_cli
+from .common import run_cli, silence_stdout
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
 @click.group(context_settings=CONTEXT)
 @click.version_option(package_name="shardkit")
-@click.option("--debug", is_flag=True, help="Show full tracebacks on errors.")
+@click.option("--debug", is_flag=True, help="Show full tracebacks and shardkit's debug log (anywhere on the line).")
+@click.option("--progress", is_flag=True, help="Show progress bars even when stderr is not a terminal.")
 @click.pass_context
-def cli(ctx: click.Context, debug: bool) -> None:
+def cli(ctx: click.Context, debug: bool, progress: bool) -> None:
     """Split, convert, verify, push and plan large model checkpoints.
 
     \b
@@ -58,4 +59,9 @@ _register()
 
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
-    sys.exit(run_cli(cli, argv))
+    code = run_cli(cli, argv)
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader of a pipe left before the last buffered line
+        silence_stdout()
+    sys.exit(code)

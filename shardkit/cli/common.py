@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import logging
 import signal
 import sys
@@ -65,39 +66,77 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
         pass
 
 
+GLOBAL_FLAGS = ("--debug", "--progress")
+_progress_forced = False
+
+
+def hoist_global_flags(args: list[str]) -> list[str]:
+    """Move ``--debug``/``--progress`` before the command, wherever the user typed them.
+
+    Errors tell users to add ``--debug``; they add it at the end, where click alone would refuse it.
+
+    >>> hoist_global_flags(["split", "a", "b", "--debug"])
+    ['--debug', 'split', 'a', 'b']
+    """
+    cut = args.index("--") if "--" in args else len(args)
+    flags = [a for a in GLOBAL_FLAGS if a in args[:cut]]
+    return flags + [a for i, a in enumerate(args) if i >= cut or a not in GLOBAL_FLAGS]
+
+
 def run_cli(group: click.Group, argv: list[str] | None = None) -> int:
     """Run the click group; map errors to one line and an exit code (2 input, 1 check failed)."""
-    args = list(sys.argv[1:] if argv is None else argv)
+    global _progress_forced
+    args = hoist_global_flags(list(sys.argv[1:] if argv is None else argv))
     debug = _debug_requested(args)
+    _progress_forced = "--progress" in args
     configure_logging(debug=debug)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    if not args:  # bare `shardkit`: the help, as a help (click would fold it into one error line)
+        click.echo(group.get_help(click.Context(group, info_name="shardkit")))
+        return 0
     with warnings.catch_warnings():
         warnings.simplefilter("default")
         warnings.showwarning = _show_warning
         try:
             group.main(args=args, prog_name="shardkit", standalone_mode=False)
-        except click.exceptions.Abort:
-            click.echo("interrupted; nothing was published", err=True)
-            return 130
-        except KeyboardInterrupt:
+        except BrokenPipeError:  # `shardkit info out/ | head -1`: the reader left; not an error
+            silence_stdout()
+        except SystemExit as e:  # click's own EPIPE handling exits 1 after pacifying stdout
+            if not type(sys.stdout).__name__.endswith("PacifyFlushWrapper"):
+                raise
+            silence_stdout()
+            return 0 if e.code in (0, 1, None) else int(e.code)
+        except (click.exceptions.Abort, KeyboardInterrupt):
             click.echo("interrupted; nothing was published", err=True)
             return 130
         except click.ClickException as e:
             _echo_click_error(e)
             return 2 if e.exit_code not in (0, 1) else e.exit_code
-        except ShardkitError as e:
-            if debug:
-                traceback.print_exc()
-            click.echo(f"error: {e}", err=True)
-            return e.exit_code
         except click.exceptions.Exit as e:
             return e.exit_code
-        except Exception as e:  # a bug or an unexpected library error: still one line unless --debug
-            if debug:
-                traceback.print_exc()
-            click.echo(f"error: {type(e).__name__}: {e} (run with --debug for the traceback)", err=True)
-            return 2
+        except Exception as e:
+            return _report_error(e, debug=debug)
     return 0
+
+
+def _report_error(e: Exception, *, debug: bool) -> int:
+    if debug:
+        traceback.print_exc()
+    if isinstance(e, ShardkitError):
+        click.echo(f"error: {e}", err=True)
+        return e.exit_code
+    # A bug or an unexpected library error: still one line unless --debug.
+    click.echo(f"error: {type(e).__name__}: {e} (run with --debug for the traceback)", err=True)
+    return 2
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush cannot fail on a closed pipe."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a real file (click's test runner)
+        pass
 
 
 def _echo_click_error(e: click.ClickException) -> None:
@@ -121,8 +160,11 @@ def _show_warning(message: Any, category: Any, filename: str, lineno: int, file:
 
 @contextlib.contextmanager
 def byte_progress(description: str, *, enabled: bool) -> Iterator[Callable[[int, int], None]]:
-    """A ``(done_bytes, total_bytes)`` callback rendered as a tqdm bar on stderr."""
-    if not enabled:
+    """A ``(done_bytes, total_bytes)`` callback rendered as a tqdm bar on stderr.
+
+    Only on a terminal (or with ``shardkit --progress``): a bar's ``\\r`` frames would litter logs.
+    """
+    if not enabled or not (_progress_forced or sys.stderr.isatty()):
         yield lambda done, total: None
         return
     from tqdm import tqdm

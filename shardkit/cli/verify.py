@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 
 import click
 
@@ -42,7 +41,7 @@ def verify(path: str, against: str | None, as_json: bool, quiet: bool) -> None:
     from ..checking.verify import verify as verify_api
 
     # no bar in logs and pipes: findings and the summary line are what matter there
-    with byte_progress("verify", enabled=not (quiet or as_json) and sys.stderr.isatty()) as progress:
+    with byte_progress("verify", enabled=not (quiet or as_json)) as progress:
         report = verify_api(path, against=against, progress=progress)
     if as_json:
         echo_json(report.to_dict())
