@@ -17,6 +17,7 @@ from conftest import (
     SHARDKIT_BIN,
     assert_bit_equal,
     assert_one_line_error,
+    invoke_cli,
     leftovers,
     load_folder,
     make_state_dict,
@@ -437,3 +438,21 @@ def test_pickle_sources_on_the_command_line(run_cli, tmp_path: Path) -> None:
     assert_bit_equal(load_folder(tmp_path / "legacy"), tensors)
     missing = run_cli("split", tmp_path / "model.ckpt", tmp_path / "x", "--key", "nope")
     assert_one_line_error(missing, contains="key 'nope' not found")
+
+
+@pytest.mark.parametrize("command", ["split", "convert"])
+@pytest.mark.parametrize("inside", ["sub", "sub/deeper", "./sub"])
+def test_output_inside_the_source_folder_is_refused_and_nothing_is_written(command: str, inside: str,
+                                                                           tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    save_file({"w": torch.ones(4, 4)}, str(folder / "model.safetensors"))
+    before = sorted(p.name for p in folder.rglob("*"))
+    result = invoke_cli(command, folder, folder / inside, "--max-shard-size", "100")
+    assert_one_line_error(result, code=2, contains="inside the source folder")
+    assert sorted(p.name for p in folder.rglob("*")) == before
+    same = invoke_cli(command, folder, folder, "--max-shard-size", "100", "--overwrite", "-q")
+    assert same.exit_code == 0, same.stderr  # in place is still allowed

@@ -21,7 +21,7 @@ from ..errors import InvalidInputError
 from ..formats.layout import is_pipeline_folder
 from ..sources import Source
 from ..sources.keymap import KeyMap, KeyMapSource, parse_renames
-from .job import SplitResult, open_settled, side_files, split_source
+from .job import SplitResult, open_settled, refuse_output_inside_source, side_files, split_source
 from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions, warn
 from .split import split_with
 
@@ -98,6 +98,7 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
     >>> convert_with("m.ckpt", "out/", options=WriteOptions(), keymap=KeyMap(strip_prefix="model."))  # doctest: +SKIP
     """
     output = os.fspath(output)
+    refuse_output_inside_source(source, output)
     keymap = keymap or KeyMap()
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
         if not keymap.is_identity():

@@ -99,6 +99,27 @@ def resolve_naming(source: Source, *, name: str | None, variant: str | None) -> 
     return Naming(base.prefix, variant if variant is not None else base.variant)
 
 
+def refuse_output_inside_source(source: Any, output: str) -> None:
+    """Refuse an output folder strictly inside a source folder: the job would write into its own input.
+
+    The same folder is allowed (an in-place reshard with ``overwrite``); a sibling or any other
+    folder is fine.
+
+    >>> refuse_output_inside_source("ckpt/", "ckpt/sub")   # doctest: +SKIP
+    Traceback (most recent call last):
+    shardkit.errors.InvalidInputError: output ckpt/sub is inside the source folder ckpt/: ...
+    """
+    if not isinstance(source, (str, os.PathLike)) or not os.path.isdir(source):
+        return
+    src, out = os.path.realpath(os.fspath(source)), os.path.realpath(output)
+    if out != src and os.path.commonpath([src, out]) == src:
+        raise InvalidInputError(
+            f"output {output} is inside the source folder {os.fspath(source)}: the source would change while it is "
+            "read; write to a folder outside it, or reshard in place with the source folder itself as the output "
+            "and --overwrite"
+        )
+
+
 def open_settled(source: Any, *, key: str | None, dry_run: bool) -> Source:
     """Open ``source`` after finishing any interrupted commit in its folder (skipped by a dry run).
 

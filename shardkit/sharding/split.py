@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from ..formats.layout import is_pipeline_folder
-from .job import SplitResult, open_settled, side_files, split_source
+from .job import SplitResult, open_settled, refuse_output_inside_source, side_files, split_source
 from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions
 from .pipeline import split_pipeline
 
@@ -54,6 +54,7 @@ def split_with(source: Any, output: str | os.PathLike[str], *, options: WriteOpt
     >>> split_with("ckpt/", "out/", options=WriteOptions(max_shard_bytes=2 * 10**9, dry_run=True))  # doctest: +SKIP
     """
     output = os.fspath(output)
+    refuse_output_inside_source(source, output)
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
         return split_pipeline(source, output, options=options, key=key)
     with open_settled(source, key=key, dry_run=options.dry_run) as src:
