@@ -254,3 +254,14 @@ def test_plain_pickle_payload_never_runs(tmp_path: Path, run_cli) -> None:
     assert "refused to unpickle" in result.error_lines[-1]
     assert not marker.exists()
     assert not (tmp_path / "out").exists()
+
+
+def test_strip_prefix_without_the_trailing_dot_strips_the_whole_component(tmp_path: Path, run_cli) -> None:
+    ckpt, unet = sd_checkpoint()
+    torch.save(ckpt, tmp_path / "m.ckpt")
+    for prefix, out in (("model.diffusion_model", "a"), ("model.diffusion_model.", "b")):
+        result = run_cli("convert", tmp_path / "m.ckpt", tmp_path / out, "--strip-prefix", prefix, "-q")
+        assert result.exit_code == 0, result.stderr
+    a, b = load_folder(tmp_path / "a"), load_folder(tmp_path / "b")
+    assert sorted(a) == sorted(b) == sorted(unet)
+    assert not any(name.startswith(".") for name in a)

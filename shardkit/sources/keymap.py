@@ -36,6 +36,12 @@ class KeyMap:
     add_prefix: str | None = None
     rename: tuple[tuple[str, str], ...] = field(default_factory=tuple)
 
+    def __post_init__(self) -> None:
+        # "--strip-prefix model.diffusion_model" (no trailing dot) means the whole component: left
+        # as typed it would strip to names starting with "." that no loader matches.
+        if self.strip_prefix and not self.strip_prefix.endswith("."):
+            object.__setattr__(self, "strip_prefix", self.strip_prefix + ".")
+
     def is_identity(self) -> bool:
         return not (self.include or self.exclude or self.strip_prefix or self.add_prefix or self.rename)
 
@@ -46,6 +52,8 @@ class KeyMap:
         'unet.conv.weight'
         >>> KeyMap(exclude=("model_ema.*",)).map("model_ema.decay") is None
         True
+        >>> KeyMap(strip_prefix="model.diffusion_model").map("model.diffusion_model.out.weight")
+        'out.weight'
         """
         if self.include and not any(fnmatch.fnmatchcase(name, g) for g in self.include):
             return None
