@@ -89,3 +89,23 @@ def test_flux_plan_process_stays_under_600mb(flux_config) -> None:
     code, peak_bytes = map(int, done.stdout.split()[-2:])
     assert code == 0, done.stderr
     assert peak_bytes < 600 * 2**20, peak_bytes
+
+
+def test_strategies_json_gives_every_byte_count_as_an_integer(run_cli, tmp_path) -> None:
+    folder = save_model(tiny_unet(), tmp_path / "unet")
+    result = run_cli("plan", folder, "--model", "diffusers:UNet2DConditionModel", "--gpu", "1MB", "--strategies",
+                     "--json")
+    assert result.exit_code == 0, result.stderr
+
+    def byte_counts(node, path=""):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                yield from byte_counts(value, f"{path}.{key}")
+                if key.endswith("bytes"):
+                    yield f"{path}.{key}", value
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                yield from byte_counts(value, f"{path}[{i}]")
+
+    counts = dict(byte_counts(json.loads(result.stdout)))
+    assert counts and all(isinstance(v, int) for v in counts.values() if v is not None), counts
