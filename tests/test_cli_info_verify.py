@@ -167,3 +167,12 @@ def test_real_process(out, source):
     result = shardkit_subprocess("verify", out, "--against", source)
     assert result.returncode == 0, result.stderr
     assert "identical to" in result.stdout
+
+
+@pytest.mark.parametrize("command", ["info", "split"])
+def test_shards_without_an_index_are_named_as_such(out, run_cli, command, tmp_path):
+    (out / "model.safetensors.index.json").unlink()
+    args = [command, out] + ([tmp_path / "resplit"] if command == "split" else [])
+    line = assert_one_line_error(run_cli(*args), code=2, contains="shard file(s)")
+    assert "no index file (model.safetensors.index.json)" in line
+    assert "no .safetensors checkpoint" not in line

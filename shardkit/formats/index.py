@@ -239,4 +239,11 @@ def find_checkpoint(folder: str | os.PathLike[str], *, variant: str | None = Non
         )
     if singles:
         return Layout("file", shard_file(str(root), singles[0], where=str(folder)), naming_from_filename(singles[0]))
+    shards = [n for n in names if (m := _SHARD_RE.match(n)) and m.group("ext") == ext]
+    if shards:  # "no checkpoint" would be false: the shards are there, their index is what is missing
+        expected = naming_from_filename(shards[0]).index()
+        raise CheckpointIndexError(
+            f"{folder}: the folder holds {len(shards)} shard file(s) ({shards[0]}, ...) but no index file "
+            f"({expected}), so no loader can find the tensors; restore the index that names them"
+        )
     raise SourceNotFoundError(f"{folder}: no .{ext} checkpoint or index found in this folder")
