@@ -10,7 +10,7 @@ Device keys: ``0``, ``"0"``, ``"cuda:1"``, ``"gpu:0"`` → GPU index; ``"cpu"``,
 from __future__ import annotations
 
 import re
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from .errors import InvalidInputError
 from .units import parse_size
@@ -34,7 +34,8 @@ def parse_device(key: Any) -> Device:
     if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
         return key
     if type(key).__name__ == "device" and hasattr(key, "type"):  # torch.device, without importing torch
-        return key.index if key.type == "cuda" and key.index is not None else (0 if key.type == "cuda" else key.type)
+        # An index-less torch.device("cuda") is refused like the string "cuda": which GPU is ambiguous.
+        key = key.index if key.type == "cuda" else key.type
     text = str(key).strip().lower()
     if text.isdigit():
         return int(text)
@@ -112,8 +113,3 @@ def gpu_and_cpu_bytes(max_memory: dict[Device, int]) -> tuple[tuple[int, ...], i
 def device_label(device: Device) -> str:
     """``0`` → ``"GPU 0"``, ``"cpu"`` → ``"CPU"``, others unchanged."""
     return f"GPU {device}" if isinstance(device, int) else "CPU" if device == "cpu" else str(device)
-
-
-def parse_devices(keys: Iterable[Any]) -> list[Device]:
-    """:func:`parse_device` over several keys."""
-    return [parse_device(k) for k in keys]

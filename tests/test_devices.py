@@ -17,9 +17,12 @@ def test_parse_device_accepts_every_spelling(key, expected) -> None:
 
 
 def test_parse_device_accepts_torch_devices() -> None:
-    torch = pytest.importorskip("torch")
+    import torch
+
     assert parse_device(torch.device("cuda", 1)) == 1
     assert parse_device(torch.device("cpu")) == "cpu"
+    with pytest.raises(InvalidInputError, match="unknown device"):
+        parse_device(torch.device("cuda"))  # which GPU is ambiguous, as with the string "cuda"
 
 
 @pytest.mark.parametrize("key", [-1, True, "tpu", "cuda", "cuda:x", "gpu:-1", ""])

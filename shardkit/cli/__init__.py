@@ -43,6 +43,7 @@ def cli(ctx: click.Context, debug: bool, progress: bool) -> None:
     """
     ctx.ensure_object(dict)
     ctx.obj["debug"] = debug
+    ctx.obj["progress"] = progress
 
 
 def _register() -> None:

@@ -37,8 +37,6 @@ def configure_logging(*, debug: bool) -> None:
     log.setLevel(logging.DEBUG if debug else logging.WARNING)
     if debug:
         return
-    import os
-
     # diffusers and transformers reset their loggers' level from these on first use.
     for variable in ("DIFFUSERS_VERBOSITY", "TRANSFORMERS_VERBOSITY", "HF_HUB_VERBOSITY"):
         os.environ.setdefault(variable, "error")
@@ -67,7 +65,6 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 
 GLOBAL_FLAGS = ("--debug", "--progress")
-_progress_forced = False
 
 
 def hoist_global_flags(args: list[str]) -> list[str]:
@@ -85,10 +82,8 @@ def hoist_global_flags(args: list[str]) -> list[str]:
 
 def run_cli(group: click.Group, argv: list[str] | None = None) -> int:
     """Run the click group; map errors to one line and an exit code (2 input, 1 check failed)."""
-    global _progress_forced
     args = hoist_global_flags(list(sys.argv[1:] if argv is None else argv))
     debug = _debug_requested(args)
-    _progress_forced = "--progress" in args
     configure_logging(debug=debug)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     if not args:  # bare `shardkit`: the help, as a help (click would fold it into one error line)
@@ -158,13 +153,19 @@ def _show_warning(message: Any, category: Any, filename: str, lineno: int, file:
         click.echo(f"warning: {message}", err=True)
 
 
+def _progress_requested() -> bool:
+    """Whether ``shardkit --progress`` was given (the group stores its flags in the root context)."""
+    ctx = click.get_current_context(silent=True)
+    return bool(ctx is not None and (ctx.find_root().obj or {}).get("progress"))
+
+
 @contextlib.contextmanager
 def byte_progress(description: str, *, enabled: bool) -> Iterator[Callable[[int, int], None]]:
     """A ``(done_bytes, total_bytes)`` callback rendered as a tqdm bar on stderr.
 
     Only on a terminal (or with ``shardkit --progress``): a bar's ``\\r`` frames would litter logs.
     """
-    if not enabled or not (_progress_forced or sys.stderr.isatty()):
+    if not enabled or not (_progress_requested() or sys.stderr.isatty()):
         yield lambda done, total: None
         return
     from tqdm import tqdm

@@ -265,20 +265,13 @@ def check_devices_exist(devices: list[Device], *, where: str) -> None:
 def resolve_device_map(skeleton: Any, device_map: Any, *, max_memory: dict[Device, int] | None,
                        no_split_module_classes: list[str] | None) -> dict[str, Device]:
     """A strategy name, "cpu" or an explicit dict → a complete module → device dict."""
-    import torch
-
     if device_map is None:
         device_map = "auto" if max_memory else "cpu"
     if isinstance(device_map, str):
         return infer_device_map(skeleton, device_map, max_memory=max_memory, no_split_module_classes=no_split_module_classes)
     if not isinstance(device_map, dict):
         raise InvalidInputError(f"device_map must be a strategy name or a dict, got {type(device_map).__name__}")
-    resolved = {}
-    for name, device in device_map.items():
-        if isinstance(device, torch.device):
-            device = device.index if device.type == "cuda" else device.type
-        resolved[name] = parse_device(device)
-    return resolved
+    return {name: parse_device(device) for name, device in device_map.items()}
 
 
 def module_device(device_map: dict[str, Device], name: str) -> Device:

@@ -90,8 +90,6 @@ def _cast(target: Any, spec: Any) -> Any:
 
 
 def _is_module(target: Any) -> bool:
-    try:
-        from torch import nn
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return False
+    from torch import nn
+
     return isinstance(target, nn.Module)

@@ -18,7 +18,7 @@ from ..units import LOSSLESS_TARGETS, normalize_dtype, parse_size
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "ProgressCallback", "WriteOptions", "resolve_cast", "warn", "warn_if_output_taken"]
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+DEFAULT_MAX_SHARD_BYTES = parse_size(DEFAULT_MAX_SHARD_SIZE)
 ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
