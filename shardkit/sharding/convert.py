@@ -98,13 +98,13 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
     >>> convert_with("m.ckpt", "out/", options=WriteOptions(), keymap=KeyMap(strip_prefix="model."))  # doctest: +SKIP
     """
     output = os.fspath(output)
-    refuse_output_inside_source(source, output)
     keymap = keymap or KeyMap()
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
         if not keymap.is_identity():
             raise InvalidInputError(f"{source}: key options (--strip-prefix, --include, --rename ...) do not apply "
                                     "to a pipeline folder; convert a component folder instead")
-        return split_with(source, output, options=options, key=key)
+        return split_with(source, output, options=options, key=key)  # checks the output itself
+    refuse_output_inside_source(source, output)
     with open_settled(source, key=key, dry_run=options.dry_run) as inner:
         mapped: Source = inner if keymap.is_identity() else KeyMapSource(inner, keymap)
         ema = _report_ema(inner, keymap)
