@@ -42,7 +42,7 @@ def _good_file(tmp_path: Path) -> Path:
 def test_split_prints_a_summary_and_writes_shards(run_cli, tmp_path: Path) -> None:
     src = _good_file(tmp_path)
     out = tmp_path / "out"
-    result = run_cli("split", src, out, "--max-shard-size", "200")
+    result = run_cli("split", src, out, "--max-shard-size", "200B")
     assert result.exit_code == 0, result.stderr
     assert "model-00001-of-" in result.stdout and "model.safetensors.index.json" in result.stdout
     assert "wrote" in result.stdout and str(out) in result.stdout
@@ -67,7 +67,7 @@ def test_dry_run_warns_when_the_real_run_would_need_overwrite(run_cli, tmp_path:
 def test_dry_run_prints_the_plan_and_writes_nothing(run_cli, tmp_path: Path) -> None:
     src = _good_file(tmp_path)
     before = snapshot(tmp_path)
-    result = run_cli("split", src, tmp_path / "out", "--max-shard-size", "200", "--dry-run")
+    result = run_cli("split", src, tmp_path / "out", "--max-shard-size", "200B", "--dry-run")
     assert result.exit_code == 0, result.stderr
     assert snapshot(tmp_path) == before
     lines = result.stdout.splitlines()
@@ -78,7 +78,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(run_cli, tmp_path: Path) -> 
 
 def test_json_summary(run_cli, tmp_path: Path) -> None:
     src = _good_file(tmp_path)
-    result = run_cli("split", src, tmp_path / "out", "--max-shard-size", "200", "--json")
+    result = run_cli("split", src, tmp_path / "out", "--max-shard-size", "200B", "--json")
     assert result.exit_code == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["index"] == "model.safetensors.index.json"
@@ -91,11 +91,11 @@ def test_json_summary(run_cli, tmp_path: Path) -> None:
 
 def test_quiet_prints_nothing_and_progress_shows_only_on_request_off_a_terminal(run_cli, tmp_path: Path) -> None:
     src = _good_file(tmp_path)
-    quiet = run_cli("split", src, tmp_path / "q", "--max-shard-size", "200", "-q")
+    quiet = run_cli("split", src, tmp_path / "q", "--max-shard-size", "200B", "-q")
     assert quiet.exit_code == 0 and quiet.stdout == "" and quiet.stderr == ""
-    plain = run_cli("split", src, tmp_path / "p", "--max-shard-size", "200")
+    plain = run_cli("split", src, tmp_path / "p", "--max-shard-size", "200B")
     assert plain.exit_code == 0 and "%|" not in plain.stderr  # not a terminal: no bar
-    loud = run_cli("split", src, tmp_path / "l", "--max-shard-size", "200", "--progress")
+    loud = run_cli("split", src, tmp_path / "l", "--max-shard-size", "200B", "--progress")
     assert "split:" in loud.stderr and "%|" in loud.stderr  # the tqdm bar, in bytes
 
 
@@ -123,10 +123,10 @@ def test_dtype_and_naming_options(run_cli, tmp_path: Path) -> None:
 def test_in_place_reshard_with_overwrite(run_cli, tmp_path: Path) -> None:
     src = _good_file(tmp_path)
     ckpt = tmp_path / "ckpt"
-    assert run_cli("split", src, ckpt, "--max-shard-size", "100", "-q").exit_code == 0
-    refused = run_cli("split", ckpt, ckpt, "--max-shard-size", "400")
+    assert run_cli("split", src, ckpt, "--max-shard-size", "100B", "-q").exit_code == 0
+    refused = run_cli("split", ckpt, ckpt, "--max-shard-size", "400B")
     assert_one_line_error(refused, contains="--overwrite")
-    result = run_cli("split", ckpt, ckpt, "--max-shard-size", "400", "--overwrite", "-q")
+    result = run_cli("split", ckpt, ckpt, "--max-shard-size", "400B", "--overwrite", "-q")
     assert result.exit_code == 0, result.stderr
     from safetensors.torch import load_file
 
@@ -238,7 +238,7 @@ def test_bad_source_gets_one_line_error_and_no_output(run_cli, tmp_path: Path, c
     src = build(tmp_path)
     before = snapshot(tmp_path)
     out = tmp_path / "out"
-    result = run_cli("split", src, out, "--max-shard-size", "100")
+    result = run_cli("split", src, out, "--max-shard-size", "100B")
     line = assert_one_line_error(result, contains=fragment)
     assert line.startswith("error: ")
     assert not out.exists()
@@ -451,8 +451,67 @@ def test_output_inside_the_source_folder_is_refused_and_nothing_is_written(comma
     folder.mkdir()
     save_file({"w": torch.ones(4, 4)}, str(folder / "model.safetensors"))
     before = sorted(p.name for p in folder.rglob("*"))
-    result = invoke_cli(command, folder, folder / inside, "--max-shard-size", "100")
+    result = invoke_cli(command, folder, folder / inside, "--max-shard-size", "100B")
     assert_one_line_error(result, code=2, contains="inside the source folder")
     assert sorted(p.name for p in folder.rglob("*")) == before
-    same = invoke_cli(command, folder, folder, "--max-shard-size", "100", "--overwrite", "-q")
+    same = invoke_cli(command, folder, folder, "--max-shard-size", "100B", "--overwrite", "-q")
     assert same.exit_code == 0, same.stderr  # in place is still allowed
+
+
+# ------------------------------------------------------------------ sizes in the wrong unit (issue 14, item 4)
+
+def test_bare_number_under_a_megabyte_warns_with_the_unit_to_add(run_cli, tmp_path: Path) -> None:
+    src = _good_file(tmp_path)
+    result = run_cli("split", src, tmp_path / "out", "--max-shard-size", "5000", "--dry-run")
+    assert result.exit_code == 0, result.stderr
+    assert "--max-shard-size 5000 has no unit and means 5000 bytes" in result.stderr
+    assert "--max-shard-size 5000MB" in result.stderr
+    quiet = run_cli("split", src, tmp_path / "out2", "--max-shard-size", "5MB", "--dry-run")
+    assert "no unit" not in quiet.stderr
+
+
+def test_a_plan_of_more_than_a_thousand_shards_warns_in_dry_run_too(run_cli, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+    import torch
+
+    src = tmp_path / "many.safetensors"
+    save_file({f"t{i}": torch.zeros(4) for i in range(1002)}, str(src))
+    result = run_cli("split", src, tmp_path / "out", "--max-shard-size", "16B", "--dry-run")
+    assert result.exit_code == 0, result.stderr
+    assert "the plan has 1002 shards" in result.stderr and "unit you meant" in result.stderr
+    assert not (tmp_path / "out").exists()
+    fewer = run_cli("split", src, tmp_path / "out", "--max-shard-size", "1KB", "--dry-run")
+    assert "shards of at most" not in fewer.stderr
+
+
+# ------------------------------------------------------------------ OUTPUT ending in .safetensors (issue 14, item 8)
+
+@pytest.mark.parametrize("command", ["split", "convert"])
+def test_output_ending_in_safetensors_writes_one_file(run_cli, tmp_path: Path, command: str) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    src = tmp_path / "x.bin"
+    state = {"a": torch.randn(10), "b": torch.arange(6)}
+    torch.save(state, src)
+    out = tmp_path / "out.safetensors"
+    result = run_cli(command, src, out)
+    assert result.exit_code == 0, result.stderr
+    assert out.is_file(), "a file, not a folder called out.safetensors"
+    assert_bit_equal(load_file(str(out)), state)
+    assert sorted(os.listdir(tmp_path)) == ["out.safetensors", "x.bin"]
+    again = run_cli(command, src, out)
+    assert_one_line_error(again, contains="--overwrite")
+    assert run_cli(command, src, out, "--overwrite").exit_code == 0
+
+
+def test_output_file_that_needs_several_shards_is_refused_with_both_fixes(run_cli, tmp_path: Path) -> None:
+    src = _good_file(tmp_path)
+    before = snapshot(tmp_path)
+    result = run_cli("split", src, tmp_path / "one.safetensors", "--max-shard-size", "200B")
+    line = assert_one_line_error(result, contains="names one file")
+    assert "one/" in line and "--max-shard-size" in line
+    assert snapshot(tmp_path) == before and not leftovers(tmp_path)
+    needed = line.rsplit("--max-shard-size ", 1)[1].split()[0]
+    assert run_cli("split", src, tmp_path / "one.safetensors", "--max-shard-size", needed).exit_code == 0
+    assert (tmp_path / "one.safetensors").is_file()

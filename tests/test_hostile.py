@@ -313,7 +313,7 @@ def test_tensor_names_are_data_not_paths(tmp_path: Path) -> None:
     tensors = {name: np.full((3,), i, dtype=np.float32) for i, name in enumerate(ODD_NAMES)}
     save_file(tensors, str(tmp_path / "model.safetensors"))
     before = sorted(p.name for p in tmp_path.parent.iterdir())
-    result = invoke_cli("split", tmp_path / "model.safetensors", tmp_path / "out", "--max-shard-size", "20", "-q")
+    result = invoke_cli("split", tmp_path / "model.safetensors", tmp_path / "out", "--max-shard-size", "20B", "-q")
     assert result.exit_code == 0, result.stderr
     assert sorted(p.name for p in tmp_path.parent.iterdir()) == before  # nothing created beside
     assert not any(p.name == "escape" for p in tmp_path.rglob("*"))

@@ -201,9 +201,22 @@ class SizeParam(click.ParamType):
         from ..units import parse_size
 
         try:
-            return parse_size(value, name="size")
+            size_bytes = parse_size(value, name="size")
         except ShardkitError as e:
             self.fail(str(e), param, ctx)
+        _warn_bare_number(value, size_bytes, param)
+        return size_bytes
+
+
+BARE_NUMBER_WARN_BYTES = 10**6
+
+
+def _warn_bare_number(value: Any, size_bytes: int, param: Any) -> None:
+    """A bare number is a byte count; ``--max-shard-size 5000`` almost always meant 5000MB."""
+    if isinstance(value, str) and value.strip().isdigit() and size_bytes < BARE_NUMBER_WARN_BYTES:
+        flag = param.opts[0] if param is not None and getattr(param, "opts", None) else "size"
+        click.echo(f"warning: {flag} {value.strip()} has no unit and means {size_bytes} bytes; "
+                   f"write a unit if you meant more, e.g. {flag} {value.strip()}MB", err=True)
 
 
 SIZE = SizeParam()
@@ -214,7 +227,7 @@ SIZE = SizeParam()
 # as one ``**write`` mapping; the size is parsed here, at the edge, into bytes.
 _SHARD_OPTIONS = {
     "max-shard-size": click.option("--max-shard-size", "max_shard_bytes", type=SIZE, default="5GB", show_default=True,
-                                   help="Largest shard, in tensor bytes (5GB = 10^9 units, 5GiB = 2^30 units)."),
+                                   help="Largest shard, in tensor bytes: 5GB = 5×10^9 bytes, 5GiB = 5×2^30 bytes; a bare number is bytes."),
     "dtype": click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"]),
                           help="Cast floating-point tensors (F64/F32/F16/BF16) in bounded chunks."),
     "allow-lossy": click.option("--allow-lossy", is_flag=True, help="Permit casts that lose range or precision (fp8)."),

@@ -23,6 +23,7 @@ from ..sources import Source
 from ..sources.keymap import KeyMap, KeyMapSource, parse_renames
 from .job import SplitResult, open_settled, refuse_output_inside_source, side_files, split_source
 from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions, warn
+from .single_file import is_file_output, split_to_file
 from .split import split_with
 
 __all__ = ["ConvertResult", "build_keymap", "convert", "convert_with"]
@@ -108,7 +109,10 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
     with open_settled(source, key=key, dry_run=options.dry_run) as inner:
         mapped: Source = inner if keymap.is_identity() else KeyMapSource(inner, keymap)
         ema = _report_ema(inner, keymap)
-        result = split_source(mapped, output, options=options, side_files=side_files(source, output))
+        if is_file_output(output):
+            result = split_to_file(mapped, output, options=options)
+        else:
+            result = split_source(mapped, output, options=options, side_files=side_files(source, output))
         dropped = len(inner.entries()) - len(mapped.entries())
     as_split = {f.name: getattr(result, f.name) for f in fields(SplitResult)}
     return ConvertResult(**as_split, dropped=dropped, ema_tensors=ema)

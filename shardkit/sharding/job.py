@@ -18,7 +18,7 @@ from ..errors import InvalidInputError
 from ..formats.index import DIFFUSERS_PREFIX, Naming, dump_index
 from ..formats.suffixes import is_weight_file
 from ..sources import Source, open_source
-from .options import WriteOptions, warn_if_output_taken
+from .options import WriteOptions, warn_if_many_shards, warn_if_output_taken
 from .plan import ShardPlan, plan_shards
 from .writer import (
     BackgroundSync,
@@ -146,6 +146,7 @@ def plan_job(src: Source, *, options: WriteOptions, folder: str = "") -> ShardJo
     writes = [tensor_write(e, cast_to) for e in src.entries()]
     plan = plan_shards([(w.out.name, w.out.nbytes) for w in writes], max_shard_bytes=options.max_shard_bytes,
                        naming=naming)
+    warn_if_many_shards(len(plan.shards), max_shard_bytes=options.max_shard_bytes, total_bytes=plan.total_bytes)
     return ShardJob(src, writes, plan, folder)
 
 
@@ -186,11 +187,17 @@ def run_jobs(output: str, jobs: Sequence[ShardJob], *, options: WriteOptions,
 def _write_shards(job: ShardJob, path_for: Callable[[str], str], metadata: Mapping[str, str],
                   tick: ByteCounter, sync: BackgroundSync) -> None:
     by_name = {w.out.name: w for w in job.writes}
-    # The source's own metadata travels with its tensors, so a split and its merge keep it.
-    shard_metadata = {"format": "pt", **job.source.metadata(), **metadata, **job.source.aliases()}
     for shard in job.plan.shards:
         write_safetensors(path_for(job.path(shard.filename)), [by_name[n] for n in shard.names], job.source,
-                          metadata=shard_metadata, progress=tick, sync=sync)
+                          metadata=shard_metadata(job, metadata), progress=tick, sync=sync)
+
+
+def shard_metadata(job: ShardJob, metadata: Mapping[str, str]) -> dict[str, str]:
+    """The ``__metadata__`` of every shard of ``job``: the source's own, then the user's, then aliases.
+
+    The source's metadata travels with its tensors, so a split and its merge keep it.
+    """
+    return {"format": "pt", **job.source.metadata(), **metadata, **job.source.aliases()}
 
 
 def _write_index(job: ShardJob, tx: OutputTransaction) -> str:

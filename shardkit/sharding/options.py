@@ -15,7 +15,8 @@ from typing import Callable, Mapping
 from ..errors import InvalidInputError, InvalidSizeError, ShardkitWarning
 from ..units import LOSSLESS_TARGETS, normalize_dtype, parse_size
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "ProgressCallback", "WriteOptions", "resolve_cast", "warn", "warn_if_output_taken"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "ProgressCallback", "WriteOptions", "resolve_cast", "warn", "warn_if_many_shards",
+           "warn_if_output_taken"]
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 DEFAULT_MAX_SHARD_BYTES = parse_size(DEFAULT_MAX_SHARD_SIZE)
@@ -92,6 +93,18 @@ def resolve_cast(dtype: str | None, *, allow_lossy: bool) -> str | None:
     if code not in LOSSLESS_TARGETS and not allow_lossy:
         raise InvalidInputError(f"casting to {dtype} loses precision; pass --allow-lossy (allow_lossy=True) to do it")
     return code
+
+
+MANY_SHARDS = 1000
+
+
+def warn_if_many_shards(shard_count: int, *, max_shard_bytes: int, total_bytes: int) -> None:
+    """A plan of thousands of files is almost always a size given in the wrong unit."""
+    if shard_count > MANY_SHARDS:
+        from ..units import format_size
+
+        warn(f"the plan has {shard_count} shards of at most {format_size(max_shard_bytes)} for "
+             f"{format_size(total_bytes)} of tensors; is --max-shard-size in the unit you meant (5GB, 500MB)?")
 
 
 def warn_if_output_taken(output: str, *, overwrite: bool) -> None:

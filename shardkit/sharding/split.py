@@ -14,6 +14,7 @@ from ..formats.layout import is_pipeline_folder
 from .job import SplitResult, open_settled, refuse_output_inside_source, side_files, split_source
 from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions
 from .pipeline import split_pipeline
+from .single_file import is_file_output, refuse_file_output, split_to_file
 
 __all__ = ["SplitResult", "save_sharded", "split", "split_with"]
 
@@ -56,8 +57,11 @@ def split_with(source: Any, output: str | os.PathLike[str], *, options: WriteOpt
     output = os.fspath(output)
     refuse_output_inside_source(source, output)
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
+        refuse_file_output(source, output)
         return split_pipeline(source, output, options=options, key=key)
     with open_settled(source, key=key, dry_run=options.dry_run) as src:
+        if is_file_output(output):
+            return split_to_file(src, output, options=options)
         return split_source(src, output, options=options, side_files=side_files(source, output))
 
 
