@@ -9,7 +9,7 @@ as aliases, as huggingface_hub does.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
@@ -22,14 +22,14 @@ class MemorySource(Source):
     """Tensors held in a mapping of name → ``torch.Tensor``."""
 
     def __init__(self, tensors: Mapping[str, Any], *, description: str = "in-memory state dict",
-                 naming: Naming = Naming(), dedupe: bool = True) -> None:
+                 naming: Naming = Naming(), dedupe: bool = True, keep: Collection[str] = ()) -> None:
         from ..formats.dtypes import from_torch
 
         check_all_tensors(tensors, where=description)
         self.description = description
         self.naming = naming
         self._tensors = dict(tensors)
-        self._aliases = find_aliases(self._tensors) if dedupe else {}
+        self._aliases = find_aliases(self._tensors, keep=keep) if dedupe else {}
         self._entries = [
             TensorEntry(name, from_torch(t.dtype), tuple(t.shape), tensor_nbytes(from_torch(t.dtype), tuple(t.shape)))
             for name, t in self._tensors.items()
@@ -85,8 +85,11 @@ def check_all_tensors(tensors: Mapping[str, Any], *, where: str) -> None:
             raise InvalidInputError(f"{where}: tensor {name!r} has layout {t.layout}; only dense tensors can be saved")
 
 
-def find_aliases(tensors: Mapping[str, Any]) -> dict[str, str]:
-    """Names that view exactly the same memory as another name → the name that is kept."""
+def find_aliases(tensors: Mapping[str, Any], *, keep: Collection[str] = ()) -> dict[str, str]:
+    """Names that view exactly the same memory as another name → the name that is kept.
+
+    A name in ``keep`` is kept in preference (the one transformers reloads); else the first in sorted order.
+    """
     groups: dict[tuple, list[str]] = {}
     for name, t in tensors.items():
         if t.numel() == 0:
@@ -95,8 +98,8 @@ def find_aliases(tensors: Mapping[str, Any]) -> dict[str, str]:
         groups.setdefault(key, []).append(name)
     aliases: dict[str, str] = {}
     for names in groups.values():
-        keep, *dropped = sorted(names)
-        aliases.update({d: keep for d in dropped})
+        kept, *dropped = sorted(names, key=lambda n: (n not in keep, n))
+        aliases.update({d: kept for d in dropped})
     return aliases
 
 
