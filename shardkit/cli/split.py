@@ -71,6 +71,9 @@ def print_plan(result: object) -> None:
         click.echo(f"  {plan.index_filename}")
     click.echo(f"{verb} {len(plan.shards)} shard(s), {format_size(plan.total_bytes)} to "
                f"{os.path.abspath(result.output)}")  # type: ignore[attr-defined]
+    if not result.dry_run:  # type: ignore[attr-defined]
+        click.echo(f"cloned {format_size(result.cloned_bytes)}, "  # type: ignore[attr-defined]
+                   f"copied {format_size(result.copied_bytes)}")  # type: ignore[attr-defined]
 
 
 COMMANDS = [split]

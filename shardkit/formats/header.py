@@ -14,11 +14,12 @@ import struct
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from ..errors import HeaderError, SourceNotFoundError
+from ..errors import HeaderError, InvalidInputError, SourceNotFoundError
 from ..units import DTYPE_BITS
 
 MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit
 HEADER_ALIGN_BYTES = 8
+PAD_BLOCK_BYTES = 4096  # build_header(data_start_mod=): the filesystem block that clones need
 _MAX_DIMS = 64
 
 
@@ -99,6 +100,8 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         raise SourceNotFoundError(f"{path}: no such file") from e
     except IsADirectoryError as e:
         raise HeaderError(f"{path}: is a directory, expected a .safetensors file") from e
+    except PermissionError as e:
+        raise InvalidInputError(f"{path}: cannot be read (permission denied); check the file's permissions") from e
     return parse_header(raw, path=path, file_bytes=file_bytes)
 
 
@@ -257,16 +260,31 @@ def _check_tiling(entries: list[TensorEntry], path: str, data_start: int) -> int
 
 
 def build_header(
-    entries: list[TensorEntry], *, metadata: dict[str, str] | None = None
+    entries: list[TensorEntry], *, metadata: dict[str, str] | None = None, data_start_mod: int | None = None
 ) -> tuple[bytes, list[int]]:
     """Build the bytes that precede the data buffer for tensors laid out in ``entries`` order.
 
-    Returns ``(prefix_and_header, begins)`` where ``begins`` are buffer-relative offsets. The
-    JSON is padded with spaces to a multiple of 8 bytes, as the reference writer does.
+    The JSON is padded with spaces to a multiple of 8 bytes, as the reference writer does. With
+    ``data_start_mod``, it is padded further (by less than :data:`PAD_BLOCK_BYTES`) so that the
+    data buffer starts at an absolute file offset congruent to ``data_start_mod`` modulo
+    :data:`PAD_BLOCK_BYTES`: the writer uses it to put a shard's bytes at the same offset inside
+    a filesystem block as in the source, which lets copy-on-write filesystems clone them.
+    Trailing spaces are valid JSON; every safetensors reader accepts them.
+
+    Args:
+        entries: the tensors, in the order their bytes follow each other in the buffer.
+        metadata: the ``__metadata__`` string map, if any.
+        data_start_mod: the wanted ``data_start % PAD_BLOCK_BYTES``; a multiple of 8, so that
+            the buffer keeps the reference writer's 8-byte alignment.
+
+    Returns:
+        ``(prefix_and_header, begins)`` where ``begins`` are buffer-relative offsets.
 
     >>> head, begins = build_header([TensorEntry("w", "F32", (2,), 8)])
     >>> head[:8], begins
     (b'8\\x00\\x00\\x00\\x00\\x00\\x00\\x00', [0])
+    >>> len(build_header([TensorEntry("w", "F32", (2,), 8)], data_start_mod=0)[0]) % 4096
+    0
     """
     doc: dict[str, object] = {}
     if metadata:
@@ -284,6 +302,10 @@ def build_header(
         cursor += entry.nbytes
     raw = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     raw += b" " * (-len(raw) % HEADER_ALIGN_BYTES)
+    if data_start_mod is not None:
+        if data_start_mod % HEADER_ALIGN_BYTES:
+            raise HeaderError(f"data_start_mod {data_start_mod} is not a multiple of {HEADER_ALIGN_BYTES}")
+        raw += b" " * ((data_start_mod - 8 - len(raw)) % PAD_BLOCK_BYTES)
     if len(raw) > MAX_HEADER_BYTES:
         raise HeaderError(f"header would be {len(raw)} bytes, over the {MAX_HEADER_BYTES}-byte limit; use smaller shards")
     return struct.pack("<Q", len(raw)) + raw, begins

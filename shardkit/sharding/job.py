@@ -45,10 +45,16 @@ class SplitResult:
     dtype: str | None = None
     dry_run: bool = False
     aliases: dict[str, str] = field(default_factory=dict)
+    cloned_bytes: int = 0  # tensor bytes cloned from the source (copy-on-write filesystems), not copied
 
     @property
     def files(self) -> list[str]:
         return [os.path.join(self.output, f) for f in self.plan.filenames()]
+
+    @property
+    def copied_bytes(self) -> int:
+        """Tensor bytes that were copied (or cast) rather than cloned; 0 for a dry run."""
+        return 0 if self.dry_run else self.plan.total_bytes - self.cloned_bytes
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -60,6 +66,8 @@ class SplitResult:
             "max_shard_bytes": self.plan.max_shard_bytes,
             "index": self.plan.index_filename,
             "aliases": self.aliases,
+            "cloned_bytes": self.cloned_bytes,
+            "copied_bytes": self.copied_bytes,
             "shards": [
                 {"file": s.filename, "tensors": len(s.names), "bytes": s.nbytes} for s in self.plan.shards
             ],
@@ -78,6 +86,7 @@ class ShardJob:
     writes: list[TensorWrite]
     plan: ShardPlan
     folder: str = ""
+    cloned_bytes: int = 0  # filled in by the write
 
     def path(self, filename: str) -> str:
         """``filename`` relative to the output folder."""
@@ -86,7 +95,7 @@ class ShardJob:
     def result(self, output: str, options: WriteOptions) -> SplitResult:
         where = os.path.join(output, self.folder) if self.folder else output
         return SplitResult(where, self.plan, self.source.description, options.cast_to, options.dry_run,
-                           self.source.aliases())
+                           self.source.aliases(), self.cloned_bytes)
 
 
 def resolve_naming(source: Source, *, name: str | None, variant: str | None) -> Naming:
@@ -188,8 +197,9 @@ def _write_shards(job: ShardJob, path_for: Callable[[str], str], metadata: Mappi
                   tick: ByteCounter, sync: BackgroundSync) -> None:
     by_name = {w.out.name: w for w in job.writes}
     for shard in job.plan.shards:
-        write_safetensors(path_for(job.path(shard.filename)), [by_name[n] for n in shard.names], job.source,
-                          metadata=shard_metadata(job, metadata), progress=tick, sync=sync)
+        written = write_safetensors(path_for(job.path(shard.filename)), [by_name[n] for n in shard.names],
+                                    job.source, metadata=shard_metadata(job, metadata), progress=tick, sync=sync)
+        job.cloned_bytes += written.cloned_bytes
 
 
 def shard_metadata(job: ShardJob, metadata: Mapping[str, str]) -> dict[str, str]:

@@ -152,4 +152,4 @@ def _result(folder: str, output: str, jobs: list[ShardJob], options: WriteOption
     shards = tuple(ShardSpec(job.path(s.filename), s.names, s.nbytes) for job in jobs for s in job.plan.shards)
     combined = ShardPlan(shards, None, sum(s.nbytes for s in shards), options.max_shard_bytes)
     return PipelineResult(output, combined, f"diffusers pipeline {folder}", options.cast_to, options.dry_run,
-                          components=components, copied=copied)
+                          components=components, copied=copied, cloned_bytes=sum(job.cloned_bytes for job in jobs))
