@@ -74,8 +74,14 @@ def save_sharded(obj: Any, output: str | os.PathLike[str], *, max_shard_size: st
     Tensors are moved to the host one at a time; tied tensors are written once and their other
     names recorded as aliases in the shard metadata.
 
+    A diffusers ``ModelMixin`` or transformers ``PreTrainedModel`` is saved in its library's
+    layout, so its ``from_pretrained(output)`` loads it: that library's file names
+    (``diffusion_pytorch_model*`` / ``model*``) and its ``config.json`` (plus transformers'
+    ``generation_config.json`` when the model generates), published with the shards in one
+    transaction.
+
     Args:
-        obj: a ``{name: tensor}`` mapping or an ``nn.Module``.
+        obj: a ``{name: tensor}`` mapping, an ``nn.Module``, a diffusers or transformers model.
         output: the output folder.
         max_shard_size: largest shard in tensor bytes: ``"5GB"`` (10^9), ``"2GiB"`` (2^30), or an int.
         dtype, name, variant, allow_lossy, overwrite, metadata, progress: see
@@ -87,8 +93,16 @@ def save_sharded(obj: Any, output: str | os.PathLike[str], *, max_shard_size: st
     >>> shardkit.save_sharded(model, "out/", max_shard_size="2GB")  # doctest: +SKIP
     """
     from ..sources.memory import MemorySource, module_state_dict
+    from .native import native_model
 
     options = WriteOptions.parse(max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy, name=name,
                                  variant=variant, overwrite=overwrite, metadata=metadata, progress=progress)
-    with MemorySource(module_state_dict(obj), description=f"in-memory {type(obj).__name__}") as source:
-        return split_source(source, os.fspath(output), options=options)
+    description = f"in-memory {type(obj).__name__}"
+    with native_model(obj, cast_to=options.cast_to) as native:
+        if native is None:
+            source = MemorySource(module_state_dict(obj), description=description)
+        else:
+            source = MemorySource(native.state_dict, description=description, naming=native.naming, keep=native.keep)
+        with source:
+            return split_source(source, os.fspath(output), options=options,
+                                side_files=native.side_files if native else ())
