@@ -35,11 +35,13 @@ their ``flock`` is free. Fault points (:mod:`shardkit._faults`) mark every step 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import secrets
 import shutil
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from .. import _faults
 from ..errors import (
@@ -53,6 +55,7 @@ from .journal import (
     JOURNAL,
     TMP_MARK,
     cleanup_stale_staging,
+    discard_path,
     fsync_dir,
     is_stale_tmp,
     recover,
@@ -62,7 +65,8 @@ from .journal import (
     try_lock,
 )
 
-__all__ = ["JOURNAL", "TMP_MARK", "OutputTransaction", "atomic_output_file", "fsync_dir", "publish_file", "recover"]
+__all__ = ["JOURNAL", "TMP_MARK", "OutputTransaction", "atomic_output_file", "file_transaction", "fsync_dir",
+           "publish_file", "recover"]
 
 
 # ----------------------------------------------------------------------------- writing
@@ -114,12 +118,17 @@ class OutputTransaction:
 
     def _enter(self, parent: str) -> None:
         if os.path.isdir(self.output):
+            if not os.access(self.output, os.W_OK):
+                raise ShardkitWriteError(f"{self.output} is not writable (a read-only filesystem or no permission); "
+                                         "write to another folder")
             self._lock(self.output)
             recover_locked(self.output)
         if os.path.isdir(self.output) and os.listdir(self.output):
             if not self.overwrite:
                 raise OutputExistsError(f"{self.output} exists and is not empty; pass --overwrite to replace its checkpoint")
             return
+        if os.path.ismount(self.output):
+            return  # a folder cannot be renamed onto a mount point: write inside it, as an in-place write does
         self._unlock()
         cleanup_stale_staging(self.output)
         self._staging = os.path.join(parent, f".{os.path.basename(self.output)}{TMP_MARK}{self._token}")
@@ -195,6 +204,8 @@ class OutputTransaction:
         try:
             os.rename(self._staging, self.output)
         except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+                raise _write_error(f"publishing {self.output}", e) from e
             raise OutputExistsError(
                 f"{self.output} was created by another process while writing; nothing was published"
             ) from e
@@ -246,8 +257,8 @@ class OutputTransaction:
             self._staging = None
             return
         for filename in self._written:
-            remove_path(os.path.join(self.output, _tmp_name(self._token, filename)))
-        remove_path(os.path.join(self.output, f"{JOURNAL}.{self._token}"))
+            discard_path(os.path.join(self.output, _tmp_name(self._token, filename)))
+        discard_path(os.path.join(self.output, f"{JOURNAL}.{self._token}"))
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         try:
@@ -276,9 +287,30 @@ def atomic_output_file(path: str, *, overwrite: bool = False) -> str:
     return os.path.join(folder, f"{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}-{base}")
 
 
+@contextlib.contextmanager
+def file_transaction(path: str, *, overwrite: bool = False) -> Iterator[str]:
+    """A temporary path to write a single-file output to; published onto ``path`` when the block succeeds.
+
+    On any failure (or Ctrl-C) the temporary file is removed and ``path`` is left as it was.
+
+    >>> with file_transaction("merged.safetensors") as tmp:    # doctest: +SKIP
+    ...     write_safetensors(tmp, writes, source)
+    """
+    tmp = atomic_output_file(path, overwrite=overwrite)
+    try:
+        yield tmp
+        publish_file(tmp, path)
+    except BaseException:
+        discard_path(tmp)
+        raise
+
+
 def publish_file(tmp: str, path: str) -> None:
     """Rename a finished temporary file onto ``path`` durably."""
     _faults.point("commit:before-file-rename")
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except OSError as e:
+        raise _write_error(f"publishing {path}", e) from e
     _faults.point("commit:after-file-rename")
     fsync_dir(os.path.dirname(os.path.abspath(path)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import shutil
 from typing import Any
@@ -134,6 +135,18 @@ def cleanup_stale_staging(output: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
             finally:
                 os.close(fd)
+
+
+def discard_path(path: str) -> None:
+    """Remove what a failed write left; a cleanup error must never hide the error that caused it.
+
+    On a read-only or vanished filesystem the unlink fails too (EROFS, not ENOENT); the file was
+    never created there, and the first error is the one the user needs to see.
+    """
+    try:
+        remove_path(path)
+    except OSError as e:
+        logging.getLogger("shardkit").debug("could not remove %s after a failed write: %s", path, e)
 
 
 def remove_path(path: str) -> None:

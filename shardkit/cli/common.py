@@ -120,6 +120,12 @@ def _report_error(e: Exception, *, debug: bool) -> int:
     if isinstance(e, ShardkitError):
         click.echo(f"error: {e}", err=True)
         return e.exit_code
+    if isinstance(e, OSError) and e.filename:
+        # A file the library did not expect to fail on (unreadable, vanished, read-only): name it.
+        from ..errors import describe_os_error
+
+        click.echo(f"error: {e.filename}: {describe_os_error(e)} (run with --debug for the traceback)", err=True)
+        return 2
     # A bug or an unexpected library error: still one line unless --debug.
     click.echo(f"error: {type(e).__name__}: {e} (run with --debug for the traceback)", err=True)
     return 2

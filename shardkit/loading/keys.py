@@ -84,7 +84,7 @@ def check_match(match: KeyMatch, *, strict: bool, model: str, checkpoint: str) -
     if not problems:
         return
     if strict:
-        raise KeyMismatchError(f"{checkpoint} does not match {model}: {problems}; pass strict=False to load anyway")
+        raise KeyMismatchError(f"{checkpoint} does not match {model}: {problems}; load anyway with strict=False (Python), or check --model/--config (CLI) name the model this checkpoint was saved from")
     warnings.warn(f"{checkpoint} vs {model}: {problems}; missing and mismatched tensors are zeros", ShardkitWarning, stacklevel=3)
 
 

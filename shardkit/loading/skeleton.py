@@ -13,7 +13,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
-from ..errors import InvalidInputError, SourceNotFoundError
+from ..errors import InvalidInputError, ShardkitError, SourceNotFoundError
 
 if TYPE_CHECKING:
     import torch
@@ -82,13 +82,22 @@ def _is_transformers_model(cls: Any) -> bool:
 
 def _build_diffusers(cls: Any, config: dict[str, Any] | None) -> Any:
     if config is None:
-        raise InvalidInputError(f"{cls.__name__} needs a config: pass config= (a config.json path, its folder or a dict)")
+        raise InvalidInputError(f"{cls.__name__} needs a config: give --config (Python: config=), a config.json path, its folder or a dict")
+    meant = config.get("_class_name")
+    if isinstance(meant, str) and meant != cls.__name__:
+        # diffusers fills every missing field with a default, so a VAE's config silently builds a UNet.
+        import warnings
+
+        from ..errors import ShardkitWarning
+
+        warnings.warn(f"the config is for {meant}, not {cls.__name__}; check --model (model=) and --config (config=)",
+                      ShardkitWarning, stacklevel=4)
     return cls.from_config(config)
 
 
 def _build_transformers(cls: Any, config: dict[str, Any] | None) -> Any:
     if config is None:
-        raise InvalidInputError(f"{cls.__name__} needs a config: pass config= (a config.json path, its folder or a dict)")
+        raise InvalidInputError(f"{cls.__name__} needs a config: give --config (Python: config=), a config.json path, its folder or a dict")
     from transformers import AutoConfig, PretrainedConfig
 
     config_class = getattr(cls, "config_class", None)
@@ -178,12 +187,34 @@ def build_skeleton(model: ModelSpec, *, config: Any = None, dtype: "str | torch.
         builder = next(build for test, build in _BUILDERS if test(factory))
         torch_register = torch.nn.Module.register_parameter
         with init_empty_weights(), _ties_kept(torch_register):
-            skeleton = builder(factory, cfg)
+            skeleton = _call_builder(builder, factory, cfg, config)
         if not isinstance(skeleton, torch.nn.Module):
             raise InvalidInputError(f"{getattr(factory, '__name__', factory)!r} returned {type(skeleton).__name__}, not an nn.Module")
     if target is not None:
         cast_floating(skeleton, lambda name: target if not keeps_fp32(skeleton, name) else torch.float32)
     return skeleton
+
+
+def _call_builder(builder: Callable[[Any, dict[str, Any] | None], Any], factory: Any, cfg: dict[str, Any] | None,
+                  config: Any) -> Any:
+    """Build, turning the model library's own complaints about the config into one clear error.
+
+    A config for another class (a VAE's config given to a UNet) makes the constructor raise
+    ``ValueError: cross_attention_dim must be specified``; the fix is in the flags, so say which.
+    """
+    try:
+        return builder(factory, cfg)
+    except ShardkitError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, AssertionError) as e:
+        name = getattr(factory, "__name__", repr(factory))
+        meant = (cfg or {}).get("_class_name") or (cfg or {}).get("architectures")
+        hint = f"; the config is for {meant}" if meant and meant != name else ""
+        where = f" from {config}" if isinstance(config, (str, os.PathLike)) else ""
+        raise InvalidInputError(
+            f"building {name}{where} failed ({type(e).__name__}: {e}){hint}; check that --model (model=) names the "
+            "class this config belongs to and --config (config=) is that model's config.json"
+        ) from e
 
 
 def keeps_fp32(model: Any, name: str) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from ..atomic.commit import atomic_output_file, publish_file
+from ..atomic.commit import file_transaction
 from ..errors import InvalidInputError
 from ..formats.index import Naming
 from ..sources import Source
@@ -75,14 +75,9 @@ def split_to_file(src: Source, output_file: str, *, options: WriteOptions) -> Sp
         if os.path.exists(output_file) and not options.overwrite:
             warn(f"{output_file} exists: the real run needs --overwrite")
         return result
-    tmp = atomic_output_file(output_file, overwrite=options.overwrite)
-    try:
+    with file_transaction(output_file, overwrite=options.overwrite) as tmp:
         write_safetensors(tmp, job.writes, src, metadata=shard_metadata(job, options.metadata or {}),
                           progress=ByteCounter(plan.total_bytes, options.progress))
-        publish_file(tmp, output_file)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
     return result
 
 
@@ -90,9 +85,3 @@ def _flag_size(size_bytes: int) -> str:
     """A size to type after a flag, rounded up so that it is enough: ``480B``, ``10274MB``."""
     return f"{size_bytes}B" if size_bytes < 10**6 else f"{-(-size_bytes // 10**6)}MB"
 
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
