@@ -280,3 +280,31 @@ def test_split_push_to(hub, tmp_path):
     assert proc.stdout.strip().splitlines()[-1].startswith(f"{hub.url}/{REPO}/commit/")
     assert "model-00004-of-00004.safetensors" in hub.state.files_at(REPO)
     assert index_problems(hub.state, REPO) == []
+
+
+# ------------------------------------------------------------------ checks before any work (issue 14, item 12)
+
+def test_push_refuses_an_invalid_repo_id_without_a_request(hub, tmp_path):
+    _, folder = make_checkpoint(tmp_path)
+    env = hub_env(hub, tmp_path / "home")
+    before = len(hub.state.requests)
+    line = one_error_line(run_shardkit(env, "push", folder, "not a repo"))
+    assert "'not a repo' is not a valid Hub repository id" in line
+    assert len(hub.state.requests) == before
+
+
+@pytest.mark.parametrize("token", [None, "hf_rejected"], ids=["no-token", "rejected-token"])
+def test_split_push_to_checks_the_token_before_splitting(hub, tmp_path, token):
+    source = make_source(tmp_path / "src" / "model.safetensors")
+    env = hub_env(hub, tmp_path / "home", token=token)
+    proc = run_shardkit(env, "split", source, tmp_path / "out", "--max-shard-size", "40KB", "--push-to", REPO)
+    line = one_error_line(proc)
+    assert ("no Hugging Face token" in line) if token is None else ("401" in line or "rejected" in line)
+    assert not (tmp_path / "out").exists(), "the split must not run when the push cannot"
+
+
+def test_split_push_to_an_invalid_repo_id_writes_nothing(hub, tmp_path):
+    source = make_source(tmp_path / "src" / "model.safetensors")
+    proc = run_shardkit(hub_env(hub, tmp_path / "home"), "split", source, tmp_path / "out", "--push-to", "a/b/c")
+    assert "not a valid Hub repository id" in one_error_line(proc)
+    assert not (tmp_path / "out").exists()

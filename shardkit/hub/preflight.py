@@ -6,32 +6,10 @@
 
 from __future__ import annotations
 
-from ..errors import HubError, InvalidInputError
+from ..errors import HubError
+from .push import check_repo_id, hub_errors
 
-
-def check_repo_id(repo_id: str) -> None:
-    """Refuse a repository id the Hub would refuse, without a network call.
-
-    Args:
-        repo_id: ``"org/name"`` or a bare ``"name"`` (the token owner's namespace).
-
-    Raises:
-        InvalidInputError: the id is not a valid repository id; the message says why.
-
-    >>> check_repo_id("my-org/model")
-    >>> check_repo_id("not a repo")
-    Traceback (most recent call last):
-    shardkit.errors.InvalidInputError: 'not a repo' is not a valid Hub repository id ...
-    """
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as e:
-        reason = " ".join(str(e).split())
-        raise InvalidInputError(f"{repo_id!r} is not a valid Hub repository id ({reason}); use 'org/name' with "
-                                "letters, digits, '-', '_' and '.'") from e
+__all__ = ["check_push_target", "check_repo_id"]
 
 
 def check_push_target(repo_id: str, *, token: str | None = None) -> str:
@@ -54,8 +32,6 @@ def check_push_target(repo_id: str, *, token: str | None = None) -> str:
     check_repo_id(repo_id)
     from huggingface_hub import HfApi
     from huggingface_hub.utils import get_token
-
-    from .push import hub_errors
 
     resolved = token or get_token()
     if resolved is None:

@@ -78,6 +78,7 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
     >>> result.commit_url                                              # doctest: +SKIP
     'https://huggingface.co/my-org/model/commit/4f1c...'
     """
+    check_repo_id(repo_id)
     files = collect_files(path, path_in_repo=path_in_repo, include=include, exclude=exclude)
     check_sizes(files)
     if verify:
@@ -88,6 +89,31 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
         return _Pusher(repo_id, repo_type=repo_type, token=token, revision=revision, create_pr=create_pr,
                        private=private, dry_run=dry_run).run(files, prefix=clean_prefix(path_in_repo),
                                                              message=message, progress=progress)
+
+
+def check_repo_id(repo_id: str) -> None:
+    """Refuse a repository id the Hub would refuse, without a network call.
+
+    Args:
+        repo_id: ``"org/name"`` or a bare ``"name"`` (the token owner's namespace).
+
+    Raises:
+        InvalidInputError: the id is not a valid repository id; the message says why.
+
+    >>> check_repo_id("my-org/model")
+    >>> check_repo_id("not a repo")
+    Traceback (most recent call last):
+    shardkit.errors.InvalidInputError: 'not a repo' is not a valid Hub repository id ...
+    """
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        reason = " ".join(str(e).split())
+        raise InvalidInputError(f"{repo_id!r} is not a valid Hub repository id ({reason}); use 'org/name' with "
+                                "letters, digits, '-', '_' and '.'") from e
 
 
 def verify_folder(path: str | os.PathLike[str]) -> None:
