@@ -16,6 +16,8 @@ Examples:
   shardkit convert fsdp-checkpoint/ out/ --max-shard-size 5GB     # torch.distributed.checkpoint folder
   shardkit convert model.ckpt out/ --exclude 'model_ema.*' --rename first_stage_model.=vae.
   shardkit convert my-sd-pipeline/ out/ --max-shard-size 2GB       # every component of a pipeline
+  shardkit convert v1-5-pruned.safetensors unet/ --to diffusers --config sd15-pipeline/
+  shardkit convert flux1-dev.safetensors transformer/ --to diffusers --config flux-transformer/config.json
 
 \b
 SOURCE kinds: .safetensors file, index or folder; .bin/.pt/.pth/.ckpt pickle (loaded with
@@ -34,6 +36,14 @@ default a top-level state_dict/model/module dict is picked (Lightning, SD .ckpt,
 Values in the state dict that are not tensors are an error naming them.
 
 \b
+--to diffusers converts a single-file SD/SDXL/SD3/Flux... checkpoint (original key names) into a
+diffusers model folder (config.json + diffusion_pytorch_model shards) that from_pretrained loads,
+with diffusers' own from_single_file key mapping. It needs the model's diffusers config locally,
+since shardkit never downloads: --config takes a config.json, a model folder, or a pipeline folder
+(model_index.json) whose --component (default: unet or transformer) is written. The key options
+do not apply; --key still picks a pickle's state dict.
+
+\b
 Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers of 2.
 """
 
@@ -48,10 +58,16 @@ Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers
 @click.option("--include", multiple=True, metavar="GLOB", help="Keep only tensors matching (repeatable).")
 @click.option("--exclude", multiple=True, metavar="GLOB", help="Drop tensors matching (repeatable).")
 @click.option("--rename", multiple=True, metavar="OLD=NEW", help="Replace a leading OLD with NEW (repeatable).")
+@click.option("--to", "to", type=click.Choice(["diffusers"]),
+              help="Convert a single-file SD/SDXL/SD3/Flux checkpoint into a diffusers model folder.")
+@click.option("--config", "config", type=click.Path(path_type=str), metavar="PATH",
+              help="With --to diffusers: a config.json, a model folder or a pipeline folder (required).")
+@click.option("--component", metavar="NAME",
+              help="With --to diffusers and a pipeline --config: the component to write (default: unet/transformer).")
 @shard_options("name", "variant", "overwrite", "dry-run", "json", "quiet")
 def convert(source: str, output: str, key: str | None, strip_prefix: str | None, add_prefix: str | None,
-            include: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...], as_json: bool, quiet: bool,
-            **write: Any) -> None:
+            include: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...], to: str | None,
+            config: str | None, component: str | None, as_json: bool, quiet: bool, **write: Any) -> None:
     """Convert SOURCE (any supported checkpoint) into safetensors shards in the OUTPUT folder.
 
     Streams in bounded memory with the same atomic writer as `split`: on failure or Ctrl-C
@@ -65,14 +81,16 @@ def convert(source: str, output: str, key: str | None, strip_prefix: str | None,
                           rename=rename)
     with byte_progress("convert", enabled=not (quiet or as_json or write["dry_run"])) as progress:
         options = WriteOptions(**write, progress=progress)
-        result = convert_with(source, output, options=options, key=key, keymap=keymap)
+        result = convert_with(source, output, options=options, key=key, keymap=keymap, to=to, config=config,
+                              component=component)
     if as_json:
         echo_json(result.to_dict())
     elif not quiet:
         print_plan(result)
         dropped = getattr(result, "dropped", 0)
         if dropped:
-            click.echo(f"left out {dropped} source tensor(s) by the key options")
+            why = "that are not part of this model (other components, EMA...)" if to else "by the key options"
+            click.echo(f"left out {dropped} source tensor(s) {why}")
 
 
 COMMANDS = [convert]

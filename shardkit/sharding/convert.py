@@ -47,7 +47,9 @@ def convert(source: Any, output: str | os.PathLike[str], *, max_shard_size: str 
             strip_prefix: str | None = None, add_prefix: str | None = None, include: Iterable[str] = (),
             exclude: Iterable[str] = (), rename: Iterable[str] | dict[str, str] = (), name: str | None = None,
             variant: str | None = None, overwrite: bool = False, dry_run: bool = False,
-            metadata: dict[str, str] | None = None, progress: ProgressCallback | None = None) -> SplitResult:
+            metadata: dict[str, str] | None = None, progress: ProgressCallback | None = None,
+            to: str | None = None, config: str | os.PathLike[str] | None = None,
+            component: str | None = None) -> SplitResult:
     """Convert a checkpoint of any supported kind into size-bounded safetensors shards.
 
     Args:
@@ -59,6 +61,13 @@ def convert(source: Any, output: str | os.PathLike[str], *, max_shard_size: str 
         strip_prefix: keep only the names that start with it, and remove it.
         rename: a leading ``OLD`` becomes ``NEW`` (``["OLD=NEW"]`` or ``{"OLD": "NEW"}``).
         add_prefix: prepended last.
+        to: ``"diffusers"`` converts a single-file SD/SDXL/SD3/Flux... checkpoint into a diffusers
+            model folder with diffusers' own key mapping (see :mod:`shardkit.sharding.to_diffusers`);
+            the key options do not apply then.
+        config: with ``to="diffusers"``, the local diffusers config (a ``config.json``, a model
+            folder, or a pipeline folder); required, since nothing is downloaded.
+        component: with a pipeline folder as ``config``, the component to write (default: its
+            ``unet`` or ``transformer``).
         dtype, allow_lossy, name, variant, overwrite, dry_run, metadata, progress: see
             :class:`~shardkit.sharding.options.WriteOptions`.
 
@@ -69,13 +78,16 @@ def convert(source: Any, output: str | os.PathLike[str], *, max_shard_size: str 
     >>> shardkit.convert("v1-5-pruned.ckpt", "unet/", key="state_dict",            # doctest: +SKIP
     ...                  strip_prefix="model.diffusion_model.", dtype="fp16")
     >>> shardkit.convert("fsdp-checkpoint/", "out/", max_shard_size="5GB")         # doctest: +SKIP
+    >>> shardkit.convert("v1-5-pruned.safetensors", "unet/", to="diffusers",        # doctest: +SKIP
+    ...                  config="stable-diffusion-v1-5/", component="unet")
     """
     options = WriteOptions.parse(max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy, name=name,
                                  variant=variant, overwrite=overwrite, dry_run=dry_run, metadata=metadata,
                                  progress=progress)
     keymap = build_keymap(include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
                           rename=rename)
-    return convert_with(source, output, options=options, key=key, keymap=keymap)
+    return convert_with(source, output, options=options, key=key, keymap=keymap, to=to, config=config,
+                        component=component)
 
 
 def build_keymap(*, include: Iterable[str] = (), exclude: Iterable[str] = (), strip_prefix: str | None = None,
@@ -93,13 +105,17 @@ def build_keymap(*, include: Iterable[str] = (), exclude: Iterable[str] = (), st
 
 
 def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteOptions, key: str | None = None,
-                 keymap: KeyMap | None = None) -> SplitResult:
+                 keymap: KeyMap | None = None, to: str | None = None, config: str | os.PathLike[str] | None = None,
+                 component: str | None = None) -> SplitResult:
     """:func:`convert` with the options and key map already built: split of a keymapped source.
 
     >>> convert_with("m.ckpt", "out/", options=WriteOptions(), keymap=KeyMap(strip_prefix="model."))  # doctest: +SKIP
     """
     output = os.fspath(output)
     keymap = keymap or KeyMap()
+    if to is not None or config is not None or component is not None:
+        return _convert_to(source, output, options=options, key=key, keymap=keymap, to=to, config=config,
+                           component=component)
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
         if not keymap.is_identity():
             raise InvalidInputError(f"{source}: key options (--strip-prefix, --include, --rename ...) do not apply "
@@ -116,6 +132,33 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
         dropped = len(inner.entries()) - len(mapped.entries())
     as_split = {f.name: getattr(result, f.name) for f in fields(SplitResult)}
     return ConvertResult(**as_split, dropped=dropped, ema_tensors=ema)
+
+
+def _convert_to(source: Any, output: str, *, options: WriteOptions, key: str | None, keymap: KeyMap,
+                to: str | None, config: str | os.PathLike[str] | None, component: str | None) -> ConvertResult:
+    """``--to diffusers``: diffusers' own single-file conversion, written by the normal job."""
+    if to != "diffusers":
+        raise InvalidInputError(f"--to {to}: the only conversion target is 'diffusers'" if to is not None else
+                                "--config and --component apply with --to diffusers; add it, or drop them")
+    if not keymap.is_identity():
+        raise InvalidInputError("key options (--strip-prefix, --include, --rename ...) do not apply with --to diffusers: "
+                                "diffusers' conversion picks and names the model's tensors itself")
+    if not isinstance(source, (str, os.PathLike)):
+        raise InvalidInputError(f"--to diffusers converts a checkpoint file; got {type(source).__name__}")
+    if is_file_output(output):
+        raise InvalidInputError(f"{output}: a diffusers model is a folder (config.json + weights); give a folder as "
+                                f"OUTPUT, e.g. {output[: -len('.safetensors')]}/")
+    refuse_output_inside_source(source, output)
+    from .to_diffusers import convert_to_diffusers
+
+    if not options.dry_run:
+        from ..atomic.commit import recover
+
+        recover(os.path.dirname(os.path.abspath(os.fspath(source))))
+    result, unused = convert_to_diffusers(source, output, options=options, config=config, component=component,
+                                          key=key)
+    as_split = {f.name: getattr(result, f.name) for f in fields(SplitResult)}
+    return ConvertResult(**as_split, dropped=unused)
 
 
 def _report_ema(inner: Source, keymap: KeyMap) -> int:

@@ -1,0 +1,288 @@
+"""``convert --to diffusers``: a single-file SD/SDXL/SD3/Flux... checkpoint → a diffusers model folder.
+
+The key mapping is diffusers' own: the ``checkpoint_mapping_fn`` that ``from_single_file``
+uses for the model class (``convert_ldm_unet_checkpoint``, ``convert_ldm_vae_checkpoint``,
+``convert_flux_transformer_checkpoint_to_diffusers``... from ``SINGLE_FILE_LOADABLE_CLASSES``),
+never a copy of it. What differs from ``from_single_file``:
+
+- the config is always local (``config=``: a ``config.json``, a model folder, or a pipeline folder
+  and a component); diffusers would fetch it from the Hub, which shardkit never does;
+- the checkpoint's tensors are backed by the file (safetensors mmap, ``torch.load(mmap=True)``),
+  so the conversion holds no copy of the checkpoint in RAM, except for the tensors diffusers
+  itself builds (split or fused attention weights);
+- the result is checked against the model the config describes (built on the meta device: no
+  memory) and written through the normal writer: sharded, atomic, with its ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..errors import InvalidInputError
+from ..formats.index import DIFFUSERS_PREFIX, Naming
+from ..sources.memory import MemorySource, check_all_tensors
+from .job import SplitResult, split_source
+from .options import WriteOptions, warn
+
+__all__ = ["DiffusersTarget", "convert_to_diffusers", "find_target"]
+
+DENOISERS = ("transformer", "unet", "prior", "decoder")
+SHOWN = 3
+
+
+@dataclass(frozen=True)
+class DiffusersTarget:
+    """The diffusers model a checkpoint is converted into: its class and the ``config.json`` that shapes it."""
+
+    class_name: str
+    config_file: str
+
+
+def find_target(config: str | os.PathLike[str], *, component: str | None = None) -> DiffusersTarget:
+    """Which diffusers model ``config`` describes.
+
+    Args:
+        config: a ``config.json``, a diffusers model folder holding one, or a pipeline folder
+            (``model_index.json``), whose ``component`` is used.
+        component: the pipeline component (``unet``, ``vae``, ``transformer``...); default: the
+            pipeline's denoiser. Only for a pipeline folder.
+
+    Returns:
+        The :class:`DiffusersTarget`.
+
+    Raises:
+        InvalidInputError: no config there, or the component is missing or not a diffusers model.
+
+    >>> find_target("sd15/", component="vae")                          # doctest: +SKIP
+    DiffusersTarget(class_name='AutoencoderKL', config_file='sd15/vae/config.json')
+    """
+    path = os.fspath(config)
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "model_index.json")):
+        return _pipeline_target(path, component)
+    if component is not None:
+        raise InvalidInputError(f"--component {component} applies to a pipeline folder (with model_index.json) "
+                                f"given as --config; {path} is one model's config: drop --component")
+    config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(config_file):
+        raise InvalidInputError(f"--config {path}: no config.json there; give a diffusers config.json, a model folder "
+                                "holding one (e.g. a pipeline's unet/), or a pipeline folder with model_index.json")
+    class_name = _read_json(config_file).get("_class_name")
+    if not isinstance(class_name, str):
+        raise InvalidInputError(f"--config {config_file}: no \"_class_name\"; it is not a diffusers model config "
+                                "(diffusers writes one with save_pretrained)")
+    return DiffusersTarget(class_name, config_file)
+
+
+def _pipeline_target(folder: str, component: str | None) -> DiffusersTarget:
+    index = _read_json(os.path.join(folder, "model_index.json"))
+    models = {name: v for name, v in index.items() if isinstance(v, list) and len(v) == 2 and v[1] is not None}
+    if component is None:
+        component = next((name for name in DENOISERS if name in models), None)
+        if component is None:
+            raise InvalidInputError(f"--config {folder}: no denoiser ({', '.join(DENOISERS)}) in its model_index.json; "
+                                    f"name the component with --component ({', '.join(sorted(models))})")
+    if component not in models:
+        raise InvalidInputError(f"--config {folder}: no component {component!r}; its model_index.json lists "
+                                f"{', '.join(sorted(models)) or 'none'}")
+    library, class_name = models[component]
+    if library != "diffusers":
+        raise InvalidInputError(f"--component {component} is a {library} {class_name}; --to diffusers converts diffusers "
+                                "models (unet, transformer, vae...)")
+    config_file = os.path.join(folder, component, "config.json")
+    if not os.path.isfile(config_file):
+        raise InvalidInputError(f"--config {folder}: {component}/config.json is missing")
+    return DiffusersTarget(class_name, config_file)
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidInputError(f"--config {path}: not a readable JSON file ({e})") from e
+    if not isinstance(doc, dict):
+        raise InvalidInputError(f"--config {path}: not a JSON object")
+    return doc
+
+
+def convert_to_diffusers(source: str | os.PathLike[str], output: str, *, options: WriteOptions,
+                         config: str | os.PathLike[str] | None, component: str | None = None,
+                         key: str | None = None) -> tuple[SplitResult, int]:
+    """Convert a single-file checkpoint into a diffusers model folder that ``from_pretrained`` loads.
+
+    Args:
+        source: a ``.safetensors`` file or a pickle (``.ckpt``/``.pt``/``.bin``, loaded with
+            ``weights_only=True``), in the original (LDM, BFL...) key names.
+        output: the model folder to write (``config.json`` + ``diffusion_pytorch_model*``).
+        options: the write options (shard size, cast, variant, overwrite, dry run...).
+        config: see :func:`find_target`; None raises an error that says which config is needed.
+        component: see :func:`find_target`.
+        key: for pickles, the nested dict holding the state dict (default: auto).
+
+    Returns:
+        The :class:`SplitResult` and how many source tensors the model does not use.
+
+    Raises:
+        InvalidInputError: no config, a checkpoint diffusers cannot convert, or a conversion that
+            does not give exactly the config's model.
+
+    >>> convert_to_diffusers("v1-5-pruned.safetensors", "unet/", options=WriteOptions(),   # doctest: +SKIP
+    ...                      config="sd15-pipeline/", component="unet")
+    """
+    path = os.fspath(source)
+    checkpoint = load_checkpoint(path, key=key)
+    if config is None:
+        raise missing_config_error(path, checkpoint)
+    target = find_target(config, component=component)
+    converted, model = convert_checkpoint(checkpoint, target, where=path)
+    with tempfile.TemporaryDirectory(prefix="shardkit-config-") as folder:
+        model.save_config(folder)
+        description = f"{path} as diffusers {target.class_name}"
+        # dedupe=False: two names for one source tensor are two parameters diffusers loads separately
+        with MemorySource(converted, description=description, naming=Naming(DIFFUSERS_PREFIX), dedupe=False) as src:
+            result = split_source(src, output, options=options,
+                                  side_files=[(os.path.join(folder, "config.json"), "config.json")])
+    return result, len(checkpoint) - len(converted)
+
+
+def load_checkpoint(path: str, *, key: str | None) -> dict[str, Any]:
+    """Every tensor of a single-file checkpoint, backed by the file (no copy in RAM).
+
+    >>> len(load_checkpoint("v1-5-pruned.safetensors", key=None))     # doctest: +SKIP
+    1131
+    """
+    if not os.path.isfile(path):
+        raise InvalidInputError(f"{path}: --to diffusers converts one checkpoint file (.safetensors, .ckpt, .pt, .bin); "
+                                "a folder is already in diffusers layout or needs a plain convert")
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+
+        from ..formats.header import read_header
+
+        if key is not None:
+            raise InvalidInputError(f"--key applies to pickles; {path} is a safetensors file with one flat state dict")
+        read_header(path)  # validated by shardkit first: hostile headers get shardkit's error
+        return load_file(path)  # memory-mapped: pages are read when used and can be dropped again
+    from ..sources.pickle import load_pickle, select_state_dict
+
+    tensors = dict(select_state_dict(load_pickle(path), key=key, where=path))
+    check_all_tensors(tensors, where=path)
+    return tensors
+
+
+def missing_config_error(path: str, checkpoint: Mapping[str, Any]) -> InvalidInputError:
+    """The error for a conversion without a config: what the checkpoint is and which config it needs."""
+    from diffusers.loaders.single_file_utils import DIFFUSERS_DEFAULT_PIPELINE_PATHS, infer_diffusers_model_type
+
+    if not is_known_checkpoint(checkpoint):
+        return unknown_checkpoint_error(path)
+    model_type = infer_diffusers_model_type(checkpoint)
+    repo = DIFFUSERS_DEFAULT_PIPELINE_PATHS.get(model_type, {}).get("pretrained_model_name_or_path", "?")
+    return InvalidInputError(
+        f"{path}: --to diffusers needs the diffusers config of the model, and shardkit never downloads one; "
+        f"this is a '{model_type}' checkpoint (diffusers takes its config from the Hub repo {repo}): pass --config "
+        "with a local copy of that pipeline folder, of one of its component folders (unet/, transformer/, vae/), "
+        "or of a component's config.json"
+    )
+
+
+def is_known_checkpoint(checkpoint: Mapping[str, Any]) -> bool:
+    """Whether any key that diffusers uses to recognise a single-file format is in ``checkpoint``.
+
+    ``infer_diffusers_model_type`` answers ``v1`` for anything it does not recognise; this does not.
+    """
+    from diffusers.loaders.single_file_utils import CHECKPOINT_KEY_NAMES
+
+    for names in CHECKPOINT_KEY_NAMES.values():
+        if any(name in checkpoint for name in ([names] if isinstance(names, str) else names)):
+            return True
+    return False
+
+
+def unknown_checkpoint_error(path: str) -> InvalidInputError:
+    return InvalidInputError(
+        f"{path}: not a single-file checkpoint diffusers can convert (none of the key names of the formats it knows, "
+        "SD 1/2/XL/3, Flux, ..., are in it); a checkpoint already in diffusers names needs no --to diffusers"
+    )
+
+
+def convert_checkpoint(checkpoint: Mapping[str, Any], target: DiffusersTarget, *,
+                       where: str) -> tuple[dict[str, Any], Any]:
+    """Map ``checkpoint`` to ``target``'s parameter names with diffusers' function; check it against the model.
+
+    Returns:
+        The converted ``{name: tensor}`` (only the model's parameters) and the model, on the meta device.
+    """
+    cls, mapping_fn = _model_class(target)
+    config = dict(cls.load_config(target.config_file))
+    model = _empty_model(cls, config, target)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if set(expected) == set(checkpoint):  # already diffusers names, as from_single_file accepts
+        converted = dict(checkpoint)
+    else:
+        try:
+            converted = dict(mapping_fn(config=config, checkpoint=dict(checkpoint)))
+        except Exception as e:  # diffusers raises KeyError/IndexError/... on a checkpoint of another model
+            raise _mismatch_error(where, target, checkpoint, f"diffusers' conversion failed ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:160] if str(e) else ''})") from e
+    _check_against_model(converted, expected, where=where, target=target, checkpoint=checkpoint)
+    return {name: converted[name] for name in expected}, model
+
+
+def _model_class(target: DiffusersTarget) -> tuple[Any, Any]:
+    """The diffusers class and the ``checkpoint_mapping_fn`` that ``from_single_file`` uses for it."""
+    import diffusers
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
+    cls = getattr(diffusers, target.class_name, None)
+    if not isinstance(cls, type):
+        raise InvalidInputError(f"--config {target.config_file}: diffusers {diffusers.__version__} has no model class "
+                                f"{target.class_name}")
+    for name, mapping in SINGLE_FILE_LOADABLE_CLASSES.items():
+        base = getattr(diffusers, name, None)
+        if isinstance(base, type) and issubclass(cls, base):
+            return cls, mapping["checkpoint_mapping_fn"]
+    raise InvalidInputError(f"diffusers has no single-file conversion for {target.class_name} (from --config "
+                            f"{target.config_file}); it converts {', '.join(sorted(SINGLE_FILE_LOADABLE_CLASSES))}")
+
+
+def _empty_model(cls: Any, config: dict[str, Any], target: DiffusersTarget) -> Any:
+    """The model ``config`` describes, with every tensor on the meta device (no memory)."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            return cls.from_config(config)
+    except Exception as e:  # a config the class refuses (ValueError, TypeError...) is the user's --config
+        raise InvalidInputError(f"--config {target.config_file}: {target.class_name} refuses it "
+                                f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from e
+
+
+def _check_against_model(converted: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]], *, where: str,
+                         target: DiffusersTarget, checkpoint: Mapping[str, Any]) -> None:
+    missing = [n for n in expected if n not in converted]
+    if missing:
+        shown = ", ".join(missing[:SHOWN]) + (" ..." if len(missing) > SHOWN else "")
+        raise _mismatch_error(where, target, checkpoint, f"{len(missing)} of its {len(expected)} parameters are not "
+                              f"in the converted checkpoint ({shown})")
+    wrong = [(n, tuple(converted[n].shape), shape) for n, shape in expected.items()
+             if tuple(converted[n].shape) != shape]
+    if wrong:
+        name, got, want = wrong[0]
+        raise _mismatch_error(where, target, checkpoint, f"{len(wrong)} parameter(s) have another shape, e.g. "
+                              f"{name}: {list(got)} in the checkpoint, {list(want)} in the config's model")
+    unused = [n for n in converted if n not in expected]
+    if unused:
+        warn(f"{where}: {len(unused)} converted tensor(s) are not parameters of {target.class_name} and are left out, "
+             f"e.g. {', '.join(unused[:SHOWN])}")
+
+
+def _mismatch_error(where: str, target: DiffusersTarget, checkpoint: Mapping[str, Any], what: str) -> InvalidInputError:
+    if not is_known_checkpoint(checkpoint):
+        return unknown_checkpoint_error(where)
+    return InvalidInputError(f"{where} does not convert into the {target.class_name} of --config {target.config_file}: "
+                             f"{what}; check that --config (and --component) describe this checkpoint's model")

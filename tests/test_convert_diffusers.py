@@ -1,0 +1,229 @@
+"""``convert --to diffusers``: a single-file (LDM) SD checkpoint → a diffusers model folder, via diffusers' own mapping.
+
+The LDM checkpoint is made from small diffusers models with the inverse of diffusers'
+conversion (the mapping of diffusers' ``scripts/convert_diffusers_to_original_stable_diffusion.py``),
+so converting it back must give the original weights exactly.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import assert_bit_equal, assert_one_line_error, leftovers
+
+import shardkit
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+
+# SD 1.x layout (4 blocks, 2 layers each, attention in the first three), shrunk.
+SD_LIKE_UNET = {
+    "sample_size": 8, "in_channels": 4, "out_channels": 4, "layers_per_block": 2,
+    "block_out_channels": [8, 8, 16, 16], "norm_num_groups": 4, "cross_attention_dim": 8, "attention_head_dim": 2,
+    "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+}
+SD_LIKE_VAE = {
+    "in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": [8, 8, 16, 16],
+    "down_block_types": ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "layers_per_block": 2, "norm_num_groups": 4, "sample_size": 16,
+}
+CLIP_KEY = "cond_stage_model.transformer.text_model.embeddings.position_embedding.weight"
+
+
+def _unet_layer_map() -> list[tuple[str, str]]:
+    """(LDM, diffusers) prefixes of the SD 1.x UNet blocks."""
+    pairs = []
+    for i in range(4):
+        for j in range(2):
+            pairs.append((f"input_blocks.{3 * i + j + 1}.0.", f"down_blocks.{i}.resnets.{j}."))
+            if i < 3:
+                pairs.append((f"input_blocks.{3 * i + j + 1}.1.", f"down_blocks.{i}.attentions.{j}."))
+        for j in range(3):
+            pairs.append((f"output_blocks.{3 * i + j}.0.", f"up_blocks.{i}.resnets.{j}."))
+            if i > 0:
+                pairs.append((f"output_blocks.{3 * i + j}.1.", f"up_blocks.{i}.attentions.{j}."))
+        if i < 3:
+            pairs.append((f"input_blocks.{3 * (i + 1)}.0.op.", f"down_blocks.{i}.downsamplers.0.conv."))
+            pairs.append((f"output_blocks.{3 * i + 2}.{1 if i == 0 else 2}.", f"up_blocks.{i}.upsamplers.0."))
+    pairs.append(("middle_block.1.", "mid_block.attentions.0."))
+    pairs += [(f"middle_block.{2 * j}.", f"mid_block.resnets.{j}.") for j in range(2)]
+    return pairs
+
+
+UNET_TOP = {"time_embedding.linear_1.": "time_embed.0.", "time_embedding.linear_2.": "time_embed.2.",
+            "conv_in.": "input_blocks.0.0.", "conv_norm_out.": "out.0.", "conv_out.": "out.2."}
+UNET_RESNET = [("in_layers.0", "norm1"), ("in_layers.2", "conv1"), ("out_layers.0", "norm2"),
+               ("out_layers.3", "conv2"), ("emb_layers.1", "time_emb_proj"), ("skip_connection", "conv_shortcut")]
+
+
+def unet_to_ldm(state: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for name, tensor in state.items():
+        ldm = next((new + name[len(old):] for old, new in UNET_TOP.items() if name.startswith(old)), name)
+        if "resnets" in name:
+            for sd_part, hf_part in UNET_RESNET:
+                ldm = ldm.replace(hf_part, sd_part)
+        for sd_part, hf_part in _unet_layer_map():
+            ldm = ldm.replace(hf_part, sd_part)
+        out["model.diffusion_model." + ldm] = tensor
+    return out
+
+
+def _vae_map() -> list[tuple[str, str]]:
+    pairs = [("nin_shortcut", "conv_shortcut"), ("norm_out", "conv_norm_out"), ("mid.attn_1.", "mid_block.attentions.0.")]
+    for i in range(4):
+        pairs += [(f"encoder.down.{i}.block.{j}.", f"encoder.down_blocks.{i}.resnets.{j}.") for j in range(2)]
+        if i < 3:
+            pairs += [(f"down.{i}.downsample.", f"down_blocks.{i}.downsamplers.0."),
+                      (f"up.{3 - i}.upsample.", f"up_blocks.{i}.upsamplers.0.")]
+        pairs += [(f"decoder.up.{3 - i}.block.{j}.", f"decoder.up_blocks.{i}.resnets.{j}.") for j in range(3)]
+    pairs += [(f"mid.block_{i + 1}.", f"mid_block.resnets.{i}.") for i in range(2)]
+    return pairs
+
+
+VAE_ATTN = [("norm.", "group_norm."), ("q.", "to_q."), ("k.", "to_k."), ("v.", "to_v."), ("proj_out.", "to_out.0.")]
+
+
+def vae_to_ldm(state: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for name, tensor in state.items():
+        ldm = name
+        for sd_part, hf_part in _vae_map():
+            ldm = ldm.replace(hf_part, sd_part)
+        if "attentions" in name:
+            for sd_part, hf_part in VAE_ATTN:
+                ldm = ldm.replace(hf_part, sd_part)
+            if tensor.dim() == 2:  # LDM's attention projections are 1x1 convolutions
+                tensor = tensor.reshape(*tensor.shape, 1, 1)
+        out["first_stage_model." + ldm] = tensor
+    return out
+
+
+@pytest.fixture(scope="module")
+def sd_models() -> tuple[Any, Any]:
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+
+    torch.manual_seed(0)
+    return UNet2DConditionModel(**SD_LIKE_UNET).eval(), AutoencoderKL(**SD_LIKE_VAE).eval()
+
+
+@pytest.fixture
+def ldm_checkpoint(tmp_path: Path, sd_models: tuple[Any, Any]) -> dict[str, Any]:
+    unet, vae = sd_models
+    state = {**unet_to_ldm(unet.state_dict()), **vae_to_ldm(vae.state_dict())}
+    state[CLIP_KEY] = torch.randn(77, 8)  # a text encoder the unet and vae leave out
+    return {k: v.contiguous() for k, v in state.items()}
+
+
+@pytest.fixture
+def pipeline_config(tmp_path: Path, sd_models: tuple[Any, Any]) -> Path:
+    """A pipeline folder holding only configs (all that --config reads)."""
+    unet, vae = sd_models
+    folder = tmp_path / "sd-config"
+    unet.save_config(folder / "unet")
+    vae.save_config(folder / "vae")
+    index = {"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
+             "vae": ["diffusers", "AutoencoderKL"], "text_encoder": ["transformers", "CLIPTextModel"]}
+    (folder / "model_index.json").write_text(json.dumps(index))
+    return folder
+
+
+def test_ldm_safetensors_to_diffusers_unet_through_the_cli(tmp_path: Path, run_cli, sd_models, ldm_checkpoint,
+                                                          pipeline_config) -> None:
+    from diffusers import UNet2DConditionModel
+    from safetensors.torch import save_file
+
+    src = tmp_path / "sd.safetensors"
+    save_file(ldm_checkpoint, src)
+    out = tmp_path / "unet"
+    result = run_cli("convert", src, out, "--to", "diffusers", "--config", pipeline_config, "--max-shard-size", "40KB")
+    assert result.exit_code == 0, result.stderr
+    assert "not part of this model" in result.stdout
+    assert (out / "config.json").is_file() and (out / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    assert len(list(out.glob("diffusion_pytorch_model-*.safetensors"))) > 1
+    loaded = UNet2DConditionModel.from_pretrained(out)
+    assert_bit_equal(loaded.state_dict(), sd_models[0].state_dict())
+    assert leftovers(tmp_path) == []
+
+
+def test_ldm_ckpt_to_diffusers_vae_with_component_and_variant(tmp_path: Path, run_cli, sd_models, ldm_checkpoint,
+                                                             pipeline_config) -> None:
+    from diffusers import AutoencoderKL
+
+    src = tmp_path / "sd.ckpt"
+    torch.save({"state_dict": ldm_checkpoint, "global_step": 10}, src)
+    out = tmp_path / "vae"
+    result = run_cli("convert", src, out, "--to", "diffusers", "--config", pipeline_config, "--component", "vae",
+                     "--variant", "fp16", "--dtype", "fp16", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["index"] is None
+    assert (out / "diffusion_pytorch_model.fp16.safetensors").is_file()
+    loaded = AutoencoderKL.from_pretrained(out, variant="fp16", torch_dtype=torch.float16)
+    assert_bit_equal(loaded.state_dict(), {k: v.half() for k, v in sd_models[1].state_dict().items()})
+
+
+def test_python_api_with_a_config_file(tmp_path: Path, sd_models, ldm_checkpoint, pipeline_config) -> None:
+    from diffusers import UNet2DConditionModel
+
+    src = tmp_path / "sd.pt"
+    torch.save(ldm_checkpoint, src)
+    result = shardkit.convert(src, tmp_path / "unet", to="diffusers", config=pipeline_config / "unet" / "config.json")
+    assert result.dropped == len(ldm_checkpoint) - len(sd_models[0].state_dict())
+    loaded = UNet2DConditionModel.from_pretrained(tmp_path / "unet")
+    assert_bit_equal(loaded.state_dict(), sd_models[0].state_dict())
+
+
+def test_without_config_the_error_names_the_model_and_what_to_pass(tmp_path: Path, run_cli, ldm_checkpoint) -> None:
+    from safetensors.torch import save_file
+
+    src = tmp_path / "sd.safetensors"
+    save_file(ldm_checkpoint, src)
+    line = assert_one_line_error(run_cli("convert", src, tmp_path / "out", "--to", "diffusers"), contains="--config")
+    assert "'v1' checkpoint" in line and "never downloads" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unknown_model_type_is_a_one_line_error(tmp_path: Path, run_cli, pipeline_config) -> None:
+    from safetensors.torch import save_file
+
+    src = tmp_path / "other.safetensors"
+    save_file({"encoder.weight": torch.randn(4, 4), "decoder.weight": torch.randn(4, 4)}, src)
+    for extra in ([], ["--config", str(pipeline_config)]):
+        assert_one_line_error(run_cli("convert", src, tmp_path / "out", "--to", "diffusers", *extra),
+                              contains="not a single-file checkpoint diffusers can convert")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--config", "{cfg}/nowhere"], "no config.json there"),
+    (["--config", "{cfg}", "--component", "text_encoder"], "is a transformers CLIPTextModel"),
+    (["--config", "{cfg}", "--component", "scheduler"], "no component 'scheduler'"),
+    (["--config", "{cfg}/unet", "--component", "vae"], "applies to a pipeline folder"),
+    (["--config", "{cfg}", "--strip-prefix", "model."], "do not apply with --to diffusers"),
+    (["--component", "unet"], "apply with --to diffusers"),
+])
+def test_config_errors_exit_2_with_one_line(tmp_path: Path, run_cli, ldm_checkpoint, pipeline_config,
+                                            args: list[str], message: str) -> None:
+    from safetensors.torch import save_file
+
+    src = tmp_path / "sd.safetensors"
+    save_file(ldm_checkpoint, src)
+    to = [] if args == ["--component", "unet"] else ["--to", "diffusers"]
+    argv = [a.replace("{cfg}", str(pipeline_config)) for a in args]
+    assert_one_line_error(run_cli("convert", src, tmp_path / "out", *to, *argv), contains=message)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_of_another_model_says_which_parameters_are_missing(tmp_path: Path, run_cli, sd_models,
+                                                                     pipeline_config) -> None:
+    from safetensors.torch import save_file
+
+    src = tmp_path / "unet-only.safetensors"
+    save_file({k: v.contiguous() for k, v in unet_to_ldm(sd_models[0].state_dict()).items()}, src)
+    line = assert_one_line_error(run_cli("convert", src, tmp_path / "out", "--to", "diffusers", "--config",
+                                         pipeline_config, "--component", "vae"))
+    assert "does not convert into the AutoencoderKL" in line and "parameters are not in the converted" in line
