@@ -169,3 +169,40 @@ def test_side_files_are_replaced_by_rename_and_never_missing_during_an_in_place_
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "model.safetensors.index.json",
                                        "model_index.json"]
     assert (out / "model_index.json").read_bytes() == b"new"
+
+
+def test_recover_command_says_what_it_rolled_forward_and_removed(run_cli, tmp_path: Path) -> None:
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    (folder / f".shardkit-tmp-{dead}-ffff-model-00001-of-00002.safetensors").write_bytes(b"x" * 600)
+    (folder / f".shardkit-tmp-{dead}-abcd-model.safetensors").write_bytes(b"new")
+    (folder / JOURNAL).write_text(json.dumps({
+        "remove_first": [], "renames": [[f".shardkit-tmp-{dead}-abcd-model.safetensors", "model.safetensors"]],
+        "delete": [],
+    }))
+    staging = tmp_path / f".ckpt2.shardkit-tmp-{dead}-beef"
+    staging.mkdir()
+    (staging / "model.safetensors").write_bytes(b"y" * 400)
+    (tmp_path / "ckpt2").mkdir()
+
+    result = run_cli("recover", folder, tmp_path / "ckpt2", "--json")
+    assert result.exit_code == 0, result.stderr
+    first, second = json.loads(result.stdout)
+    assert first["rolled_forward"] == ["model.safetensors"]
+    assert [os.path.basename(p) for p in first["removed"]] == [f".shardkit-tmp-{dead}-ffff-model-00001-of-00002.safetensors"]
+    assert first["removed_bytes"] == 600
+    assert second["removed"] == [str(staging)] and second["removed_bytes"] == 400
+    assert sorted(os.listdir(folder)) == ["model.safetensors"] and not staging.exists()
+
+    again = run_cli("recover", folder)
+    assert again.exit_code == 0 and "consistent (nothing to do)" in again.stdout
+
+
+def test_recover_command_prints_removed_bytes(run_cli, tmp_path: Path) -> None:
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    (tmp_path / f".shardkit-tmp-{dead}-ffff-orphan.safetensors").write_bytes(b"j" * 2000)
+    result = run_cli("recover", tmp_path)
+    assert result.exit_code == 0, result.stderr
+    assert "removed 1 temporary file(s) of dead writers, 2.00 KB" in result.stdout
+    assert result.stdout.strip().endswith("consistent")

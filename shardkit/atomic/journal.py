@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shutil
+from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _faults
@@ -54,6 +55,30 @@ def try_lock(path: str) -> int | None:
 
 # ----------------------------------------------------------------------------- recovery
 
+@dataclass
+class Recovery:
+    """What :func:`recover_folder` did: the journal it finished and the temporaries it removed."""
+
+    folder: str
+    rolled_forward: list[str] = field(default_factory=list)  # files an interrupted commit published
+    removed: list[str] = field(default_factory=list)  # temporary files and staging folders of dead writers
+    removed_bytes: int = 0
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.rolled_forward or self.removed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"folder": self.folder, "rolled_forward": self.rolled_forward, "removed": self.removed,
+                "removed_bytes": self.removed_bytes}
+
+    def _remove(self, path: str) -> None:
+        size_bytes = _tree_bytes(path)
+        remove_path(path)
+        self.removed.append(path)
+        self.removed_bytes += size_bytes
+
+
 def recover(folder: str | os.PathLike[str]) -> bool:
     """Finish an interrupted commit in ``folder`` and remove temporary files of dead writers.
 
@@ -62,30 +87,67 @@ def recover(folder: str | os.PathLike[str]) -> bool:
     >>> recover("out/")  # doctest: +SKIP
     True
     """
+    return recover_folder(folder) is not None
+
+
+def recover_folder(folder: str | os.PathLike[str]) -> Recovery | None:
+    """:func:`recover`, saying what it did; None while another process is writing the folder.
+
+    Args:
+        folder: a checkpoint folder (or the path a failed write was creating).
+
+    Returns:
+        A :class:`Recovery` listing the files rolled forward and the temporaries removed.
+
+    >>> recover_folder("out/").removed_bytes   # doctest: +SKIP
+    612000000
+    """
     folder = os.fspath(folder)
+    report = Recovery(folder)
     if not os.path.isdir(folder):
-        cleanup_stale_staging(folder)
-        return True
+        cleanup_stale_staging(folder, report)
+        return report
     fd = try_lock(folder)
     if fd is None:
-        return False
+        return None
     try:
-        recover_locked(folder)
+        recover_locked(folder, report)
     finally:
         os.close(fd)
-    cleanup_stale_staging(folder)
-    return True
+    cleanup_stale_staging(folder, report)
+    return report
 
 
-def recover_locked(folder: str) -> None:
+def recover_locked(folder: str, report: Recovery | None = None) -> Recovery:
+    report = report if report is not None else Recovery(folder)
     if os.path.exists(os.path.join(folder, JOURNAL)):
-        roll_forward(folder, _read_journal(folder))
+        plan = _read_journal(folder)
+        roll_forward(folder, plan)
+        report.rolled_forward.extend(final for _, final in plan["renames"])
     for dirpath, dirnames, filenames in os.walk(folder):
         for name in filenames + dirnames:
             if name.startswith(JOURNAL + ".") or (name.startswith(TMP_MARK) and is_stale_tmp(name)):
-                remove_path(os.path.join(dirpath, name))
+                report._remove(os.path.join(dirpath, name))
         if dirpath != folder:
             dirnames[:] = []  # temporary files live at most one folder down (pipeline components)
+    return report
+
+
+def _tree_bytes(path: str) -> int:
+    """Bytes in a file or folder (apparent sizes), for saying how much a cleanup freed."""
+    try:
+        if not os.path.isdir(path) or os.path.islink(path):
+            return os.lstat(path).st_size
+    except OSError:
+        return 0
+    total = 0
+    for dirpath, _, filenames in os.walk(path):
+        for name in filenames:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
 
 
 def is_stale_tmp(name: str) -> bool:
@@ -116,7 +178,7 @@ def _check_journal(plan: Any) -> None:
                 raise ValueError(f"bad entry {item!r} in {key}")
 
 
-def cleanup_stale_staging(output: str) -> None:
+def cleanup_stale_staging(output: str, report: Recovery | None = None) -> None:
     """Remove staging folders beside ``output`` whose writer died (their flock is free)."""
     parent, base = os.path.split(os.path.abspath(output))
     prefix = f".{base}{TMP_MARK}"
@@ -132,7 +194,11 @@ def cleanup_stale_staging(output: str) -> None:
             continue
         if fd is not None:
             try:
+                size_bytes = _tree_bytes(path) if report is not None else 0
                 shutil.rmtree(path, ignore_errors=True)
+                if report is not None:
+                    report.removed.append(path)
+                    report.removed_bytes += size_bytes
             finally:
                 os.close(fd)
 

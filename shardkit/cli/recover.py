@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import click
 
+from ..atomic.journal import Recovery
 from ..errors import OutputExistsError
+from ..units import format_size
+from .common import echo_json
 
 EPILOG = """\b
 Examples:
   shardkit recover out/
-  shardkit recover unet-sharded/ vae-sharded/
+  shardkit recover unet-sharded/ vae-sharded/ --json
 
 Any shardkit command that reads or writes a folder does this by itself first; this command is
 for read-only tools (or a read-only mount) that found a folder mid-commit.
@@ -18,7 +21,9 @@ for read-only tools (or a read-only mount) that found a folder mid-commit.
 
 @click.command(epilog=EPILOG)
 @click.argument("folders", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=str))
-def recover(folders: tuple[str, ...]) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print what was rolled forward and removed, as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing; the exit code tells.")
+def recover(folders: tuple[str, ...], as_json: bool, quiet: bool) -> None:
     """Finish writes that were interrupted after their commit point; remove stale temporary files.
 
     A crash while replacing a checkpoint in place (split/convert/merge with --overwrite) can stop
@@ -26,12 +31,31 @@ def recover(folders: tuple[str, ...]) -> None:
     behind names every step; this rolls it forward. Temporary files and staging folders of dead
     shardkit processes are removed. A folder another shardkit process is writing is left alone.
     """
-    from ..atomic.commit import recover as recover_folder
+    from ..atomic.journal import recover_folder
 
+    reports = []
     for folder in folders:
-        if not recover_folder(folder):
+        report = recover_folder(folder)
+        if report is None:
             raise OutputExistsError(f"{folder} is being written by another shardkit process; try again when it ends")
-        click.echo(f"{folder}: consistent")
+        reports.append(report)
+    if as_json:
+        echo_json([r.to_dict() for r in reports])
+    elif not quiet:
+        for report in reports:
+            print_recovery(report)
+
+
+def print_recovery(report: Recovery) -> None:
+    folder = report.folder
+    if report.rolled_forward:
+        click.echo(f"{folder}: finished an interrupted commit ({len(report.rolled_forward)} file(s) published)")
+    if report.removed:
+        click.echo(f"{folder}: removed {len(report.removed)} temporary file(s) of dead writers, "
+                   f"{format_size(report.removed_bytes)}")
+        for path in report.removed:
+            click.echo(f"  {path}")
+    click.echo(f"{folder}: consistent" + ("" if report.changed else " (nothing to do)"))
 
 
 COMMANDS = [recover]
