@@ -24,12 +24,18 @@ MEMORY_TARGETS = {"fp32": 32, "bf16": 16, "fp8": 8}
 
 @dataclass
 class ShardInfo:
-    """One weight file: its name, tensor count, tensor bytes and size on disk."""
+    """One weight file: its name, tensor count, tensor bytes and size on disk.
+
+    ``shared_bytes`` counts the bytes whose disk extents are shared with another file
+    (copy-on-write clones, e.g. of the file it was split from, on XFS or btrfs); None where the
+    filesystem does not tell.
+    """
 
     file: str
     tensors: int
     bytes: int
     file_bytes: int
+    shared_bytes: int | None = None
 
 
 @dataclass
@@ -61,6 +67,8 @@ class CheckpointInfo:
         shards: one :class:`ShardInfo` per weight file.
         largest: the :data:`LARGEST_COUNT` largest tensors.
         components: for a pipeline, one :class:`CheckpointInfo` per weight-bearing component.
+        shared_bytes: bytes of the weight files that share disk extents with other files
+            (copy-on-write clones); None where the filesystem does not tell.
     """
 
     path: str
@@ -81,6 +89,7 @@ class CheckpointInfo:
     components: dict[str, "CheckpointInfo"] = field(default_factory=dict)
     library: str | None = None       # pipeline components: "diffusers", "transformers", ...
     class_name: str | None = None
+    shared_bytes: int | None = None  # copy-on-write clones (FIEMAP shared flag); None: not reported
 
     def to_dict(self) -> dict[str, Any]:
         """Every field as plain JSON-ready data."""
@@ -144,10 +153,11 @@ def _checkpoint_info(path: str) -> CheckpointInfo:
         result.index_metadata = dict(load_index(target).metadata)
     if headers is not None:
         result.shards = [ShardInfo(os.path.basename(h.path), len(h.entries), sum(e.nbytes for e in h.entries),
-                                   h.file_bytes) for h in sorted(headers, key=lambda h: h.path)]
+                                   h.file_bytes, _shared_bytes(h.path)) for h in sorted(headers, key=lambda h: h.path)]
     else:
         result.shards = [ShardInfo(os.path.basename(target), len(entries), sum(e.nbytes for e in entries),
-                                   _disk_bytes(target))]
+                                   _disk_bytes(target), _shared_bytes(target))]
+    result.shared_bytes = _sum_known([s.shared_bytes for s in result.shards])
     _summarize(result, [("", e) for e in entries])
     return result
 
@@ -164,6 +174,23 @@ def _disk_bytes(target: str) -> int:
     if not os.path.isdir(target):
         return os.path.getsize(target)
     return sum(e.stat().st_size for e in os.scandir(target) if e.is_file())
+
+
+def _shared_bytes(path: str) -> int | None:
+    """Bytes of a weight file that share extents with another file; None when unknown (or a folder)."""
+    from ..atomic.extents import shared_bytes
+
+    if not os.path.isfile(path):
+        return None
+    try:
+        return shared_bytes(path)
+    except OSError:
+        return None
+
+
+def _sum_known(values: list[int | None]) -> int | None:
+    """The total, or None when any part is unknown (a partial figure would mislead)."""
+    return None if not values or any(v is None for v in values) else sum(v for v in values if v is not None)
 
 
 def _resolve(path: str) -> tuple[str, str | None]:
@@ -195,7 +222,8 @@ def _pipeline_info(path: str) -> CheckpointInfo:
         sub = _checkpoint_info(component.path)
         sub.path, sub.library, sub.class_name = component.name, component.library, component.class_name
         result.components[component.name] = sub
-        result.shards += [ShardInfo(f"{component.name}/{s.file}", s.tensors, s.bytes, s.file_bytes) for s in sub.shards]
+        result.shards += [ShardInfo(f"{component.name}/{s.file}", s.tensors, s.bytes, s.file_bytes, s.shared_bytes)
+                          for s in sub.shards]
         tagged += [(f"{component.name}/", _as_entry(t)) for t in sub.largest]
         for key in ("tensor_count", "parameter_count", "total_bytes"):
             setattr(result, key, getattr(result, key) + getattr(sub, key))
@@ -203,6 +231,7 @@ def _pipeline_info(path: str) -> CheckpointInfo:
             for k, v in getattr(sub, key).items():
                 getattr(result, key)[k] = getattr(result, key).get(k, 0) + v
     result.largest = _largest(tagged)
+    result.shared_bytes = _sum_known([s.shared_bytes for s in result.shards])
     return result
 
 

@@ -20,6 +20,8 @@ Examples:
 Reads headers only (safetensors) or maps the pickle with torch.load(weights_only=True,
 mmap=True): no tensor data is read, so it is fast on 100 GB checkpoints.
 Memory columns: floating-point tensors recast to fp32 / bf16 / fp8, others as stored.
+"shared extents": bytes the filesystem shares with other files (copy-on-write clones on
+XFS/btrfs, e.g. after a split), shown where it tells (FIEMAP); ext4 always says none.
 Sizes are decimal (1 GB = 10^9 bytes).
 """
 
@@ -27,17 +29,27 @@ Sizes are decimal (1 GB = 10^9 bytes).
 @click.command(epilog=EPILOG)
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def info(path: str, as_json: bool) -> None:
+@click.option("--quiet", "-q", is_flag=True, help="Print one line: format, tensors, parameters, bytes.")
+def info(path: str, as_json: bool, quiet: bool) -> None:
     """Show what a checkpoint holds: format, tensors, parameters, dtypes, shards, metadata."""
     from ..checking.info import info as info_api
 
     summary = info_api(path)
     if as_json:
         echo_json(summary.to_dict())
+    elif quiet:
+        click.echo(_one_line(summary))
     elif summary.components:
         print_pipeline(summary)
     else:
         print_checkpoint(summary)
+
+
+def _one_line(s: Any) -> str:
+    parts = [s.components and f"pipeline of {len(s.components)} components" or s.format]
+    if not s.components:
+        parts += [f"{s.tensor_count} tensors", f"{s.parameter_count:,} parameters"]
+    return f"{s.path}: " + ", ".join(parts) + f", {format_size(s.total_bytes)}"
 
 
 def print_checkpoint(s: Any, *, title: str | None = None) -> None:
@@ -48,14 +60,20 @@ def print_checkpoint(s: Any, *, title: str | None = None) -> None:
     if s.class_name:
         rows.append(("class", f"{s.library} {s.class_name}"))
     rows += _totals_rows(s)
+    if s.shared_bytes is not None:
+        rows.append(("shared extents", _shared_text(s.shared_bytes, sum(sh.file_bytes for sh in s.shards))))
     if s.metadata:
         rows.append(("metadata", ", ".join(f"{k}={_short(v)}" for k, v in sorted(s.metadata.items()))))
     if s.index_metadata:
         rows.append(("index metadata", ", ".join(f"{k}={_short(str(v))}" for k, v in sorted(s.index_metadata.items()))))
     _table([(f"  {k}", v) for k, v in rows], header=None)
     click.echo("  shards")
-    _table([(f"    {sh.file}", f"{sh.tensors:,}", format_size(sh.bytes)) for sh in s.shards],
-           header=("    file", "tensors", "size"), right=(1, 2))
+    if s.shared_bytes:  # a column only where copy-on-write clones exist
+        _table([(f"    {sh.file}", f"{sh.tensors:,}", format_size(sh.bytes), format_size(sh.shared_bytes or 0))
+                for sh in s.shards], header=("    file", "tensors", "size", "shared"), right=(1, 2, 3))
+    else:
+        _table([(f"    {sh.file}", f"{sh.tensors:,}", format_size(sh.bytes)) for sh in s.shards],
+               header=("    file", "tensors", "size"), right=(1, 2))
     _print_largest(s)
 
 
@@ -81,6 +99,13 @@ def _totals_rows(s: Any) -> list[tuple[str, str]]:
     return [("tensors", f"{s.tensor_count:,}"), ("parameters", f"{s.parameter_count:,} ({_human(s.parameter_count)})"),
             ("size", f"{format_size(s.total_bytes)} of tensors"), ("by dtype", by_dtype or "-"),
             ("memory as", memory)]
+
+
+def _shared_text(shared_bytes: int, file_bytes: int) -> str:
+    """Whether the weight files share disk blocks with other files (FIEMAP), e.g. the file they were split from."""
+    if not shared_bytes:
+        return "none (no copy-on-write clones)"
+    return f"{format_size(shared_bytes)} of {format_size(file_bytes)} (copy-on-write clones, e.g. of the source)"
 
 
 def _print_largest(s: Any) -> None:
