@@ -1,4 +1,4 @@
-"""The pure shard planner: greedy in key order, byte limits, naming."""
+"""The pure shard planner: greedy in key order, byte limits, the two oversized-tensor rules, naming."""
 
 from __future__ import annotations
 
@@ -26,15 +26,36 @@ def test_greedy_in_key_order() -> None:
                                 "model.safetensors.index.json"]
 
 
-def test_oversized_tensor_gets_its_own_shard_in_its_key_order_position() -> None:
+def test_oversized_tensor_gets_its_own_shard_and_the_open_shard_keeps_filling() -> None:
+    """The default rule is huggingface_hub's: the big tensor's shard is numbered when it is met."""
     plan = plan_shards([("a", 3), ("b", 3), ("huge", 50), ("c", 3), ("d", 3)], max_shard_bytes=10)
+    assert _groups(plan) == [["huge"], ["a", "b", "c"], ["d"]]
+    assert plan.shards[0].filename == "model-00001-of-00003.safetensors"
+    assert plan.shards[0].nbytes == 50
+    assert _groups(plan_shards([("a", 6), ("huge", 20), ("b", 3)], max_shard_bytes=10)) == [["huge"], ["a", "b"]]
+    # first and last positions too
+    assert _groups(plan_shards([("huge", 11), ("a", 1)], max_shard_bytes=10)) == [["huge"], ["a"]]
+    assert _groups(plan_shards([("a", 1), ("huge", 11)], max_shard_bytes=10)) == [["huge"], ["a"]]
+    assert _groups(plan_shards([("h1", 11), ("h2", 11)], max_shard_bytes=10)) == [["h1"], ["h2"]]
+    # a closed shard keeps its number ahead of a later oversized tensor
+    assert _groups(plan_shards([("a", 8), ("b", 8), ("huge", 11), ("c", 1)], max_shard_bytes=10)) == \
+        [["a"], ["huge"], ["b", "c"]]
+
+
+def test_sequential_rule_closes_the_open_shard_at_an_oversized_tensor() -> None:
+    """File sources: every shard is one run of the key (file) order."""
+    plan = plan_shards([("a", 3), ("b", 3), ("huge", 50), ("c", 3), ("d", 3)], max_shard_bytes=10,
+                       rule="sequential")
     assert _groups(plan) == [["a", "b"], ["huge"], ["c", "d"]]
     assert plan.shards[1].filename == "model-00002-of-00003.safetensors"
     assert plan.shards[1].nbytes == 50
-    # first and last positions too
-    assert _groups(plan_shards([("huge", 11), ("a", 1)], max_shard_bytes=10)) == [["huge"], ["a"]]
-    assert _groups(plan_shards([("a", 1), ("huge", 11)], max_shard_bytes=10)) == [["a"], ["huge"]]
-    assert _groups(plan_shards([("h1", 11), ("h2", 11)], max_shard_bytes=10)) == [["h1"], ["h2"]]
+    for items, expected in [
+        ([("huge", 11), ("a", 1)], [["huge"], ["a"]]),
+        ([("a", 1), ("huge", 11)], [["a"], ["huge"]]),
+        ([("h1", 11), ("h2", 11)], [["h1"], ["h2"]]),
+        ([("a", 6), ("huge", 20), ("b", 3)], [["a"], ["huge"], ["b"]]),
+    ]:
+        assert _groups(plan_shards(items, max_shard_bytes=10, rule="sequential")) == expected
 
 
 def test_exact_fit() -> None:
@@ -80,6 +101,8 @@ def test_bad_plans() -> None:
         plan_shards([("a", 1), ("a", 1)], max_shard_bytes=10)
     with pytest.raises(InvalidInputError, match="no tensors"):
         plan_shards([], max_shard_bytes=10)
+    with pytest.raises(InvalidInputError, match="unknown shard rule 'best_fit'"):
+        plan_shards([("a", 1)], max_shard_bytes=10, rule="best_fit")  # type: ignore[arg-type]
     for limit in (0, -1):
         with pytest.raises(InvalidInputError, match="positive"):
             plan_shards([("a", 1)], max_shard_bytes=limit)
@@ -130,35 +153,45 @@ sizes = st.lists(st.integers(min_value=0, max_value=200), min_size=1, max_size=6
 
 
 @settings(max_examples=300, deadline=None)
-@given(sizes=sizes, limit=st.integers(min_value=1, max_value=300))
-def test_plan_properties(sizes: list[int], limit: int) -> None:
+@given(sizes=sizes, limit=st.integers(min_value=1, max_value=300), rule=st.sampled_from(["huggingface_hub", "sequential"]))
+def test_plan_properties(sizes: list[int], limit: int, rule: str) -> None:
     items = [(f"t{i}", n) for i, n in enumerate(sizes)]
-    plan = plan_shards(items, max_shard_bytes=limit)
-    # key order is preserved across shards and every tensor is placed once
-    assert [n for s in plan.shards for n in s.names] == [name for name, _ in items]
+    plan = plan_shards(items, max_shard_bytes=limit, rule=rule)  # type: ignore[arg-type]
+    placed = [n for s in plan.shards for n in s.names]
+    assert sorted(placed) == sorted(name for name, _ in items), "every tensor is placed once"
     by_name = dict(items)
+    position = {name: i for i, (name, _) in enumerate(items)}
     for shard in plan.shards:
         assert shard.nbytes == sum(by_name[n] for n in shard.names)
         assert shard.names, "no empty shards"
         assert shard.nbytes <= limit or len(shard.names) == 1
-    # greedy: the first tensor of each next shard would not have fit
-    for prev, nxt in zip(plan.shards, plan.shards[1:]):
-        assert prev.nbytes + by_name[nxt.names[0]] > limit or prev.nbytes > limit
+        assert [position[n] for n in shard.names] == sorted(position[n] for n in shard.names)
+    # greedy: the first tensor of the next shard within the limit would not have fit; the hub rule
+    # skips over oversized shards, the sequential one starts afresh after each
+    normal = [s for s in plan.shards if s.nbytes <= limit]
+    pairs = zip(normal, normal[1:]) if rule == "huggingface_hub" else zip(plan.shards, plan.shards[1:])
+    for prev, nxt in pairs:
+        if prev.nbytes <= limit and nxt.nbytes <= limit:
+            assert prev.nbytes + by_name[nxt.names[0]] > limit
+    if rule == "sequential":
+        assert placed == [name for name, _ in items], "key order is preserved across shards"
     assert plan.total_bytes == sum(sizes)
     assert (plan.index_filename is None) == (len(plan.shards) == 1)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(sizes=st.lists(st.integers(min_value=0, max_value=100), min_size=1, max_size=60),
-       limit=st.integers(min_value=100, max_value=400))
-def test_plan_matches_huggingface_hub_when_no_tensor_is_oversized(sizes: list[int], limit: int) -> None:
-    """With every tensor within the limit, our plan is exactly huggingface_hub's."""
+       limit=st.integers(min_value=1, max_value=400))
+def test_plan_is_huggingface_hubs(sizes: list[int], limit: int) -> None:
+    """The default rule is exactly huggingface_hub's planner, oversized tensors included."""
     from huggingface_hub.serialization._base import split_state_dict_into_shards_factory
 
     items = {f"t{i}": n for i, n in enumerate(sizes)}
     hub = split_state_dict_into_shards_factory(items, get_storage_size=lambda n: n,
                                                filename_pattern="model{suffix}.safetensors", max_shard_size=limit)
     ours = plan_shards(list(items.items()), max_shard_bytes=limit)
+    assert {s.filename: list(s.names) for s in ours.shards} == hub.filename_to_tensors
+    assert [s.filename for s in ours.shards] == list(hub.filename_to_tensors)
     assert ours.weight_map() == hub.tensor_to_filename
     assert ours.total_bytes == hub.metadata["total_size"]
     assert (ours.index_filename is not None) == hub.is_sharded

@@ -334,8 +334,8 @@ def test_truncated_zip_pickle(tmp_path: Path) -> None:
 def test_memory_source_handles_views_and_non_contiguous_tensors() -> None:
     import torch
 
-    base = torch.randn(6, 8)
-    tensors = {"t": base.t(), "slice": base[2:4], "strided": base[:, ::2], "expand": torch.ones(3, 1).expand(3, 4)}
+    base, other = torch.randn(6, 8), torch.randn(6, 8)  # no name covers `other`: every view of it is written
+    tensors = {"t": base.t(), "slice": other[2:4], "strided": other[:, ::2], "expand": torch.ones(3, 1).expand(3, 4)}
     with MemorySource(tensors) as src:
         got = read_all(src)
     assert got == {k: tensor_bytes(v) for k, v in tensors.items()}
@@ -346,10 +346,11 @@ def test_tied_tensors_are_written_once_with_aliases() -> None:
 
     shared = torch.randn(4, 4)
     tensors = {"lm_head.weight": shared, "embed.weight": shared, "other": shared.clone(), "view": shared[1:]}
-    assert find_aliases(tensors) == {"lm_head.weight": "embed.weight"}
+    # as huggingface_hub: the first name covering the storage is kept, a view of part of it dropped
+    assert find_aliases(tensors) == {"lm_head.weight": "embed.weight", "view": "embed.weight"}
     with MemorySource(tensors) as src:
-        assert [e.name for e in src.entries()] == ["embed.weight", "other", "view"]
-        assert src.aliases() == {"lm_head.weight": "embed.weight"}
+        assert [e.name for e in src.entries()] == ["embed.weight", "other"]
+        assert src.aliases() == {"lm_head.weight": "embed.weight", "view": "embed.weight"}
     with MemorySource(tensors, dedupe=False) as src:
         assert len(src.entries()) == 4
 
@@ -393,7 +394,9 @@ def test_memory_source_refusals(bad: Any, fragment: str) -> None:
 def test_memory_source_round_trips_every_dtype(state_dict: dict) -> None:
     with MemorySource(state_dict) as src:
         assert read_all(src) == {k: tensor_bytes(v) for k, v in state_dict.items()}
-        assert [e.name for e in src.entries()] == list(state_dict)
+        # key order, except that empty tensors follow the first empty one (as huggingface_hub plans them)
+        assert [e.name for e in src.entries() if e.nbytes] == [k for k, v in state_dict.items() if v.numel()]
+        assert sorted(e.name for e in src.entries()) == sorted(state_dict)
 
 
 def test_save_sharded_moves_gpu_tensors_one_at_a_time_cpu_fallback(tmp_path: Path) -> None:

@@ -154,7 +154,7 @@ def plan_job(src: Source, *, options: WriteOptions, folder: str = "") -> ShardJo
     cast_to = options.cast_to
     writes = [tensor_write(e, cast_to) for e in src.entries()]
     plan = plan_shards([(w.out.name, w.out.nbytes) for w in writes], max_shard_bytes=options.max_shard_bytes,
-                       naming=naming)
+                       naming=naming, rule=src.shard_rule)
     warn_if_many_shards(len(plan.shards), max_shard_bytes=options.max_shard_bytes, total_bytes=plan.total_bytes)
     return ShardJob(src, writes, plan, folder)
 

@@ -26,6 +26,9 @@ class Source(abc.ABC):
     description: str = "source"
     naming: Naming = Naming()
     paths: tuple[str, ...] = ()
+    # How sharding.plan places a tensor over the shard limit: "sequential" keeps every shard one
+    # run of the file order; in-memory state dicts use "huggingface_hub" to match its plan.
+    shard_rule: str = "sequential"
 
     @abc.abstractmethod
     def entries(self) -> list[TensorEntry]:
