@@ -176,3 +176,45 @@ def test_shards_without_an_index_are_named_as_such(out, run_cli, command, tmp_pa
     line = assert_one_line_error(run_cli(*args), code=2, contains="shard file(s)")
     assert "no index file (model.safetensors.index.json)" in line
     assert "no .safetensors checkpoint" not in line
+
+
+# ------------------------------------------------------------------ one flag vocabulary (issue 14, item 16)
+
+def test_every_command_has_json_and_quiet(run_cli) -> None:
+    from shardkit.cli import cli
+
+    for name, command in cli.commands.items():
+        flags = {opt for p in command.params for opt in p.opts}
+        assert "--json" in flags, f"shardkit {name} has no --json"
+        assert "--quiet" in flags and "-q" in flags, f"shardkit {name} has no -q/--quiet"
+
+
+def test_info_quiet_is_one_line(run_cli, tmp_path) -> None:
+    from safetensors.torch import save_file
+    import torch
+
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(2)}, str(tmp_path / "m.safetensors"))
+    result = run_cli("info", tmp_path / "m.safetensors", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.count("\n") == 1 and "2 tensors, 14 parameters, 56 B" in result.stdout
+
+
+def test_merge_dry_run_checks_and_writes_nothing(run_cli, tmp_path) -> None:
+    from safetensors.torch import save_file
+    import torch
+
+    import shardkit
+
+    save_file({"a": torch.zeros(30), "b": torch.zeros(30)}, str(tmp_path / "m.safetensors"))
+    shardkit.split(tmp_path / "m.safetensors", tmp_path / "sh", max_shard_size="150B")
+    result = run_cli("merge", tmp_path / "sh", tmp_path / "merged.safetensors", "--dry-run")
+    assert result.exit_code == 0, result.stderr
+    assert "would merge 2 shard(s), 2 tensors" in result.stdout
+    assert not (tmp_path / "merged.safetensors").exists()
+    as_json = run_cli("merge", tmp_path / "sh", tmp_path / "m.safetensors", "--dry-run", "--json")
+    assert '"dry_run": true' in as_json.stdout and "the real run needs --overwrite" in as_json.stderr
+
+
+def test_exclude_help_says_what_it_matches(run_cli) -> None:
+    assert "whose name (as stored in SOURCE)" in " ".join(run_cli("convert", "--help").stdout.split())
+    assert "whose path inside PATH" in " ".join(run_cli("push", "--help").stdout.split())

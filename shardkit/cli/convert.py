@@ -55,8 +55,10 @@ Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers
 @click.option("--key", help="The nested dict holding the state dict, e.g. 'state_dict' (default: auto).")
 @click.option("--strip-prefix", help="Keep only tensors whose name starts with this, and remove it.")
 @click.option("--add-prefix", help="Prepend this to every tensor name.")
-@click.option("--include", multiple=True, metavar="GLOB", help="Keep only tensors matching (repeatable).")
-@click.option("--exclude", multiple=True, metavar="GLOB", help="Drop tensors matching (repeatable).")
+@click.option("--include", multiple=True, metavar="GLOB",
+              help="Keep only tensors whose name (as stored in SOURCE) matches (repeatable).")
+@click.option("--exclude", multiple=True, metavar="GLOB",
+              help="Drop tensors whose name (as stored in SOURCE) matches (repeatable).")
 @click.option("--rename", multiple=True, metavar="OLD=NEW", help="Replace a leading OLD with NEW (repeatable).")
 @click.option("--to", "to", type=click.Choice(["diffusers"]),
               help="Convert a single-file SD/SDXL/SD3/Flux checkpoint into a diffusers model folder.")

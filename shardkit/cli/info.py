@@ -46,10 +46,8 @@ def info(path: str, as_json: bool, quiet: bool) -> None:
 
 
 def _one_line(s: Any) -> str:
-    parts = [s.components and f"pipeline of {len(s.components)} components" or s.format]
-    if not s.components:
-        parts += [f"{s.tensor_count} tensors", f"{s.parameter_count:,} parameters"]
-    return f"{s.path}: " + ", ".join(parts) + f", {format_size(s.total_bytes)}"
+    kind = f"pipeline of {len(s.components)} components" if s.components else s.format
+    return f"{s.path}: {kind}, {s.tensor_count} tensors, {s.parameter_count:,} parameters, {format_size(s.total_bytes)}"
 
 
 def print_checkpoint(s: Any, *, title: str | None = None) -> None:

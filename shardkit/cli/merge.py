@@ -12,6 +12,7 @@ Examples:
   shardkit merge out/ model.safetensors
   shardkit merge out/model.safetensors.index.json merged.safetensors --overwrite
   shardkit merge my-pipeline/unet/ unet.safetensors
+  shardkit merge out/ model.safetensors --dry-run     # check the shards, write nothing
 
 \b
 Tensors keep their order (shard by shard) and the shards' metadata, so merging a split of a
@@ -24,18 +25,20 @@ output appears only when complete.
 @click.argument("folder", type=click.Path(path_type=str))
 @click.argument("output", type=click.Path(path_type=str))
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")
+@click.option("--dry-run", is_flag=True, help="Check the shards and print what would be merged; write nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
-def merge(folder: str, output: str, overwrite: bool, as_json: bool, quiet: bool) -> None:
+def merge(folder: str, output: str, overwrite: bool, dry_run: bool, as_json: bool, quiet: bool) -> None:
     """Merge the sharded safetensors checkpoint in FOLDER into one OUTPUT .safetensors file."""
     from ..sharding.merge import merge as merge_api
 
-    with byte_progress("merge", enabled=not (quiet or as_json)) as progress:
-        result = merge_api(folder, output, overwrite=overwrite, progress=progress)
+    with byte_progress("merge", enabled=not (quiet or as_json or dry_run)) as progress:
+        result = merge_api(folder, output, overwrite=overwrite, dry_run=dry_run, progress=progress)
     if as_json:
         echo_json(result.to_dict())
     elif not quiet:
-        click.echo(f"merged {result.shards} shard(s), {result.tensors} tensors, "
+        verb = "would merge" if result.dry_run else "merged"
+        click.echo(f"{verb} {result.shards} shard(s), {result.tensors} tensors, "
                    f"{format_size(result.total_bytes)} into {result.output}")
 
 

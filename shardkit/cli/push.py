@@ -38,8 +38,10 @@ Token: --token, else HF_TOKEN, else the stored `hf auth login`. Files over 50 GB
 @click.option("--path-in-repo", help="Folder in the repository to upload into (default: its root).")
 @click.option("--repo-type", type=click.Choice(["model", "dataset"]), default="model", show_default=True)
 @click.option("--token", help="Hugging Face token with write access (default: HF_TOKEN or the stored login).")
-@click.option("--include", multiple=True, help="Only push files matching this glob (repeatable).")
-@click.option("--exclude", multiple=True, help="Skip files matching this glob (repeatable).")
+@click.option("--include", multiple=True, metavar="GLOB",
+              help="Only push files whose path inside PATH matches, e.g. 'unet/*' (repeatable).")
+@click.option("--exclude", multiple=True, metavar="GLOB",
+              help="Skip files whose path inside PATH matches, e.g. '*.bin' (repeatable).")
 @click.option("--dry-run", is_flag=True, help="List what would be uploaded and what is already there; change nothing.")
 @click.option("--no-verify", "no_verify", is_flag=True, help="Push without verifying the checkpoint first.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")

@@ -3,7 +3,9 @@
 Tensors are written in shard-number order and, inside each shard, in file order; the shards'
 metadata is carried over. Since a shardkit split keeps the source's tensor order and metadata,
 merging a split of a file that shardkit wrote gives back that file byte for byte. The bytes are
-copied kernel-side (``copy_file_range``), so memory stays flat whatever the checkpoint's size.
+copied kernel-side (``copy_file_range``), so memory stays flat whatever the checkpoint's size;
+on copy-on-write filesystems (XFS, btrfs) shards that shardkit wrote are cloned, not copied
+(their header padding keeps every tensor at its source's offset inside a block).
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..atomic.commit import atomic_output_file, publish_file, recover
+from ..atomic.commit import file_transaction, recover
 from ..errors import InvalidInputError, OutputExistsError
 from ..formats.header import Header, read_header
 from ..formats.index import find_checkpoint, load_index, naming_from_filename
 from ..sources.safetensors import SafetensorsSource, check_index_against_headers
+from .options import warn
 from .writer import ByteCounter, tensor_write, write_safetensors
 
 _SHARD_NUMBER = re.compile(r"-(\d{5})-of-(\d{5})\.safetensors$")
@@ -32,14 +35,17 @@ class MergeResult:
     shards: int
     tensors: int
     total_bytes: int
+    cloned_bytes: int = 0  # tensor bytes that share extents with the shards (copy-on-write), not copied
+    dry_run: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"output": self.output, "source": self.source, "shards": self.shards, "tensors": self.tensors,
-                "total_bytes": self.total_bytes}
+        return {"output": self.output, "source": self.source, "dry_run": self.dry_run, "shards": self.shards,
+                "tensors": self.tensors, "total_bytes": self.total_bytes, "cloned_bytes": self.cloned_bytes,
+                "copied_bytes": self.total_bytes - self.cloned_bytes}
 
 
 def merge(folder: str | os.PathLike[str], output_file: str | os.PathLike[str], *, overwrite: bool = False,
-          progress: Callable[[int, int], None] | None = None) -> MergeResult:
+          dry_run: bool = False, progress: Callable[[int, int], None] | None = None) -> MergeResult:
     """Merge a sharded safetensors folder (or its index file) into one ``.safetensors`` file.
 
     Args:
@@ -47,6 +53,7 @@ def merge(folder: str | os.PathLike[str], output_file: str | os.PathLike[str], *
             one ``.safetensors`` file (a pipeline folder is refused: merge one component).
         output_file: the merged file; must end in ``.safetensors`` and not be one of the shards.
         overwrite: replace ``output_file`` if it exists.
+        dry_run: check the shards and say what would be merged; write nothing.
         progress: called as ``progress(done_bytes, total_bytes)`` while bytes are copied.
 
     Returns:
@@ -64,17 +71,17 @@ def merge(folder: str | os.PathLike[str], output_file: str | os.PathLike[str], *
         _refuse_overlap(source, folder, output_file)
         writes = [tensor_write(e, None) for e in source.entries()]
         total = sum(w.out.nbytes for w in writes)
-        tmp = atomic_output_file(output_file, overwrite=overwrite)
-        tick = ByteCounter(total, progress)
-        try:
-            write_safetensors(tmp, writes, source, metadata=source.metadata(), progress=tick)
-            publish_file(tmp, output_file)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
+        if dry_run:
+            if os.path.exists(output_file) and not overwrite:
+                warn(f"{output_file} exists: the real run needs --overwrite")
+            return MergeResult(output_file, source.description, len(source.headers), len(writes), total, dry_run=True)
+        with file_transaction(output_file, overwrite=overwrite) as tmp:
+            written = write_safetensors(tmp, writes, source, metadata=source.metadata(),
+                                        progress=ByteCounter(total, progress))
     finally:
         source.close()
-    return MergeResult(output_file, source.description, len(source.headers), len(writes), total)
+    return MergeResult(output_file, source.description, len(source.headers), len(writes), total,
+                       written.cloned_bytes)
 
 
 def _open_sharded(path: str) -> SafetensorsSource:
@@ -119,9 +126,3 @@ def _refuse_overlap(source: SafetensorsSource, folder: str, output_file: str) ->
         if os.path.realpath(path) == target:
             raise OutputExistsError(f"{output_file} is a shard of {folder}; write the merged file somewhere else")
 
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
