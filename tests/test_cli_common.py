@@ -3,6 +3,7 @@ global flags anywhere on the line, a bare `shardkit`, and a reader that leaves a
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -68,3 +69,28 @@ def test_a_reader_that_leaves_the_pipe_early_is_not_an_error(tmp_path: Path) -> 
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err.decode()
     assert err.decode() == ""
+
+
+def test_top_level_help_gives_each_command_a_whole_one_line_summary() -> None:
+    """No '...' cut in the command list, and no summary wrapped onto a second line (issue 14, item 17)."""
+    import subprocess
+
+    from conftest import SHARDKIT_BIN
+
+    out = subprocess.run([SHARDKIT_BIN, "--help"], capture_output=True, text=True, env={**os.environ, "COLUMNS": "80"},
+                         check=True).stdout
+    commands = out.split("Commands:\n", 1)[1].splitlines()
+    assert commands and all(line.startswith("  ") and not line.startswith("   ") for line in commands), out
+    assert "..." not in "\n".join(commands) and "…" not in "\n".join(commands)
+    from shardkit.cli import cli
+
+    assert len(commands) == len(cli.commands)
+
+
+def test_max_shard_size_help_says_bytes() -> None:
+    from click.testing import CliRunner
+
+    from shardkit.cli import cli
+
+    text = " ".join(CliRunner().invoke(cli, ["split", "--help"]).output.split())
+    assert "5GB = 5×10^9 bytes" in text and "units" not in text

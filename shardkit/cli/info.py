@@ -26,7 +26,7 @@ Sizes are decimal (1 GB = 10^9 bytes).
 """
 
 
-@click.command(epilog=EPILOG)
+@click.command(epilog=EPILOG, short_help="Show what a checkpoint holds: tensors, dtypes, shards, metadata.")
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="Print one line: format, tensors, parameters, bytes.")

@@ -21,7 +21,7 @@ output appears only when complete.
 """
 
 
-@click.command(epilog=EPILOG)
+@click.command(epilog=EPILOG, short_help="Merge a sharded checkpoint into one .safetensors file.")
 @click.argument("folder", type=click.Path(path_type=str))
 @click.argument("output", type=click.Path(path_type=str))
 @click.option("--overwrite", is_flag=True, help="Replace OUTPUT if it exists.")

@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import click
 
 from ..errors import InvalidInputError
-from .common import SIZE, echo_json
+from ..units import format_size
+from .common import echo_json
+from .fit import COMPUTE_DTYPE, budget_options, output_options
 
 EPILOG = """\b
 Examples:
   shardkit plan --model diffusers:FluxTransformer2DModel --config flux/config.json \\
       --max-memory 0=16GB,1=16GB,cpu=64GB --dtype bf16
   shardkit plan out/ --model diffusers:UNet2DConditionModel --max-memory 0=8GB,cpu=16GB --json
-  shardkit plan flux/transformer --model diffusers:FluxTransformer2DModel --gpu 16GB --strategies
+  shardkit plan flux/transformer --model diffusers:FluxTransformer2DModel --gpu 16GB --cpu 64GB --strategies
 
 \b
-The model is built on the meta device: no weights and no GPU are needed, and --max-memory may
-name GPUs this machine does not have. With CHECKPOINT, dtypes and sizes come from its headers
+The model is built on the meta device: no weights and no GPU are needed, and the budget may
+name GPUs this machine does not have. --gpu/--cpu and --max-memory are two spellings of one
+budget (--gpu 16GB --gpu 16GB --cpu 64GB is --max-memory 0=16GB,1=16GB,cpu=64GB); they may be
+mixed, but not give one device two sizes. --dtype takes bf16, fp16 or fp32 (the lossless subset
+of split/convert's --dtype). With CHECKPOINT, dtypes and sizes come from its headers
 and its keys are checked against the model; without it, from --dtype (else the class default).
 --config defaults to CHECKPOINT/config.json. Sizes: GB = 10^9 bytes, GiB = 2^30 bytes.
 --device-map strategies are accelerate's: auto and balanced spread evenly over the GPUs,
@@ -27,44 +33,66 @@ CPU, then disk.
 """
 
 
-@click.command(epilog=EPILOG)
+@click.command(epilog=EPILOG, short_help="Show where a model's modules go for a memory budget (device map).")
 @click.argument("checkpoint", required=False, type=click.Path(path_type=str))
 @click.option("--model", "model_spec", required=True,
               help="Model class: diffusers:ClassName, transformers:ClassName or package.module:Name.")
 @click.option("--config", "config_path", type=click.Path(path_type=str),
               help="config.json (or its folder); default CHECKPOINT/config.json.")
-@click.option("--max-memory", "max_memory", help="Per-device budget, e.g. 0=16GB,1=16GB,cpu=64GB.")
-@click.option("--dtype", help="Load dtype: bf16, fp16, fp32 (default: the checkpoint's, else the class default).")
+@budget_options
+@click.option("--dtype", type=COMPUTE_DTYPE, help="Load dtype (default: the checkpoint's, else the class default).")
 @click.option("--device-map", "device_map", default="auto", show_default=True,
               type=click.Choice(["auto", "balanced", "balanced_low_0", "sequential"]), help="Placement strategy.")
-@click.option("--strategies", is_flag=True, help="Also estimate the peak GPU memory of each offload strategy.")
-@click.option("--gpu", "gpu_bytes", type=SIZE, help="GPU size for --strategies, e.g. 16GB.")
-@click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-def plan(checkpoint: str | None, model_spec: str, config_path: str | None, max_memory: str | None, dtype: str | None,
-         device_map: str, strategies: bool, gpu_bytes: int | None, as_json: bool) -> None:
-    """Show the device map MODEL would get for --max-memory, optionally for CHECKPOINT's weights."""
-    if max_memory is None and not strategies:
-        raise InvalidInputError("give --max-memory (e.g. 0=16GB,cpu=64GB), --strategies, or both")
+@click.option("--strategies", is_flag=True,
+              help="Also estimate the peak GPU memory of each offload strategy (against the largest GPU budget).")
+@output_options
+def plan(checkpoint: str | None, model_spec: str, config_path: str | None, gpus: tuple[int, ...], cpu: int | None,
+         max_memory: str | None, dtype: str | None, device_map: str, strategies: bool, as_json: bool,
+         quiet: bool) -> None:
+    """Show the device map MODEL would get for a memory budget, optionally for CHECKPOINT's weights."""
+    from ..devices import gpu_and_cpu_bytes, merge_budgets
+
+    budget = merge_budgets(max_memory, gpu_bytes=gpus, cpu_bytes=cpu)
+    if budget is None and not strategies:
+        raise InvalidInputError("give a budget (--max-memory 0=16GB,cpu=64GB, or --gpu 16GB --cpu 64GB), "
+                                "--strategies, or both")
     config = config_path
     if config is None and checkpoint is not None and os.path.isfile(os.path.join(checkpoint, "config.json")):
         config = os.path.join(checkpoint, "config.json")
     output: dict = {}
-    if max_memory is not None:
-        from ..loading.device_map import parse_max_memory, plan_device_map
+    lines: list[str] = []
+    if budget is not None:
+        from ..loading.device_map import plan_device_map
 
-        result = plan_device_map(model_spec, config=config, checkpoint=checkpoint, max_memory=parse_max_memory(max_memory),
+        result = plan_device_map(model_spec, config=config, checkpoint=checkpoint, max_memory=budget,
                                  dtype=dtype, device_map=device_map)
         output.update(result.to_dict())
-        if not as_json:
-            click.echo(result.table())
+        lines.append(_placement_line(result) if quiet else result.table())
     if strategies:
+        gpu_bytes = max(gpu_and_cpu_bytes({d: b for d, b in (budget or {}).items() if d != "disk"})[0], default=None)
         estimate = _estimate(model_spec, config=config, checkpoint=checkpoint, dtype=dtype, gpu_bytes=gpu_bytes)
         output.setdefault("model", model_spec)
         output["strategies"] = estimate.to_dict()
-        if not as_json:
-            click.echo(("\n" if max_memory is not None else "") + estimate.table())
+        lines.append(_strategy_line(estimate) if quiet else estimate.table())
     if as_json:
         echo_json(output)
+    elif any(lines):
+        click.echo(("\n" if quiet else "\n\n").join(line for line in lines if line))
+
+
+def _placement_line(result: Any) -> str:
+    """The quiet summary of a device map: bytes placed per device."""
+    from ..devices import device_label
+
+    return ", ".join(f"{device_label(d)} {format_size(result.device_bytes.get(d, 0))}" for d in result.devices())
+
+
+def _strategy_line(estimate: Any) -> str:
+    """The quiet summary of --strategies: the fastest strategy that fits, if a GPU budget was given."""
+    if estimate.gpu_bytes is None:
+        return ""
+    fitting = estimate.fitting()
+    return f"fastest that fits: {fitting[0].spec.name}" if fitting else "no strategy fits"
 
 
 def _estimate(model_spec: str, *, config: str | None, checkpoint: str | None, dtype: str | None,

@@ -28,7 +28,7 @@ Token: --token, else HF_TOKEN, else the stored `hf auth login`. Files over 50 GB
 """
 
 
-@click.command(epilog=EPILOG)
+@click.command(epilog=EPILOG, short_help="Upload a checkpoint to the Hub, sending only what changed.")
 @click.argument("path", type=click.Path(path_type=str))
 @click.argument("repo_id")
 @click.option("--private", is_flag=True, help="Create the repository as private (if it does not exist).")

@@ -19,7 +19,7 @@ for read-only tools (or a read-only mount) that found a folder mid-commit.
 """
 
 
-@click.command(epilog=EPILOG)
+@click.command(epilog=EPILOG, short_help="Finish interrupted writes and remove stale temporary files.")
 @click.argument("folders", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print what was rolled forward and removed, as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing; the exit code tells.")

@@ -27,7 +27,7 @@ Tied tensors of in-memory sources are written once; aliases go into the shard me
 """
 
 
-@click.command(epilog=EPILOG)
+@click.command(epilog=EPILOG, short_help="Stream a checkpoint into size-bounded safetensors shards.")
 @click.argument("source", type=click.Path(path_type=str))
 @click.argument("output", type=click.Path(path_type=str))
 @shard_options("max-shard-size", "dtype", "allow-lossy", "name", "variant")

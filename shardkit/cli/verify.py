@@ -26,7 +26,7 @@ Exit codes: 0 clean, 1 any finding, 2 bad input.
 """
 
 
-@click.command(epilog=EPILOG)
+@click.command(epilog=EPILOG, short_help="Check a checkpoint's structure and data, byte for byte.")
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--against", "against", type=click.Path(path_type=str),
               help="Compare every tensor with this source (.safetensors, sharded folder, index, pickle; "
