@@ -48,7 +48,7 @@ Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers
 """
 
 
-@click.command(epilog=EPILOG, short_help="Convert pickles, DCP, single-file SD... into safetensors shards.")
+@click.command(epilog=EPILOG, short_help="Convert pickles, DCP or single-file SD into safetensors shards.")
 @click.argument("source", type=click.Path(path_type=str))
 @click.argument("output", type=click.Path(path_type=str))
 @shard_options("max-shard-size", "dtype", "allow-lossy")
