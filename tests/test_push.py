@@ -308,3 +308,22 @@ def test_split_push_to_an_invalid_repo_id_writes_nothing(hub, tmp_path):
     proc = run_shardkit(hub_env(hub, tmp_path / "home"), "split", source, tmp_path / "out", "--push-to", "a/b/c")
     assert "not a valid Hub repository id" in one_error_line(proc)
     assert not (tmp_path / "out").exists()
+
+
+def test_push_dry_run_offline_shows_the_local_plan(tmp_path):
+    """No Hub reachable: a dry run lists what it would send instead of failing (issue 14, item 18)."""
+    _, folder = make_checkpoint(tmp_path)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGING_FACE"))}
+    env.update(HF_ENDPOINT=f"http://127.0.0.1:{port}", HF_HOME=str(tmp_path / "home"), HF_TOKEN="hf_x",
+               HF_HUB_ETAG_TIMEOUT="2", HF_HUB_DOWNLOAD_TIMEOUT="2")
+    proc = run_shardkit(env, "push", folder, REPO, "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    files = len(os.listdir(folder))
+    assert "dry run without the Hub" in proc.stdout and f"would upload at most {files} file(s)" in proc.stdout
+    as_json = json.loads(run_shardkit(env, "push", folder, REPO, "--dry-run", "--json").stdout)
+    assert "not reachable" in as_json["offline"] and len(as_json["uploaded"]) == files
+    real = run_shardkit(env, "push", folder, REPO)
+    assert real.returncode == 2 and "network failure" in real.stderr

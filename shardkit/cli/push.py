@@ -42,7 +42,9 @@ Token: --token, else HF_TOKEN, else the stored `hf auth login`. Files over 50 GB
               help="Only push files whose path inside PATH matches, e.g. 'unet/*' (repeatable).")
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="Skip files whose path inside PATH matches, e.g. '*.bin' (repeatable).")
-@click.option("--dry-run", is_flag=True, help="List what would be uploaded and what is already there; change nothing.")
+@click.option("--dry-run", is_flag=True,
+              help="List what would be uploaded and what is already there; change nothing. Asks the Hub what it has; "
+                   "offline, lists every file as an upload.")
 @click.option("--no-verify", "no_verify", is_flag=True, help="Push without verifying the checkpoint first.")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the commit URL.")
@@ -87,6 +89,11 @@ def print_summary(result: Any) -> None:
             click.echo(f"  unchanged  {path}")
         for path in result.deleted:
             click.echo(f"  delete     {path}")
+        if result.offline:
+            click.echo(f"dry run without the Hub ({result.offline}): would upload at most {len(result.uploaded)} "
+                       f"file(s) ({format_size(result.uploaded_bytes)}); files already on {target} are skipped by "
+                       "the real push")
+            return
         creates = [w for w, flag in (("repository", result.created_repo), ("branch", result.created_branch)) if flag]
         extra = f"; would create the {' and '.join(creates)}" if creates else ""
         click.echo(f"dry run: would upload {len(result.uploaded)} file(s) ({format_size(result.uploaded_bytes)}), "

@@ -59,6 +59,7 @@ class PushResult:
     dry_run: bool = False
     created_repo: bool = False
     created_branch: bool = False
+    offline: str | None = None  # a dry run that could not reach the Hub: why (every file is listed as an upload)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -85,10 +86,26 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
         verify_folder(path)
     if create_pr and revision is not None and revision.startswith("refs/pr/"):
         raise InvalidInputError(f"--revision {revision} is a pull request already; push to it without --create-pr")
-    with hub_errors(repo_id, revision or "main"):
-        return _Pusher(repo_id, repo_type=repo_type, token=token, revision=revision, create_pr=create_pr,
-                       private=private, dry_run=dry_run).run(files, prefix=clean_prefix(path_in_repo),
-                                                             message=message, progress=progress)
+    try:
+        with hub_errors(repo_id, revision or "main"):
+            return _Pusher(repo_id, repo_type=repo_type, token=token, revision=revision, create_pr=create_pr,
+                           private=private, dry_run=dry_run).run(files, prefix=clean_prefix(path_in_repo),
+                                                                 message=message, progress=progress)
+    except HubError as e:
+        if not (dry_run and _is_network_failure(e)):
+            raise
+        # Offline, a dry run still shows the local half of the plan: what would be sent.
+        from huggingface_hub import constants
+
+        return PushResult(repo_id, repo_type, revision or "main", "", dry_run=True,
+                          offline=f"{constants.ENDPOINT} not reachable",
+                          uploaded=[f.path_in_repo for f in files], uploaded_bytes=sum(f.size_bytes for f in files))
+
+
+def _is_network_failure(error: BaseException) -> bool:
+    from huggingface_hub.utils import httpx
+
+    return any(isinstance(e, (httpx.TransportError, ConnectionError, TimeoutError)) for e in _chain(error))
 
 
 def check_repo_id(repo_id: str) -> None:
