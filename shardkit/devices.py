@@ -13,7 +13,7 @@ import re
 from typing import Any, Mapping
 
 from .errors import InvalidInputError
-from .units import parse_size
+from .units import format_size, parse_size
 
 Device = Any  # int (accelerator index), "cpu", "disk", "mps"
 NAMED_DEVICES = ("cpu", "disk", "mps")
@@ -89,6 +89,41 @@ def _pairs(value: str | Mapping[Any, Any]) -> list[tuple[Any, Any]]:
     if not pairs:
         raise InvalidInputError(f"unparseable max memory {value!r}: give at least one DEVICE=SIZE pair, e.g. '0=16GB'")
     return pairs
+
+
+def merge_budgets(max_memory: str | Mapping[Any, Any] | None, *, gpu_bytes: tuple[int, ...] | list[int] = (),
+                  cpu_bytes: int | None = None) -> dict[Device, int] | None:
+    """One budget from its two spellings: ``max_memory`` and per-GPU/CPU sizes (``--gpu``/``--cpu``).
+
+    Args:
+        max_memory: as for :func:`parse_max_memory`.
+        gpu_bytes: GPU budgets in bytes, GPU 0 first.
+        cpu_bytes: the CPU budget in bytes.
+
+    Returns:
+        The merged ``{device: bytes}``, or ``None`` when neither spelling gave anything.
+
+    Raises:
+        InvalidInputError: both spellings give the same device different sizes.
+
+    >>> merge_budgets("cpu=2GB", gpu_bytes=[10**9])
+    {'cpu': 2000000000, 0: 1000000000}
+    """
+    merged = dict(parse_max_memory(max_memory) or {})
+    flags: dict[Device, int] = dict(enumerate(gpu_bytes))
+    if cpu_bytes is not None:
+        flags["cpu"] = cpu_bytes
+    for device, size_bytes in flags.items():
+        if device in merged and merged[device] != size_bytes:
+            a, b = format_size(merged[device]), format_size(size_bytes)
+            a, b = (a, b) if a != b else (f"{merged[device]} B", f"{size_bytes} B")
+            flag = "the CPU budget (--cpu)" if device == "cpu" else f"GPU budget number {device + 1} (--gpu)"
+            raise InvalidInputError(
+                f"the budget for {device_label(device)} is given twice with different sizes: {a} in max memory "
+                f"(--max-memory) and {b} as {flag}; give it once"
+            )
+        merged[device] = size_bytes
+    return merged or None
 
 
 def gpu_and_cpu_bytes(max_memory: dict[Device, int]) -> tuple[tuple[int, ...], int | None]:

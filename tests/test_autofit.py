@@ -95,8 +95,8 @@ def test_impossible_cpu_budget_says_both_budgets() -> None:
     # Either a bigger GPU with the same RAM, or the smallest GPU with the RAM offloading needs
     # (offloaded weights live in CPU RAM).
     message = str(info.value)
-    assert "--gpu 5.30 GB (all on one GPU" in message
-    assert ", or --gpu 1.10 GB --cpu 6.20 GB (group offload, leaf" in message
+    assert "--gpu 5.30GB (all on one GPU" in message
+    assert ", or --gpu 1.10GB --cpu 6.20GB (group offload, leaf" in message
     assert info.value.min_gpu_bytes == int(5.3 * GB) and info.value.min_cpu_bytes == 0
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 
 import pytest
 
@@ -30,12 +32,12 @@ def budget_holding(folder, name: str, gpus: int = 1) -> str:
     margin = Margin(0.1, 1)
     roomy = fit(folder, gpu=["10GB"] * gpus, margin=margin)
     peak = max(next(c for c in roomy.candidates if c.name == name).peaks.gpu)
-    return str(margin.budget_for(int(peak), gpu=True))
+    return f"{margin.budget_for(int(peak), gpu=True)}B"
 
 
 def test_fit_json_ranks_every_candidate(folder) -> None:
     gpu = budget_holding(folder, "model_offload+fp8")
-    code, out, _ = run("fit", str(folder), "--gpu", gpu, "--cpu", "1GB", "--reserve", "1", "--json")
+    code, out, _ = run("fit", str(folder), "--gpu", gpu, "--cpu", "1GB", "--reserve", "1B", "--json")
     assert code == 0
     data = json.loads(out)
     assert data["chosen"]["name"] == "model_offload+fp8"
@@ -52,9 +54,10 @@ def test_fit_json_ranks_every_candidate(folder) -> None:
 
 def test_fit_table_for_two_gpus(folder) -> None:
     gpu = budget_holding(folder, "balanced", gpus=2)
-    code, out, _ = run("fit", str(folder), "--gpu", gpu, "--gpu", gpu, "--reserve", "1", "--height", "32")
+    code, out, _ = run("fit", str(folder), "--gpu", gpu, "--gpu", gpu, "--reserve", "1B", "--height", "32")
     assert code == 0
-    header = out.splitlines()[0]
+    workload, header = out.splitlines()[:2]
+    assert workload.startswith("workload: 32x") and "batch 1" in workload
     assert "cuda:0" in header and "cuda:1" in header and "fits" in header
     chosen = next(line for line in out.splitlines() if line.startswith("->"))
     assert "components balanced across GPUs" in chosen and chosen.rstrip().endswith("yes")
@@ -62,7 +65,7 @@ def test_fit_table_for_two_gpus(folder) -> None:
 
 
 def test_impossible_budget_exits_2_with_the_smallest_budget(folder) -> None:
-    code, out, err = run("fit", str(folder), "--gpu", "1MB", "--cpu", "1GB", "--reserve", "1")
+    code, out, err = run("fit", str(folder), "--gpu", "1MB", "--cpu", "1GB", "--reserve", "1B")
     assert code == 2 and out == ""
     assert err.startswith("error: no setup fits the budget") and "smallest budget that would fit is --gpu" in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -82,3 +85,93 @@ def test_missing_folder_and_no_budget(tmp_path) -> None:
     assert code == 2 and "no such folder" in err
     code, _, err = run("fit", str(tmp_path), "--gpu", "1GB")
     assert code == 2 and err.startswith("error:")
+
+
+@pytest.mark.parametrize("budget", [["--gpu", "1MB"], ["--gpu", "1MB", "--cpu", "1MB"], ["--cpu", "1MB"],
+                                    ["--max-memory", "0=1MB,1=1MB,cpu=1GB"]])
+def test_the_smallest_budget_is_printed_as_flags_that_fit(folder, budget) -> None:
+    """Rounded up and pasteable: rerunning with exactly the printed flags exits 0 (issue 14, item 6)."""
+    code, _, err = run("fit", str(folder), *budget)
+    assert code == 2
+    first = re.search(r"the smallest budget that would fit is ((?:--(?:gpu|cpu) \S+ ?)+)", err)
+    assert first, err
+    flags = first.group(1).split()
+    assert all(re.fullmatch(r"\d+(\.\d\d)?[KMGT]?B", value) for value in flags[1::2]), flags
+    kept = [] if "--max-memory" in budget else [a for i, a in enumerate(budget)
+                                                if a == "--cpu" or (i and budget[i - 1] == "--cpu")]
+    if "--cpu" in flags:
+        kept = []
+    code, out, err = run("fit", str(folder), *flags, *kept, "-q")
+    assert code == 0, err
+    assert out.strip() and len(out.splitlines()) == 1
+
+
+def test_the_printed_flag_is_the_smallest_at_its_precision(folder) -> None:
+    code, _, err = run("fit", str(folder), "--gpu", "1MB", "--cpu", "1GB", "--reserve", "1B")
+    value = re.search(r"--gpu (\d+\.\d\d)MB", err)
+    assert code == 2 and value, err
+    lower = f"{float(value.group(1)) - 0.01:.2f}MB"
+    code, _, err = run("fit", str(folder), "--gpu", lower, "--cpu", "1GB", "--reserve", "1B")
+    assert code == 2 and f"--gpu {value.group(1)}MB" in err
+
+
+def test_max_memory_is_the_same_budget_as_gpu_and_cpu(folder) -> None:
+    gpu = budget_holding(folder, "model_offload+fp8")
+    _, by_flags, _ = run("fit", str(folder), "--gpu", gpu, "--cpu", "1GB", "--reserve", "1B", "--json")
+    _, by_map, _ = run("fit", str(folder), "--max-memory", f"0={gpu},cpu=1GB", "--reserve", "1B", "--json")
+    _, mixed, _ = run("fit", str(folder), "--max-memory", "cpu=1GB", "--gpu", gpu, "--reserve", "1B", "--json")
+    assert json.loads(by_flags) == json.loads(by_map) == json.loads(mixed)
+    code, _, err = run("fit", str(folder), "--max-memory", "0=2GB", "--gpu", "1GB")
+    assert code == 2 and "GPU 0 is given twice" in err and len(err.strip().splitlines()) == 1
+
+
+def test_dtype_takes_the_compute_subset_of_the_shard_dtypes(folder) -> None:
+    from shardkit.cli.common import _SHARD_OPTIONS
+    from shardkit.cli.fit import COMPUTE_DTYPES
+
+    shard_choices = _SHARD_OPTIONS["dtype"](lambda: None).__click_params__[0].type.choices
+    assert set(COMPUTE_DTYPES) <= set(shard_choices)
+    base = ["fit", str(folder), "--gpu", "10GB", "--json"]
+    assert json.loads(run(*base, "--dtype", "bf16")[1]) == json.loads(run(*base, "--dtype", "bfloat16")[1])
+    code, _, err = run(*base, "--dtype", "fp8_e4m3")
+    assert code == 2 and "not a compute dtype" in err and "bf16, fp16, fp32" in err
+
+
+def test_exclude_names_strategies_and_refuses_anything_else(folder) -> None:
+    from shardkit.fitting.peaks import STRATEGIES
+
+    _, help_text, _ = run("fit", "--help")
+    flat = " ".join(help_text.split())
+    assert all(s.name.split("_")[0] in flat for s in STRATEGIES) and "strategy name starts with" in flat
+    code, out, _ = run("fit", str(folder), "--gpu", "10GB", "--exclude", "gpu", "--exclude", "fp8", "-q")
+    assert code == 0 and out.strip() == "balanced" or out.strip() not in ("gpu", "gpu+fp8"), out
+    code, _, err = run("fit", str(folder), "--gpu", "10GB", "--exclude", "unet")
+    assert code == 2 and "matches no setup" in err
+
+
+def test_quiet_prints_the_chosen_setup_only(folder) -> None:
+    code, out, err = run("fit", str(folder), "--gpu", "10GB", "-q")
+    assert code == 0 and out == "gpu\n" and err == ""
+
+
+def test_guessed_components_are_named_on_stderr_and_in_json(folder, tmp_path) -> None:
+    """A UNet folder without config.json: guessed from its tensors, said so (issue 14, item 7)."""
+    unet = tmp_path / "med-unet"
+    shutil.copytree(folder / "unet", unet)
+    base = ["fit", str(folder / "unet"), "--gpu", "10GB", "--json", "--height", "256", "--width", "256"]
+    with_config = json.loads(run(*base)[1])
+    (unet / "config.json").unlink()
+    code, out, err = run("fit", unet, *base[2:])
+    assert code == 0
+    warning = [line for line in err.splitlines() if line.startswith("warning: med-unet: no config.json")]
+    assert len(warning) == 1 and "UNet" in warning[0] and "block_out_channels" in warning[0], err
+    doc = json.loads(out)
+    guessed = doc["components"][0]
+    assert guessed["role"] == "denoiser" and guessed["guessed"] and doc["guessed"][0].startswith("med-unet: ")
+    # The shapes give back what the config said, so the all-on-one-GPU peak (weights + plain
+    # activations) is the same; without a config the role alone would have priced it as a text encoder.
+    assert not with_config["guessed"] and not with_config["components"][0]["guessed"]
+    peaks = [next(c["peak_bytes"] for c in d["candidates"] if c["name"] == "gpu") for d in (doc, with_config)]
+    assert peaks[0] == peaks[1]
+    code, out, err = run("fit", unet, "--gpu", "10GB")
+    assert code == 0 and out.startswith("workload: 1024x1024, batch 1") and "guessed: med-unet" in out

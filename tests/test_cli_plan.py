@@ -62,6 +62,9 @@ def test_strategies_table(run_cli, tmp_path) -> None:
     (["--max-memory", "0=16XB"], "invalid max memory"),
     (["--max-memory", "tpu=1GB"], "unknown device"),
     ([], "--max-memory"),
+    (["--max-memory", "0=16GB", "--gpu", "8GB"], "GPU 0 is given twice"),
+    (["--max-memory", "cpu=16GB", "--cpu", "8GB"], "CPU is given twice"),
+    (["--gpu", "8GB", "--dtype", "fp8_e4m3"], "not a compute dtype"),
 ])
 def test_bad_options_are_one_line_errors(run_cli, flux_config, args, needle) -> None:
     result = run_cli("plan", "--model", "diffusers:FluxTransformer2DModel", "--config", flux_config, *args)
@@ -109,3 +112,29 @@ def test_strategies_json_gives_every_byte_count_as_an_integer(run_cli, tmp_path)
 
     counts = dict(byte_counts(json.loads(result.stdout)))
     assert counts and all(isinstance(v, int) for v in counts.values() if v is not None), counts
+
+
+def test_gpu_and_cpu_flags_are_the_max_memory_budget(run_cli, flux_config) -> None:
+    """--gpu/--cpu and --max-memory are two spellings of one budget; mixing them is fine if they agree."""
+    base = ["plan", "--model", "diffusers:FluxTransformer2DModel", "--config", flux_config, "--json"]
+    docs = [json.loads(run_cli(*base, *budget).stdout) for budget in (
+        ["--max-memory", "0=8GB,1=8GB,cpu=64GB", "--dtype", "bf16"],
+        ["--gpu", "8GB", "--gpu", "8GB", "--cpu", "64GB", "--dtype", "bfloat16"],
+        ["--max-memory", "cpu=64GB", "--gpu", "8GB", "--gpu", "8GB", "--dtype", "BF16"],
+        ["--max-memory", "0=8GB,1=8GB,cpu=64GB", "--gpu", "8GB", "--dtype", "bf16"],
+    )]
+    assert all(doc == docs[0] for doc in docs[1:])
+    assert [d["max_memory_bytes"] for d in docs[0]["devices"]] == [8 * 10**9, 8 * 10**9, 64 * 10**9]
+
+
+def test_quiet_prints_one_line_per_result(run_cli, tmp_path) -> None:
+    folder = save_model(tiny_unet(), tmp_path / "unet")
+    result = run_cli("plan", folder, "--model", "diffusers:UNet2DConditionModel", "--gpu", "10KB", "--cpu", "1GB",
+                     "--strategies", "-q")
+    assert result.exit_code == 0, result.stderr
+    placement, strategies = result.stdout.splitlines()
+    assert placement.startswith("GPU 0 ") and ", CPU " in placement
+    assert strategies == "no strategy fits"
+    result = run_cli("plan", folder, "--model", "diffusers:UNet2DConditionModel", "--gpu", "1GB", "--strategies",
+                     "--quiet")
+    assert result.stdout.splitlines()[-1] == "fastest that fits: gpu"

@@ -68,3 +68,17 @@ def test_plan_device_map_takes_every_spelling(spelling) -> None:
     plan = shardkit.plan_device_map("diffusers:UNet2DConditionModel", config=TINY_UNET_CONFIG,
                                     max_memory=spelling)
     assert plan.max_memory == {0: 10**6}
+
+
+def test_merge_budgets_joins_both_spellings_and_refuses_conflicts() -> None:
+    from shardkit.devices import merge_budgets
+
+    assert merge_budgets("0=16GB,cpu=64GB", gpu_bytes=[16 * GB]) == {0: 16 * GB, "cpu": 64 * GB}
+    assert merge_budgets({"cpu": "1GB"}, gpu_bytes=[GB, 2 * GB]) == {"cpu": GB, 0: GB, 1: 2 * GB}
+    assert merge_budgets(None, cpu_bytes=GB) == {"cpu": GB}
+    assert merge_budgets(None) is None
+    with pytest.raises(InvalidInputError, match="GPU 1 is given twice") as info:
+        merge_budgets("1=16GB", gpu_bytes=[GB, GB])
+    assert "\n" not in str(info.value) and "give it once" in str(info.value)
+    with pytest.raises(InvalidInputError, match="1000000001 B"):  # sizes that print alike are shown in bytes
+        merge_budgets({"cpu": GB}, cpu_bytes=GB + 1)

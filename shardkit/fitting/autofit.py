@@ -102,9 +102,17 @@ class FitPlan:
             "components": [{"name": p.name, "role": p.role, "weight_bytes": p.weight_bytes,
                             "activation_bytes": max(p.activation_bytes.values(), default=0),
                             "fp8_saving_bytes": p.fp8_saving_bytes, "switches": sorted(p.switches()),
-                            "notes": list(p.notes)} for p in self.components],
+                            "notes": list(p.notes), "guessed": list(p.guessed)} for p in self.components],
+            "guessed": [f"{p.name}: {g}" for p in self.components for g in p.guessed],
             "candidates": [c.to_dict() for c in self.candidates],
         }
+
+    def workload_line(self) -> str:
+        """What the activations were priced for, e.g. ``1024x1024, batch 1 (x2 for guidance), sdpa attention``."""
+        w = self.workload
+        guided = " (x2 for classifier-free guidance)" if w.guidance else ""
+        bits = max((p.dtype_bytes for p in self.components), default=2) * 8
+        return f"{w.height}x{w.width}, batch {w.batch_size}{guided}, {w.attention} attention, {bits}-bit compute"
 
     def __str__(self) -> str:
         c = self.chosen
@@ -119,6 +127,7 @@ class FitPlan:
             lines += [f"  - {line}" for line in why]
         notes = [n for p in self.components for n in (f"{p.name}: {x}" for x in p.notes)]
         lines += [f"note: {n}" for n in notes]
+        lines += [f"guessed: {p.name}: {g}" for p in self.components for g in p.guessed]
         return "\n".join(lines)
 
 
@@ -165,7 +174,11 @@ def plan_fit(profiles: Sequence[ComponentProfile], budget: Budget, *, workload: 
 
 
 def _no_fit(candidates: Sequence[Candidate], budget: Budget, margin: Margin) -> FitError:
-    """The error for an impossible budget, with the smallest single-device budget that fits."""
+    """The error for an impossible budget, with the smallest single-device budget that fits.
+
+    The budget is printed as flags to paste back (``--gpu 1.31GB``), rounded up so that exactly
+    the printed flags fit.
+    """
     options = []
     for c in candidates:
         if c.strategy.min_gpus > 1 or (c.strategy.min_gpus == 1 and not c.peaks.gpu):
@@ -179,27 +192,60 @@ def _no_fit(candidates: Sequence[Candidate], budget: Budget, margin: Margin) -> 
                      + ([f"cpu {format_size(budget.cpu_bytes)}"] if budget.cpu_bytes is not None else []))
     margin_text = f"{margin.fraction:.0%} of each budget" + (
         f" + {format_size(margin.gpu_reserve_bytes)} per GPU" if margin.gpu_reserve_bytes else "")
-
-    def wording(g: int, c: int, cand: Candidate, *, with_cpu: bool) -> str:
-        size = f"--gpu {format_size(g)}" if budget.gpu_bytes else f"--cpu {format_size(c)}"
-        if budget.gpu_bytes and with_cpu:
-            size += f" --cpu {format_size(c)}"
-        return f"{size} ({cand.label})"
-
-    need = wording(gpu, cpu, best, with_cpu=not within_cpu or budget.cpu_bytes is None)
+    need = _budget_flags(gpu, cpu, best, budget, with_cpu=not within_cpu)
     lowest = min(options, key=lambda o: (o[0], o[1], o[2].slowdown))
     if budget.gpu_bytes and lowest[0] < gpu:
-        need += f", or {wording(*lowest, with_cpu=True)}"
+        need += f", or {_budget_flags(*lowest, budget, with_cpu=True)}"
     return FitError(
         f"no setup fits the budget ({have}; margin {margin_text}): the smallest budget that would fit is {need}",
         min_gpu_bytes=gpu if budget.gpu_bytes else None, min_cpu_bytes=cpu,
     )
 
 
+def _budget_flags(gpu_bytes: int, cpu_bytes: int, candidate: Candidate, budget: Budget, *, with_cpu: bool) -> str:
+    """``--gpu 1.31GB [--cpu 4.41MB] (setup)``: the flags to rerun with, then what they pay for."""
+    if not budget.gpu_bytes:
+        return f"--cpu {size_flag(cpu_bytes)} ({candidate.label})"
+    flags = f"--gpu {size_flag(gpu_bytes)}"
+    if with_cpu:
+        flags += f" --cpu {size_flag(cpu_bytes)}"
+    one = " on one GPU" if len(budget.gpu_bytes) > 1 else ""
+    cpu_note = "" if with_cpu or not candidate.peaks.cpu else f", {format_size(cpu_bytes)} of CPU RAM"
+    return f"{flags}{one} ({candidate.label}{cpu_note})"
+
+
+def size_flag(size_bytes: int) -> str:
+    """The shortest size text (two decimals, no space) that parses back to at least ``size_bytes``.
+
+    Rounds up, so a budget printed as a flag is never below the bytes it stands for.
+
+    Args:
+        size_bytes: the smallest acceptable size.
+
+    Returns:
+        A size string for ``--gpu``/``--cpu`` or ``gpu=``/``cpu=``.
+
+    >>> size_flag(1_301_000_001), size_flag(999)
+    ('1.31GB', '999B')
+    """
+    from ..units import parse_size
+
+    if size_bytes < 1000:
+        return f"{max(size_bytes, 1)}B"
+    scale, unit = next((10**e, u) for e, u in ((12, "TB"), (9, "GB"), (6, "MB"), (3, "KB"))
+                       if size_bytes >= 10**e)
+    hundredths = -(-size_bytes * 100 // scale)
+    text = f"{hundredths // 100}.{hundredths % 100:02d}{unit}"
+    while parse_size(text) < size_bytes:  # the parser multiplies floats: it may land one byte short
+        hundredths += 1
+        text = f"{hundredths // 100}.{hundredths % 100:02d}{unit}"
+    return text
+
+
 # ----------------------------------------------------------------------------- public entry points
 
 def fit(target: Any, *, gpu: Iterable[str | int] | str | int | None = None, cpu: str | int | None = None,
-        max_memory: Mapping[Any, Any] | None = None, height: int | None = None, width: int | None = None,
+        max_memory: str | Mapping[Any, Any] | None = None, height: int | None = None, width: int | None = None,
         batch_size: int = 1, guidance: bool | None = None, attention: str = "sdpa", dtype: str | None = None,
         allow_fp8: bool = True, exclude: Iterable[str] = (), margin: Margin = DEFAULT_MARGIN,
         device: str | None = None) -> FitPlan:
@@ -246,6 +292,10 @@ def fit(target: Any, *, gpu: Iterable[str | int] | str | int | None = None, cpu:
     elif isinstance(target, (list, tuple)) and all(isinstance(p, ComponentProfile) for p in target):
         profiles = list(target)
     elif hasattr(target, "named_parameters"):
+        from .profile import module_config
+
+        if guidance is None:
+            guidance = not module_config(target).get("guidance_embeds", False)
         workload = Workload(height or 1024, width or 1024, batch_size, guidance, attention)
         profiles = [profile_module(target, workload, dtype_bytes=_dtype_bytes(dtype))]
     else:

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from ..devices import gpu_and_cpu_bytes, parse_max_memory
+from ..devices import gpu_and_cpu_bytes, merge_budgets
 from ..errors import InvalidInputError
 from ..units import format_size, parse_size
 from .peaks import CPU_STRATEGY, STRATEGIES, SWITCH_SLOWDOWN, Peaks, Strategy, view_of
@@ -30,8 +30,14 @@ class Margin:
         return int(budget_bytes * (1 - self.fraction)) - (self.gpu_reserve_bytes if gpu else 0)
 
     def budget_for(self, peak_bytes: int, *, gpu: bool) -> int:
-        """Smallest budget whose usable part holds ``peak_bytes``."""
-        return math.ceil((peak_bytes + (self.gpu_reserve_bytes if gpu else 0)) / (1 - self.fraction))
+        """Smallest budget whose usable part holds ``peak_bytes`` (exactly: ``usable`` agrees to the byte)."""
+        budget = max(1, math.ceil((peak_bytes + (self.gpu_reserve_bytes if gpu else 0)) / (1 - self.fraction)))
+        # The float division can land a byte either side of the bound that ``usable`` truncates to.
+        while self.usable(budget, gpu=gpu) < peak_bytes:
+            budget += 1
+        while budget > 1 and self.usable(budget - 1, gpu=gpu) >= peak_bytes:
+            budget -= 1
+        return budget
 
 
 DEFAULT_MARGIN = Margin()
@@ -46,16 +52,18 @@ class Budget:
 
     @classmethod
     def parse(cls, gpu: Iterable[str | int] | str | int | None = None, cpu: str | int | None = None,
-              max_memory: Mapping[Any, Any] | None = None) -> Budget:
-        """From ``gpu=["8GB", "16GB"], cpu="24GB"`` or accelerate-style ``max_memory={0: "8GB", "cpu": ...}``."""
+              max_memory: str | Mapping[Any, Any] | None = None) -> Budget:
+        """From ``gpu=["8GB", "16GB"], cpu="24GB"`` or accelerate-style ``max_memory={0: "8GB", "cpu": ...}``.
+
+        Both spellings may be mixed (``gpu=["8GB"], max_memory={"cpu": "24GB"}``); a device that
+        both give with different sizes is refused.
+        """
         gpus = [gpu] if isinstance(gpu, (str, int)) else list(gpu or [])
-        gpu_bytes: tuple[int, ...] = tuple(parse_size(g, name="GPU budget") for g in gpus)
+        gpu_bytes = [parse_size(g, name="GPU budget") for g in gpus]
         cpu_bytes = None if cpu is None else parse_size(cpu, name="CPU budget")
-        if max_memory:
-            mapped_gpus, mapped_cpu = gpu_and_cpu_bytes(parse_max_memory(max_memory) or {})
-            gpu_bytes += mapped_gpus
-            cpu_bytes = mapped_cpu if mapped_cpu is not None else cpu_bytes
-        return cls(gpu_bytes, cpu_bytes)
+        merged = merge_budgets(max_memory or None, gpu_bytes=gpu_bytes, cpu_bytes=cpu_bytes) or {}
+        mapped_gpus, mapped_cpu = gpu_and_cpu_bytes(merged)
+        return cls(mapped_gpus, mapped_cpu)
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -173,6 +181,13 @@ def rank(profiles: Sequence[ComponentProfile], budget: Budget, *, margin: Margin
     by name or prefix (``"group"``, ``"sequential"``) and ``"fp8"`` drops layerwise casting.
     """
     excluded = tuple(exclude)
+    names = [s.name for s in (*STRATEGIES, CPU_STRATEGY)]
+    unknown = [e for e in excluded if e != "fp8" and not any(n.startswith(e) for n in names)]
+    if unknown or "" in excluded:
+        raise InvalidInputError(
+            f"exclude {', '.join(repr(e) for e in unknown or [''])} matches no setup: exclude takes strategy names or "
+            f"their prefixes ({', '.join(names)}; 'group' drops every group offload) or 'fp8' (no fp8 casting)"
+        )
     strategies = [s for s in (STRATEGIES if budget.gpu_bytes else (CPU_STRATEGY,))
                   if not s.name.startswith(excluded) and (streams or not s.offload_options.get("use_stream"))]
     if not strategies:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, ShardkitWarning
 from ..units import DTYPE_BITS
 from .activations import NO_SWITCH, Context, Workload, activations_for
 from .weights import (
@@ -50,6 +51,7 @@ class ComponentProfile:
     dtype_bytes: int = 2
     activation_bytes: Mapping[str, int] = field(default_factory=lambda: {NO_SWITCH: 0})
     notes: tuple[str, ...] = ()
+    guessed: tuple[str, ...] = ()  # what was assumed for lack of a config.json, in words
 
     @classmethod
     def from_totals(cls, name: str, role: str, *, weight_bytes: int, dtype_bytes: int = 2,
@@ -137,11 +139,10 @@ def read_config(folder: str) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- folders and modules
 
 def resolve_workload(path: str, workload: Workload) -> Workload:
-    """Fill a missing height/width with the pipeline's default (as diffusers' ``__call__`` does)."""
-    if workload.height and workload.width:
+    """Fill a missing height/width with the pipeline's default (as diffusers' ``__call__`` does), and
+    a missing ``guidance`` with classifier-free guidance unless the denoiser embeds guidance (Flux)."""
+    if workload.height and workload.width and workload.guidance is not None:
         return workload
-    from dataclasses import replace
-
     from ..formats.layout import find_components, is_pipeline_folder
 
     size = 1024
@@ -153,7 +154,10 @@ def resolve_workload(path: str, workload: Workload) -> Workload:
         sample = den.get("sample_size")
         if isinstance(sample, int) and "down_block_types" in den:
             size = sample * scale
-    return replace(workload, height=workload.height or size, width=workload.width or size)
+    else:
+        den = read_config(path) if os.path.isdir(path) else {}
+    guidance = workload.guidance if workload.guidance is not None else not den.get("guidance_embeds", False)
+    return replace(workload, height=workload.height or size, width=workload.width or size, guidance=guidance)
 
 
 def profile_folder(path: str, workload: Workload, *, dtype: str | None = None) -> list[ComponentProfile]:
@@ -180,12 +184,26 @@ def profile_folder(path: str, workload: Workload, *, dtype: str | None = None) -
         specs = [(os.path.basename(os.path.normpath(path)), path, library, class_name)]
     configs = {name: read_config(folder) for name, folder, _, _ in specs}
     roles = {name: role_of(name, cls) for name, _, _, cls in specs}
+    guesses = {name: _guess(name, folder, roles, configs) for name, folder, _, _ in specs if not configs[name]}
     vae_cfg = next((configs[n] for n in configs if roles[n] == "vae"), {})
     den_cfg = next((configs[n] for n in configs if roles[n] == "denoiser"), {})
     vae_scale = 2 ** (len(vae_cfg["block_out_channels"]) - 1) if vae_cfg.get("block_out_channels") else 8
-    return [_profile_one(name, folder, library, cls, roles[name], configs[name], workload, dtype=dtype,
-                         vae_scale=vae_scale, cfg=not den_cfg.get("guidance_embeds", False))
-            for name, folder, library, cls in specs]
+    profiles = [_profile_one(name, folder, library, cls, roles[name], configs[name], workload, dtype=dtype,
+                             vae_scale=vae_scale, cfg=not den_cfg.get("guidance_embeds", False))
+                for name, folder, library, cls in specs]
+    return [replace(p, guessed=(guesses[p.name],)) if p.name in guesses else p for p in profiles]
+
+
+def _guess(name: str, folder: str, roles: dict[str, str], configs: dict[str, dict[str, Any]]) -> str:
+    """Fill ``roles``/``configs`` for a component without config.json; warn and return what was assumed."""
+    from .guess import guess_component, read_shapes
+
+    known = roles[name] if roles[name] != "other" else None
+    guess = guess_component(read_shapes(folder), role=known)
+    roles[name] = guess.role or roles[name]
+    configs[name] = guess.config
+    warnings.warn(f"{name}: {guess.description}", ShardkitWarning, stacklevel=4)
+    return guess.description
 
 
 def _profile_one(name: str, folder: str, library: str, class_name: str | None, role: str, config: dict[str, Any],
