@@ -227,3 +227,58 @@ def test_a_config_of_another_model_says_which_parameters_are_missing(tmp_path: P
     line = assert_one_line_error(run_cli("convert", src, tmp_path / "out", "--to", "diffusers", "--config",
                                          pipeline_config, "--component", "vae"))
     assert "does not convert into the AutoencoderKL" in line and "parameters are not in the converted" in line
+
+
+def test_renamed_and_sliced_tensors_keep_their_place_in_the_file(tmp_path: Path, sd_models, ldm_checkpoint) -> None:
+    """Tensors diffusers only renames (or reshapes in place) are runs of the file: the writer copies them kernel-side."""
+    from safetensors.torch import save_file
+
+    from shardkit.sharding.to_diffusers import convert_checkpoint, find_target
+    from shardkit.sources.file_backed import file_backed_source, load_file_backed
+
+    src = tmp_path / "sd.safetensors"
+    save_file(ldm_checkpoint, src)
+    vae_folder = tmp_path / "vae-config"
+    sd_models[1].save_config(vae_folder)
+    backing = load_file_backed(str(src))
+    converted, _ = convert_checkpoint(backing.tensors, find_target(vae_folder), where=str(src))
+    with file_backed_source(converted, backing, description="vae") as source:
+        entries = source.entries()
+        assert all(e.file == str(src) for e in entries), [e.name for e in entries if e.file is None]
+        for entry in entries:
+            assert bytes(source.read(entry, 0, entry.nbytes)) == bytes(
+                converted[entry.name].contiguous().reshape(-1).view(torch.uint8).numpy())
+    attention = "encoder.mid_block.attentions.0.to_q.weight"  # a 1x1 conv in the file, a matrix in diffusers
+    assert ldm_checkpoint["first_stage_model.encoder.mid.attn_1.q.weight"].dim() == 4 and converted[attention].dim() == 2
+
+
+SD15_UNET = {**SD_LIKE_UNET, "sample_size": 64, "block_out_channels": [320, 640, 1280, 1280],
+             "cross_attention_dim": 768, "attention_head_dim": 8, "norm_num_groups": 32}
+
+
+@pytest.mark.slow
+def test_an_sd15_sized_unet_converts_without_the_checkpoint_in_memory(tmp_path: Path) -> None:
+    """860M parameters (1.7 GB in fp16): the converting process stays far below the checkpoint's size."""
+    import subprocess
+    import sys
+
+    from diffusers import UNet2DConditionModel
+    from safetensors.torch import save_file
+
+    with torch.device("meta"):
+        model = UNet2DConditionModel(**SD15_UNET)
+    model.save_config(tmp_path / "unet-config")
+    state = {k: torch.full(v.shape, 0.5, dtype=torch.float16) for k, v in model.state_dict().items()}
+    src = tmp_path / "sd15.safetensors"
+    save_file(unet_to_ldm(state), src)
+    del state
+    run = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True); "
+           "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)")
+    shardkit_bin = Path(sys.executable).with_name("shardkit")
+    done = subprocess.run([sys.executable, "-c", run, str(shardkit_bin), "convert", str(src), str(tmp_path / "unet"),
+                           "--to", "diffusers", "--config", str(tmp_path / "unet-config"), "-q"],
+                          capture_output=True, text=True, check=True)
+    peak_rss_bytes = int(done.stdout.split()[-1])
+    assert peak_rss_bytes < src.stat().st_size / 2, (peak_rss_bytes, src.stat().st_size)
+    header = shardkit.read_header(tmp_path / "unet" / "diffusion_pytorch_model.safetensors")
+    assert {e.name for e in header.entries} == set(model.state_dict())

@@ -9,7 +9,8 @@ never a copy of it. What differs from ``from_single_file``:
   and a component); diffusers would fetch it from the Hub, which shardkit never does;
 - the checkpoint's tensors are backed by the file (safetensors mmap, ``torch.load(mmap=True)``),
   so the conversion holds no copy of the checkpoint in RAM, except for the tensors diffusers
-  itself builds (split or fused attention weights);
+  itself builds (fused or reshaped weights); the tensors it only renames or slices are still
+  runs of the file, and are copied kernel-side (see :mod:`shardkit.sources.file_backed`);
 - the result is checked against the model the config describes (built on the meta device: no
   memory) and written through the normal writer: sharded, atomic, with its ``config.json``.
 """
@@ -24,7 +25,7 @@ from typing import Any, Mapping
 
 from ..errors import InvalidInputError
 from ..formats.index import DIFFUSERS_PREFIX, Naming
-from ..sources.memory import MemorySource, check_all_tensors
+from ..sources.file_backed import file_backed_source, load_file_backed
 from .job import SplitResult, split_source
 from .options import WriteOptions, warn
 
@@ -134,7 +135,8 @@ def convert_to_diffusers(source: str | os.PathLike[str], output: str, *, options
     ...                      config="sd15-pipeline/", component="unet")
     """
     path = os.fspath(source)
-    checkpoint = load_checkpoint(path, key=key)
+    backing = load_file_backed(path, key=key)
+    checkpoint = backing.tensors
     if config is None:
         raise missing_config_error(path, checkpoint)
     target = find_target(config, component=component)
@@ -142,36 +144,10 @@ def convert_to_diffusers(source: str | os.PathLike[str], output: str, *, options
     with tempfile.TemporaryDirectory(prefix="shardkit-config-") as folder:
         model.save_config(folder)
         description = f"{path} as diffusers {target.class_name}"
-        # dedupe=False: two names for one source tensor are two parameters diffusers loads separately
-        with MemorySource(converted, description=description, naming=Naming(DIFFUSERS_PREFIX), dedupe=False) as src:
+        with file_backed_source(converted, backing, description=description, naming=Naming(DIFFUSERS_PREFIX)) as src:
             result = split_source(src, output, options=options,
                                   side_files=[(os.path.join(folder, "config.json"), "config.json")])
     return result, len(checkpoint) - len(converted)
-
-
-def load_checkpoint(path: str, *, key: str | None) -> dict[str, Any]:
-    """Every tensor of a single-file checkpoint, backed by the file (no copy in RAM).
-
-    >>> len(load_checkpoint("v1-5-pruned.safetensors", key=None))     # doctest: +SKIP
-    1131
-    """
-    if not os.path.isfile(path):
-        raise InvalidInputError(f"{path}: --to diffusers converts one checkpoint file (.safetensors, .ckpt, .pt, .bin); "
-                                "a folder is already in diffusers layout or needs a plain convert")
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-
-        from ..formats.header import read_header
-
-        if key is not None:
-            raise InvalidInputError(f"--key applies to pickles; {path} is a safetensors file with one flat state dict")
-        read_header(path)  # validated by shardkit first: hostile headers get shardkit's error
-        return load_file(path)  # memory-mapped: pages are read when used and can be dropped again
-    from ..sources.pickle import load_pickle, select_state_dict
-
-    tensors = dict(select_state_dict(load_pickle(path), key=key, where=path))
-    check_all_tensors(tensors, where=path)
-    return tensors
 
 
 def missing_config_error(path: str, checkpoint: Mapping[str, Any]) -> InvalidInputError:
