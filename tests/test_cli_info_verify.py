@@ -56,7 +56,8 @@ def test_clean_folder_exits_0_and_prints_sha256_per_file(out, run_cli):
 def test_flipped_byte_detected_against_source(out, source, run_cli):
     shard = shard_of(out, "blocks.4.weight")
     flip_byte(shard, tensor_offset(shard, "blocks.4.weight") + 17)
-    assert run_cli("verify", out).exit_code == 0  # structure alone cannot see bit rot
+    # the manifest written with the split names the file and the tensor (test_manifest.py has more)
+    assert_failed(run_cli("verify", out), f"FAIL {shard.name}: tensor 'blocks.4.weight': data changed since shardkit wrote it")
     result = run_cli("verify", out, "--against", source)
     lines = assert_failed(result, f"FAIL {shard.name}: tensor 'blocks.4.weight': data differs from the source: "
                                   "first at byte 17 of the tensor (element 4)")
@@ -106,7 +107,7 @@ def test_against_after_bf16_split(tmp_path, source, run_cli):
     tensors = load_file(str(shard))
     tensors["blocks.2.weight"][0, 1] += 1
     save_file(tensors, str(shard), metadata={"format": "pt"})
-    assert run_cli("verify", folder).exit_code == 0
+    assert run_cli("verify", folder).exit_code == 1  # the manifest sees the rewrite; --against says how
     assert_failed(run_cli("verify", folder, "--against", source),
                   f"FAIL {shard.name}: tensor 'blocks.2.weight': data differs from the source cast from F32 to BF16: "
                   "first at byte 2 of the tensor (element 1)")

@@ -25,7 +25,8 @@ from shardkit.formats.header import read_header
 
 
 def _files(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir())
+    """The checkpoint's files (the integrity manifest has its own tests in test_manifest.py)."""
+    return sorted(p.name for p in folder.iterdir() if p.name != "shardkit.manifest.json")
 
 
 def _check_index(folder: Path, index_name: str = "model.safetensors.index.json") -> dict:
@@ -160,6 +161,8 @@ def unpadded_snapshot(folder: Path) -> dict[str, bytes]:
     """File name → bytes, safetensors headers without their trailing-space padding (which follows the source)."""
     out = {}
     for p in sorted(folder.iterdir()):
+        if p.name == "shardkit.manifest.json":
+            continue  # it records the padded files' sha256, which differ with the padding
         raw = p.read_bytes()
         if p.suffix == ".safetensors":
             n = int.from_bytes(raw[:8], "little")

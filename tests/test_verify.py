@@ -67,11 +67,13 @@ def test_against_same_source_compares_every_tensor(source, sharded):
     assert report.tensors_compared == len(make_state_dict())
 
 
-def test_flipped_byte_found_only_against_source(source, sharded):
+def test_flipped_byte_found_by_the_manifest_and_against_source(source, sharded):
     shard = shard_of(sharded, "blocks.3.weight")
     flip_byte(shard, tensor_offset(shard, "blocks.3.weight") + 4 * 100 + 1)
-    assert verify(sharded).ok  # no reference: structure is intact
-    report = verify(sharded, against=source)
+    report = verify(sharded)  # the structure is intact; the manifest written with the split is not
+    assert [(f.file, f.tensor) for f in report.findings] == [(shard.name, "blocks.3.weight")]
+    assert "data changed since shardkit wrote it" in report.findings[0].message
+    report = verify(sharded, against=source)  # one line per cause: the comparison says where
     assert [(f.file, f.tensor) for f in report.findings] == [(shard.name, "blocks.3.weight")]
     assert "first at byte 401 of the tensor (element 100)" in report.findings[0].message
 
@@ -223,7 +225,9 @@ def test_stale_single_file_next_to_index(sharded, source):
 def test_shards_without_index(sharded):
     (sharded / "model.safetensors.index.json").unlink()
     report = verify(sharded)
-    assert len(report.findings) == 1 and "no index file" in report.findings[0].message
+    assert len(report.findings) == 2 and "no index file" in report.findings[0].message
+    assert report.findings[1].file == "model.safetensors.index.json"
+    assert report.findings[1].message.startswith("missing: shardkit.manifest.json lists it")
     assert len(report.files) == len(list(sharded.iterdir()))
 
 

@@ -15,8 +15,10 @@ from typing import Any, Callable
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
+from ..formats.manifest import MANIFEST_NAME, ManifestError
 from ..units import FLOAT_DTYPES
 from .bytescan import ScanResult, TensorComparator, scan_file
+from .integrity import Expected, compare_with_manifest, expected_files
 from .structure import (
     HeaderRead,
     Layout,
@@ -55,6 +57,7 @@ class FileReport:
     name: str
     bytes: int
     sha256: str
+    checked: str = "structure"  # "manifest": every byte matches it; "hub-cache": its blob name; else structure only
 
 
 @dataclass
@@ -70,6 +73,10 @@ class VerifyReport:
         against: the reference compared with (a path, ``"<in-memory source>"``), or None.
         tensors_compared: tensors compared bit for bit with ``against``.
         components: for a pipeline, the components checked.
+        manifests: the shardkit manifests the files were checked against (empty: none found).
+        structure_only: files read whose data could only be checked for structure (no manifest
+            entry, no Hugging Face cache blob name); a changed tensor in them goes unnoticed
+            unless ``against`` is given.
     """
 
     path: str
@@ -80,6 +87,8 @@ class VerifyReport:
     against: str | None = None
     tensors_compared: int = 0
     components: list[str] = field(default_factory=list)
+    manifests: list[str] = field(default_factory=list)
+    structure_only: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -143,11 +152,15 @@ def verify(path: str | os.PathLike[str], *, against: Any = None,
         report.against = "<in-memory source>"
     opened: list[Any] = []
     try:
-        if is_pipeline_folder(path):
+        pipeline = is_pipeline_folder(path)
+        if pipeline:
             jobs = _prepare_pipeline(path, against, report, opened)
         else:
             jobs = _prepare_checkpoint(path, against, report, opened, prefix="")
+        expected = _manifest_entries(path, pipeline, report)
+        jobs += _listed_jobs(path, expected, jobs, report)
         _run_scans(jobs, report, progress)
+        _check_manifest(report, expected)
     finally:
         for source in opened:
             source.close()
@@ -310,13 +323,57 @@ def _record(job: _ScanJob, result: ScanResult, report: VerifyReport) -> None:
         report.findings.append(Finding(job.name, None, result.error))
         return
     report.files.append(FileReport(job.name, result.bytes_read, result.sha256))
+    if os.path.basename(job.name) == MANIFEST_NAME:
+        report.files[-1].checked = "manifest"
     for tensor, message in result.mismatches:
         report.findings.append(Finding(job.name, tensor, message))
     report.tensors_compared += result.tensors_compared
     blob = _hub_blob_sha256(job.path)
+    if blob == result.sha256:
+        report.files[-1].checked = "hub-cache"
     if blob and blob != result.sha256:
         report.findings.append(Finding(job.name, None, f"sha256 {result.sha256} does not match the Hugging Face "
                                        f"cache blob it links to ({blob}): the file is corrupt; re-download it"))
+
+
+def _manifest_entries(path: str, pipeline: bool, report: VerifyReport) -> dict[str, Expected]:
+    """The files the covering manifest(s) list; an unreadable manifest is a finding."""
+    try:
+        expected, report.manifests = expected_files(path, pipeline=pipeline)
+    except ManifestError as e:
+        report.findings.append(Finding(MANIFEST_NAME, None, str(e)))
+        return {}
+    return expected
+
+
+def _listed_jobs(path: str, expected: dict[str, Expected], jobs: list[_ScanJob],
+                 report: VerifyReport) -> list[_ScanJob]:
+    """Scans for listed files the structural checks do not read (configs, model_index.json) and for
+    the manifests inside the checked folder themselves."""
+    have = {job.name for job in jobs}
+    extra = [_ScanJob(e.path, name, [], None) for name, e in expected.items()
+             if name not in have and os.path.isfile(e.path)]
+    folder = path if os.path.isdir(path) else os.path.dirname(path) if path.endswith(".json") else None
+    if folder is not None:  # a folder or its index: the manifest is one of its files (not for a single file)
+        extra += [_ScanJob(os.path.join(folder, m), m, [], None) for m in report.manifests
+                  if not m.startswith("..") and m not in have]
+    return extra
+
+
+def _check_manifest(report: VerifyReport, expected: dict[str, Expected]) -> None:
+    """Compare every listed file with its record; one cause, one line: a file the structural checks
+    already reported gets no second finding from the manifest."""
+    read = {f.name: f for f in report.files}
+    flagged = {f.file for f in report.findings}
+    for name, entry in expected.items():
+        got = read.get(name)
+        if name in flagged or (got is None and os.path.lexists(entry.path)):
+            continue  # already reported (or unreadable, which the scan reported)
+        found = compare_with_manifest(entry, size_bytes=got.bytes if got else None, sha256=got.sha256 if got else None)
+        report.findings += [Finding(f.file, f.tensor, f.message) for f in found]
+        if got is not None and not found:
+            got.checked = "manifest"
+    report.structure_only = [f.name for f in report.files if f.checked == "structure"]
 
 
 def _hub_blob_sha256(path: str) -> str | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import click
 
 from ..errors import VerificationError
+from ..formats.manifest import MANIFEST_NAME
 from ..units import format_size
 from .common import byte_progress, echo_json
 
@@ -19,9 +20,12 @@ Examples:
 \b
 Checks: the index against the files and their headers (every tensor where the index says,
 no duplicates, no orphan tensors or shard files, total_size), offsets and tiling, truncation
-and trailing bytes; then it reads every byte and prints each file's sha256 (for files in the
-Hugging Face cache, compared with the blob's name). With --against, missing and extra tensors,
-shape and dtype mismatches, and the first differing byte of each tensor are reported.
+and trailing bytes; then it reads every byte and prints each file's sha256. Every byte is
+compared with shardkit.manifest.json, which shardkit writes with each output (sha256 per
+file, crc32 per tensor): a changed byte is reported with its file and tensor. Without a
+manifest the data can only be checked for structure (files in the Hugging Face cache are
+compared with their blob's name). With --against, missing and extra tensors, shape and dtype
+mismatches, and the first differing byte of each tensor are reported.
 Exit codes: 0 clean, 1 any finding, 2 bad input.
 """
 
@@ -64,8 +68,28 @@ def print_report(report: object, *, quiet: bool) -> None:
         return
     compared = report.tensors_compared  # type: ignore[attr-defined]
     against = f", {compared} tensor(s) identical to {report.against}" if report.against else ""  # type: ignore[attr-defined]
+    click.echo(integrity_line(report))
     click.echo(f"ok: {len(files)} file(s), {report.tensors_checked} tensor(s), "  # type: ignore[attr-defined]
                f"{format_size(report.bytes_read)} read{against}")  # type: ignore[attr-defined]
+
+
+def integrity_line(report: object) -> str:
+    """What the data was checked against: the manifest, cache blob names, or structure only."""
+    files, manifests = report.files, report.manifests  # type: ignore[attr-defined]
+    unchecked = report.structure_only  # type: ignore[attr-defined]
+    by_manifest = sum(f.checked == "manifest" and not f.name.endswith(MANIFEST_NAME) for f in files)
+    by_blob = sum(f.checked == "hub-cache" for f in files)
+    parts = []
+    if by_manifest:
+        parts.append(f"{by_manifest} file(s) match {' and '.join(manifests)} byte for byte")
+    if by_blob:
+        parts.append(f"{by_blob} file(s) match their Hugging Face cache blob names")
+    if unchecked and not report.against:  # type: ignore[attr-defined]
+        why = f"not listed in {' or '.join(manifests)}" if manifests else f"no {MANIFEST_NAME}"
+        shown = ", ".join(unchecked[:3]) + (f" and {len(unchecked) - 3} more" if len(unchecked) > 3 else "")
+        parts.append(f"structure only for {shown} ({why}): their data could only be checked for structure, "
+                     "so a changed tensor byte would go unnoticed; pass --against SOURCE to compare every tensor")
+    return "integrity: " + "; ".join(parts) if parts else "integrity: compared with the source only"
 
 
 COMMANDS = [verify]

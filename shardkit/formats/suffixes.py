@@ -4,6 +4,8 @@
 (True, False)
 >>> is_index_file("diffusion_pytorch_model.fp16.safetensors.index.json")
 True
+>>> is_manifest_file("shardkit.manifest.json"), is_weight_file("shardkit.manifest.json")
+(True, False)
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ DCP_METADATA = ".metadata"
 SAVED_WEIGHT_SUFFIXES = (SAFETENSORS_SUFFIX, ".bin")
 # Every file shardkit can read tensors from.
 CHECKPOINT_SUFFIXES = (SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES, DCP_DATA_SUFFIX)
+# The integrity record shardkit writes beside a checkpoint (formats/manifest.py): neither a weight
+# file nor an index, never copied as a side file (each output gets its own).
+MANIFEST_FILE = "shardkit.manifest.json"
 
 
 def is_index_file(name: str) -> bool:
@@ -45,3 +50,15 @@ def is_weight_file(name: str) -> bool:
 def is_saved_weight_file(name: str) -> bool:
     """A file ``save_pretrained`` writes for weights: ``.safetensors``, ``.bin`` or their index."""
     return name.endswith(SAVED_WEIGHT_SUFFIXES) or is_index_file(name)
+
+
+def is_manifest_file(name: str) -> bool:
+    """shardkit's integrity manifest (``shardkit.manifest.json``), which no loader reads.
+
+    Args:
+        name: a file name (no folder).
+
+    Returns:
+        Whether it is the manifest; such a file is never a weight, index or side file.
+    """
+    return name == MANIFEST_FILE

@@ -16,8 +16,9 @@ from typing import Any, Callable, Mapping, Sequence
 from ..atomic.commit import OutputTransaction
 from ..errors import InvalidInputError
 from ..formats.index import DIFFUSERS_PREFIX, Naming, dump_index
-from ..formats.suffixes import is_weight_file
+from ..formats.suffixes import is_manifest_file, is_weight_file
 from ..sources import Source, open_source
+from .digest import ManifestRecorder, stale_manifests
 from .options import WriteOptions, warn_if_many_shards, warn_if_output_taken
 from .plan import ShardPlan, plan_shards
 from .writer import (
@@ -182,24 +183,31 @@ def run_jobs(output: str, jobs: Sequence[ShardJob], *, options: WriteOptions,
         warn_if_output_taken(output, overwrite=options.overwrite)
         return
     stale = [job.path(name) for job in jobs for name in _checkpoint_files(os.path.join(output, job.folder), job.plan.naming)]
+    stale += stale_manifests(output, [job.folder for job in jobs])
     tick = ByteCounter(sum(job.plan.total_bytes for job in jobs), options.progress)
-    with OutputTransaction(output, overwrite=options.overwrite, stale=stale) as tx, BackgroundSync() as sync:
+    with OutputTransaction(output, overwrite=options.overwrite, stale=stale) as tx, BackgroundSync() as sync, \
+            ManifestRecorder(output, stale=stale) as record:
         for path, name in side_files:
-            copy_side_file(path, tx.path_for(name), sync=sync)
+            if not is_manifest_file(os.path.basename(name)):  # the source's manifest describes the source
+                copy_side_file(path, dst := tx.path_for(name), sync=sync)
+                record.file(name, dst)
         for job in jobs:
-            _write_shards(job, tx.path_for, options.metadata or {}, tick, sync)
+            _write_shards(job, tx.path_for, options.metadata or {}, tick, sync, record)
         sync.wait()  # every shard and side file is on disk before an index that names it can appear
-        indexes = [_write_index(job, tx) for job in jobs if job.plan.index_filename]
+        indexes = [_write_index(job, tx, record) for job in jobs if job.plan.index_filename]
+        record.write(tx)  # the manifest: fsynced in the transaction, published with the files it lists
         tx.commit(last=indexes[-1] if indexes else None)
 
 
 def _write_shards(job: ShardJob, path_for: Callable[[str], str], metadata: Mapping[str, str],
-                  tick: ByteCounter, sync: BackgroundSync) -> None:
+                  tick: ByteCounter, sync: BackgroundSync, record: ManifestRecorder) -> None:
     by_name = {w.out.name: w for w in job.writes}
     for shard in job.plan.shards:
-        written = write_safetensors(path_for(job.path(shard.filename)), [by_name[n] for n in shard.names],
-                                    job.source, metadata=shard_metadata(job, metadata), progress=tick, sync=sync)
+        path, writes = path_for(job.path(shard.filename)), [by_name[n] for n in shard.names]
+        written = write_safetensors(path, writes, job.source, metadata=shard_metadata(job, metadata),
+                                    progress=tick, sync=sync)
         job.cloned_bytes += written.cloned_bytes
+        record.shard(job.path(shard.filename), path, writes)  # hashed on a worker while the next shard is copied
 
 
 def shard_metadata(job: ShardJob, metadata: Mapping[str, str]) -> dict[str, str]:
@@ -210,9 +218,11 @@ def shard_metadata(job: ShardJob, metadata: Mapping[str, str]) -> dict[str, str]
     return {"format": "pt", **job.source.metadata(), **metadata, **job.source.aliases()}
 
 
-def _write_index(job: ShardJob, tx: OutputTransaction) -> str:
+def _write_index(job: ShardJob, tx: OutputTransaction, record: ManifestRecorder) -> str:
     name = job.path(job.plan.index_filename or "")
-    tx.write_bytes(name, dump_index(job.plan.weight_map(), total_size_bytes=job.plan.total_bytes))
+    data = dump_index(job.plan.weight_map(), total_size_bytes=job.plan.total_bytes)
+    tx.write_bytes(name, data)
+    record.data(name, data)
     return name
 
 
@@ -231,7 +241,7 @@ def side_files(source: Any, output: str) -> list[SideFile]:
     return sorted(  # shard_file: a symlinked side file may not pull in a file from outside the folder
         (shard_file(folder, name, where=folder), name) for name in os.listdir(folder)
         if not name.startswith(".") and os.path.isfile(os.path.join(folder, name))
-        and not is_weight_file(name)
+        and not is_weight_file(name) and not is_manifest_file(name)
     )
 
 

@@ -1,0 +1,247 @@
+"""``shardkit.manifest.json``: the integrity record shardkit writes with every checkpoint folder.
+
+One JSON file at the root of each output that shardkit publishes (a checkpoint folder, or the
+top of a pipeline folder), written and fsynced in the same transaction as the files it lists,
+so it never disagrees with them. It lists every file of that transaction by its path relative
+to the manifest's folder (``unet/diffusion_pytorch_model-00001-of-00002.safetensors``)::
+
+    {
+      "format": "shardkit.manifest",
+      "version": 1,
+      "tensor_digest": "crc32",
+      "files": {
+        "model-00001-of-00002.safetensors": {
+          "size_bytes": 4999610368,
+          "sha256": "9f2c...",
+          "data_start": 4096,
+          "header_crc32": "1a2b3c4d",
+          "tensors": {"conv_in.weight": {"data_offsets": [0, 69120], "crc32": "0badf00d"}}
+        },
+        "config.json": {"size_bytes": 1712, "sha256": "3c1e..."}
+      }
+    }
+
+``sha256`` is of the whole file (what ``sha256sum`` and the Hugging Face Hub compute). For a
+safetensors file, ``header_crc32`` covers bytes ``[0, data_start)`` and each tensor's ``crc32``
+covers ``data_offsets`` (relative to ``data_start``, as in the file's own header), so together
+they cover every byte and name the tensor that changed. crc32 rather than sha256 per tensor:
+it only locates damage (the file sha256 is the integrity check) and costs a third as much CPU.
+
+Loaders never read it: transformers, diffusers, accelerate and huggingface_hub look for
+weight, index and config names only, and shardkit's readers skip it (see
+:mod:`shardkit.formats.suffixes`). Standard tools can check it::
+
+    jq -r '.files | to_entries[] | "\\(.value.sha256)  \\(.key)"' shardkit.manifest.json | sha256sum -c
+
+>>> doc = dump_manifest({"config.json": FileDigest(2, "44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a")})
+>>> parse_manifest(doc, path="m").files["config.json"].size_bytes
+2
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from ..errors import InvalidInputError
+from .suffixes import MANIFEST_FILE
+
+MANIFEST_NAME = MANIFEST_FILE
+FORMAT = "shardkit.manifest"
+VERSION = 1
+TENSOR_DIGEST = "crc32"
+
+__all__ = ["MANIFEST_NAME", "FileDigest", "Manifest", "ManifestError", "TensorDigest", "dump_manifest",
+           "find_manifest", "parse_manifest", "read_manifest"]
+
+
+class ManifestError(InvalidInputError):
+    """A manifest file exists but cannot be read or is not a shardkit manifest."""
+
+
+@dataclass(frozen=True)
+class TensorDigest:
+    """One tensor's bytes: ``[begin, end)`` relative to the data buffer, and their crc32 (8 hex digits)."""
+
+    begin: int
+    end: int
+    crc32: str
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """One file's record. ``data_start``/``header_crc32``/``tensors`` only for safetensors files."""
+
+    size_bytes: int
+    sha256: str
+    data_start: int | None = None
+    header_crc32: str | None = None
+    tensors: Mapping[str, TensorDigest] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"size_bytes": self.size_bytes, "sha256": self.sha256}
+        if self.data_start is not None:
+            doc["data_start"] = self.data_start
+            doc["header_crc32"] = self.header_crc32
+            doc["tensors"] = {name: {"data_offsets": [t.begin, t.end], "crc32": t.crc32}
+                              for name, t in self.tensors.items()}
+        return doc
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed manifest: where it lies and every file it lists (paths relative to ``folder``)."""
+
+    path: str
+    files: dict[str, FileDigest]
+
+    @property
+    def folder(self) -> str:
+        return os.path.dirname(self.path)
+
+
+def dump_manifest(files: Mapping[str, FileDigest]) -> bytes:
+    """The manifest's bytes for ``files`` (sorted by path, so equal checkpoints give equal manifests).
+
+    Args:
+        files: every file's record, keyed by its path relative to the manifest's folder.
+
+    Returns:
+        UTF-8 JSON bytes ending in a newline.
+    """
+    head = json.dumps({"format": FORMAT, "version": VERSION, "tensor_digest": TENSOR_DIGEST})[:-1]
+    lines = [f" {json.dumps(name)}: {json.dumps(files[name].to_json(), separators=(',', ':'))}" for name in sorted(files)]
+    return (head + ', "files": {\n' + ",\n".join(lines) + "\n}}\n").encode()  # one line per file: diffable
+
+
+def parse_manifest(data: bytes, *, path: str) -> Manifest:
+    """Parse manifest bytes read from ``path``.
+
+    Raises:
+        ManifestError: not JSON, not a shardkit manifest, a newer version, or a malformed entry.
+    """
+    try:
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ValueError(f"not a {FORMAT} file")
+        if doc.get("version") != VERSION or doc.get("tensor_digest") != TENSOR_DIGEST:
+            raise ValueError(f"version {doc.get('version')!r} / digest {doc.get('tensor_digest')!r} is not "
+                             f"{VERSION} / {TENSOR_DIGEST}: written by a newer shardkit? upgrade shardkit")
+        files = {str(name): _parse_file(entry) for name, entry in doc["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ManifestError(f"{path}: unreadable manifest ({e}); delete it to verify structure only, "
+                            "or restore it from the checkpoint's origin") from e
+    for name in files:
+        if os.path.isabs(name) or ".." in name.split("/"):
+            raise ManifestError(f"{path}: lists {name!r}, a path outside its folder; the manifest is not trustworthy")
+    return Manifest(path, files)
+
+
+def _parse_file(entry: Mapping[str, Any]) -> FileDigest:
+    size, sha = int(entry["size_bytes"]), str(entry["sha256"])
+    if "data_start" not in entry:
+        return FileDigest(size, sha)
+    tensors = {str(name): TensorDigest(int(t["data_offsets"][0]), int(t["data_offsets"][1]), str(t["crc32"]))
+               for name, t in entry["tensors"].items()}
+    return FileDigest(size, sha, int(entry["data_start"]), str(entry["header_crc32"]), tensors)
+
+
+def read_manifest(folder: str | os.PathLike[str]) -> Manifest | None:
+    """The manifest in ``folder`` itself, or None when it has none.
+
+    Raises:
+        ManifestError: the file exists but cannot be parsed.
+    """
+    path = os.path.join(os.fspath(folder), MANIFEST_NAME)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ManifestError(f"{path}: cannot be read ({e.strerror or e})") from e
+    return parse_manifest(data, path=path)
+
+
+def find_manifest(folder: str | os.PathLike[str]) -> tuple[Manifest, str] | None:
+    """The manifest covering ``folder``: its own, else its parent's (a pipeline component).
+
+    Returns:
+        ``(manifest, prefix)`` where ``prefix`` is ``folder``'s path inside the manifest's folder
+        (``""`` or ``"unet/"``); entries under that prefix describe ``folder``'s files. None when
+        neither folder has a manifest, or the parent's lists nothing under ``folder``.
+
+    >>> find_manifest("sd-pipeline/unet")   # doctest: +SKIP
+    (Manifest(path='sd-pipeline/shardkit.manifest.json', ...), 'unet/')
+    """
+    folder = os.path.abspath(os.fspath(folder))
+    own = read_manifest(folder)
+    if own is not None:
+        return own, ""
+    parent = read_manifest(os.path.dirname(folder))
+    prefix = f"{os.path.basename(folder)}/"
+    if parent is not None and any(name.startswith(prefix) for name in parent.files):
+        return parent, prefix
+    return None
+
+
+# ----------------------------------------------------------------------------- reading digests
+
+READ_BYTES = 1 << 20  # a page-aligned buffer of about 1 MiB reads a warm file at cat speed (see checking/bytescan)
+Range = tuple[str, int, int]  # (label, absolute begin, absolute end)
+
+
+def read_digests(path: str, ranges: list[Range]) -> tuple[str, list[str], int]:
+    """Read ``path`` once: its sha256, the crc32 of each range, and its size.
+
+    Args:
+        path: the file.
+        ranges: sorted, non-overlapping absolute byte ranges (a safetensors file's header region
+            and tensors tile it).
+
+    Returns:
+        ``(sha256 hex, [crc32 as 8 hex digits per range], bytes read)``.
+
+    Raises:
+        OSError: the file cannot be read.
+
+    >>> read_digests("model.safetensors", [("", 0, 8)])   # doctest: +SKIP
+    ('9f2c...', ['1a2b3c4d'], 4096)
+    """
+    sha = hashlib.sha256()
+    crcs = [0] * len(ranges)
+    buffer = mmap.mmap(-1, READ_BYTES)
+    view = memoryview(buffer)
+    pos, i = 0, 0
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while n := os.readv(fd, [view]):
+            chunk = view[:n]
+            sha.update(chunk)
+            i = _crc_chunk(ranges, crcs, i, pos, chunk)
+            pos += n
+            del chunk
+    finally:
+        os.close(fd)
+        view.release()
+        buffer.close()
+    return sha.hexdigest(), [f"{c:08x}" for c in crcs], pos
+
+
+def _crc_chunk(ranges: list[Range], crcs: list[int], i: int, pos: int, chunk: memoryview) -> int:
+    """Feed ``chunk`` (file bytes from ``pos``) to the ranges it overlaps; returns the next range index."""
+    end = pos + len(chunk)
+    while i < len(ranges):
+        _, begin, stop = ranges[i]
+        lo, hi = max(begin, pos), min(stop, end)
+        if hi > lo:
+            crcs[i] = zlib.crc32(chunk[lo - pos:hi - pos], crcs[i])
+        if stop > end:
+            return i
+        i += 1
+    return i

@@ -1,0 +1,270 @@
+"""Hash what a job writes, on a background thread, for the manifest (:mod:`shardkit.formats.manifest`).
+
+Each finished shard is read back once from the page cache (the writer just put it there) on a
+worker thread while the next shard is copied: sha256 of the file, and crc32 of its header region
+and of each tensor, in the same pass. The copy is disk-bound and kernel-side, so the second core
+is mostly idle; hashlib and zlib release the GIL on large buffers.
+
+A tensor copied unchanged from a file that has a manifest brings that manifest's crc32 along
+(``carried``): the read-back crc32 must equal it, so damage in the source since it was written,
+or in the copy, fails the write instead of being recorded as the truth.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Mapping
+
+from ..errors import ShardkitWriteError, describe_os_error
+from ..formats.header import read_header
+from ..formats.manifest import (
+    MANIFEST_NAME,
+    FileDigest,
+    Manifest,
+    ManifestError,
+    TensorDigest,
+    find_manifest,
+    read_digests,
+)
+
+ENABLED = True  # benchmarks switch hashing off to measure its cost; nothing else should
+
+Carried = Mapping[str, str]  # tensor name → crc32 expected from the source's manifest
+
+
+class SourceDigestMismatch(ShardkitWriteError):
+    """A tensor's bytes differ from the crc32 its source's manifest records."""
+
+
+class FileHasher:
+    """Hash files on one worker thread; :meth:`results` waits and returns every record.
+
+    >>> with FileHasher() as hasher:                       # doctest: +SKIP
+    ...     hasher.submit("model.safetensors", "/tmp/stage/model.safetensors", safetensors=True)
+    ...     hasher.results()["model.safetensors"].sha256
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-hash")
+        self._pending: dict[str, Future[FileDigest]] = {}
+        self._done: dict[str, FileDigest] = {}
+
+    def submit(self, name: str, path: str, *, safetensors: bool, carried: Carried | None = None) -> None:
+        """Queue ``path`` (published as ``name``); ``safetensors`` adds the header and per-tensor crc32."""
+        self._pending[name] = self._pool.submit(digest_file, path, safetensors=safetensors, carried=carried)
+
+    def add_bytes(self, name: str, data: bytes) -> None:
+        """Record a small file written from memory (an index, the manifest's neighbours)."""
+        self._done[name] = FileDigest(len(data), hashlib.sha256(data).hexdigest())
+
+    def add(self, name: str, record: FileDigest) -> None:
+        """Record a file this job did not write but keeps (carried over from the old manifest)."""
+        self._done[name] = record
+
+    def results(self) -> dict[str, FileDigest]:
+        """Every record, once all queued files are hashed; raises the first failure."""
+        pending, self._pending = self._pending, {}
+        for name, future in pending.items():
+            self._done[name] = future.result()
+        return dict(self._done)
+
+    def __enter__(self) -> "FileHasher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for future in self._pending.values():
+            future.cancel()
+        self._pool.shutdown(wait=True)
+
+
+def digest_file(path: str, *, safetensors: bool, carried: Carried | None = None) -> FileDigest:
+    """sha256 of ``path`` and, for a safetensors file, crc32 of its header region and each tensor.
+
+    Args:
+        path: the file to read.
+        safetensors: whether to parse its header and digest each tensor.
+        carried: crc32s each tensor must have (from its source's manifest).
+
+    Returns:
+        The :class:`~shardkit.formats.manifest.FileDigest`.
+
+    Raises:
+        SourceDigestMismatch: a tensor's crc32 differs from ``carried``.
+        ShardkitWriteError: the file cannot be read.
+
+    >>> digest_file("out/model.safetensors", safetensors=True).tensors["w"].crc32   # doctest: +SKIP
+    '8a3f0c21'
+    """
+    try:
+        header = read_header(path) if safetensors else None
+        ranges = _ranges(header) if header is not None else []
+        sha, crcs, size = read_digests(path, ranges)
+    except OSError as e:
+        raise ShardkitWriteError(f"hashing {path} for the manifest failed: {describe_os_error(e)}; "
+                                 "nothing was published") from e
+    if header is None:
+        return FileDigest(size, sha)
+    start = header.data_start
+    tensors = {name: TensorDigest(begin - start, end - start, crc) for (name, begin, end), crc in zip(ranges[1:], crcs[1:])}
+    _check_carried(path, tensors, carried or {})
+    return FileDigest(size, sha, start, crcs[0], tensors)
+
+
+def _ranges(header: object) -> list[tuple[str, int, int]]:
+    """``("", 0, data_start)`` for the header region, then each tensor's absolute byte range."""
+    entries = header.entries  # type: ignore[attr-defined]
+    return [("", 0, header.data_start)] + [(e.name, e.offset, e.offset + e.nbytes) for e in entries]  # type: ignore[attr-defined]
+
+
+def _check_carried(path: str, tensors: Mapping[str, TensorDigest], carried: Carried) -> None:
+    for name, expected in carried.items():
+        got = tensors.get(name)
+        if got is not None and got.crc32 != expected:
+            raise SourceDigestMismatch(
+                f"tensor {name!r} written to {os.path.basename(path)} has crc32 {got.crc32}, but its source's "
+                f"{MANIFEST_NAME} records {expected}: the source changed since it was written (bit rot?) "
+                "or the copy failed; run `shardkit verify` on the source; nothing was published"
+            )
+
+
+def source_digests(paths: list[str]) -> dict[tuple[str, int, int], str]:
+    """crc32 of every tensor recorded in the manifests of the source files ``paths``.
+
+    Keyed by ``(realpath of the file, absolute begin, absolute end)``, so renamed tensors
+    (``convert --strip-prefix``) still find theirs; only files whose size matches their record.
+
+    >>> source_digests(["ckpt/model-00001-of-00002.safetensors"])   # doctest: +SKIP
+    {('/abs/ckpt/model-00001-of-00002.safetensors', 4096, 73216): '0badf00d', ...}
+    """
+    found: dict[tuple[str, int, int], str] = {}
+    manifests: dict[str, tuple[Manifest, str] | None] = {}
+    for path in paths:
+        folder = os.path.dirname(os.path.abspath(path))
+        if folder not in manifests:
+            try:
+                manifests[folder] = find_manifest(folder)
+            except (OSError, ManifestError):
+                manifests[folder] = None  # an unreadable manifest: nothing to carry (verify reports it)
+        hit = manifests[folder]
+        record = hit[0].files.get(hit[1] + os.path.basename(path)) if hit else None
+        if record is None or record.data_start is None or not _same_size(path, record.size_bytes):
+            continue
+        real = os.path.realpath(path)
+        for t in record.tensors.values():
+            found[(real, record.data_start + t.begin, record.data_start + t.end)] = t.crc32
+    return found
+
+
+def _same_size(path: str, size_bytes: int) -> bool:
+    try:
+        return os.path.getsize(path) == size_bytes
+    except OSError:
+        return False
+
+
+# ----------------------------------------------------------------------------- one job's manifest
+
+class ManifestRecorder:
+    """Collects the digests of everything one transaction writes, then writes the manifest into it.
+
+    Used by :func:`shardkit.sharding.job.run_jobs`: :meth:`shard`/:meth:`file` after each file
+    is written (hashed in the background), :meth:`data` for files written from memory, and
+    :meth:`write` just before the commit, through the same transaction, so the manifest is
+    fsynced and published with the files it lists and never disagrees with them.
+
+    >>> with ManifestRecorder("out/") as record:                     # doctest: +SKIP
+    ...     record.shard("model.safetensors", tx.path_for("model.safetensors"), writes)
+    ...     record.write(tx)
+    """
+
+    def __init__(self, output: str, *, stale: list[str]) -> None:
+        self.output = os.path.abspath(output)
+        self.stale = set(stale)
+        self._hasher = FileHasher()
+        self._sources: dict[tuple[str, int, int], str] = {}
+        self._looked_up: set[str] = set()
+
+    def shard(self, name: str, path: str, writes: list[object]) -> None:
+        """A finished shard ``name`` at ``path``, written from ``writes`` (TensorWrite records)."""
+        if ENABLED:
+            self._hasher.submit(name, path, safetensors=True, carried=self._carried(writes))
+
+    def file(self, name: str, path: str) -> None:
+        """A finished side file (config.json...) ``name`` at ``path``."""
+        if ENABLED:
+            self._hasher.submit(name, path, safetensors=False)
+
+    def data(self, name: str, data: bytes) -> None:
+        """A small file written from memory (an index)."""
+        if ENABLED:
+            self._hasher.add_bytes(name, data)
+
+    def write(self, tx: object) -> None:
+        """Wait for every digest, keep the old records of files left in place, write the manifest."""
+        if not ENABLED:
+            return
+        records = self._hasher.results()
+        records.update(self._kept(records))
+        from ..formats.manifest import dump_manifest
+
+        tx.write_bytes(MANIFEST_NAME, dump_manifest(records))  # type: ignore[attr-defined]
+
+    def _carried(self, writes: list[object]) -> dict[str, str]:
+        """crc32s from the source's manifest for the tensors copied unchanged."""
+        files = sorted({w.src.file for w in writes if w.src.file} - self._looked_up)  # type: ignore[attr-defined]
+        if files:
+            self._looked_up.update(files)
+            self._sources.update(source_digests(files))
+        carried = {}
+        for w in writes:
+            src, out = w.src, w.out  # type: ignore[attr-defined]
+            if src.file and src.dtype == out.dtype:
+                crc = self._sources.get((os.path.realpath(src.file), src.offset, src.offset + src.nbytes))
+                if crc is not None:
+                    carried[out.name] = crc
+        return carried
+
+    def _kept(self, written: Mapping[str, FileDigest]) -> dict[str, FileDigest]:
+        """Records of the old manifest for files this write leaves in place (an in-place reshard).
+
+        An old record is kept when the file still has its size and was not modified after the
+        old manifest: a file that rotted keeps failing ``verify`` instead of being blessed. A
+        file changed since (a config edited on purpose) is hashed again.
+        """
+        try:
+            found = find_manifest(self.output)
+        except (OSError, ManifestError):
+            return {}  # unreadable: nothing to keep; the new manifest covers what this write wrote
+        if found is None:
+            return {}
+        old, prefix = found
+        manifest_mtime_ns = os.stat(old.path).st_mtime_ns
+        kept: dict[str, FileDigest] = {}
+        for full, record in old.files.items():
+            name = full[len(prefix):] if full.startswith(prefix) else None
+            if name is None or name in written or name in self.stale or name == MANIFEST_NAME:
+                continue
+            try:
+                st = os.stat(os.path.join(self.output, name))
+            except OSError:
+                continue  # gone: nothing to record
+            if st.st_size == record.size_bytes and st.st_mtime_ns <= manifest_mtime_ns:
+                kept[name] = record
+            else:
+                kept[name] = digest_file(os.path.join(self.output, name), safetensors=name.endswith(".safetensors"))
+        return kept
+
+    def __enter__(self) -> "ManifestRecorder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hasher.__exit__(*exc)
+
+
+def stale_manifests(output: str, folders: list[str]) -> list[str]:
+    """Manifests a write into ``output`` replaces or removes: its own, and its components' (a
+    pipeline written whole gets one manifest at the top; older per-component ones would disagree)."""
+    names = [MANIFEST_NAME] + [f"{folder}/{MANIFEST_NAME}" for folder in folders if folder]
+    return [n for n in names if os.path.lexists(os.path.join(output, n))]
