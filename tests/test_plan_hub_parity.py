@@ -16,13 +16,13 @@ import random
 from pathlib import Path
 from typing import Any
 
+import huggingface_hub.serialization as hub_serialization
 import pytest
+import torch
+from safetensors import safe_open
 
 import shardkit
-
-torch = pytest.importorskip("torch")
-hub_serialization = pytest.importorskip("huggingface_hub.serialization")
-from safetensors import safe_open  # noqa: E402  (after the importorskip above)
+from shardkit.formats.manifest import MANIFEST_NAME
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -111,7 +111,10 @@ def read_folder(folder: Path) -> tuple[dict[str, dict[str, Any]], dict | None]:
 
 
 def assert_same_output(ours: Path, theirs: Path, case: str) -> None:
-    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir()), case
+    # shardkit's integrity manifest is the one extra file; loaders ignore it (see test_manifest).
+    assert sorted(p.name for p in ours.iterdir() if p.name != MANIFEST_NAME) == \
+        sorted(p.name for p in theirs.iterdir()), case
+    assert (ours / MANIFEST_NAME).is_file(), case
     our_files, our_index = read_folder(ours)
     their_files, their_index = read_folder(theirs)
     assert {f: sorted(t) for f, t in our_files.items()} == {f: sorted(t) for f, t in their_files.items()}, case
@@ -164,13 +167,16 @@ def test_views_no_name_covers_are_each_written(tmp_path: Path) -> None:
         assert torch.equal(got[name], state[name]), name
 
 
-def test_partial_views_are_dropped_as_aliases_with_a_warning(tmp_path: Path,
-                                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_partial_views_are_dropped_with_a_warning_and_only_exact_ties_are_aliases(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     weight = torch.randn(4, 3)
     state = {"lm_head.weight": weight, "embed.weight": weight, "first_row": weight[0], "bias": torch.zeros(3)}
     with caplog.at_level(logging.WARNING, logger="shardkit"):
         result = shardkit.save_sharded(state, tmp_path / "ours", max_shard_size="1KB")
-    assert result.aliases == {"first_row": "embed.weight", "lm_head.weight": "embed.weight"}
+    # An alias is served as the kept tensor by loaders: a row of it must not come back as all of it.
+    assert result.aliases == {"lm_head.weight": "embed.weight"}
+    with shardkit.open(tmp_path / "ours") as ckpt:
+        assert ckpt.aliases == {"lm_head.weight": "embed.weight"} and torch.equal(ckpt["embed.weight"], weight)
     assert "first_row" in caplog.text and ".clone()" in caplog.text
     assert hub_save(state, tmp_path / "theirs", "1KB")
     assert_same_output(tmp_path / "ours", tmp_path / "theirs", "partial view")

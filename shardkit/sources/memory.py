@@ -52,7 +52,13 @@ class MemorySource(Source):
         return list(self._entries)
 
     def aliases(self) -> dict[str, str]:
-        return dict(self._aliases)
+        """Dropped name → written name, for the names a loader may serve from the written tensor.
+
+        Only exact ties (same shape and dtype) qualify: a reshape or a partial view dropped as
+        huggingface_hub drops it would come back with the written tensor's shape and data.
+        """
+        return {alias: kept for alias, kept in self._aliases.items()
+                if _same_view(self._tensors[alias], self._tensors[kept])}
 
     def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
         if entry.file is not None:
@@ -130,6 +136,10 @@ def find_aliases(tensors: Mapping[str, Any], *, keep: Collection[str] = ()) -> d
                            "save a .clone() of them to keep them", len(partial), kept, ", ".join(partial[:5]))
         aliases.update(dict.fromkeys(dropped, kept))
     return dict(sorted(aliases.items()))
+
+
+def _same_view(a: Any, b: Any) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
 
 
 def _shared_groups(tensors: Mapping[str, Any]) -> list[list[str]]:
