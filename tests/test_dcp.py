@@ -36,9 +36,10 @@ def model_sd() -> dict:
     return make_state_dict(DCP_CODES, shapes=[(), (7,), (33, 17), (2, 3, 4)])
 
 
-def test_single_process_save_round_trips_bit_equal(model_sd, tmp_path: Path, run_cli) -> None:
+@pytest.mark.parametrize("command", ["convert", "split"])
+def test_single_process_save_round_trips_bit_equal(model_sd, tmp_path: Path, run_cli, command: str) -> None:
     folder = dcp_save(model_sd, tmp_path / "ckpt")
-    result = run_cli("convert", folder, tmp_path / "out", "--max-shard-size", "2KB", "-q")
+    result = run_cli(command, folder, tmp_path / "out", "--max-shard-size", "2KB", "-q")
     assert result.exit_code == 0, result.stderr
     assert_bit_equal(load_folder(tmp_path / "out"), model_sd)
 

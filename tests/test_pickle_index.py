@@ -34,11 +34,12 @@ def sharded(tmp_path: Path) -> tuple[Path, dict]:
     return write_sharded_bin(tmp_path / "ckpt", sd, max_shard_size=6000), sd
 
 
-def test_index_and_folder_convert_bit_equal(sharded, tmp_path: Path, run_cli) -> None:
+@pytest.mark.parametrize("command", ["convert", "split"])
+def test_index_and_folder_convert_bit_equal(sharded, tmp_path: Path, run_cli, command: str) -> None:
     index, sd = sharded
     for i, src in enumerate((index, index.parent)):
         out = tmp_path / f"out{i}"
-        result = run_cli("convert", src, out, "--max-shard-size", "2KB", "-q")
+        result = run_cli(command, src, out, "--max-shard-size", "2KB", "-q")
         assert result.exit_code == 0, result.stderr
         assert_bit_equal(load_folder(out), sd)
 
