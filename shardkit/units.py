@@ -101,6 +101,18 @@ def _shown(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "...'"
 
 
+def format_count(count: int) -> str:
+    """A parameter or element count as people write it: ``"860.0M"``, ``"2.57B"``, ``"12.3K"``, ``"42"``.
+
+    >>> format_count(2_567_000_000), format_count(859_520_964), format_count(42)
+    ('2.57B', '859.5M', '42')
+    """
+    for unit, scale, digits in (("B", 10**9, 2), ("M", 10**6, 1), ("K", 10**3, 1)):
+        if count >= scale:
+            return f"{count / scale:.{digits}f}{unit}"
+    return str(count)
+
+
 def format_size(size_bytes: int) -> str:
     """Format a byte count as a short human-readable decimal size.
 

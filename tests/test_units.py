@@ -133,3 +133,12 @@ def test_resolve_torch_dtype() -> None:
     assert resolve_torch_dtype("F32") is torch.float32
     with pytest.raises(InvalidInputError):
         resolve_torch_dtype("nope")
+
+
+def test_format_count_never_rounds_a_small_model_to_zero() -> None:
+    from shardkit.units import format_count
+
+    assert format_count(2_567_000_000) == "2.57B"
+    assert format_count(859_520_964) == "859.5M"
+    assert format_count(91_654) == "91.7K"
+    assert format_count(42) == "42"

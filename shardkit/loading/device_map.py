@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..devices import Device, device_label, parse_device, parse_max_memory
 from ..errors import InvalidInputError, ShardkitError
-from ..units import format_size
+from ..units import format_count, format_size
 
 if TYPE_CHECKING:
     import torch
@@ -111,7 +111,7 @@ class DevicePlan:
 
     def table(self) -> str:
         """A readable placement: module rows (numbered runs grouped), then per-device bars."""
-        head = (f"{self.model}: {self.parameters / 1e9:.2f}B parameters, {format_size(self.total_bytes)}"
+        head = (f"{self.model}: {format_count(self.parameters)} parameters, {format_size(self.total_bytes)}"
                 f"{' in ' + self.dtype if self.dtype else ''}, device_map={self.strategy}")
         rows = group_rows(self.device_map, self.module_bytes)
         width = max([len("module"), *(len(r[0]) for r in rows)])
