@@ -175,3 +175,13 @@ def test_guessed_components_are_named_on_stderr_and_in_json(folder, tmp_path) ->
     assert peaks[0] == peaks[1]
     code, out, err = run("fit", unet, "--gpu", "10GB")
     assert code == 0 and out.startswith("workload: 1024x1024, batch 1") and "guessed: med-unet" in out
+
+
+def test_fit_on_a_file_says_it_needs_a_folder(run_cli, tmp_path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.zeros(2)}, str(tmp_path / "x.safetensors"))
+    result = run_cli("fit", tmp_path / "x.safetensors", "--gpu", "1GB")
+    assert result.exit_code == 2 and "is a file; fit reads a pipeline or component folder" in result.stderr
+    assert "no such" not in result.stderr

@@ -169,8 +169,11 @@ def profile_folder(path: str, workload: Workload, *, dtype: str | None = None) -
     from ..formats.layout import find_components, is_pipeline_folder
 
     if not os.path.isdir(path):
-        from ..errors import SourceNotFoundError
+        from ..errors import InvalidInputError, SourceNotFoundError
 
+        if os.path.exists(path):  # a lone weights file has no config to tell its architecture
+            raise InvalidInputError(f"{path}: is a file; fit reads a pipeline or component folder (weights with their "
+                                    "config.json), e.g. the folder `shardkit split` wrote")
         raise SourceNotFoundError(f"{path}: no such folder (expected a pipeline or component folder)")
     workload = resolve_workload(path, workload)
     if is_pipeline_folder(path):
