@@ -6,6 +6,7 @@ there is the peak RSS of exactly that command's process tree.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 
 @dataclass
@@ -80,13 +82,64 @@ def machine_line() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, {mem_gb:.0f} GiB RAM, Linux {platform.release()}, Python {platform.python_version()}"
 
 
-def table(cases: list[Case], *, floor: str) -> str:
+def filesystem_line(path: str) -> str:
+    """The filesystem ``path`` lies on, e.g. ``ext4 on /dev/vda``, for the report."""
+    out = subprocess.run(["findmnt", "-n", "-o", "FSTYPE,SOURCE", "-T", path], capture_output=True, text=True)
+    fstype, _, source = out.stdout.strip().partition(" ")
+    return f"{fstype or 'unknown'} on {source.strip() or '?'}"
+
+
+def table(cases: list[Case], *, floor: str, also: str | None = None) -> str:
+    """A markdown table of medians; ``also`` adds a column of ratios to a second case."""
     medians = {c.name: statistics.median(c.times) for c in cases}
-    lines = ["| case | median s | × floor | peak RSS MB | target |", "|---|---:|---:|---:|---|"]
+    extra_head, extra_rule = (f" × {also} |", "---:|") if also else ("", "")
+    lines = [f"| case | median s | × floor |{extra_head} peak RSS MB | target |",
+             f"|---|---:|---:|{extra_rule}---:|---|"]
     for c in cases:
         base = medians[c.floor or floor]
-        lines.append(f"| {c.name} | {medians[c.name]:.2f} | {medians[c.name] / base:.2f}× | {max(c.rss_mb):.0f} | {c.target} |")
+        extra = f" {medians[c.name] / medians[also]:.3f}× |" if also else ""
+        lines.append(f"| {c.name} | {medians[c.name]:.2f} | {medians[c.name] / base:.2f}× |{extra} "
+                     f"{max(c.rss_mb):.0f} | {c.target} |")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- loop-mounted filesystems
+
+MKFS = {"xfs": (["mkfs.xfs", "-q", "-f", "-m", "reflink=1"], "xfsprogs"),
+        "btrfs": (["mkfs.btrfs", "-q", "-f"], "btrfs-progs")}
+
+
+def ensure_mkfs(fs: str) -> None:
+    """Install the filesystem's tools with apt-get when ``mkfs.<fs>`` is missing (needs root)."""
+    command, package = MKFS[fs]
+    if shutil.which(command[0]):
+        return
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.run(["apt-get", "install", "-y", "-q", package], env=env).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], env=env, check=True)
+        subprocess.run(["apt-get", "install", "-y", "-q", package], env=env, check=True)
+
+
+@contextlib.contextmanager
+def loop_mount(fs: str, image: str, size_bytes: int) -> Iterator[str]:
+    """A fresh ``fs`` filesystem in a sparse ``image`` file, loop-mounted beside it; unmounted after.
+
+    The image is made anew each time (a stale one could hold another run's files).
+    """
+    ensure_mkfs(fs)
+    mount = image + ".mnt"
+    if os.path.ismount(mount):
+        subprocess.run(["umount", mount], check=True)
+    with open(image, "wb") as f:
+        f.truncate(size_bytes)
+    os.makedirs(mount, exist_ok=True)
+    subprocess.run([*MKFS[fs][0], image], check=True)
+    subprocess.run(["mount", "-o", "loop", image, mount], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", mount], check=False)
+        os.unlink(image)
 
 
 # ----------------------------------------------------------------------------- inputs

@@ -287,3 +287,22 @@ def test_random_bytes_raise_only_header_errors(raw: bytes) -> None:
         parse_header(raw, file_bytes=8 + len(raw))
     except HeaderError:
         pass
+
+
+@pytest.mark.parametrize("data_start_mod", [0, 8, 1004, 4095])
+def test_padded_header_puts_the_data_where_asked_and_loads_everywhere(tmp_path: Path, data_start_mod: int) -> None:
+    """Copy-on-write padding: trailing spaces move the data buffer, and readers take it unchanged."""
+    from safetensors.numpy import load_file
+
+    entries = [TensorEntry("a", "U8", (3,), 3), TensorEntry("b", "U8", (5,), 5)]
+    head, begins = build_header(entries, metadata={"format": "pt"}, data_start_mod=data_start_mod)
+    assert len(head) % 4096 == data_start_mod and begins == [0, 3]
+    assert len(head) - len(build_header(entries, metadata={"format": "pt"})[0]) < 4096
+    assert head.endswith(b" ") or len(head) == len(build_header(entries, metadata={"format": "pt"})[0])
+    path = tmp_path / "padded.safetensors"
+    path.write_bytes(head + bytes(range(8)))
+    header = read_header(path)
+    assert header.data_start == len(head) and header.metadata == {"format": "pt"}
+    assert [e.offset for e in header.entries] == [len(head), len(head) + 3]
+    loaded = load_file(str(path))
+    assert loaded["a"].tolist() == [0, 1, 2] and loaded["b"].tolist() == [3, 4, 5, 6, 7]

@@ -158,3 +158,19 @@ def test_dcp_folder(tmp_path):
     assert result.tensor_count == 2
     assert result.parameter_count == 16 + 3
     assert result.total_bytes == 16 * 4 + 3 * 8
+
+
+def test_shared_extents_are_reported_where_the_filesystem_tells(tmp_path, run_cli) -> None:
+    """A plain copy shares nothing; the figure is None only where FIEMAP is unsupported (tmpfs)."""
+    from shardkit.atomic.extents import shared_bytes
+
+    path = tmp_path / "model.safetensors"
+    save_file({"w": torch.ones(4096)}, str(path))
+    summary = info(path)
+    known = shared_bytes(path)
+    assert summary.shared_bytes == known and summary.shards[0].shared_bytes == known
+    assert known in (0, None)
+    result = run_cli("info", path)
+    assert result.exit_code == 0
+    assert ("shared extents  none" in result.stdout) == (known == 0)
+    assert json.loads(run_cli("info", path, "--json").stdout)["shared_bytes"] == known

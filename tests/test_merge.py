@@ -100,3 +100,19 @@ def test_bad_arguments(tmp_path: Path, run_cli) -> None:
     assert_one_line_error(run_cli("merge", tmp_path / "pipe", tmp_path / "m.safetensors"), contains="pipeline")
     assert_one_line_error(run_cli("merge", tmp_path / "pipe", tmp_path / "m.bin"), contains=".safetensors")
     assert_one_line_error(run_cli("merge", tmp_path / "nothing", tmp_path / "m.safetensors"))
+
+
+def test_merge_of_a_split_of_a_padded_file_is_byte_for_byte_too(tmp_path: Path) -> None:
+    """Copy-on-write padding (headers padded to the source's block offsets) survives split → merge."""
+    from safetensors.torch import save_file
+
+    sd = make_state_dict(["F32", "BF16", "I64", "U8"], shapes=[(1000,), (3, 999), (5,)])
+    save_file(sd, str(tmp_path / "ref.safetensors"))
+    shardkit.split(tmp_path / "ref.safetensors", tmp_path / "orig", max_shard_size="1GB")
+    original = tmp_path / "orig" / "model.safetensors"
+    shardkit.split(original, tmp_path / "sharded", max_shard_size="10KB")
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 2
+    result = shardkit.merge(tmp_path / "sharded", tmp_path / "merged.safetensors")
+    assert (tmp_path / "merged.safetensors").read_bytes() == original.read_bytes()
+    doc = result.to_dict()
+    assert doc["cloned_bytes"] + doc["copied_bytes"] == doc["total_bytes"] == sum(t.nbytes for t in sd.values())

@@ -12,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SHARDKIT_BIN, assert_bit_equal, float_state_dict, make_state_dict, tensor_bytes
+from conftest import SHARDKIT_BIN, assert_bit_equal, float_state_dict, load_folder, make_state_dict, tensor_bytes
 
 from shardkit.sharding import writer
 from shardkit.errors import HeaderError, InvalidInputError, ShardkitWriteError
-from shardkit.formats.header import read_header
+from shardkit.formats.header import TensorEntry, read_header
+from shardkit.units import DTYPE_BITS
 from shardkit.sources.memory import MemorySource
 from shardkit.sources.safetensors import open_safetensors_file
 from shardkit.sharding.writer import TensorWrite, tensor_write, write_safetensors
@@ -269,3 +270,39 @@ def test_kernel_copy_reads_the_file_the_source_opened_even_if_replaced(tmp_path:
         out = tmp_path / "out.safetensors"
         write_safetensors(str(out), _writes(src), src)
     assert_bit_equal(_load(out), original)
+
+
+def test_every_split_shard_keeps_its_source_block_offset(tmp_path: Path) -> None:
+    """Copy-on-write padding on any filesystem: each shard's first tensor sits at its source offset mod 4096."""
+    import shardkit
+    from safetensors.torch import save_file
+
+    tensors = make_state_dict(["F32", "BF16", "I64", "BOOL"], shapes=[(37,), (1500,), (3, 700)])
+    src = tmp_path / "model.safetensors"
+    save_file(tensors, str(src))
+    by_name = read_header(src).by_name()
+    result = shardkit.split(src, tmp_path / "out", max_shard_size="9KB")
+    assert len(result.plan.shards) > 2 and result.cloned_bytes == 0  # tmp is not a cloning filesystem
+    assert result.to_dict()["copied_bytes"] == result.plan.total_bytes
+    for shard in (tmp_path / "out").glob("*.safetensors"):
+        header = read_header(shard)
+        first = header.entries[0]
+        big_enough = sum(e.nbytes for e in header.entries) >= 4096
+        if big_enough:
+            assert header.data_start % 4096 == by_name[first.name].offset % 4096
+        for entry in header.entries:  # never less aligned than the source
+            item = max(1, DTYPE_BITS[entry.dtype] // 8)
+            assert entry.offset % item == 0 or by_name[entry.name].offset % item != 0
+    assert_bit_equal(load_folder(tmp_path / "out"), tensors)
+
+
+def test_clone_alignment_picks_the_class_with_the_most_bytes() -> None:
+    def w(name: str, nbytes: int, file: str | None, offset: int) -> TensorWrite:
+        entry = TensorEntry(name, "U8", (nbytes,), nbytes, file, offset)
+        return TensorWrite(entry, TensorEntry(name, "U8", (nbytes,), nbytes))
+
+    small, large = w("a", 5000, "x", 100), w("b", 9000, "y", 7 * 4096 + 24)
+    assert writer.clone_alignment([small, large]) == (7 * 4096 + 24 - 5000) % 4096
+    assert writer.clone_alignment([small]) == 100
+    assert writer.clone_alignment([w("m", 9000, None, 0)]) is None, "bytes in memory cannot be cloned"
+    assert writer.clone_alignment([w("t", 100, "x", 0)]) is None, "under a block: nothing to clone"
