@@ -115,7 +115,8 @@ def test_dtype_and_naming_options(run_cli, tmp_path: Path) -> None:
     result = run_cli("split", src, tmp_path / "out", "--dtype", "bf16", "--name", "diffusion_pytorch_model",
                      "--variant", "bf16", "-q")
     assert result.exit_code == 0, result.stderr
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["diffusion_pytorch_model.bf16.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["diffusion_pytorch_model.bf16.safetensors",
+                                                                    "shardkit.manifest.json"]
     loaded = load_folder(tmp_path / "out")
     assert loaded["layers.F32.0"].dtype == torch.bfloat16 and loaded["layers.I64.0"].dtype == torch.int64
 
