@@ -102,11 +102,13 @@ def test_unchanged_push_makes_no_commit_and_a_changed_shard_is_all_that_is_sent(
     proc = run_shardkit(env, "push", changed, REPO, "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert result["uploaded"] == ["model-00004-of-00004.safetensors"] and len(result["unchanged"]) == 4
+    # the manifest records the changed shard's digests, so it changes with it
+    assert result["uploaded"] == ["model-00004-of-00004.safetensors", "shardkit.manifest.json"]
+    assert len(result["unchanged"]) == 4
     repo = hub.state.repo(REPO)
     assert len(repo.history) == len(history) + 1
     new, old = repo.commits[repo.history[-1]].files, repo.commits[history[-1]].files
-    assert {p for p in new if new[p] != old.get(p)} == {"model-00004-of-00004.safetensors"}
+    assert {p for p in new if new[p] != old.get(p)} == {"model-00004-of-00004.safetensors", "shardkit.manifest.json"}
     received = hub.state.lfs_bytes_received
     assert received[shard_oid(changed, 4)] == (changed / "model-00004-of-00004.safetensors").stat().st_size
     assert all(received[shard_oid(folder, i)] == received[shard_oid(changed, 4)] for i in range(1, 5))
@@ -222,7 +224,7 @@ def test_dry_run_lists_the_plan_and_changes_nothing(hub, tmp_path):
     env = hub_env(hub, tmp_path / "home")
     proc = run_shardkit(env, "push", folder, REPO, "--dry-run")
     assert proc.returncode == 0, proc.stderr
-    assert "would upload 5 file(s)" in proc.stdout and "would create the repository" in proc.stdout
+    assert "would upload 6 file(s)" in proc.stdout and "would create the repository" in proc.stdout
     assert hub.state.repos == {}
 
     assert run_shardkit(env, "push", folder, REPO, "-q").returncode == 0
@@ -231,10 +233,11 @@ def test_dry_run_lists_the_plan_and_changes_nothing(hub, tmp_path):
     history, start = list(hub.state.repo(REPO).history), len(hub.state.requests)
     proc = run_shardkit(env, "push", changed, REPO, "--dry-run", "--json")
     result = json.loads(proc.stdout)
-    assert result["dry_run"] and sorted(result["uploaded"]) == ["README.md", "model-00004-of-00004.safetensors"]
+    assert result["dry_run"] and sorted(result["uploaded"]) == ["README.md", "model-00004-of-00004.safetensors",
+                                                                 "shardkit.manifest.json"]
     assert len(result["unchanged"]) == 4
     proc = run_shardkit(env, "push", changed, REPO, "--dry-run", "--json", "--exclude", "*.md")
-    assert json.loads(proc.stdout)["uploaded"] == ["model-00004-of-00004.safetensors"]
+    assert json.loads(proc.stdout)["uploaded"] == ["model-00004-of-00004.safetensors", "shardkit.manifest.json"]
     assert hub.state.repo(REPO).history == history
     assert {method for method, _, _ in hub.state.requests[start:]} <= {"GET", "HEAD"}
 
@@ -327,3 +330,33 @@ def test_push_dry_run_offline_shows_the_local_plan(tmp_path):
     assert "not reachable" in as_json["offline"] and len(as_json["uploaded"]) == files
     real = run_shardkit(env, "push", folder, REPO)
     assert real.returncode == 2 and "network failure" in real.stderr
+
+
+_COUNT_HASHING = """
+import sys
+import huggingface_hub.lfs, shardkit, shardkit.hub.commits
+calls = []
+real_file, real_obj = shardkit.hub.commits.sha256_file, huggingface_hub.lfs.sha_fileobj
+shardkit.hub.commits.sha256_file = lambda path: calls.append(path) or real_file(path)
+huggingface_hub.lfs.sha_fileobj = lambda f, *a, **k: calls.append(f.name) or real_obj(f, *a, **k)
+shardkit.push(sys.argv[1], sys.argv[2], verify=sys.argv[3] == "verify")
+print(sorted(p.rsplit("/", 1)[-1] for p in calls))
+"""
+
+
+def test_push_takes_digests_from_verify_or_the_manifest_instead_of_hashing_again(hub, tmp_path):
+    _, folder = make_checkpoint(tmp_path)
+    env = hub_env(hub, tmp_path / "home")
+    # verify reads every byte once; neither the comparison nor the upload hashes again
+    assert run_python(_COUNT_HASHING, env, folder, REPO, "verify").stdout.strip() == "[]"
+    _, changed = make_checkpoint(tmp_path, "changed", changed_last=True)
+    # --no-verify: the manifest vouches for files not modified after it (same-size files on the remote
+    # would each be hashed to compare them, and every upload hashed by huggingface_hub)
+    assert run_python(_COUNT_HASHING, env, changed, REPO, "no-verify").stdout.strip() == "[]"
+    assert hub.state.files_at(REPO)["model-00004-of-00004.safetensors"].sha256 == shard_oid(changed, 4)
+    # a file modified after the manifest (same size, so compared by digest) is hashed, not trusted
+    shard = changed / "model-00002-of-00004.safetensors"
+    manifest_ns = (changed / "shardkit.manifest.json").stat().st_mtime_ns
+    os.utime(shard, ns=(manifest_ns + 10**9, manifest_ns + 10**9))
+    assert run_python(_COUNT_HASHING, env, changed, REPO, "no-verify").stdout.strip() == \
+        "['model-00002-of-00004.safetensors']"

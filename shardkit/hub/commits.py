@@ -21,7 +21,8 @@ MAX_FILE_BYTES = 50 * 10**9  # the Hub refuses larger files
 WARN_FILE_BYTES = 20 * 10**9  # the Hub's recommended maximum
 MAX_FILES_PER_COMMIT = 100  # the Hub's advice; larger pushes take several commits
 
-_LAST_COMMIT_RE = re.compile(r"(^|/)(model_index\.json|[^/]+\.index(\.[^./]+)?\.json)$")
+# shardkit.manifest.json goes with the indexes: it lists every shard, so it must not appear before them
+_LAST_COMMIT_RE = re.compile(r"(^|/)(model_index\.json|shardkit\.manifest\.json|[^/]+\.index(\.[^./]+)?\.json)$")
 _INDEX_RE = re.compile(r"^(?P<prefix>[^.]+)\.safetensors\.index(?:\.(?P<variant>[^.]+))?\.json$")
 _WEIGHTS_RE = re.compile(r"^(?P<stem>.+?)(?P<shard>-\d{5}-of-\d{5})?\.safetensors$")
 
@@ -111,7 +112,8 @@ def split_changed(files: list[LocalFile], remote: dict[str, RemoteFile],
             changed.append(f)
             continue
         if r.lfs_sha256 is not None:
-            digests[f.path_in_repo] = sha256_file(f.local_path)
+            if f.path_in_repo not in digests:  # push fills in what verify or the manifest already know
+                digests[f.path_in_repo] = sha256_file(f.local_path)
             identical = digests[f.path_in_repo] == r.lfs_sha256
         else:
             identical = git_blob_id(f.local_path) == r.blob_id

@@ -37,6 +37,7 @@ from .commits import (
     split_changed,
     stale_files,
 )
+from .known import known_digests
 
 ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -82,15 +83,14 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
     check_repo_id(repo_id)
     files = collect_files(path, path_in_repo=path_in_repo, include=include, exclude=exclude)
     check_sizes(files)
-    if verify:
-        verify_folder(path)
+    known = known_digests(path, files, report=verify_folder(path) if verify else None)
     if create_pr and revision is not None and revision.startswith("refs/pr/"):
         raise InvalidInputError(f"--revision {revision} is a pull request already; push to it without --create-pr")
     try:
         with hub_errors(repo_id, revision or "main"):
             return _Pusher(repo_id, repo_type=repo_type, token=token, revision=revision, create_pr=create_pr,
                            private=private, dry_run=dry_run).run(files, prefix=clean_prefix(path_in_repo),
-                                                                 message=message, progress=progress)
+                                                                 message=message, progress=progress, known=known)
     except HubError as e:
         if not (dry_run and _is_network_failure(e)):
             raise
@@ -133,8 +133,8 @@ def check_repo_id(repo_id: str) -> None:
                                 "letters, digits, '-', '_' and '.'") from e
 
 
-def verify_folder(path: str | os.PathLike[str]) -> None:
-    """Run ``shardkit.verify`` and refuse a broken checkpoint."""
+def verify_folder(path: str | os.PathLike[str]) -> Any:
+    """Run ``shardkit.verify`` and refuse a broken checkpoint; returns the report."""
     from ..checking.verify import verify as verify_checkpoint
 
     report = verify_checkpoint(path)
@@ -143,6 +143,7 @@ def verify_folder(path: str | os.PathLike[str]) -> None:
         first = findings[0] if findings else "see `shardkit verify`"
         raise VerificationError(f"{path}: refusing to push, verification found {len(findings)} problem(s), "
                                 f"first: {first} (fix the folder, or pass --no-verify)", findings)
+    return report
 
 
 def _describe(finding: Any) -> str:
@@ -171,10 +172,10 @@ class _Pusher:
         self._name_repo(repo_id)
 
     def run(self, files: list[LocalFile], *, prefix: str, message: str | None,
-            progress: ProgressCallback | None) -> PushResult:
+            progress: ProgressCallback | None, known: dict[str, str] | None = None) -> PushResult:
         head = self._prepare_target()
         remote = self._remote_files(head, prefix) if head else {}
-        digests: dict[str, str] = {}
+        digests: dict[str, str] = dict(known or {})  # not hashed again, neither here nor by the upload
         upload, same = split_changed(files, remote, digests)
         deletions = stale_files(files, remote)
         res = self.result
