@@ -37,7 +37,7 @@ def test_diffusers_model_is_saved_with_diffusers_names_and_config(tmp_path: Path
     result = shardkit.save_sharded(unet, out, max_shard_size="40KB")
     assert len(result.plan.shards) > 1
     assert result.plan.index_filename == "diffusion_pytorch_model.safetensors.index.json"
-    names = sorted(p.name for p in out.iterdir())
+    names = sorted(p.name for p in out.iterdir() if p.name != "shardkit.manifest.json")  # loaders ignore it
     assert "config.json" in names
     assert all(n.startswith("diffusion_pytorch_model") for n in names if n != "config.json"), names
     config = json.loads((out / "config.json").read_text())
@@ -100,7 +100,7 @@ def test_transformers_untied_variant_and_cast(tmp_path: Path) -> None:
 def test_a_plain_module_keeps_the_generic_layout(tmp_path: Path) -> None:
     model = torch.nn.Linear(4, 4)
     result = shardkit.save_sharded(model, tmp_path / "out")
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors", "shardkit.manifest.json"]
     assert result.plan.filenames() == ["model.safetensors"]
 
 

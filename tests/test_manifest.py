@@ -1,0 +1,268 @@
+"""shardkit.manifest.json: written with every output, checked by verify, kept consistent by the transaction."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import helpers_reliability as h
+import shardkit
+from conftest import leftovers
+from helpers_verify import build_pipeline, flip_byte, index_of, make_state_dict, read_raw_header, tensor_offset
+from shardkit.checking.verify import verify
+from shardkit.errors import ShardkitWriteError
+from shardkit.formats.manifest import MANIFEST_NAME, read_manifest
+from shardkit.formats.suffixes import is_index_file, is_manifest_file, is_weight_file
+from shardkit.sharding import digest
+
+SHARD = 20_000
+
+
+@pytest.fixture
+def folder_source(tmp_path: Path) -> Path:
+    """A plain checkpoint folder with a config.json, as another tool would leave it (no manifest)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file(make_state_dict(), str(src / "model.safetensors"), metadata={"format": "pt"})
+    (src / "config.json").write_text(json.dumps({"hidden_size": 40}))
+    return src
+
+
+@pytest.fixture
+def out(tmp_path: Path, folder_source: Path, run_cli) -> Path:
+    result = run_cli("split", folder_source, tmp_path / "out", "--max-shard-size", str(SHARD), "-q")
+    assert result.exit_code == 0, result.stderr
+    return tmp_path / "out"
+
+
+def shards(folder: Path) -> list[Path]:
+    return sorted(folder.glob("model-*.safetensors"))
+
+
+def crcs(folder: Path) -> dict[str, str]:
+    """Tensor name → crc32, over every safetensors file the folder's manifest lists."""
+    manifest = read_manifest(folder)
+    assert manifest is not None
+    return {name: t.crc32 for f in manifest.files.values() for name, t in f.tensors.items()}
+
+
+def test_every_written_file_is_listed_with_its_sha256_and_tensor_digests(out: Path) -> None:
+    import hashlib
+    import zlib
+
+    manifest = read_manifest(out)
+    assert manifest is not None
+    on_disk = sorted(p.name for p in out.iterdir() if p.name != MANIFEST_NAME)
+    assert sorted(manifest.files) == on_disk  # shards, index and config.json
+    for name, record in manifest.files.items():
+        data = (out / name).read_bytes()
+        assert (record.size_bytes, record.sha256) == (len(data), hashlib.sha256(data).hexdigest())
+    shard = shards(out)[0]
+    record, (header, start) = manifest.files[shard.name], read_raw_header(shard)
+    data = shard.read_bytes()
+    assert record.data_start == start and record.header_crc32 == f"{zlib.crc32(data[:start]):08x}"
+    for name, spec in header.items():
+        if name != "__metadata__":
+            begin, end = spec["data_offsets"]
+            assert (record.tensors[name].begin, record.tensors[name].end) == (begin, end)
+            assert record.tensors[name].crc32 == f"{zlib.crc32(data[start + begin:start + end]):08x}"
+
+
+def test_a_flipped_byte_in_any_shard_is_named_with_its_tensor(out: Path, run_cli) -> None:
+    for shard in shards(out):
+        header, _ = read_raw_header(shard)
+        tensor = max((n for n in header if n != "__metadata__"),
+                     key=lambda n: header[n]["data_offsets"][1] - header[n]["data_offsets"][0])
+        original = shard.read_bytes()
+        flip_byte(shard, tensor_offset(shard, tensor) + 3)
+        result = run_cli("verify", out)
+        assert result.exit_code == 1, result.stdout
+        fails = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
+        assert len(fails) == 1 and fails[0].startswith(f"FAIL {shard.name}: tensor {tensor!r}: data changed"), fails
+        report = verify(out)
+        assert [(f.file, f.tensor) for f in report.findings] == [(shard.name, tensor)]
+        shard.write_bytes(original)
+    assert run_cli("verify", out).exit_code == 0
+
+
+def test_a_flipped_byte_in_the_header_or_config_is_named(out: Path, run_cli) -> None:
+    shard = shards(out)[0]
+    raw = shard.read_bytes()
+    flip_byte(shard, 20)  # inside the header JSON
+    result = run_cli("verify", out)
+    assert result.exit_code == 1
+    fails = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
+    assert fails and all(line.startswith(f"FAIL {shard.name}") for line in fails), result.stdout
+    shard.write_bytes(raw)
+
+    flip_byte(out / "config.json", 3)
+    result = run_cli("verify", out)
+    assert result.exit_code == 1
+    fails = [line for line in result.stdout.splitlines() if line.startswith("FAIL")]
+    assert len(fails) == 1 and fails[0].startswith("FAIL config.json: changed since shardkit wrote it: sha256"), fails
+
+
+def test_header_region_damage_is_located_when_it_still_parses(out: Path) -> None:
+    shard = shards(out)[0]
+    _, start = read_raw_header(shard)
+    raw = shard.read_bytes()
+    pad = raw.rindex(b"  ", 0, start)  # the writer pads the header with spaces
+    shard.write_bytes(raw[:pad] + b"\t" + raw[pad + 1:])
+    report = verify(out)
+    assert [(f.file, f.tensor) for f in report.findings] == [(shard.name, None)]
+    assert report.findings[0].message.startswith(f"header bytes 0-{start} changed since shardkit wrote them")
+
+
+def test_a_folder_without_a_manifest_says_structure_only(folder_source: Path, run_cli) -> None:
+    result = run_cli("verify", folder_source)
+    assert result.exit_code == 0
+    assert "integrity: structure only for model.safetensors (no shardkit.manifest.json)" in result.stdout
+    assert "pass --against SOURCE" in result.stdout
+    report = verify(folder_source)
+    assert report.ok and report.manifests == [] and report.structure_only == ["model.safetensors"]
+
+
+def test_a_clean_output_reports_every_file_checked_against_the_manifest(out: Path, run_cli) -> None:
+    result = run_cli("verify", out)
+    assert result.exit_code == 0, result.stdout
+    listed = len(read_manifest(out).files)
+    assert f"integrity: {listed} file(s) match shardkit.manifest.json byte for byte" in result.stdout
+    assert verify(out).structure_only == []
+    report = json.loads(run_cli("verify", out, "--json").stdout)
+    assert report["manifests"] == [MANIFEST_NAME] and {f["checked"] for f in report["files"]} == {"manifest"}
+
+
+def test_manifest_survives_split_merge_convert_and_digests_carry(tmp_path: Path, out: Path) -> None:
+    first = crcs(out)
+    resharded = tmp_path / "resharded"
+    shardkit.split(out, resharded, max_shard_size=SHARD * 2)  # the source's own manifest is not copied
+    assert crcs(resharded) == first and verify(resharded).ok
+    assert not any(is_manifest_file(n) for n in os.listdir(resharded) if n != MANIFEST_NAME)
+    shardkit.merge(resharded, tmp_path / "merged.safetensors")  # the manifest is no shard: merge ignores it
+    converted = tmp_path / "converted"
+    shardkit.convert(tmp_path / "merged.safetensors", converted, max_shard_size=SHARD)
+    assert crcs(converted) == first and verify(converted).ok
+    shardkit.split(converted, converted, max_shard_size="1GB", overwrite=True)  # in place: replaced
+    assert sorted(read_manifest(converted).files) == ["model.safetensors"]
+    assert crcs(converted) == first and verify(converted).ok
+
+
+def test_reshard_in_place_replaces_the_manifest_and_keeps_untouched_records(out: Path) -> None:
+    config_record = read_manifest(out).files["config.json"]
+    shardkit.split(out, out, max_shard_size=SHARD * 3, overwrite=True)
+    manifest = read_manifest(out)
+    assert sorted(manifest.files) == sorted(p.name for p in out.iterdir() if p.name != MANIFEST_NAME)
+    assert manifest.files["config.json"] == config_record  # not rewritten: its original record is kept
+    assert verify(out).ok
+
+
+def test_a_source_that_changed_since_its_manifest_fails_the_write(tmp_path: Path, out: Path) -> None:
+    shard = shards(out)[1]
+    header, _ = read_raw_header(shard)
+    tensor = next(n for n in header if n != "__metadata__")
+    flip_byte(shard, tensor_offset(shard, tensor))
+    with pytest.raises(ShardkitWriteError, match=f"tensor '{tensor}'.*the source changed since it was written"):
+        shardkit.split(out, tmp_path / "copy", max_shard_size=SHARD * 2)
+    assert not (tmp_path / "copy").exists() and leftovers(tmp_path) == []
+
+
+def test_a_failed_write_leaves_no_manifest(tmp_path: Path, out: Path, monkeypatch) -> None:
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = digest.digest_file
+    calls = []
+
+    def failing(path, **kwargs):
+        calls.append(path)
+        if len(calls) == 2:
+            raise ShardkitWriteError("disk went away")
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(digest, "digest_file", failing)
+    with pytest.raises(ShardkitWriteError, match="disk went away"):
+        shardkit.split(out, tmp_path / "fresh", max_shard_size=SHARD * 2)
+    assert not (tmp_path / "fresh").exists()
+    assert leftovers(tmp_path) == []
+    calls.clear()
+    with pytest.raises(ShardkitWriteError, match="disk went away"):
+        shardkit.split(out, out, max_shard_size=SHARD * 2, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # old files, old manifest
+
+
+def test_killed_in_place_reshard_never_leaves_a_disagreeing_manifest(tmp_path: Path, out: Path) -> None:
+    trace = tmp_path / "trace"
+    probe = tmp_path / "probe"
+    shutil.copytree(out, probe)
+    args = ["split", probe, probe, "--max-shard-size", str(SHARD * 3), "--overwrite", "-q"]
+    assert h.run_shardkit(args, SHARDKIT_FAULT_TRACE=trace).returncode == 0
+    points = h.read_trace(trace)
+    chosen = {"file-done", "write:small-file", "commit:before-commit-point", "commit:after-commit-point",
+              "commit:renamed"}
+    kills = [n for n, label, _ in points if label in chosen][::2][:5]
+    assert len(kills) >= 3
+    for n in kills:
+        work = tmp_path / f"k{n}"
+        shutil.copytree(out, work)
+        args[1:3] = [work, work]
+        assert h.run_shardkit(args, SHARDKIT_FAULT_KILL_AT=n).returncode == -9
+        report = verify(work)  # settles a pending commit first
+        assert report.ok, (n, [str(f) for f in report.findings])
+        assert report.structure_only == []
+
+
+def test_pipeline_gets_one_manifest_at_the_top_and_components_verify_alone(tmp_path: Path) -> None:
+    pipe = build_pipeline(tmp_path / "pipe")
+    out = tmp_path / "split"
+    shardkit.split(pipe, out, max_shard_size="60KB")
+    assert [p.relative_to(out).as_posix() for p in out.rglob(MANIFEST_NAME)] == [MANIFEST_NAME]
+    listed = read_manifest(out).files
+    assert "model_index.json" in listed and "scheduler/scheduler_config.json" in listed
+    assert any(n.startswith("unet/diffusion_pytorch_model-") for n in listed)
+    report = verify(out)
+    assert report.ok and report.structure_only == [], report.structure_only
+    unet_index = "diffusion_pytorch_model.safetensors.index.json"
+    shard = out / "unet" / index_of(out / "unet", unet_index)["weight_map"]["conv_in.weight"]
+    flip_byte(shard, tensor_offset(shard, "conv_in.weight") + 1)
+    found = [(f.file, f.tensor) for f in verify(out).findings]
+    assert found == [(f"unet/{shard.name}", "conv_in.weight")]
+    alone = verify(out / "unet")  # the parent's manifest covers the component
+    assert [(f.file, f.tensor) for f in alone.findings] == [(shard.name, "conv_in.weight")]
+    assert alone.manifests == [os.path.join("..", MANIFEST_NAME)]
+
+
+def test_component_resharded_in_place_has_its_own_manifest_which_wins(tmp_path: Path) -> None:
+    pipe = build_pipeline(tmp_path / "pipe")
+    out = tmp_path / "split"
+    shardkit.split(pipe, out, max_shard_size="60KB")
+    shardkit.split(out / "unet", out / "unet", max_shard_size="1GB", overwrite=True)
+    assert (out / "unet" / MANIFEST_NAME).exists()
+    report = verify(out)  # the top manifest's old unet records are superseded
+    assert report.ok, [str(f) for f in report.findings]
+    assert report.manifests == [MANIFEST_NAME, f"unet/{MANIFEST_NAME}"]
+    shardkit.split(out, out, max_shard_size="60KB", overwrite=True)  # whole pipeline again: one manifest
+    assert not (out / "unet" / MANIFEST_NAME).exists() and verify(out).ok
+
+
+def test_save_sharded_writes_a_manifest_and_loaders_ignore_it(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    sd = {"a": torch.randn(64, 8), "b": torch.randn(8)}
+    shardkit.save_sharded(sd, tmp_path / "mem", max_shard_size="1KB")
+    assert (tmp_path / "mem" / MANIFEST_NAME).exists() and verify(tmp_path / "mem").ok
+    assert not is_weight_file(MANIFEST_NAME) and not is_index_file(MANIFEST_NAME)
+    with shardkit.open(tmp_path / "mem") as lazy:
+        assert sorted(lazy.keys()) == ["a", "b"]
+    merged = {k: v for p in (tmp_path / "mem").glob("*.safetensors") for k, v in load_file(str(p)).items()}
+    assert torch.equal(merged["a"], sd["a"])
+
+
+def test_an_unreadable_manifest_is_a_finding_not_a_crash(out: Path, run_cli) -> None:
+    (out / MANIFEST_NAME).write_text("{oops")
+    result = run_cli("verify", out)
+    assert result.exit_code == 1
+    assert f"FAIL {MANIFEST_NAME}: " in result.stdout and "unreadable manifest" in result.stdout
