@@ -46,7 +46,7 @@ import mmap
 import os
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ..errors import InvalidInputError
 from .suffixes import MANIFEST_FILE
@@ -196,13 +196,16 @@ READ_BYTES = 1 << 20  # a page-aligned buffer of about 1 MiB reads a warm file a
 Range = tuple[str, int, int]  # (label, absolute begin, absolute end)
 
 
-def read_digests(path: str, ranges: list[Range]) -> tuple[str, list[str], int]:
+def read_digests(path: str, ranges: list[Range], *,
+                 cancelled: Callable[[], bool] | None = None) -> tuple[str, list[str], int]:
     """Read ``path`` once: its sha256, the crc32 of each range, and its size.
 
     Args:
         path: the file.
         ranges: sorted, non-overlapping absolute byte ranges (a safetensors file's header region
             and tensors tile it).
+        cancelled: polled between chunks; when it returns True the read stops with
+            ``InterruptedError`` (a writer that failed or was interrupted does not wait for it).
 
     Returns:
         ``(sha256 hex, [crc32 as 8 hex digits per range], bytes read)``.
@@ -221,6 +224,8 @@ def read_digests(path: str, ranges: list[Range]) -> tuple[str, list[str], int]:
     fd = os.open(path, os.O_RDONLY)
     try:
         while n := os.readv(fd, [view]):
+            if cancelled is not None and cancelled():
+                raise InterruptedError(f"{path}: hashing cancelled")
             chunk = view[:n]
             sha.update(chunk)
             i = _crc_chunk(ranges, crcs, i, pos, chunk)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ..errors import ShardkitWriteError, describe_os_error
 from ..formats.header import read_header
@@ -48,12 +49,14 @@ class FileHasher:
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-hash")
+        self._stop = threading.Event()  # set when the write fails: Ctrl-C does not wait for a 5 GB hash
         self._pending: dict[str, Future[FileDigest]] = {}
         self._done: dict[str, FileDigest] = {}
 
     def submit(self, name: str, path: str, *, safetensors: bool, carried: Carried | None = None) -> None:
         """Queue ``path`` (published as ``name``); ``safetensors`` adds the header and per-tensor crc32."""
-        self._pending[name] = self._pool.submit(digest_file, path, safetensors=safetensors, carried=carried)
+        self._pending[name] = self._pool.submit(digest_file, path, safetensors=safetensors, carried=carried,
+                                                cancelled=self._stop.is_set)
 
     def add_bytes(self, name: str, data: bytes) -> None:
         """Record a small file written from memory (an index, the manifest's neighbours)."""
@@ -74,18 +77,21 @@ class FileHasher:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._stop.set()
         for future in self._pending.values():
             future.cancel()
         self._pool.shutdown(wait=True)
 
 
-def digest_file(path: str, *, safetensors: bool, carried: Carried | None = None) -> FileDigest:
+def digest_file(path: str, *, safetensors: bool, carried: Carried | None = None,
+                cancelled: Callable[[], bool] | None = None) -> FileDigest:
     """sha256 of ``path`` and, for a safetensors file, crc32 of its header region and each tensor.
 
     Args:
         path: the file to read.
         safetensors: whether to parse its header and digest each tensor.
         carried: crc32s each tensor must have (from its source's manifest).
+        cancelled: polled between chunks (see :func:`~shardkit.formats.manifest.read_digests`).
 
     Returns:
         The :class:`~shardkit.formats.manifest.FileDigest`.
@@ -100,7 +106,7 @@ def digest_file(path: str, *, safetensors: bool, carried: Carried | None = None)
     try:
         header = read_header(path) if safetensors else None
         ranges = _ranges(header) if header is not None else []
-        sha, crcs, size = read_digests(path, ranges)
+        sha, crcs, size = read_digests(path, ranges, cancelled=cancelled)
     except OSError as e:
         raise ShardkitWriteError(f"hashing {path} for the manifest failed: {describe_os_error(e)}; "
                                  "nothing was published") from e
