@@ -196,7 +196,7 @@ READ_BYTES = 1 << 20  # a page-aligned buffer of about 1 MiB reads a warm file a
 Range = tuple[str, int, int]  # (label, absolute begin, absolute end)
 
 
-def read_digests(path: str, ranges: list[Range], *,
+def read_digests(path: str, ranges: list[Range], *, sha256: bool = True,
                  cancelled: Callable[[], bool] | None = None) -> tuple[str, list[str], int]:
     """Read ``path`` once: its sha256, the crc32 of each range, and its size.
 
@@ -204,6 +204,7 @@ def read_digests(path: str, ranges: list[Range], *,
         path: the file.
         ranges: sorted, non-overlapping absolute byte ranges (a safetensors file's header region
             and tensors tile it).
+        sha256: whether to compute the sha256 (``""`` is returned when not).
         cancelled: polled between chunks; when it returns True the read stops with
             ``InterruptedError`` (a writer that failed or was interrupted does not wait for it).
 
@@ -227,15 +228,17 @@ def read_digests(path: str, ranges: list[Range], *,
             if cancelled is not None and cancelled():
                 raise InterruptedError(f"{path}: hashing cancelled")
             chunk = view[:n]
-            sha.update(chunk)
-            i = _crc_chunk(ranges, crcs, i, pos, chunk)
+            if sha256:
+                sha.update(chunk)
+            if ranges:
+                i = _crc_chunk(ranges, crcs, i, pos, chunk)
             pos += n
             del chunk
     finally:
         os.close(fd)
         view.release()
         buffer.close()
-    return sha.hexdigest(), [f"{c:08x}" for c in crcs], pos
+    return sha.hexdigest() if sha256 else "", [f"{c:08x}" for c in crcs], pos
 
 
 def _crc_chunk(ranges: list[Range], crcs: list[int], i: int, pos: int, chunk: memoryview) -> int:
