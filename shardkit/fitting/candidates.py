@@ -31,11 +31,11 @@ class Margin:
 
     def budget_for(self, peak_bytes: int, *, gpu: bool) -> int:
         """Smallest budget whose usable part holds ``peak_bytes`` (exactly: ``usable`` agrees to the byte)."""
-        budget = max(1, math.ceil((peak_bytes + (self.gpu_reserve_bytes if gpu else 0)) / (1 - self.fraction)))
+        budget = max(0, math.ceil((peak_bytes + (self.gpu_reserve_bytes if gpu else 0)) / (1 - self.fraction)))
         # The float division can land a byte either side of the bound that ``usable`` truncates to.
         while self.usable(budget, gpu=gpu) < peak_bytes:
             budget += 1
-        while budget > 1 and self.usable(budget - 1, gpu=gpu) >= peak_bytes:
+        while budget > 0 and self.usable(budget - 1, gpu=gpu) >= peak_bytes:
             budget -= 1
         return budget
 
