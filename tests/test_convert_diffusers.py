@@ -282,3 +282,22 @@ def test_an_sd15_sized_unet_converts_without_the_checkpoint_in_memory(tmp_path: 
     assert peak_rss_bytes < src.stat().st_size / 2, (peak_rss_bytes, src.stat().st_size)
     header = shardkit.read_header(tmp_path / "unet" / "diffusion_pytorch_model.safetensors")
     assert {e.name for e in header.entries} == set(model.state_dict())
+
+
+def test_a_flux_checkpoint_is_recognised_and_a_wrong_config_is_named(tmp_path: Path, run_cli) -> None:
+    from diffusers import FluxTransformer2DModel
+    from safetensors.torch import save_file
+
+    src = tmp_path / "flux.safetensors"
+    save_file({"double_blocks.0.img_attn.norm.key_norm.scale": torch.ones(4), "img_in.weight": torch.ones(8, 64),
+               "guidance_in.in_layer.bias": torch.ones(8)}, src)
+    line = assert_one_line_error(run_cli("convert", src, tmp_path / "out", "--to", "diffusers"))
+    assert "'flux-dev' checkpoint" in line and "black-forest-labs/FLUX.1-dev" in line
+    with torch.device("meta"):
+        FluxTransformer2DModel(num_layers=1, num_single_layers=1, attention_head_dim=8, num_attention_heads=2,
+                               joint_attention_dim=16, pooled_projection_dim=8,
+                               axes_dims_rope=[2, 2, 4]).save_config(tmp_path / "transformer")
+    line = assert_one_line_error(run_cli("convert", src, tmp_path / "out", "--to", "diffusers", "--config",
+                                         tmp_path / "transformer"))
+    assert "does not convert into the FluxTransformer2DModel" in line and "diffusers' conversion failed" in line
+    assert not (tmp_path / "out").exists()
