@@ -301,3 +301,58 @@ def test_a_flux_checkpoint_is_recognised_and_a_wrong_config_is_named(tmp_path: P
                                          tmp_path / "transformer"))
     assert "does not convert into the FluxTransformer2DModel" in line and "diffusers' conversion failed" in line
     assert not (tmp_path / "out").exists()
+
+
+def _sd_pipeline_folders(tmp_path: Path, sd_models: tuple[Any, Any]) -> tuple[Any, Path]:
+    """A reference SD pipeline (SD-like unet/vae, tiny CLIP) and a copy of its folder with configs only."""
+    import shutil
+
+    from conftest import tiny_clip_text_config
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+    from helpers_pipeline import write_tiny_clip_tokenizer_files
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    torch.manual_seed(1)
+    vocab, merges = write_tiny_clip_tokenizer_files(tmp_path / "tok-src")
+    text_encoder = CLIPTextModel(tiny_clip_text_config()).eval()
+    pipe = StableDiffusionPipeline(unet=sd_models[0], vae=sd_models[1], text_encoder=text_encoder,
+                                   tokenizer=CLIPTokenizer(str(vocab), str(merges), model_max_length=16),
+                                   scheduler=DDIMScheduler(), safety_checker=None, feature_extractor=None,
+                                   requires_safety_checker=False)
+    configs = tmp_path / "sd-configs"
+    pipe.save_pretrained(tmp_path / "reference")
+    shutil.copytree(tmp_path / "reference", configs, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    return pipe, configs
+
+
+def test_a_whole_pipeline_with_its_text_encoder(tmp_path: Path, run_cli, sd_models, ldm_checkpoint) -> None:
+    from diffusers import StableDiffusionPipeline
+    from safetensors.torch import save_file
+
+    pipe, configs = _sd_pipeline_folders(tmp_path, sd_models)
+    del ldm_checkpoint[CLIP_KEY]  # the placeholder; the real text encoder follows
+    ldm_checkpoint.update({f"cond_stage_model.transformer.text_model.{k}": v.clone()
+                           for k, v in pipe.text_encoder.state_dict().items()})
+    src = tmp_path / "sd.safetensors"
+    save_file(ldm_checkpoint, src)
+    out = tmp_path / "pipeline"
+    result = run_cli("convert", src, out, "--to", "diffusers", "--config", configs, "--component", "all", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert sorted(json.loads(result.stdout)["components"]) == ["text_encoder", "unet", "vae"]
+    loaded = StableDiffusionPipeline.from_pretrained(out)
+    for name in ("unet", "vae", "text_encoder"):
+        assert_bit_equal(getattr(loaded, name).state_dict(), getattr(pipe, name).state_dict())
+    assert (out / "tokenizer" / "tokenizer_config.json").is_file() and (out / "text_encoder" / "model.safetensors").is_file()
+
+
+def test_a_pipeline_component_neither_in_the_checkpoint_nor_in_the_config(tmp_path: Path, run_cli, sd_models,
+                                                                           ldm_checkpoint) -> None:
+    from safetensors.torch import save_file
+
+    _, configs = _sd_pipeline_folders(tmp_path, sd_models)
+    src = tmp_path / "sd.safetensors"
+    save_file({k: v for k, v in ldm_checkpoint.items() if k != CLIP_KEY}, src)
+    line = assert_one_line_error(run_cli("convert", src, tmp_path / "out", "--to", "diffusers", "--config", configs,
+                                         "--component", "all"))
+    assert "text_encoder (CLIPTextModel) is not in" in line and "has no weights for it" in line
+    assert not (tmp_path / "out").exists()

@@ -18,6 +18,7 @@ Examples:
   shardkit convert my-sd-pipeline/ out/ --max-shard-size 2GB       # every component of a pipeline
   shardkit convert v1-5-pruned.safetensors unet/ --to diffusers --config sd15-pipeline/
   shardkit convert flux1-dev.safetensors transformer/ --to diffusers --config flux-transformer/config.json
+  shardkit convert sd_xl_base_1.0.safetensors sdxl/ --to diffusers --config sdxl-configs/ --component all
 
 \b
 SOURCE kinds: .safetensors file, index or folder; .bin/.pt/.pth/.ckpt pickle (loaded with
@@ -40,8 +41,9 @@ Values in the state dict that are not tensors are an error naming them.
 diffusers model folder (config.json + diffusion_pytorch_model shards) that from_pretrained loads,
 with diffusers' own from_single_file key mapping. It needs the model's diffusers config locally,
 since shardkit never downloads: --config takes a config.json, a model folder, or a pipeline folder
-(model_index.json) whose --component (default: unet or transformer) is written. The key options
-do not apply; --key still picks a pickle's state dict.
+(model_index.json) whose --component (default: unet or transformer) is written; --component all
+writes the whole pipeline (CLIP/T5 text encoders converted by diffusers too, tokenizers and
+schedulers copied from --config). The key options do not apply; --key picks a pickle's state dict.
 
 \b
 Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers of 2.
@@ -65,7 +67,8 @@ Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers
 @click.option("--config", "config", type=click.Path(path_type=str), metavar="PATH",
               help="With --to diffusers: a config.json, a model folder or a pipeline folder (required).")
 @click.option("--component", metavar="NAME",
-              help="With --to diffusers and a pipeline --config: the component to write (default: unet/transformer).")
+              help="With --to diffusers and a pipeline --config: the component to write (default: unet/transformer; "
+                   "'all': the whole pipeline).")
 @shard_options("name", "variant", "overwrite", "dry-run", "json", "quiet")
 def convert(source: str, output: str, key: str | None, strip_prefix: str | None, add_prefix: str | None,
             include: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...], to: str | None,

@@ -67,7 +67,8 @@ def convert(source: Any, output: str | os.PathLike[str], *, max_shard_size: str 
         config: with ``to="diffusers"``, the local diffusers config (a ``config.json``, a model
             folder, or a pipeline folder); required, since nothing is downloaded.
         component: with a pipeline folder as ``config``, the component to write (default: its
-            ``unet`` or ``transformer``).
+            ``unet`` or ``transformer``); ``"all"`` writes a whole pipeline folder (text encoders
+            included, tokenizers and schedulers copied from ``config``).
         dtype, allow_lossy, name, variant, overwrite, dry_run, metadata, progress: see
             :class:`~shardkit.sharding.options.WriteOptions`.
 
@@ -135,7 +136,7 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
 
 
 def _convert_to(source: Any, output: str, *, options: WriteOptions, key: str | None, keymap: KeyMap,
-                to: str | None, config: str | os.PathLike[str] | None, component: str | None) -> ConvertResult:
+                to: str | None, config: str | os.PathLike[str] | None, component: str | None) -> SplitResult:
     """``--to diffusers``: diffusers' own single-file conversion, written by the normal job."""
     if to != "diffusers":
         raise InvalidInputError(f"--to {to}: the only conversion target is 'diffusers'" if to is not None else
@@ -149,12 +150,16 @@ def _convert_to(source: Any, output: str, *, options: WriteOptions, key: str | N
         raise InvalidInputError(f"{output}: a diffusers model is a folder (config.json + weights); give a folder as "
                                 f"OUTPUT, e.g. {output[: -len('.safetensors')]}/")
     refuse_output_inside_source(source, output)
-    from .to_diffusers import convert_to_diffusers
-
     if not options.dry_run:
         from ..atomic.commit import recover
 
         recover(os.path.dirname(os.path.abspath(os.fspath(source))))
+    if component == "all":
+        from .to_diffusers_pipeline import convert_pipeline_to_diffusers
+
+        return convert_pipeline_to_diffusers(source, output, options=options, config=config, key=key)
+    from .to_diffusers import convert_to_diffusers
+
     result, unused = convert_to_diffusers(source, output, options=options, config=config, component=component,
                                           key=key)
     as_split = {f.name: getattr(result, f.name) for f in fields(SplitResult)}

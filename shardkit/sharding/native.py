@@ -23,7 +23,7 @@ from ..errors import InvalidInputError
 from ..formats.index import DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, Naming
 from .job import SideFile
 
-__all__ = ["NativeModel", "library_of", "native_model"]
+__all__ = ["NativeModel", "library_of", "native_model", "transformers_state_dict"]
 
 DIFFUSERS = "diffusers"
 TRANSFORMERS = "transformers"
@@ -89,7 +89,7 @@ def native_model(obj: Any, *, cast_to: str | None = None) -> Iterator[NativeMode
             native = NativeModel(library, obj.state_dict(), Naming(DIFFUSERS_PREFIX))
         else:
             _save_transformers_configs(obj, folder, cast_to=cast_to)
-            state, keep = _transformers_state_dict(obj)
+            state, keep = transformers_state_dict(obj)
             native = NativeModel(library, state, Naming(TRANSFORMERS_PREFIX), keep=keep)
         native.side_files = sorted((os.path.join(folder, name), name) for name in os.listdir(folder))
         yield native
@@ -120,7 +120,7 @@ def _torch_dtype_name(code: str) -> str:
     return str(to_torch(code)).removeprefix("torch.")
 
 
-def _transformers_state_dict(model: Any) -> tuple[Mapping[str, Any], frozenset[str]]:
+def transformers_state_dict(model: Any) -> tuple[Mapping[str, Any], frozenset[str]]:
     """The state dict and, of tied tensors, the names transformers keeps when it saves.
 
     transformers reloads a tied pair from one declared name (``model.embed_tokens.weight``, not

@@ -29,7 +29,7 @@ from ..sources.file_backed import file_backed_source, load_file_backed
 from .job import SplitResult, split_source
 from .options import WriteOptions, warn
 
-__all__ = ["DiffusersTarget", "convert_to_diffusers", "find_target"]
+__all__ = ["DiffusersTarget", "convert_checkpoint", "convert_to_diffusers", "find_target", "has_single_file_mapping"]
 
 DENOISERS = ("transformer", "unet", "prior", "decoder")
 SHOWN = 3
@@ -218,12 +218,35 @@ def _model_class(target: DiffusersTarget) -> tuple[Any, Any]:
     if not isinstance(cls, type):
         raise InvalidInputError(f"--config {target.config_file}: diffusers {diffusers.__version__} has no model class "
                                 f"{target.class_name}")
+    mapping_fn = _mapping_fn(cls)
+    if mapping_fn is not None:
+        return cls, mapping_fn
+    raise InvalidInputError(f"diffusers has no single-file conversion for {target.class_name} (from --config "
+                            f"{target.config_file}); it converts {', '.join(sorted(SINGLE_FILE_LOADABLE_CLASSES))}")
+
+
+def _mapping_fn(cls: type) -> Any:
+    """``from_single_file``'s ``checkpoint_mapping_fn`` for ``cls`` (looked up as diffusers does), or None."""
+    import diffusers
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+
     for name, mapping in SINGLE_FILE_LOADABLE_CLASSES.items():
         base = getattr(diffusers, name, None)
         if isinstance(base, type) and issubclass(cls, base):
-            return cls, mapping["checkpoint_mapping_fn"]
-    raise InvalidInputError(f"diffusers has no single-file conversion for {target.class_name} (from --config "
-                            f"{target.config_file}); it converts {', '.join(sorted(SINGLE_FILE_LOADABLE_CLASSES))}")
+            return mapping["checkpoint_mapping_fn"]
+    return None
+
+
+def has_single_file_mapping(class_name: str) -> bool:
+    """Whether diffusers converts single-file checkpoints of its class ``class_name``.
+
+    >>> has_single_file_mapping("UNet2DConditionModel"), has_single_file_mapping("CLIPTextModel")  # doctest: +SKIP
+    (True, False)
+    """
+    import diffusers
+
+    cls = getattr(diffusers, class_name, None)
+    return isinstance(cls, type) and _mapping_fn(cls) is not None
 
 
 def _empty_model(cls: Any, config: dict[str, Any], target: DiffusersTarget) -> Any:
