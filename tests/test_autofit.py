@@ -242,18 +242,61 @@ def test_fitted_pipeline_matches_the_plain_one(tiny_folder, plain_image, expecte
     np.testing.assert_allclose(generate(pipe), plain_image, atol=atol)
 
 
-def test_fit_auto_in_load_pipeline(tiny_folder, plain_image) -> None:
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """This machine, whatever it has, seen without a GPU (as torch reports it)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+def test_fit_auto_without_a_gpu_refuses_gpu_budgets_like_load_model(tiny_folder, no_gpu, tmp_path) -> None:
+    """load_pipeline(fit="auto") used to run on the CPU silently where load_model refused (issue 14, item 14)."""
+    import shardkit
+    from conftest import tiny_unet
+    from helpers_load import save_model
+
+    for call in (lambda: shardkit.load_pipeline(tiny_folder, fit="auto", max_memory={0: "1GB", "cpu": "2GB"}),
+                 lambda: shardkit.load_pipeline(tiny_folder, fit=fit(tiny_folder, gpu="1GB")),
+                 lambda: shardkit.load_pipeline(tiny_folder, device_map="balanced", max_memory={"cuda:0": "1GB"})):
+        with pytest.raises(InvalidInputError, match=r"names GPU 0, but this machine has no GPU") as info:
+            call()
+        assert "max_memory={'cpu'" in str(info.value) and "shardkit.fit(" in str(info.value)
+    unet = save_model(tiny_unet(), tmp_path / "unet")
+    with pytest.raises(InvalidInputError, match=r"max_memory names GPU 0, but this machine has no GPU"):
+        shardkit.load_model("diffusers:UNet2DConditionModel", unet, max_memory={0: "1GB", "cpu": "2GB"})
+
+
+def test_fit_auto_with_a_cpu_budget_runs_on_the_cpu(tiny_folder, plain_image, no_gpu) -> None:
+    import shardkit
+    from helpers_pipeline import generate
+
+    pipe = shardkit.load_pipeline(tiny_folder, fit="auto", max_memory={"cpu": "2GB"})
+    plan = pipe.shardkit_plan
+    assert plan.chosen.strategy.name == "cpu" and plan.device == "cpu"
+    assert pipe.unet.device.type == "cpu"
+    np.testing.assert_allclose(generate(pipe), plain_image, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_fit_auto_in_load_pipeline_on_a_gpu(tiny_folder, plain_image) -> None:
     import shardkit
     from helpers_pipeline import generate
 
     pipe = shardkit.load_pipeline(tiny_folder, fit="auto", max_memory={0: "1GB", "cpu": "2GB"})
     plan = pipe.shardkit_plan
     assert plan.chosen.name == "gpu" and "estimated peak: cuda:0" in str(plan)
-    np.testing.assert_allclose(generate(pipe), plain_image, atol=1e-6)
+    np.testing.assert_allclose(generate(pipe), plain_image, atol=1e-3)
+
+
+def test_fit_auto_options_and_impossible_budgets(tiny_folder) -> None:
+    import shardkit
+
     with pytest.raises(InvalidInputError, match="fit= chooses"):
         shardkit.load_pipeline(tiny_folder, fit="auto", max_memory={0: "1GB"}, offload="model")
-    with pytest.raises(FitError, match="smallest budget that would fit"):
-        shardkit.load_pipeline(tiny_folder, fit="auto", max_memory={0: "1MB", "cpu": "1GB"})
+    with pytest.raises(FitError, match="smallest budget that would fit is --cpu"):
+        shardkit.load_pipeline(tiny_folder, fit="auto", max_memory={"cpu": "1MB"})
     # The switches are load_pipeline options too.
     assert shardkit.load_pipeline(tiny_folder, switches=["vae_tiling"]).vae.use_tiling
 

@@ -212,6 +212,29 @@ def test_bad_inputs_are_one_line_errors(tmp_path) -> None:
         shardkit.load_model(cls, folder, config=config)
 
 
+def test_config_defaults_to_the_one_beside_the_checkpoint(tmp_path) -> None:
+    """Like `shardkit plan`, load_model reads CHECKPOINT/config.json when not given config= (issue 14, item 14)."""
+    eager, cls, _, forward = _unet()
+    pipeline = tmp_path / "pipe"
+    pipeline.mkdir()
+    folder = save_model(eager, pipeline / "unet", max_shard_size="16KB")   # a component folder in a pipeline
+    (pipeline / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline",
+                                                           "unet": ["diffusers", "UNet2DConditionModel"]}))
+    want = forward(eager)
+    index = next(folder.glob("*.index.json"))
+    for model, checkpoint in ((cls, folder), ("diffusers:UNet2DConditionModel", folder),
+                              ("diffusers:UNet2DConditionModel", index)):
+        _close(forward(shardkit.load_model(model, checkpoint)), want, exact=False)
+    # A plain factory takes no config unless given one, even with a config.json beside the weights.
+    factory = make_tied_lm()
+    lm = save_model(factory(), tmp_path / "lm")
+    (lm / "config.json").write_text(json.dumps({"vocab": 32}))
+    assert isinstance(shardkit.load_model(factory, lm), factory)
+    # An open checkpoint has no folder: the config must be given, and the error says how.
+    with shardkit.open(folder) as ckpt, pytest.raises(InvalidInputError, match="needs a config"):
+        shardkit.load_model(cls, ckpt)
+
+
 def test_layerwise_casting_and_offload_are_applied_after_loading(tmp_path) -> None:
     eager, cls, config, forward = _unet()
     folder = save_model(eager, tmp_path / "ckpt")

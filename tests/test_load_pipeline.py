@@ -115,3 +115,18 @@ def test_gpu_balanced_placement_then_reset_and_offload(folders):
     pipe.reset_device_map()
     shardkit.apply_offload(pipe, "model")
     torch.testing.assert_close(_generate(pipe).cpu(), reference, rtol=1e-3, atol=1e-3)
+
+
+def test_gpu_placement_without_a_gpu_is_refused_like_load_model(folders, monkeypatch):
+    """No silent CPU fallback: every GPU request names the missing GPU and the fixes (issue 14, item 14)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    saved, _, _ = folders
+    for kwargs in (dict(device_map="cuda"), dict(device_map="balanced", max_memory={0: "1GB"}),
+                   dict(fit="auto", max_memory={"gpu:0": "1GB", "cpu": "4GB"}),
+                   dict(fit=shardkit.fit(saved, gpu="1GB"))):
+        with pytest.raises(InvalidInputError, match=r"names GPU 0, but this machine has no GPU") as info:
+            shardkit.load_pipeline(saved, **kwargs)
+        assert "device_map='cpu'" in str(info.value) and "shardkit fit PATH --gpu" in str(info.value), kwargs
+    pipe = shardkit.load_pipeline(saved, fit=shardkit.fit(saved, gpu="1GB", device="cpu"))  # CPU on purpose
+    assert pipe.shardkit_plan.device == "cpu"

@@ -11,7 +11,8 @@ import os
 from typing import Any, Mapping
 
 from ..errors import InvalidInputError
-from ..loading.pipeline import load_pipeline_folder
+from ..devices import parse_max_memory
+from ..loading.pipeline import check_gpus, load_pipeline_folder
 from ..runtime.apply import RuntimeSetup
 from .autofit import FitPlan, apply_plan, fit
 
@@ -76,6 +77,8 @@ def load_fitted(path: str, fit_spec: Any, *, max_memory: Mapping[Any, Any] | Non
     Returns:
         The loaded pipeline with the plan applied and ``shardkit_plan`` set.
 
+    A budget or plan naming GPUs this machine lacks is refused, as :func:`shardkit.load_model`
+    refuses it (a plan made with ``device="cpu"`` runs on the CPU on purpose).
     ``fit="auto"`` plans for ``max_memory`` at the pipeline's default image size; pass a plan from
     :func:`fit` to choose height/width/batch. Staged multi-GPU plans are left to
     ``scripts/staged_multi_gpu.py`` (a pipeline object keeps every component loaded), so the
@@ -86,9 +89,13 @@ def load_fitted(path: str, fit_spec: Any, *, max_memory: Mapping[Any, Any] | Non
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if isinstance(fit_spec, FitPlan):
         plan = fit_spec
+        if plan.device is None or str(plan.device).startswith("cuda"):
+            # A plan for GPUs never falls back to the CPU silently (plan with device="cpu" to mean it).
+            check_gpus(list(range(len(plan.budget.gpu_bytes))), where="the plan")
     elif fit_spec == "auto":
         if not max_memory:
             raise InvalidInputError('fit="auto" needs max_memory, e.g. {0: "8GB", "cpu": "24GB"}')
+        check_gpus(list(parse_max_memory(max_memory) or {}), where="max_memory")
         dtype_name = None if dtype is None else str(dtype).removeprefix("torch.")
         plan = fit(path, max_memory=max_memory, dtype=dtype_name, exclude=("staged",), device=device)
     else:

@@ -246,8 +246,8 @@ def _dominant_dtype(skeleton: Any) -> str | None:
     return max(counts, key=counts.__getitem__) if counts else None
 
 
-def check_devices_exist(devices: list[Device], *, where: str) -> None:
-    """Loading needs real devices (planning does not)."""
+def check_devices_exist(devices: list[Device], *, where: str, fix: str | None = None) -> None:
+    """Loading needs real devices (planning does not); ``fix`` replaces the advice after the ';'."""
     import torch
 
     count = torch.cuda.device_count()
@@ -255,8 +255,8 @@ def check_devices_exist(devices: list[Device], *, where: str) -> None:
         if isinstance(device, int) and device >= count:
             have = f"GPUs 0-{count - 1}" if count else "no GPU"
             raise InvalidInputError(
-                f"{where} names GPU {device}, but this machine has {have}; remove it, or use "
-                "'shardkit plan' / shardkit.plan_device_map to plan for hardware you do not have"
+                f"{where} names GPU {device}, but this machine has {have}; " + (fix or "remove it, or use "
+                "'shardkit plan' / shardkit.plan_device_map to plan for hardware you do not have")
             )
         if device == "mps" and not torch.backends.mps.is_available():
             raise InvalidInputError(f"{where} names 'mps', which is not available on this machine")

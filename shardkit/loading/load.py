@@ -81,7 +81,9 @@ def load_model(model: Any, checkpoint: Any, *, config: Any = None, device_map: A
         model: a ``"diffusers:Class"`` / ``"transformers:Class"`` string or class (with
             ``config``), any ``nn.Module`` factory, or a skeleton on the meta device.
         checkpoint: a path for :func:`shardkit.open` or an open checkpoint.
-        config: the model's config: a dict, a ``config.json`` path or the folder holding it.
+        config: the model's config: a dict, a ``config.json`` path or the folder holding it;
+            default ``config.json`` beside the checkpoint (a pipeline's ``unet/`` folder holds its
+            own) when the model is a diffusers or transformers class.
         device_map: ``"auto"``, ``"balanced"``, ``"balanced_low_0"``, ``"sequential"``,
             ``"cpu"`` or a dict of module → device; None means ``"cpu"``, or ``"auto"`` when
             ``max_memory`` is given.
@@ -108,7 +110,7 @@ def load_model(model: Any, checkpoint: Any, *, config: Any = None, device_map: A
             ``offload_folder``, or a device map accelerate cannot apply.
         SourceNotFoundError: the checkpoint or config does not exist.
 
-    >>> unet = load_model("diffusers:UNet2DConditionModel", "out/", config="out/config.json",
+    >>> unet = load_model("diffusers:UNet2DConditionModel", "out/",   # config: out/config.json
     ...                   device_map="auto", max_memory={0: "16GB", "cpu": "32GB"},
     ...                   offload_folder="offload/", dtype="bf16")      # doctest: +SKIP
     >>> unet.hf_device_map                                              # doctest: +SKIP
@@ -118,6 +120,7 @@ def load_model(model: Any, checkpoint: Any, *, config: Any = None, device_map: A
 
     runtime = RuntimeSetup(layerwise_casting=layerwise_casting, offload=offload, offload_options=offload_options or {})
     target = resolve_torch_dtype(dtype)
+    config = default_config(model, checkpoint, config)
     budget = parse_max_memory(max_memory)
     if budget:
         check_devices_exist(list(budget), where="max_memory")
@@ -131,6 +134,45 @@ def load_model(model: Any, checkpoint: Any, *, config: Any = None, device_map: A
     skeleton.eval()
     apply_runtime(skeleton, runtime)
     return skeleton
+
+
+def default_config(model: Any, checkpoint: Any, config: Any) -> Any:
+    """``config``, else the ``config.json`` beside a path ``checkpoint`` when ``model`` is a class that needs one.
+
+    Plain ``nn.Module`` factories take no config unless given one (a factory called with a
+    diffusers config's keys would fail), so only diffusers/transformers classes get the default.
+
+    Args:
+        model: what :func:`load_model` was given as ``model``.
+        checkpoint: a folder, a ``.safetensors`` file or an index JSON (an open checkpoint has no folder).
+        config: the config the caller gave, if any.
+
+    Returns:
+        ``config`` if given, else ``CHECKPOINT/config.json`` (for a file: the one in its folder) when it
+        exists and the model class takes a config, else None.
+
+    >>> default_config("diffusers:UNet2DConditionModel", "sdxl/unet", None)   # doctest: +SKIP
+    'sdxl/unet/config.json'
+    """
+    if config is not None or not isinstance(checkpoint, (str, os.PathLike)):
+        return config
+    folder = os.fspath(checkpoint)
+    folder = folder if os.path.isdir(folder) else os.path.dirname(folder)
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path) or not _takes_config(model):
+        return None
+    return path
+
+
+def _takes_config(model: Any) -> bool:
+    from .skeleton import resolve_model_class
+
+    if not isinstance(model, (str, type)):
+        return False  # a factory or a skeleton already built
+    cls = resolve_model_class(model)
+    module = getattr(cls, "__module__", "") or ""
+    return isinstance(cls, type) and module.startswith(("diffusers", "transformers")) and (
+        hasattr(cls, "from_config") or hasattr(cls, "config_class"))
 
 
 def _fill_and_dispatch(skeleton: Any, checkpoint: LazyCheckpoint, match: KeyMatch, mapping: dict[str, Device],

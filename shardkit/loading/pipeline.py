@@ -57,8 +57,11 @@ def load_pipeline_folder(
     kwargs: dict[str, Any] = {}
     if device_map is not None:
         kwargs["device_map"] = device_map
+    if device_map == "cuda":
+        check_gpus([0], where="device_map='cuda'")
     if max_memory is not None:
         kwargs["max_memory"] = parse_max_memory(max_memory)
+        check_gpus(list(kwargs["max_memory"]), where="max_memory")
     if dtype is not None:
         from ..formats.dtypes import resolve_torch_dtype
 
@@ -66,6 +69,29 @@ def load_pipeline_folder(
     if variant is not None:
         kwargs["variant"] = variant
     return apply_runtime(_from_pretrained(folder, kwargs), runtime)
+
+
+PIPELINE_DEVICE_FIX = (
+    "to run on the CPU give no GPU (device_map='cpu', or fit='auto' with max_memory={'cpu': '24GB'}); to plan for "
+    "a GPU this machine lacks without loading, use shardkit.fit(path, max_memory=...) (CLI: shardkit fit PATH --gpu SIZE)"
+)
+
+
+def check_gpus(devices: list[Any], *, where: str) -> None:
+    """Refuse GPUs this machine lacks, as ``load_model`` does, with the pipeline's fixes.
+
+    Args:
+        devices: parsed device keys (GPU indices, ``"cpu"``...).
+        where: what named them, for the message (``"max_memory"``).
+
+    Raises:
+        InvalidInputError: a GPU index is not on this machine.
+
+    >>> check_gpus(["cpu"], where="max_memory")
+    """
+    from .device_map import check_devices_exist
+
+    check_devices_exist(devices, where=where, fix=PIPELINE_DEVICE_FIX)
 
 
 def _check_folder(path: str | os.PathLike[str]) -> str:
