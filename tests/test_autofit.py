@@ -313,3 +313,30 @@ def test_fit_plans_a_meta_skeleton() -> None:
     unet = plan.components[0]
     assert unet.role == "denoiser" and unet.dtype_bytes == 2
     assert unet.weight_bytes == sum(p.numel() for p in skeleton.parameters()) * 2
+
+
+def _weights_folder(folder, shapes: dict) -> str:
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir()
+    save_file({k: torch.zeros(v) for k, v in shapes.items()}, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+def test_config_less_components_are_guessed_and_every_guess_is_said(tmp_path) -> None:
+    """No config.json: role and sizes from the tensors, a ShardkitWarning and ``guessed`` say how (item 7)."""
+    from shardkit.errors import ShardkitWarning
+
+    dit = _weights_folder(tmp_path / "mystery", {"transformer_blocks.0.attn.to_q.weight": (128, 128),
+                                                 "context_embedder.weight": (128, 64)})
+    with pytest.warns(ShardkitWarning, match=r"mystery: no config.json: taken for a diffusion transformer "
+                                             r"\(from its tensor names\); read num_attention_heads 2"):
+        plan = fit(dit, gpu="1GB", height=64, width=64)
+    component = plan.components[0]
+    assert component.role == "denoiser" and "joint_attention_dim 64" in component.guessed[0]
+    assert plan.to_dict()["components"][0]["guessed"] == list(component.guessed)
+    odd = _weights_folder(tmp_path / "odd", {"foo.weight": (4, 4)})
+    with pytest.warns(ShardkitWarning, match="tensor names unlike any known component.*add the component's config"):
+        plan = fit(odd, gpu="1GB")
+    assert plan.components[0].role == "other" and "guessed: odd: no config.json" in str(plan)

@@ -71,11 +71,15 @@ def _transformer(shapes: Shapes) -> dict[str, Any]:
 
 def _text_encoder(shapes: Shapes) -> dict[str, Any]:
     config: dict[str, Any] = {}
-    embed = shapes.get("text_model.embeddings.token_embedding.weight") or shapes.get("shared.weight") \
+    # CLIP's names start with "text_model." or not, depending on the transformers version that saved it.
+    def get(name: str) -> tuple[int, ...] | None:
+        return shapes.get(name) or shapes.get(f"text_model.{name}")
+
+    embed = get("embeddings.token_embedding.weight") or shapes.get("shared.weight") \
         or shapes.get("encoder.embed_tokens.weight")
     if embed:
         config["hidden_size"] = embed[-1]
-    positions = shapes.get("text_model.embeddings.position_embedding.weight")
+    positions = get("embeddings.position_embedding.weight")
     if positions:
         config["max_position_embeddings"] = positions[0]
     ff = next((s for k, s in sorted(shapes.items()) if re.search(r"(mlp\.fc1|DenseReluDense\.wi(_0)?)\.weight$", k)),
@@ -93,8 +97,9 @@ _KINDS = (
      _vae),
     ("denoiser", "a diffusion transformer", lambda n: any(re.match(r"(single_)?transformer_blocks\.", k) for k in n),
      _transformer),
-    ("text_encoder", "a text encoder", lambda n: any(k.startswith(("text_model.", "encoder.block.", "shared."))
-                                                      for k in n), _text_encoder),
+    ("text_encoder", "a text encoder", lambda n: any(k.startswith(("text_model.", "embeddings.token_embedding.",
+                                                                   "encoder.block.", "shared.")) for k in n),
+     _text_encoder),
 )
 
 
