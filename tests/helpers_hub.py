@@ -83,3 +83,31 @@ def index_problems(state: HubState, repo_id: str, repo_type: str = "model") -> l
                 if (f"{folder}/{shard}" if folder else shard) not in files:
                     problems.append(f"commit {oid[:8]}: {path} names missing {shard}")
     return problems
+
+
+def lazy_safetensors(tensors: dict[str, tuple[str, tuple[int, ...]]], *, header_total_bytes: int | None = None,
+                     metadata: dict[str, str] | None = None) -> Any:
+    """A :class:`hub_state.LazyBlob` with a real safetensors header and generated zeros as data.
+
+    ``tensors`` maps names to ``(dtype, shape)``; ``header_total_bytes`` pads the header (with
+    trailing spaces, as writers do) so that the length prefix plus the JSON is exactly that long.
+    """
+    import math
+
+    from hub_state import LazyBlob
+    from shardkit.formats.header import TensorEntry, build_header
+    from shardkit.units import DTYPE_BITS
+
+    entries = [TensorEntry(n, d, s, math.prod(s) * DTYPE_BITS[d] // 8) for n, (d, s) in tensors.items()]
+    head, _ = build_header(entries, metadata=metadata)
+    if header_total_bytes is not None:
+        pad = header_total_bytes - len(head)
+        assert pad >= 0, f"header is {len(head)} bytes, over {header_total_bytes}"
+        raw = head[8:] + b" " * pad
+        head = len(raw).to_bytes(8, "little") + raw
+    return LazyBlob(head, len(head) + sum(e.nbytes for e in entries))
+
+
+def folder_files(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` by its repo-relative path (for :meth:`HubState.add_repo`)."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}

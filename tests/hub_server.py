@@ -7,8 +7,10 @@ push and download a repository:
 - ``POST .../preupload/{rev}``; the git-LFS batch API with single ``PUT`` or multipart upload
   (``ETag`` per part, completion ``POST``); the NDJSON commit (``file``, ``lfsFile``,
   ``deletedFile``, ``deletedFolder``), ``parentCommit`` checks and ``?create_pr=1`` (``refs/pr/N``);
-- tree listing (recursive, paginated with a ``Link`` header) and ``/resolve`` (``HEAD`` and ``GET``
-  with ``Range``);
+- tree listing (recursive, paginated with a ``Link`` header), ``paths-info``, and ``/resolve``
+  (``HEAD`` and ``GET`` with ``Range``: 206 + ``Content-Range``; every body's bytes are counted in
+  ``state.sent``); gated repositories (403/401 ``GatedRepo`` on files); :class:`hub_state.LazyBlob`
+  files whose zeros are generated as they are sent;
 - Xet: ``xet-write-token`` / ``xet-read-token`` answer with a ``local://`` CAS folder that hf_xet
   reads and writes itself. The server learns which Xet file a commit's sha256 names by reading the
   shard files hf_xet leaves in that folder (see :func:`read_xet_shard`).
@@ -30,13 +32,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from hub_state import INVALID_TOKEN, HubError, HubState, Repo, read_xet_shard
+from hub_state import INVALID_TOKEN, HubError, HubState, LazyBlob, Repo, read_xet_shard
 
-__all__ = ["HubServer", "HubState", "read_xet_shard"]
+__all__ = ["HubServer", "HubState", "LazyBlob", "read_xet_shard"]
 
 _API = re.compile(r"^/api/(models|datasets|spaces)/([^/]+)/([^/]+)(?:/([^/]+)(?:/(.*))?)?$")
 _LFS_BATCH = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+)/([^/]+)\.git/info/lfs/objects/batch$")
 _LFS_STORAGE = re.compile(r"^/lfs-storage/([0-9a-f]{64})/(\d+)(?:/part/(\d+))?$")
+_CHUNK_BYTES = 1 << 20
 _RESOLVE = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+)/([^/]+)/resolve/([^/]+)/(.+)$")
 
 
@@ -116,8 +119,18 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header(key, value)
         self.send_header("Content-Length", str(len(data) if content_length is None else content_length))
         self.end_headers()
+        sent = 0
         if self.command != "HEAD":
-            self.wfile.write(data)
+            if isinstance(data, bytes):
+                self.wfile.write(data)
+                sent = len(data)
+            else:  # a LazyBlob: generated and written a chunk at a time
+                for begin in range(0, len(data), _CHUNK_BYTES):
+                    chunk = data[begin:begin + _CHUNK_BYTES]
+                    self.wfile.write(chunk)
+                    sent += len(chunk)
+        with self.state.lock:
+            self.state.sent.append((self.command, urlsplit(self.path).path, self.headers.get("Range", ""), sent))
         return status
 
     def _send_json(self, status: int, doc: Any, headers: dict[str, str] | None = None) -> int:
@@ -146,6 +159,7 @@ class Handler(BaseHTTPRequestHandler):
             return self._lfs_storage(method, match[1], int(match[2]), match[3])
         if (match := _RESOLVE.match(path)) and method in ("GET", "HEAD"):
             repo = state.find((match[1] or "models")[:-1], f"{match[2]}/{match[3]}", self._user())
+            state.check_files_access(repo, self._user())
             return self._resolve(repo, unquote(match[4]), unquote(match[5]))
         if match := _API.match(path):
             repo_type, repo_id = match[1][:-1], f"{match[2]}/{match[3]}"
@@ -162,7 +176,11 @@ class Handler(BaseHTTPRequestHandler):
             return self._send_json(200, {"id": repo_id, "sha": commit.oid, "private": repo.private,
                                          "siblings": siblings})
         if action == "tree" and method == "GET":
+            state.check_files_access(repo, user)
             return self._tree(repo, rest[0], "/".join(rest[1:]))
+        if action == "paths-info" and method == "POST":
+            state.check_files_access(repo, user)
+            return self._paths_info(repo, rest[0])
         if action == "preupload" and method == "POST":
             state.check_write(repo_id, user)
             return self._send_json(200, state.preupload(repo, rest[0], self._json_body()))
@@ -199,6 +217,21 @@ class Handler(BaseHTTPRequestHandler):
             raise HubError(404, f"{folder} does not exist at {revision}", "EntryNotFound")
         page = sorted(entries.values(), key=lambda e: e["path"])
         return self._paginate(page)
+
+    def _paths_info(self, repo: Repo, revision: str) -> int:
+        """``get_paths_info``: the tree entries of the named files and folders (unknown paths are left out)."""
+        commit = self.state.resolve(repo, revision)
+        form = parse_qs(self.body.decode())
+        paths = form.get("paths", [])
+        if not paths and self.body.strip().startswith(b"{"):
+            paths = self._json_body().get("paths", [])
+        out = []
+        for path in paths:
+            if path in commit.files:
+                out.append(commit.files[path].tree_json())
+            elif any(name.startswith(path.rstrip("/") + "/") for name in commit.files):
+                out.append({"type": "directory", "oid": "0" * 40, "path": path})
+        return self._send_json(200, out)
 
     def _paginate(self, items: list[dict], page_size: int = 50) -> int:
         start = int(self.query.get("cursor", "0"))

@@ -31,6 +31,31 @@ def lfs_pointer(sha256: str, size: int) -> bytes:
     return f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
 
 
+class LazyBlob:
+    """An LFS object whose bytes are generated on demand: a real ``head`` (e.g. a safetensors
+    header), then zeros up to ``size``. Lets a test serve a multi-GB file without holding it.
+
+    Its ``oid`` is synthetic (the sha256 of the head and the size, not of the bytes): a test that
+    checks sha256 against content must use real bytes.
+    """
+
+    def __init__(self, head: bytes, size: int) -> None:
+        if size < len(head):
+            raise ValueError("a LazyBlob is at least as long as its head")
+        self.head, self.size = head, size
+        self.oid = hashlib.sha256(head + b"lazy:%d" % size).hexdigest()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, key: slice) -> bytes:
+        begin, end, _ = key.indices(self.size)
+        if end <= begin:
+            return b""
+        head = self.head[begin:end]
+        return head + bytes(end - max(begin, len(self.head)) if end > len(self.head) else 0)
+
+
 @dataclass(frozen=True)
 class Entry:
     """One file in a commit: regular (``content``) or LFS (``sha256``, maybe stored in Xet)."""
@@ -76,6 +101,8 @@ class Repo:
     commits: dict[str, Commit] = field(default_factory=dict)
     history: list[str] = field(default_factory=list)  # commit oids in creation order
     next_pr: int = 1
+    gated: bool = False  # files readable only by ``granted`` users (and the owner's namespace)
+    granted: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -103,7 +130,7 @@ class HubState:
                  multipart_threshold: int = 2**62, multipart_chunk: int = 5 * 2**20) -> None:
         self.lock = threading.RLock()
         self.repos: dict[tuple[str, str], Repo] = {}
-        self.lfs: dict[str, bytes] = {}
+        self.lfs: dict[str, bytes | LazyBlob] = {}
         self.xet_files: dict[str, tuple[str, int]] = {}  # sha256 → (xet file hash, size)
         self.xet_dir = Path(xet_dir)
         self.tokens = tokens if tokens is not None else {"hf_test_token": "alice"}
@@ -114,6 +141,7 @@ class HubState:
         self.lfs_bytes_received: dict[str, int] = {}  # sha256 → bytes PUT for it, all attempts
         self._parts: dict[str, dict[int, bytes]] = {}
         self.base_url = ""
+        self.sent: list[tuple[str, str, str, int]] = []  # (method, path, Range header, body bytes sent)
 
     # ------------------------------------------------------------------ test hooks
 
@@ -132,6 +160,40 @@ class HubState:
                         fault.times -= 1
                     return fault
         return None
+
+    def bytes_sent(self, path_pattern: str = "") -> int:
+        """Body bytes the server sent, over requests whose path matches ``path_pattern`` (a regex)."""
+        with self.lock:
+            return sum(n for _, path, _, n in self.sent if re.search(path_pattern, path))
+
+    def add_repo(self, repo_id: str, files: dict[str, bytes | LazyBlob], *, private: bool = False,
+                 gated: bool = False, repo_type: str = "model", message: str = "add files") -> Commit:
+        """Create a repository holding ``files`` in one commit, without the upload protocol.
+
+        ``.safetensors`` (and other LFS patterns) and :class:`LazyBlob` values become LFS files.
+        """
+        with self.lock:
+            repo = self.repos.setdefault((repo_type, repo_id), Repo(repo_id, repo_type, private, gated=gated))
+            entries = {".gitattributes": Entry(".gitattributes", len(GITATTRIBUTES), content=GITATTRIBUTES)}
+            for path, data in files.items():
+                if isinstance(data, LazyBlob):
+                    self.lfs[data.oid] = data
+                    entries[path] = Entry(path, data.size, sha256=data.oid)
+                elif path.endswith(LFS_PATTERNS):
+                    oid = hashlib.sha256(data).hexdigest()
+                    self.lfs[oid] = data
+                    entries[path] = Entry(path, len(data), sha256=oid)
+                else:
+                    entries[path] = Entry(path, len(data), content=data)
+            parent = repo.refs.get("main")
+            return self._add_commit(repo, "main", parent, message, entries)
+
+    def check_files_access(self, repo: Repo, user: str | None) -> None:
+        """A gated repo's files need a granted user (or one of the owner's namespaces)."""
+        owner = repo.repo_id.split("/")[0]
+        if repo.gated and not (user in repo.granted or owner in self.namespaces.get(user or "", ())):
+            raise HubError(403 if user else 401, f"Access to model {repo.repo_id} is restricted. You must have "
+                           "access to it and be authenticated to access it. Please log in.", "GatedRepo")
 
     def repo(self, repo_id: str, repo_type: str = "model") -> Repo:
         return self.repos[(repo_type, repo_id)]

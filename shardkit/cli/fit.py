@@ -16,6 +16,7 @@ Examples:
   shardkit fit sdxl-sharded/ --max-memory 0=8GB,cpu=24GB      (the same budget)
   shardkit fit flux-sharded/ --gpu 16GB --gpu 16GB --json
   shardkit fit sdxl-sharded/unet --gpu 6GB --height 768 --width 768 --batch-size 2
+  shardkit fit hf://black-forest-labs/FLUX.1-dev --gpu 16GB --gpu 16GB   (headers only)
 
 \b
 Speed is relative to everything on one GPU (1.00x); classes come from the diffusers memory
@@ -95,10 +96,11 @@ def output_options(f: Any) -> Any:
                    "or fp8 (no fp8 casting). Repeatable. Not file or tensor names.")
 @click.option("--reserve", type=SIZE, default="512MiB", show_default=True,
               help="Memory kept free on each GPU on top of the 10% margin (CUDA context, workspaces).")
+@click.option("--token", help="Hub token for hf://ORG/REPO[@REV][/SUBFOLDER] paths (default: HF_TOKEN or the login).")
 @output_options
 def fit(folder: str, gpus: tuple[int, ...], cpu: int | None, max_memory: str | None, height: int | None,
         width: int | None, batch_size: int, dtype: str | None, attention: str, no_fp8: bool,
-        exclude: tuple[str, ...], reserve: int, as_json: bool, quiet: bool) -> None:
+        exclude: tuple[str, ...], reserve: int, as_json: bool, quiet: bool, token: str | None = None) -> None:
     """Rank inference setups for the pipeline or component in FOLDER and pick the fastest that fits.
 
     Reads only safetensors headers and config files (no weights). Candidates: everything on one
@@ -110,10 +112,13 @@ def fit(folder: str, gpus: tuple[int, ...], cpu: int | None, max_memory: str | N
     from ..fitting.autofit import DEFAULT_MARGIN, Margin
     from ..fitting.autofit import fit as fit_api
 
+    from ..hub.remote import local_checkpoint
+
     margin = Margin(DEFAULT_MARGIN.fraction, reserve)
-    plan = fit_api(folder, gpu=list(gpus), cpu=cpu, max_memory=max_memory, height=height, width=width,
-                   batch_size=batch_size, dtype=dtype, attention=attention, allow_fp8=not no_fp8, exclude=exclude,
-                   margin=margin)
+    with local_checkpoint(folder, token=token) as local:  # hf://: a header-only mirror
+        plan = fit_api(local, gpu=list(gpus), cpu=cpu, max_memory=max_memory, height=height, width=width,
+                       batch_size=batch_size, dtype=dtype, attention=attention, allow_fp8=not no_fp8,
+                       exclude=exclude, margin=margin)
     if as_json:
         echo_json(plan.to_dict())
     elif quiet:

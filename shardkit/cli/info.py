@@ -15,6 +15,7 @@ Examples:
   shardkit info out/                      # a sharded folder (or its index .json)
   shardkit info sd-pipeline/              # a diffusers pipeline: one section per component
   shardkit info pytorch_model.bin --json
+  shardkit info hf://black-forest-labs/FLUX.1-dev    # a Hub repo: headers only (range reads)
 
 \b
 Reads headers only (safetensors) or maps the pickle with torch.load(weights_only=True,
@@ -30,11 +31,13 @@ Sizes are decimal (1 GB = 10^9 bytes).
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="Print one line: format, tensors, parameters, bytes.")
-def info(path: str, as_json: bool, quiet: bool) -> None:
+@click.option("--token", help="Hub token for hf://ORG/REPO[@REV][/SUBFOLDER] paths (default: HF_TOKEN or the login).")
+def info(path: str, as_json: bool, quiet: bool, token: str | None = None) -> None:
     """Show what a checkpoint holds: format, tensors, parameters, dtypes, shards, metadata."""
     from ..checking.info import info as info_api
+    from ..hub.remote import is_remote, remote_info
 
-    summary = info_api(path)
+    summary = remote_info(path, token=token) if is_remote(path) else info_api(path)
     if as_json:
         echo_json(summary.to_dict())
     elif quiet:

@@ -45,11 +45,25 @@ CPU, then disk.
               type=click.Choice(["auto", "balanced", "balanced_low_0", "sequential"]), help="Placement strategy.")
 @click.option("--strategies", is_flag=True,
               help="Also estimate the peak GPU memory of each offload strategy (against the largest GPU budget).")
+@click.option("--token", help="Hub token for hf://ORG/REPO[@REV][/SUBFOLDER] paths (default: HF_TOKEN or the login).")
 @output_options
 def plan(checkpoint: str | None, model_spec: str, config_path: str | None, gpus: tuple[int, ...], cpu: int | None,
          max_memory: str | None, dtype: str | None, device_map: str, strategies: bool, as_json: bool,
-         quiet: bool) -> None:
+         quiet: bool, token: str | None = None) -> None:
     """Show the device map MODEL would get for a memory budget, optionally for CHECKPOINT's weights."""
+    if checkpoint is not None:
+        from ..hub.remote import local_checkpoint
+
+        with local_checkpoint(checkpoint, token=token) as local:  # hf://: a header-only mirror
+            return _plan(local, model_spec, config_path, gpus, cpu, max_memory, dtype, device_map, strategies,
+                         as_json, quiet, shown=checkpoint)
+    return _plan(None, model_spec, config_path, gpus, cpu, max_memory, dtype, device_map, strategies, as_json,
+                 quiet, shown=None)
+
+
+def _plan(checkpoint: str | None, model_spec: str, config_path: str | None, gpus: tuple[int, ...],
+          cpu: int | None, max_memory: str | None, dtype: str | None, device_map: str, strategies: bool,
+          as_json: bool, quiet: bool, *, shown: str | None) -> None:
     from ..devices import gpu_and_cpu_bytes, merge_budgets
 
     budget = merge_budgets(max_memory, gpu_bytes=gpus, cpu_bytes=cpu)
@@ -67,6 +81,8 @@ def plan(checkpoint: str | None, model_spec: str, config_path: str | None, gpus:
         result = plan_device_map(model_spec, config=config, checkpoint=checkpoint, max_memory=budget,
                                  dtype=dtype, device_map=device_map)
         output.update(result.to_dict())
+        if checkpoint is not None:
+            output["checkpoint"] = shown  # the hf:// spec, not its temporary mirror
         lines.append(_placement_line(result) if quiet else result.table())
     if strategies:
         gpu_bytes = max(gpu_and_cpu_bytes({d: b for d, b in (budget or {}).items() if d != "disk"})[0], default=None)

@@ -1,0 +1,374 @@
+"""Hub repositories as sources: ``hf://ORG/REPO[@REVISION][/SUBFOLDER]``, read header by header.
+
+A remote checkpoint is materialized as a *header-only mirror*: a temporary local folder where
+index, config and ``model_index.json`` files are downloaded whole (through the Hugging Face
+cache) and each ``.safetensors`` file is a sparse file of its true size holding only its real
+header (its first ``8 + N`` bytes, fetched with HTTP range requests); the rest is a hole.
+
+Why a mirror rather than a file-object abstraction threaded through the readers: every local
+code path (``info``, ``fit``, ``plan``, the structural half of ``verify``) reads exactly headers,
+index/config files and file sizes, so they run unchanged on the mirror, with their validation,
+their error messages and their output format; nothing below ``hub`` learns about HTTP. The
+sparse holes cost no disk, and tensor data is never read by these commands.
+
+Pickle weights are never mirrored or fetched: a folder that holds only pickles is refused with
+the name of the file that would have to be downloaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import struct
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from ..errors import HeaderError, HubError, InvalidInputError, ShardkitError
+from ..formats.header import MAX_HEADER_BYTES
+from ..formats.layout import MODEL_INDEX
+from ..units import format_size
+
+logger = logging.getLogger("shardkit")
+
+SCHEME = "hf://"
+FIRST_RANGE_BYTES = 64 * 1024  # most headers fit; a larger one costs exactly one more request
+MAX_FETCHED_FILE_BYTES = 10_000_000  # configs and indexes; a bigger .json is not one of them
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+RETRIES = 3
+RETRY_WAIT_SECONDS = 0.25
+_FETCH_THREADS = 8
+_CONFIG_RE = re.compile(r"(^|/)(config|model_index|[\w.-]*_config|[\w.-]+\.safetensors\.index(\.[\w-]+)?)\.json$")
+
+
+@dataclass(frozen=True)
+class RemoteSpec:
+    """A parsed ``hf://ORG/REPO[@REVISION][/SUBFOLDER]``."""
+
+    repo_id: str
+    revision: str | None = None
+    subfolder: str = ""
+
+    def __str__(self) -> str:
+        rev = f"@{self.revision}" if self.revision else ""
+        return f"{SCHEME}{self.repo_id}{rev}" + (f"/{self.subfolder}" if self.subfolder else "")
+
+
+@dataclass(frozen=True)
+class RemoteFile:
+    """One file of the repository, as the tree listing describes it (``path`` is repo-relative)."""
+
+    path: str
+    size_bytes: int
+    blob_id: str
+    sha256: str | None  # the LFS oid, for LFS files
+
+
+@dataclass
+class Mirror:
+    """A header-only local mirror of a remote folder; ``root`` is where the local readers look."""
+
+    spec: RemoteSpec
+    root: str
+    commit: str
+    files: dict[str, RemoteFile]  # by path relative to the subfolder
+    transferred_bytes: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def count(self, nbytes: int) -> None:
+        with self.lock:
+            self.transferred_bytes += nbytes
+
+
+def is_remote(path: object) -> bool:
+    """True for a string that names a Hub repository (``hf://...``)."""
+    return isinstance(path, str) and path.startswith(SCHEME)
+
+
+def parse_spec(text: str) -> RemoteSpec:
+    """Parse ``hf://ORG/REPO[@REVISION][/SUBFOLDER]``.
+
+    A revision ends at the next ``/``, except a pull-request ref (``@refs/pr/3``); a revision
+    holding another ``/`` is written with ``%2F``.
+
+    >>> parse_spec("hf://black-forest-labs/FLUX.1-dev@main/transformer")
+    RemoteSpec(repo_id='black-forest-labs/FLUX.1-dev', revision='main', subfolder='transformer')
+    """
+    from urllib.parse import unquote
+
+    body = text.removeprefix(SCHEME).strip("/")
+    parts = body.split("/")
+    if len(parts) < 2 or not parts[0] or not parts[1] or parts[1].startswith("@"):
+        raise InvalidInputError(f"{text}: expected hf://ORG/REPO[@REVISION][/SUBFOLDER]")
+    name, _, revision = parts[1].partition("@")
+    rest = parts[2:]
+    if revision == "refs" and len(rest) >= 2 and rest[0] == "pr":
+        revision, rest = f"refs/pr/{rest[1]}", rest[2:]
+    if any(p in ("", ".", "..") for p in rest):
+        raise InvalidInputError(f"{text}: the subfolder must be a plain relative path")
+    return RemoteSpec(f"{parts[0]}/{name}", unquote(revision) or None, "/".join(rest))
+
+
+@contextlib.contextmanager
+def open_mirror(spec: RemoteSpec | str, *, token: str | None = None) -> Iterator[Mirror]:
+    """Materialize a header-only mirror of ``spec`` in a temporary folder, removed on exit.
+
+    Args:
+        spec: ``hf://...`` text or a :class:`RemoteSpec`.
+        token: a Hub token; default ``HF_TOKEN`` or the stored login (``HF_ENDPOINT`` is respected).
+
+    Returns:
+        A context manager yielding a :class:`Mirror`. Errors raised inside name ``spec``, not
+        the temporary folder.
+
+    >>> with open_mirror("hf://org/model") as m:             # doctest: +SKIP
+    ...     shardkit.info(m.root).parameter_count
+    """
+    spec = parse_spec(spec) if isinstance(spec, str) else spec
+    tmp = tempfile.mkdtemp(prefix="shardkit-remote-")
+    root = os.path.join(tmp, spec.repo_id.replace("/", "--"))
+    try:
+        with hub_read_errors(spec), _renamed_errors(root, str(spec)):
+            mirror = _build_mirror(spec, root, token=token)
+            logger.debug("%s: header-only mirror at %s, %d bytes transferred", spec, root, mirror.transferred_bytes)
+            yield mirror
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _build_mirror(spec: RemoteSpec, root: str, *, token: str | None) -> Mirror:
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    commit = api.model_info(spec.repo_id, revision=spec.revision, token=token).sha or spec.revision or "main"
+    files = list_files(api, spec, commit)
+    os.makedirs(root, exist_ok=True)
+    mirror = Mirror(spec, root, commit, files)
+    check_not_pickle_only(mirror)
+    fetched = [f for rel, f in files.items() if _CONFIG_RE.search(rel) and f.size_bytes <= MAX_FETCHED_FILE_BYTES]
+    weights = [f for rel, f in files.items() if rel.endswith(".safetensors")]
+    with ThreadPoolExecutor(_FETCH_THREADS) as pool:
+        jobs = [pool.submit(_fetch_whole, mirror, f, token) for f in fetched]
+        jobs += [pool.submit(_fetch_header_file, mirror, f, token) for f in weights]
+        for job in jobs:
+            job.result()
+    return mirror
+
+
+def list_files(api: Any, spec: RemoteSpec, commit: str) -> dict[str, RemoteFile]:
+    """Every file under the subfolder at ``commit`` (one paginated tree listing), by relative path."""
+    from huggingface_hub.errors import EntryNotFoundError
+
+    prefix = spec.subfolder + "/" if spec.subfolder else ""
+    try:
+        tree = api.list_repo_tree(spec.repo_id, spec.subfolder or None, recursive=True, revision=commit)
+        files = {item.path[len(prefix):]: RemoteFile(item.path, int(item.size), item.blob_id,
+                                                      item.lfs.sha256 if item.lfs else None)
+                 for item in tree if hasattr(item, "size")}
+    except EntryNotFoundError as e:
+        raise InvalidInputError(f"{spec}: no folder {spec.subfolder!r} in {spec.repo_id} at "
+                                f"{spec.revision or 'main'}; check the path (see the repository's file list)") from e
+    if spec.subfolder and not files:
+        raise InvalidInputError(f"{spec}: no folder {spec.subfolder!r} in {spec.repo_id} at {spec.revision or 'main'}")
+    return files
+
+
+def check_not_pickle_only(mirror: Mirror) -> None:
+    """Refuse a folder (or a pipeline component) whose weights are pickles only: never fetch one implicitly."""
+    folders = {""}
+    if MODEL_INDEX in mirror.files:
+        folders |= {rel.split("/")[0] for rel in mirror.files if "/" in rel}
+    for folder in sorted(folders):
+        inside = [f for rel, f in mirror.files.items() if rel.rpartition("/")[0] == folder]
+        if any(f.path.endswith(".safetensors") for f in inside):
+            continue
+        pickles = sorted((f for f in inside if f.path.endswith(PICKLE_SUFFIXES)), key=lambda f: f.path)
+        if pickles:
+            names = ", ".join(f"{f.path} ({format_size(f.size_bytes)})" for f in pickles[:3])
+            more = f" and {len(pickles) - 3} more" if len(pickles) > 3 else ""
+            raise InvalidInputError(
+                f"{mirror.spec}: {folder + '/' if folder else ''} holds pickle weights only ({names}{more}); shardkit "
+                f"reads only safetensors headers remotely and never downloads a pickle implicitly: download it "
+                f"(hf download {mirror.spec.repo_id} {pickles[0].path}) and pass the local path")
+
+
+def _local_path(mirror: Mirror, remote: RemoteFile) -> str:
+    prefix = mirror.spec.subfolder + "/" if mirror.spec.subfolder else ""
+    path = os.path.join(mirror.root, *remote.path[len(prefix):].split("/"))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    return path
+
+
+def _fetch_whole(mirror: Mirror, remote: RemoteFile, token: str | None) -> None:
+    """A config or index file, through the Hugging Face cache (``hf_hub_download``)."""
+    from huggingface_hub import hf_hub_download
+
+    cached = hf_hub_download(mirror.spec.repo_id, remote.path, revision=mirror.commit, token=token)
+    shutil.copyfile(cached, _local_path(mirror, remote))
+    mirror.count(remote.size_bytes)
+
+
+def _fetch_header_file(mirror: Mirror, remote: RemoteFile, token: str | None) -> None:
+    """A sparse local stand-in: the real header, then a hole up to the file's true size."""
+    raw = fetch_header(mirror, remote, token=token)
+    path = _local_path(mirror, remote)
+    with open(path, "wb") as f:
+        f.write(raw)
+        f.truncate(remote.size_bytes)
+
+
+def fetch_header(mirror: Mirror, remote: RemoteFile, *, token: str | None) -> bytes:
+    """The first ``8 + N`` bytes of a remote safetensors file: one range request, two if the header is large.
+
+    Raises:
+        HeaderError: the length prefix is impossible for the file's listed size, or the server
+            sent fewer bytes than asked.
+    """
+    where = f"{mirror.spec}:{remote.path}"
+    if remote.size_bytes < 8:
+        raise HeaderError(f"{where}: file is {remote.size_bytes} bytes, too short to be safetensors")
+    first = read_range(mirror, remote, 0, min(FIRST_RANGE_BYTES, remote.size_bytes), token=token)
+    (header_bytes,) = struct.unpack("<Q", first[:8])
+    if header_bytes > MAX_HEADER_BYTES or header_bytes < 2 or 8 + header_bytes > remote.size_bytes:
+        raise HeaderError(f"{where}: header length {header_bytes} is impossible for the {remote.size_bytes}-byte "
+                          "file the Hub lists (corrupt upload, or not a safetensors file)")
+    end = 8 + header_bytes
+    if end <= len(first):
+        return first[:end]
+    return first + read_range(mirror, remote, len(first), end, token=token)
+
+
+def read_range(mirror: Mirror, remote: RemoteFile, begin: int, end: int, *, token: str | None) -> bytes:
+    """Bytes ``[begin, end)`` of a remote file, retried on transient failures (huggingface_hub's backoff)."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
+
+    url = hf_hub_url(mirror.spec.repo_id, remote.path, revision=mirror.commit)
+    headers = {**build_hf_headers(token=token), "Range": f"bytes={begin}-{end - 1}"}
+    response = http_backoff("GET", url, headers=headers, max_retries=RETRIES, base_wait_time=RETRY_WAIT_SECONDS,
+                            max_wait_time=2 * RETRY_WAIT_SECONDS)
+    hf_raise_for_status(response)
+    data = response.content
+    mirror.count(len(data))
+    if response.status_code == 200 and len(data) >= end:  # a server that ignores Range: keep what we asked for
+        data = data[begin:end]
+    if len(data) != end - begin:
+        raise HeaderError(f"{mirror.spec}:{remote.path}: asked for bytes {begin}-{end - 1}, got {len(data)} bytes "
+                          "(the file is shorter than the Hub lists, or the transfer was cut)")
+    return data
+
+
+@contextlib.contextmanager
+def hub_read_errors(spec: RemoteSpec) -> Iterator[None]:
+    """Turn huggingface_hub / network exceptions while reading ``spec`` into one-line :class:`HubError`s."""
+    try:
+        yield
+    except ShardkitError:
+        raise
+    except Exception as e:
+        message = describe_read_error(e, spec)
+        if message is None:
+            raise
+        raise HubError(message) from e
+
+
+def describe_read_error(error: BaseException, spec: RemoteSpec) -> str | None:
+    """A one-line explanation of a failed read from the Hub, or None if ``error`` is not one."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+    from huggingface_hub.utils import httpx
+
+    endpoint, rev = constants.ENDPOINT, spec.revision or "main"
+    if isinstance(error, GatedRepoError):
+        return (f"{spec}: {spec.repo_id} is gated and this token has no access; accept its terms on the Hub "
+                "and pass --token (or set HF_TOKEN, or run `hf auth login`)")
+    if isinstance(error, RepositoryNotFoundError):
+        return (f"{spec}: repository {spec.repo_id} not found at {endpoint}, or private and not visible with this "
+                "token; check the name, or pass --token (or set HF_TOKEN)")
+    if isinstance(error, RevisionNotFoundError):
+        return f"{spec}: revision {rev!r} not found in {spec.repo_id}; use a branch, tag or commit that exists"
+    if isinstance(error, HFValidationError):
+        return f"{spec}: invalid repository id or revision: {str(error).splitlines()[0]}"
+    if isinstance(error, HfHubHTTPError) and error.response is not None:
+        status = error.response.status_code
+        if status == 401:
+            return f"{spec}: authentication failed (401) at {endpoint}; pass a valid --token or set HF_TOKEN"
+        first = (error.server_message or str(error)).strip().splitlines()[0]
+        return f"{spec}: the Hub answered {status} after {RETRIES} retries: {first}; try again later"
+    if isinstance(error, (httpx.TransportError, ConnectionError, TimeoutError)):
+        return (f"{spec}: network failure talking to {endpoint} (after {RETRIES} retries): "
+                f"{error or type(error).__name__}; check the connection (or HF_ENDPOINT) and try again")
+    return None
+
+
+@contextlib.contextmanager
+def _renamed_errors(root: str, shown: str) -> Iterator[None]:
+    """Errors from the local readers name the mirror's temporary folder: show the ``hf://`` spec instead."""
+    try:
+        yield
+    except ShardkitError as e:
+        text = str(e)
+        if root not in text:
+            raise
+        renamed = InvalidInputError(text.replace(root + os.sep, shown + "/").replace(root, shown))
+        renamed.exit_code = e.exit_code
+        raise renamed from e
+
+
+def read_json(mirror: Mirror, rel: str) -> Any:
+    """A fetched JSON file of the mirror, or None where the repository has none."""
+    path = os.path.join(mirror.root, *rel.split("/"))
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return json.loads(f.read())
+
+
+@contextlib.contextmanager
+def local_checkpoint(path: str, *, token: str | None = None) -> Iterator[str]:
+    """``path`` itself, or for ``hf://...`` the root of its header-only mirror (while the block runs).
+
+    >>> with local_checkpoint("hf://org/model", token=None) as folder:   # doctest: +SKIP
+    ...     shardkit.fit(folder, gpu=["16GB", "16GB"])
+    """
+    if not is_remote(path):
+        yield path
+        return
+    with open_mirror(path, token=token) as mirror:
+        yield mirror.root
+
+
+def remote_info(path: str, *, token: str | None = None) -> Any:
+    """:func:`shardkit.info` of a Hub repository, from its headers, indexes and configs only.
+
+    Args:
+        path: ``hf://ORG/REPO[@REVISION][/SUBFOLDER]``.
+        token: a Hub token; default ``HF_TOKEN`` or the stored login.
+
+    Returns:
+        A ``CheckpointInfo`` whose ``path`` is ``path``; ``shared_bytes`` are None (not local files).
+
+    >>> remote_info("hf://black-forest-labs/FLUX.1-dev").parameter_count   # doctest: +SKIP
+    """
+    from ..checking.info import info
+
+    with open_mirror(path, token=token) as mirror:
+        summary = info(mirror.root)
+        summary.path = str(mirror.spec)
+        for part in [summary, *summary.components.values()]:
+            part.shared_bytes = None
+            for shard in part.shards:
+                shard.shared_bytes = None
+        return summary

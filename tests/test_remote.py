@@ -1,0 +1,173 @@
+"""``hf://ORG/REPO`` sources against the offline Hub (tests/hub_server.py), through the real client.
+
+Every command runs the real CLI in a subprocess with ``HF_ENDPOINT``/``HF_TOKEN`` pointing at the
+server; the server counts the body bytes it sends, so "headers only" is checked by what crossed
+the wire. Large repositories are :class:`hub_state.LazyBlob` files: real headers, zeros generated
+as sent, so a 12 GB repository costs nothing unless something downloads it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hub_state import LazyBlob
+from helpers_hub import (  # noqa: F401
+    folder_files,
+    hub,
+    hub_env,
+    lazy_safetensors,
+    run_shardkit,
+)
+
+pytestmark = pytest.mark.hub
+
+MB = 1_000_000
+GB = 1_000_000_000
+
+
+def one_error_line(proc, code: int = 2) -> str:
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stdout == "", proc.stdout  # no partial output
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny SD pipeline folder (real configs, tokenizer, random weights)."""
+    from helpers_fit import save_tiny_pipeline
+
+    root = tmp_path_factory.mktemp("remote-pipe")
+    save_tiny_pipeline(root / "pipe", root / "scratch")
+    return root / "pipe"
+
+
+def big_sharded(shards: int = 3, shard_gb: int = 4) -> dict:
+    """A transformers-style sharded checkpoint of ``shards`` lazily served files of ~``shard_gb`` GB."""
+    files, weight_map = {}, {}
+    rows = shard_gb * GB // (2 * 8192)
+    for n in range(1, shards + 1):
+        name = f"model-{n:05d}-of-{shards:05d}.safetensors"
+        tensors = {f"layers.{n}.{k}.weight": ("BF16", (rows // 4, 8192)) for k in range(4)}
+        files[name] = lazy_safetensors(tensors)
+        weight_map.update({t: name for t in tensors})
+    total = sum(len(b) - len(b.head) for b in files.values())
+    files["model.safetensors.index.json"] = json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}).encode()
+    files["config.json"] = b'{"model_type": "llama"}'
+    return files
+
+
+def test_info_of_a_12gb_repo_reads_headers_only(hub, tmp_path):
+    hub.state.add_repo("alice/big", big_sharded())
+    env = hub_env(hub, tmp_path / "home")
+    proc = run_shardkit(env, "info", "hf://alice/big", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["path"] == "hf://alice/big" and doc["format"] == "safetensors-sharded"
+    assert doc["tensor_count"] == 12 and doc["total_bytes"] > 11 * GB
+    assert [s["file"] for s in doc["shards"]] == [f"model-0000{n}-of-00003.safetensors" for n in (1, 2, 3)]
+    assert hub.state.bytes_sent() < 5 * MB
+    ranges = [r for m, p, r, _ in hub.state.sent if p.endswith(".safetensors")]
+    assert len(ranges) == 3 and all(r.startswith("bytes=0-") for r in ranges)
+
+
+def test_pipeline_repo_reads_component_headers_and_configs_only(hub, tmp_path):
+    files = {"model_index.json": json.dumps({"_class_name": "FluxPipeline", "scheduler": ["diffusers", "X"],
+                                             "transformer": ["diffusers", "FluxTransformer2DModel"],
+                                             "vae": ["diffusers", "AutoencoderKL"]}).encode(),
+             "scheduler/scheduler_config.json": b"{}", "tokenizer/tokenizer.json": b"{" + b" " * 3 * MB + b"}",
+             "vae/config.json": b"{}", "vae/diffusion_pytorch_model.safetensors":
+             lazy_safetensors({"decoder.w": ("F32", (1000, 1000))}), "transformer/config.json": b"{}"}
+    files.update({f"transformer/{k.replace('model', 'diffusion_pytorch_model')}": v
+                  for k, v in big_sharded(shards=2).items() if k != "config.json"})
+    index = json.loads(files["transformer/diffusion_pytorch_model.safetensors.index.json"])
+    index["weight_map"] = {t: s.replace("model", "diffusion_pytorch_model") for t, s in index["weight_map"].items()}
+    files["transformer/diffusion_pytorch_model.safetensors.index.json"] = json.dumps(index).encode()
+    hub.state.add_repo("alice/flux", files)
+    proc = run_shardkit(hub_env(hub, tmp_path / "home"), "info", "hf://alice/flux", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["format"] == "diffusers-pipeline" and list(doc["components"]) == ["transformer", "vae"]
+    assert doc["tensor_count"] == 9 and doc["total_bytes"] > 7 * GB
+    assert doc["components"]["transformer"]["shards"][0]["file"] == "diffusion_pytorch_model-00001-of-00002.safetensors"
+    assert hub.state.bytes_sent() < 1 * MB  # the 3 MB tokenizer.json is not fetched
+
+
+@pytest.mark.slow
+def test_info_and_fit_of_a_pipeline_repo_match_the_local_folder(hub, tmp_path, pipeline):
+    hub.state.add_repo("alice/pipe", folder_files(pipeline))
+    env = hub_env(hub, tmp_path / "home")
+    for args in (["info", "--json"], ["fit", "--gpu", "16GB", "--gpu", "16GB", "--json"]):
+        remote = run_shardkit(env, args[0], "hf://alice/pipe", *args[1:])
+        local = run_shardkit(env, args[0], pipeline, *args[1:])
+        assert remote.returncode == 0 and local.returncode == 0, (remote.stderr, local.stderr)
+        got, want = json.loads(remote.stdout), json.loads(local.stdout)
+        if args[0] == "info":
+            assert got.pop("path") == "hf://alice/pipe" and want.pop("path") == str(pipeline)
+            for doc in (got, want, *got["components"].values(), *want["components"].values()):
+                doc.pop("shared_bytes", None)
+                for shard in doc["shards"]:
+                    shard.pop("shared_bytes")
+        assert got == want
+    weights = [p for m, p, _, _ in hub.state.sent if m == "GET" and "/resolve/" in p]
+    assert not any(p.endswith(("vocab.json", "merges.txt", ".bin")) for p in weights), weights
+    table = run_shardkit(env, "info", "hf://alice/pipe/unet")
+    assert table.returncode == 0 and table.stdout.startswith("hf://alice/pipe/unet\n"), table.stdout
+
+
+@pytest.mark.parametrize("extra", [0, 1], ids=["at-boundary", "one-past"])
+def test_header_ending_exactly_at_the_first_range(hub, tmp_path, extra):
+    from shardkit.hub.remote import FIRST_RANGE_BYTES
+
+    blob = lazy_safetensors({"w": ("F32", (1000, 1000))}, header_total_bytes=FIRST_RANGE_BYTES + extra)
+    hub.state.add_repo("alice/edge", {"model.safetensors": blob})
+    proc = run_shardkit(hub_env(hub, tmp_path / "home"), "info", "hf://alice/edge", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["parameter_count"] == 1_000_000
+    gets = [r for m, p, r, _ in hub.state.sent if p.endswith("model.safetensors") and m == "GET"]
+    assert gets == [f"bytes=0-{FIRST_RANGE_BYTES - 1}"] + ([f"bytes={FIRST_RANGE_BYTES}-{FIRST_RANGE_BYTES}"] if extra else [])
+    assert hub.state.bytes_sent(r"model\.safetensors$") == FIRST_RANGE_BYTES + extra
+
+
+def test_private_repo_needs_the_token(hub, tmp_path):
+    hub.state.add_repo("alice/secret", {"model.safetensors": lazy_safetensors({"w": ("F16", (8, 8))})}, private=True)
+    without = run_shardkit(hub_env(hub, tmp_path / "anon", token=None), "info", "hf://alice/secret")
+    assert "repository alice/secret not found" in one_error_line(without)
+    env = hub_env(hub, tmp_path / "home", token=None)
+    with_flag = run_shardkit(env, "info", "hf://alice/secret", "--token", "hf_test_token", "-q")
+    assert with_flag.returncode == 0 and "64 parameters" in with_flag.stdout, with_flag.stderr
+
+
+def test_gated_missing_revision_subfolder_and_lying_header_are_one_line_errors(hub, tmp_path):
+    weights = {"model.safetensors": lazy_safetensors({"w": ("F16", (8, 8))})}
+    hub.state.add_repo("bob/gated", weights, gated=True)
+    honest = lazy_safetensors({"w": ("F16", (8, 8))})
+    liar = LazyBlob((10 * GB).to_bytes(8, "little") + honest.head[8:], honest.size)
+    hub.state.add_repo("alice/liar", {"model.safetensors": liar})
+    hub.state.add_repo("alice/ok", weights)
+    env = hub_env(hub, tmp_path / "home")
+    cases = {"hf://bob/gated": "is gated", "hf://alice/nope": "not found",
+             "hf://alice/ok@v9": "revision 'v9' not found", "hf://alice/ok/unet": "no folder 'unet'",
+             "hf://alice/liar": "header length 10000000000 is impossible"}
+    for spec, expected in cases.items():
+        line = one_error_line(run_shardkit(env, "info", spec))
+        assert line.startswith(f"error: {spec}") and expected in line, line
+
+
+def test_pickle_only_repo_names_the_file_and_fetches_nothing(hub, tmp_path):
+    hub.state.add_repo("alice/old", {"pytorch_model.bin": b"\0" * 4096, "config.json": b"{}"})
+    line = one_error_line(run_shardkit(hub_env(hub, tmp_path / "home"), "info", "hf://alice/old"))
+    assert "pickle weights only (pytorch_model.bin" in line and "hf download alice/old pytorch_model.bin" in line
+    assert not any(p.endswith(".bin") for _, p, _, _ in hub.state.sent)
+
+
+def test_transient_failures_are_retried(hub, tmp_path):
+    hub.state.add_repo("alice/flaky", {"model.safetensors": lazy_safetensors({"w": ("F16", (8, 8))})})
+    hub.state.inject("GET", r"/resolve/.*model\.safetensors$", 503, times=2)
+    proc = run_shardkit(hub_env(hub, tmp_path / "home"), "info", "hf://alice/flaky", "-q")
+    assert proc.returncode == 0 and "64 parameters" in proc.stdout, proc.stderr
