@@ -233,6 +233,11 @@ def test_config_defaults_to_the_one_beside_the_checkpoint(tmp_path) -> None:
     # An open checkpoint has no folder: the config must be given, and the error says how.
     with shardkit.open(folder) as ckpt, pytest.raises(InvalidInputError, match="needs a config"):
         shardkit.load_model(cls, ckpt)
+    # The Python planner defaults the same way.
+    from shardkit.loading.device_map import plan_device_map
+
+    plan = plan_device_map("diffusers:UNet2DConditionModel", checkpoint=folder, max_memory={"cpu": "1GB"})
+    assert plan.parameters == sum(p.numel() for p in eager.parameters())
 
 
 def test_layerwise_casting_and_offload_are_applied_after_loading(tmp_path) -> None:

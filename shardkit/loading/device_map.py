@@ -199,7 +199,9 @@ def plan_device_map(model: Any, *, config: Any = None, checkpoint: Any = None, m
     from .keys import prepare_skeleton
     from .lazy import LazyCheckpoint
     from .lazy import open as open_checkpoint
+    from .skeleton import default_config
 
+    config = default_config(model, checkpoint, config)  # CHECKPOINT/config.json, as load_model and `plan` do
     budget = parse_max_memory(max_memory)
     if not budget:
         raise InvalidInputError("planning needs max_memory, e.g. {0: '16GB', 'cpu': '64GB'} (CLI: --max-memory 0=16GB,cpu=64GB)")

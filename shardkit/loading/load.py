@@ -21,6 +21,7 @@ from ..runtime.apply import RuntimeSetup, apply_runtime
 from .device_map import check_devices_exist, module_device, resolve_device_map
 from .keys import KeyMatch, prepare_skeleton
 from .lazy import LazyCheckpoint
+from .skeleton import default_config
 
 
 def _main_device(device_map: dict[str, Device]) -> Device:
@@ -134,45 +135,6 @@ def load_model(model: Any, checkpoint: Any, *, config: Any = None, device_map: A
     skeleton.eval()
     apply_runtime(skeleton, runtime)
     return skeleton
-
-
-def default_config(model: Any, checkpoint: Any, config: Any) -> Any:
-    """``config``, else the ``config.json`` beside a path ``checkpoint`` when ``model`` is a class that needs one.
-
-    Plain ``nn.Module`` factories take no config unless given one (a factory called with a
-    diffusers config's keys would fail), so only diffusers/transformers classes get the default.
-
-    Args:
-        model: what :func:`load_model` was given as ``model``.
-        checkpoint: a folder, a ``.safetensors`` file or an index JSON (an open checkpoint has no folder).
-        config: the config the caller gave, if any.
-
-    Returns:
-        ``config`` if given, else ``CHECKPOINT/config.json`` (for a file: the one in its folder) when it
-        exists and the model class takes a config, else None.
-
-    >>> default_config("diffusers:UNet2DConditionModel", "sdxl/unet", None)   # doctest: +SKIP
-    'sdxl/unet/config.json'
-    """
-    if config is not None or not isinstance(checkpoint, (str, os.PathLike)):
-        return config
-    folder = os.fspath(checkpoint)
-    folder = folder if os.path.isdir(folder) else os.path.dirname(folder)
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path) or not _takes_config(model):
-        return None
-    return path
-
-
-def _takes_config(model: Any) -> bool:
-    from .skeleton import resolve_model_class
-
-    if not isinstance(model, (str, type)):
-        return False  # a factory or a skeleton already built
-    cls = resolve_model_class(model)
-    module = getattr(cls, "__module__", "") or ""
-    return isinstance(cls, type) and module.startswith(("diffusers", "transformers")) and (
-        hasattr(cls, "from_config") or hasattr(cls, "config_class"))
 
 
 def _fill_and_dispatch(skeleton: Any, checkpoint: LazyCheckpoint, match: KeyMatch, mapping: dict[str, Device],
