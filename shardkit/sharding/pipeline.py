@@ -80,7 +80,7 @@ def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str
     jobs, left_out = _open_components(folder, options)
     try:
         _warn_left_out(jobs, left_out)
-        copied = [] if options.dry_run else _side_files(folder, jobs)
+        copied = [] if options.dry_run else pipeline_side_files(folder, jobs)
         in_place = os.path.abspath(folder) == os.path.abspath(output)
         copies: list[SideFile] = [] if in_place else [(os.path.join(folder, rel), rel) for rel in copied]
         run_jobs(output, jobs, options=options, side_files=copies)
@@ -130,7 +130,7 @@ def _other_weight_files(component_path: str, source: Source) -> list[str]:
                   and os.path.isfile(os.path.join(component_path, n)))
 
 
-def _side_files(folder: str, jobs: list[ShardJob]) -> list[str]:
+def pipeline_side_files(folder: str, jobs: list[ShardJob]) -> list[str]:
     """Every non-hidden file (relative path) that is not a weight file of a component."""
     components = {job.folder for job in jobs}
     found = []

@@ -31,7 +31,7 @@ from ..sources.memory import MemorySource
 from .job import ShardJob, plan_job, run_jobs
 from .native import transformers_state_dict
 from .options import WriteOptions, warn
-from .pipeline import PipelineResult, _side_files
+from .pipeline import PipelineResult, pipeline_side_files
 from .plan import ShardPlan, ShardSpec
 from .to_diffusers import DiffusersTarget, convert_checkpoint, has_single_file_mapping, missing_config_error
 
@@ -72,7 +72,7 @@ def convert_pipeline_to_diffusers(source: str | os.PathLike[str], output: str, *
             src = _component_source(component, backing, folder, where=path)
             if src is not None:
                 jobs.append(plan_job(src, options=options, folder=component.name))
-        copied = _side_files(folder, jobs)
+        copied = pipeline_side_files(folder, jobs)
         run_jobs(output, jobs, options=options, side_files=[(os.path.join(folder, rel), rel) for rel in copied])
         return _result(path, output, jobs, options, copied)
     finally:
