@@ -25,6 +25,7 @@ from helpers_hub import (  # noqa: F401
 pytestmark = pytest.mark.hub
 
 MB = 1_000_000
+TENSOR_BYTES = 256 * 256 * 4
 GB = 1_000_000_000
 
 
@@ -171,3 +172,74 @@ def test_transient_failures_are_retried(hub, tmp_path):
     hub.state.inject("GET", r"/resolve/.*model\.safetensors$", 503, times=2)
     proc = run_shardkit(hub_env(hub, tmp_path / "home"), "info", "hf://alice/flaky", "-q")
     assert proc.returncode == 0 and "64 parameters" in proc.stdout, proc.stderr
+
+
+def write_safetensors(path: Path, count: int = 8, seed: int = 0) -> Path:
+    """``count`` F32 tensors of 256 KiB with seeded random bytes (no torch)."""
+    import random
+
+    from shardkit.formats.header import TensorEntry, build_header
+
+    rng = random.Random(seed)
+    entries = [TensorEntry(f"layer.{i}.weight", "F32", (256, 256), TENSOR_BYTES) for i in range(count)]
+    head, _ = build_header(entries)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(head + rng.randbytes(sum(e.nbytes for e in entries)))
+    return path
+
+
+def split_folder(tmp_path: Path, name: str, max_shard_size: str) -> Path:
+    import shardkit
+
+    source = write_safetensors(tmp_path / f"{name}-src" / "model.safetensors")
+    shardkit.split(source, tmp_path / name, max_shard_size=max_shard_size)
+    (tmp_path / name / "config.json").write_text('{"model_type": "tiny"}')
+    return tmp_path / name
+
+
+def test_verify_remote_checks_structure_without_tensor_data(hub, tmp_path):
+    hub.state.add_repo("alice/big", big_sharded())
+    files = big_sharded()
+    del files["model-00002-of-00003.safetensors"]
+    hub.state.add_repo("alice/holey", files)
+    env = hub_env(hub, tmp_path / "home")
+    ok = run_shardkit(env, "verify", "hf://alice/big")
+    assert ok.returncode == 0, ok.stderr
+    assert "structure of hf://alice/big: 3 weight file(s), 12 tensor(s)" in ok.stdout
+    assert hub.state.bytes_sent() < 5 * MB
+    holey = run_shardkit(env, "verify", "hf://alice/holey", "--json")
+    assert holey.returncode == 1
+    findings = json.loads(holey.stdout)["findings"]
+    assert any(f["file"] == "model-00002-of-00003.safetensors" and f["message"].startswith("missing") for f in findings)
+
+
+def test_verify_against_remote_decides_from_oids_and_reads_only_differing_tensors(hub, tmp_path):
+    from shardkit.hub.remote import FIRST_RANGE_BYTES
+
+    folder = split_folder(tmp_path, "out", "600KB")
+    hub.state.add_repo("alice/tiny", folder_files(folder))
+    env = hub_env(hub, tmp_path / "home")
+    same = run_shardkit(env, "verify", folder, "--against", "hf://alice/tiny", "--json")
+    assert same.returncode == 0, same.stdout + same.stderr
+    doc = json.loads(same.stdout)
+    assert doc["tensors_compared"] == 8 and all(f["checked"] == "hub-oid" for f in doc["files"])
+    headers_only = hub.state.bytes_sent(r"\.safetensors$")
+    assert headers_only == 4 * FIRST_RANGE_BYTES  # one first range per shard, no other tensor data
+
+    shard = folder / "model-00002-of-00004.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # the last byte of the shard's last tensor
+    shard.write_bytes(bytes(data))
+    before = hub.state.bytes_sent(r"\.safetensors$")
+    changed = run_shardkit(env, "verify", folder, "--against", "hf://alice/tiny", "--json")
+    assert changed.returncode == 1
+    findings = json.loads(changed.stdout)["findings"]
+    assert [(f["file"], f["tensor"]) for f in findings] == [(shard.name, "layer.3.weight")], findings
+    assert f"at byte {TENSOR_BYTES - 1} of the tensor" in findings[0]["message"]
+    fetched = hub.state.bytes_sent(r"\.safetensors$") - before - headers_only
+    assert fetched == 2 * TENSOR_BYTES  # the two tensors of the changed shard, nothing else
+
+    resharded = split_folder(tmp_path, "other", "1100KB")
+    other = run_shardkit(env, "verify", resharded, "--against", "hf://alice/tiny")
+    assert other.returncode == 1  # different shard files: named, but every tensor still compared equal
+    assert "8 tensor(s)" not in other.stdout and "extra file" in other.stdout and "tensor '" not in other.stdout

@@ -110,7 +110,7 @@ class _ScanJob:
 
 
 def verify(path: str | os.PathLike[str], *, against: Any = None,
-           progress: ProgressCallback | None = None) -> VerifyReport:
+           progress: ProgressCallback | None = None, read_data: bool = True) -> VerifyReport:
     """Check a checkpoint: structure, every byte (sha256 per file), and optionally every tensor.
 
     ``path`` is a ``.safetensors`` file, a sharded folder or its index, or a diffusers pipeline
@@ -128,6 +128,8 @@ def verify(path: str | os.PathLike[str], *, against: Any = None,
             ``path`` alone.
         progress: called as ``progress(bytes_done, bytes_total)`` while files are read (from
             several threads, one call at a time).
+        read_data: False checks structure only (index, headers, file sizes; no tensor byte is
+            read, no manifest compared): what ``verify hf://...`` runs on a header-only mirror.
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is true when nothing was found.
@@ -157,6 +159,8 @@ def verify(path: str | os.PathLike[str], *, against: Any = None,
             jobs = _prepare_pipeline(path, against, report, opened)
         else:
             jobs = _prepare_checkpoint(path, against, report, opened, prefix="")
+        if not read_data:
+            return report
         expected = _manifest_entries(path, pipeline, report)
         jobs += _listed_jobs(path, expected, jobs, report)
         _run_scans(jobs, report, progress)

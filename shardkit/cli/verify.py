@@ -16,6 +16,8 @@ Examples:
   shardkit verify out/ --against model.safetensors      # + every tensor bit for bit
   shardkit verify out-bf16/ --against pytorch_model.bin # source cast the same way first
   shardkit verify sd-pipeline/ --against sd-pipeline-orig/ --json
+  shardkit verify hf://org/model                        # structure from headers + file listing
+  shardkit verify out/ --against hf://org/model         # sha256 vs the Hub's LFS oids, tensor by tensor
 
 \b
 Checks: the index against the files and their headers (every tensor where the index says,
@@ -37,18 +39,30 @@ Exit codes: 0 clean, 1 any finding, 2 bad input.
                    "for a pipeline folder, another pipeline folder).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the findings.")
-def verify(path: str, against: str | None, as_json: bool, quiet: bool) -> None:
+@click.option("--token", help="Hub token for hf://ORG/REPO[@REV][/SUBFOLDER] paths (default: HF_TOKEN or the login).")
+def verify(path: str, against: str | None, as_json: bool, quiet: bool, token: str | None = None) -> None:
     """Check a checkpoint (file, sharded folder, index or pipeline folder) for damage.
 
     Lists every finding by file and tensor; exits 1 if there is any.
     """
     from ..checking.verify import verify as verify_api
+    from ..hub.remote import is_remote
 
-    # no bar in logs and pipes: findings and the summary line are what matter there
-    with byte_progress("verify", enabled=not (quiet or as_json)) as progress:
-        report = verify_api(path, against=against, progress=progress)
+    remote = is_remote(path) or is_remote(against)
+    if remote:
+        from ..hub.remote_verify import describe, verify_against_remote, verify_remote
+
+        report = verify_remote(path, token=token) if is_remote(path) else \
+            verify_against_remote(path, str(against), token=token)
+    else:  # no bar in logs and pipes: findings and the summary line are what matter there
+        with byte_progress("verify", enabled=not (quiet or as_json)) as progress:
+            report = verify_api(path, against=against, progress=progress)
     if as_json:
         echo_json(report.to_dict())
+    elif remote:
+        print_report(report, quiet=True)
+        if not quiet and report.ok:
+            click.echo(describe(report))
     else:
         print_report(report, quiet=quiet)
     if not report.ok:

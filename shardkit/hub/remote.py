@@ -44,7 +44,7 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 RETRIES = 3
 RETRY_WAIT_SECONDS = 0.25
 _FETCH_THREADS = 8
-_CONFIG_RE = re.compile(r"(^|/)(config|model_index|[\w.-]*_config|[\w.-]+\.safetensors\.index(\.[\w-]+)?)\.json$")
+CONFIG_RE = re.compile(r"(^|/)(config|model_index|[\w.-]*_config|[\w.-]+\.safetensors\.index(\.[\w-]+)?)\.json$")
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def _build_mirror(spec: RemoteSpec, root: str, *, token: str | None) -> Mirror:
     os.makedirs(root, exist_ok=True)
     mirror = Mirror(spec, root, commit, files)
     check_not_pickle_only(mirror)
-    fetched = [f for rel, f in files.items() if _CONFIG_RE.search(rel) and f.size_bytes <= MAX_FETCHED_FILE_BYTES]
+    fetched = [f for rel, f in files.items() if CONFIG_RE.search(rel) and f.size_bytes <= MAX_FETCHED_FILE_BYTES]
     weights = [f for rel, f in files.items() if rel.endswith(".safetensors")]
     with ThreadPoolExecutor(_FETCH_THREADS) as pool:
         jobs = [pool.submit(_fetch_whole, mirror, f, token) for f in fetched]
