@@ -34,7 +34,8 @@ __version__ = "0.1.0"
 # Public name → module that defines it; resolved on first access so imports stay cheap.
 _LAZY: dict[str, str] = {
     "split": "sharding.split",
-    "save_sharded": "sharding.split",
+    "save_sharded": "distributed.save",
+    "load_into": "distributed.rank_load",
     "SplitResult": "sharding.job",
     "WriteOptions": "sharding.options",
     "plan_shards": "sharding.plan",

@@ -86,6 +86,7 @@ def native_model(obj: Any, *, cast_to: str | None = None) -> Iterator[NativeMode
     with tempfile.TemporaryDirectory(prefix="shardkit-config-") as folder:
         if library == DIFFUSERS:
             obj.save_config(folder)
+            _unwrap_class_name(obj, os.path.join(folder, "config.json"))
             native = NativeModel(library, obj.state_dict(), Naming(DIFFUSERS_PREFIX))
         else:
             _save_transformers_configs(obj, folder, cast_to=cast_to)
@@ -107,11 +108,28 @@ def _save_transformers_configs(model: Any, folder: str, *, cast_to: str | None) 
     config = copy.deepcopy(model.config)
     # save_pretrained records these two on the live config; a copy leaves the caller's model as it was
     config.dtype = _torch_dtype_name(cast_to) if cast_to else str(model.dtype).removeprefix("torch.")
-    config.architectures = [type(model).__name__]
+    config.architectures = [_model_class(model).__name__]
     config.save_pretrained(folder)
     generation = getattr(model, "generation_config", None)
     if generation is not None and model.can_generate():
         generation.save_pretrained(folder)
+
+
+def _model_class(model: Any) -> type:
+    """The model's own class: FSDP2's ``fully_shard`` swaps in a subclass ``FSDP<Class>(FSDPModule, Class)``."""
+    cls = type(model)
+    return cls.__bases__[-1] if "FSDPModule" in {b.__name__ for b in cls.__bases__} else cls
+
+
+def _unwrap_class_name(model: Any, path: str) -> None:
+    """diffusers records ``type(model).__name__``; under FSDP2 that is the wrapper's ``FSDP<Class>``."""
+    cls = _model_class(model)
+    if cls is not type(model) and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        old, new = f'"_class_name": "{type(model).__name__}"', f'"_class_name": "{cls.__name__}"'
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text.replace(old, new, 1))
 
 
 def _torch_dtype_name(code: str) -> str:

@@ -1,0 +1,227 @@
+"""Writing one checkpoint with every rank of a process group: one plan, shards divided, one commit.
+
+Every rank plans from the same global view (tensor names, dtypes and global shapes) and the
+plans are compared; the shards are divided among the ranks by bytes (:mod:`.assign`). Rank 0
+opens the one :class:`~shardkit.atomic.commit.OutputTransaction` and tells the others where its
+staging files go, as paths relative to the output's parent folder, so each rank resolves them
+through its own view of the shared filesystem; a marker file rank 0 writes there proves every
+rank sees the same folder. Each rank writes and hashes its own shards; a status exchange then
+carries every rank's success or error, and only if all succeeded does rank 0 write the index and
+the manifest and publish. Any failure raises the same one-line error on every rank, and rank 0's
+transaction removes the staging folder; a rank that dies leaves a staging folder whose lock is
+free, which the next write beside it removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..atomic.commit import TMP_MARK, OutputTransaction
+from ..formats.index import dump_index
+from ..formats.manifest import FileDigest
+from ..formats.suffixes import is_manifest_file
+from ..sharding import digest
+from ..sharding.job import ShardJob, SideFile, SplitResult, _checkpoint_files, plan_job, shard_metadata
+from ..sharding.options import WriteOptions, warn_if_output_taken
+from ..sharding.writer import BackgroundSync, ByteCounter, copy_side_file, write_safetensors
+from ..sources.base import Source
+from .assign import assign_shards, plan_signature
+from .group import (
+    DistributedError,
+    RankStatus,
+    agree,
+    broadcast_from_zero,
+    check_world_size,
+    rank_and_world,
+    status_of,
+)
+
+__all__ = ["CollectiveWrite", "write_collective"]
+
+
+@dataclass
+class CollectiveWrite:
+    """The state of one collective write on one rank."""
+
+    process_group: Any
+    rank: int
+    world: int
+    job: ShardJob
+    owners: list[int]
+    output: str
+    options: WriteOptions
+    stale: list[str] = field(default_factory=list)
+    paths: dict[str, str] = field(default_factory=dict)  # shard file → path relative to the output's parent
+    marker: str = ""  # relative to the output's parent
+    token: str = ""
+
+    def local(self, relative: str) -> str:
+        """``relative`` (to the output's parent) as this rank sees it."""
+        return os.path.join(os.path.dirname(os.path.abspath(self.output)), relative)
+
+
+def write_collective(src: Source, output: str, *, options: WriteOptions, process_group: Any,
+                     side_files: Sequence[SideFile] = (), gather: Any = None,
+                     mesh_sizes: Sequence[tuple[str, int]] = ()) -> SplitResult:
+    """Write ``src`` into ``output`` together with every other rank of ``process_group``.
+
+    Every rank must call it with an equal plan (same tensors, shapes, dtypes and options).
+
+    Args:
+        src: this rank's view of the tensors (global shapes; the bytes of the shards it owns).
+        output: the output folder, on a filesystem every rank sees.
+        options: the write options (equal on every rank).
+        process_group: the ``torch.distributed`` group (None: the default group).
+        side_files: files rank 0 publishes with the shards (configs).
+        gather: a :class:`~shardkit.distributed.gather.Gatherer` when reading a tensor is a
+            collective that every rank must join, in plan order.
+        mesh_sizes: ``(tensor name, ranks it spans)`` to check against the group's size.
+
+    Returns:
+        The :class:`~shardkit.sharding.job.SplitResult`, equal on every rank.
+
+    >>> write_collective(src, "out/", options=WriteOptions(max_shard_bytes=10**9), process_group=None)  # doctest: +SKIP
+    """
+    rank, world = rank_and_world(process_group)
+    agree(process_group, check_world_size(process_group, sizes=mesh_sizes), what="checking world sizes")
+    job = plan_job(src, options=options)
+    _agree_on_plan(process_group, rank, job, options)
+    run = CollectiveWrite(process_group, rank, world, job, assign_shards([s.nbytes for s in job.plan.shards], world),
+                          os.fspath(output), options)
+    if options.dry_run:
+        if rank == 0:
+            warn_if_output_taken(run.output, overwrite=options.overwrite)
+        return job.result(run.output, options)
+    run.stale = [job.path(n) for n in _checkpoint_files(run.output, job.plan.naming)] + digest.stale_manifests(run.output, [""])
+    with contextlib.ExitStack() as stack:
+        tx = _open_output(run, stack)
+        _check_marker(run)
+        records = _write_owned(run, gather)
+        _publish(run, tx, records, side_files)
+    return job.result(run.output, options)
+
+
+def _agree_on_plan(process_group: Any, rank: int, job: ShardJob, options: WriteOptions) -> None:
+    rows = [[w.out.name, w.out.dtype, list(w.out.shape)] for w in job.writes]
+    rows += [[s.filename, *s.names] for s in job.plan.shards]
+    rows += [[repr(options.cast_to), job.plan.max_shard_bytes, options.overwrite, sorted(job.source.aliases().items())]]
+    statuses = agree(process_group, RankStatus(rank, payload=plan_signature(rows)), what="comparing plans")
+    differ = [s.rank for s in statuses if s.payload != statuses[0].payload]
+    if differ:
+        raise DistributedError(f"rank(s) {', '.join(map(str, differ))} planned different shards than rank 0 "
+                               "(other tensors, shapes, dtypes or options): call save_sharded with the same model "
+                               "and options on every rank; nothing was published")
+
+
+def _open_output(run: CollectiveWrite, stack: contextlib.ExitStack) -> OutputTransaction | None:
+    """Rank 0 opens the transaction and writes the marker; every rank learns the staging paths."""
+    tx, error, status = None, None, None
+    if run.rank == 0:
+        try:
+            tx = stack.enter_context(OutputTransaction(run.output, overwrite=run.options.overwrite, stale=run.stale))
+            parent = os.path.dirname(os.path.abspath(run.output))
+            paths = {s.filename: os.path.relpath(tx.path_for(run.job.path(s.filename)), parent)
+                     for s in run.job.plan.shards}
+            root = os.path.dirname(os.path.join(parent, next(iter(paths.values()))))
+            marker, token = os.path.join(root, f"{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}-ranks"), secrets.token_hex(8)
+            with open(marker, "x", encoding="utf-8") as f:
+                f.write(token)
+            status = RankStatus(0, payload=(paths, os.path.relpath(marker, parent), token))
+        except Exception as e:  # every rank must hear of it, or the others block in the next collective
+            error, status = e, status_of(0, e)
+    try:
+        got = broadcast_from_zero(run.process_group, status, what=f"opening {run.output}")
+    except DistributedError:
+        if error is not None:
+            raise error from None
+        raise
+    run.paths, run.marker, run.token = got.payload
+    return tx
+
+
+def _check_marker(run: CollectiveWrite) -> None:
+    """Every rank must see the marker rank 0 wrote beside the output: one shared folder."""
+    path = run.local(run.marker)
+    try:
+        with open(path, encoding="utf-8") as f:
+            seen = f.read() == run.token
+    except OSError:
+        seen = False
+    error = None if seen else (f"cannot see {path}, which rank 0 wrote beside the output: {run.output} must be one "
+                               "folder on a filesystem shared by every rank (the same path on every node)")
+    agree(run.process_group, RankStatus(run.rank, error), what=f"checking that every rank sees {run.output}")
+
+
+def _write_owned(run: CollectiveWrite, gather: Any) -> dict[str, FileDigest]:
+    """Write and hash this rank's shards; join every rank's gathers; exchange the outcome."""
+    job, metadata = run.job, shard_metadata(run.job, run.options.metadata or {})
+    by_name = {w.out.name: w for w in job.writes}
+    mine = [s for s, owner in zip(job.plan.shards, run.owners) if owner == run.rank]
+    tick = ByteCounter(sum(s.nbytes for s in mine), run.options.progress)
+    error: BaseException | None = None
+    records: dict[str, FileDigest] = {}
+    try:
+        with digest.FileHasher() as hasher, BackgroundSync() as sync:
+            for shard, owner in zip(job.plan.shards, run.owners):
+                if owner == run.rank:
+                    path = run.local(run.paths[shard.filename])
+                    write_safetensors(path, [by_name[n] for n in shard.names], job.source, metadata=metadata,
+                                      progress=tick, sync=sync)
+                    if digest.ENABLED:
+                        hasher.submit(job.path(shard.filename), path, safetensors=True)
+                if gather is not None:
+                    gather.skip_through(shard.names)
+            sync.wait()
+            records = hasher.results()
+    except Exception as e:
+        error = e
+    finally:
+        if gather is not None:
+            error = gather.drain(error)  # the others still gather the tensors after ours
+    statuses = agree(run.process_group, status_of(run.rank, error, payload=records), what="writing shards")
+    return {name: record for s in statuses for name, record in s.payload.items()}
+
+
+def _publish(run: CollectiveWrite, tx: OutputTransaction | None, records: dict[str, FileDigest],
+             side_files: Sequence[SideFile]) -> None:
+    """Rank 0 writes the side files, index and manifest and commits; every rank learns the outcome."""
+    error, status = None, None
+    if run.rank == 0:
+        assert tx is not None
+        try:
+            _commit(run, tx, records, side_files)
+            status = RankStatus(0)
+        except Exception as e:
+            error, status = e, status_of(0, e)
+    try:
+        broadcast_from_zero(run.process_group, status, what=f"publishing {run.output}")
+    except DistributedError:
+        if error is not None:
+            raise error from None
+        raise
+
+
+def _commit(run: CollectiveWrite, tx: OutputTransaction, records: dict[str, FileDigest],
+            side_files: Sequence[SideFile]) -> None:
+    plan = run.job.plan
+    with digest.ManifestRecorder(run.output, stale=run.stale) as record, BackgroundSync() as sync:
+        for path, name in side_files:
+            if not is_manifest_file(os.path.basename(name)):
+                copy_side_file(path, dst := tx.path_for(name), sync=sync)
+                record.file(name, dst)
+        for name, digest_record in records.items():
+            record.add(name, digest_record)
+        sync.wait()
+        os.remove(run.local(run.marker))  # not part of the checkpoint
+        index = None
+        if plan.index_filename:
+            index = run.job.path(plan.index_filename)
+            data = dump_index(plan.weight_map(), total_size_bytes=plan.total_bytes)
+            tx.write_bytes(index, data)
+            record.data(index, data)
+        record.write(tx)
+        tx.commit(last=index)

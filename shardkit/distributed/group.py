@@ -1,0 +1,127 @@
+"""The few ``torch.distributed`` calls the collective jobs make, and how failures travel between ranks.
+
+Every step that can fail on one rank ends in an exchange of :class:`RankStatus` records
+(``all_gather_object``), so a failure on any rank raises the same one-line error on every rank
+instead of leaving the others blocked in the next collective. torch is imported lazily.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from ..errors import InvalidInputError, ShardkitError, ShardkitWriteError
+
+__all__ = ["DistributedError", "RankStatus", "agree", "broadcast_from_zero", "check_world_size",
+           "init_from_env", "rank_and_world"]
+
+
+class DistributedError(ShardkitWriteError):
+    """Another rank failed (or disagreed) during a collective job; nothing was published."""
+
+
+@dataclass
+class RankStatus:
+    """One rank's outcome of a step: ``error`` is None on success; ``payload`` is what it sends along."""
+
+    rank: int
+    error: str | None = None
+    payload: Any = None
+
+
+def rank_and_world(process_group: Any) -> tuple[int, int]:
+    """This process's rank in ``process_group`` and the group's size."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise InvalidInputError("process_group was given but torch.distributed is not initialized; "
+                                "call torch.distributed.init_process_group first (or run under torchrun)")
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+def agree(process_group: Any, status: RankStatus, *, what: str) -> list[RankStatus]:
+    """Exchange every rank's status of step ``what``; raise the same error on every rank if one failed.
+
+    >>> agree(pg, RankStatus(rank), what="writing shards")   # doctest: +SKIP
+    """
+    import torch.distributed as dist
+
+    statuses: list[Any] = [None] * dist.get_world_size(process_group)
+    try:
+        dist.all_gather_object(statuses, status, group=process_group)
+    except RuntimeError as e:  # a peer died: its socket closed under the collective
+        raise DistributedError(f"{what}: lost contact with another rank ({_first_line(e)}); "
+                               "nothing was published") from e
+    failed = [s for s in statuses if s.error is not None]
+    if failed:
+        raise DistributedError(f"{what} failed: " + "; ".join(f"rank {s.rank}: {s.error}" for s in failed)
+                               + "; nothing was published")
+    return statuses
+
+
+def broadcast_from_zero(process_group: Any, status: RankStatus | None, *, what: str) -> RankStatus:
+    """Rank 0's ``status`` on every rank; raise on every rank if rank 0 failed."""
+    import torch.distributed as dist
+
+    box = [status]
+    src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+    try:
+        dist.broadcast_object_list(box, src=src, group=process_group)
+    except RuntimeError as e:
+        raise DistributedError(f"{what}: lost contact with rank 0 ({_first_line(e)}); nothing was published") from e
+    got = box[0]
+    assert got is not None
+    if got.error is not None:
+        raise DistributedError(f"{what} failed on rank 0: {got.error}; nothing was published")
+    return got
+
+
+def status_of(rank: int, error: BaseException | None, payload: Any = None) -> RankStatus:
+    """The status record of a step that raised ``error`` (or None)."""
+    return RankStatus(rank, None if error is None else error_line(error), payload)
+
+
+def error_line(error: BaseException) -> str:
+    """One line naming ``error``: shardkit's own message, or the exception type and first line."""
+    if isinstance(error, ShardkitError):
+        return _first_line(error).removesuffix("; nothing was published")
+    return f"{type(error).__name__}: {_first_line(error)}"
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def check_world_size(process_group: Any, *, sizes: Sequence[tuple[str, int]] = ()) -> RankStatus:
+    """This rank's check that every world size it sees agrees with the group's.
+
+    ``WORLD_SIZE`` (torchrun's) and each DTensor mesh in ``sizes`` must not exceed the group,
+    and ``WORLD_SIZE`` must equal it; a rank started by another launch disagrees here.
+    """
+    rank, world = rank_and_world(process_group)
+    env = os.environ.get("WORLD_SIZE", "").strip()
+    if env.isdigit() and int(env) != world:
+        return RankStatus(rank, f"WORLD_SIZE={env} but the process group has {world} ranks: "
+                                "start every rank with the same --nnodes/--nproc-per-node")
+    for name, size in sizes:
+        if size > world:
+            return RankStatus(rank, f"tensor {name!r} is spread over {size} ranks but the process group has "
+                                    f"{world}: pass the process group the model was sharded over")
+    return RankStatus(rank)
+
+
+def init_from_env() -> bool:
+    """Start a gloo process group from torchrun's environment when there is one; True when distributed.
+
+    Returns False for a single process (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``).
+    """
+    env = os.environ.get("WORLD_SIZE", "").strip()
+    if not env.isdigit() or int(env) <= 1:
+        return False
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo")
+    return True

@@ -1,0 +1,107 @@
+"""``shardkit.save_sharded``: the single-process save, or with ``process_group`` a collective one."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..sharding.job import SplitResult
+from ..sharding.options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions
+from ..sharding.split import save_sharded as save_sharded_local
+from .group import DistributedError, agree, check_world_size, rank_and_world, status_of
+
+__all__ = ["save_sharded"]
+
+
+def save_sharded(obj: Any, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+                 dtype: str | None = None, name: str | None = None, variant: str | None = None,
+                 allow_lossy: bool = False, overwrite: bool = False, metadata: dict[str, str] | None = None,
+                 progress: ProgressCallback | None = None, process_group: Any = None) -> SplitResult:
+    """Save a state dict or ``nn.Module`` as sharded safetensors; collectively over ``process_group``.
+
+    Without DTensors and without ``process_group`` this is
+    :func:`shardkit.sharding.split.save_sharded`. With them, every rank of the group must call
+    it (an FSDP2 ``fully_shard`` model, or a state dict of ``DTensor`` s): rank 0 plans from the
+    global shapes (the plan a single process gives for the full state dict), the shards are
+    divided among the ranks by bytes, each rank gathers the full tensors of its own shards one
+    at a time and writes them, and rank 0 publishes the index and manifest atomically once every
+    rank has succeeded. Any rank's failure raises on every rank and publishes nothing. The
+    output must be one folder on a filesystem every rank sees.
+
+    Args:
+        obj: a ``{name: tensor}`` mapping, an ``nn.Module``, a diffusers or transformers model;
+            its tensors may be DTensors.
+        output: the output folder (the same folder on every rank).
+        process_group: the ``torch.distributed`` group whose ranks all call this (None with
+            DTensors: the default group).
+        max_shard_size, dtype, name, variant, allow_lossy, overwrite, metadata, progress: as in
+            the single-process ``save_sharded``.
+
+    Returns:
+        The :class:`~shardkit.sharding.job.SplitResult`, the same on every rank.
+
+    >>> fully_shard(model)                                                        # doctest: +SKIP
+    >>> shardkit.save_sharded(model, "out/", max_shard_size="5GB", process_group=dist.group.WORLD)  # doctest: +SKIP
+    """
+    from ..sharding.native import native_model
+    from ..sources.memory import module_state_dict
+    from .gather import is_dtensor
+
+    options = WriteOptions.parse(max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy, name=name,
+                                 variant=variant, overwrite=overwrite, metadata=metadata, progress=progress)
+    with native_model(obj, cast_to=options.cast_to) as native:
+        state = native.state_dict if native is not None else module_state_dict(obj)
+        if process_group is None and not any(is_dtensor(t) for t in state.values()):
+            return save_sharded_local(obj, output, max_shard_size=max_shard_size, dtype=dtype, name=name,
+                                      variant=variant, allow_lossy=allow_lossy, overwrite=overwrite,
+                                      metadata=metadata, progress=progress)
+        return _save_collective(obj, state, native, os.fspath(output), options=options, process_group=process_group)
+
+
+def _save_collective(obj: Any, state: Any, native: Any, output: str, *, options: WriteOptions,
+                     process_group: Any) -> SplitResult:
+    from ..formats.index import Naming
+    from .collective import write_collective
+    from .gather import GatheredSource, mesh_sizes
+
+    order, aliases = _rank0_layout(state, keep=native.keep if native else (), process_group=process_group)
+    source = GatheredSource(state, order=order, aliases=aliases, naming=native.naming if native else Naming(),
+                            description=f"in-memory {type(obj).__name__} (distributed)")
+    with source:
+        return write_collective(source, output, options=options, process_group=process_group,
+                                side_files=native.side_files if native else (), gather=source.gatherer,
+                                mesh_sizes=mesh_sizes(state))
+
+
+def _rank0_layout(state: Any, *, keep: Any, process_group: Any) -> tuple[list[str], dict[str, str]]:
+    """Rank 0's write order and ties (huggingface_hub's rules, on its local shards), on every rank.
+
+    Ties come from storage sharing, which only a rank's local tensors show; rank 0 decides so that
+    every rank writes the same plan. Every rank's tensors (names, dtypes, global shapes) and
+    world size are compared first, so a rank with another model fails here on every rank.
+    """
+    from ..sources.memory import _same_view, check_all_tensors, find_aliases, hub_order
+    from .assign import plan_signature
+    from .gather import local_view, mesh_sizes
+
+    rank, _ = rank_and_world(process_group)
+    status = check_world_size(process_group, sizes=mesh_sizes(state))
+    try:
+        check_all_tensors(state, where="distributed state dict")
+        rows = sorted([n, str(t.dtype), list(t.shape)] for n, t in state.items())
+        layout = None
+        if rank == 0:
+            local = local_view(state)
+            aliases = find_aliases(local, keep=keep)
+            exact = {a: k for a, k in aliases.items() if _same_view(local[a], local[k])}  # as MemorySource.aliases
+            layout = ([n for n in hub_order(local) if n not in aliases], exact)
+        status.payload = (plan_signature(rows), layout)
+    except Exception as e:
+        status = status_of(rank, e)
+    statuses = agree(process_group, status, what="planning the collective save")
+    differ = [s.rank for s in statuses if s.payload[0] != statuses[0].payload[0]]
+    if differ:
+        raise DistributedError(f"rank(s) {', '.join(map(str, differ))} planned different shards than rank 0 "
+                               "(other tensor names, dtypes or shapes): call save_sharded with the same model on "
+                               "every rank; nothing was published")
+    return statuses[0].payload[1]

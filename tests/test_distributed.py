@@ -1,0 +1,213 @@
+"""Collective save, parallel convert and rank-local loading over torch.distributed (gloo, CPU, spawned ranks)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+TINY_UNET = {"block_out_channels": [8, 16], "layers_per_block": 1, "sample_size": 8, "in_channels": 4,
+             "out_channels": 4, "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+             "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"], "cross_attention_dim": 8,
+             "norm_num_groups": 4, "attention_head_dim": 2}
+
+
+# ----------------------------------------------------------------------------- spawning ranks
+
+def _entry(rank: int, world: int, init: str, fn: Callable[..., Any], args: tuple, env: dict) -> None:
+    os.environ.update(env.get(rank, {}))
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(tmp_path: Path, fn: Callable[..., Any], *args: Any, world: int = 2, env: dict | None = None) -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned gloo ranks; raise if any rank failed."""
+    init = f"file://{tmp_path / f'.pg-{os.urandom(4).hex()}'}"
+    mp.spawn(_entry, args=(world, init, fn, args, env or {}), nprocs=world, join=True)
+
+
+def _tiny_llama() -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                         tie_word_embeddings=True)
+    return LlamaForCausalLM(config)
+
+
+def _tiny_unet() -> Any:
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    return UNet2DConditionModel(**TINY_UNET)
+
+
+def _fsdp(model: Any) -> Any:
+    from torch.distributed.fsdp import fully_shard
+
+    for module in model.modules():
+        if type(module).__name__ in ("LlamaDecoderLayer", "Transformer2DModel", "ResnetBlock2D"):
+            fully_shard(module)
+    fully_shard(model)
+    return model
+
+
+# ----------------------------------------------------------------------------- rank bodies
+
+def _save_rank(rank: int, world: int, build: Callable[[], Any], out: str, ref: str, size: int) -> None:
+    import shardkit
+    from shardkit.sharding.split import save_sharded as save_local
+
+    model = build()
+    if rank == 0:
+        save_local(model, ref, max_shard_size=size)  # the single-process save of the full model
+    dist.barrier()
+    result = shardkit.save_sharded(_fsdp(model), out, max_shard_size=size, process_group=dist.group.WORLD)
+    assert len(result.plan.shards) > 2
+
+
+def _folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("kind", ["transformers", pytest.param("diffusers", marks=pytest.mark.slow)])
+def test_collective_save_equals_single_process_save(tmp_path: Path, kind: str) -> None:
+    build = _tiny_llama if kind == "transformers" else _tiny_unet
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    run_ranks(tmp_path, _save_rank, build, str(out), str(ref), 20_000)
+    assert _folder_bytes(out) == _folder_bytes(ref)
+    assert not [n for n in os.listdir(tmp_path) if "shardkit-tmp" in n]
+    if kind == "transformers":
+        from transformers import LlamaForCausalLM
+
+        loaded = LlamaForCausalLM.from_pretrained(out)
+    else:
+        from diffusers import UNet2DConditionModel
+
+        loaded = UNet2DConditionModel.from_pretrained(out)
+    expected = build().state_dict()
+    for name, t in loaded.state_dict().items():
+        assert torch.equal(t, expected[name]), name
+
+
+def _kill_rank(rank: int, world: int, out: str) -> None:
+    import importlib
+
+    import shardkit
+    from shardkit import _faults
+
+    importlib.reload(_faults)  # the kill point is armed by this rank's environment only
+    shardkit.save_sharded(_fsdp(_tiny_llama()), out, max_shard_size=20_000, process_group=dist.group.WORLD)
+
+
+def _save_plain(rank: int, world: int, out: str) -> None:
+    import shardkit
+
+    shardkit.save_sharded(_fsdp(_tiny_llama()), out, max_shard_size=20_000, process_group=dist.group.WORLD)
+
+
+@pytest.mark.slow
+def test_rank_killed_mid_save_publishes_nothing_and_next_run_cleans_up(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(Exception):
+        run_ranks(tmp_path, _kill_rank, str(out), env={1: {"SHARDKIT_FAULT_KILL_AT": "3"}})
+    assert not out.exists()
+    run_ranks(tmp_path, _save_plain, str(out))
+    assert (out / "model.safetensors.index.json").is_file()
+    assert [n for n in os.listdir(tmp_path) if "shardkit-tmp" in n or n.startswith(".out")] == []
+    assert not [n for n in os.listdir(out) if n.startswith(".")]
+
+
+# ----------------------------------------------------------------------------- errors, one line each
+
+def _expect_error(rank: int, world: int, out: str, setup: str, report: str) -> None:
+    import shardkit
+    from shardkit.errors import ShardkitError
+
+    model = _fsdp(_tiny_llama())
+    state = model.state_dict()
+    if setup == "plan" and rank == 1:
+        state = dict(state)
+        state.pop("lm_head.weight", None)
+        state.pop("model.norm.weight")
+    if setup == "world" and rank == 1:
+        os.environ["WORLD_SIZE"] = "3"
+    if setup == "shared":
+        os.chdir(os.path.join(os.path.dirname(out), f"cwd{rank}"))
+        out = "out"  # each rank's "out" is another folder: not shared
+    try:
+        shardkit.save_sharded(state, out, max_shard_size=20_000, process_group=dist.group.WORLD)
+    except ShardkitError as e:
+        Path(report).with_suffix(f".{rank}").write_text(str(e))
+        return
+    raise AssertionError("no error")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setup, words", [
+    ("plan", "rank(s) 1 planned different shards than rank 0"),
+    ("world", "WORLD_SIZE=3 but the process group has 2 ranks"),
+    ("shared", "must be one folder on a filesystem shared by every rank"),
+])
+def test_collective_errors_are_one_line_on_every_rank(tmp_path: Path, setup: str, words: str) -> None:
+    for r in (0, 1):
+        (tmp_path / f"cwd{r}").mkdir()
+    run_ranks(tmp_path, _expect_error, str(tmp_path / "out"), setup, str(tmp_path / "report"))
+    for r in (0, 1):
+        message = (tmp_path / f"report.{r}").read_text()
+        assert words in message and "\n" not in message, message
+    leftovers = [p for p in tmp_path.rglob("*") if "shardkit-tmp" in p.name or p.name == "out"]
+    assert leftovers == []
+
+
+# ----------------------------------------------------------------------------- rank-local loading
+
+def _load_rank(rank: int, world: int, ckpt: str, report: str) -> None:
+    import shardkit
+    from torch.distributed.tensor import DTensor
+
+    model = _fsdp(_tiny_llama())
+    for p in model.parameters():
+        p.data.to_local().zero_() if isinstance(p.data, DTensor) else p.data.zero_()
+    done = shardkit.load_into(model, ckpt)
+    full = _tiny_llama().state_dict()
+    local_bytes = 0
+    for name, t in model.state_dict().items():
+        assert isinstance(t, DTensor), name
+        assert torch.equal(t.full_tensor(), full[name]), name
+        local = t.to_local()
+        local_bytes += local.numel() * local.element_size()
+    Path(report).with_suffix(f".{rank}").write_text(f"{done.read_bytes} {local_bytes} {done.global_bytes}")
+
+
+def test_rank_local_loading_reads_only_each_ranks_slice(tmp_path: Path) -> None:
+    from shardkit.sharding.split import save_sharded
+
+    save_sharded(_tiny_llama(), tmp_path / "ckpt", max_shard_size=20_000)
+    run_ranks(tmp_path, _load_rank, str(tmp_path / "ckpt"), str(tmp_path / "report"))
+    reads = [tuple(map(int, (tmp_path / f"report.{r}").read_text().split())) for r in (0, 1)]
+    for read_bytes, local_bytes, global_bytes in reads:
+        assert read_bytes == local_bytes < global_bytes
+    assert sum(r[0] for r in reads) == reads[0][2]  # the two ranks' slices tile every tensor once
+
+
+def test_slice_runs_are_one_read_per_contiguous_run() -> None:
+    from shardkit.distributed.rank_load import slice_runs
+
+    assert list(slice_runs((8, 4), (4, 0), (4, 4))) == [(16, 16, 0)]
+    assert list(slice_runs((2, 3, 4), (0, 1, 0), (2, 2, 4))) == [(4, 8, 0), (16, 8, 8)]
+    assert list(slice_runs((), (), ())) == [(0, 1, 0)]
