@@ -245,7 +245,8 @@ def test_copy_memory_does_not_depend_on_tensor_size(tmp_path: Path) -> None:
     rss = _peak_rss_mib([SHARDKIT_BIN, "split", str(src), str(tmp_path / "out"), "--max-shard-size", "100MB", "-q"])
     assert rss < 80, f"peak RSS {rss} MiB"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+        "shardkit.manifest.json"]
 
 
 @pytest.mark.slow
