@@ -211,3 +211,23 @@ def test_slice_runs_are_one_read_per_contiguous_run() -> None:
     assert list(slice_runs((8, 4), (4, 0), (4, 4))) == [(16, 16, 0)]
     assert list(slice_runs((2, 3, 4), (0, 1, 0), (2, 2, 4))) == [(4, 8, 0), (16, 8, 8)]
     assert list(slice_runs((), (), ())) == [(0, 1, 0)]
+
+
+# ----------------------------------------------------------------------------- torchrun convert
+
+def test_torchrun_convert_of_dcp_equals_single_process_convert(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    import shardkit
+
+    torch.manual_seed(0)
+    state = {f"layers.{i}.weight": torch.randn(40, 30) for i in range(6)}
+    state["bias"] = torch.randn(7).to(torch.bfloat16)
+    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    shardkit.convert(tmp_path / "dcp", tmp_path / "ref", max_shard_size="10KB")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "shardkit", "convert", str(tmp_path / "dcp"), str(tmp_path / "out"),
+                          "--max-shard-size", "10KB"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(list((tmp_path / "out").glob("*.safetensors"))) == 3  # 2 ranks: one writes two shards
+    assert _folder_bytes(tmp_path / "out") == _folder_bytes(tmp_path / "ref")

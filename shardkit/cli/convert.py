@@ -84,10 +84,19 @@ def convert(source: str, output: str, key: str | None, strip_prefix: str | None,
 
     keymap = build_keymap(include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
                           rename=rename)
+    from ..distributed.group import init_from_env, is_rank_zero
+
+    collective = init_from_env()  # under torchrun: every rank writes its share of the shards
+    quiet = quiet or not is_rank_zero()
     with byte_progress("convert", enabled=not (quiet or as_json or write["dry_run"])) as progress:
         options = WriteOptions(**write, progress=progress)
-        result = convert_with(source, output, options=options, key=key, keymap=keymap, to=to, config=config,
-                              component=component)
+        if collective:
+            from ..distributed.convert import convert_collective
+
+            result = convert_collective(source, output, options=options, key=key, keymap=keymap, to=to)
+        else:
+            result = convert_with(source, output, options=options, key=key, keymap=keymap, to=to, config=config,
+                                  component=component)
     if as_json:
         echo_json(result.to_dict())
     elif not quiet:

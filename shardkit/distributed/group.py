@@ -125,3 +125,16 @@ def init_from_env() -> bool:
     if not dist.is_initialized():
         dist.init_process_group(backend="gloo")
     return True
+
+
+def is_rank_zero() -> bool:
+    """Whether this process is rank 0 of the default group (or not distributed at all)."""
+    import sys
+
+    if "torch" not in sys.modules:
+        return os.environ.get("RANK", "0").strip() in ("", "0")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get("RANK", "0").strip() in ("", "0")
