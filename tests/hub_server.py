@@ -76,7 +76,8 @@ class Handler(BaseHTTPRequestHandler):
         status = 500
         try:
             fault = self.state.take_fault(method, url.path)
-            if fault is not None:
+            self.cut_body = fault is not None and fault.status == 0
+            if fault is not None and not self.cut_body:
                 status = fault.status
                 extra = dict(fault.headers)
                 if fault.status == 401:
@@ -120,7 +121,10 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data) if content_length is None else content_length))
         self.end_headers()
         sent = 0
-        if self.command != "HEAD":
+        if self.command != "HEAD" and getattr(self, "cut_body", False):  # a connection lost mid-body
+            self.wfile.write(data[:len(data) // 2])
+            sent, self.close_connection = len(data) // 2, True
+        elif self.command != "HEAD":
             if isinstance(data, bytes):
                 self.wfile.write(data)
                 sent = len(data)

@@ -107,7 +107,10 @@ class Repo:
 
 @dataclass
 class Fault:
-    """Answer ``status`` to requests matching ``method`` and ``path`` (a regex), ``times`` times."""
+    """Answer ``status`` to requests matching ``method`` and ``path`` (a regex), ``times`` times.
+
+    ``status`` 0 answers normally but drops the connection halfway through the body.
+    """
 
     method: str
     path: str

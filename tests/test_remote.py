@@ -119,6 +119,15 @@ def test_info_and_fit_of_a_pipeline_repo_match_the_local_folder(hub, tmp_path, p
     assert not any(p.endswith(("vocab.json", "merges.txt", ".bin")) for p in weights), weights
     table = run_shardkit(env, "info", "hf://alice/pipe/unet")
     assert table.returncode == 0 and table.stdout.startswith("hf://alice/pipe/unet\n"), table.stdout
+    plan = ["--model", "diffusers:UNet2DConditionModel", "--gpu", "1GB", "--cpu", "4GB", "--json"]
+    remote = run_shardkit(env, "plan", "hf://alice/pipe/unet", *plan)
+    local = run_shardkit(env, "plan", pipeline / "unet", *plan)
+    assert remote.returncode == 0 and local.returncode == 0, (remote.stderr, local.stderr)
+    got, want = json.loads(remote.stdout), json.loads(local.stdout)
+    assert got.pop("checkpoint") == "hf://alice/pipe/unet" and want.pop("checkpoint") == str(pipeline / "unet")
+    assert got == want
+    # one first range per weight file per command (info, fit: 3 files; info, plan of unet: 1), no other data
+    assert hub.state.bytes_sent(r"\.safetensors$") == (3 + 3 + 1 + 1) * 64 * 1024
 
 
 @pytest.mark.parametrize("extra", [0, 1], ids=["at-boundary", "one-past"])
@@ -167,11 +176,16 @@ def test_pickle_only_repo_names_the_file_and_fetches_nothing(hub, tmp_path):
     assert not any(p.endswith(".bin") for _, p, _, _ in hub.state.sent)
 
 
-def test_transient_failures_are_retried(hub, tmp_path):
+@pytest.mark.parametrize("status", [503, 0], ids=["5xx", "cut-mid-body"])
+def test_network_failures_are_retried_then_one_line(hub, tmp_path, status):
     hub.state.add_repo("alice/flaky", {"model.safetensors": lazy_safetensors({"w": ("F16", (8, 8))})})
-    hub.state.inject("GET", r"/resolve/.*model\.safetensors$", 503, times=2)
-    proc = run_shardkit(hub_env(hub, tmp_path / "home"), "info", "hf://alice/flaky", "-q")
+    env = hub_env(hub, tmp_path / "home")
+    hub.state.inject("GET", r"/resolve/.*model\.safetensors$", status, times=2)
+    proc = run_shardkit(env, "info", "hf://alice/flaky", "-q")
     assert proc.returncode == 0 and "64 parameters" in proc.stdout, proc.stderr
+    hub.state.inject("GET", r"/resolve/.*model\.safetensors$", status, times=None)
+    line = one_error_line(run_shardkit(env, "info", "hf://alice/flaky", "-q"))
+    assert line.startswith("error: hf://alice/flaky: ") and "retries" in line, line
 
 
 def write_safetensors(path: Path, count: int = 8, seed: int = 0) -> Path:
