@@ -257,3 +257,18 @@ def test_verify_against_remote_decides_from_oids_and_reads_only_differing_tensor
     other = run_shardkit(env, "verify", resharded, "--against", "hf://alice/tiny")
     assert other.returncode == 1  # different shard files: named, but every tensor still compared equal
     assert "8 tensor(s)" not in other.stdout and "extra file" in other.stdout and "tensor '" not in other.stdout
+
+
+def test_split_of_a_repo_goes_through_the_cache_and_equals_a_local_split(hub, tmp_path):
+    import shardkit
+
+    folder = split_folder(tmp_path, "src", "600KB")
+    hub.state.add_repo("alice/tiny", {**folder_files(folder), "pytorch_model.bin": b"\0" * 64})
+    env = hub_env(hub, tmp_path / "home")
+    proc = run_shardkit(env, "split", "hf://alice/tiny", tmp_path / "remote-out", "--max-shard-size", "1100KB", "-q")
+    assert proc.returncode == 0, proc.stderr
+    shardkit.split(folder, tmp_path / "local-out", max_shard_size="1100KB")
+    got, want = folder_files(tmp_path / "remote-out"), folder_files(tmp_path / "local-out")
+    assert got == want and len(got) >= 3
+    assert list((tmp_path / "home" / "hub").glob("models--alice--tiny/snapshots/*/model-00001-of-00004.safetensors"))
+    assert not any(p.endswith(".bin") for _, p, _, _ in hub.state.sent)  # pickles are never fetched

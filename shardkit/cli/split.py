@@ -53,8 +53,11 @@ def split(source: str, output: str, key: str | None, as_json: bool, quiet: bool,
 
         # A bad repository id or a missing or rejected token is found before the split, not after.
         check_repo_id(push_to) if dry_run else check_push_target(push_to)
-    with byte_progress("split", enabled=not (quiet or as_json or dry_run)) as progress:
-        result = split_with(source, output, options=WriteOptions(**write, progress=progress), key=key)
+    from ..hub.remote import cached_checkpoint
+
+    with cached_checkpoint(source) as local, \
+            byte_progress("split", enabled=not (quiet or as_json or dry_run)) as progress:  # hf://: HF cache
+        result = split_with(local, output, options=WriteOptions(**write, progress=progress), key=key)
     if not (as_json or quiet):
         print_plan(result)
     pushed = None

@@ -372,3 +372,35 @@ def remote_info(path: str, *, token: str | None = None) -> Any:
             for shard in part.shards:
                 shard.shared_bytes = None
         return summary
+
+
+NOT_DOWNLOADED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.msgpack", "*.h5", "*.onnx", "*.gguf", "*.ot")
+
+
+@contextlib.contextmanager
+def cached_checkpoint(path: str, *, token: str | None = None) -> Iterator[str]:
+    """``path`` itself, or for ``hf://...`` its folder in the Hugging Face cache, downloaded first.
+
+    The safetensors weights, configs and other files (tokenizers, schedulers) are downloaded with
+    ``snapshot_download``, so a later ``from_pretrained`` of the repository reuses them; pickle,
+    Flax, TF, ONNX and GGUF weights are not (a folder with pickle weights only is refused first).
+
+    >>> with cached_checkpoint("hf://org/model") as folder:   # doctest: +SKIP
+    ...     shardkit.split(folder, "out/", max_shard_size="2GB")
+    """
+    if not is_remote(path):
+        yield path
+        return
+    from huggingface_hub import HfApi, snapshot_download
+
+    spec = parse_spec(path)
+    with hub_read_errors(spec):
+        api = HfApi(token=token)
+        commit = api.model_info(spec.repo_id, revision=spec.revision, token=token).sha or spec.revision or "main"
+        check_not_pickle_only(Mirror(spec, "", commit, list_files(api, spec, commit)))
+        allow = [f"{spec.subfolder}/*"] if spec.subfolder else None
+        snapshot = snapshot_download(spec.repo_id, revision=commit, token=token, allow_patterns=allow,
+                                     ignore_patterns=list(NOT_DOWNLOADED))
+    root = os.path.join(snapshot, *spec.subfolder.split("/")) if spec.subfolder else snapshot
+    with _renamed_errors(root, str(spec)):
+        yield root
