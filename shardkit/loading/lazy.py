@@ -5,14 +5,17 @@ variants) or a diffusers component folder. Nothing but the index is read up fron
 header is read and validated (with :mod:`shardkit.formats.header`) the first time one of its tensors
 is touched, so a corrupt shard gives a clear error there instead of a crash.
 
-Tensors without a cast come straight from a private (copy-on-write) memory map: no copy, and
-only the pages of the tensors asked for are ever read. Each shard is opened once; reads are
-``pread``/``mmap`` and safe from several threads.
+How bytes are read is each shard's *read backend* (``read=``): ``mmap`` gives tensors without a
+cast straight from a private (copy-on-write) memory map (no copy; only the pages of the tensors
+asked for are ever read); ``pread`` and ``direct`` read each tensor with large parallel reads into
+freshly allocated memory (:mod:`shardkit.loading.readers`); ``auto`` picks per file
+(:mod:`shardkit.loading.residency`). Each shard is opened once; reads are safe from several threads.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
 import threading
@@ -29,12 +32,15 @@ from ..errors import (
 )
 from ..formats.header import Header, TensorEntry, read_header
 from ..formats.index import find_checkpoint, load_index, shard_file
+from .readers import Reader, job_for, open_reader
+from .residency import check_backend, choose_backend
 
 if TYPE_CHECKING:
     import torch
 
 _READ_CHUNK_BYTES = 1 << 30  # Linux returns at most ~2 GiB per read call
 _CAST_CHUNK_BYTES = 16 << 20
+log = logging.getLogger("shardkit")
 
 
 @dataclass
@@ -45,6 +51,10 @@ class _Shard:
     fd: int | None = None
     mapped: mmap.mmap | None = None
     entries: dict[str, TensorEntry] | None = None
+    backend: str | None = None          # "mmap", "pread" or "direct", once opened
+    reason: str = ""                    # why (auto's choice)
+    reader: Reader | None = None        # pread/direct
+    identity: tuple[int, int, int] | None = None  # (inode, size, mtime_ns) at open: changes are refused
 
 
 class TensorSlice:
@@ -88,7 +98,8 @@ class LazyCheckpoint(Mapping):
     """
 
     def __init__(self, shard_of: dict[str, str], shards: dict[str, _Shard], *, description: str,
-                 index_metadata: dict[str, Any] | None = None) -> None:
+                 index_metadata: dict[str, Any] | None = None, read: str = "auto") -> None:
+        self.read = check_backend(read)
         self._shard_of = shard_of
         self._shards = shards
         self.description = description
@@ -161,8 +172,8 @@ class LazyCheckpoint(Mapping):
         """Read one tensor.
 
         Without ``copy`` the host tensor views the shard's private memory map (no copy; pages are
-        read when touched; writes stay private). A host-side cast, ``copy=True`` or a tensor not
-        aligned to its element size reads with ``pread`` into fresh memory instead. A ``device``
+        read when touched; writes stay private). A host-side cast, ``copy=True``, a tensor not
+        aligned to its element size or a ``pread``/``direct`` shard read into fresh memory instead. A ``device``
         gets the bytes moved there first and cast there.
 
         Args:
@@ -178,7 +189,7 @@ class LazyCheckpoint(Mapping):
             KeyError: no tensor is named ``name``.
             HeaderError: the shard's header is invalid or the file is truncated.
             CheckpointIndexError: the shard does not hold the tensors its index assigns to it.
-            InvalidInputError: the checkpoint is closed.
+            InvalidInputError: the checkpoint is closed, or the shard changed on disk since it was opened.
 
         >>> ckpt.get_tensor("conv_in.weight", device="cuda:0", dtype=torch.bfloat16)  # doctest: +SKIP
         """
@@ -197,6 +208,10 @@ class LazyCheckpoint(Mapping):
         elif host_cast:
             assert dtype is not None
             return self._read_cast(shard, entry, src_dtype, itemsize, dtype)
+        elif shard.reader is not None:
+            tensor = torch.empty(entry.shape, dtype=src_dtype)
+            shard.reader.read_all([job_for(tensor, offset=entry.offset, nbytes=entry.nbytes,
+                                           where=f"{entry.file}: tensor {name!r}")])
         elif copy or entry.offset % itemsize:
             tensor = torch.empty(entry.shape, dtype=src_dtype)
             assert shard.fd is not None
@@ -271,14 +286,47 @@ class LazyCheckpoint(Mapping):
         if shard.fd is None:
             with self._lock:
                 if shard.fd is None:
-                    fd = os.open(shard.path, os.O_RDONLY)
-                    try:
-                        shard.mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-                    except (OSError, ValueError) as e:
-                        os.close(fd)
-                        raise HeaderError(f"{shard.path}: cannot map the file ({e})") from e
-                    shard.fd = fd
+                    self._open_fd(shard)
+        check_unchanged(shard)
         return shard
+
+    def _open_fd(self, shard: _Shard) -> None:
+        fd = os.open(shard.path, os.O_RDONLY)
+        try:
+            choice = choose_backend(shard.path, self.read, fd=fd)
+            st = os.fstat(fd)
+            shard.identity = (st.st_ino, st.st_size, st.st_mtime_ns)
+            assert shard.header is not None
+            if st.st_size < shard.header.file_bytes:
+                raise HeaderError(f"{shard.path}: file is {st.st_size} bytes, shorter than the "
+                                  f"{shard.header.file_bytes} its header says (truncated?)")
+            if choice.backend == "mmap":
+                shard.mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            else:
+                shard.reader = open_reader(shard.path, choice.backend, fd=fd)
+        except (OSError, ValueError) as e:
+            os.close(fd)
+            raise HeaderError(f"{shard.path}: cannot open the file for reading ({e})") from e
+        except BaseException:
+            os.close(fd)
+            raise
+        shard.fd = fd
+        shard.backend = shard.reader.backend if shard.reader is not None else "mmap"
+        shard.reason = choice.reason if shard.backend == choice.backend else f"{choice.reason}; O_DIRECT refused"
+        log.debug("%s: read backend %s (%s)", shard.path, shard.backend, shard.reason)
+
+    def read_report(self) -> list[dict[str, str | None]]:
+        """Each opened shard's read backend and why: ``[{"path", "backend", "reason"}]``.
+
+        >>> ckpt.read_report()                                   # doctest: +SKIP
+        [{'path': 'out/model.safetensors', 'backend': 'pread', 'reason': 'fuse filesystem ...'}]
+        """
+        return [{"path": s.path, "backend": s.backend, "reason": s.reason}
+                for s in self._shards.values() if s.backend is not None]
+
+    def reader_of(self, name: str) -> Reader | None:
+        """The bulk reader of ``name``'s shard (opening it), or None when that shard is memory-mapped."""
+        return self._open_shard(self._shard_name(name)).reader
 
     def close(self) -> None:
         """Close the files. Tensors already returned stay valid (they keep their mapping alive)."""
@@ -288,6 +336,9 @@ class LazyCheckpoint(Mapping):
                 if shard.fd is not None:
                     os.close(shard.fd)
                     shard.fd = None
+                if shard.reader is not None:
+                    shard.reader.close()
+                    shard.reader = None
                 # Never mmap.close(): torch.frombuffer keeps a reference to the map but holds no
                 # buffer export, so closing would unmap pages live tensors still point to. Dropping
                 # our reference unmaps it once the last zero-copy tensor is gone.
@@ -316,6 +367,23 @@ def check_shard_names(shard: _Shard, header: Header) -> None:
         raise CheckpointIndexError(f"{shard.path}: does not match the index: it {' and '.join(parts)}")
 
 
+def check_unchanged(shard: _Shard) -> None:
+    """Refuse a shard whose file was truncated, rewritten or replaced since it was opened.
+
+    A truncated memory map would crash the process with SIGBUS on the next touch; a rewritten
+    file would mix old and new bytes.
+    """
+    if shard.fd is None or shard.identity is None:
+        return
+    try:
+        st = os.stat(shard.path)
+    except OSError as e:
+        raise InvalidInputError(f"{shard.path}: changed on disk while open ({e.strerror}); reopen it") from e
+    if (st.st_ino, st.st_size, st.st_mtime_ns) != shard.identity:
+        raise InvalidInputError(f"{shard.path}: changed on disk while open (size, time or inode differ); "
+                                "reopen the checkpoint to read the new file")
+
+
 def read_into(fd: int, tensor: "torch.Tensor", offset: int, nbytes: int, *, where: str) -> None:
     """``pread`` ``nbytes`` at ``offset`` straight into a contiguous CPU tensor's memory."""
     view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
@@ -335,25 +403,25 @@ def _check_no_journal(folder: str) -> None:
         )
 
 
-def _single_file(path: str) -> LazyCheckpoint:
+def _single_file(path: str, read: str) -> LazyCheckpoint:
     header = read_header(path)
     shard = _Shard(path, None, header=header, entries=header.by_name())
     shard_of = {e.name: path for e in header.entries}
-    return LazyCheckpoint(shard_of, {path: shard}, description=f"safetensors file {path}")
+    return LazyCheckpoint(shard_of, {path: shard}, description=f"safetensors file {path}", read=read)
 
 
-def _indexed(path: str) -> LazyCheckpoint:
+def _indexed(path: str, read: str) -> LazyCheckpoint:
     index = load_index(path)
     shards: dict[str, _Shard] = {}
     for shard_name in index.shard_names():
         shard_path = shard_file(index.folder, shard_name, where=index.path)  # existence + symlink policy
         names = frozenset(t for t, s in index.weight_map.items() if s == shard_name)
         shards[shard_name] = _Shard(shard_path, names)
-    return LazyCheckpoint(dict(index.weight_map), shards, index_metadata=index.metadata,
+    return LazyCheckpoint(dict(index.weight_map), shards, index_metadata=index.metadata, read=read,
                           description=f"sharded checkpoint {path} ({len(shards)} shards)")
 
 
-def open(path: str | os.PathLike[str], *, variant: str | None = None) -> LazyCheckpoint:  # noqa: A001
+def open(path: str | os.PathLike[str], *, variant: str | None = None, read: str = "auto") -> LazyCheckpoint:  # noqa: A001
     """Open a safetensors checkpoint lazily: a file, an index JSON or a (sharded) folder.
 
     Only the index is read here; each shard's header is read and validated the first time one
@@ -365,6 +433,11 @@ def open(path: str | os.PathLike[str], *, variant: str | None = None) -> LazyChe
             one (transformers ``model*`` or diffusers ``diffusion_pytorch_model*`` naming).
         variant: in a folder, the weight variant to open (``"fp16"`` for
             ``model.fp16.safetensors``); None prefers the plain weights.
+        read: how tensor bytes are read: ``"mmap"`` (zero-copy views of the file's pages),
+            ``"pread"`` (large parallel reads into fresh memory; best on network/FUSE
+            filesystems and cold caches), ``"direct"`` (O_DIRECT through aligned bounce buffers,
+            ``pread`` where refused) or ``"auto"``: ``pread`` for network/FUSE filesystems and
+            cold files, ``mmap`` for warm local ones; ``read_report()`` says what each shard got.
 
     Returns:
         A :class:`LazyCheckpoint`; use it as a context manager, or call ``close()``.
@@ -373,7 +446,7 @@ def open(path: str | os.PathLike[str], *, variant: str | None = None) -> LazyChe
         SourceNotFoundError: the path does not exist, or the folder holds no safetensors
             checkpoint.
         InvalidInputError: the path is a diffusers pipeline folder (open a component folder),
-            not safetensors, or holds an interrupted shardkit write.
+            not safetensors, holds an interrupted shardkit write, or ``read`` is unknown.
         CheckpointIndexError: the index is malformed or names missing or unsafe shard files,
             or a folder holds several candidate checkpoints (pass ``variant`` or the file).
         HeaderError: a single file's header is invalid.
@@ -384,6 +457,7 @@ def open(path: str | os.PathLike[str], *, variant: str | None = None) -> LazyChe
     ...     w = ckpt["conv_in.weight"]                             # reads only this tensor
     """
     path = os.fspath(path)
+    check_backend(read)
     if not os.path.exists(path):
         raise SourceNotFoundError(f"{path}: no such file or folder")
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
@@ -396,11 +470,11 @@ def open(path: str | os.PathLike[str], *, variant: str | None = None) -> LazyChe
         layout = find_checkpoint(path, variant=variant)
         path = layout.path
         if layout.kind == "file":
-            return _single_file(path)
+            return _single_file(path, read)
     if path.endswith(".json"):
-        return _indexed(path)
+        return _indexed(path, read)
     if path.endswith(".safetensors"):
-        return _single_file(path)
+        return _single_file(path, read)
     raise InvalidInputError(
         f"{path}: not a safetensors checkpoint; convert it first with 'shardkit split {path} OUT/'"
     )
