@@ -153,20 +153,22 @@ def test_private_repo_needs_the_token(hub, tmp_path):
     assert with_flag.returncode == 0 and "64 parameters" in with_flag.stdout, with_flag.stderr
 
 
-def test_gated_missing_revision_subfolder_and_lying_header_are_one_line_errors(hub, tmp_path):
+@pytest.mark.parametrize("spec, expected", [
+    ("hf://bob/gated", "is gated"),
+    ("hf://alice/liar", "header length 10000000000 is impossible"),
+    pytest.param("hf://alice/nope", "repository alice/nope not found", marks=pytest.mark.slow),
+    pytest.param("hf://alice/ok@v9", "revision 'v9' not found", marks=pytest.mark.slow),
+    pytest.param("hf://alice/ok/unet", "no folder 'unet'", marks=pytest.mark.slow),
+], ids=["gated", "lying-header", "missing-repo", "missing-revision", "missing-subfolder"])
+def test_inaccessible_or_broken_repos_are_one_line_errors(hub, tmp_path, spec, expected):
     weights = {"model.safetensors": lazy_safetensors({"w": ("F16", (8, 8))})}
     hub.state.add_repo("bob/gated", weights, gated=True)
     honest = lazy_safetensors({"w": ("F16", (8, 8))})
     liar = LazyBlob((10 * GB).to_bytes(8, "little") + honest.head[8:], honest.size)
     hub.state.add_repo("alice/liar", {"model.safetensors": liar})
     hub.state.add_repo("alice/ok", weights)
-    env = hub_env(hub, tmp_path / "home")
-    cases = {"hf://bob/gated": "is gated", "hf://alice/nope": "not found",
-             "hf://alice/ok@v9": "revision 'v9' not found", "hf://alice/ok/unet": "no folder 'unet'",
-             "hf://alice/liar": "header length 10000000000 is impossible"}
-    for spec, expected in cases.items():
-        line = one_error_line(run_shardkit(env, "info", spec))
-        assert line.startswith(f"error: {spec}") and expected in line, line
+    line = one_error_line(run_shardkit(hub_env(hub, tmp_path / "home"), "info", spec))
+    assert line.startswith(f"error: {spec}") and expected in line, line
 
 
 def test_pickle_only_repo_names_the_file_and_fetches_nothing(hub, tmp_path):
@@ -176,7 +178,7 @@ def test_pickle_only_repo_names_the_file_and_fetches_nothing(hub, tmp_path):
     assert not any(p.endswith(".bin") for _, p, _, _ in hub.state.sent)
 
 
-@pytest.mark.parametrize("status", [503, 0], ids=["5xx", "cut-mid-body"])
+@pytest.mark.parametrize("status", [503, pytest.param(0, marks=pytest.mark.slow)], ids=["5xx", "cut-mid-body"])
 def test_network_failures_are_retried_then_one_line(hub, tmp_path, status):
     hub.state.add_repo("alice/flaky", {"model.safetensors": lazy_safetensors({"w": ("F16", (8, 8))})})
     env = hub_env(hub, tmp_path / "home")
