@@ -274,3 +274,23 @@ def test_split_of_a_repo_goes_through_the_cache_and_equals_a_local_split(hub, tm
     assert got == want and len(got) >= 3
     assert list((tmp_path / "home" / "hub").glob("models--alice--tiny/snapshots/*/model-00001-of-00004.safetensors"))
     assert not any(p.endswith(".bin") for _, p, _, _ in hub.state.sent)  # pickles are never fetched
+
+
+@pytest.mark.slow
+def test_the_offline_hub_answers_paths_info_and_hf_filesystem_range_reads(hub, tmp_path):
+    from helpers_hub import run_python
+
+    blob = lazy_safetensors({"w": ("F32", (1000, 1000))})
+    hub.state.add_repo("alice/fs", {"sub/model.safetensors": blob, "config.json": b"{}"})
+    code = """
+import sys
+from huggingface_hub import HfApi, HfFileSystem
+infos = HfApi().get_paths_info("alice/fs", ["sub/model.safetensors", "sub", "nope"])
+print(sorted((type(i).__name__, i.path) for i in infos))
+with HfFileSystem().open("alice/fs/sub/model.safetensors", "rb", block_size=4096) as f:
+    f.seek(8); print(f.read(8))
+"""
+    out = run_python(code, hub_env(hub, tmp_path / "home")).stdout.splitlines()
+    assert out[0] == "[('RepoFile', 'sub/model.safetensors'), ('RepoFolder', 'sub')]"
+    assert out[1] == repr(blob.head[8:16])
+    assert hub.state.bytes_sent(r"model\\.safetensors$") < 64 * 1024
