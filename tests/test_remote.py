@@ -151,6 +151,10 @@ def test_private_repo_needs_the_token(hub, tmp_path):
     env = hub_env(hub, tmp_path / "home", token=None)
     with_flag = run_shardkit(env, "info", "hf://alice/secret", "--token", "hf_test_token", "-q")
     assert with_flag.returncode == 0 and "64 parameters" in with_flag.stdout, with_flag.stderr
+    login = hub_env(hub, tmp_path / "login", token=None)
+    (tmp_path / "login" / "token").write_text("hf_test_token")  # what `hf auth login` stores
+    stored = run_shardkit(login, "verify", "hf://alice/secret", "-q")
+    assert stored.returncode == 0 and stored.stdout == "", stored.stderr
 
 
 @pytest.mark.parametrize("spec, expected", [
