@@ -29,6 +29,7 @@ def load_pipeline(
     fit: Any = None,
     variant: str | None = None,
     switches: Any = None,
+    read: str = "auto",
 ) -> Any:
     """Load the pipeline in ``path`` and apply placement, casting and offload options.
 
@@ -46,6 +47,8 @@ def load_pipeline(
             and switches for ``max_memory`` itself.
         variant: the weights' variant (``"fp16"``).
         switches: memory/speed switches, e.g. ``{"vae_tiling": True, "attention_backend": "sdpa"}``.
+        read: the read backend, as for :func:`shardkit.open` (``"auto"``, ``"mmap"``, ``"pread"``,
+            ``"direct"``); see :func:`shardkit.loading.pipeline.load_pipeline_folder`.
 
     Returns:
         The ``DiffusionPipeline``, with ``shardkit_plan`` set when ``fit`` was given.
@@ -61,7 +64,7 @@ def load_pipeline(
     runtime = RuntimeSetup(switches=switches, layerwise_casting=layerwise_casting, offload=offload,
                            offload_options=dict(offload_options or {}))
     return load_pipeline_folder(path, device_map=device_map, max_memory=max_memory, dtype=dtype, variant=variant,
-                                runtime=runtime)
+                                runtime=runtime, read=read)
 
 
 def load_fitted(path: str, fit_spec: Any, *, max_memory: Mapping[Any, Any] | None, dtype: Any = None,

@@ -4,8 +4,11 @@ Flow: skeleton (meta) → keys matched against the checkpoint → dtypes made fi
 tensors (free) → device map from accelerate → each tensor read once, straight to its device →
 disk tensors get an offload index that points into the shards → ``accelerate.dispatch_model``.
 Host memory peaks near the bytes placed on the host: host tensors that need no cast are views of
-the shards' memory maps (file-backed pages, read on first use, never copied); tensors that need a
-cast are read with ``pread`` one at a time and cast; nothing goes through a whole-shard state dict.
+the shards' memory maps (file-backed pages, read on first use, never copied) or, with the
+``pread``/``direct`` backends, read in one parallel batch per shard into tensors allocated once;
+tensors that need a cast are read one at a time through a small buffer and cast; GPU tensors go
+through a ring of pinned buffers (:mod:`shardkit.loading.bulk`); nothing goes through a whole-shard
+state dict.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from ..devices import Device, parse_max_memory
 from ..errors import InvalidInputError
 from ..runtime.apply import RuntimeSetup, apply_runtime
 from .device_map import check_devices_exist, module_device, resolve_device_map
+from .bulk import Want, read_batch
 from .keys import KeyMatch, prepare_skeleton
 from .lazy import LazyCheckpoint
 from .skeleton import default_config
@@ -39,6 +43,7 @@ def fill_skeleton(skeleton: Any, checkpoint: LazyCheckpoint, match: KeyMatch, de
     state = skeleton.state_dict(keep_vars=True)
     params = {name for name, _ in skeleton.named_parameters(remove_duplicate=False)}
     on_disk: list[DiskTensor] = []
+    pending: list[tuple[str, Any, str | None, Any]] = []
     for name, tensor in state.items():
         device = module_device(device_map, name)
         src = None if name in match.mismatched else match.source_of.get(name)
@@ -49,11 +54,18 @@ def fill_skeleton(skeleton: Any, checkpoint: LazyCheckpoint, match: KeyMatch, de
             continue  # a tied name: re-tied below
         if src is None and not tensor.is_meta:
             continue  # a buffer that keeps its built value
-        target = "cpu" if device == "disk" else device
+        pending.append((name, "cpu" if device == "disk" else device, src, tensor))
+    wants = {name: Want(src, target, tensor.dtype) for name, target, src, tensor in pending if src is not None}
+    values, report = read_batch(checkpoint, wants)
+    skeleton.shardkit_load_report = {"files": report.files, "host_batch_bytes": report.host_batch_bytes,
+                                     "pipelined_bytes": report.pipelined_bytes}
+    for name, target, src, tensor in pending:
         if src is None:
             import torch
 
             value = torch.zeros(tensor.shape, dtype=tensor.dtype, device=target)
+        elif name in values:
+            value = values.pop(name)
         else:
             # Host tensors without a cast stay views of the mapped shards (no copy, pages read on
             # first use), as safetensors' own load_file does; casts read into fresh memory.
@@ -69,7 +81,8 @@ def fill_skeleton(skeleton: Any, checkpoint: LazyCheckpoint, match: KeyMatch, de
 def load_model(model: Any, checkpoint: Any, *, config: Any = None, device_map: Any = None, max_memory: Any = None,
                offload_folder: str | os.PathLike[str] | None = None, dtype: Any = None,
                no_split_module_classes: list[str] | None = None, strict: bool = True, offload: str | None = None,
-               offload_options: dict[str, Any] | None = None, layerwise_casting: Any = None) -> Any:
+               offload_options: dict[str, Any] | None = None, layerwise_casting: Any = None,
+               read: str = "auto") -> Any:
     """Load a sharded safetensors checkpoint into ``model``, placed over GPUs, CPU and disk.
 
     The model is built on the meta device, its keys are matched against the checkpoint, and
@@ -101,9 +114,12 @@ def load_model(model: Any, checkpoint: Any, *, config: Any = None, device_map: A
         offload_options: keyword options for that strategy.
         layerwise_casting: a ``(storage, compute)`` dtype pair for
             :func:`shardkit.apply_layerwise_casting`, applied before ``offload``.
+        read: the read backend for :func:`shardkit.open` (``"auto"``, ``"mmap"``, ``"pread"``,
+            ``"direct"``); ignored when ``checkpoint`` is already open.
 
     Returns:
-        The loaded model, in eval mode, with ``hf_device_map`` set by accelerate.
+        The loaded model, in eval mode, with ``hf_device_map`` set by accelerate and
+        ``shardkit_load_report`` saying which read backend each file got and why.
 
     Raises:
         KeyMismatchError: with ``strict``, the checkpoint does not match the model.
@@ -126,7 +142,7 @@ def load_model(model: Any, checkpoint: Any, *, config: Any = None, device_map: A
     if budget:
         check_devices_exist(list(budget), where="max_memory")
     with contextlib.ExitStack() as stack:
-        ckpt = checkpoint if isinstance(checkpoint, LazyCheckpoint) else stack.enter_context(open_checkpoint(checkpoint))
+        ckpt = checkpoint if isinstance(checkpoint, LazyCheckpoint) else stack.enter_context(open_checkpoint(checkpoint, read=read))
         skeleton, match, _ = prepare_skeleton(model, ckpt, config=config, dtype=target, strict=strict)
         assert match is not None
         mapping = resolve_device_map(skeleton, device_map, max_memory=budget, no_split_module_classes=no_split_module_classes)

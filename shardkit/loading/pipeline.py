@@ -31,6 +31,7 @@ def load_pipeline_folder(
     dtype: Any = None,
     variant: str | None = None,
     runtime: RuntimeSetup | None = None,
+    read: str = "auto",
 ) -> Any:
     """Load the pipeline in ``path`` with diffusers, then apply ``runtime`` (switches, casting, offload).
 
@@ -45,6 +46,10 @@ def load_pipeline_folder(
         dtype: ``"bf16"``, ``torch.float16``...
         variant: the weights' variant (``"fp16"`` for ``*.fp16.safetensors``).
         runtime: what to apply after loading.
+        read: the read backend (see :func:`shardkit.open`). Components whose weights ``auto``
+            (or the backend asked for) would not memory-map are loaded by
+            :func:`shardkit.load_model` with that backend and handed to diffusers; the rest
+            load through diffusers as before. ``pipe.shardkit_load_report`` says what each got.
 
     Returns:
         The ``DiffusionPipeline``.
@@ -68,7 +73,50 @@ def load_pipeline_folder(
         kwargs["torch_dtype"] = resolve_torch_dtype(dtype)
     if variant is not None:
         kwargs["variant"] = variant
-    return apply_runtime(_from_pretrained(folder, kwargs), runtime)
+    report = _preload_components(folder, kwargs, read=read, device_map=device_map, variant=variant)
+    pipe = _from_pretrained(folder, kwargs)
+    pipe.shardkit_load_report = report
+    return apply_runtime(pipe, runtime)
+
+
+def _preload_components(folder: str, kwargs: dict[str, Any], *, read: str, device_map: str | None,
+                        variant: str | None) -> dict[str, Any]:
+    """Load with shardkit the components whose files want a bulk reader; diffusers maps the rest.
+
+    Only where placement is whole-model (no device map, ``"cpu"``, ``"cuda"``) and no variant is
+    asked for: diffusers' own ``balanced`` placement and variant lookup stay diffusers'.
+    """
+    import json
+
+    from .lazy import open as open_checkpoint
+    from .load import load_model
+    from .residency import check_backend
+
+    check_backend(read)
+    report: dict[str, Any] = {}
+    if read == "mmap" or device_map == "balanced" or variant is not None:
+        return report
+    with open(os.path.join(folder, "model_index.json"), encoding="utf-8") as f:
+        index = json.load(f)
+    for component, spec in index.items():
+        sub = os.path.join(folder, component)
+        if not (isinstance(spec, list) and len(spec) == 2 and spec[0] in ("diffusers", "transformers")
+                and os.path.isfile(os.path.join(sub, "config.json"))):
+            continue
+        try:
+            with open_checkpoint(sub, read=read) as ckpt:
+                ckpt.reader_of(next(iter(ckpt)))  # opens the first shard: auto decides there
+                files = ckpt.read_report()
+        except (ShardkitError, StopIteration):
+            continue  # no safetensors weights: diffusers loads it
+        if all(f["backend"] == "mmap" for f in files):
+            report[component] = {"files": files, "loaded_by": "diffusers"}
+            continue
+        model = load_model(f"{spec[0]}:{spec[1]}", sub, dtype=kwargs.get("torch_dtype"), read=read,
+                           device_map={"": 0} if device_map == "cuda" else "cpu")
+        kwargs[component] = model
+        report[component] = {**model.shardkit_load_report, "loaded_by": "shardkit"}
+    return report
 
 
 PIPELINE_DEVICE_FIX = (

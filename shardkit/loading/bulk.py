@@ -1,0 +1,128 @@
+"""Read many tensors at once for ``load_model``: parallel reads onto the host, a ring pipeline onto GPUs.
+
+``pread``/``direct`` shards headed for the host are read in one parallel batch per shard into
+tensors allocated once. Tensors headed for a CUDA device (any backend) go through
+:func:`shardkit.loading.pipeline_copy.run_pipeline`: pinned ring buffers, ``non_blocking`` copies on
+a side stream, destinations allocated once on the device. Everything else (memory-mapped host
+tensors, host casts) is left to ``LazyCheckpoint.get_tensor``, one tensor at a time.
+
+>>> values, report = read_batch(ckpt, {"w": Want("w", "cuda:0", torch.bfloat16)})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from .lazy import LazyCheckpoint
+from .pipeline_copy import CopyJob, CopyStage, CudaCopyStage, HostCopyStage, byte_view, run_pipeline
+from .readers import ReadJob, job_for, open_reader
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class Want:
+    """One tensor to read: its checkpoint name, where it goes and its final dtype."""
+
+    src: str
+    device: Any             # "cpu" or a torch device / index
+    dtype: "torch.dtype"
+
+
+@dataclass
+class BatchReport:
+    """What the batch did: per-file backends (from the checkpoint) and the bytes per path."""
+
+    files: list[dict[str, Any]] = field(default_factory=list)
+    host_batch_bytes: int = 0
+    pipelined_bytes: int = 0
+
+
+def _is_host(device: Any) -> bool:
+    import torch
+
+    return torch.device(device).type == "cpu" if not isinstance(device, int) else False
+
+
+def read_batch(checkpoint: LazyCheckpoint, wants: dict[str, Want], *, pipe_host: bool = False,
+               stage_for: Callable[[Any], CopyStage] | None = None) -> tuple[dict[str, "torch.Tensor"], BatchReport]:
+    """Read what can be batched; the caller reads the rest with ``get_tensor``.
+
+    Args:
+        checkpoint: the open checkpoint.
+        wants: model name → what to read.
+        pipe_host: send host tensors through the ring pipeline too (how CPU tests run the GPU path).
+        stage_for: device → copy stage; None uses :class:`CudaCopyStage` for GPUs and
+            :class:`HostCopyStage` for the host.
+
+    Returns:
+        ``(values, report)``: model name → tensor for what was read here.
+
+    >>> values, report = read_batch(ckpt, wants)                    # doctest: +SKIP
+    """
+    report = BatchReport()
+    values: dict[str, "torch.Tensor"] = {}
+    piped = {n: w for n, w in wants.items() if pipe_host or not _is_host(w.device)}
+    _read_host(checkpoint, {n: w for n, w in wants.items() if n not in piped}, values, report)
+    if piped:
+        _read_devices(checkpoint, piped, values, report, stage_for or default_stage)
+    report.files = checkpoint.read_report()
+    return values, report
+
+
+def default_stage(device: Any) -> CopyStage:
+    """A CUDA stage (pinned ring, side stream) for GPUs, a host stage for the CPU."""
+    import torch
+
+    return HostCopyStage() if _is_host(device) else CudaCopyStage(torch.device(device))
+
+
+def _read_host(checkpoint: LazyCheckpoint, wants: dict[str, Want], values: dict, report: BatchReport) -> None:
+    """pread/direct shards, no cast: one parallel batch per shard, straight into fresh tensors."""
+    import torch
+
+    per_reader: dict[int, tuple[Any, list[ReadJob]]] = {}
+    for name, want in wants.items():
+        reader = checkpoint.reader_of(want.src)
+        entry = checkpoint.entry(want.src)
+        stored = checkpoint.dtype_of(want.src)
+        if reader is None or stored != want.dtype or entry.nbytes == 0:
+            continue
+        tensor = torch.empty(entry.shape, dtype=stored)
+        values[name] = tensor
+        where = f"{entry.file}: tensor {want.src!r}"
+        per_reader.setdefault(id(reader), (reader, []))[1].append(job_for(tensor, offset=entry.offset,
+                                                                          nbytes=entry.nbytes, where=where))
+        report.host_batch_bytes += entry.nbytes
+    for reader, jobs in per_reader.values():
+        reader.read_all(jobs)
+
+
+def _read_devices(checkpoint: LazyCheckpoint, wants: dict[str, Want], values: dict, report: BatchReport,
+                  stage_for: Callable[[Any], CopyStage]) -> None:
+    """Per (file, device): destinations allocated once there, filled through the ring pipeline."""
+    import torch
+
+    groups: dict[tuple[str, Any], list[tuple[str, Want]]] = defaultdict(list)
+    for name, want in wants.items():
+        groups[(checkpoint.entry(want.src).file or "", want.device)].append((name, want))
+    for (path, device), items in groups.items():
+        stage = stage_for(device)
+        target = torch.device(device)
+        jobs, stored_values = [], {}
+        for name, want in items:
+            entry = checkpoint.entry(want.src)
+            dest = torch.empty(entry.shape, dtype=checkpoint.dtype_of(want.src), device=target)
+            stored_values[name] = dest
+            if entry.nbytes:
+                jobs.append(CopyJob(byte_view(dest), 0, entry.offset, entry.nbytes, f"{path}: tensor {want.src!r}"))
+        checkpoint.reader_of(items[0][1].src)  # opens the shard: size and change checks, backend report
+        with open_reader(path, "direct" if checkpoint.read == "direct" else "pread") as reader:
+            run_pipeline(reader, jobs, stage=stage)
+        report.pipelined_bytes += sum(j.nbytes for j in jobs)
+        for name, want in items:
+            value = stored_values[name]
+            values[name] = value if value.dtype == want.dtype else value.to(want.dtype)
