@@ -163,7 +163,8 @@ def test_private_repo_needs_the_token(hub, tmp_path):
     pytest.param("hf://alice/nope", "repository alice/nope not found", marks=pytest.mark.slow),
     pytest.param("hf://alice/ok@v9", "revision 'v9' not found", marks=pytest.mark.slow),
     pytest.param("hf://alice/ok/unet", "no folder 'unet'", marks=pytest.mark.slow),
-], ids=["gated", "lying-header", "missing-repo", "missing-revision", "missing-subfolder"])
+    pytest.param("hf://alice/short", "tensors end at byte 4000080 but the file has 1080 bytes", marks=pytest.mark.slow),
+], ids=["gated", "lying-header", "missing-repo", "missing-revision", "missing-subfolder", "lying-offsets"])
 def test_inaccessible_or_broken_repos_are_one_line_errors(hub, tmp_path, spec, expected):
     weights = {"model.safetensors": lazy_safetensors({"w": ("F16", (8, 8))})}
     hub.state.add_repo("bob/gated", weights, gated=True)
@@ -171,6 +172,8 @@ def test_inaccessible_or_broken_repos_are_one_line_errors(hub, tmp_path, spec, e
     liar = LazyBlob((10 * GB).to_bytes(8, "little") + honest.head[8:], honest.size)
     hub.state.add_repo("alice/liar", {"model.safetensors": liar})
     hub.state.add_repo("alice/ok", weights)
+    big = lazy_safetensors({"w": ("F32", (1000, 1000))})
+    hub.state.add_repo("alice/short", {"model.safetensors": LazyBlob(big.head, len(big.head) + 1000)})
     line = one_error_line(run_shardkit(hub_env(hub, tmp_path / "home"), "info", spec))
     assert line.startswith(f"error: {spec}") and expected in line, line
 
