@@ -1,0 +1,300 @@
+"""Read backends (mmap, pread, direct, auto), the ring pipeline and ``read=`` in open/load_model."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+
+import pytest
+import safetensors.torch
+import torch
+from safetensors import safe_open
+
+import shardkit
+from conftest import make_state_dict, tensor_bytes
+from shardkit.errors import HeaderError, InvalidInputError
+from shardkit.loading import readers
+from shardkit.loading.bulk import Want, read_batch
+from shardkit.loading.pipeline_copy import BufferRing, CopyJob, HostCopyStage, byte_view, run_pipeline
+from shardkit.loading.residency import cached_fraction, choose_backend, remote_filesystem
+
+BACKENDS = ["mmap", "pread", "direct"]
+ODD_SHAPES = [(), (0,), (7,), (5, 3)]  # scalars, empty tensors, odd byte counts: later offsets go odd
+
+
+def _checkpoint(tmp_path, name="w.safetensors"):
+    tensors = {"a_odd": torch.arange(3, dtype=torch.uint8), **make_state_dict(shapes=ODD_SHAPES)}
+    path = tmp_path / name
+    safetensors.torch.save_file(tensors, path)
+    return path, tensors
+
+
+@pytest.mark.parametrize("read", BACKENDS)
+def test_each_backend_is_byte_exact_against_safe_open(tmp_path, read, caplog) -> None:
+    path, tensors = _checkpoint(tmp_path)
+    caplog.set_level(logging.DEBUG, logger="shardkit")
+    with shardkit.open(path, read=read) as ckpt, safe_open(path, framework="pt") as ref:
+        odd = [n for n in ckpt if ckpt.entry(n).offset % 2]
+        assert odd, "the fixture must place tensors at odd offsets"
+        for name in tensors:
+            got, want = ckpt[name], ref.get_tensor(name)
+            assert got.dtype == want.dtype and got.shape == want.shape, name
+            assert tensor_bytes(got) == tensor_bytes(want), name
+        state = ckpt.to_state_dict()
+        assert all(tensor_bytes(state[n]) == tensor_bytes(tensors[n]) for n in tensors)
+        (report,) = ckpt.read_report()
+    assert report["path"] == str(path)
+    if read == "direct" and report["backend"] == "pread":  # a filesystem without O_DIRECT: said once
+        assert any("O_DIRECT is not supported" in r.getMessage() for r in caplog.records)
+    else:
+        assert report["backend"] == read
+    assert any(f"read backend {report['backend']}" in r.getMessage() for r in caplog.records)
+
+
+def test_direct_reader_reads_across_bounce_buffers_and_unaligned_ends(tmp_path) -> None:
+    path = tmp_path / "blob.bin"
+    data = os.urandom(3 * 8192 + 123)
+    path.write_bytes(data)
+    try:
+        reader = readers.DirectReader(str(path), bounce_bytes=8192)
+    except OSError as e:
+        pytest.skip(f"O_DIRECT unsupported on {tmp_path}: {e}")
+    with reader:
+        out = torch.empty(len(data) - 1001, dtype=torch.uint8)
+        reader.read_all([readers.job_for(out, offset=1001, nbytes=out.numel(), where="blob")])
+    assert out.numpy().tobytes() == data[1001:]
+
+
+@pytest.mark.parametrize("read", BACKENDS)
+def test_file_shorter_than_its_header_says_is_a_one_line_error_naming_it(tmp_path, read) -> None:
+    path, _ = _checkpoint(tmp_path)
+    os.truncate(path, path.stat().st_size - 5)
+    with pytest.raises(HeaderError) as err:
+        with shardkit.open(path, read=read) as ckpt:
+            ckpt["layers.F32.3"]
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("read", BACKENDS)
+def test_file_changed_on_disk_while_open_is_refused_not_a_crash(tmp_path, read) -> None:
+    path, tensors = _checkpoint(tmp_path)
+    with shardkit.open(path, read=read) as ckpt:
+        assert tensor_bytes(ckpt["layers.F32.3"]) == tensor_bytes(tensors["layers.F32.3"])
+        os.truncate(path, 100)  # a mapped view of the lost pages would die of SIGBUS
+        with pytest.raises(InvalidInputError, match="changed on disk while open") as err:
+            ckpt["layers.F64.3"]
+        assert str(path) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_pread_past_the_end_names_the_file_and_short_reads_are_retried(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "blob.bin"
+    data = os.urandom(10_000)
+    path.write_bytes(data)
+    real = os.preadv
+    monkeypatch.setattr(readers.os, "preadv", lambda fd, bufs, off: real(fd, [bufs[0][:999]], off))
+    out = torch.empty(10_000, dtype=torch.uint8)
+    with readers.Reader(str(path)) as reader:
+        reader.read_all([readers.job_for(out, offset=0, nbytes=10_000, where=f"{path}: tensor 'x'")])
+        assert out.numpy().tobytes() == data
+        with pytest.raises(HeaderError, match="file ended at byte 10000") as err:
+            reader.read_one(readers.ReadJob(out.data_ptr(), 5_000, 6_000, f"{path}: tensor 'x'"))
+    assert str(path) in str(err.value)
+
+
+def test_unknown_read_backend_is_refused(tmp_path) -> None:
+    path, _ = _checkpoint(tmp_path)
+    with pytest.raises(InvalidInputError, match="read='fast' is not a read backend"):
+        shardkit.open(path, read="fast")
+
+
+# ----------------------------------------------------------------------------- auto
+
+
+def _evict(path) -> float | None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return cached_fraction(str(path))
+
+
+def test_auto_reads_an_evicted_file_with_pread_and_a_warm_one_with_mmap(tmp_path) -> None:
+    if remote_filesystem(str(tmp_path)):
+        pytest.skip(f"{tmp_path} is on {remote_filesystem(str(tmp_path))}: auto always reads it with pread")
+    path = tmp_path / "w.safetensors"
+    safetensors.torch.save_file({"w": torch.randn(256, 1024)}, path)  # 1 MiB: 256 pages
+    if (_evict(path) or 0.0) > 0.5:
+        pytest.skip(f"the page cache of {tmp_path} cannot be evicted with posix_fadvise (tmpfs?)")
+    with shardkit.open(path) as ckpt:
+        ckpt["w"]
+        (report,) = ckpt.read_report()
+    assert report["backend"] == "pread" and report["reason"].startswith("cold"), report
+    path.read_bytes()  # warm: every page cached
+    assert choose_backend(str(path), "auto").backend == "mmap"
+    with shardkit.open(path) as ckpt:
+        ckpt["w"]
+        assert ckpt.read_report()[0]["backend"] == "mmap"
+
+
+@pytest.fixture
+def bindfs_mount(tmp_path):
+    """A bindfs (FUSE passthrough) mount of ``tmp_path/src``; installs bindfs when missing (root)."""
+    if shutil.which("bindfs") is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "install", "-y", "-q", "bindfs"], env=env, capture_output=True)
+    if shutil.which("bindfs") is None:
+        pytest.skip("bindfs is not installed and cannot be (needs root and apt-get)")
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("no /dev/fuse: FUSE is unavailable in this container")
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir()
+    mnt.mkdir()
+    done = subprocess.run(["bindfs", "--no-allow-other", str(src), str(mnt)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"bindfs mount failed: {done.stderr.strip()}")
+    try:
+        yield src, mnt
+    finally:
+        subprocess.run(["fusermount", "-u", str(mnt)], capture_output=True)
+        if os.path.ismount(mnt):
+            subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_auto_reads_a_fuse_mounted_file_with_pread(bindfs_mount) -> None:
+    src, mnt = bindfs_mount
+    tensors = make_state_dict(shapes=ODD_SHAPES)
+    safetensors.torch.save_file(tensors, src / "w.safetensors")
+    (mnt / "w.safetensors").read_bytes()  # warm, yet a FUSE file: still pread
+    assert remote_filesystem(str(mnt)) == "fuse"
+    with shardkit.open(mnt / "w.safetensors") as ckpt:
+        assert all(tensor_bytes(ckpt[n]) == tensor_bytes(t) for n, t in tensors.items())
+        (report,) = ckpt.read_report()
+    assert report["backend"] == "pread" and "fuse" in report["reason"], report
+
+
+# ----------------------------------------------------------------------------- ring pipeline
+
+
+def _blob(tmp_path, nbytes=50_000):
+    path = tmp_path / "blob.bin"
+    data = os.urandom(nbytes)
+    path.write_bytes(data)
+    return str(path), data
+
+
+def _jobs(data, dests):
+    jobs, offset = [], 0
+    for dest in dests:
+        n = dest.numel() * dest.element_size()
+        jobs.append(CopyJob(byte_view(dest), 0, offset, n, f"blob: tensor {offset}"))
+        offset += n + 3  # odd gaps: reads start at odd offsets
+    return jobs
+
+
+def test_pipeline_with_a_host_copy_stage_is_byte_exact_and_returns_every_buffer(tmp_path) -> None:
+    path, data = _blob(tmp_path)
+    dests = [torch.empty(4097, dtype=torch.uint8), torch.empty(0, dtype=torch.float32), torch.empty(3000, dtype=torch.float16),
+             torch.empty((), dtype=torch.float64), torch.empty(1000, dtype=torch.float8_e4m3fn), torch.empty(11, dtype=torch.bool)]
+    jobs = _jobs(data, dests)
+    ring = BufferRing(HostCopyStage(), count=3, nbytes=1000)  # many chunks per tensor
+    with readers.Reader(path) as reader:
+        run_pipeline(reader, jobs, stage=HostCopyStage(), ring=ring)
+    for job in jobs:
+        assert job.dest.numpy().tobytes() == data[job.offset:job.offset + job.nbytes]
+    assert ring.in_use == 0
+
+
+class _FailingStage(HostCopyStage):
+    def __init__(self, fail_at: int) -> None:
+        self.calls, self.fail_at = 0, fail_at
+
+    def submit(self, buffer, job):
+        self.calls += 1
+        if self.calls == self.fail_at:
+            raise RuntimeError("copy failed")
+        return super().submit(buffer, job)
+
+
+def test_pipeline_errors_mid_way_release_every_buffer(tmp_path) -> None:
+    path, data = _blob(tmp_path)
+    dest = torch.empty(20_000, dtype=torch.uint8)
+    stage = _FailingStage(fail_at=4)
+    ring = BufferRing(stage, count=3, nbytes=1000)
+    with readers.Reader(path) as reader, pytest.raises(RuntimeError, match="copy failed"):
+        run_pipeline(reader, [CopyJob(dest, 0, 0, 20_000, "blob")], stage=stage, ring=ring)
+    assert ring.in_use == 0
+    truncated = CopyJob(torch.empty(20_000, dtype=torch.uint8), 0, len(data) - 5_000, 20_000, f"{path}: tensor 'w'")
+    with readers.Reader(path) as reader, pytest.raises(HeaderError, match="file ended") as err:
+        run_pipeline(reader, [truncated], stage=HostCopyStage(), ring=ring)
+    assert ring.in_use == 0 and path in str(err.value)
+
+
+def test_read_batch_through_the_pipeline_matches_get_tensor(tmp_path) -> None:
+    path, tensors = _checkpoint(tmp_path)
+    with shardkit.open(path, read="pread") as ckpt:
+        wants = {n: Want(n, "cpu", ckpt.dtype_of(n)) for n in tensors}
+        wants["layers.F32.3"] = Want("layers.F32.3", "cpu", torch.float64)  # a cast after the copy
+        values, report = read_batch(ckpt, wants, pipe_host=True)
+        for name in tensors:
+            want = ckpt.get_tensor(name, dtype=wants[name].dtype)
+            assert values[name].dtype == want.dtype and tensor_bytes(values[name]) == tensor_bytes(want), name
+    assert report.pipelined_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+# ----------------------------------------------------------------------------- load_model
+
+
+def test_load_model_pread_equals_mmap_and_reports_the_backend(tmp_path) -> None:
+    from diffusers import AutoencoderKL
+    from helpers_load import TINY_VAE_CONFIG, save_model, tiny_vae
+
+    folder = save_model(tiny_vae(), tmp_path / "ckpt", max_shard_size="16KB")
+    mapped = shardkit.load_model(AutoencoderKL, folder, config=TINY_VAE_CONFIG, read="mmap")
+    pread = shardkit.load_model(AutoencoderKL, folder, config=TINY_VAE_CONFIG, read="pread")
+    a, b = mapped.state_dict(), pread.state_dict()
+    assert sorted(a) == sorted(b)
+    assert all(tensor_bytes(a[n]) == tensor_bytes(b[n]) for n in a)
+    files = pread.shardkit_load_report["files"]
+    assert len(files) > 1 and {f["backend"] for f in files} == {"pread"}
+    assert pread.shardkit_load_report["host_batch_bytes"] > 0
+    assert {f["backend"] for f in mapped.shardkit_load_report["files"]} == {"mmap"}
+
+
+# ----------------------------------------------------------------------------- real CUDA
+
+
+@pytest.mark.gpu
+def test_cuda_pipeline_is_byte_exact_with_pinned_ring_and_stream(tmp_path) -> None:
+    from shardkit.loading.pipeline_copy import CudaCopyStage
+
+    path, data = _blob(tmp_path, nbytes=3 << 20)
+    dests = [torch.empty(1 << 20, dtype=torch.uint8, device="cuda"), torch.empty(1000, dtype=torch.bfloat16, device="cuda")]
+    jobs = _jobs(data, dests)
+    stage = CudaCopyStage(torch.device("cuda:0"))
+    ring = BufferRing(stage, count=2, nbytes=256 << 10)
+    buffer = ring.acquire()
+    assert buffer.is_pinned()
+    ring.release(buffer)
+    with readers.Reader(path) as reader:
+        run_pipeline(reader, jobs, stage=stage, ring=ring)
+    for job in jobs:
+        assert job.dest.cpu().numpy().tobytes() == data[job.offset:job.offset + job.nbytes]
+    assert ring.in_use == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("read", ["mmap", "pread"])
+def test_load_model_to_cuda_goes_through_the_pipeline(tmp_path, read) -> None:
+    from diffusers import AutoencoderKL
+    from helpers_load import TINY_VAE_CONFIG, save_model, tiny_vae
+
+    eager = tiny_vae()
+    folder = save_model(eager, tmp_path / "ckpt", max_shard_size="16KB")
+    model = shardkit.load_model(AutoencoderKL, folder, config=TINY_VAE_CONFIG, device_map={"": 0}, read=read)
+    got, want = model.state_dict(), eager.state_dict()
+    assert all(got[n].device.type == "cuda" and tensor_bytes(got[n]) == tensor_bytes(want[n]) for n in want)
+    assert model.shardkit_load_report["pipelined_bytes"] > 0
