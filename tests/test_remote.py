@@ -301,3 +301,21 @@ with HfFileSystem().open("alice/fs/sub/model.safetensors", "rb", block_size=4096
     assert out[0] == "[('RepoFile', 'sub/model.safetensors'), ('RepoFolder', 'sub')]"
     assert out[1] == repr(blob.head[8:16])
     assert hub.state.bytes_sent(r"model\\.safetensors$") < 64 * 1024
+
+
+@pytest.mark.slow
+def test_reshard_a_hub_repo_in_one_command(hub, tmp_path):
+    """split hf:// → push → snapshot_download is bit-equal to a local split of the same files."""
+    import shardkit
+    from helpers_hub import download
+
+    folder = split_folder(tmp_path, "src", "600KB")
+    hub.state.add_repo("alice/tiny", folder_files(folder))
+    env = hub_env(hub, tmp_path / "home")
+    proc = run_shardkit(env, "split", "hf://alice/tiny", tmp_path / "out", "--max-shard-size", "1100KB",
+                        "--push-to", "alice/tiny-1100KB", "-q")
+    assert proc.returncode == 0, proc.stderr
+    shardkit.split(folder, tmp_path / "local-out", max_shard_size="1100KB")
+    got = folder_files(download(env, "alice/tiny-1100KB", tmp_path / "downloaded"))
+    want = folder_files(tmp_path / "local-out")
+    assert {k: v for k, v in got.items() if not k.startswith(".")} == want
