@@ -18,7 +18,6 @@ the name of the file that would have to be downloaded.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -30,10 +29,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from ..errors import HeaderError, HubError, InvalidInputError, ShardkitError
+from ..errors import HeaderError, InvalidInputError, ShardkitError
 from ..formats.header import MAX_HEADER_BYTES
 from ..formats.layout import MODEL_INDEX
 from ..units import format_size
+from .remote_errors import RETRIES, hub_read_errors
 
 logger = logging.getLogger("shardkit")
 
@@ -41,7 +41,6 @@ SCHEME = "hf://"
 FIRST_RANGE_BYTES = 64 * 1024  # most headers fit; a larger one costs exactly one more request
 MAX_FETCHED_FILE_BYTES = 10_000_000  # configs and indexes; a bigger .json is not one of them
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
-RETRIES = 3
 RETRY_WAIT_SECONDS = 0.25
 _FETCH_THREADS = 8
 CONFIG_RE = re.compile(r"(^|/)(config|model_index|[\w.-]*_config|[\w.-]+\.safetensors\.index(\.[\w-]+)?)\.json$")
@@ -265,55 +264,6 @@ def read_range(mirror: Mirror, remote: RemoteFile, begin: int, end: int, *, toke
 
 
 @contextlib.contextmanager
-def hub_read_errors(spec: RemoteSpec) -> Iterator[None]:
-    """Turn huggingface_hub / network exceptions while reading ``spec`` into one-line :class:`HubError`s."""
-    try:
-        yield
-    except ShardkitError:
-        raise
-    except Exception as e:
-        message = describe_read_error(e, spec)
-        if message is None:
-            raise
-        raise HubError(message) from e
-
-
-def describe_read_error(error: BaseException, spec: RemoteSpec) -> str | None:
-    """A one-line explanation of a failed read from the Hub, or None if ``error`` is not one."""
-    from huggingface_hub import constants
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        HFValidationError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-    from huggingface_hub.utils import httpx
-
-    endpoint, rev = constants.ENDPOINT, spec.revision or "main"
-    if isinstance(error, GatedRepoError):
-        return (f"{spec}: {spec.repo_id} is gated and this token has no access; accept its terms on the Hub "
-                "and pass --token (or set HF_TOKEN, or run `hf auth login`)")
-    if isinstance(error, RepositoryNotFoundError):
-        return (f"{spec}: repository {spec.repo_id} not found at {endpoint}, or private and not visible with this "
-                "token; check the name, or pass --token (or set HF_TOKEN)")
-    if isinstance(error, RevisionNotFoundError):
-        return f"{spec}: revision {rev!r} not found in {spec.repo_id}; use a branch, tag or commit that exists"
-    if isinstance(error, HFValidationError):
-        return f"{spec}: invalid repository id or revision: {str(error).splitlines()[0]}"
-    if isinstance(error, HfHubHTTPError) and error.response is not None:
-        status = error.response.status_code
-        if status == 401:
-            return f"{spec}: authentication failed (401) at {endpoint}; pass a valid --token or set HF_TOKEN"
-        first = (error.server_message or str(error)).strip().splitlines()[0]
-        return f"{spec}: the Hub answered {status} after {RETRIES} retries: {first}; try again later"
-    if isinstance(error, (httpx.TransportError, ConnectionError, TimeoutError)):
-        return (f"{spec}: network failure talking to {endpoint} (after {RETRIES} retries): "
-                f"{error or type(error).__name__}; check the connection (or HF_ENDPOINT) and try again")
-    return None
-
-
-@contextlib.contextmanager
 def _renamed_errors(root: str, shown: str) -> Iterator[None]:
     """Errors from the local readers name the mirror's temporary folder: show the ``hf://`` spec instead."""
     try:
@@ -325,15 +275,6 @@ def _renamed_errors(root: str, shown: str) -> Iterator[None]:
         renamed = InvalidInputError(text.replace(root + os.sep, shown + "/").replace(root, shown))
         renamed.exit_code = e.exit_code
         raise renamed from e
-
-
-def read_json(mirror: Mirror, rel: str) -> Any:
-    """A fetched JSON file of the mirror, or None where the repository has none."""
-    path = os.path.join(mirror.root, *rel.split("/"))
-    if not os.path.isfile(path):
-        return None
-    with open(path, "rb") as f:
-        return json.loads(f.read())
 
 
 @contextlib.contextmanager
