@@ -76,8 +76,9 @@ def split_to_file(src: Source, output_file: str, *, options: WriteOptions) -> Sp
             warn(f"{output_file} exists: the real run needs --overwrite")
         return result
     with file_transaction(output_file, overwrite=options.overwrite) as tmp:
-        write_safetensors(tmp, job.writes, src, metadata=shard_metadata(job, options.metadata or {}),
-                          progress=ByteCounter(plan.total_bytes, options.progress))
+        written = write_safetensors(tmp, job.writes, src, metadata=shard_metadata(job, options.metadata or {}),
+                                    progress=ByteCounter(plan.total_bytes, options.progress))
+    result.cloned_bytes = written.cloned_bytes
     return result
 
 
