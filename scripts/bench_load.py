@@ -21,6 +21,16 @@ whole process. "peak RSS" is the process's high-water mark (VmHWM); "above impor
 RSS after imports. Checkpoint pages are in the page cache (warm) for every run after the first.
 
     .venv/bin/python scripts/bench_load.py --small --runs 3
+
+``--read-backends`` runs the read-backend matrix instead (issue 13): an SD 1.5 UNet in fp16
+(~1.7 GB, one file), on the local disk and on a bindfs (FUSE passthrough) mount of the same
+folder, page cache cold (evicted with POSIX_FADV_DONTNEED, checked with mincore) and warm; floors
+``dd bs=16M``; cases safetensors ``load_file`` (mmap and pread), accelerate, diffusers and
+``shardkit.load_model`` with each ``read=`` backend. Every case loads and then touches one byte of
+every page of every weight; the time is measured inside the fresh child process, so interpreter
+start-up and imports are excluded (dd runs alone: its start-up is negligible).
+
+    .venv/bin/python scripts/bench_load.py --read-backends --runs 3
 """
 
 from __future__ import annotations
@@ -57,29 +67,31 @@ def _skeleton(folder: str):
         return UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder))
 
 
-def _floor(folder: str, **_):
+def _floor(folder: str, *, backend: str = "mmap", **_):
     from safetensors.torch import load_file
 
     state = {}
     for name in sorted(os.listdir(folder)):
         if name.endswith(".safetensors"):
-            state.update(load_file(os.path.join(folder, name)))
+            state.update(load_file(os.path.join(folder, name), backend=backend))
     return state
 
 
-def _shardkit(folder: str, *, device_map="cpu", max_memory=None, offload=None, **_):
+def _shardkit(folder: str, *, device_map="cpu", max_memory=None, offload=None, read="auto", **_):
     import shardkit
     from diffusers import UNet2DConditionModel
 
     return shardkit.load_model(UNet2DConditionModel, folder, config=folder, device_map=device_map,
-                               max_memory=max_memory, offload_folder=offload)
+                               max_memory=max_memory, offload_folder=offload, read=read)
 
 
 def _accelerate(folder: str, *, device_map="cpu", max_memory=None, offload=None, **_):
     from accelerate import load_checkpoint_and_dispatch
 
     device_map = {"": device_map} if device_map in ("cpu", 0) else device_map
-    return load_checkpoint_and_dispatch(_skeleton(folder), folder, device_map=device_map, max_memory=max_memory,
+    files = [f for f in os.listdir(folder) if f.endswith(".safetensors")]
+    single = len(files) == 1 and not any(f.endswith(".index.json") for f in os.listdir(folder))
+    return load_checkpoint_and_dispatch(_skeleton(folder), os.path.join(folder, files[0]) if single else folder, device_map=device_map, max_memory=max_memory,
                                         offload_folder=offload)
 
 
@@ -117,8 +129,13 @@ def run_case(name: str, folder: str, options: dict) -> None:
     seconds = time.perf_counter() - start
     loaded_hwm = _status_bytes("VmHWM")
     tensors = loaded.values() if isinstance(loaded, dict) else list(loaded.parameters()) + list(loaded.buffers())
+    page = 4096
     for tensor in tensors:  # use every weight once: lazily mapped pages become resident here
-        if not tensor.is_meta:
+        if tensor.is_meta or not tensor.numel():
+            continue
+        if options.get("touch") == "pages":  # one byte per page: I/O, not arithmetic, is measured
+            tensor.reshape(-1).view(torch.uint8)[::page].sum().item()
+        else:
             tensor.float().sum().item()
     touched = time.perf_counter() - start
     offload = options.get("offload")
@@ -155,6 +172,8 @@ def measure(args: list[str]) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"case failed ({done.returncode}): {' '.join(args)}\n{done.stderr[-3000:]}")
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if args and args[0] == "dd":  # a floor timed from outside
+        return {"load_s": wall, "touch_s": wall, "base": 0, "loaded_hwm": 0, "hwm": 0, "written": 0, "wall_s": wall}
     result = json.loads(lines[-1]) if lines else {}
     result["wall_s"] = wall
     return result
@@ -235,6 +254,99 @@ def table(results: dict[str, list[dict]], model_bytes: int) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------- read backends (issue 13)
+
+READ_CASES = [  # (label, child case, options)
+    ("safetensors load_file (mmap)", "floor", {}),
+    ("safetensors load_file(backend='pread')", "floor", {"backend": "pread"}),
+    ("accelerate load_checkpoint_and_dispatch", "accelerate", {}),
+    ("diffusers from_pretrained", "diffusers", {}),
+    *[(f"shardkit.load_model read={r}", "shardkit", {"read": r}) for r in ("mmap", "pread", "direct", "auto")],
+]
+
+
+def prepare_read(work: str) -> tuple[str, int]:
+    """The SD 1.5 UNet in fp16 (~1.7 GB, one file) with random weights, built once."""
+    sys.path.insert(0, HERE)
+    folder = os.path.join(work, "sd15-fp16")
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        from build_checkpoint import build_unet
+
+        print(f"building {folder} ...", flush=True)
+        build_unet("sd15", folder, dtype="F16", overwrite=True)
+    return folder, os.path.getsize(os.path.join(folder, "diffusion_pytorch_model.safetensors"))
+
+
+def run_read_matrix(folder: str, mount: str, runs: int, only: list[str]) -> dict[tuple[str, str, str], list[dict]]:
+    """Every (case, where, cache) ``runs`` times, interleaved; cold runs evict first (and check)."""
+    from benchlib import evict
+
+    me = [sys.executable, os.path.abspath(__file__), "--case"]
+    weights = "diffusion_pytorch_model.safetensors"
+    cells = []
+    for where, root in (("local", folder), ("fuse", mount)):
+        cells.append((("dd bs=16M (floor)", where), ["dd", f"if={os.path.join(root, weights)}", "of=/dev/null", "bs=16M"]))
+        for label, case, opts in READ_CASES:
+            if only and not any(word in label for word in only):
+                continue
+            cells.append(((label, where), [*me, case, root, json.dumps({**opts, "touch": "pages"})]))
+    results: dict[tuple[str, str, str], list[dict]] = {}
+    for r in range(runs):
+        for cache in ("cold", "warm"):
+            order = cells[r % len(cells):] + cells[: r % len(cells)]
+            for (label, where), args in order:
+                root = folder if where == "local" else mount
+                if cache == "cold":
+                    left = max(evict(os.path.join(folder, weights)), evict(os.path.join(root, weights)))
+                else:
+                    subprocess.run(["cat", os.path.join(root, weights)], stdout=subprocess.DEVNULL, check=True)
+                    left = 1.0
+                result = measure(args)
+                result["cached"] = left
+                results.setdefault((label, where, cache), []).append(result)
+                print(f"  run {r + 1}/{runs} {cache} {where} {label}: {result['touch_s']:.2f} s "
+                      f"(cached before: {left:.0%}), peak {(result['hwm'] - result['base']) / 2**20:.0f} MB", flush=True)
+    return results
+
+
+def read_table(results: dict[tuple[str, str, str], list[dict]], nbytes: int) -> str:
+    """Rows: cases; columns: local/FUSE × cold/warm medians (s, GB/s), × cold dd, peak RSS."""
+    cols = [("local", "cold"), ("local", "warm"), ("fuse", "cold"), ("fuse", "warm")]
+    labels = list(dict.fromkeys(label for label, _, _ in results))
+    med = {k: statistics.median(r["touch_s"] for r in v) for k, v in results.items()}
+    head = " | ".join(f"{w} {c} s (GB/s, × dd cold)" for w, c in cols)
+    lines = [f"| case | {head} | peak RSS above imports MB |", "|---|" + "---:|" * (len(cols) + 1)]
+    for label in labels:
+        cells = []
+        for where, cache in cols:
+            t, dd = med[(label, where, cache)], med[("dd bs=16M (floor)", where, "cold")]
+            cells.append(f"{t:.2f} ({nbytes / t / 1e9:.2f}, {dd / t:.2f}×)")
+        rss = max(r["hwm"] - r["base"] for (lb, _, _), v in results.items() if lb == label for r in v)
+        lines.append(f"| {label} | {' | '.join(cells)} | {rss / 2**20:.0f} |")
+    return "\n".join(lines)
+
+
+def main_read(args: argparse.Namespace) -> int:
+    """``--read-backends``: build, mount, run the matrix, print the table."""
+    sys.path.insert(0, HERE)
+    from benchlib import bindfs_mount, filesystem_line, machine_line
+
+    os.makedirs(args.work, exist_ok=True)
+    folder, nbytes = prepare_read(args.work)
+    with bindfs_mount(folder) as mount:
+        print(f"SD 1.5 UNet fp16: {nbytes / 1e9:.2f} GB in {folder} ({filesystem_line(folder)}), FUSE: {mount}; "
+              f"{machine_line()}", flush=True)
+        results = run_read_matrix(folder, mount, args.runs, args.only)
+    print()
+    print(f"SD 1.5 UNet fp16, {nbytes / 1e9:.2f} GB, one file; load + touch every page of every weight, "
+          f"median of {args.runs} interleaved runs in fresh processes, imports excluded; {machine_line()}:")
+    print()
+    print(read_table(results, nbytes))
+    if not args.keep:
+        shutil.rmtree(args.work, ignore_errors=True)
+    return 0
+
+
 def main() -> int:
     if len(sys.argv) >= 2 and sys.argv[1] == "--case":
         run_case(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))
@@ -244,7 +356,13 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--work", default="/tmp/shardkit-bench-load", help="scratch folder (checkpoints, offload)")
     parser.add_argument("--keep", action="store_true", help="keep the built checkpoint for the next run")
+    parser.add_argument("--read-backends", action="store_true",
+                        help="the read-backend matrix (cold/warm, local/FUSE, each backend) instead")
+    parser.add_argument("--only", action="append", default=[], metavar="WORDS",
+                        help="with --read-backends: only cases whose label contains WORDS (repeatable)")
     args = parser.parse_args()
+    if args.read_backends:
+        return main_read(args)
     import platform
 
     import torch

@@ -142,6 +142,38 @@ def loop_mount(fs: str, image: str, size_bytes: int) -> Iterator[str]:
         os.unlink(image)
 
 
+# ----------------------------------------------------------------------------- page cache and FUSE
+
+def evict(path: str) -> float:
+    """Drop ``path``'s pages from the page cache (fsync + POSIX_FADV_DONTNEED); the share still cached."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from shardkit.loading.residency import cached_fraction
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return cached_fraction(path) or 0.0
+
+
+@contextlib.contextmanager
+def bindfs_mount(folder: str) -> Iterator[str]:
+    """A bindfs (FUSE passthrough) mount of ``folder`` beside it; bindfs installed with apt-get if missing."""
+    if not shutil.which("bindfs"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-q"], env=env, check=False)
+        subprocess.run(["apt-get", "install", "-y", "-q", "bindfs"], env=env, check=True)
+    mount = folder.rstrip("/") + ".fuse"
+    os.makedirs(mount, exist_ok=True)
+    if not os.path.ismount(mount):
+        subprocess.run(["bindfs", "--no-allow-other", folder, mount], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["fusermount", "-u", mount], check=False)
+
 # ----------------------------------------------------------------------------- inputs
 
 # Child-process code writing sys.argv[1] (a safetensors file) as a torch.save zip pickle at sys.argv[2].

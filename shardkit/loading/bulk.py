@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from .lazy import LazyCheckpoint
 from .pipeline_copy import CopyJob, CopyStage, CudaCopyStage, HostCopyStage, byte_view, run_pipeline
-from .readers import ReadJob, job_for, open_reader
+from .readers import open_reader
 
 if TYPE_CHECKING:
     import torch
@@ -81,24 +81,13 @@ def default_stage(device: Any) -> CopyStage:
 
 
 def _read_host(checkpoint: LazyCheckpoint, wants: dict[str, Want], values: dict, report: BatchReport) -> None:
-    """pread/direct shards, no cast: one parallel batch per shard, straight into fresh tensors."""
-    import torch
-
-    per_reader: dict[int, tuple[Any, list[ReadJob]]] = {}
-    for name, want in wants.items():
-        reader = checkpoint.reader_of(want.src)
-        entry = checkpoint.entry(want.src)
-        stored = checkpoint.dtype_of(want.src)
-        if reader is None or stored != want.dtype or entry.nbytes == 0:
-            continue
-        tensor = torch.empty(entry.shape, dtype=stored)
-        values[name] = tensor
-        where = f"{entry.file}: tensor {want.src!r}"
-        per_reader.setdefault(id(reader), (reader, []))[1].append(job_for(tensor, offset=entry.offset,
-                                                                          nbytes=entry.nbytes, where=where))
-        report.host_batch_bytes += entry.nbytes
-    for reader, jobs in per_reader.values():
-        reader.read_all(jobs)
+    """pread/direct shards, no cast: one parallel batch per shard, straight into fresh memory."""
+    batch = {name: want.src for name, want in wants.items()
+             if checkpoint.reader_of(want.src) is not None and checkpoint.dtype_of(want.src) == want.dtype}
+    read = checkpoint.read_many(list(dict.fromkeys(batch.values())))
+    for name, src in batch.items():
+        values[name] = read[src]
+        report.host_batch_bytes += checkpoint.nbytes(src)
 
 
 def _read_devices(checkpoint: LazyCheckpoint, wants: dict[str, Want], values: dict, report: BatchReport,

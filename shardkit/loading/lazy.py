@@ -20,19 +20,18 @@ import mmap
 import os
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..atomic.journal import JOURNAL
 from ..errors import (
-    CheckpointIndexError,
     HeaderError,
     InvalidInputError,
     SourceNotFoundError,
 )
-from ..formats.header import Header, TensorEntry, read_header
+from ..formats.header import TensorEntry, read_header
 from ..formats.index import find_checkpoint, load_index, shard_file
-from .readers import Reader, job_for, open_reader
+from .readers import Reader, job_for, open_reader, read_entries
+from .shards import Shard, TensorSlice, check_shard_names, check_unchanged
 from .residency import check_backend, choose_backend
 
 if TYPE_CHECKING:
@@ -41,43 +40,6 @@ if TYPE_CHECKING:
 _READ_CHUNK_BYTES = 1 << 30  # Linux returns at most ~2 GiB per read call
 _CAST_CHUNK_BYTES = 16 << 20
 log = logging.getLogger("shardkit")
-
-
-@dataclass
-class _Shard:
-    path: str
-    expected: frozenset[str] | None  # names the index puts in this shard (None: single file)
-    header: Header | None = None
-    fd: int | None = None
-    mapped: mmap.mmap | None = None
-    entries: dict[str, TensorEntry] | None = None
-    backend: str | None = None          # "mmap", "pread" or "direct", once opened
-    reason: str = ""                    # why (auto's choice)
-    reader: Reader | None = None        # pread/direct
-    identity: tuple[int, int, int] | None = None  # (inode, size, mtime_ns) at open: changes are refused
-
-
-class TensorSlice:
-    """Partial reads of one tensor, like ``safetensors.safe_open(...).get_slice``.
-
-    Indexing returns a fresh tensor holding just the indexed part; ``ckpt.get_slice("w")[0:2, :]``
-    reads only those rows' pages.
-    """
-
-    def __init__(self, checkpoint: "LazyCheckpoint", name: str) -> None:
-        self._checkpoint = checkpoint
-        self._name = name
-
-    def get_shape(self) -> list[int]:
-        """The tensor's shape, from the header."""
-        return list(self._checkpoint.shape_of(self._name))
-
-    def get_dtype(self) -> "torch.dtype":
-        """The tensor's stored dtype, from the header."""
-        return self._checkpoint.dtype_of(self._name)
-
-    def __getitem__(self, index: Any) -> "torch.Tensor":
-        return self._checkpoint.get_tensor(self._name)[index].clone()
 
 
 class LazyCheckpoint(Mapping):
@@ -97,7 +59,7 @@ class LazyCheckpoint(Mapping):
         aliases: tied names that were written once: dropped alias → stored name.
     """
 
-    def __init__(self, shard_of: dict[str, str], shards: dict[str, _Shard], *, description: str,
+    def __init__(self, shard_of: dict[str, str], shards: dict[str, Shard], *, description: str,
                  index_metadata: dict[str, Any] | None = None, read: str = "auto") -> None:
         self.read = check_backend(read)
         self._shard_of = shard_of
@@ -225,7 +187,7 @@ class LazyCheckpoint(Mapping):
             tensor = tensor.to(dtype)
         return tensor
 
-    def _read_cast(self, shard: _Shard, entry: TensorEntry, src_dtype: "torch.dtype", itemsize: int,
+    def _read_cast(self, shard: Shard, entry: TensorEntry, src_dtype: "torch.dtype", itemsize: int,
                    dtype: "torch.dtype") -> "torch.Tensor":
         """Cast through one small reusable buffer per thread: memory never depends on the tensor's size
         (a whole-tensor temporary would also fragment the heap, pinning a second copy's worth of RAM).
@@ -254,11 +216,40 @@ class LazyCheckpoint(Mapping):
 
     def to_state_dict(self, *, device: "str | torch.device | None" = None, dtype: "torch.dtype | None" = None,
                       copy: bool = False) -> dict[str, "torch.Tensor"]:
-        """Every tensor, zero-copy on the host by default; ``dtype`` casts floating-point tensors only."""
-        out = {}
+        """Every tensor, zero-copy on the host by default; ``dtype`` casts floating-point tensors only.
+
+        On the host, ``pread``/``direct`` shards are read in one parallel batch each (:meth:`read_many`).
+        """
+        on_host = device is None or str(device) == "cpu"
+        out = self.read_many([n for n in self if dtype is None or not self.dtype_of(n).is_floating_point]) \
+            if on_host and not copy else {}
         for name in self:
+            if name in out:
+                continue
             cast = dtype if dtype is not None and self.dtype_of(name).is_floating_point else None
             out[name] = self.get_tensor(name, device=device, dtype=cast, copy=copy)
+        return out
+
+    def read_many(self, names: list[str]) -> dict[str, "torch.Tensor"]:
+        """Host tensors, stored dtype: ``pread``/``direct`` shards in one batch of long parallel reads
+        (:func:`shardkit.loading.readers.read_entries`), memory-mapped ones as zero-copy views.
+
+        >>> state = ckpt.read_many(list(ckpt))                  # doctest: +SKIP
+        """
+        from ..formats.dtypes import to_torch
+
+        per_shard: dict[str, list[TensorEntry]] = {}
+        out: dict[str, "torch.Tensor"] = {}
+        for name in names:
+            shard = self._open_shard(self._shard_name(name))
+            if shard.reader is None:
+                out[name] = self.get_tensor(name)
+            else:
+                per_shard.setdefault(self._shard_of[name], []).append(self.entry(name))
+        for shard_name, entries in per_shard.items():
+            reader = self._open_shard(shard_name).reader
+            assert reader is not None
+            out.update(read_entries(reader, entries, {e.name: to_torch(e.dtype) for e in entries}))
         return out
 
     # -- shard management -------------------------------------------------------------------------
@@ -270,7 +261,7 @@ class LazyCheckpoint(Mapping):
         except KeyError:
             raise KeyError(name) from None
 
-    def _load_header(self, shard: _Shard) -> dict[str, TensorEntry]:
+    def _load_header(self, shard: Shard) -> dict[str, TensorEntry]:
         if shard.entries is None:
             with self._lock:
                 if shard.entries is None:
@@ -280,7 +271,7 @@ class LazyCheckpoint(Mapping):
                     shard.entries = header.by_name()
         return shard.entries
 
-    def _open_shard(self, shard_name: str) -> _Shard:
+    def _open_shard(self, shard_name: str) -> Shard:
         shard = self._shards[shard_name]
         self._load_header(shard)
         if shard.fd is None:
@@ -290,7 +281,7 @@ class LazyCheckpoint(Mapping):
         check_unchanged(shard)
         return shard
 
-    def _open_fd(self, shard: _Shard) -> None:
+    def _open_fd(self, shard: Shard) -> None:
         fd = os.open(shard.path, os.O_RDONLY)
         try:
             choice = choose_backend(shard.path, self.read, fd=fd)
@@ -351,39 +342,6 @@ class LazyCheckpoint(Mapping):
         self.close()
 
 
-def check_shard_names(shard: _Shard, header: Header) -> None:
-    """A shard must hold exactly the tensors its index assigns to it."""
-    if shard.expected is None:
-        return
-    names = {e.name for e in header.entries}
-    extra = sorted(names - shard.expected)
-    missing = sorted(shard.expected - names)
-    if extra or missing:
-        parts = []
-        if missing:
-            parts.append(f"lacks {', '.join(map(repr, missing[:5]))}{' ...' if len(missing) > 5 else ''}")
-        if extra:
-            parts.append(f"holds {', '.join(map(repr, extra[:5]))}{' ...' if len(extra) > 5 else ''} not in the index")
-        raise CheckpointIndexError(f"{shard.path}: does not match the index: it {' and '.join(parts)}")
-
-
-def check_unchanged(shard: _Shard) -> None:
-    """Refuse a shard whose file was truncated, rewritten or replaced since it was opened.
-
-    A truncated memory map would crash the process with SIGBUS on the next touch; a rewritten
-    file would mix old and new bytes.
-    """
-    if shard.fd is None or shard.identity is None:
-        return
-    try:
-        st = os.stat(shard.path)
-    except OSError as e:
-        raise InvalidInputError(f"{shard.path}: changed on disk while open ({e.strerror}); reopen it") from e
-    if (st.st_ino, st.st_size, st.st_mtime_ns) != shard.identity:
-        raise InvalidInputError(f"{shard.path}: changed on disk while open (size, time or inode differ); "
-                                "reopen the checkpoint to read the new file")
-
-
 def read_into(fd: int, tensor: "torch.Tensor", offset: int, nbytes: int, *, where: str) -> None:
     """``pread`` ``nbytes`` at ``offset`` straight into a contiguous CPU tensor's memory."""
     view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
@@ -405,18 +363,18 @@ def _check_no_journal(folder: str) -> None:
 
 def _single_file(path: str, read: str) -> LazyCheckpoint:
     header = read_header(path)
-    shard = _Shard(path, None, header=header, entries=header.by_name())
+    shard = Shard(path, None, header=header, entries=header.by_name())
     shard_of = {e.name: path for e in header.entries}
     return LazyCheckpoint(shard_of, {path: shard}, description=f"safetensors file {path}", read=read)
 
 
 def _indexed(path: str, read: str) -> LazyCheckpoint:
     index = load_index(path)
-    shards: dict[str, _Shard] = {}
+    shards: dict[str, Shard] = {}
     for shard_name in index.shard_names():
         shard_path = shard_file(index.folder, shard_name, where=index.path)  # existence + symlink policy
         names = frozenset(t for t, s in index.weight_map.items() if s == shard_name)
-        shards[shard_name] = _Shard(shard_path, names)
+        shards[shard_name] = Shard(shard_path, names)
     return LazyCheckpoint(dict(index.weight_map), shards, index_metadata=index.metadata, read=read,
                           description=f"sharded checkpoint {path} ({len(shards)} shards)")
 
