@@ -84,7 +84,7 @@ def _folder_bytes(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
-@pytest.mark.parametrize("kind", ["transformers", pytest.param("diffusers", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["transformers", "diffusers"])
 def test_collective_save_equals_single_process_save(tmp_path: Path, kind: str) -> None:
     build = _tiny_llama if kind == "transformers" else _tiny_unet
     out, ref = tmp_path / "out", tmp_path / "ref"
@@ -215,7 +215,8 @@ def test_slice_runs_are_one_read_per_contiguous_run() -> None:
 
 # ----------------------------------------------------------------------------- torchrun convert
 
-def test_torchrun_convert_of_dcp_equals_single_process_convert(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_torchrun_convert_of_dcp_equals_single_process_convert(tmp_path: Path, ranks: int) -> None:
     import torch.distributed.checkpoint as dcp
 
     import shardkit
@@ -225,9 +226,9 @@ def test_torchrun_convert_of_dcp_equals_single_process_convert(tmp_path: Path) -
     state["bias"] = torch.randn(7).to(torch.bfloat16)
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     shardkit.convert(tmp_path / "dcp", tmp_path / "ref", max_shard_size="10KB")
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                           "-m", "shardkit", "convert", str(tmp_path / "dcp"), str(tmp_path / "out"),
                           "--max-shard-size", "10KB"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert len(list((tmp_path / "out").glob("*.safetensors"))) == 3  # 2 ranks: one writes two shards
+    assert len(list((tmp_path / "out").glob("*.safetensors"))) == 3  # fewer shards than 4 ranks: one rank writes none
     assert _folder_bytes(tmp_path / "out") == _folder_bytes(tmp_path / "ref")

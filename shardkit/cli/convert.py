@@ -87,7 +87,7 @@ def convert(source: str, output: str, key: str | None, strip_prefix: str | None,
     from ..distributed.group import init_from_env, is_rank_zero
 
     collective = init_from_env()  # under torchrun: every rank writes its share of the shards
-    quiet = quiet or not is_rank_zero()
+    quiet, as_json = quiet or not is_rank_zero(), as_json and is_rank_zero()  # rank 0 reports for all
     with byte_progress("convert", enabled=not (quiet or as_json or write["dry_run"])) as progress:
         options = WriteOptions(**write, progress=progress)
         if collective:
