@@ -132,6 +132,25 @@ def test_rank_killed_mid_save_publishes_nothing_and_next_run_cleans_up(tmp_path:
     assert not [n for n in os.listdir(out) if n.startswith(".")]
 
 
+def _overwrite_rank(rank: int, world: int, out: str, ref: str) -> None:
+    import shardkit
+    from shardkit.sharding.split import save_sharded as save_local
+
+    model = _tiny_llama()
+    if rank == 0:
+        save_local(model, ref, max_shard_size=30_000)
+    model = _fsdp(model)
+    shardkit.save_sharded(model, out, max_shard_size=20_000, process_group=dist.group.WORLD)
+    shardkit.save_sharded(model, out, max_shard_size=30_000, overwrite=True, process_group=dist.group.WORLD)
+
+
+@pytest.mark.slow
+def test_collective_overwrite_reshards_in_place_like_a_single_process(tmp_path: Path) -> None:
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    run_ranks(tmp_path, _overwrite_rank, str(out), str(ref))
+    assert _folder_bytes(out) == _folder_bytes(ref)
+
+
 # ----------------------------------------------------------------------------- errors, one line each
 
 def _expect_error(rank: int, world: int, out: str, setup: str, report: str) -> None:
