@@ -74,8 +74,8 @@ def _unchanged_since_manifest(root: str) -> dict[str, str]:
                 st = os.stat(local)
             except OSError:
                 continue
-            if st.st_size == record.size_bytes and st.st_mtime_ns <= written_ns:
-                found[local] = record.sha256
+            if st.st_size == record.size_bytes and st.st_mtime_ns <= written_ns and record.sha256 is not None:
+                found[local] = record.sha256  # shards carry crc32s only: push hashes them itself
             else:
                 found.pop(local, None)
     return found

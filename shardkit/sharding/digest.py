@@ -1,20 +1,15 @@
-"""Hash what a job writes, on background threads, for the manifest (:mod:`shardkit.formats.manifest`).
+"""Digest what a job writes, on background threads, for the manifest (:mod:`shardkit.formats.manifest`).
 
-Each finished shard is read back from the page cache (the writer just put it there) while the
-next shard is copied: one worker computes the file's sha256, another the crc32 of its header
-region and of each tensor (two passes: sha256 alone is slower than the copy, so one thread
-would fall behind). hashlib and zlib release the GIL on large buffers. Measured CPU cost per
-GiB on this project's 2-core machine: read 0.23 s, sha256 0.77 s, crc32 0.40 s; the wall-time
-cost depends on idle cores (see the README's split benchmark).
-
-A tensor copied unchanged from a file that has a manifest brings that manifest's crc32 along
-(``carried``): the read-back crc32 must equal it, so damage in the source since it was written,
-or in the copy, fails the write instead of being recorded as the truth.
+Each finished shard's header region and tensors are crc32'd from the page cache (the writer just
+put them there) while the next shard is copied; other files get a sha256. hashlib and zlib
+release the GIL on large buffers. A tensor copied unchanged from a file whose manifest records its
+crc32 carries that crc32 (``carried``) and is not read back: a reshard of a shardkit checkpoint,
+cloned on a copy-on-write filesystem, reads its new headers only. Measured CPU per GiB on this
+project's 2-core machine: read 0.23 s, crc32 0.40 s (sha256 would be 0.77 s).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import threading
@@ -34,7 +29,7 @@ from ..formats.manifest import (
 )
 
 ENABLED = True  # benchmarks switch hashing off to measure its cost; nothing else should
-HASH_THREADS = 2  # one for each pass (sha256, crc32s) of a shard
+HASH_THREADS = 1  # crc32 keeps up with the disk on one core; a second would compete with the copy
 
 Carried = Mapping[str, str]  # tensor name → crc32 expected from the source's manifest
 
@@ -58,10 +53,10 @@ class FileHasher:
         self._done: dict[str, FileDigest] = {}
 
     def submit(self, name: str, path: str, *, safetensors: bool, carried: Carried | None = None) -> None:
-        """Queue ``path`` (published as ``name``); ``safetensors`` adds the header and per-tensor crc32."""
-        parts = ("sha256", "crc32") if safetensors and HASH_THREADS > 1 else ("all",)
+        """Queue ``path`` (published as ``name``): a shard gets crc32s of its header and tensors, any other file a sha256."""
+        part = "crc32" if safetensors else "all"
         self._pending[name] = [self._pool.submit(digest_file, path, safetensors=safetensors, carried=carried,
-                                                 cancelled=self._stop.is_set, part=part) for part in parts]
+                                                 cancelled=self._stop.is_set, part=part)]
 
     def add_bytes(self, name: str, data: bytes) -> None:
         """Record a small file written from memory (an index, the manifest's neighbours)."""
@@ -75,8 +70,7 @@ class FileHasher:
         """Every record, once all queued files are hashed; raises the first failure."""
         pending, self._pending = self._pending, {}
         for name, futures in pending.items():
-            records = [future.result() for future in futures]
-            self._done[name] = dataclasses.replace(records[-1], sha256=records[0].sha256)
+            self._done[name] = futures[0].result()
         return dict(self._done)
 
     def __enter__(self) -> "FileHasher":
@@ -112,19 +106,28 @@ def digest_file(path: str, *, safetensors: bool, carried: Carried | None = None,
     >>> digest_file("out/model.safetensors", safetensors=True).tensors["w"].crc32   # doctest: +SKIP
     '8a3f0c21'
     """
+    carried = carried or {}
     try:
         header = read_header(path) if safetensors and part != "sha256" else None
         ranges = _ranges(header) if header is not None else []
-        sha, crcs, size = read_digests(path, ranges, sha256=part != "crc32", cancelled=cancelled)
+        # Tensors whose crc32 the source's manifest records were copied (or cloned) from those very
+        # bytes: only the rest is read back. A copy-on-write reshard of a shardkit checkpoint thus
+        # reads its headers only.
+        unknown = [r for r in ranges if not r[0] or r[0] not in carried]
+        sha, crcs, _ = read_digests(path, unknown if part == "crc32" else ranges, sha256=part != "crc32",
+                                    cancelled=cancelled)
+        size = os.path.getsize(path)
     except OSError as e:
         raise ShardkitWriteError(f"hashing {path} for the manifest failed: {describe_os_error(e)}; "
                                  "nothing was published") from e
     if header is None:
         return FileDigest(size, sha)
+    got = dict(zip((r[0] for r in (unknown if part == "crc32" else ranges)), crcs))
     start = header.data_start
-    tensors = {name: TensorDigest(begin - start, end - start, crc) for (name, begin, end), crc in zip(ranges[1:], crcs[1:])}
-    _check_carried(path, tensors, carried or {})
-    return FileDigest(size, sha, start, crcs[0], tensors)
+    tensors = {name: TensorDigest(begin - start, end - start, got.get(name) or carried[name])
+               for name, begin, end in ranges[1:]}
+    _check_carried(path, {n: t for n, t in tensors.items() if n in got}, carried)
+    return FileDigest(size, sha or None, start, got[""], tensors)
 
 
 def _ranges(header: object) -> list[tuple[str, int, int]]:
