@@ -101,7 +101,7 @@ def _load_one(ckpt: LazyCheckpoint, stored: str, target: Any, report: RankLoad) 
 
     stored_dtype = to_torch(entry.dtype)
     buffer = dest if dest.dtype == stored_dtype and dest.is_contiguous() and dest.device.type == "cpu" \
-        else torch_empty(local, stored_dtype)
+        else _empty_tensor(local, stored_dtype)
     itemsize = stored_dtype.itemsize
     fd = os.open(entry.file or "", os.O_RDONLY)
     try:
@@ -115,7 +115,7 @@ def _load_one(ckpt: LazyCheckpoint, stored: str, target: Any, report: RankLoad) 
         dest.copy_(buffer)
 
 
-def torch_empty(shape: tuple[int, ...], dtype: Any) -> Any:
+def _empty_tensor(shape: tuple[int, ...], dtype: Any) -> Any:
     import torch
 
     return torch.empty(shape, dtype=dtype)
