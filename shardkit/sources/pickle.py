@@ -180,5 +180,9 @@ def open_pickle(path: str, *, key: str | None = None) -> MemorySource:
             for e in source._entries
         ]
     source.paths = (path,)
+    # A pickle on disk is a file source: planned in its key order like a safetensors file (the
+    # huggingface_hub rule is for state dicts in memory), so split, convert and sharded-pickle
+    # folders of the same weights give the same shards.
+    source.shard_rule = "sequential"
     source._fd(path)  # held: later reads see this file even if replaced
     return source
