@@ -291,3 +291,14 @@ def test_a_reshard_of_a_checkpoint_with_a_manifest_reads_back_only_headers(tmp_p
     original = read_manifest(out)
     crcs = lambda m: {n: t.crc32 for f in m.files.values() for n, t in f.tensors.items()}  # noqa: E731
     assert crcs(copied) == crcs(original)
+
+
+def test_no_manifest_writes_none_and_removes_a_stale_one(tmp_path: Path, out: Path, run_cli) -> None:
+    result = run_cli("split", out, tmp_path / "plain", "--no-manifest", "--max-shard-size", str(SHARD * 3) + "B")
+    assert result.exit_code == 0, result.stderr
+    assert not (tmp_path / "plain" / MANIFEST_NAME).exists()
+    assert "structure only" in run_cli("verify", tmp_path / "plain").stdout + run_cli("verify", tmp_path / "plain").stderr
+    # in place: the old manifest would describe files that are gone, so it goes too
+    shutil.copytree(out, tmp_path / "inplace")
+    shardkit.split(tmp_path / "inplace", tmp_path / "inplace", max_shard_size=SHARD * 3, overwrite=True, manifest=False)
+    assert not (tmp_path / "inplace" / MANIFEST_NAME).exists()

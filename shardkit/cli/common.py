@@ -241,6 +241,10 @@ _SHARD_OPTIONS = {
     "variant": click.option("--variant", help="Variant inserted before the extension, e.g. 'fp16'."),
     "overwrite": click.option("--overwrite", is_flag=True, help="Replace the checkpoint in an existing output folder."),
     "dry-run": click.option("--dry-run", is_flag=True, help="Print the plan and write nothing."),
+    "manifest": click.option("--manifest/--no-manifest", default=True, show_default=True,
+                             help="Write shardkit.manifest.json (crc32 of every tensor) so `verify` catches a changed "
+                                  "byte; --no-manifest skips reading back a source that has none (instant "
+                                  "copy-on-write reshards of foreign checkpoints)."),
     "json": click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary."),
     "quiet": click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary."),
 }

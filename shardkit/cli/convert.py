@@ -69,7 +69,7 @@ Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers
 @click.option("--component", metavar="NAME",
               help="With --to diffusers and a pipeline --config: the component to write (default: unet/transformer; "
                    "'all': the whole pipeline).")
-@shard_options("name", "variant", "overwrite", "dry-run", "json", "quiet")
+@shard_options("name", "variant", "overwrite", "manifest", "dry-run", "json", "quiet")
 def convert(source: str, output: str, key: str | None, strip_prefix: str | None, add_prefix: str | None,
             include: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...], to: str | None,
             config: str | None, component: str | None, as_json: bool, quiet: bool, **write: Any) -> None:

@@ -32,7 +32,7 @@ Tied tensors of in-memory sources are written once; aliases go into the shard me
 @click.argument("output", type=click.Path(path_type=str))
 @shard_options("max-shard-size", "dtype", "allow-lossy", "name", "variant")
 @click.option("--key", help="For pickles: the dict key holding the state dict (default: auto).")
-@shard_options("dry-run", "overwrite", "json", "quiet")
+@shard_options("dry-run", "overwrite", "manifest", "json", "quiet")
 @click.option("--push-to", "push_to", metavar="REPO_ID",
               help="After the split, push OUTPUT to this Hub repository (see `shardkit push`).")
 def split(source: str, output: str, key: str | None, as_json: bool, quiet: bool, push_to: str | None = None,

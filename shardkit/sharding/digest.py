@@ -197,7 +197,8 @@ class ManifestRecorder:
     ...     record.write(tx)
     """
 
-    def __init__(self, output: str, *, stale: list[str]) -> None:
+    def __init__(self, output: str, *, stale: list[str], enabled: bool = True) -> None:
+        self.enabled = enabled and ENABLED
         self.output = os.path.abspath(output)
         self.stale = set(stale)
         self._hasher = FileHasher()
@@ -206,27 +207,27 @@ class ManifestRecorder:
 
     def shard(self, name: str, path: str, writes: list[object]) -> None:
         """A finished shard ``name`` at ``path``, written from ``writes`` (TensorWrite records)."""
-        if ENABLED:
+        if self.enabled:
             self._hasher.submit(name, path, safetensors=True, carried=self._carried(writes))
 
     def file(self, name: str, path: str) -> None:
         """A finished side file (config.json...) ``name`` at ``path``."""
-        if ENABLED:
+        if self.enabled:
             self._hasher.submit(name, path, safetensors=False)
 
     def data(self, name: str, data: bytes) -> None:
         """A small file written from memory (an index)."""
-        if ENABLED:
+        if self.enabled:
             self._hasher.add_bytes(name, data)
 
     def add(self, name: str, record: FileDigest) -> None:
         """A file hashed elsewhere (by another rank of a collective write)."""
-        if ENABLED:
+        if self.enabled:
             self._hasher.add(name, record)
 
     def write(self, tx: object) -> None:
         """Wait for every digest, keep the old records of files left in place, write the manifest."""
-        if not ENABLED:
+        if not self.enabled:
             return
         records = self._hasher.results()
         records.update(self._kept(records))

@@ -186,7 +186,7 @@ def run_jobs(output: str, jobs: Sequence[ShardJob], *, options: WriteOptions,
     stale += stale_manifests(output, [job.folder for job in jobs])
     tick = ByteCounter(sum(job.plan.total_bytes for job in jobs), options.progress)
     with OutputTransaction(output, overwrite=options.overwrite, stale=stale) as tx, BackgroundSync() as sync, \
-            ManifestRecorder(output, stale=stale) as record:
+            ManifestRecorder(output, stale=stale, enabled=options.manifest) as record:
         for path, name in side_files:
             if not is_manifest_file(os.path.basename(name)):  # the source's manifest describes the source
                 copy_side_file(path, dst := tx.path_for(name), sync=sync)

@@ -36,6 +36,8 @@ class WriteOptions:
         overwrite: replace the checkpoint in an existing, non-empty output folder.
         dry_run: plan only; write nothing.
         metadata: extra safetensors header metadata for every shard.
+        manifest: write ``shardkit.manifest.json`` (crc32 of every tensor, for ``verify``); off
+            saves reading back the tensors of a source that has none.
         progress: called as ``progress(done_bytes, total_bytes)`` while bytes are written.
 
     Invalid values (a non-positive size, a lossy cast without ``allow_lossy``) are refused when
@@ -56,6 +58,7 @@ class WriteOptions:
     overwrite: bool = False
     dry_run: bool = False
     metadata: Mapping[str, str] | None = None
+    manifest: bool = True
     progress: ProgressCallback | None = None
 
     def __post_init__(self) -> None:

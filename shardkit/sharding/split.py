@@ -22,7 +22,8 @@ __all__ = ["SplitResult", "save_sharded", "split", "split_with"]
 def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
           dtype: str | None = None, name: str | None = None, variant: str | None = None,
           allow_lossy: bool = False, overwrite: bool = False, dry_run: bool = False, key: str | None = None,
-          metadata: dict[str, str] | None = None, progress: ProgressCallback | None = None) -> SplitResult:
+          metadata: dict[str, str] | None = None, manifest: bool = True,
+          progress: ProgressCallback | None = None) -> SplitResult:
     """Stream a checkpoint into size-bounded safetensors shards with an index.
 
     Args:
@@ -31,7 +32,7 @@ def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | 
         output: the output folder; with ``overwrite`` it may be the source's own folder.
         max_shard_size: largest shard in tensor bytes: ``"5GB"`` (10^9), ``"2GiB"`` (2^30), or an int.
         key: for pickles, the dict key holding the state dict (default: auto).
-        dtype, name, variant, allow_lossy, overwrite, dry_run, metadata, progress: see
+        dtype, name, variant, allow_lossy, overwrite, dry_run, metadata, manifest, progress: see
             :class:`~shardkit.sharding.options.WriteOptions`.
 
     Returns:
@@ -44,7 +45,7 @@ def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | 
     """
     options = WriteOptions.parse(max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy, name=name,
                                  variant=variant, overwrite=overwrite, dry_run=dry_run, metadata=metadata,
-                                 progress=progress)
+                                 manifest=manifest, progress=progress)
     return split_with(source, output, options=options, key=key)
 
 
