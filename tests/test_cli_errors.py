@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import json
 import os
 import subprocess
@@ -51,32 +52,30 @@ def test_read_only_filesystem_is_one_line_naming_it(run_cli, read_only_mount: Pa
     assert "Errno" not in line and "OSError" not in line
 
 
-def test_read_only_mount_point_as_output_says_not_writable(run_cli, tmp_path: Path) -> None:
-    src = _checkpoint(tmp_path / "src")
-    mnt = tmp_path / "empty-ro"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(mnt)], capture_output=True).returncode:
+@contextlib.contextmanager
+def _empty_tmpfs(path: Path, options: str) -> Iterator[Path]:
+    path.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True).returncode:
         pytest.skip("mounting a tmpfs needs root (this project's machines and CI run as root)")
     try:
-        result = run_cli("split", src, mnt)
-        line = assert_one_line_error(result, contains="not writable")
-        assert "another process" not in line
+        yield path
     finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_read_only_mount_point_as_output_says_not_writable(run_cli, tmp_path: Path) -> None:
+    src = _checkpoint(tmp_path / "src")
+    with _empty_tmpfs(tmp_path / "empty-ro", "size=1m,ro") as mnt:
+        line = assert_one_line_error(run_cli("split", src, mnt), contains="not writable")
+        assert "another process" not in line
 
 
 def test_writable_mount_point_as_output_is_written_into(run_cli, tmp_path: Path) -> None:
     src = _checkpoint(tmp_path / "src")
-    mnt = tmp_path / "empty-rw"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs needs root (this project's machines and CI run as root)")
-    try:
+    with _empty_tmpfs(tmp_path / "empty-rw", "size=4m") as mnt:
         result = run_cli("split", src, mnt, "--max-shard-size", "200B")
         assert result.exit_code == 0, result.stderr
         assert (mnt / "model.safetensors.index.json").is_file() and not leftovers(mnt)
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.mark.parametrize("command", ["info", "split", "merge", "verify"])

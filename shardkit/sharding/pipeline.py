@@ -148,8 +148,14 @@ def pipeline_side_files(folder: str, jobs: list[ShardJob]) -> list[str]:
 
 
 def _result(folder: str, output: str, jobs: list[ShardJob], options: WriteOptions, copied: list[str]) -> PipelineResult:
+    return pipeline_result(f"diffusers pipeline {folder}", output, jobs, options, copied)
+
+
+def pipeline_result(description: str, output: str, jobs: list[ShardJob], options: WriteOptions,
+                    copied: list[str]) -> PipelineResult:
+    """One :class:`PipelineResult` over the component jobs written into ``output``."""
     components = {job.folder: job.result(output, options) for job in jobs}
     shards = tuple(ShardSpec(job.path(s.filename), s.names, s.nbytes) for job in jobs for s in job.plan.shards)
     combined = ShardPlan(shards, None, sum(s.nbytes for s in shards), options.max_shard_bytes)
-    return PipelineResult(output, combined, f"diffusers pipeline {folder}", options.cast_to, options.dry_run,
+    return PipelineResult(output, combined, description, options.cast_to, options.dry_run,
                           components=components, copied=copied, cloned_bytes=sum(job.cloned_bytes for job in jobs))

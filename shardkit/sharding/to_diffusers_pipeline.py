@@ -31,8 +31,7 @@ from ..sources.memory import MemorySource
 from .job import ShardJob, plan_job, run_jobs
 from .native import transformers_state_dict
 from .options import WriteOptions, warn
-from .pipeline import PipelineResult, pipeline_side_files
-from .plan import ShardPlan, ShardSpec
+from .pipeline import PipelineResult, pipeline_result, pipeline_side_files
 from .to_diffusers import DiffusersTarget, convert_checkpoint, has_single_file_mapping, missing_config_error
 
 __all__ = ["convert_pipeline_to_diffusers"]
@@ -150,8 +149,4 @@ def _refuse_missing(state: Mapping[str, Any], component: Component, where: str) 
 
 
 def _result(path: str, output: str, jobs: list[ShardJob], options: WriteOptions, copied: list[str]) -> PipelineResult:
-    components = {job.folder: job.result(output, options) for job in jobs}
-    shards = tuple(ShardSpec(job.path(s.filename), s.names, s.nbytes) for job in jobs for s in job.plan.shards)
-    plan = ShardPlan(shards, None, sum(s.nbytes for s in shards), options.max_shard_bytes)
-    return PipelineResult(output, plan, f"{path} as a diffusers pipeline", options.cast_to, options.dry_run,
-                          components=components, copied=copied, cloned_bytes=sum(job.cloned_bytes for job in jobs))
+    return pipeline_result(f"{path} as a diffusers pipeline", output, jobs, options, copied)
