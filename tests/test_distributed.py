@@ -84,7 +84,7 @@ def _folder_bytes(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
 
 
-@pytest.mark.parametrize("kind", ["transformers", "diffusers"])
+@pytest.mark.parametrize("kind", ["transformers", pytest.param("diffusers", marks=pytest.mark.slow)])
 def test_collective_save_equals_single_process_save(tmp_path: Path, kind: str) -> None:
     build = _tiny_llama if kind == "transformers" else _tiny_unet
     out, ref = tmp_path / "out", tmp_path / "ref"
@@ -102,6 +102,38 @@ def test_collective_save_equals_single_process_save(tmp_path: Path, kind: str) -
     expected = build().state_dict()
     for name, t in loaded.state_dict().items():
         assert torch.equal(t, expected[name]), name
+
+
+def _uneven_rank(rank: int, world: int, out: str) -> None:
+    import shardkit
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    placed = {name: distribute_tensor(t, mesh, [placement]) for name, (t, placement) in _uneven_state(
+        Shard, Replicate).items()}
+    placed["plain"] = torch.arange(6, dtype=torch.int64)
+    shardkit.save_sharded(placed, out, max_shard_size=64, process_group=dist.group.WORLD)
+
+
+def _uneven_state(Shard: Any, Replicate: Any) -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {"rows": (torch.randn(5, 3, generator=g), Shard(0)), "cols": (torch.randn(3, 5, generator=g), Shard(1)),
+            "one": (torch.randn(1, generator=g), Shard(0)), "same": (torch.randn(4, generator=g), Replicate()),
+            "half": (torch.randn(7, generator=g).to(torch.bfloat16), Shard(0))}
+
+
+def test_collective_save_of_uneven_and_mixed_placements_equals_one_process(tmp_path: Path) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    import shardkit
+
+    full = {name: t for name, (t, _) in _uneven_state(Shard, Replicate).items()}
+    full["plain"] = torch.arange(6, dtype=torch.int64)
+    shardkit.save_sharded(full, tmp_path / "ref", max_shard_size=64)
+    run_ranks(tmp_path, _uneven_rank, str(tmp_path / "out"))
+    assert len(list((tmp_path / "ref").glob("*.safetensors"))) > 2
+    assert _folder_bytes(tmp_path / "out") == _folder_bytes(tmp_path / "ref")
 
 
 def _kill_rank(rank: int, world: int, out: str) -> None:

@@ -164,6 +164,9 @@ def _write_owned(run: CollectiveWrite, gather: Any) -> dict[str, FileDigest]:
     tick = ByteCounter(sum(s.nbytes for s in mine), run.options.progress)
     error: BaseException | None = None
     records: dict[str, FileDigest] = {}
+    if gather is not None:
+        gather.assign({n: owner for s, owner in zip(job.plan.shards, run.owners) for n in s.names},
+                      rank=run.rank, process_group=run.process_group)
     try:
         with digest.FileHasher() as hasher, BackgroundSync() as sync:
             for shard, owner in zip(job.plan.shards, run.owners):

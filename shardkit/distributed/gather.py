@@ -49,7 +49,14 @@ class Gatherer:
         self._sequence = sequence
         self._position = {name: i for i, name in enumerate(sequence)}
         self._next = 0
+        self._owner_of: dict[str, int] = {}
+        self._rank = 0
+        self._group: Any = None
         self.gathered_bytes = 0
+
+    def assign(self, owner_of: Mapping[str, int], *, rank: int, process_group: Any) -> None:
+        """Who writes each tensor: only that rank receives it (otherwise every rank gets every tensor)."""
+        self._owner_of, self._rank, self._group = dict(owner_of), rank, process_group
 
     def take(self, name: str) -> Any:
         """The full tensor ``name`` (which must be at or after the current position)."""
@@ -78,9 +85,46 @@ class Gatherer:
     def _gather(self, name: str) -> Any:
         self._next += 1
         t = self._tensors[name]
-        full = t.full_tensor() if is_dtensor(t) else t
-        self.gathered_bytes += full.numel() * full.element_size()
+        if not is_dtensor(t):
+            return t
+        owner = self._owner_of.get(name)
+        full = gather_to(t, owner, rank=self._rank, process_group=self._group) if owner is not None \
+            else t.full_tensor()
+        if full is not None:
+            self.gathered_bytes += full.numel() * full.element_size()
         return full
+
+
+def gather_to(t: Any, owner: int, *, rank: int, process_group: Any) -> Any:
+    """The full tensor of DTensor ``t`` on rank ``owner`` (of ``process_group``) only; None elsewhere.
+
+    A 1-D mesh placed ``Replicate`` needs no communication; ``Shard(d)`` is one ``dist.gather`` of
+    the local chunks (padded to torch's chunk size) to the owner. Other layouts all-gather
+    (``full_tensor``) on every rank.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placement = t.device_mesh, t.placements[0]
+    ranks = mesh.mesh.flatten().tolist()
+    owner_global = dist.get_global_rank(process_group, owner) if process_group is not None else owner
+    if mesh.ndim != 1 or ranks != sorted(ranks) or owner_global not in ranks or \
+            not isinstance(placement, (Shard, Replicate)):
+        return t.full_tensor()
+    if isinstance(placement, Replicate):
+        return t.to_local() if rank == owner else None
+    dim, size, parts = placement.dim, t.shape[placement.dim], len(ranks)
+    chunk = -(-size // parts)
+    local = t.to_local()
+    padded = torch.zeros((*local.shape[:dim], chunk, *local.shape[dim + 1:]), dtype=local.dtype)
+    padded.narrow(dim, 0, local.shape[dim]).copy_(local)
+    pieces = [torch.empty_like(padded) for _ in ranks] if rank == owner else None
+    dist.gather(padded, pieces, dst=owner_global, group=mesh.get_group())
+    if pieces is None:
+        return None
+    sizes = [max(0, min(chunk, size - i * chunk)) for i in range(parts)]
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(pieces, sizes)], dim=dim)
 
 
 class GatheredSource(Source):
