@@ -266,7 +266,8 @@ PEAK_SCRIPT = textwrap.dedent("""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset the peak (VmHWM) so that import-time spikes do not count
     base = status("VmRSS")
-    model = shardkit.load_model(factory, sys.argv[1], device_map="cpu", dtype=dtype)
+    # read="mmap": auto would pick pread (a full read) if memory pressure evicted the new shards
+    model = shardkit.load_model(factory, sys.argv[1], device_map="cpu", dtype=dtype, read="mmap")
     loaded = status("VmHWM")
     for p in model.parameters():  # touch every weight: mapped pages become resident
         p.sum()

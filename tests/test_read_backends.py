@@ -132,7 +132,7 @@ def test_auto_reads_an_evicted_file_with_pread_and_a_warm_one_with_mmap(tmp_path
     with shardkit.open(path) as ckpt:
         ckpt["w"]
         (report,) = ckpt.read_report()
-    assert report["backend"] == "pread" and report["reason"].startswith("cold"), report
+    assert report["backend"] == "pread" and "cold" in report["reason"], report
     path.read_bytes()  # warm: every page cached
     assert choose_backend(str(path), "auto").backend == "mmap"
     with shardkit.open(path) as ckpt:
@@ -168,11 +168,12 @@ def test_auto_reads_a_fuse_mounted_file_with_pread(bindfs_mount) -> None:
     src, mnt = bindfs_mount
     tensors = make_state_dict(shapes=ODD_SHAPES)
     safetensors.torch.save_file(tensors, src / "w.safetensors")
-    (mnt / "w.safetensors").read_bytes()  # warm, yet a FUSE file: still pread
+    (mnt / "w.safetensors").read_bytes()  # bindfs drops a file's cache at each open: cold again
     assert remote_filesystem(str(mnt)) == "fuse"
     with shardkit.open(mnt / "w.safetensors") as ckpt:
         assert all(tensor_bytes(ckpt[n]) == tensor_bytes(t) for n, t in tensors.items())
         (report,) = ckpt.read_report()
+        assert ckpt.reader_of("layers.F32.3").chunk_bytes == readers.REMOTE_CHUNK_BYTES  # more reads in flight
     assert report["backend"] == "pread" and "fuse" in report["reason"], report
 
 

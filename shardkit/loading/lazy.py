@@ -294,7 +294,7 @@ class LazyCheckpoint(Mapping):
             if choice.backend == "mmap":
                 shard.mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
             else:
-                shard.reader = open_reader(shard.path, choice.backend, fd=fd)
+                shard.reader = open_reader(shard.path, choice.backend, fd=fd, remote=choice.remote is not None)
         except (OSError, ValueError) as e:
             os.close(fd)
             raise HeaderError(f"{shard.path}: cannot open the file for reading ({e})") from e

@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardkit")
 
-CHUNK_BYTES = 32 << 20        # one pread call; big enough to amortize a FUSE/NFS round trip
+CHUNK_BYTES = 32 << 20        # one pread call on a local disk: long sequential reads
+REMOTE_CHUNK_BYTES = 8 << 20  # network/FUSE: smaller calls, more of them in flight at once
+REMOTE_THREADS = 8
 BOUNCE_BYTES = 16 << 20       # one O_DIRECT bounce buffer per thread
 _MAX_CALL_BYTES = 1 << 30     # Linux returns at most ~2 GiB per read call
 _ALIGN = 4096
@@ -57,7 +59,7 @@ def job_for(tensor: "torch.Tensor", *, offset: int, nbytes: int, where: str) -> 
     return ReadJob(tensor.data_ptr(), offset, nbytes, where)
 
 
-def split_jobs(jobs: list[ReadJob], *, chunk_bytes: int = CHUNK_BYTES) -> Iterator[ReadJob]:
+def split_jobs(jobs: list[ReadJob], *, chunk_bytes: int) -> Iterator[ReadJob]:
     """Each job cut into chunks of at most ``chunk_bytes`` (so one big tensor uses every thread)."""
     for job in jobs:
         for start in range(0, job.nbytes, chunk_bytes):
@@ -81,15 +83,17 @@ class Reader:
 
     backend = "pread"
 
-    def __init__(self, path: str, *, threads: int | None = None, fd: int | None = None) -> None:
+    def __init__(self, path: str, *, threads: int | None = None, fd: int | None = None,
+                 chunk_bytes: int | None = None) -> None:
         self.path = path
+        self.chunk_bytes = chunk_bytes or CHUNK_BYTES
         self._owns_fd = fd is None  # a caller's descriptor stays the caller's to close
         self._fd = os.open(path, os.O_RDONLY) if fd is None else fd
         self._threads = threads or reader_threads()
 
     def read_all(self, jobs: list[ReadJob]) -> None:
         """Run every job (chunked, in parallel); the first failure is raised after all stop."""
-        chunks = list(split_jobs(jobs))
+        chunks = list(split_jobs(jobs, chunk_bytes=self.chunk_bytes))
         if len(chunks) <= 1:
             for chunk in chunks:
                 self.read_one(chunk)
@@ -124,8 +128,8 @@ class DirectReader(Reader):
     backend = "direct"
 
     def __init__(self, path: str, *, threads: int | None = None, fd: int | None = None,
-                 bounce_bytes: int = BOUNCE_BYTES) -> None:
-        super().__init__(path, threads=threads, fd=fd)
+                 chunk_bytes: int | None = None, bounce_bytes: int = BOUNCE_BYTES) -> None:
+        super().__init__(path, threads=threads, fd=fd, chunk_bytes=chunk_bytes)
         self._direct_fd = -1
         self._bounce_bytes = bounce_bytes
         self._local = threading.local()
@@ -180,21 +184,25 @@ class DirectReader(Reader):
             self._buffers.clear()
 
 
-def open_reader(path: str, backend: str, *, threads: int | None = None, fd: int | None = None) -> Reader:
+def open_reader(path: str, backend: str, *, threads: int | None = None, fd: int | None = None,
+                remote: bool = False) -> Reader:
     """A reader for ``path``: ``"pread"``, or ``"direct"`` where the filesystem takes O_DIRECT.
 
     Where O_DIRECT is refused (tmpfs, some FUSE mounts) it logs one warning line and reads
-    with ``pread`` instead.
+    with ``pread`` instead. ``remote`` (a network/FUSE filesystem) uses more threads and smaller
+    reads: there throughput comes from requests in flight, not from long sequential runs.
 
     >>> open_reader("model.safetensors", "direct").backend       # doctest: +SKIP
     'direct'
     """
+    chunk = REMOTE_CHUNK_BYTES if remote else CHUNK_BYTES
+    threads = threads or (REMOTE_THREADS if remote else None)
     if backend == "direct":
         try:
-            return DirectReader(path, threads=threads, fd=fd)
+            return DirectReader(path, threads=threads, fd=fd, chunk_bytes=chunk)
         except OSError as e:
             log.warning("%s: O_DIRECT is not supported here (%s); reading with pread instead", path, e.strerror or e)
-    return Reader(path, threads=threads, fd=fd)
+    return Reader(path, threads=threads, fd=fd, chunk_bytes=chunk)
 
 
 def read_entries(reader: Reader, entries: list[Any], dtypes: dict[str, "torch.dtype"]) -> dict[str, "torch.Tensor"]:

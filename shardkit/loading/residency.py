@@ -6,7 +6,7 @@ fault is a small synchronous round trip. Large parallel ``pread`` calls keep tho
 ``choose_backend`` picks between them for ``read="auto"``.
 
 >>> choose_backend("model.safetensors", "auto")                # doctest: +SKIP
-BackendChoice(backend='pread', reason='cold: 0% of sampled pages cached')
+BackendChoice(backend='pread', reason='fuse filesystem, cold: 0% of sampled pages cached', remote='fuse')
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class BackendChoice:
 
     backend: str
     reason: str
+    remote: str | None = None  # the network/FUSE filesystem's name: readers keep more requests in flight
 
 
 def _libc() -> ctypes.CDLL:
@@ -125,8 +126,10 @@ def check_backend(read: str) -> str:
 def choose_backend(path: str, read: str, *, fd: int | None = None) -> BackendChoice:
     """The backend for ``path``: ``read`` itself unless it is ``"auto"``.
 
-    ``auto`` picks ``pread`` on network and FUSE filesystems (statfs magic) and for cold files
-    (under 90% of sampled pages cached), ``mmap`` for warm files on local disks.
+    ``auto`` picks ``mmap`` for warm files (at least 90% of sampled pages cached, checked with
+    ``mincore`` after opening: FUSE mounts without ``kernel_cache`` drop a file's cache at each
+    open, so they read as cold) and ``pread`` for cold ones, which on network and FUSE
+    filesystems (statfs magic) means every page fault is a round trip.
 
     Args:
         path: the file.
@@ -143,11 +146,10 @@ def choose_backend(path: str, read: str, *, fd: int | None = None) -> BackendCho
     if read != "auto":
         return BackendChoice(read, f"read={read}")
     remote = remote_filesystem(path)
-    if remote is not None:
-        return BackendChoice("pread", f"{remote} filesystem (page faults are round trips)")
+    where = f"{remote} filesystem" if remote else "local file"
     fraction = cached_fraction(path, fd=fd)
     if fraction is None:
-        return BackendChoice("pread", "page-cache residency unknown")
+        return BackendChoice("pread", f"{where}, page-cache residency unknown", remote)
     if fraction < WARM_FRACTION:
-        return BackendChoice("pread", f"cold: {fraction:.0%} of sampled pages cached")
-    return BackendChoice("mmap", f"warm local file: {fraction:.0%} of sampled pages cached")
+        return BackendChoice("pread", f"{where}, cold: {fraction:.0%} of sampled pages cached", remote)
+    return BackendChoice("mmap", f"{where}, warm: {fraction:.0%} of sampled pages cached", remote)
