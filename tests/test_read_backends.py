@@ -299,3 +299,21 @@ def test_load_model_to_cuda_goes_through_the_pipeline(tmp_path, read) -> None:
     got, want = model.state_dict(), eager.state_dict()
     assert all(got[n].device.type == "cuda" and tensor_bytes(got[n]) == tensor_bytes(want[n]) for n in want)
     assert model.shardkit_load_report["pipelined_bytes"] > 0
+
+
+def test_load_pipeline_pread_loads_components_with_shardkit_and_equals_mmap(tmp_path) -> None:
+    from helpers_offload import staged_script
+
+    folder = tmp_path / "pipe"
+    staged_script().build_tiny_flux_pipeline().save_pretrained(folder)
+    mapped = shardkit.load_pipeline(folder, device_map="cpu", read="mmap")
+    pread = shardkit.load_pipeline(folder, device_map="cpu", read="pread")
+    assert mapped.shardkit_load_report == {}
+    report = pread.shardkit_load_report
+    assert report["transformer"]["loaded_by"] == "shardkit", report
+    assert {f["backend"] for f in report["transformer"]["files"]} == {"pread"}
+    for name, component in mapped.components.items():
+        if isinstance(component, torch.nn.Module):
+            a, b = component.state_dict(), getattr(pread, name).state_dict()
+            assert sorted(a) == sorted(b), name
+            assert all(tensor_bytes(a[k]) == tensor_bytes(b[k]) for k in a), name
