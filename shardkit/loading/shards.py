@@ -53,19 +53,20 @@ def check_shard_names(shard: Shard, header: Header) -> None:
 
 
 def check_unchanged(shard: Shard) -> None:
-    """Refuse a shard whose file was truncated, rewritten or replaced since it was opened.
+    """Refuse a shard whose open file was truncated or rewritten in place since it was opened.
 
     A truncated memory map would crash the process with SIGBUS on the next touch; a rewritten
-    file would mix old and new bytes.
+    file would mix old and new bytes. ``fstat`` on the open descriptor: a file replaced by a
+    rename leaves the opened one intact, so reads through it stay consistent.
     """
     if shard.fd is None or shard.identity is None:
         return
     try:
-        st = os.stat(shard.path)
+        st = os.fstat(shard.fd)
     except OSError as e:
         raise InvalidInputError(f"{shard.path}: changed on disk while open ({e.strerror}); reopen it") from e
     if (st.st_ino, st.st_size, st.st_mtime_ns) != shard.identity:
-        raise InvalidInputError(f"{shard.path}: changed on disk while open (size, time or inode differ); "
+        raise InvalidInputError(f"{shard.path}: changed on disk while open (size or modification time differ); "
                                 "reopen the checkpoint to read the new file")
 
 
