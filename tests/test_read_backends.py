@@ -301,6 +301,7 @@ def test_load_model_to_cuda_goes_through_the_pipeline(tmp_path, read) -> None:
     assert model.shardkit_load_report["pipelined_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_load_pipeline_pread_loads_components_with_shardkit_and_equals_mmap(tmp_path) -> None:
     from helpers_offload import staged_script
 
