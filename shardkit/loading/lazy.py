@@ -228,7 +228,7 @@ class LazyCheckpoint(Mapping):
                 continue
             cast = dtype if dtype is not None and self.dtype_of(name).is_floating_point else None
             out[name] = self.get_tensor(name, device=device, dtype=cast, copy=copy)
-        return out
+        return {name: out[name] for name in self}  # checkpoint order, whichever way each was read
 
     def read_many(self, names: list[str]) -> dict[str, "torch.Tensor"]:
         """Host tensors, stored dtype: ``pread``/``direct`` shards in one batch of long parallel reads
