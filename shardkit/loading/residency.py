@@ -28,7 +28,11 @@ REMOTE_MAGICS = {
     0x00C36400: "ceph", 0x013111A8: "ibrix", 0x19830326: "fhgfs/beegfs", 0xAAD7AAEA: "panfs",
     0x7461636F: "ocfs2", 0x564C: "ncp", 0x73757245: "coda",
 }
-WARM_FRACTION = 0.9        # at least this share of sampled pages cached: the file counts as warm
+# At least this share of sampled pages cached: mmap. A local disk serves the few missing pages'
+# faults cheaply (and a busy page cache rarely holds all of a big file); on network/FUSE every
+# fault is a round trip, so nearly all must be cached.
+WARM_FRACTION_LOCAL = 0.5
+WARM_FRACTION_REMOTE = 0.9
 _SAMPLE_PAGES = 4096       # pages probed per file, spread evenly (mincore is cheap, but 1 byte/page)
 _STATFS_BYTES = 256        # struct statfs is 120 bytes on 64-bit Linux; f_type is its first word
 
@@ -126,7 +130,8 @@ def check_backend(read: str) -> str:
 def choose_backend(path: str, read: str, *, fd: int | None = None) -> BackendChoice:
     """The backend for ``path``: ``read`` itself unless it is ``"auto"``.
 
-    ``auto`` picks ``mmap`` for warm files (at least 90% of sampled pages cached, checked with
+    ``auto`` picks ``mmap`` for warm files (at least 50% of sampled pages cached on a local disk,
+    90% on network/FUSE filesystems, checked with
     ``mincore`` after opening: FUSE mounts without ``kernel_cache`` drop a file's cache at each
     open, so they read as cold) and ``pread`` for cold ones, which on network and FUSE
     filesystems (statfs magic) means every page fault is a round trip.
@@ -150,6 +155,6 @@ def choose_backend(path: str, read: str, *, fd: int | None = None) -> BackendCho
     fraction = cached_fraction(path, fd=fd)
     if fraction is None:
         return BackendChoice("pread", f"{where}, page-cache residency unknown", remote)
-    if fraction < WARM_FRACTION:
+    if fraction < (WARM_FRACTION_REMOTE if remote else WARM_FRACTION_LOCAL):
         return BackendChoice("pread", f"{where}, cold: {fraction:.0%} of sampled pages cached", remote)
     return BackendChoice("mmap", f"{where}, warm: {fraction:.0%} of sampled pages cached", remote)
