@@ -147,15 +147,9 @@ def loop_mount(fs: str, image: str, size_bytes: int) -> Iterator[str]:
 def evict(path: str) -> float:
     """Drop ``path``'s pages from the page cache (fsync + POSIX_FADV_DONTNEED); the share still cached."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from shardkit.loading.residency import cached_fraction
+    from shardkit.loading.residency import evict as evict_file
 
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return cached_fraction(path) or 0.0
+    return evict_file(path) or 0.0
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from shardkit.errors import HeaderError, InvalidInputError
 from shardkit.loading import readers
 from shardkit.loading.bulk import Want, read_batch
 from shardkit.loading.pipeline_copy import BufferRing, CopyJob, HostCopyStage, byte_view, run_pipeline
-from shardkit.loading.residency import cached_fraction, choose_backend, remote_filesystem
+from shardkit.loading.residency import cached_fraction, choose_backend, evict, remote_filesystem
 
 BACKENDS = ["mmap", "pread", "direct"]
 ODD_SHAPES = [(), (0,), (7,), (5, 3)]  # scalars, empty tensors, odd byte counts: later offsets go odd
@@ -113,13 +113,7 @@ def test_unknown_read_backend_is_refused(tmp_path) -> None:
 
 
 def _evict(path) -> float | None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return cached_fraction(str(path))
+    return evict(str(path))
 
 
 def test_auto_reads_an_evicted_file_with_pread_and_a_warm_one_with_mmap(tmp_path) -> None:

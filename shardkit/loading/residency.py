@@ -105,6 +105,26 @@ def cached_fraction(path: str, *, sample_pages: int = _SAMPLE_PAGES, fd: int | N
             os.close(fd)
 
 
+def evict(path: str) -> float | None:
+    """Drop ``path``'s pages from the page cache (fsync, then ``POSIX_FADV_DONTNEED``) for a cold read.
+
+    Benchmarks and tests use it to measure and exercise the cold path.
+
+    Returns:
+        The share of sampled pages still cached afterwards (None where ``mincore`` cannot tell).
+
+    >>> evict("model.safetensors")   # doctest: +SKIP
+    0.0
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return cached_fraction(path)
+
+
 def _probe(address: int, size: int, page: int, sample_pages: int) -> float | None:
     pages = (size + page - 1) // page
     step = max(1, pages // sample_pages)
