@@ -18,7 +18,7 @@ from shardkit.errors import HeaderError, InvalidInputError
 from shardkit.loading import readers
 from shardkit.loading.bulk import Want, read_batch
 from shardkit.loading.pipeline_copy import BufferRing, CopyJob, HostCopyStage, byte_view, run_pipeline
-from shardkit.loading.residency import cached_fraction, choose_backend, evict, remote_filesystem
+from shardkit.loading.residency import choose_backend, evict, remote_filesystem
 
 BACKENDS = ["mmap", "pread", "direct"]
 ODD_SHAPES = [(), (0,), (7,), (5, 3)]  # scalars, empty tensors, odd byte counts: later offsets go odd
