@@ -29,13 +29,7 @@ from ..formats.manifest import (
 )
 
 ENABLED = True  # benchmarks switch hashing off to measure its cost; nothing else should
-HASH_THREADS = 1  # crc32 keeps up with the disk on one core; a second would compete with the copy
-
-Carried = Mapping[str, str]  # tensor name → crc32 expected from the source's manifest
-
-
-class SourceDigestMismatch(ShardkitWriteError):
-    """A tensor's bytes differ from the crc32 its source's manifest records."""
+Carried = Mapping[str, str]  # tensor name → crc32 recorded in the source's manifest
 
 
 class FileHasher:
@@ -47,16 +41,16 @@ class FileHasher:
     """
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="shardkit-hash")
+        # One worker: crc32 keeps up with the disk on one core; a second would compete with the copy.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-hash")
         self._stop = threading.Event()  # set when the write fails: Ctrl-C does not wait for a 5 GB hash
-        self._pending: dict[str, list[Future[FileDigest]]] = {}
+        self._pending: dict[str, Future[FileDigest]] = {}
         self._done: dict[str, FileDigest] = {}
 
     def submit(self, name: str, path: str, *, safetensors: bool, carried: Carried | None = None) -> None:
         """Queue ``path`` (published as ``name``): a shard gets crc32s of its header and tensors, any other file a sha256."""
-        part = "crc32" if safetensors else "all"
-        self._pending[name] = [self._pool.submit(digest_file, path, safetensors=safetensors, carried=carried,
-                                                 cancelled=self._stop.is_set, part=part)]
+        self._pending[name] = self._pool.submit(digest_file, path, safetensors=safetensors, carried=carried,
+                                                cancelled=self._stop.is_set)
 
     def add_bytes(self, name: str, data: bytes) -> None:
         """Record a small file written from memory (an index, the manifest's neighbours)."""
@@ -69,8 +63,8 @@ class FileHasher:
     def results(self) -> dict[str, FileDigest]:
         """Every record, once all queued files are hashed; raises the first failure."""
         pending, self._pending = self._pending, {}
-        for name, futures in pending.items():
-            self._done[name] = futures[0].result()
+        for name, future in pending.items():
+            self._done[name] = future.result()
         return dict(self._done)
 
     def __enter__(self) -> "FileHasher":
@@ -78,29 +72,27 @@ class FileHasher:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        for futures in self._pending.values():
-            for future in futures:
-                future.cancel()
+        for future in self._pending.values():
+            future.cancel()
         self._pool.shutdown(wait=True)
 
 
 def digest_file(path: str, *, safetensors: bool, carried: Carried | None = None,
-                cancelled: Callable[[], bool] | None = None, part: str = "all") -> FileDigest:
-    """sha256 of ``path`` and, for a safetensors file, crc32 of its header region and each tensor.
+                cancelled: Callable[[], bool] | None = None) -> FileDigest:
+    """A safetensors file's crc32s (header region and each tensor), or any other file's sha256.
 
     Args:
         path: the file to read.
-        safetensors: whether to parse its header and digest each tensor.
-        carried: crc32s each tensor must have (from its source's manifest).
+        safetensors: whether it is a shard (crc32s) or another file (sha256).
+        carried: crc32s recorded for its tensors by the source's manifest: those tensors were
+            copied (or cloned) from exactly those bytes and are not read back, so a copy-on-write
+            reshard of a shardkit checkpoint reads its headers only.
         cancelled: polled between chunks (see :func:`~shardkit.formats.manifest.read_digests`).
-        part: ``"all"``; or ``"sha256"`` / ``"crc32"`` for one of two passes run in parallel
-            (the record then holds only that part).
 
     Returns:
         The :class:`~shardkit.formats.manifest.FileDigest`.
 
     Raises:
-        SourceDigestMismatch: a tensor's crc32 differs from ``carried``.
         ShardkitWriteError: the file cannot be read.
 
     >>> digest_file("out/model.safetensors", safetensors=True).tensors["w"].crc32   # doctest: +SKIP
@@ -108,43 +100,27 @@ def digest_file(path: str, *, safetensors: bool, carried: Carried | None = None,
     """
     carried = carried or {}
     try:
-        header = read_header(path) if safetensors and part != "sha256" else None
-        ranges = _ranges(header) if header is not None else []
-        # Tensors whose crc32 the source's manifest records were copied (or cloned) from those very
-        # bytes: only the rest is read back. A copy-on-write reshard of a shardkit checkpoint thus
-        # reads its headers only.
-        unknown = [r for r in ranges if not r[0] or r[0] not in carried]
-        sha, crcs, _ = read_digests(path, unknown if part == "crc32" else ranges, sha256=part != "crc32",
-                                    cancelled=cancelled)
         size = os.path.getsize(path)
+        if not safetensors:
+            sha, _, _ = read_digests(path, [], cancelled=cancelled)
+            return FileDigest(size, sha)
+        header = read_header(path)
+        ranges = _ranges(header)
+        unknown = [r for r in ranges if not r[0] or r[0] not in carried]
+        _, crcs, _ = read_digests(path, unknown, sha256=False, cancelled=cancelled)
     except OSError as e:
         raise ShardkitWriteError(f"hashing {path} for the manifest failed: {describe_os_error(e)}; "
                                  "nothing was published") from e
-    if header is None:
-        return FileDigest(size, sha)
-    got = dict(zip((r[0] for r in (unknown if part == "crc32" else ranges)), crcs))
+    got = {**carried, **dict(zip((name for name, _, _ in unknown), crcs))}
     start = header.data_start
-    tensors = {name: TensorDigest(begin - start, end - start, got.get(name) or carried[name])
-               for name, begin, end in ranges[1:]}
-    _check_carried(path, {n: t for n, t in tensors.items() if n in got}, carried)
-    return FileDigest(size, sha or None, start, got[""], tensors)
+    tensors = {name: TensorDigest(begin - start, end - start, got[name]) for name, begin, end in ranges[1:]}
+    return FileDigest(size, None, start, got[""], tensors)
 
 
 def _ranges(header: object) -> list[tuple[str, int, int]]:
     """``("", 0, data_start)`` for the header region, then each tensor's absolute byte range."""
     entries = header.entries  # type: ignore[attr-defined]
     return [("", 0, header.data_start)] + [(e.name, e.offset, e.offset + e.nbytes) for e in entries]  # type: ignore[attr-defined]
-
-
-def _check_carried(path: str, tensors: Mapping[str, TensorDigest], carried: Carried) -> None:
-    for name, expected in carried.items():
-        got = tensors.get(name)
-        if got is not None and got.crc32 != expected:
-            raise SourceDigestMismatch(
-                f"tensor {name!r} written to {os.path.basename(path)} has crc32 {got.crc32}, but its source's "
-                f"{MANIFEST_NAME} records {expected}: the source changed since it was written (bit rot?) "
-                "or the copy failed; run `shardkit verify` on the source; nothing was published"
-            )
 
 
 def source_digests(paths: list[str]) -> dict[tuple[str, int, int], str]:
