@@ -302,3 +302,21 @@ def test_no_manifest_writes_none_and_removes_a_stale_one(tmp_path: Path, out: Pa
     shutil.copytree(out, tmp_path / "inplace")
     shardkit.split(tmp_path / "inplace", tmp_path / "inplace", max_shard_size=SHARD * 3, overwrite=True, manifest=False)
     assert not (tmp_path / "inplace" / MANIFEST_NAME).exists()
+
+
+def test_verify_checks_shards_against_their_crc32s_in_its_one_read(out: Path, monkeypatch, run_cli) -> None:
+    """The scan that computes each file's sha256 also computes the manifest ranges' crc32s: a clean
+    folder is never read a second time, and a damaged one still names its tensor."""
+    from shardkit.checking import integrity
+
+    def second_read(*args, **kwargs):
+        raise AssertionError("verify read a shard twice")
+
+    monkeypatch.setattr(integrity, "read_digests", second_read)
+    assert verify(out).ok
+    shard = shards(out)[0]
+    header, _ = read_raw_header(shard)
+    tensor = next(n for n in header if n != "__metadata__")
+    flip_byte(shard, tensor_offset(shard, tensor))
+    report = verify(out)
+    assert not report.ok and any(f.tensor == tensor for f in report.findings)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..formats.header import TensorEntry
+from ..formats.manifest import crc_chunk
 from ..sources.base import Source
 from ..units import DTYPE_BITS
 
@@ -33,6 +34,7 @@ class ScanResult:
     mismatches: list[tuple[str, str]] = field(default_factory=list)  # (tensor, message)
     error: str | None = None
     tensors_compared: int = 0
+    crc32s: list[str] | None = None  # of the ``crc_ranges`` asked for, in their order
 
 
 class TensorComparator:
@@ -88,10 +90,11 @@ def _first_difference(out: TensorEntry, begin: int, got: bytes, want: bytes, *, 
 
 
 def scan_file(path: str, entries: list[TensorEntry], *, comparator: TensorComparator | None = None,
-              tick: TickFn | None = None) -> ScanResult:
+              crc_ranges: list[tuple[str, int, int]] | None = None, tick: TickFn | None = None) -> ScanResult:
     """Read ``path`` start to end; hash it and compare the ``entries`` that ``comparator`` knows.
 
     ``entries`` carry absolute offsets (as :func:`shardkit.formats.header.parse_header` gives them).
+    ``crc_ranges`` (sorted absolute ranges, e.g. a manifest's) get their crc32s in the same read.
     A read error is reported in ``error`` rather than raised: the caller turns it into a finding.
     """
     tick = tick or (lambda n: None)
@@ -103,6 +106,7 @@ def scan_file(path: str, entries: list[TensorEntry], *, comparator: TensorCompar
     view = memoryview(buffer)
     failed: set[str] = set()
     compared: set[str] = set()
+    crcs, crc_at = [0] * len(crc_ranges or []), 0
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
@@ -118,6 +122,8 @@ def scan_file(path: str, entries: list[TensorEntry], *, comparator: TensorCompar
                 break
             data = view[:n]
             digest.update(data)
+            if crc_ranges:
+                crc_at = crc_chunk(crc_ranges, crcs, crc_at, pos, data)
             if comparator is not None:
                 cursor = _compare_chunk(comparator, ordered, cursor, pos, data, failed, compared, result)
             pos += n
@@ -130,6 +136,8 @@ def scan_file(path: str, entries: list[TensorEntry], *, comparator: TensorCompar
     finally:
         os.close(fd)  # the buffer is freed with its last view, when this frame ends
     result.sha256 = digest.hexdigest()
+    if crc_ranges is not None and result.error is None:
+        result.crc32s = [f"{c:08x}" for c in crcs]
     result.tensors_compared = len(compared - failed)
     return result
 

@@ -94,11 +94,13 @@ def _entries(manifest: Manifest, prefix: str, folder: str, shown: str, label: st
     return out
 
 
-def compare_with_manifest(expected: Expected, *, size_bytes: int | None, sha256: str | None) -> list[ManifestFinding]:
+def compare_with_manifest(expected: Expected, *, size_bytes: int | None, sha256: str | None,
+                          crc32s: list[str] | None = None) -> list[ManifestFinding]:
     """Findings for one listed file, given what the scan read (``size_bytes`` None: not on disk).
 
-    A file whose sha256 differs is read again to name the tensor (or the header region) that
-    changed; only damaged files pay for that second read.
+    A shard is checked with the crc32s of :func:`manifest_ranges` (``crc32s``, computed by the
+    scan's single read); another file by its sha256. A file whose sha256 differs is read again to
+    name the tensor (or the header region) that changed.
     """
     record = expected.record
     if size_bytes is None:
@@ -106,7 +108,7 @@ def compare_with_manifest(expected: Expected, *, size_bytes: int | None, sha256:
                                 f"({record.size_bytes} bytes) but it is not on disk; restore it from the checkpoint's origin")]
     if size_bytes == record.size_bytes and record.sha256 is not None and sha256 == record.sha256:
         return []
-    located = _locate(expected) if record.data_start is not None and size_bytes == record.size_bytes else []
+    located = _locate(expected, crc32s) if record.data_start is not None and size_bytes == record.size_bytes else []
     if located or (record.sha256 is None and size_bytes == record.size_bytes):
         return located  # a shard is recorded by crc32s only: every range matched, so every byte did
     what = (f"is {size_bytes} bytes but {expected.manifest} records {record.size_bytes}"
@@ -115,17 +117,26 @@ def compare_with_manifest(expected: Expected, *, size_bytes: int | None, sha256:
                             "checkpoint's origin (or re-run the split that made it)")]
 
 
-def _locate(expected: Expected) -> list[ManifestFinding]:
-    """Which ranges (header region, tensors) differ from their crc32 in the manifest."""
-    record = expected.record
+def manifest_ranges(record: FileDigest) -> list[tuple[str, int, int]]:
+    """A shard record's ranges in file order: ``("", 0, data_start)`` for the header region, then each tensor."""
     start = record.data_start or 0
-    ranges = [("", 0, start)] + sorted(((name, start + t.begin, start + t.end) for name, t in record.tensors.items()),
-                                       key=lambda r: r[1])
+    return [("", 0, start)] + sorted(((name, start + t.begin, start + t.end) for name, t in record.tensors.items()),
+                                     key=lambda r: r[1])
+
+
+def _locate(expected: Expected, crcs: list[str] | None) -> list[ManifestFinding]:
+    """Which ranges (header region, tensors) differ from their crc32 in the manifest.
+
+    ``crcs`` are the ranges' crc32s if the scan computed them while reading the file; else it is read again.
+    """
+    record = expected.record
+    ranges = manifest_ranges(record)
     wanted = [record.header_crc32 or ""] + [record.tensors[name].crc32 for name, _, _ in ranges[1:]]
-    try:
-        _, crcs, _ = read_digests(expected.path, ranges)
-    except OSError:
-        return []  # the scan already reported the read failure
+    if crcs is None:
+        try:
+            _, crcs, _ = read_digests(expected.path, ranges)
+        except OSError:
+            return []  # the scan already reported the read failure
     found = []
     for (name, begin, end), got, want in zip(ranges, crcs, wanted):
         if got == want:

@@ -18,7 +18,7 @@ from ..formats.header import TensorEntry
 from ..formats.manifest import MANIFEST_NAME, ManifestError
 from ..units import FLOAT_DTYPES
 from .bytescan import ScanResult, TensorComparator, scan_file
-from .integrity import Expected, compare_with_manifest, expected_files
+from .integrity import Expected, compare_with_manifest, expected_files, manifest_ranges
 from .structure import (
     HeaderRead,
     Layout,
@@ -107,6 +107,8 @@ class _ScanJob:
     name: str                     # display name relative to the verified path
     entries: list[TensorEntry]
     comparator: TensorComparator | None
+    crc_ranges: list[tuple[str, int, int]] | None = None  # a shard's manifest ranges, crc'd in the same read
+    crc32s: list[str] | None = None  # their crc32s, once scanned
 
 
 def verify(path: str | os.PathLike[str], *, against: Any = None,
@@ -163,8 +165,12 @@ def verify(path: str | os.PathLike[str], *, against: Any = None,
             return report
         expected = _manifest_entries(path, pipeline, report)
         jobs += _listed_jobs(path, expected, jobs, report)
+        for job in jobs:
+            record = expected[job.name].record if job.name in expected else None
+            if record is not None and record.data_start is not None:
+                job.crc_ranges = manifest_ranges(record)
         _run_scans(jobs, report, progress)
-        _check_manifest(report, expected)
+        _check_manifest(report, expected, {job.name: job.crc32s for job in jobs})
     finally:
         for source in opened:
             source.close()
@@ -312,12 +318,13 @@ def _run_scans(jobs: list[_ScanJob], report: VerifyReport, progress: ProgressCal
                 progress(done, total)
 
     def run(job: _ScanJob) -> ScanResult:
-        return scan_file(job.path, job.entries, comparator=job.comparator, tick=tick)
+        return scan_file(job.path, job.entries, comparator=job.comparator, crc_ranges=job.crc_ranges, tick=tick)
 
     workers = max(1, min(len(jobs), os.cpu_count() or 1, MAX_SCAN_THREADS))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(run, jobs))
     for job, result in zip(jobs, results):
+        job.crc32s = result.crc32s
         _record(job, result, report)
 
 
@@ -364,7 +371,7 @@ def _listed_jobs(path: str, expected: dict[str, Expected], jobs: list[_ScanJob],
     return extra
 
 
-def _check_manifest(report: VerifyReport, expected: dict[str, Expected]) -> None:
+def _check_manifest(report: VerifyReport, expected: dict[str, Expected], crc32s: dict[str, list[str] | None]) -> None:
     """Compare every listed file with its record; one cause, one line: a file the structural checks
     already reported gets no second finding from the manifest."""
     read = {f.name: f for f in report.files}
@@ -373,7 +380,8 @@ def _check_manifest(report: VerifyReport, expected: dict[str, Expected]) -> None
         got = read.get(name)
         if name in flagged or (got is None and os.path.lexists(entry.path)):
             continue  # already reported (or unreadable, which the scan reported)
-        found = compare_with_manifest(entry, size_bytes=got.bytes if got else None, sha256=got.sha256 if got else None)
+        found = compare_with_manifest(entry, size_bytes=got.bytes if got else None, sha256=got.sha256 if got else None,
+                                      crc32s=crc32s.get(name))
         report.findings += [Finding(f.file, f.tensor, f.message) for f in found]
         if got is not None and not found:
             got.checked = "manifest"

@@ -242,7 +242,7 @@ def read_digests(path: str, ranges: list[Range], *, sha256: bool = True,
             if sha256:
                 sha.update(chunk)
             if ranges:
-                i = _crc_chunk(ranges, crcs, i, pos, chunk)
+                i = crc_chunk(ranges, crcs, i, pos, chunk)
             pos += n
             del chunk
     finally:
@@ -277,8 +277,11 @@ def _crc_ranges(path: str, ranges: list[Range], cancelled: Callable[[], bool] | 
     return crcs
 
 
-def _crc_chunk(ranges: list[Range], crcs: list[int], i: int, pos: int, chunk: memoryview) -> int:
-    """Feed ``chunk`` (file bytes from ``pos``) to the ranges it overlaps; returns the next range index."""
+def crc_chunk(ranges: list[Range], crcs: list[int], i: int, pos: int, chunk: memoryview) -> int:
+    """Feed ``chunk`` (file bytes from ``pos``) to the sorted ``ranges`` it overlaps; returns the next range index.
+
+    A reader going through a file front to back calls it on each chunk, with ``i`` from the call before.
+    """
     end = pos + len(chunk)
     while i < len(ranges):
         _, begin, stop = ranges[i]
