@@ -15,6 +15,7 @@ from typing import Iterator
 
 from ..errors import InvalidInputError, ShardkitWarning, SourceNotFoundError
 from ..formats.index import add_variant
+from ..formats.suffixes import MANIFEST_FILE
 from ..units import format_size
 
 MAX_FILE_BYTES = 50 * 10**9  # the Hub refuses larger files
@@ -22,7 +23,7 @@ WARN_FILE_BYTES = 20 * 10**9  # the Hub's recommended maximum
 MAX_FILES_PER_COMMIT = 100  # the Hub's advice; larger pushes take several commits
 
 # shardkit.manifest.json goes with the indexes: it lists every shard, so it must not appear before them
-_LAST_COMMIT_RE = re.compile(r"(^|/)(model_index\.json|shardkit\.manifest\.json|[^/]+\.index(\.[^./]+)?\.json)$")
+_LAST_COMMIT_RE = re.compile(rf"(^|/)(model_index\.json|{re.escape(MANIFEST_FILE)}|[^/]+\.index(\.[^./]+)?\.json)$")
 _INDEX_RE = re.compile(r"^(?P<prefix>[^.]+)\.safetensors\.index(?:\.(?P<variant>[^.]+))?\.json$")
 _WEIGHTS_RE = re.compile(r"^(?P<stem>.+?)(?P<shard>-\d{5}-of-\d{5})?\.safetensors$")
 
