@@ -14,7 +14,6 @@ freshly allocated memory (:mod:`shardkit.loading.readers`); ``auto`` picks per f
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os
@@ -30,14 +29,13 @@ from ..errors import (
 )
 from ..formats.header import TensorEntry, read_header
 from ..formats.index import find_checkpoint, load_index, shard_file
-from .readers import Reader, job_for, open_reader, read_entries
+from .readers import Reader, job_for, open_reader, pread_exact, read_entries
 from .shards import Shard, TensorSlice, check_shard_names, check_unchanged
 from .residency import check_backend, choose_backend
 
 if TYPE_CHECKING:
     import torch
 
-_READ_CHUNK_BYTES = 1 << 30  # Linux returns at most ~2 GiB per read call
 _CAST_CHUNK_BYTES = 16 << 20
 log = logging.getLogger("shardkit")
 
@@ -344,13 +342,7 @@ class LazyCheckpoint(Mapping):
 
 def read_into(fd: int, tensor: "torch.Tensor", offset: int, nbytes: int, *, where: str) -> None:
     """``pread`` ``nbytes`` at ``offset`` straight into a contiguous CPU tensor's memory."""
-    view = memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
-    done = 0
-    while done < nbytes:
-        got = os.preadv(fd, [view[done:done + _READ_CHUNK_BYTES]], offset + done)
-        if got <= 0:
-            raise HeaderError(f"{where}: file ended early (truncated while reading?)")
-        done += got
+    pread_exact(fd, tensor.data_ptr(), offset, nbytes, where=where)
 
 
 def _check_no_journal(folder: str) -> None:
