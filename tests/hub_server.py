@@ -75,9 +75,10 @@ class Handler(BaseHTTPRequestHandler):
         self.body = self._read_body()
         status = 500
         try:
-            fault = self.state.take_fault(method, url.path)
+            fault = self.state.take_fault(method, url.path, self.headers.get("Range", ""))
             self.cut_body = fault is not None and fault.status == 0
-            if fault is not None and not self.cut_body:
+            self.flip_byte = fault is not None and fault.status == 1
+            if fault is not None and not (self.cut_body or self.flip_byte):
                 status = fault.status
                 extra = dict(fault.headers)
                 if fault.status == 401:
@@ -124,6 +125,11 @@ class Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD" and getattr(self, "cut_body", False):  # a connection lost mid-body
             self.wfile.write(data[:len(data) // 2])
             sent, self.close_connection = len(data) // 2, True
+        elif self.command != "HEAD" and getattr(self, "flip_byte", False) and data:  # corrupted in transit
+            corrupted = bytearray(data[:])
+            corrupted[len(corrupted) // 2] ^= 0xFF
+            self.wfile.write(bytes(corrupted))
+            sent = len(corrupted)
         elif self.command != "HEAD":
             if isinstance(data, bytes):
                 self.wfile.write(data)

@@ -109,7 +109,8 @@ class Repo:
 class Fault:
     """Answer ``status`` to requests matching ``method`` and ``path`` (a regex), ``times`` times.
 
-    ``status`` 0 answers normally but drops the connection halfway through the body.
+    ``status`` 0 answers normally but drops the connection halfway through the body; 1 answers
+    normally with the body's middle byte flipped (corruption in transit).
     """
 
     method: str
@@ -118,6 +119,7 @@ class Fault:
     times: int | None = 1
     headers: dict[str, str] = field(default_factory=dict)
     message: str = "injected failure"
+    range: str = ""  # a regex the request's Range header must match ("" matches any request)
 
 
 class HubError(Exception):
@@ -149,16 +151,17 @@ class HubState:
     # ------------------------------------------------------------------ test hooks
 
     def inject(self, method: str, path: str, status: int = 500, *, times: int | None = 1,
-               headers: dict[str, str] | None = None) -> Fault:
-        fault = Fault(method, path, status, times, dict(headers or {}))
+               headers: dict[str, str] | None = None, range: str = "") -> Fault:
+        fault = Fault(method, path, status, times, dict(headers or {}), range=range)
         with self.lock:
             self.faults.append(fault)
         return fault
 
-    def take_fault(self, method: str, path: str) -> Fault | None:
+    def take_fault(self, method: str, path: str, range_header: str = "") -> Fault | None:
         with self.lock:
             for fault in self.faults:
-                if fault.method == method and re.search(fault.path, path) and fault.times != 0:
+                if fault.method == method and re.search(fault.path, path) and fault.times != 0 \
+                        and re.search(fault.range, range_header):
                     if fault.times is not None:
                         fault.times -= 1
                     return fault

@@ -250,6 +250,15 @@ _SHARD_OPTIONS = {
 }
 
 
+# hf:// inputs: the read token (info, fit, plan, verify, split, convert) and how split/convert read them.
+hub_token_option = click.option(
+    "--token", help="Hub token for hf://ORG/REPO[@REV][/SUBFOLDER] paths (default: HF_TOKEN or the login).")
+no_cache_option = click.option(
+    "--no-cache", "no_cache", is_flag=True,
+    help="For an hf:// SOURCE: stream the tensor bytes by range reads straight into the shards (bounded memory, "
+         "each byte fetched once, nothing in the HF cache) instead of downloading through the cache.")
+
+
 def shard_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Add the named shard-writing options, in the given order (the order ``--help`` lists them).
 

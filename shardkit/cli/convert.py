@@ -6,7 +6,9 @@ from typing import Any
 
 import click
 
-from .common import byte_progress, echo_json, shard_options
+from ..errors import InvalidInputError
+
+from .common import byte_progress, echo_json, hub_token_option, no_cache_option, shard_options
 
 EPILOG = """\b
 Examples:
@@ -19,11 +21,17 @@ Examples:
   shardkit convert v1-5-pruned.safetensors unet/ --to diffusers --config sd15-pipeline/
   shardkit convert flux1-dev.safetensors transformer/ --to diffusers --config flux-transformer/config.json
   shardkit convert sd_xl_base_1.0.safetensors sdxl/ --to diffusers --config sdxl-configs/ --component all
+  shardkit convert hf://org/old-model out/ --max-shard-size 5GB            # a Hub repo, via the HF cache
+  shardkit convert hf://org/model out/ --include 'text_model.*' --no-cache  # streamed, only what is kept
+  shardkit convert hf://org/sd/v1-5.safetensors unet/ --to diffusers --config sd15-pipeline/
 
 \b
 SOURCE kinds: .safetensors file, index or folder; .bin/.pt/.pth/.ckpt pickle (loaded with
 weights_only: pickled code never runs); pytorch_model.bin.index.json or a folder with it;
-a torch.distributed.checkpoint (DCP) folder; a diffusers pipeline folder (model_index.json).
+a torch.distributed.checkpoint (DCP) folder; a diffusers pipeline folder (model_index.json);
+hf://ORG/REPO[@REVISION][/SUBFOLDER or /FILE], downloaded through the Hugging Face cache (pickle
+weights only where the folder has no safetensors), or with --no-cache (safetensors only) streamed
+by range reads into the output, fetching only the tensors kept.
 
 \b
 Key options, applied in this order:
@@ -70,9 +78,12 @@ Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers
               help="With --to diffusers and a pipeline --config: the component to write (default: unet/transformer; "
                    "'all': the whole pipeline).")
 @shard_options("name", "variant", "overwrite", "manifest", "dry-run", "json", "quiet")
+@no_cache_option
+@hub_token_option
 def convert(source: str, output: str, key: str | None, strip_prefix: str | None, add_prefix: str | None,
             include: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...], to: str | None,
-            config: str | None, component: str | None, as_json: bool, quiet: bool, **write: Any) -> None:
+            config: str | None, component: str | None, as_json: bool, quiet: bool, no_cache: bool = False,
+            token: str | None = None, **write: Any) -> None:
     """Convert SOURCE (any supported checkpoint) into safetensors shards in the OUTPUT folder.
 
     Streams in bounded memory with the same atomic writer as `split`: on failure or Ctrl-C
@@ -80,8 +91,9 @@ def convert(source: str, output: str, key: str | None, strip_prefix: str | None,
     """
     from ..sharding.convert import build_keymap, convert_with
     from ..sharding.options import WriteOptions
-    from .split import print_plan
+    from .split import check_remote_flags, print_plan
 
+    check_remote_flags(source, no_cache=no_cache)
     keymap = build_keymap(include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
                           rename=rename)
     from ..distributed.group import init_from_env, is_rank_zero
@@ -92,11 +104,19 @@ def convert(source: str, output: str, key: str | None, strip_prefix: str | None,
         options = WriteOptions(**write, progress=progress)
         if collective:
             from ..distributed.convert import convert_collective
+            from ..hub.remote import is_remote
+
+            if is_remote(source):
+                raise InvalidInputError(f"{source}: a collective convert reads a local checkpoint; download it "
+                                        "first (hf download), or convert without torchrun")
 
             result = convert_collective(source, output, options=options, key=key, keymap=keymap, to=to)
         else:
-            result = convert_with(source, output, options=options, key=key, keymap=keymap, to=to, config=config,
-                                  component=component)
+            from ..hub.remote_checkpoint import open_checkpoint
+
+            with open_checkpoint(source, token=token, cache=not no_cache, pickles=True) as ckpt:
+                result = convert_with(ckpt.path, output, options=options, key=key, keymap=keymap, to=to,
+                                      config=config, component=component, wrap_source=ckpt.wrap_source)
     if as_json:
         echo_json(result.to_dict())
     elif not quiet:

@@ -8,7 +8,7 @@ import click
 
 from ..errors import ShardkitError
 from ..units import format_size
-from .common import SIZE, echo_json
+from .common import SIZE, echo_json, hub_token_option
 
 EPILOG = """\b
 Examples:
@@ -96,7 +96,7 @@ def output_options(f: Any) -> Any:
                    "or fp8 (no fp8 casting). Repeatable. Not file or tensor names.")
 @click.option("--reserve", type=SIZE, default="512MiB", show_default=True,
               help="Memory kept free on each GPU on top of the 10% margin (CUDA context, workspaces).")
-@click.option("--token", help="Hub token for hf://ORG/REPO[@REV][/SUBFOLDER] paths (default: HF_TOKEN or the login).")
+@hub_token_option
 @output_options
 def fit(folder: str, gpus: tuple[int, ...], cpu: int | None, max_memory: str | None, height: int | None,
         width: int | None, batch_size: int, dtype: str | None, attention: str, no_fp8: bool,

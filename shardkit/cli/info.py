@@ -7,7 +7,7 @@ from typing import Any
 import click
 
 from ..units import format_size
-from .common import echo_json
+from .common import echo_json, hub_token_option
 
 EPILOG = """\b
 Examples:
@@ -31,7 +31,7 @@ Sizes are decimal (1 GB = 10^9 bytes).
 @click.argument("path", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="Print one line: format, tensors, parameters, bytes.")
-@click.option("--token", help="Hub token for hf://ORG/REPO[@REV][/SUBFOLDER] paths (default: HF_TOKEN or the login).")
+@hub_token_option
 def info(path: str, as_json: bool, quiet: bool, token: str | None = None) -> None:
     """Show what a checkpoint holds: format, tensors, parameters, dtypes, shards, metadata."""
     from ..checking.info import info as info_api

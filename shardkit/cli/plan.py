@@ -9,7 +9,7 @@ import click
 
 from ..errors import InvalidInputError
 from ..units import format_size
-from .common import echo_json
+from .common import echo_json, hub_token_option
 from .fit import COMPUTE_DTYPE, budget_options, output_options
 
 EPILOG = """\b
@@ -45,7 +45,7 @@ CPU, then disk.
               type=click.Choice(["auto", "balanced", "balanced_low_0", "sequential"]), help="Placement strategy.")
 @click.option("--strategies", is_flag=True,
               help="Also estimate the peak GPU memory of each offload strategy (against the largest GPU budget).")
-@click.option("--token", help="Hub token for hf://ORG/REPO[@REV][/SUBFOLDER] paths (default: HF_TOKEN or the login).")
+@hub_token_option
 @output_options
 def plan(checkpoint: str | None, model_spec: str, config_path: str | None, gpus: tuple[int, ...], cpu: int | None,
          max_memory: str | None, dtype: str | None, device_map: str, strategies: bool, as_json: bool,

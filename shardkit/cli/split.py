@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from ..units import format_size
-from .common import byte_progress, echo_json, shard_options
+from .common import byte_progress, echo_json, hub_token_option, no_cache_option, shard_options
 
 EPILOG = """\b
 Examples:
@@ -16,6 +16,8 @@ Examples:
   shardkit split pytorch_model.bin out/ --max-shard-size 2GiB --dtype bf16
   shardkit split ckpt-dir/ resharded/ --max-shard-size 500MB --dry-run
   shardkit split ckpt-dir/ ckpt-dir/ --max-shard-size 2GB --overwrite   # reshard in place
+  shardkit split hf://org/model out/ --max-shard-size 2GB --no-cache    # stream a Hub repo, no cache copy
+  shardkit split hf://org/model out/ --max-shard-size 2GB --push-to org/model --create-pr
 
 \b
 Sizes: KB/MB/GB/TB are powers of 10 (5GB = 5,000,000,000 bytes, like huggingface_hub);
@@ -24,6 +26,12 @@ The limit counts tensor bytes; a tensor larger than it gets a shard of its own.
 Output naming follows the source (diffusers 'diffusion_pytorch_model' or transformers
 'model'); --name overrides. One shard gets no suffix and no index.
 Tied tensors of in-memory sources are written once; aliases go into the shard metadata.
+
+\b
+hf://ORG/REPO[@REVISION][/SUBFOLDER] sources are downloaded through the Hugging Face cache
+(a later from_pretrained reuses them), or with --no-cache streamed by range reads straight into
+the shards: each byte fetched once, memory bounded, every file read whole checked against the
+Hub's sha256 before anything is published. Pickle weights are never downloaded by split.
 """
 
 
@@ -35,8 +43,11 @@ Tied tensors of in-memory sources are written once; aliases go into the shard me
 @shard_options("dry-run", "overwrite", "manifest", "json", "quiet")
 @click.option("--push-to", "push_to", metavar="REPO_ID",
               help="After the split, push OUTPUT to this Hub repository (see `shardkit push`).")
+@click.option("--create-pr", is_flag=True, help="With --push-to: open a pull request instead of committing to main.")
+@no_cache_option
+@hub_token_option
 def split(source: str, output: str, key: str | None, as_json: bool, quiet: bool, push_to: str | None = None,
-          **write: Any) -> None:
+          create_pr: bool = False, no_cache: bool = False, token: str | None = None, **write: Any) -> None:
     """Stream SOURCE into size-bounded safetensors shards in the OUTPUT folder.
 
     SOURCE is a .safetensors file, a sharded folder or its index, or a .bin/.pt/.pth/.ckpt pickle
@@ -48,25 +59,39 @@ def split(source: str, output: str, key: str | None, as_json: bool, quiet: bool,
     from ..sharding.split import split_with
 
     dry_run = write["dry_run"]
+    check_remote_flags(source, no_cache=no_cache, create_pr=create_pr, push_to=push_to)
     if push_to:
         from ..hub.preflight import check_push_target, check_repo_id
 
         # A bad repository id or a missing or rejected token is found before the split, not after.
-        check_repo_id(push_to) if dry_run else check_push_target(push_to)
-    from ..hub.remote import cached_checkpoint
+        check_repo_id(push_to) if dry_run else check_push_target(push_to, token=token)
+    from ..hub.remote_checkpoint import open_checkpoint
 
-    with cached_checkpoint(source) as local, \
-            byte_progress("split", enabled=not (quiet or as_json or dry_run)) as progress:  # hf://: HF cache
-        result = split_with(local, output, options=WriteOptions(**write, progress=progress), key=key)
+    with open_checkpoint(source, token=token, cache=not no_cache) as ckpt, \
+            byte_progress("split", enabled=not (quiet or as_json or dry_run)) as progress:
+        result = split_with(ckpt.path, output, options=WriteOptions(**write, progress=progress), key=key,
+                            wrap_source=ckpt.wrap_source)
     if not (as_json or quiet):
         print_plan(result)
     pushed = None
     if push_to and not dry_run:
         from .push import push_and_report
 
-        pushed = push_and_report(output, push_to, report="none" if as_json else "url" if quiet else "summary")
+        pushed = push_and_report(output, push_to, token=token, create_pr=create_pr,
+                                 report="none" if as_json else "url" if quiet else "summary")
     if as_json:
         echo_json({**result.to_dict(), "push": pushed.to_dict()} if pushed else result.to_dict())
+
+
+def check_remote_flags(source: str, *, no_cache: bool, create_pr: bool = False, push_to: str | None = None) -> None:
+    """--no-cache needs an hf:// source; --create-pr needs --push-to."""
+    from ..errors import InvalidInputError
+    from ..hub.remote import is_remote
+
+    if no_cache and not is_remote(source):
+        raise InvalidInputError(f"--no-cache applies to an hf://ORG/REPO source; {source} is read from disk")
+    if create_pr and not push_to:
+        raise InvalidInputError("--create-pr applies with --push-to REPO_ID; add it, or drop --create-pr")
 
 
 def print_plan(result: object) -> None:

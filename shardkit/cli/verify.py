@@ -8,7 +8,7 @@ import click
 from ..errors import VerificationError
 from ..formats.manifest import MANIFEST_NAME
 from ..units import format_size
-from .common import byte_progress, echo_json
+from .common import byte_progress, echo_json, hub_token_option
 
 EPILOG = """\b
 Examples:
@@ -39,7 +39,7 @@ Exit codes: 0 clean, 1 any finding, 2 bad input.
                    "for a pipeline folder, another pipeline folder).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="Print only the findings.")
-@click.option("--token", help="Hub token for hf://ORG/REPO[@REV][/SUBFOLDER] paths (default: HF_TOKEN or the login).")
+@hub_token_option
 def verify(path: str, against: str | None, as_json: bool, quiet: bool, token: str | None = None) -> None:
     """Check a checkpoint (file, sharded folder, index or pipeline folder) for damage.
 

@@ -32,6 +32,7 @@ from typing import Any, Iterator
 from ..errors import HeaderError, InvalidInputError, ShardkitError
 from ..formats.header import MAX_HEADER_BYTES
 from ..formats.layout import MODEL_INDEX
+from ..formats.suffixes import PICKLE_SUFFIXES
 from ..units import format_size
 from .remote_errors import RETRIES, hub_read_errors
 
@@ -40,9 +41,11 @@ logger = logging.getLogger("shardkit")
 SCHEME = "hf://"
 FIRST_RANGE_BYTES = 64 * 1024  # most headers fit; a larger one costs exactly one more request
 MAX_FETCHED_FILE_BYTES = 10_000_000  # configs and indexes; a bigger .json is not one of them
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+# Weight formats never mirrored or downloaded implicitly: pickles (safety), Flax, TF, ONNX, GGUF (not torch).
+NOT_DOWNLOADED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.msgpack", "*.h5", "*.onnx", "*.gguf", "*.ot")
 RETRY_WAIT_SECONDS = 0.25
 _FETCH_THREADS = 8
+DIRECT_CHUNK_BYTES = 16 << 20
 CONFIG_RE = re.compile(r"(^|/)(config|model_index|[\w.-]*_config|[\w.-]+\.safetensors\.index(\.[\w-]+)?)\.json$")
 
 
@@ -78,6 +81,7 @@ class Mirror:
     commit: str
     files: dict[str, RemoteFile]  # by path relative to the subfolder
     transferred_bytes: int = 0
+    prefix_bytes: dict[str, int] = field(default_factory=dict)  # real bytes at the start of each sparse file
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def count(self, nbytes: int) -> None:
@@ -115,12 +119,15 @@ def parse_spec(text: str) -> RemoteSpec:
 
 
 @contextlib.contextmanager
-def open_mirror(spec: RemoteSpec | str, *, token: str | None = None) -> Iterator[Mirror]:
+def open_mirror(spec: RemoteSpec | str, *, token: str | None = None, side_files: bool = False) -> Iterator[Mirror]:
     """Materialize a header-only mirror of ``spec`` in a temporary folder, removed on exit.
 
     Args:
         spec: ``hf://...`` text or a :class:`RemoteSpec`.
         token: a Hub token; default ``HF_TOKEN`` or the stored login (``HF_ENDPOINT`` is respected).
+        side_files: also fetch every other file that is not a weight file (tokenizers, schedulers,
+            READMEs), whole and without the HF cache: the mirror is then a complete folder
+            whose safetensors data alone is missing (what a streamed split copies beside its shards).
 
     Returns:
         A context manager yielding a :class:`Mirror`. Errors raised inside name ``spec``, not
@@ -133,15 +140,15 @@ def open_mirror(spec: RemoteSpec | str, *, token: str | None = None) -> Iterator
     tmp = tempfile.mkdtemp(prefix="shardkit-remote-")
     root = os.path.join(tmp, spec.repo_id.replace("/", "--"))
     try:
-        with hub_read_errors(spec), _renamed_errors(root, str(spec)):
-            mirror = _build_mirror(spec, root, token=token)
+        with hub_read_errors(spec), renamed_errors(root, str(spec)):
+            mirror = _build_mirror(spec, root, token=token, side_files=side_files)
             logger.debug("%s: header-only mirror at %s, %d bytes transferred", spec, root, mirror.transferred_bytes)
             yield mirror
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _build_mirror(spec: RemoteSpec, root: str, *, token: str | None) -> Mirror:
+def _build_mirror(spec: RemoteSpec, root: str, *, token: str | None, side_files: bool) -> Mirror:
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
@@ -150,10 +157,15 @@ def _build_mirror(spec: RemoteSpec, root: str, *, token: str | None) -> Mirror:
     os.makedirs(root, exist_ok=True)
     mirror = Mirror(spec, root, commit, files)
     check_not_pickle_only(mirror)
-    fetched = [f for rel, f in files.items() if CONFIG_RE.search(rel) and f.size_bytes <= MAX_FETCHED_FILE_BYTES]
     weights = [f for rel, f in files.items() if rel.endswith(".safetensors")]
+    if side_files:
+        fetched = [f for f in files.values() if f not in weights and not fnmatch_any(f.path, NOT_DOWNLOADED)]
+        fetch = _fetch_direct
+    else:
+        fetched = [f for rel, f in files.items() if CONFIG_RE.search(rel) and f.size_bytes <= MAX_FETCHED_FILE_BYTES]
+        fetch = _fetch_whole
     with ThreadPoolExecutor(_FETCH_THREADS) as pool:
-        jobs = [pool.submit(_fetch_whole, mirror, f, token) for f in fetched]
+        jobs = [pool.submit(fetch, mirror, f, token) for f in fetched]
         jobs += [pool.submit(_fetch_header_file, mirror, f, token) for f in weights]
         for job in jobs:
             job.result()
@@ -197,9 +209,14 @@ def check_not_pickle_only(mirror: Mirror) -> None:
                 f"(hf download {mirror.spec.repo_id} {pickles[0].path}) and pass the local path")
 
 
-def _local_path(mirror: Mirror, remote: RemoteFile) -> str:
+def local_path(mirror: Mirror, remote: RemoteFile) -> str:
+    """Where ``remote`` lies in the mirror."""
     prefix = mirror.spec.subfolder + "/" if mirror.spec.subfolder else ""
-    path = os.path.join(mirror.root, *remote.path[len(prefix):].split("/"))
+    return os.path.join(mirror.root, *remote.path[len(prefix):].split("/"))
+
+
+def _new_local_file(mirror: Mirror, remote: RemoteFile) -> str:
+    path = local_path(mirror, remote)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     return path
 
@@ -209,21 +226,40 @@ def _fetch_whole(mirror: Mirror, remote: RemoteFile, token: str | None) -> None:
     from huggingface_hub import hf_hub_download
 
     cached = hf_hub_download(mirror.spec.repo_id, remote.path, revision=mirror.commit, token=token)
-    shutil.copyfile(cached, _local_path(mirror, remote))
+    shutil.copyfile(cached, _new_local_file(mirror, remote))
     mirror.count(remote.size_bytes)
 
 
+def _fetch_direct(mirror: Mirror, remote: RemoteFile, token: str | None) -> None:
+    """A whole file by range reads straight into the mirror (not through the HF cache)."""
+    with open(_new_local_file(mirror, remote), "wb") as f:
+        for begin in range(0, remote.size_bytes, DIRECT_CHUNK_BYTES):
+            f.write(read_range(mirror, remote, begin, min(begin + DIRECT_CHUNK_BYTES, remote.size_bytes), token=token))
+
+
+def fnmatch_any(path: str, patterns: tuple[str, ...]) -> bool:
+    """True when the file name of ``path`` matches one of ``patterns``."""
+    from fnmatch import fnmatch
+
+    return any(fnmatch(path.rpartition("/")[2], p) for p in patterns)
+
+
 def _fetch_header_file(mirror: Mirror, remote: RemoteFile, token: str | None) -> None:
-    """A sparse local stand-in: the real header, then a hole up to the file's true size."""
-    raw = fetch_header(mirror, remote, token=token)
-    path = _local_path(mirror, remote)
+    """A sparse local stand-in: the real header (and the rest of its first range), then a hole up to
+    the file's true size. The real bytes are counted in ``mirror.prefix_bytes``: a streamed read
+    starts after them, so no byte is fetched twice."""
+    raw = fetch_prefix(mirror, remote, token=token)
+    path = _new_local_file(mirror, remote)
     with open(path, "wb") as f:
         f.write(raw)
         f.truncate(remote.size_bytes)
+    with mirror.lock:
+        mirror.prefix_bytes[remote.path] = len(raw)
 
 
-def fetch_header(mirror: Mirror, remote: RemoteFile, *, token: str | None) -> bytes:
-    """The first ``8 + N`` bytes of a remote safetensors file: one range request, two if the header is large.
+def fetch_prefix(mirror: Mirror, remote: RemoteFile, *, token: str | None) -> bytes:
+    """The first bytes of a remote safetensors file, its whole ``8 + N``-byte header at least: one
+    range request of ``FIRST_RANGE_BYTES``, two if the header is larger.
 
     Raises:
         HeaderError: the length prefix is impossible for the file's listed size, or the server
@@ -239,7 +275,7 @@ def fetch_header(mirror: Mirror, remote: RemoteFile, *, token: str | None) -> by
                           "file the Hub lists (corrupt upload, or not a safetensors file)")
     end = 8 + header_bytes
     if end <= len(first):
-        return first[:end]
+        return first
     return first + read_range(mirror, remote, len(first), end, token=token)
 
 
@@ -264,7 +300,7 @@ def read_range(mirror: Mirror, remote: RemoteFile, begin: int, end: int, *, toke
 
 
 @contextlib.contextmanager
-def _renamed_errors(root: str, shown: str) -> Iterator[None]:
+def renamed_errors(root: str, shown: str) -> Iterator[None]:
     """Errors from the local readers name the mirror's temporary folder: show the ``hf://`` spec instead."""
     try:
         yield
@@ -314,34 +350,3 @@ def remote_info(path: str, *, token: str | None = None) -> Any:
                 shard.shared_bytes = None
         return summary
 
-
-NOT_DOWNLOADED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.msgpack", "*.h5", "*.onnx", "*.gguf", "*.ot")
-
-
-@contextlib.contextmanager
-def cached_checkpoint(path: str, *, token: str | None = None) -> Iterator[str]:
-    """``path`` itself, or for ``hf://...`` its folder in the Hugging Face cache, downloaded first.
-
-    The safetensors weights, configs and other files (tokenizers, schedulers) are downloaded with
-    ``snapshot_download``, so a later ``from_pretrained`` of the repository reuses them; pickle,
-    Flax, TF, ONNX and GGUF weights are not (a folder with pickle weights only is refused first).
-
-    >>> with cached_checkpoint("hf://org/model") as folder:   # doctest: +SKIP
-    ...     shardkit.split(folder, "out/", max_shard_size="2GB")
-    """
-    if not is_remote(path):
-        yield path
-        return
-    from huggingface_hub import HfApi, snapshot_download
-
-    spec = parse_spec(path)
-    with hub_read_errors(spec):
-        api = HfApi(token=token)
-        commit = api.model_info(spec.repo_id, revision=spec.revision, token=token).sha or spec.revision or "main"
-        check_not_pickle_only(Mirror(spec, "", commit, list_files(api, spec, commit)))
-        allow = [f"{spec.subfolder}/*"] if spec.subfolder else None
-        snapshot = snapshot_download(spec.repo_id, revision=commit, token=token, allow_patterns=allow,
-                                     ignore_patterns=list(NOT_DOWNLOADED))
-    root = os.path.join(snapshot, *spec.subfolder.split("/")) if spec.subfolder else snapshot
-    with _renamed_errors(root, str(spec)):
-        yield root

@@ -28,6 +28,7 @@ def describe_read_error(error: BaseException, spec: Any) -> str | None:
     """A one-line explanation of a failed read from the Hub, or None if ``error`` is not one."""
     from huggingface_hub import constants
     from huggingface_hub.errors import (
+        EntryNotFoundError,
         GatedRepoError,
         HfHubHTTPError,
         HFValidationError,
@@ -45,6 +46,9 @@ def describe_read_error(error: BaseException, spec: Any) -> str | None:
                 "token; check the name, or pass --token (or set HF_TOKEN)")
     if isinstance(error, RevisionNotFoundError):
         return f"{spec}: revision {rev!r} not found in {spec.repo_id}; use a branch, tag or commit that exists"
+    if isinstance(error, EntryNotFoundError):
+        return (f"{spec}: no file {spec.subfolder!r} in {spec.repo_id} at {rev}; check the path "
+                "(see the repository's file list)")
     if isinstance(error, HFValidationError):
         return f"{spec}: invalid repository id or revision: {str(error).splitlines()[0]}"
     if isinstance(error, HfHubHTTPError) and error.response is not None:

@@ -21,7 +21,7 @@ from ..errors import InvalidInputError
 from ..formats.layout import is_pipeline_folder
 from ..sources import Source
 from ..sources.keymap import KeyMap, KeyMapSource, parse_renames
-from .job import SplitResult, open_settled, refuse_output_inside_source, side_files, split_source
+from .job import SourceWrapper, SplitResult, open_settled, refuse_output_inside_source, side_files, split_source
 from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions, warn
 from .single_file import is_file_output, split_to_file
 from .split import split_with
@@ -107,23 +107,28 @@ def build_keymap(*, include: Iterable[str] = (), exclude: Iterable[str] = (), st
 
 def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteOptions, key: str | None = None,
                  keymap: KeyMap | None = None, to: str | None = None, config: str | os.PathLike[str] | None = None,
-                 component: str | None = None) -> SplitResult:
+                 component: str | None = None, wrap_source: SourceWrapper | None = None) -> SplitResult:
     """:func:`convert` with the options and key map already built: split of a keymapped source.
+
+    ``wrap_source`` wraps every source opened from a path (not with ``to``, which maps the file).
 
     >>> convert_with("m.ckpt", "out/", options=WriteOptions(), keymap=KeyMap(strip_prefix="model."))  # doctest: +SKIP
     """
     output = os.fspath(output)
     keymap = keymap or KeyMap()
     if to is not None or config is not None or component is not None:
+        if wrap_source is not None:
+            raise InvalidInputError(f"{source}: --to diffusers maps the checkpoint file into memory; it cannot "
+                                    "stream it (drop --no-cache: the file is read through the HF cache)")
         return _convert_to(source, output, options=options, key=key, keymap=keymap, to=to, config=config,
                            component=component)
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
         if not keymap.is_identity():
             raise InvalidInputError(f"{source}: key options (--strip-prefix, --include, --rename ...) do not apply "
                                     "to a pipeline folder; convert a component folder instead")
-        return split_with(source, output, options=options, key=key)  # checks the output itself
+        return split_with(source, output, options=options, key=key, wrap_source=wrap_source)  # checks the output
     refuse_output_inside_source(source, output)
-    with open_settled(source, key=key, dry_run=options.dry_run) as inner:
+    with open_settled(source, key=key, dry_run=options.dry_run, wrap_source=wrap_source) as inner:
         mapped: Source = inner if keymap.is_identity() else KeyMapSource(inner, keymap)
         ema = _report_ema(inner, keymap)
         if is_file_output(output):

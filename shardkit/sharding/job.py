@@ -130,8 +130,15 @@ def refuse_output_inside_source(source: Any, output: str) -> None:
         )
 
 
-def open_settled(source: Any, *, key: str | None, dry_run: bool) -> Source:
+# Wraps a source opened from a path (the Hub's streamed reads of a header-only mirror, hub/remote_stream.py).
+SourceWrapper = Callable[[Source], Source]
+
+
+def open_settled(source: Any, *, key: str | None, dry_run: bool, wrap_source: SourceWrapper | None = None) -> Source:
     """Open ``source`` after finishing any interrupted commit in its folder (skipped by a dry run).
+
+    ``wrap_source`` (if given) wraps the opened source, e.g. to read its bytes from elsewhere;
+    the inner source is closed if wrapping fails.
 
     >>> with open_settled("ckpt/", key=None, dry_run=False) as src:    # doctest: +SKIP
     ...     len(src.entries())
@@ -141,7 +148,18 @@ def open_settled(source: Any, *, key: str | None, dry_run: bool) -> Source:
 
         path = os.fspath(source)
         recover(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
-    return open_source(source, key=key)
+    return wrap_opened(open_source(source, key=key), wrap_source)
+
+
+def wrap_opened(source: Source, wrap_source: SourceWrapper | None) -> Source:
+    """``wrap_source(source)``, closing ``source`` if that fails; ``source`` itself without a wrapper."""
+    if wrap_source is None:
+        return source
+    try:
+        return wrap_source(source)
+    except BaseException:
+        source.close()
+        raise
 
 
 def plan_job(src: Source, *, options: WriteOptions, folder: str = "") -> ShardJob:

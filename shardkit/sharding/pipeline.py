@@ -24,7 +24,7 @@ from ..formats.index import naming_from_filename
 from ..formats.layout import find_components, is_pipeline_folder
 from ..formats.suffixes import is_saved_weight_file
 from ..sources import Source, open_source
-from .job import ShardJob, SideFile, SplitResult, plan_job, run_jobs
+from .job import ShardJob, SideFile, SourceWrapper, SplitResult, plan_job, run_jobs, wrap_opened
 from .options import WriteOptions, warn
 from .plan import ShardPlan, ShardSpec
 
@@ -52,7 +52,8 @@ class PipelineResult(SplitResult):
 
 
 def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str],
-                   *, options: WriteOptions | None = None, key: str | None = None) -> PipelineResult:
+                   *, options: WriteOptions | None = None, key: str | None = None,
+                   wrap_source: SourceWrapper | None = None) -> PipelineResult:
     """Shard every weight-bearing component of a diffusers pipeline folder; copy everything else.
 
     Args:
@@ -61,6 +62,7 @@ def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str
         options: shard size, cast, variant... (default: :class:`WriteOptions` defaults); ``name``
             must be None, since every component keeps its own naming.
         key: must be None (each component has its own state dict).
+        wrap_source: wraps each component's opened source (see :func:`~shardkit.sharding.job.open_settled`).
 
     Returns:
         A :class:`PipelineResult`: the combined plan, one result per component, the copied files.
@@ -77,7 +79,7 @@ def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str
                                 "its own naming and state dict; run it on a component folder instead")
     if not options.dry_run:
         recover(folder)
-    jobs, left_out = _open_components(folder, options)
+    jobs, left_out = _open_components(folder, options, wrap_source)
     try:
         _warn_left_out(jobs, left_out)
         copied = [] if options.dry_run else pipeline_side_files(folder, jobs)
@@ -90,7 +92,8 @@ def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str
             job.source.close()
 
 
-def _open_components(folder: str, options: WriteOptions) -> tuple[list[ShardJob], dict[str, list[str]]]:
+def _open_components(folder: str, options: WriteOptions,
+                     wrap_source: SourceWrapper | None) -> tuple[list[ShardJob], dict[str, list[str]]]:
     """One planned job per weight-bearing component, and the weight files each one leaves out."""
     opened: list[Source] = []
     jobs: list[ShardJob] = []
@@ -99,9 +102,10 @@ def _open_components(folder: str, options: WriteOptions) -> tuple[list[ShardJob]
         for component in find_components(folder):
             if not component.has_weights:
                 continue
-            opened.append(open_source(component.path))
+            source = open_source(component.path)
+            left_out[component.name] = _other_weight_files(component.path, source)
+            opened.append(wrap_opened(source, wrap_source))
             jobs.append(plan_job(opened[-1], options=options, folder=component.name))
-            left_out[component.name] = _other_weight_files(component.path, opened[-1])
     except BaseException:
         for source in opened:
             source.close()

@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from ..formats.layout import is_pipeline_folder
-from .job import SplitResult, open_settled, refuse_output_inside_source, side_files, split_source
+from .job import SourceWrapper, SplitResult, open_settled, refuse_output_inside_source, side_files, split_source
 from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions
 from .pipeline import split_pipeline
 from .single_file import is_file_output, refuse_file_output, split_to_file
@@ -50,8 +50,10 @@ def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | 
 
 
 def split_with(source: Any, output: str | os.PathLike[str], *, options: WriteOptions,
-               key: str | None = None) -> SplitResult:
+               key: str | None = None, wrap_source: SourceWrapper | None = None) -> SplitResult:
     """:func:`split` with the options already built.
+
+    ``wrap_source`` wraps every source opened from a path (each component of a pipeline).
 
     >>> split_with("ckpt/", "out/", options=WriteOptions(max_shard_bytes=2 * 10**9, dry_run=True))  # doctest: +SKIP
     """
@@ -59,8 +61,8 @@ def split_with(source: Any, output: str | os.PathLike[str], *, options: WriteOpt
     refuse_output_inside_source(source, output)
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
         refuse_file_output(source, output)
-        return split_pipeline(source, output, options=options, key=key)
-    with open_settled(source, key=key, dry_run=options.dry_run) as src:
+        return split_pipeline(source, output, options=options, key=key, wrap_source=wrap_source)
+    with open_settled(source, key=key, dry_run=options.dry_run, wrap_source=wrap_source) as src:
         if is_file_output(output):
             return split_to_file(src, output, options=options)
         return split_source(src, output, options=options, side_files=side_files(source, output))

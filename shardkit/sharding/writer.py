@@ -285,14 +285,15 @@ def _write_pieces(fd: int, writes: list[TensorWrite], source: Source, path: str,
     with _SourceFds(source) as fds:
         for run in _runs(writes):
             first = run[0]
-            if first.src.file is not None and first.src.dtype == first.out.dtype:
+            if source.kernel_copy and first.src.file is not None and first.src.dtype == first.out.dtype:
                 edges, middle = _pieces(run, begin)
                 for piece in edges:
                     _copy_piece(fd, piece, fds.get(piece.src_path), tick)
                 middles += [middle] if middle else []
             else:
                 os.lseek(fd, begin, os.SEEK_SET)
-                _write_run(fd, run, source, path, tick)
+                for p in run:
+                    _write_through(fd, p, source, path, tick)
             begin += sum(p.out.nbytes for p in run)
         for piece in middles:
             _copy_piece(fd, piece, fds.get(piece.src_path), tick)
@@ -322,14 +323,13 @@ class _SourceFds:
             os.close(fd)
 
 
-def _write_run(fd: int, run: list[TensorWrite], source: Source, path: str, tick: ProgressFn) -> None:
-    """Write a run that is not in a file (or needs a cast) at the current offset, through Python."""
-    first = run[0]
-    if first.src.dtype != first.out.dtype:
-        _cast_tensor(fd, first, source, path, tick)
+def _write_through(fd: int, p: TensorWrite, source: Source, path: str, tick: ProgressFn) -> None:
+    """Write one tensor that is not copied kernel-side (or needs a cast) at the current offset, through Python."""
+    if p.src.dtype != p.out.dtype:
+        _cast_tensor(fd, p, source, path, tick)
         return
-    for begin in range(0, first.src.nbytes, CHUNK_BYTES):
-        chunk = source.read(first.src, begin, min(begin + CHUNK_BYTES, first.src.nbytes))
+    for begin in range(0, p.src.nbytes, CHUNK_BYTES):
+        chunk = source.read(p.src, begin, min(begin + CHUNK_BYTES, p.src.nbytes))
         _write_all(fd, chunk, path)
         tick(len(chunk))
 

@@ -21,6 +21,8 @@ class Source(abc.ABC):
         description: a short human-readable name of the input, for messages.
         naming: the file-name convention (prefix, variant) the input uses.
         paths: the files the source reads.
+        kernel_copy: whether the writer may copy tensor bytes straight from the files entries
+            name (``copy_file_range``, reflinks), rather than through :meth:`read`.
     """
 
     description: str = "source"
@@ -29,6 +31,9 @@ class Source(abc.ABC):
     # How sharding.plan places a tensor over the shard limit: "sequential" keeps every shard one
     # run of the file order; in-memory state dicts use "huggingface_hub" to match its plan.
     shard_rule: str = "sequential"
+    # False when the files that entries name give the layout (offsets, manifests) but their bytes
+    # must come through read(): a Hub file streamed behind a sparse mirror (hub/remote_stream.py).
+    kernel_copy: bool = True
 
     @abc.abstractmethod
     def entries(self) -> list[TensorEntry]:

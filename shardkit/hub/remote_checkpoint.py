@@ -1,0 +1,136 @@
+"""A Hub repository as the input of ``split`` and ``convert``: through the HF cache, or streamed.
+
+:func:`open_checkpoint` turns ``hf://ORG/REPO[@REV][/SUBFOLDER]`` into what the local writers
+take, a path plus an optional source wrapper:
+
+- by default the files are downloaded into the Hugging Face cache (``snapshot_download``,
+  ``hf_hub_download`` for one file), so a later ``from_pretrained`` reuses them, and the
+  writers run on the cached folder as on any local one;
+- with ``cache=False`` nothing goes to the cache: a mirror holds the real headers, indexes and
+  side files, and :class:`~shardkit.hub.remote_stream.StreamingSource` reads the tensor bytes
+  by range requests straight into the shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+from ..errors import InvalidInputError
+from ..formats.suffixes import CHECKPOINT_SUFFIXES, PICKLE_SUFFIXES
+from ..sharding.job import SourceWrapper
+from ..sources import Source
+from .remote import (
+    NOT_DOWNLOADED,
+    Mirror,
+    RemoteSpec,
+    check_not_pickle_only,
+    is_remote,
+    list_files,
+    open_mirror,
+    parse_spec,
+    renamed_errors,
+)
+from .remote_errors import hub_read_errors
+
+__all__ = ["RemoteCheckpoint", "cached_checkpoint", "open_checkpoint"]
+
+
+@dataclass(frozen=True)
+class RemoteCheckpoint:
+    """What the writers read: a local ``path``, and a wrapper for the sources opened from it (streaming)."""
+
+    path: str
+    wrap_source: SourceWrapper | None = None
+
+
+@contextlib.contextmanager
+def open_checkpoint(path: str, *, token: str | None = None, cache: bool = True,
+                    pickles: bool = False) -> Iterator[RemoteCheckpoint]:
+    """``path`` for the local writers; for ``hf://...`` its cached copy, or a mirror streamed from the Hub.
+
+    Args:
+        path: a local path, or ``hf://ORG/REPO[@REVISION][/SUBFOLDER or /FILE]``.
+        token: a Hub token; default ``HF_TOKEN`` or the stored login.
+        cache: download through the Hugging Face cache (default); False streams the tensor bytes
+            by range reads into the output, with bounded memory and no cache copy.
+        pickles: download pickle weights of a folder that has no safetensors (``convert``: the
+            user asked for that repository); never with ``cache=False``.
+
+    Returns:
+        A context manager yielding a :class:`RemoteCheckpoint`; errors raised inside name
+        ``path``, not the temporary or cached folder.
+
+    >>> with open_checkpoint("hf://org/model", cache=False) as ckpt:          # doctest: +SKIP
+    ...     split_with(ckpt.path, "out/", options=options, wrap_source=ckpt.wrap_source)
+    """
+    if not is_remote(path):
+        yield RemoteCheckpoint(path)
+        return
+    spec = parse_spec(path)
+    if cache:
+        with cached_checkpoint(spec, token=token, pickles=pickles) as local:
+            yield RemoteCheckpoint(local)
+        return
+    if _names_a_file(spec):
+        raise InvalidInputError(f"{spec}: --no-cache streams a repository folder; for one file, drop --no-cache "
+                                f"(or stream its folder: {str(spec).rpartition('/')[0]})")
+    from .remote_stream import StreamingSource
+
+    with open_mirror(spec, token=token, side_files=True) as mirror:
+
+        def stream(inner: Source) -> Source:
+            return StreamingSource(inner, mirror, token=token)
+
+        yield RemoteCheckpoint(mirror.root, stream)
+
+
+@contextlib.contextmanager
+def cached_checkpoint(path: str | RemoteSpec, *, token: str | None = None, pickles: bool = False) -> Iterator[str]:
+    """``path`` itself, or for ``hf://...`` its folder (or file) in the Hugging Face cache, downloaded first.
+
+    The safetensors weights, configs and other files (tokenizers, schedulers) are downloaded with
+    ``snapshot_download``, so a later ``from_pretrained`` of the repository reuses them; pickle,
+    Flax, TF, ONNX and GGUF weights are not. A folder with pickle weights only is refused, unless
+    ``pickles``. A spec ending in a checkpoint file name downloads that file alone.
+
+    >>> with cached_checkpoint("hf://org/model") as folder:   # doctest: +SKIP
+    ...     shardkit.split(folder, "out/", max_shard_size="2GB")
+    """
+    if isinstance(path, str) and not is_remote(path):
+        yield path
+        return
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+
+    spec = parse_spec(path) if isinstance(path, str) else path
+    with hub_read_errors(spec):
+        api = HfApi(token=token)
+        commit = api.model_info(spec.repo_id, revision=spec.revision, token=token).sha or spec.revision or "main"
+        if _names_a_file(spec):
+            root = hf_hub_download(spec.repo_id, spec.subfolder, revision=commit, token=token)
+        else:
+            ignore = _not_downloaded(Mirror(spec, "", commit, list_files(api, spec, commit)), pickles=pickles)
+            allow = [f"{spec.subfolder}/*"] if spec.subfolder else None
+            snapshot = snapshot_download(spec.repo_id, revision=commit, token=token, allow_patterns=allow,
+                                         ignore_patterns=ignore)
+            root = os.path.join(snapshot, *spec.subfolder.split("/")) if spec.subfolder else snapshot
+    with renamed_errors(root, str(spec)):
+        yield root
+
+
+def _not_downloaded(listing: Mirror, *, pickles: bool) -> list[str]:
+    """The ignore patterns: other weight formats, and pickles unless they are all the folder has."""
+    try:
+        check_not_pickle_only(listing)
+    except InvalidInputError:
+        if not pickles:
+            raise
+        return [p for p in NOT_DOWNLOADED if not p.endswith(PICKLE_SUFFIXES)]
+    return list(NOT_DOWNLOADED)
+
+
+def _names_a_file(spec: RemoteSpec) -> bool:
+    """``hf://org/repo/sd_xl_base_1.0.safetensors``: the path's last part is a checkpoint file name."""
+    return spec.subfolder.endswith(CHECKPOINT_SUFFIXES)

@@ -1,0 +1,213 @@
+"""``split``/``convert hf://... --no-cache``: tensor bytes streamed by range reads straight into the shards.
+
+The header-only mirror (:mod:`shardkit.hub.remote`) gives the local readers everything they
+validate: headers, indexes, file sizes. :class:`StreamingSource` wraps the source opened on it and
+serves tensor bytes from the Hub instead of from the sparse files: each file is read front to
+back in windows of ``WINDOW_BYTES``, ``PREFETCH_WINDOWS`` of them in flight on worker threads, so
+memory stays bounded whatever the checkpoint's size and nothing is written to the HF cache.
+
+Why front to back with a digest: every byte of a file is fetched once, and a file read whole is
+checked against the hash the Hub lists for it (the LFS sha256, or the git blob id of a small
+file) before the write can commit. A corrupted transfer or a file replaced mid-read fails the job
+and leaves no output. A reader that jumps far ahead (tensors left out by ``--include``) skips the
+gap instead of fetching it, and that file's digest is not checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from ..errors import HubError, ShardkitError
+from ..formats.header import TensorEntry
+from ..sources import Source
+from .remote import Mirror, RemoteFile, local_path, read_range
+from .remote_errors import describe_read_error
+
+logger = logging.getLogger("shardkit")
+
+WINDOW_BYTES = 16 << 20  # one range request
+PREFETCH_WINDOWS = 4  # requests in flight per file: latency hidden, memory bounded (~5 windows)
+SKIP_GAP_BYTES = WINDOW_BYTES  # a jump further than this ahead skips the gap rather than fetching it
+
+
+class _Digest:
+    """The Hub's hash of a whole file: sha256 for LFS files, the git blob id (sha1) for the rest."""
+
+    def __init__(self, remote: RemoteFile) -> None:
+        self.expected = remote.sha256 or remote.blob_id
+        self.kind = "sha256" if remote.sha256 else "git blob id"
+        self.hash: Any = hashlib.sha256() if remote.sha256 else hashlib.sha1(b"blob %d\0" % remote.size_bytes)
+
+    def update(self, data: bytes) -> None:
+        self.hash.update(data)
+
+    def matches(self) -> bool:
+        return self.hash.hexdigest() == self.expected
+
+
+class StreamedFile:
+    """Sequential, prefetched range reads of one remote file, digested as they pass.
+
+    Args:
+        mirror: the header-only mirror the file belongs to.
+        remote: the file as the Hub lists it.
+        head: its first bytes, the header at least (already fetched for the mirror): the stream
+            starts after them, and reads inside them are served from them.
+        token: the Hub token.
+        pool: worker threads for the range requests.
+    """
+
+    def __init__(self, mirror: Mirror, remote: RemoteFile, head: bytes, *, token: str | None,
+                 pool: ThreadPoolExecutor) -> None:
+        self.mirror, self.remote, self.token, self.pool = mirror, remote, token, pool
+        self.where = f"{mirror.spec}:{remote.path}"
+        self.digest: _Digest | None = _Digest(remote)
+        self.digest.update(head)
+        self.digested_bytes = len(head)
+        self.next_bytes = len(head)  # where the next window to schedule starts
+        self.queue: deque[tuple[int, Future[bytes]]] = deque()
+        self.window: tuple[int, bytes] = (0, head)
+        self._check_if_whole()  # a file that fit in its first range is complete already
+
+    def read(self, begin: int, end: int) -> bytes:
+        """Bytes ``[begin, end)`` of the file (absolute offsets)."""
+        parts = []
+        at = begin
+        while at < end:
+            start, data = self._window_at(at)
+            part = data[at - start: end - start]
+            parts.append(part)
+            at += len(part)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _window_at(self, at: int) -> tuple[int, bytes]:
+        start, data = self.window
+        if start <= at < start + len(data):
+            return self.window
+        if at < start:  # behind the stream: an out-of-order reader; served, but the file is not digested
+            self._stop_digest("a tensor was read out of file order")
+            return at, self._fetch(at, min(at + WINDOW_BYTES, self.remote.size_bytes))
+        if at >= self.next_bytes + SKIP_GAP_BYTES:
+            self._skip_to(at)
+        while True:
+            self._fill_queue()
+            start, future = self.queue.popleft()
+            data = future.result()
+            self._digest(start, data)
+            self.window = (start, data)
+            if at < start + len(data):
+                return self.window
+
+    def _fill_queue(self) -> None:
+        size = self.remote.size_bytes
+        while len(self.queue) < PREFETCH_WINDOWS and self.next_bytes < size:
+            end = min(self.next_bytes + WINDOW_BYTES, size)
+            self.queue.append((self.next_bytes, self.pool.submit(self._fetch, self.next_bytes, end)))
+            self.next_bytes = end
+        if not self.queue:
+            raise HubError(f"{self.where}: read past the end of the {self.remote.size_bytes}-byte file the Hub lists "
+                           "(a header that lies about its tensors)")
+
+    def _skip_to(self, at: int) -> None:
+        for _, future in self.queue:
+            future.cancel()
+        self.queue.clear()
+        self.next_bytes = at
+        self._stop_digest("tensors left out of the output were skipped")
+
+    def _digest(self, start: int, data: bytes) -> None:
+        if self.digest is None or start != self.digested_bytes:
+            return
+        self.digest.update(data)
+        self.digested_bytes += len(data)
+        self._check_if_whole()
+
+    def _check_if_whole(self) -> None:
+        """Once every byte passed through the digest, it must be the hash the Hub lists."""
+        if self.digest is None:
+            return
+        if self.digested_bytes == self.remote.size_bytes and not self.digest.matches():
+            raise HubError(f"{self.where}: the bytes received do not match the {self.digest.kind} the Hub lists "
+                           f"({self.digest.expected[:12]}...): the transfer was corrupted or the file changed "
+                           "while it was read; nothing was written, try again")
+        if self.digested_bytes == self.remote.size_bytes:
+            logger.debug("%s: %s checked", self.where, self.digest.kind)
+
+    def _stop_digest(self, why: str) -> None:
+        if self.digest is not None:
+            logger.debug("%s: not checked against the Hub's hash: %s", self.where, why)
+        self.digest = None
+
+    def _fetch(self, begin: int, end: int) -> bytes:
+        try:
+            return read_range(self.mirror, self.remote, begin, end, token=self.token)
+        except ShardkitError:
+            raise
+        except Exception as e:  # one line, whatever thread and whichever layer the failure surfaces in
+            message = describe_read_error(e, self.mirror.spec)
+            if message is None:
+                raise
+            raise HubError(message) from e
+
+    def close(self) -> None:
+        for _, future in self.queue:
+            future.cancel()
+        self.queue.clear()
+
+
+class StreamingSource(Source):
+    """A source opened on a header-only mirror whose tensor bytes come from the Hub.
+
+    Entries are the inner source's, so the output's layout (header padding, carried manifest
+    crc32s) is the same as a local split of the same files; ``kernel_copy`` is off, so the writer
+    reads the bytes through :meth:`read` instead of copying them from the (sparse) mirror files.
+
+    >>> with open_source(mirror.root) as inner, StreamingSource(inner, mirror) as src:  # doctest: +SKIP
+    ...     split_source(src, "out/", options=WriteOptions())
+    """
+
+    kernel_copy = False
+
+    def __init__(self, inner: Source, mirror: Mirror, *, token: str | None = None) -> None:
+        self.inner, self.mirror, self.token = inner, mirror, token
+        self.description = f"{inner.description.replace(mirror.root, str(mirror.spec))}, streamed"
+        self.naming, self.shard_rule, self.paths = inner.naming, inner.shard_rule, inner.paths
+        self.pool = ThreadPoolExecutor(PREFETCH_WINDOWS, thread_name_prefix="shardkit-stream")
+        self.remote_files = {os.path.realpath(local_path(mirror, f)): f for f in mirror.files.values()}
+        self.streams: dict[str | None, StreamedFile] = {}
+        for entry in inner.entries():  # every tensor lies in a mirrored safetensors file: checked up front
+            self._stream(entry.file)
+
+    def _stream(self, local: str | None) -> StreamedFile:
+        if local not in self.streams:
+            remote = self.remote_files.get(os.path.realpath(local)) if local is not None else None
+            if local is None or remote is None or remote.path not in self.mirror.prefix_bytes:
+                raise HubError(f"{self.mirror.spec}: {self.description} holds tensors that are not in a listed "
+                               "safetensors file; only safetensors weights can be streamed (drop --no-cache)")
+            with open(local, "rb") as f:  # the real bytes fetched for the mirror; the rest is a hole
+                head = f.read(self.mirror.prefix_bytes[remote.path])
+            self.streams[local] = StreamedFile(self.mirror, remote, head, token=self.token, pool=self.pool)
+        return self.streams[local]
+
+    def entries(self) -> list[TensorEntry]:
+        return self.inner.entries()
+
+    def metadata(self) -> dict[str, str]:
+        return self.inner.metadata()
+
+    def aliases(self) -> dict[str, str]:
+        return self.inner.aliases()
+
+    def read(self, entry: TensorEntry, begin: int, end: int) -> bytes:
+        return self._stream(entry.file).read(entry.offset + begin, entry.offset + end)
+
+    def close(self) -> None:
+        for stream in self.streams.values():
+            stream.close()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.inner.close()

@@ -1,0 +1,179 @@
+"""``split``/``convert`` of ``hf://`` sources: streamed (``--no-cache``) and through the HF cache.
+
+Runs the real CLI against the offline Hub (tests/hub_server.py) through the real huggingface_hub
+client; the server counts what it sends, so "each byte once" and "only the kept tensors" are
+checked by what crossed the wire, and "no cache copy" by what is in HF_HUB_CACHE afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers_hub import folder_files, hub, hub_env, run_shardkit  # noqa: F401
+from test_remote import TENSOR_BYTES, one_error_line, split_folder, write_safetensors
+
+pytestmark = pytest.mark.hub
+
+SAFETENSORS = r"\.safetensors$"
+
+
+def cache_files(home: Path) -> list[Path]:
+    return [p for p in (home / "hub").rglob("*") if p.is_file()]
+
+
+def source_bytes(files: dict[str, bytes]) -> int:
+    return sum(len(v) for k, v in files.items() if k.endswith(".safetensors"))
+
+
+def test_split_no_cache_streams_each_byte_once_and_equals_a_local_split(hub, tmp_path):
+    import shardkit
+
+    folder = split_folder(tmp_path, "src", "600KB")
+    files = folder_files(folder)
+    hub.state.add_repo("alice/tiny", {**files, "pytorch_model.bin": b"\0" * 64, "tokenizer.json": b'{"v": 1}'})
+    home = tmp_path / "home"
+    proc = run_shardkit(hub_env(hub, home), "split", "hf://alice/tiny", tmp_path / "streamed",
+                        "--max-shard-size", "1100KB", "--no-cache", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert len(doc["shards"]) == 2 and "hf://alice/tiny" in doc["source"] and "shardkit-remote" not in proc.stdout
+    (folder / "tokenizer.json").write_bytes(b'{"v": 1}')
+    shardkit.split(folder, tmp_path / "local", max_shard_size="1100KB")
+    got, want = folder_files(tmp_path / "streamed"), folder_files(tmp_path / "local")
+    assert got == want and "tokenizer.json" in got and "config.json" in got
+    assert hub.state.bytes_sent(SAFETENSORS) == source_bytes(files)  # every byte once: headers included
+    assert not any(p.endswith(".bin") for _, p, _, _ in hub.state.sent)
+    assert cache_files(home) == []  # nothing through the HF cache
+
+
+def test_split_no_cache_of_a_pipeline_repo_equals_a_local_pipeline_split(hub, tmp_path):
+    import shardkit
+
+    pipe = tmp_path / "pipe"
+    (pipe / "scheduler").mkdir(parents=True)
+    (pipe / "model_index.json").write_text(json.dumps({
+        "_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
+        "text_encoder": ["transformers", "CLIPTextModel"], "scheduler": ["diffusers", "PNDMScheduler"]}))
+    (pipe / "scheduler" / "scheduler_config.json").write_text('{"_class_name": "PNDMScheduler"}')
+    write_safetensors(pipe / "unet" / "diffusion_pytorch_model.safetensors", count=6, seed=1)
+    (pipe / "unet" / "config.json").write_text('{"_class_name": "UNet2DConditionModel"}')
+    write_safetensors(pipe / "text_encoder" / "model.safetensors", count=3, seed=2)
+    (pipe / "text_encoder" / "config.json").write_text('{"model_type": "clip_text_model"}')
+    files = folder_files(pipe)
+    hub.state.add_repo("alice/pipe", files)
+    home = tmp_path / "home"
+    proc = run_shardkit(hub_env(hub, home), "split", "hf://alice/pipe", tmp_path / "streamed",
+                        "--max-shard-size", "600KB", "--no-cache", "-q")
+    assert proc.returncode == 0, proc.stderr
+    shardkit.split(pipe, tmp_path / "local", max_shard_size="600KB")
+    got, want = folder_files(tmp_path / "streamed"), folder_files(tmp_path / "local")
+    assert got == want and "unet/diffusion_pytorch_model.safetensors.index.json" in got
+    assert hub.state.bytes_sent(SAFETENSORS) == source_bytes(files)
+    assert cache_files(home) == []
+
+
+def test_convert_no_cache_fetches_only_the_kept_tensors(hub, tmp_path):
+    import shardkit
+    from shardkit.hub.remote import FIRST_RANGE_BYTES
+
+    source = write_safetensors(tmp_path / "src" / "model.safetensors", count=200, seed=3)  # 52 MB
+    hub.state.add_repo("alice/wide", folder_files(source.parent))
+    proc = run_shardkit(hub_env(hub, tmp_path / "home"), "convert", "hf://alice/wide", tmp_path / "streamed",
+                        "--include", "layer.1??.weight", "--strip-prefix", "layer.", "--no-cache", "-q")
+    assert proc.returncode == 0, proc.stderr
+    shardkit.convert(source, tmp_path / "local", include=["layer.1??.weight"], strip_prefix="layer.")
+    assert folder_files(tmp_path / "streamed") == folder_files(tmp_path / "local")
+    # The header's first range, then the kept second half: the 25 MB in between were skipped.
+    assert hub.state.bytes_sent(SAFETENSORS) == FIRST_RANGE_BYTES + 100 * TENSOR_BYTES
+
+
+def test_a_corrupted_transfer_fails_the_sha256_check_and_publishes_nothing(hub, tmp_path):
+    source = write_safetensors(tmp_path / "src" / "model.safetensors", count=8)
+    hub.state.add_repo("alice/tiny", folder_files(source.parent))
+    env = hub_env(hub, tmp_path / "home")
+    hub.state.inject("GET", r"/resolve/.*model\.safetensors$", 1, times=None)  # every body has a flipped byte
+    line = one_error_line(run_shardkit(env, "split", "hf://alice/tiny", tmp_path / "out", "--no-cache", "-q"))
+    assert "hf://alice/tiny:model.safetensors: the bytes received do not match the sha256" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("status", [503, 0], ids=["5xx", "cut-mid-body"])
+def test_a_network_failure_mid_stream_is_retried_then_one_line_with_no_output(hub, tmp_path, status):
+    source = write_safetensors(tmp_path / "src" / "model.safetensors", count=8)
+    hub.state.add_repo("alice/tiny", folder_files(source.parent))
+    env = hub_env(hub, tmp_path / "home")
+    proc = run_shardkit(env, "split", "hf://alice/tiny", tmp_path / "ok", "--no-cache", "-q")
+    assert proc.returncode == 0, proc.stderr
+    streamed = r"^bytes=[1-9]"  # the streamed reads, not the mirror's header range (bytes=0-...)
+    fault = hub.state.inject("GET", r"/resolve/.*model\.safetensors$", status, times=2, range=streamed)
+    proc = run_shardkit(env, "split", "hf://alice/tiny", tmp_path / "retried", "--no-cache", "-q")
+    assert proc.returncode == 0 and fault.times == 0, proc.stderr
+    assert folder_files(tmp_path / "retried") == folder_files(tmp_path / "ok")
+    hub.state.inject("GET", r"/resolve/.*model\.safetensors$", status, times=None, range=streamed)
+    line = one_error_line(run_shardkit(env, "split", "hf://alice/tiny", tmp_path / "failed", "--no-cache", "-q"))
+    assert line.startswith("error: hf://alice/tiny: ") and "retries" in line, line
+    assert not (tmp_path / "failed").exists()
+
+
+def test_convert_of_a_pickle_repo_goes_through_the_cache(hub, tmp_path):
+    import torch
+
+    import shardkit
+
+    state = {"model.w": torch.arange(12, dtype=torch.float32).reshape(3, 4), "model.b": torch.ones(4)}
+    torch.save({"state_dict": state}, tmp_path / "pytorch_model.bin")
+    hub.state.add_repo("alice/old", {"pytorch_model.bin": (tmp_path / "pytorch_model.bin").read_bytes(),
+                                     "config.json": b"{}"})
+    env = hub_env(hub, tmp_path / "home")
+    proc = run_shardkit(env, "convert", "hf://alice/old", tmp_path / "out", "--strip-prefix", "model.", "-q")
+    assert proc.returncode == 0, proc.stderr
+    loaded = shardkit.open(tmp_path / "out")
+    assert torch.equal(loaded["w"], state["model.w"]) and sorted(loaded.keys()) == ["b", "w"]
+    line = one_error_line(run_shardkit(env, "convert", "hf://alice/old", tmp_path / "streamed", "--no-cache"))
+    assert "pickle weights only (pytorch_model.bin" in line and not (tmp_path / "streamed").exists()
+
+
+def test_convert_of_one_file_in_a_repo_downloads_that_file(hub, tmp_path):
+    import shardkit
+
+    source = write_safetensors(tmp_path / "src" / "v1-5.safetensors", count=4)
+    hub.state.add_repo("alice/sd", {"ckpts/v1-5.safetensors": source.read_bytes(),
+                                    "ckpts/other.safetensors": b"x" * 10})
+    env = hub_env(hub, tmp_path / "home")
+    proc = run_shardkit(env, "convert", "hf://alice/sd/ckpts/v1-5.safetensors", tmp_path / "out",
+                        "--max-shard-size", "600KB", "-q")
+    assert proc.returncode == 0, proc.stderr
+    shardkit.convert(source, tmp_path / "local", max_shard_size="600KB")
+    assert folder_files(tmp_path / "out") == folder_files(tmp_path / "local")
+    assert not any("other" in p for _, p, _, _ in hub.state.sent)
+    missing = one_error_line(run_shardkit(env, "convert", "hf://alice/sd/ckpts/nope.safetensors", tmp_path / "x"))
+    assert "no file 'ckpts/nope.safetensors' in alice/sd" in missing, missing
+
+
+def test_remote_flags_are_checked_before_any_work(hub, tmp_path):
+    source = write_safetensors(tmp_path / "src" / "model.safetensors", count=2)
+    env = hub_env(hub, tmp_path / "home")
+    local = one_error_line(run_shardkit(env, "split", source, tmp_path / "out", "--no-cache"))
+    assert "--no-cache applies to an hf://ORG/REPO source" in local
+    pr = one_error_line(run_shardkit(env, "split", source, tmp_path / "out", "--create-pr"))
+    assert "--create-pr applies with --push-to" in pr
+    assert not (tmp_path / "out").exists() and hub.state.requests == []
+
+
+def test_reshard_a_repo_as_a_pull_request_without_the_cache(hub, tmp_path):
+    from helpers_hub import download
+
+    folder = split_folder(tmp_path, "src", "600KB")
+    hub.state.add_repo("alice/tiny", folder_files(folder))
+    env = hub_env(hub, tmp_path / "home")
+    proc = run_shardkit(env, "split", "hf://alice/tiny", tmp_path / "out", "--max-shard-size", "1100KB",
+                        "--no-cache", "--push-to", "alice/tiny", "--create-pr", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("/discussions/1"), proc.stdout
+    got = folder_files(download(env, "alice/tiny", tmp_path / "pr", revision="refs/pr/1"))
+    assert {k: v for k, v in got.items() if not k.startswith(".")} == folder_files(tmp_path / "out")
+    main = folder_files(download(env, "alice/tiny", tmp_path / "main"))
+    assert {k: v for k, v in main.items() if not k.startswith(".")} == folder_files(folder)  # main untouched
