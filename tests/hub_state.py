@@ -31,19 +31,31 @@ def lfs_pointer(sha256: str, size: int) -> bytes:
     return f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
 
 
+_ZERO_CHUNK_BYTES = 16 << 20
+
+
 class LazyBlob:
     """An LFS object whose bytes are generated on demand: a real ``head`` (e.g. a safetensors
     header), then zeros up to ``size``. Lets a test serve a multi-GB file without holding it.
 
-    Its ``oid`` is synthetic (the sha256 of the head and the size, not of the bytes): a test that
-    checks sha256 against content must use real bytes.
+    Its ``oid`` is synthetic (the sha256 of the head and the size, not of the bytes) unless
+    ``true_oid``: then it is the sha256 of the bytes served, hashed once here (~1 s per GB), for a
+    client that checks what it downloads.
     """
 
-    def __init__(self, head: bytes, size: int) -> None:
+    def __init__(self, head: bytes, size: int, *, true_oid: bool = False) -> None:
         if size < len(head):
             raise ValueError("a LazyBlob is at least as long as its head")
         self.head, self.size = head, size
-        self.oid = hashlib.sha256(head + b"lazy:%d" % size).hexdigest()
+        self.oid = self._sha256() if true_oid else hashlib.sha256(head + b"lazy:%d" % size).hexdigest()
+
+    def _sha256(self) -> str:
+        digest, zeros = hashlib.sha256(self.head), bytes(_ZERO_CHUNK_BYTES)
+        left = self.size - len(self.head)
+        while left:
+            digest.update(zeros[:min(left, len(zeros))])
+            left -= min(left, len(zeros))
+        return digest.hexdigest()
 
     def __len__(self) -> int:
         return self.size

@@ -177,3 +177,57 @@ def test_reshard_a_repo_as_a_pull_request_without_the_cache(hub, tmp_path):
     assert {k: v for k, v in got.items() if not k.startswith(".")} == folder_files(tmp_path / "out")
     main = folder_files(download(env, "alice/tiny", tmp_path / "main"))
     assert {k: v for k, v in main.items() if not k.startswith(".")} == folder_files(folder)  # main untouched
+
+
+def run_measured(env: dict[str, str], *args: object) -> tuple[int, int, str]:
+    """Run the CLI; its exit code, its own peak RSS in bytes (``wait4``), and its stderr."""
+    import os
+    import subprocess
+
+    from helpers_hub import SHARDKIT_BIN
+
+    proc = subprocess.Popen([SHARDKIT_BIN, *map(str, args)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    stderr = proc.stderr.read() if proc.stderr else ""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_maxrss * 1024, stderr
+
+
+def lazy_sharded_repo(files_count: int, tensor_bytes: int) -> dict[str, object]:
+    """``files_count`` safetensors files of 4 BF16 tensors of ``tensor_bytes`` each (zeros, true sha256s)."""
+    from hub_state import LazyBlob
+
+    from shardkit.formats.header import TensorEntry, build_header
+
+    files: dict[str, object] = {}
+    weight_map = {}
+    for n in range(1, files_count + 1):
+        entries = [TensorEntry(f"blocks.{n}.{k}.weight", "BF16", (tensor_bytes // 2,), tensor_bytes) for k in range(4)]
+        head, _ = build_header(entries)
+        name = f"model-{n:05d}-of-{files_count:05d}.safetensors"
+        files[name] = LazyBlob(head, len(head) + 4 * tensor_bytes, true_oid=True)
+        weight_map.update({e.name: name for e in entries})
+    files["model.safetensors.index.json"] = json.dumps(
+        {"metadata": {"total_size": 4 * files_count * tensor_bytes}, "weight_map": weight_map}).encode()
+    return files
+
+
+@pytest.mark.slow
+def test_streaming_memory_does_not_grow_with_the_repo(hub, tmp_path):
+    peaks = {}
+    for label, files_count, tensor_bytes in (("small", 1, 75_000_000), ("big", 3, 100_000_000)):  # 0.3 / 1.2 GB
+        files = lazy_sharded_repo(files_count, tensor_bytes)
+        hub.state.add_repo(f"alice/{label}", files)
+        home, out = tmp_path / f"home-{label}", tmp_path / f"out-{label}"
+        before = hub.state.bytes_sent(SAFETENSORS)
+        code, peaks[label], stderr = run_measured(hub_env(hub, home), "split", f"hf://alice/{label}", out,
+                                                  "--max-shard-size", "500MB", "--no-cache", "-q")
+        assert code == 0, stderr
+        sent = hub.state.bytes_sent(SAFETENSORS) - before
+        assert sent == sum(len(v) for k, v in files.items() if k.endswith(".safetensors"))  # each byte once
+        assert cache_files(home) == []
+        verified = run_shardkit(hub_env(hub, home), "verify", out)
+        assert verified.returncode == 0, verified.stdout + verified.stderr
+    # 4x the bytes, about the same peak (~150-290 MiB measured): the windows in flight, not the files
+    assert peaks["big"] - peaks["small"] < 64 * 2**20 and peaks["big"] < 400 * 2**20, peaks

@@ -30,8 +30,8 @@ from .remote_errors import describe_read_error
 
 logger = logging.getLogger("shardkit")
 
-WINDOW_BYTES = 16 << 20  # one range request
-PREFETCH_WINDOWS = 4  # requests in flight per file: latency hidden, memory bounded (~5 windows)
+WINDOW_BYTES = 8 << 20  # one range request (the client holds it about twice while receiving)
+PREFETCH_WINDOWS = 4  # requests in flight per file: latency hidden, memory bounded
 SKIP_GAP_BYTES = WINDOW_BYTES  # a jump further than this ahead skips the gap rather than fetching it
 
 
@@ -74,13 +74,13 @@ class StreamedFile:
         self.window: tuple[int, bytes] = (0, head)
         self._check_if_whole()  # a file that fit in its first range is complete already
 
-    def read(self, begin: int, end: int) -> bytes:
-        """Bytes ``[begin, end)`` of the file (absolute offsets)."""
+    def read(self, begin: int, end: int) -> bytes | memoryview:
+        """Bytes ``[begin, end)`` of the file (absolute offsets): a view of one window, or one joined copy."""
         parts = []
         at = begin
         while at < end:
             start, data = self._window_at(at)
-            part = data[at - start: end - start]
+            part = memoryview(data)[at - start: end - start]
             parts.append(part)
             at += len(part)
         return parts[0] if len(parts) == 1 else b"".join(parts)
@@ -172,6 +172,7 @@ class StreamingSource(Source):
     """
 
     kernel_copy = False
+    read_chunk_bytes = WINDOW_BYTES
 
     def __init__(self, inner: Source, mirror: Mirror, *, token: str | None = None) -> None:
         self.inner, self.mirror, self.token = inner, mirror, token
@@ -203,7 +204,7 @@ class StreamingSource(Source):
     def aliases(self) -> dict[str, str]:
         return self.inner.aliases()
 
-    def read(self, entry: TensorEntry, begin: int, end: int) -> bytes:
+    def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
         return self._stream(entry.file).read(entry.offset + begin, entry.offset + end)
 
     def close(self) -> None:

@@ -328,8 +328,9 @@ def _write_through(fd: int, p: TensorWrite, source: Source, path: str, tick: Pro
     if p.src.dtype != p.out.dtype:
         _cast_tensor(fd, p, source, path, tick)
         return
-    for begin in range(0, p.src.nbytes, CHUNK_BYTES):
-        chunk = source.read(p.src, begin, min(begin + CHUNK_BYTES, p.src.nbytes))
+    step = source.read_chunk_bytes or CHUNK_BYTES
+    for begin in range(0, p.src.nbytes, step):
+        chunk = source.read(p.src, begin, min(begin + step, p.src.nbytes))
         _write_all(fd, chunk, path)
         tick(len(chunk))
 

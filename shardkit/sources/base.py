@@ -34,6 +34,9 @@ class Source(abc.ABC):
     # False when the files that entries name give the layout (offsets, manifests) but their bytes
     # must come through read(): a Hub file streamed behind a sparse mirror (hub/remote_stream.py).
     kernel_copy: bool = True
+    # The bytes per read() call the writer should use, where the source knows better (a streamed
+    # file's window: one view, no copy); None keeps the writer's default.
+    read_chunk_bytes: int | None = None
 
     @abc.abstractmethod
     def entries(self) -> list[TensorEntry]:

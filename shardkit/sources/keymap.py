@@ -90,7 +90,7 @@ class KeyMapSource(Source):
         self.description = inner.description
         self.naming = inner.naming
         self.paths = inner.paths
-        self.kernel_copy = inner.kernel_copy
+        self.kernel_copy, self.read_chunk_bytes = inner.kernel_copy, inner.read_chunk_bytes
         inner_entries = inner.entries()
         self._entries, self._by_name = _map_entries(inner_entries, keymap, where=inner.description)
         self.dropped = len(inner_entries) - len(self._entries)
