@@ -91,9 +91,8 @@ def convert(source: str, output: str, key: str | None, strip_prefix: str | None,
     """
     from ..sharding.convert import build_keymap, convert_with
     from ..sharding.options import WriteOptions
-    from .split import check_remote_flags, print_plan
+    from .split import print_plan
 
-    check_remote_flags(source, no_cache=no_cache)
     keymap = build_keymap(include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
                           rename=rename)
     from ..distributed.group import init_from_env, is_rank_zero
@@ -114,9 +113,9 @@ def convert(source: str, output: str, key: str | None, strip_prefix: str | None,
         else:
             from ..hub.remote_checkpoint import open_checkpoint
 
-            with open_checkpoint(source, token=token, cache=not no_cache, pickles=True) as ckpt:
-                result = convert_with(ckpt.path, output, options=options, key=key, keymap=keymap, to=to,
-                                      config=config, component=component, wrap_source=ckpt.wrap_source)
+            with open_checkpoint(source, token=token, cache=not no_cache, pickles=True) as readable:
+                result = convert_with(readable, output, options=options, key=key, keymap=keymap, to=to,
+                                      config=config, component=component)
     if as_json:
         echo_json(result.to_dict())
     elif not quiet:

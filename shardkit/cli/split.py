@@ -59,7 +59,7 @@ def split(source: str, output: str, key: str | None, as_json: bool, quiet: bool,
     from ..sharding.split import split_with
 
     dry_run = write["dry_run"]
-    check_remote_flags(source, no_cache=no_cache, create_pr=create_pr, push_to=push_to)
+    check_create_pr(create_pr=create_pr, push_to=push_to)
     if push_to:
         from ..hub.preflight import check_push_target, check_repo_id
 
@@ -67,10 +67,9 @@ def split(source: str, output: str, key: str | None, as_json: bool, quiet: bool,
         check_repo_id(push_to) if dry_run else check_push_target(push_to, token=token)
     from ..hub.remote_checkpoint import open_checkpoint
 
-    with open_checkpoint(source, token=token, cache=not no_cache) as ckpt, \
+    with open_checkpoint(source, token=token, cache=not no_cache) as readable, \
             byte_progress("split", enabled=not (quiet or as_json or dry_run)) as progress:
-        result = split_with(ckpt.path, output, options=WriteOptions(**write, progress=progress), key=key,
-                            wrap_source=ckpt.wrap_source)
+        result = split_with(readable, output, options=WriteOptions(**write, progress=progress), key=key)
     if not (as_json or quiet):
         print_plan(result)
     pushed = None
@@ -83,13 +82,10 @@ def split(source: str, output: str, key: str | None, as_json: bool, quiet: bool,
         echo_json({**result.to_dict(), "push": pushed.to_dict()} if pushed else result.to_dict())
 
 
-def check_remote_flags(source: str, *, no_cache: bool, create_pr: bool = False, push_to: str | None = None) -> None:
-    """--no-cache needs an hf:// source; --create-pr needs --push-to."""
+def check_create_pr(*, create_pr: bool, push_to: str | None) -> None:
+    """--create-pr needs --push-to."""
     from ..errors import InvalidInputError
-    from ..hub.remote import is_remote
 
-    if no_cache and not is_remote(source):
-        raise InvalidInputError(f"--no-cache applies to an hf://ORG/REPO source; {source} is read from disk")
     if create_pr and not push_to:
         raise InvalidInputError("--create-pr applies with --push-to REPO_ID; add it, or drop --create-pr")
 

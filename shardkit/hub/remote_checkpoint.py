@@ -1,7 +1,7 @@
 """A Hub repository as the input of ``split`` and ``convert``: through the HF cache, or streamed.
 
 :func:`open_checkpoint` turns ``hf://ORG/REPO[@REV][/SUBFOLDER]`` into what the local writers
-take, a path plus an optional source wrapper:
+take, a path or a :class:`~shardkit.sharding.job.WrappedPath`:
 
 - by default the files are downloaded into the Hugging Face cache (``snapshot_download``,
   ``hf_hub_download`` for one file), so a later ``from_pretrained`` reuses them, and the
@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
 from typing import Iterator
 
 from ..errors import InvalidInputError
 from ..formats.suffixes import CHECKPOINT_SUFFIXES, PICKLE_SUFFIXES
-from ..sharding.job import SourceWrapper
+from ..sharding.job import WrappedPath
 from ..sources import Source
 from .remote import (
     NOT_DOWNLOADED,
@@ -35,20 +34,12 @@ from .remote import (
 )
 from .remote_errors import hub_read_errors
 
-__all__ = ["RemoteCheckpoint", "cached_checkpoint", "open_checkpoint"]
-
-
-@dataclass(frozen=True)
-class RemoteCheckpoint:
-    """What the writers read: a local ``path``, and a wrapper for the sources opened from it (streaming)."""
-
-    path: str
-    wrap_source: SourceWrapper | None = None
+__all__ = ["cached_checkpoint", "open_checkpoint"]
 
 
 @contextlib.contextmanager
 def open_checkpoint(path: str, *, token: str | None = None, cache: bool = True,
-                    pickles: bool = False) -> Iterator[RemoteCheckpoint]:
+                    pickles: bool = False) -> Iterator[str | WrappedPath]:
     """``path`` for the local writers; for ``hf://...`` its cached copy, or a mirror streamed from the Hub.
 
     Args:
@@ -60,19 +51,22 @@ def open_checkpoint(path: str, *, token: str | None = None, cache: bool = True,
             user asked for that repository); never with ``cache=False``.
 
     Returns:
-        A context manager yielding a :class:`RemoteCheckpoint`; errors raised inside name
-        ``path``, not the temporary or cached folder.
+        A context manager yielding what ``split``/``convert`` take as their source: a local path,
+        or a :class:`~shardkit.sharding.job.WrappedPath` (the mirror, and the streaming wrapper);
+        errors raised inside name ``path``, not the temporary or cached folder.
 
-    >>> with open_checkpoint("hf://org/model", cache=False) as ckpt:          # doctest: +SKIP
-    ...     split_with(ckpt.path, "out/", options=options, wrap_source=ckpt.wrap_source)
+    >>> with open_checkpoint("hf://org/model", cache=False) as source:          # doctest: +SKIP
+    ...     shardkit.split(source, "out/", max_shard_size="2GB")
     """
     if not is_remote(path):
-        yield RemoteCheckpoint(path)
+        if not cache:
+            raise InvalidInputError(f"--no-cache applies to an hf://ORG/REPO source; {path} is read from disk")
+        yield path
         return
     spec = parse_spec(path)
     if cache:
         with cached_checkpoint(spec, token=token, pickles=pickles) as local:
-            yield RemoteCheckpoint(local)
+            yield local
         return
     if _names_a_file(spec):
         raise InvalidInputError(f"{spec}: --no-cache streams a repository folder; for one file, drop --no-cache "
@@ -84,7 +78,7 @@ def open_checkpoint(path: str, *, token: str | None = None, cache: bool = True,
         def stream(inner: Source) -> Source:
             return StreamingSource(inner, mirror, token=token)
 
-        yield RemoteCheckpoint(mirror.root, stream)
+        yield WrappedPath(mirror.root, stream)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from ..errors import InvalidInputError
 from ..formats.layout import is_pipeline_folder
 from ..sources import Source
 from ..sources.keymap import KeyMap, KeyMapSource, parse_renames
-from .job import SourceWrapper, SplitResult, open_settled, refuse_output_inside_source, side_files, split_source
+from .job import SplitResult, open_settled, unwrap_path, refuse_output_inside_source, side_files, split_source
 from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions, warn
 from .single_file import is_file_output, split_to_file
 from .split import split_with
@@ -107,13 +107,12 @@ def build_keymap(*, include: Iterable[str] = (), exclude: Iterable[str] = (), st
 
 def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteOptions, key: str | None = None,
                  keymap: KeyMap | None = None, to: str | None = None, config: str | os.PathLike[str] | None = None,
-                 component: str | None = None, wrap_source: SourceWrapper | None = None) -> SplitResult:
+                 component: str | None = None) -> SplitResult:
     """:func:`convert` with the options and key map already built: split of a keymapped source.
-
-    ``wrap_source`` wraps every source opened from a path (not with ``to``, which maps the file).
 
     >>> convert_with("m.ckpt", "out/", options=WriteOptions(), keymap=KeyMap(strip_prefix="model."))  # doctest: +SKIP
     """
+    wrapped, (source, wrap_source) = source, unwrap_path(source)
     output = os.fspath(output)
     keymap = keymap or KeyMap()
     if to is not None or config is not None or component is not None:
@@ -126,7 +125,7 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
         if not keymap.is_identity():
             raise InvalidInputError(f"{source}: key options (--strip-prefix, --include, --rename ...) do not apply "
                                     "to a pipeline folder; convert a component folder instead")
-        return split_with(source, output, options=options, key=key, wrap_source=wrap_source)  # checks the output
+        return split_with(wrapped, output, options=options, key=key)  # checks the output itself
     refuse_output_inside_source(source, output)
     with open_settled(source, key=key, dry_run=options.dry_run, wrap_source=wrap_source) as inner:
         mapped: Source = inner if keymap.is_identity() else KeyMapSource(inner, keymap)

@@ -134,6 +134,30 @@ def refuse_output_inside_source(source: Any, output: str) -> None:
 SourceWrapper = Callable[[Source], Source]
 
 
+@dataclass(frozen=True)
+class WrappedPath:
+    """A checkpoint path whose sources, once opened, are wrapped: what ``split``/``convert`` take for
+    an ``hf://`` repository streamed through a header-only mirror (``path`` is the mirror).
+
+    Attributes:
+        path: the local path the readers open and validate.
+        wrap_source: applied to every source opened from it (each component of a pipeline).
+    """
+
+    path: str
+    wrap_source: SourceWrapper
+
+    def __fspath__(self) -> str:
+        return self.path
+
+
+def unwrap_path(source: Any) -> tuple[Any, SourceWrapper | None]:
+    """``(path, wrapper)`` of a :class:`WrappedPath`; any other source with no wrapper."""
+    if isinstance(source, WrappedPath):
+        return source.path, source.wrap_source
+    return source, None
+
+
 def open_settled(source: Any, *, key: str | None, dry_run: bool, wrap_source: SourceWrapper | None = None) -> Source:
     """Open ``source`` after finishing any interrupted commit in its folder (skipped by a dry run).
 

@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from ..formats.layout import is_pipeline_folder
-from .job import SourceWrapper, SplitResult, open_settled, refuse_output_inside_source, side_files, split_source
+from .job import SplitResult, open_settled, unwrap_path, refuse_output_inside_source, side_files, split_source
 from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions
 from .pipeline import split_pipeline
 from .single_file import is_file_output, refuse_file_output, split_to_file
@@ -28,7 +28,8 @@ def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | 
 
     Args:
         source: a path (safetensors file, index or sharded folder, ``.bin``/``.pt``/``.ckpt``
-            pickle, diffusers pipeline folder) or an open Source.
+            pickle, diffusers pipeline folder), an open Source, or a
+            :class:`~shardkit.sharding.job.WrappedPath`.
         output: the output folder; with ``overwrite`` it may be the source's own folder.
         max_shard_size: largest shard in tensor bytes: ``"5GB"`` (10^9), ``"2GiB"`` (2^30), or an int.
         key: for pickles, the dict key holding the state dict (default: auto).
@@ -50,13 +51,12 @@ def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | 
 
 
 def split_with(source: Any, output: str | os.PathLike[str], *, options: WriteOptions,
-               key: str | None = None, wrap_source: SourceWrapper | None = None) -> SplitResult:
+               key: str | None = None) -> SplitResult:
     """:func:`split` with the options already built.
-
-    ``wrap_source`` wraps every source opened from a path (each component of a pipeline).
 
     >>> split_with("ckpt/", "out/", options=WriteOptions(max_shard_bytes=2 * 10**9, dry_run=True))  # doctest: +SKIP
     """
+    source, wrap_source = unwrap_path(source)
     output = os.fspath(output)
     refuse_output_inside_source(source, output)
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
