@@ -33,7 +33,7 @@ __version__ = "0.1.0"
 
 # Public name → module that defines it; resolved on first access so imports stay cheap.
 _LAZY: dict[str, str] = {
-    "split": "sharding.split",
+    "split": "hub.api",
     "save_sharded": "distributed.save",
     "load_into": "distributed.rank_load",
     "SplitResult": "sharding.job",
@@ -44,10 +44,10 @@ _LAZY: dict[str, str] = {
     "open": "loading.lazy",
     "load_model": "loading.load",
     "plan_device_map": "loading.device_map",
-    "convert": "sharding.convert",
+    "convert": "hub.api",
     "merge": "sharding.merge",
-    "info": "checking.info",
-    "verify": "checking.verify",
+    "info": "hub.api",
+    "verify": "hub.api",
     "push": "hub.push",
     "apply_offload": "runtime.offload",
     "apply_layerwise_casting": "runtime.casting",

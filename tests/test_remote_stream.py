@@ -157,7 +157,7 @@ def test_remote_flags_are_checked_before_any_work(hub, tmp_path):
     source = write_safetensors(tmp_path / "src" / "model.safetensors", count=2)
     env = hub_env(hub, tmp_path / "home")
     local = one_error_line(run_shardkit(env, "split", source, tmp_path / "out", "--no-cache"))
-    assert "--no-cache applies to an hf://ORG/REPO source" in local
+    assert "--no-cache (cache=False) applies to an hf://ORG/REPO source" in local
     pr = one_error_line(run_shardkit(env, "split", source, tmp_path / "out", "--create-pr"))
     assert "--create-pr applies with --push-to" in pr
     assert not (tmp_path / "out").exists() and hub.state.requests == []
@@ -231,3 +231,31 @@ def test_streaming_memory_does_not_grow_with_the_repo(hub, tmp_path):
         assert verified.returncode == 0, verified.stdout + verified.stderr
     # 4x the bytes, about the same peak (~150-290 MiB measured): the windows in flight, not the files
     assert peaks["big"] - peaks["small"] < 64 * 2**20 and peaks["big"] < 400 * 2**20, peaks
+
+
+def test_the_python_api_takes_hf_sources(hub, tmp_path):
+    from helpers_hub import run_python
+
+    import shardkit
+
+    folder = split_folder(tmp_path, "src", "600KB")
+    hub.state.add_repo("alice/tiny", folder_files(folder))
+    code = """
+import sys, shardkit
+out = sys.argv[1]
+result = shardkit.split("hf://alice/tiny", out + "/streamed", max_shard_size="1100KB", cache=False)
+print(len(result.plan.shards), shardkit.info("hf://alice/tiny").tensor_count)
+print(shardkit.verify(out + "/streamed").ok, shardkit.verify(out + "/streamed", against="hf://alice/tiny").ok)
+shardkit.convert("hf://alice/tiny", out + "/converted", strip_prefix="layer.")
+try:
+    shardkit.split(out + "/streamed", out + "/x", cache=False)
+except shardkit.InvalidInputError as e:
+    print("refused:", e)
+"""
+    lines = run_python(code, hub_env(hub, tmp_path / "home"), tmp_path).stdout.splitlines()
+    assert lines[0] == "2 8"
+    assert lines[1] == "True False"  # resharded: same tensors, other files than the repository's
+    assert lines[2].startswith("refused: --no-cache (cache=False) applies to an hf://ORG/REPO source")
+    shardkit.split(folder, tmp_path / "local", max_shard_size="1100KB")
+    assert folder_files(tmp_path / "streamed") == folder_files(tmp_path / "local")
+    assert sorted(shardkit.open(tmp_path / "converted").keys())[0] == "0.weight"

@@ -60,7 +60,7 @@ def open_checkpoint(path: str, *, token: str | None = None, cache: bool = True,
     """
     if not is_remote(path):
         if not cache:
-            raise InvalidInputError(f"--no-cache applies to an hf://ORG/REPO source; {path} is read from disk")
+            raise InvalidInputError(f"--no-cache (cache=False) applies to an hf://ORG/REPO source; {path} is read from disk")
         yield path
         return
     spec = parse_spec(path)

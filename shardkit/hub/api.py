@@ -1,0 +1,113 @@
+"""The public ``shardkit.split`` / ``convert`` / ``info`` / ``verify``: local paths and ``hf://`` repositories.
+
+The local functions live with their stage (sharding, checking), which never imports ``hub``;
+these wrappers route an ``hf://ORG/REPO[@REVISION][/SUBFOLDER]`` argument through
+:mod:`shardkit.hub.remote_checkpoint` (split, convert) or the header-only mirror (info, verify),
+and pass everything else straight on, so ``import shardkit`` gives one function per command
+whatever the input.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from typing import Any
+
+from ..checking.info import CheckpointInfo
+from ..checking.verify import VerifyReport
+from ..sharding.job import SplitResult
+from .remote import is_remote
+from .remote_checkpoint import open_checkpoint
+
+__all__ = ["convert", "info", "split", "verify"]
+
+
+def split(source: Any, output: str | os.PathLike[str], *, token: str | None = None, cache: bool = True,
+          **options: Any) -> SplitResult:
+    """:func:`shardkit.sharding.split.split`, for an ``hf://`` source too.
+
+    Args:
+        source: anything the local ``split`` takes, or ``hf://ORG/REPO[@REVISION][/SUBFOLDER]``.
+        output: the output folder (or ``.safetensors`` file).
+        token: a Hub token for ``hf://`` sources (default ``HF_TOKEN`` or the stored login).
+        cache: download through the Hugging Face cache (default); False streams the tensor bytes
+            by range reads into the output (bounded memory, each byte fetched once, no cache copy).
+        options: ``max_shard_size``, ``dtype``, ``overwrite``... as the local ``split`` takes them.
+
+    Returns:
+        The :class:`~shardkit.sharding.job.SplitResult` of the write.
+
+    >>> shardkit.split("hf://org/model", "out/", max_shard_size="2GB", cache=False)   # doctest: +SKIP
+    """
+    from ..sharding.split import split as split_local
+
+    routed = _routed(source, cache)
+    with open_checkpoint(_text(source), token=token, cache=cache) if routed else nullcontext(source) as readable:
+        return split_local(readable, output, **options)
+
+
+def convert(source: Any, output: str | os.PathLike[str], *, token: str | None = None, cache: bool = True,
+            **options: Any) -> SplitResult:
+    """:func:`shardkit.sharding.convert.convert`, for an ``hf://`` source too.
+
+    An ``hf://`` folder that holds pickle weights only is downloaded (through the cache): the
+    caller asked for that repository. ``cache=False`` streams safetensors only.
+
+    Args:
+        source: anything the local ``convert`` takes, or ``hf://ORG/REPO[@REVISION][/SUBFOLDER or /FILE]``.
+        output: the output folder.
+        token, cache: as for :func:`split`.
+        options: ``include``, ``strip_prefix``, ``to``, ``config``... as the local ``convert`` takes them.
+
+    Returns:
+        A ``ConvertResult`` (a ``PipelineResult`` for a pipeline).
+
+    >>> shardkit.convert("hf://org/old-model", "out/", strip_prefix="model.")   # doctest: +SKIP
+    """
+    from ..sharding.convert import convert as convert_local
+
+    routed = _routed(source, cache)
+    with open_checkpoint(_text(source), token=token, cache=cache, pickles=True) if routed else nullcontext(source) as readable:
+        return convert_local(readable, output, **options)
+
+
+def info(path: Any, *, token: str | None = None) -> CheckpointInfo:
+    """:func:`shardkit.checking.info.info`; for ``hf://...`` from headers, indexes and configs only.
+
+    >>> shardkit.info("hf://black-forest-labs/FLUX.1-dev").parameter_count   # doctest: +SKIP
+    """
+    if is_remote(path):
+        from .remote import remote_info
+
+        return remote_info(path, token=token)
+    from ..checking.info import info as info_local
+
+    return info_local(path)
+
+
+def verify(path: Any, *, against: Any = None, token: str | None = None, **options: Any) -> VerifyReport:
+    """:func:`shardkit.checking.verify.verify`; ``path`` or ``against`` may be ``hf://...``.
+
+    ``verify("hf://...")`` checks the repository's structure without tensor data;
+    ``verify(folder, against="hf://...")`` compares by the Hub's sha256s, then tensor by tensor.
+
+    >>> shardkit.verify("out/", against="hf://org/model").ok   # doctest: +SKIP
+    """
+    from .remote_verify import verify_against_remote, verify_remote
+
+    if is_remote(path):
+        return verify_remote(path, token=token)
+    if is_remote(against):
+        return verify_against_remote(os.fspath(path), against, token=token)
+    from ..checking.verify import verify as verify_local
+
+    return verify_local(path, against=against, **options)
+
+
+def _routed(source: Any, cache: bool) -> bool:
+    """Whether ``source`` goes through :func:`open_checkpoint` (hf://, or a misplaced ``cache=False``)."""
+    return is_remote(source) or not cache
+
+
+def _text(source: Any) -> str:
+    return os.fspath(source) if isinstance(source, os.PathLike) else source
