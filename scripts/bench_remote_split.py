@@ -32,6 +32,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 
 from hub_server import HubServer  # noqa: E402
 from hub_state import LazyBlob  # noqa: E402
+from helpers_hub import run_measured  # noqa: E402
 
 REPO = "bench/sd15-unet"
 SHARD_LIMIT_BYTES = 2 * 10**9
@@ -78,15 +79,11 @@ def unet_repo() -> dict[str, bytes | LazyBlob]:
 
 
 def run_case(argv: list[str], env: dict[str, str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS bytes of one fresh process."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    stderr = proc.stderr.read() if proc.stderr else b""
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{argv[:4]} failed:\n{stderr.decode()}")
-    return seconds, usage.ru_maxrss * 1024
+    """Wall seconds and peak RSS bytes of one fresh process (measured from a small launcher)."""
+    code, seconds, peak, stderr = run_measured(argv, env)
+    if code != 0:
+        raise SystemExit(f"{argv[:4]} failed:\n{stderr}")
+    return seconds, peak
 
 
 def du_bytes(path: Path) -> int:

@@ -111,3 +111,23 @@ def lazy_safetensors(tensors: dict[str, tuple[str, tuple[int, ...]]], *, header_
 def folder_files(folder: Path) -> dict[str, bytes]:
     """Every file under ``folder`` by its repo-relative path (for :meth:`HubState.add_repo`)."""
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# Runs argv and reports its wall time and its own peak RSS. A child's ru_maxrss includes the RSS of
+# the process it was forked from (kept across exec), so the measured command is started from this
+# small interpreter rather than from a test or benchmark process that holds torch or a repository.
+_MEASURE = """
+import os, subprocess, sys, time
+start = time.perf_counter()
+proc = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL)
+_, status, usage = os.wait4(proc.pid, 0)
+print(os.waitstatus_to_exitcode(status), time.perf_counter() - start, usage.ru_maxrss * 1024)
+"""
+
+
+def run_measured(argv: list[Any], env: dict[str, str], *, timeout: float = 600) -> tuple[int, float, int, str]:
+    """Exit code, wall seconds, peak RSS bytes of ``argv`` alone, and its stderr."""
+    proc = subprocess.run([sys.executable, "-S", "-c", _MEASURE, *map(str, argv)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    code, seconds, peak = proc.stdout.split()
+    return int(code), float(seconds), int(peak), proc.stderr
