@@ -320,3 +320,25 @@ def test_verify_checks_shards_against_their_crc32s_in_its_one_read(out: Path, mo
     flip_byte(shard, tensor_offset(shard, tensor))
     report = verify(out)
     assert not report.ok and any(f.tensor == tensor for f in report.findings)
+
+
+def test_tensors_written_through_python_are_crcd_on_the_way_not_read_back(tmp_path: Path, folder_source: Path,
+                                                                        monkeypatch) -> None:
+    """A cast (and any source read through Python: pickles, memory, a streamed repository) records
+    the crc32 of the bytes as they are written; the manifest reads back only header regions, and
+    its crc32s still match the files byte for byte."""
+    from shardkit.formats import manifest as manifest_module
+
+    read = []
+    real = manifest_module._crc_ranges
+    monkeypatch.setattr(manifest_module, "_crc_ranges",
+                        lambda path, ranges, cancelled: read.extend(e - b for _, b, e in ranges) or real(path, ranges,
+                                                                                                          cancelled))
+    shardkit.split(folder_source, tmp_path / "bf16", max_shard_size=SHARD * 3, dtype="bf16")
+    sd = {"a": torch.randn(64, 8), "b": torch.randn(8)}
+    shardkit.save_sharded(sd, tmp_path / "mem", max_shard_size="1KB")
+    assert read and sum(read) < 4096 * len(read), read  # header regions only
+    assert verify(tmp_path / "bf16").ok and verify(tmp_path / "mem").ok
+    shard = sorted((tmp_path / "bf16").glob("*.safetensors"))[0]
+    flip_byte(shard, shard.stat().st_size - 1)
+    assert not verify(tmp_path / "bf16").ok  # the recorded crc32s are real ones

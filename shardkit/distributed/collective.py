@@ -172,10 +172,10 @@ def _write_owned(run: CollectiveWrite, gather: Any) -> dict[str, FileDigest]:
             for shard, owner in zip(job.plan.shards, run.owners):
                 if owner == run.rank:
                     path = run.local(run.paths[shard.filename])
-                    write_safetensors(path, [by_name[n] for n in shard.names], job.source, metadata=metadata,
-                                      progress=tick, sync=sync)
-                    if digest.ENABLED:
-                        hasher.submit(job.path(shard.filename), path, safetensors=True)
+                    written = write_safetensors(path, [by_name[n] for n in shard.names], job.source,
+                                                metadata=metadata, progress=tick, sync=sync)
+                    if digest.ENABLED:  # the gathered tensors were crc'd as they were written
+                        hasher.submit(job.path(shard.filename), path, safetensors=True, carried=written.crc32s)
                 if gather is not None:
                     gather.skip_through(shard.names)
             sync.wait()

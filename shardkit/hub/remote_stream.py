@@ -36,17 +36,26 @@ SKIP_GAP_BYTES = WINDOW_BYTES  # a jump further than this ahead skips the gap ra
 
 
 class _Digest:
-    """The Hub's hash of a whole file: sha256 for LFS files, the git blob id (sha1) for the rest."""
+    """The Hub's hash of a whole file: sha256 for LFS files, the git blob id (sha1) for the rest.
+
+    Hashing runs on its own thread, in order (hashlib releases the GIL on large buffers), so it
+    overlaps with the writes instead of adding to them.
+    """
 
     def __init__(self, remote: RemoteFile) -> None:
         self.expected = remote.sha256 or remote.blob_id
         self.kind = "sha256" if remote.sha256 else "git blob id"
         self.hash: Any = hashlib.sha256() if remote.sha256 else hashlib.sha1(b"blob %d\0" % remote.size_bytes)
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="shardkit-digest")
+        self.last: Future[None] | None = None
 
     def update(self, data: bytes) -> None:
-        self.hash.update(data)
+        self.last = self.worker.submit(self.hash.update, data)
 
     def matches(self) -> bool:
+        self.worker.shutdown(wait=True)  # every queued update done
+        if self.last is not None:
+            self.last.result()
         return self.hash.hexdigest() == self.expected
 
 
@@ -141,6 +150,7 @@ class StreamedFile:
     def _stop_digest(self, why: str) -> None:
         if self.digest is not None:
             logger.debug("%s: not checked against the Hub's hash: %s", self.where, why)
+            self.digest.worker.shutdown(wait=False, cancel_futures=True)
         self.digest = None
 
     def _fetch(self, begin: int, end: int) -> bytes:
@@ -158,6 +168,8 @@ class StreamedFile:
         for _, future in self.queue:
             future.cancel()
         self.queue.clear()
+        if self.digest is not None:
+            self.digest.worker.shutdown(wait=True, cancel_futures=True)
 
 
 class StreamingSource(Source):

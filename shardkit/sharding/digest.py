@@ -181,10 +181,14 @@ class ManifestRecorder:
         self._sources: dict[tuple[str, int, int], str] = {}
         self._looked_up: set[str] = set()
 
-    def shard(self, name: str, path: str, writes: list[object]) -> None:
-        """A finished shard ``name`` at ``path``, written from ``writes`` (TensorWrite records)."""
+    def shard(self, name: str, path: str, writes: list[object], *, known: Mapping[str, str] | None = None) -> None:
+        """A finished shard ``name`` at ``path``, written from ``writes`` (TensorWrite records).
+
+        ``known``: crc32s the writer took of the tensors it wrote through Python; with those
+        carried from the source's manifest, they are not read back.
+        """
         if self.enabled:
-            self._hasher.submit(name, path, safetensors=True, carried=self._carried(writes))
+            self._hasher.submit(name, path, safetensors=True, carried={**self._carried(writes), **(known or {})})
 
     def file(self, name: str, path: str) -> None:
         """A finished side file (config.json...) ``name`` at ``path``."""

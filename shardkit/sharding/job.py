@@ -249,7 +249,8 @@ def _write_shards(job: ShardJob, path_for: Callable[[str], str], metadata: Mappi
         written = write_safetensors(path, writes, job.source, metadata=shard_metadata(job, metadata),
                                     progress=tick, sync=sync)
         job.cloned_bytes += written.cloned_bytes
-        record.shard(job.path(shard.filename), path, writes)  # hashed on a worker while the next shard is copied
+        # hashed on a worker while the next shard is copied; what went through Python was crc'd on the way
+        record.shard(job.path(shard.filename), path, writes, known=written.crc32s)
 
 
 def shard_metadata(job: ShardJob, metadata: Mapping[str, str]) -> dict[str, str]:

@@ -25,7 +25,8 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from .. import _faults
@@ -64,11 +65,15 @@ class WrittenFile:
         file_bytes: its size.
         cloned_bytes: bytes that share extents with another file after the write (copy-on-write
             clones of the source); 0 when nothing was cloned or the filesystem does not tell.
+        crc32s: output tensor name → crc32 (8 hex digits) of the bytes written through Python
+            (read from the source, or cast), taken as they passed: the manifest need not read
+            those tensors back. Tensors copied kernel-side are not in it.
     """
 
     path: str
     file_bytes: int
     cloned_bytes: int = 0
+    crc32s: dict[str, str] = field(default_factory=dict)
 
 
 def tensor_write(entry: TensorEntry, cast_to: str | None) -> TensorWrite:
@@ -163,7 +168,8 @@ def write_safetensors(path: str, writes: list[TensorWrite], source: Source, *,
         # would otherwise leave allocated under the ranges that clones replace.
         os.ftruncate(fd, len(head) + sum(p.out.nbytes for p in writes))
         _write_all(fd, head, path)
-        cloneable = _write_pieces(fd, writes, source, path, tick, data_start=len(head))
+        crc32s: dict[str, str] = {}
+        cloneable = _write_pieces(fd, writes, source, path, tick, data_start=len(head), crc32s=crc32s)
         cloned = _cloned_bytes(fd, len(head)) if cloneable else 0
         file_bytes = os.fstat(fd).st_size
         if sync is None:
@@ -175,7 +181,7 @@ def write_safetensors(path: str, writes: list[TensorWrite], source: Source, *,
     if sync is not None:
         sync.submit(path)
     _faults.point("file-done")
-    return WrittenFile(path, file_bytes, cloned)
+    return WrittenFile(path, file_bytes, cloned, crc32s)
 
 
 def clone_alignment(writes: list[TensorWrite]) -> int | None:
@@ -273,7 +279,7 @@ def _pieces(run: list[TensorWrite], dst_offset: int) -> tuple[list[_Piece], _Pie
 
 
 def _write_pieces(fd: int, writes: list[TensorWrite], source: Source, path: str, tick: ProgressFn, *,
-                  data_start: int) -> bool:
+                  data_start: int, crc32s: dict[str, str]) -> bool:
     """Write every run at its offset; True when some block-aligned middle went through copy_file_range.
 
     Middles go last: on XFS a write into a file that already holds a clone is treated as
@@ -293,7 +299,7 @@ def _write_pieces(fd: int, writes: list[TensorWrite], source: Source, path: str,
             else:
                 os.lseek(fd, begin, os.SEEK_SET)
                 for p in run:
-                    _write_through(fd, p, source, path, tick)
+                    crc32s[p.out.name] = f"{_write_through(fd, p, source, path, tick):08x}"
             begin += sum(p.out.nbytes for p in run)
         for piece in middles:
             _copy_piece(fd, piece, fds.get(piece.src_path), tick)
@@ -323,16 +329,18 @@ class _SourceFds:
             os.close(fd)
 
 
-def _write_through(fd: int, p: TensorWrite, source: Source, path: str, tick: ProgressFn) -> None:
-    """Write one tensor that is not copied kernel-side (or needs a cast) at the current offset, through Python."""
+def _write_through(fd: int, p: TensorWrite, source: Source, path: str, tick: ProgressFn) -> int:
+    """Write one tensor that is not copied kernel-side (or needs a cast) at the current offset, through
+    Python; returns the crc32 of the bytes written."""
     if p.src.dtype != p.out.dtype:
-        _cast_tensor(fd, p, source, path, tick)
-        return
-    step = source.read_chunk_bytes or CHUNK_BYTES
+        return _cast_tensor(fd, p, source, path, tick)
+    step, crc = source.read_chunk_bytes or CHUNK_BYTES, 0
     for begin in range(0, p.src.nbytes, step):
         chunk = source.read(p.src, begin, min(begin + step, p.src.nbytes))
         _write_all(fd, chunk, path)
+        crc = zlib.crc32(chunk, crc)
         tick(len(chunk))
+    return crc
 
 
 def _copy_piece(fd: int, piece: _Piece, src_fd: int, tick: ProgressFn) -> None:
@@ -371,19 +379,22 @@ def _copy_by_chunks(src_fd: int, fd: int, src_offset: int, dst_offset: int, coun
         tick(len(chunk))
 
 
-def _cast_tensor(fd: int, p: TensorWrite, source: Source, path: str, tick: ProgressFn) -> None:
+def _cast_tensor(fd: int, p: TensorWrite, source: Source, path: str, tick: ProgressFn) -> int:
+    """Cast one tensor chunk by chunk while writing it; returns the crc32 of the bytes written."""
     import torch
 
     from ..formats.dtypes import to_torch
 
     src_dtype, out_dtype = to_torch(p.src.dtype), to_torch(p.out.dtype)
     itemsize = src_dtype.itemsize
-    step = max(itemsize, CAST_CHUNK_BYTES // itemsize * itemsize)
+    step, crc = max(itemsize, CAST_CHUNK_BYTES // itemsize * itemsize), 0
     for begin in range(0, p.src.nbytes, step):
         raw = bytearray(source.read(p.src, begin, min(begin + step, p.src.nbytes)))
         cast = torch.frombuffer(raw, dtype=src_dtype).to(out_dtype).view(torch.uint8).numpy()
         _write_all(fd, memoryview(cast), path)
+        crc = zlib.crc32(memoryview(cast), crc)
         tick(cast.nbytes)  # progress counts output bytes, as the plan's total does
+    return crc
 
 
 def _write_all(fd: int, data: bytes | memoryview, path: str) -> None:
