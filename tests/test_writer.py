@@ -34,6 +34,11 @@ class RecordingSource:
         self.reads.append(end - begin)
         return self.inner.read(entry, begin, end)
 
+    def chunks(self, entry: Any, chunk_bytes: int) -> Any:
+        from shardkit.sources.base import Source
+
+        return Source.chunks(self, entry, chunk_bytes)  # type: ignore[arg-type]  # through self.read
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 

@@ -20,7 +20,7 @@ import logging
 import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import HubError, ShardkitError
 from ..formats.header import TensorEntry
@@ -85,14 +85,17 @@ class StreamedFile:
 
     def read(self, begin: int, end: int) -> bytes | memoryview:
         """Bytes ``[begin, end)`` of the file (absolute offsets): a view of one window, or one joined copy."""
-        parts = []
+        parts = list(self.views(begin, end))
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def views(self, begin: int, end: int) -> Iterator[memoryview]:
+        """Bytes ``[begin, end)`` as views of the windows that hold them, in order."""
         at = begin
         while at < end:
             start, data = self._window_at(at)
             part = memoryview(data)[at - start: end - start]
-            parts.append(part)
+            yield part
             at += len(part)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def _window_at(self, at: int) -> tuple[int, bytes]:
         start, data = self.window
@@ -184,7 +187,6 @@ class StreamingSource(Source):
     """
 
     kernel_copy = False
-    read_chunk_bytes = WINDOW_BYTES
 
     def __init__(self, inner: Source, mirror: Mirror, *, token: str | None = None) -> None:
         self.inner, self.mirror, self.token = inner, mirror, token
@@ -218,6 +220,11 @@ class StreamingSource(Source):
 
     def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
         return self._stream(entry.file).read(entry.offset + begin, entry.offset + end)
+
+    def chunks(self, entry: TensorEntry, chunk_bytes: int) -> Iterator[bytes | memoryview]:
+        """Views of the windows the tensor's bytes arrive in (``chunk_bytes`` is not needed: a window
+        is already bounded), so they are written without being copied."""
+        return self._stream(entry.file).views(entry.offset, entry.offset + entry.nbytes)
 
     def close(self) -> None:
         for stream in self.streams.values():

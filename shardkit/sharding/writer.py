@@ -334,9 +334,8 @@ def _write_through(fd: int, p: TensorWrite, source: Source, path: str, tick: Pro
     Python; returns the crc32 of the bytes written."""
     if p.src.dtype != p.out.dtype:
         return _cast_tensor(fd, p, source, path, tick)
-    step, crc = source.read_chunk_bytes or CHUNK_BYTES, 0
-    for begin in range(0, p.src.nbytes, step):
-        chunk = source.read(p.src, begin, min(begin + step, p.src.nbytes))
+    crc = 0
+    for chunk in source.chunks(p.src, CHUNK_BYTES):
         _write_all(fd, chunk, path)
         crc = zlib.crc32(chunk, crc)
         tick(len(chunk))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import os
+from typing import Iterator
 
 from ..formats.header import TensorEntry
 from ..formats.index import Naming
@@ -34,9 +35,6 @@ class Source(abc.ABC):
     # False when the files that entries name give the layout (offsets, manifests) but their bytes
     # must come through read(): a Hub file streamed behind a sparse mirror (hub/remote_stream.py).
     kernel_copy: bool = True
-    # The bytes per read() call the writer should use, where the source knows better (a streamed
-    # file's window: one view, no copy); None keeps the writer's default.
-    read_chunk_bytes: int | None = None
 
     @abc.abstractmethod
     def entries(self) -> list[TensorEntry]:
@@ -53,6 +51,15 @@ class Source(abc.ABC):
     @abc.abstractmethod
     def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
         """Bytes ``begin:end`` of ``entry``'s little-endian data buffer (offsets relative to the tensor)."""
+
+    def chunks(self, entry: TensorEntry, chunk_bytes: int) -> Iterator[bytes | memoryview]:
+        """``entry``'s data buffer in order, in pieces of at most ``chunk_bytes`` (by :meth:`read`).
+
+        A source whose bytes arrive in pieces of its own (a streamed file's windows) yields those
+        instead, without copying them into ``chunk_bytes`` pieces.
+        """
+        for begin in range(0, entry.nbytes, chunk_bytes):
+            yield self.read(entry, begin, min(begin + chunk_bytes, entry.nbytes))
 
     def held_fd(self, path: str) -> int | None:
         """A descriptor this source holds open on ``path``, if any.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
@@ -90,7 +90,7 @@ class KeyMapSource(Source):
         self.description = inner.description
         self.naming = inner.naming
         self.paths = inner.paths
-        self.kernel_copy, self.read_chunk_bytes = inner.kernel_copy, inner.read_chunk_bytes
+        self.kernel_copy = inner.kernel_copy
         inner_entries = inner.entries()
         self._entries, self._by_name = _map_entries(inner_entries, keymap, where=inner.description)
         self.dropped = len(inner_entries) - len(self._entries)
@@ -100,6 +100,9 @@ class KeyMapSource(Source):
 
     def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
         return self.inner.read(self._by_name[entry.name], begin, end)
+
+    def chunks(self, entry: TensorEntry, chunk_bytes: int) -> Iterator[bytes | memoryview]:
+        return self.inner.chunks(self._by_name[entry.name], chunk_bytes)
 
     def aliases(self) -> dict[str, str]:
         return _map_pairs(self.inner.aliases(), self.keymap)
