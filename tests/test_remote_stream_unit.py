@@ -1,0 +1,96 @@
+"""``StreamedFile`` alone: windows, prefetch, skipping, out-of-order reads and the hash check, over an
+in-memory "remote" file (``read_range`` replaced), so every path is exercised without a server."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from shardkit.errors import HubError
+from shardkit.hub import remote_stream
+from shardkit.hub.remote import Mirror, RemoteFile, RemoteSpec
+
+WINDOW = 1000
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch):
+    """A 10,500-byte remote file; the requested ranges are logged."""
+    data = random.Random(7).randbytes(10_500)
+    ranges: list[tuple[int, int]] = []
+
+    def read_range(mirror, remote, begin, end, *, token):
+        ranges.append((begin, end))
+        return data[begin:end]
+
+    monkeypatch.setattr(remote_stream, "read_range", read_range)
+    monkeypatch.setattr(remote_stream, "WINDOW_BYTES", WINDOW)
+    monkeypatch.setattr(remote_stream, "SKIP_GAP_BYTES", WINDOW)
+    return data, ranges
+
+
+def open_stream(data: bytes, *, sha256: str | None = None, head_bytes: int = 100):
+    remote = RemoteFile("model.safetensors", len(data), "0" * 40, sha256 or hashlib.sha256(data).hexdigest())
+    mirror = Mirror(RemoteSpec("alice/m"), "/nonexistent", "c" * 40, {remote.path: remote})
+    pool = ThreadPoolExecutor(4)
+    return remote_stream.StreamedFile(mirror, remote, data[:head_bytes], token=None, pool=pool), pool
+
+
+def test_a_whole_sequential_read_fetches_each_byte_once_and_checks_the_hash(served):
+    data, ranges = served
+    stream, pool = open_stream(data)
+    got = b"".join(bytes(stream.read(b, min(b + 777, len(data)))) for b in range(100, len(data), 777))
+    pool.shutdown()
+    assert got == data[100:]
+    assert sorted(ranges)[0][0] == 100 and sum(e - b for b, e in ranges) == len(data) - 100
+    assert stream.digested_bytes == len(data)
+
+
+def test_a_hash_mismatch_fails_at_the_last_window(served):
+    data, _ = served
+    stream, pool = open_stream(data, sha256="0" * 64)
+    with pytest.raises(HubError, match="do not match the sha256 the Hub lists"):
+        for b in range(100, len(data), 500):
+            stream.read(b, min(b + 500, len(data)))
+    pool.shutdown()
+
+
+def test_a_far_jump_skips_the_gap_and_drops_the_hash_check(served):
+    data, ranges = served
+    stream, pool = open_stream(data, sha256="0" * 64)  # would fail if it were still checked
+    assert bytes(stream.read(100, 300)) == data[100:300]
+    assert bytes(stream.read(8_000, 10_500)) == data[8_000:10_500]
+    pool.shutdown()
+    assert stream.digest is None
+    assert not any(b < 8_000 < e for b, e in ranges[-3:])  # fetched from the jump, not through the gap
+    assert sum(e - b for b, e in ranges) < len(data) - 100
+
+
+def test_an_out_of_order_read_is_served_and_drops_the_hash_check(served):
+    data, _ = served
+    stream, pool = open_stream(data, sha256="0" * 64)
+    assert bytes(stream.read(3_000, 3_500)) == data[3_000:3_500]
+    assert bytes(stream.read(200, 250)) == data[200:250]  # behind the stream
+    assert bytes(stream.read(3_500, 10_500)) == data[3_500:]
+    pool.shutdown()
+    assert stream.digest is None
+
+
+def test_reading_past_the_listed_size_is_one_error(served):
+    data, _ = served
+    stream, pool = open_stream(data)
+    with pytest.raises(HubError, match="read past the end of the 10500-byte file"):
+        stream.read(10_400, 10_600)
+    pool.shutdown()
+
+
+def test_views_cover_windows_without_copying(served):
+    data, _ = served
+    stream, pool = open_stream(data)
+    views = list(stream.views(100, 2_600))
+    pool.shutdown()
+    assert all(isinstance(v, memoryview) for v in views) and b"".join(views) == data[100:2_600]
+    assert [len(v) for v in views] == [1000, 1000, 500]  # the windows themselves
