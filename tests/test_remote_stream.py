@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers_hub import SHARDKIT_BIN, folder_files, hub, hub_env, run_measured, run_shardkit  # noqa: F401
+from test_convert_diffusers import ldm_checkpoint, pipeline_config, sd_models  # noqa: F401
 from test_remote import TENSOR_BYTES, one_error_line, split_folder, write_safetensors
 
 pytestmark = pytest.mark.hub
@@ -245,3 +246,27 @@ except shardkit.InvalidInputError as e:
     shardkit.split(folder, tmp_path / "local", max_shard_size="1100KB")
     assert folder_files(tmp_path / "streamed") == folder_files(tmp_path / "local")
     assert sorted(shardkit.open(tmp_path / "converted").keys())[0] == "0.weight"
+
+
+def test_convert_to_diffusers_from_a_hub_file_with_a_hub_config(hub, tmp_path, sd_models, ldm_checkpoint,
+                                                                pipeline_config):
+    """The single file and the config both on the Hub: the file through the cache, the config repository's
+    configs only (its weights are never fetched)."""
+    from diffusers import UNet2DConditionModel
+    from safetensors.torch import save_file
+
+    from conftest import assert_bit_equal
+
+    save_file(ldm_checkpoint, tmp_path / "sd.safetensors")
+    hub.state.add_repo("alice/sd-single", {"ckpt/sd.safetensors": (tmp_path / "sd.safetensors").read_bytes()})
+    write_safetensors(pipeline_config / "unet" / "diffusion_pytorch_model.safetensors", count=4)  # must stay put
+    hub.state.add_repo("alice/sd-config", folder_files(pipeline_config))
+    proc = run_shardkit(hub_env(hub, tmp_path / "home"), "convert", "hf://alice/sd-single/ckpt/sd.safetensors",
+                        tmp_path / "unet", "--to", "diffusers", "--config", "hf://alice/sd-config", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert_bit_equal(UNet2DConditionModel.from_pretrained(tmp_path / "unet").state_dict(), sd_models[0].state_dict())
+    assert not any("sd-config" in p and p.endswith(".safetensors") for _, p, _, _ in hub.state.sent)
+    streamed = one_error_line(run_shardkit(hub_env(hub, tmp_path / "home"), "convert", "hf://alice/sd-single/ckpt",
+                                           tmp_path / "x", "--to", "diffusers", "--config", pipeline_config,
+                                           "--no-cache"))
+    assert "--to diffusers maps the checkpoint file into memory" in streamed

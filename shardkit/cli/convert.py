@@ -48,8 +48,9 @@ Values in the state dict that are not tensors are an error naming them.
 --to diffusers converts a single-file SD/SDXL/SD3/Flux... checkpoint (original key names) into a
 diffusers model folder (config.json + diffusion_pytorch_model shards) that from_pretrained loads,
 with diffusers' own from_single_file key mapping. It needs the model's diffusers config locally,
-since shardkit never downloads: --config takes a config.json, a model folder, or a pipeline folder
-(model_index.json) whose --component (default: unet or transformer) is written; --component all
+--config takes a config.json, a model folder, or a pipeline folder (model_index.json) whose
+--component (default: unet or transformer) is written, local or hf://ORG/REPO[/SUBFOLDER] (its
+configs, tokenizers and schedulers are downloaded through the HF cache, never its weights); --component all
 writes the whole pipeline (CLIP/T5 text encoders converted by diffusers too, tokenizers and
 schedulers copied from --config). The key options do not apply; --key picks a pickle's state dict.
 
@@ -73,7 +74,8 @@ Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers
 @click.option("--to", "to", type=click.Choice(["diffusers"]),
               help="Convert a single-file SD/SDXL/SD3/Flux checkpoint into a diffusers model folder.")
 @click.option("--config", "config", type=click.Path(path_type=str), metavar="PATH",
-              help="With --to diffusers: a config.json, a model folder or a pipeline folder (required).")
+              help="With --to diffusers: a config.json, a model folder or a pipeline folder, local or hf:// "
+                   "(required).")
 @click.option("--component", metavar="NAME",
               help="With --to diffusers and a pipeline --config: the component to write (default: unet/transformer; "
                    "'all': the whole pipeline).")
@@ -111,11 +113,12 @@ def convert(source: str, output: str, key: str | None, strip_prefix: str | None,
 
             result = convert_collective(source, output, options=options, key=key, keymap=keymap, to=to)
         else:
-            from ..hub.remote_checkpoint import open_checkpoint
+            from ..hub.remote_checkpoint import config_source, open_checkpoint
 
-            with open_checkpoint(source, token=token, cache=not no_cache, pickles=True) as readable:
+            with open_checkpoint(source, token=token, cache=not no_cache, pickles=True) as readable, \
+                    config_source(config, token=token) as local_config:
                 result = convert_with(readable, output, options=options, key=key, keymap=keymap, to=to,
-                                      config=config, component=component)
+                                      config=local_config, component=component)
     if as_json:
         echo_json(result.to_dict())
     elif not quiet:

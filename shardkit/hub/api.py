@@ -17,7 +17,7 @@ from ..checking.info import CheckpointInfo
 from ..checking.verify import VerifyReport
 from ..sharding.job import SplitResult
 from .remote import is_remote
-from .remote_checkpoint import open_checkpoint
+from .remote_checkpoint import config_source, open_checkpoint
 
 __all__ = ["convert", "info", "split", "verify"]
 
@@ -57,7 +57,8 @@ def convert(source: Any, output: str | os.PathLike[str], *, token: str | None = 
         source: anything the local ``convert`` takes, or ``hf://ORG/REPO[@REVISION][/SUBFOLDER or /FILE]``.
         output: the output folder.
         token, cache: as for :func:`split`.
-        options: ``include``, ``strip_prefix``, ``to``, ``config``... as the local ``convert`` takes them.
+        options: ``include``, ``strip_prefix``, ``to``, ``config``... as the local ``convert`` takes them;
+            ``config`` may be ``hf://...`` too (its configs are downloaded, never its weights).
 
     Returns:
         A ``ConvertResult`` (a ``PipelineResult`` for a pipeline).
@@ -67,8 +68,9 @@ def convert(source: Any, output: str | os.PathLike[str], *, token: str | None = 
     from ..sharding.convert import convert as convert_local
 
     routed = _routed(source, cache)
-    with open_checkpoint(_text(source), token=token, cache=cache, pickles=True) if routed else nullcontext(source) as readable:
-        return convert_local(readable, output, **options)
+    with open_checkpoint(_text(source), token=token, cache=cache, pickles=True) if routed else nullcontext(source) \
+            as readable, config_source(_text(options.pop("config", None)), token=token) as config:
+        return convert_local(readable, output, config=config, **options)
 
 
 def info(path: Any, *, token: str | None = None) -> CheckpointInfo:

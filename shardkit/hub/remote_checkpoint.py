@@ -34,7 +34,7 @@ from .remote import (
 )
 from .remote_errors import hub_read_errors
 
-__all__ = ["cached_checkpoint", "open_checkpoint"]
+__all__ = ["cached_checkpoint", "config_source", "open_checkpoint"]
 
 
 @contextlib.contextmanager
@@ -109,6 +109,36 @@ def cached_checkpoint(path: str | RemoteSpec, *, token: str | None = None, pickl
             allow = [f"{spec.subfolder}/*"] if spec.subfolder else None
             snapshot = snapshot_download(spec.repo_id, revision=commit, token=token, allow_patterns=allow,
                                          ignore_patterns=ignore)
+            root = os.path.join(snapshot, *spec.subfolder.split("/")) if spec.subfolder else snapshot
+    with renamed_errors(root, str(spec)):
+        yield root
+
+
+@contextlib.contextmanager
+def config_source(path: str | None, *, token: str | None = None) -> Iterator[str | None]:
+    """``path`` itself, or for ``hf://...`` its configs, tokenizers and schedulers in the HF cache.
+
+    What ``convert --to diffusers --config`` reads from a pipeline or model repository: every file
+    but the weights (no ``.safetensors``, pickle, Flax... file is downloaded). A spec ending in a
+    ``.json`` file downloads that file alone.
+
+    >>> with config_source("hf://stable-diffusion-v1-5/stable-diffusion-v1-5") as config:   # doctest: +SKIP
+    ...     shardkit.convert("v1-5.safetensors", "unet/", to="diffusers", config=config)
+    """
+    if path is None or not is_remote(path):
+        yield path
+        return
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
+
+    spec = parse_spec(path)
+    with hub_read_errors(spec):
+        commit = HfApi(token=token).model_info(spec.repo_id, revision=spec.revision, token=token).sha or "main"
+        if spec.subfolder.endswith(".json"):
+            root = hf_hub_download(spec.repo_id, spec.subfolder, revision=commit, token=token)
+        else:
+            allow = [f"{spec.subfolder}/*"] if spec.subfolder else None
+            snapshot = snapshot_download(spec.repo_id, revision=commit, token=token, allow_patterns=allow,
+                                         ignore_patterns=["*.safetensors", *NOT_DOWNLOADED])
             root = os.path.join(snapshot, *spec.subfolder.split("/")) if spec.subfolder else snapshot
     with renamed_errors(root, str(spec)):
         yield root
