@@ -270,3 +270,24 @@ def test_convert_to_diffusers_from_a_hub_file_with_a_hub_config(hub, tmp_path, s
                                            tmp_path / "x", "--to", "diffusers", "--config", pipeline_config,
                                            "--no-cache"))
     assert "--to diffusers maps the checkpoint file into memory" in streamed
+
+
+def test_a_dataset_repository_is_a_source_too(hub, tmp_path):
+    import shardkit
+    from shardkit.hub.remote import parse_spec
+
+    assert str(parse_spec("hf://datasets/alice/ckpts@v1/run-3")) == "hf://datasets/alice/ckpts@v1/run-3"
+    assert parse_spec("hf://datasets/alice/ckpts").repo_type == "dataset"
+    assert parse_spec("hf://datasets/ckpts").repo_id == "datasets/ckpts"  # a model repo of the user "datasets"
+    folder = split_folder(tmp_path, "src", "600KB")
+    hub.state.add_repo("alice/ckpts", {f"run-3/{k}": v for k, v in folder_files(folder).items()}, repo_type="dataset")
+    env = hub_env(hub, tmp_path / "home")
+    info = run_shardkit(env, "info", "hf://datasets/alice/ckpts/run-3", "--json")
+    assert info.returncode == 0 and json.loads(info.stdout)["tensor_count"] == 8, info.stderr
+    proc = run_shardkit(env, "split", "hf://datasets/alice/ckpts/run-3", tmp_path / "out", "--max-shard-size",
+                        "1100KB", "--no-cache", "-q")
+    assert proc.returncode == 0, proc.stderr
+    shardkit.split(folder, tmp_path / "local", max_shard_size="1100KB")
+    assert folder_files(tmp_path / "out") == folder_files(tmp_path / "local")
+    missing = one_error_line(run_shardkit(env, "info", "hf://alice/ckpts"))  # not a model repository
+    assert "repository alice/ckpts not found" in missing, missing

@@ -49,17 +49,22 @@ DIRECT_CHUNK_BYTES = 16 << 20
 CONFIG_RE = re.compile(r"(^|/)(config|model_index|[\w.-]*_config|[\w.-]+\.safetensors\.index(\.[\w-]+)?)\.json$")
 
 
+REPO_TYPE_PREFIXES = {"datasets": "dataset", "spaces": "space"}  # hf://datasets/ORG/REPO, as HfFileSystem
+
+
 @dataclass(frozen=True)
 class RemoteSpec:
-    """A parsed ``hf://ORG/REPO[@REVISION][/SUBFOLDER]``."""
+    """A parsed ``hf://[datasets/|spaces/]ORG/REPO[@REVISION][/SUBFOLDER]``."""
 
     repo_id: str
     revision: str | None = None
     subfolder: str = ""
+    repo_type: str = "model"
 
     def __str__(self) -> str:
         rev = f"@{self.revision}" if self.revision else ""
-        return f"{SCHEME}{self.repo_id}{rev}" + (f"/{self.subfolder}" if self.subfolder else "")
+        kind = next((f"{p}/" for p, t in REPO_TYPE_PREFIXES.items() if t == self.repo_type), "")
+        return f"{SCHEME}{kind}{self.repo_id}{rev}" + (f"/{self.subfolder}" if self.subfolder else "")
 
 
 @dataclass(frozen=True)
@@ -107,15 +112,18 @@ def parse_spec(text: str) -> RemoteSpec:
 
     body = text.removeprefix(SCHEME).strip("/")
     parts = body.split("/")
+    repo_type = REPO_TYPE_PREFIXES.get(parts[0], "model") if len(parts) > 2 else "model"
+    if repo_type != "model":
+        parts = parts[1:]
     if len(parts) < 2 or not parts[0] or not parts[1] or parts[1].startswith("@"):
-        raise InvalidInputError(f"{text}: expected hf://ORG/REPO[@REVISION][/SUBFOLDER]")
+        raise InvalidInputError(f"{text}: expected hf://ORG/REPO[@REVISION][/SUBFOLDER] (or hf://datasets/ORG/REPO...)")
     name, _, revision = parts[1].partition("@")
     rest = parts[2:]
     if revision == "refs" and len(rest) >= 2 and rest[0] == "pr":
         revision, rest = f"refs/pr/{rest[1]}", rest[2:]
     if any(p in ("", ".", "..") for p in rest):
         raise InvalidInputError(f"{text}: the subfolder must be a plain relative path")
-    return RemoteSpec(f"{parts[0]}/{name}", unquote(revision) or None, "/".join(rest))
+    return RemoteSpec(f"{parts[0]}/{name}", unquote(revision) or None, "/".join(rest), repo_type)
 
 
 @contextlib.contextmanager
@@ -152,7 +160,7 @@ def _build_mirror(spec: RemoteSpec, root: str, *, token: str | None, side_files:
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
-    commit = api.model_info(spec.repo_id, revision=spec.revision, token=token).sha or spec.revision or "main"
+    commit = resolve_commit(api, spec)
     files = list_files(api, spec, commit)
     os.makedirs(root, exist_ok=True)
     mirror = Mirror(spec, root, commit, files)
@@ -172,13 +180,21 @@ def _build_mirror(spec: RemoteSpec, root: str, *, token: str | None, side_files:
     return mirror
 
 
+def resolve_commit(api: Any, spec: RemoteSpec) -> str:
+    """The commit ``spec``'s revision points at now: every later read names it, so a push meanwhile
+    cannot mix two versions of the repository."""
+    info = api.repo_info(spec.repo_id, repo_type=spec.repo_type, revision=spec.revision)
+    return info.sha or spec.revision or "main"
+
+
 def list_files(api: Any, spec: RemoteSpec, commit: str) -> dict[str, RemoteFile]:
     """Every file under the subfolder at ``commit`` (one paginated tree listing), by relative path."""
     from huggingface_hub.errors import EntryNotFoundError
 
     prefix = spec.subfolder + "/" if spec.subfolder else ""
     try:
-        tree = api.list_repo_tree(spec.repo_id, spec.subfolder or None, recursive=True, revision=commit)
+        tree = api.list_repo_tree(spec.repo_id, spec.subfolder or None, recursive=True, revision=commit,
+                                  repo_type=spec.repo_type)
         files = {item.path[len(prefix):]: RemoteFile(item.path, int(item.size), item.blob_id,
                                                       item.lfs.sha256 if item.lfs else None)
                  for item in tree if hasattr(item, "size")}
@@ -206,7 +222,11 @@ def check_not_pickle_only(mirror: Mirror) -> None:
             raise InvalidInputError(
                 f"{mirror.spec}: {folder + '/' if folder else ''} holds pickle weights only ({names}{more}); shardkit "
                 f"reads only safetensors headers remotely and never downloads a pickle implicitly: download it "
-                f"(hf download {mirror.spec.repo_id} {pickles[0].path}) and pass the local path")
+                f"(hf download {mirror.spec.repo_id} {pickles[0].path}{_repo_type_flag(mirror.spec)}) and pass the local path")
+
+
+def _repo_type_flag(spec: RemoteSpec) -> str:
+    return "" if spec.repo_type == "model" else f" --repo-type {spec.repo_type}"
 
 
 def local_path(mirror: Mirror, remote: RemoteFile) -> str:
@@ -225,7 +245,8 @@ def _fetch_whole(mirror: Mirror, remote: RemoteFile, token: str | None) -> None:
     """A config or index file, through the Hugging Face cache (``hf_hub_download``)."""
     from huggingface_hub import hf_hub_download
 
-    cached = hf_hub_download(mirror.spec.repo_id, remote.path, revision=mirror.commit, token=token)
+    cached = hf_hub_download(mirror.spec.repo_id, remote.path, revision=mirror.commit, token=token,
+                             repo_type=mirror.spec.repo_type)
     shutil.copyfile(cached, _new_local_file(mirror, remote))
     mirror.count(remote.size_bytes)
 
@@ -284,7 +305,7 @@ def read_range(mirror: Mirror, remote: RemoteFile, begin: int, end: int, *, toke
     from huggingface_hub import hf_hub_url
     from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
 
-    url = hf_hub_url(mirror.spec.repo_id, remote.path, revision=mirror.commit)
+    url = hf_hub_url(mirror.spec.repo_id, remote.path, revision=mirror.commit, repo_type=mirror.spec.repo_type)
     headers = {**build_hf_headers(token=token), "Range": f"bytes={begin}-{end - 1}"}
     response = http_backoff("GET", url, headers=headers, max_retries=RETRIES, base_wait_time=RETRY_WAIT_SECONDS,
                             max_wait_time=2 * RETRY_WAIT_SECONDS)

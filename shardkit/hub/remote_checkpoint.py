@@ -29,6 +29,7 @@ from .remote import (
     is_remote,
     list_files,
     open_mirror,
+    resolve_commit,
     parse_spec,
     renamed_errors,
 )
@@ -101,14 +102,14 @@ def cached_checkpoint(path: str | RemoteSpec, *, token: str | None = None, pickl
     spec = parse_spec(path) if isinstance(path, str) else path
     with hub_read_errors(spec):
         api = HfApi(token=token)
-        commit = api.model_info(spec.repo_id, revision=spec.revision, token=token).sha or spec.revision or "main"
+        commit = resolve_commit(api, spec)
         if _names_a_file(spec):
-            root = hf_hub_download(spec.repo_id, spec.subfolder, revision=commit, token=token)
+            root = hf_hub_download(spec.repo_id, spec.subfolder, revision=commit, token=token, repo_type=spec.repo_type)
         else:
             ignore = _not_downloaded(Mirror(spec, "", commit, list_files(api, spec, commit)), pickles=pickles)
             allow = [f"{spec.subfolder}/*"] if spec.subfolder else None
             snapshot = snapshot_download(spec.repo_id, revision=commit, token=token, allow_patterns=allow,
-                                         ignore_patterns=ignore)
+                                         ignore_patterns=ignore, repo_type=spec.repo_type)
             root = os.path.join(snapshot, *spec.subfolder.split("/")) if spec.subfolder else snapshot
     with renamed_errors(root, str(spec)):
         yield root
@@ -132,13 +133,13 @@ def config_source(path: str | None, *, token: str | None = None) -> Iterator[str
 
     spec = parse_spec(path)
     with hub_read_errors(spec):
-        commit = HfApi(token=token).model_info(spec.repo_id, revision=spec.revision, token=token).sha or "main"
+        commit = resolve_commit(HfApi(token=token), spec)
         if spec.subfolder.endswith(".json"):
-            root = hf_hub_download(spec.repo_id, spec.subfolder, revision=commit, token=token)
+            root = hf_hub_download(spec.repo_id, spec.subfolder, revision=commit, token=token, repo_type=spec.repo_type)
         else:
             allow = [f"{spec.subfolder}/*"] if spec.subfolder else None
             snapshot = snapshot_download(spec.repo_id, revision=commit, token=token, allow_patterns=allow,
-                                         ignore_patterns=["*.safetensors", *NOT_DOWNLOADED])
+                                         ignore_patterns=["*.safetensors", *NOT_DOWNLOADED], repo_type=spec.repo_type)
             root = os.path.join(snapshot, *spec.subfolder.split("/")) if spec.subfolder else snapshot
     with renamed_errors(root, str(spec)):
         yield root
