@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from typing import Any, Iterator
 
 from ..errors import InvalidInputError
 from ..formats.suffixes import CHECKPOINT_SUFFIXES, PICKLE_SUFFIXES
@@ -39,7 +39,7 @@ __all__ = ["cached_checkpoint", "config_source", "open_checkpoint"]
 
 
 @contextlib.contextmanager
-def open_checkpoint(path: str, *, token: str | None = None, cache: bool = True,
+def open_checkpoint(path: Any, *, token: str | None = None, cache: bool = True,
                     pickles: bool = False) -> Iterator[str | WrappedPath]:
     """``path`` for the local writers; for ``hf://...`` its cached copy, or a mirror streamed from the Hub.
 
@@ -61,7 +61,9 @@ def open_checkpoint(path: str, *, token: str | None = None, cache: bool = True,
     """
     if not is_remote(path):
         if not cache:
-            raise InvalidInputError(f"--no-cache (cache=False) applies to an hf://ORG/REPO source; {path} is read from disk")
+            shown = path if isinstance(path, str) else f"a {type(path).__name__}"  # never a state dict's repr
+            raise InvalidInputError(f"--no-cache (cache=False) applies to an hf://ORG/REPO source, not to {shown}; "
+                                    "drop it")
         yield path
         return
     spec = parse_spec(path)
