@@ -39,6 +39,7 @@ __all__ = ["HubServer", "HubState", "LazyBlob", "read_xet_shard"]
 _API = re.compile(r"^/api/(models|datasets|spaces)/([^/]+)/([^/]+)(?:/([^/]+)(?:/(.*))?)?$")
 _LFS_BATCH = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+)/([^/]+)\.git/info/lfs/objects/batch$")
 _LFS_STORAGE = re.compile(r"^/lfs-storage/([0-9a-f]{64})/(\d+)(?:/part/(\d+))?$")
+STALL_SECONDS = 3  # a stalled body: longer than the client timeout the tests set
 _CHUNK_BYTES = 1 << 20
 _RESOLVE = re.compile(r"^/(?:(datasets|spaces)/)?([^/]+)/([^/]+)/resolve/([^/]+)/(.+)$")
 
@@ -78,7 +79,8 @@ class Handler(BaseHTTPRequestHandler):
             fault = self.state.take_fault(method, url.path, self.headers.get("Range", ""))
             self.cut_body = fault is not None and fault.status == 0
             self.flip_byte = fault is not None and fault.status == 1
-            if fault is not None and not (self.cut_body or self.flip_byte):
+            self.stall = fault is not None and fault.status == 2
+            if fault is not None and not (self.cut_body or self.flip_byte or self.stall):
                 status = fault.status
                 extra = dict(fault.headers)
                 if fault.status == 401:
@@ -122,8 +124,11 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data) if content_length is None else content_length))
         self.end_headers()
         sent = 0
-        if self.command != "HEAD" and getattr(self, "cut_body", False):  # a connection lost mid-body
-            self.wfile.write(data[:len(data) // 2])
+        if self.command != "HEAD" and (getattr(self, "cut_body", False) or getattr(self, "stall", False)):
+            self.wfile.write(data[:len(data) // 2])  # a connection lost, or stalled, mid-body
+            self.wfile.flush()
+            if getattr(self, "stall", False):
+                time.sleep(STALL_SECONDS)
             sent, self.close_connection = len(data) // 2, True
         elif self.command != "HEAD" and getattr(self, "flip_byte", False) and data:  # corrupted in transit
             corrupted = bytearray(data[:])

@@ -122,7 +122,8 @@ class Fault:
     """Answer ``status`` to requests matching ``method`` and ``path`` (a regex), ``times`` times.
 
     ``status`` 0 answers normally but drops the connection halfway through the body; 1 answers
-    normally with the body's middle byte flipped (corruption in transit).
+    normally with the body's middle byte flipped (corruption in transit); 2 sends half the body,
+    then stalls (``hub_server.STALL_SECONDS``) before dropping the connection.
     """
 
     method: str

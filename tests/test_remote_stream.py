@@ -291,3 +291,43 @@ def test_a_dataset_repository_is_a_source_too(hub, tmp_path):
     assert folder_files(tmp_path / "out") == folder_files(tmp_path / "local")
     missing = one_error_line(run_shardkit(env, "info", "hf://alice/ckpts"))  # not a model repository
     assert "repository alice/ckpts not found" in missing, missing
+
+
+def test_a_streamed_pipeline_leaves_out_loose_weights_instead_of_copying_holes(hub, tmp_path):
+    """Weights outside the components (SD 1.5's root ``v1-5-pruned.safetensors``) exist in the mirror only
+    as a header and a hole: they are left out with a warning, never copied as zeros."""
+    pipe = tmp_path / "pipe"
+    (pipe / "model_index.json").parent.mkdir(parents=True)
+    (pipe / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline",
+                                                       "unet": ["diffusers", "UNet2DConditionModel"]}))
+    write_safetensors(pipe / "unet" / "diffusion_pytorch_model.safetensors", count=3, seed=1)
+    write_safetensors(pipe / "v1-5-pruned.safetensors", count=2, seed=2)
+    write_safetensors(pipe / "vae_1_0" / "diffusion_pytorch_model.safetensors", count=2, seed=3)
+    hub.state.add_repo("alice/pipe", folder_files(pipe))
+    proc = run_shardkit(hub_env(hub, tmp_path / "home"), "split", "hf://alice/pipe", tmp_path / "out",
+                        "--no-cache", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert "left out v1-5-pruned.safetensors, vae_1_0/diffusion_pytorch_model.safetensors" in proc.stderr
+    assert "shardkit-remote" not in proc.stdout and json.loads(proc.stdout)["source"].endswith("hf://alice/pipe")
+    import shutil
+
+    import shardkit
+
+    (pipe / "v1-5-pruned.safetensors").unlink()
+    shutil.rmtree(pipe / "vae_1_0")
+    shardkit.split(pipe, tmp_path / "local")
+    assert folder_files(tmp_path / "out") == folder_files(tmp_path / "local")  # the components, unchanged
+
+
+def test_a_stalled_transfer_times_out_and_is_retried_then_one_line(hub, tmp_path):
+    source = write_safetensors(tmp_path / "src" / "model.safetensors", count=8)
+    hub.state.add_repo("alice/tiny", folder_files(source.parent))
+    env = {**hub_env(hub, tmp_path / "home"), "HF_HUB_DOWNLOAD_TIMEOUT": "1"}
+    streamed = r"^bytes=[1-9]"
+    fault = hub.state.inject("GET", r"/resolve/.*model\.safetensors$", 2, times=1, range=streamed)
+    proc = run_shardkit(env, "split", "hf://alice/tiny", tmp_path / "retried", "--no-cache", "-q")
+    assert proc.returncode == 0 and fault.times == 0, proc.stderr
+    hub.state.inject("GET", r"/resolve/.*model\.safetensors$", 2, times=None, range=streamed)
+    line = one_error_line(run_shardkit(env, "split", "hf://alice/tiny", tmp_path / "failed", "--no-cache", "-q"))
+    assert "network failure" in line and "timed out" in line, line
+    assert not (tmp_path / "failed").exists()

@@ -36,7 +36,9 @@ def open_stream(data: bytes, *, sha256: str | None = None, head_bytes: int = 100
     remote = RemoteFile("model.safetensors", len(data), "0" * 40, sha256 or hashlib.sha256(data).hexdigest())
     mirror = Mirror(RemoteSpec("alice/m"), "/nonexistent", "c" * 40, {remote.path: remote})
     pool = ThreadPoolExecutor(4)
-    return remote_stream.StreamedFile(mirror, remote, data[:head_bytes], token=None, pool=pool), pool
+    stream = remote_stream.StreamedFile(mirror, remote, data[:head_bytes], token=None, pool=pool,
+                                        hasher=ThreadPoolExecutor(1))
+    return stream, pool
 
 
 def test_a_whole_sequential_read_fetches_each_byte_once_and_checks_the_hash(served):
@@ -72,11 +74,12 @@ def test_a_far_jump_skips_the_gap_and_drops_the_hash_check(served):
 def test_an_out_of_order_read_is_served_and_drops_the_hash_check(served):
     data, _ = served
     stream, pool = open_stream(data, sha256="0" * 64)
-    assert bytes(stream.read(3_000, 3_500)) == data[3_000:3_500]
-    assert bytes(stream.read(200, 250)) == data[200:250]  # behind the stream
-    assert bytes(stream.read(3_500, 10_500)) == data[3_500:]
-    pool.shutdown()
+    assert bytes(stream.read(100, 1_500)) == data[100:1_500]  # sequential: still digesting
+    assert stream.digest is not None
+    assert bytes(stream.read(200, 250)) == data[200:250]  # behind the current window
     assert stream.digest is None
+    assert bytes(stream.read(1_500, 10_500)) == data[1_500:]
+    pool.shutdown()
 
 
 def test_reading_past_the_listed_size_is_one_error(served):
@@ -94,3 +97,16 @@ def test_views_cover_windows_without_copying(served):
     pool.shutdown()
     assert all(isinstance(v, memoryview) for v in views) and b"".join(views) == data[100:2_600]
     assert [len(v) for v in views] == [1000, 1000, 500]  # the windows themselves
+
+
+def test_release_drops_the_prefetch_and_a_later_read_is_still_served(served):
+    data, ranges = served
+    stream, pool = open_stream(data)
+    assert bytes(stream.read(100, 1_500)) == data[100:1_500]
+    stream.release()  # the reader went to another file
+    assert not stream.queue and stream.window[1] == b""
+    fetched = len(ranges)
+    got = b"".join(bytes(stream.read(b, min(b + 900, len(data)))) for b in range(1_500, len(data), 900))
+    pool.shutdown()
+    assert got == data[1_500:] and len(ranges) > fetched
+    assert stream.digest is None  # resumed inside the dropped window: served again, not hash-checked

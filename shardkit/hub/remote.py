@@ -302,13 +302,14 @@ def fetch_prefix(mirror: Mirror, remote: RemoteFile, *, token: str | None) -> by
 
 def read_range(mirror: Mirror, remote: RemoteFile, begin: int, end: int, *, token: str | None) -> bytes:
     """Bytes ``[begin, end)`` of a remote file, retried on transient failures (huggingface_hub's backoff)."""
-    from huggingface_hub import hf_hub_url
+    from huggingface_hub import constants, hf_hub_url
     from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
 
     url = hf_hub_url(mirror.spec.repo_id, remote.path, revision=mirror.commit, repo_type=mirror.spec.repo_type)
     headers = {**build_hf_headers(token=token), "Range": f"bytes={begin}-{end - 1}"}
+    # A timeout (the client's default is none): a stalled transfer is retried, then one line, never a hang.
     response = http_backoff("GET", url, headers=headers, max_retries=RETRIES, base_wait_time=RETRY_WAIT_SECONDS,
-                            max_wait_time=2 * RETRY_WAIT_SECONDS)
+                            max_wait_time=2 * RETRY_WAIT_SECONDS, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
     hf_raise_for_status(response)
     data = response.content
     mirror.count(len(data))

@@ -18,6 +18,7 @@ import os
 from typing import Any, Iterator
 
 from ..errors import InvalidInputError
+from ..formats.layout import MODEL_INDEX
 from ..formats.suffixes import CHECKPOINT_SUFFIXES, PICKLE_SUFFIXES
 from ..sharding.job import WrappedPath
 from ..sources import Source
@@ -77,11 +78,12 @@ def open_checkpoint(path: Any, *, token: str | None = None, cache: bool = True,
     from .remote_stream import StreamingSource
 
     with open_mirror(spec, token=token, side_files=True) as mirror:
+        _drop_loose_weights(mirror)
 
         def stream(inner: Source) -> Source:
             return StreamingSource(inner, mirror, token=token)
 
-        yield WrappedPath(mirror.root, stream)
+        yield WrappedPath(mirror.root, stream, name=str(spec))
 
 
 @contextlib.contextmanager
@@ -145,6 +147,28 @@ def config_source(path: str | None, *, token: str | None = None) -> Iterator[str
             root = os.path.join(snapshot, *spec.subfolder.split("/")) if spec.subfolder else snapshot
     with renamed_errors(root, str(spec)):
         yield root
+
+
+def _drop_loose_weights(mirror: Mirror) -> None:
+    """Remove the mirror's stand-ins for safetensors files outside a pipeline's components.
+
+    A pipeline split copies every file that is not a component's weights (a root
+    ``v1-5-pruned.safetensors``, a ``vae_1_0/`` folder); in the mirror those are a header and a
+    hole, which must never be copied as if they were the file. They are left out, with a warning.
+    """
+    if MODEL_INDEX not in mirror.files:
+        return
+    from ..formats.layout import find_components
+    from ..sharding.options import warn
+
+    inside = {os.path.realpath(c.path) for c in find_components(mirror.root)}
+    loose = sorted(rel for rel, f in mirror.files.items() if f.path in mirror.prefix_bytes
+                   and os.path.realpath(os.path.dirname(os.path.join(mirror.root, rel))) not in inside)
+    for rel in loose:
+        os.remove(os.path.join(mirror.root, *rel.split("/")))
+    if loose:
+        warn(f"{mirror.spec}: left out {', '.join(loose)} (weights outside the pipeline's components are not "
+             "streamed; without --no-cache they are copied through the HF cache)")
 
 
 def _not_downloaded(listing: Mirror, *, pickles: bool) -> list[str]:

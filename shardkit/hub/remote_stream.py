@@ -33,29 +33,32 @@ logger = logging.getLogger("shardkit")
 WINDOW_BYTES = 8 << 20  # one range request (the client holds it about twice while receiving)
 PREFETCH_WINDOWS = 4  # requests in flight per file: latency hidden, memory bounded
 SKIP_GAP_BYTES = WINDOW_BYTES  # a jump further than this ahead skips the gap rather than fetching it
+PENDING_HASHES = 2  # windows waiting for the hashing thread
 
 
 class _Digest:
     """The Hub's hash of a whole file: sha256 for LFS files, the git blob id (sha1) for the rest.
 
-    Hashing runs on its own thread, in order (hashlib releases the GIL on large buffers), so it
-    overlaps with the writes instead of adding to them.
+    Hashing runs on the source's one hashing thread, in order (hashlib releases the GIL on large
+    buffers), so it overlaps with the writes instead of adding to them; at most ``PENDING_HASHES``
+    windows wait for it, so a slow hash holds back the reader rather than piling windows up.
     """
 
-    def __init__(self, remote: RemoteFile) -> None:
+    def __init__(self, remote: RemoteFile, hasher: ThreadPoolExecutor) -> None:
         self.expected = remote.sha256 or remote.blob_id
         self.kind = "sha256" if remote.sha256 else "git blob id"
         self.hash: Any = hashlib.sha256() if remote.sha256 else hashlib.sha1(b"blob %d\0" % remote.size_bytes)
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="shardkit-digest")
-        self.last: Future[None] | None = None
+        self.hasher = hasher
+        self.pending: deque[Future[None]] = deque()
 
     def update(self, data: bytes) -> None:
-        self.last = self.worker.submit(self.hash.update, data)
+        while len(self.pending) >= PENDING_HASHES:
+            self.pending.popleft().result()
+        self.pending.append(self.hasher.submit(self.hash.update, data))
 
     def matches(self) -> bool:
-        self.worker.shutdown(wait=True)  # every queued update done
-        if self.last is not None:
-            self.last.result()
+        while self.pending:
+            self.pending.popleft().result()
         return self.hash.hexdigest() == self.expected
 
 
@@ -69,13 +72,14 @@ class StreamedFile:
             starts after them, and reads inside them are served from them.
         token: the Hub token.
         pool: worker threads for the range requests.
+        hasher: the one thread that hashes, in order.
     """
 
     def __init__(self, mirror: Mirror, remote: RemoteFile, head: bytes, *, token: str | None,
-                 pool: ThreadPoolExecutor) -> None:
+                 pool: ThreadPoolExecutor, hasher: ThreadPoolExecutor) -> None:
         self.mirror, self.remote, self.token, self.pool = mirror, remote, token, pool
         self.where = f"{mirror.spec}:{remote.path}"
-        self.digest: _Digest | None = _Digest(remote)
+        self.digest: _Digest | None = _Digest(remote, hasher)
         self.digest.update(head)
         self.digested_bytes = len(head)
         self.next_bytes = len(head)  # where the next window to schedule starts
@@ -153,7 +157,6 @@ class StreamedFile:
     def _stop_digest(self, why: str) -> None:
         if self.digest is not None:
             logger.debug("%s: not checked against the Hub's hash: %s", self.where, why)
-            self.digest.worker.shutdown(wait=False, cancel_futures=True)
         self.digest = None
 
     def _fetch(self, begin: int, end: int) -> bytes:
@@ -167,12 +170,16 @@ class StreamedFile:
                 raise
             raise HubError(message) from e
 
-    def close(self) -> None:
+    def release(self) -> None:
+        """Drop the windows held and in flight (the reader moved on to another file). A later read
+        of this file is still served: after the dropped window it goes on with the hash check,
+        inside it the bytes are fetched again and the file is not hash-checked."""
         for _, future in self.queue:
             future.cancel()
         self.queue.clear()
-        if self.digest is not None:
-            self.digest.worker.shutdown(wait=True, cancel_futures=True)
+        start, data = self.window
+        self.next_bytes = start + len(data)
+        self.window = (self.next_bytes, b"")
 
 
 class StreamingSource(Source):
@@ -193,10 +200,16 @@ class StreamingSource(Source):
         self.description = f"{inner.description.replace(mirror.root, str(mirror.spec))}, streamed"
         self.naming, self.shard_rule, self.paths = inner.naming, inner.shard_rule, inner.paths
         self.pool = ThreadPoolExecutor(PREFETCH_WINDOWS, thread_name_prefix="shardkit-stream")
+        self.hasher = ThreadPoolExecutor(1, thread_name_prefix="shardkit-hash")
         self.remote_files = {os.path.realpath(local_path(mirror, f)): f for f in mirror.files.values()}
         self.streams: dict[str | None, StreamedFile] = {}
-        for entry in inner.entries():  # every tensor lies in a mirrored safetensors file: checked up front
-            self._stream(entry.file)
+        self.current: StreamedFile | None = None
+        try:
+            for entry in inner.entries():  # every tensor lies in a mirrored safetensors file: checked up front
+                self._stream(entry.file)
+        except BaseException:
+            self._stop_threads()
+            raise
 
     def _stream(self, local: str | None) -> StreamedFile:
         if local not in self.streams:
@@ -206,8 +219,18 @@ class StreamingSource(Source):
                                "safetensors file; only safetensors weights can be streamed (drop --no-cache)")
             with open(local, "rb") as f:  # the real bytes fetched for the mirror; the rest is a hole
                 head = f.read(self.mirror.prefix_bytes[remote.path])
-            self.streams[local] = StreamedFile(self.mirror, remote, head, token=self.token, pool=self.pool)
+            self.streams[local] = StreamedFile(self.mirror, remote, head, token=self.token, pool=self.pool,
+                                               hasher=self.hasher)
         return self.streams[local]
+
+    def _reading(self, local: str | None) -> StreamedFile:
+        """The stream of ``local``; moving to another file releases the previous one's windows, so
+        memory stays bounded by one file's prefetch however many files there are."""
+        stream = self._stream(local)
+        if self.current is not None and self.current is not stream:
+            self.current.release()
+        self.current = stream
+        return stream
 
     def entries(self) -> list[TensorEntry]:
         return self.inner.entries()
@@ -219,15 +242,20 @@ class StreamingSource(Source):
         return self.inner.aliases()
 
     def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
-        return self._stream(entry.file).read(entry.offset + begin, entry.offset + end)
+        return self._reading(entry.file).read(entry.offset + begin, entry.offset + end)
 
     def chunks(self, entry: TensorEntry, chunk_bytes: int) -> Iterator[bytes | memoryview]:
         """Views of the windows the tensor's bytes arrive in (``chunk_bytes`` is not needed: a window
         is already bounded), so they are written without being copied."""
-        return self._stream(entry.file).views(entry.offset, entry.offset + entry.nbytes)
+        return self._reading(entry.file).views(entry.offset, entry.offset + entry.nbytes)
 
     def close(self) -> None:
-        for stream in self.streams.values():
-            stream.close()
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        self._stop_threads()
         self.inner.close()
+
+    def _stop_threads(self) -> None:
+        for stream in self.streams.values():
+            stream.release()
+        # Requests in flight end within the download timeout; nothing waits for them here.
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.hasher.shutdown(wait=False, cancel_futures=True)

@@ -21,7 +21,15 @@ from ..errors import InvalidInputError
 from ..formats.layout import is_pipeline_folder
 from ..sources import Source
 from ..sources.keymap import KeyMap, KeyMapSource, parse_renames
-from .job import SplitResult, open_settled, unwrap_path, refuse_output_inside_source, side_files, split_source
+from .job import (
+    SplitResult,
+    named_as_given,
+    open_settled,
+    refuse_output_inside_source,
+    side_files,
+    split_source,
+    unwrap_path,
+)
 from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions, warn
 from .single_file import is_file_output, split_to_file
 from .split import split_with
@@ -136,7 +144,7 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
             result = split_source(mapped, output, options=options, side_files=side_files(source, output))
         dropped = len(inner.entries()) - len(mapped.entries())
     as_split = {f.name: getattr(result, f.name) for f in fields(SplitResult)}
-    return ConvertResult(**as_split, dropped=dropped, ema_tensors=ema)
+    return named_as_given(ConvertResult(**as_split, dropped=dropped, ema_tensors=ema), wrapped)
 
 
 def _convert_to(source: Any, output: str, *, options: WriteOptions, key: str | None, keymap: KeyMap,

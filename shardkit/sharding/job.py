@@ -146,6 +146,7 @@ class WrappedPath:
 
     path: str
     wrap_source: SourceWrapper
+    name: str = ""  # what results call it instead of ``path`` (the ``hf://`` spec, not a temporary folder)
 
     def __fspath__(self) -> str:
         return self.path
@@ -156,6 +157,14 @@ def unwrap_path(source: Any) -> tuple[Any, SourceWrapper | None]:
     if isinstance(source, WrappedPath):
         return source.path, source.wrap_source
     return source, None
+
+
+def named_as_given(result: SplitResult, source: Any) -> SplitResult:
+    """``result`` with a :class:`WrappedPath`'s ``path`` replaced by its ``name`` in what it reports."""
+    if isinstance(source, WrappedPath) and source.name:
+        for part in [result, *getattr(result, "components", {}).values()]:
+            part.source = part.source.replace(source.path, source.name)
+    return result
 
 
 def open_settled(source: Any, *, key: str | None, dry_run: bool, wrap_source: SourceWrapper | None = None) -> Source:

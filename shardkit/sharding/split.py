@@ -11,7 +11,15 @@ import os
 from typing import Any
 
 from ..formats.layout import is_pipeline_folder
-from .job import SplitResult, open_settled, unwrap_path, refuse_output_inside_source, side_files, split_source
+from .job import (
+    SplitResult,
+    named_as_given,
+    open_settled,
+    refuse_output_inside_source,
+    side_files,
+    split_source,
+    unwrap_path,
+)
 from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions
 from .pipeline import split_pipeline
 from .single_file import is_file_output, refuse_file_output, split_to_file
@@ -56,16 +64,18 @@ def split_with(source: Any, output: str | os.PathLike[str], *, options: WriteOpt
 
     >>> split_with("ckpt/", "out/", options=WriteOptions(max_shard_bytes=2 * 10**9, dry_run=True))  # doctest: +SKIP
     """
-    source, wrap_source = unwrap_path(source)
+    given, (source, wrap_source) = source, unwrap_path(source)
     output = os.fspath(output)
     refuse_output_inside_source(source, output)
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
         refuse_file_output(source, output)
-        return split_pipeline(source, output, options=options, key=key, wrap_source=wrap_source)
+        return named_as_given(split_pipeline(source, output, options=options, key=key, wrap_source=wrap_source),
+                              given)
     with open_settled(source, key=key, dry_run=options.dry_run, wrap_source=wrap_source) as src:
         if is_file_output(output):
-            return split_to_file(src, output, options=options)
-        return split_source(src, output, options=options, side_files=side_files(source, output))
+            return named_as_given(split_to_file(src, output, options=options), given)
+        return named_as_given(split_source(src, output, options=options, side_files=side_files(source, output)),
+                              given)
 
 
 def save_sharded(obj: Any, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
