@@ -9,13 +9,17 @@ whatever the input.
 
 from __future__ import annotations
 
+import inspect
 import os
 from contextlib import nullcontext
 from typing import Any
 
 from ..checking.info import CheckpointInfo
 from ..checking.verify import VerifyReport
+from ..checking.verify import verify as _verify_local
+from ..sharding.convert import convert as _convert_local
 from ..sharding.job import SplitResult
+from ..sharding.split import split as _split_local
 from .remote import is_remote
 from .remote_checkpoint import config_source, open_checkpoint
 
@@ -39,11 +43,9 @@ def split(source: Any, output: str | os.PathLike[str], *, token: str | None = No
 
     >>> shardkit.split("hf://org/model", "out/", max_shard_size="2GB", cache=False)   # doctest: +SKIP
     """
-    from ..sharding.split import split as split_local
-
     routed = _routed(source, cache)
     with open_checkpoint(_text(source), token=token, cache=cache) if routed else nullcontext(source) as readable:
-        return split_local(readable, output, **options)
+        return _split_local(readable, output, **options)
 
 
 def convert(source: Any, output: str | os.PathLike[str], *, token: str | None = None, cache: bool = True,
@@ -65,12 +67,10 @@ def convert(source: Any, output: str | os.PathLike[str], *, token: str | None = 
 
     >>> shardkit.convert("hf://org/old-model", "out/", strip_prefix="model.")   # doctest: +SKIP
     """
-    from ..sharding.convert import convert as convert_local
-
     routed = _routed(source, cache)
     with open_checkpoint(_text(source), token=token, cache=cache, pickles=True) if routed else nullcontext(source) \
             as readable, config_source(_text(options.pop("config", None)), token=token) as config:
-        return convert_local(readable, output, config=config, **options)
+        return _convert_local(readable, output, config=config, **options)
 
 
 def info(path: Any, *, token: str | None = None) -> CheckpointInfo:
@@ -101,9 +101,7 @@ def verify(path: Any, *, against: Any = None, token: str | None = None, **option
         return verify_remote(path, token=token)
     if is_remote(against):
         return verify_against_remote(os.fspath(path), against, token=token)
-    from ..checking.verify import verify as verify_local
-
-    return verify_local(path, against=against, **options)
+    return _verify_local(path, against=against, **options)
 
 
 def _routed(source: Any, cache: bool) -> bool:
@@ -113,3 +111,19 @@ def _routed(source: Any, cache: bool) -> bool:
 
 def _text(source: Any) -> str:
     return os.fspath(source) if isinstance(source, os.PathLike) else source
+
+
+def _advertise(wrapper: Any, local: Any, *extra: str) -> None:
+    """Give ``wrapper`` (which takes ``**options``) the signature it really accepts: ``local``'s
+    parameters, keyword-only after the first ones, plus ``extra`` (``token``, ``cache``), so
+    ``help()`` and ``inspect.signature`` list every option."""
+    params = list(inspect.signature(local).parameters.values())
+    defaults = {"token": None, "cache": True}
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults[name]) for name in extra
+               if name not in {p.name for p in params}]
+    wrapper.__signature__ = inspect.signature(wrapper).replace(parameters=params)
+
+
+_advertise(split, _split_local, "token", "cache")
+_advertise(convert, _convert_local, "token", "cache")
+_advertise(verify, _verify_local, "token")
