@@ -21,15 +21,8 @@ from ..errors import InvalidInputError
 from ..formats.layout import is_pipeline_folder
 from ..sources import Source
 from ..sources.keymap import KeyMap, KeyMapSource, parse_renames
-from .job import (
-    SplitResult,
-    named_as_given,
-    open_settled,
-    refuse_output_inside_source,
-    side_files,
-    split_source,
-    unwrap_path,
-)
+from .job import SplitResult, named_as_given, open_settled, refuse_output_inside_source, side_files, split_source
+from .job import unwrap_path
 from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions, warn
 from .single_file import is_file_output, split_to_file
 from .split import split_with
