@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from ..errors import InvalidInputError
 from ..formats.layout import MODEL_INDEX
@@ -101,21 +101,12 @@ def cached_checkpoint(path: str | RemoteSpec, *, token: str | None = None, pickl
     if isinstance(path, str) and not is_remote(path):
         yield path
         return
-    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
-
     spec = parse_spec(path) if isinstance(path, str) else path
-    with hub_read_errors(spec):
-        api = HfApi(token=token)
-        commit = resolve_commit(api, spec)
-        if _names_a_file(spec):
-            root = hf_hub_download(spec.repo_id, spec.subfolder, revision=commit, token=token, repo_type=spec.repo_type)
-        else:
-            ignore = _not_downloaded(Mirror(spec, "", commit, list_files(api, spec, commit)), pickles=pickles)
-            allow = [f"{spec.subfolder}/*"] if spec.subfolder else None
-            snapshot = snapshot_download(spec.repo_id, revision=commit, token=token, allow_patterns=allow,
-                                         ignore_patterns=ignore, repo_type=spec.repo_type)
-            root = os.path.join(snapshot, *spec.subfolder.split("/")) if spec.subfolder else snapshot
-    with renamed_errors(root, str(spec)):
+
+    def ignore(api: Any, commit: str) -> list[str]:
+        return _not_downloaded(Mirror(spec, "", commit, list_files(api, spec, commit)), pickles=pickles)
+
+    with _in_cache(spec, token=token, one_file=_names_a_file(spec), ignore=ignore) as root:
         yield root
 
 
@@ -133,17 +124,29 @@ def config_source(path: str | None, *, token: str | None = None) -> Iterator[str
     if path is None or not is_remote(path):
         yield path
         return
+    spec = parse_spec(path)
+    with _in_cache(spec, token=token, one_file=spec.subfolder.endswith(".json"),
+                   ignore=lambda api, commit: ["*.safetensors", *NOT_DOWNLOADED]) as root:
+        yield root
+
+
+@contextlib.contextmanager
+def _in_cache(spec: RemoteSpec, *, token: str | None, one_file: bool,
+              ignore: Callable[[Any, str], list[str]]) -> Iterator[str]:
+    """``spec``'s file (``one_file``) or folder in the HF cache, downloaded at the commit its revision
+    names now; ``ignore(api, commit)`` gives the folder download's ignore patterns. Errors raised
+    inside name ``spec``, not the cache."""
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 
-    spec = parse_spec(path)
     with hub_read_errors(spec):
-        commit = resolve_commit(HfApi(token=token), spec)
-        if spec.subfolder.endswith(".json"):
+        api = HfApi(token=token)
+        commit = resolve_commit(api, spec)
+        if one_file:
             root = hf_hub_download(spec.repo_id, spec.subfolder, revision=commit, token=token, repo_type=spec.repo_type)
         else:
             allow = [f"{spec.subfolder}/*"] if spec.subfolder else None
             snapshot = snapshot_download(spec.repo_id, revision=commit, token=token, allow_patterns=allow,
-                                         ignore_patterns=["*.safetensors", *NOT_DOWNLOADED], repo_type=spec.repo_type)
+                                         ignore_patterns=ignore(api, commit), repo_type=spec.repo_type)
             root = os.path.join(snapshot, *spec.subfolder.split("/")) if spec.subfolder else snapshot
     with renamed_errors(root, str(spec)):
         yield root
