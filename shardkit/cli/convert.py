@@ -7,7 +7,6 @@ from typing import Any
 import click
 
 from ..errors import InvalidInputError
-
 from .common import byte_progress, echo_json, hub_token_option, no_cache_option, shard_options
 
 EPILOG = """\b

@@ -51,8 +51,8 @@ def split(source: str, output: str, key: str | None, as_json: bool, quiet: bool,
     """Stream SOURCE into size-bounded safetensors shards in the OUTPUT folder.
 
     SOURCE is a .safetensors file, a sharded folder or its index, a .bin/.pt/.pth/.ckpt pickle
-    (loaded with weights_only, never executing code), or a Hub repository hf://ORG/REPO. The output loads unchanged with
-    diffusers, transformers, accelerate and huggingface_hub. Writes are atomic: on failure or
+    (loaded with weights_only, never executing code), or a Hub repository hf://ORG/REPO. The
+    output loads unchanged with diffusers, transformers, accelerate and huggingface_hub. Writes are atomic: on failure or
     Ctrl-C nothing partial is left, and the source is never modified.
     """
     from ..sharding.options import WriteOptions

@@ -42,7 +42,7 @@ SCHEME = "hf://"
 FIRST_RANGE_BYTES = 64 * 1024  # most headers fit; a larger one costs exactly one more request
 MAX_FETCHED_FILE_BYTES = 10_000_000  # configs and indexes; a bigger .json is not one of them
 # Weight formats never mirrored or downloaded implicitly: pickles (safety), Flax, TF, ONNX, GGUF (not torch).
-NOT_DOWNLOADED = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.msgpack", "*.h5", "*.onnx", "*.gguf", "*.ot")
+NOT_DOWNLOADED = (*(f"*{suffix}" for suffix in PICKLE_SUFFIXES), "*.msgpack", "*.h5", "*.onnx", "*.gguf", "*.ot")
 RETRY_WAIT_SECONDS = 0.25
 _FETCH_THREADS = 8
 DIRECT_CHUNK_BYTES = 16 << 20
@@ -167,7 +167,7 @@ def _build_mirror(spec: RemoteSpec, root: str, *, token: str | None, side_files:
     check_not_pickle_only(mirror)
     weights = [f for rel, f in files.items() if rel.endswith(".safetensors")]
     if side_files:
-        fetched = [f for f in files.values() if f not in weights and not fnmatch_any(f.path, NOT_DOWNLOADED)]
+        fetched = [f for f in files.values() if f not in weights and not _fnmatch_any(f.path, NOT_DOWNLOADED)]
         fetch = _fetch_direct
     else:
         fetched = [f for rel, f in files.items() if CONFIG_RE.search(rel) and f.size_bytes <= MAX_FETCHED_FILE_BYTES]
@@ -258,7 +258,7 @@ def _fetch_direct(mirror: Mirror, remote: RemoteFile, token: str | None) -> None
             f.write(read_range(mirror, remote, begin, min(begin + DIRECT_CHUNK_BYTES, remote.size_bytes), token=token))
 
 
-def fnmatch_any(path: str, patterns: tuple[str, ...]) -> bool:
+def _fnmatch_any(path: str, patterns: tuple[str, ...]) -> bool:
     """True when the file name of ``path`` matches one of ``patterns``."""
     from fnmatch import fnmatch
 
