@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import os
-from contextlib import nullcontext
 from typing import Any
 
 from ..checking.info import CheckpointInfo
@@ -43,8 +42,7 @@ def split(source: Any, output: str | os.PathLike[str], *, token: str | None = No
 
     >>> shardkit.split("hf://org/model", "out/", max_shard_size="2GB", cache=False)   # doctest: +SKIP
     """
-    routed = _routed(source, cache)
-    with open_checkpoint(_text(source), token=token, cache=cache) if routed else nullcontext(source) as readable:
+    with open_checkpoint(source, token=token, cache=cache) as readable:  # anything but hf:// passes through
         return _split_local(readable, output, **options)
 
 
@@ -67,9 +65,8 @@ def convert(source: Any, output: str | os.PathLike[str], *, token: str | None = 
 
     >>> shardkit.convert("hf://org/old-model", "out/", strip_prefix="model.")   # doctest: +SKIP
     """
-    routed = _routed(source, cache)
-    with open_checkpoint(_text(source), token=token, cache=cache, pickles=True) if routed else nullcontext(source) \
-            as readable, config_source(_text(options.pop("config", None)), token=token) as config:
+    with open_checkpoint(source, token=token, cache=cache, pickles=True) as readable, \
+            config_source(options.pop("config", None), token=token) as config:
         return _convert_local(readable, output, config=config, **options)
 
 
@@ -102,15 +99,6 @@ def verify(path: Any, *, against: Any = None, token: str | None = None, **option
     if is_remote(against):
         return verify_against_remote(os.fspath(path), against, token=token)
     return _verify_local(path, against=against, **options)
-
-
-def _routed(source: Any, cache: bool) -> bool:
-    """Whether ``source`` goes through :func:`open_checkpoint` (hf://, or a misplaced ``cache=False``)."""
-    return is_remote(source) or not cache
-
-
-def _text(source: Any) -> str:
-    return os.fspath(source) if isinstance(source, os.PathLike) else source
 
 
 def _advertise(wrapper: Any, local: Any, *extra: str) -> None:

@@ -45,7 +45,8 @@ def open_checkpoint(path: Any, *, token: str | None = None, cache: bool = True,
     """``path`` for the local writers; for ``hf://...`` its cached copy, or a mirror streamed from the Hub.
 
     Args:
-        path: a local path, or ``hf://ORG/REPO[@REVISION][/SUBFOLDER or /FILE]``.
+        path: anything ``split``/``convert`` take (passed through unchanged), or
+            ``hf://ORG/REPO[@REVISION][/SUBFOLDER or /FILE]``.
         token: a Hub token; default ``HF_TOKEN`` or the stored login.
         cache: download through the Hugging Face cache (default); False streams the tensor bytes
             by range reads into the output, with bounded memory and no cache copy.
@@ -62,7 +63,7 @@ def open_checkpoint(path: Any, *, token: str | None = None, cache: bool = True,
     """
     if not is_remote(path):
         if not cache:
-            shown = path if isinstance(path, str) else f"a {type(path).__name__}"  # never a state dict's repr
+            shown = os.fspath(path) if isinstance(path, (str, os.PathLike)) else f"a {type(path).__name__}"
             raise InvalidInputError(f"--no-cache (cache=False) applies to an hf://ORG/REPO source, not to {shown}; "
                                     "drop it")
         yield path
