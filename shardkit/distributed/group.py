@@ -7,14 +7,16 @@ instead of leaving the others blocked in the next collective. torch is imported 
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ..errors import InvalidInputError, ShardkitError, ShardkitWriteError
 
 __all__ = ["DistributedError", "RankStatus", "agree", "broadcast_from_zero", "check_world_size",
-           "init_from_env", "rank_and_world"]
+           "end_group", "group_from_env", "rank_and_world"]
 
 
 class DistributedError(ShardkitWriteError):
@@ -112,19 +114,49 @@ def check_world_size(process_group: Any, *, sizes: Sequence[tuple[str, int]] = (
     return RankStatus(rank)
 
 
-def init_from_env() -> bool:
-    """Start a gloo process group from torchrun's environment when there is one; True when distributed.
+@contextlib.contextmanager
+def group_from_env(*, timeout_s: float = 300.0) -> Iterator[bool]:
+    """A gloo process group from torchrun's environment for the ``with`` block; yields True when distributed.
 
-    Returns False for a single process (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``).
+    Yields False for a single process (no ``WORLD_SIZE`` or ``WORLD_SIZE=1``). A group this
+    function starts is ended on every path: after success every rank waits for the others
+    (a barrier bounded by ``timeout_s``), so none exits while another still publishes, then
+    the group is destroyed, so no gloo thread outlives the interpreter (which aborts the
+    process). A group someone else started is left as it is.
+
+    >>> with group_from_env() as distributed:      # doctest: +SKIP
+    ...     run_the_job(collective=distributed)
     """
     env = os.environ.get("WORLD_SIZE", "").strip()
     if not env.isdigit() or int(env) <= 1:
-        return False
+        yield False
+        return
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        dist.init_process_group(backend="gloo")
-    return True
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    succeeded = False
+    try:
+        yield True
+        succeeded = True
+    finally:
+        if created:
+            end_group(barrier=succeeded, timeout_s=timeout_s)
+
+
+def end_group(*, barrier: bool, timeout_s: float) -> None:
+    """Destroy the default group, after a bounded barrier when ``barrier`` (the job succeeded everywhere)."""
+    import torch.distributed as dist
+
+    try:
+        if barrier:
+            try:
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s))
+            except RuntimeError as e:  # the output is published; a rank that died after it is worth saying
+                raise DistributedError(f"waiting for the other ranks to finish: {_first_line(e)}") from e
+    finally:
+        dist.destroy_process_group()
 
 
 def is_rank_zero() -> bool:
