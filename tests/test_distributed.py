@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
-import pytest
+import gc
 
-torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 TINY_UNET = {"block_out_channels": [8, 16], "layers_per_block": 1, "sample_size": 8, "in_channels": 4,
              "out_channels": 4, "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
@@ -30,6 +32,7 @@ def _entry(rank: int, world: int, init: str, fn: Callable[..., Any], args: tuple
     try:
         fn(rank, world, *args)
     finally:
+        gc.collect()  # FSDP2 modules and DTensors hold the group; free them before it goes
         dist.destroy_process_group()
 
 
@@ -70,7 +73,7 @@ def _fsdp(model: Any) -> Any:
 
 def _save_rank(rank: int, world: int, build: Callable[[], Any], out: str, ref: str, size: int) -> None:
     import shardkit
-    from shardkit.sharding.split import save_sharded as save_local
+    from shardkit import save_sharded as save_local
 
     model = build()
     if rank == 0:
@@ -166,7 +169,7 @@ def test_rank_killed_mid_save_publishes_nothing_and_next_run_cleans_up(tmp_path:
 
 def _overwrite_rank(rank: int, world: int, out: str, ref: str) -> None:
     import shardkit
-    from shardkit.sharding.split import save_sharded as save_local
+    from shardkit import save_sharded as save_local
 
     model = _tiny_llama()
     if rank == 0:
@@ -211,7 +214,7 @@ def _expect_error(rank: int, world: int, out: str, setup: str, report: str) -> N
 @pytest.mark.slow
 @pytest.mark.parametrize("setup, words", [
     ("plan", "rank(s) 1 planned different shards than rank 0"),
-    ("world", "WORLD_SIZE=3 but the process group has 2 ranks"),
+    ("world", "WORLD_SIZE=3 but the default process group has 2 ranks"),
     ("shared", "must be one folder on a filesystem shared by every rank"),
 ])
 def test_collective_errors_are_one_line_on_every_rank(tmp_path: Path, setup: str, words: str) -> None:
@@ -246,7 +249,7 @@ def _load_rank(rank: int, world: int, ckpt: str, report: str) -> None:
 
 
 def test_rank_local_loading_reads_only_each_ranks_slice(tmp_path: Path) -> None:
-    from shardkit.sharding.split import save_sharded
+    from shardkit import save_sharded
 
     save_sharded(_tiny_llama(), tmp_path / "ckpt", max_shard_size=20_000)
     run_ranks(tmp_path, _load_rank, str(tmp_path / "ckpt"), str(tmp_path / "report"))
@@ -264,22 +267,83 @@ def test_slice_runs_are_one_read_per_contiguous_run() -> None:
     assert list(slice_runs((), (), ())) == [(0, 1, 0)]
 
 
+def _subgroup_rank(rank: int, world: int, out: str) -> None:
+    import shardkit
+
+    os.environ["WORLD_SIZE"] = str(world)  # as torchrun sets it: the default group's size, not the subgroup's
+    sub = dist.new_group([1])  # every rank creates it; only rank 1 is in it (rank 0 of the subgroup)
+    if rank == 1:
+        state = {f"w{i}": torch.full((10, 10), float(i)) for i in range(4)}
+        shardkit.save_sharded(state, out, max_shard_size=800, process_group=sub)
+    dist.barrier()
+
+
+def test_collective_save_over_a_subgroup_is_accepted(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    run_ranks(tmp_path, _subgroup_rank, str(tmp_path / "out"))
+    shards = sorted((tmp_path / "out").glob("*.safetensors"))
+    assert len(shards) == 2
+    got = {k: v for p in shards for k, v in load_file(p).items()}
+    assert sorted(got) == ["w0", "w1", "w2", "w3"] and torch.equal(got["w3"], torch.full((10, 10), 3.0))
+
+
+def _manifest_rank(rank: int, world: int, out: str, manifest: bool) -> None:
+    import shardkit
+
+    state = {f"w{i}": torch.full((10, 10), float(i)) for i in range(4)}
+    result = shardkit.save_sharded(state, out, max_shard_size=800, manifest=manifest, process_group=dist.group.WORLD)
+    Path(out + f".result{rank}").write_text(str(result.cloned_bytes + result.copied_bytes))
+
+
+@pytest.mark.parametrize("manifest", [True, False])
+def test_collective_save_obeys_manifest_option_like_one_process(tmp_path: Path, manifest: bool) -> None:
+    import shardkit
+
+    state = {f"w{i}": torch.full((10, 10), float(i)) for i in range(4)}
+    shardkit.save_sharded(state, tmp_path / "ref", max_shard_size=800, manifest=manifest)
+    run_ranks(tmp_path, _manifest_rank, str(tmp_path / "out"), manifest)
+    assert (tmp_path / "out" / "shardkit.manifest.json").exists() is manifest
+    assert _folder_bytes(tmp_path / "out") == _folder_bytes(tmp_path / "ref")
+    for r in (0, 1):  # every rank reports the bytes of all ranks' shards
+        assert (tmp_path / f"out.result{r}").read_text() == str(4 * 400)
+
+
 # ----------------------------------------------------------------------------- torchrun convert
 
-@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_torchrun_convert_of_dcp_equals_single_process_convert(tmp_path: Path, ranks: int) -> None:
-    import torch.distributed.checkpoint as dcp
+def _torchrun_convert(src: Path, out: Path, ranks: int, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                           str(ranks), "-m", "shardkit", "convert", str(src), str(out), "--max-shard-size", "10KB",
+                           *extra], capture_output=True, text=True, timeout=300)
 
-    import shardkit
+
+def _small_dcp(folder: Path) -> None:
+    import torch.distributed.checkpoint as dcp
 
     torch.manual_seed(0)
     state = {f"layers.{i}.weight": torch.randn(40, 30) for i in range(6)}
     state["bias"] = torch.randn(7).to(torch.bfloat16)
-    dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+
+
+@pytest.mark.parametrize("runs", [3, pytest.param(20, marks=pytest.mark.slow)])
+def test_torchrun_convert_exits_cleanly_every_time(tmp_path: Path, runs: int) -> None:
+    """Each rank ends the process group it started: no 'terminate called without an active exception'."""
+    _small_dcp(tmp_path / "dcp")
+    for i in range(runs):
+        run = _torchrun_convert(tmp_path / "dcp", tmp_path / f"out{i}", 2, "--no-manifest")
+        assert run.returncode == 0 and "terminate called" not in run.stderr, f"run {i}: {run.stderr[-3000:]}"
+        assert not (tmp_path / f"out{i}" / "shardkit.manifest.json").exists()
+        shutil.rmtree(tmp_path / f"out{i}")
+
+
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_torchrun_convert_of_dcp_equals_single_process_convert(tmp_path: Path, ranks: int) -> None:
+    import shardkit
+
+    _small_dcp(tmp_path / "dcp")
     shardkit.convert(tmp_path / "dcp", tmp_path / "ref", max_shard_size="10KB")
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                          "-m", "shardkit", "convert", str(tmp_path / "dcp"), str(tmp_path / "out"),
-                          "--max-shard-size", "10KB"], capture_output=True, text=True, timeout=300)
+    run = _torchrun_convert(tmp_path / "dcp", tmp_path / "out", ranks)
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(list((tmp_path / "out").glob("*.safetensors"))) == 3  # fewer shards than 4 ranks: one rank writes none
     assert _folder_bytes(tmp_path / "out") == _folder_bytes(tmp_path / "ref")

@@ -147,3 +147,24 @@ def test_convert_of_a_zip_pickle_clones_one_tensor_per_shard(cow_fs: Path) -> No
     assert_bit_equal(load_folder(cow_fs / "convert-out"), tensors)
     assert result.cloned_bytes >= 0.99 * total
     _assert_cloned(sorted((cow_fs / "convert-out").glob("*.safetensors")), total, before, cow_fs)
+
+
+def test_torchrun_convert_reports_the_bytes_every_rank_cloned(cow_fs: Path) -> None:
+    """The collective writer shares the single-process publish path: cloned bytes summed over ranks."""
+    import sys
+
+    from safetensors.torch import save_file
+
+    tensors = _state_dict()
+    src = cow_fs / "collective-src.safetensors"
+    save_file(tensors, str(src), metadata={"format": "pt"})
+    total = sum(t.nbytes for t in tensors.values())
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "shardkit", "convert", str(src), str(cow_fs / "collective-out"),
+                          "--max-shard-size", "10MB", "--json"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    reported = json.loads(run.stdout)
+    assert reported["cloned_bytes"] >= 0.99 * total and reported["copied_bytes"] == total - reported["cloned_bytes"]
+    shards = sorted((cow_fs / "collective-out").glob("*.safetensors"))
+    assert reported["cloned_bytes"] <= sum(shared_bytes(f) or 0 for f in shards)
+    assert_bit_equal(load_folder(cow_fs / "collective-out"), tensors)

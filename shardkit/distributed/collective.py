@@ -21,13 +21,20 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..atomic.commit import TMP_MARK, OutputTransaction
-from ..formats.index import dump_index
 from ..formats.manifest import FileDigest
-from ..formats.suffixes import is_manifest_file
 from ..sharding import digest
-from ..sharding.job import ShardJob, SideFile, SplitResult, _checkpoint_files, plan_job, shard_metadata
+from ..sharding.job import (
+    ShardJob,
+    SideFile,
+    SplitResult,
+    checkpoint_files,
+    copy_side_files,
+    plan_job,
+    publish,
+    shard_metadata,
+)
 from ..sharding.options import WriteOptions, warn_if_output_taken
-from ..sharding.writer import BackgroundSync, ByteCounter, copy_side_file, write_safetensors
+from ..sharding.writer import BackgroundSync, ByteCounter, write_safetensors
 from ..sources.base import Source
 from .assign import assign_shards, plan_signature
 from .group import (
@@ -96,7 +103,7 @@ def write_collective(src: Source, output: str, *, options: WriteOptions, process
         if rank == 0:
             warn_if_output_taken(run.output, overwrite=options.overwrite)
         return job.result(run.output, options)
-    run.stale = [job.path(n) for n in _checkpoint_files(run.output, job.plan.naming)] + digest.stale_manifests(run.output, [""])
+    run.stale = [job.path(n) for n in checkpoint_files(run.output, job.plan.naming)] + digest.stale_manifests(run.output, [""])
     with contextlib.ExitStack() as stack:
         tx = _open_output(run, stack)
         _check_marker(run)
@@ -157,36 +164,42 @@ def _check_marker(run: CollectiveWrite) -> None:
 
 
 def _write_owned(run: CollectiveWrite, gather: Any) -> dict[str, FileDigest]:
-    """Write and hash this rank's shards; join every rank's gathers; exchange the outcome."""
+    """Write and hash this rank's shards; join every rank's gathers; exchange the outcome.
+
+    Returns every rank's digests (none with ``manifest=False``); ``run.job.cloned_bytes`` becomes
+    the total cloned by all ranks.
+    """
     job, metadata = run.job, shard_metadata(run.job, run.options.metadata or {})
     by_name = {w.out.name: w for w in job.writes}
     mine = [s for s, owner in zip(job.plan.shards, run.owners) if owner == run.rank]
     tick = ByteCounter(sum(s.nbytes for s in mine), run.options.progress)
     error: BaseException | None = None
-    records: dict[str, FileDigest] = {}
+    outcome: tuple[dict[str, FileDigest], int] = ({}, 0)
     if gather is not None:
         gather.assign({n: owner for s, owner in zip(job.plan.shards, run.owners) for n in s.names},
                       rank=run.rank, process_group=run.process_group)
     try:
-        with digest.FileHasher() as hasher, BackgroundSync() as sync:
+        cloned_bytes = 0
+        with digest.ManifestRecorder(run.output, stale=run.stale, enabled=run.options.manifest) as record, \
+                BackgroundSync() as sync:
             for shard, owner in zip(job.plan.shards, run.owners):
                 if owner == run.rank:
-                    path = run.local(run.paths[shard.filename])
-                    written = write_safetensors(path, [by_name[n] for n in shard.names], job.source,
-                                                metadata=metadata, progress=tick, sync=sync)
-                    if digest.ENABLED:  # the gathered tensors were crc'd as they were written
-                        hasher.submit(job.path(shard.filename), path, safetensors=True, carried=written.crc32s)
+                    path, writes = run.local(run.paths[shard.filename]), [by_name[n] for n in shard.names]
+                    written = write_safetensors(path, writes, job.source, metadata=metadata, progress=tick, sync=sync)
+                    cloned_bytes += written.cloned_bytes
+                    record.shard(job.path(shard.filename), path, writes, known=written.crc32s)
                 if gather is not None:
                     gather.skip_through(shard.names)
             sync.wait()
-            records = hasher.results()
+            outcome = (record.results(), cloned_bytes)
     except Exception as e:
         error = e
     finally:
         if gather is not None:
             error = gather.drain(error)  # the others still gather the tensors after ours
-    statuses = agree(run.process_group, status_of(run.rank, error, payload=records), what="writing shards")
-    return {name: record for s in statuses for name, record in s.payload.items()}
+    statuses = agree(run.process_group, status_of(run.rank, error, payload=outcome), what="writing shards")
+    job.cloned_bytes = sum(s.payload[1] for s in statuses)
+    return {name: record for s in statuses for name, record in s.payload[0].items()}
 
 
 def _publish(run: CollectiveWrite, tx: OutputTransaction | None, records: dict[str, FileDigest],
@@ -210,21 +223,11 @@ def _publish(run: CollectiveWrite, tx: OutputTransaction | None, records: dict[s
 
 def _commit(run: CollectiveWrite, tx: OutputTransaction, records: dict[str, FileDigest],
             side_files: Sequence[SideFile]) -> None:
-    plan = run.job.plan
-    with digest.ManifestRecorder(run.output, stale=run.stale) as record, BackgroundSync() as sync:
-        for path, name in side_files:
-            if not is_manifest_file(os.path.basename(name)):
-                copy_side_file(path, dst := tx.path_for(name), sync=sync)
-                record.file(name, dst)
+    """Rank 0's share of the one publish path (:func:`shardkit.sharding.job.publish`)."""
+    with digest.ManifestRecorder(run.output, stale=run.stale, enabled=run.options.manifest) as record, \
+            BackgroundSync() as sync:
+        copy_side_files(side_files, tx, sync=sync, record=record)
         for name, digest_record in records.items():
             record.add(name, digest_record)
-        sync.wait()
-        os.remove(run.local(run.marker))  # not part of the checkpoint
-        index = None
-        if plan.index_filename:
-            index = run.job.path(plan.index_filename)
-            data = dump_index(plan.weight_map(), total_size_bytes=plan.total_bytes)
-            tx.write_bytes(index, data)
-            record.data(index, data)
-        record.write(tx)
-        tx.commit(last=index)
+        publish(tx, [run.job], sync=sync, record=record,
+                before_index=lambda: os.remove(run.local(run.marker)))  # not part of the checkpoint

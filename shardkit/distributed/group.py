@@ -99,13 +99,16 @@ def _first_line(error: BaseException) -> str:
 def check_world_size(process_group: Any, *, sizes: Sequence[tuple[str, int]] = ()) -> RankStatus:
     """This rank's check that every world size it sees agrees with the group's.
 
-    ``WORLD_SIZE`` (torchrun's) and each DTensor mesh in ``sizes`` must not exceed the group,
-    and ``WORLD_SIZE`` must equal it; a rank started by another launch disagrees here.
+    ``WORLD_SIZE`` (torchrun's) must equal the size of the default group (a rank started by
+    another launch disagrees here); ``process_group`` may be any subgroup of it. Each DTensor
+    mesh in ``sizes`` must not exceed ``process_group``.
     """
+    import torch.distributed as dist
+
     rank, world = rank_and_world(process_group)
-    env = os.environ.get("WORLD_SIZE", "").strip()
-    if env.isdigit() and int(env) != world:
-        return RankStatus(rank, f"WORLD_SIZE={env} but the process group has {world} ranks: "
+    env, everyone = os.environ.get("WORLD_SIZE", "").strip(), dist.get_world_size()
+    if env.isdigit() and int(env) != everyone:
+        return RankStatus(rank, f"WORLD_SIZE={env} but the default process group has {everyone} ranks: "
                                 "start every rank with the same --nnodes/--nproc-per-node")
     for name, size in sizes:
         if size > world:

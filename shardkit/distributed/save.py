@@ -7,7 +7,7 @@ from typing import Any
 
 from ..sharding.job import SplitResult
 from ..sharding.options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions
-from ..sharding.split import save_sharded as save_sharded_local
+from ..sharding.split import save_state
 from .group import DistributedError, agree, check_world_size, rank_and_world, status_of
 
 __all__ = ["save_sharded"]
@@ -16,11 +16,20 @@ __all__ = ["save_sharded"]
 def save_sharded(obj: Any, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
                  dtype: str | None = None, name: str | None = None, variant: str | None = None,
                  allow_lossy: bool = False, overwrite: bool = False, metadata: dict[str, str] | None = None,
-                 progress: ProgressCallback | None = None, process_group: Any = None) -> SplitResult:
-    """Save a state dict or ``nn.Module`` as sharded safetensors; collectively over ``process_group``.
+                 manifest: bool = True, progress: ProgressCallback | None = None,
+                 process_group: Any = None) -> SplitResult:
+    """Save a state dict or ``nn.Module`` (tensors on any device) as sharded safetensors; collectively
+    over ``process_group``.
 
-    Without DTensors and without ``process_group`` this is
-    :func:`shardkit.sharding.split.save_sharded`. With them, every rank of the group must call
+    Tensors are moved to the host one at a time; tied tensors are written once and their other
+    names recorded as aliases in the shard metadata. A diffusers ``ModelMixin`` or transformers
+    ``PreTrainedModel`` is saved in its library's layout, so its ``from_pretrained(output)`` loads
+    it: that library's file names (``diffusion_pytorch_model*`` / ``model*``) and its
+    ``config.json`` (plus transformers' ``generation_config.json`` when the model generates),
+    published with the shards in one transaction.
+
+    Without DTensors and without ``process_group`` one process writes everything
+    (:func:`shardkit.sharding.split.save_state`). With them, every rank of the group must call
     it (an FSDP2 ``fully_shard`` model, or a state dict of ``DTensor`` s): rank 0 plans from the
     global shapes (the plan a single process gives for the full state dict), the shards are
     divided among the ranks by bytes, each rank gathers the full tensors of its own shards one
@@ -34,8 +43,9 @@ def save_sharded(obj: Any, output: str | os.PathLike[str], *, max_shard_size: st
         output: the output folder (the same folder on every rank).
         process_group: the ``torch.distributed`` group whose ranks all call this (None with
             DTensors: the default group).
-        max_shard_size, dtype, name, variant, allow_lossy, overwrite, metadata, progress: as in
-            the single-process ``save_sharded``.
+        max_shard_size: largest shard in tensor bytes: ``"5GB"`` (10^9), ``"2GiB"`` (2^30), or an int.
+        dtype, name, variant, allow_lossy, overwrite, metadata, manifest, progress: see
+            :class:`~shardkit.sharding.options.WriteOptions`.
 
     Returns:
         The :class:`~shardkit.sharding.job.SplitResult`, the same on every rank.
@@ -48,13 +58,13 @@ def save_sharded(obj: Any, output: str | os.PathLike[str], *, max_shard_size: st
     from .gather import is_dtensor
 
     options = WriteOptions.parse(max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy, name=name,
-                                 variant=variant, overwrite=overwrite, metadata=metadata, progress=progress)
-    with native_model(obj, cast_to=options.cast_to) as native:
+                                 variant=variant, overwrite=overwrite, metadata=metadata, manifest=manifest,
+                                 progress=progress)
+    with native_model(obj, cast_to=options.cast_to) as native:  # prepared once, whichever writer runs
         state = native.state_dict if native is not None else module_state_dict(obj)
         if process_group is None and not any(is_dtensor(t) for t in state.values()):
-            return save_sharded_local(obj, output, max_shard_size=max_shard_size, dtype=dtype, name=name,
-                                      variant=variant, allow_lossy=allow_lossy, overwrite=overwrite,
-                                      metadata=metadata, progress=progress)
+            return save_state(state, output, options=options, native=native,
+                              description=f"in-memory {type(obj).__name__}")
         return _save_collective(obj, state, native, os.fspath(output), options=options, process_group=process_group)
 
 
@@ -80,7 +90,7 @@ def _rank0_layout(state: Any, *, keep: Any, process_group: Any) -> tuple[list[st
     every rank writes the same plan. Every rank's tensors (names, dtypes, global shapes) and
     world size are compared first, so a rank with another model fails here on every rank.
     """
-    from ..sources.memory import _same_view, check_all_tensors, find_aliases, hub_order
+    from ..sources.memory import MemorySource, check_all_tensors
     from .assign import plan_signature
     from .gather import local_view, mesh_sizes
 
@@ -90,11 +100,9 @@ def _rank0_layout(state: Any, *, keep: Any, process_group: Any) -> tuple[list[st
         check_all_tensors(state, where="distributed state dict")
         rows = sorted([n, str(t.dtype), list(t.shape)] for n, t in state.items())
         layout = None
-        if rank == 0:
-            local = local_view(state)
-            aliases = find_aliases(local, keep=keep)
-            exact = {a: k for a, k in aliases.items() if _same_view(local[a], local[k])}  # as MemorySource.aliases
-            layout = ([n for n in hub_order(local) if n not in aliases], exact)
+        if rank == 0:  # the single-process writer's order and ties, on rank 0's local tensors
+            local = MemorySource(local_view(state), description="rank 0's local tensors", keep=keep)
+            layout = ([e.name for e in local.entries()], local.aliases())
         status.payload = (plan_signature(rows), layout)
     except Exception as e:
         status = status_of(rank, e)

@@ -205,6 +205,11 @@ class ManifestRecorder:
         if self.enabled:
             self._hasher.add(name, record)
 
+    def results(self) -> dict[str, FileDigest]:
+        """Wait for every digest recorded so far (none when disabled): what one rank of a collective
+        write sends to the rank that writes the manifest."""
+        return self._hasher.results() if self.enabled else {}
+
     def write(self, tx: object) -> None:
         """Wait for every digest, keep the old records of files left in place, write the manifest."""
         if not self.enabled:

@@ -30,8 +30,8 @@ from .writer import (
     write_safetensors,
 )
 
-__all__ = ["ShardJob", "SideFile", "SplitResult", "open_settled", "plan_job", "resolve_naming", "run_jobs",
-           "side_files", "split_source"]
+__all__ = ["ShardJob", "SideFile", "SplitResult", "checkpoint_files", "copy_side_files", "open_settled", "plan_job",
+           "publish", "resolve_naming", "run_jobs", "side_files", "split_source"]
 
 SideFile = tuple[str, str]  # (path to copy from, file name inside the output)
 
@@ -233,21 +233,41 @@ def run_jobs(output: str, jobs: Sequence[ShardJob], *, options: WriteOptions,
     if options.dry_run:
         warn_if_output_taken(output, overwrite=options.overwrite)
         return
-    stale = [job.path(name) for job in jobs for name in _checkpoint_files(os.path.join(output, job.folder), job.plan.naming)]
+    stale = [job.path(name) for job in jobs for name in checkpoint_files(os.path.join(output, job.folder), job.plan.naming)]
     stale += stale_manifests(output, [job.folder for job in jobs])
     tick = ByteCounter(sum(job.plan.total_bytes for job in jobs), options.progress)
     with OutputTransaction(output, overwrite=options.overwrite, stale=stale) as tx, BackgroundSync() as sync, \
             ManifestRecorder(output, stale=stale, enabled=options.manifest) as record:
-        for path, name in side_files:
-            if not is_manifest_file(os.path.basename(name)):  # the source's manifest describes the source
-                copy_side_file(path, dst := tx.path_for(name), sync=sync)
-                record.file(name, dst)
+        copy_side_files(side_files, tx, sync=sync, record=record)
         for job in jobs:
             _write_shards(job, tx.path_for, options.metadata or {}, tick, sync, record)
-        sync.wait()  # every shard and side file is on disk before an index that names it can appear
-        indexes = [_write_index(job, tx, record) for job in jobs if job.plan.index_filename]
-        record.write(tx)  # the manifest: fsynced in the transaction, published with the files it lists
-        tx.commit(last=indexes[-1] if indexes else None)
+        publish(tx, jobs, sync=sync, record=record)
+
+
+def copy_side_files(side_files: Sequence[SideFile], tx: OutputTransaction, *, sync: BackgroundSync,
+                    record: ManifestRecorder) -> None:
+    """Copy the side files (configs, README...) into ``tx``, recording their digests."""
+    for path, name in side_files:
+        if not is_manifest_file(os.path.basename(name)):  # the source's manifest describes the source
+            copy_side_file(path, dst := tx.path_for(name), sync=sync)
+            record.file(name, dst)
+
+
+def publish(tx: OutputTransaction, jobs: Sequence[ShardJob], *, sync: BackgroundSync, record: ManifestRecorder,
+            before_index: Callable[[], None] | None = None) -> None:
+    """The one publish path (single process and collective): wait for every file to be on disk,
+    write the indexes and the manifest, commit.
+
+    Every shard and side file is fsynced before an index that names it can appear; the manifest
+    is fsynced in the transaction and published with the files it lists. ``before_index`` runs
+    once the data is on disk (a collective write removes its marker there).
+    """
+    sync.wait()
+    if before_index is not None:
+        before_index()
+    indexes = [_write_index(job, tx, record) for job in jobs if job.plan.index_filename]
+    record.write(tx)
+    tx.commit(last=indexes[-1] if indexes else None)
 
 
 def _write_shards(job: ShardJob, path_for: Callable[[str], str], metadata: Mapping[str, str],
@@ -297,7 +317,7 @@ def side_files(source: Any, output: str) -> list[SideFile]:
     )
 
 
-def _checkpoint_files(folder: str, naming: Naming) -> list[str]:
+def checkpoint_files(folder: str, naming: Naming) -> list[str]:
     """Files in ``folder`` named exactly as ``naming``'s checkpoint (replaced by a write).
 
     Only exact names count: ``vae.safetensors`` beside ``model.safetensors`` is another file,

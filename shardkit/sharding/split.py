@@ -1,4 +1,5 @@
-"""``split`` and ``save_sharded``: any checkpoint (or in-memory model) → size-bounded safetensors shards.
+"""``split`` (and the single-process writer of ``save_sharded``): any checkpoint (or in-memory model) →
+size-bounded safetensors shards.
 
 The public functions keep their keyword signatures and build one
 :class:`~shardkit.sharding.options.WriteOptions`; :func:`split_with` is the same command for
@@ -8,7 +9,7 @@ callers that already hold the options (the CLI, ``convert``).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Mapping
 
 from ..formats.layout import is_pipeline_folder
 from .job import (
@@ -20,11 +21,12 @@ from .job import (
     split_source,
     unwrap_path,
 )
+from .native import NativeModel
 from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions
 from .pipeline import split_pipeline
 from .single_file import is_file_output, refuse_file_output, split_to_file
 
-__all__ = ["SplitResult", "save_sharded", "split", "split_with"]
+__all__ = ["SplitResult", "save_state", "split", "split_with"]
 
 
 def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
@@ -78,44 +80,23 @@ def split_with(source: Any, output: str | os.PathLike[str], *, options: WriteOpt
                               given)
 
 
-def save_sharded(obj: Any, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-                 dtype: str | None = None, name: str | None = None, variant: str | None = None,
-                 allow_lossy: bool = False, overwrite: bool = False, metadata: dict[str, str] | None = None,
-                 progress: ProgressCallback | None = None) -> SplitResult:
-    """Save a state dict or ``nn.Module`` (tensors on any device) as sharded safetensors.
+def save_state(state: Mapping[str, Any], output: str | os.PathLike[str], *, options: WriteOptions,
+               native: NativeModel | None = None, description: str = "in-memory state dict") -> SplitResult:
+    """Write an in-memory state dict in one process: the writer behind :func:`shardkit.save_sharded`.
 
     Tensors are moved to the host one at a time; tied tensors are written once and their other
-    names recorded as aliases in the shard metadata.
+    names recorded as aliases in the shard metadata. ``native`` (from
+    :func:`~shardkit.sharding.native.native_model`, already prepared by the caller) gives a
+    library model's file names, tie preferences and config files.
 
-    A diffusers ``ModelMixin`` or transformers ``PreTrainedModel`` is saved in its library's
-    layout, so its ``from_pretrained(output)`` loads it: that library's file names
-    (``diffusion_pytorch_model*`` / ``model*``) and its ``config.json`` (plus transformers'
-    ``generation_config.json`` when the model generates), published with the shards in one
-    transaction.
-
-    Args:
-        obj: a ``{name: tensor}`` mapping, an ``nn.Module``, a diffusers or transformers model.
-        output: the output folder.
-        max_shard_size: largest shard in tensor bytes: ``"5GB"`` (10^9), ``"2GiB"`` (2^30), or an int.
-        dtype, name, variant, allow_lossy, overwrite, metadata, progress: see
-            :class:`~shardkit.sharding.options.WriteOptions`.
-
-    Returns:
-        The :class:`SplitResult` of the write.
-
-    >>> shardkit.save_sharded(model, "out/", max_shard_size="2GB")  # doctest: +SKIP
+    >>> save_state(model.state_dict(), "out/", options=WriteOptions(max_shard_bytes=2 * 10**9))  # doctest: +SKIP
     """
-    from ..sources.memory import MemorySource, module_state_dict
-    from .native import native_model
+    from ..sources.memory import MemorySource
 
-    options = WriteOptions.parse(max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy, name=name,
-                                 variant=variant, overwrite=overwrite, metadata=metadata, progress=progress)
-    description = f"in-memory {type(obj).__name__}"
-    with native_model(obj, cast_to=options.cast_to) as native:
-        if native is None:
-            source = MemorySource(module_state_dict(obj), description=description)
-        else:
-            source = MemorySource(native.state_dict, description=description, naming=native.naming, keep=native.keep)
-        with source:
-            return split_source(source, os.fspath(output), options=options,
-                                side_files=native.side_files if native else ())
+    if native is None:
+        source = MemorySource(state, description=description)
+    else:
+        source = MemorySource(state, description=description, naming=native.naming, keep=native.keep)
+    with source:
+        return split_source(source, os.fspath(output), options=options,
+                            side_files=native.side_files if native else ())

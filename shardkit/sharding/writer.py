@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 from .. import _faults
 from ..atomic.extents import CLONE_BLOCK_BYTES, shared_bytes_fd
 from ..atomic.journal import fsync_dir as _fsync_path  # fsync works the same on a file
-from ..errors import InvalidInputError, ShardkitWriteError, describe_os_error
+from ..errors import HeaderError, InvalidInputError, ShardkitWriteError, describe_os_error
 from ..formats.header import HEADER_ALIGN_BYTES, TensorEntry, build_header
 from ..sources.base import Source
 from ..units import DTYPE_BITS, tensor_nbytes
@@ -334,12 +334,23 @@ def _write_through(fd: int, p: TensorWrite, source: Source, path: str, tick: Pro
     Python; returns the crc32 of the bytes written."""
     if p.src.dtype != p.out.dtype:
         return _cast_tensor(fd, p, source, path, tick)
-    crc = 0
+    crc, done = 0, 0
     for chunk in source.chunks(p.src, CHUNK_BYTES):
         _write_all(fd, chunk, path)
         crc = zlib.crc32(chunk, crc)
-        tick(len(chunk))
+        nbytes = memoryview(chunk).nbytes
+        done += nbytes
+        tick(nbytes)
+    _check_length(p.src, done, p.src.nbytes, source)
     return crc
+
+
+def _check_length(entry: TensorEntry, got_bytes: int, want_bytes: int, source: Source) -> None:
+    """A source that gave another byte count than the tensor's size (it shrank or changed while
+    read) must never be published as that tensor."""
+    if got_bytes != want_bytes:
+        raise HeaderError(f"{source.description}: tensor {entry.name!r} gave {got_bytes} of its {want_bytes} bytes "
+                          "(the source changed while it was read?); nothing was published: convert from an intact copy")
 
 
 def _copy_piece(fd: int, piece: _Piece, src_fd: int, tick: ProgressFn) -> None:
@@ -388,7 +399,9 @@ def _cast_tensor(fd: int, p: TensorWrite, source: Source, path: str, tick: Progr
     itemsize = src_dtype.itemsize
     step, crc = max(itemsize, CAST_CHUNK_BYTES // itemsize * itemsize), 0
     for begin in range(0, p.src.nbytes, step):
-        raw = bytearray(source.read(p.src, begin, min(begin + step, p.src.nbytes)))
+        end = min(begin + step, p.src.nbytes)
+        raw = bytearray(source.read(p.src, begin, end))
+        _check_length(p.src, begin + len(raw), end, source)
         cast = torch.frombuffer(raw, dtype=src_dtype).to(out_dtype).view(torch.uint8).numpy()
         _write_all(fd, memoryview(cast), path)
         crc = zlib.crc32(memoryview(cast), crc)
@@ -400,6 +413,8 @@ def _write_all(fd: int, data: bytes | memoryview, path: str) -> None:
     view = memoryview(data).cast("B")
     while view:
         written = os.write(fd, view)
+        if written <= 0:  # never for a regular file; a loop that would spin forever otherwise
+            raise OSError(errno.EIO, f"write to {path} wrote nothing")
         view = view[written:]
         _faults.point("write", written)
 

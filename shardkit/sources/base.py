@@ -6,8 +6,24 @@ import abc
 import os
 from typing import Iterator
 
+from ..errors import HeaderError
 from ..formats.header import TensorEntry
 from ..formats.index import Naming
+
+__all__ = ["Source", "pread_exactly"]
+
+
+def pread_exactly(fd: int, nbytes: int, offset: int, *, file: str, name: str) -> bytes:
+    """``nbytes`` read at ``offset`` of ``fd``, or :class:`HeaderError` naming ``file`` and tensor ``name``.
+
+    One check for every source: a file that shrank (or was rewritten) while it was read must
+    never yield a short buffer that a writer would publish as a tensor.
+    """
+    data = os.pread(fd, nbytes, offset)
+    if len(data) != nbytes:
+        raise HeaderError(f"{file}: tensor {name!r} is truncated (got {len(data)} of {nbytes} bytes at offset "
+                          f"{offset}; file shrank while reading?); restore the file, or convert from an intact copy")
+    return data
 
 
 class Source(abc.ABC):

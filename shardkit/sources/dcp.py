@@ -36,7 +36,7 @@ from ..errors import (
 )
 from ..formats.header import TensorEntry
 from ..formats.index import Naming
-from .base import Source
+from .base import Source, pread_exactly
 from .dcp_metadata import (
     DATA_SUFFIX,
     MAX_METADATA_BYTES,
@@ -166,15 +166,13 @@ class DCPSource(Source):
     def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
         tensor = self._tensors[entry.name]
         if len(tensor.chunks) == 1:
-            return self._chunk_bytes(tensor.chunks[0], entry.dtype, begin, end)
+            return self._chunk_bytes(tensor.chunks[0], entry.dtype, begin, end, name=entry.name)
         return self._assemble(tensor, begin, end)
 
-    def _chunk_bytes(self, chunk: _Chunk, dtype: str, begin: int, end: int) -> bytes | memoryview:
+    def _chunk_bytes(self, chunk: _Chunk, dtype: str, begin: int, end: int, *, name: str) -> bytes | memoryview:
         if chunk.data_offset is not None:
-            data = os.pread(self._fd(chunk.file), end - begin, chunk.data_offset + begin)
-            if len(data) != end - begin:
-                raise InvalidInputError(f"{chunk.file}: ended early while reading tensor data (truncated?)")
-            return data
+            return pread_exactly(self._fd(chunk.file), end - begin, chunk.data_offset + begin, file=chunk.file,
+                                 name=name)
         return self._load_chunk(chunk)[begin:end]
 
     def _load_chunk(self, chunk: _Chunk) -> memoryview:
@@ -212,7 +210,8 @@ class DCPSource(Source):
             if a >= b or 0 in sizes:
                 continue
             chunk_row = math.prod(sizes[1:])
-            raw = self._chunk_bytes(chunk, tensor.dtype, (a - offsets[0]) * chunk_row, (b - offsets[0]) * chunk_row)
+            raw = self._chunk_bytes(chunk, tensor.dtype, (a - offsets[0]) * chunk_row, (b - offsets[0]) * chunk_row,
+                                   name=tensor.name)
             piece = np.frombuffer(raw, dtype=np.uint8).reshape((b - a, *sizes[1:]))
             target = (slice(a - r0, b - r0),) + tuple(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:]))
             slab[target] = piece

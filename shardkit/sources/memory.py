@@ -15,14 +15,13 @@ shard of the first one; :meth:`MemorySource.entries` lists them together for the
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Collection, Hashable, Mapping
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.index import Naming
 from ..units import tensor_nbytes
-from .base import Source
+from .base import Source, pread_exactly
 
 logger = logging.getLogger("shardkit")
 
@@ -70,7 +69,8 @@ class MemorySource(Source):
 
     def _pread(self, entry: TensorEntry, begin: int, end: int) -> bytes:
         assert entry.file is not None
-        return os.pread(self._fd(entry.file), end - begin, entry.offset + begin)
+        return pread_exactly(self._fd(entry.file), end - begin, entry.offset + begin, file=entry.file,
+                             name=entry.name)
 
     def tensor(self, name: str) -> Any:
         return self._tensors[name]

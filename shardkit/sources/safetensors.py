@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ..errors import CheckpointIndexError, HeaderError, SourceNotFoundError
+from ..errors import CheckpointIndexError, SourceNotFoundError
 from ..formats.header import Header, TensorEntry, read_header
 from ..formats.index import (
     CheckpointIndex,
@@ -14,7 +14,7 @@ from ..formats.index import (
     naming_from_filename,
     shard_file,
 )
-from .base import Source
+from .base import Source, pread_exactly
 
 
 class SafetensorsSource(Source):
@@ -43,10 +43,8 @@ class SafetensorsSource(Source):
 
     def read(self, entry: TensorEntry, begin: int, end: int) -> bytes:
         assert entry.file is not None
-        data = os.pread(self._fd(entry.file), end - begin, entry.offset + begin)
-        if len(data) != end - begin:
-            raise HeaderError(f"{entry.file}: tensor {entry.name!r} is truncated (file shrank while reading?)")
-        return data
+        return pread_exactly(self._fd(entry.file), end - begin, entry.offset + begin, file=entry.file,
+                             name=entry.name)
 
 
 def open_safetensors_file(path: str) -> SafetensorsSource:
