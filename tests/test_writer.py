@@ -312,3 +312,44 @@ def test_clone_alignment_picks_the_class_with_the_most_bytes() -> None:
     assert writer.clone_alignment([small]) == 100
     assert writer.clone_alignment([w("m", 9000, None, 0)]) is None, "bytes in memory cannot be cloned"
     assert writer.clone_alignment([w("t", 100, "x", 0)]) is None, "under a block: nothing to clone"
+
+
+def test_a_zip_pickle_that_shrinks_after_opening_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
+    """The cast path reads a zip pickle's tensors by pread: a short read is an error, never a short tensor."""
+    import torch
+
+    import shardkit
+    from shardkit.sources import open_source
+
+    path = tmp_path / "model.pt"
+    torch.save({"a": torch.randn(1000), "b": torch.randn(1000)}, path)
+    with open_source(path) as src:
+        os.truncate(path, os.path.getsize(path) - 3000)  # the zip's tail and b's bytes are gone
+        with pytest.raises(HeaderError, match=r"tensor '\w' is truncated \(got \d+ of \d+ bytes"):
+            shardkit.split(src, tmp_path / "out", dtype="bf16", allow_lossy=True)
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+
+
+class _ShrinkingSource(MemorySource):
+    """A source whose tensor ``b`` yields fewer bytes than its size (a file rewritten under it)."""
+
+    kernel_copy = False
+
+    def chunks(self, entry: Any, chunk_bytes: int) -> Any:
+        for chunk in super().chunks(entry, chunk_bytes):
+            yield chunk[: len(chunk) // 2] if entry.name == "b" else chunk
+
+
+@pytest.mark.parametrize("dtype", [None, "bf16"])
+def test_the_writer_refuses_a_tensor_whose_source_gave_too_few_bytes(tmp_path: Path, dtype: str | None) -> None:
+    import torch
+
+    import shardkit
+
+    src = _ShrinkingSource({"a": torch.randn(64), "b": torch.randn(64)})
+    if dtype:  # the cast path reads by range: half of each range arrives
+        src.read = lambda entry, begin, end: MemorySource.read(src, entry, begin, (begin + end) // 2)  # type: ignore[method-assign]
+    with pytest.raises(HeaderError, match=r"tensor '[ab]' gave \d+ of its 256 bytes"):
+        shardkit.split(src, tmp_path / "out", dtype=dtype, allow_lossy=True)
+    assert list(tmp_path.iterdir()) == []
