@@ -178,6 +178,27 @@ def test_inaccessible_or_broken_repos_are_one_line_errors(hub, tmp_path, spec, e
     assert line.startswith(f"error: {spec}") and expected in line, line
 
 
+_RAISES = """
+import sys, shardkit
+try:
+    shardkit.info(sys.argv[1])
+except shardkit.errors.ShardkitError as e:
+    print(type(e).__name__, e.exit_code, "shardkit-remote-" in str(e), str(e), sep="|")
+"""
+
+
+def test_errors_from_the_mirror_keep_their_type_and_name_the_spec(hub, tmp_path):
+    """A HeaderError read through an hf:// mirror stays a HeaderError (only the temporary path is renamed)."""
+    from helpers_hub import run_python
+
+    big = lazy_safetensors({"w": ("F32", (1000, 1000))})
+    hub.state.add_repo("alice/short", {"model.safetensors": LazyBlob(big.head, len(big.head) + 1000)})
+    out = run_python(_RAISES, hub_env(hub, tmp_path / "home"), "hf://alice/short").stdout.strip()
+    kind, code, temp_named, text = out.split("|", 3)
+    assert (kind, code, temp_named) == ("HeaderError", "2", "False"), out
+    assert text.startswith("hf://alice/short/model.safetensors") and "but the file has 1080 bytes" in text, out
+
+
 def test_pickle_only_repo_names_the_file_and_fetches_nothing(hub, tmp_path):
     hub.state.add_repo("alice/old", {"pytorch_model.bin": b"\0" * 4096, "config.json": b"{}"})
     line = one_error_line(run_shardkit(hub_env(hub, tmp_path / "home"), "info", "hf://alice/old"))

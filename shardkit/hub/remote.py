@@ -323,16 +323,18 @@ def read_range(mirror: Mirror, remote: RemoteFile, begin: int, end: int, *, toke
 
 @contextlib.contextmanager
 def renamed_errors(root: str, shown: str) -> Iterator[None]:
-    """Errors from the local readers name the mirror's temporary folder: show the ``hf://`` spec instead."""
+    """Errors from the local readers name the mirror's temporary folder: show the ``hf://`` spec instead.
+
+    Only the text changes: the error keeps its type (a ``HeaderError`` stays one, a
+    ``VerificationError`` keeps its exit code), so callers and the CLI treat it as before.
+    """
     try:
         yield
     except ShardkitError as e:
         text = str(e)
-        if root not in text:
-            raise
-        renamed = InvalidInputError(text.replace(root + os.sep, shown + "/").replace(root, shown))
-        renamed.exit_code = e.exit_code
-        raise renamed from e
+        if root in text:
+            e.args = (text.replace(root + os.sep, shown + "/").replace(root, shown),)
+        raise
 
 
 @contextlib.contextmanager
