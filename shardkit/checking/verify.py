@@ -19,6 +19,7 @@ from ..formats.manifest import MANIFEST_NAME, ManifestError
 from ..units import FLOAT_DTYPES
 from .bytescan import ScanResult, TensorComparator, scan_file
 from .integrity import Expected, compare_with_manifest, expected_files, manifest_ranges
+from .manifest_trust import trusted_entries
 from .structure import (
     HeaderRead,
     Layout,
@@ -348,12 +349,15 @@ def _record(job: _ScanJob, result: ScanResult, report: VerifyReport) -> None:
 
 
 def _manifest_entries(path: str, pipeline: bool, report: VerifyReport) -> dict[str, Expected]:
-    """The files the covering manifest(s) list; an unreadable manifest is a finding."""
+    """The files the covering manifest(s) list; an unreadable manifest, or a record that disagrees with
+    its file's header (checked before any data is read), is a finding."""
     try:
         expected, report.manifests = expected_files(path, pipeline=pipeline)
     except ManifestError as e:
         report.findings.append(Finding(MANIFEST_NAME, None, str(e)))
         return {}
+    expected, untrusted = trusted_entries(expected, reported={f.file for f in report.findings})
+    report.findings += [Finding(f.file, f.tensor, f.message) for f in untrusted]
     return expected
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckpointIndexError, SourceNotFoundError
+from .links import LINK_RULE, leads_outside, link_target
 
 DIFFUSERS_PREFIX = "diffusion_pytorch_model"
 TRANSFORMERS_PREFIX = "model"
@@ -116,41 +117,25 @@ def shard_file(folder: str, name: str, *, where: str) -> str:
     """The path of file ``name`` found in ``folder``, after the symlink policy.
 
     Names never hold paths (see :func:`check_shard_name`). A file that is a symlink is followed
-    only to a regular file inside ``folder`` or inside the ``blobs/`` of the Hugging Face cache
-    repo whose ``snapshots/`` holds ``folder`` (the cache's own layout). Anything else, e.g. a
-    link a downloaded repo planted towards ``~/.ssh`` or another model, is refused.
+    only to a regular file inside ``folder`` or into a Hugging Face cache's ``blobs/`` (the one
+    rule, :mod:`shardkit.formats.links`). Anything else, e.g. a link a downloaded repo planted
+    towards ``~/.ssh`` or another model, is refused.
     """
     path = os.path.join(folder, name)
     if not os.path.lexists(path):
         raise CheckpointIndexError(f"{where}: names shard {name!r}, which does not exist in {folder}")
-    if os.path.islink(path):
-        target = os.path.realpath(path)
+    target = link_target(path)
+    if target is not None:
         if not os.path.isfile(target):
             raise CheckpointIndexError(f"{where}: {name!r} is a symlink to {target}, which is not a regular file")
-        if not any(_inside(target, root) for root in _link_roots(folder)):
+        if leads_outside(target, folder):
             raise CheckpointIndexError(
-                f"{where}: {name!r} is a symlink leading outside the checkpoint folder (to {target}); shardkit "
-                "follows such links only inside the folder or into a Hugging Face cache's blobs/; copy the file "
-                "in, or pass its path directly"
+                f"{where}: {name!r} is a symlink leading outside the checkpoint folder (to {target}); {LINK_RULE}; "
+                "copy the file in, or pass its path directly"
             )
     elif not os.path.isfile(path):
         raise CheckpointIndexError(f"{where}: {name!r} in {folder} is not a regular file")
     return path
-
-
-def _inside(path: str, root: str) -> bool:
-    return os.path.commonpath([path, root]) == root
-
-
-def _link_roots(folder: str) -> list[str]:
-    """Where symlinked files may lead: the folder itself, and ``<repo>/blobs`` for an HF-cache snapshot."""
-    real = os.path.realpath(folder)
-    roots = [real]
-    parts = os.path.abspath(folder).split(os.sep)
-    if "snapshots" in parts:
-        repo = os.sep.join(parts[: len(parts) - 1 - parts[::-1].index("snapshots")]) or os.sep
-        roots.append(os.path.realpath(os.path.join(repo, "blobs")))
-    return roots
 
 
 def load_index(path: str | os.PathLike[str], *, ext: str = ".safetensors") -> CheckpointIndex:
