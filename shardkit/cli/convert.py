@@ -61,7 +61,7 @@ Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers
 @click.command(epilog=EPILOG, short_help="Convert pickles, DCP or single-file SD into safetensors shards.")
 @click.argument("source", type=click.Path(path_type=str))
 @click.argument("output", type=click.Path(path_type=str))
-@shard_options("max-shard-size", "dtype", "allow-lossy")
+@shard_options("max-shard-size", "dtype", "allow-lossy", "quantize")
 @click.option("--key", help="The nested dict holding the state dict, e.g. 'state_dict' (default: auto).")
 @click.option("--strip-prefix", help="Keep only tensors whose name starts with this, and remove it.")
 @click.option("--add-prefix", help="Prepend this to every tensor name.")

@@ -38,7 +38,7 @@ Hub's sha256 before anything is published. Pickle weights are never downloaded b
 @click.command(epilog=EPILOG, short_help="Stream a checkpoint into size-bounded safetensors shards.")
 @click.argument("source", type=click.Path(path_type=str))
 @click.argument("output", type=click.Path(path_type=str))
-@shard_options("max-shard-size", "dtype", "allow-lossy", "name", "variant")
+@shard_options("max-shard-size", "dtype", "allow-lossy", "quantize", "name", "variant")
 @click.option("--key", help="For pickles: the dict key holding the state dict (default: auto).")
 @shard_options("dry-run", "overwrite", "manifest", "json", "quiet")
 @click.option("--push-to", "push_to", metavar="REPO_ID",

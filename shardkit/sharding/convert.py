@@ -50,7 +50,7 @@ def convert(source: Any, output: str | os.PathLike[str], *, max_shard_size: str 
             variant: str | None = None, overwrite: bool = False, dry_run: bool = False,
             metadata: dict[str, str] | None = None, manifest: bool = True, progress: ProgressCallback | None = None,
             to: str | None = None, config: str | os.PathLike[str] | None = None,
-            component: str | None = None) -> SplitResult:
+            component: str | None = None, quantize: str | None = None) -> SplitResult:
     """Convert a checkpoint of any supported kind into size-bounded safetensors shards.
 
     Args:
@@ -70,8 +70,8 @@ def convert(source: Any, output: str | os.PathLike[str], *, max_shard_size: str 
         component: with a pipeline folder as ``config``, the component to write (default: its
             ``unet`` or ``transformer``); ``"all"`` writes a whole pipeline folder (text encoders
             included, tokenizers and schedulers copied from ``config``).
-        dtype, allow_lossy, name, variant, overwrite, dry_run, metadata, manifest, progress: see
-            :class:`~shardkit.sharding.options.WriteOptions`.
+        dtype, allow_lossy, name, variant, overwrite, dry_run, metadata, manifest, progress, quantize: see
+            :class:`~shardkit.sharding.options.WriteOptions` (fp8 sources with scales: as for ``split``).
 
     Returns:
         A :class:`ConvertResult` (a ``PipelineResult`` for a pipeline folder).
@@ -85,7 +85,7 @@ def convert(source: Any, output: str | os.PathLike[str], *, max_shard_size: str 
     """
     options = WriteOptions.parse(max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy, name=name,
                                  variant=variant, overwrite=overwrite, dry_run=dry_run, metadata=metadata,
-                                 manifest=manifest, progress=progress)
+                                 manifest=manifest, progress=progress, quantize=quantize)
     keymap = build_keymap(include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
                           rename=rename)
     return convert_with(source, output, options=options, key=key, keymap=keymap, to=to, config=config,

@@ -21,6 +21,7 @@ from ..sources import Source, open_source
 from .digest import ManifestRecorder, stale_manifests
 from .options import WriteOptions, warn_if_many_shards, warn_if_output_taken
 from .plan import ShardPlan, plan_shards
+from .quant import config_edits, quant_report, quant_view
 from .writer import (
     BackgroundSync,
     ByteCounter,
@@ -47,6 +48,7 @@ class SplitResult:
     dry_run: bool = False
     aliases: dict[str, str] = field(default_factory=dict)
     cloned_bytes: int = 0  # tensor bytes cloned from the source (copy-on-write filesystems), not copied
+    quantization: dict[str, Any] | None = None  # fp8 scales dequantized or quantized (sharding/quant.py)
 
     @property
     def files(self) -> list[str]:
@@ -69,6 +71,7 @@ class SplitResult:
             "aliases": self.aliases,
             "cloned_bytes": self.cloned_bytes,
             "copied_bytes": self.copied_bytes,
+            **({"quantization": self.quantization} if self.quantization is not None else {}),
             "shards": [
                 {"file": s.filename, "tensors": len(s.names), "bytes": s.nbytes} for s in self.plan.shards
             ],
@@ -96,7 +99,7 @@ class ShardJob:
     def result(self, output: str, options: WriteOptions) -> SplitResult:
         where = os.path.join(output, self.folder) if self.folder else output
         return SplitResult(where, self.plan, self.source.description, options.cast_to, options.dry_run,
-                           self.source.aliases(), self.cloned_bytes)
+                           self.source.aliases(), self.cloned_bytes, quant_report(self.source))
 
 
 def resolve_naming(source: Source, *, name: str | None, variant: str | None) -> Naming:
@@ -204,7 +207,8 @@ def plan_job(src: Source, *, options: WriteOptions, folder: str = "") -> ShardJo
     """
     naming = resolve_naming(src, name=options.name, variant=options.variant)
     cast_to = options.cast_to
-    writes = [tensor_write(e, cast_to) for e in src.entries()]
+    src, uncast = quant_view(src, options=options)  # fp8 scales: kept whole, dequantized or quantized
+    writes = [tensor_write(e, None if e.name in uncast else cast_to) for e in src.entries()]
     plan = plan_shards([(w.out.name, w.out.nbytes) for w in writes], max_shard_bytes=options.max_shard_bytes,
                        naming=naming, rule=src.shard_rule)
     warn_if_many_shards(len(plan.shards), max_shard_bytes=options.max_shard_bytes, total_bytes=plan.total_bytes)
@@ -238,7 +242,11 @@ def run_jobs(output: str, jobs: Sequence[ShardJob], *, options: WriteOptions,
     tick = ByteCounter(sum(job.plan.total_bytes for job in jobs), options.progress)
     with OutputTransaction(output, overwrite=options.overwrite, stale=stale) as tx, BackgroundSync() as sync, \
             ManifestRecorder(output, stale=stale, enabled=options.manifest) as record:
-        copy_side_files(side_files, tx, sync=sync, record=record)
+        edits = config_edits(output, [(job.path("config.json"), job.source) for job in jobs], side_files)
+        for name, data in edits.items():  # quantization_config added or removed with the weights
+            tx.write_bytes(name, data)
+            record.data(name, data)
+        copy_side_files([(path, name) for path, name in side_files if name not in edits], tx, sync=sync, record=record)
         for job in jobs:
             _write_shards(job, tx.path_for, options.metadata or {}, tick, sync, record)
         publish(tx, jobs, sync=sync, record=record)

@@ -39,6 +39,8 @@ class WriteOptions:
         manifest: write ``shardkit.manifest.json`` (crc32 of every tensor, for ``verify``); off
             saves reading back the tensors of a source that has none.
         progress: called as ``progress(done_bytes, total_bytes)`` while bytes are written.
+        quantize: ``"fp8-block"`` (transformers FineGrainedFP8), ``"fp8-channel"`` or ``"fp8-tensor"``
+            (compressed-tensors): weights to e4m3fn with scales (see :mod:`shardkit.sharding.quant`).
 
     Invalid values (a non-positive size, a lossy cast without ``allow_lossy``) are refused when
     the object is made, before any source is opened.
@@ -60,6 +62,7 @@ class WriteOptions:
     metadata: Mapping[str, str] | None = None
     manifest: bool = True
     progress: ProgressCallback | None = None
+    quantize: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_shard_bytes, bool) or not isinstance(self.max_shard_bytes, int):
@@ -67,7 +70,15 @@ class WriteOptions:
                                     "parse sizes such as '5GB' with WriteOptions.parse")
         if self.max_shard_bytes <= 0:
             raise InvalidSizeError(f"max shard size must be positive, got {self.max_shard_bytes}")
-        resolve_cast(self.dtype, allow_lossy=self.allow_lossy)
+        code = resolve_cast(self.dtype, allow_lossy=self.allow_lossy)
+        if self.quantize is not None:
+            from ..formats.quant import QUANTIZE_SCHEMES
+
+            if self.quantize not in QUANTIZE_SCHEMES:
+                raise InvalidInputError(f"--quantize {self.quantize}: expected one of {', '.join(QUANTIZE_SCHEMES)}")
+            if code is not None and code not in LOSSLESS_TARGETS:
+                raise InvalidInputError(f"--quantize {self.quantize} with --dtype {self.dtype}: --dtype casts the "
+                                        "tensors --quantize keeps (norms, embeddings...); give bf16, fp16 or fp32")
 
     @classmethod
     def parse(cls, *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, **fields: object) -> WriteOptions:

@@ -33,7 +33,7 @@ def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | 
           dtype: str | None = None, name: str | None = None, variant: str | None = None,
           allow_lossy: bool = False, overwrite: bool = False, dry_run: bool = False, key: str | None = None,
           metadata: dict[str, str] | None = None, manifest: bool = True,
-          progress: ProgressCallback | None = None) -> SplitResult:
+          progress: ProgressCallback | None = None, quantize: str | None = None) -> SplitResult:
     """Stream a checkpoint into size-bounded safetensors shards with an index.
 
     Args:
@@ -43,8 +43,9 @@ def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | 
         output: the output folder; with ``overwrite`` it may be the source's own folder.
         max_shard_size: largest shard in tensor bytes: ``"5GB"`` (10^9), ``"2GiB"`` (2^30), or an int.
         key: for pickles, the dict key holding the state dict (default: auto).
-        dtype, name, variant, allow_lossy, overwrite, dry_run, metadata, manifest, progress: see
-            :class:`~shardkit.sharding.options.WriteOptions`.
+        dtype, name, variant, allow_lossy, overwrite, dry_run, metadata, manifest, progress, quantize: see
+            :class:`~shardkit.sharding.options.WriteOptions`. A source with fp8 weights and scales is
+            copied as is without ``dtype`` and dequantized (weight × scale) with bf16/fp16/fp32.
 
     Returns:
         A :class:`SplitResult` (a ``PipelineResult`` for a pipeline folder) with the plan.
@@ -56,7 +57,7 @@ def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | 
     """
     options = WriteOptions.parse(max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy, name=name,
                                  variant=variant, overwrite=overwrite, dry_run=dry_run, metadata=metadata,
-                                 manifest=manifest, progress=progress)
+                                 manifest=manifest, progress=progress, quantize=quantize)
     return split_with(source, output, options=options, key=key)
 
 

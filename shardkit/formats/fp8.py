@@ -1,0 +1,119 @@
+"""fp8 with scales, the arithmetic: dequantize a band of rows, quantize one (torch is imported lazily).
+
+Dequantization is ``weight.to(float32) × scale.to(float32)``, then the output dtype: the same
+operations, in the same order, as transformers' ``Fp8Dequantize``, so a weight dequantized here equals
+the one its loader builds bit for bit. e4m3fn and e4m3fnuz are both read by torch's own conversion
+(fnuz: the byte 0x80 is NaN and the largest value 240). e8m0 scales (``float8_e8m0fnu``, or ``uint8``
+exponents with ``scale_fmt: "ue8m0"``) are powers of two: ``2 ** (byte - 127)``.
+
+Quantization is absmax: each tensor's / row's / block's largest magnitude maps to 448 (e4m3fn),
+``q = clamp(w × 448 / absmax).to(e4m3fn)`` and the stored scale is ``1 / (448 / absmax)``, again as
+transformers' ``Fp8Quantize`` computes it. All functions take and return one band of rows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .dtypes import to_torch
+from .quant import ScaledWeight
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["E4M3_MAX", "band_rows", "dequantize_band", "quantize_band", "scale_to_float32", "tensor_from_bytes"]
+
+E4M3_MAX = 448.0
+BAND_BYTES = 16 * 2**20  # float32 bytes of one band of rows (bounds memory whatever the tensor's size)
+
+
+def tensor_from_bytes(raw: bytes | bytearray | memoryview, dtype_code: str, shape: tuple[int, ...]) -> "torch.Tensor":
+    """A tensor over a copy of ``raw`` (little-endian, as stored), in its stored dtype."""
+    import torch
+
+    data = bytearray(raw)
+    if not data:
+        return torch.empty(shape, dtype=to_torch(dtype_code))
+    return torch.frombuffer(data, dtype=to_torch(dtype_code)).reshape(shape)
+
+
+def scale_to_float32(scale: "torch.Tensor") -> "torch.Tensor":
+    """A scale tensor as float32 multipliers (uint8 holds e8m0 exponents)."""
+    import torch
+
+    if scale.dtype == torch.uint8:
+        return (scale.to(torch.float32) - 127.0).exp2()
+    return scale.to(torch.float32)
+
+
+def band_rows(weight: ScaledWeight, cols: int) -> int:
+    """Rows per band: a whole number of scale blocks, about :data:`BAND_BYTES` of float32."""
+    step = weight.block[0] if weight.granularity == "block" else 1
+    return max(step, (BAND_BYTES // max(1, cols * 4)) // step * step)
+
+
+def dequantize_band(q: "torch.Tensor", scale: "torch.Tensor", weight: ScaledWeight, row0: int,
+                    out_dtype: "torch.dtype") -> "torch.Tensor":
+    """Rows ``row0 : row0 + len(q)`` of the dequantized weight (``q``: those rows, 2-D, as stored).
+
+    Args:
+        q: the band of the stored weight, shaped (rows, columns).
+        scale: the whole scale tensor, float32 (:func:`scale_to_float32`).
+        weight: the weight's :class:`~shardkit.formats.quant.ScaledWeight`.
+        row0: the band's first row.
+        out_dtype: the dtype written.
+    """
+    import torch
+
+    values = q.to(torch.float32)
+    return (values * _band_scale(scale, weight, row0, values.shape)).to(out_dtype)
+
+
+def _band_scale(scale: "torch.Tensor", weight: ScaledWeight, row0: int, shape: "torch.Size") -> "torch.Tensor":
+    rows, cols = shape
+    if weight.granularity in ("tensor", "fused"):  # fused: only used once every value agrees
+        return scale.reshape(-1)[0]
+    if weight.granularity == "channel":
+        return scale.reshape(-1)[row0:row0 + rows].reshape(rows, 1)
+    b0, b1 = weight.block
+    first, last = row0 // b0, (row0 + rows - 1) // b0 + 1
+    grid = scale.reshape(scale.shape[0], -1)[first:last]
+    full = grid.repeat_interleave(b0, dim=0).repeat_interleave(b1, dim=1)
+    at = row0 - first * b0
+    return full[at:at + rows, :cols]
+
+
+def quantize_band(w: "torch.Tensor", granularity: str, *, block: tuple[int, int] = (128, 128),
+                  absmax: "torch.Tensor | None" = None) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """(``q`` as e4m3fn, scale as float32) of a band of rows ``w`` (2-D float32).
+
+    ``granularity``: ``"block"`` (the band's rows a multiple of ``block[0]``, columns of ``block[1]``),
+    ``"channel"`` (one scale per row), or ``"tensor"`` with the whole tensor's ``absmax`` given.
+    The scale's shape: blocks ``(rows/b0, cols/b1)``, channel ``(rows, 1)``, tensor ``(1,)``.
+    """
+    import torch
+
+    rows, cols = w.shape
+    if granularity == "block":
+        b0, b1 = block
+        tiles = w.reshape(rows // b0, b0, cols // b1, b1)
+        inv, mult = _scales(tiles.abs().amax(dim=(1, 3)))
+        q = (tiles * mult[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(rows, cols)
+        return q, inv
+    if granularity == "channel":
+        inv, mult = _scales(w.abs().amax(dim=1, keepdim=True))
+    else:
+        inv, mult = _scales((absmax if absmax is not None else w.abs().amax()).reshape(1))
+    return (w * mult.reshape(-1, 1) if granularity == "channel" else w * mult).clamp(
+        -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), inv
+
+
+def _scales(absmax: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+    """(stored scale, multiplier) from absmax: the multiplier maps absmax to 448; all-zero blocks get 1."""
+    import torch
+
+    absmax = absmax.to(torch.float32)
+    mult = torch.where(absmax > 0, E4M3_MAX / torch.where(absmax > 0, absmax, torch.ones_like(absmax)),
+                       torch.ones_like(absmax))
+    return (1.0 / mult).to(torch.float32), mult
+

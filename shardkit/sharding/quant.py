@@ -1,0 +1,102 @@
+"""What a writing job does with fp8 scales: copy them whole, dequantize, or quantize (one decision).
+
+Every job (split, convert, save_sharded, pipeline components, single-file outputs) plans through
+:func:`~shardkit.sharding.job.plan_job`, which asks :func:`quant_view` for the source to write:
+
+============================  ==============  ==========================================================
+source                        options         written
+============================  ==============  ==========================================================
+fp8 with scales (any layout)  no ``dtype``     as is: fp8 weights, scales in their own dtype, config kept
+fp8 with scales               bf16/fp16/fp32  weight × scale in that dtype; scales, markers and
+                                              ``quantization_config`` gone (:class:`DequantizedSource`)
+fp8 with scales               fp8 / quantize  refused: it is quantized already
+plain                         ``quantize``    fp8 + scales and ``quantization_config`` (:class:`QuantizedSource`)
+============================  ==============  ==========================================================
+
+Scale tensors are never cast by ``dtype`` (:func:`quant_view` names them), so a checkpoint is never
+half-converted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+from ..errors import InvalidInputError
+from ..formats.quant import find_layout, read_config
+from ..sources import Source
+from ..sources.dequantized import DequantizedSource
+from ..sources.quantized import QuantizedSource
+from ..units import LOSSLESS_TARGETS
+from .options import WriteOptions
+
+__all__ = ["config_edits", "quant_report", "quant_view"]
+
+
+def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset[str]]:
+    """The source a job writes for ``src`` under ``options``, and the names ``dtype`` must not cast.
+
+    Raises:
+        InvalidInputError: an inconsistent scaled checkpoint (see :func:`~shardkit.formats.quant.find_layout`),
+            or a scaled one asked for fp8 or ``quantize``.
+    """
+    layout = find_layout(src.entries(), config=source_config(src), metadata=src.metadata(), where=src.description)
+    if layout is None:
+        if options.quantize is None:
+            return src, frozenset()
+        view = QuantizedSource(src, options.quantize)
+        return view, frozenset(e.name for e in view.entries() if e.dtype == "F32" and e.name.endswith(
+            (".weight_scale", ".weight_scale_inv")))
+    if options.quantize is not None:
+        raise InvalidInputError(f"{src.description}: already quantized ({layout.describe()}); --quantize applies to a "
+                                "plain checkpoint: dequantize it first (--dtype bf16), or copy it as is")
+    cast_to = options.cast_to
+    if cast_to is None:
+        return src, frozenset(layout.extra)  # copied as is, scales and all
+    if cast_to not in LOSSLESS_TARGETS:
+        raise InvalidInputError(f"{src.description}: --dtype {options.dtype} of a checkpoint already in {layout.describe()}"
+                                " would drop its scales; copy it as is (no --dtype) or dequantize (--dtype bf16)")
+    return DequantizedSource(src, layout, cast_to), frozenset()
+
+
+def source_config(src: Source) -> dict[str, Any] | None:
+    """The ``config.json`` beside ``src``'s files, if any."""
+    folder = _config_folder(src)
+    return read_config(folder) if folder else None
+
+
+def _config_folder(src: Source) -> str | None:
+    return os.path.dirname(os.path.abspath(src.paths[0])) if src.paths else None
+
+
+def quant_report(src: Source) -> dict[str, Any] | None:
+    """What :func:`quant_view`'s source did (scheme, kept modules, per-tensor error), or None."""
+    report = getattr(src, "report", None)
+    return report() if isinstance(src, (DequantizedSource, QuantizedSource)) and report is not None else None
+
+
+def config_edits(output: str, jobs: Sequence[tuple[str, Source]], side_files: Sequence[tuple[str, str]]) -> dict[str, bytes]:
+    """``{name in the output: bytes}`` of every config.json a (de)quantizing job rewrites.
+
+    Args:
+        output: the output folder.
+        jobs: ``(name of the job's config.json in the output, its source)``.
+        side_files: the ``(path, name)`` side files of the write: a config.json among them is the
+            one edited; in place (output = source folder) the source's own.
+    """
+    sides = {name: path for path, name in side_files}
+    edits: dict[str, bytes] = {}
+    for name, src in jobs:
+        if not isinstance(src, (DequantizedSource, QuantizedSource)):
+            continue
+        path = sides.get(name)
+        folder = _config_folder(src)
+        if path is None and folder and os.path.abspath(os.path.join(output, os.path.dirname(name))) == folder:
+            path = os.path.join(folder, "config.json")
+        if path is None or not os.path.isfile(path):
+            continue
+        config = read_config(os.path.dirname(path)) if os.path.basename(path) == "config.json" else None
+        if config is not None:
+            edits[name] = (json.dumps(src.edit_config(config), indent=2) + "\n").encode()
+    return edits

@@ -1,0 +1,138 @@
+"""A view of an fp8-with-scales checkpoint as the plain checkpoint it stands for: weight × scale.
+
+:class:`DequantizedSource` wraps any source whose :class:`~shardkit.formats.quant.QuantLayout` is
+known: every scaled weight becomes one tensor of the output dtype (computed band by band of rows, a
+whole number of scale blocks at a time, so memory never depends on the tensor's size), the scales,
+input scales and markers disappear, and every other tensor passes through with its file offsets (still
+copied kernel-side). ``edit_config`` drops ``quantization_config`` from the checkpoint's config.json.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+from ..errors import InvalidInputError
+from ..formats.header import TensorEntry
+from ..formats.quant import COMFY_METADATA_KEY, QuantLayout, ScaledWeight, matrix_shape
+from ..units import DTYPE_BITS, tensor_nbytes
+from .base import Source
+
+__all__ = ["DequantizedSource", "read_rows", "read_whole"]
+
+SHOWN = 3
+
+
+def read_whole(source: Source, entry: TensorEntry) -> Any:
+    """``entry``'s whole tensor in its stored dtype (for small tensors: scales)."""
+    from ..formats.fp8 import tensor_from_bytes
+
+    return tensor_from_bytes(source.read(entry, 0, entry.nbytes), entry.dtype, entry.shape)
+
+
+def read_rows(source: Source, entry: TensorEntry, row0: int, row1: int) -> Any:
+    """Rows ``row0:row1`` of ``entry`` seen as a matrix (:func:`~shardkit.formats.quant.matrix_shape`)."""
+    from ..formats.fp8 import tensor_from_bytes
+
+    cols = matrix_shape(entry.shape)[1]
+    row_bytes = cols * DTYPE_BITS[entry.dtype] // 8
+    raw = source.read(entry, row0 * row_bytes, row1 * row_bytes)
+    if len(raw) != (row1 - row0) * row_bytes:
+        raise InvalidInputError(f"{source.description}: short read of {entry.name} rows {row0}:{row1} "
+                                f"({len(raw)} of {(row1 - row0) * row_bytes} bytes; file truncated?)")
+    return tensor_from_bytes(raw, entry.dtype, (row1 - row0, cols))
+
+
+class DequantizedSource(Source):
+    """``inner`` with every scaled weight dequantized to ``out_dtype`` (a safetensors code) and its scales gone."""
+
+    def __init__(self, inner: Source, layout: QuantLayout, out_dtype: str) -> None:
+        self.inner, self.layout, self.out_dtype = inner, layout, out_dtype
+        self.description, self.naming, self.paths = inner.description, inner.naming, inner.paths
+        self.kernel_copy, self.shard_rule = inner.kernel_copy, inner.shard_rule
+        self._by_name = {e.name: e for e in inner.entries()}
+        self._scaled = {w.weight: w for w in layout.weights}
+        self._entries = [self._output_entry(e) for e in inner.entries() if e.name not in layout.extra]
+        self._check_fused()
+
+    def _output_entry(self, entry: TensorEntry) -> TensorEntry:
+        if entry.name not in self._scaled:
+            return entry
+        return TensorEntry(entry.name, self.out_dtype, entry.shape, tensor_nbytes(self.out_dtype, entry.shape))
+
+    def _check_fused(self) -> None:
+        """Several per-tensor scales on one (fused) weight are usable only when they agree."""
+        disagree = []
+        for w in self.layout.weights:
+            if w.granularity == "fused":
+                values = read_whole(self.inner, self._by_name[w.scale]).float().reshape(-1)
+                if not bool((values == values[0]).all()):
+                    disagree.append(f"{w.scale} {[round(float(v), 6) for v in values[:4]]}")
+        if disagree:
+            raise InvalidInputError(
+                f"{self.description}: fused per-tensor scales disagree ({'; '.join(disagree[:SHOWN])}): which rows "
+                "each one scales is not recorded, so the weights cannot be dequantized; nothing was written")
+
+    def entries(self) -> list[TensorEntry]:
+        return list(self._entries)
+
+    def metadata(self) -> dict[str, str]:
+        return {k: v for k, v in self.inner.metadata().items() if k != COMFY_METADATA_KEY}
+
+    def aliases(self) -> dict[str, str]:
+        return self.inner.aliases()
+
+    def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
+        weight = self._scaled.get(entry.name)
+        if weight is None:
+            return self.inner.read(self._by_name[entry.name], begin, end)
+        out: list[bytes] = []
+        row_bytes = entry.nbytes // max(1, matrix_shape(entry.shape)[0])
+        first = begin // row_bytes if row_bytes else 0
+        for row0, data in self._bands(weight, first_row=first):
+            start, stop = row0 * row_bytes, row0 * row_bytes + len(data)
+            if stop > begin:
+                out.append(bytes(memoryview(data)[max(0, begin - start):max(0, min(end, stop) - start)]))
+            if stop >= end:
+                break
+        return b"".join(out)
+
+    def chunks(self, entry: TensorEntry, chunk_bytes: int) -> Iterator[bytes | memoryview]:
+        weight = self._scaled.get(entry.name)
+        if weight is None:
+            yield from self.inner.chunks(self._by_name[entry.name], chunk_bytes)
+            return
+        for _, data in self._bands(weight):
+            yield data
+
+    def _bands(self, weight: ScaledWeight, *, first_row: int = 0) -> Iterator[tuple[int, memoryview]]:
+        """(first row, bytes of the dequantized rows) for bands from ``first_row`` (rounded down to a block) on."""
+        import torch
+
+        from ..formats.dtypes import to_torch
+        from ..formats.fp8 import band_rows, dequantize_band, scale_to_float32
+
+        stored = self._by_name[weight.weight]
+        rows, cols = matrix_shape(stored.shape)
+        scale = scale_to_float32(read_whole(self.inner, self._by_name[weight.scale]))
+        step, out_dtype = band_rows(weight, cols), to_torch(self.out_dtype)
+        start = first_row // step * step
+        for row0 in range(start, rows, step):
+            row1 = min(rows, row0 + step)
+            band = dequantize_band(read_rows(self.inner, stored, row0, row1), scale, weight, row0, out_dtype)
+            yield row0, memoryview(band.contiguous().view(torch.uint8).numpy()).cast("B")
+
+    def edit_config(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The config.json of the output: without ``quantization_config`` (the weights are plain now)."""
+        return {k: v for k, v in config.items() if k != "quantization_config"}
+
+    def report(self) -> dict[str, Any]:
+        """What was dequantized: the layout read, how many weights, how many scale/marker tensors dropped."""
+        return {"dequantized": self.layout.describe(), "dtype": self.out_dtype, "weights": len(self.layout.weights),
+                "dropped": len(self.layout.extra)}
+
+    def held_fd(self, path: str) -> int | None:
+        return self.inner.held_fd(path)
+
+    def close(self) -> None:
+        self.inner.close()
+
