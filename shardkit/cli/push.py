@@ -25,6 +25,10 @@ above 100 files, the index always last), so the remote never shows an index whos
 are missing; an interrupted push, run again, does not resend what already arrived.
 Remote shards of the same checkpoint that the folder no longer has are deleted with it.
 Token: --token, else HF_TOKEN, else the stored `hf auth login`. Files over 50 GB are refused.
+A file that is a symlink leading outside PATH (other than into a Hugging Face cache's blobs/)
+is refused before anything is sent: push would upload its target (a token, an SSH key).
+--follow-symlinks uploads such targets knowingly; links to folders are never followed.
+--dry-run and --json list every link followed.
 """
 
 
@@ -46,11 +50,14 @@ Token: --token, else HF_TOKEN, else the stored `hf auth login`. Files over 50 GB
               help="List what would be uploaded and what is already there; change nothing. Asks the Hub what it has; "
                    "offline, lists every file as an upload.")
 @click.option("--no-verify", "no_verify", is_flag=True, help="Push without verifying the checkpoint first.")
+@click.option("--follow-symlinks", is_flag=True,
+              help="Upload the contents of files that are symlinks leading outside PATH (refused by default).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the commit URL.")
 def push(path: str, repo_id: str, private: bool, revision: str | None, create_pr: bool, message: str | None,
          path_in_repo: str | None, repo_type: str, token: str | None, include: tuple[str, ...],
-         exclude: tuple[str, ...], dry_run: bool, no_verify: bool, as_json: bool, quiet: bool) -> None:
+         exclude: tuple[str, ...], dry_run: bool, no_verify: bool, follow_symlinks: bool, as_json: bool,
+         quiet: bool) -> None:
     """Upload the checkpoint in PATH (a folder or file) to the Hub repository REPO_ID.
 
     Creates the repository if it does not exist, uploads only what changed, and prints the
@@ -59,7 +66,8 @@ def push(path: str, repo_id: str, private: bool, revision: str | None, create_pr
     result = push_and_report(path, repo_id, private=private, revision=revision, create_pr=create_pr,
                              message=message, path_in_repo=path_in_repo, repo_type=repo_type, token=token,
                              include=list(include) or None, exclude=list(exclude) or None, dry_run=dry_run,
-                             verify=not no_verify, report="none" if as_json else "url" if quiet else "summary")
+                             verify=not no_verify, follow_symlinks=follow_symlinks,
+                             report="none" if as_json else "url" if quiet else "summary")
     if as_json:
         echo_json(result.to_dict())
 
@@ -89,6 +97,9 @@ def print_summary(result: Any) -> None:
             click.echo(f"  unchanged  {path}")
         for path in result.deleted:
             click.echo(f"  delete     {path}")
+        for link in result.links:
+            where = "outside the folder" if link.outside else "inside the folder or a Hugging Face cache"
+            click.echo(f"  link       {link.path_in_repo} -> {link.target} ({where})")
         if result.offline:
             click.echo(f"dry run without the Hub ({result.offline}): would upload at most {len(result.uploaded)} "
                        f"file(s) ({format_size(result.uploaded_bytes)}); files already on {target} are skipped by "
@@ -106,6 +117,9 @@ def print_summary(result: Any) -> None:
     deleted = f", deleted {len(result.deleted)} stale file(s)" if result.deleted else ""
     click.echo(f"uploaded {len(result.uploaded)} file(s) ({format_size(result.uploaded_bytes)}) to {target} in "
                f"{len(result.commits)} commit(s), {len(result.unchanged)} unchanged{deleted}")
+    outside = [link for link in result.links if link.outside]
+    if outside:
+        click.echo(f"followed {len(outside)} symlink(s) leading outside the folder (--follow-symlinks)")
     if result.pr_url:
         click.echo(f"pull request: {result.pr_url}")
     click.echo(result.commit_url)

@@ -15,6 +15,7 @@ from typing import Iterator
 
 from ..errors import InvalidInputError, ShardkitWarning, SourceNotFoundError
 from ..formats.index import add_variant
+from ..formats.links import LINK_RULE, leads_outside, link_target
 from ..formats.suffixes import MANIFEST_FILE
 from ..units import format_size
 
@@ -33,6 +34,16 @@ class LocalFile:
     path_in_repo: str
     local_path: str
     size_bytes: int
+    link_target: str | None = None  # a symlink: where it leads (its contents are what is sent)
+
+
+@dataclass(frozen=True)
+class FollowedLink:
+    """A symlink a push follows: its path in the repo, its target, whether that lies outside the folder."""
+
+    path_in_repo: str
+    target: str
+    outside: bool
 
 
 @dataclass(frozen=True)
@@ -59,8 +70,42 @@ def collect_files(path: str | os.PathLike[str], *, path_in_repo: str | None = No
     if not chosen:
         raise InvalidInputError(f"{path}: no files to push (check --include/--exclude)")
     prefix = clean_prefix(path_in_repo)
-    return [LocalFile(f"{prefix}{name}", os.path.join(root, name), os.path.getsize(os.path.join(root, name)))
-            for name in chosen]
+    return [_local_file(root, name, prefix) for name in chosen]
+
+
+def _local_file(root: str, name: str, prefix: str) -> LocalFile:
+    path = os.path.join(root, name)
+    target = link_target(path)
+    if target is not None and not os.path.isfile(target):
+        raise InvalidInputError(f"{path} is a symlink to {target}, which is not a regular file (or does not exist); "
+                                "remove the link or --exclude it")
+    return LocalFile(f"{prefix}{name}", path, os.path.getsize(path), target)
+
+
+def check_links(path: str | os.PathLike[str], files: list[LocalFile], *, follow: bool) -> list[FollowedLink]:
+    """Every symlink among ``files``; refuse one leading outside the folder unless ``follow``.
+
+    The rule is :mod:`shardkit.formats.links` (inside the folder or into a Hugging Face cache's
+    ``blobs/``), so a planted ``README.md -> ~/.ssh/id_rsa`` is never uploaded by accident. A file
+    named directly (``push model.safetensors``) is the user's choice, not a link found in a folder.
+    Links to folders are never followed (the walk does not enter them), with or without ``follow``.
+
+    Raises:
+        InvalidInputError: a link leads outside and ``follow`` is False; nothing was sent.
+    """
+    root = os.fspath(path)
+    named = not os.path.isdir(root)
+    links = [FollowedLink(f.path_in_repo, f.link_target, not named and leads_outside(f.link_target, root))
+             for f in files if f.link_target is not None]
+    outside = [link for link in links if link.outside]
+    if outside and not follow:
+        first = next(f for f in files if f.path_in_repo == outside[0].path_in_repo)
+        more = f" (and {len(outside) - 1} more link(s) leading outside)" if len(outside) > 1 else ""
+        raise InvalidInputError(
+            f"{first.local_path} is a symlink to {first.link_target}, outside {root}{more}: push would upload that "
+            f"file's contents; {LINK_RULE}; copy the file in, --exclude it, or pass --follow-symlinks to upload it "
+            "knowingly")
+    return links
 
 
 def _walk(root: str) -> Iterator[str]:

@@ -28,8 +28,10 @@ from typing import Any, Callable, Iterator
 
 from ..errors import HubError, InvalidInputError, VerificationError
 from .commits import (
+    FollowedLink,
     LocalFile,
     RemoteFile,
+    check_links,
     check_sizes,
     clean_prefix,
     collect_files,
@@ -61,6 +63,7 @@ class PushResult:
     created_repo: bool = False
     created_branch: bool = False
     offline: str | None = None  # a dry run that could not reach the Hub: why (every file is listed as an upload)
+    links: list[FollowedLink] = field(default_factory=list)  # every symlink followed (outside: --follow-symlinks)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,11 +73,14 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
          create_pr: bool = False, message: str | None = None, path_in_repo: str | None = None,
          repo_type: str = "model", token: str | None = None, include: list[str] | str | None = None,
          exclude: list[str] | str | None = None, dry_run: bool = False, verify: bool = True,
-         progress: ProgressCallback | None = None) -> PushResult:
+         follow_symlinks: bool = False, progress: ProgressCallback | None = None) -> PushResult:
     """Upload a checkpoint folder (or file) to ``repo_id``; identical remote files are not sent again.
 
     The folder is verified first (``verify=False`` skips it). ``token`` defaults to ``HF_TOKEN`` or
     the stored login. ``progress(done_bytes, total_bytes)`` is called as each file's upload ends.
+    A file that is a symlink leading outside the folder (other than into a Hugging Face cache's
+    ``blobs/``) is refused before anything is sent, unless ``follow_symlinks``; links to folders
+    are never followed. ``result.links`` lists every symlink followed.
 
     >>> result = shardkit.push("out/", "my-org/model", private=True)  # doctest: +SKIP
     >>> result.commit_url                                              # doctest: +SKIP
@@ -82,15 +88,18 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
     """
     check_repo_id(repo_id)
     files = collect_files(path, path_in_repo=path_in_repo, include=include, exclude=exclude)
+    links = check_links(path, files, follow=follow_symlinks)
     check_sizes(files)
     known = known_digests(path, files, report=verify_folder(path) if verify else None)
     if create_pr and revision is not None and revision.startswith("refs/pr/"):
         raise InvalidInputError(f"--revision {revision} is a pull request already; push to it without --create-pr")
     try:
         with hub_errors(repo_id, revision or "main"):
-            return _Pusher(repo_id, repo_type=repo_type, token=token, revision=revision, create_pr=create_pr,
-                           private=private, dry_run=dry_run).run(files, prefix=clean_prefix(path_in_repo),
-                                                                 message=message, progress=progress, known=known)
+            pusher = _Pusher(repo_id, repo_type=repo_type, token=token, revision=revision, create_pr=create_pr,
+                             private=private, dry_run=dry_run)
+            pusher.result.links = links
+            return pusher.run(files, prefix=clean_prefix(path_in_repo), message=message, progress=progress,
+                              known=known)
     except HubError as e:
         if not (dry_run and _is_network_failure(e)):
             raise
@@ -98,7 +107,7 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
         from huggingface_hub import constants
 
         return PushResult(repo_id, repo_type, revision or "main", "", dry_run=True,
-                          offline=f"{constants.ENDPOINT} not reachable",
+                          offline=f"{constants.ENDPOINT} not reachable", links=links,
                           uploaded=[f.path_in_repo for f in files], uploaded_bytes=sum(f.size_bytes for f in files))
 
 
