@@ -1,0 +1,49 @@
+"""The one symlink rule (shardkit/formats/links.py) that ``shardkit.open``, ``split`` and ``push`` share.
+
+A link is followed inside the folder or into a Hugging Face cache's ``blobs/``: the snapshot's
+own repo, or any cache repo (``models--org--name/blobs/``), which ``hf download --local-dir`` and
+user scripts link to from folders outside the cache. A folder that is merely called ``blobs`` is
+not a cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+from conftest import assert_one_line_error, invoke_cli
+
+import helpers_reliability as h
+import shardkit
+from shardkit.errors import CheckpointIndexError
+
+
+def _local_dir_with_a_link_to(blob: Path, folder: Path) -> Path:
+    """A sharded folder whose first shard is a symlink to ``blob`` (holding that shard's bytes)."""
+    h.write_checkpoint(folder, h.make_tensors(8, total_bytes=4000), shard_bytes=2000)
+    shard = sorted(folder.glob("model-*.safetensors"))[0]
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    shard.rename(blob)
+    shard.symlink_to(blob)
+    return folder
+
+
+def test_a_link_from_a_local_dir_into_any_hf_cache_blob_is_followed(tmp_path: Path) -> None:
+    data = b"placeholder"
+    blob = tmp_path / "cache" / "hub" / "models--org--tiny" / "blobs" / hashlib.sha256(data).hexdigest()
+    folder = _local_dir_with_a_link_to(blob, tmp_path / "local-dir")
+    with shardkit.open(str(folder)) as checkpoint:
+        assert len(list(checkpoint.keys())) == 8
+    result = invoke_cli("split", folder, tmp_path / "out", "-q")
+    assert result.exit_code == 0, result.stderr
+
+
+@pytest.mark.parametrize("where", ["blobs", "not-a-cache/blobs", "models--org--tiny/other"])
+def test_a_look_alike_blobs_folder_is_outside(where: str, tmp_path: Path) -> None:
+    folder = _local_dir_with_a_link_to(tmp_path / "elsewhere" / where / "shard", tmp_path / "ckpt")
+    with pytest.raises(CheckpointIndexError, match="outside the checkpoint folder"):
+        shardkit.open(str(folder))
+    assert_one_line_error(invoke_cli("split", folder, tmp_path / "out", "-q"), code=2,
+                          contains="Hugging Face cache's blobs/")
+    assert not (tmp_path / "out").exists()
