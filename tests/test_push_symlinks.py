@@ -152,6 +152,7 @@ def test_split_push_to_refuses_a_link_left_in_the_output(hub, tmp_path):
                             *extra)
         line = one_error_line(proc)
         assert f"{out / 'README.md'} is a symlink to {tmp_path / 'secret.txt'}" in line
+        assert os.listdir(out) == ["README.md"]  # refused before the split: nothing written
     assert commits_received(hub) == [] and ("model", REPO) not in hub.state.repos
 
     os.unlink(tmp_path / "streamed" / "README.md")  # the same split, nothing planted: it goes up

@@ -61,10 +61,12 @@ def split(source: str, output: str, key: str | None, as_json: bool, quiet: bool,
     dry_run = write["dry_run"]
     check_create_pr(create_pr=create_pr, push_to=push_to)
     if push_to:
-        from ..hub.preflight import check_push_target, check_repo_id
+        from ..hub.preflight import check_folder_links, check_push_target, check_repo_id
 
-        # A bad repository id or a missing or rejected token is found before the split, not after.
+        # A bad repository id, a missing or rejected token, or a symlink in OUTPUT leading outside it
+        # (which the push would refuse) is found before the split, not after.
         check_repo_id(push_to) if dry_run else check_push_target(push_to, token=token)
+        check_folder_links(output)
     from ..hub.remote_checkpoint import open_checkpoint
 
     with open_checkpoint(source, token=token, cache=not no_cache) as readable, \

@@ -108,6 +108,17 @@ def check_links(path: str | os.PathLike[str], files: list[LocalFile], *, follow:
     return links
 
 
+def check_folder_links(folder: str | os.PathLike[str]) -> None:
+    """:func:`check_links` (no ``follow``) for the files already in ``folder``, if it exists.
+
+    For a job that writes into ``folder`` and pushes it afterwards (``split --push-to``): a link the
+    push would refuse is found before the long job, not after it.
+    """
+    root = os.fspath(folder)
+    if os.path.isdir(root):
+        check_links(root, [_local_file(root, name, "") for name in _walk(root)], follow=False)
+
+
 def _walk(root: str) -> Iterator[str]:
     for folder, dirs, names in os.walk(root):
         dirs[:] = [d for d in dirs if not d.startswith(".")]

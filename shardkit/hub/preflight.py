@@ -1,4 +1,5 @@
-"""Checks a push can pass before any work starts: a valid repository id, a token the Hub accepts.
+"""Checks a push can pass before any work starts: a valid repository id, a token the Hub accepts,
+no symlink in the folder that the push would refuse.
 
 ``split --push-to`` used to find a missing token only after writing every shard, and
 ``push "not a repo"`` went to the network to learn what a regular expression knows.
@@ -7,9 +8,10 @@
 from __future__ import annotations
 
 from ..errors import HubError
+from .commits import check_folder_links
 from .push import check_repo_id, hub_errors
 
-__all__ = ["check_push_target", "check_repo_id"]
+__all__ = ["check_folder_links", "check_push_target", "check_repo_id"]
 
 
 def check_push_target(repo_id: str, *, token: str | None = None) -> str:
