@@ -274,7 +274,7 @@ class Handler(BaseHTTPRequestHandler):
             raise HubError(501, f"{path} is stored in Xet only; download it with hf_xet")
         data = entry.content if entry.content is not None else self.state.lfs[entry.sha256 or ""]
         match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
-        if match:
+        if match and not self.state.ignore_range:
             begin, end = int(match[1]), int(match[2] or len(data) - 1)
             if begin >= len(data):
                 return self._send(416, b"", {"Content-Range": f"bytes */{len(data)}"})

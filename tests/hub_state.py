@@ -160,6 +160,7 @@ class HubState:
         self._parts: dict[str, dict[int, bytes]] = {}
         self.base_url = ""
         self.sent: list[tuple[str, str, str, int]] = []  # (method, path, Range header, body bytes sent)
+        self.ignore_range = False  # answer 200 with the whole file to every Range request (a broken proxy)
 
     # ------------------------------------------------------------------ test hooks
 

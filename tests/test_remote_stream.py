@@ -8,6 +8,7 @@ checked by what crossed the wire, and "no cache copy" by what is in HF_HUB_CACHE
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,27 @@ def test_a_corrupted_transfer_fails_the_sha256_check_and_publishes_nothing(hub, 
     line = one_error_line(run_shardkit(env, "split", "hf://alice/tiny", tmp_path / "out", "--no-cache", "-q"))
     assert "hf://alice/tiny:model.safetensors: the bytes received do not match the sha256" in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_server_that_ignores_range_is_refused_at_the_first_window(hub, tmp_path):
+    """A 200 with the whole file for a partial range would be downloaded again for every window."""
+    source = write_safetensors(tmp_path / "src" / "model.safetensors", count=8)
+    hub.state.add_repo("alice/tiny", folder_files(source.parent))
+    hub.state.ignore_range = True
+    line = one_error_line(run_shardkit(hub_env(hub, tmp_path / "home"), "split", "hf://alice/tiny", tmp_path / "out",
+                                       "--no-cache", "-q"))
+    assert line.startswith("error: hf://alice/tiny:model.safetensors: asked for bytes 0-") and \
+        "the server answered 200 OK" in line and "instead of 206 Partial Content" in line, line
+    assert not (tmp_path / "out").exists()
+    def weight_gets() -> list[int]:  # logged when the server is done with a request, even one the client dropped
+        # (200 sent whole, or 500 when the client hung up mid-body)
+        return [status for method, path, status in hub.state.requests
+                if method == "GET" and path.endswith(".safetensors")]
+
+    deadline = time.monotonic() + 10
+    while not weight_gets() and time.monotonic() < deadline:  # the server logs a reply once it is sent
+        time.sleep(0.05)
+    assert len(weight_gets()) == 1, hub.state.requests  # refused on the first reply, before another request
 
 
 @pytest.mark.parametrize("status", [503, 0], ids=["5xx", "cut-mid-body"])

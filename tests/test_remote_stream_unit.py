@@ -22,7 +22,7 @@ def served(monkeypatch: pytest.MonkeyPatch):
     data = random.Random(7).randbytes(10_500)
     ranges: list[tuple[int, int]] = []
 
-    def read_range(mirror, remote, begin, end, *, token):
+    def read_range(mirror, remote, begin, end, *, token, stop=None):
         ranges.append((begin, end))
         return data[begin:end]
 
@@ -35,7 +35,7 @@ def served(monkeypatch: pytest.MonkeyPatch):
 def open_stream(data: bytes, *, sha256: str | None = None, head_bytes: int = 100):
     remote = RemoteFile("model.safetensors", len(data), "0" * 40, sha256 or hashlib.sha256(data).hexdigest())
     mirror = Mirror(RemoteSpec("alice/m"), "/nonexistent", "c" * 40, {remote.path: remote})
-    pool = ThreadPoolExecutor(4)
+    pool = remote_stream.BoundedPool(4, name="test-stream")
     stream = remote_stream.StreamedFile(mirror, remote, data[:head_bytes], token=None, pool=pool,
                                         hasher=ThreadPoolExecutor(1))
     return stream, pool
@@ -110,3 +110,39 @@ def test_release_drops_the_prefetch_and_a_later_read_is_still_served(served):
     pool.shutdown()
     assert got == data[1_500:] and len(ranges) > fetched
     assert stream.digest is None  # resumed inside the dropped window: served again, not hash-checked
+
+
+def test_close_mid_read_stops_the_requests_in_flight_and_leaves_no_thread(tmp_path, monkeypatch):
+    """Requests still retrying when the source closes are told to stop and waited for (bounded)."""
+    import threading
+    import time
+
+    from shardkit.formats.header import read_header
+    from shardkit.sources import open_source
+    from test_remote import write_safetensors
+
+    path = write_safetensors(tmp_path / "m" / "model.safetensors", count=6)
+    data, header = path.read_bytes(), read_header(str(path))
+    released = threading.Event()
+
+    def read_range(mirror, remote, begin, end, *, token, stop=None):
+        if begin == header.data_start:
+            return data[begin:end]  # the first window arrives; the prefetched ones hang, retrying
+        deadline = time.monotonic() + 5  # a request that keeps failing and retrying, bounded for the test
+        while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+            time.sleep(0.01)
+        released.set()
+        raise HubError("stopped")
+
+    monkeypatch.setattr(remote_stream, "read_range", read_range)
+    monkeypatch.setattr(remote_stream, "WINDOW_BYTES", 64 * 1024)
+    remote = RemoteFile("model.safetensors", len(data), "0" * 40, hashlib.sha256(data).hexdigest())
+    mirror = Mirror(RemoteSpec("alice/m"), str(path.parent), "c" * 40, {remote.path: remote},
+                    prefix_bytes={remote.path: header.data_start})
+    src = remote_stream.StreamingSource(open_source(str(path)), mirror)
+    first = src.entries()[0]
+    assert bytes(src.read(first, 0, 1000)) == data[header.data_start:header.data_start + 1000]
+    started = time.monotonic()
+    src.close()
+    assert released.is_set() and time.monotonic() - started < 4
+    assert not [t for t in threading.enumerate() if t.name.startswith(("shardkit-stream", "shardkit-hash"))]

@@ -25,11 +25,12 @@ import shutil
 import struct
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
-from ..errors import HeaderError, InvalidInputError, ShardkitError
+from ..errors import HeaderError, HubError, InvalidInputError, ShardkitError
 from ..formats.header import MAX_HEADER_BYTES
 from ..formats.layout import MODEL_INDEX
 from ..formats.suffixes import PICKLE_SUFFIXES
@@ -300,25 +301,56 @@ def fetch_prefix(mirror: Mirror, remote: RemoteFile, *, token: str | None) -> by
     return first + read_range(mirror, remote, len(first), end, token=token)
 
 
-def read_range(mirror: Mirror, remote: RemoteFile, begin: int, end: int, *, token: str | None) -> bytes:
-    """Bytes ``[begin, end)`` of a remote file, retried on transient failures (huggingface_hub's backoff)."""
-    from huggingface_hub import constants, hf_hub_url
-    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_backoff
+def read_range(mirror: Mirror, remote: RemoteFile, begin: int, end: int, *, token: str | None,
+               stop: threading.Event | None = None) -> bytes:
+    """Bytes ``[begin, end)`` of a remote file, retried on transient failures (huggingface_hub's backoff).
 
+    A part of a file must come back as ``206 Partial Content``: a server that ignores ``Range``
+    and sends the whole file (``200``) is refused before its body is read, since every window
+    would download the whole file again. ``stop`` (when set) ends the retries: the reader was closed.
+    """
+    from huggingface_hub import constants, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, http_stream_backoff, httpx
+
+    where = f"{mirror.spec}:{remote.path}"
     url = hf_hub_url(mirror.spec.repo_id, remote.path, revision=mirror.commit, repo_type=mirror.spec.repo_type)
     headers = {**build_hf_headers(token=token), "Range": f"bytes={begin}-{end - 1}"}
-    # A timeout (the client's default is none): a stalled transfer is retried, then one line, never a hang.
-    response = http_backoff("GET", url, headers=headers, max_retries=RETRIES, base_wait_time=RETRY_WAIT_SECONDS,
-                            max_wait_time=2 * RETRY_WAIT_SECONDS, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
-    hf_raise_for_status(response)
-    data = response.content
+    whole = begin == 0 and end >= remote.size_bytes
+    for attempt in range(RETRIES + 1):
+        if stop is not None and stop.is_set():
+            raise HubError(f"{where}: range read stopped: the source was closed")
+        # A timeout (the client's default is none): a stalled transfer is retried, then one line, never a hang.
+        with http_stream_backoff("GET", url, headers=headers, max_retries=RETRIES, base_wait_time=RETRY_WAIT_SECONDS,
+                                 max_wait_time=2 * RETRY_WAIT_SECONDS,
+                                 timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
+            _check_range_reply(response, where=where, begin=begin, end=end, whole=whole)
+            try:  # caught inside: an error thrown into http_stream_backoff's generator breaks it
+                data, cut = response.read(), None
+            except (httpx.TimeoutException, httpx.NetworkError, httpx.RemoteProtocolError) as e:
+                data, cut = b"", e
+        if cut is None:
+            break
+        if attempt == RETRIES:  # the body was cut every time: one line from describe_read_error
+            raise cut
+        time.sleep(RETRY_WAIT_SECONDS * 2**attempt)
     mirror.count(len(data))
-    if response.status_code == 200 and len(data) >= end:  # a server that ignores Range: keep what we asked for
-        data = data[begin:end]
     if len(data) != end - begin:
-        raise HeaderError(f"{mirror.spec}:{remote.path}: asked for bytes {begin}-{end - 1}, got {len(data)} bytes "
+        raise HeaderError(f"{where}: asked for bytes {begin}-{end - 1}, got {len(data)} bytes "
                           "(the file is shorter than the Hub lists, or the transfer was cut)")
     return data
+
+
+def _check_range_reply(response: Any, *, where: str, begin: int, end: int, whole: bool) -> None:
+    """An error status raised as huggingface_hub raises it; a part of the file answered with anything
+    but 206 refused in one line naming the reply."""
+    from huggingface_hub.utils import hf_raise_for_status
+
+    hf_raise_for_status(response)
+    if response.status_code != 206 and not whole:
+        length = response.headers.get("Content-Length", "unknown")
+        raise HubError(f"{where}: asked for bytes {begin}-{end - 1} and the server answered {response.status_code} "
+                       f"{response.reason_phrase or ''} with {length} bytes instead of 206 Partial Content: it ignores "
+                       "Range requests; use an endpoint (HF_ENDPOINT, proxy) that serves ranges, or drop --no-cache")
 
 
 @contextlib.contextmanager

@@ -18,9 +18,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any, Callable, Iterator
 
 from ..errors import HubError, ShardkitError
 from ..formats.header import TensorEntry
@@ -34,6 +35,41 @@ WINDOW_BYTES = 8 << 20  # one range request (the client holds it about twice whi
 PREFETCH_WINDOWS = 4  # requests in flight per file: latency hidden, memory bounded
 SKIP_GAP_BYTES = WINDOW_BYTES  # a jump further than this ahead skips the gap rather than fetching it
 PENDING_HASHES = 2  # windows waiting for the hashing thread
+STOP_WAIT_SECONDS = 15.0  # close() waits this long for requests in flight (a stalled one times out in 10 s)
+
+
+class BoundedPool(ThreadPoolExecutor):
+    """Worker threads that :meth:`stop` ends: what has not started is cancelled, what runs is told
+    to stop retrying (``stopping``) and waited for, with a bound, so no request outlives the
+    source that made it or holds up the interpreter's exit."""
+
+    def __init__(self, workers: int, *, name: str) -> None:
+        super().__init__(workers, thread_name_prefix=name)
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._running: set[Future[Any]] = set()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:  # type: ignore[override]
+        future = super().submit(fn, *args, **kwargs)
+        with self._lock:
+            self._running.add(future)
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: Future[Any]) -> None:
+        with self._lock:
+            self._running.discard(future)
+
+    def stop(self, *, timeout_s: float = STOP_WAIT_SECONDS) -> bool:
+        """Cancel, then wait up to ``timeout_s`` for the work already running; True when none is left."""
+        self.stopping.set()
+        self.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            running = list(self._running)
+        _, left = wait(running, timeout=timeout_s)
+        if left:
+            logger.debug("%d request(s) still running %.0f s after close", len(left), timeout_s)
+        return not left
 
 
 class _Digest:
@@ -76,7 +112,7 @@ class StreamedFile:
     """
 
     def __init__(self, mirror: Mirror, remote: RemoteFile, head: bytes, *, token: str | None,
-                 pool: ThreadPoolExecutor, hasher: ThreadPoolExecutor) -> None:
+                 pool: BoundedPool, hasher: ThreadPoolExecutor) -> None:
         self.mirror, self.remote, self.token, self.pool = mirror, remote, token, pool
         self.where = f"{mirror.spec}:{remote.path}"
         self.digest: _Digest | None = _Digest(remote, hasher)
@@ -161,7 +197,7 @@ class StreamedFile:
 
     def _fetch(self, begin: int, end: int) -> bytes:
         try:
-            return read_range(self.mirror, self.remote, begin, end, token=self.token)
+            return read_range(self.mirror, self.remote, begin, end, token=self.token, stop=self.pool.stopping)
         except ShardkitError:
             raise
         except Exception as e:  # one line, whatever thread and whichever layer the failure surfaces in
@@ -199,7 +235,7 @@ class StreamingSource(Source):
         self.inner, self.mirror, self.token = inner, mirror, token
         self.description = f"{inner.description.replace(mirror.root, str(mirror.spec))}, streamed"
         self.naming, self.shard_rule, self.paths = inner.naming, inner.shard_rule, inner.paths
-        self.pool = ThreadPoolExecutor(PREFETCH_WINDOWS, thread_name_prefix="shardkit-stream")
+        self.pool = BoundedPool(PREFETCH_WINDOWS, name="shardkit-stream")
         self.hasher = ThreadPoolExecutor(1, thread_name_prefix="shardkit-hash")
         self.remote_files = {os.path.realpath(local_path(mirror, f)): f for f in mirror.files.values()}
         self.streams: dict[str | None, StreamedFile] = {}
@@ -256,6 +292,5 @@ class StreamingSource(Source):
     def _stop_threads(self) -> None:
         for stream in self.streams.values():
             stream.release()
-        # Requests in flight end within the download timeout; nothing waits for them here.
-        self.pool.shutdown(wait=False, cancel_futures=True)
-        self.hasher.shutdown(wait=False, cancel_futures=True)
+        self.pool.stop()  # requests in flight stop retrying and end within the download timeout
+        self.hasher.shutdown(wait=True, cancel_futures=True)  # at most one window's hash is running
