@@ -30,4 +30,12 @@ if [ ! -f "$STAMP" ] || [ "$ROOT/pyproject.toml" -nt "$STAMP" ] || ! "$PY" -c "i
     quiet_pip -e "$ROOT[dev]"
     touch "$STAMP"
 fi
+# The latency-mount tests (tests/test_prefetch.py, scripts/latency_mount.py) need FUSE 3: fusermount3 and
+# libfuse3 (Debian package fuse3). Installed only when missing; without it those tests skip with the reason.
+if ! command -v fusermount3 >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing fuse3 (for the latency-mount tests)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q fuse3 >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q fuse3 >/dev/null 2>&1; } \
+        || echo "fuse3 could not be installed: the latency-mount tests will skip"
+fi
 export PATH="$VENV/bin:$PATH"

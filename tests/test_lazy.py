@@ -14,7 +14,7 @@ import torch
 
 import shardkit
 from conftest import make_state_dict, tensor_bytes
-from shardkit.loading import lazy
+from shardkit.loading import host_reads, lazy
 from shardkit.errors import CheckpointIndexError, HeaderError, InvalidInputError, SourceNotFoundError
 
 
@@ -85,8 +85,8 @@ def test_reads_only_the_tensors_asked_for(tmp_path, monkeypatch) -> None:
     path = tmp_path / "w.safetensors"
     safetensors.torch.save_file({"big": big, "small": small}, path)
     read_bytes = []
-    real_read_into = lazy.read_into
-    monkeypatch.setattr(lazy, "read_into", lambda fd, t, off, n, **kw: (read_bytes.append(n), real_read_into(fd, t, off, n, **kw)))
+    real_read_into = host_reads.read_into
+    monkeypatch.setattr(host_reads, "read_into", lambda fd, t, off, n, **kw: (read_bytes.append(n), real_read_into(fd, t, off, n, **kw)))
     with shardkit.open(path) as ckpt:
         assert torch.equal(ckpt["small"], small)
         assert ckpt.get_tensor("small", dtype=torch.float64).dtype == torch.float64

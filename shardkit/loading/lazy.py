@@ -7,36 +7,37 @@ is touched, so a corrupt shard gives a clear error there instead of a crash.
 
 How bytes are read is each shard's *read backend* (``read=``): ``mmap`` gives tensors without a
 cast straight from a private (copy-on-write) memory map (no copy; only the pages of the tensors
-asked for are ever read); ``pread`` and ``direct`` read each tensor with large parallel reads into
-freshly allocated memory (:mod:`shardkit.loading.readers`); ``auto`` picks per file
-(:mod:`shardkit.loading.residency`). Each shard is opened once; reads are safe from several threads.
+asked for are ever read); ``pread`` and ``direct`` read each tensor as parallel range reads
+straight into freshly allocated memory, and reading the mapping in its order reads the next
+tensors ahead within a budget (:mod:`shardkit.loading.prefetch`); ``to_state_dict`` and
+``read_many`` read everything with one plan over all shards (:mod:`shardkit.loading.read_plan`);
+``auto`` picks per file (:mod:`shardkit.loading.residency`). Each shard is opened once (descriptor
+first, header read through it); reads are safe from several threads.
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import threading
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..atomic.journal import JOURNAL
-from ..errors import (
-    HeaderError,
-    InvalidInputError,
-    SourceNotFoundError,
-)
-from ..formats.header import TensorEntry, read_header
+from ..errors import InvalidInputError, SourceNotFoundError
+from ..formats.header import TensorEntry
 from ..formats.index import find_checkpoint, load_index, shard_file
-from .readers import Reader, job_for, open_reader, pread_exact, read_entries
-from .shards import Shard, TensorSlice, check_shard_names, check_unchanged
-from .residency import check_backend, choose_backend
+from .fresh_reads import FreshReads
+from .host_reads import cast_staging, read_cast, read_into
+from .prefetch import READ_AHEAD_BYTES
+from .readers import Reader
+from .residency import check_backend
+from .shards import Shard, check_unchanged, close_shard, open_shard
+from .slices import TensorSlice
 
 if TYPE_CHECKING:
     import torch
 
-_CAST_CHUNK_BYTES = 16 << 20
 log = logging.getLogger("shardkit")
 
 
@@ -45,7 +46,9 @@ class LazyCheckpoint(Mapping):
 
     Returned by :func:`open`. Iterating, ``len`` and ``in`` use the index alone; ``shape_of``,
     ``dtype_of``, ``nbytes`` and ``entry`` read only headers; ``ckpt[name]`` reads one tensor
-    (zero-copy on the host). Use it as a context manager, or call :meth:`close`.
+    (zero-copy on the host, or parallel range reads with the ``pread``/``direct`` backends, the
+    next tensors in iteration order read ahead within ``read_ahead_bytes``). Use it as a context
+    manager, or call :meth:`close` (which cancels the read-ahead and joins its threads).
 
     Attributes:
         description: what was opened (``"sharded checkpoint out/model.safetensors.index.json
@@ -58,7 +61,8 @@ class LazyCheckpoint(Mapping):
     """
 
     def __init__(self, shard_of: dict[str, str], shards: dict[str, Shard], *, description: str,
-                 index_metadata: dict[str, Any] | None = None, read: str = "auto") -> None:
+                 index_metadata: dict[str, Any] | None = None, read: str = "auto",
+                 read_ahead_bytes: int = READ_AHEAD_BYTES) -> None:
         self.read = check_backend(read)
         self._shard_of = shard_of
         self._shards = shards
@@ -67,6 +71,8 @@ class LazyCheckpoint(Mapping):
         self._lock = threading.Lock()
         self._local = threading.local()
         self._closed = False
+        self._fresh = FreshReads(list(shard_of), budget_bytes=read_ahead_bytes, locate=self._locate,
+                                 shards=list(shards.values()), open_shard=self._opened, description=description)
 
     # -- Mapping -----------------------------------------------------------------------------
     def __getitem__(self, name: str) -> "torch.Tensor":
@@ -93,7 +99,7 @@ class LazyCheckpoint(Mapping):
     def entry(self, name: str) -> TensorEntry:
         """The header record of ``name``: safetensors dtype code, shape, byte size, file and offset."""
         shard = self._shards[self._shard_name(name)]
-        return self._load_header(shard)[name]
+        return self._opened(shard)[name]
 
     def shape_of(self, name: str) -> tuple[int, ...]:
         """The shape of tensor ``name``, from its shard's header."""
@@ -116,7 +122,7 @@ class LazyCheckpoint(Mapping):
         """The shards' ``__metadata__`` maps, merged."""
         merged: dict[str, str] = {}
         for shard in self._shards.values():
-            self._load_header(shard)
+            self._opened(shard)
             assert shard.header is not None
             merged.update(shard.header.metadata)
         return merged
@@ -165,13 +171,12 @@ class LazyCheckpoint(Mapping):
         host_cast = on_host and dtype is not None and dtype != src_dtype
         if entry.nbytes == 0:
             tensor = torch.empty(entry.shape, dtype=src_dtype)
-        elif host_cast:
+        elif host_cast and not self._fresh.is_pending(name):
             assert dtype is not None
-            return self._read_cast(shard, entry, src_dtype, itemsize, dtype)
+            assert shard.fd is not None
+            return read_cast(shard.fd, entry, src_dtype, dtype, staging=self._staging())
         elif shard.reader is not None:
-            tensor = torch.empty(entry.shape, dtype=src_dtype)
-            shard.reader.read_all([job_for(tensor, offset=entry.offset, nbytes=entry.nbytes,
-                                           where=f"{entry.file}: tensor {name!r}")])
+            tensor = self._fresh.tensor(shard, entry)
         elif copy or entry.offset % itemsize:
             tensor = torch.empty(entry.shape, dtype=src_dtype)
             assert shard.fd is not None
@@ -184,28 +189,6 @@ class LazyCheckpoint(Mapping):
         if dtype is not None:
             tensor = tensor.to(dtype)
         return tensor
-
-    def _read_cast(self, shard: Shard, entry: TensorEntry, src_dtype: "torch.dtype", itemsize: int,
-                   dtype: "torch.dtype") -> "torch.Tensor":
-        """Cast through one small reusable buffer per thread: memory never depends on the tensor's size
-        (a whole-tensor temporary would also fragment the heap, pinning a second copy's worth of RAM).
-        """
-        import torch
-
-        out = torch.empty(entry.shape, dtype=dtype)
-        flat = out.view(-1)
-        staging = getattr(self._local, "staging", None)
-        if staging is None:
-            staging = self._local.staging = torch.empty(_CAST_CHUNK_BYTES, dtype=torch.uint8)
-        per_chunk = max(1, _CAST_CHUNK_BYTES // itemsize)
-        assert shard.fd is not None
-        for start in range(0, flat.numel(), per_chunk):
-            count = min(per_chunk, flat.numel() - start)
-            chunk = staging[: count * itemsize]
-            read_into(shard.fd, chunk, entry.offset + start * itemsize, count * itemsize,
-                      where=f"{entry.file}: tensor {entry.name!r}")
-            flat[start:start + count].copy_(chunk.view(src_dtype))
-        return out
 
     def get_slice(self, name: str) -> TensorSlice:
         """A handle for partial reads, like ``safetensors.safe_open(...).get_slice``."""
@@ -229,26 +212,53 @@ class LazyCheckpoint(Mapping):
         return {name: out[name] for name in self}  # checkpoint order, whichever way each was read
 
     def read_many(self, names: list[str]) -> dict[str, "torch.Tensor"]:
-        """Host tensors, stored dtype: ``pread``/``direct`` shards in one batch of long parallel reads
-        (:func:`shardkit.loading.readers.read_entries`), memory-mapped ones as zero-copy views.
+        """Host tensors, stored dtype: ``pread``/``direct`` shards with one plan over all of them
+        (:mod:`shardkit.loading.read_plan`: file order, adjacent tensors coalesced, every range in
+        flight at once), memory-mapped ones as zero-copy views.
 
         >>> state = ckpt.read_many(list(ckpt))                  # doctest: +SKIP
         """
-        from ..formats.dtypes import to_torch
-
-        per_shard: dict[str, list[TensorEntry]] = {}
         out: dict[str, "torch.Tensor"] = {}
+        planned: list[tuple[Shard, TensorEntry]] = []
+        first = self._locate(names[0])[0] if names else None
+        if first is not None and first.reader is not None:
+            self._fresh.open_all(first.reader)  # every shard's header at once, not one round trip after another
         for name in names:
-            shard = self._open_shard(self._shard_name(name))
-            if shard.reader is None:
+            shard, entry = self._locate(name)
+            if shard.reader is None or entry.nbytes == 0 or self._fresh.is_pending(name):
                 out[name] = self.get_tensor(name)
             else:
-                per_shard.setdefault(self._shard_of[name], []).append(self.entry(name))
-        for shard_name, entries in per_shard.items():
-            reader = self._open_shard(shard_name).reader
-            assert reader is not None
-            out.update(read_entries(reader, entries, {e.name: to_torch(e.dtype) for e in entries}))
+                planned.append((shard, entry))
+        out.update(self._fresh.many(planned))
         return out
+
+    def read_rows(self, name: str, start: int, stop: int) -> tuple["torch.Tensor", bool]:
+        """Rows ``start:stop`` of ``name``'s leading dimension, reading only their bytes (for
+        :class:`~shardkit.loading.slices.TensorSlice`); ``fresh`` is False for a view of memory
+        shared with other tensors (a memory map, a tensor read ahead).
+
+        >>> rows, fresh = ckpt.read_rows("w", 0, 2)               # doctest: +SKIP
+        """
+        shard, entry = self._locate(name)
+        ahead = self._fresh.peek(name)
+        if ahead is not None:
+            return ahead[start:stop], False
+        if shard.reader is None or entry.nbytes == 0:
+            return self.get_tensor(name)[start:stop], False
+        return self._fresh.rows(shard, entry, start, stop), True
+
+    def _locate(self, name: str) -> tuple[Shard, TensorEntry]:
+        """``name``'s opened (and unchanged) shard and its header record."""
+        shard = self._open_shard(self._shard_name(name))
+        assert shard.entries is not None
+        return shard, shard.entries[name]
+
+    def _staging(self) -> "torch.Tensor":
+        """This thread's reusable cast buffer."""
+        staging = getattr(self._local, "staging", None)
+        if staging is None:
+            staging = self._local.staging = cast_staging()
+        return staging
 
     # -- shard management -------------------------------------------------------------------------
     def _shard_name(self, name: str) -> str:
@@ -259,50 +269,22 @@ class LazyCheckpoint(Mapping):
         except KeyError:
             raise KeyError(name) from None
 
-    def _load_header(self, shard: Shard) -> dict[str, TensorEntry]:
+    def _opened(self, shard: Shard) -> dict[str, TensorEntry]:
+        """Open ``shard`` once (descriptor, then its header read through it, then the backend)."""
         if shard.entries is None:
             with self._lock:
+                if self._closed:
+                    raise InvalidInputError(f"{self.description}: checkpoint is closed")
                 if shard.entries is None:
-                    header = read_header(shard.path)
-                    check_shard_names(shard, header)
-                    shard.header = header
-                    shard.entries = header.by_name()
+                    open_shard(shard, self.read)
+        assert shard.entries is not None
         return shard.entries
 
     def _open_shard(self, shard_name: str) -> Shard:
         shard = self._shards[shard_name]
-        self._load_header(shard)
-        if shard.fd is None:
-            with self._lock:
-                if shard.fd is None:
-                    self._open_fd(shard)
+        self._opened(shard)
         check_unchanged(shard)
         return shard
-
-    def _open_fd(self, shard: Shard) -> None:
-        fd = os.open(shard.path, os.O_RDONLY)
-        try:
-            choice = choose_backend(shard.path, self.read, fd=fd)
-            st = os.fstat(fd)
-            shard.identity = (st.st_ino, st.st_size, st.st_mtime_ns)
-            assert shard.header is not None
-            if st.st_size < shard.header.file_bytes:
-                raise HeaderError(f"{shard.path}: file is {st.st_size} bytes, shorter than the "
-                                  f"{shard.header.file_bytes} its header says (truncated?)")
-            if choice.backend == "mmap":
-                shard.mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-            else:
-                shard.reader = open_reader(shard.path, choice.backend, fd=fd, remote=choice.remote is not None)
-        except (OSError, ValueError) as e:
-            os.close(fd)
-            raise HeaderError(f"{shard.path}: cannot open the file for reading ({e})") from e
-        except BaseException:
-            os.close(fd)
-            raise
-        shard.fd = fd
-        shard.backend = shard.reader.backend if shard.reader is not None else "mmap"
-        shard.reason = choice.reason if shard.backend == choice.backend else f"{choice.reason}; O_DIRECT refused"
-        log.debug("%s: read backend %s (%s)", shard.path, shard.backend, shard.reason)
 
     def read_report(self) -> list[dict[str, str | None]]:
         """Each opened shard's read backend and why: ``[{"path", "backend", "reason"}]``.
@@ -318,31 +300,24 @@ class LazyCheckpoint(Mapping):
         return self._open_shard(self._shard_name(name)).reader
 
     def close(self) -> None:
-        """Close the files. Tensors already returned stay valid (they keep their mapping alive)."""
+        """Cancel the read-ahead, join the reader threads (bounded) and close the files.
+
+        Tensors already returned stay valid (memory-mapped ones keep their mapping alive).
+        """
         with self._lock:
             self._closed = True
+        if not self._fresh.close():
+            log.warning("%s: reads still running after close; leaving their files open", self.description)
+            return  # a blocked read must not land in a reused descriptor
+        with self._lock:
             for shard in self._shards.values():
-                if shard.fd is not None:
-                    os.close(shard.fd)
-                    shard.fd = None
-                if shard.reader is not None:
-                    shard.reader.close()
-                    shard.reader = None
-                # Never mmap.close(): torch.frombuffer keeps a reference to the map but holds no
-                # buffer export, so closing would unmap pages live tensors still point to. Dropping
-                # our reference unmaps it once the last zero-copy tensor is gone.
-                shard.mapped = None
+                close_shard(shard)
 
     def __enter__(self) -> "LazyCheckpoint":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def read_into(fd: int, tensor: "torch.Tensor", offset: int, nbytes: int, *, where: str) -> None:
-    """``pread`` ``nbytes`` at ``offset`` straight into a contiguous CPU tensor's memory."""
-    pread_exact(fd, tensor.data_ptr(), offset, nbytes, where=where)
 
 
 def _check_no_journal(folder: str) -> None:
@@ -353,14 +328,16 @@ def _check_no_journal(folder: str) -> None:
         )
 
 
-def _single_file(path: str, read: str) -> LazyCheckpoint:
-    header = read_header(path)
-    shard = Shard(path, None, header=header, entries=header.by_name())
-    shard_of = {e.name: path for e in header.entries}
-    return LazyCheckpoint(shard_of, {path: shard}, description=f"safetensors file {path}", read=read)
+def _single_file(path: str, read: str, read_ahead_bytes: int) -> LazyCheckpoint:
+    shard = Shard(path, None)
+    open_shard(shard, read)  # the descriptor first, the header through it: reads match the header
+    assert shard.header is not None
+    shard_of = {e.name: path for e in shard.header.entries}
+    return LazyCheckpoint(shard_of, {path: shard}, description=f"safetensors file {path}", read=read,
+                          read_ahead_bytes=read_ahead_bytes)
 
 
-def _indexed(path: str, read: str) -> LazyCheckpoint:
+def _indexed(path: str, read: str, read_ahead_bytes: int) -> LazyCheckpoint:
     index = load_index(path)
     shards: dict[str, Shard] = {}
     for shard_name in index.shard_names():
@@ -368,14 +345,16 @@ def _indexed(path: str, read: str) -> LazyCheckpoint:
         names = frozenset(t for t, s in index.weight_map.items() if s == shard_name)
         shards[shard_name] = Shard(shard_path, names)
     return LazyCheckpoint(dict(index.weight_map), shards, index_metadata=index.metadata, read=read,
-                          description=f"sharded checkpoint {path} ({len(shards)} shards)")
+                          read_ahead_bytes=read_ahead_bytes, description=f"sharded checkpoint {path} ({len(shards)} shards)")
 
 
-def open(path: str | os.PathLike[str], *, variant: str | None = None, read: str = "auto") -> LazyCheckpoint:  # noqa: A001
+def open(path: str | os.PathLike[str], *, variant: str | None = None, read: str = "auto",  # noqa: A001
+         read_ahead_bytes: int = READ_AHEAD_BYTES) -> LazyCheckpoint:
     """Open a safetensors checkpoint lazily: a file, an index JSON or a (sharded) folder.
 
-    Only the index is read here; each shard's header is read and validated the first time one
-    of its tensors is touched. Opening never modifies anything. A folder with an unfinished
+    Only the index is read here (a single file: its header); each shard's header is read and
+    validated, through the descriptor its tensors are then read from, the first time one of its
+    tensors is touched. Opening never modifies anything. A folder with an unfinished
     shardkit write is refused (``shardkit recover`` finishes it).
 
     Args:
@@ -388,6 +367,10 @@ def open(path: str | os.PathLike[str], *, variant: str | None = None, read: str 
             filesystems and cold caches), ``"direct"`` (O_DIRECT through aligned bounce buffers,
             ``pread`` where refused) or ``"auto"``: ``pread`` for network/FUSE filesystems and
             cold files, ``mmap`` for warm local ones; ``read_report()`` says what each shard got.
+        read_ahead_bytes: with ``pread``/``direct``, reading the mapping in its order reads the
+            next tensors ahead (their ranges in flight while the caller uses the current one)
+            up to this many bytes not yet taken (default 256 MiB); 0 turns read-ahead off.
+            Memory peaks at the tensors kept plus this budget; ``close()`` cancels it.
 
     Returns:
         A :class:`LazyCheckpoint`; use it as a context manager, or call ``close()``.
@@ -420,11 +403,11 @@ def open(path: str | os.PathLike[str], *, variant: str | None = None, read: str 
         layout = find_checkpoint(path, variant=variant)
         path = layout.path
         if layout.kind == "file":
-            return _single_file(path, read)
+            return _single_file(path, read, read_ahead_bytes)
     if path.endswith(".json"):
-        return _indexed(path, read)
+        return _indexed(path, read, read_ahead_bytes)
     if path.endswith(".safetensors"):
-        return _single_file(path, read)
+        return _single_file(path, read, read_ahead_bytes)
     raise InvalidInputError(
         f"{path}: not a safetensors checkpoint; convert it first with 'shardkit split {path} OUT/'"
     )

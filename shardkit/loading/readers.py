@@ -20,7 +20,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from ..errors import HeaderError
 
@@ -30,10 +30,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("shardkit")
 
 CHUNK_BYTES = 32 << 20        # one pread call on a local disk: long sequential reads
-# Network/FUSE: measured on bindfs, 8 threads x 8 MiB was ~2x slower than 4 x 32 MiB (fewer, longer
-# requests win there too); kept separate so other filesystems can be tuned from measurements.
-REMOTE_CHUNK_BYTES = 32 << 20
-REMOTE_THREADS = 4
+# Network/FUSE: every request is a round trip, so speed = requests in flight x request size / latency.
+# Measured through a FUSE mount adding 2 ms per 128 KiB request (scripts/latency_mount.py): 16 threads x
+# 4 MiB ranges keep the mount's server busy, where 4 x 32 MiB (tuned on bindfs, no latency) left it idle.
+REMOTE_CHUNK_BYTES = 4 << 20
+REMOTE_THREADS = 16
 BOUNCE_BYTES = 16 << 20       # one O_DIRECT bounce buffer per thread
 _MAX_CALL_BYTES = 1 << 30     # Linux returns at most ~2 GiB per read call
 _ALIGN = 4096
@@ -91,7 +92,7 @@ class Reader:
         self.chunk_bytes = chunk_bytes or CHUNK_BYTES
         self._owns_fd = fd is None  # a caller's descriptor stays the caller's to close
         self._fd = os.open(path, os.O_RDONLY) if fd is None else fd
-        self._threads = threads or reader_threads()
+        self.threads = threads or reader_threads()
 
     def read_all(self, jobs: list[ReadJob]) -> None:
         """Run every job (chunked, in parallel); the first failure is raised after all stop."""
@@ -100,7 +101,7 @@ class Reader:
             for chunk in chunks:
                 self.read_one(chunk)
             return
-        with ThreadPoolExecutor(min(self._threads, len(chunks)), thread_name_prefix="shardkit-read") as pool:
+        with ThreadPoolExecutor(min(self.threads, len(chunks)), thread_name_prefix="shardkit-read") as pool:
             futures = [pool.submit(self.read_one, chunk) for chunk in chunks]
             errors = [f.exception() for f in futures]
         first = next((e for e in errors if e is not None), None)
@@ -138,7 +139,9 @@ class DirectReader(Reader):
         self._buffers: list[mmap.mmap] = []
         self._lock = threading.Lock()
         try:
-            self._direct_fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            # Through the open descriptor where there is one: the very file whose header was read.
+            again = f"/proc/self/fd/{fd}" if fd is not None and os.path.exists(f"/proc/self/fd/{fd}") else path
+            self._direct_fd = os.open(again, os.O_RDONLY | os.O_DIRECT)
             # Some filesystems accept the flag at open and refuse the first read: probe one page.
             os.preadv(self._direct_fd, [memoryview(self._bounce())[:_ALIGN]], 0)
         except OSError:
@@ -205,51 +208,3 @@ def open_reader(path: str, backend: str, *, threads: int | None = None, fd: int 
         except OSError as e:
             log.warning("%s: O_DIRECT is not supported here (%s); reading with pread instead", path, e.strerror or e)
     return Reader(path, threads=threads, fd=fd, chunk_bytes=chunk)
-
-
-def read_entries(reader: Reader, entries: list[Any], dtypes: dict[str, "torch.dtype"]) -> dict[str, "torch.Tensor"]:
-    """Many tensors of one file, read as few long runs of adjacent tensors, in parallel chunks.
-
-    Each run of tensors that lie back to back in the file is read into one anonymous mapping
-    (page-aligned, allocated once) and every tensor is a ``torch.frombuffer`` view of it with its
-    own storage (as memory-mapped tensors are), so reads stay large and sequential whatever the
-    tensors' sizes, and nothing is copied twice. The mapping is freed with its last tensor.
-
-    Args:
-        reader: the open file.
-        entries: header records (``name``, ``offset``, ``nbytes``, ``shape``, ``file``).
-        dtypes: name → stored ``torch.dtype``.
-
-    Returns:
-        name → tensor.
-
-    >>> read_entries(reader, header.entries, {e.name: to_torch(e.dtype) for e in header.entries})  # doctest: +SKIP
-    """
-    import torch
-
-    out: dict[str, "torch.Tensor"] = {}
-    runs: list[list[Any]] = []
-    for entry in sorted(entries, key=lambda e: e.offset):
-        if entry.nbytes == 0:
-            out[entry.name] = torch.empty(entry.shape, dtype=dtypes[entry.name])
-            continue
-        run = runs[-1] if runs else None
-        if run and run[-1].offset + run[-1].nbytes == entry.offset \
-                and (entry.offset - run[0].offset) % dtypes[entry.name].itemsize == 0:
-            run.append(entry)
-        else:
-            runs.append([entry])
-    jobs, blocks = [], []
-    for run in runs:
-        nbytes = run[-1].offset + run[-1].nbytes - run[0].offset
-        block = mmap.mmap(-1, nbytes)  # the address stays valid while the map lives, not just the export
-        address = ctypes.addressof(ctypes.c_char.from_buffer(block))
-        jobs.append(ReadJob(address, run[0].offset, nbytes, f"{run[0].file}: tensor {run[0].name!r}"))
-        blocks.append((block, run))
-    reader.read_all(jobs)
-    for block, run in blocks:
-        for entry in run:
-            dtype = dtypes[entry.name]
-            out[entry.name] = torch.frombuffer(block, dtype=dtype, count=entry.nbytes // dtype.itemsize,
-                                               offset=entry.offset - run[0].offset).view(entry.shape)
-    return out

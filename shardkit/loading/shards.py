@@ -1,23 +1,26 @@
 """One shard of a lazy checkpoint: its open state, and the checks that keep reads honest.
 
-A shard must hold exactly the tensors its index assigns to it, and must not change on disk while
+A shard is opened once: the descriptor first, then the header read through that descriptor (so a
+file replaced between the two can never pair one file's offsets with another's bytes), then its
+read backend. A shard must hold exactly the tensors its index assigns to it, and must not change on disk while
 it is open: a truncated memory map would crash the process with SIGBUS on the next touch, a
 rewritten file would mix old and new bytes.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
+import stat
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointIndexError, InvalidInputError
-from ..formats.header import Header, TensorEntry
-from .readers import Reader
+from ..errors import CheckpointIndexError, HeaderError, InvalidInputError, SourceNotFoundError
+from ..formats.header import Header, TensorEntry, parse_header, read_header_bytes
+from .readers import Reader, open_reader
+from .residency import choose_backend
 
-if TYPE_CHECKING:
-    import torch
+log = logging.getLogger("shardkit")
 
 
 @dataclass
@@ -37,7 +40,9 @@ class Shard:
 
 
 def check_shard_names(shard: Shard, header: Header) -> None:
-    """A shard must hold exactly the tensors its index assigns to it."""
+    """A shard is opened once: the descriptor first, then the header read through that descriptor (so a
+file replaced between the two can never pair one file's offsets with another's bytes), then its
+read backend. A shard must hold exactly the tensors its index assigns to it."""
     if shard.expected is None:
         return
     names = {e.name for e in header.entries}
@@ -70,24 +75,70 @@ def check_unchanged(shard: Shard) -> None:
                                 "reopen the checkpoint to read the new file")
 
 
-class TensorSlice:
-    """Partial reads of one tensor, like ``safetensors.safe_open(...).get_slice``.
+def open_shard(shard: Shard, read: str) -> None:
+    """Open ``shard``: descriptor, header read and validated through it, identity, read backend.
 
-    Indexing returns a fresh tensor holding just the indexed part; ``ckpt.get_slice("w")[0:2, :]``
-    reads only those rows' pages.
+    Raises:
+        SourceNotFoundError: the file is gone.
+        HeaderError: not a readable safetensors file (truncated, corrupt, a folder...).
+        InvalidInputError: permission denied.
+        CheckpointIndexError: it does not hold the tensors its index assigns to it.
     """
+    try:
+        fd = os.open(shard.path, os.O_RDONLY)
+    except FileNotFoundError as e:
+        raise SourceNotFoundError(f"{shard.path}: no such file") from e
+    except PermissionError as e:
+        raise InvalidInputError(f"{shard.path}: cannot be read (permission denied); check the file's permissions") from e
+    except OSError as e:
+        raise HeaderError(f"{shard.path}: cannot open the file for reading ({e.strerror or e})") from e
+    try:
+        _open_fd(shard, fd, read)
+    except BaseException:
+        os.close(fd)
+        shard.reader = shard.mapped = None
+        raise
 
-    def __init__(self, checkpoint: Any, name: str) -> None:  # a LazyCheckpoint (which imports this module)
-        self._checkpoint = checkpoint
-        self._name = name
 
-    def get_shape(self) -> list[int]:
-        """The tensor's shape, from the header."""
-        return list(self._checkpoint.shape_of(self._name))
+def _open_fd(shard: Shard, fd: int, read: str) -> None:
+    st = os.fstat(fd)
+    if stat.S_ISDIR(st.st_mode):
+        raise HeaderError(f"{shard.path}: is a directory, expected a .safetensors file")
+    choice = choose_backend(shard.path, read, fd=fd)  # before reading the header warms its pages
+    header = read_header_fd(fd, shard.path)
+    check_shard_names(shard, header)
+    try:
+        if choice.backend == "mmap":
+            shard.mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        else:
+            shard.reader = open_reader(shard.path, choice.backend, fd=fd, remote=choice.remote is not None)
+    except (OSError, ValueError) as e:
+        raise HeaderError(f"{shard.path}: cannot open the file for reading ({e})") from e
+    shard.header, shard.entries = header, header.by_name()
+    shard.identity = (st.st_ino, st.st_size, st.st_mtime_ns)
+    shard.fd = fd
+    shard.backend = shard.reader.backend if shard.reader is not None else "mmap"
+    shard.reason = choice.reason if shard.backend == choice.backend else f"{choice.reason}; O_DIRECT refused"
+    log.debug("%s: read backend %s (%s)", shard.path, shard.backend, shard.reason)
 
-    def get_dtype(self) -> "torch.dtype":
-        """The tensor's stored dtype, from the header."""
-        return self._checkpoint.dtype_of(self._name)
 
-    def __getitem__(self, index: Any) -> "torch.Tensor":
-        return self._checkpoint.get_tensor(self._name)[index].clone()
+def read_header_fd(fd: int, path: str) -> Header:
+    """Read and validate the header of the open file ``fd``, from its start (reads elsewhere use ``pread``)."""
+    # A duplicate (closing it leaves ``fd`` open); an 8-byte buffer reads exactly the header's bytes.
+    with os.fdopen(os.dup(fd), "rb", buffering=8) as f:
+        f.seek(0)
+        raw, file_bytes = read_header_bytes(f, path)
+    return parse_header(raw, path=path, file_bytes=file_bytes)
+
+
+def close_shard(shard: Shard) -> None:
+    """Close the descriptor and the reader. Never ``mmap.close()``: ``torch.frombuffer`` keeps a
+    reference to the map but holds no buffer export, so closing would unmap pages live tensors
+    still point to; dropping our reference unmaps it once the last zero-copy tensor is gone."""
+    if shard.reader is not None:
+        shard.reader.close()
+        shard.reader = None
+    if shard.fd is not None:
+        os.close(shard.fd)
+        shard.fd = None
+    shard.mapped = None

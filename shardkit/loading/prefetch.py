@@ -1,0 +1,197 @@
+"""Keep reads in flight: one bounded pool of reader threads per checkpoint, and a read-ahead window.
+
+On a network or FUSE filesystem every read request costs a round trip, so speed is requests in
+flight × request size ÷ latency. :class:`ReadPool` runs range reads (a few MiB each) on a fixed
+number of threads, so one tensor's ranges, and the next tensors' (read ahead by
+:class:`ReadAhead` while the caller uses the current one), are all in flight at once. Each read
+lands straight in its destination tensor; the task holds the destination, so memory a worker
+writes into stays alive until it is done. ``close`` cancels what has not started and joins every
+thread with a bound.
+
+>>> pool = ReadPool(threads=16)                                     # doctest: +SKIP
+>>> wait_all(submit_reads(pool, reader, [job], keep=tensor, chunk_bytes=4 << 20)); pool.close()  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable
+
+from .readers import Reader, ReadJob, split_jobs
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("shardkit")
+
+CLOSE_TIMEOUT_S = 30.0           # close(): how long to wait for reads already running
+READ_AHEAD_BYTES = 256 << 20      # default read-ahead budget of a lazy checkpoint's mapping
+
+
+class ReadPool:
+    """``threads`` worker threads (started on first use) running submitted callables in order."""
+
+    def __init__(self, threads: int, *, name: str = "shardkit-read") -> None:
+        self.threads = threads
+        self._name = name
+        self._queue: queue.SimpleQueue[tuple[Future, Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn()`` on a worker; its future is cancelled if the pool closes before it starts."""
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("read pool is closed")
+            if len(self._workers) < self.threads:
+                worker = threading.Thread(target=self._work, name=f"{self._name}-{len(self._workers)}", daemon=True)
+                worker.start()
+                self._workers.append(worker)
+            self._queue.put((future, fn))
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn = item
+            if self._closed:
+                future.cancel()
+            if not future.set_running_or_notify_cancel():  # cancelled: wakes whoever waits on it
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # handed to whoever waits on the future
+                future.set_exception(e)
+
+    def close(self, *, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
+        """Cancel what has not started, wait (bounded) for running reads; True when every thread ended."""
+        with self._lock:
+            self._closed = True
+            workers, self._workers = self._workers, []
+        while True:  # drain: nothing queued will start
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+                item[0].set_running_or_notify_cancel()
+        for _ in workers:
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout_s
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        alive = [w.name for w in workers if w.is_alive()]
+        if alive:
+            log.warning("%d read threads still blocked in a read after %.0f s (%s); leaving them", len(alive),
+                        timeout_s, ", ".join(alive[:3]))
+        return not alive
+
+
+def wait_all(futures: list[Future]) -> None:
+    """Wait for every future; on the first failure cancel the rest, wait for those running, raise it."""
+    done, pending = wait(futures, return_when="FIRST_EXCEPTION")
+    failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception() is not None), None)
+    if failed is None:
+        return
+    for future in pending:
+        future.cancel()
+    wait(pending)
+    raise failed.exception()  # type: ignore[misc]
+
+
+def submit_reads(pool: ReadPool, reader: Reader, jobs: list[ReadJob], *, keep: Any, chunk_bytes: int) -> list[Future]:
+    """Each job cut into ``chunk_bytes`` ranges, all submitted at once; ``keep`` (the destination) lives
+    as long as any of them runs."""
+
+    return [pool.submit(partial(_read_chunk, reader, chunk, keep)) for chunk in split_jobs(jobs, chunk_bytes=chunk_bytes)]
+
+
+def _read_chunk(reader: Reader, chunk: ReadJob, keep: Any) -> None:
+    """The task holds ``keep`` (the destination) until it returns: the memory written stays alive."""
+    reader.read_one(chunk)
+
+
+@dataclass
+class Pending:
+    """A tensor read ahead: its destination and the reads filling it."""
+
+    tensor: "torch.Tensor"
+    futures: list[Future]
+    nbytes: int
+
+
+@dataclass
+class ReadAhead:
+    """The read-ahead window of a lazy mapping: tensors read ahead in iteration order, within a budget.
+
+    A read of the tensor that follows the last one read (in the mapping's iteration order), or of
+    one already read ahead, is sequential: the window then extends past it while the budget
+    (bytes of tensors read ahead and not yet taken) allows. A tensor read ahead is kept until it
+    is taken or the checkpoint closes, so no byte is read twice.
+    """
+
+    order: list[str]
+    budget_bytes: int
+    pending: dict[str, Pending] = field(default_factory=dict)
+    pending_bytes: int = 0
+    last: int = -1           # position of the last tensor read
+    scheduled: int = 0       # positions below this were considered for read-ahead
+    taken: set[str] = field(default_factory=set)  # read already: never read ahead again
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    _position: dict[str, int] | None = None
+
+    def position(self, name: str) -> int:
+        if self._position is None:
+            self._position = {n: i for i, n in enumerate(self.order)}
+        return self._position[name]
+
+    def take(self, name: str) -> tuple[Pending | None, bool]:
+        """The tensor read ahead for ``name`` (if any) and whether this read is sequential."""
+        with self.lock:
+            pos = self.position(name)
+            hit = self.pending.pop(name, None)
+            if hit is not None:
+                self.pending_bytes -= hit.nbytes
+            sequential = hit is not None or pos == self.last + 1
+            self.taken.add(name)
+            self.last = pos
+            if sequential:
+                self.scheduled = max(self.scheduled, pos + 1)
+            return hit, sequential
+
+    def extend(self, size_of: Callable[[str], int | None], start: Callable[[str, int], Pending]) -> int:
+        """Read ahead past the last sequential read while the budget allows; returns how many started.
+
+        ``size_of(name)``: the bytes to read ahead for ``name``, or None to pass over it
+        (memory-mapped, empty, unreadable: the caller meets that when it asks). ``start`` submits
+        the reads; both run under the window's lock, so a name is never read ahead twice.
+        """
+        started = 0
+        with self.lock:
+            while self.scheduled < len(self.order):
+                name = self.order[self.scheduled]
+                nbytes = None if name in self.pending or name in self.taken else size_of(name)
+                if nbytes is not None and self.pending_bytes + nbytes > self.budget_bytes:
+                    break
+                self.scheduled += 1
+                if nbytes is not None:
+                    self.pending[name] = start(name, nbytes)
+                    self.pending_bytes += nbytes
+                    started += 1
+        return started
+
+    def clear(self) -> list[Pending]:
+        """Everything read ahead, forgotten (on close)."""
+        with self.lock:
+            dropped = list(self.pending.values())
+            self.pending.clear()
+            self.pending_bytes = 0
+            return dropped

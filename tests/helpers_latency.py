@@ -1,0 +1,37 @@
+"""The latency mount (scripts/latency_mount.py) as a pytest fixture; skips with the reason where FUSE is missing."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
+
+from latency_mount import LatencyMount, fuse_unavailable  # noqa: E402
+
+__all__ = ["LatencyMount", "latency_mount", "mount_or_skip"]
+
+
+def mount_or_skip(tmp_path, **options) -> LatencyMount:
+    """A started latency mount of ``tmp_path/src`` at ``tmp_path/mnt`` (stop it), or a skip saying why not."""
+    reason = fuse_unavailable()
+    if reason:
+        pytest.skip(reason)
+    src, mnt = tmp_path / "src", tmp_path / "mnt"
+    src.mkdir(exist_ok=True)
+    try:
+        return LatencyMount(src, mnt, **options).start()
+    except RuntimeError as e:  # e.g. fusermount refused in an unprivileged container
+        pytest.skip(str(e))
+
+
+@pytest.fixture
+def latency_mount(tmp_path):
+    """A 2 ms latency mount over ``tmp_path/src`` (page-cache mode), unmounted afterwards."""
+    mount = mount_or_skip(tmp_path, latency_ms=2)
+    try:
+        yield mount
+    finally:
+        mount.stop()
