@@ -185,3 +185,31 @@ def test_fit_on_a_file_says_it_needs_a_folder(run_cli, tmp_path) -> None:
     result = run_cli("fit", tmp_path / "x.safetensors", "--gpu", "1GB")
     assert result.exit_code == 2 and "is a file; fit reads a pipeline or component folder" in result.stderr
     assert "no such" not in result.stderr
+
+
+def test_a_model_class_that_cannot_be_built_is_a_note_not_a_silent_guess(folder, tmp_path) -> None:
+    """A class the library lacks (a newer diffusers, a custom pipeline): planned from the headers, and said so."""
+    pipe = tmp_path / "pipe"
+    shutil.copytree(folder, pipe)
+    index = json.loads((pipe / "model_index.json").read_text())
+    index["unet"] = ["diffusers", "UNetFromTheFuture"]
+    (pipe / "model_index.json").write_text(json.dumps(index))
+    code, out, err = run("fit", pipe, "--gpu", "10GB", "--json")
+    assert code == 0, err
+    notes = [n for c in json.loads(out)["components"] for n in c["notes"] if "model not built" in n]
+    assert len(notes) == 1 and "UNetFromTheFuture" in notes[0] and "headers alone" in notes[0], notes
+    code, out, err = run("fit", pipe, "--gpu", "10GB")
+    assert code == 0 and "note: unet: model not built (" in out, out
+
+
+def test_a_bug_while_building_the_model_is_not_swallowed(folder, monkeypatch) -> None:
+    """Only the expected failures (missing class or package, a refused config) become a note."""
+    from shardkit.fitting.autofit import fit
+    from shardkit.loading import skeleton
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(skeleton, "build_skeleton", broken)
+    with pytest.raises(ZeroDivisionError):
+        fit(folder, gpu=["10GB"])

@@ -11,6 +11,7 @@ the profiles built here.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
 from dataclasses import dataclass, field, replace
@@ -33,6 +34,8 @@ from .weights import (
 
 _ROLE_BY_NAME = (("unet", "denoiser"), ("transformer", "denoiser"), ("prior", "denoiser"),
                  ("vae", "vae"), ("text_encoder", "text_encoder"))
+
+logger = logging.getLogger("shardkit")
 
 
 @dataclass(frozen=True)
@@ -216,22 +219,33 @@ def _profile_one(name: str, folder: str, library: str, class_name: str | None, r
     tensors, stored = header_tensors(folder)
     code = normalize_dtype(dtype) if dtype else (stored or "F32")
     ctx = Context(workload, DTYPE_BITS[code] // 8, vae_scale=vae_scale, cfg=cfg)
-    skeleton = _skeleton(library, class_name, folder) if role in ("denoiser", "vae") else None
+    skeleton, why_not = _skeleton(library, class_name, folder) if role in ("denoiser", "vae") else (None, None)
     # A pipeline computes in one dtype: every float is priced at it, whatever the file stores.
-    return profile_component(name, role, tensors=tensors, config=config, ctx=ctx, skeleton=skeleton,
-                             load_bytes=ctx.dtype_bytes)
+    profile = profile_component(name, role, tensors=tensors, config=config, ctx=ctx, skeleton=skeleton,
+                                load_bytes=ctx.dtype_bytes)
+    if why_not is None:
+        return profile
+    return replace(profile, notes=(*profile.notes, f"model not built ({why_not}): planned from the "
+                                                                "weights' headers alone, without its memory switches"))
 
 
-def _skeleton(library: str, class_name: str | None, folder: str) -> Any:
-    """The component's meta skeleton, or None when its class cannot be built here (sizes still work)."""
+def _skeleton(library: str, class_name: str | None, folder: str) -> tuple[Any, str | None]:
+    """The component's meta skeleton, or None and why when its class cannot be built here (sizes still work).
+
+    Only the expected failures are turned into a note: a class or package that is not installed
+    (``ImportError``), a class or config the library refuses (``InvalidInputError``). Anything
+    else is a bug and propagates.
+    """
     if not class_name or library not in ("diffusers", "transformers"):
-        return None
+        return None, None
     from ..loading.skeleton import build_skeleton
 
     try:
-        return build_skeleton(f"{library}:{class_name}", config=folder)
-    except Exception:  # an exotic class: plan from headers alone, without its switches
-        return None
+        return build_skeleton(f"{library}:{class_name}", config=folder), None
+    except (ImportError, InvalidInputError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        logger.debug("%s: no %s:%s skeleton: %s", folder, library, class_name, reason)
+        return None, reason
 
 
 def profile_module(module: Any, workload: Workload, *, name: str = "model", role: str | None = None,
