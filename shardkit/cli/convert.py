@@ -23,6 +23,8 @@ Examples:
   shardkit convert hf://org/old-model out/ --max-shard-size 5GB            # a Hub repo, via the HF cache
   shardkit convert hf://org/model out/ --include 'text_model.*' --no-cache  # streamed, only what is kept
   shardkit convert hf://org/sd/v1-5.safetensors unet/ --to diffusers --config sd15-pipeline/
+  shardkit convert sdxl-pipeline/ sdxl.safetensors --to single-file --component all   # for ComfyUI/A1111
+  shardkit convert flux-dev/transformer flux1-dev.safetensors --to single-file --dtype bf16
 
 \b
 SOURCE kinds: .safetensors file, index or folder; .bin/.pt/.pth/.ckpt pickle (loaded with
@@ -54,6 +56,14 @@ writes the whole pipeline (CLIP/T5 text encoders converted by diffusers too, tok
 schedulers copied from --config). The key options do not apply; --key picks a pickle's state dict.
 
 \b
+--to single-file is the way back: SOURCE is a diffusers model folder (UNet, VAE, SD3 or Flux.1
+transformer) or a pipeline folder (--component NAME, or all: SD 1.x/2.x/SDXL UNet + VAE + text
+encoders in one checkpoint, model.diffusion_model.* / first_stage_model.* / cond_stage_model.* or
+conditioner.embedders.N.*), written in the original layout with diffusers' own mapping run
+backwards (Flux q/k/v and linear1 fused back). --variant picks the source's weight variant; OUTPUT
+is a .safetensors file (or a folder for shards with an index). Other model types are refused.
+
+\b
 Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers of 2.
 """
 
@@ -70,14 +80,15 @@ Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="Drop tensors whose name (as stored in SOURCE) matches (repeatable).")
 @click.option("--rename", multiple=True, metavar="OLD=NEW", help="Replace a leading OLD with NEW (repeatable).")
-@click.option("--to", "to", type=click.Choice(["diffusers"]),
-              help="Convert a single-file SD/SDXL/SD3/Flux checkpoint into a diffusers model folder.")
+@click.option("--to", "to", type=click.Choice(["diffusers", "single-file"]),
+              help="diffusers: a single-file SD/SDXL/SD3/Flux checkpoint → a diffusers model folder; single-file: "
+                   "the reverse (a diffusers model or pipeline folder → one original-layout checkpoint).")
 @click.option("--config", "config", type=click.Path(path_type=str), metavar="PATH",
               help="With --to diffusers: a config.json, a model folder or a pipeline folder, local or hf:// "
                    "(required).")
 @click.option("--component", metavar="NAME",
-              help="With --to diffusers and a pipeline --config: the component to write (default: unet/transformer; "
-                   "'all': the whole pipeline).")
+              help="With --to diffusers and a pipeline --config, or --to single-file and a pipeline SOURCE: the "
+                   "component to write (default: unet/transformer; 'all': the whole pipeline).")
 @shard_options("name", "variant", "overwrite", "manifest", "dry-run", "json", "quiet")
 @no_cache_option
 @hub_token_option

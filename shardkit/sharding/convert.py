@@ -64,12 +64,15 @@ def convert(source: Any, output: str | os.PathLike[str], *, max_shard_size: str 
         add_prefix: prepended last.
         to: ``"diffusers"`` converts a single-file SD/SDXL/SD3/Flux... checkpoint into a diffusers
             model folder with diffusers' own key mapping (see :mod:`shardkit.sharding.to_diffusers`);
-            the key options do not apply then.
+            the key options do not apply then. ``"single-file"`` does the reverse: a diffusers model or
+            pipeline folder (``component="all"``) → one checkpoint in the original layout (LDM/SGM for
+            SD 1.x/2.x/XL, SAI for SD3, BFL for Flux; see :mod:`shardkit.sharding.to_single_file`).
         config: with ``to="diffusers"``, the local diffusers config (a ``config.json``, a model
             folder, or a pipeline folder); required, since nothing is downloaded.
         component: with a pipeline folder as ``config``, the component to write (default: its
             ``unet`` or ``transformer``); ``"all"`` writes a whole pipeline folder (text encoders
-            included, tokenizers and schedulers copied from ``config``).
+            included, tokenizers and schedulers copied from ``config``). With ``to="single-file"``
+            and a pipeline folder as ``source``: the component to export, ``"all"`` for every one.
         dtype, allow_lossy, name, variant, overwrite, dry_run, metadata, manifest, progress, quantize: see
             :class:`~shardkit.sharding.options.WriteOptions` (fp8 sources with scales: as for ``split``).
 
@@ -116,6 +119,11 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
     wrapped, (source, wrap_source) = source, unwrap_path(source)
     output = os.fspath(output)
     keymap = keymap or KeyMap()
+    if to == "single-file":
+        from .to_single_file import convert_to_single_file
+
+        return convert_to_single_file(wrapped, output, options=options, component=component, config=config, key=key,
+                                      keymap_is_identity=keymap.is_identity())
     if to is not None or config is not None or component is not None:
         if wrap_source is not None:
             raise InvalidInputError(f"{source}: --to diffusers maps the checkpoint file into memory; it cannot "
