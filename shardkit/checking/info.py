@@ -60,10 +60,14 @@ class CheckpointInfo:
         format: ``"safetensors"``, ``"safetensors-sharded"``, ``"pickle"``, ``"pickle-sharded"``,
             ``"dcp"`` or ``"diffusers-pipeline"``.
         tensor_count: the number of tensors.
-        parameter_count: the number of elements over all tensors.
+        parameter_count: the number of elements over all tensors but fp8 scales, input scales and markers.
         total_bytes: tensor bytes as stored.
         bytes_by_dtype: stored bytes per dtype code, largest first.
-        memory_bytes: bytes if floating-point tensors were cast to ``fp32``, ``bf16`` or ``fp8``.
+        memory_bytes: bytes if floating-point tensors were cast to ``fp32``, ``bf16`` or ``fp8``; for fp8
+            weights with scales, ``fp32``/``bf16`` are the dequantized sizes and ``fp8`` counts the scales.
+        quantization: for fp8 weights with scales, the layout
+            (:meth:`~shardkit.formats.quant.QuantLayout.to_dict`: ``description`` such as "fp8, 128×128
+            blocks, float32 scales (transformers FineGrainedFP8)"), or ``{"error": ...}`` when inconsistent.
         shards: one :class:`ShardInfo` per weight file.
         largest: the :data:`LARGEST_COUNT` largest tensors.
         components: for a pipeline, one :class:`CheckpointInfo` per weight-bearing component.
@@ -90,6 +94,7 @@ class CheckpointInfo:
     library: str | None = None       # pipeline components: "diffusers", "transformers", ...
     class_name: str | None = None
     shared_bytes: int | None = None  # copy-on-write clones (FIEMAP shared flag); None: not reported
+    quantization: dict[str, Any] | None = None  # fp8 with scales: the layout (formats/quant.py)
 
     def to_dict(self) -> dict[str, Any]:
         """Every field as plain JSON-ready data."""
@@ -158,8 +163,23 @@ def _checkpoint_info(path: str) -> CheckpointInfo:
         result.shards = [ShardInfo(os.path.basename(target), len(entries), sum(e.nbytes for e in entries),
                                    _disk_bytes(target), _shared_bytes(target))]
     result.shared_bytes = _sum_known([s.shared_bytes for s in result.shards])
-    _summarize(result, [("", e) for e in entries])
+    result.quantization, scales = _quantization(target, entries, metadata)
+    _summarize(result, [("", e) for e in entries], scales=scales)
     return result
+
+
+def _quantization(target: str, entries: list[TensorEntry], metadata: dict[str, str]
+                  ) -> tuple[dict[str, Any] | None, frozenset[str]]:
+    """The fp8-with-scales layout (or the reason it is unusable) and its scale/marker tensors."""
+    from ..errors import InvalidInputError
+    from ..formats.quant import find_layout, read_config
+
+    folder = target if os.path.isdir(target) else os.path.dirname(os.path.abspath(target))
+    try:
+        layout = find_layout(entries, config=read_config(folder), metadata=metadata, where=target)
+    except InvalidInputError as e:  # info describes a broken checkpoint; split/convert refuse it
+        return {"error": str(e)}, frozenset()
+    return (layout.to_dict(), layout.extra) if layout is not None else (None, frozenset())
 
 
 def _format_name(target: str, headers: object, index_name: str | None) -> str:
@@ -235,17 +255,22 @@ def _pipeline_info(path: str) -> CheckpointInfo:
     return result
 
 
-def _summarize(result: CheckpointInfo, tagged: list[tuple[str, TensorEntry]]) -> None:
+def _summarize(result: CheckpointInfo, tagged: list[tuple[str, TensorEntry]],
+               scales: frozenset[str] = frozenset()) -> None:
     result.memory_bytes = {k: 0 for k in MEMORY_TARGETS}
     for _, entry in tagged:
         numel = math.prod(entry.shape)
         result.tensor_count += 1
-        result.parameter_count += numel
+        if entry.name in scales:  # not parameters: gone once dequantized, kept beside fp8 weights
+            result.memory_bytes["fp8"] += entry.nbytes
+        else:
+            result.parameter_count += numel
         result.total_bytes += entry.nbytes
         result.bytes_by_dtype[entry.dtype] = result.bytes_by_dtype.get(entry.dtype, 0) + entry.nbytes
         result.tensors_by_dtype[entry.dtype] = result.tensors_by_dtype.get(entry.dtype, 0) + 1
         for target, bits in MEMORY_TARGETS.items():
-            result.memory_bytes[target] += (numel * bits + 7) // 8 if entry.dtype in FLOAT_DTYPES else entry.nbytes
+            if entry.name not in scales:
+                result.memory_bytes[target] += (numel * bits + 7) // 8 if entry.dtype in FLOAT_DTYPES else entry.nbytes
     result.bytes_by_dtype = dict(sorted(result.bytes_by_dtype.items(), key=lambda kv: -kv[1]))
     result.largest = _largest(tagged)
 

@@ -21,6 +21,9 @@ Examples:
 Reads headers only (safetensors) or maps the pickle with torch.load(weights_only=True,
 mmap=True): no tensor data is read, so it is fast on 100 GB checkpoints.
 Memory columns: floating-point tensors recast to fp32 / bf16 / fp8, others as stored.
+fp8 checkpoints with scales (transformers FineGrainedFP8, compressed-tensors, ComfyUI scaled
+fp8) are named on a "quantized" line; their scales are not counted as parameters, and the
+fp32 / bf16 columns are the dequantized sizes.
 "shared extents": bytes the filesystem shares with other files (copy-on-write clones on
 XFS/btrfs, e.g. after a split), shown where it tells (FIEMAP); ext4 always says none.
 Sizes are decimal (1 GB = 10^9 bytes).
@@ -61,6 +64,8 @@ def print_checkpoint(s: Any, *, title: str | None = None) -> None:
     if s.class_name:
         rows.append(("class", f"{s.library} {s.class_name}"))
     rows += _totals_rows(s)
+    if s.quantization:
+        rows.append(("quantized", s.quantization.get("description") or f"unusable: {s.quantization.get('error')}"))
     if s.shared_bytes is not None:
         rows.append(("shared extents", _shared_text(s.shared_bytes, sum(sh.file_bytes for sh in s.shards))))
     if s.metadata:

@@ -13,15 +13,17 @@ transformers' ``Fp8Quantize`` computes it. All functions take and return one ban
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
+from ..errors import InvalidInputError
 from .dtypes import to_torch
-from .quant import ScaledWeight
+from .header import TensorEntry
+from .quant import QuantLayout, ScaledWeight, find_layout, matrix_shape
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["E4M3_MAX", "band_rows", "dequantize_band", "quantize_band", "scale_to_float32", "tensor_from_bytes"]
+__all__ = ["E4M3_MAX", "band_rows", "dequantize_band", "dequantize_state_dict", "refuse_disagreeing", "quantize_band", "scale_to_float32", "tensor_from_bytes"]
 
 E4M3_MAX = 448.0
 BAND_BYTES = 16 * 2**20  # float32 bytes of one band of rows (bounds memory whatever the tensor's size)
@@ -117,3 +119,45 @@ def _scales(absmax: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
                        torch.ones_like(absmax))
     return (1.0 / mult).to(torch.float32), mult
 
+
+
+def refuse_disagreeing(fused: Mapping[str, "torch.Tensor"], *, where: str) -> None:
+    """Several per-tensor scales on one fused weight (qkv) are usable only when they agree.
+
+    Args:
+        fused: scale name → its values (float32), for the weights of ``"fused"`` granularity.
+    """
+    disagree = [f"{name} {[round(float(v), 6) for v in values.reshape(-1)[:4]]}" for name, values in fused.items()
+                if not bool((values == values.reshape(-1)[0]).all())]
+    if disagree:
+        raise InvalidInputError(f"{where}: fused per-tensor scales disagree ({'; '.join(disagree[:3])}): which rows each "
+                                "one scales is not recorded, so the weights cannot be dequantized; nothing was written")
+
+
+def dequantize_state_dict(tensors: Mapping[str, "torch.Tensor"], *, out_dtype: "torch.dtype",
+                          metadata: Mapping[str, str] | None = None,
+                          where: str = "checkpoint") -> tuple[dict[str, "torch.Tensor"], QuantLayout | None]:
+    """An in-memory state dict with its scaled weights dequantized and its scales and markers dropped.
+
+    For the callers that need whole tensors (diffusers' single-file key mapping): each scaled weight
+    becomes a new ``out_dtype`` tensor; every other tensor is passed through as is (still mapped).
+    Without scale tensors, ``tensors`` is returned unchanged with a None layout.
+
+    Raises:
+        InvalidInputError: as :func:`~shardkit.formats.quant.find_layout`, or fused scales that disagree.
+    """
+    from .dtypes import from_torch
+
+    entries = [TensorEntry(n, from_torch(t.dtype), tuple(t.shape), t.numel() * t.element_size())
+               for n, t in tensors.items()]
+    layout = find_layout(entries, metadata=metadata, where=where)
+    if layout is None:
+        return dict(tensors), None
+    out = {n: t for n, t in tensors.items() if n not in layout.extra}
+    refuse_disagreeing({w.scale: scale_to_float32(tensors[w.scale]) for w in layout.weights if w.granularity == "fused"},
+                       where=where)
+    for weight in layout.weights:
+        stored, scale = tensors[weight.weight], scale_to_float32(tensors[weight.scale])
+        flat = stored.reshape(matrix_shape(tuple(stored.shape)))
+        out[weight.weight] = dequantize_band(flat, scale, weight, 0, out_dtype).reshape(stored.shape)
+    return out, layout

@@ -40,6 +40,7 @@ FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
 DEFAULT_BLOCK = (128, 128)
 QUANTIZE_SCHEMES = ("fp8-block", "fp8-channel", "fp8-tensor")
 SHOWN = 3
+MAX_FUSED = 4  # per-tensor scales of one fused layer: qkv (3), gate_up (2)
 
 # Modules kept in their dtype by ``--quantize``: diffusers' layerwise-casting defaults
 # (``DEFAULT_SKIP_MODULES_PATTERN``), the modulation/embedding patterns of
@@ -228,7 +229,7 @@ def _granularity(weight: TensorEntry, scale: TensorEntry,
             return "block", (block[0], block[1])
         if rows % s_rows == 0 and cols % s_cols == 0:
             return "block", (rows // s_rows, cols // s_cols)
-    if len(scale.shape) == 1 and 1 < numel < rows:
+    if len(scale.shape) == 1 and 1 < numel <= MAX_FUSED < rows:  # q/k/v or gate/up scales side by side
         return "fused", (rows, cols)
     return None
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..errors import InvalidInputError
 from ..formats.quant import find_layout, read_config
@@ -29,9 +29,9 @@ from ..sources import Source
 from ..sources.dequantized import DequantizedSource
 from ..sources.quantized import QuantizedSource
 from ..units import LOSSLESS_TARGETS
-from .options import WriteOptions
+from .options import WriteOptions, warn
 
-__all__ = ["config_edits", "quant_report", "quant_view"]
+__all__ = ["config_edits", "dequantized_for_mapping", "quant_report", "quant_view"]
 
 
 def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset[str]]:
@@ -100,3 +100,25 @@ def config_edits(output: str, jobs: Sequence[tuple[str, Source]], side_files: Se
         if config is not None:
             edits[name] = (json.dumps(src.edit_config(config), indent=2) + "\n").encode()
     return edits
+
+
+def dequantized_for_mapping(tensors: Mapping[str, Any], *, options: WriteOptions, where: str) -> dict[str, Any]:
+    """``--to diffusers``: a scaled checkpoint's weights × scales *before* diffusers' key mapping, which
+    would drop the scales and keep the raw fp8 values. In ``options.cast_to``, bf16 when none is given.
+
+    Raises:
+        InvalidInputError: an fp8 ``dtype`` for a scaled checkpoint, or an inconsistent one.
+    """
+    from ..formats.dtypes import to_torch
+    from ..formats.fp8 import dequantize_state_dict
+
+    out_code = options.cast_to or "BF16"
+    if out_code not in LOSSLESS_TARGETS:
+        out_code = ""  # refused below, once it is known that the checkpoint holds scales
+    converted, layout = dequantize_state_dict(tensors, out_dtype=to_torch(out_code or "BF16"), where=where)
+    if layout is not None and not out_code:
+        raise InvalidInputError(f"{where}: --dtype {options.dtype} of a checkpoint in {layout.describe()}: diffusers "
+                                "models hold plain weights; give --dtype bf16, fp16 or fp32")
+    if layout is not None and options.cast_to is None:
+        warn(f"{where}: {layout.describe()}: weights × scales written as bf16 (choose with --dtype)")
+    return converted

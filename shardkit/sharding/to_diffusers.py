@@ -28,6 +28,7 @@ from ..formats.index import DIFFUSERS_PREFIX, Naming
 from ..sources.file_backed import file_backed_source, load_file_backed
 from .job import SplitResult, split_source
 from .options import WriteOptions, warn
+from .quant import dequantized_for_mapping
 
 __all__ = ["DiffusersTarget", "convert_checkpoint", "convert_to_diffusers", "find_target", "has_single_file_mapping"]
 
@@ -136,7 +137,7 @@ def convert_to_diffusers(source: str | os.PathLike[str], output: str, *, options
     """
     path = os.fspath(source)
     backing = load_file_backed(path, key=key)
-    checkpoint = backing.tensors
+    checkpoint = dequantized_for_mapping(backing.tensors, options=options, where=path)  # fp8 scales applied first
     if config is None:
         raise missing_config_error(path, checkpoint)
     target = find_target(config, component=component)

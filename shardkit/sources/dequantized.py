@@ -19,8 +19,6 @@ from .base import Source
 
 __all__ = ["DequantizedSource", "read_rows", "read_whole"]
 
-SHOWN = 3
-
 
 def read_whole(source: Source, entry: TensorEntry) -> Any:
     """``entry``'s whole tensor in its stored dtype (for small tensors: scales)."""
@@ -61,16 +59,10 @@ class DequantizedSource(Source):
 
     def _check_fused(self) -> None:
         """Several per-tensor scales on one (fused) weight are usable only when they agree."""
-        disagree = []
-        for w in self.layout.weights:
-            if w.granularity == "fused":
-                values = read_whole(self.inner, self._by_name[w.scale]).float().reshape(-1)
-                if not bool((values == values[0]).all()):
-                    disagree.append(f"{w.scale} {[round(float(v), 6) for v in values[:4]]}")
-        if disagree:
-            raise InvalidInputError(
-                f"{self.description}: fused per-tensor scales disagree ({'; '.join(disagree[:SHOWN])}): which rows "
-                "each one scales is not recorded, so the weights cannot be dequantized; nothing was written")
+        from ..formats.fp8 import refuse_disagreeing, scale_to_float32
+
+        refuse_disagreeing({w.scale: scale_to_float32(read_whole(self.inner, self._by_name[w.scale]))
+                            for w in self.layout.weights if w.granularity == "fused"}, where=self.description)
 
     def entries(self) -> list[TensorEntry]:
         return list(self._entries)
