@@ -7,7 +7,6 @@ import os
 import resource
 import signal
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -350,7 +349,7 @@ def test_disk_full_during_in_place_reshard_keeps_the_old_checkpoint(run_shardkit
 
 
 def _start_and_kill_mid_write(args: list[object], staging_parent: Path, sig: int,
-                              tmp_marker: str) -> subprocess.Popen:
+                              tmp_marker: str, *, signals: Path) -> subprocess.Popen:
     """Start the CLI, let it stop at its first write into a shard, check that a partly written
     temporary shard is on disk, then send ``sig``.
 
@@ -361,25 +360,25 @@ def _start_and_kill_mid_write(args: list[object], staging_parent: Path, sig: int
     default in the child: a test run started in the background (``&`` in a script) ignores
     SIGINT, the child would inherit that, and Python then installs no KeyboardInterrupt handler.
     """
-    with tempfile.TemporaryDirectory() as signals:
-        go = Path(signals) / "go"
-        env = {**os.environ, "SHARDKIT_FAULT_WAIT_AT": "write", "SHARDKIT_FAULT_WAIT_FILE": str(go)}
-        proc = subprocess.Popen([SHARDKIT_BIN, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        try:
-            deadline = time.monotonic() + 120
-            while not any(Path(signals).glob("go.ready.*")):
-                assert proc.poll() is None, f"the process ended before its first write: {proc.communicate()}"
-                assert time.monotonic() < deadline, "the process never reached its first write"
-                time.sleep(0.01)
-            writing = [p for p in staging_parent.rglob("*.safetensors") if tmp_marker in str(p) and p.stat().st_size]
-            assert writing, "paused at a write, but no partly written temporary shard is on disk"
-            proc.send_signal(sig)
-            proc.wait(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    signals.mkdir()  # the pause's signal files: in the test's own folder, outside the staging area
+    go = signals / "go"
+    env = {**os.environ, "SHARDKIT_FAULT_WAIT_AT": "write", "SHARDKIT_FAULT_WAIT_FILE": str(go)}
+    proc = subprocess.Popen([SHARDKIT_BIN, *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.monotonic() + 120
+        while not any(signals.glob("go.ready.*")):
+            assert proc.poll() is None, f"the process ended before its first write: {proc.communicate()}"
+            assert time.monotonic() < deadline, "the process never reached its first write"
+            time.sleep(0.01)
+        writing = [p for p in staging_parent.rglob("*.safetensors") if tmp_marker in str(p) and p.stat().st_size]
+        assert writing, "paused at a write, but no partly written temporary shard is on disk"
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     return proc
 
 
@@ -387,7 +386,7 @@ def test_sigkill_mid_write_publishes_nothing_and_next_run_cleans_up(tmp_path: Pa
     src = _sparse_source(tmp_path / "src.safetensors", 6, 12 * 2**20)  # 72 MB
     out = tmp_path / "out"
     args = ["split", src, out, "--max-shard-size", "20MB", "--dtype", "bf16", "-q"]
-    proc = _start_and_kill_mid_write(args, tmp_path, signal.SIGKILL, ".out.shardkit-tmp-")
+    proc = _start_and_kill_mid_write(args, tmp_path, signal.SIGKILL, ".out.shardkit-tmp-", signals=tmp_path / "signals")
     assert proc.returncode == -signal.SIGKILL, "the process finished before it could be killed"
     assert not out.exists()
     assert any(".shardkit-tmp-" in name for name in os.listdir(tmp_path)), "staging of the killed run"
@@ -403,7 +402,7 @@ def test_sigkill_during_in_place_reshard_keeps_the_old_checkpoint(tmp_path: Path
     subprocess.run([SHARDKIT_BIN, "split", src, ckpt, "--max-shard-size", "30MB", "-q"], check=True)
     before = snapshot(ckpt)
     args = ["split", ckpt, ckpt, "--max-shard-size", "20MB", "--dtype", "bf16", "--overwrite", "-q"]
-    proc = _start_and_kill_mid_write(args, ckpt, signal.SIGKILL, ".shardkit-tmp-")
+    proc = _start_and_kill_mid_write(args, ckpt, signal.SIGKILL, ".shardkit-tmp-", signals=tmp_path / "signals")
     assert proc.returncode == -signal.SIGKILL
     assert {k: v for k, v in snapshot(ckpt).items() if ".shardkit-" not in k} == before
     import shardkit
@@ -416,7 +415,7 @@ def test_ctrl_c_mid_write_exits_130_and_leaves_nothing(tmp_path: Path) -> None:
     src = _sparse_source(tmp_path / "src.safetensors", 6, 12 * 2**20)
     out = tmp_path / "out"
     args = ["split", src, out, "--max-shard-size", "20MB", "--dtype", "bf16", "-q"]
-    proc = _start_and_kill_mid_write(args, tmp_path, signal.SIGINT, ".out.shardkit-tmp-")
+    proc = _start_and_kill_mid_write(args, tmp_path, signal.SIGINT, ".out.shardkit-tmp-", signals=tmp_path / "signals")
     assert proc.returncode == 130, proc.stderr.read()
     assert "interrupted" in proc.stderr.read()
     assert not out.exists()

@@ -16,8 +16,7 @@ from conftest import assert_bit_equal, assert_one_line_error, leftovers
 
 import shardkit
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("diffusers")
+import torch  # noqa: E402  (hard dependencies: a broken install must fail, not skip)
 
 # SD 1.x layout (4 blocks, 2 layers each, attention in the first three), shrunk.
 SD_LIKE_UNET = {

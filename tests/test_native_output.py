@@ -11,7 +11,7 @@ import pytest
 import shardkit
 from conftest import TINY_UNET_CONFIG, assert_bit_equal, realign, tiny_unet, unet_forward
 
-torch = pytest.importorskip("torch")
+import torch  # noqa: E402  (a hard dependency: a broken install must fail, not skip)
 
 
 def _tiny_gpt2(*, tie: bool = True) -> Any:

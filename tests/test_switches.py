@@ -49,15 +49,26 @@ def test_refusals_leave_the_pipeline_unchanged(pipe) -> None:
         normalize_switches(["warp_speed"])
 
 
-def test_tf32_and_xformers_need_cuda_or_the_package(pipe) -> None:
-    import importlib.util
-
+def _has_cuda() -> bool:
     import torch
 
-    if not torch.cuda.is_available():
-        assert "Ampere" in unsupported_reason(pipe, "tf32")
-    if importlib.util.find_spec("xformers") is None:
-        assert "not installed" in unsupported_reason(pipe, "attention_backend", "xformers")
+    return torch.cuda.is_available()
+
+
+def _has_xformers() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("xformers") is not None
+
+
+@pytest.mark.skipif(_has_cuda(), reason="CUDA is available: tf32 is supported here, nothing to refuse")
+def test_tf32_needs_cuda(pipe) -> None:
+    assert "Ampere" in unsupported_reason(pipe, "tf32")
+
+
+@pytest.mark.skipif(_has_xformers(), reason="xformers is installed: the backend is supported here, nothing to refuse")
+def test_xformers_needs_the_package(pipe) -> None:
+    assert "not installed" in unsupported_reason(pipe, "attention_backend", "xformers")
 
 
 def test_outputs_match_with_exact_switches(tmp_path: Path) -> None:
