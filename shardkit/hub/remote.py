@@ -107,7 +107,9 @@ def parse_spec(text: str) -> RemoteSpec:
     holding another ``/`` is written with ``%2F``.
 
     >>> parse_spec("hf://black-forest-labs/FLUX.1-dev@main/transformer")
-    RemoteSpec(repo_id='black-forest-labs/FLUX.1-dev', revision='main', subfolder='transformer')
+    RemoteSpec(repo_id='black-forest-labs/FLUX.1-dev', revision='main', subfolder='transformer', repo_type='model')
+    >>> parse_spec("hf://datasets/org/ckpts/run-1").repo_type
+    'dataset'
     """
     from urllib.parse import unquote
 
