@@ -86,12 +86,14 @@ def _band_scale(scale: "torch.Tensor", weight: ScaledWeight, row0: int, shape: "
 
 
 def quantize_band(w: "torch.Tensor", granularity: str, *, block: tuple[int, int] = (128, 128),
-                  absmax: "torch.Tensor | None" = None) -> tuple["torch.Tensor", "torch.Tensor"]:
-    """(``q`` as e4m3fn, scale as float32) of a band of rows ``w`` (2-D float32).
+                  absmax: "torch.Tensor | None" = None,
+                  scale_dtype: "torch.dtype | None" = None) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """(``q`` as e4m3fn, scale in ``scale_dtype``, float32 by default) of a band of rows ``w`` (2-D float32).
 
     ``granularity``: ``"block"`` (the band's rows a multiple of ``block[0]``, columns of ``block[1]``),
     ``"channel"`` (one scale per row), or ``"tensor"`` with the whole tensor's ``absmax`` given.
-    The scale's shape: blocks ``(rows/b0, cols/b1)``, channel ``(rows, 1)``, tensor ``(1,)``.
+    The scale's shape: blocks ``(rows/b0, cols/b1)``, channel ``(rows, 1)``, tensor ``(1,)``. ``q`` is
+    computed with the scale as stored (rounded to ``scale_dtype``), so q × scale is what was meant.
     """
     import torch
 
@@ -99,26 +101,26 @@ def quantize_band(w: "torch.Tensor", granularity: str, *, block: tuple[int, int]
     if granularity == "block":
         b0, b1 = block
         tiles = w.reshape(rows // b0, b0, cols // b1, b1)
-        inv, mult = _scales(tiles.abs().amax(dim=(1, 3)))
-        q = (tiles * mult[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(rows, cols)
-        return q, inv
-    if granularity == "channel":
-        inv, mult = _scales(w.abs().amax(dim=1, keepdim=True))
+        scale = _scale(tiles.abs().amax(dim=(1, 3)), scale_dtype)
+        q = tiles / scale.to(torch.float32)[:, None, :, None]
+    elif granularity == "channel":
+        scale = _scale(w.abs().amax(dim=1, keepdim=True), scale_dtype)
+        q = w / scale.to(torch.float32)
     else:
-        inv, mult = _scales((absmax if absmax is not None else w.abs().amax()).reshape(1))
-    return (w * mult.reshape(-1, 1) if granularity == "channel" else w * mult).clamp(
-        -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), inv
+        scale = _scale((absmax if absmax is not None else w.abs().amax()).reshape(1), scale_dtype)
+        q = w / scale.to(torch.float32)
+    return q.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(rows, cols), scale
 
 
-def _scales(absmax: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
-    """(stored scale, multiplier) from absmax: the multiplier maps absmax to 448; all-zero blocks get 1."""
+def _scale(absmax: "torch.Tensor", dtype: "torch.dtype | None") -> "torch.Tensor":
+    """The stored scale of an absmax: ``1 / (448 / absmax)`` as transformers' Fp8Quantize computes it (1 for an
+    all-zero block), rounded to ``dtype``."""
     import torch
 
     absmax = absmax.to(torch.float32)
     mult = torch.where(absmax > 0, E4M3_MAX / torch.where(absmax > 0, absmax, torch.ones_like(absmax)),
                        torch.ones_like(absmax))
-    return (1.0 / mult).to(torch.float32), mult
-
+    return (1.0 / mult).to(dtype or torch.float32)
 
 
 def refuse_disagreeing(fused: Mapping[str, "torch.Tensor"], *, where: str) -> None:

@@ -46,8 +46,7 @@ def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset
         if options.quantize is None:
             return src, frozenset()
         view = QuantizedSource(src, options.quantize)
-        return view, frozenset(e.name for e in view.entries() if e.dtype == "F32" and e.name.endswith(
-            (".weight_scale", ".weight_scale_inv")))
+        return view, view.scale_names()
     if options.quantize is not None:
         raise InvalidInputError(f"{src.description}: already quantized ({layout.describe()}); --quantize applies to a "
                                 "plain checkpoint: dequantize it first (--dtype bf16), or copy it as is")

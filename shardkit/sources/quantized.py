@@ -50,12 +50,13 @@ class _Recipe:
     granularity: str
     scale_suffix: str
     config: Callable[[list[str], str], dict[str, Any]]
+    scale_like_weight: bool  # scales in the weight's bf16/fp16 (what compressed-tensors loads them as), else float32
 
 
 RECIPES = {
-    "fp8-block": _Recipe("block", ".weight_scale_inv", _finegrained_config),
-    "fp8-channel": _Recipe("channel", ".weight_scale", _compressed_config),
-    "fp8-tensor": _Recipe("tensor", ".weight_scale", _compressed_config),
+    "fp8-block": _Recipe("block", ".weight_scale_inv", _finegrained_config, False),
+    "fp8-channel": _Recipe("channel", ".weight_scale", _compressed_config, True),
+    "fp8-tensor": _Recipe("tensor", ".weight_scale", _compressed_config, True),
 }
 assert tuple(RECIPES) == QUANTIZE_SCHEMES
 
@@ -72,6 +73,7 @@ class QuantizedSource(Source):
         self._by_name: dict[str, TensorEntry] = {}
         self._weights: dict[str, ScaledWeight] = {}  # output name (weight or scale) → its weight
         self._entries: list[TensorEntry] = []
+        self._scale_dtypes: dict[str, str] = {}
         self.skipped: list[str] = []
         for entry in inner.entries():
             self._add(entry)
@@ -94,13 +96,19 @@ class QuantizedSource(Source):
         self._weights[entry.name] = self._weights[scale_name] = weight
         self._entries.append(TensorEntry(entry.name, "F8_E4M3", entry.shape, tensor_nbytes("F8_E4M3", entry.shape)))
         shape = scale_shape[self.recipe.granularity]
-        self._entries.append(TensorEntry(scale_name, "F32", shape, tensor_nbytes("F32", shape)))
+        scale_dtype = entry.dtype if self.recipe.scale_like_weight and entry.dtype in ("BF16", "F16") else "F32"
+        self._entries.append(TensorEntry(scale_name, scale_dtype, shape, tensor_nbytes(scale_dtype, shape)))
+        self._scale_dtypes[entry.name] = scale_dtype
 
     def _quantizes(self, entry: TensorEntry) -> bool:
         if should_skip_quantize(entry):
             return False
         rows, cols = matrix_shape(entry.shape)
         return self.recipe.granularity != "block" or (rows % DEFAULT_BLOCK[0] == 0 and cols % DEFAULT_BLOCK[1] == 0)
+
+    def scale_names(self) -> frozenset[str]:
+        """The scale tensors written: never cast by ``dtype``."""
+        return frozenset(w.scale for w in self._weights.values())
 
     def entries(self) -> list[TensorEntry]:
         return list(self._entries)
@@ -141,6 +149,7 @@ class QuantizedSource(Source):
         """The e4m3fn bytes of ``weight``, band by band; with ``record``, keep its scales and error."""
         import torch
 
+        from ..formats.dtypes import to_torch
         from ..formats.fp8 import band_rows, dequantize_band, quantize_band
 
         stored = self._by_name[weight.weight]
@@ -150,7 +159,8 @@ class QuantizedSource(Source):
         step = band_rows(weight, cols)
         for row0 in range(0, rows, step):
             w = read_rows(self.inner, stored, row0, min(rows, row0 + step)).to(torch.float32)
-            q, scale = quantize_band(w, weight.granularity, block=weight.block, absmax=absmax)
+            q, scale = quantize_band(w, weight.granularity, block=weight.block, absmax=absmax,
+                                     scale_dtype=to_torch(self._scale_dtypes[weight.weight]))
             if record:
                 diff = dequantize_band(q, scale, weight, 0, torch.float32) - w
                 err_sq, ref_sq = err_sq + float(diff.square().sum()), ref_sq + float(w.square().sum())

@@ -1,0 +1,136 @@
+"""``--quantize fp8-block|fp8-channel|fp8-tensor``: layouts the real loaders read (transformers FineGrainedFP8,
+compressed-tensors), equal bit for bit to shardkit's own dequantization, precision-critical layers kept."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_one_line_error, snapshot
+from helpers_quant import LLAMA, save_llama
+from safetensors.torch import load_file
+
+import shardkit
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    folder = tmp_path_factory.mktemp("llama") / "plain"
+    return folder, save_llama(folder)
+
+
+def _logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        return model(ids).logits.float(), model.state_dict()
+
+
+SCHEMES = {"fp8-block": ("weight_scale_inv", "F32", "transformers FineGrainedFP8"),
+           "fp8-channel": ("weight_scale", "BF16", "compressed-tensors float-quantized"),
+           "fp8-tensor": ("weight_scale", "BF16", "compressed-tensors float-quantized")}
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_quantized_llama_loads_in_transformers_equal_to_shardkits_dequantization(
+        scheme: str, llama, tmp_path: Path, run_cli) -> None:
+    if scheme != "fp8-block":
+        pytest.importorskip("compressed_tensors")
+    src, state = llama
+    before = snapshot(src)
+    result = run_cli("convert", src, tmp_path / "fp8", "--quantize", scheme, "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)["quantization"]
+    suffix, scale_dtype, scheme_name = SCHEMES[scheme]
+    linears = [n for n in state if n.endswith("_proj.weight")]
+    assert report["quantized"] == len(linears) == 14
+    assert set(report["kept"]) == {"lm_head", "model.embed_tokens"}
+    assert set(report["errors"]) == set(linears)
+    assert all(0 < e["relative_error"] < 0.06 for e in report["errors"].values())
+    header = {e.name: e for e in shardkit.read_header(tmp_path / "fp8" / "model.safetensors").entries}
+    for name in linears:
+        assert header[name].dtype == "F8_E4M3" and header[name[: -len("weight")] + suffix].dtype == scale_dtype
+    for name in ("model.norm.weight", "model.embed_tokens.weight", "lm_head.weight"):
+        assert header[name].dtype == "BF16"
+    assert shardkit.info(tmp_path / "fp8").quantization["scheme"] == scheme_name
+    qconfig = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]
+    ignored = qconfig.get("modules_to_not_convert") or qconfig.get("ignore")
+    assert "lm_head" in ignored and "model.embed_tokens" in ignored
+
+    ids = torch.randint(0, LLAMA["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(0))
+    plain, _ = _logits(src, ids)
+    quantized, loaded = _logits(tmp_path / "fp8", ids)  # transformers on CPU: dequantized (fp8) / decompressed (ct)
+    assert torch.nn.functional.cosine_similarity(plain.flatten(), quantized.flatten(), dim=0) > 0.99
+    shardkit.convert(tmp_path / "fp8", tmp_path / "bf16", dtype="bf16")
+    mine = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert set(mine) == set(state)
+    for name, tensor in mine.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+    assert snapshot(src) == before
+
+
+def test_quantize_keeps_scales_uncast_and_other_tensors_cast(llama, tmp_path: Path) -> None:
+    src, state = llama
+    f32 = tmp_path / "f32"
+    shardkit.convert(src, f32, dtype="fp32")
+    result = shardkit.convert(f32, tmp_path / "out", quantize="fp8-block", dtype="bf16", max_shard_size="300KB")
+    assert result.quantization["quantized"] == 14 and len(result.plan.shards) > 1
+    header = {e.name: e.dtype for h in shardkit.info(tmp_path / "out").shards
+              for e in shardkit.read_header(tmp_path / "out" / h.file).entries}
+    assert header["model.layers.0.mlp.up_proj.weight_scale_inv"] == "F32"
+    assert header["model.layers.0.mlp.up_proj.weight"] == "F8_E4M3"
+    assert header["model.norm.weight"] == "BF16" and header["lm_head.weight"] == "BF16"
+
+
+def test_block_quantize_keeps_weights_that_are_not_block_multiples(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    src = tmp_path / "m.safetensors"
+    save_file({"a.weight": torch.randn(256, 128), "b.weight": torch.randn(200, 128)}, src)
+    result = shardkit.convert(src, tmp_path / "out", quantize="fp8-block")
+    assert result.quantization["kept"] == ["b"] and result.quantization["quantized"] == 1
+    result = shardkit.convert(src, tmp_path / "ch", quantize="fp8-channel")
+    assert result.quantization["quantized"] == 2
+    out = load_file(tmp_path / "ch" / "model.safetensors")
+    assert out["b.weight_scale"].shape == (200, 1) and out["b.weight_scale"].dtype == torch.float32
+
+
+def test_quantized_flux_transformer_keeps_modulation_and_runs_close(tmp_path: Path) -> None:
+    from diffusers import FluxTransformer2DModel
+    from helpers_offload import run_flux
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=64, num_attention_heads=2, joint_attention_dim=128,
+                                   pooled_projection_dim=128, axes_dims_rope=[16, 16, 32]).eval()
+    model.save_pretrained(tmp_path / "flux")
+    result = shardkit.convert(tmp_path / "flux", tmp_path / "fp8", quantize="fp8-block")
+    kept = set(result.quantization["kept"])
+    assert {"x_embedder", "context_embedder", "norm_out.linear", "proj_out",
+            "transformer_blocks.0.norm1.linear", "single_transformer_blocks.0.norm.linear"} <= kept
+    assert "transformer_blocks.0.attn.to_q" not in kept and result.quantization["quantized"] >= 8
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    assert config["quantization_config"]["weight_block_size"] == [128, 128]
+    shardkit.convert(tmp_path / "fp8", tmp_path / "back", dtype="fp32")
+    back = FluxTransformer2DModel.from_pretrained(tmp_path / "back").eval()
+    assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())
+    g = torch.Generator().manual_seed(1)
+    inputs = {"hidden_states": torch.randn(1, 16, 16, generator=g), "encoder_hidden_states": torch.randn(1, 8, 128, generator=g),
+              "pooled_projections": torch.randn(1, 128, generator=g), "timestep": torch.tensor([0.5]),
+              "img_ids": torch.zeros(16, 3), "txt_ids": torch.zeros(8, 3)}
+    want, got = run_flux(model, inputs), run_flux(back, inputs)
+    assert torch.nn.functional.cosine_similarity(want.flatten(), got.flatten(), dim=0) > 0.99
+
+
+def test_bad_quantize_options_exit_2(llama, tmp_path: Path, run_cli) -> None:
+    src, _ = llama
+    line = assert_one_line_error(run_cli("split", src, tmp_path / "o", "--quantize", "fp8-block", "--dtype",
+                                         "fp8_e4m3", "--allow-lossy"))
+    assert "--dtype casts the tensors --quantize keeps" in line
+    with pytest.raises(shardkit.InvalidInputError, match="expected one of fp8-block"):
+        shardkit.split(src, tmp_path / "o", quantize="int4")
+    assert run_cli("split", src, tmp_path / "o", "--quantize", "int4").exit_code == 2
+    assert not (tmp_path / "o").exists()
