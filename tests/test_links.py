@@ -47,3 +47,13 @@ def test_a_look_alike_blobs_folder_is_outside(where: str, tmp_path: Path) -> Non
     assert_one_line_error(invoke_cli("split", folder, tmp_path / "out", "-q"), code=2,
                           contains="Hugging Face cache's blobs/")
     assert not (tmp_path / "out").exists()
+
+
+def test_verify_reports_a_shard_linked_outside_and_reads_nothing_behind_it(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere" / "shard"
+    folder = _local_dir_with_a_link_to(target, tmp_path / "ckpt")
+    result = invoke_cli("verify", folder)
+    assert result.exit_code == 1, (result.stdout, result.stderr)
+    assert "symlink leading outside the checkpoint folder (to " in result.stdout + result.stderr
+    inside = _local_dir_with_a_link_to(tmp_path / "ok" / "blobs-inside" / "shard", tmp_path / "ok")
+    assert invoke_cli("verify", inside).exit_code == 0

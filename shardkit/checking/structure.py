@@ -20,6 +20,7 @@ from ..errors import (
 )
 from ..formats.header import Header, TensorEntry, parse_header, read_header_bytes
 from ..formats.index import MAX_INDEX_BYTES, check_shard_name
+from ..formats.links import LINK_RULE, leads_outside, link_target
 
 _INDEX_NAME_RE = re.compile(r"^(?P<prefix>.+)\.safetensors\.index(?:\.(?P<variant>[^.]+))?\.json$")
 _SHARD_NAME_RE = re.compile(r"^(?P<stem>.+)-\d{5}-of-\d{5}\.safetensors$")
@@ -124,7 +125,16 @@ def read_index(layout: Layout) -> tuple[dict[str, str], dict] | None:
 
 
 def read_shard_header(path: str, name: str, problems: list[Problem]) -> HeaderRead:
-    """Parse one file's header; truncation and trailing bytes become problems, not errors."""
+    """Parse one file's header; truncation and trailing bytes become problems, not errors.
+
+    A file that is a symlink leading outside its folder (the one rule of
+    :mod:`shardkit.formats.links`) is a problem too, and nothing behind it is read.
+    """
+    target = link_target(path)
+    if target is not None and leads_outside(target, os.path.dirname(path)):
+        problems.append(Problem(name, None, f"is a symlink leading outside the checkpoint folder (to {target}); "
+                                f"{LINK_RULE}; nothing behind it was read"))
+        return HeaderRead(None, 0)
     try:
         with open(path, "rb") as f:
             raw, file_bytes = read_header_bytes(f, path)
