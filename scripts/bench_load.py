@@ -31,6 +31,13 @@ every page of every weight; the time is measured inside the fresh child process,
 start-up and imports are excluded (dd runs alone: its start-up is negligible).
 
     .venv/bin/python scripts/bench_load.py --read-backends --runs 3
+
+``--latency-ms 0.5 2 5`` runs the latency benchmark instead (issue 22, :mod:`bench_latency`): the
+SD 1.5 UNet in fp16 read through a FUSE mount that sleeps that long in every read request
+(:mod:`latency_mount`), for safetensors, fastsafetensors, diffusers and shardkit's lazy mapping,
+``to_state_dict`` and ``load_model``, plus the local cold disk and the mount's limit.
+
+    .venv/bin/python scripts/bench_load.py --latency-ms 0.5 2 5 --runs 3
 """
 
 from __future__ import annotations
@@ -147,18 +154,21 @@ def run_case(name: str, folder: str, options: dict) -> None:
 
 # ------------------------------------------------------------------------- orchestration (parent side)
 
-def prepare(kind: str, work: str) -> tuple[str, int]:
+def prepare(kind: str, work: str, *, dtype: str = "F32", shards: int | None = None) -> tuple[str, int]:
+    """The UNet with random weights, sharded by shardkit (5GB/2GB shards, or ``shards`` of them), built once."""
     sys.path.insert(0, HERE)
     import shardkit
 
-    folder = os.path.join(work, f"{kind}-unet-sharded")
+    folder = os.path.join(work, f"{kind}-unet-{dtype.lower()}-sharded")
     if not os.path.exists(os.path.join(folder, "config.json")):
         from build_checkpoint import build_unet
 
         single = os.path.join(work, f"{kind}-unet")
         print(f"building {single} ...", flush=True)
-        build_unet(kind, single, overwrite=True)
-        shardkit.split(single, folder, max_shard_size="5GB" if kind == "sdxl" else "2GB", overwrite=True)
+        build_unet(kind, single, dtype=dtype, overwrite=True)
+        size = os.path.getsize(os.path.join(single, "diffusion_pytorch_model.safetensors"))
+        limit = str(size // shards + (64 << 20)) if shards else "5GB" if kind == "sdxl" else "2GB"
+        shardkit.split(single, folder, max_shard_size=limit, overwrite=True)
         shutil.copy(os.path.join(single, "config.json"), folder)
         shutil.rmtree(single)
     with shardkit.open(folder) as ckpt:
@@ -360,7 +370,18 @@ def main() -> int:
                         help="the read-backend matrix (cold/warm, local/FUSE, each backend) instead")
     parser.add_argument("--only", action="append", default=[], metavar="WORDS",
                         help="with --read-backends: only cases whose label contains WORDS (repeatable)")
+    parser.add_argument("--latency-ms", type=float, nargs="+", metavar="MS",
+                        help="the latency benchmark through a FUSE mount adding MS per read request (issue 22)")
+    parser.add_argument("--latency-model", default="sd15", choices=["sd15", "tiny"],
+                        help="with --latency-ms: the UNet to build (sd15: 1.7 GB fp16)")
+    parser.add_argument("--no-local", action="store_true", help="with --latency-ms: skip the local cold-disk rows")
     args = parser.parse_args()
+    if args.latency_ms:
+        sys.path.insert(0, HERE)
+        from bench_latency import main_latency
+
+        return main_latency(args.latency_ms, runs=args.runs, work=args.work, model=args.latency_model,
+                            keep=args.keep, local=not args.no_local)
     if args.read_backends:
         return main_read(args)
     import platform
