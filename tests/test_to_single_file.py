@@ -229,6 +229,47 @@ def test_a_pipeline_exports_with_component_all_and_generates_the_same_image(tmp_
         assert_bit_equal(load_folder(tmp_path / "back" / name), load_folder(tmp_path / "pipeline" / name))
 
 
+def test_the_sdxl_refiner_pipeline(tmp_path: Path, run_cli) -> None:
+    """The refiner has only the OpenCLIP text encoder, as conditioner.embedders.0."""
+    import numpy as np
+    from diffusers import (
+        AutoencoderKL,
+        EulerDiscreteScheduler,
+        StableDiffusionXLImg2ImgPipeline,
+        UNet2DConditionModel,
+    )
+    from helpers_pipeline import write_tiny_clip_tokenizer_files
+    from transformers import CLIPTokenizer
+
+    torch.manual_seed(5)
+    vocab, merges = write_tiny_clip_tokenizer_files(tmp_path / "tok-src")
+    tokenizer = CLIPTokenizer(str(vocab), str(merges), model_max_length=16)
+    unet = UNet2DConditionModel(**{**SDXL_UNET, "cross_attention_dim": 24, "projection_class_embeddings_input_dim": 56})
+    vae = AutoencoderKL(block_out_channels=(8, 8), latent_channels=4, norm_num_groups=4, sample_size=32,
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2)
+    pipe = StableDiffusionXLImg2ImgPipeline(
+        vae=vae.eval(), unet=unet.eval(), scheduler=EulerDiscreteScheduler(), text_encoder=None, tokenizer=None,
+        text_encoder_2=_text_encoder(tokenizer, hidden=24, act="gelu", projection=True), tokenizer_2=tokenizer,
+        requires_aesthetics_score=True)
+    pipe.save_pretrained(tmp_path / "refiner")
+    out = tmp_path / "refiner.safetensors"
+    assert run_cli("convert", tmp_path / "refiner", out, "--to", "single-file", "--component", "all").exit_code == 0
+    assert _header_metadata(out)["model_type"] == "sdxl-refiner"
+    assert "conditioner.embedders.0.model.text_projection" in shardkit.read_header(out).by_name()
+    loaded = StableDiffusionXLImg2ImgPipeline.from_single_file(str(out), config=str(tmp_path / "refiner"),
+                                                               local_files_only=True)
+    for name in ("unet", "vae", "text_encoder_2"):
+        assert_bit_equal(getattr(loaded, name).state_dict(), getattr(pipe, name).state_dict())
+    image = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+    def refine(p: Any) -> Any:
+        p.set_progress_bar_config(disable=True)
+        return p("a photo of a cat", image=image, num_inference_steps=2, strength=0.9, output_type="np",
+                 generator=torch.Generator().manual_seed(0)).images[0]
+
+    assert np.array_equal(refine(loaded), refine(pipe))
+
+
 def test_one_component_of_a_pipeline(tmp_path: Path, run_cli) -> None:
     """A VAE exported alone has no prefix, as standalone VAE files have; the model type is the pipeline's."""
     from diffusers import AutoencoderKL

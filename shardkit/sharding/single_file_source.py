@@ -1,16 +1,18 @@
 """A source over diffusers model folders that presents their tensors under the original single-file names.
 
 A renamed tensor is an entry that points at its bytes in the diffusers file (new name, maybe a
-new shape, same file and offset), so the writer copies it kernel-side. A fused tensor (q/k/v,
-Flux's ``linear1``, a swapped adaLN, OpenCLIP's transposed projection) has no file: it is
-assembled in memory from its diffusers slabs when the writer first reads it, and dropped when
-the writer moves on, so at most one fused tensor is held at a time.
+new shape, same file and offset), so the writer copies it kernel-side. A fused tensor has no
+file. When its parts are byte runs of the diffusers tensors (q/k/v and Flux's ``linear1``
+stacked along rows, an adaLN whose halves are swapped) it is read run by run, in the writer's
+chunks: no copy of it is ever held. Otherwise (OpenCLIP's transposed ``text_projection``) it is
+assembled in memory when the writer first reads it and dropped when the writer moves on, so at
+most one such tensor is held at a time.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ..errors import InvalidInputError
@@ -19,7 +21,7 @@ from ..formats.index import Naming
 from ..sources import Source, open_source
 from ..sources.memory import host_bytes
 from ..units import tensor_nbytes
-from .single_file_trace import Original
+from .single_file_trace import Original, contiguous_strides
 
 __all__ = ["OriginalLayoutSource"]
 
@@ -76,10 +78,24 @@ class OriginalLayoutSource(Source):
         name = original.renamed_from
         if name is not None:
             return inner.read(by_name[name], begin, end)
+        runs = _byte_runs(original, by_name)
+        if runs is not None:
+            return _read_runs(inner, runs, begin, end)
         if self._cached is None or self._cached[0] != entry.name:
             self._cached = None  # the previous fused tensor goes before the next is built
             self._cached = (entry.name, host_bytes(_assemble(original, inner, by_name)))
         return self._cached[1][begin:end]
+
+    def chunks(self, entry: TensorEntry, chunk_bytes: int) -> Iterator[bytes | memoryview]:
+        """A fused tensor of byte runs comes run by run (no joined copy); anything else as :meth:`read` gives it."""
+        inner, by_name, original = self._from[entry.name]
+        runs = None if original.renamed_from is not None else _byte_runs(original, by_name)
+        if runs is None:
+            yield from super().chunks(entry, chunk_bytes)
+            return
+        for _, nbytes, part, src in runs:
+            for begin in range(0, nbytes, chunk_bytes):
+                yield inner.read(part, src + begin, src + min(begin + chunk_bytes, nbytes))
 
     def held_fd(self, path: str) -> int | None:
         for inner, _ in self._parts:
@@ -111,6 +127,36 @@ def _entry_for(original: Original, by_name: Mapping[str, TensorEntry]) -> Tensor
                                 "save the model in one dtype first")
     dtype = dtypes.pop()
     return TensorEntry(original.name, dtype, original.shape, tensor_nbytes(dtype, original.shape))
+
+
+Run = tuple[int, int, TensorEntry, int]  # (offset in the fused tensor, bytes, diffusers entry, offset in it)
+
+
+def _byte_runs(original: Original, by_name: Mapping[str, TensorEntry]) -> list[Run] | None:
+    """The fused tensor as byte runs of its diffusers tensors, or None when a slab is not one run of either."""
+    runs = []
+    for p in original.pieces:
+        entry = by_name[p.target]
+        numel = math.prod(entry.shape)
+        if not numel or p.strides != contiguous_strides(p.shape) or math.prod(entry.shape[: p.dim]) != 1:
+            return None
+        itemsize = entry.nbytes // numel
+        row_bytes = math.prod(entry.shape[p.dim + 1:]) * itemsize
+        runs.append((p.offset * itemsize, p.length * row_bytes, entry, p.start * row_bytes))
+    return sorted(runs, key=lambda run: run[0])
+
+
+def _read_runs(inner: Source, runs: list[Run], begin: int, end: int) -> bytes:
+    """Bytes ``begin:end`` of a fused tensor, read from the runs that overlap them."""
+    parts = []
+    for at, nbytes, entry, src in runs:
+        lo, hi = max(begin, at), min(end, at + nbytes)
+        if lo < hi:
+            parts.append(inner.read(entry, src + lo - at, src + hi - at))
+    data = b"".join(parts)
+    if len(data) != end - begin:
+        raise InvalidInputError(f"{inner.description}: a fused tensor's runs gave {len(data)} of {end - begin} bytes")
+    return data
 
 
 def _assemble(original: Original, inner: Source, by_name: Mapping[str, TensorEntry]) -> Any:

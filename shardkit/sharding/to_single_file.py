@@ -34,7 +34,7 @@ from typing import Any
 from ..errors import InvalidInputError
 from ..formats.layout import find_components, is_pipeline_folder, read_model_index
 from .job import SplitResult, WrappedPath, refuse_output_inside_source, split_source
-from .options import WriteOptions
+from .options import WriteOptions, warn
 from .single_file import is_file_output, split_to_file
 from .single_file_layouts import LAYOUTS, original_shapes
 from .single_file_trace import (
@@ -111,20 +111,17 @@ def _pipeline_parts(folder: str, component: str | None) -> tuple[str, list[Expor
             raise InvalidInputError(f"{folder}: no component {name or 'unet/transformer'!r}; its model_index.json lists "
                                     f"{', '.join(sorted(models)) or 'none'} (or pass --component all)")
         model_type, parts = plan_export(models[name].path, component=None)
-        pipeline_type = _pipeline_type(folder, family, models) if family else model_type
-        return (pipeline_type if model_type != "vae" else model_type), [replace(parts[0], component=name)]
+        return (_pipeline_type(folder, family, models) if family else model_type), [replace(parts[0], component=name)]
     if family is None:
         raise _unsupported(f"--component all: {folder} is a {index.get('_class_name')}; export its transformer with "
                            "--component transformer, or")
     model_type = _pipeline_type(folder, family, models)
-    parts = [ExportPart(name, models[name].path, *_COMBINED[(model_type, name)]) for name in models
-             if (model_type, name) in _COMBINED]
-    missing = [c.name for c in models.values() if c.has_weights and (model_type, c.name) not in _COMBINED
-               and c.library in ("diffusers", "transformers")]
-    if missing:
-        raise InvalidInputError(f"{folder}: the {model_type} single-file layout has no place for {', '.join(missing)}; "
-                                "set it to [null, null] in model_index.json, or export the components one by one")
-    return model_type, parts
+    left_out = [c.name for c in models.values() if c.has_weights and (model_type, c.name) not in _COMBINED
+                and c.library in ("diffusers", "transformers")]
+    if left_out:
+        warn(f"{folder}: {', '.join(left_out)} left out: the {model_type} single-file layout has no place for them")
+    return model_type, [ExportPart(name, models[name].path, *_COMBINED[(model_type, name)]) for name in models
+                        if (model_type, name) in _COMBINED]
 
 
 def _pipeline_type(folder: str, family: str, models: Mapping[str, Any]) -> str:
