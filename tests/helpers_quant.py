@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 FP8 = torch.float8_e4m3fn
@@ -34,6 +35,13 @@ def save_llama(folder: Path, seed: int = 0) -> dict[str, torch.Tensor]:
     model = tiny_llama(seed)
     model.save_pretrained(folder)
     return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A tiny Llama saved by transformers, and its state dict (import this fixture into a test module)."""
+    folder = tmp_path_factory.mktemp("llama") / "plain"
+    return folder, save_llama(folder)
 
 
 def is_quantized_linear(name: str, t: torch.Tensor) -> bool:
@@ -78,14 +86,8 @@ def reference_dequant(q: torch.Tensor, scale: torch.Tensor, out: torch.dtype = t
 def save_finegrained(folder: Path, state: dict[str, torch.Tensor], *, scale_dtype: str = "F32",
                      config: dict[str, Any] | None = None) -> None:
     """transformers FineGrainedFP8: ``weight_scale_inv`` per 128×128 block, in float32, bf16 or e8m0."""
-    from safetensors.torch import save_file
-
     out: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        if not is_quantized_linear(name, t):
-            out[name] = t.contiguous()
-            continue
-        q, scale = quantize(t, "block")
+    for name, t, (q, scale) in _linears(state, "block", out):
         if scale_dtype == "F8_E8M0":
             scale = torch.pow(2.0, torch.ceil(torch.log2(scale)))  # powers of two, then re-quantize on them
             expanded = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: t.shape[0], : t.shape[1]]
@@ -94,8 +96,7 @@ def save_finegrained(folder: Path, state: dict[str, torch.Tensor], *, scale_dtyp
         elif scale_dtype == "BF16":
             scale = scale.to(torch.bfloat16)
         out[name], out[name[: -len("weight")] + "weight_scale_inv"] = q, scale
-    os.makedirs(folder, exist_ok=True)
-    save_file(out, folder / "model.safetensors", metadata={"format": "pt"})
+    _save(folder, out)
     qconfig = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
                "modules_to_not_convert": ["lm_head"]}
     if scale_dtype == "F8_E8M0":
@@ -106,23 +107,32 @@ def save_finegrained(folder: Path, state: dict[str, torch.Tensor], *, scale_dtyp
 def save_compressed(folder: Path, state: dict[str, torch.Tensor], *, strategy: str,
                     config: dict[str, Any] | None = None) -> None:
     """compressed-tensors float-quantized: ``weight_scale`` per tensor (1,), channel (out, 1) or block; ``input_scale``."""
-    from safetensors.torch import save_file
-
     out: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        if not is_quantized_linear(name, t):
-            out[name] = t.contiguous()
-            continue
-        q, scale = quantize(t, strategy)
+    for name, _, (q, scale) in _linears(state, strategy, out):
         prefix = name[: -len("weight")]
         out[name], out[prefix + "weight_scale"], out[prefix + "input_scale"] = q, scale, torch.ones(1)
-    os.makedirs(folder, exist_ok=True)
-    save_file(out, folder / "model.safetensors", metadata={"format": "pt"})
+    _save(folder, out)
     group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": strategy,
                                                "symmetric": True, "dynamic": False},
              "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}
     _write_config(folder, config, {"quant_method": "compressed-tensors", "format": "float-quantized",
                                    "config_groups": {"group_0": group}, "ignore": ["lm_head"]})
+
+
+def _linears(state: dict[str, torch.Tensor], granularity: str, kept: dict[str, torch.Tensor]) -> Any:
+    """(name, tensor, quantize(tensor)) of each Llama linear weight; every other tensor goes into ``kept``."""
+    for name, t in state.items():
+        if is_quantized_linear(name, t):
+            yield name, t, quantize(t, granularity)
+        else:
+            kept[name] = t.contiguous()
+
+
+def _save(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
 def comfy_scaled(state: dict[str, torch.Tensor], *, quantized: Any = None) -> dict[str, torch.Tensor]:

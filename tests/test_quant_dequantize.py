@@ -16,19 +16,13 @@ from helpers_quant import (
     quantize,
     reference_dequant,
     save_finegrained,
-    save_llama,
+    llama,  # noqa: F401 (a fixture)
 )
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import shardkit
 from test_quant_layouts import LAYOUTS, _layout_folder
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
-    folder = tmp_path_factory.mktemp("llama") / "plain"
-    return folder, save_llama(folder)
 
 
 def _expected(src: Path, out_dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ from helpers_quant import (
     comfy_scaled,
     save_compressed,
     save_finegrained,
-    save_llama,
+    llama,  # noqa: F401 (a fixture)
 )
 from safetensors.torch import save_file
 
@@ -22,12 +22,6 @@ import shardkit
 from shardkit.errors import InvalidInputError
 from shardkit.formats.header import TensorEntry
 from shardkit.formats.quant import QUANTIZE_SKIP_PATTERNS, find_layout, should_skip_quantize
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
-    folder = tmp_path_factory.mktemp("llama") / "plain"
-    return folder, save_llama(folder)
 
 
 def _layout_folder(kind: str, base: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> Path:

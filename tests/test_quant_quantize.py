@@ -9,16 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_one_line_error, snapshot
-from helpers_quant import LLAMA, save_llama
+from helpers_quant import LLAMA, llama  # noqa: F401 (a fixture)
 from safetensors.torch import load_file
 
 import shardkit
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
-    folder = tmp_path_factory.mktemp("llama") / "plain"
-    return folder, save_llama(folder)
 
 
 def _logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:

@@ -68,6 +68,12 @@ def dequantize_band(q: "torch.Tensor", scale: "torch.Tensor", weight: ScaledWeig
     import torch
 
     values = q.to(torch.float32)
+    rows, cols = values.shape
+    b0, b1 = weight.block
+    if weight.granularity == "block" and row0 % b0 == 0 and rows % b0 == 0 and cols % b1 == 0:
+        grid = scale.reshape(scale.shape[0], -1)[row0 // b0: row0 // b0 + rows // b0]  # broadcast, not expanded
+        blocks = values.reshape(rows // b0, b0, cols // b1, b1) * grid[:, None, :, None]
+        return blocks.reshape(rows, cols).to(out_dtype)
     return (values * _band_scale(scale, weight, row0, values.shape)).to(out_dtype)
 
 

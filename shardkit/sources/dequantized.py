@@ -17,7 +17,7 @@ from ..formats.quant import COMFY_METADATA_KEY, QuantLayout, ScaledWeight, matri
 from ..units import DTYPE_BITS, tensor_nbytes
 from .base import Source
 
-__all__ = ["DequantizedSource", "read_rows", "read_whole"]
+__all__ = ["DequantizedSource", "ViewSource", "read_rows", "read_whole"]
 
 
 def read_whole(source: Source, entry: TensorEntry) -> Any:
@@ -40,13 +40,33 @@ def read_rows(source: Source, entry: TensorEntry, row0: int, row1: int) -> Any:
     return tensor_from_bytes(raw, entry.dtype, (row1 - row0, cols))
 
 
-class DequantizedSource(Source):
+class ViewSource(Source):
+    """A source computed from ``inner``: it names the same files, keeps its metadata and aliases, closes it."""
+
+    def __init__(self, inner: Source) -> None:
+        self.inner = inner
+        self.description, self.naming, self.paths = inner.description, inner.naming, inner.paths
+        self.kernel_copy, self.shard_rule = inner.kernel_copy, inner.shard_rule
+
+    def metadata(self) -> dict[str, str]:
+        return self.inner.metadata()
+
+    def aliases(self) -> dict[str, str]:
+        return self.inner.aliases()
+
+    def held_fd(self, path: str) -> int | None:
+        return self.inner.held_fd(path)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class DequantizedSource(ViewSource):
     """``inner`` with every scaled weight dequantized to ``out_dtype`` (a safetensors code) and its scales gone."""
 
     def __init__(self, inner: Source, layout: QuantLayout, out_dtype: str) -> None:
-        self.inner, self.layout, self.out_dtype = inner, layout, out_dtype
-        self.description, self.naming, self.paths = inner.description, inner.naming, inner.paths
-        self.kernel_copy, self.shard_rule = inner.kernel_copy, inner.shard_rule
+        super().__init__(inner)
+        self.layout, self.out_dtype = layout, out_dtype
         self._by_name = {e.name: e for e in inner.entries()}
         self._scaled = {w.weight: w for w in layout.weights}
         self._entries = [self._output_entry(e) for e in inner.entries() if e.name not in layout.extra]
@@ -69,9 +89,6 @@ class DequantizedSource(Source):
 
     def metadata(self) -> dict[str, str]:
         return {k: v for k, v in self.inner.metadata().items() if k != COMFY_METADATA_KEY}
-
-    def aliases(self) -> dict[str, str]:
-        return self.inner.aliases()
 
     def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
         weight = self._scaled.get(entry.name)
@@ -121,10 +138,4 @@ class DequantizedSource(Source):
         """What was dequantized: the layout read, how many weights, how many scale/marker tensors dropped."""
         return {"dequantized": self.layout.describe(), "dtype": self.out_dtype, "weights": len(self.layout.weights),
                 "dropped": len(self.layout.extra)}
-
-    def held_fd(self, path: str) -> int | None:
-        return self.inner.held_fd(path)
-
-    def close(self) -> None:
-        self.inner.close()
 

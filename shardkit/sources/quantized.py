@@ -26,7 +26,7 @@ from ..formats.header import TensorEntry
 from ..formats.quant import DEFAULT_BLOCK, QUANTIZE_SCHEMES, ScaledWeight, matrix_shape, should_skip_quantize
 from ..units import tensor_nbytes
 from .base import Source
-from .dequantized import read_rows
+from .dequantized import ViewSource, read_rows
 
 __all__ = ["QuantizedSource"]
 
@@ -61,15 +61,14 @@ RECIPES = {
 assert tuple(RECIPES) == QUANTIZE_SCHEMES
 
 
-class QuantizedSource(Source):
+class QuantizedSource(ViewSource):
     """``inner`` with its weights quantized by ``scheme`` (``"fp8-block"``, ``"fp8-channel"``, ``"fp8-tensor"``)."""
 
     def __init__(self, inner: Source, scheme: str) -> None:
         if scheme not in RECIPES:
             raise InvalidInputError(f"--quantize {scheme}: expected one of {', '.join(RECIPES)}")
-        self.inner, self.scheme, self.recipe = inner, scheme, RECIPES[scheme]
-        self.description, self.naming, self.paths = inner.description, inner.naming, inner.paths
-        self.kernel_copy, self.shard_rule = inner.kernel_copy, inner.shard_rule
+        super().__init__(inner)
+        self.scheme, self.recipe = scheme, RECIPES[scheme]
         self._by_name: dict[str, TensorEntry] = {}
         self._weights: dict[str, ScaledWeight] = {}  # output name (weight or scale) → its weight
         self._entries: list[TensorEntry] = []
@@ -112,12 +111,6 @@ class QuantizedSource(Source):
 
     def entries(self) -> list[TensorEntry]:
         return list(self._entries)
-
-    def metadata(self) -> dict[str, str]:
-        return self.inner.metadata()
-
-    def aliases(self) -> dict[str, str]:
-        return self.inner.aliases()
 
     def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
         weight = self._weights.get(entry.name)
@@ -196,10 +189,4 @@ class QuantizedSource(Source):
         quantized = [n for n, w in self._weights.items() if n == w.weight]
         return {"scheme": self.scheme, "quantized": len(quantized), "kept": sorted(self.skipped),
                 "errors": {n: self._errors[n] for n in quantized if n in self._errors}}
-
-    def held_fd(self, path: str) -> int | None:
-        return self.inner.held_fd(path)
-
-    def close(self) -> None:
-        self.inner.close()
 
