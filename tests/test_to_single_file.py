@@ -163,25 +163,30 @@ def _sd2_pipeline(scratch: Path) -> Any:
     return pipe
 
 
+def _sdxl_shared(scratch: Path, *, seed: int) -> tuple[Any, Any]:
+    """A tiny CLIP tokenizer and a 2-block VAE, as SDXL base and refiner pipelines use them."""
+    from diffusers import AutoencoderKL
+    from helpers_pipeline import write_tiny_clip_tokenizer_files
+    from transformers import CLIPTokenizer
+
+    torch.manual_seed(seed)
+    vocab, merges = write_tiny_clip_tokenizer_files(scratch / "tok-src")
+    vae = AutoencoderKL(block_out_channels=(8, 8), latent_channels=4, norm_num_groups=4, sample_size=32,
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2)
+    return CLIPTokenizer(str(vocab), str(merges), model_max_length=16), vae.eval()
+
+
 def _sdxl_pipeline(scratch: Path) -> Any:
     """SDXL base: CLIP-L (hidden 16) and OpenCLIP-bigG with projection (hidden 24), as in the real one they differ."""
     from diffusers import (
-        AutoencoderKL,
         EulerDiscreteScheduler,
         StableDiffusionXLPipeline,
         UNet2DConditionModel,
     )
-    from helpers_pipeline import write_tiny_clip_tokenizer_files
-    from transformers import CLIPTokenizer
 
-    torch.manual_seed(4)
-    vocab, merges = write_tiny_clip_tokenizer_files(scratch / "tok-src")
-    tokenizer = CLIPTokenizer(str(vocab), str(merges), model_max_length=16)
-    vae = AutoencoderKL(block_out_channels=(8, 8), in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=4,
-                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                        sample_size=32)
+    tokenizer, vae = _sdxl_shared(scratch, seed=4)
     return StableDiffusionXLPipeline(
-        vae=vae.eval(), unet=UNet2DConditionModel(**SDXL_UNET).eval(), scheduler=EulerDiscreteScheduler(),
+        vae=vae, unet=UNet2DConditionModel(**SDXL_UNET).eval(), scheduler=EulerDiscreteScheduler(),
         text_encoder=_text_encoder(tokenizer, hidden=16), tokenizer=tokenizer,
         text_encoder_2=_text_encoder(tokenizer, hidden=24, act="gelu", projection=True), tokenizer_2=tokenizer)
 
@@ -233,22 +238,15 @@ def test_the_sdxl_refiner_pipeline(tmp_path: Path, run_cli) -> None:
     """The refiner has only the OpenCLIP text encoder, as conditioner.embedders.0."""
     import numpy as np
     from diffusers import (
-        AutoencoderKL,
         EulerDiscreteScheduler,
         StableDiffusionXLImg2ImgPipeline,
         UNet2DConditionModel,
     )
-    from helpers_pipeline import write_tiny_clip_tokenizer_files
-    from transformers import CLIPTokenizer
 
-    torch.manual_seed(5)
-    vocab, merges = write_tiny_clip_tokenizer_files(tmp_path / "tok-src")
-    tokenizer = CLIPTokenizer(str(vocab), str(merges), model_max_length=16)
+    tokenizer, vae = _sdxl_shared(tmp_path, seed=5)
     unet = UNet2DConditionModel(**{**SDXL_UNET, "cross_attention_dim": 24, "projection_class_embeddings_input_dim": 56})
-    vae = AutoencoderKL(block_out_channels=(8, 8), latent_channels=4, norm_num_groups=4, sample_size=32,
-                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2)
     pipe = StableDiffusionXLImg2ImgPipeline(
-        vae=vae.eval(), unet=unet.eval(), scheduler=EulerDiscreteScheduler(), text_encoder=None, tokenizer=None,
+        vae=vae, unet=unet.eval(), scheduler=EulerDiscreteScheduler(), text_encoder=None, tokenizer=None,
         text_encoder_2=_text_encoder(tokenizer, hidden=24, act="gelu", projection=True), tokenizer_2=tokenizer,
         requires_aesthetics_score=True)
     pipe.save_pretrained(tmp_path / "refiner")

@@ -25,7 +25,6 @@ casts, the output is published atomically, and every shard's ``__metadata__`` re
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -33,6 +32,7 @@ from typing import Any
 
 from ..errors import InvalidInputError
 from ..formats.layout import find_components, is_pipeline_folder, read_model_index
+from ..formats.quant import read_config
 from .job import SplitResult, WrappedPath, refuse_output_inside_source, split_source
 from .options import WriteOptions, warn
 from .single_file import is_file_output, split_to_file
@@ -130,7 +130,7 @@ def _pipeline_type(folder: str, family: str, models: Mapping[str, Any]) -> str:
         return "sdxl" if "text_encoder" in models else "sdxl-refiner"
     if "text_encoder" not in models:
         return _unet_type(_model_config(os.path.join(folder, "unet"))[1])
-    text_config = _read_json(os.path.join(folder, "text_encoder", "config.json"))
+    text_config = read_config(os.path.join(folder, "text_encoder")) or {}
     return "sd2" if text_config.get("hidden_act") == "gelu" else "sd1"
 
 
@@ -145,7 +145,9 @@ def _model_config(folder: str) -> tuple[str, dict[str, Any]]:
     if not os.path.isfile(path):
         raise InvalidInputError(f"{folder}: not a diffusers model or pipeline folder (no config.json or "
                                 "model_index.json); --to single-file reads a folder that save_pretrained wrote")
-    config = _read_json(path)
+    config = read_config(folder)
+    if config is None:
+        raise InvalidInputError(f"{path}: not a JSON object; not a diffusers model config")
     class_name = config.get("_class_name") or next(iter(config.get("architectures") or []), None)
     if not isinstance(class_name, str):
         raise InvalidInputError(f"{path}: names no model class (\"_class_name\"); not a diffusers model config")
@@ -156,17 +158,6 @@ def _model_config(folder: str) -> tuple[str, dict[str, Any]]:
     return class_name, config
 
 
-def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidInputError(f"{path}: not a readable JSON file ({e})") from e
-    if not isinstance(doc, dict):
-        raise InvalidInputError(f"{path}: not a JSON object")
-    return doc
-
-
 def _unsupported(what: str) -> InvalidInputError:
     return InvalidInputError(f"{what}; --to single-file exports {SUPPORTED}")
 
@@ -175,7 +166,7 @@ def trace_part(part: ExportPart, shapes: Mapping[str, tuple[int, ...]]) -> dict[
     """Original name → :class:`Original` for one model, checked against diffusers' forward conversion."""
     layout = LAYOUTS[part.layout]
     where = part.folder
-    config = _read_json(os.path.join(part.folder, "config.json"))
+    config = read_config(part.folder) or {}
     originals = original_shapes(layout, shapes, config, part.prefix, where=where)
     traced = trace_conversion(lambda ck: layout.forward(ck, config, part.prefix, shapes), originals, where=where)
     check_complete(traced, shapes, produced_names(traced), where=where)
