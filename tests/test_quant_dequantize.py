@@ -204,3 +204,28 @@ def test_to_diffusers_applies_comfy_scales_before_the_flux_key_mapping(tmp_path:
         FluxTransformer2DModel(**config).save_config(tmp_path / "transformer")
     _scaled_and_reference(tmp_path, flux_bfl_state_dict(config))
     _assert_same_conversion(tmp_path, tmp_path / "transformer", run_cli)
+
+
+def test_a_pipeline_component_is_dequantized_with_its_config(llama, tmp_path: Path, run_cli) -> None:
+    import shutil
+
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    shutil.copytree(_layout_folder("finegrained-F32", llama, tmp_path), pipe / "text_encoder")
+    (pipe / "model_index.json").write_text(json.dumps({"_class_name": "X", "text_encoder": ["transformers",
+                                                                                            "LlamaForCausalLM"]}))
+    result = run_cli("split", pipe, tmp_path / "out", "--dtype", "bf16", "--json")
+    assert result.exit_code == 0, result.stderr
+    component = json.loads(result.stdout)["components"]["text_encoder"]
+    assert component["quantization"]["dequantized"] == LAYOUTS["finegrained-F32"]
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "text_encoder" / "config.json").read_text())
+    written = load_file(tmp_path / "out" / "text_encoder" / "model.safetensors")
+    assert set(written) == set(llama[1]) and all(t.dtype == torch.bfloat16 for t in written.values())
+
+
+def test_an_in_place_reshard_dequantizes_the_config_too(llama, tmp_path: Path, run_cli) -> None:
+    src = _layout_folder("compressed-channel", llama, tmp_path)
+    result = run_cli("split", src, src, "--overwrite", "--dtype", "bf16")
+    assert result.exit_code == 0, result.stderr
+    assert "quantization_config" not in json.loads((src / "config.json").read_text())
+    assert shardkit.info(src).quantization is None and shardkit.info(src).bytes_by_dtype.keys() == {"BF16"}
