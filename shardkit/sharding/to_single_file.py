@@ -37,6 +37,7 @@ from .job import SplitResult, WrappedPath, refuse_output_inside_source, split_so
 from .options import WriteOptions, warn
 from .single_file import is_file_output, split_to_file
 from .single_file_layouts import LAYOUTS, original_shapes
+from .single_file_source import OriginalLayoutSource
 from .single_file_trace import (
     Original,
     check_complete,
@@ -205,8 +206,6 @@ def convert_to_single_file(source: Any, output: str, *, options: WriteOptions, c
 
         for part in parts:
             recover(part.folder)
-    from .single_file_source import OriginalLayoutSource
-
     with OriginalLayoutSource.open(parts, variant=options.variant, trace=trace_part,
                                    metadata={"converted_from": "diffusers", "model_type": model_type},
                                    description=f"{path} as a {model_type} single file") as src:
