@@ -10,7 +10,7 @@ functions that need them.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CheckpointIndexError,
@@ -56,7 +56,34 @@ _LAZY: dict[str, str] = {
     "fit": "fitting.autofit",
 }
 
-__all__ = sorted([*_LAZY, "parse_size", "format_size", "ShardkitError", "__version__"])
+if TYPE_CHECKING:  # what editors and type checkers see; at run time each name is imported on first use
+    from .distributed.rank_load import load_into
+    from .distributed.save import save_sharded
+    from .fitting.autofit import fit
+    from .fitting.estimate import estimate_memory
+    from .fitting.pipeline import load_pipeline
+    from .formats.header import read_header
+    from .hub.api import convert, info, split, verify
+    from .hub.push import push
+    from .loading.device_map import plan_device_map
+    from .loading.lazy import open  # noqa: A004 - shardkit.open is the public name
+    from .loading.load import load_model
+    from .runtime.casting import apply_layerwise_casting
+    from .runtime.offload import apply_offload
+    from .sharding.job import SplitResult
+    from .sharding.merge import merge
+    from .sharding.options import WriteOptions
+    from .sharding.plan import plan_shards
+    from .sources import open_source
+
+__all__ = [
+    "CheckpointIndexError", "HeaderError", "HubError", "InvalidInputError", "InvalidSizeError", "KeyMismatchError",
+    "OutputExistsError", "ShardkitError", "ShardkitWarning", "ShardkitWriteError", "SourceNotFoundError",
+    "SplitResult", "UnsafePickleError", "VerificationError", "WriteOptions", "__version__", "apply_layerwise_casting",
+    "apply_offload", "convert", "estimate_memory", "fit", "format_size", "info", "load_into", "load_model",
+    "load_pipeline", "merge", "open", "open_source", "parse_size", "plan_device_map", "plan_shards", "push",
+    "read_header", "save_sharded", "split", "verify",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -30,3 +30,16 @@ def test_import_shardkit_loads_no_heavy_library() -> None:
     code = "import shardkit, sys; print([m for m in ('torch', 'diffusers', 'huggingface_hub') if m in sys.modules])"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "[]", proc.stderr
+
+
+def test_type_checkers_see_the_names_imported_at_run_time() -> None:
+    """The ``if TYPE_CHECKING:`` imports (what editors see) name the same modules as the lazy table."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(shardkit))
+    block = next(node for node in tree.body if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING")
+    seen = {alias.name: node.module for node in block.body if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert seen == shardkit._LAZY
+    assert set(shardkit._LAZY) <= set(shardkit.__all__)
+    assert sorted(shardkit.__all__) == sorted(set(shardkit.__all__))
