@@ -137,6 +137,33 @@ def test_a_folder_output_gets_shards_an_index_and_a_manifest(tmp_path: Path, run
     assert_bit_equal(load_folder(out), load_file(str(whole)))
 
 
+def test_pickled_and_sharded_diffusers_folders(tmp_path: Path, run_cli) -> None:
+    """Older folders hold diffusion_pytorch_model.bin; big ones an index and shards."""
+    from diffusers import SD3Transformer2DModel
+
+    model = _build("SD3Transformer2DModel", SD3, tmp_path / "bin", safe_serialization=False)
+    _build("SD3Transformer2DModel", SD3, tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "diffusion_pytorch_model.safetensors.index.json").is_file()
+    for kind in ("bin", "sharded"):
+        out = tmp_path / f"{kind}.safetensors"
+        assert run_cli("convert", tmp_path / kind, out, "--to", "single-file").exit_code == 0
+        loaded = SD3Transformer2DModel.from_single_file(str(out), config=str(tmp_path / kind), local_files_only=True)
+        assert_bit_equal(loaded.state_dict(), model.state_dict())
+
+
+def test_an_incomplete_folder_is_refused(tmp_path: Path, run_cli) -> None:
+    from safetensors.torch import load_file, save_file
+
+    _build("UNet2DConditionModel", SD_LIKE_UNET, tmp_path / "unet")
+    weights = tmp_path / "unet" / "diffusion_pytorch_model.safetensors"
+    state = load_file(str(weights))
+    del state["conv_in.weight"]  # diffusers' LDM mapping skips a missing top-level tensor without a word
+    save_file(state, str(weights))
+    line = assert_one_line_error(run_cli("convert", tmp_path / "unet", tmp_path / "o.safetensors", "--to",
+                                         "single-file"), contains="misses 1 of its tensors")
+    assert "conv_in.weight" in line and not (tmp_path / "o.safetensors").exists()
+
+
 # ----------------------------------------------------------------------------- pipelines
 
 
@@ -377,6 +404,35 @@ def test_real_size_layouts_agree_with_diffusers_forward_mapping(tmp_path: Path, 
     assert {p.target for o in originals.values() for p in o.pieces} == set(shapes)
     fused = [o for o in originals.values() if o.renamed_from is None]
     assert len(fused) < len(originals) / 4
+
+
+@pytest.mark.parametrize("layout, prefix, projection, size", [
+    ("clip", "cond_stage_model.transformer.", False, (768, 12, 12, "quick_gelu")),  # SD 1.x: CLIP ViT-L
+    ("openclip", "cond_stage_model.model.", False, (1024, 23, 16, "gelu")),  # SD 2.x: OpenCLIP ViT-H, penultimate
+    ("clip", "conditioner.embedders.0.transformer.", False, (768, 12, 12, "quick_gelu")),  # SDXL
+    ("openclip", "conditioner.embedders.1.model.", True, (1280, 32, 20, "gelu")),  # SDXL: OpenCLIP ViT-bigG
+])
+def test_real_size_text_encoder_layouts_agree_with_diffusers_forward_mapping(
+        tmp_path: Path, layout: str, prefix: str, projection: bool, size: tuple[int, int, int, str]) -> None:
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    from shardkit.sharding.to_single_file import ExportPart, trace_part
+
+    hidden, layers, heads, act = size
+    config = CLIPTextConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+                            num_attention_heads=heads, hidden_act=act, projection_dim=hidden)
+    with torch.device("meta"):
+        model = (CLIPTextModelWithProjection if projection else CLIPTextModel)(config)
+    model.config.save_pretrained(tmp_path)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    originals = trace_part(ExportPart("text_encoder", str(tmp_path), layout, prefix), shapes)
+    assert {p.target for o in originals.values() for p in o.pieces} == set(shapes)
+    assert all(name.startswith(prefix) for name in originals)
+    fused = sorted(o.name.removeprefix(prefix) for o in originals.values() if o.renamed_from is None)
+    if layout == "openclip":  # q/k/v → in_proj, and the projection transposed
+        assert len(fused) == 2 * layers + projection and f"transformer.resblocks.{layers - 1}.attn.in_proj_weight" in fused
+    else:
+        assert fused == []
 
 
 @pytest.mark.slow

@@ -168,10 +168,34 @@ def trace_part(part: ExportPart, shapes: Mapping[str, tuple[int, ...]]) -> dict[
     layout = LAYOUTS[part.layout]
     where = part.folder
     config = read_config(part.folder) or {}
+    _check_against_model(part.folder, config, shapes)
     originals = original_shapes(layout, shapes, config, part.prefix, where=where)
     traced = trace_conversion(lambda ck: layout.forward(ck, config, part.prefix, shapes), originals, where=where)
     check_complete(traced, shapes, produced_names(traced), where=where)
     return traced
+
+
+def _check_against_model(folder: str, config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
+    """A diffusers folder missing parameters of its model (or holding other shapes) would export an incomplete file."""
+    import diffusers
+    import torch
+
+    cls = getattr(diffusers, str(config.get("_class_name")), None)
+    if not isinstance(cls, type):
+        return  # a transformers text encoder: diffusers' loader checks it when the pipeline loads
+    try:
+        with torch.device("meta"):
+            expected = {n: tuple(t.shape) for n, t in cls.from_config(dict(config)).state_dict().items()}
+    except (TypeError, ValueError) as e:
+        raise InvalidInputError(f"{folder}/config.json: {cls.__name__} refuses it ({e})") from e
+    missing = [n for n in expected if n not in shapes]
+    wrong = [f"{n} {list(shapes[n])} (config: {list(expected[n])})" for n in expected
+             if n in shapes and shapes[n] != expected[n]]
+    if missing or wrong:
+        what = f"misses {len(missing)} of its tensors, e.g. {', '.join(missing[:3])}" if missing else \
+            f"holds {len(wrong)} tensor(s) of another shape, e.g. {wrong[0]}"
+        raise InvalidInputError(f"{folder}: the {cls.__name__} its config.json describes {what}; the folder is not a "
+                                "complete save_pretrained output")
 
 
 def convert_to_single_file(source: Any, output: str, *, options: WriteOptions, component: str | None = None,
