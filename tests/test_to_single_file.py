@@ -334,6 +334,7 @@ def test_other_model_types_are_refused_naming_the_supported_ones(tmp_path: Path,
     (["--config", "{src}"], "do not apply with --to single-file"),
     (["--strip-prefix", "x."], "do not apply with --to single-file"),
     (["--component", "vae"], "applies to a pipeline folder"),
+    (["--max-shard-size", "1KB"], "names one file"),  # without it, one file however large
 ])
 def test_bad_options_are_one_line_errors(tmp_path: Path, run_cli, args: list[str], message: str) -> None:
     _build("UNet2DConditionModel", SD_LIKE_UNET, tmp_path / "unet")

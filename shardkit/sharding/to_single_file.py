@@ -34,7 +34,7 @@ from ..errors import InvalidInputError
 from ..formats.layout import find_components, is_pipeline_folder, read_model_index
 from ..formats.quant import read_config
 from .job import SplitResult, WrappedPath, refuse_output_inside_source, split_source
-from .options import WriteOptions, warn
+from .options import DEFAULT_MAX_SHARD_BYTES, WriteOptions, warn
 from .single_file import is_file_output, split_to_file
 from .single_file_layouts import LAYOUTS, original_shapes
 from .single_file_source import OriginalLayoutSource
@@ -49,6 +49,7 @@ __all__ = ["SUPPORTED", "ExportPart", "convert_to_single_file", "plan_export"]
 
 SUPPORTED = ("SD 1.x / SD 2.x / SDXL UNets and VAEs and their pipelines (--component all), SD3/SD3.5 transformers "
              "and Flux.1 transformers")
+ONE_FILE_BYTES = 2**62  # a .safetensors OUTPUT without --max-shard-size holds the whole model
 UNET, LDM_VAE, LDM_CLIP, SGM_CLIP = "model.diffusion_model.", "first_stage_model.", "cond_stage_model.", "conditioner."
 # diffusers class of a model folder → (layout, prefix when exported alone, model type or None: from its config)
 _MODELS: dict[str, tuple[str, str, str | None]] = {
@@ -234,5 +235,7 @@ def convert_to_single_file(source: Any, output: str, *, options: WriteOptions, c
                                    metadata={"converted_from": "diffusers", "model_type": model_type},
                                    description=f"{path} as a {model_type} single file") as src:
         if is_file_output(output):
+            if options.max_shard_bytes == DEFAULT_MAX_SHARD_BYTES:  # one file was asked for, however large
+                options = replace(options, max_shard_bytes=ONE_FILE_BYTES)
             return split_to_file(src, output, options=replace(options, variant=None))
         return split_source(src, output, options=options)
