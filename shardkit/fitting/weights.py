@@ -89,15 +89,18 @@ class TensorSize:
 
 def header_tensors(folder: str) -> tuple[list[TensorSize], str | None]:
     """Every tensor of a component folder's safetensors headers, and its most common float dtype."""
+    from ..formats.quant import find_layout, read_config
     from ..sources.safetensors import open_safetensors_folder
 
     with open_safetensors_folder(folder) as source:
         entries = source.entries()
+        layout = find_layout(entries, config=read_config(folder), metadata=source.metadata(), where=folder)
+    scales = layout.extra if layout is not None else frozenset()  # loaded as stored, beside their fp8 weights
     counts: dict[str, int] = {}
     out = []
     for e in entries:
-        # Only 16/32/64-bit floats follow the load dtype; ints and fp8 stay as stored.
-        follows = e.dtype in FLOAT_DTYPES and DTYPE_BITS[e.dtype] >= 16
+        # Only 16/32/64-bit floats follow the load dtype; ints, fp8 and fp8 scales stay as stored.
+        follows = e.dtype in FLOAT_DTYPES and DTYPE_BITS[e.dtype] >= 16 and e.name not in scales
         out.append(TensorSize(e.name, math.prod(e.shape), e.nbytes, len(e.shape), follows))
         if follows:
             counts[e.dtype] = counts.get(e.dtype, 0) + e.nbytes

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..errors import KeyMismatchError, ShardkitWarning
 from .lazy import LazyCheckpoint
+from .scaled import ScaledLoad, attach_scales
 from .skeleton import build_skeleton, cast_floating, keeps_fp32
 
 if TYPE_CHECKING:
@@ -109,9 +110,11 @@ def prepare_skeleton(model: Any, checkpoint: LazyCheckpoint | None, *, config: A
                      strict: bool) -> tuple[Any, KeyMatch | None, str | None]:
     """Build the skeleton, check it against ``checkpoint`` and give its meta tensors their final dtypes."""
     skeleton = build_skeleton(model, config=config)
-    match = None
+    match, scaled = None, ScaledLoad()
     if checkpoint is not None:
+        scaled = attach_scales(skeleton, checkpoint)  # fp8 weights with scales stay fp8, dequantized at compute
         match = match_keys(skeleton, checkpoint)
+        match.unexpected = [k for k in match.unexpected if k not in scaled.extra]
         check_match(match, strict=strict, model=type(skeleton).__name__, checkpoint=checkpoint.description)
-    cast_floating(skeleton, final_dtypes(skeleton, checkpoint, match, dtype))
+    cast_floating(skeleton, scaled.dtype_for(final_dtypes(skeleton, checkpoint, match, dtype)))
     return skeleton, match, checkpoint.description if checkpoint is not None else None

@@ -91,6 +91,7 @@ def _preload_components(folder: str, kwargs: dict[str, Any], *, read: str, devic
     from .lazy import open as open_checkpoint
     from .load import load_model
     from .residency import check_backend
+    from .scaled import has_scales
 
     check_backend(read)
     report: dict[str, Any] = {}
@@ -109,7 +110,7 @@ def _preload_components(folder: str, kwargs: dict[str, Any], *, read: str, devic
                 files = ckpt.read_report()
         except (ShardkitError, StopIteration):
             continue  # no safetensors weights: diffusers loads it
-        if all(f["backend"] == "mmap" for f in files):
+        if all(f["backend"] == "mmap" for f in files) and not has_scales(sub):  # fp8 scales: diffusers drops them
             report[component] = {"files": files, "loaded_by": "diffusers"}
             continue
         model = load_model(f"{spec[0]}:{spec[1]}", sub, dtype=kwargs.get("torch_dtype"), read=read,

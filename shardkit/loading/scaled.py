@@ -1,0 +1,72 @@
+"""Loading fp8 checkpoints with scales without upcasting: the skeleton gets the scales as buffers.
+
+:func:`attach_scales` runs on the meta skeleton before key matching: it recognises the checkpoint's
+layout (:func:`shardkit.formats.quant.find_layout`), registers each scale as a buffer of its module
+and wraps the module's ``forward`` to dequantize at compute (:mod:`shardkit.runtime.scaled_fp8`).
+Key matching then loads the fp8 weights and their scales like any other tensor, in their stored
+dtypes, whatever ``dtype`` asks for the rest; input scales and markers are not model tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..formats.quant import find_layout, read_config
+from ..runtime.scaled_fp8 import attach_scaled_fp8, scaled_modules
+from .lazy import LazyCheckpoint
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ScaledLoad", "attach_scales"]
+
+
+@dataclass(frozen=True)
+class ScaledLoad:
+    """What :func:`attach_scales` did: the tensors kept in their stored dtype, the names that are not parameters."""
+
+    stored: dict[str, "torch.dtype"] = field(default_factory=dict)  # model name → stored dtype (fp8 weights, scales)
+    extra: frozenset[str] = frozenset()  # input scales and markers: not model tensors
+    description: str | None = None  # the layout, e.g. "fp8, 128×128 blocks, float32 scales (...)"
+
+    def dtype_for(self, fallback: Callable[[str], "torch.dtype | None"]) -> Callable[[str], "torch.dtype | None"]:
+        """``fallback``'s dtypes, except the fp8 weights and their scales, which stay as stored."""
+        return lambda name: self.stored.get(name) or fallback(name)
+
+
+def attach_scales(skeleton: Any, checkpoint: LazyCheckpoint) -> ScaledLoad:
+    """Prepare ``skeleton`` for ``checkpoint``'s fp8 weights and scales (nothing when it has none).
+
+    Raises:
+        InvalidInputError: an inconsistent scaled checkpoint, or fused scales that disagree.
+    """
+    from ..formats.fp8 import refuse_disagreeing, scale_to_float32
+
+    entries = [checkpoint.entry(name) for name in checkpoint]
+    folder = os.path.dirname(os.path.abspath(checkpoint.paths[0])) if checkpoint.paths else None
+    layout = find_layout(entries, config=read_config(folder) if folder else None, metadata=checkpoint.metadata,
+                         where=checkpoint.description)
+    if layout is None:
+        return ScaledLoad()
+    refuse_disagreeing({w.scale: scale_to_float32(checkpoint.get_tensor(w.scale)) for w in layout.weights
+                        if w.granularity == "fused"}, where=checkpoint.description)
+    shapes = {w.scale: (checkpoint.shape_of(w.scale), checkpoint.dtype_of(w.scale)) for w in layout.weights}
+    kept = attach_scaled_fp8(skeleton, scaled_modules(layout), shapes)
+    scales = {w.scale for w in layout.weights if w.weight in kept}
+    stored = {name: checkpoint.dtype_of(name) for name in [*kept, *scales]}
+    extra = frozenset(n for n in layout.extra if n not in scales)
+    return ScaledLoad(stored, extra, layout.describe())
+
+
+def has_scales(folder: str) -> bool:
+    """Whether the safetensors checkpoint in ``folder`` holds fp8 weights with scales (headers only)."""
+    from ..errors import InvalidInputError
+    from ..sources.safetensors import open_safetensors_folder
+
+    try:
+        with open_safetensors_folder(folder) as source:
+            return find_layout(source.entries(), config=read_config(folder), metadata=source.metadata()) is not None
+    except InvalidInputError:
+        return True  # inconsistent: shardkit's loader says which tensors

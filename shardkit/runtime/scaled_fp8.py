@@ -1,0 +1,95 @@
+"""fp8 weights with scales kept in fp8 in memory, dequantized per layer at compute.
+
+The disk counterpart of diffusers' ``enable_layerwise_casting`` for checkpoints that carry scales
+(transformers FineGrainedFP8, compressed-tensors, ComfyUI scaled fp8): each scaled module holds its
+stored fp8 ``weight`` and its scale as a buffer (named as in the checkpoint, so the normal loader
+fills both); its ``forward`` is wrapped to swap in ``weight.to(float32) × scale`` in the dtype of its
+input for the call, and the fp8 tensor back afterwards. Memory = fp8 bytes + scales, plus one layer's
+dequantized weight while it runs. The arithmetic is :func:`shardkit.formats.fp8.dequantize_band`, so a
+layer computes exactly what it computes after ``convert --dtype`` of the same checkpoint.
+
+The wrapper is an instance ``forward``, installed before accelerate dispatches the model: accelerate
+wraps it in turn, so its hooks move an offloaded weight to the device before the weight is dequantized.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..formats.quant import QuantLayout, ScaledWeight
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = ["ScaledModule", "attach_scaled_fp8", "scaled_modules"]
+
+
+@dataclass(frozen=True)
+class ScaledModule:
+    """One module whose ``weight`` is stored in fp8: its name, the scale buffer's name on it, the scaling."""
+
+    module: str
+    scale_attr: str
+    weight: ScaledWeight
+
+
+def scaled_modules(layout: QuantLayout) -> list[ScaledModule]:
+    """The modules of ``layout``'s scaled weights (``X.weight`` with scale ``X.<attr>``)."""
+    found = []
+    for w in layout.weights:
+        module, _, attr = w.scale.rpartition(".")
+        if w.weight == (f"{module}.weight" if module else "weight"):
+            found.append(ScaledModule(module, attr, w))
+    return found
+
+
+def attach_scaled_fp8(model: "nn.Module", modules: list[ScaledModule],
+                      scale_shapes: dict[str, tuple[tuple[int, ...], "torch.dtype"]]) -> list[str]:
+    """Give each module its scale buffer (meta, to be loaded) and the dequantizing ``forward``.
+
+    Args:
+        model: the skeleton, on the meta device.
+        modules: from :func:`scaled_modules`.
+        scale_shapes: scale tensor name → (shape, stored dtype).
+
+    Returns:
+        The weight names that keep their stored fp8 dtype (every other float tensor may be cast).
+    """
+    import torch
+
+    kept = []
+    for entry in modules:
+        try:
+            module = model.get_submodule(entry.module)
+        except AttributeError:
+            continue  # not a module of this model: key matching reports the tensors
+        if not isinstance(getattr(module, "weight", None), torch.nn.Parameter) or hasattr(module, entry.scale_attr):
+            continue
+        shape, dtype = scale_shapes[entry.weight.scale]
+        module.register_buffer(entry.scale_attr, torch.empty(shape, dtype=dtype, device="meta"))
+        module.forward = _dequantizing(module, module.forward, entry)
+        kept.append(entry.weight.weight)
+    return kept
+
+
+def _dequantizing(module: "nn.Module", forward: Callable[..., Any], entry: ScaledModule) -> Callable[..., Any]:
+    def dequantizing_forward(*args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        from ..formats.fp8 import dequantize_band, scale_to_float32
+
+        weight = module.weight
+        stored = weight.data
+        compute = next((a.dtype for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
+                        and a.is_floating_point()), torch.bfloat16)
+        scale = scale_to_float32(getattr(module, entry.scale_attr))
+        flat = stored.reshape(stored.shape[0], -1) if stored.dim() != 2 else stored
+        weight.data = dequantize_band(flat, scale, entry.weight, 0, compute).reshape(stored.shape)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            weight.data = stored
+
+    return dequantizing_forward
