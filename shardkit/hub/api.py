@@ -57,13 +57,15 @@ def convert(source: Any, output: str | os.PathLike[str], *, token: str | None = 
         source: anything the local ``convert`` takes, or ``hf://ORG/REPO[@REVISION][/SUBFOLDER or /FILE]``.
         output: the output folder.
         token, cache: as for :func:`split`.
-        options: ``include``, ``strip_prefix``, ``to``, ``config``... as the local ``convert`` takes them;
+        options: ``include``, ``strip_prefix``, ``to`` (``"diffusers"``, or ``"single-file"`` for a diffusers
+            folder → one original-layout checkpoint), ``config``... as the local ``convert`` takes them;
             ``config`` may be ``hf://...`` too (its configs are downloaded, never its weights).
 
     Returns:
         A ``ConvertResult`` (a ``PipelineResult`` for a pipeline).
 
     >>> shardkit.convert("hf://org/old-model", "out/", strip_prefix="model.")   # doctest: +SKIP
+    >>> shardkit.convert("sdxl-pipeline/", "sdxl.safetensors", to="single-file", component="all")  # doctest: +SKIP
     """
     with open_checkpoint(source, token=token, cache=cache, pickles=True) as readable, \
             config_source(options.pop("config", None), token=token) as config:
