@@ -17,9 +17,7 @@ from conftest import assert_bit_equal, assert_one_line_error, leftovers, load_fo
 from test_convert_diffusers import SD_LIKE_UNET, SD_LIKE_VAE
 
 import shardkit
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("diffusers")
+import torch  # noqa: E402  (hard dependencies: a broken install must fail, not skip)
 
 SD2_UNET = {**SD_LIKE_UNET, "use_linear_projection": True, "attention_head_dim": [2, 2, 4, 4],
             "cross_attention_dim": 16}
