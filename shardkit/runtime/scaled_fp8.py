@@ -78,18 +78,32 @@ def _dequantizing(module: "nn.Module", forward: Callable[..., Any], entry: Scale
     def dequantizing_forward(*args: Any, **kwargs: Any) -> Any:
         import torch
 
-        from ..formats.fp8 import dequantize_band, scale_to_float32
-
         weight = module.weight
         stored = weight.data
         compute = next((a.dtype for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
                         and a.is_floating_point()), torch.bfloat16)
-        scale = scale_to_float32(getattr(module, entry.scale_attr))
-        flat = stored.reshape(stored.shape[0], -1) if stored.dim() != 2 else stored
-        weight.data = dequantize_band(flat, scale, entry.weight, 0, compute).reshape(stored.shape)
+        weight.data = dequantized(stored, getattr(module, entry.scale_attr), entry.weight, compute)
         try:
             return forward(*args, **kwargs)
         finally:
             weight.data = stored
 
     return dequantizing_forward
+
+
+def dequantized(stored: "torch.Tensor", scale: "torch.Tensor", weight: ScaledWeight,
+                compute: "torch.dtype") -> "torch.Tensor":
+    """``stored`` × ``scale`` in ``compute``, band by band of rows: the float32 temporaries are one band's,
+    not the layer's (the layer's compute-dtype copy is the only full-size allocation)."""
+    import torch
+
+    from ..formats.fp8 import band_rows, dequantize_band, scale_to_float32
+
+    flat = stored.reshape(stored.shape[0], -1) if stored.dim() != 2 else stored
+    rows, cols = flat.shape
+    factors = scale_to_float32(scale)
+    out = torch.empty((rows, cols), dtype=compute, device=stored.device)
+    step = band_rows(weight, cols)
+    for row0 in range(0, rows, step):
+        out[row0:row0 + step] = dequantize_band(flat[row0:row0 + step], factors, weight, row0, compute)
+    return out.reshape(stored.shape)
