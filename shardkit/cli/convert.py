@@ -54,6 +54,12 @@ with diffusers' own from_single_file key mapping. It needs the model's diffusers
 configs, tokenizers and schedulers are downloaded through the HF cache, never its weights); --component all
 writes the whole pipeline (CLIP/T5 text encoders converted by diffusers too, tokenizers and
 schedulers copied from --config). The key options do not apply; --key picks a pickle's state dict.
+A ComfyUI scaled-fp8 file gets its scales applied before diffusers' mapping (bf16 unless --dtype).
+
+\b
+fp8 checkpoints with scales (FineGrainedFP8, compressed-tensors, ComfyUI scaled fp8) are copied
+whole without --dtype and dequantized with --dtype bf16/fp16/fp32; --quantize fp8-block,
+fp8-channel or fp8-tensor writes them (see `shardkit split --help`).
 
 \b
 --to single-file is the way back: SOURCE is a diffusers model folder (UNet, VAE, SD3 or Flux.1

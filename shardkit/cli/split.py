@@ -28,6 +28,17 @@ Output naming follows the source (diffusers 'diffusion_pytorch_model' or transfo
 Tied tensors of in-memory sources are written once; aliases go into the shard metadata.
 
 \b
+fp8 checkpoints with scales (transformers FineGrainedFP8 weight_scale_inv, compressed-tensors
+weight_scale, ComfyUI scaled_fp8 scale_weight or _quantization_metadata): without --dtype they
+are copied whole (fp8 weights, scales in their own dtype, config kept); --dtype bf16/fp16/fp32
+dequantizes them (weight x scale, band by band; scales, input scales, markers and
+quantization_config dropped). A missing or mis-shaped scale, a scale without its weight or fused
+per-tensor scales that disagree exit 2 naming the tensors. --quantize fp8-block (128x128,
+transformers FineGrainedFP8), fp8-channel or fp8-tensor (compressed-tensors) writes fp8 weights
+with absmax scales and the quantization_config; norms, embeddings, biases, lm_head and
+modulation layers stay as they are; --json gives each tensor's quantization error.
+
+\b
 hf://ORG/REPO[@REVISION][/SUBFOLDER] sources are downloaded through the Hugging Face cache
 (a later from_pretrained reuses them), or with --no-cache streamed by range reads straight into
 the shards: each byte fetched once, memory bounded, every file read whole checked against the
