@@ -190,6 +190,10 @@ def test_to_diffusers_applies_comfy_scales_before_the_unet_key_mapping(tmp_path:
     assert len(fp8) > 20  # the comparison covers dequantized convolutions and projections
     loaded = UNet2DConditionModel.from_pretrained(tmp_path / "scaled")
     assert set(loaded.state_dict()) == set(got)
+    line = assert_one_line_error(run_cli("convert", tmp_path / "scaled.safetensors", tmp_path / "fp8", "--to",
+                                         "diffusers", "--config", tmp_path / "unet-config", "--dtype", "fp8_e4m3",
+                                         "--allow-lossy"))
+    assert "diffusers models hold plain weights" in line and not (tmp_path / "fp8").exists()
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ from .quant import QuantLayout, ScaledWeight, find_layout, matrix_shape
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["E4M3_MAX", "band_rows", "dequantize_band", "dequantize_state_dict", "refuse_disagreeing", "quantize_band", "scale_to_float32", "tensor_from_bytes"]
+__all__ = ["E4M3_MAX", "band_rows", "dequantize_band", "dequantize_state_dict", "refuse_disagreeing", "state_dict_entries", "quantize_band", "scale_to_float32", "tensor_from_bytes"]
 
 E4M3_MAX = 448.0
 BAND_BYTES = 16 * 2**20  # float32 bytes of one band of rows (bounds memory whatever the tensor's size)
@@ -142,6 +142,13 @@ def refuse_disagreeing(fused: Mapping[str, "torch.Tensor"], *, where: str) -> No
                                 "one scales is not recorded, so the weights cannot be dequantized; nothing was written")
 
 
+def state_dict_entries(tensors: Mapping[str, "torch.Tensor"]) -> list[TensorEntry]:
+    """The header records (name, dtype code, shape, bytes) of an in-memory state dict."""
+    from .dtypes import from_torch
+
+    return [TensorEntry(n, from_torch(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for n, t in tensors.items()]
+
+
 def dequantize_state_dict(tensors: Mapping[str, "torch.Tensor"], *, out_dtype: "torch.dtype",
                           metadata: Mapping[str, str] | None = None,
                           where: str = "checkpoint") -> tuple[dict[str, "torch.Tensor"], QuantLayout | None]:
@@ -154,11 +161,7 @@ def dequantize_state_dict(tensors: Mapping[str, "torch.Tensor"], *, out_dtype: "
     Raises:
         InvalidInputError: as :func:`~shardkit.formats.quant.find_layout`, or fused scales that disagree.
     """
-    from .dtypes import from_torch
-
-    entries = [TensorEntry(n, from_torch(t.dtype), tuple(t.shape), t.numel() * t.element_size())
-               for n, t in tensors.items()]
-    layout = find_layout(entries, metadata=metadata, where=where)
+    layout = find_layout(state_dict_entries(tensors), metadata=metadata, where=where)
     if layout is None:
         return dict(tensors), None
     out = {n: t for n, t in tensors.items() if n not in layout.extra}

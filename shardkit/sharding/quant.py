@@ -71,8 +71,7 @@ def _config_folder(src: Source) -> str | None:
 
 def quant_report(src: Source) -> dict[str, Any] | None:
     """What :func:`quant_view`'s source did (scheme, kept modules, per-tensor error), or None."""
-    report = getattr(src, "report", None)
-    return report() if isinstance(src, (DequantizedSource, QuantizedSource)) and report is not None else None
+    return src.report() if isinstance(src, (DequantizedSource, QuantizedSource)) else None
 
 
 def config_edits(output: str, jobs: Sequence[tuple[str, Source]], side_files: Sequence[tuple[str, str]]) -> dict[str, bytes]:
@@ -109,15 +108,16 @@ def dequantized_for_mapping(tensors: Mapping[str, Any], *, options: WriteOptions
         InvalidInputError: an fp8 ``dtype`` for a scaled checkpoint, or an inconsistent one.
     """
     from ..formats.dtypes import to_torch
-    from ..formats.fp8 import dequantize_state_dict
+    from ..formats.fp8 import dequantize_state_dict, state_dict_entries
 
     out_code = options.cast_to or "BF16"
     if out_code not in LOSSLESS_TARGETS:
-        out_code = ""  # refused below, once it is known that the checkpoint holds scales
-    converted, layout = dequantize_state_dict(tensors, out_dtype=to_torch(out_code or "BF16"), where=where)
-    if layout is not None and not out_code:
+        layout = find_layout(state_dict_entries(tensors), where=where)
+        if layout is None:
+            return dict(tensors)
         raise InvalidInputError(f"{where}: --dtype {options.dtype} of a checkpoint in {layout.describe()}: diffusers "
                                 "models hold plain weights; give --dtype bf16, fp16 or fp32")
+    converted, layout = dequantize_state_dict(tensors, out_dtype=to_torch(out_code), where=where)
     if layout is not None and options.cast_to is None:
         warn(f"{where}: {layout.describe()}: weights × scales written as bf16 (choose with --dtype)")
     return converted

@@ -24,7 +24,11 @@ def read_whole(source: Source, entry: TensorEntry) -> Any:
     """``entry``'s whole tensor in its stored dtype (for small tensors: scales)."""
     from ..formats.fp8 import tensor_from_bytes
 
-    return tensor_from_bytes(source.read(entry, 0, entry.nbytes), entry.dtype, entry.shape)
+    raw = source.read(entry, 0, entry.nbytes)
+    if len(raw) != entry.nbytes:
+        raise InvalidInputError(f"{source.description}: short read of {entry.name} ({len(raw)} of {entry.nbytes} "
+                                "bytes; file truncated?)")
+    return tensor_from_bytes(raw, entry.dtype, entry.shape)
 
 
 def read_rows(source: Source, entry: TensorEntry, row0: int, row1: int) -> Any:
