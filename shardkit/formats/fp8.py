@@ -23,7 +23,8 @@ from .quant import QuantLayout, ScaledWeight, find_layout, matrix_shape
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["E4M3_MAX", "band_rows", "dequantize_band", "dequantize_state_dict", "refuse_disagreeing", "state_dict_entries", "quantize_band", "scale_to_float32", "tensor_from_bytes"]
+__all__ = ["E4M3_MAX", "band_rows", "dequantize_band", "dequantize_state_dict", "quantize_band", "refuse_disagreeing",
+           "scale_to_float32", "state_dict_entries", "tensor_from_bytes"]
 
 E4M3_MAX = 448.0
 BAND_BYTES = 16 * 2**20  # float32 bytes of one band of rows (bounds memory whatever the tensor's size)
@@ -138,8 +139,9 @@ def refuse_disagreeing(fused: Mapping[str, "torch.Tensor"], *, where: str) -> No
     disagree = [f"{name} {[round(float(v), 6) for v in values.reshape(-1)[:4]]}" for name, values in fused.items()
                 if not bool((values == values.reshape(-1)[0]).all())]
     if disagree:
-        raise InvalidInputError(f"{where}: fused per-tensor scales disagree ({'; '.join(disagree[:3])}): which rows each "
-                                "one scales is not recorded, so the weights cannot be dequantized; nothing was written")
+        raise InvalidInputError(f"{where}: fused per-tensor scales disagree ({'; '.join(disagree[:3])}): which rows "
+                                "each one scales is not recorded, so the weights cannot be dequantized (copy the "
+                                "checkpoint as is, without --dtype)")
 
 
 def state_dict_entries(tensors: Mapping[str, "torch.Tensor"]) -> list[TensorEntry]:

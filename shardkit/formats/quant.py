@@ -154,7 +154,8 @@ def find_layout(entries: Sequence[TensorEntry], *, config: Mapping[str, Any] | N
 
     Raises:
         InvalidInputError: a scale without its weight, a scale of a shape that fits no granularity,
-            or an fp8 weight without a scale; the message names the tensors.
+            or an fp8 weight without a scale (unless ``modules_to_not_convert``/``ignore`` lists its
+            module); the message names the tensors.
 
     >>> e = [TensorEntry("l.weight", "F8_E4M3", (256, 128), 32768), TensorEntry("l.weight_scale_inv", "F32", (2, 1), 8)]
     >>> find_layout(e).describe()
@@ -165,7 +166,8 @@ def find_layout(entries: Sequence[TensorEntry], *, config: Mapping[str, Any] | N
     scheme = _scheme(by_name, qconfig, metadata or {})
     if scheme is None:
         return None
-    block = tuple(qconfig.get("weight_block_size") or DEFAULT_BLOCK)
+    b0, b1 = qconfig.get("weight_block_size") or DEFAULT_BLOCK
+    block = (int(b0), int(b1))
     weights, extra, problems = [], set(), []
     for entry in entries:
         if _is_extra(entry.name, scheme):
@@ -176,7 +178,7 @@ def find_layout(entries: Sequence[TensorEntry], *, config: Mapping[str, Any] | N
         if weight is None:
             problems.append(f"scale {entry.name} has no weight {entry.name[: -len(scheme.scale_suffix)]}.weight")
             continue
-        found = _granularity(weight, entry, block)  # type: ignore[arg-type]
+        found = _granularity(weight, entry, block)
         if found is None:
             problems.append(f"scale {entry.name} of shape {list(entry.shape)} fits no per-tensor, per-channel or "
                             f"block scaling of {weight.name} {list(weight.shape)}")
@@ -190,12 +192,15 @@ def find_layout(entries: Sequence[TensorEntry], *, config: Mapping[str, Any] | N
     if problems:
         more = f" (and {len(problems) - SHOWN} more)" if len(problems) > SHOWN else ""
         raise InvalidInputError(f"{where}: {scheme.name} checkpoint is inconsistent: {'; '.join(problems[:SHOWN])}"
-                                f"{more}; nothing was written")
-    return QuantLayout(scheme.name, tuple(weights), frozenset(extra), _most_common([by_name[w.weight].dtype for w in weights]),
+                                f"{more}; every fp8 weight needs its scale (re-export it, or leave such layers out "
+                                "with --exclude)")
+    return QuantLayout(scheme.name, tuple(weights), frozenset(extra),
+                       _most_common([by_name[w.weight].dtype for w in weights]),
                        _most_common([by_name[w.scale].dtype for w in weights]))
 
 
-def _scheme(by_name: Mapping[str, TensorEntry], qconfig: Mapping[str, Any], metadata: Mapping[str, str]) -> _Scheme | None:
+def _scheme(by_name: Mapping[str, TensorEntry], qconfig: Mapping[str, Any],
+            metadata: Mapping[str, str]) -> _Scheme | None:
     names = list(by_name)
     if any(n == "scaled_fp8" or n.endswith(".scaled_fp8") for n in names) or any(n.endswith(".scale_weight")
                                                                                 for n in names):

@@ -54,8 +54,9 @@ def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset
     if cast_to is None:
         return src, frozenset(layout.extra)  # copied as is, scales and all
     if cast_to not in LOSSLESS_TARGETS:
-        raise InvalidInputError(f"{src.description}: --dtype {options.dtype} of a checkpoint already in {layout.describe()}"
-                                " would drop its scales; copy it as is (no --dtype) or dequantize (--dtype bf16)")
+        raise InvalidInputError(f"{src.description}: --dtype {options.dtype} of a checkpoint already in "
+                                f"{layout.describe()} would drop its scales; copy it as is (no --dtype) or dequantize "
+                                "(--dtype bf16)")
     return DequantizedSource(src, layout, cast_to), frozenset()
 
 
@@ -74,7 +75,8 @@ def quant_report(src: Source) -> dict[str, Any] | None:
     return src.report() if isinstance(src, (DequantizedSource, QuantizedSource)) else None
 
 
-def config_edits(output: str, jobs: Sequence[tuple[str, Source]], side_files: Sequence[tuple[str, str]]) -> dict[str, bytes]:
+def config_edits(output: str, jobs: Sequence[tuple[str, Source]],
+                 side_files: Sequence[tuple[str, str]]) -> dict[str, bytes]:
     """``{name in the output: bytes}`` of every config.json a (de)quantizing job rewrites.
 
     Args:
