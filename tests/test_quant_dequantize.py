@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_one_line_error, leftovers, load_folder, snapshot
+from helpers_hub import hub  # noqa: F401 (a fixture)
 from helpers_quant import (
     comfy_scaled,
     flux_bfl_state_dict,
@@ -233,3 +234,20 @@ def test_an_in_place_reshard_dequantizes_the_config_too(llama, tmp_path: Path, r
     assert result.exit_code == 0, result.stderr
     assert "quantization_config" not in json.loads((src / "config.json").read_text())
     assert shardkit.info(src).quantization is None and shardkit.info(src).bytes_by_dtype.keys() == {"BF16"}
+
+
+
+@pytest.mark.hub
+def test_a_streamed_hub_repo_is_dequantized_like_a_local_one(llama, hub, tmp_path: Path) -> None:
+    """hf:// --no-cache: scales and fp8 bands come from range-read windows, in whatever order they are asked."""
+    from helpers_hub import folder_files, hub_env, run_shardkit
+
+    src = _layout_folder("finegrained-F32", llama, tmp_path)
+    shardkit.split(src, tmp_path / "sharded", max_shard_size="400KB")  # weights and scales over several shards
+    hub.state.add_repo("alice/fp8", folder_files(tmp_path / "sharded"))
+    proc = run_shardkit(hub_env(hub, tmp_path / "home"), "convert", "hf://alice/fp8", tmp_path / "streamed",
+                        "--dtype", "bf16", "--no-cache", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["quantization"]["dequantized"] == LAYOUTS["finegrained-F32"]
+    shardkit.convert(tmp_path / "sharded", tmp_path / "local", dtype="bf16")
+    assert folder_files(tmp_path / "streamed") == folder_files(tmp_path / "local")
