@@ -251,3 +251,15 @@ def test_a_streamed_hub_repo_is_dequantized_like_a_local_one(llama, hub, tmp_pat
     assert json.loads(proc.stdout)["quantization"]["dequantized"] == LAYOUTS["finegrained-F32"]
     shardkit.convert(tmp_path / "sharded", tmp_path / "local", dtype="bf16")
     assert folder_files(tmp_path / "streamed") == folder_files(tmp_path / "local")
+
+
+def test_torchrun_convert_dequantizes_like_one_process(llama, tmp_path: Path) -> None:
+    """The collective writer takes the same job (dequantized view, edited config.json) as one process."""
+    from test_distributed import _folder_bytes, _torchrun_convert
+
+    src = _layout_folder("finegrained-F32", llama, tmp_path)
+    shardkit.convert(src, tmp_path / "ref", max_shard_size="10KB", dtype="bf16")
+    run = _torchrun_convert(src, tmp_path / "out", 2, "--dtype", "bf16")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    assert _folder_bytes(tmp_path / "out") == _folder_bytes(tmp_path / "ref")

@@ -226,7 +226,7 @@ def _commit(run: CollectiveWrite, tx: OutputTransaction, records: dict[str, File
     """Rank 0's share of the one publish path (:func:`shardkit.sharding.job.publish`)."""
     with digest.ManifestRecorder(run.output, stale=run.stale, enabled=run.options.manifest) as record, \
             BackgroundSync() as sync:
-        copy_side_files(side_files, tx, sync=sync, record=record)
+        copy_side_files(side_files, tx, sync=sync, record=record, jobs=[run.job], output=run.output)
         for name, digest_record in records.items():
             record.add(name, digest_record)
         publish(tx, [run.job], sync=sync, record=record,

@@ -242,21 +242,25 @@ def run_jobs(output: str, jobs: Sequence[ShardJob], *, options: WriteOptions,
     tick = ByteCounter(sum(job.plan.total_bytes for job in jobs), options.progress)
     with OutputTransaction(output, overwrite=options.overwrite, stale=stale) as tx, BackgroundSync() as sync, \
             ManifestRecorder(output, stale=stale, enabled=options.manifest) as record:
-        edits = config_edits(output, [(job.path("config.json"), job.source) for job in jobs], side_files)
-        for name, data in edits.items():  # quantization_config added or removed with the weights
-            tx.write_bytes(name, data)
-            record.data(name, data)
-        copy_side_files([(path, name) for path, name in side_files if name not in edits], tx, sync=sync, record=record)
+        copy_side_files(side_files, tx, sync=sync, record=record, jobs=jobs, output=output)
         for job in jobs:
             _write_shards(job, tx.path_for, options.metadata or {}, tick, sync, record)
         publish(tx, jobs, sync=sync, record=record)
 
 
 def copy_side_files(side_files: Sequence[SideFile], tx: OutputTransaction, *, sync: BackgroundSync,
-                    record: ManifestRecorder) -> None:
-    """Copy the side files (configs, README...) into ``tx``, recording their digests."""
+                    record: ManifestRecorder, jobs: Sequence[ShardJob] = (), output: str = "") -> None:
+    """Copy the side files (configs, README...) into ``tx``, recording their digests.
+
+    The ``config.json`` of a job that dequantizes or quantizes fp8 weights is written with its
+    ``quantization_config`` removed or added (:func:`~shardkit.sharding.quant.config_edits`).
+    """
+    edits = config_edits(output, [(job.path("config.json"), job.source) for job in jobs], side_files)
+    for name, data in edits.items():
+        tx.write_bytes(name, data)
+        record.data(name, data)
     for path, name in side_files:
-        if not is_manifest_file(os.path.basename(name)):  # the source's manifest describes the source
+        if name not in edits and not is_manifest_file(os.path.basename(name)):  # the source manifest: not ours
             copy_side_file(path, dst := tx.path_for(name), sync=sync)
             record.file(name, dst)
 
