@@ -128,3 +128,14 @@ def test_bad_quantize_options_exit_2(llama, tmp_path: Path, run_cli) -> None:
         shardkit.split(src, tmp_path / "o", quantize="int4")
     assert run_cli("split", src, tmp_path / "o", "--quantize", "int4").exit_code == 2
     assert not (tmp_path / "o").exists()
+
+
+def test_the_cli_summary_says_what_was_quantized_and_dequantized(llama, tmp_path: Path, run_cli) -> None:
+    result = run_cli("convert", llama[0], tmp_path / "fp8", "--quantize", "fp8-channel")
+    assert result.exit_code == 0, result.stderr
+    assert "quantized 14 weight(s) to fp8-channel, kept 2 module(s) as they were, largest relative error 0.0" \
+        in result.stdout
+    result = run_cli("split", tmp_path / "fp8", tmp_path / "bf16", "--dtype", "bf16")
+    assert result.exit_code == 0, result.stderr
+    assert ("dequantized 14 weight(s) from fp8, per-channel scales, bf16 scales (compressed-tensors float-quantized) "
+            "to BF16") in result.stdout

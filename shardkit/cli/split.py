@@ -116,6 +116,19 @@ def print_plan(result: object) -> None:
     if not result.dry_run:  # type: ignore[attr-defined]
         click.echo(f"cloned {format_size(result.cloned_bytes)}, "  # type: ignore[attr-defined]
                    f"copied {format_size(result.copied_bytes)}")  # type: ignore[attr-defined]
+    quant = getattr(result, "quantization", None)
+    if quant:
+        click.echo(quantization_line(quant))
+
+
+def quantization_line(quant: dict) -> str:
+    """One line on what a write did with fp8 scales (see :func:`shardkit.sharding.quant.quant_report`)."""
+    if "dequantized" in quant:
+        return f"dequantized {quant['weights']} weight(s) from {quant['dequantized']} to {quant['dtype']}"
+    errors = [e["relative_error"] for e in quant["errors"].values()]
+    worst = f", largest relative error {max(errors):.4f}" if errors else ""
+    return (f"quantized {quant['quantized']} weight(s) to {quant['scheme']}, kept {len(quant['kept'])} module(s) "
+            f"as they were{worst}")
 
 
 COMMANDS = [split]
