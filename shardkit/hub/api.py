@@ -11,22 +11,70 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterable, Literal, TypedDict, cast
 
 from ..checking.info import CheckpointInfo
 from ..checking.verify import VerifyReport
 from ..checking.verify import verify as _verify_local
 from ..sharding.convert import convert as _convert_local
 from ..sharding.job import SplitResult
+from ..sharding.options import ProgressCallback
 from ..sharding.split import split as _split_local
 from .remote import is_remote
 from .remote_checkpoint import config_source, open_checkpoint
 
-__all__ = ["convert", "info", "split", "verify"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["ConvertKeywords", "SplitKeywords", "VerifyKeywords", "convert", "info", "split", "verify"]
+
+Quantize = Literal["fp8-block", "fp8-channel", "fp8-tensor"]
+ConvertTo = Literal["diffusers", "single-file"]
+
+
+class SplitKeywords(TypedDict, total=False):
+    """The options :func:`split` passes to the local split (each documented there and in
+    :class:`~shardkit.sharding.options.WriteOptions`): named, so a misspelt one is a type error."""
+
+    max_shard_size: str | int
+    dtype: str | None
+    name: str | None
+    variant: str | None
+    allow_lossy: bool
+    overwrite: bool
+    dry_run: bool
+    key: str | None
+    metadata: dict[str, str] | None
+    manifest: bool
+    progress: ProgressCallback | None
+    quantize: Quantize | None
+
+
+class _MappingKeywords(SplitKeywords, total=False):
+    strip_prefix: str | None
+    add_prefix: str | None
+    include: Iterable[str]
+    exclude: Iterable[str]
+    rename: Iterable[str] | dict[str, str]
+    to: ConvertTo | None
+    component: str | None
+
+
+class ConvertKeywords(_MappingKeywords, total=False):
+    """The options :func:`convert` takes besides :class:`SplitKeywords` (``config`` may be ``hf://``)."""
+
+    config: str | os.PathLike[str] | None
+
+
+class VerifyKeywords(TypedDict, total=False):
+    """The options :func:`verify` passes to the local verify."""
+
+    progress: ProgressCallback | None
+    read_data: bool
 
 
 def split(source: Any, output: str | os.PathLike[str], *, token: str | None = None, cache: bool = True,
-          **options: Any) -> SplitResult:
+          **options: Unpack[SplitKeywords]) -> SplitResult:
     """:func:`shardkit.sharding.split.split`, for an ``hf://`` source too.
 
     Args:
@@ -47,7 +95,7 @@ def split(source: Any, output: str | os.PathLike[str], *, token: str | None = No
 
 
 def convert(source: Any, output: str | os.PathLike[str], *, token: str | None = None, cache: bool = True,
-            **options: Any) -> SplitResult:
+            **options: Unpack[ConvertKeywords]) -> SplitResult:
     """:func:`shardkit.sharding.convert.convert`, for an ``hf://`` source too.
 
     An ``hf://`` folder that holds pickle weights only is downloaded (through the cache): the
@@ -67,9 +115,11 @@ def convert(source: Any, output: str | os.PathLike[str], *, token: str | None = 
     >>> shardkit.convert("hf://org/old-model", "out/", strip_prefix="model.")   # doctest: +SKIP
     >>> shardkit.convert("sdxl-pipeline/", "sdxl.safetensors", to="single-file", component="all")  # doctest: +SKIP
     """
+    given = options.get("config")
+    rest = cast("_MappingKeywords", {k: v for k, v in options.items() if k != "config"})
     with open_checkpoint(source, token=token, cache=cache, pickles=True) as readable, \
-            config_source(options.pop("config", None), token=token) as config:
-        return _convert_local(readable, output, config=config, **options)
+            config_source(None if given is None else os.fspath(given), token=token) as config:
+        return _convert_local(readable, output, config=config, **rest)
 
 
 def info(path: Any, *, token: str | None = None) -> CheckpointInfo:
@@ -86,7 +136,8 @@ def info(path: Any, *, token: str | None = None) -> CheckpointInfo:
     return info_local(path)
 
 
-def verify(path: Any, *, against: Any = None, token: str | None = None, **options: Any) -> VerifyReport:
+def verify(path: Any, *, against: Any = None, token: str | None = None,
+           **options: Unpack[VerifyKeywords]) -> VerifyReport:
     """:func:`shardkit.checking.verify.verify`; ``path`` or ``against`` may be ``hf://...``.
 
     ``verify("hf://...")`` checks the repository's structure without tensor data;

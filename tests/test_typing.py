@@ -1,0 +1,87 @@
+"""The user's view: editors and type checkers see shardkit's public signatures (issue 26).
+
+mypy runs on a small file of user code: correct calls give no error, and a misspelt keyword on each
+public function is an error naming it, so a change that hides the signatures again (a lazy
+``__getattr__`` without ``TYPE_CHECKING`` imports, a wrapper taking ``**options: Any``) fails here.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import shardkit
+
+ROOT = Path(shardkit.__file__).resolve().parents[1]
+
+GOOD = """\
+import shardkit
+
+shardkit.split("model.safetensors", "out", max_shard_size="5GB", dtype="bf16", quantize="fp8-block")
+shardkit.convert("model.ckpt", "out", strip_prefix="model.", config="cfg/", to="single-file", cache=False)
+shardkit.verify("out", read_data=False, token=None)
+shardkit.info("out", token=None)
+shardkit.load_model(object, "out", device_map="cpu", read="pread")
+shardkit.open("out", read="auto", variant=None)
+shardkit.push("out", "org/model", dry_run=True, follow_symlinks=False)
+shardkit.fit("pipe/", gpu=["24GB"], height=1024)
+shardkit.save_sharded({}, "out", max_shard_size="2GB", manifest=False)
+result: shardkit.SplitResult = shardkit.split("m.safetensors", "o")
+"""
+
+# (function, misspelt keyword): each line must be an error naming that keyword
+BAD = [
+    ("split", 'shardkit.split("m.safetensors", "out", max_shard_sise="5GB")'),
+    ("convert", 'shardkit.convert("m.ckpt", "out", strip_prefx="model.")'),
+    ("verify", 'shardkit.verify("out", readdata=False)'),
+    ("info", 'shardkit.info("out", tokn=None)'),
+    ("load_model", 'shardkit.load_model(object, "out", devicemap="cpu")'),
+    ("open", 'shardkit.open("out", raed="auto")'),
+    ("push", 'shardkit.push("out", "org/model", dryrun=True)'),
+    ("fit", 'shardkit.fit("pipe/", gpus=["24GB"])'),
+    ("save_sharded", 'shardkit.save_sharded({}, "out", max_shard_sise="2GB")'),
+]
+
+
+def _mypy(tmp_path: Path, code: str) -> list[str]:
+    user = tmp_path / "user_code.py"
+    user.write_text(code)
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent", "--no-error-summary",
+                           "--cache-dir", str(tmp_path / "cache"), "--config-file", str(tmp_path / "none.ini"),
+                           str(user)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode in (0, 1), proc.stderr
+    return [line for line in proc.stdout.splitlines() if ": error: " in line]
+
+
+def test_user_code_is_checked_against_the_public_signatures(tmp_path: Path) -> None:
+    (tmp_path / "none.ini").write_text("[mypy]\n")
+    code = GOOD + "".join(call + "\n" for _, call in BAD)
+    errors = _mypy(tmp_path, code)
+    good_lines = GOOD.count("\n")
+    assert not [e for e in errors if int(e.split(":")[1]) <= good_lines], errors
+    for n, (function, call) in enumerate(BAD, start=good_lines + 1):
+        keyword = re.search(r"(\w+)=", call.split(",", 2)[-1]).group(1)  # type: ignore[union-attr]
+        found = [e for e in errors if int(e.split(":")[1]) == n]
+        assert len(found) == 1 and f'"{keyword}"' in found[0] and f'for "{function}"' in found[0], (call, errors)
+
+
+@pytest.mark.parametrize("wrapper, local", [("split", "shardkit.sharding.split:split"),
+                                            ("convert", "shardkit.sharding.convert:convert"),
+                                            ("verify", "shardkit.checking.verify:verify")])
+def test_the_typed_keywords_are_the_local_functions_keywords(wrapper: str, local: str) -> None:
+    """The hf://-aware wrappers name every option of the function they forward to, and no other."""
+    import importlib
+
+    from shardkit.hub import api
+
+    module, name = local.split(":")
+    params = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+    keywords = {p.name for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    typed = {"split": api.SplitKeywords, "convert": api.ConvertKeywords, "verify": api.VerifyKeywords}[wrapper]
+    explicit = {"verify": {"against"}}.get(wrapper, set())  # parameters the wrapper itself names
+    assert set(typed.__annotations__) == keywords - explicit, sorted(keywords ^ set(typed.__annotations__))
