@@ -31,8 +31,10 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import typing
 from dataclasses import dataclass, field
 
 STATS_FILE = ".latency-stats"
@@ -96,7 +98,7 @@ def _operations(source: str, latency_s: float, direct_io: bool):
 
         def __init__(self) -> None:
             self.counters = Counters()
-            self.lock = threading.Lock()
+            self.mutex = threading.Lock()  # not "lock": that name is the FUSE file-lock operation
 
         def _real(self, path: str) -> str:
             return os.path.join(source, path.lstrip("/"))
@@ -133,7 +135,7 @@ def _operations(source: str, latency_s: float, direct_io: bool):
         def read(self, path: str, size: int, offset: int, fi) -> bytes:
             if path in _VIRTUAL:
                 return self._stats(reset=path.endswith(RESET_FILE))[offset:offset + size]
-            with self.lock:
+            with self.mutex:
                 c = self.counters
                 c.in_flight += 1
                 c.peak_in_flight = max(c.peak_in_flight, c.in_flight)
@@ -141,9 +143,9 @@ def _operations(source: str, latency_s: float, direct_io: bool):
                 time.sleep(latency_s)
                 data = os.pread(fi.fh, size, offset)
             finally:
-                with self.lock:
+                with self.mutex:
                     self.counters.in_flight -= 1
-            with self.lock:
+            with self.mutex:
                 c = self.counters
                 c.requests += 1
                 c.bytes += len(data)
@@ -152,7 +154,7 @@ def _operations(source: str, latency_s: float, direct_io: bool):
             return data
 
         def _stats(self, *, reset: bool) -> bytes:
-            with self.lock:
+            with self.mutex:
                 snap = self.counters.snapshot()
                 if reset:
                     in_flight = self.counters.in_flight
@@ -203,6 +205,7 @@ class LatencyMount:
         self.latency_ms, self.max_threads, self.direct_io = latency_ms, max_threads, direct_io
         self._start_timeout_s = start_timeout_s
         self._proc: subprocess.Popen | None = None
+        self._log: typing.IO[str] | None = None
 
     def limit_bytes_per_s(self, request_bytes: int = FUSE_REQUEST_BYTES) -> float:
         """The mount's physical limit: requests in flight × request size ÷ latency."""
@@ -212,12 +215,16 @@ class LatencyMount:
         os.makedirs(self.mountpoint, exist_ok=True)
         args = [sys.executable, os.path.abspath(__file__), self.source, self.mountpoint,
                 "--latency-ms", str(self.latency_ms), "--max-threads", str(self.max_threads)]
+        # The server's log goes to a file, never a pipe: a full pipe nobody drains blocks the server
+        # (every thread, the GIL held) the next time libfuse or mfusepy logs a line.
+        self._log = tempfile.TemporaryFile("w+")
         self._proc = subprocess.Popen([*args, *(["--direct-io"] if self.direct_io else [])],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                      stdout=subprocess.DEVNULL, stderr=self._log, text=True)
         deadline = time.monotonic() + self._start_timeout_s
         while not os.path.ismount(self.mountpoint):
             if self._proc.poll() is not None or time.monotonic() > deadline:
-                err = self._proc.communicate(timeout=5)[1] if self._proc.poll() is not None else "timed out"
+                self._log.seek(0)
+                err = self._log.read() if self._proc.poll() is not None else "timed out"
                 self.stop()
                 raise RuntimeError(f"latency mount at {self.mountpoint} failed to start: {err.strip()[-500:]}")
             time.sleep(0.05)
@@ -244,9 +251,10 @@ class LatencyMount:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(timeout=10)
-            if self._proc.stderr is not None:
-                self._proc.stderr.close()
             self._proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
     def __enter__(self) -> "LatencyMount":
         return self.start()

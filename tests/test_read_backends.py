@@ -158,7 +158,7 @@ def bindfs_mount(tmp_path):
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
 
 
-def test_auto_reads_a_fuse_mounted_file_with_pread(bindfs_mount) -> None:
+def test_auto_reads_a_fuse_mounted_file_with_large_parallel_reads(bindfs_mount) -> None:
     src, mnt = bindfs_mount
     tensors = make_state_dict(shapes=ODD_SHAPES)
     safetensors.torch.save_file(tensors, src / "w.safetensors")
@@ -168,7 +168,8 @@ def test_auto_reads_a_fuse_mounted_file_with_pread(bindfs_mount) -> None:
         assert all(tensor_bytes(ckpt[n]) == tensor_bytes(t) for n, t in tensors.items())
         (report,) = ckpt.read_report()
         assert ckpt.reader_of("layers.F32.3").chunk_bytes == readers.REMOTE_CHUNK_BYTES  # more reads in flight
-    assert report["backend"] == "pread" and "fuse" in report["reason"], report
+    # O_DIRECT where the mount takes it (requests as large as the read), pread where it does not
+    assert report["backend"] in ("direct", "pread") and "fuse" in report["reason"], report
 
 
 # ----------------------------------------------------------------------------- ring pipeline

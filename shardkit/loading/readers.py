@@ -63,10 +63,15 @@ def job_for(tensor: "torch.Tensor", *, offset: int, nbytes: int, where: str) -> 
 
 
 def split_jobs(jobs: list[ReadJob], *, chunk_bytes: int) -> Iterator[ReadJob]:
-    """Each job cut into chunks of at most ``chunk_bytes`` (so one big tensor uses every thread)."""
+    """Each job cut into chunks of at most ``chunk_bytes`` (so one big tensor uses every thread), cut
+    at file offsets that are multiples of ``chunk_bytes``: with ``direct``, whose reads cover whole
+    pages, neighbouring chunks of one job never read the same page twice."""
     for job in jobs:
-        for start in range(0, job.nbytes, chunk_bytes):
-            yield ReadJob(job.address + start, job.offset + start, min(chunk_bytes, job.nbytes - start), job.where)
+        start, end = job.offset, job.offset + job.nbytes
+        while start < end:
+            stop = min(end, (start // chunk_bytes + 1) * chunk_bytes)
+            yield ReadJob(job.address + start - job.offset, start, stop - start, job.where)
+            start = stop
 
 
 def pread_exact(fd: int, address: int, offset: int, nbytes: int, *, where: str) -> None:
@@ -189,13 +194,18 @@ class DirectReader(Reader):
             self._buffers.clear()
 
 
+def _page_multiple(nbytes: int) -> int:
+    return max(_ALIGN, (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
+
+
 def open_reader(path: str, backend: str, *, threads: int | None = None, fd: int | None = None,
-                remote: bool = False) -> Reader:
+                remote: bool = False, quiet: bool = False) -> Reader:
     """A reader for ``path``: ``"pread"``, or ``"direct"`` where the filesystem takes O_DIRECT.
 
     Where O_DIRECT is refused (tmpfs, some FUSE mounts) it logs one warning line and reads
     with ``pread`` instead. ``remote`` (a network/FUSE filesystem) uses the remote tuning
-    (``REMOTE_THREADS`` x ``REMOTE_CHUNK_BYTES``).
+    (``REMOTE_THREADS`` x ``REMOTE_CHUNK_BYTES``, one bounce buffer of a chunk per thread).
+    ``quiet``: the fallback to ``pread`` is logged at debug level (``read="auto"`` chose direct).
 
     >>> open_reader("model.safetensors", "direct").backend       # doctest: +SKIP
     'direct'
@@ -204,7 +214,8 @@ def open_reader(path: str, backend: str, *, threads: int | None = None, fd: int 
     threads = threads or (REMOTE_THREADS if remote else None)
     if backend == "direct":
         try:
-            return DirectReader(path, threads=threads, fd=fd, chunk_bytes=chunk)
+            return DirectReader(path, threads=threads, fd=fd, chunk_bytes=chunk, bounce_bytes=_page_multiple(min(BOUNCE_BYTES, chunk)))
         except OSError as e:
-            log.warning("%s: O_DIRECT is not supported here (%s); reading with pread instead", path, e.strerror or e)
+            log.log(logging.DEBUG if quiet else logging.WARNING, "%s: O_DIRECT is not supported here (%s); "
+                    "reading with pread instead", path, e.strerror or e)
     return Reader(path, threads=threads, fd=fd, chunk_bytes=chunk)

@@ -12,7 +12,7 @@ BackendChoice(backend='pread', reason='fuse filesystem, cold: 0% of sampled page
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import mmap
 import os
 from dataclasses import dataclass
@@ -46,8 +46,12 @@ class BackendChoice:
     remote: str | None = None  # the network/FUSE filesystem's name: readers keep more requests in flight
 
 
+@functools.lru_cache(maxsize=1)
 def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    """The C library, loaded once. ``dlopen(NULL)``: the process's own symbols, libc's among them.
+    Never ``ctypes.util.find_library``, which forks ``ldconfig`` on every call: a fork from a reader
+    thread while other threads wait on FUSE requests hung a process in the kernel here."""
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def filesystem_magic(path: str) -> int | None:
@@ -153,8 +157,9 @@ def choose_backend(path: str, read: str, *, fd: int | None = None) -> BackendCho
     ``auto`` picks ``mmap`` for warm files (at least 50% of sampled pages cached on a local disk,
     90% on network/FUSE filesystems, checked with
     ``mincore`` after opening: FUSE mounts without ``kernel_cache`` drop a file's cache at each
-    open, so they read as cold) and ``pread`` for cold ones, which on network and FUSE
-    filesystems (statfs magic) means every page fault is a round trip.
+    open, so they read as cold) and for cold ones ``pread`` on a local disk, ``direct`` on
+    network and FUSE filesystems (statfs magic), where every request is a round trip and
+    O_DIRECT makes each request as large as the read (``pread`` where O_DIRECT is refused).
 
     Args:
         path: the file.
@@ -168,13 +173,16 @@ def choose_backend(path: str, read: str, *, fd: int | None = None) -> BackendCho
     BackendChoice(backend='mmap', reason='read=mmap')
     """
     check_backend(read)
-    if read != "auto":
-        return BackendChoice(read, f"read={read}")
+    if read != "auto":  # still tuned for the filesystem: more, smaller reads in flight on a remote one
+        return BackendChoice(read, f"read={read}", remote_filesystem(path))
     remote = remote_filesystem(path)
     where = f"{remote} filesystem" if remote else "local file"
+    # Remote: O_DIRECT requests are as large as the read (FUSE: up to 1 MiB, not the page cache's
+    # 128 KiB), so each round trip brings more (measured: 2237 requests instead of 13461 for 1.7 GB).
+    cold = "direct" if remote else "pread"
     fraction = cached_fraction(path, fd=fd)
     if fraction is None:
-        return BackendChoice("pread", f"{where}, page-cache residency unknown", remote)
+        return BackendChoice(cold, f"{where}, page-cache residency unknown", remote)
     if fraction < (WARM_FRACTION_REMOTE if remote else WARM_FRACTION_LOCAL):
-        return BackendChoice("pread", f"{where}, cold: {fraction:.0%} of sampled pages cached", remote)
+        return BackendChoice(cold, f"{where}, cold: {fraction:.0%} of sampled pages cached", remote)
     return BackendChoice("mmap", f"{where}, warm: {fraction:.0%} of sampled pages cached", remote)

@@ -111,7 +111,8 @@ def _open_fd(shard: Shard, fd: int, read: str) -> None:
         if choice.backend == "mmap":
             shard.mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         else:
-            shard.reader = open_reader(shard.path, choice.backend, fd=fd, remote=choice.remote is not None)
+            shard.reader = open_reader(shard.path, choice.backend, fd=fd, remote=choice.remote is not None,
+                                       quiet=read == "auto")
     except (OSError, ValueError) as e:
         raise HeaderError(f"{shard.path}: cannot open the file for reading ({e})") from e
     shard.header, shard.entries = header, header.by_name()
