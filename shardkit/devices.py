@@ -10,7 +10,8 @@ Device keys: ``0``, ``"0"``, ``"cuda:1"``, ``"gpu:0"`` → GPU index; ``"cpu"``,
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .errors import InvalidInputError
 from .units import format_size, parse_size

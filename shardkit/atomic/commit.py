@@ -41,7 +41,8 @@ import json
 import os
 import secrets
 import shutil
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from .. import _faults
 from ..errors import (
@@ -84,9 +85,9 @@ def _write_error(what: str, e: OSError) -> ShardkitWriteError:
 class OutputTransaction:
     """Write files for ``output`` via :meth:`path_for`, then :meth:`commit` them all at once.
 
-    >>> with OutputTransaction("out/", overwrite=False) as tx:           # doctest: +SKIP
-    ...     write_file(tx.path_for("model.safetensors"))
-    ...     tx.commit(last="model.safetensors")
+    with OutputTransaction("out/", overwrite=False) as tx:
+        write_file(tx.path_for("model.safetensors"))
+        tx.commit(last="model.safetensors")
     """
 
     def __init__(self, output: str | os.PathLike[str], *, overwrite: bool = False,
@@ -101,7 +102,7 @@ class OutputTransaction:
         self._committed = False
         self._past_commit_point = False
 
-    def __enter__(self) -> "OutputTransaction":
+    def __enter__(self) -> OutputTransaction:
         if os.path.exists(self.output) and not os.path.isdir(self.output):
             raise OutputExistsError(f"{self.output} exists and is a file; the output must be a folder")
         parent = os.path.dirname(self.output)
@@ -293,8 +294,8 @@ def file_transaction(path: str, *, overwrite: bool = False) -> Iterator[str]:
 
     On any failure (or Ctrl-C) the temporary file is removed and ``path`` is left as it was.
 
-    >>> with file_transaction("merged.safetensors") as tmp:    # doctest: +SKIP
-    ...     write_safetensors(tmp, writes, source)
+    with file_transaction("merged.safetensors") as tmp:
+        write_safetensors(tmp, writes, source)
     """
     tmp = atomic_output_file(path, overwrite=overwrite)
     try:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from ..errors import CheckpointIndexError, ShardkitError
 from ..formats.suffixes import CHECKPOINT_SUFFIXES, DCP_METADATA
@@ -80,7 +81,7 @@ def settle(folder: str | os.PathLike[str], *, timeout_s: float = 60.0) -> None:
 
     Raises a one-line :class:`CheckpointIndexError` when the folder cannot be written.
 
-    >>> settle("ckpt/")  # doctest: +SKIP
+    settle("ckpt/")
     """
     folder = os.fspath(folder)
     deadline = time.monotonic() + timeout_s
@@ -98,7 +99,7 @@ def read_consistently(folder: str | os.PathLike[str], open_fn: Callable[[], T], 
     a consistent snapshot. Results of discarded attempts are closed when they have ``close()``.
     ``only`` names the one file that matters (a single-file checkpoint), see :func:`folder_state`.
 
-    >>> source = read_consistently("ckpt/", lambda: open_safetensors_folder("ckpt/"))  # doctest: +SKIP
+    source = read_consistently("ckpt/", lambda: open_safetensors_folder("ckpt/"))
     """
     folder = os.fspath(folder)
     deadline = time.monotonic() + timeout_s

@@ -13,8 +13,8 @@ import hashlib
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..formats.header import TensorEntry
 from ..formats.manifest import crc_chunk
@@ -81,7 +81,7 @@ class TensorComparator:
 
 
 def _first_difference(out: TensorEntry, begin: int, got: bytes, want: bytes, *, cast_from: str | None = None) -> str:
-    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
     byte = begin + at
     bits = DTYPE_BITS[out.dtype]
     element = byte * 8 // bits

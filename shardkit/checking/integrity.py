@@ -14,7 +14,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..formats.manifest import MANIFEST_NAME, FileDigest, Manifest, ManifestError, find_manifest, read_digests, read_manifest
+from ..formats.manifest import (
+    MANIFEST_NAME,
+    FileDigest,
+    Manifest,
+    ManifestError,
+    find_manifest,
+    read_digests,
+    read_manifest,
+)
 
 __all__ = ["Expected", "ManifestFinding", "expected_files", "compare_with_manifest"]
 
@@ -51,7 +59,7 @@ def expected_files(path: str, *, pipeline: bool) -> tuple[dict[str, Expected], l
     Raises:
         ManifestError: a manifest exists but cannot be read.
 
-    >>> expected_files("out/", pipeline=False)[1]    # doctest: +SKIP
+    expected_files("out/", pipeline=False)[1]
     ['shardkit.manifest.json']
     """
     if os.path.isfile(path) and not path.endswith(".json"):
@@ -138,7 +146,7 @@ def _locate(expected: Expected, crcs: list[str] | None) -> list[ManifestFinding]
         except OSError:
             return []  # the scan already reported the read failure
     found = []
-    for (name, begin, end), got, want in zip(ranges, crcs, wanted):
+    for (name, begin, end), got, want in zip(ranges, crcs, wanted, strict=True):
         if got == want:
             continue
         if not name:

@@ -112,7 +112,7 @@ def read_index(layout: Layout) -> tuple[dict[str, str], dict] | None:
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
         layout.problems.append(Problem(name, None, "index must be a JSON object with a 'weight_map' object"))
         return None
-    metadata = doc.get("metadata") if isinstance(doc.get("metadata"), dict) else {}
+    metadata: dict = doc["metadata"] if isinstance(doc.get("metadata"), dict) else {}
     weight_map: dict[str, str] = {}
     for tensor, shard in doc["weight_map"].items():
         try:
@@ -167,11 +167,13 @@ def _size(path: str) -> int:
 
 def check_index(layout: Layout, weight_map: dict[str, str], metadata: dict,
                 headers: dict[str, HeaderRead]) -> None:
-    """Index ↔ files ↔ headers: placement, duplicates, orphans, total_size."""
+    """Index ↔ files ↔ headers: placement, duplicates, orphans, total_size (a layout with an index)."""
+    assert layout.index is not None
     index, problems = layout.index, layout.problems
     stored: dict[str, list[str]] = {}
     for shard in sorted(headers):
-        for entry in headers[shard].header.entries if headers[shard].header else []:  # type: ignore[union-attr]
+        header = headers[shard].header
+        for entry in header.entries if header else []:
             stored.setdefault(entry.name, []).append(shard)
     for name, shards in stored.items():
         if name not in weight_map:
@@ -186,10 +188,10 @@ def check_index(layout: Layout, weight_map: dict[str, str], metadata: dict,
         read = headers.get(shard)
         if read is not None and read.header is not None and tensor not in stored:
             problems.append(Problem(index, tensor, f"the index places it in {shard}, which does not hold it"))
-    _check_total_size(layout, weight_map, metadata, headers)
+    _check_total_size(layout, index, weight_map, metadata, headers)
 
 
-def _check_total_size(layout: Layout, weight_map: dict[str, str], metadata: dict,
+def _check_total_size(layout: Layout, index: str, weight_map: dict[str, str], metadata: dict,
                       headers: dict[str, HeaderRead]) -> None:
     """total_size is the sum of the bytes of the tensors the index names, each counted once."""
     if "total_size" not in metadata or not layout.all_present:
@@ -203,7 +205,7 @@ def _check_total_size(layout: Layout, weight_map: dict[str, str], metadata: dict
     actual = sum(sizes[t] for t in weight_map)
     declared = metadata["total_size"]
     if not isinstance(declared, (int, float)) or isinstance(declared, bool) or declared != actual:
-        layout.problems.append(Problem(layout.index, None, f"metadata.total_size is {declared!r} but the "
+        layout.problems.append(Problem(index, None, f"metadata.total_size is {declared!r} but the "
                                        f"tensors it indexes hold {actual} bytes"))
 
 

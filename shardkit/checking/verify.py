@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 import re
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
@@ -142,8 +143,8 @@ def verify(path: str | os.PathLike[str], *, against: Any = None,
         InvalidInputError: ``path`` is not a safetensors checkpoint, ``against`` cannot be
             opened, or a pipeline folder is checked against something other than a pipeline.
 
-    >>> report = verify("out/", against="model.safetensors")   # doctest: +SKIP
-    >>> report.ok, [str(f) for f in report.findings]             # doctest: +SKIP
+    report = verify("out/", against="model.safetensors")
+    report.ok, [str(f) for f in report.findings]
     (True, [])
     """
     from ..atomic.snapshot import settle
@@ -324,7 +325,7 @@ def _run_scans(jobs: list[_ScanJob], report: VerifyReport, progress: ProgressCal
     workers = max(1, min(len(jobs), os.cpu_count() or 1, MAX_SCAN_THREADS))
     with ThreadPoolExecutor(max_workers=workers) as pool:
         results = list(pool.map(run, jobs))
-    for job, result in zip(jobs, results):
+    for job, result in zip(jobs, results, strict=True):
         job.crc32s = result.crc32s
         _record(job, result, report)
 

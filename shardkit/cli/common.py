@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import logging
+import os
 import signal
 import sys
 import traceback
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import click
 
@@ -49,13 +50,13 @@ def configure_logging(*, debug: bool) -> None:
         disable_progress_bars()
 
 
-class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+class _StderrHandler(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is at emit time (click's test runner swaps it)."""
 
     def __init__(self) -> None:
         super().__init__(sys.stderr)
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> Any:
         return sys.stderr
 

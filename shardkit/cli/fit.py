@@ -111,7 +111,6 @@ def fit(folder: str, gpus: tuple[int, ...], cpu: int | None, max_memory: str | N
     """
     from ..fitting.autofit import DEFAULT_MARGIN, Margin
     from ..fitting.autofit import fit as fit_api
-
     from ..hub.remote import local_checkpoint
 
     margin = Margin(DEFAULT_MARGIN.fraction, reserve)
@@ -143,7 +142,7 @@ def print_ranking(plan: Any) -> None:
     widths = [max(len(str(r[i])) for r in [header, *table]) for i in range(len(header))]
     for row in [header, *table]:
         click.echo("  ".join(str(cell).ljust(w) if i < 3 else str(cell).rjust(w)
-                             for i, (cell, w) in enumerate(zip(row, widths))).rstrip())
+                             for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip())
 
 
 def _short(candidate: Any) -> str:

@@ -127,7 +127,7 @@ def _table(rows: list[tuple[str, ...]], *, header: tuple[str, ...] | None, right
     allrows = ([header] if header else []) + rows
     widths = [max(len(r[i]) for r in allrows) for i in range(len(allrows[0]))]
     for row in allrows:
-        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        cells = [c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))]
         click.echo("  ".join(cells).rstrip())
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -11,6 +11,9 @@ from ..errors import InvalidInputError
 from ..units import format_size
 from .common import echo_json, hub_token_option
 from .fit import COMPUTE_DTYPE, budget_options, output_options
+
+if TYPE_CHECKING:
+    from ..fitting.estimate import MemoryEstimate
 
 EPILOG = """\b
 Examples:
@@ -112,7 +115,7 @@ def _strategy_line(estimate: Any) -> str:
 
 
 def _estimate(model_spec: str, *, config: str | None, checkpoint: str | None, dtype: str | None,
-              gpu_bytes: int | None) -> object:
+              gpu_bytes: int | None) -> MemoryEstimate:
     from ..fitting.estimate import estimate_memory
     from ..loading.skeleton import build_skeleton
 

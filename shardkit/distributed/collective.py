@@ -17,8 +17,9 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from ..atomic.commit import TMP_MARK, OutputTransaction
 from ..formats.manifest import FileDigest
@@ -91,7 +92,7 @@ def write_collective(src: Source, output: str, *, options: WriteOptions, process
     Returns:
         The :class:`~shardkit.sharding.job.SplitResult`, equal on every rank.
 
-    >>> write_collective(src, "out/", options=WriteOptions(max_shard_bytes=10**9), process_group=None)  # doctest: +SKIP
+    write_collective(src, "out/", options=WriteOptions(max_shard_bytes=10**9), process_group=None)
     """
     rank, world = rank_and_world(process_group)
     agree(process_group, check_world_size(process_group, sizes=mesh_sizes), what="checking world sizes")
@@ -113,7 +114,7 @@ def write_collective(src: Source, output: str, *, options: WriteOptions, process
 
 
 def _agree_on_plan(process_group: Any, rank: int, job: ShardJob, options: WriteOptions) -> None:
-    rows = [[w.out.name, w.out.dtype, list(w.out.shape)] for w in job.writes]
+    rows: list[Sequence[object]] = [[w.out.name, w.out.dtype, list(w.out.shape)] for w in job.writes]
     rows += [[s.filename, *s.names] for s in job.plan.shards]
     rows += [[repr(options.cast_to), job.plan.max_shard_bytes, options.overwrite, sorted(job.source.aliases().items())]]
     statuses = agree(process_group, RankStatus(rank, payload=plan_signature(rows)), what="comparing plans")
@@ -171,18 +172,18 @@ def _write_owned(run: CollectiveWrite, gather: Any) -> dict[str, FileDigest]:
     """
     job, metadata = run.job, shard_metadata(run.job, run.options.metadata or {})
     by_name = {w.out.name: w for w in job.writes}
-    mine = [s for s, owner in zip(job.plan.shards, run.owners) if owner == run.rank]
+    mine = [s for s, owner in zip(job.plan.shards, run.owners, strict=True) if owner == run.rank]
     tick = ByteCounter(sum(s.nbytes for s in mine), run.options.progress)
     error: BaseException | None = None
     outcome: tuple[dict[str, FileDigest], int] = ({}, 0)
     if gather is not None:
-        gather.assign({n: owner for s, owner in zip(job.plan.shards, run.owners) for n in s.names},
+        gather.assign({n: owner for s, owner in zip(job.plan.shards, run.owners, strict=True) for n in s.names},
                       rank=run.rank, process_group=run.process_group)
     try:
         cloned_bytes = 0
         with digest.ManifestRecorder(run.output, stale=run.stale, enabled=run.options.manifest) as record, \
                 BackgroundSync() as sync:
-            for shard, owner in zip(job.plan.shards, run.owners):
+            for shard, owner in zip(job.plan.shards, run.owners, strict=True):
                 if owner == run.rank:
                     path, writes = run.local(run.paths[shard.filename]), [by_name[n] for n in shard.names]
                     written = write_safetensors(path, writes, job.source, metadata=metadata, progress=tick, sync=sync)

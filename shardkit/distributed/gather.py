@@ -9,7 +9,8 @@ tensor lives comes from its placements (``Shard``, ``Replicate``), never from it
 
 from __future__ import annotations
 
-from typing import Any, Collection, Mapping
+from collections.abc import Collection, Mapping
+from typing import Any
 
 from ..formats.header import TensorEntry
 from ..formats.index import Naming
@@ -124,7 +125,7 @@ def gather_to(t: Any, owner: int, *, rank: int, process_group: Any) -> Any:
     if pieces is None:
         return None
     sizes = [max(0, min(chunk, size - i * chunk)) for i in range(parts)]
-    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(pieces, sizes)], dim=dim)
+    return torch.cat([p.narrow(dim, 0, n) for p, n in zip(pieces, sizes, strict=True)], dim=dim)
 
 
 class GatheredSource(Source):

@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from ..errors import InvalidInputError, ShardkitError, ShardkitWriteError
 
@@ -45,7 +46,7 @@ def rank_and_world(process_group: Any) -> tuple[int, int]:
 def agree(process_group: Any, status: RankStatus, *, what: str) -> list[RankStatus]:
     """Exchange every rank's status of step ``what``; raise the same error on every rank if one failed.
 
-    >>> agree(pg, RankStatus(rank), what="writing shards")   # doctest: +SKIP
+    agree(pg, RankStatus(rank), what="writing shards")
     """
     import torch.distributed as dist
 
@@ -127,8 +128,8 @@ def group_from_env(*, timeout_s: float = 300.0) -> Iterator[bool]:
     the group is destroyed, so no gloo thread outlives the interpreter (which aborts the
     process). A group someone else started is left as it is.
 
-    >>> with group_from_env() as distributed:      # doctest: +SKIP
-    ...     run_the_job(collective=distributed)
+    with group_from_env() as distributed:
+        run_the_job(collective=distributed)
     """
     env = os.environ.get("WORLD_SIZE", "").strip()
     if not env.isdigit() or int(env) <= 1:

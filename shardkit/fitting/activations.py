@@ -21,8 +21,9 @@ peaks, and the planner adds a safety margin on top.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 # Switch sets a component's activation table may contain (sorted names joined with "+").
 NO_SWITCH = ""
@@ -54,6 +55,13 @@ class Context:
     vae_scale: int = 8
     cfg: bool = True
 
+    @property
+    def image_size(self) -> tuple[int, int]:
+        """``(height, width)`` of the workload, which the profiler resolves before any formula runs."""
+        height, width = self.workload.height, self.workload.width
+        assert height is not None and width is not None, "resolve the workload's image size first"
+        return height, width
+
 
 def _cfg_batch(ctx: Context) -> int:
     guidance = ctx.cfg if ctx.workload.guidance is None else ctx.workload.guidance
@@ -70,8 +78,10 @@ def unet_activations(config: Mapping[str, Any], ctx: Context, *, sliceable: bool
     levels = len(channels)
     heads = _as_list(config.get("num_attention_heads") or config.get("attention_head_dim") or 8, levels)
     down_types = list(config.get("down_block_types") or ["CrossAttnDownBlock2D"] * levels)
-    layers = int(config.get("layers_per_block") if isinstance(config.get("layers_per_block"), int) else 2)
-    pixels = (ctx.workload.height // ctx.vae_scale) * (ctx.workload.width // ctx.vae_scale)
+    given_layers = config.get("layers_per_block")
+    layers = given_layers if isinstance(given_layers, int) else 2
+    height, width = ctx.image_size
+    pixels = (height // ctx.vae_scale) * (width // ctx.vae_scale)
     skips = work = 0
     scores = [0]
     for i, c in enumerate(channels):
@@ -100,7 +110,8 @@ def transformer_activations(config: Mapping[str, Any], ctx: Context) -> dict[str
     width = heads * int(config.get("attention_head_dim") or 64)
     patch = int(config.get("patch_size") or 1)
     patch = patch if patch > 1 else 2  # Flux packs 2x2 latents into one token
-    tokens = (ctx.workload.height // ctx.vae_scale // patch) * (ctx.workload.width // ctx.vae_scale // patch)
+    image_h, image_w = ctx.image_size
+    tokens = (image_h // ctx.vae_scale // patch) * (image_w // ctx.vae_scale // patch)
     if config.get("joint_attention_dim"):
         tokens += DEFAULT_TEXT_TOKENS["t5"]
     plain = 14 * tokens * width
@@ -115,7 +126,7 @@ def vae_activations(config: Mapping[str, Any], ctx: Context, *, tiling: bool, sl
     tile = int(config.get("sample_size") or 512)
     if isinstance(config.get("sample_size"), (list, tuple)):
         tile = int(config["sample_size"][0])
-    h, w = ctx.workload.height, ctx.workload.width
+    h, w = ctx.image_size
     batch = ctx.workload.batch_size
 
     def decode(images: int, height: int, width: int) -> int:

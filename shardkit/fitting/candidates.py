@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from ..devices import gpu_and_cpu_bytes, merge_budgets
 from ..errors import InvalidInputError
@@ -95,7 +96,7 @@ class Candidate:
                            *(s.replace("_", " ") for s in self.switches)])
 
     def peak_by_device(self) -> dict[str, int]:
-        out = {f"cuda:{d}": int(p) for d, p in zip(self.devices, self.peaks.gpu)}
+        out = {f"cuda:{d}": int(p) for d, p in zip(self.devices, self.peaks.gpu, strict=True)}
         out["cpu"] = int(self.peaks.cpu)
         return out
 
@@ -114,7 +115,7 @@ def speed_class(slowdown: float) -> str:
 
 
 def _violation(peaks: Peaks, devices: tuple[int, ...], budget: Budget, margin: Margin) -> str | None:
-    for d, need in zip(devices, peaks.gpu):
+    for d, need in zip(devices, peaks.gpu, strict=True):
         usable = margin.usable(budget.gpu_bytes[d], gpu=True)
         if need > usable:
             return (f"cuda:{d} would need {format_size(int(need))}, more than the {format_size(max(usable, 0))} "
@@ -128,7 +129,7 @@ def _violation(peaks: Peaks, devices: tuple[int, ...], budget: Budget, margin: M
 
 
 def _overshoot(peaks: Peaks, devices: tuple[int, ...], budget: Budget, margin: Margin) -> float:
-    over = sum(max(0, need - margin.usable(budget.gpu_bytes[d], gpu=True)) for d, need in zip(devices, peaks.gpu))
+    over = sum(max(0, need - margin.usable(budget.gpu_bytes[d], gpu=True)) for d, need in zip(devices, peaks.gpu, strict=True))
     if budget.cpu_bytes is not None:
         over += max(0, peaks.cpu - margin.usable(budget.cpu_bytes, gpu=False))
     return over

@@ -8,16 +8,17 @@ one name and one peak everywhere. Unlike ``fit`` it reports every strategy, each
 fp8 layerwise casting, applies no safety margin and proposes no switches. The CUDA context
 (~0.3–0.5 GB) is not included: numbers compare with ``torch.cuda.max_memory_allocated``.
 
->>> report = estimate_memory(skeleton, gpu_bytes=16 * 10**9, dtype="bf16")   # doctest: +SKIP
->>> print(report.table())                                                     # doctest: +SKIP
+report = estimate_memory(skeleton, gpu_bytes=16 * 10**9, dtype="bf16")
+print(report.table())
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
 from ..units import format_size
@@ -109,7 +110,7 @@ def strategy_peaks(
     acts = [activation_bytes] * len(components) if isinstance(activation_bytes, int) else list(activation_bytes)
     rows = []
     for spec in specs if specs is not None else strategy_specs():
-        views = [View(c.name, "", c, spec.fp8, a) for c, a in zip(components, acts)]
+        views = [View(c.name, "", c, spec.fp8, a) for c, a in zip(components, acts, strict=True)]
         peaks = spec.strategy.peaks(views, ())
         peak, act = peaks.gpu[0], peaks.activation_bytes
         fits = None if gpu_bytes is None else peak <= gpu_bytes
@@ -186,9 +187,9 @@ def estimate_memory(
         A :class:`MemoryEstimate`: one row per strategy (names as :func:`shardkit.fit` uses them,
         ``+fp8`` for casting), the component sizes and notes on where the numbers came from.
 
-    >>> with accelerate.init_empty_weights():                                   # doctest: +SKIP
-    ...     unet = UNet2DConditionModel.from_config(config)
-    >>> print(estimate_memory(unet, gpu_bytes="8GB", dtype="fp16").table())     # doctest: +SKIP
+    with accelerate.init_empty_weights():
+        unet = UNet2DConditionModel.from_config(config)
+    print(estimate_memory(unet, gpu_bytes="8GB", dtype="fp16").table())
     """
     from torch import nn
 

@@ -30,8 +30,9 @@ layer may be the cast one (fp8 copy + upcast copy) or the largest uncast one, wh
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from .activations import NO_SWITCH, switch_key
 from .profile import ComponentProfile
@@ -130,7 +131,7 @@ def _blocks(n: int, stream: bool) -> Unit:
         for blocks in v.sizes.block_lists:
             groups = [sum(b.pick(v.fp8) for b in blocks[i:i + n]) for i in range(0, len(blocks), n)]
             # A stream prefetches the next group of the same list while the current one runs.
-            pairs = [a + b for a, b in zip(groups, groups[1:])] if stream and len(groups) > 1 else groups
+            pairs = [a + b for a, b in zip(groups, groups[1:], strict=False)] if stream and len(groups) > 1 else groups
             window = max(window, *pairs)
         return v.sizes.rest.pick(v.fp8) + window + v.upcast
     return unit
@@ -185,9 +186,10 @@ def _place_whole(views: Iterable[View], usable: tuple[int, ...], weights: list[i
 
 
 def _balanced(views: list[View], usable: tuple[int, ...]) -> Peaks:
-    weights, lives, device_map = [0] * len(usable), [0] * len(usable), {}
+    weights, lives = [0] * len(usable), [0] * len(usable)
+    device_map: dict[str, int | str] = {}
     _place_whole(views, usable, weights, lives, device_map)
-    return Peaks(tuple(w + a for w, a in zip(weights, lives)), 0, device_map)
+    return Peaks(tuple(w + a for w, a in zip(weights, lives, strict=True)), 0, device_map)
 
 
 def _staged(views: list[View], usable: tuple[int, ...]) -> Peaks:
@@ -207,7 +209,7 @@ def _staged(views: list[View], usable: tuple[int, ...]) -> Peaks:
         used.add(i)
     device_map: dict[str, Any] = {den.name: sorted(used)}
     _place_whole((v for v in views if v is not den), usable, weights, lives, device_map)
-    return Peaks(tuple(w + a for w, a in zip(weights, lives)), 0, device_map)
+    return Peaks(tuple(w + a for w, a in zip(weights, lives, strict=True)), 0, device_map)
 
 
 def _group(offload_type: str, n: int | None, stream: bool) -> dict[str, Any]:

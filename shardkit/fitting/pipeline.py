@@ -8,10 +8,11 @@ It lives in ``fit/`` because ``fit=`` needs the auto-fit planner; the loading it
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from ..errors import InvalidInputError
 from ..devices import parse_max_memory
+from ..errors import InvalidInputError
 from ..loading.pipeline import check_gpus, load_pipeline_folder
 from ..runtime.apply import RuntimeSetup
 from .autofit import FitPlan, apply_plan, fit
@@ -53,9 +54,9 @@ def load_pipeline(
     Returns:
         The ``DiffusionPipeline``, with ``shardkit_plan`` set when ``fit`` was given.
 
-    >>> pipe = load_pipeline("flux/", dtype="bf16", offload="group",
-    ...                      offload_options={"offload_type": "leaf_level", "use_stream": True},
-    ...                      layerwise_casting=("float8_e4m3fn", "bfloat16"))    # doctest: +SKIP
+    pipe = load_pipeline("flux/", dtype="bf16", offload="group",
+                         offload_options={"offload_type": "leaf_level", "use_stream": True},
+                         layerwise_casting=("float8_e4m3fn", "bfloat16"))
     """
     if fit is not None:
         if device_map is not None or offload is not None or offload_options or layerwise_casting is not None:

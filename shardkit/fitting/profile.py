@@ -14,8 +14,9 @@ import json
 import logging
 import os
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import InvalidInputError, ShardkitWarning
 from ..units import DTYPE_BITS

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Collection, Iterable, Mapping
+from typing import Any
 
 from ..units import DTYPE_BITS, FLOAT_DTYPES
 

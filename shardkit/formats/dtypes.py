@@ -18,7 +18,7 @@ _CODE_TO_TORCH_NAME = {
 }
 
 
-def to_torch(code: str) -> "torch.dtype":
+def to_torch(code: str) -> torch.dtype:
     """The torch dtype for a safetensors code, e.g. ``to_torch("BF16") is torch.bfloat16``."""
     import torch
 
@@ -29,7 +29,7 @@ def to_torch(code: str) -> "torch.dtype":
     return dtype
 
 
-def from_torch(dtype: "torch.dtype") -> str:
+def from_torch(dtype: torch.dtype) -> str:
     """The safetensors code for a torch dtype, e.g. ``from_torch(torch.float16) == "F16"``."""
     name = str(dtype).removeprefix("torch.")
     for code, torch_name in _CODE_TO_TORCH_NAME.items():
@@ -38,7 +38,7 @@ def from_torch(dtype: "torch.dtype") -> str:
     raise InvalidInputError(f"torch dtype {dtype} cannot be stored in safetensors")
 
 
-def resolve_torch_dtype(value: "str | torch.dtype | None") -> "torch.dtype | None":
+def resolve_torch_dtype(value: str | torch.dtype | None) -> torch.dtype | None:
     """Accept ``torch.bfloat16``, ``"bf16"``, ``"bfloat16"`` or ``"BF16"``."""
     if value is None:
         return None

@@ -13,7 +13,8 @@ transformers' ``Fp8Quantize`` computes it. All functions take and return one ban
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from .dtypes import to_torch
@@ -30,7 +31,7 @@ E4M3_MAX = 448.0
 BAND_BYTES = 16 * 2**20  # float32 bytes of one band of rows (bounds memory whatever the tensor's size)
 
 
-def tensor_from_bytes(raw: bytes | bytearray | memoryview, dtype_code: str, shape: tuple[int, ...]) -> "torch.Tensor":
+def tensor_from_bytes(raw: bytes | bytearray | memoryview, dtype_code: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor over a copy of ``raw`` (little-endian, as stored), in its stored dtype."""
     import torch
 
@@ -40,7 +41,7 @@ def tensor_from_bytes(raw: bytes | bytearray | memoryview, dtype_code: str, shap
     return torch.frombuffer(data, dtype=to_torch(dtype_code)).reshape(shape)
 
 
-def scale_to_float32(scale: "torch.Tensor") -> "torch.Tensor":
+def scale_to_float32(scale: torch.Tensor) -> torch.Tensor:
     """A scale tensor as float32 multipliers (uint8 holds e8m0 exponents)."""
     import torch
 
@@ -55,8 +56,8 @@ def band_rows(weight: ScaledWeight, cols: int) -> int:
     return max(step, (BAND_BYTES // max(1, cols * 4)) // step * step)
 
 
-def dequantize_band(q: "torch.Tensor", scale: "torch.Tensor", weight: ScaledWeight, row0: int,
-                    out_dtype: "torch.dtype") -> "torch.Tensor":
+def dequantize_band(q: torch.Tensor, scale: torch.Tensor, weight: ScaledWeight, row0: int,
+                    out_dtype: torch.dtype) -> torch.Tensor:
     """Rows ``row0 : row0 + len(q)`` of the dequantized weight (``q``: those rows, 2-D, as stored).
 
     Args:
@@ -78,7 +79,7 @@ def dequantize_band(q: "torch.Tensor", scale: "torch.Tensor", weight: ScaledWeig
     return (values * _band_scale(scale, weight, row0, values.shape)).to(out_dtype)
 
 
-def _band_scale(scale: "torch.Tensor", weight: ScaledWeight, row0: int, shape: "torch.Size") -> "torch.Tensor":
+def _band_scale(scale: torch.Tensor, weight: ScaledWeight, row0: int, shape: torch.Size) -> torch.Tensor:
     rows, cols = shape
     if weight.granularity in ("tensor", "fused"):  # fused: only used once every value agrees
         return scale.reshape(-1)[0]
@@ -92,9 +93,9 @@ def _band_scale(scale: "torch.Tensor", weight: ScaledWeight, row0: int, shape: "
     return full[at:at + rows, :cols]
 
 
-def quantize_band(w: "torch.Tensor", granularity: str, *, block: tuple[int, int] = (128, 128),
-                  absmax: "torch.Tensor | None" = None,
-                  scale_dtype: "torch.dtype | None" = None) -> tuple["torch.Tensor", "torch.Tensor"]:
+def quantize_band(w: torch.Tensor, granularity: str, *, block: tuple[int, int] = (128, 128),
+                  absmax: torch.Tensor | None = None,
+                  scale_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(``q`` as e4m3fn, scale in ``scale_dtype``, float32 by default) of a band of rows ``w`` (2-D float32).
 
     ``granularity``: ``"block"`` (the band's rows a multiple of ``block[0]``, columns of ``block[1]``),
@@ -119,7 +120,7 @@ def quantize_band(w: "torch.Tensor", granularity: str, *, block: tuple[int, int]
     return q.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(rows, cols), scale
 
 
-def _scale(absmax: "torch.Tensor", dtype: "torch.dtype | None") -> "torch.Tensor":
+def _scale(absmax: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """The stored scale of an absmax: ``1 / (448 / absmax)`` as transformers' Fp8Quantize computes it (1 for an
     all-zero block), rounded to ``dtype``."""
     import torch
@@ -130,7 +131,7 @@ def _scale(absmax: "torch.Tensor", dtype: "torch.dtype | None") -> "torch.Tensor
     return (1.0 / mult).to(dtype or torch.float32)
 
 
-def refuse_disagreeing(fused: Mapping[str, "torch.Tensor"], *, where: str) -> None:
+def refuse_disagreeing(fused: Mapping[str, torch.Tensor], *, where: str) -> None:
     """Several per-tensor scales on one fused weight (qkv) are usable only when they agree.
 
     Args:
@@ -144,16 +145,16 @@ def refuse_disagreeing(fused: Mapping[str, "torch.Tensor"], *, where: str) -> No
                                 "checkpoint as is, without --dtype)")
 
 
-def state_dict_entries(tensors: Mapping[str, "torch.Tensor"]) -> list[TensorEntry]:
+def state_dict_entries(tensors: Mapping[str, torch.Tensor]) -> list[TensorEntry]:
     """The header records (name, dtype code, shape, bytes) of an in-memory state dict."""
     from .dtypes import from_torch
 
     return [TensorEntry(n, from_torch(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for n, t in tensors.items()]
 
 
-def dequantize_state_dict(tensors: Mapping[str, "torch.Tensor"], *, out_dtype: "torch.dtype",
+def dequantize_state_dict(tensors: Mapping[str, torch.Tensor], *, out_dtype: torch.dtype,
                           metadata: Mapping[str, str] | None = None,
-                          where: str = "checkpoint") -> tuple[dict[str, "torch.Tensor"], QuantLayout | None]:
+                          where: str = "checkpoint") -> tuple[dict[str, torch.Tensor], QuantLayout | None]:
     """An in-memory state dict with its scaled weights dequantized and its scales and markers dropped.
 
     For the callers that need whole tensors (diffusers' single-file key mapping): each scaled weight

@@ -43,7 +43,7 @@ class Component:
     library: str
     naming: Naming
     has_weights: bool
-    class_name: str | None = None
+    class_name: str
 
 
 def is_pipeline_folder(path: str | os.PathLike[str]) -> bool:
@@ -58,7 +58,7 @@ def find_components(folder: str | os.PathLike[str], *, variant: str | None = Non
     Entries whose value is not a ``[library, class]`` pair (``_class_name``, flags such as
     ``requires_safety_checker``) and disabled components (``[null, null]``) are skipped.
 
-    >>> [(c.name, c.naming.prefix) for c in find_components("sd-pipeline/") if c.has_weights]  # doctest: +SKIP
+    [(c.name, c.naming.prefix) for c in find_components("sd-pipeline/") if c.has_weights]
     [('text_encoder', 'model'), ('unet', 'diffusion_pytorch_model'), ('vae', 'diffusion_pytorch_model')]
     """
     folder = os.fspath(folder)

@@ -27,8 +27,9 @@ import json
 import math
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ..errors import InvalidInputError
 from .header import TensorEntry
@@ -92,6 +93,13 @@ class ScaledWeight:
     block: tuple[int, int]
 
 
+def _grain_words(weight: ScaledWeight) -> str:
+    """``"128×128 blocks"``, ``"per-channel scales"``, ``"fused per-tensor scales"``..."""
+    if weight.granularity == "block":
+        return f"{weight.block[0]}×{weight.block[1]} blocks"
+    return "fused per-tensor scales" if weight.granularity == "fused" else f"per-{weight.granularity} scales"
+
+
 @dataclass(frozen=True)
 class QuantLayout:
     """How a checkpoint stores fp8 weights with scales (see the module docstring).
@@ -112,10 +120,7 @@ class QuantLayout:
 
     def describe(self) -> str:
         """``"fp8, 128×128 blocks, float32 scales (transformers FineGrainedFP8)"`` and the like."""
-        kinds = sorted({(w.granularity, w.block if w.granularity == "block" else None) for w in self.weights},
-                       key=str)
-        grains = ", ".join(f"{b[0]}×{b[1]} blocks" if g == "block" else f"per-{g} scales" if g != "fused"
-                           else "fused per-tensor scales" for g, b in kinds)
+        grains = ", ".join(sorted({_grain_words(w) for w in self.weights}))
         weight = _WEIGHT_DTYPE_NAMES.get(self.weight_dtype, self.weight_dtype)
         scale = _SCALE_DTYPE_NAMES.get(self.scale_dtype, self.scale_dtype)
         return f"{weight}, {grains}, {scale} scales ({self.scheme})"

@@ -10,8 +10,8 @@ import hashlib
 import os
 import re
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from ..errors import InvalidInputError, ShardkitWarning, SourceNotFoundError
 from ..formats.index import add_variant
@@ -147,8 +147,12 @@ def check_sizes(files: list[LocalFile]) -> None:
 
 
 def sha256_file(path: str) -> str:
+    """The file's sha256, read in 8 MiB pieces (``hashlib.file_digest`` needs Python 3.11)."""
+    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def git_blob_id(path: str) -> str:
@@ -162,7 +166,8 @@ def git_blob_id(path: str) -> str:
 def split_changed(files: list[LocalFile], remote: dict[str, RemoteFile],
                   digests: dict[str, str]) -> tuple[list[LocalFile], list[LocalFile]]:
     """``(changed or new, identical)``; sha256 digests computed on the way land in ``digests``."""
-    changed, same = [], []
+    changed: list[LocalFile] = []
+    same: list[LocalFile] = []
     for f in files:
         r = remote.get(f.path_in_repo)
         if r is None or r.size_bytes != f.size_bytes:

@@ -28,7 +28,7 @@ def check_push_target(repo_id: str, *, token: str | None = None) -> str:
         InvalidInputError: the repository id is invalid.
         HubError: there is no token, the Hub rejected it, or the Hub could not be reached.
 
-    >>> check_push_target("my-org/model")   # doctest: +SKIP
+    check_push_target("my-org/model")
     'hf_...'
     """
     check_repo_id(repo_id)

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ..errors import HubError, InvalidInputError, VerificationError
 from .commits import (
@@ -82,8 +83,8 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
     ``blobs/``) is refused before anything is sent, unless ``follow_symlinks``; links to folders
     are never followed. ``result.links`` lists every symlink followed.
 
-    >>> result = shardkit.push("out/", "my-org/model", private=True)  # doctest: +SKIP
-    >>> result.commit_url                                              # doctest: +SKIP
+    result = shardkit.push("out/", "my-org/model", private=True)
+    result.commit_url
     'https://huggingface.co/my-org/model/commit/4f1c...'
     """
     check_repo_id(repo_id)
@@ -256,7 +257,7 @@ class _Pusher:
                 for e in entries if isinstance(e, RepoFile)}
 
     def _commit(self, group: list[LocalFile], deleted: list[str], digests: dict[str, str], *, title: str,
-                parent: str | None, sent: "_Progress") -> str:
+                parent: str | None, sent: _Progress) -> str:
         """Upload a group's contents one file at a time, then commit it; returns the new head."""
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 

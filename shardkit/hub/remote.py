@@ -26,9 +26,10 @@ import struct
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from ..errors import HeaderError, HubError, InvalidInputError, ShardkitError
 from ..formats.header import MAX_HEADER_BYTES
@@ -144,8 +145,8 @@ def open_mirror(spec: RemoteSpec | str, *, token: str | None = None, side_files:
         A context manager yielding a :class:`Mirror`. Errors raised inside name ``spec``, not
         the temporary folder.
 
-    >>> with open_mirror("hf://org/model") as m:             # doctest: +SKIP
-    ...     shardkit.info(m.root).parameter_count
+    with open_mirror("hf://org/model") as m:
+        shardkit.info(m.root).parameter_count
     """
     spec = parse_spec(spec) if isinstance(spec, str) else spec
     tmp = tempfile.mkdtemp(prefix="shardkit-remote-")
@@ -375,8 +376,8 @@ def renamed_errors(root: str, shown: str) -> Iterator[None]:
 def local_checkpoint(path: str, *, token: str | None = None) -> Iterator[str]:
     """``path`` itself, or for ``hf://...`` the root of its header-only mirror (while the block runs).
 
-    >>> with local_checkpoint("hf://org/model", token=None) as folder:   # doctest: +SKIP
-    ...     shardkit.fit(folder, gpu=["16GB", "16GB"])
+    with local_checkpoint("hf://org/model", token=None) as folder:
+        shardkit.fit(folder, gpu=["16GB", "16GB"])
     """
     if not is_remote(path):
         yield path
@@ -395,7 +396,7 @@ def remote_info(path: str, *, token: str | None = None) -> Any:
     Returns:
         A ``CheckpointInfo`` whose ``path`` is ``path``; ``shared_bytes`` are None (not local files).
 
-    >>> remote_info("hf://black-forest-labs/FLUX.1-dev").parameter_count   # doctest: +SKIP
+    remote_info("hf://black-forest-labs/FLUX.1-dev").parameter_count
     """
     from ..checking.info import info
 

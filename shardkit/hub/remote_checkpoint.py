@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from ..errors import InvalidInputError
 from ..formats.layout import MODEL_INDEX
@@ -30,9 +31,9 @@ from .remote import (
     is_remote,
     list_files,
     open_mirror,
-    resolve_commit,
     parse_spec,
     renamed_errors,
+    resolve_commit,
 )
 from .remote_errors import hub_read_errors
 
@@ -58,8 +59,8 @@ def open_checkpoint(path: Any, *, token: str | None = None, cache: bool = True,
         or a :class:`~shardkit.sharding.job.WrappedPath` (the mirror, and the streaming wrapper);
         errors raised inside name ``path``, not the temporary or cached folder.
 
-    >>> with open_checkpoint("hf://org/model", cache=False) as source:          # doctest: +SKIP
-    ...     shardkit.split(source, "out/", max_shard_size="2GB")
+    with open_checkpoint("hf://org/model", cache=False) as source:
+        shardkit.split(source, "out/", max_shard_size="2GB")
     """
     if not is_remote(path):
         if not cache:
@@ -96,8 +97,8 @@ def cached_checkpoint(path: str | RemoteSpec, *, token: str | None = None, pickl
     Flax, TF, ONNX and GGUF weights are not. A folder with pickle weights only is refused, unless
     ``pickles``. A spec ending in a checkpoint file name downloads that file alone.
 
-    >>> with cached_checkpoint("hf://org/model") as folder:   # doctest: +SKIP
-    ...     shardkit.split(folder, "out/", max_shard_size="2GB")
+    with cached_checkpoint("hf://org/model") as folder:
+        shardkit.split(folder, "out/", max_shard_size="2GB")
     """
     if isinstance(path, str) and not is_remote(path):
         yield path
@@ -119,8 +120,8 @@ def config_source(path: str | None, *, token: str | None = None) -> Iterator[str
     but the weights (no ``.safetensors``, pickle, Flax... file is downloaded). A spec ending in a
     ``.json`` file downloads that file alone.
 
-    >>> with config_source("hf://stable-diffusion-v1-5/stable-diffusion-v1-5") as config:   # doctest: +SKIP
-    ...     shardkit.convert("v1-5.safetensors", "unet/", to="diffusers", config=config)
+    with config_source("hf://stable-diffusion-v1-5/stable-diffusion-v1-5") as config:
+        shardkit.convert("v1-5.safetensors", "unet/", to="diffusers", config=config)
     """
     if path is None or not is_remote(path):
         yield path

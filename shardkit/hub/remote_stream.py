@@ -20,8 +20,9 @@ import logging
 import os
 import threading
 from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ..errors import HubError, ShardkitError
 from ..formats.header import TensorEntry
@@ -49,7 +50,7 @@ class BoundedPool(ThreadPoolExecutor):
         self._lock = threading.Lock()
         self._running: set[Future[Any]] = set()
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:  # type: ignore[override]
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         future = super().submit(fn, *args, **kwargs)
         with self._lock:
             self._running.add(future)
@@ -225,8 +226,8 @@ class StreamingSource(Source):
     crc32s) is the same as a local split of the same files; ``kernel_copy`` is off, so the writer
     reads the bytes through :meth:`read` instead of copying them from the (sparse) mirror files.
 
-    >>> with open_source(mirror.root) as inner, StreamingSource(inner, mirror) as src:  # doctest: +SKIP
-    ...     split_source(src, "out/", options=WriteOptions())
+    with open_source(mirror.root) as inner, StreamingSource(inner, mirror) as src:
+        split_source(src, "out/", options=WriteOptions())
     """
 
     kernel_copy = False

@@ -40,7 +40,7 @@ def verify_remote(path: str, *, token: str | None = None) -> VerifyReport:
     Returns:
         A :class:`VerifyReport` (``bytes_read`` is 0: no tensor byte is read).
 
-    >>> verify_remote("hf://org/model").ok                # doctest: +SKIP
+    verify_remote("hf://org/model").ok
     True
     """
     with open_mirror(path, token=token) as mirror:
@@ -64,7 +64,7 @@ def verify_against_remote(path: str, against: str, *, token: str | None = None) 
         A :class:`VerifyReport` whose findings name every missing, extra or differing file and
         tensor; ``tensors_compared`` counts the tensors found identical.
 
-    >>> verify_against_remote("out/", "hf://org/model").ok   # doctest: +SKIP
+    verify_against_remote("out/", "hf://org/model").ok
     True
     """
     if not os.path.isdir(path):
@@ -166,7 +166,7 @@ def _first_difference(folder: str, file: str, mine: TensorEntry, mirror: Mirror,
             here = f.read(n)
             there = read_range(mirror, remote, other.offset + pos, other.offset + pos + n, token=token)
             if here != there:
-                at = pos + next(i for i, (a, b) in enumerate(zip(here, there)) if a != b)
+                at = pos + next(i for i, (a, b) in enumerate(zip(here, there, strict=False)) if a != b)
                 return f"differs from {mirror.spec} at byte {at} of the tensor"
     return None
 

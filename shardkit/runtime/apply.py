@@ -9,8 +9,9 @@ strategy's hooks — the order the diffusers docs give for combining them. ``loa
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import InvalidInputError
 
@@ -50,8 +51,8 @@ def apply_runtime(target: Any, setup: RuntimeSetup) -> Any:
     Returns:
         ``target``; a pipeline given layerwise casting gets ``shardkit_casting`` (the report).
 
-    >>> apply_runtime(pipe, RuntimeSetup(layerwise_casting=("float8_e4m3fn", "bfloat16"),
-    ...                                  offload="model"))                      # doctest: +SKIP
+    apply_runtime(pipe, RuntimeSetup(layerwise_casting=("float8_e4m3fn", "bfloat16"),
+                                     offload="model"))
     """
     if setup.switches:
         from .switches import apply_switches

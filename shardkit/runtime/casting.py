@@ -5,15 +5,16 @@ skip (normalisation, embedding and modulation layers are precision-critical), re
 given as strings, accepts a diffusers pipeline as well as any ``nn.Module``, and reports what it
 did and how many bytes it saved.
 
->>> report = apply_layerwise_casting(transformer, "float8_e4m3fn", "bfloat16")  # doctest: +SKIP
->>> report.saved_bytes                                                           # doctest: +SKIP
+report = apply_layerwise_casting(transformer, "float8_e4m3fn", "bfloat16")
+report.saved_bytes
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
 
@@ -70,7 +71,7 @@ class CastingReport:
         }
 
 
-def resolve_casting_dtypes(storage_dtype: Any, compute_dtype: Any) -> "tuple[torch.dtype, torch.dtype]":
+def resolve_casting_dtypes(storage_dtype: Any, compute_dtype: Any) -> tuple[torch.dtype, torch.dtype]:
     """``("float8_e4m3fn", "bf16")`` → ``(torch.float8_e4m3fn, torch.bfloat16)``, validated."""
     from ..formats.dtypes import resolve_torch_dtype
 
@@ -89,7 +90,7 @@ def resolve_casting_dtypes(storage_dtype: Any, compute_dtype: Any) -> "tuple[tor
     return resolved[0], resolved[1]
 
 
-def skip_patterns(module: "nn.Module", skip: "str | Sequence[str] | None" = "default") -> tuple[str, ...]:
+def skip_patterns(module: nn.Module, skip: str | Sequence[str] | None = "default") -> tuple[str, ...]:
     """The regex patterns whose matching module names keep their dtype.
 
     ``"default"``: diffusers' defaults, the model's own ``_skip_layerwise_casting_patterns`` and
@@ -109,15 +110,15 @@ def skip_patterns(module: "nn.Module", skip: "str | Sequence[str] | None" = "def
     return tuple(dict.fromkeys((*DEFAULT_SKIP_MODULES_PATTERN, *own, *fp32, *EXTRA_SKIP_PATTERNS)))
 
 
-def default_skip_classes() -> "tuple[type, ...]":
+def default_skip_classes() -> tuple[type, ...]:
     from torch import nn
 
     return (nn.Embedding, nn.LayerNorm, nn.GroupNorm, getattr(nn, "RMSNorm", nn.LayerNorm))
 
 
 def casting_targets(
-    module: "nn.Module", *, skip: "str | Sequence[str] | None" = "default", skip_classes: "tuple[type, ...] | None" = None
-) -> "tuple[list[tuple[str, nn.Module]], list[str]]":
+    module: nn.Module, *, skip: str | Sequence[str] | None = "default", skip_classes: tuple[type, ...] | None = None
+) -> tuple[list[tuple[str, nn.Module]], list[str]]:
     """``(cast, skipped)``: the layers that would hold the storage dtype, and the names skipped.
 
     Pure (works on a meta skeleton, installs nothing); follows the same walk as diffusers'
@@ -131,7 +132,7 @@ def casting_targets(
     cast: list[tuple[str, nn.Module]] = []
     skipped: list[str] = []
 
-    def walk(mod: "nn.Module", prefix: str) -> None:
+    def walk(mod: nn.Module, prefix: str) -> None:
         if isinstance(mod, classes) or any(re.search(p, prefix) for p in patterns):
             if any(isinstance(m, supported) for m in mod.modules()):
                 skipped.append(prefix)
@@ -148,11 +149,11 @@ def casting_targets(
 
 def apply_layerwise_casting(
     obj: Any,
-    storage_dtype: "str | torch.dtype" = "float8_e4m3fn",
-    compute_dtype: "str | torch.dtype" = "bfloat16",
+    storage_dtype: str | torch.dtype = "float8_e4m3fn",
+    compute_dtype: str | torch.dtype = "bfloat16",
     *,
-    skip: "str | Sequence[str] | None" = "default",
-    skip_classes: "tuple[type, ...] | None" = None,
+    skip: str | Sequence[str] | None = "default",
+    skip_classes: tuple[type, ...] | None = None,
     components: Sequence[str] | None = None,
     non_blocking: bool = False,
 ) -> CastingReport:
@@ -183,8 +184,8 @@ def apply_layerwise_casting(
         InvalidInputError: a dtype outside the allowed ones, casting already active, weights
             still on the meta device, an unknown component, or ``components`` for a module.
 
-    >>> r = apply_layerwise_casting(unet, "float8_e4m3fn", "bfloat16")   # doctest: +SKIP
-    >>> print(r.saved_bytes, r.skipped_modules[:3])                       # doctest: +SKIP
+    r = apply_layerwise_casting(unet, "float8_e4m3fn", "bfloat16")
+    print(r.saved_bytes, r.skipped_modules[:3])
     """
     storage, compute = resolve_casting_dtypes(storage_dtype, compute_dtype)
     report = CastingReport(str(storage).removeprefix("torch."), str(compute).removeprefix("torch."))
@@ -193,7 +194,7 @@ def apply_layerwise_casting(
     return report
 
 
-def _casting_modules(obj: Any, components: Sequence[str] | None) -> Iterator[tuple[str, "nn.Module"]]:
+def _casting_modules(obj: Any, components: Sequence[str] | None) -> Iterator[tuple[str, nn.Module]]:
     from torch import nn
 
     if isinstance(obj, nn.Module):
@@ -215,7 +216,7 @@ def _casting_modules(obj: Any, components: Sequence[str] | None) -> Iterator[tup
         yield f"{name}.", module
 
 
-def _cast_one(module: "nn.Module", prefix: str, storage: "torch.dtype", compute: "torch.dtype",
+def _cast_one(module: nn.Module, prefix: str, storage: torch.dtype, compute: torch.dtype,
               report: CastingReport, **options: Any) -> None:
     from diffusers.hooks import apply_layerwise_casting as diffusers_apply
 
@@ -238,13 +239,13 @@ def _cast_one(module: "nn.Module", prefix: str, storage: "torch.dtype", compute:
     report.after_bytes += module_bytes(module)
 
 
-def _already_cast(module: "nn.Module") -> bool:
+def _already_cast(module: nn.Module) -> bool:
     from diffusers.hooks.layerwise_casting import _is_layerwise_casting_active
 
     return _is_layerwise_casting_active(module)
 
 
-def _refuse_meta(module: "nn.Module", prefix: str) -> None:
+def _refuse_meta(module: nn.Module, prefix: str) -> None:
     for name, tensor in module.named_parameters():
         if tensor.is_meta:
             raise InvalidInputError(
@@ -253,12 +254,12 @@ def _refuse_meta(module: "nn.Module", prefix: str) -> None:
             )
 
 
-def _tensors(module: "nn.Module") -> Iterator["torch.Tensor"]:
+def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
     yield from module.parameters()
     yield from module.buffers()
 
 
-def module_bytes(module: "nn.Module") -> int:
+def module_bytes(module: nn.Module) -> int:
     """Bytes held by the parameters and buffers of ``module`` (shared tensors counted once)."""
     seen: set[int] = set()
     total = 0
@@ -269,7 +270,7 @@ def module_bytes(module: "nn.Module") -> int:
     return total
 
 
-def is_cast(module: "nn.Module") -> bool:
+def is_cast(module: nn.Module) -> bool:
     """True when ``module`` itself carries a layerwise casting hook."""
     registry = getattr(module, "_diffusers_hook", None)
     return registry is not None and registry.get_hook("layerwise_casting") is not None

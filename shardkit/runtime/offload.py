@@ -14,16 +14,17 @@ strategy       pipeline                                                 nn.Modul
 ``none``       removes all of the above (casting hooks stay)            same
 =============  ======================================================  ===========================
 
->>> apply_offload(pipe, "model")                                                # doctest: +SKIP
->>> apply_offload(unet, "group", offload_type="block_level", num_blocks_per_group=2,
-...               use_stream=True)                                              # doctest: +SKIP
+apply_offload(pipe, "model")
+apply_offload(unet, "group", offload_type="block_level", num_blocks_per_group=2,
+              use_stream=True)
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError, ShardkitError
 
@@ -49,7 +50,7 @@ class Strategy:
     name: str
     options: frozenset[str]
     pipeline: Callable[[Any, dict[str, Any]], None]
-    module: Callable[["nn.Module", dict[str, Any]], None]
+    module: Callable[[nn.Module, dict[str, Any]], None]
     summary: str
 
 
@@ -81,8 +82,8 @@ def apply_offload(obj: Any, strategy: str = "model", **options: Any) -> Any:
             map, weights already on an accelerator, no accelerator found, or the underlying
             diffusers/accelerate call failed).
 
-    >>> apply_offload(pipe, "group", offload_type="leaf_level", use_stream=True)   # doctest: +SKIP
-    >>> apply_offload(pipe, "none")                                                # doctest: +SKIP
+    apply_offload(pipe, "group", offload_type="leaf_level", use_stream=True)
+    apply_offload(pipe, "none")
     """
     spec = STRATEGIES.get(strategy)
     if spec is None:
@@ -122,7 +123,7 @@ def _target_kind(obj: Any) -> str:
     )
 
 
-def _modules(obj: Any) -> list[tuple[str, "nn.Module"]]:
+def _modules(obj: Any) -> list[tuple[str, nn.Module]]:
     from torch import nn
 
     if isinstance(obj, nn.Module):
@@ -133,8 +134,9 @@ def _modules(obj: Any) -> list[tuple[str, "nn.Module"]]:
 
 
 def _record(obj: Any, strategy: str, options: dict[str, Any]) -> None:
+    record = None if strategy == "none" else (strategy, dict(options))
     for _, module in _modules(obj):
-        module.shardkit_offload = None if strategy == "none" else (strategy, dict(options))
+        object.__setattr__(module, "shardkit_offload", record)  # a plain attribute, not a submodule
     if not isinstance(obj, (list, tuple)):
         object.__setattr__(obj, "shardkit_offload", None if strategy == "none" else (strategy, dict(options)))
 
@@ -185,7 +187,7 @@ def _refuse_on_accelerator(obj: Any) -> None:
 
 # --- devices -------------------------------------------------------------------------------------
 
-def _device(options: dict[str, Any], key: str = "device") -> "torch.device":
+def _device(options: dict[str, Any], key: str = "device") -> torch.device:
     import torch
 
     value = options.pop(key, None)
@@ -328,7 +330,9 @@ def _remove(obj: Any, kind: str) -> None:
         # Registries may sit on submodules only (a VAE offloads its encoder/decoder blocks).
         for sub in module.modules():
             registry = getattr(sub, "_diffusers_hook", None)
-            for hook_name in _DIFFUSERS_OFFLOAD_HOOKS if registry is not None else ():
+            if registry is None:
+                continue
+            for hook_name in _DIFFUSERS_OFFLOAD_HOOKS:
                 registry.remove_hook(hook_name, recurse=False)
         remove_hook_from_module(module, recurse=True)
         module.__dict__.pop("shardkit_model_hook", None)
@@ -338,7 +342,7 @@ def _remove(obj: Any, kind: str) -> None:
         obj._all_hooks = []
 
 
-def _restore_group_offloaded(module: "nn.Module") -> None:
+def _restore_group_offloaded(module: nn.Module) -> None:
     """Bring disk-offloaded groups back into host memory before their hooks go away.
 
     Disk group offload leaves empty tensors behind; onloading each group to its offload device

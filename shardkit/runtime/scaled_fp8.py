@@ -14,8 +14,9 @@ wraps it in turn, so its hooks move an offloaded weight to the device before the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..formats.quant import QuantLayout, ScaledWeight
 
@@ -45,8 +46,8 @@ def scaled_modules(layout: QuantLayout) -> list[ScaledModule]:
     return found
 
 
-def attach_scaled_fp8(model: "nn.Module", modules: list[ScaledModule],
-                      scale_shapes: dict[str, tuple[tuple[int, ...], "torch.dtype"]]) -> list[str]:
+def attach_scaled_fp8(model: nn.Module, modules: list[ScaledModule],
+                      scale_shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> list[str]:
     """Give each module its scale buffer (meta, to be loaded) and the dequantizing ``forward``.
 
     Args:
@@ -74,15 +75,18 @@ def attach_scaled_fp8(model: "nn.Module", modules: list[ScaledModule],
     return kept
 
 
-def _dequantizing(module: "nn.Module", forward: Callable[..., Any], entry: ScaledModule) -> Callable[..., Any]:
+def _dequantizing(module: nn.Module, forward: Callable[..., Any], entry: ScaledModule) -> Callable[..., Any]:
     def dequantizing_forward(*args: Any, **kwargs: Any) -> Any:
         import torch
 
         weight = module.weight
+        assert isinstance(weight, torch.Tensor)
         stored = weight.data
         compute = next((a.dtype for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)
                         and a.is_floating_point()), torch.bfloat16)
-        weight.data = dequantized(stored, getattr(module, entry.scale_attr), entry.weight, compute)
+        scale = getattr(module, entry.scale_attr)
+        assert isinstance(scale, torch.Tensor), entry.scale_attr  # registered as a buffer by the loader
+        weight.data = dequantized(stored, scale, entry.weight, compute)
         try:
             return forward(*args, **kwargs)
         finally:
@@ -91,8 +95,8 @@ def _dequantizing(module: "nn.Module", forward: Callable[..., Any], entry: Scale
     return dequantizing_forward
 
 
-def dequantized(stored: "torch.Tensor", scale: "torch.Tensor", weight: ScaledWeight,
-                compute: "torch.dtype") -> "torch.Tensor":
+def dequantized(stored: torch.Tensor, scale: torch.Tensor, weight: ScaledWeight,
+                compute: torch.dtype) -> torch.Tensor:
     """``stored`` × ``scale`` in ``compute``, band by band of rows: the float32 temporaries are one band's,
     not the layer's (the layer's compute-dtype copy is the only full-size allocation)."""
     import torch

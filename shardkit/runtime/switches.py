@@ -21,7 +21,7 @@ switch                 memory                                      speed / quali
                                                                    10-bit mantissa for fp32 matmuls
 =====================  ==========================================  ===========================================
 
->>> apply_switches(pipe, {"dtype": "bf16", "vae_tiling": True, "attention_backend": "sdpa"})  # doctest: +SKIP
+apply_switches(pipe, {"dtype": "bf16", "vae_tiling": True, "attention_backend": "sdpa"})
 ['dtype', 'attention_backend', 'vae_tiling']
 
 A switch that cannot apply (tiling on a VAE that lacks it, xFormers not installed, TF32 without an
@@ -31,8 +31,9 @@ Ampere GPU) is refused with the reason, before anything is changed.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from ..errors import InvalidInputError
 
@@ -44,7 +45,7 @@ class Switch:
     name: str
     memory: str
     speed: str
-    unsupported: Callable[[Any, Any], "str | None"]
+    unsupported: Callable[[Any, Any], str | None]
     apply: Callable[[Any, Any], None]
 
 
@@ -67,8 +68,8 @@ def _vae(obj: Any) -> Any:
     return vae
 
 
-def _vae_flag(flag: str, what: str) -> Callable[[Any, Any], "str | None"]:
-    def check(obj: Any, value: Any) -> "str | None":
+def _vae_flag(flag: str, what: str) -> Callable[[Any, Any], str | None]:
+    def check(obj: Any, value: Any) -> str | None:
         vae = _vae(obj)
         if vae is None:
             return "there is no VAE component"
@@ -88,7 +89,7 @@ def _enable_vae(method: str) -> Callable[[Any, Any], None]:
 
 # ----------------------------------------------------------------------------- strategies
 
-def _no_sliceable(obj: Any, value: Any) -> "str | None":
+def _no_sliceable(obj: Any, value: Any) -> str | None:
     if any(hasattr(m, "set_attention_slice") for m in models(obj).values()):
         return None
     return "no component supports attention slicing (diffusers implements it for UNet-style models)"
@@ -110,7 +111,7 @@ def _conv_models(obj: Any) -> list[Any]:
     return [m for m in models(obj).values() if any(isinstance(x, torch.nn.Conv2d) for x in m.modules())]
 
 
-def _no_convs(obj: Any, value: Any) -> "str | None":
+def _no_convs(obj: Any, value: Any) -> str | None:
     return None if _conv_models(obj) else "no component has 2-D convolutions (channels_last only helps convs)"
 
 
@@ -125,7 +126,7 @@ def _channels_last(obj: Any, value: Any) -> None:
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 
 
-def _backend_unsupported(obj: Any, value: Any) -> "str | None":
+def _backend_unsupported(obj: Any, value: Any) -> str | None:
     import torch
 
     if value not in ATTENTION_BACKENDS:
@@ -152,7 +153,7 @@ def _set_backend(obj: Any, value: Any) -> None:
             model.set_attention_backend("native")
 
 
-def _no_ampere(obj: Any, value: Any) -> "str | None":
+def _no_ampere(obj: Any, value: Any) -> str | None:
     import torch
 
     if not torch.cuda.is_available():
@@ -174,7 +175,7 @@ def _allow_tf32(obj: Any, value: Any) -> None:
 HALF_DTYPES = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 
-def _bad_dtype(obj: Any, value: Any) -> "str | None":
+def _bad_dtype(obj: Any, value: Any) -> str | None:
     import torch
 
     if isinstance(value, torch.dtype):
@@ -212,7 +213,7 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
 
 # ----------------------------------------------------------------------------- public API
 
-def normalize_switches(switches: "Mapping[str, Any] | Iterable[str] | None") -> dict[str, Any]:
+def normalize_switches(switches: Mapping[str, Any] | Iterable[str] | None) -> dict[str, Any]:
     """``["vae_tiling", ...]`` or ``{"dtype": "bf16", ...}`` → ordered ``{name: value}``."""
     if switches is None:
         return {}
@@ -223,10 +224,10 @@ def normalize_switches(switches: "Mapping[str, Any] | Iterable[str] | None") -> 
     return {name: items[name] for name in SWITCHES if name in items and items[name] is not None}
 
 
-def unsupported_reason(obj: Any, name: str, value: Any = True) -> "str | None":
+def unsupported_reason(obj: Any, name: str, value: Any = True) -> str | None:
     """Why switch ``name`` cannot apply to ``obj`` (a pipeline or model), or None when it can.
 
-    >>> unsupported_reason(vq_pipe, "vae_tiling")  # doctest: +SKIP
+    unsupported_reason(vq_pipe, "vae_tiling")
     'VQModel does not support tiling (diffusers implements it only for some VAEs)'
     """
     switch = SWITCHES.get(name)
@@ -237,14 +238,14 @@ def unsupported_reason(obj: Any, name: str, value: Any = True) -> "str | None":
     return switch.unsupported(obj, value)
 
 
-def apply_switches(obj: Any, switches: "Mapping[str, Any] | Iterable[str] | None") -> list[str]:
+def apply_switches(obj: Any, switches: Mapping[str, Any] | Iterable[str] | None) -> list[str]:
     """Turn on ``switches`` on a diffusers pipeline or model; refuse them all if one cannot apply.
 
     Values: ``True``/``False`` for flags, ``"fp16"``/``"bf16"`` for ``dtype``, ``"sdpa"``/``"xformers"``
     for ``attention_backend``, ``"auto"``/``"max"``/an int for ``attention_slicing``. Applied in table
     order (dtype first), before any offload hooks are installed.
 
-    >>> apply_switches(pipe, ["vae_slicing", "vae_tiling"])  # doctest: +SKIP
+    apply_switches(pipe, ["vae_slicing", "vae_tiling"])
     ['vae_slicing', 'vae_tiling']
     """
     wanted = normalize_switches(switches)

@@ -14,15 +14,23 @@ with ``key``); pickles are only ever loaded with ``weights_only=True``.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from typing import Any, Iterable
+from typing import Any
 
 from ..errors import InvalidInputError
 from ..formats.layout import is_pipeline_folder
 from ..sources import Source
 from ..sources.keymap import KeyMap, KeyMapSource, parse_renames
-from .job import SplitResult, named_as_given, open_settled, refuse_output_inside_source, side_files, split_source
-from .job import unwrap_path
+from .job import (
+    SplitResult,
+    named_as_given,
+    open_settled,
+    refuse_output_inside_source,
+    side_files,
+    split_source,
+    unwrap_path,
+)
 from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions, warn
 from .single_file import is_file_output, split_to_file
 from .split import split_with
@@ -79,12 +87,12 @@ def convert(source: Any, output: str | os.PathLike[str], *, max_shard_size: str 
     Returns:
         A :class:`ConvertResult` (a ``PipelineResult`` for a pipeline folder).
 
-    >>> import shardkit
-    >>> shardkit.convert("v1-5-pruned.ckpt", "unet/", key="state_dict",            # doctest: +SKIP
-    ...                  strip_prefix="model.diffusion_model.", dtype="fp16")
-    >>> shardkit.convert("fsdp-checkpoint/", "out/", max_shard_size="5GB")         # doctest: +SKIP
-    >>> shardkit.convert("v1-5-pruned.safetensors", "unet/", to="diffusers",        # doctest: +SKIP
-    ...                  config="stable-diffusion-v1-5/", component="unet")
+    import shardkit
+    shardkit.convert("v1-5-pruned.ckpt", "unet/", key="state_dict",
+                     strip_prefix="model.diffusion_model.", dtype="fp16")
+    shardkit.convert("fsdp-checkpoint/", "out/", max_shard_size="5GB")
+    shardkit.convert("v1-5-pruned.safetensors", "unet/", to="diffusers",
+                     config="stable-diffusion-v1-5/", component="unet")
     """
     options = WriteOptions.parse(max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy, name=name,
                                  variant=variant, overwrite=overwrite, dry_run=dry_run, metadata=metadata,
@@ -114,7 +122,7 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
                  component: str | None = None) -> SplitResult:
     """:func:`convert` with the options and key map already built: split of a keymapped source.
 
-    >>> convert_with("m.ckpt", "out/", options=WriteOptions(), keymap=KeyMap(strip_prefix="model."))  # doctest: +SKIP
+    convert_with("m.ckpt", "out/", options=WriteOptions(), keymap=KeyMap(strip_prefix="model."))
     """
     wrapped, (source, wrap_source) = source, unwrap_path(source)
     output = os.fspath(output)

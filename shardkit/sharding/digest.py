@@ -13,8 +13,8 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Mapping
 
 from ..errors import ShardkitWriteError, describe_os_error
 from ..formats.header import read_header
@@ -35,9 +35,9 @@ Carried = Mapping[str, str]  # tensor name → crc32 recorded in the source's ma
 class FileHasher:
     """Hash files on worker threads; :meth:`results` waits and returns every record.
 
-    >>> with FileHasher() as hasher:                       # doctest: +SKIP
-    ...     hasher.submit("model.safetensors", "/tmp/stage/model.safetensors", safetensors=True)
-    ...     hasher.results()["model.safetensors"].sha256
+    with FileHasher() as hasher:
+        hasher.submit("model.safetensors", "/tmp/stage/model.safetensors", safetensors=True)
+        hasher.results()["model.safetensors"].sha256
     """
 
     def __init__(self) -> None:
@@ -67,7 +67,7 @@ class FileHasher:
             self._done[name] = future.result()
         return dict(self._done)
 
-    def __enter__(self) -> "FileHasher":
+    def __enter__(self) -> FileHasher:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -95,7 +95,7 @@ def digest_file(path: str, *, safetensors: bool, carried: Carried | None = None,
     Raises:
         ShardkitWriteError: the file cannot be read.
 
-    >>> digest_file("out/model.safetensors", safetensors=True).tensors["w"].crc32   # doctest: +SKIP
+    digest_file("out/model.safetensors", safetensors=True).tensors["w"].crc32
     '8a3f0c21'
     """
     carried = carried or {}
@@ -111,7 +111,7 @@ def digest_file(path: str, *, safetensors: bool, carried: Carried | None = None,
     except OSError as e:
         raise ShardkitWriteError(f"hashing {path} for the manifest failed: {describe_os_error(e)}; "
                                  "nothing was published") from e
-    got = {**carried, **dict(zip((name for name, _, _ in unknown), crcs))}
+    got = {**carried, **dict(zip((name for name, _, _ in unknown), crcs, strict=True))}
     start = header.data_start
     tensors = {name: TensorDigest(begin - start, end - start, got[name]) for name, begin, end in ranges[1:]}
     return FileDigest(size, None, start, got[""], tensors)
@@ -129,7 +129,7 @@ def source_digests(paths: list[str]) -> dict[tuple[str, int, int], str]:
     Keyed by ``(realpath of the file, absolute begin, absolute end)``, so renamed tensors
     (``convert --strip-prefix``) still find theirs; only files whose size matches their record.
 
-    >>> source_digests(["ckpt/model-00001-of-00002.safetensors"])   # doctest: +SKIP
+    source_digests(["ckpt/model-00001-of-00002.safetensors"])
     {('/abs/ckpt/model-00001-of-00002.safetensors', 4096, 73216): '0badf00d', ...}
     """
     found: dict[tuple[str, int, int], str] = {}
@@ -168,9 +168,9 @@ class ManifestRecorder:
     :meth:`write` just before the commit, through the same transaction, so the manifest is
     fsynced and published with the files it lists and never disagrees with them.
 
-    >>> with ManifestRecorder("out/") as record:                     # doctest: +SKIP
-    ...     record.shard("model.safetensors", tx.path_for("model.safetensors"), writes)
-    ...     record.write(tx)
+    with ManifestRecorder("out/") as record:
+        record.shard("model.safetensors", tx.path_for("model.safetensors"), writes)
+        record.write(tx)
     """
 
     def __init__(self, output: str, *, stale: list[str], enabled: bool = True) -> None:
@@ -181,7 +181,7 @@ class ManifestRecorder:
         self._sources: dict[tuple[str, int, int], str] = {}
         self._looked_up: set[str] = set()
 
-    def shard(self, name: str, path: str, writes: list[object], *, known: Mapping[str, str] | None = None) -> None:
+    def shard(self, name: str, path: str, writes: Sequence[object], *, known: Mapping[str, str] | None = None) -> None:
         """A finished shard ``name`` at ``path``, written from ``writes`` (TensorWrite records).
 
         ``known``: crc32s the writer took of the tensors it wrote through Python; with those
@@ -220,7 +220,7 @@ class ManifestRecorder:
 
         tx.write_bytes(MANIFEST_NAME, dump_manifest(records))  # type: ignore[attr-defined]
 
-    def _carried(self, writes: list[object]) -> dict[str, str]:
+    def _carried(self, writes: Sequence[object]) -> dict[str, str]:
         """crc32s from the source's manifest for the tensors copied unchanged."""
         files = sorted({w.src.file for w in writes if w.src.file} - self._looked_up)  # type: ignore[attr-defined]
         if files:
@@ -265,7 +265,7 @@ class ManifestRecorder:
                 kept[name] = digest_file(os.path.join(self.output, name), safetensors=name.endswith(".safetensors"))
         return kept
 
-    def __enter__(self) -> "ManifestRecorder":
+    def __enter__(self) -> ManifestRecorder:
         return self
 
     def __exit__(self, *exc: object) -> None:

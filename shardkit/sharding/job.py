@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from ..atomic.commit import OutputTransaction
 from ..errors import InvalidInputError
@@ -118,7 +119,7 @@ def refuse_output_inside_source(source: Any, output: str) -> None:
     The same folder is allowed (an in-place reshard with ``overwrite``); a sibling or any other
     folder is fine.
 
-    >>> refuse_output_inside_source("ckpt/", "ckpt/sub")   # doctest: +SKIP
+    refuse_output_inside_source("ckpt/", "ckpt/sub")
     Traceback (most recent call last):
     shardkit.errors.InvalidInputError: output ckpt/sub is inside the source folder ckpt/: ...
     """
@@ -176,8 +177,8 @@ def open_settled(source: Any, *, key: str | None, dry_run: bool, wrap_source: So
     ``wrap_source`` (if given) wraps the opened source, e.g. to read its bytes from elsewhere;
     the inner source is closed if wrapping fails.
 
-    >>> with open_settled("ckpt/", key=None, dry_run=False) as src:    # doctest: +SKIP
-    ...     len(src.entries())
+    with open_settled("ckpt/", key=None, dry_run=False) as src:
+        len(src.entries())
     """
     if isinstance(source, (str, os.PathLike)) and not dry_run:
         from ..atomic.commit import recover
@@ -201,8 +202,8 @@ def wrap_opened(source: Source, wrap_source: SourceWrapper | None) -> Source:
 def plan_job(src: Source, *, options: WriteOptions, folder: str = "") -> ShardJob:
     """Every tensor of ``src`` in its output dtype, and the shard plan under the output naming.
 
-    >>> job = plan_job(src, options=WriteOptions(max_shard_bytes=5 * 10**9, dtype="bf16"))  # doctest: +SKIP
-    >>> job.plan.filenames()                                                         # doctest: +SKIP
+    job = plan_job(src, options=WriteOptions(max_shard_bytes=5 * 10**9, dtype="bf16"))
+    job.plan.filenames()
     ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json']
     """
     naming = resolve_naming(src, name=options.name, variant=options.variant)
@@ -219,8 +220,8 @@ def split_source(src: Source, output: str, *, options: WriteOptions,
                  side_files: Sequence[SideFile] = ()) -> SplitResult:
     """Plan ``src`` and write it into ``output``: the job behind split, convert and save_sharded.
 
-    >>> with open_source("model.safetensors") as src:                         # doctest: +SKIP
-    ...     split_source(src, "out/", options=WriteOptions(max_shard_bytes=10**9))
+    with open_source("model.safetensors") as src:
+        split_source(src, "out/", options=WriteOptions(max_shard_bytes=10**9))
     """
     job = plan_job(src, options=options)
     run_jobs(output, [job], options=options, side_files=side_files)

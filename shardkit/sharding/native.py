@@ -15,9 +15,10 @@ from __future__ import annotations
 import copy
 import os
 import tempfile
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from ..errors import InvalidInputError
 from ..formats.index import DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, Naming
@@ -74,8 +75,8 @@ def native_model(obj: Any, *, cast_to: str | None = None) -> Iterator[NativeMode
     Returns:
         A context manager yielding the :class:`NativeModel`, or None.
 
-    >>> with native_model(unet) as native:                           # doctest: +SKIP
-    ...     native.naming.prefix, [name for _, name in native.side_files]
+    with native_model(unet) as native:
+        native.naming.prefix, [name for _, name in native.side_files]
     ('diffusion_pytorch_model', ['config.json'])
     """
     library = library_of(obj)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 from ..errors import InvalidInputError, InvalidSizeError, ShardkitWarning
 from ..units import LOSSLESS_TARGETS, normalize_dtype, parse_size

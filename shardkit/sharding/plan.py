@@ -18,13 +18,12 @@ tensor larger than the limit goes; it always gets a shard of its own:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, Literal
 
 from ..errors import InvalidInputError
 from ..formats.index import Naming
-
-ShardRule = Literal["huggingface_hub", "sequential"]
+from ..sources.base import ShardRule
 
 
 @dataclass(frozen=True)

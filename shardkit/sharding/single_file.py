@@ -52,8 +52,8 @@ def split_to_file(src: Source, output_file: str, *, options: WriteOptions) -> Sp
     Raises:
         InvalidInputError: the tensors need more than one shard at ``max_shard_bytes``.
 
-    >>> with open_source("model.bin") as src:                                  # doctest: +SKIP
-    ...     split_to_file(src, "model.safetensors", options=WriteOptions()).files
+    with open_source("model.bin") as src:
+        split_to_file(src, "model.safetensors", options=WriteOptions()).files
     ['/abs/model.safetensors']
     """
     job = plan_job(src, options=options)

@@ -20,8 +20,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import InvalidInputError
 from ..formats.index import DIFFUSERS_PREFIX, Naming
@@ -59,7 +60,7 @@ def find_target(config: str | os.PathLike[str], *, component: str | None = None)
     Raises:
         InvalidInputError: no config there, or the component is missing or not a diffusers model.
 
-    >>> find_target("sd15/", component="vae")                          # doctest: +SKIP
+    find_target("sd15/", component="vae")
     DiffusersTarget(class_name='AutoencoderKL', config_file='sd15/vae/config.json')
     """
     path = os.fspath(config)
@@ -132,8 +133,8 @@ def convert_to_diffusers(source: str | os.PathLike[str], output: str, *, options
         InvalidInputError: no config, a checkpoint diffusers cannot convert, or a conversion that
             does not give exactly the config's model.
 
-    >>> convert_to_diffusers("v1-5-pruned.safetensors", "unet/", options=WriteOptions(),   # doctest: +SKIP
-    ...                      config="sd15-pipeline/", component="unet")
+    convert_to_diffusers("v1-5-pruned.safetensors", "unet/", options=WriteOptions(),
+                         config="sd15-pipeline/", component="unet")
     """
     path = os.fspath(source)
     backing = load_file_backed(path, key=key)
@@ -233,7 +234,7 @@ def _mapping_fn(cls: type) -> Any:
 
     for name, mapping in SINGLE_FILE_LOADABLE_CLASSES.items():
         base = getattr(diffusers, name, None)
-        if isinstance(base, type) and issubclass(cls, base):
+        if isinstance(base, type) and issubclass(cls, base) and isinstance(mapping, dict):
             return mapping["checkpoint_mapping_fn"]
     return None
 
@@ -241,7 +242,7 @@ def _mapping_fn(cls: type) -> Any:
 def has_single_file_mapping(class_name: str) -> bool:
     """Whether diffusers converts single-file checkpoints of its class ``class_name``.
 
-    >>> has_single_file_mapping("UNet2DConditionModel"), has_single_file_mapping("CLIPTextModel")  # doctest: +SKIP
+    has_single_file_mapping("UNet2DConditionModel"), has_single_file_mapping("CLIPTextModel")
     (True, False)
     """
     import diffusers

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ..errors import InvalidInputError
 from ..formats.index import DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, Naming
@@ -52,8 +53,8 @@ def convert_pipeline_to_diffusers(source: str | os.PathLike[str], output: str, *
     Returns:
         A ``PipelineResult`` with one result per written component and the copied files.
 
-    >>> convert_pipeline_to_diffusers("v1-5-pruned.safetensors", "sd15/", options=WriteOptions(),  # doctest: +SKIP
-    ...                               config="sd15-configs/")
+    convert_pipeline_to_diffusers("v1-5-pruned.safetensors", "sd15/", options=WriteOptions(),
+                                  config="sd15-configs/")
     """
     path = os.fspath(source)
     backing = load_file_backed(path, key=key)
@@ -105,6 +106,7 @@ def _component_source(component: Component, backing: FileBacked, folder: str, *,
 
 def _component_class(component: Component) -> Any:
     """The class ``model_index.json`` names (a diffusers pipeline module such as ``stable_diffusion`` too)."""
+    module: Any
     try:
         module = importlib.import_module(component.library)
     except ImportError:
@@ -126,6 +128,7 @@ def _text_encoder(cls: Any, component: Component, checkpoint: Mapping[str, Any],
 
     if not isinstance(cls, type):
         return None
+    build: Callable[..., Any]
     if sfu.is_clip_model_in_single_file(cls, checkpoint):
         build = sfu.create_diffusers_clip_model_from_ldm
     elif sfu.is_t5_in_single_file(checkpoint) and "T5" in cls.__name__:

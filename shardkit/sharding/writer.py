@@ -26,8 +26,8 @@ import errno
 import os
 import shutil
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 from .. import _faults
 from ..atomic.extents import CLONE_BLOCK_BYTES, shared_bytes_fd
@@ -90,7 +90,7 @@ def tensor_write(entry: TensorEntry, cast_to: str | None) -> TensorWrite:
 class ByteCounter:
     """Turns per-chunk byte counts into ``progress(done_bytes, total_bytes)`` calls."""
 
-    def __init__(self, total_bytes: int, progress: "Callable[[int, int], None] | None") -> None:
+    def __init__(self, total_bytes: int, progress: Callable[[int, int], None] | None) -> None:
         self.total_bytes = total_bytes
         self.done_bytes = 0
         self._progress = progress
@@ -127,7 +127,7 @@ class BackgroundSync:
             except OSError as e:
                 raise _write_error(path, e) from e
 
-    def __enter__(self) -> "BackgroundSync":
+    def __enter__(self) -> BackgroundSync:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -153,7 +153,7 @@ def write_safetensors(path: str, writes: list[TensorWrite], source: Source, *,
     Returns:
         A :class:`WrittenFile` with the bytes cloned rather than copied.
 
-    >>> write_safetensors("out/a.safetensors", writes, src).cloned_bytes   # doctest: +SKIP
+    write_safetensors("out/a.safetensors", writes, src).cloned_bytes
     4999610368
     """
     head, _ = build_header([p.out for p in writes], metadata=dict(sorted((metadata or {}).items())),
@@ -321,7 +321,7 @@ class _SourceFds:
             self._opened[path] = os.open(path, os.O_RDONLY)
         return self._opened[path]
 
-    def __enter__(self) -> "_SourceFds":
+    def __enter__(self) -> _SourceFds:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -402,9 +402,9 @@ def _cast_tensor(fd: int, p: TensorWrite, source: Source, path: str, tick: Progr
         end = min(begin + step, p.src.nbytes)
         raw = bytearray(source.read(p.src, begin, end))
         _check_length(p.src, begin + len(raw), end, source)
-        cast = torch.frombuffer(raw, dtype=src_dtype).to(out_dtype).view(torch.uint8).numpy()
-        _write_all(fd, memoryview(cast), path)
-        crc = zlib.crc32(memoryview(cast), crc)
+        cast = torch.frombuffer(raw, dtype=src_dtype).to(out_dtype).view(torch.uint8).numpy().data
+        _write_all(fd, cast, path)
+        crc = zlib.crc32(cast, crc)
         tick(cast.nbytes)  # progress counts output bytes, as the plan's total does
     return crc
 

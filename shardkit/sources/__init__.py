@@ -6,7 +6,8 @@ To add a kind, write ``sources/<kind>.py`` with an opener and add a row to ``_PA
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..errors import InvalidInputError, SourceNotFoundError
 from .base import Source
@@ -146,8 +147,8 @@ def open_source(obj: Any, *, key: str | None = None, variant: str | None = None)
         InvalidInputError: the file is of an unsupported kind, or its contents are unusable
             (``HeaderError``, ``CheckpointIndexError``, ``UnsafePickleError`` are subclasses).
 
-    >>> with open_source("model.safetensors") as src:   # doctest: +SKIP
-    ...     print(len(src.entries()))
+    with open_source("model.safetensors") as src:
+        print(len(src.entries()))
     """
     if isinstance(obj, Source):
         return obj

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import abc
 import os
-from typing import Iterator
+from collections.abc import Iterator
+from typing import Literal
 
 from ..errors import HeaderError
 from ..formats.header import TensorEntry
 from ..formats.index import Naming
 
-__all__ = ["Source", "pread_exactly"]
+__all__ = ["ShardRule", "Source", "pread_exactly"]
+
+# How sharding.plan places a tensor over the shard limit (see there).
+ShardRule = Literal["huggingface_hub", "sequential"]
 
 
 def pread_exactly(fd: int, nbytes: int, offset: int, *, file: str, name: str) -> bytes:
@@ -47,7 +51,7 @@ class Source(abc.ABC):
     paths: tuple[str, ...] = ()
     # How sharding.plan places a tensor over the shard limit: "sequential" keeps every shard one
     # run of the file order; in-memory state dicts use "huggingface_hub" to match its plan.
-    shard_rule: str = "sequential"
+    shard_rule: ShardRule = "sequential"
     # False when the files that entries name give the layout (offsets, manifests) but their bytes
     # must come through read(): a Hub file streamed behind a sparse mirror (hub/remote_stream.py).
     kernel_copy: bool = True
@@ -103,7 +107,7 @@ class Source(abc.ABC):
             os.close(fd)
         fds.clear()
 
-    def __enter__(self) -> "Source":
+    def __enter__(self) -> Source:
         return self
 
     def __exit__(self, *exc: object) -> None:

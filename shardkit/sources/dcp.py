@@ -131,7 +131,7 @@ def locate_chunk(chunk: _Chunk, f: Any, *, dtype: str, itemsize: int) -> int | N
 
 def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
     expected = 1
-    for size, step in reversed(list(zip(shape, stride))):
+    for size, step in reversed(list(zip(shape, stride, strict=True))):
         if size != 1 and step != expected:
             return False
         expected *= size
@@ -213,7 +213,7 @@ class DCPSource(Source):
             raw = self._chunk_bytes(chunk, tensor.dtype, (a - offsets[0]) * chunk_row, (b - offsets[0]) * chunk_row,
                                    name=tensor.name)
             piece = np.frombuffer(raw, dtype=np.uint8).reshape((b - a, *sizes[1:]))
-            target = (slice(a - r0, b - r0),) + tuple(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:]))
+            target = (slice(a - r0, b - r0),) + tuple(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:], strict=True))
             slab[target] = piece
         flat = slab.reshape(-1)
         return flat[begin - r0 * row_bytes: end - r0 * row_bytes].tobytes()
@@ -257,8 +257,8 @@ def _entry(t: _Tensor) -> TensorEntry:
 def open_dcp(folder: str, *, key: str | None = None) -> DCPSource:
     """Open a DCP folder (see the module docstring).
 
-    >>> with open_dcp("fsdp-checkpoint/") as src:    # doctest: +SKIP
-    ...     [e.name for e in src.entries()][:2]
+    with open_dcp("fsdp-checkpoint/") as src:
+        [e.name for e in src.entries()][:2]
     """
     metadata = load_metadata(folder)
     paths = getattr(metadata, "planner_data", None) or {}

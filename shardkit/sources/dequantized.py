@@ -9,7 +9,8 @@ copied kernel-side). ``edit_config`` drops ``quantization_config`` from the chec
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
@@ -132,7 +133,7 @@ class DequantizedSource(ViewSource):
         for row0 in range(start, rows, step):
             row1 = min(rows, row0 + step)
             band = dequantize_band(read_rows(self.inner, stored, row0, row1), scale, weight, row0, out_dtype)
-            yield row0, memoryview(band.contiguous().view(torch.uint8).numpy()).cast("B")
+            yield row0, band.contiguous().view(torch.uint8).numpy().data.cast("B")
 
     def edit_config(self, config: dict[str, Any]) -> dict[str, Any]:
         """The config.json of the output: without ``quantization_config`` (the weights are plain now)."""

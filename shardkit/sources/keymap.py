@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry

@@ -15,13 +15,14 @@ shard of the first one; :meth:`MemorySource.entries` lists them together for the
 from __future__ import annotations
 
 import logging
-from typing import Any, Collection, Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping
+from typing import Any
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.index import Naming
 from ..units import tensor_nbytes
-from .base import Source, pread_exactly
+from .base import ShardRule, Source, pread_exactly
 
 logger = logging.getLogger("shardkit")
 
@@ -29,7 +30,7 @@ logger = logging.getLogger("shardkit")
 class MemorySource(Source):
     """Tensors held in a mapping of name → ``torch.Tensor``, planned like huggingface_hub."""
 
-    shard_rule = "huggingface_hub"
+    shard_rule: ShardRule = "huggingface_hub"
 
     def __init__(self, tensors: Mapping[str, Any], *, description: str = "in-memory state dict",
                  naming: Naming = Naming(), dedupe: bool = True, keep: Collection[str] = ()) -> None:
@@ -170,7 +171,7 @@ def _end_ptr(t: Any) -> int:
     """One past the last element's first byte in logical order (the hub's ``_end_ptr``)."""
     if t.numel() == 0:
         return t.data_ptr()
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
     return t.data_ptr() + (last + 1) * t.element_size()
 
 

@@ -14,7 +14,8 @@ import re
 import struct
 import warnings
 import zipfile
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..errors import (
     InvalidInputError,

@@ -18,8 +18,9 @@ Everything else passes through (with its file offsets). ``edit_config`` adds the
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
@@ -159,7 +160,7 @@ class QuantizedSource(ViewSource):
                 err_sq, ref_sq = err_sq + float(diff.square().sum()), ref_sq + float(w.square().sum())
                 worst = max(worst, float(diff.abs().max()) if diff.numel() else 0.0)
                 scales.append(scale)
-            yield memoryview(q.view(torch.uint8).numpy()).cast("B")
+            yield q.view(torch.uint8).numpy().data.cast("B")
         if record:
             self._scales[weight.weight] = scales[0] if weight.granularity == "tensor" else torch.cat(scales)
             self._errors[weight.weight] = {"relative_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0,
