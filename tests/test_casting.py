@@ -85,3 +85,20 @@ def test_bad_inputs_raise_clear_errors() -> None:
         skeleton = plain_net()
     with pytest.raises(InvalidInputError, match="meta device"):
         shardkit.apply_layerwise_casting(skeleton, "float8_e4m3fn", "float32")
+
+
+@pytest.mark.parametrize("module, name", [("diffusers.hooks._common", "_GO_LC_SUPPORTED_PYTORCH_LAYERS"),
+                                          ("diffusers.hooks.layerwise_casting", "_is_layerwise_casting_active")])
+def test_the_private_diffusers_names_casting_uses_still_exist(module: str, name: str) -> None:
+    """runtime/casting.py reads two private diffusers names that no public API offers (the layer classes
+    layerwise casting supports; whether a module is already cast): a release that moves them fails here."""
+    import importlib
+
+    import diffusers
+
+    try:
+        found = hasattr(importlib.import_module(module), name)
+    except ImportError:
+        found = False
+    assert found, (f"diffusers {diffusers.__version__} no longer has {module}.{name}: update "
+                   "shardkit/runtime/casting.py (casting_targets / _already_cast) to its replacement")

@@ -217,9 +217,9 @@ def _resolve(path: str) -> tuple[str, str | None]:
     """(path to open, index file name or None)."""
     from ..formats.index import find_checkpoint
     from ..formats.layout import weight_files
-    from ..sources import _is_dcp_folder, _is_pickle_index_folder
+    from ..sources import is_dcp_folder, is_pickle_index_folder
 
-    if os.path.isdir(path) and (_is_dcp_folder(path) or _is_pickle_index_folder(path)):
+    if os.path.isdir(path) and (is_dcp_folder(path) or is_pickle_index_folder(path)):
         return path, None  # opened whole by its source; no safetensors index to show
     if os.path.isdir(path):
         names = weight_files(path)

@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import InvalidInputError, SourceNotFoundError
 from .base import Source
 
-__all__ = ["Source", "open_source"]
+__all__ = ["Source", "is_dcp_folder", "is_pickle_index_folder", "open_source"]
 
 
 def _is_safetensors_file(path: str) -> bool:
@@ -71,7 +71,7 @@ def _open_pickle_index(path: str, *, key: str | None = None, **_: Any) -> Source
     return open_pickle_index(path, key=key)
 
 
-def _is_dcp_folder(path: str) -> bool:
+def is_dcp_folder(path: str) -> bool:
     from .dcp import is_dcp_folder
 
     return is_dcp_folder(path)
@@ -83,7 +83,7 @@ def _open_dcp(path: str, *, key: str | None = None, **_: Any) -> Source:
     return open_dcp(path, key=key)
 
 
-def _is_pickle_index_folder(path: str) -> bool:
+def is_pickle_index_folder(path: str) -> bool:
     from .pickle_index import find_pickle_index
 
     return os.path.isdir(path) and find_pickle_index(path) is not None
@@ -114,9 +114,9 @@ _PATH_OPENERS: list[tuple[Callable[[str], bool], Callable[..., Source], str]] = 
     (_is_safetensors_index, _open_safetensors_index, "a .safetensors.index.json file"),
     (_is_pickle_index, _open_pickle_index, "a pytorch_model.bin.index.json file"),
     (_is_pickle_file, _open_pickle, "a .bin/.pt/.pth/.ckpt pickle"),
-    (_is_dcp_folder, _open_dcp, "a torch.distributed.checkpoint folder"),
+    (is_dcp_folder, _open_dcp, "a torch.distributed.checkpoint folder"),
     (_is_safetensors_folder, _open_safetensors_folder, "a folder with safetensors weights"),
-    (_is_pickle_index_folder, _open_pickle_index_folder, "a folder with pytorch_model.bin.index.json"),
+    (is_pickle_index_folder, _open_pickle_index_folder, "a folder with pytorch_model.bin.index.json"),
     (_is_single_pickle_folder, _open_single_pickle_folder, "a folder with one pytorch_model.bin"),
 ]
 
