@@ -369,7 +369,7 @@ def main() -> int:
     parser.add_argument("--read-backends", action="store_true",
                         help="the read-backend matrix (cold/warm, local/FUSE, each backend) instead")
     parser.add_argument("--only", action="append", default=[], metavar="WORDS",
-                        help="with --read-backends: only cases whose label contains WORDS (repeatable)")
+                        help="with --read-backends or --latency-ms: only cases whose label contains WORDS (repeatable)")
     parser.add_argument("--latency-ms", type=float, nargs="+", metavar="MS",
                         help="the latency benchmark through a FUSE mount adding MS per read request (issue 22)")
     parser.add_argument("--latency-model", default="sd15", choices=["sd15", "tiny"],
@@ -381,7 +381,7 @@ def main() -> int:
         from bench_latency import main_latency
 
         return main_latency(args.latency_ms, runs=args.runs, work=args.work, model=args.latency_model,
-                            keep=args.keep, local=not args.no_local)
+                            keep=args.keep, local=not args.no_local, only=args.only)
     if args.read_backends:
         return main_read(args)
     import platform

@@ -216,7 +216,7 @@ class LazyCheckpoint(Mapping):
         (:mod:`shardkit.loading.read_plan`: file order, adjacent tensors coalesced, every range in
         flight at once), memory-mapped ones as zero-copy views.
 
-        >>> state = ckpt.read_many(list(ckpt))                  # doctest: +SKIP
+            state = ckpt.read_many(list(ckpt))
         """
         out: dict[str, "torch.Tensor"] = {}
         planned: list[tuple[Shard, TensorEntry]] = []
@@ -237,7 +237,7 @@ class LazyCheckpoint(Mapping):
         :class:`~shardkit.loading.slices.TensorSlice`); ``fresh`` is False for a view of memory
         shared with other tensors (a memory map, a tensor read ahead).
 
-        >>> rows, fresh = ckpt.read_rows("w", 0, 2)               # doctest: +SKIP
+            rows, fresh = ckpt.read_rows("w", 0, 2)
         """
         shard, entry = self._locate(name)
         ahead = self._fresh.peek(name)

@@ -8,8 +8,14 @@ lands straight in its destination tensor; the task holds the destination, so mem
 writes into stays alive until it is done. ``close`` cancels what has not started and joins every
 thread with a bound.
 
->>> pool = ReadPool(threads=16)                                     # doctest: +SKIP
->>> wait_all(submit_reads(pool, reader, [job], keep=tensor, chunk_bytes=4 << 20)); pool.close()  # doctest: +SKIP
+>>> pool = ReadPool(threads=2)
+>>> futures = [pool.submit(lambda: 6 * 7) for _ in range(4)]
+>>> wait_all(futures); [f.result() for f in futures]
+[42, 42, 42, 42]
+>>> pool.close()
+True
+
+With a reader: ``wait_all(submit_reads(pool, reader, [job], keep=tensor, chunk_bytes=4 << 20))``.
 """
 
 from __future__ import annotations

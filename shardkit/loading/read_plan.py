@@ -8,8 +8,8 @@ each reader's ``chunk_bytes`` spread over one :class:`~shardkit.loading.prefetch
 in flight and their size decide the speed. Each tensor is a ``torch.frombuffer`` view of its
 block with its own storage (as memory-mapped tensors are); a block is freed with its last tensor.
 
->>> runs = plan_runs(entries, dtypes)                                # doctest: +SKIP
->>> state = read_runs(runs, readers_by_file, pool, dtypes=dtypes)     # doctest: +SKIP
+    runs = plan_runs(entries, dtypes)
+    state = read_runs(runs, readers_by_file, pool, dtypes=dtypes)
 """
 
 from __future__ import annotations
@@ -46,9 +46,6 @@ class Run:
 def plan_runs(entries: list[TensorEntry], dtypes: dict[str, "torch.dtype"]) -> list[Run]:
     """Non-empty ``entries`` grouped by file (in first-seen order), in offset order, coalesced where
     adjacent and where each tensor's place in the block keeps its dtype's alignment.
-
-    >>> [len(r.entries) for r in plan_runs(header.entries, dtypes)]    # doctest: +SKIP
-    [686]
     """
     files: dict[str, list[TensorEntry]] = {}
     for entry in entries:
