@@ -156,6 +156,20 @@ def test_close_mid_iteration_leaves_no_thread_and_no_buffer(tmp_path) -> None:
         mount.stop()
 
 
+def test_a_checkpoint_dropped_without_close_leaves_no_reader_thread(tmp_path) -> None:
+    path = tmp_path / "w.safetensors"
+    safetensors.torch.save_file({f"w{i}": torch.randn(1000) for i in range(8)}, path)
+    ckpt = shardkit.open(path, read="pread")
+    for name in ckpt:
+        ckpt[name]
+    assert any(t.name.startswith("shardkit-read") for t in threading.enumerate())
+    del ckpt, name
+    gc.collect()
+    for thread in [t for t in threading.enumerate() if t.name.startswith("shardkit-read")]:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+
+
 def test_read_ahead_stays_within_its_budget(slow_mount) -> None:
     _model(slow_mount.source, tensors=16, nbytes=1 << 20)
     with shardkit.open(slow_mount.mountpoint, read_ahead_bytes=3 << 20) as ckpt:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from concurrent.futures import wait
 from functools import partial
 from typing import TYPE_CHECKING, Callable
@@ -157,6 +158,8 @@ class FreshReads:
                 raise InvalidInputError(f"{self._description}: checkpoint is closed")
             if self._pool is None:
                 self._pool = ReadPool(reader.threads)
+                # A checkpoint dropped without close(): its idle threads end too (without waiting).
+                weakref.finalize(self, self._pool.close, timeout_s=0.0)
             return self._pool
 
     def close(self) -> bool:
