@@ -24,6 +24,7 @@ from typing import Any
 from ..atomic.commit import TMP_MARK, OutputTransaction
 from ..formats.manifest import FileDigest
 from ..sharding import digest
+from ..sharding.flush import BackgroundSync, ByteCounter
 from ..sharding.job import (
     ShardJob,
     SideFile,
@@ -35,7 +36,7 @@ from ..sharding.job import (
     shard_metadata,
 )
 from ..sharding.options import WriteOptions, warn_if_output_taken
-from ..sharding.writer import BackgroundSync, ByteCounter, write_safetensors
+from ..sharding.writer import write_safetensors
 from ..sources.base import Source
 from .assign import assign_shards, plan_signature
 from .group import (

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -160,6 +161,7 @@ def end_group(*, barrier: bool, timeout_s: float) -> None:
             except RuntimeError as e:  # the output is published; a rank that died after it is worth saying
                 raise DistributedError(f"waiting for the other ranks to finish: {_first_line(e)}") from e
     finally:
+        gc.collect()  # objects in reference cycles may hold the group; its gloo threads must end before exit
         dist.destroy_process_group()
 
 

@@ -20,17 +20,11 @@ from ..formats.index import DIFFUSERS_PREFIX, Naming, dump_index
 from ..formats.suffixes import is_manifest_file, is_weight_file
 from ..sources import Source, open_source
 from .digest import ManifestRecorder, stale_manifests
+from .flush import BackgroundSync, ByteCounter, copy_side_file
 from .options import WriteOptions, warn_if_many_shards, warn_if_output_taken
 from .plan import ShardPlan, plan_shards
 from .quant import config_edits, quant_report, quant_view
-from .writer import (
-    BackgroundSync,
-    ByteCounter,
-    TensorWrite,
-    copy_side_file,
-    tensor_write,
-    write_safetensors,
-)
+from .writer import TensorWrite, tensor_write, write_safetensors
 
 __all__ = ["ShardJob", "SideFile", "SplitResult", "checkpoint_files", "copy_side_files", "open_settled", "plan_job",
            "publish", "resolve_naming", "run_jobs", "side_files", "split_source"]

@@ -21,8 +21,9 @@ from ..errors import InvalidInputError, OutputExistsError
 from ..formats.header import Header, read_header
 from ..formats.index import find_checkpoint, load_index, naming_from_filename
 from ..sources.safetensors import SafetensorsSource, check_index_against_headers
+from .flush import ByteCounter
 from .options import warn
-from .writer import ByteCounter, tensor_write, write_safetensors
+from .writer import tensor_write, write_safetensors
 
 _SHARD_NUMBER = re.compile(r"-(\d{5})-of-(\d{5})\.safetensors$")
 

@@ -14,10 +14,11 @@ from ..errors import InvalidInputError
 from ..formats.index import Naming
 from ..sources import Source
 from ..units import format_size
+from .flush import ByteCounter
 from .job import ShardJob, SplitResult, plan_job, shard_metadata
 from .options import WriteOptions, warn
 from .plan import plan_shards
-from .writer import ByteCounter, write_safetensors
+from .writer import write_safetensors
 
 SUFFIX = ".safetensors"
 

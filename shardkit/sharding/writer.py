@@ -24,18 +24,17 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from .. import _faults
 from ..atomic.extents import CLONE_BLOCK_BYTES, shared_bytes_fd
-from ..atomic.journal import fsync_dir as _fsync_path  # fsync works the same on a file
-from ..errors import HeaderError, InvalidInputError, ShardkitWriteError, describe_os_error
+from ..errors import HeaderError, InvalidInputError
 from ..formats.header import HEADER_ALIGN_BYTES, TensorEntry, build_header
 from ..sources.base import Source
 from ..units import DTYPE_BITS, tensor_nbytes
+from .flush import BackgroundSync, write_error
 
 CHUNK_BYTES = 64 * 2**20
 CAST_CHUNK_BYTES = 16 * 2**20
@@ -87,53 +86,6 @@ def tensor_write(entry: TensorEntry, cast_to: str | None) -> TensorWrite:
     return TensorWrite(entry, TensorEntry(entry.name, cast_to, entry.shape, tensor_nbytes(cast_to, entry.shape)))
 
 
-class ByteCounter:
-    """Turns per-chunk byte counts into ``progress(done_bytes, total_bytes)`` calls."""
-
-    def __init__(self, total_bytes: int, progress: Callable[[int, int], None] | None) -> None:
-        self.total_bytes = total_bytes
-        self.done_bytes = 0
-        self._progress = progress
-
-    def __call__(self, n: int) -> None:
-        self.done_bytes += n
-        if self._progress is not None:
-            self._progress(self.done_bytes, self.total_bytes)
-
-
-class BackgroundSync:
-    """fsync finished files on a worker thread while the next one is written.
-
-    Copying is page-cache speed and flushing is disk speed; overlapping them keeps the disk busy
-    the whole time instead of idling while the next shard is copied. :meth:`wait` must return
-    before anything that names these files is published.
-    """
-
-    def __init__(self) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-fsync")
-        self._pending: list[tuple[str, object]] = []
-
-    def submit(self, path: str) -> None:
-        self._pending.append((path, self._pool.submit(_fsync_path, path)))
-
-    def wait(self) -> None:
-        """Block until every submitted file is on disk; raise the first failure."""
-        pending, self._pending = self._pending, []
-        for path, future in pending:
-            try:
-                future.result()  # type: ignore[attr-defined]
-            except OSError as e:
-                raise _write_error(path, e) from e
-
-    def __enter__(self) -> BackgroundSync:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._pool.shutdown(wait=True)
-
-
 def write_safetensors(path: str, writes: list[TensorWrite], source: Source, *,
                       metadata: dict[str, str] | None = None, progress: ProgressFn | None = None,
                       sync: BackgroundSync | None = None) -> WrittenFile:
@@ -162,7 +114,7 @@ def write_safetensors(path: str, writes: list[TensorWrite], source: Source, *,
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except OSError as e:
-        raise _write_error(path, e) from e
+        raise write_error(path, e) from e
     try:
         # The final size first: writes below EOF get no speculative preallocation, which XFS
         # would otherwise leave allocated under the ranges that clones replace.
@@ -175,7 +127,7 @@ def write_safetensors(path: str, writes: list[TensorWrite], source: Source, *,
         if sync is None:
             os.fsync(fd)
     except OSError as e:
-        raise _write_error(path, e) from e
+        raise write_error(path, e) from e
     finally:
         os.close(fd)
     if sync is not None:
@@ -219,20 +171,6 @@ def _cloned_bytes(fd: int, data_start: int) -> int:
         return shared_bytes_fd(fd, start=data_start) or 0
     except OSError:
         return 0  # only a report: never fail a good write over it
-
-
-def copy_side_file(src: str, path: str, *, sync: BackgroundSync) -> None:
-    """Copy a file that travels with the weights (config, tokenizer...) to a new ``path``.
-
-    Its fsync goes to ``sync`` like a shard's: a side file that is published but still only in
-    the page cache could come back empty after a power loss, beside complete shards.
-    """
-    try:
-        shutil.copyfile(src, path)
-    except OSError as e:
-        raise _write_error(path, e) from e
-    sync.submit(path)
-    _faults.point("file-done:side-file")
 
 
 def _runs(writes: list[TensorWrite]) -> Iterator[list[TensorWrite]]:
@@ -417,7 +355,3 @@ def _write_all(fd: int, data: bytes | memoryview, path: str) -> None:
             raise OSError(errno.EIO, f"write to {path} wrote nothing")
         view = view[written:]
         _faults.point("write", written)
-
-
-def _write_error(path: str, e: OSError) -> ShardkitWriteError:
-    return ShardkitWriteError(f"writing {path} failed: {describe_os_error(e)}; nothing was published")
