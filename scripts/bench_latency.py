@@ -101,8 +101,9 @@ def case_state_dict(folder: str) -> None:
 
 
 def case_load_model(folder: str) -> None:
-    import shardkit
     from diffusers import UNet2DConditionModel
+
+    import shardkit
 
     model = shardkit.load_model(UNet2DConditionModel, folder, config=folder, device_map="cpu")
     _touch(model.state_dict().values())
@@ -121,8 +122,8 @@ LOCAL_CASES = ["shardkit.open, ck[k] for every key", "shardkit.load_model(device
 
 
 def run_child(label: str, folder: str) -> None:
-    import torch  # noqa: F401  (imports are not part of the time)
     import safetensors.torch  # noqa: F401
+    import torch  # noqa: F401  (imports are not part of the time)
     from diffusers import UNet2DConditionModel  # noqa: F401
 
     import shardkit.loading.load  # noqa: F401

@@ -211,7 +211,7 @@ class LatencyMount:
         """The mount's physical limit: requests in flight × request size ÷ latency."""
         return self.max_threads * request_bytes / (self.latency_ms / 1000)
 
-    def start(self) -> "LatencyMount":
+    def start(self) -> LatencyMount:
         os.makedirs(self.mountpoint, exist_ok=True)
         args = [sys.executable, os.path.abspath(__file__), self.source, self.mountpoint,
                 "--latency-ms", str(self.latency_ms), "--max-threads", str(self.max_threads)]
@@ -256,7 +256,7 @@ class LatencyMount:
             self._log.close()
             self._log = None
 
-    def __enter__(self) -> "LatencyMount":
+    def __enter__(self) -> LatencyMount:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

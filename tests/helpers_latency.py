@@ -1,4 +1,4 @@
-"""The latency mount (scripts/latency_mount.py) as a pytest fixture; skips with the reason where FUSE is missing."""
+"""The latency mount (scripts/latency_mount.py) for tests; skips with the reason where FUSE is missing."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts")
 
 from latency_mount import LatencyMount, fuse_unavailable  # noqa: E402
 
-__all__ = ["LatencyMount", "latency_mount", "mount_or_skip"]
+__all__ = ["LatencyMount", "mount_or_skip"]
 
 
 def mount_or_skip(tmp_path, **options) -> LatencyMount:
@@ -25,13 +25,3 @@ def mount_or_skip(tmp_path, **options) -> LatencyMount:
         return LatencyMount(src, mnt, **options).start()
     except RuntimeError as e:  # e.g. fusermount refused in an unprivileged container
         pytest.skip(str(e))
-
-
-@pytest.fixture
-def latency_mount(tmp_path):
-    """A 2 ms latency mount over ``tmp_path/src`` (page-cache mode), unmounted afterwards."""
-    mount = mount_or_skip(tmp_path, latency_ms=2)
-    try:
-        yield mount
-    finally:
-        mount.stop()

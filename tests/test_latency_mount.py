@@ -7,14 +7,23 @@ import threading
 from pathlib import Path
 
 import pytest
-
-from helpers_latency import latency_mount, mount_or_skip  # noqa: F401  (fixture)
+from helpers_latency import mount_or_skip
 
 
 def _blob(folder, nbytes: int = 3 << 20) -> bytes:
     data = os.urandom(nbytes)
     (folder / "blob.bin").write_bytes(data)
     return data
+
+
+@pytest.fixture
+def latency_mount(tmp_path):
+    """A 2 ms latency mount over ``tmp_path/src`` (page-cache mode), unmounted afterwards."""
+    mount = mount_or_skip(tmp_path, latency_ms=2)
+    try:
+        yield mount
+    finally:
+        mount.stop()
 
 
 def test_serves_the_bytes_counts_requests_and_refuses_writes(latency_mount) -> None:

@@ -15,11 +15,11 @@ import weakref
 import pytest
 import safetensors.torch
 import torch
+from conftest import make_state_dict, tensor_bytes
+from helpers_latency import mount_or_skip
 from safetensors import safe_open
 
 import shardkit
-from conftest import make_state_dict, tensor_bytes
-from helpers_latency import mount_or_skip
 from shardkit.errors import HeaderError, InvalidInputError, ShardkitError
 from shardkit.loading import readers
 

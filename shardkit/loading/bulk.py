@@ -12,8 +12,9 @@ tensors, host casts) is left to ``LazyCheckpoint.get_tensor``, one tensor at a t
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from .lazy import LazyCheckpoint
 from .pipeline_copy import CopyJob, CopyStage, CudaCopyStage, HostCopyStage, byte_view, run_pipeline
@@ -29,7 +30,7 @@ class Want:
 
     src: str
     device: Any             # "cpu" or a torch device / index
-    dtype: "torch.dtype"
+    dtype: torch.dtype
 
 
 @dataclass
@@ -48,7 +49,7 @@ def _is_host(device: Any) -> bool:
 
 
 def read_batch(checkpoint: LazyCheckpoint, wants: dict[str, Want], *, pipe_host: bool = False,
-               stage_for: Callable[[Any], CopyStage] | None = None) -> tuple[dict[str, "torch.Tensor"], BatchReport]:
+               stage_for: Callable[[Any], CopyStage] | None = None) -> tuple[dict[str, torch.Tensor], BatchReport]:
     """Read what can be batched; the caller reads the rest with ``get_tensor``.
 
     Args:
@@ -64,7 +65,7 @@ def read_batch(checkpoint: LazyCheckpoint, wants: dict[str, Want], *, pipe_host:
     >>> values, report = read_batch(ckpt, wants)                    # doctest: +SKIP
     """
     report = BatchReport()
-    values: dict[str, "torch.Tensor"] = {}
+    values: dict[str, torch.Tensor] = {}
     piped = {n: w for n, w in wants.items() if pipe_host or not _is_host(w.device)}
     _read_host(checkpoint, {n: w for n, w in wants.items() if n not in piped}, values, report)
     if piped:

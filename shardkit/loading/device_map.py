@@ -217,7 +217,7 @@ def plan_device_map(model: Any, *, config: Any = None, checkpoint: Any = None, m
                           no_split_module_classes=no_split_module_classes)
 
 
-def _plan_skeleton(skeleton: Any, strategy: str, budget: dict[Device, int], *, dtype: "torch.dtype | None",
+def _plan_skeleton(skeleton: Any, strategy: str, budget: dict[Device, int], *, dtype: torch.dtype | None,
                    checkpoint: str | None, no_split_module_classes: list[str] | None) -> DevicePlan:
     """Place a skeleton whose dtypes are final and measure what lands where."""
     from accelerate.utils import compute_module_sizes

@@ -14,9 +14,10 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import wait
 from functools import partial
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError, ShardkitError
 from ..formats.header import TensorEntry
@@ -52,7 +53,7 @@ class FreshReads:
         """Whether ``name`` was read ahead and not yet taken."""
         return name in self.ahead.pending
 
-    def tensor(self, shard: Shard, entry: TensorEntry) -> "torch.Tensor":
+    def tensor(self, shard: Shard, entry: TensorEntry) -> torch.Tensor:
         """One tensor: taken from the read-ahead, or read now as parallel ranges; a sequential read
         (the next name in iteration order) extends the read-ahead before waiting."""
         assert shard.reader is not None
@@ -84,7 +85,7 @@ class FreshReads:
         except ShardkitError as e:  # met again, with this error, when one of its tensors is asked for
             log.debug("read-ahead could not open %s: %s", shard.path, e)
 
-    def rows(self, shard: Shard, entry: TensorEntry, start: int, stop: int) -> "torch.Tensor":
+    def rows(self, shard: Shard, entry: TensorEntry, start: int, stop: int) -> torch.Tensor:
         """Rows ``start:stop`` of the leading dimension: only their bytes are read."""
         import torch
 
@@ -99,7 +100,7 @@ class FreshReads:
         check_unchanged(shard)
         return rows
 
-    def peek(self, name: str) -> "torch.Tensor | None":
+    def peek(self, name: str) -> torch.Tensor | None:
         """The tensor read ahead for ``name`` (waited for, left in the window), or None."""
         pending = self.ahead.pending.get(name)
         if pending is None:
@@ -107,7 +108,7 @@ class FreshReads:
         wait_all(pending.futures)
         return pending.tensor
 
-    def many(self, items: list[tuple[Shard, TensorEntry]]) -> dict[str, "torch.Tensor"]:
+    def many(self, items: list[tuple[Shard, TensorEntry]]) -> dict[str, torch.Tensor]:
         """Many non-empty tensors (none read ahead) with one plan over all their shards."""
         from ..formats.dtypes import to_torch
 
@@ -125,7 +126,7 @@ class FreshReads:
             check_unchanged(shard)
         return out
 
-    def _submit(self, shard: Shard, entry: TensorEntry) -> tuple["torch.Tensor", list]:
+    def _submit(self, shard: Shard, entry: TensorEntry) -> tuple[torch.Tensor, list]:
         import torch
 
         from ..formats.dtypes import to_torch

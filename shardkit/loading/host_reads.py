@@ -18,20 +18,20 @@ if TYPE_CHECKING:
 CAST_CHUNK_BYTES = 16 << 20
 
 
-def read_into(fd: int, tensor: "torch.Tensor", offset: int, nbytes: int, *, where: str) -> None:
+def read_into(fd: int, tensor: torch.Tensor, offset: int, nbytes: int, *, where: str) -> None:
     """``pread`` ``nbytes`` at ``offset`` straight into a contiguous CPU tensor's memory."""
     pread_exact(fd, tensor.data_ptr(), offset, nbytes, where=where)
 
 
-def cast_staging() -> "torch.Tensor":
+def cast_staging() -> torch.Tensor:
     """A fresh staging buffer for :func:`read_cast` (keep one per thread)."""
     import torch
 
     return torch.empty(CAST_CHUNK_BYTES, dtype=torch.uint8)
 
 
-def read_cast(fd: int, entry: TensorEntry, src_dtype: "torch.dtype", dtype: "torch.dtype", *,
-              staging: "torch.Tensor") -> "torch.Tensor":
+def read_cast(fd: int, entry: TensorEntry, src_dtype: torch.dtype, dtype: torch.dtype, *,
+              staging: torch.Tensor) -> torch.Tensor:
     """Read ``entry`` from ``fd`` chunk by chunk through ``staging``, cast into a new ``dtype`` tensor."""
     import torch
 

@@ -7,8 +7,9 @@ dtype, so that placement and loading both start from the same skeleton.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..errors import KeyMismatchError, ShardkitWarning
 from .lazy import LazyCheckpoint
@@ -90,11 +91,11 @@ def check_match(match: KeyMatch, *, strict: bool, model: str, checkpoint: str) -
 
 
 def final_dtypes(skeleton: Any, checkpoint: LazyCheckpoint | None, match: KeyMatch | None,
-                 dtype: "torch.dtype | None") -> Callable[[str], "torch.dtype | None"]:
+                 dtype: torch.dtype | None) -> Callable[[str], torch.dtype | None]:
     """The dtype each tensor ends up in: ``dtype`` if given (fp32 for keep-in-fp32 modules), else the checkpoint's."""
     import torch
 
-    def dtype_for(name: str) -> "torch.dtype | None":
+    def dtype_for(name: str) -> torch.dtype | None:
         if dtype is not None:
             return torch.float32 if keeps_fp32(skeleton, name) else dtype
         src = match.source_of.get(name) if match is not None else None
@@ -106,7 +107,7 @@ def final_dtypes(skeleton: Any, checkpoint: LazyCheckpoint | None, match: KeyMat
     return dtype_for
 
 
-def prepare_skeleton(model: Any, checkpoint: LazyCheckpoint | None, *, config: Any, dtype: "torch.dtype | None",
+def prepare_skeleton(model: Any, checkpoint: LazyCheckpoint | None, *, config: Any, dtype: torch.dtype | None,
                      strict: bool) -> tuple[Any, KeyMatch | None, str | None]:
     """Build the skeleton, check it against ``checkpoint`` and give its meta tensors their final dtypes."""
     skeleton = build_skeleton(model, config=config)

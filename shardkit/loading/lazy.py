@@ -75,7 +75,7 @@ class LazyCheckpoint(Mapping):
                                  shards=list(shards.values()), open_shard=self._opened, description=description)
 
     # -- Mapping -----------------------------------------------------------------------------
-    def __getitem__(self, name: str) -> "torch.Tensor":
+    def __getitem__(self, name: str) -> torch.Tensor:
         return self.get_tensor(name)
 
     def __iter__(self) -> Iterator[str]:
@@ -105,7 +105,7 @@ class LazyCheckpoint(Mapping):
         """The shape of tensor ``name``, from its shard's header."""
         return self.entry(name).shape
 
-    def dtype_of(self, name: str) -> "torch.dtype":
+    def dtype_of(self, name: str) -> torch.dtype:
         """The stored ``torch.dtype`` of tensor ``name``, from its shard's header."""
         from ..formats.dtypes import to_torch
 
@@ -133,8 +133,8 @@ class LazyCheckpoint(Mapping):
         return {k: v for k, v in self.metadata.items() if v in self._shard_of and k not in self._shard_of}
 
     # -- data -----------------------------------------------------------------------------------
-    def get_tensor(self, name: str, *, device: "str | torch.device | None" = None,
-                   dtype: "torch.dtype | None" = None, copy: bool = False) -> "torch.Tensor":
+    def get_tensor(self, name: str, *, device: str | torch.device | None = None,
+                   dtype: torch.dtype | None = None, copy: bool = False) -> torch.Tensor:
         """Read one tensor.
 
         Without ``copy`` the host tensor views the shard's private memory map (no copy; pages are
@@ -195,8 +195,8 @@ class LazyCheckpoint(Mapping):
         self._shard_name(name)
         return TensorSlice(self, name)
 
-    def to_state_dict(self, *, device: "str | torch.device | None" = None, dtype: "torch.dtype | None" = None,
-                      copy: bool = False) -> dict[str, "torch.Tensor"]:
+    def to_state_dict(self, *, device: str | torch.device | None = None, dtype: torch.dtype | None = None,
+                      copy: bool = False) -> dict[str, torch.Tensor]:
         """Every tensor, zero-copy on the host by default; ``dtype`` casts floating-point tensors only.
 
         On the host, ``pread``/``direct`` shards are read in one parallel batch each (:meth:`read_many`).
@@ -211,14 +211,14 @@ class LazyCheckpoint(Mapping):
             out[name] = self.get_tensor(name, device=device, dtype=cast, copy=copy)
         return {name: out[name] for name in self}  # checkpoint order, whichever way each was read
 
-    def read_many(self, names: list[str]) -> dict[str, "torch.Tensor"]:
+    def read_many(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Host tensors, stored dtype: ``pread``/``direct`` shards with one plan over all of them
         (:mod:`shardkit.loading.read_plan`: file order, adjacent tensors coalesced, every range in
         flight at once), memory-mapped ones as zero-copy views.
 
             state = ckpt.read_many(list(ckpt))
         """
-        out: dict[str, "torch.Tensor"] = {}
+        out: dict[str, torch.Tensor] = {}
         planned: list[tuple[Shard, TensorEntry]] = []
         first = self._locate(names[0])[0] if names else None
         if first is not None and first.reader is not None:
@@ -232,7 +232,7 @@ class LazyCheckpoint(Mapping):
         out.update(self._fresh.many(planned))
         return out
 
-    def read_rows(self, name: str, start: int, stop: int) -> tuple["torch.Tensor", bool]:
+    def read_rows(self, name: str, start: int, stop: int) -> tuple[torch.Tensor, bool]:
         """Rows ``start:stop`` of ``name``'s leading dimension, reading only their bytes (for
         :class:`~shardkit.loading.slices.TensorSlice`); ``fresh`` is False for a view of memory
         shared with other tensors (a memory map, a tensor read ahead).
@@ -253,7 +253,7 @@ class LazyCheckpoint(Mapping):
         assert shard.entries is not None
         return shard, shard.entries[name]
 
-    def _staging(self) -> "torch.Tensor":
+    def _staging(self) -> torch.Tensor:
         """This thread's reusable cast buffer."""
         staging = getattr(self._local, "staging", None)
         if staging is None:
@@ -313,7 +313,7 @@ class LazyCheckpoint(Mapping):
             for shard in self._shards.values():
                 close_shard(shard)
 
-    def __enter__(self) -> "LazyCheckpoint":
+    def __enter__(self) -> LazyCheckpoint:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -21,8 +21,8 @@ from typing import Any
 from ..devices import Device, parse_max_memory
 from ..errors import InvalidInputError
 from ..runtime.apply import RuntimeSetup, apply_runtime
-from .device_map import check_devices_exist, module_device, resolve_device_map
 from .bulk import Want, read_batch
+from .device_map import check_devices_exist, module_device, resolve_device_map
 from .keys import KeyMatch, prepare_skeleton
 from .lazy import LazyCheckpoint
 from .skeleton import default_config
@@ -34,7 +34,7 @@ def _main_device(device_map: dict[str, Device]) -> Device:
 
 
 def fill_skeleton(skeleton: Any, checkpoint: LazyCheckpoint, match: KeyMatch, device_map: dict[str, Device],
-                  offload_folder: str | None) -> dict[str, Any] | None:
+                  offload_folder: str | os.PathLike[str] | None) -> dict[str, Any] | None:
     """Read each tensor once into its device; disk tensors go to an offload index. Returns that index."""
     from accelerate.utils import retie_parameters, set_module_tensor_to_device
 
@@ -169,7 +169,7 @@ def _fill_and_dispatch(skeleton: Any, checkpoint: LazyCheckpoint, match: KeyMatc
             check_device_map(skeleton, mapping)
             offload_index = fill_skeleton(skeleton, checkpoint, match, mapping, offload_folder)
             dispatch_model(skeleton, mapping, main_device=_main_device(mapping), offload_index=offload_index,
-                           offload_dir=os.fspath(offload_folder) if offload_index is not None else None)
+                           offload_dir=os.fspath(offload_folder) if offload_index is not None and offload_folder else None)
     except ValueError as e:
         if isinstance(e, InvalidInputError):
             raise

@@ -29,11 +29,11 @@ class DiskTensor:
 
     name: str
     source: str | None
-    dtype: "torch.dtype"
+    dtype: torch.dtype
     shape: tuple[int, ...]
 
 
-def write_offload_index(checkpoint: "LazyCheckpoint", tensors: list[DiskTensor], folder: str) -> dict[str, Any]:
+def write_offload_index(checkpoint: LazyCheckpoint, tensors: list[DiskTensor], folder: str) -> dict[str, Any]:
     """Write ``folder/index.json`` for ``tensors`` and return the index accelerate expects.
 
     >>> index = write_offload_index(ckpt, [DiskTensor("up.0.weight", "up.0.weight", torch.float16, (4, 4))],

@@ -14,7 +14,8 @@ strategy, the order diffusers documents for combining them.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from ..devices import parse_max_memory
 from ..errors import InvalidInputError, ShardkitError, SourceNotFoundError

@@ -33,14 +33,14 @@ RING_BUFFER_BYTES = 64 << 20
 class CopyJob:
     """``nbytes`` of the file at ``offset`` into ``dest`` (any device) starting at its byte ``dest_offset``."""
 
-    dest: "torch.Tensor"   # flat uint8 view of the destination tensor
+    dest: torch.Tensor   # flat uint8 view of the destination tensor
     dest_offset: int
     offset: int
     nbytes: int
     where: str
 
 
-def byte_view(tensor: "torch.Tensor") -> "torch.Tensor":
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """A flat ``uint8`` view of a contiguous tensor of any dtype (fp8, bool, scalars included)."""
     import torch
 
@@ -60,9 +60,9 @@ def split_copies(jobs: list[CopyJob], chunk_bytes: int) -> list[CopyJob]:
 class CopyStage(Protocol):
     """Moves a filled host buffer into its destination; ``wait(token)`` returns once the buffer is free."""
 
-    def allocate(self, nbytes: int) -> "torch.Tensor": ...
+    def allocate(self, nbytes: int) -> torch.Tensor: ...
 
-    def submit(self, buffer: "torch.Tensor", job: CopyJob) -> Any: ...
+    def submit(self, buffer: torch.Tensor, job: CopyJob) -> Any: ...
 
     def wait(self, token: Any) -> None: ...
 
@@ -72,12 +72,12 @@ class CopyStage(Protocol):
 class HostCopyStage:
     """Synchronous copies into CPU tensors: the pipeline's CPU stand-in for tests and CPU loads."""
 
-    def allocate(self, nbytes: int) -> "torch.Tensor":
+    def allocate(self, nbytes: int) -> torch.Tensor:
         import torch
 
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def submit(self, buffer: "torch.Tensor", job: CopyJob) -> Any:
+    def submit(self, buffer: torch.Tensor, job: CopyJob) -> Any:
         job.dest[job.dest_offset:job.dest_offset + job.nbytes].copy_(buffer[:job.nbytes])
         return None
 
@@ -91,18 +91,18 @@ class HostCopyStage:
 class CudaCopyStage:
     """Pinned ring buffers; ``non_blocking`` copies on a side stream; one event per buffer use."""
 
-    def __init__(self, device: "torch.device") -> None:
+    def __init__(self, device: torch.device) -> None:
         import torch
 
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
 
-    def allocate(self, nbytes: int) -> "torch.Tensor":
+    def allocate(self, nbytes: int) -> torch.Tensor:
         import torch
 
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def submit(self, buffer: "torch.Tensor", job: CopyJob) -> Any:
+    def submit(self, buffer: torch.Tensor, job: CopyJob) -> Any:
         import torch
 
         with torch.cuda.stream(self.stream):
@@ -134,16 +134,16 @@ class BufferRing:
         self.count = count
         self.in_use = 0
 
-    def acquire(self) -> "torch.Tensor":
+    def acquire(self) -> torch.Tensor:
         self.in_use += 1
         return self._free.get_nowait()
 
-    def release(self, buffer: "torch.Tensor") -> None:
+    def release(self, buffer: torch.Tensor) -> None:
         self.in_use -= 1
         self._free.put(buffer)
 
 
-def _read_into(reader: Reader, buffer: "torch.Tensor", job: CopyJob) -> None:
+def _read_into(reader: Reader, buffer: torch.Tensor, job: CopyJob) -> None:
     reader.read_one(ReadJob(buffer.data_ptr(), job.offset, job.nbytes, job.where))
 
 

@@ -24,10 +24,11 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from .readers import Reader, ReadJob, split_jobs
 
@@ -129,7 +130,7 @@ def _read_chunk(reader: Reader, chunk: ReadJob, keep: Any) -> None:
 class Pending:
     """A tensor read ahead: its destination and the reads filling it."""
 
-    tensor: "torch.Tensor"
+    tensor: torch.Tensor
     futures: list[Future]
     nbytes: int
 

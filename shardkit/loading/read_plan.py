@@ -43,7 +43,7 @@ class Run:
         return self.entries[-1].offset + self.entries[-1].nbytes - self.entries[0].offset
 
 
-def plan_runs(entries: list[TensorEntry], dtypes: dict[str, "torch.dtype"]) -> list[Run]:
+def plan_runs(entries: list[TensorEntry], dtypes: dict[str, torch.dtype]) -> list[Run]:
     """Non-empty ``entries`` grouped by file (in first-seen order), in offset order, coalesced where
     adjacent and where each tensor's place in the block keeps its dtype's alignment.
     """
@@ -68,7 +68,7 @@ def plan_runs(entries: list[TensorEntry], dtypes: dict[str, "torch.dtype"]) -> l
 
 
 def read_runs(runs: list[Run], readers: dict[str, Reader], pool: ReadPool, *,
-              dtypes: dict[str, "torch.dtype"]) -> dict[str, "torch.Tensor"]:
+              dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
     """Every run's block read at once (all files, each reader's ``chunk_bytes`` ranges over ``pool``),
     then viewed.
 
@@ -94,7 +94,7 @@ def read_runs(runs: list[Run], readers: dict[str, Reader], pool: ReadPool, *,
         futures += submit_reads(pool, reader, [job], keep=block, chunk_bytes=reader.chunk_bytes)
         blocks.append((block, run))
     wait_all(futures)
-    out: dict[str, "torch.Tensor"] = {}
+    out: dict[str, torch.Tensor] = {}
     for block, run in blocks:
         for entry in run.entries:
             dtype = dtypes[entry.name]

@@ -18,9 +18,10 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 from ..errors import HeaderError
 
@@ -55,7 +56,7 @@ class ReadJob:
     where: str        # "FILE: tensor 'NAME'", for messages
 
 
-def job_for(tensor: "torch.Tensor", *, offset: int, nbytes: int, where: str) -> ReadJob:
+def job_for(tensor: torch.Tensor, *, offset: int, nbytes: int, where: str) -> ReadJob:
     """A job reading ``nbytes`` into a contiguous CPU ``tensor`` (its storage must hold them)."""
     if not tensor.is_contiguous() or tensor.device.type != "cpu":
         raise ValueError(f"{where}: read destination must be a contiguous CPU tensor")
@@ -123,7 +124,7 @@ class Reader:
             os.close(self._fd)
         self._fd = -1
 
-    def __enter__(self) -> "Reader":
+    def __enter__(self) -> Reader:
         return self
 
     def __exit__(self, *exc: object) -> None:

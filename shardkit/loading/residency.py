@@ -167,10 +167,10 @@ def choose_backend(path: str, read: str, *, fd: int | None = None) -> BackendCho
         fd: an open descriptor of ``path`` (saves opening it again).
 
     Returns:
-        The backend and the reason, e.g. ``BackendChoice("pread", "fuse filesystem")``.
+        The backend and the reason, e.g. ``BackendChoice("direct", "fuse filesystem, cold: ...", "fuse")``.
 
     >>> choose_backend("model.safetensors", "mmap")
-    BackendChoice(backend='mmap', reason='read=mmap')
+    BackendChoice(backend='mmap', reason='read=mmap', remote=None)
     """
     check_backend(read)
     if read != "auto":  # still tuned for the filesystem: more, smaller reads in flight on a remote one

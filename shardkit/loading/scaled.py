@@ -10,8 +10,9 @@ dtypes, whatever ``dtype`` asks for the rest; input scales and markers are not m
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..formats.quant import find_layout, read_config
 from ..runtime.scaled_fp8 import attach_scaled_fp8, scaled_modules
@@ -27,11 +28,11 @@ __all__ = ["ScaledLoad", "attach_scales"]
 class ScaledLoad:
     """What :func:`attach_scales` did: the tensors kept in their stored dtype, the names that are not parameters."""
 
-    stored: dict[str, "torch.dtype"] = field(default_factory=dict)  # model name → stored dtype (fp8 weights, scales)
+    stored: dict[str, torch.dtype] = field(default_factory=dict)  # model name → stored dtype (fp8 weights, scales)
     extra: frozenset[str] = frozenset()  # input scales and markers: not model tensors
     description: str | None = None  # the layout, e.g. "fp8, 128×128 blocks, float32 scales (...)"
 
-    def dtype_for(self, fallback: Callable[[str], "torch.dtype | None"]) -> Callable[[str], "torch.dtype | None"]:
+    def dtype_for(self, fallback: Callable[[str], torch.dtype | None]) -> Callable[[str], torch.dtype | None]:
         """``fallback``'s dtypes, except the fp8 weights and their scales, which stay as stored."""
         return lambda name: self.stored.get(name) or fallback(name)
 

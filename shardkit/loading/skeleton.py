@@ -11,7 +11,8 @@ import contextlib
 import importlib
 import json
 import os
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import InvalidInputError, ShardkitError, SourceNotFoundError
 
@@ -102,7 +103,7 @@ def _build_transformers(cls: Any, config: dict[str, Any] | None) -> Any:
 
     config_class = getattr(cls, "config_class", None)
     if isinstance(config_class, type) and config_class is not PretrainedConfig:
-        cfg = config_class.from_dict(config)
+        cfg = cast(Any, config_class).from_dict(config)  # a PretrainedConfig subclass
     elif "model_type" in config:
         cfg = AutoConfig.for_model(**config)
     else:
@@ -148,14 +149,14 @@ def _ties_kept(torch_register: Callable[..., None]) -> Iterator[None]:
         else:
             accelerate_register(module, name, param)
 
-    nn.Module.register_parameter = register
+    nn.Module.register_parameter = register  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
-        nn.Module.register_parameter = accelerate_register
+        nn.Module.register_parameter = accelerate_register  # type: ignore[method-assign]
 
 
-def build_skeleton(model: ModelSpec, *, config: Any = None, dtype: "str | torch.dtype | None" = None) -> Any:
+def build_skeleton(model: ModelSpec, *, config: Any = None, dtype: str | torch.dtype | None = None) -> Any:
     """Build ``model`` on the meta device: no parameter memory is allocated.
 
     ``model`` is a ``"library:ClassName"`` string, a diffusers/transformers class (with ``config``:
@@ -224,7 +225,7 @@ def keeps_fp32(model: Any, name: str) -> bool:
     return any(module in parts for module in keep)
 
 
-def cast_floating(model: Any, dtype_for: Callable[[str], "torch.dtype | None"]) -> None:
+def cast_floating(model: Any, dtype_for: Callable[[str], torch.dtype | None]) -> None:
     """Cast floating-point parameters and buffers in place, keeping tied parameters tied.
 
     Meta tensors cost nothing to cast; ``param.data`` assignment keeps the Parameter object, so

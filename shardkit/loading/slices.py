@@ -57,11 +57,11 @@ class TensorSlice:
         """The tensor's shape, from the header."""
         return list(self._checkpoint.shape_of(self._name))
 
-    def get_dtype(self) -> "torch.dtype":
+    def get_dtype(self) -> torch.dtype:
         """The tensor's stored dtype, from the header."""
         return self._checkpoint.dtype_of(self._name)
 
-    def __getitem__(self, index: Any) -> "torch.Tensor":
+    def __getitem__(self, index: Any) -> torch.Tensor:
         shape = self.get_shape()
         rows = row_range(index, shape[0]) if shape else None
         if rows is None:
