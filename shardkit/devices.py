@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 from .errors import InvalidInputError
 from .units import format_size, parse_size
 
 Device = Any  # int (accelerator index), "cpu", "disk", "mps"
+# What the public functions take (``load_model``, ``load_pipeline``, ``plan_device_map``, ``fit``):
+# a device key (``0``, ``"cuda:1"``, ``"gpu:0"``, ``"cpu"``, ``"disk"``...) → a size (``"16GB"``, bytes).
+MaxMemory: TypeAlias = "Mapping[int | str, int | str]"
+# A placement strategy, one device for everything, or module name → device key.
+DeviceMapStrategy = Literal["auto", "balanced", "balanced_low_0", "sequential", "cpu", "cuda"]
+DeviceMap: TypeAlias = "DeviceMapStrategy | str | int | Mapping[str, int | str]"
 NAMED_DEVICES = ("cpu", "disk", "mps")
 
 

@@ -21,6 +21,7 @@ from ..sharding.convert import convert as _convert_local
 from ..sharding.job import SplitResult
 from ..sharding.options import ProgressCallback
 from ..sharding.split import split as _split_local
+from ..sources.base import CheckpointSource
 from .remote import is_remote
 from .remote_checkpoint import config_source, open_checkpoint
 
@@ -74,7 +75,7 @@ class VerifyKeywords(TypedDict, total=False):
     read_data: bool
 
 
-def split(source: Any, output: str | os.PathLike[str], *, token: str | None = None, cache: bool = True,
+def split(source: CheckpointSource, output: str | os.PathLike[str], *, token: str | None = None, cache: bool = True,
           **options: Unpack[SplitKeywords]) -> SplitResult:
     """:func:`shardkit.sharding.split.split`, for an ``hf://`` source too.
 
@@ -95,7 +96,7 @@ def split(source: Any, output: str | os.PathLike[str], *, token: str | None = No
         return _split_local(readable, output, **options)
 
 
-def convert(source: Any, output: str | os.PathLike[str], *, token: str | None = None, cache: bool = True,
+def convert(source: CheckpointSource, output: str | os.PathLike[str], *, token: str | None = None, cache: bool = True,
             **options: Unpack[ConvertKeywords]) -> SplitResult:
     """:func:`shardkit.sharding.convert.convert`, for an ``hf://`` source too.
 

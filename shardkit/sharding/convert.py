@@ -21,6 +21,7 @@ from typing import Any
 from ..errors import InvalidInputError
 from ..formats.layout import is_pipeline_folder
 from ..sources import Source
+from ..sources.base import CheckpointSource
 from ..sources.keymap import KeyMap, KeyMapSource, parse_renames
 from .job import (
     SplitResult,
@@ -51,7 +52,7 @@ class ConvertResult(SplitResult):
         return {**super().to_dict(), "dropped": self.dropped, "ema_tensors": self.ema_tensors}
 
 
-def convert(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+def convert(source: CheckpointSource, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
             dtype: str | None = None, allow_lossy: bool = False, key: str | None = None,
             strip_prefix: str | None = None, add_prefix: str | None = None, include: Iterable[str] = (),
             exclude: Iterable[str] = (), rename: Iterable[str] | dict[str, str] = (), name: str | None = None,

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..formats.layout import is_pipeline_folder
+from ..sources.base import CheckpointSource
 from .job import (
     SplitResult,
     named_as_given,
@@ -30,7 +31,7 @@ from .single_file import is_file_output, refuse_file_output, split_to_file
 __all__ = ["SplitResult", "save_state", "split", "split_with"]
 
 
-def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+def split(source: CheckpointSource, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
           dtype: str | None = None, name: str | None = None, variant: str | None = None,
           allow_lossy: bool = False, overwrite: bool = False, dry_run: bool = False, key: str | None = None,
           metadata: dict[str, str] | None = None, manifest: bool = True,
@@ -62,7 +63,7 @@ def split(source: Any, output: str | os.PathLike[str], *, max_shard_size: str | 
     return split_with(source, output, options=options, key=key)
 
 
-def split_with(source: Any, output: str | os.PathLike[str], *, options: WriteOptions,
+def split_with(source: CheckpointSource, output: str | os.PathLike[str], *, options: WriteOptions,
                key: str | None = None) -> SplitResult:
     """:func:`split` with the options already built.
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import InvalidInputError, SourceNotFoundError
-from .base import Source
+from .base import CheckpointSource, Source
 
 __all__ = ["Source", "is_dcp_folder", "is_pickle_index_folder", "open_source"]
 
@@ -121,7 +121,7 @@ _PATH_OPENERS: list[tuple[Callable[[str], bool], Callable[..., Source], str]] = 
 ]
 
 
-def open_source(obj: Any, *, key: str | None = None, variant: str | None = None) -> Source:
+def open_source(obj: CheckpointSource, *, key: str | None = None, variant: str | None = None) -> Source:
     """Open any supported input: a path (file, index, folder), a state dict or an ``nn.Module``.
 
     Paths are recognised by the first matching row of ``_PATH_OPENERS``: a ``.safetensors``

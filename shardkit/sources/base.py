@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Iterator
-from typing import Literal
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Literal, TypeAlias
+
+if TYPE_CHECKING:
+    import torch
 
 from ..errors import HeaderError
 from ..formats.header import TensorEntry
 from ..formats.index import Naming
 
-__all__ = ["ShardRule", "Source", "pread_exactly"]
+__all__ = ["CheckpointSource", "ShardRule", "Source", "pread_exactly"]
 
 # How sharding.plan places a tensor over the shard limit (see there).
 ShardRule = Literal["huggingface_hub", "sequential"]
+
+# What split, convert, info and open_source take: a path (file, index, folder; ``hf://...`` where
+# the function says so), an in-memory state dict or module, or a source already open.
+CheckpointSource: TypeAlias = "str | os.PathLike[str] | Mapping[str, torch.Tensor] | torch.nn.Module | Source"
 
 
 def pread_exactly(fd: int, nbytes: int, offset: int, *, file: str, name: str) -> bytes:
