@@ -6,7 +6,7 @@ tensors allocated once. Tensors headed for a CUDA device (any backend) go throug
 a side stream, destinations allocated once on the device. Everything else (memory-mapped host
 tensors, host casts) is left to ``LazyCheckpoint.get_tensor``, one tensor at a time.
 
->>> values, report = read_batch(ckpt, {"w": Want("w", "cuda:0", torch.bfloat16)})  # doctest: +SKIP
+values, report = read_batch(ckpt, {"w": Want("w", "cuda:0", torch.bfloat16)})
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def read_batch(checkpoint: LazyCheckpoint, wants: dict[str, Want], *, pipe_host:
     Returns:
         ``(values, report)``: model name → tensor for what was read here.
 
-    >>> values, report = read_batch(ckpt, wants)                    # doctest: +SKIP
+    values, report = read_batch(ckpt, wants)
     """
     report = BatchReport()
     values: dict[str, torch.Tensor] = {}

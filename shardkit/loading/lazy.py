@@ -157,7 +157,7 @@ class LazyCheckpoint(Mapping):
             CheckpointIndexError: the shard does not hold the tensors its index assigns to it.
             InvalidInputError: the checkpoint is closed, or the shard changed on disk since it was opened.
 
-        >>> ckpt.get_tensor("conv_in.weight", device="cuda:0", dtype=torch.bfloat16)  # doctest: +SKIP
+        ckpt.get_tensor("conv_in.weight", device="cuda:0", dtype=torch.bfloat16)
         """
         import torch
 
@@ -289,7 +289,7 @@ class LazyCheckpoint(Mapping):
     def read_report(self) -> list[dict[str, str | None]]:
         """Each opened shard's read backend and why: ``[{"path", "backend", "reason"}]``.
 
-        >>> ckpt.read_report()                                   # doctest: +SKIP
+        ckpt.read_report()
         [{'path': 'out/model.safetensors', 'backend': 'pread', 'reason': 'fuse filesystem ...'}]
         """
         return [{"path": s.path, "backend": s.backend, "reason": s.reason}
@@ -384,10 +384,10 @@ def open(path: str | os.PathLike[str], *, variant: str | None = None, read: str 
             or a folder holds several candidate checkpoints (pass ``variant`` or the file).
         HeaderError: a single file's header is invalid.
 
-    >>> import shardkit
-    >>> with shardkit.open("out/") as ckpt:                       # doctest: +SKIP
-    ...     print(len(ckpt), ckpt.shape_of("conv_in.weight"))
-    ...     w = ckpt["conv_in.weight"]                             # reads only this tensor
+    import shardkit
+    with shardkit.open("out/") as ckpt:
+        print(len(ckpt), ckpt.shape_of("conv_in.weight"))
+        w = ckpt["conv_in.weight"]                             # reads only this tensor
     """
     path = os.fspath(path)
     check_backend(read)

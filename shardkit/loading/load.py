@@ -127,10 +127,10 @@ def load_model(model: Any, checkpoint: Any, *, config: Any = None, device_map: A
             ``offload_folder``, or a device map accelerate cannot apply.
         SourceNotFoundError: the checkpoint or config does not exist.
 
-    >>> unet = load_model("diffusers:UNet2DConditionModel", "out/",   # config: out/config.json
-    ...                   device_map="auto", max_memory={0: "16GB", "cpu": "32GB"},
-    ...                   offload_folder="offload/", dtype="bf16")      # doctest: +SKIP
-    >>> unet.hf_device_map                                              # doctest: +SKIP
+    unet = load_model("diffusers:UNet2DConditionModel", "out/",   # config: out/config.json
+                      device_map="auto", max_memory={0: "16GB", "cpu": "32GB"},
+                      offload_folder="offload/", dtype="bf16")
+    unet.hf_device_map
     """
     from ..formats.dtypes import resolve_torch_dtype
     from .lazy import open as open_checkpoint

@@ -8,8 +8,8 @@ runs in CPU tests. Destination tensors are allocated once by the caller; host me
 alone (e.g. 4 × 64 MiB pinned), whatever the model's size. On any error every in-flight read and
 copy is waited for and every buffer goes back to the ring before the error propagates.
 
->>> stage = CudaCopyStage(torch.device("cuda:0"))                 # doctest: +SKIP
->>> run_pipeline(reader, copies, stage=stage)                        # doctest: +SKIP
+stage = CudaCopyStage(torch.device("cuda:0"))
+run_pipeline(reader, copies, stage=stage)
 """
 
 from __future__ import annotations
@@ -164,8 +164,8 @@ def run_pipeline(reader: Reader, jobs: list[CopyJob], *, stage: CopyStage, ring:
     Raises:
         HeaderError: the file ended early; OSError: a read failed. Buffers are all released first.
 
-    >>> run_pipeline(reader, [CopyJob(byte_view(t), 0, offset, t.nbytes, "f: tensor 'w'")],
-    ...              stage=HostCopyStage())                            # doctest: +SKIP
+    run_pipeline(reader, [CopyJob(byte_view(t), 0, offset, t.nbytes, "f: tensor 'w'")],
+                 stage=HostCopyStage())
     """
     ring = ring or BufferRing(stage, count=RING_BUFFERS, nbytes=RING_BUFFER_BYTES)
     chunks = collections.deque(split_copies(jobs, ring.nbytes))
