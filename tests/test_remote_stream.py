@@ -296,7 +296,7 @@ def test_convert_to_diffusers_from_a_hub_file_with_a_hub_config(hub, tmp_path, s
 
 def test_a_dataset_repository_is_a_source_too(hub, tmp_path):
     import shardkit
-    from shardkit.hub.remote import parse_spec
+    from shardkit.hub.remote_spec import parse_spec
 
     assert str(parse_spec("hf://datasets/alice/ckpts@v1/run-3")) == "hf://datasets/alice/ckpts@v1/run-3"
     assert parse_spec("hf://datasets/alice/ckpts").repo_type == "dataset"

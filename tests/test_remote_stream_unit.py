@@ -11,7 +11,7 @@ import pytest
 
 from shardkit.errors import HubError
 from shardkit.hub import remote_stream
-from shardkit.hub.remote import Mirror, RemoteFile, RemoteSpec
+from shardkit.hub.remote_spec import Mirror, RemoteFile, RemoteSpec
 
 WINDOW = 1000
 

@@ -139,7 +139,7 @@ def _convert(source: str, output: str, *, key: str | None, keymap: Any, to: str 
         options = WriteOptions(**write, progress=progress)
         if collective:
             from ..distributed.convert import convert_collective
-            from ..hub.remote import is_remote
+            from ..hub.remote_spec import is_remote
 
             if is_remote(source):
                 raise InvalidInputError(f"{source}: a collective convert reads a local checkpoint; download it "

@@ -38,7 +38,8 @@ Sizes are decimal (1 GB = 10^9 bytes).
 def info(path: str, as_json: bool, quiet: bool, token: str | None = None) -> None:
     """Show what a checkpoint holds: format, tensors, parameters, dtypes, shards, metadata."""
     from ..checking.info import info as info_api
-    from ..hub.remote import is_remote, remote_info
+    from ..hub.remote import remote_info
+    from ..hub.remote_spec import is_remote
 
     summary = remote_info(path, token=token) if is_remote(path) else info_api(path)
     if as_json:

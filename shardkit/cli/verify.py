@@ -45,7 +45,7 @@ def verify(path: str, against: str | None, as_json: bool, quiet: bool, token: st
     Lists every finding by file and tensor; exits 1 if there is any.
     """
     from ..checking.verify import verify as verify_api
-    from ..hub.remote import is_remote
+    from ..hub.remote_spec import is_remote
 
     remote = is_remote(path) or is_remote(against)
     if remote:

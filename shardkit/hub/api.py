@@ -22,8 +22,8 @@ from ..sharding.job import SplitResult
 from ..sharding.options import ProgressCallback
 from ..sharding.split import split as _split_local
 from ..sources.base import CheckpointSource
-from .remote import is_remote
 from .remote_checkpoint import config_source, open_checkpoint
+from .remote_spec import is_remote
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack

@@ -25,17 +25,14 @@ from ..sharding.job import WrappedPath
 from ..sources import Source
 from .remote import (
     NOT_DOWNLOADED,
-    Mirror,
-    RemoteSpec,
     check_not_pickle_only,
-    is_remote,
     list_files,
     open_mirror,
-    parse_spec,
     renamed_errors,
     resolve_commit,
 )
 from .remote_errors import hub_read_errors
+from .remote_spec import Mirror, RemoteSpec, is_remote, parse_spec
 
 __all__ = ["cached_checkpoint", "config_source", "open_checkpoint"]
 

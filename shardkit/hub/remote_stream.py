@@ -27,8 +27,9 @@ from typing import Any
 from ..errors import HubError, ShardkitError
 from ..formats.header import TensorEntry
 from ..sources import Source
-from .remote import Mirror, RemoteFile, local_path, read_range
+from .remote import read_range
 from .remote_errors import describe_read_error
+from .remote_spec import Mirror, RemoteFile, local_path
 
 logger = logging.getLogger("shardkit")
 

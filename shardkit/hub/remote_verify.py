@@ -18,7 +18,8 @@ from ..checking.verify import FileReport, Finding, VerifyReport, verify
 from ..errors import SourceNotFoundError
 from ..formats.header import Header, TensorEntry, read_header
 from ..formats.manifest import MANIFEST_NAME
-from .remote import CONFIG_RE, Mirror, RemoteFile, open_mirror, read_range
+from .remote import CONFIG_RE, open_mirror, read_range
+from .remote_spec import Mirror, RemoteFile
 
 logger = logging.getLogger("shardkit")
 
