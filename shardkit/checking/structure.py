@@ -256,3 +256,24 @@ def _naming_of(layout: Layout) -> tuple[str, str]:
     else:
         stem = layout.files[0].removesuffix(".safetensors")
     return stem, f"{stem}.safetensors"
+
+
+def check_structure(layout: Layout) -> dict[str, HeaderRead]:
+    """Headers of every file on disk, with index/orphan/total_size problems added to the layout."""
+    weight_map: dict[str, str] = {}
+    metadata: dict = {}
+    files = list(layout.files)
+    if layout.index:
+        parsed = read_index(layout)
+        if parsed is not None:
+            weight_map, metadata = parsed
+            files = check_missing_shards(layout, weight_map)
+        else:  # still read the shards the index should have named
+            files = naming_shards(layout)
+    headers = {name: read_shard_header(os.path.join(layout.root, name), name, layout.problems) for name in files}
+    if any(read.header is None for read in headers.values()) or (layout.index and not weight_map):
+        layout.all_present = False
+    if layout.index and weight_map:
+        check_index(layout, weight_map, metadata, headers)
+    check_stray_files(layout, set(files))
+    return headers

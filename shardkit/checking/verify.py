@@ -21,18 +21,7 @@ from ..units import FLOAT_DTYPES
 from .bytescan import ScanResult, TensorComparator, scan_file
 from .integrity import Expected, compare_with_manifest, expected_files, manifest_ranges
 from .manifest_trust import trusted_entries
-from .structure import (
-    HeaderRead,
-    Layout,
-    Problem,
-    check_index,
-    check_missing_shards,
-    check_stray_files,
-    naming_shards,
-    read_index,
-    read_shard_header,
-    resolve_layout,
-)
+from .structure import HeaderRead, Layout, Problem, check_structure, resolve_layout
 
 ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
 _HUB_BLOB_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -215,7 +204,7 @@ def _prepare_checkpoint(path: str, against: Any, report: VerifyReport, opened: l
                         prefix: str) -> list[_ScanJob]:
     """Structural checks of one checkpoint; returns the files still to be read."""
     layout = resolve_layout(path)
-    headers = _check_structure(layout)
+    headers = check_structure(layout)
     comparator = None
     if against is not None:
         from ..sources import open_source
@@ -232,27 +221,6 @@ def _prepare_checkpoint(path: str, against: Any, report: VerifyReport, opened: l
     if layout.index:
         jobs.append(_ScanJob(os.path.join(layout.root, layout.index), prefix + layout.index, [], None))
     return jobs
-
-
-def _check_structure(layout: Layout) -> dict[str, HeaderRead]:
-    """Headers of every file on disk, with index/orphan/total_size problems added to the layout."""
-    weight_map: dict[str, str] = {}
-    metadata: dict = {}
-    files = list(layout.files)
-    if layout.index:
-        parsed = read_index(layout)
-        if parsed is not None:
-            weight_map, metadata = parsed
-            files = check_missing_shards(layout, weight_map)
-        else:  # still read the shards the index should have named
-            files = naming_shards(layout)
-    headers = {name: read_shard_header(os.path.join(layout.root, name), name, layout.problems) for name in files}
-    if any(read.header is None for read in headers.values()) or (layout.index and not weight_map):
-        layout.all_present = False
-    if layout.index and weight_map:
-        check_index(layout, weight_map, metadata, headers)
-    check_stray_files(layout, set(files))
-    return headers
 
 
 def _compare_entries(layout: Layout, headers: dict[str, HeaderRead], source: Any, label: str) -> TensorComparator:
