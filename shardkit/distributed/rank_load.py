@@ -14,12 +14,15 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError, KeyMismatchError
 from ..loading.lazy import LazyCheckpoint, read_into
 from ..loading.lazy import open as open_checkpoint
 from .gather import is_dtensor
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["RankLoad", "load_into", "slice_runs"]
 
@@ -39,7 +42,7 @@ class RankLoad:
     global_bytes: int = 0
 
 
-def load_into(model: Any, checkpoint: Any) -> RankLoad:
+def load_into(model: torch.nn.Module, checkpoint: str | os.PathLike[str] | LazyCheckpoint) -> RankLoad:
     """Copy ``checkpoint``'s tensors into ``model`` in place; DTensors get only this rank's slice.
 
     Args:
@@ -59,8 +62,8 @@ def load_into(model: Any, checkpoint: Any) -> RankLoad:
     import torch
 
     state = model.state_dict() if isinstance(model, torch.nn.Module) else model
-    owned = not isinstance(checkpoint, LazyCheckpoint)
-    ckpt = open_checkpoint(checkpoint) if owned else checkpoint
+    ckpt = checkpoint if isinstance(checkpoint, LazyCheckpoint) else open_checkpoint(checkpoint)
+    owned = ckpt is not checkpoint
     try:
         names = _stored_names(state, ckpt)
         report = RankLoad()

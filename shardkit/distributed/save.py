@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from ..sharding.job import SplitResult
 from ..sharding.options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions
 from ..sharding.split import save_state
 from .group import DistributedError, agree, check_world_size, rank_and_world, status_of
 
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+
+# A state dict (tensors on any device, DTensors too) or a module (plain, diffusers or transformers).
+StateDictOrModule: TypeAlias = "Mapping[str, torch.Tensor] | torch.nn.Module"
+
 __all__ = ["save_sharded"]
 
 
-def save_sharded(obj: Any, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+def save_sharded(obj: StateDictOrModule, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
                  dtype: str | None = None, name: str | None = None, variant: str | None = None,
                  allow_lossy: bool = False, overwrite: bool = False, metadata: dict[str, str] | None = None,
                  manifest: bool = True, progress: ProgressCallback | None = None,
-                 process_group: Any = None) -> SplitResult:
+                 process_group: ProcessGroup | None = None) -> SplitResult:
     """Save a state dict or ``nn.Module`` (tensors on any device) as sharded safetensors; collectively
     over ``process_group``.
 

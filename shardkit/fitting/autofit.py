@@ -18,9 +18,10 @@ print(plan)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from ..errors import InvalidInputError
 from ..units import format_size
@@ -28,6 +29,11 @@ from .activations import Workload
 from .candidates import DEFAULT_MARGIN, Budget, Candidate, Margin, rank, speed_class
 from .peaks import STRATEGIES
 from .profile import ComponentProfile
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..devices import MaxMemory
 
 __all__ = ["STRATEGIES", "Budget", "Candidate", "ComponentProfile", "FitError", "FitPlan", "Margin", "Workload",
            "apply_plan", "fit", "plan_fit"]
@@ -245,8 +251,12 @@ def size_flag(size_bytes: int) -> str:
 
 # ----------------------------------------------------------------------------- public entry points
 
-def fit(target: Any, *, gpu: Iterable[str | int] | str | int | None = None, cpu: str | int | None = None,
-        max_memory: str | Mapping[Any, Any] | None = None, height: int | None = None, width: int | None = None,
+# A pipeline folder or one component folder, a module (a meta skeleton is enough), or profiles.
+FitTarget: TypeAlias = "str | os.PathLike[str] | torch.nn.Module | Sequence[ComponentProfile]"
+
+
+def fit(target: FitTarget, *, gpu: Iterable[str | int] | str | int | None = None, cpu: str | int | None = None,
+        max_memory: str | MaxMemory | None = None, height: int | None = None, width: int | None = None,
         batch_size: int = 1, guidance: bool | None = None, attention: str = "sdpa", dtype: str | None = None,
         allow_fp8: bool = True, exclude: Iterable[str] = (), margin: Margin = DEFAULT_MARGIN,
         device: str | None = None) -> FitPlan:

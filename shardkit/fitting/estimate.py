@@ -28,6 +28,8 @@ from .profile import ComponentProfile, profile_module
 from .weights import ComponentSizes, Footprint
 
 if TYPE_CHECKING:
+    import torch
+    from diffusers import DiffusionPipeline
     from torch import nn
 
 __all__ = ["DEFAULT_TOKENS", "ComponentSizes", "Footprint", "MemoryEstimate", "StrategyEstimate", "StrategySpec", "estimate_memory",
@@ -163,8 +165,10 @@ class MemoryEstimate:
 # --- the public entry point ----------------------------------------------------------------------
 
 def estimate_memory(
-    skeleton: Any, *, gpu_bytes: int | str | None = None, dtype: Any = None, checkpoint: Any = None,
-    activation_bytes: int | None = None, tokens: int = DEFAULT_TOKENS, compute_dtype: Any = None,
+    skeleton: torch.nn.Module | Mapping[str, torch.nn.Module] | DiffusionPipeline, *,
+    gpu_bytes: int | str | None = None, dtype: str | torch.dtype | None = None,
+    checkpoint: str | os.PathLike[str] | None = None, activation_bytes: int | None = None,
+    tokens: int = DEFAULT_TOKENS, compute_dtype: str | torch.dtype | None = None,
     cast_components: Sequence[str] | None = None,
 ) -> MemoryEstimate:
     """Estimate the peak accelerator memory of every single-GPU strategy, with and without fp8 casting.

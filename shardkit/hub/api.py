@@ -124,7 +124,7 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, token: 
         return _convert_local(readable, output, config=config, **rest)
 
 
-def info(path: Any, *, token: str | None = None) -> CheckpointInfo:
+def info(path: str | os.PathLike[str], *, token: str | None = None) -> CheckpointInfo:
     """:func:`shardkit.checking.info.info`; for ``hf://...`` from headers, indexes and configs only.
 
     shardkit.info("hf://black-forest-labs/FLUX.1-dev").parameter_count
@@ -138,7 +138,7 @@ def info(path: Any, *, token: str | None = None) -> CheckpointInfo:
     return info_local(path)
 
 
-def verify(path: Any, *, against: Any = None, token: str | None = None,
+def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = None, token: str | None = None,
            **options: Unpack[VerifyKeywords]) -> VerifyReport:
     """:func:`shardkit.checking.verify.verify`; ``path`` or ``against`` may be ``hf://...``.
 

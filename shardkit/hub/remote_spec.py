@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from ..errors import InvalidInputError
 
@@ -59,7 +60,7 @@ class Mirror:
             self.transferred_bytes += nbytes
 
 
-def is_remote(path: object) -> bool:
+def is_remote(path: object) -> TypeGuard[str]:
     """True for a string that names a Hub repository (``hf://...``)."""
     return isinstance(path, str) and path.startswith(SCHEME)
 
