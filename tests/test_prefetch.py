@@ -265,6 +265,22 @@ def test_header_and_bytes_come_from_the_same_file_when_it_is_replaced(tmp_path, 
     assert torch.equal(got_a, old["a"]) and torch.equal(got_b, old["b"])
 
 
+def test_device_pipeline_reads_the_file_whose_header_it_has(tmp_path) -> None:
+    """The ring pipeline (the GPU path, run here with host stages) reads through the descriptor
+    the header came from, not the path, which a reshard may have replaced."""
+    from shardkit.loading.bulk import Want, read_batch
+
+    old = {"a": torch.arange(1000, dtype=torch.int32), "b": torch.arange(500, dtype=torch.float64)}
+    path = tmp_path / "w.safetensors"
+    safetensors.torch.save_file(old, path)
+    with shardkit.open(path, read="pread") as ckpt:
+        staged = tmp_path / "staged.safetensors"
+        safetensors.torch.save_file({"b": torch.full((3000,), 7, dtype=torch.int32)}, staged)
+        os.replace(staged, path)
+        values, _ = read_batch(ckpt, {n: Want(n, "cpu", t.dtype) for n, t in old.items()}, pipe_host=True)
+    assert torch.equal(values["a"], old["a"]) and torch.equal(values["b"], old["b"])
+
+
 def test_errors_from_reads_keep_their_type(tmp_path) -> None:
     path = tmp_path / "w.safetensors"
     safetensors.torch.save_file({"w": torch.randn(4096)}, path)

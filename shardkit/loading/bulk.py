@@ -109,8 +109,8 @@ def _read_devices(checkpoint: LazyCheckpoint, wants: dict[str, Want], values: di
             stored_values[name] = dest
             if entry.nbytes:
                 jobs.append(CopyJob(byte_view(dest), 0, entry.offset, entry.nbytes, f"{path}: tensor {want.src!r}"))
-        checkpoint.reader_of(items[0][1].src)  # opens the shard: size and change checks, backend report
-        with open_reader(path, "direct" if checkpoint.read == "direct" else "pread") as reader:
+        fd = checkpoint.descriptor_of(items[0][1].src)  # the file the header came from, never the path again
+        with open_reader(path, "direct" if checkpoint.read == "direct" else "pread", fd=fd) as reader:
             run_pipeline(reader, jobs, stage=stage)
         report.pipelined_bytes += sum(j.nbytes for j in jobs)
         for name, want in items:

@@ -299,6 +299,13 @@ class LazyCheckpoint(Mapping):
         """The bulk reader of ``name``'s shard (opening it), or None when that shard is memory-mapped."""
         return self._open_shard(self._shard_name(name)).reader
 
+    def descriptor_of(self, name: str) -> int:
+        """The open descriptor of ``name``'s shard: the file its header was read from. It stays the
+        checkpoint's (closed by :meth:`close`); read through it, never reopen the path."""
+        shard, _ = self._locate(name)
+        assert shard.fd is not None
+        return shard.fd
+
     def close(self) -> None:
         """Cancel the read-ahead, join the reader threads (bounded) and close the files.
 
