@@ -96,13 +96,24 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     try:
         with open(path, "rb") as f:
             raw, file_bytes = read_header_bytes(f, path)
-    except FileNotFoundError as e:
-        raise SourceNotFoundError(f"{path}: no such file") from e
-    except IsADirectoryError as e:
-        raise HeaderError(f"{path}: is a directory, expected a .safetensors file") from e
-    except PermissionError as e:
-        raise InvalidInputError(f"{path}: cannot be read (permission denied); check the file's permissions") from e
+    except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        raise open_error(path, e) from e
     return parse_header(raw, path=path, file_bytes=file_bytes)
+
+
+def open_error(path: str, error: OSError) -> InvalidInputError | SourceNotFoundError:
+    """The one-line error for a checkpoint file that cannot be opened for reading.
+
+    >>> str(open_error("a.safetensors", FileNotFoundError()))
+    'a.safetensors: no such file'
+    """
+    if isinstance(error, FileNotFoundError):
+        return SourceNotFoundError(f"{path}: no such file")
+    if isinstance(error, IsADirectoryError):
+        return HeaderError(f"{path}: is a directory, expected a .safetensors file")
+    if isinstance(error, PermissionError):
+        return InvalidInputError(f"{path}: cannot be read (permission denied); check the file's permissions")
+    return HeaderError(f"{path}: cannot open the file for reading ({error.strerror or error})")
 
 
 def read_header_bytes(f: BinaryIO, path: str) -> tuple[bytes, int]:

@@ -15,8 +15,8 @@ import os
 import stat
 from dataclasses import dataclass
 
-from ..errors import CheckpointIndexError, HeaderError, InvalidInputError, SourceNotFoundError
-from ..formats.header import Header, TensorEntry, parse_header, read_header_bytes
+from ..errors import CheckpointIndexError, HeaderError, InvalidInputError
+from ..formats.header import Header, TensorEntry, open_error, parse_header, read_header_bytes
 from .readers import Reader, open_reader
 from .residency import choose_backend
 
@@ -86,12 +86,8 @@ def open_shard(shard: Shard, read: str) -> None:
     """
     try:
         fd = os.open(shard.path, os.O_RDONLY)
-    except FileNotFoundError as e:
-        raise SourceNotFoundError(f"{shard.path}: no such file") from e
-    except PermissionError as e:
-        raise InvalidInputError(f"{shard.path}: cannot be read (permission denied); check the file's permissions") from e
     except OSError as e:
-        raise HeaderError(f"{shard.path}: cannot open the file for reading ({e.strerror or e})") from e
+        raise open_error(shard.path, e) from e
     try:
         _open_fd(shard, fd, read)
     except BaseException:
