@@ -26,12 +26,13 @@ shardkit.split("model.safetensors", "out", max_shard_size="5GB", dtype="bf16", q
 shardkit.convert("model.ckpt", "out", strip_prefix="model.", config="cfg/", to="single-file", cache=False)
 shardkit.verify("out", read_data=False, token=None)
 shardkit.info("out", token=None)
-shardkit.load_model(object, "out", device_map="cpu", read="pread")
+shardkit.load_model("diffusers:UNet2DConditionModel", "out", device_map="cpu", read="pread")
 shardkit.open("out", read="auto", variant=None)
 shardkit.push("out", "org/model", dry_run=True, follow_symlinks=False)
 shardkit.fit("pipe/", gpu=["24GB"], height=1024)
 shardkit.save_sharded({}, "out", max_shard_size="2GB", manifest=False)
 result: shardkit.SplitResult = shardkit.split("m.safetensors", "o")
+shardkit.load_model("diffusers:UNet2DConditionModel", "out", max_memory={0: "16GB", "cpu": "64GB"}, dtype="bf16")
 """
 
 # (function, misspelt keyword): each line must be an error naming that keyword
@@ -40,34 +41,55 @@ BAD = [
     ("convert", 'shardkit.convert("m.ckpt", "out", strip_prefx="model.")'),
     ("verify", 'shardkit.verify("out", readdata=False)'),
     ("info", 'shardkit.info("out", tokn=None)'),
-    ("load_model", 'shardkit.load_model(object, "out", devicemap="cpu")'),
+    ("load_model", 'shardkit.load_model("diffusers:UNet2DConditionModel", "out", devicemap="cpu")'),
     ("open", 'shardkit.open("out", raed="auto")'),
     ("push", 'shardkit.push("out", "org/model", dryrun=True)'),
     ("fit", 'shardkit.fit("pipe/", gpus=["24GB"])'),
     ("save_sharded", 'shardkit.save_sharded({}, "out", max_shard_sise="2GB")'),
 ]
 
+# (function, call): a value of the wrong kind is an error too, not only a misspelt keyword
+WRONG = [
+    ("load_model", 'shardkit.load_model("diffusers:UNet2DConditionModel", "out", read="fast")'),
+    ("convert", 'shardkit.convert("m.ckpt", "out", to="comfy")'),
+]
 
-def _mypy(tmp_path: Path, code: str) -> list[str]:
+
+@pytest.fixture(scope="module")
+def mypy_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache for the module's mypy runs: analysing torch's stubs once is most of the time."""
+    return tmp_path_factory.mktemp("mypy-cache")
+
+
+def _mypy(tmp_path: Path, code: str, cache: Path) -> list[str]:
     user = tmp_path / "user_code.py"
     user.write_text(code)
     proc = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent", "--no-error-summary",
-                           "--cache-dir", str(tmp_path / "cache"), "--config-file", str(tmp_path / "none.ini"),
+                           "--cache-dir", str(cache), "--config-file", str(tmp_path / "none.ini"),
                            str(user)], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode in (0, 1), proc.stderr
     return [line for line in proc.stdout.splitlines() if ": error: " in line]
 
 
-def test_user_code_is_checked_against_the_public_signatures(tmp_path: Path) -> None:
+def test_user_code_is_checked_against_the_public_signatures(tmp_path: Path, mypy_cache: Path) -> None:
     (tmp_path / "none.ini").write_text("[mypy]\n")
     code = GOOD + "".join(call + "\n" for _, call in BAD)
-    errors = _mypy(tmp_path, code)
+    errors = _mypy(tmp_path, code, mypy_cache)
     good_lines = GOOD.count("\n")
     assert not [e for e in errors if int(e.split(":")[1]) <= good_lines], errors
     for n, (function, call) in enumerate(BAD, start=good_lines + 1):
         keyword = re.search(r"(\w+)=", call.split(",", 2)[-1]).group(1)  # type: ignore[union-attr]
         found = [e for e in errors if int(e.split(":")[1]) == n]
         assert len(found) == 1 and f'"{keyword}"' in found[0] and f'for "{function}"' in found[0], (call, errors)
+
+
+def test_closed_choices_are_literals(tmp_path: Path, mypy_cache: Path) -> None:
+    (tmp_path / "none.ini").write_text("[mypy]\n")
+    code = "import shardkit\n" + "".join(call + "\n" for _, call in WRONG)
+    errors = _mypy(tmp_path, code, mypy_cache)
+    for n, (function, _) in enumerate(WRONG, start=2):
+        found = [e for e in errors if int(e.split(":")[1]) == n]
+        assert len(found) == 1 and "incompatible type" in found[0] and f'"{function}"' in found[0], errors
 
 
 @pytest.mark.parametrize("wrapper, local", [("split", "shardkit.sharding.split:split"),

@@ -9,28 +9,34 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..devices import parse_max_memory
 from ..errors import InvalidInputError
 from ..loading.pipeline import check_gpus, load_pipeline_folder
+from ..loading.residency import ReadMode
 from ..runtime.apply import RuntimeSetup
 from .autofit import FitPlan, apply_plan, fit
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..devices import MaxMemory
 
 
 def load_pipeline(
     path: str | os.PathLike[str],
     *,
     device_map: str | None = None,
-    max_memory: Mapping[Any, Any] | None = None,
-    dtype: Any = None,
+    max_memory: MaxMemory | None = None,
+    dtype: str | torch.dtype | None = None,
     offload: str | None = None,
     offload_options: Mapping[str, Any] | None = None,
     layerwise_casting: Any = None,
     fit: Any = None,
     variant: str | None = None,
     switches: Any = None,
-    read: str = "auto",
+    read: ReadMode = "auto",
 ) -> Any:
     """Load the pipeline in ``path`` and apply placement, casting and offload options.
 

@@ -16,7 +16,13 @@ from ..errors import InvalidInputError, ShardkitError
 from ..units import format_count, format_size
 
 if TYPE_CHECKING:
+    import os
+
     import torch
+
+    from ..devices import DeviceMapStrategy, MaxMemory
+    from .lazy import LazyCheckpoint
+    from .skeleton import ConfigSpec, ModelSpec
 
 STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 _BAR_WIDTH = 28
@@ -159,8 +165,9 @@ def _run_row(run: tuple[str, int, int, Device, int]) -> tuple[str, Device, int]:
     return label, device, size
 
 
-def plan_device_map(model: Any, *, config: Any = None, checkpoint: Any = None, max_memory: Any,
-                    dtype: Any = None, device_map: str = "auto",
+def plan_device_map(model: ModelSpec, *, config: ConfigSpec | None = None,
+                    checkpoint: str | os.PathLike[str] | LazyCheckpoint | None = None, max_memory: MaxMemory,
+                    dtype: str | torch.dtype | None = None, device_map: DeviceMapStrategy | str = "auto",
                     no_split_module_classes: list[str] | None = None) -> DevicePlan:
     """Compute, without loading a byte, where each module of ``model`` would go.
 
@@ -207,9 +214,8 @@ def plan_device_map(model: Any, *, config: Any = None, checkpoint: Any = None, m
         raise InvalidInputError("planning needs max_memory, e.g. {0: '16GB', 'cpu': '64GB'} (CLI: --max-memory 0=16GB,cpu=64GB)")
     target = resolve_torch_dtype(dtype)
     with contextlib.ExitStack() as stack:
-        ckpt = checkpoint
-        if checkpoint is not None and not isinstance(checkpoint, LazyCheckpoint):
-            ckpt = stack.enter_context(open_checkpoint(checkpoint))
+        ckpt = checkpoint if checkpoint is None or isinstance(checkpoint, LazyCheckpoint) else \
+            stack.enter_context(open_checkpoint(checkpoint))
         skeleton, _, description = prepare_skeleton(model, ckpt, config=config, dtype=target, strict=True)
     if not isinstance(device_map, str):
         raise InvalidInputError("plan_device_map computes a device map; pass a strategy name, not a dict")

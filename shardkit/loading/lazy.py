@@ -31,7 +31,7 @@ from .fresh_reads import FreshReads
 from .host_reads import cast_staging, read_cast, read_into
 from .prefetch import READ_AHEAD_BYTES
 from .readers import Reader
-from .residency import check_backend
+from .residency import ReadMode, check_backend
 from .shards import Shard, check_unchanged, close_shard, open_shard
 from .slices import TensorSlice
 
@@ -355,7 +355,7 @@ def _indexed(path: str, read: str, read_ahead_bytes: int) -> LazyCheckpoint:
                           read_ahead_bytes=read_ahead_bytes, description=f"sharded checkpoint {path} ({len(shards)} shards)")
 
 
-def open(path: str | os.PathLike[str], *, variant: str | None = None, read: str = "auto",  # noqa: A001
+def open(path: str | os.PathLike[str], *, variant: str | None = None, read: ReadMode = "auto",  # noqa: A001
          read_ahead_bytes: int = READ_AHEAD_BYTES) -> LazyCheckpoint:
     """Open a safetensors checkpoint lazily: a file, an index JSON or a (sharded) folder.
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..devices import Device, parse_max_memory
 from ..errors import InvalidInputError
@@ -26,6 +26,14 @@ from .device_map import check_devices_exist, module_device, resolve_device_map
 from .keys import KeyMatch, prepare_skeleton
 from .lazy import LazyCheckpoint
 from .skeleton import default_config
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..devices import DeviceMap, MaxMemory
+    from ..runtime.apply import LayerwiseCasting
+    from .residency import ReadMode
+    from .skeleton import ConfigSpec, ModelSpec
 
 
 def _main_device(device_map: dict[str, Device]) -> Device:
@@ -78,11 +86,12 @@ def fill_skeleton(skeleton: Any, checkpoint: LazyCheckpoint, match: KeyMatch, de
     return write_offload_index(checkpoint, on_disk, os.fspath(offload_folder))
 
 
-def load_model(model: Any, checkpoint: Any, *, config: Any = None, device_map: Any = None, max_memory: Any = None,
-               offload_folder: str | os.PathLike[str] | None = None, dtype: Any = None,
-               no_split_module_classes: list[str] | None = None, strict: bool = True, offload: str | None = None,
-               offload_options: dict[str, Any] | None = None, layerwise_casting: Any = None,
-               read: str = "auto") -> Any:
+def load_model(model: ModelSpec, checkpoint: str | os.PathLike[str] | LazyCheckpoint, *,
+               config: ConfigSpec | None = None, device_map: DeviceMap | None = None,
+               max_memory: MaxMemory | None = None, offload_folder: str | os.PathLike[str] | None = None,
+               dtype: str | torch.dtype | None = None, no_split_module_classes: list[str] | None = None,
+               strict: bool = True, offload: str | None = None, offload_options: dict[str, Any] | None = None,
+               layerwise_casting: LayerwiseCasting | None = None, read: ReadMode = "auto") -> torch.nn.Module:
     """Load a sharded safetensors checkpoint into ``model``, placed over GPUs, CPU and disk.
 
     The model is built on the meta device, its keys are matched against the checkpoint, and

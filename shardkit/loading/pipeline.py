@@ -20,6 +20,7 @@ from typing import Any
 from ..devices import parse_max_memory
 from ..errors import InvalidInputError, ShardkitError, SourceNotFoundError
 from ..runtime.apply import RuntimeSetup, apply_runtime
+from .residency import ReadMode
 
 DEVICE_MAPS = ("balanced", "cpu", "cuda")
 
@@ -32,7 +33,7 @@ def load_pipeline_folder(
     dtype: Any = None,
     variant: str | None = None,
     runtime: RuntimeSetup | None = None,
-    read: str = "auto",
+    read: ReadMode = "auto",
 ) -> Any:
     """Load the pipeline in ``path`` with diffusers, then apply ``runtime`` (switches, casting, offload).
 
@@ -80,7 +81,7 @@ def load_pipeline_folder(
     return apply_runtime(pipe, runtime)
 
 
-def _preload_components(folder: str, kwargs: dict[str, Any], *, read: str, device_map: str | None,
+def _preload_components(folder: str, kwargs: dict[str, Any], *, read: ReadMode, device_map: str | None,
                         variant: str | None) -> dict[str, Any]:
     """Load with shardkit the components whose files want a bulk reader; diffusers maps the rest.
 
@@ -117,7 +118,8 @@ def _preload_components(folder: str, kwargs: dict[str, Any], *, read: str, devic
         model = load_model(f"{spec[0]}:{spec[1]}", sub, dtype=kwargs.get("torch_dtype"), read=read,
                            device_map={"": 0} if device_map == "cuda" else "cpu")
         kwargs[component] = model
-        report[component] = {**model.shardkit_load_report, "loaded_by": "shardkit"}
+        load_report: dict[str, Any] = getattr(model, "shardkit_load_report")  # noqa: B009 - set by load_model
+        report[component] = {**load_report, "loaded_by": "shardkit"}
     return report
 
 

@@ -16,10 +16,12 @@ import functools
 import mmap
 import os
 from dataclasses import dataclass
+from typing import Literal
 
 from ..errors import InvalidInputError
 
 READ_BACKENDS = ("auto", "mmap", "pread", "direct")
+ReadMode = Literal["auto", "mmap", "pread", "direct"]  # what read= takes (checked at run time too)
 
 # statfs f_type magics of filesystems where a page fault is a network or user-space round trip.
 REMOTE_MAGICS = {

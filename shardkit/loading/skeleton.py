@@ -12,14 +12,17 @@ import importlib
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 from ..errors import InvalidInputError, ShardkitError, SourceNotFoundError
 
 if TYPE_CHECKING:
     import torch
 
-ModelSpec = Any  # "diffusers:ClassName", "transformers:ClassName", "pkg.module:Name", a class or a factory
+# "diffusers:ClassName", "transformers:ClassName", "pkg.module:Name", a class, a factory or a meta skeleton.
+ModelSpec: TypeAlias = "str | type[torch.nn.Module] | Callable[..., torch.nn.Module] | torch.nn.Module"
+# A config: a dict, a config.json path or the folder holding it.
+ConfigSpec: TypeAlias = "Mapping[str, Any] | str | os.PathLike[str]"
 
 
 def resolve_model_class(spec: ModelSpec) -> Any:

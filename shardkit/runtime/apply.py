@@ -11,11 +11,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from ..errors import InvalidInputError
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    import torch
+
+# ``(storage, compute)`` dtypes, or apply_layerwise_casting's keywords as a dict.
+LayerwiseCasting: TypeAlias = "tuple[str | torch.dtype, str | torch.dtype] | Mapping[str, Any]"
 
 
 @dataclass(frozen=True)
@@ -29,7 +35,7 @@ class RuntimeSetup:
     """
 
     switches: Mapping[str, Any] | list[str] | None = None
-    layerwise_casting: Any = None
+    layerwise_casting: LayerwiseCasting | None = None
     offload: str | None = None
     offload_options: Mapping[str, Any] = field(default_factory=dict)
     device: str | None = None
