@@ -41,7 +41,7 @@ _LAZY: dict[str, str] = {
     "plan_shards": "sharding.plan",
     "read_header": "formats.header",
     "open_source": "sources",
-    "open": "loading.lazy",
+    "open": "loading.opening",
     "load_model": "loading.load",
     "plan_device_map": "loading.device_map",
     "convert": "hub.api",
@@ -66,8 +66,8 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time each name i
     from .hub.api import convert, info, split, verify
     from .hub.push import push
     from .loading.device_map import plan_device_map
-    from .loading.lazy import open  # noqa: A004 - shardkit.open is the public name
     from .loading.load import load_model
+    from .loading.opening import open  # noqa: A004 - shardkit.open is the public name
     from .runtime.casting import apply_layerwise_casting
     from .runtime.offload import apply_offload
     from .sharding.job import SplitResult

@@ -14,7 +14,7 @@ import torch
 
 import shardkit
 from conftest import make_state_dict, tensor_bytes
-from shardkit.loading import host_reads, lazy
+from shardkit.loading import host_reads, shards
 from shardkit.errors import CheckpointIndexError, HeaderError, InvalidInputError, SourceNotFoundError
 
 
@@ -105,7 +105,8 @@ def test_each_shard_opened_once_and_threads_agree(tmp_path, monkeypatch) -> None
     out = _sharded(tmp_path, tensors, max_shard_size="1KB")
     opened: list[str] = []
     real_open = os.open
-    monkeypatch.setattr(lazy.os, "open", lambda p, *a, **k: (opened.append(os.fspath(p)), real_open(p, *a, **k))[1])
+    monkeypatch.setattr(shards.os, "open",  # every module shares os: one patch sees each open
+                        lambda p, *a, **k: (opened.append(os.fspath(p)), real_open(p, *a, **k))[1])
     ckpt = shardkit.open(out)
     barrier = threading.Barrier(4)
 

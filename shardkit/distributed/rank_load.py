@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError, KeyMismatchError
 from ..loading.lazy import LazyCheckpoint, read_into
-from ..loading.lazy import open as open_checkpoint
+from ..loading.opening import open as open_checkpoint
 from .gather import is_dtensor
 
 if TYPE_CHECKING:

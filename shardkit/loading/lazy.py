@@ -18,20 +18,17 @@ first, header read through it); reads are safe from several threads.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..atomic.journal import JOURNAL
-from ..errors import InvalidInputError, SourceNotFoundError
+from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
-from ..formats.index import find_checkpoint, load_index, shard_file
 from .fresh_reads import FreshReads
 from .host_reads import cast_staging, read_cast, read_into
 from .prefetch import READ_AHEAD_BYTES
 from .readers import Reader
-from .residency import ReadMode, check_backend
+from .residency import check_backend
 from .shards import Shard, check_unchanged, close_shard, open_shard
 from .slices import TensorSlice
 
@@ -325,97 +322,3 @@ class LazyCheckpoint(Mapping):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _check_no_journal(folder: str) -> None:
-    if os.path.exists(os.path.join(folder, JOURNAL)):
-        raise InvalidInputError(
-            f"{folder}: an interrupted shardkit write left {JOURNAL} here; run "
-            f"'shardkit recover {folder}' to finish it first"
-        )
-
-
-def _single_file(path: str, read: str, read_ahead_bytes: int) -> LazyCheckpoint:
-    shard = Shard(path, None)
-    open_shard(shard, read)  # the descriptor first, the header through it: reads match the header
-    assert shard.header is not None
-    shard_of = {e.name: path for e in shard.header.entries}
-    return LazyCheckpoint(shard_of, {path: shard}, description=f"safetensors file {path}", read=read,
-                          read_ahead_bytes=read_ahead_bytes)
-
-
-def _indexed(path: str, read: str, read_ahead_bytes: int) -> LazyCheckpoint:
-    index = load_index(path)
-    shards: dict[str, Shard] = {}
-    for shard_name in index.shard_names():
-        shard_path = shard_file(index.folder, shard_name, where=index.path)  # existence + symlink policy
-        names = frozenset(t for t, s in index.weight_map.items() if s == shard_name)
-        shards[shard_name] = Shard(shard_path, names)
-    return LazyCheckpoint(dict(index.weight_map), shards, index_metadata=index.metadata, read=read,
-                          read_ahead_bytes=read_ahead_bytes, description=f"sharded checkpoint {path} ({len(shards)} shards)")
-
-
-def open(path: str | os.PathLike[str], *, variant: str | None = None, read: ReadMode = "auto",  # noqa: A001
-         read_ahead_bytes: int = READ_AHEAD_BYTES) -> LazyCheckpoint:
-    """Open a safetensors checkpoint lazily: a file, an index JSON or a (sharded) folder.
-
-    Only the index is read here (a single file: its header); each shard's header is read and
-    validated, through the descriptor its tensors are then read from, the first time one of its
-    tensors is touched. Opening never modifies anything. A folder with an unfinished
-    shardkit write is refused (``shardkit recover`` finishes it).
-
-    Args:
-        path: a ``.safetensors`` file, a ``*.safetensors.index*.json`` file, or a folder holding
-            one (transformers ``model*`` or diffusers ``diffusion_pytorch_model*`` naming).
-        variant: in a folder, the weight variant to open (``"fp16"`` for
-            ``model.fp16.safetensors``); None prefers the plain weights.
-        read: how tensor bytes are read: ``"mmap"`` (zero-copy views of the file's pages),
-            ``"pread"`` (large parallel reads into fresh memory; best on network/FUSE
-            filesystems and cold caches), ``"direct"`` (O_DIRECT through aligned bounce buffers,
-            ``pread`` where refused) or ``"auto"``: ``pread`` for network/FUSE filesystems and
-            cold files, ``mmap`` for warm local ones; ``read_report()`` says what each shard got.
-        read_ahead_bytes: with ``pread``/``direct``, reading the mapping in its order reads the
-            next tensors ahead (their ranges in flight while the caller uses the current one)
-            up to this many bytes not yet taken (default 256 MiB); 0 turns read-ahead off.
-            Memory peaks at the tensors kept plus this budget; ``close()`` cancels it.
-
-    Returns:
-        A :class:`LazyCheckpoint`; use it as a context manager, or call ``close()``.
-
-    Raises:
-        SourceNotFoundError: the path does not exist, or the folder holds no safetensors
-            checkpoint.
-        InvalidInputError: the path is a diffusers pipeline folder (open a component folder),
-            not safetensors, holds an interrupted shardkit write, or ``read`` is unknown.
-        CheckpointIndexError: the index is malformed or names missing or unsafe shard files,
-            or a folder holds several candidate checkpoints (pass ``variant`` or the file).
-        HeaderError: a single file's header is invalid.
-
-    import shardkit
-    with shardkit.open("out/") as ckpt:
-        print(len(ckpt), ckpt.shape_of("conv_in.weight"))
-        w = ckpt["conv_in.weight"]                             # reads only this tensor
-    """
-    path = os.fspath(path)
-    check_backend(read)
-    if not os.path.exists(path):
-        raise SourceNotFoundError(f"{path}: no such file or folder")
-    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    _check_no_journal(folder)
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "model_index.json")):
-            raise InvalidInputError(
-                f"{path}: is a diffusers pipeline folder; open one component, e.g. {os.path.join(path, 'unet')}"
-            )
-        layout = find_checkpoint(path, variant=variant)
-        path = layout.path
-        if layout.kind == "file":
-            return _single_file(path, read, read_ahead_bytes)
-    if path.endswith(".json"):
-        return _indexed(path, read, read_ahead_bytes)
-    if path.endswith(".safetensors"):
-        return _single_file(path, read, read_ahead_bytes)
-    raise InvalidInputError(
-        f"{path}: not a safetensors checkpoint; convert it first with 'shardkit split {path} OUT/'"
-    )
-

@@ -90,8 +90,8 @@ def _preload_components(folder: str, kwargs: dict[str, Any], *, read: ReadMode, 
     """
     import json
 
-    from .lazy import open as open_checkpoint
     from .load import load_model
+    from .opening import open as open_checkpoint
     from .residency import check_backend
     from .scaled import has_scales
 
