@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..devices import parse_max_memory
 from ..errors import InvalidInputError
@@ -20,8 +20,10 @@ from .autofit import FitPlan, apply_plan, fit
 
 if TYPE_CHECKING:
     import torch
+    from diffusers import DiffusionPipeline
 
     from ..devices import MaxMemory
+    from ..runtime.apply import LayerwiseCasting
 
 
 def load_pipeline(
@@ -32,12 +34,12 @@ def load_pipeline(
     dtype: str | torch.dtype | None = None,
     offload: str | None = None,
     offload_options: Mapping[str, Any] | None = None,
-    layerwise_casting: Any = None,
-    fit: Any = None,
+    layerwise_casting: LayerwiseCasting | None = None,
+    fit: Literal["auto"] | FitPlan | None = None,
     variant: str | None = None,
-    switches: Any = None,
+    switches: Mapping[str, Any] | list[str] | None = None,
     read: ReadMode = "auto",
-) -> Any:
+) -> DiffusionPipeline:
     """Load the pipeline in ``path`` and apply placement, casting and offload options.
 
     Args:

@@ -20,6 +20,7 @@ from ..errors import InvalidInputError
 
 if TYPE_CHECKING:
     import torch
+    from diffusers import DiffusionPipeline
     from torch import nn
 
 # diffusers' own defaults plus the modulation / timestep / embedding layers that its per-model
@@ -148,7 +149,7 @@ def casting_targets(
 
 
 def apply_layerwise_casting(
-    obj: Any,
+    obj: nn.Module | DiffusionPipeline | Sequence[nn.Module],
     storage_dtype: str | torch.dtype = "float8_e4m3fn",
     compute_dtype: str | torch.dtype = "bfloat16",
     *,

@@ -24,13 +24,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..errors import InvalidInputError, ShardkitError
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
+
+# A pipeline, a module or a list of modules: returned as given.
+_Target = TypeVar("_Target")
 
 
 class OffloadError(ShardkitError, ValueError):
@@ -54,7 +57,7 @@ class Strategy:
     summary: str
 
 
-def apply_offload(obj: Any, strategy: str = "model", **options: Any) -> Any:
+def apply_offload(obj: _Target, strategy: str = "model", **options: Any) -> _Target:
     """Install ``strategy`` on ``obj`` (a pipeline, an ``nn.Module`` or a list of modules); return ``obj``.
 
     Any offload strategy already installed is removed first (layerwise casting hooks stay).
@@ -98,7 +101,7 @@ def apply_offload(obj: Any, strategy: str = "model", **options: Any) -> Any:
         _remove(obj, kind)
     apply = spec.pipeline if kind == "pipeline" else spec.module
     try:
-        apply(obj, dict(options))
+        apply(cast(Any, obj), dict(options))  # a module or a pipeline, by ``kind``
     except ShardkitError:
         raise
     except (ValueError, RuntimeError, NotImplementedError) as e:
