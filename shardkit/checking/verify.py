@@ -17,6 +17,7 @@ from typing import Any
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.manifest import MANIFEST_NAME, ManifestError
+from ..sources.base import CheckpointSource
 from ..units import FLOAT_DTYPES
 from .bytescan import ScanResult, TensorComparator, scan_file
 from .integrity import Expected, compare_with_manifest, expected_files, manifest_ranges
@@ -102,7 +103,7 @@ class _ScanJob:
     crc32s: list[str] | None = None  # their crc32s, once scanned
 
 
-def verify(path: str | os.PathLike[str], *, against: Any = None,
+def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = None,
            progress: ProgressCallback | None = None, read_data: bool = True) -> VerifyReport:
     """Check a checkpoint: structure, every byte (sha256 per file), and optionally every tensor.
 
