@@ -172,7 +172,8 @@ def _quantization(target: str, entries: list[TensorEntry], metadata: dict[str, s
                   ) -> tuple[dict[str, Any] | None, frozenset[str]]:
     """The fp8-with-scales layout (or the reason it is unusable) and its scale/marker tensors."""
     from ..errors import InvalidInputError
-    from ..formats.quant import find_layout, read_config
+    from ..formats.layout import read_config
+    from ..formats.quant import find_layout
 
     folder = target if os.path.isdir(target) else os.path.dirname(os.path.abspath(target))
     try:

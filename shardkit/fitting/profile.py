@@ -10,7 +10,6 @@ the profiles built here.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import warnings
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import InvalidInputError, ShardkitWarning
+from ..formats.layout import read_config
 from ..units import DTYPE_BITS
 from .activations import NO_SWITCH, Context, Workload, activations_for
 from .weights import (
@@ -128,18 +128,6 @@ def profile_component(name: str, role: str, *, tensors: list[TensorSize], config
                             tuple(notes))
 
 
-def read_config(folder: str) -> dict[str, Any]:
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidInputError(f"{path}: not valid JSON ({e})") from e
-    return doc if isinstance(doc, dict) else {}
-
-
 # ----------------------------------------------------------------------------- folders and modules
 
 def resolve_workload(path: str, workload: Workload) -> Workload:
@@ -151,7 +139,7 @@ def resolve_workload(path: str, workload: Workload) -> Workload:
 
     size = 1024
     if is_pipeline_folder(path):
-        configs = {c.name: read_config(c.path) for c in find_components(path) if c.has_weights}
+        configs = {c.name: read_config(c.path) or {} for c in find_components(path) if c.has_weights}
         den = next((cfg for n, cfg in configs.items() if role_of(n) == "denoiser"), {})
         vae = next((cfg for n, cfg in configs.items() if role_of(n) == "vae"), {})
         scale = 2 ** (len(vae["block_out_channels"]) - 1) if vae.get("block_out_channels") else 8
@@ -159,7 +147,7 @@ def resolve_workload(path: str, workload: Workload) -> Workload:
         if isinstance(sample, int) and "down_block_types" in den:
             size = sample * scale
     else:
-        den = read_config(path) if os.path.isdir(path) else {}
+        den = (read_config(path) or {}) if os.path.isdir(path) else {}
     guidance = workload.guidance if workload.guidance is not None else not den.get("guidance_embeds", False)
     return replace(workload, height=workload.height or size, width=workload.width or size, guidance=guidance)
 
@@ -185,11 +173,11 @@ def profile_folder(path: str, workload: Workload, *, dtype: str | None = None) -
         if not specs:
             raise InvalidInputError(f"{path}: the pipeline has no component with weights")
     else:
-        config = read_config(path)
+        config = read_config(path) or {}
         library = "diffusers" if "_class_name" in config else "transformers"
         class_name = config.get("_class_name") or (config.get("architectures") or [None])[0]
         specs = [(os.path.basename(os.path.normpath(path)), path, library, class_name)]
-    configs = {name: read_config(folder) for name, folder, _, _ in specs}
+    configs = {name: read_config(folder) or {} for name, folder, _, _ in specs}
     roles = {name: role_of(name, cls) for name, _, _, cls in specs}
     guesses = {name: _guess(name, folder, roles, configs) for name, folder, _, _ in specs if not configs[name]}
     vae_cfg = next((configs[n] for n in configs if roles[n] == "vae"), {})

@@ -90,7 +90,8 @@ class TensorSize:
 
 def header_tensors(folder: str) -> tuple[list[TensorSize], str | None]:
     """Every tensor of a component folder's safetensors headers, and its most common float dtype."""
-    from ..formats.quant import find_layout, read_config
+    from ..formats.layout import read_config
+    from ..formats.quant import find_layout
     from ..sources.safetensors import open_safetensors_folder
 
     with open_safetensors_folder(folder) as source:

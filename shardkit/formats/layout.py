@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import InvalidInputError, SourceNotFoundError
 from .index import DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, Naming, naming_from_filename
@@ -121,3 +122,16 @@ def _naming_for(library: str, weights: list[str], variant: str | None) -> Naming
              if os.path.basename(n).split(".")[0].split("-")[0] in (DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, "pytorch_model")}
     prefix = default if default in found or not found else sorted(found)[0]
     return Naming(prefix, variant)
+
+
+def read_config(folder: str) -> dict[str, Any] | None:
+    """``folder/config.json`` as a dict, or None when there is none (or it is not a JSON object)."""
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InvalidInputError(f"{path}: not a readable JSON file ({e}); fix or remove it") from e
+    return doc if isinstance(doc, dict) else None

@@ -23,9 +23,7 @@ This module is pure (stdlib only): the arithmetic lives in :mod:`shardkit.format
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +33,7 @@ from ..errors import InvalidInputError
 from .header import TensorEntry
 
 __all__ = ["FP8_DTYPES", "QUANTIZE_SCHEMES", "QUANTIZE_SKIP_PATTERNS", "QuantLayout", "ScaledWeight",
-           "find_layout", "matrix_shape", "read_config", "should_skip_quantize"]
+           "find_layout", "matrix_shape", "should_skip_quantize"]
 
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
 DEFAULT_BLOCK = (128, 128)
@@ -132,19 +130,6 @@ class QuantLayout:
         return {"description": self.describe(), "scheme": self.scheme, "scaled_weights": len(self.weights),
                 "extra_tensors": len(self.extra), "granularity": grains, "weight_dtype": self.weight_dtype,
                 "scale_dtype": self.scale_dtype}
-
-
-def read_config(folder: str) -> dict[str, Any] | None:
-    """``folder/config.json`` as a dict, or None when there is none (or it is not a JSON object)."""
-    path = os.path.join(folder, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidInputError(f"{path}: not a readable JSON file ({e}); fix or remove it") from e
-    return doc if isinstance(doc, dict) else None
 
 
 def find_layout(entries: Sequence[TensorEntry], *, config: Mapping[str, Any] | None = None,

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..formats.quant import find_layout, read_config
+from ..formats.layout import read_config
+from ..formats.quant import find_layout
 from ..runtime.scaled_fp8 import attach_scaled_fp8, scaled_modules
 from .lazy import LazyCheckpoint
 

@@ -25,7 +25,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import InvalidInputError
-from ..formats.quant import find_layout, read_config
+from ..formats.layout import read_config
+from ..formats.quant import find_layout
 from ..sources import Source
 from ..sources.dequantized import DequantizedSource
 from ..sources.quantized import QuantizedSource

@@ -31,8 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import InvalidInputError
-from ..formats.layout import find_components, is_pipeline_folder, read_model_index
-from ..formats.quant import read_config
+from ..formats.layout import find_components, is_pipeline_folder, read_config, read_model_index
 from .job import SplitResult, WrappedPath, refuse_output_inside_source, split_source
 from .options import DEFAULT_MAX_SHARD_BYTES, WriteOptions, warn
 from .single_file import is_file_output, split_to_file
