@@ -11,6 +11,7 @@ import pytest
 
 from shardkit.errors import HubError
 from shardkit.hub import remote_stream
+from shardkit.workers import ReadPool
 from shardkit.hub.remote_spec import Mirror, RemoteFile, RemoteSpec
 
 WINDOW = 1000
@@ -35,7 +36,7 @@ def served(monkeypatch: pytest.MonkeyPatch):
 def open_stream(data: bytes, *, sha256: str | None = None, head_bytes: int = 100):
     remote = RemoteFile("model.safetensors", len(data), "0" * 40, sha256 or hashlib.sha256(data).hexdigest())
     mirror = Mirror(RemoteSpec("alice/m"), "/nonexistent", "c" * 40, {remote.path: remote})
-    pool = remote_stream.BoundedPool(4, name="test-stream")
+    pool = ReadPool(4, name="test-stream")
     stream = remote_stream.StreamedFile(mirror, remote, data[:head_bytes], token=None, pool=pool,
                                         hasher=ThreadPoolExecutor(1))
     return stream, pool
@@ -45,7 +46,7 @@ def test_a_whole_sequential_read_fetches_each_byte_once_and_checks_the_hash(serv
     data, ranges = served
     stream, pool = open_stream(data)
     got = b"".join(bytes(stream.read(b, min(b + 777, len(data)))) for b in range(100, len(data), 777))
-    pool.shutdown()
+    pool.close()
     assert got == data[100:]
     assert sorted(ranges)[0][0] == 100 and sum(e - b for b, e in ranges) == len(data) - 100
     assert stream.digested_bytes == len(data)
@@ -57,7 +58,7 @@ def test_a_hash_mismatch_fails_at_the_last_window(served):
     with pytest.raises(HubError, match="do not match the sha256 the Hub lists"):
         for b in range(100, len(data), 500):
             stream.read(b, min(b + 500, len(data)))
-    pool.shutdown()
+    pool.close()
 
 
 def test_a_far_jump_skips_the_gap_and_drops_the_hash_check(served):
@@ -65,7 +66,7 @@ def test_a_far_jump_skips_the_gap_and_drops_the_hash_check(served):
     stream, pool = open_stream(data, sha256="0" * 64)  # would fail if it were still checked
     assert bytes(stream.read(100, 300)) == data[100:300]
     assert bytes(stream.read(8_000, 10_500)) == data[8_000:10_500]
-    pool.shutdown()
+    pool.close()
     assert stream.digest is None
     assert not any(b < 8_000 < e for b, e in ranges[-3:])  # fetched from the jump, not through the gap
     assert sum(e - b for b, e in ranges) < len(data) - 100
@@ -79,7 +80,7 @@ def test_an_out_of_order_read_is_served_and_drops_the_hash_check(served):
     assert bytes(stream.read(200, 250)) == data[200:250]  # behind the current window
     assert stream.digest is None
     assert bytes(stream.read(1_500, 10_500)) == data[1_500:]
-    pool.shutdown()
+    pool.close()
 
 
 def test_reading_past_the_listed_size_is_one_error(served):
@@ -87,14 +88,14 @@ def test_reading_past_the_listed_size_is_one_error(served):
     stream, pool = open_stream(data)
     with pytest.raises(HubError, match="read past the end of the 10500-byte file"):
         stream.read(10_400, 10_600)
-    pool.shutdown()
+    pool.close()
 
 
 def test_views_cover_windows_without_copying(served):
     data, _ = served
     stream, pool = open_stream(data)
     views = list(stream.views(100, 2_600))
-    pool.shutdown()
+    pool.close()
     assert all(isinstance(v, memoryview) for v in views) and b"".join(views) == data[100:2_600]
     assert [len(v) for v in views] == [1000, 1000, 500]  # the windows themselves
 
@@ -107,7 +108,7 @@ def test_release_drops_the_prefetch_and_a_later_read_is_still_served(served):
     assert not stream.queue and stream.window[1] == b""
     fetched = len(ranges)
     got = b"".join(bytes(stream.read(b, min(b + 900, len(data)))) for b in range(1_500, len(data), 900))
-    pool.shutdown()
+    pool.close()
     assert got == data[1_500:] and len(ranges) > fetched
     assert stream.digest is None  # resumed inside the dropped window: served again, not hash-checked
 

@@ -18,15 +18,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
 from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from ..errors import HubError, ShardkitError
 from ..formats.header import TensorEntry
 from ..sources import Source
+from ..workers import ReadPool
 from .remote import read_range
 from .remote_errors import describe_read_error
 from .remote_spec import Mirror, RemoteFile, local_path
@@ -38,40 +39,6 @@ PREFETCH_WINDOWS = 4  # requests in flight per file: latency hidden, memory boun
 SKIP_GAP_BYTES = WINDOW_BYTES  # a jump further than this ahead skips the gap rather than fetching it
 PENDING_HASHES = 2  # windows waiting for the hashing thread
 STOP_WAIT_SECONDS = 15.0  # close() waits this long for requests in flight (a stalled one times out in 10 s)
-
-
-class BoundedPool(ThreadPoolExecutor):
-    """Worker threads that :meth:`stop` ends: what has not started is cancelled, what runs is told
-    to stop retrying (``stopping``) and waited for, with a bound, so no request outlives the
-    source that made it or holds up the interpreter's exit."""
-
-    def __init__(self, workers: int, *, name: str) -> None:
-        super().__init__(workers, thread_name_prefix=name)
-        self.stopping = threading.Event()
-        self._lock = threading.Lock()
-        self._running: set[Future[Any]] = set()
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        future = super().submit(fn, *args, **kwargs)
-        with self._lock:
-            self._running.add(future)
-        future.add_done_callback(self._forget)
-        return future
-
-    def _forget(self, future: Future[Any]) -> None:
-        with self._lock:
-            self._running.discard(future)
-
-    def stop(self, *, timeout_s: float = STOP_WAIT_SECONDS) -> bool:
-        """Cancel, then wait up to ``timeout_s`` for the work already running; True when none is left."""
-        self.stopping.set()
-        self.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            running = list(self._running)
-        _, left = wait(running, timeout=timeout_s)
-        if left:
-            logger.debug("%d request(s) still running %.0f s after close", len(left), timeout_s)
-        return not left
 
 
 class _Digest:
@@ -114,7 +81,7 @@ class StreamedFile:
     """
 
     def __init__(self, mirror: Mirror, remote: RemoteFile, head: bytes, *, token: str | None,
-                 pool: BoundedPool, hasher: ThreadPoolExecutor) -> None:
+                 pool: ReadPool, hasher: ThreadPoolExecutor) -> None:
         self.mirror, self.remote, self.token, self.pool = mirror, remote, token, pool
         self.where = f"{mirror.spec}:{remote.path}"
         self.digest: _Digest | None = _Digest(remote, hasher)
@@ -161,7 +128,7 @@ class StreamedFile:
         size = self.remote.size_bytes
         while len(self.queue) < PREFETCH_WINDOWS and self.next_bytes < size:
             end = min(self.next_bytes + WINDOW_BYTES, size)
-            self.queue.append((self.next_bytes, self.pool.submit(self._fetch, self.next_bytes, end)))
+            self.queue.append((self.next_bytes, self.pool.submit(partial(self._fetch, self.next_bytes, end))))
             self.next_bytes = end
         if not self.queue:
             raise HubError(f"{self.where}: read past the end of the {self.remote.size_bytes}-byte file the Hub lists "
@@ -237,7 +204,7 @@ class StreamingSource(Source):
         self.inner, self.mirror, self.token = inner, mirror, token
         self.description = f"{inner.description.replace(mirror.root, str(mirror.spec))}, streamed"
         self.naming, self.shard_rule, self.paths = inner.naming, inner.shard_rule, inner.paths
-        self.pool = BoundedPool(PREFETCH_WINDOWS, name="shardkit-stream")
+        self.pool = ReadPool(PREFETCH_WINDOWS, name="shardkit-stream")
         self.hasher = ThreadPoolExecutor(1, thread_name_prefix="shardkit-hash")
         self.remote_files = {os.path.realpath(local_path(mirror, f)): f for f in mirror.files.values()}
         self.streams: dict[str | None, StreamedFile] = {}
@@ -294,5 +261,6 @@ class StreamingSource(Source):
     def _stop_threads(self) -> None:
         for stream in self.streams.values():
             stream.release()
-        self.pool.stop()  # requests in flight stop retrying and end within the download timeout
+        # Requests in flight see ``stopping``, give up retrying and end within the download timeout.
+        self.pool.close(timeout_s=STOP_WAIT_SECONDS)
         self.hasher.shutdown(wait=True, cancel_futures=True)  # at most one window's hash is running

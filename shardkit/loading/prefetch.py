@@ -21,15 +21,14 @@ With a reader: ``wait_all(submit_reads(pool, reader, [job], keep=tensor, chunk_b
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from ..workers import ReadPool
 from .readers import Reader, ReadJob, split_jobs
 
 if TYPE_CHECKING:
@@ -37,69 +36,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("shardkit")
 
-CLOSE_TIMEOUT_S = 30.0           # close(): how long to wait for reads already running
 READ_AHEAD_BYTES = 256 << 20      # default read-ahead budget of a lazy checkpoint's mapping
-
-
-class ReadPool:
-    """``threads`` worker threads (started on first use) running submitted callables in order."""
-
-    def __init__(self, threads: int, *, name: str = "shardkit-read") -> None:
-        self.threads = threads
-        self._name = name
-        self._queue: queue.SimpleQueue[tuple[Future, Callable[[], Any]] | None] = queue.SimpleQueue()
-        self._workers: list[threading.Thread] = []
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def submit(self, fn: Callable[[], Any]) -> Future:
-        """Run ``fn()`` on a worker; its future is cancelled if the pool closes before it starts."""
-        future: Future = Future()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("read pool is closed")
-            if len(self._workers) < self.threads:
-                worker = threading.Thread(target=self._work, name=f"{self._name}-{len(self._workers)}", daemon=True)
-                worker.start()
-                self._workers.append(worker)
-            self._queue.put((future, fn))
-        return future
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn = item
-            if self._closed:
-                future.cancel()
-            if not future.set_running_or_notify_cancel():  # cancelled: wakes whoever waits on it
-                continue
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # handed to whoever waits on the future
-                future.set_exception(e)
-
-    def close(self, *, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
-        """Cancel what has not started, wait (bounded) for running reads; True when every thread ended."""
-        with self._lock:
-            self._closed = True
-            workers, self._workers = self._workers, []
-        while True:  # drain: nothing queued will start
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[0].cancel()
-                item[0].set_running_or_notify_cancel()
-        for _ in workers:
-            self._queue.put(None)
-        deadline = time.monotonic() + timeout_s
-        for worker in workers:
-            worker.join(max(0.0, deadline - time.monotonic()))
-        alive = [w.name for w in workers if w.is_alive()]
-        if alive:
-            log.warning("%d read threads still blocked in a read after %.0f s (%s); leaving them", len(alive),
-                        timeout_s, ", ".join(alive[:3]))
-        return not alive
 
 
 def wait_all(futures: list[Future]) -> None:

@@ -1,0 +1,93 @@
+"""Bounded worker threads that every stage closes the same way: shardkit's reads of local, FUSE and
+network files (:mod:`shardkit.loading`) and of ``hf://`` range requests (:mod:`shardkit.hub.remote_stream`).
+
+>>> pool = ReadPool(threads=2)
+>>> [pool.submit(lambda: 6 * 7).result() for _ in range(3)]
+[42, 42, 42]
+>>> pool.close(), pool.stopping.is_set()
+(True, True)
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+__all__ = ["CLOSE_TIMEOUT_S", "ReadPool"]
+
+log = logging.getLogger("shardkit")
+
+CLOSE_TIMEOUT_S = 30.0  # close(): how long to wait for work already running
+
+
+class ReadPool:
+    """``threads`` worker threads (started on first use) running submitted callables in order.
+
+    ``close`` cancels what has not started, sets ``stopping`` (work that loops or retries checks
+    it) and joins every thread with a bound. The threads are daemons: one still blocked in a
+    read past the bound cannot hold up the interpreter's exit.
+    """
+
+    def __init__(self, threads: int, *, name: str = "shardkit-read") -> None:
+        self.threads = threads
+        self._name = name
+        self._queue: queue.SimpleQueue[tuple[Future, Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._workers: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.stopping = threading.Event()  # set by close(): work that retries should give up
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn()`` on a worker; its future is cancelled if the pool closes before it starts."""
+        future: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("read pool is closed")
+            if len(self._workers) < self.threads:
+                worker = threading.Thread(target=self._work, name=f"{self._name}-{len(self._workers)}", daemon=True)
+                worker.start()
+                self._workers.append(worker)
+            self._queue.put((future, fn))
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn = item
+            if self._closed:
+                future.cancel()
+            if not future.set_running_or_notify_cancel():  # cancelled: wakes whoever waits on it
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # handed to whoever waits on the future
+                future.set_exception(e)
+
+    def close(self, *, timeout_s: float = CLOSE_TIMEOUT_S) -> bool:
+        """Cancel what has not started, wait (bounded) for running reads; True when every thread ended."""
+        self.stopping.set()
+        with self._lock:
+            self._closed = True
+            workers, self._workers = self._workers, []
+        while True:  # drain: nothing queued will start
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+                item[0].set_running_or_notify_cancel()
+        for _ in workers:
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout_s
+        for worker in workers:
+            worker.join(max(0.0, deadline - time.monotonic()))
+        alive = [w.name for w in workers if w.is_alive()]
+        if alive:
+            log.warning("%d read threads still blocked in a read after %.0f s (%s); leaving them", len(alive),
+                        timeout_s, ", ".join(alive[:3]))
+        return not alive
