@@ -46,27 +46,30 @@ CPU, then disk.
 @click.option("--dtype", type=COMPUTE_DTYPE, help="Load dtype (default: the checkpoint's, else the class default).")
 @click.option("--device-map", "device_map", default="auto", show_default=True,
               type=click.Choice(["auto", "balanced", "balanced_low_0", "sequential"]), help="Placement strategy.")
+@click.option("--no-strict", "no_strict", is_flag=True,
+              help="Plan even if CHECKPOINT's tensors do not match the model (missing, unexpected or mis-shaped "
+                   "keys are listed in a warning); the default refuses them.")
 @click.option("--strategies", is_flag=True,
               help="Also estimate the peak GPU memory of each offload strategy (against the largest GPU budget).")
 @hub_token_option
 @output_options
 def plan(checkpoint: str | None, model_spec: str, config_path: str | None, gpus: tuple[int, ...], cpu: int | None,
          max_memory: str | None, dtype: str | None, device_map: str, strategies: bool, as_json: bool,
-         quiet: bool, token: str | None = None) -> None:
+         quiet: bool, token: str | None = None, no_strict: bool = False) -> None:
     """Show the device map MODEL would get for a memory budget, optionally for CHECKPOINT's weights."""
     if checkpoint is not None:
         from ..hub.remote import local_checkpoint
 
         with local_checkpoint(checkpoint, token=token) as local:  # hf://: a header-only mirror
             return _plan(local, model_spec, config_path, gpus, cpu, max_memory, dtype, device_map, strategies,
-                         as_json, quiet, shown=checkpoint)
+                         as_json, quiet, shown=checkpoint, strict=not no_strict)
     return _plan(None, model_spec, config_path, gpus, cpu, max_memory, dtype, device_map, strategies, as_json,
-                 quiet, shown=None)
+                 quiet, shown=None, strict=not no_strict)
 
 
 def _plan(checkpoint: str | None, model_spec: str, config_path: str | None, gpus: tuple[int, ...],
           cpu: int | None, max_memory: str | None, dtype: str | None, device_map: str, strategies: bool,
-          as_json: bool, quiet: bool, *, shown: str | None) -> None:
+          as_json: bool, quiet: bool, *, shown: str | None, strict: bool) -> None:
     from ..devices import gpu_and_cpu_bytes, merge_budgets
 
     budget = merge_budgets(max_memory, gpu_bytes=gpus, cpu_bytes=cpu)
@@ -82,7 +85,7 @@ def _plan(checkpoint: str | None, model_spec: str, config_path: str | None, gpus
         from ..loading.device_map import plan_device_map
 
         result = plan_device_map(model_spec, config=config, checkpoint=checkpoint, max_memory=budget,
-                                 dtype=dtype, device_map=device_map)
+                                 dtype=dtype, device_map=device_map, strict=strict)
         output.update(result.to_dict())
         if checkpoint is not None:
             output["checkpoint"] = shown  # the hf:// spec, not its temporary mirror

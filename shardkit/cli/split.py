@@ -116,9 +116,22 @@ def print_plan(result: object) -> None:
     if not result.dry_run:  # type: ignore[attr-defined]
         click.echo(f"cloned {format_size(result.cloned_bytes)}, "  # type: ignore[attr-defined]
                    f"copied {format_size(result.copied_bytes)}")  # type: ignore[attr-defined]
+    copied = getattr(result, "copied", None)
+    if copied:
+        click.echo(copied_line(copied, dry_run=result.dry_run))  # type: ignore[attr-defined]
     quant = getattr(result, "quantization", None)
     if quant:
         click.echo(quantization_line(quant))
+
+
+def copied_line(copied: list[str], *, dry_run: bool, shown: int = 8) -> str:
+    """One line naming the other files copied beside the weights (all of them are in --json).
+
+    >>> copied_line(["config.json", "1_Pooling/config.json"], dry_run=False)
+    'copied 2 other file(s) unchanged: config.json, 1_Pooling/config.json'
+    """
+    names = ", ".join(copied[:shown]) + (f" and {len(copied) - shown} more (--json lists all)" if len(copied) > shown else "")
+    return f"{'would copy' if dry_run else 'copied'} {len(copied)} other file(s) unchanged: {names}"
 
 
 def quantization_line(quant: dict) -> str:

@@ -104,14 +104,14 @@ def write_collective(src: Source, output: str, *, options: WriteOptions, process
     if options.dry_run:
         if rank == 0:
             warn_if_output_taken(run.output, overwrite=options.overwrite)
-        return job.result(run.output, options)
+        return job.result(run.output, options, copied=side_files)
     run.stale = [job.path(n) for n in checkpoint_files(run.output, job.plan.naming)] + digest.stale_manifests(run.output, [""])
     with contextlib.ExitStack() as stack:
         tx = _open_output(run, stack)
         _check_marker(run)
         records = _write_owned(run, gather)
         _publish(run, tx, records, side_files)
-    return job.result(run.output, options)
+    return job.result(run.output, options, copied=side_files)
 
 
 def _agree_on_plan(process_group: Any, rank: int, job: ShardJob, options: WriteOptions) -> None:

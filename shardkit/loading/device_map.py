@@ -168,7 +168,7 @@ def _run_row(run: tuple[str, int, int, Device, int]) -> tuple[str, Device, int]:
 def plan_device_map(model: ModelSpec, *, config: ConfigSpec | None = None,
                     checkpoint: str | os.PathLike[str] | LazyCheckpoint | None = None, max_memory: MaxMemory,
                     dtype: str | torch.dtype | None = None, device_map: DeviceMapStrategy | str = "auto",
-                    no_split_module_classes: list[str] | None = None) -> DevicePlan:
+                    no_split_module_classes: list[str] | None = None, strict: bool = True) -> DevicePlan:
     """Compute, without loading a byte, where each module of ``model`` would go.
 
     The model is built on the meta device and placed by accelerate. With ``checkpoint`` the
@@ -189,6 +189,8 @@ def plan_device_map(model: ModelSpec, *, config: ConfigSpec | None = None,
             ``"sequential"`` or ``"cpu"``.
         no_split_module_classes: module classes kept whole on one device; None uses the
             model's ``_no_split_modules``.
+        strict: refuse a checkpoint with missing, unexpected or mis-shaped tensors (as
+            :func:`~shardkit.loading.load.load_model` does); with False they only warn.
 
     Returns:
         A :class:`DevicePlan`.
@@ -196,7 +198,7 @@ def plan_device_map(model: ModelSpec, *, config: ConfigSpec | None = None,
     Raises:
         InvalidInputError: ``max_memory`` is missing or invalid, ``device_map`` is not a
             strategy name, the model cannot be built, or accelerate cannot place it.
-        KeyMismatchError: the checkpoint's keys or shapes do not match the model.
+        KeyMismatchError: with ``strict``, the checkpoint's keys or shapes do not match the model.
 
     plan = plan_device_map("diffusers:FluxTransformer2DModel", config="flux/config.json",
                            max_memory={0: "16GB", 1: "16GB", "cpu": "64GB"}, dtype="bf16")
@@ -216,7 +218,7 @@ def plan_device_map(model: ModelSpec, *, config: ConfigSpec | None = None,
     with contextlib.ExitStack() as stack:
         ckpt = checkpoint if checkpoint is None or isinstance(checkpoint, LazyCheckpoint) else \
             stack.enter_context(open_checkpoint(checkpoint))
-        skeleton, _, description = prepare_skeleton(model, ckpt, config=config, dtype=target, strict=True)
+        skeleton, _, description = prepare_skeleton(model, ckpt, config=config, dtype=target, strict=strict)
     if not isinstance(device_map, str):
         raise InvalidInputError("plan_device_map computes a device map; pass a strategy name, not a dict")
     return _plan_skeleton(skeleton, device_map, budget, dtype=target, checkpoint=description,

@@ -6,6 +6,7 @@ dtype, so that placement and loading both start from the same skeleton.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ class KeyMatch:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: dict[str, str] = field(default_factory=dict)  # name → "checkpoint [..], model [..]"
+    ignored: list[str] = field(default_factory=list)  # left alone as the model class asks (see ignored_by_class)
 
     def problems(self) -> str:
         parts = []
@@ -77,17 +79,65 @@ def match_keys(skeleton: Any, checkpoint: LazyCheckpoint) -> KeyMatch:
             match.loads[name] = src
     used = set(match.source_of.values())
     match.unexpected = [k for k in checkpoint if k not in used and k not in state]
+    _drop_ignored(match, skeleton, state)
     return match
 
 
+def _drop_ignored(match: KeyMatch, skeleton: Any, state: dict[str, Any]) -> None:
+    """Leave out what the model class itself says to ignore, as transformers and diffusers do:
+    checkpoint tensors that are non-persistent buffers of the model (the legacy
+    ``embeddings.position_ids`` of BERT-family checkpoints), and names matching the class's
+    ``_keys_to_ignore_on_load_unexpected`` / ``_keys_to_ignore_on_load_missing`` patterns (``re.search``)
+    and transformers' two built-in ones (legacy ``position_ids`` and ``rotary_emb.inv_freq`` buffers).
+    Non-persistent buffers keep the values the model built."""
+    all_buffers = [name for name, _ in skeleton.named_buffers()]
+    buffers = set(all_buffers) - set(state)
+    unexpected_patterns = _patterns(skeleton, "_keys_to_ignore_on_load_unexpected")
+    # transformers' own two exceptions for buffers that moved or stopped being saved (modeling_utils.py)
+    for suffix, pattern in (("rotary_emb.inv_freq", r"rotary_emb\.inv_freq"), ("position_ids", r"(^|\.)position_ids$")):
+        if any(name.endswith(suffix) for name in all_buffers):
+            unexpected_patterns.append(re.compile(pattern))
+    missing_patterns = _patterns(skeleton, "_keys_to_ignore_on_load_missing")
+    unexpected = [k for k in match.unexpected if k not in buffers and not _matches(unexpected_patterns, k)]
+    missing = [k for k in match.missing if not _matches(missing_patterns, k)]
+    match.ignored = sorted(set(match.unexpected) - set(unexpected)) + sorted(set(match.missing) - set(missing))
+    match.unexpected, match.missing = unexpected, missing
+
+
+def _patterns(skeleton: Any, attribute: str) -> list[re.Pattern[str]]:
+    found = getattr(skeleton, attribute, None) or ()  # transformers gathers its submodules' into the instance
+    if isinstance(found, str):
+        found = (found,)
+    patterns = []
+    for pattern in found:
+        try:
+            patterns.append(re.compile(pattern))
+        except (re.error, TypeError):  # a class attribute we cannot read as a pattern: ignore nothing by it
+            continue
+    return patterns
+
+
+def _matches(patterns: list[re.Pattern[str]], name: str) -> bool:
+    return any(p.search(name) for p in patterns)
+
+
 def check_match(match: KeyMatch, *, strict: bool, model: str, checkpoint: str) -> None:
-    """Strict: one error naming every problem. Otherwise a warning, and missing tensors become zeros."""
+    """Strict: one error naming every problem. Otherwise a warning saying exactly what was done with
+    each kind of problem: unexpected tensors are not loaded, missing and mis-shaped ones are zeros."""
     problems = match.problems()
     if not problems:
         return
     if strict:
-        raise KeyMismatchError(f"{checkpoint} does not match {model}: {problems}; load anyway with strict=False (Python), or check --model/--config (CLI) name the model this checkpoint was saved from")
-    warnings.warn(f"{checkpoint} vs {model}: {problems}; missing and mismatched tensors are zeros", ShardkitWarning, stacklevel=3)
+        raise KeyMismatchError(
+            f"{checkpoint} does not match {model}: {problems}; check that the model class and config (--model, "
+            "--config) are the ones this checkpoint was saved from, or load it anyway: strict=False in Python, "
+            "--no-strict with shardkit plan"
+        )
+    done = [what for what, names in (("unexpected tensors are not loaded", match.unexpected),
+                                     ("missing tensors are zeros", match.missing),
+                                     ("mis-shaped tensors are zeros", match.mismatched)) if names]
+    warnings.warn(f"{checkpoint} vs {model} (strict=False): {problems}; {', '.join(done)}", ShardkitWarning,
+                  stacklevel=3)
 
 
 def final_dtypes(skeleton: Any, checkpoint: LazyCheckpoint | None, match: KeyMatch | None,

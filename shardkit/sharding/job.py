@@ -17,7 +17,8 @@ from typing import Any
 from ..atomic.commit import OutputTransaction
 from ..errors import InvalidInputError
 from ..formats.index import DIFFUSERS_PREFIX, Naming, dump_index
-from ..formats.suffixes import is_manifest_file, is_weight_file
+from ..formats.side_files import folder_side_files
+from ..formats.suffixes import is_manifest_file
 from ..sources import Source, open_source
 from .digest import ManifestRecorder, stale_manifests
 from .flush import BackgroundSync, ByteCounter, copy_side_file
@@ -26,7 +27,7 @@ from .plan import ShardPlan, plan_shards
 from .quant import config_edits, quant_report, quant_view
 from .writer import TensorWrite, tensor_write, write_safetensors
 
-__all__ = ["ShardJob", "SideFile", "SplitResult", "checkpoint_files", "copy_side_files", "open_settled", "plan_job",
+__all__ = ["ShardJob", "SideFile", "SplitResult", "checkpoint_files", "copied_names", "copy_side_files", "open_settled", "plan_job",
            "publish", "resolve_naming", "run_jobs", "side_files", "split_source"]
 
 SideFile = tuple[str, str]  # (path to copy from, file name inside the output)
@@ -44,6 +45,7 @@ class SplitResult:
     aliases: dict[str, str] = field(default_factory=dict)
     cloned_bytes: int = 0  # tensor bytes cloned from the source (copy-on-write filesystems), not copied
     quantization: dict[str, Any] | None = None  # fp8 scales dequantized or quantized (sharding/quant.py)
+    copied: list[str] = field(default_factory=list)  # other files copied beside the weights (relative paths)
 
     @property
     def files(self) -> list[str]:
@@ -67,6 +69,7 @@ class SplitResult:
             "cloned_bytes": self.cloned_bytes,
             "copied_bytes": self.copied_bytes,
             **({"quantization": self.quantization} if self.quantization is not None else {}),
+            "copied": list(self.copied),
             "shards": [
                 {"file": s.filename, "tensors": len(s.names), "bytes": s.nbytes} for s in self.plan.shards
             ],
@@ -91,10 +94,11 @@ class ShardJob:
         """``filename`` relative to the output folder."""
         return f"{self.folder}/{filename}" if self.folder else filename
 
-    def result(self, output: str, options: WriteOptions) -> SplitResult:
+    def result(self, output: str, options: WriteOptions, *, copied: Sequence[SideFile] = ()) -> SplitResult:
         where = os.path.join(output, self.folder) if self.folder else output
         return SplitResult(where, self.plan, self.source.description, options.cast_to, options.dry_run,
-                           self.source.aliases(), self.cloned_bytes, quant_report(self.source))
+                           self.source.aliases(), self.cloned_bytes, quant_report(self.source),
+                           copied_names(copied))
 
 
 def resolve_naming(source: Source, *, name: str | None, variant: str | None) -> Naming:
@@ -219,7 +223,7 @@ def split_source(src: Source, output: str, *, options: WriteOptions,
     """
     job = plan_job(src, options=options)
     run_jobs(output, [job], options=options, side_files=side_files)
-    return job.result(output, options)
+    return job.result(output, options, copied=side_files)
 
 
 def run_jobs(output: str, jobs: Sequence[ShardJob], *, options: WriteOptions,
@@ -306,22 +310,23 @@ def _write_index(job: ShardJob, tx: OutputTransaction, record: ManifestRecorder)
 
 
 def side_files(source: Any, output: str) -> list[SideFile]:
-    """Files that travel with a checkpoint folder (config.json, README...) but hold no weights.
+    """Files that travel with a checkpoint folder but hold no weights: every other file and subfolder
+    (config.json, tokenizer, README.md, .gitattributes, 1_Pooling/...), see :mod:`shardkit.formats.side_files`.
 
-    They are copied unchanged when a folder is split into another folder; none in place.
+    They are copied unchanged, at the same relative path, when a folder is written into another
+    folder; none in place (they stay where they are).
     """
     if not isinstance(source, (str, os.PathLike)) or not os.path.isdir(source):
         return []
     folder = os.fspath(source)
-    if os.path.abspath(folder) == os.path.abspath(output):
+    if os.path.realpath(folder) == os.path.realpath(output):
         return []
-    from ..formats.index import shard_file
+    return [(os.path.join(folder, rel), rel) for rel in folder_side_files(folder)]
 
-    return sorted(  # shard_file: a symlinked side file may not pull in a file from outside the folder
-        (shard_file(folder, name, where=folder), name) for name in os.listdir(folder)
-        if not name.startswith(".") and os.path.isfile(os.path.join(folder, name))
-        and not is_weight_file(name) and not is_manifest_file(name)
-    )
+
+def copied_names(side_files: Sequence[SideFile]) -> list[str]:
+    """The output names of the side files a write copies (the source's manifest is never one)."""
+    return [name for _, name in side_files if not is_manifest_file(os.path.basename(name))]
 
 
 def checkpoint_files(folder: str, naming: Naming) -> list[str]:

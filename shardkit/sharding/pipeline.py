@@ -22,7 +22,8 @@ from ..atomic.commit import recover
 from ..errors import InvalidInputError
 from ..formats.index import naming_from_filename
 from ..formats.layout import find_components, is_pipeline_folder
-from ..formats.suffixes import is_saved_weight_file
+from ..formats.side_files import folder_side_files
+from ..formats.suffixes import is_manifest_file, is_saved_weight_file
 from ..sources import Source, open_source
 from .job import ShardJob, SideFile, SourceWrapper, SplitResult, plan_job, run_jobs, wrap_opened
 from .options import WriteOptions, warn
@@ -37,7 +38,6 @@ class PipelineResult(SplitResult):
     """A split of a whole pipeline: ``plan`` lists every component's shards (``unet/...``)."""
 
     components: dict[str, SplitResult] = field(default_factory=dict)
-    copied: list[str] = field(default_factory=list)
 
     @property
     def files(self) -> list[str]:
@@ -47,7 +47,6 @@ class PipelineResult(SplitResult):
         doc = super().to_dict()
         doc["index"] = None
         doc["components"] = {name: r.to_dict() for name, r in self.components.items()}
-        doc["copied"] = list(self.copied)
         return doc
 
 
@@ -82,9 +81,9 @@ def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str
     jobs, left_out = _open_components(folder, options, wrap_source)
     try:
         _warn_left_out(jobs, left_out)
-        copied = [] if options.dry_run else pipeline_side_files(folder, jobs)
-        in_place = os.path.abspath(folder) == os.path.abspath(output)
-        copies: list[SideFile] = [] if in_place else [(os.path.join(folder, rel), rel) for rel in copied]
+        in_place = os.path.realpath(folder) == os.path.realpath(output)
+        copied = [] if in_place else pipeline_side_files(folder, jobs)  # in place, they stay where they are
+        copies: list[SideFile] = [(os.path.join(folder, rel), rel) for rel in copied]
         run_jobs(output, jobs, options=options, side_files=copies)
         return _result(folder, output, jobs, options, copied)
     finally:
@@ -135,20 +134,10 @@ def _other_weight_files(component_path: str, source: Source) -> list[str]:
 
 
 def pipeline_side_files(folder: str, jobs: list[ShardJob]) -> list[str]:
-    """Every non-hidden file (relative path) that is not a weight file of a component."""
-    components = {job.folder for job in jobs}
-    found = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        rel_dir = os.path.relpath(dirpath, folder)
-        top = rel_dir.split(os.sep)[0]
-        for filename in sorted(filenames):
-            if filename.startswith("."):
-                continue
-            if top in components and rel_dir == top and is_saved_weight_file(filename):
-                continue
-            found.append(os.path.normpath(os.path.join(rel_dir, filename)))
-    return found
+    """Every file (relative path) to copy: all but the weight files of the rewritten components
+    (see :func:`~shardkit.formats.side_files.folder_side_files`)."""
+    return [rel for rel in folder_side_files(folder, rewritten=[job.folder for job in jobs])
+            if not is_manifest_file(os.path.basename(rel))]
 
 
 def _result(folder: str, output: str, jobs: list[ShardJob], options: WriteOptions, copied: list[str]) -> PipelineResult:
