@@ -58,7 +58,7 @@ def test_flux_transformer_fp8_block_runs_like_dequantize_then_run(tmp_path: Path
     FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=64,
                            num_attention_heads=2, joint_attention_dim=128, pooled_projection_dim=128,
                            axes_dims_rope=[16, 16, 32]).save_pretrained(tmp_path / "flux")
-    shardkit.convert(tmp_path / "flux", tmp_path / "fp8", quantize="fp8-block")
+    shardkit.convert(tmp_path / "flux", tmp_path / "fp8", quantize="fp8-block", dtype="fp32")  # kept modules: fp32
     shardkit.convert(tmp_path / "fp8", tmp_path / "fp32", dtype="fp32")
     fp8 = shardkit.load_model("diffusers:FluxTransformer2DModel", tmp_path / "fp8")
     plain = shardkit.load_model("diffusers:FluxTransformer2DModel", tmp_path / "fp32")
@@ -77,7 +77,7 @@ def test_sd_pipeline_with_fp8_components_generates_like_its_dequantized_copy(tmp
     from helpers_pipeline import build_tiny_sd_pipeline, generate
 
     build_tiny_sd_pipeline(tmp_path).save_pretrained(tmp_path / "sd")
-    result = shardkit.split(tmp_path / "sd", tmp_path / "fp8", quantize="fp8-channel")
+    result = shardkit.split(tmp_path / "sd", tmp_path / "fp8", quantize="fp8-channel", dtype="fp32")  # kept: fp32
     assert result.components["unet"].quantization["quantized"] > 0
     assert result.components["text_encoder"].quantization["quantized"] > 0
     shardkit.split(tmp_path / "fp8", tmp_path / "fp32", dtype="fp32")

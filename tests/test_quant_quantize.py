@@ -139,3 +139,36 @@ def test_the_cli_summary_says_what_was_quantized_and_dequantized(llama, tmp_path
     assert result.exit_code == 0, result.stderr
     assert ("dequantized 14 weight(s) from fp8, per-channel scales, bf16 scales (compressed-tensors float-quantized) "
             "to BF16") in result.stdout
+
+
+def test_quantizing_an_fp32_checkpoint_keeps_modules_in_bf16_so_fp8_is_smaller(tmp_path: Path, run_cli) -> None:
+    from helpers_quant import tiny_llama
+    from transformers import AutoModelForCausalLM
+
+    tiny_llama().float().save_pretrained(tmp_path / "f32")
+    result = run_cli("convert", tmp_path / "f32", tmp_path / "fp8", "--quantize", "fp8-block")
+    assert result.exit_code == 0, result.stderr
+    assert "kept 2 module(s) in BF16 (stored wider; the compute dtype: --dtype fp32 keeps them fp32)" in result.stdout
+    assert run_cli("convert", tmp_path / "f32", tmp_path / "bf16", "--dtype", "bf16").exit_code == 0
+    fp8, bf16 = (shardkit.info(tmp_path / name).total_bytes for name in ("fp8", "bf16"))
+    assert fp8 < 0.7 * bf16, (fp8, bf16)
+    header = {e.name: e.dtype for e in shardkit.read_header(tmp_path / "fp8" / "model.safetensors").entries}
+    assert header["model.embed_tokens.weight"] == header["model.norm.weight"] == "BF16"
+    assert header["model.layers.0.mlp.up_proj.weight"] == "F8_E4M3"
+    assert header["model.layers.0.mlp.up_proj.weight_scale_inv"] == "F32"
+    AutoModelForCausalLM.from_pretrained(tmp_path / "fp8")  # transformers reads it
+
+    kept = run_cli("convert", tmp_path / "f32", tmp_path / "fp8-f32", "--quantize", "fp8-block", "--dtype", "fp32",
+                   "--json")
+    assert kept.exit_code == 0, kept.stderr
+    assert json.loads(kept.stdout)["quantization"]["kept_dtype"] == "F32"
+    header = {e.name: e.dtype for e in shardkit.read_header(tmp_path / "fp8-f32" / "model.safetensors").entries}
+    assert header["model.norm.weight"] == "F32"
+
+
+def test_a_plain_fp8_cast_points_to_quantize(llama, tmp_path: Path, run_cli) -> None:
+    result = run_cli("convert", llama[0], tmp_path / "fp8", "--dtype", "fp8_e4m3", "--allow-lossy")
+    assert result.exit_code == 0, result.stderr
+    assert "cannot load as a model" in result.stderr and "--quantize fp8-block" in result.stderr
+    quiet = run_cli("convert", llama[0], tmp_path / "q", "--quantize", "fp8-block")
+    assert "warning" not in quiet.stderr

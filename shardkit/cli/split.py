@@ -111,8 +111,12 @@ def print_plan(result: object) -> None:
         click.echo(f"  {shard.filename:<{width}}  {len(shard.names):>6} tensors  {format_size(shard.nbytes):>10}")
     if plan.index_filename:
         click.echo(f"  {plan.index_filename}")
-    click.echo(f"{verb} {len(plan.shards)} shard(s), {format_size(plan.total_bytes)} to "
-               f"{os.path.abspath(result.output)}")  # type: ignore[attr-defined]
+    if len(plan.shards) == 1 and not plan.index_filename and not getattr(result, "components", None):
+        click.echo(f"{verb} 1 file, {format_size(plan.total_bytes)}: "  # name the file, not its folder
+                   f"{os.path.abspath(result.files[0])}")  # type: ignore[attr-defined]
+    else:
+        click.echo(f"{verb} {len(plan.shards)} shard(s), {format_size(plan.total_bytes)} to "
+                   f"{os.path.abspath(result.output)}")  # type: ignore[attr-defined]
     if not result.dry_run:  # type: ignore[attr-defined]
         click.echo(f"cloned {format_size(result.cloned_bytes)}, "  # type: ignore[attr-defined]
                    f"copied {format_size(result.copied_bytes)}")  # type: ignore[attr-defined]
@@ -128,10 +132,10 @@ def copied_line(copied: list[str], *, dry_run: bool, shown: int = 8) -> str:
     """One line naming the other files copied beside the weights (all of them are in --json).
 
     >>> copied_line(["config.json", "1_Pooling/config.json"], dry_run=False)
-    'copied 2 other file(s) unchanged: config.json, 1_Pooling/config.json'
+    'copied 2 other file(s): config.json, 1_Pooling/config.json'
     """
     names = ", ".join(copied[:shown]) + (f" and {len(copied) - shown} more (--json lists all)" if len(copied) > shown else "")
-    return f"{'would copy' if dry_run else 'copied'} {len(copied)} other file(s) unchanged: {names}"
+    return f"{'would copy' if dry_run else 'copied'} {len(copied)} other file(s): {names}"
 
 
 def quantization_line(quant: dict) -> str:
@@ -140,8 +144,11 @@ def quantization_line(quant: dict) -> str:
         return f"dequantized {quant['weights']} weight(s) from {quant['dequantized']} to {quant['dtype']}"
     errors = [e["relative_error"] for e in quant["errors"].values()]
     worst = f", largest relative error {max(errors):.4f}" if errors else ""
-    return (f"quantized {quant['quantized']} weight(s) to {quant['scheme']}, kept {len(quant['kept'])} module(s) "
-            f"as they were{worst}")
+    kept = quant.get("kept_dtype")
+    how = "as they were" if not kept else (
+        f"in {kept} (stored wider; the compute dtype: --dtype fp32 keeps them fp32)" if quant.get("kept_dtype_chosen")
+        else f"in {kept} (--dtype)")
+    return f"quantized {quant['quantized']} weight(s) to {quant['scheme']}, kept {len(quant['kept'])} module(s) {how}{worst}"
 
 
 COMMANDS = [split]

@@ -24,7 +24,7 @@ from .digest import ManifestRecorder, stale_manifests
 from .flush import BackgroundSync, ByteCounter, copy_side_file
 from .options import WriteOptions, warn_if_many_shards, warn_if_output_taken
 from .plan import ShardPlan, plan_shards
-from .quant import config_edits, quant_report, quant_view
+from .quant import config_edits, kept_cast, quant_report, quant_view
 from .writer import TensorWrite, tensor_write, write_safetensors
 
 __all__ = ["ShardJob", "SideFile", "SplitResult", "checkpoint_files", "copied_names", "copy_side_files", "open_settled", "plan_job",
@@ -89,6 +89,7 @@ class ShardJob:
     plan: ShardPlan
     folder: str = ""
     cloned_bytes: int = 0  # filled in by the write
+    cast_to: str | None = None  # what floating tensors are cast to (--dtype, or --quantize's kept dtype)
 
     def path(self, filename: str) -> str:
         """``filename`` relative to the output folder."""
@@ -97,7 +98,8 @@ class ShardJob:
     def result(self, output: str, options: WriteOptions, *, copied: Sequence[SideFile] = ()) -> SplitResult:
         where = os.path.join(output, self.folder) if self.folder else output
         return SplitResult(where, self.plan, self.source.description, options.cast_to, options.dry_run,
-                           self.source.aliases(), self.cloned_bytes, quant_report(self.source),
+                           self.source.aliases(), self.cloned_bytes,
+                           quant_report(self.source, cast_to=self.cast_to, options=options),
                            copied_names(copied))
 
 
@@ -205,13 +207,13 @@ def plan_job(src: Source, *, options: WriteOptions, folder: str = "") -> ShardJo
     ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json']
     """
     naming = resolve_naming(src, name=options.name, variant=options.variant)
-    cast_to = options.cast_to
     src, uncast = quant_view(src, options=options)  # fp8 scales: kept whole, dequantized or quantized
+    cast_to = kept_cast(src, options)  # --dtype; with --quantize alone, fp32 kept modules → bf16
     writes = [tensor_write(e, None if e.name in uncast else cast_to) for e in src.entries()]
     plan = plan_shards([(w.out.name, w.out.nbytes) for w in writes], max_shard_bytes=options.max_shard_bytes,
                        naming=naming, rule=src.shard_rule)
     warn_if_many_shards(len(plan.shards), max_shard_bytes=options.max_shard_bytes, total_bytes=plan.total_bytes)
-    return ShardJob(src, writes, plan, folder)
+    return ShardJob(src, writes, plan, folder, cast_to=cast_to)
 
 
 def split_source(src: Source, output: str, *, options: WriteOptions,

@@ -33,7 +33,10 @@ from ..sources.quantized import QuantizedSource
 from ..units import LOSSLESS_TARGETS
 from .options import WriteOptions, warn
 
-__all__ = ["config_edits", "dequantized_for_mapping", "quant_report", "quant_view"]
+__all__ = ["config_edits", "dequantized_for_mapping", "kept_cast", "quant_report", "quant_view"]
+
+_FP8_CASTS = frozenset({"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0"})
+_WIDE = frozenset({"F32", "F64"})
 
 
 def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset[str]]:
@@ -46,6 +49,11 @@ def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset
     layout = find_layout(src.entries(), config=source_config(src), metadata=src.metadata(), where=src.description)
     if layout is None:
         if options.quantize is None:
+            if options.cast_to in _FP8_CASTS:
+                warn(f"{src.description}: --dtype {options.dtype} writes plain fp8 tensors without scales, which "
+                     "transformers and diffusers cannot load as a model; for fp8 that loaders read, use --quantize "
+                     "fp8-block (transformers FineGrainedFP8) or fp8-channel/fp8-tensor (compressed-tensors), which "
+                     "write scales and a quantization_config")
             return src, frozenset()
         view = QuantizedSource(src, options.quantize)
         return view, view.scale_names()
@@ -72,9 +80,30 @@ def _config_folder(src: Source) -> str | None:
     return os.path.dirname(os.path.abspath(src.paths[0])) if src.paths else None
 
 
-def quant_report(src: Source) -> dict[str, Any] | None:
-    """What :func:`quant_view`'s source did (scheme, kept modules, per-tensor error), or None."""
-    return src.report() if isinstance(src, (DequantizedSource, QuantizedSource)) else None
+def kept_cast(src: Source, options: WriteOptions) -> str | None:
+    """The dtype code a job casts floating tensors to: ``options.cast_to``, or for ``--quantize`` without
+    ``--dtype`` the checkpoint's compute dtype for the tensors it keeps (norms, embeddings...): bf16 when
+    they are stored in fp32/fp64, so the fp8 output is smaller than a bf16 copy; None (as they are) otherwise.
+    """
+    if options.cast_to is not None or not isinstance(src, QuantizedSource):
+        return options.cast_to
+    scales = src.scale_names()
+    stored: dict[str, int] = {}
+    for entry in src.entries():
+        if entry.name not in scales and entry.dtype in (*_WIDE, "F16", "BF16"):
+            stored[entry.dtype] = stored.get(entry.dtype, 0) + entry.nbytes
+    return "BF16" if stored and max(stored, key=stored.__getitem__) in _WIDE else None
+
+
+def quant_report(src: Source, *, cast_to: str | None = None, options: WriteOptions | None = None) -> dict[str, Any] | None:
+    """What :func:`quant_view`'s source did (scheme, kept modules and their dtype, per-tensor error), or None."""
+    if not isinstance(src, (DequantizedSource, QuantizedSource)):
+        return None
+    report = src.report()
+    if isinstance(src, QuantizedSource):
+        report["kept_dtype"] = cast_to  # None: kept as stored
+        report["kept_dtype_chosen"] = cast_to is not None and (options is None or options.cast_to is None)
+    return report
 
 
 def config_edits(output: str, jobs: Sequence[tuple[str, Source]],
