@@ -362,6 +362,29 @@ def test_python_api_and_dry_run(tmp_path: Path) -> None:
         "diffusion_pytorch_model.safetensors").stat().st_size - 8 - _header_bytes(tmp_path / "vae")
 
 
+def test_the_summary_names_the_file_written(tmp_path: Path, run_cli) -> None:
+    _build("AutoencoderKL", SD_LIKE_VAE, tmp_path / "vae")
+    out = tmp_path / "exported" / "vae.safetensors"
+    out.parent.mkdir()
+    result = run_cli("convert", tmp_path / "vae", out, "--to", "single-file")
+    assert result.exit_code == 0, result.stderr
+    assert f"wrote 1 file, " in result.stdout and result.stdout.rstrip().splitlines()[-2].endswith(f": {out}")
+    assert "shard(s)" not in result.stdout
+
+
+def test_quantize_into_one_file_writes_the_quantized_tensors(tmp_path: Path, run_cli) -> None:
+    from helpers_quant import tiny_llama
+    from safetensors.torch import load_file
+
+    tiny_llama().save_pretrained(tmp_path / "llama")
+    result = run_cli("convert", tmp_path / "llama", tmp_path / "one.safetensors", "--quantize", "fp8-block")
+    assert result.exit_code == 0, result.stderr
+    assert "largest relative error" in result.stdout
+    tensors = load_file(tmp_path / "one.safetensors")
+    assert tensors["model.layers.0.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
+    assert "model.layers.0.mlp.up_proj.weight_scale_inv" in tensors
+
+
 def _header_bytes(folder: Path) -> int:
     import struct
 

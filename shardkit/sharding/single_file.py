@@ -70,17 +70,17 @@ def split_to_file(src: Source, output_file: str, *, options: WriteOptions) -> Sp
         warn(f"--name/--variant do not apply when OUTPUT is a file; writing {base}")
     plan = plan_shards([(w.out.name, w.out.nbytes) for w in job.writes], max_shard_bytes=options.max_shard_bytes,
                        naming=Naming(base[: -len(SUFFIX)]))
-    job = ShardJob(src, job.writes, plan)
+    job = ShardJob(job.source, job.writes, plan, cast_to=job.cast_to)  # the (de)quantizing view plan_job chose
     result = job.result(folder, options)
     if options.dry_run:
         if os.path.exists(output_file) and not options.overwrite:
             warn(f"{output_file} exists: the real run needs --overwrite")
         return result
     with file_transaction(output_file, overwrite=options.overwrite) as tmp:
-        written = write_safetensors(tmp, job.writes, src, metadata=shard_metadata(job, options.metadata or {}),
+        written = write_safetensors(tmp, job.writes, job.source, metadata=shard_metadata(job, options.metadata or {}),
                                     progress=ByteCounter(plan.total_bytes, options.progress))
-    result.cloned_bytes = written.cloned_bytes
-    return result
+    job.cloned_bytes = written.cloned_bytes
+    return job.result(folder, options)  # after the write: quantization errors are known
 
 
 def _flag_size(size_bytes: int) -> str:
