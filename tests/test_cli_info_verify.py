@@ -67,8 +67,9 @@ def test_flipped_byte_detected_against_source(out, source, run_cli):
 def test_truncated_shard(out, run_cli):
     shard = shard_of(out, "blocks.1.weight")
     os.truncate(shard, shard.stat().st_size - 7)
-    assert_failed(run_cli("verify", out), f"FAIL {shard.name}: truncated: the file has", "(7 bytes missing)",
-                  "data lies past the end of the file")
+    lines = assert_failed(run_cli("verify", out), f"FAIL {shard.name}: truncated: the file has", "(7 bytes missing)",
+                          "tensor(s) lie past the end: ")
+    assert len(lines) == 1, lines  # one cause, one line
 
 
 def test_edited_index_tensor_in_wrong_shard(out, run_cli):
@@ -219,3 +220,17 @@ def test_merge_dry_run_checks_and_writes_nothing(run_cli, tmp_path) -> None:
 def test_exclude_help_says_what_it_matches(run_cli) -> None:
     assert "whose name (as stored in SOURCE)" in " ".join(run_cli("convert", "--help").stdout.split())
     assert "whose path inside PATH" in " ".join(run_cli("push", "--help").stdout.split())
+
+
+def test_verify_help_says_what_the_manifest_holds(out, run_cli):
+    """The help's account of shardkit.manifest.json is the manifest's: crc32s for shards, sha256 for other files."""
+    manifest = json.loads((out / "shardkit.manifest.json").read_text())
+    shards = {name: rec for name, rec in manifest["files"].items() if name.endswith(".safetensors")}
+    others = {name: rec for name, rec in manifest["files"].items() if not name.endswith(".safetensors")}
+    assert shards and all("header_crc32" in r and "sha256" not in r and all("crc32" in t for t in r["tensors"].values())
+                          for r in shards.values())
+    assert others and all("sha256" in r for r in others.values())
+    help_text = " ".join(run_cli("verify", "--help").stdout.split())
+    assert "for a .safetensors file a crc32 of its header and of every tensor; for every other file its sha256" \
+        in help_text
+    assert "sha256 per file" not in help_text

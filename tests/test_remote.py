@@ -261,7 +261,10 @@ def test_verify_against_remote_decides_from_oids_and_reads_only_differing_tensor
     from shardkit.hub.remote import FIRST_RANGE_BYTES
 
     folder = split_folder(tmp_path, "out", "600KB")
-    hub.state.add_repo("alice/tiny", folder_files(folder))
+    for name, text in ((".gitattributes", "*.safetensors filter=lfs\n"), ("README.md", "# tiny\n"),
+                       ("tokenizer.json", "{}")):
+        (folder / name).write_text(text)
+    hub.state.add_repo("alice/tiny", {k: v for k, v in folder_files(folder).items() if k != "shardkit.manifest.json"})
     env = hub_env(hub, tmp_path / "home")
     same = run_shardkit(env, "verify", folder, "--against", "hf://alice/tiny", "--json")
     assert same.returncode == 0, same.stdout + same.stderr
@@ -269,6 +272,18 @@ def test_verify_against_remote_decides_from_oids_and_reads_only_differing_tensor
     assert doc["tensors_compared"] == 8 and all(f["checked"] == "hub-oid" for f in doc["files"])
     headers_only = hub.state.bytes_sent(r"\.safetensors$")
     assert headers_only == 4 * FIRST_RANGE_BYTES  # one first range per shard, no other tensor data
+    compared = {f["name"] for f in doc["files"]}
+    assert compared == {f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)} | {
+        "model.safetensors.index.json", "config.json"}
+    assert set(doc["not_compared"]) == {"README.md", "tokenizer.json", ".gitattributes", "shardkit.manifest.json"}
+    assert doc["not_compared"]["README.md"].startswith("not a weight, index or config file")
+    assert doc["not_compared"]["shardkit.manifest.json"].endswith("only here")
+    text = run_shardkit(env, "verify", folder, "--against", "hf://alice/tiny")
+    assert text.returncode == 0, text.stdout + text.stderr
+    assert "compared: config.json, model-00001-of-00004.safetensors" in text.stdout
+    assert "not compared: .gitattributes, README.md, tokenizer.json (not weights, indexes or configs); " \
+           "shardkit.manifest.json (shardkit's own record" in text.stdout
+    assert "ok: 6 file(s) compared with hf://alice/tiny" in text.stdout and "4 other file(s) not compared" in text.stdout
 
     shard = folder / "model-00002-of-00004.safetensors"
     data = bytearray(shard.read_bytes())

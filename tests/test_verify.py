@@ -16,7 +16,8 @@ import shardkit
 from shardkit.errors import InvalidInputError, ShardkitError, SourceNotFoundError
 from shardkit.checking.verify import Finding, VerifyReport, verify
 
-from helpers_verify import build_pipeline, flip_byte, index_of, make_state_dict, shard_of, tensor_offset, write_index
+from helpers_verify import (build_pipeline, flip_byte, index_of, make_state_dict, read_raw_header, shard_of,
+                            tensor_offset, write_index)
 
 
 @pytest.fixture
@@ -131,11 +132,21 @@ def test_truncated_shard_names_the_lost_tensors(sharded):
     shard = shard_of(sharded, "blocks.2.weight")
     os.truncate(shard, shard.stat().st_size - 10)
     report = verify(sharded)
-    assert Finding(shard.name, None, "truncated: the file has "
-                   f"{shard.stat().st_size} bytes but its tensors end at byte {shard.stat().st_size + 10} "
-                   "(10 bytes missing)") in report.findings
-    last = max(safe_open_names(sharded, shard.name), key=lambda n: tensor_offset(shard, n))
-    assert Finding(shard.name, last, "data lies past the end of the file (truncated)") in report.findings
+    names = safe_open_names(sharded, shard.name)
+    last = max(names, key=lambda n: tensor_offset(shard, n))
+    assert report.findings == [Finding(shard.name, None, "truncated: the file has "
+                               f"{shard.stat().st_size} bytes but its tensors end at byte {shard.stat().st_size + 10} "
+                               f"(10 bytes missing); 1 of its {len(names)} tensor(s) lie past the end: {last}")]
+
+
+def test_a_truncation_is_one_finding_however_many_tensors_it_cuts(sharded):
+    shard = shard_of(sharded, "blocks.2.weight")
+    names = safe_open_names(sharded, shard.name)
+    assert len(names) > 1
+    os.truncate(shard, read_raw_header(shard)[1] + 1)  # one byte of data left: every tensor cut
+    report = verify(sharded)
+    assert [f.file for f in report.findings] == [shard.name], [str(f) for f in report.findings]
+    assert f"{len(names)} of its {len(names)} tensor(s) lie past the end" in report.findings[0].message
 
 
 def safe_open_names(folder, shard_name: str) -> list[str]:

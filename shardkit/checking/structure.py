@@ -2,7 +2,7 @@
 
 Used by :mod:`shardkit.checking.verify`: a file, or a sharded folder with its index. Each header
 is parsed on its own, so one corrupt shard does not hide the problems of the others, and a
-truncated shard still yields its tensor list (the tensors past the end are named).
+truncated shard still yields its tensor list (one problem counts the tensors past the end and names the first).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ..formats.links import LINK_RULE, leads_outside, link_target
 
 _INDEX_NAME_RE = re.compile(r"^(?P<prefix>.+)\.safetensors\.index(?:\.(?P<variant>[^.]+))?\.json$")
 _SHARD_NAME_RE = re.compile(r"^(?P<stem>.+)-\d{5}-of-\d{5}\.safetensors$")
+_SHOWN_LOST = 3  # tensor names a truncation problem shows (the count says how many in all)
 
 
 @dataclass
@@ -147,11 +148,11 @@ def read_shard_header(path: str, name: str, problems: list[Problem]) -> HeaderRe
         return HeaderRead(None, _size(path))
     end = header.file_bytes  # where the tensors end, from the header alone
     if file_bytes < end:
+        lost = [e.name for e in header.entries if e.offset + e.nbytes > file_bytes]  # one cause: one problem
+        shown = ", ".join(lost[:_SHOWN_LOST]) + (f" and {len(lost) - _SHOWN_LOST} more" if len(lost) > _SHOWN_LOST else "")
         problems.append(Problem(name, None, f"truncated: the file has {file_bytes} bytes but its tensors end "
-                                f"at byte {end} ({end - file_bytes} bytes missing)"))
-        for entry in header.entries:
-            if entry.offset + entry.nbytes > file_bytes:
-                problems.append(Problem(name, entry.name, "data lies past the end of the file (truncated)"))
+                                f"at byte {end} ({end - file_bytes} bytes missing); {len(lost)} of its "
+                                f"{len(header.entries)} tensor(s) lie past the end: {shown}"))
     elif file_bytes > end:
         problems.append(Problem(name, None, f"{file_bytes - end} bytes of trailing data after the last tensor"))
     complete = [e for e in header.entries if e.offset + e.nbytes <= file_bytes]

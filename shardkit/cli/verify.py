@@ -17,13 +17,15 @@ Examples:
   shardkit verify sd-pipeline/ --against sd-pipeline-orig/ --json
   shardkit verify hf://org/model                        # structure from headers + file listing
   shardkit verify out/ --against hf://org/model         # sha256 vs the Hub's LFS oids, tensor by tensor
+                                                        # (weights, indexes, configs; the rest listed)
 
 \b
 Checks: the index against the files and their headers (every tensor where the index says,
 no duplicates, no orphan tensors or shard files, total_size), offsets and tiling, truncation
 and trailing bytes; then it reads every byte and prints each file's sha256. Every byte is
-compared with shardkit.manifest.json, which shardkit writes with each output (sha256 per
-file, crc32 per tensor): a changed byte is reported with its file and tensor. Without a
+compared with shardkit.manifest.json, which shardkit writes with each output (for a
+.safetensors file a crc32 of its header and of every tensor; for every other file its
+sha256): a changed byte is reported with its file and tensor. Without a
 manifest the data can only be checked for structure (files in the Hugging Face cache are
 compared with their blob's name). With --against, missing and extra tensors, shape and dtype
 mismatches, and the first differing byte of each tensor are reported.

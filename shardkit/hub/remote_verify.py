@@ -12,12 +12,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..checking.verify import FileReport, Finding, VerifyReport, verify
 from ..errors import SourceNotFoundError
 from ..formats.header import Header, TensorEntry, read_header
 from ..formats.manifest import MANIFEST_NAME
+from ..formats.side_files import SKIPPED_DIRS
 from .remote import CONFIG_RE, open_mirror, read_range
 from .remote_spec import Mirror, RemoteFile
 
@@ -25,6 +27,15 @@ logger = logging.getLogger("shardkit")
 
 HASH_CHUNK_BYTES = 8 << 20
 COMPARE_CHUNK_BYTES = 8 << 20
+_SHOWN = 8  # file names a summary line shows (--json lists all)
+
+
+@dataclass
+class RemoteVerifyReport(VerifyReport):
+    """A :class:`VerifyReport` of ``verify PATH --against hf://...``, which compares weight files and the
+    configs and indexes that go with them; ``not_compared`` gives every other file (here or there) and why."""
+
+    not_compared: dict[str, str] = field(default_factory=dict)
 
 
 def verify_remote(path: str, *, token: str | None = None) -> VerifyReport:
@@ -53,7 +64,7 @@ def verify_remote(path: str, *, token: str | None = None) -> VerifyReport:
         return report
 
 
-def verify_against_remote(path: str, against: str, *, token: str | None = None) -> VerifyReport:
+def verify_against_remote(path: str, against: str, *, token: str | None = None) -> RemoteVerifyReport:
     """Compare a local folder with a Hub repository: files by sha256 / git blob id, tensors by headers.
 
     Args:
@@ -62,8 +73,9 @@ def verify_against_remote(path: str, against: str, *, token: str | None = None) 
         token: a Hub token; default ``HF_TOKEN`` or the stored login.
 
     Returns:
-        A :class:`VerifyReport` whose findings name every missing, extra or differing file and
-        tensor; ``tensors_compared`` counts the tensors found identical.
+        A :class:`RemoteVerifyReport` whose findings name every missing, extra or differing file and
+        tensor; ``tensors_compared`` counts the tensors found identical; ``not_compared`` says which
+        files were left out and why.
 
     verify_against_remote("out/", "hf://org/model").ok
     True
@@ -71,9 +83,10 @@ def verify_against_remote(path: str, against: str, *, token: str | None = None) 
     if not os.path.isdir(path):
         raise SourceNotFoundError(f"{path}: no such folder (--against hf://... compares a local folder)")
     with open_mirror(against, token=token) as mirror:
-        report = VerifyReport(path, against=str(mirror.spec))
+        report = RemoteVerifyReport(path, against=str(mirror.spec))
         local = _local_files(path)
         remote = {rel: f for rel, f in mirror.files.items() if _relevant(rel)}
+        report.not_compared = _not_compared(_every_local_file(path), set(mirror.files))
         for rel in sorted(set(remote) - set(local)):
             report.findings.append(Finding(rel, None, f"missing: {mirror.spec} has it"))
         for rel in sorted(set(local) - set(remote)):
@@ -87,6 +100,33 @@ def verify_against_remote(path: str, against: str, *, token: str | None = None) 
 def _relevant(rel: str) -> bool:
     """Weight files and the configs/indexes that go with them (not READMEs, tokenizers, .gitattributes)."""
     return rel.endswith(".safetensors") or bool(CONFIG_RE.search(rel))
+
+
+def _not_compared(local: set[str], remote: set[str]) -> dict[str, str]:
+    """Every file of either side that is not compared, with the reason."""
+    out = {}
+    for rel in sorted((local | remote)):
+        if _relevant(rel):
+            continue
+        name = rel.rpartition("/")[2]
+        if name == MANIFEST_NAME:
+            out[rel] = "shardkit's integrity record of this folder ('shardkit verify PATH' checks it)"
+        else:
+            out[rel] = "not a weight, index or config file: --against hf:// compares those"
+        if rel not in remote:
+            out[rel] += "; only here"
+        elif rel not in local:
+            out[rel] += "; only on the Hub"
+    return out
+
+
+def _every_local_file(folder: str) -> set[str]:
+    found = set()
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS and ".shardkit-" not in d]
+        found |= {os.path.relpath(os.path.join(root, n), folder).replace(os.sep, "/") for n in names
+                  if ".shardkit-" not in n}
+    return found
 
 
 def _local_files(folder: str) -> dict[str, str]:
@@ -175,7 +215,22 @@ def _first_difference(folder: str, file: str, mine: TensorEntry, mirror: Mirror,
 def describe(report: Any) -> str:
     """The summary line the CLI prints for a remote check."""
     if report.against:
-        return (f"ok: {len(report.files)} file(s) compared with {report.against} by sha256, "
-                f"{report.tensors_compared} tensor(s) identical")
+        lines = [f"compared: {_names([f.name for f in report.files])}"]
+        skipped = getattr(report, "not_compared", {})
+        if skipped:
+            records = [rel for rel in skipped if rel.rpartition("/")[2] == MANIFEST_NAME]
+            others = [rel for rel in skipped if rel not in records]
+            parts = [f"{_names(others)} (not weights, indexes or configs)"] if others else []
+            parts += [f"{_names(records)} (shardkit's own record; 'shardkit verify PATH' checks it)"] if records else []
+            lines.append("not compared: " + "; ".join(parts))
+        lines.append(f"ok: {len(report.files)} file(s) compared with {report.against} by sha256 (weights, indexes "
+                     f"and configs), {report.tensors_compared} tensor(s) identical"
+                     + (f"; {len(skipped)} other file(s) not compared" if skipped else ""))
+        return "\n".join(lines)
     return (f"ok: structure of {report.path}: {len(report.files)} weight file(s), {report.tensors_checked} "
             "tensor(s), checked from headers and the Hub's file listing (no tensor data read)")
+
+
+def _names(names: list[str]) -> str:
+    more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    return ", ".join(names[:_SHOWN]) + more
