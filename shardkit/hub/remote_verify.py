@@ -105,7 +105,7 @@ def _relevant(rel: str) -> bool:
 def _not_compared(local: set[str], remote: set[str]) -> dict[str, str]:
     """Every file of either side that is not compared, with the reason."""
     out = {}
-    for rel in sorted((local | remote)):
+    for rel in sorted(local | remote):
         if _relevant(rel):
             continue
         name = rel.rpartition("/")[2]
