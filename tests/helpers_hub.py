@@ -108,6 +108,17 @@ def lazy_safetensors(tensors: dict[str, tuple[str, tuple[int, ...]]], *, header_
     return LazyBlob(head, len(head) + sum(e.nbytes for e in entries))
 
 
+def hub_files(folder: Path) -> dict[str, bytes]:
+    """:func:`folder_files` of ``folder`` as a Hub repository holds them: with the ``.gitattributes`` every Hub
+    repository has (written into ``folder`` too, so that a local split of it copies the same file as a
+    split of the repository)."""
+    from hub_state import GITATTRIBUTES
+
+    if not (folder / ".gitattributes").exists():
+        (folder / ".gitattributes").write_bytes(GITATTRIBUTES)
+    return folder_files(folder)
+
+
 def folder_files(folder: Path) -> dict[str, bytes]:
     """Every file under ``folder`` by its repo-relative path (for :meth:`HubState.add_repo`)."""
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}

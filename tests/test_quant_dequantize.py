@@ -240,11 +240,11 @@ def test_an_in_place_reshard_dequantizes_the_config_too(llama, tmp_path: Path, r
 @pytest.mark.hub
 def test_a_streamed_hub_repo_is_dequantized_like_a_local_one(llama, hub, tmp_path: Path) -> None:
     """hf:// --no-cache: scales and fp8 bands come from range-read windows, in whatever order they are asked."""
-    from helpers_hub import folder_files, hub_env, run_shardkit
+    from helpers_hub import folder_files, hub_env, hub_files, run_shardkit
 
     src = _layout_folder("finegrained-F32", llama, tmp_path)
     shardkit.split(src, tmp_path / "sharded", max_shard_size="400KB")  # weights and scales over several shards
-    hub.state.add_repo("alice/fp8", folder_files(tmp_path / "sharded"))
+    hub.state.add_repo("alice/fp8", hub_files(tmp_path / "sharded"))
     proc = run_shardkit(hub_env(hub, tmp_path / "home"), "convert", "hf://alice/fp8", tmp_path / "streamed",
                         "--dtype", "bf16", "--no-cache", "--json")
     assert proc.returncode == 0, proc.stderr

@@ -18,6 +18,7 @@ from helpers_hub import (  # noqa: F401
     folder_files,
     hub,
     hub_env,
+    hub_files,
     lazy_safetensors,
     run_shardkit,
 )
@@ -308,7 +309,7 @@ def test_split_of_a_repo_goes_through_the_cache_and_equals_a_local_split(hub, tm
     import shardkit
 
     folder = split_folder(tmp_path, "src", "600KB")
-    hub.state.add_repo("alice/tiny", {**folder_files(folder), "pytorch_model.bin": b"\0" * 64})
+    hub.state.add_repo("alice/tiny", {**hub_files(folder), "pytorch_model.bin": b"\0" * 64})
     env = hub_env(hub, tmp_path / "home")
     proc = run_shardkit(env, "split", "hf://alice/tiny", tmp_path / "remote-out", "--max-shard-size", "1100KB", "-q")
     assert proc.returncode == 0, proc.stderr

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers_hub import SHARDKIT_BIN, folder_files, hub, hub_env, run_measured, run_shardkit  # noqa: F401
+from helpers_hub import SHARDKIT_BIN, folder_files, hub, hub_env, hub_files, run_measured, run_shardkit  # noqa: F401
 from test_convert_diffusers import ldm_checkpoint, pipeline_config, sd_models  # noqa: F401
 from test_remote import TENSOR_BYTES, one_error_line, split_folder, write_safetensors
 
@@ -34,7 +34,7 @@ def test_split_no_cache_streams_each_byte_once_and_equals_a_local_split(hub, tmp
     import shardkit
 
     folder = split_folder(tmp_path, "src", "600KB")
-    files = folder_files(folder)
+    files = hub_files(folder)
     hub.state.add_repo("alice/tiny", {**files, "pytorch_model.bin": b"\0" * 64, "tokenizer.json": b'{"v": 1}'})
     home = tmp_path / "home"
     proc = run_shardkit(hub_env(hub, home), "split", "hf://alice/tiny", tmp_path / "streamed",
@@ -64,7 +64,7 @@ def test_split_no_cache_of_a_pipeline_repo_equals_a_local_pipeline_split(hub, tm
     (pipe / "unet" / "config.json").write_text('{"_class_name": "UNet2DConditionModel"}')
     write_safetensors(pipe / "text_encoder" / "model.safetensors", count=3, seed=2)
     (pipe / "text_encoder" / "config.json").write_text('{"model_type": "clip_text_model"}')
-    files = folder_files(pipe)
+    files = hub_files(pipe)
     hub.state.add_repo("alice/pipe", files)
     home = tmp_path / "home"
     proc = run_shardkit(hub_env(hub, home), "split", "hf://alice/pipe", tmp_path / "streamed",
@@ -82,11 +82,11 @@ def test_convert_no_cache_fetches_only_the_kept_tensors(hub, tmp_path):
     from shardkit.hub.remote import FIRST_RANGE_BYTES
 
     source = write_safetensors(tmp_path / "src" / "model.safetensors", count=200, seed=3)  # 52 MB
-    hub.state.add_repo("alice/wide", folder_files(source.parent))
+    hub.state.add_repo("alice/wide", hub_files(source.parent))
     proc = run_shardkit(hub_env(hub, tmp_path / "home"), "convert", "hf://alice/wide", tmp_path / "streamed",
                         "--include", "layer.1??.weight", "--strip-prefix", "layer.", "--no-cache", "-q")
     assert proc.returncode == 0, proc.stderr
-    shardkit.convert(source, tmp_path / "local", include=["layer.1??.weight"], strip_prefix="layer.")
+    shardkit.convert(source.parent, tmp_path / "local", include=["layer.1??.weight"], strip_prefix="layer.")
     assert folder_files(tmp_path / "streamed") == folder_files(tmp_path / "local")
     # The header's first range, then the kept second half: the 25 MB in between were skipped.
     assert hub.state.bytes_sent(SAFETENSORS) == FIRST_RANGE_BYTES + 100 * TENSOR_BYTES
@@ -190,16 +190,16 @@ def test_reshard_a_repo_as_a_pull_request_without_the_cache(hub, tmp_path):
     from helpers_hub import download
 
     folder = split_folder(tmp_path, "src", "600KB")
-    hub.state.add_repo("alice/tiny", folder_files(folder))
+    hub.state.add_repo("alice/tiny", hub_files(folder))
     env = hub_env(hub, tmp_path / "home")
     proc = run_shardkit(env, "split", "hf://alice/tiny", tmp_path / "out", "--max-shard-size", "1100KB",
                         "--no-cache", "--push-to", "alice/tiny", "--create-pr", "-q")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().endswith("/discussions/1"), proc.stdout
     got = folder_files(download(env, "alice/tiny", tmp_path / "pr", revision="refs/pr/1"))
-    assert {k: v for k, v in got.items() if not k.startswith(".")} == folder_files(tmp_path / "out")
+    assert {k: v for k, v in got.items() if not k.startswith(".cache/")} == folder_files(tmp_path / "out")
     main = folder_files(download(env, "alice/tiny", tmp_path / "main"))
-    assert {k: v for k, v in main.items() if not k.startswith(".")} == folder_files(folder)  # main untouched
+    assert {k: v for k, v in main.items() if not k.startswith(".cache/")} == folder_files(folder)  # main untouched
 
 
 def lazy_sharded_repo(files_count: int, tensor_bytes: int) -> dict[str, object]:
@@ -248,7 +248,7 @@ def test_the_python_api_takes_hf_sources(hub, tmp_path):
     import shardkit
 
     folder = split_folder(tmp_path, "src", "600KB")
-    hub.state.add_repo("alice/tiny", folder_files(folder))
+    hub.state.add_repo("alice/tiny", hub_files(folder))
     code = """
 import sys, shardkit
 out = sys.argv[1]
@@ -325,7 +325,7 @@ def test_a_streamed_pipeline_leaves_out_loose_weights_instead_of_copying_holes(h
     write_safetensors(pipe / "unet" / "diffusion_pytorch_model.safetensors", count=3, seed=1)
     write_safetensors(pipe / "v1-5-pruned.safetensors", count=2, seed=2)
     write_safetensors(pipe / "vae_1_0" / "diffusion_pytorch_model.safetensors", count=2, seed=3)
-    hub.state.add_repo("alice/pipe", folder_files(pipe))
+    hub.state.add_repo("alice/pipe", hub_files(pipe))
     proc = run_shardkit(hub_env(hub, tmp_path / "home"), "split", "hf://alice/pipe", tmp_path / "out",
                         "--no-cache", "--json")
     assert proc.returncode == 0, proc.stderr
