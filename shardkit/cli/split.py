@@ -26,6 +26,10 @@ The limit counts tensor bytes; a tensor larger than it gets a shard of its own.
 Output naming follows the source (diffusers 'diffusion_pytorch_model' or transformers
 'model'); --name overrides. One shard gets no suffix and no index.
 Tied tensors of in-memory sources are written once; aliases go into the shard metadata.
+A folder's other files and subfolders (configs, tokenizer, README.md, .gitattributes,
+sentence-transformers' 1_Pooling/...) are copied to the same paths in OUTPUT (listed in the
+summary and --json); .git and .cache are not. A symlink leading out of the folder, a symlinked
+folder or a special file is refused.
 
 \b
 fp8 checkpoints with scales (transformers FineGrainedFP8 weight_scale_inv, compressed-tensors
@@ -36,7 +40,9 @@ quantization_config dropped). A missing or mis-shaped scale, a scale without its
 per-tensor scales that disagree exit 2 naming the tensors. --quantize fp8-block (128x128,
 transformers FineGrainedFP8), fp8-channel or fp8-tensor (compressed-tensors) writes fp8 weights
 with absmax scales and the quantization_config; norms, embeddings, biases, lm_head and
-modulation layers stay as they are; --json gives each tensor's quantization error.
+modulation layers stay unquantized, in bf16 when the source stores them in fp32 (--dtype fp32
+keeps them fp32); --json gives each tensor's quantization error. A plain --dtype fp8_e4m3
+cast writes fp8 without scales, which transformers and diffusers do not load (a warning says so).
 
 \b
 hf://ORG/REPO[@REVISION][/SUBFOLDER] sources are downloaded through the Hugging Face cache

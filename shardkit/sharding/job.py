@@ -27,8 +27,8 @@ from .plan import ShardPlan, plan_shards
 from .quant import config_edits, kept_cast, quant_report, quant_view
 from .writer import TensorWrite, tensor_write, write_safetensors
 
-__all__ = ["ShardJob", "SideFile", "SplitResult", "checkpoint_files", "copied_names", "copy_side_files", "open_settled", "plan_job",
-           "publish", "resolve_naming", "run_jobs", "side_files", "split_source"]
+__all__ = ["ShardJob", "SideFile", "SplitResult", "checkpoint_files", "copied_names", "copy_side_files", "open_settled",
+           "plan_job", "publish", "resolve_naming", "run_jobs", "side_files", "split_source"]
 
 SideFile = tuple[str, str]  # (path to copy from, file name inside the output)
 
