@@ -22,6 +22,7 @@ every command and Python block in a subprocess, since huggingface_hub reads its 
 from __future__ import annotations
 
 import doctest
+import json
 import os
 import re
 import shlex
@@ -143,7 +144,8 @@ def _tiny_unet(page: Page) -> None:
 
 
 def _tiny_bert(page: Page) -> None:
-    """``bert/``: a tiny transformers BertModel as a pickle (``pytorch_model.bin`` + ``config.json``)."""
+    """``bert/``: a tiny transformers BertModel as a pickle (``pytorch_model.bin`` + ``config.json``), and
+    ``bert-sharded/``: the same in two pickle shards with ``pytorch_model.bin.index.json``."""
     import torch
     from transformers import BertModel
 
@@ -155,6 +157,19 @@ def _tiny_bert(page: Page) -> None:
     folder.mkdir()
     model.config.to_json_file(folder / "config.json")
     torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    sharded = page.folder / "bert-sharded"  # the same weights as a sharded pickle, as transformers wrote them
+    sharded.mkdir()
+    names = list(model.state_dict())
+    parts = [names[: len(names) // 2], names[len(names) // 2:]]
+    weight_map = {}
+    for n, part in enumerate(parts, 1):
+        file = f"pytorch_model-{n:05d}-of-{len(parts):05d}.bin"
+        torch.save({k: model.state_dict()[k] for k in part}, sharded / file)
+        weight_map.update(dict.fromkeys(part, file))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in model.state_dict().values())},
+             "weight_map": weight_map}
+    (sharded / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    model.config.to_json_file(sharded / "config.json")
 
 
 def _sd_pipeline(page: Page) -> None:
@@ -168,7 +183,8 @@ def _sd_pipeline(page: Page) -> None:
 
 
 def _sd_ckpt(page: Page) -> None:
-    """``v1-5-pruned.ckpt``: the tiny pipeline in the original single-file layout, pickled as A1111 does."""
+    """``v1-5-pruned.safetensors``: the tiny pipeline in the original single-file layout (exported by
+    ``convert --to single-file``), and the same pickled as ``v1-5-pruned.ckpt`` under ``state_dict``."""
     import torch
     from safetensors.torch import load_file
 
@@ -177,7 +193,7 @@ def _sd_ckpt(page: Page) -> None:
     result = invoke_cli("convert", page.folder / "sd-pipeline", single, "--to", "single-file", "--component", "all")
     assert result.exit_code == 0, result.stderr
     torch.save({"state_dict": load_file(single), "global_step": 1}, page.folder / "v1-5-pruned.ckpt")
-    single.unlink()
+    single.rename(page.folder / "v1-5-pruned.safetensors")
 
 
 def _llama(page: Page) -> None:
@@ -237,8 +253,6 @@ def _require(page: Page, name: str) -> None:
 
 
 def _json(path: Path) -> dict[str, Any]:
-    import json
-
     return json.loads(path.read_text())
 
 
