@@ -239,9 +239,20 @@ def _hub(page: Page) -> None:
     page.env.update({k: v for k, v in hub_env(server, page.folder / ".hf-home").items() if k.startswith("HF_")})
 
 
+def _flux_config(page: Page) -> None:
+    """``flux/config.json``: the FLUX.1-dev transformer's config (12B parameters; planned on the meta device)."""
+    config = {"_class_name": "FluxTransformer2DModel", "patch_size": 1, "in_channels": 64, "num_layers": 19,
+              "num_single_layers": 38, "attention_head_dim": 128, "num_attention_heads": 24,
+              "joint_attention_dim": 4096, "pooled_projection_dim": 768, "guidance_embeds": True,
+              "axes_dims_rope": [16, 56, 56]}
+    (page.folder / "flux").mkdir()
+    (page.folder / "flux" / "config.json").write_text(json.dumps(config, indent=2))
+
+
 FIXTURES: dict[str, Callable[[Page], None]] = {
     "tiny-unet": _tiny_unet, "tiny-bert": _tiny_bert, "sd-pipeline": _sd_pipeline, "sd-ckpt": _sd_ckpt,
     "llama": _llama, "dcp": _dcp, "venv": _venv, "hub": _hub,
+    "flux-config": _flux_config,
 }
 
 
