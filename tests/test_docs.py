@@ -197,12 +197,22 @@ def _sd_ckpt(page: Page) -> None:
 
 
 def _llama(page: Page) -> None:
-    """``llama/`` (a tiny Llama in bf16, saved by transformers) and ``deepseek-style/`` (the same in
-    transformers FineGrainedFP8: fp8 weights, float32 128×128 scales, ``quantization_config``)."""
-    from helpers_quant import save_finegrained, save_llama
+    """``llama/`` (a tiny Llama in bf16, saved by transformers) and the same weights in fp8 with scales:
+    ``deepseek-style/`` (transformers FineGrainedFP8, float32 128×128 scales), ``deepseek-ue8m0/`` (e8m0
+    scales), ``llm-compressor-fp8/`` (compressed-tensors, per channel), ``llama-fp8-scaled.safetensors``
+    (ComfyUI scaled_fp8) and ``comfy-quant.safetensors`` (ComfyUI ``_quantization_metadata``)."""
+    from safetensors.torch import save_file
+
+    from helpers_quant import comfy_quantized, comfy_scaled, save_compressed, save_finegrained, save_llama
 
     state = save_llama(page.folder / "llama")
-    save_finegrained(page.folder / "deepseek-style", state, config=_json(page.folder / "llama" / "config.json"))
+    config = _json(page.folder / "llama" / "config.json")
+    save_finegrained(page.folder / "deepseek-style", state, config=config)
+    save_finegrained(page.folder / "deepseek-ue8m0", state, scale_dtype="F8_E8M0", config=config)
+    save_compressed(page.folder / "llm-compressor-fp8", state, strategy="channel", config=config)
+    save_file(comfy_scaled(state), page.folder / "llama-fp8-scaled.safetensors", metadata={"format": "pt"})
+    tensors, metadata = comfy_quantized(state)
+    save_file(tensors, page.folder / "comfy-quant.safetensors", metadata=metadata)
 
 
 def _dcp(page: Page) -> None:
