@@ -9,6 +9,7 @@ HTML comment on the line just before a block steers it (options separated by spa
     <!-- doc-test: exit=1 -->                the block's last command exits 1 (not 0)
     <!-- doc-test: skip reason=... -->        cannot run here: only syntax-checked (bash -n / compile)
     <!-- doc-test: slow -->                  runs alone, after its setups, only with --runslow
+    <!-- doc-test: file=NAME -->             not run: written to NAME for a later block (a torchrun script)
 
 ``console`` blocks hold ``$ command`` lines; the lines after a command are output that must appear,
 in that order, among the lines the command printed (stdout, then stderr); ``...`` inside a line
@@ -58,6 +59,7 @@ class Block:
     exit: int = 0
     skip: str | None = None
     slow: bool = False
+    file: str | None = None
 
     @property
     def where(self) -> str:
@@ -99,11 +101,12 @@ def read_blocks(path: Path) -> list[Block]:
         directive = _DIRECTIVE.match(lines[start - 1]) if start > 0 else None
         if directive:
             options = parse_directive(directive.group(1))
-            unknown = set(options) - {"setup", "exit", "skip", "reason", "slow"}
+            unknown = set(options) - {"setup", "exit", "skip", "reason", "slow", "file"}
             assert not unknown, f"{block.where}: unknown doc-test options {sorted(unknown)}"
             block.setup = [s for s in options.get("setup", "").split(",") if s]
             block.exit = int(options.get("exit", "0"))
             block.slow = "slow" in options
+            block.file = options.get("file") or None
             if "skip" in options:
                 assert options.get("reason"), f"{block.where}: a skip must say why (reason=...)"
                 block.skip = options["reason"]
@@ -423,6 +426,9 @@ def run_blocks(page: Page, blocks: list[Block]) -> None:
             page.env.pop("HF_HUB_OFFLINE", None)
         for name in block.setup:
             _require(page, name)
+        if block.file:  # a script a later block runs (e.g. under torchrun)
+            (page.folder / block.file).write_text(block.code)
+            continue
         RUNNERS[block.lang](page, block)
 
 
@@ -445,7 +451,8 @@ SLOW = [b for b in ALL_BLOCKS if b.slow and b.skip is None]
 @pytest.mark.slow
 @pytest.mark.parametrize("block", SLOW, ids=[b.where for b in SLOW])
 def test_a_slow_example_runs(block: Block, page_folder: Page) -> None:
-    run_blocks(page_folder, [block])
+    scripts = [b for b in ALL_BLOCKS if b.path == block.path and b.file and b.line < block.line]
+    run_blocks(page_folder, [*scripts, block])
 
 
 SKIPPED = [b for b in ALL_BLOCKS if b.skip is not None]
