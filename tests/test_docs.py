@@ -249,6 +249,7 @@ def _hub(page: Page) -> None:
     assert result.exit_code == 0, result.stderr
     server.state.add_repo("org/tiny-unet", folder_files(sharded))
     shutil.rmtree(sharded)
+    page.env.pop("HF_HUB_OFFLINE", None)
     page.env.update({k: v for k, v in hub_env(server, page.folder / ".hf-home").items() if k.startswith("HF_")})
 
 
@@ -262,10 +263,28 @@ def _flux_config(page: Page) -> None:
     (page.folder / "flux" / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def _hub_repos(page: Page) -> None:
+    """More repositories on the offline Hub: ``org/sd-pipeline`` (the tiny pipeline in 200 KB shards),
+    ``org/old-model`` (the tiny BERT as a pickle only) and ``org/sd15`` (``v1-5-pruned.safetensors``)."""
+    from helpers_hub import folder_files
+
+    for name in ("hub", "sd-pipeline", "tiny-bert", "sd-ckpt"):
+        _require(page, name)
+    state = page.hub.state
+    state.namespaces["alice"].add("org")  # pull requests to org's repositories
+    sharded = page.folder / ".scratch-pipeline"
+    result = invoke_cli("split", page.folder / "sd-pipeline", sharded, "--max-shard-size", "200KB")
+    assert result.exit_code == 0, result.stderr
+    state.add_repo("org/sd-pipeline", folder_files(sharded))
+    shutil.rmtree(sharded)
+    state.add_repo("org/old-model", folder_files(page.folder / "bert"))
+    state.add_repo("org/sd15", {"v1-5-pruned.safetensors": (page.folder / "v1-5-pruned.safetensors").read_bytes()})
+
+
 FIXTURES: dict[str, Callable[[Page], None]] = {
     "tiny-unet": _tiny_unet, "tiny-bert": _tiny_bert, "sd-pipeline": _sd_pipeline, "sd-ckpt": _sd_ckpt,
     "llama": _llama, "dcp": _dcp, "venv": _venv, "hub": _hub,
-    "flux-config": _flux_config,
+    "flux-config": _flux_config, "hub-repos": _hub_repos,
 }
 
 
@@ -320,6 +339,8 @@ def run_bash(page: Page, block: Block) -> None:
     assert commands, f"{block.where}: an empty shell block"
     if page.isolated or not all(_PLAIN_SHARDKIT.match(c.split(" #")[0].strip()) for c in commands):
         ran = run_command_script(page, block.code)
+        if os.environ.get("SHARDKIT_DOCS_SHOW"):
+            print(f"--- {block.where} (exit {ran.code})\n{ran.output}")
         assert ran.code == block.exit, f"{block.where}: exit {ran.code}, expected {block.exit}\n{ran.output}"
         return
     for n, command in enumerate(commands):
@@ -329,6 +350,8 @@ def run_bash(page: Page, block: Block) -> None:
 
 
 def run_command_script(page: Page, script: str) -> Ran:
+    if os.environ.get("SHARDKIT_DOCS_SHOW"):  # while writing docs: time each command
+        script = "PS4='+ $EPOCHREALTIME '; set -x\n" + script
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=page.folder, env=page.env,
                           capture_output=True, text=True, timeout=300)
     return Ran(proc.returncode, proc.stdout + proc.stderr)
@@ -422,8 +445,6 @@ def run_blocks(page: Page, blocks: list[Block]) -> None:
     for block in blocks:
         if block.lang not in RUNNERS:
             continue
-        if "hub" in block.setup and page.hub is None:
-            page.env.pop("HF_HUB_OFFLINE", None)
         for name in block.setup:
             _require(page, name)
         if block.file:  # a script a later block runs (e.g. under torchrun)
