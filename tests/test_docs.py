@@ -199,6 +199,22 @@ def _sd_ckpt(page: Page) -> None:
     single.rename(page.folder / "v1-5-pruned.safetensors")
 
 
+def _sdxl_sd3(page: Page) -> None:
+    """``my-sdxl/``: a tiny SDXL base pipeline saved by diffusers with the ``fp16`` variant (CLIP-L and
+    OpenCLIP-bigG text encoders); ``sd_xl_base_1.0.safetensors``: it in the original single-file layout;
+    ``sd3.5-large/transformer``: a tiny SD3.5 transformer (dual attention, RMS qk-norm)."""
+    from test_to_single_file import SD35, _build, _sdxl_pipeline
+
+    scratch = page.folder / ".scratch"
+    scratch.mkdir(exist_ok=True)
+    _sdxl_pipeline(scratch).save_pretrained(page.folder / "my-sdxl", variant="fp16")
+    shutil.rmtree(scratch)
+    result = invoke_cli("convert", page.folder / "my-sdxl", page.folder / "sd_xl_base_1.0.safetensors",
+                        "--to", "single-file", "--component", "all", "--variant", "fp16")
+    assert result.exit_code == 0, result.stderr
+    _build("SD3Transformer2DModel", SD35, page.folder / "sd3.5-large" / "transformer")
+
+
 def _llama(page: Page) -> None:
     """``llama/`` (a tiny Llama in bf16, saved by transformers) and the same weights in fp8 with scales:
     ``deepseek-style/`` (transformers FineGrainedFP8, float32 128×128 scales), ``deepseek-ue8m0/`` (e8m0
@@ -284,7 +300,7 @@ def _hub_repos(page: Page) -> None:
 FIXTURES: dict[str, Callable[[Page], None]] = {
     "tiny-unet": _tiny_unet, "tiny-bert": _tiny_bert, "sd-pipeline": _sd_pipeline, "sd-ckpt": _sd_ckpt,
     "llama": _llama, "dcp": _dcp, "venv": _venv, "hub": _hub,
-    "flux-config": _flux_config, "hub-repos": _hub_repos,
+    "flux-config": _flux_config, "hub-repos": _hub_repos, "sdxl-sd3": _sdxl_sd3,
 }
 
 
