@@ -22,7 +22,7 @@ from typing import BinaryIO
 
 from ..errors import HeaderError
 
-__all__ = ["GGML_TYPES", "GGUF_MAGIC", "GgmlType", "GgufFile", "GgufTensor", "Value", "build_gguf_header",
+__all__ = ["GGML_TYPES", "GGUF_MAGIC", "GGUF_QUANTIZE", "GgmlType", "GgufFile", "GgufTensor", "Value", "build_gguf_header",
            "ggml_type", "is_gguf_file", "read_gguf", "tensor_nbytes_ggml"]
 
 GGUF_MAGIC = b"GGUF"
@@ -33,6 +33,7 @@ MAX_TOTAL_ITEMS = 2**26           # every array element of the file together
 MAX_NAME_BYTES = 1024             # a tensor name (llama.cpp's own limit is 64)
 MAX_DIMS = 4                      # GGML_MAX_DIMS
 MAX_ALIGNMENT = 2**16
+GGUF_QUANTIZE = ("f16", "bf16", "q8_0", "q4_0")  # what ``convert --to gguf --quantize`` writes
 
 
 @dataclass(frozen=True)

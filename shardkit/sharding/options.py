@@ -72,9 +72,10 @@ class WriteOptions:
             raise InvalidSizeError(f"max shard size must be positive, got {self.max_shard_bytes}")
         code = resolve_cast(self.dtype, allow_lossy=self.allow_lossy)
         if self.quantize is not None:
+            from ..formats.gguf import GGUF_QUANTIZE
             from ..formats.quant import QUANTIZE_SCHEMES
 
-            if self.quantize not in QUANTIZE_SCHEMES:
+            if self.quantize not in QUANTIZE_SCHEMES and self.quantize not in GGUF_QUANTIZE:
                 raise InvalidInputError(f"--quantize {self.quantize}: expected one of {', '.join(QUANTIZE_SCHEMES)}")
             if code is not None and code not in LOSSLESS_TARGETS:
                 raise InvalidInputError(f"--quantize {self.quantize} with --dtype {self.dtype}: --dtype casts the "

@@ -85,6 +85,39 @@ class GgufSource(Source):
         """HF name → ggml type of every tensor that is dequantized on reading (not a plain type)."""
         return {name: t.kind.name for name, t in self.names.items() if t.kind.name not in PLAIN}
 
+    def stored_entries(self) -> list[TensorEntry]:
+        """The tensors as stored: HF names, ggml type names as dtypes (``"Q8_0"``), stored byte counts (for ``info``)."""
+        return [TensorEntry(name, t.kind.name, t.shape, t.nbytes, self.gguf.path, t.offset) for name, t in self.names.items()]
+
+    def describe(self) -> dict[str, Any]:
+        """What ``info`` shows: architecture, ggml types (tensors, stored bytes), which tensors are dequantized."""
+        kinds: dict[str, dict[str, int]] = {}
+        for t in self.gguf.tensors:
+            row = kinds.setdefault(t.kind.name, {"tensors": 0, "bytes": 0})
+            row["tensors"], row["bytes"] = row["tensors"] + 1, row["bytes"] + t.nbytes
+        ordered = dict(sorted(kinds.items(), key=lambda kv: -kv[1]["bytes"]))
+        arch = self.gguf.architecture or "unknown architecture"
+        types = ", ".join(f"{k} ×{v['tensors']}" for k, v in ordered.items())
+        names = "Hugging Face names, q/k rows unpermuted" if self.heads else "names as stored"
+        return {"description": f"GGUF v{self.gguf.version} {arch}: {types} ({names})", "scheme": "gguf",
+                "architecture": self.gguf.architecture, "ggml_types": ordered,
+                "quantized_tensors": len(self.quantized()), "alignment": self.gguf.alignment,
+                "metadata_keys": len(self.gguf.metadata)}
+
+    def require_dtype(self, cast_to: str | None) -> None:
+        """Refuse to write quantized ggml tensors where no loader reads them (safetensors), unless a dtype is given.
+
+        Raises:
+            InvalidInputError: quantized tensors and no ``cast_to``; the message says what ``--dtype`` to add.
+        """
+        quantized = self.quantized()
+        if quantized and cast_to is None:
+            kinds = sorted(set(quantized.values()))
+            raise InvalidInputError(f"{self.description}: {len(quantized)} tensor(s) are ggml-quantized "
+                                    f"({', '.join(kinds)}), which safetensors and its loaders cannot hold; add --dtype "
+                                    "bf16 (or fp16; fp32 keeps gguf's dequantized values exactly), or write GGUF with "
+                                    "--to gguf")
+
     def config(self) -> dict[str, Any] | None:
         """The transformers ``config.json`` rebuilt from a Llama file's metadata; None for other architectures."""
         from ..layouts.gguf_names import config_from_metadata
@@ -99,6 +132,11 @@ class GgufSource(Source):
         return None if config is None else (json.dumps(config, indent=2) + "\n").encode()
 
     # ------------------------------------------------------------------ bytes
+
+    def stored_bytes(self, tensor: GgufTensor, begin: int, end: int) -> bytes:
+        """Bytes ``begin:end`` of ``tensor``'s data as the file stores it (llama.cpp's row order, its ggml type)."""
+        return pread_exactly(self._fd(self.gguf.path), end - begin, tensor.offset + begin, file=self.gguf.path,
+                             name=tensor.name)
 
     def matrix(self, name: str) -> tuple[int, int]:
         """``name`` as rows the permutation and the bands move whole: (rows, values per row).
