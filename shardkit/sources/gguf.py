@@ -21,7 +21,7 @@ from ..formats.header import TensorEntry
 from ..units import tensor_nbytes
 from .base import Source, pread_exactly
 
-__all__ = ["GgufSource", "find_gguf", "open_gguf"]
+__all__ = ["GgufSource", "find_gguf", "load_gguf_tensors", "open_gguf"]
 
 PLAIN = {"F32": "F32", "F16": "F16", "BF16": "BF16", "F64": "F64", "I8": "I8", "I16": "I16", "I32": "I32",
          "I64": "I64"}
@@ -218,3 +218,33 @@ class GgufSource(Source):
             return
         yield from self._bands(entry)
 
+
+
+def load_gguf_tensors(path: str, *, dequantize_to: str) -> tuple[dict[str, Any], dict[str, int], dict[str, str]]:
+    """A GGUF file as torch tensors under HF names, for conversions written in torch (diffusers' key mapping).
+
+    Plain tensors stored as listed are views of a private memory map of the file (not copied into RAM);
+    quantized ones are dequantized, one at a time, to ``dequantize_to`` (a safetensors code).
+
+    Returns:
+        ``(tensors, offsets, quantized)``: name → tensor, name → file offset of the mapped ones, and
+        name → ggml type of the dequantized ones.
+    """
+    import torch
+
+    from ..formats.dtypes import to_torch
+
+    with GgufSource(path) as src:
+        mapped = torch.from_file(path, shared=False, size=src.gguf.file_bytes, dtype=torch.uint8)
+        tensors: dict[str, Any] = {}
+        offsets: dict[str, int] = {}
+        for entry in src.entries():
+            if entry.file is not None:
+                view = mapped[entry.offset:entry.offset + entry.nbytes]
+                tensors[entry.name] = view.view(to_torch(entry.dtype)).reshape(entry.shape)
+                offsets[entry.name] = entry.offset
+                continue
+            raw = bytearray(src.read(entry, 0, entry.nbytes))
+            values = torch.frombuffer(raw, dtype=to_torch(entry.dtype)) if raw else torch.empty(0)
+            tensors[entry.name] = values.reshape(entry.shape).to(to_torch(dequantize_to))
+        return tensors, offsets, src.quantized()
