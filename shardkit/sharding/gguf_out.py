@@ -30,7 +30,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidInputError
-from ..formats.gguf import FLOAT32, GGUF_QUANTIZE, STRING, UINT32, Value, build_gguf_header, ggml_type, padded, tensor_nbytes_ggml
+from ..formats.gguf import (
+    FLOAT32,
+    GGUF_QUANTIZE,
+    STRING,
+    UINT32,
+    Value,
+    build_gguf_header,
+    ggml_type,
+    padded,
+    tensor_nbytes_ggml,
+)
 from ..formats.header import TensorEntry
 from ..formats.index import Naming
 from ..sources import Source, open_source
