@@ -159,9 +159,11 @@ def _gguf_dtype(path: str, options: WriteOptions) -> str:
     if path.endswith(".gguf") and options.cast_to is None:
         from ..sources.gguf import GgufSource
 
-        with GgufSource(path) as src:
-            if src.quantized():
-                warn(f"{path}: {len(src.quantized())} ggml-quantized tensor(s) dequantized to bf16 (choose with --dtype)")
+        src = GgufSource(path)
+        quantized = len(src.quantized())
+        src.close()
+        if quantized:
+            warn(f"{path}: {quantized} ggml-quantized tensor(s) dequantized to bf16 (choose with --dtype)")
     return options.cast_to if options.cast_to in LOSSLESS_TARGETS else "BF16" if options.cast_to is None else "F32"
 
 

@@ -234,7 +234,8 @@ def load_gguf_tensors(path: str, *, dequantize_to: str) -> tuple[dict[str, Any],
 
     from ..formats.dtypes import to_torch
 
-    with GgufSource(path) as src:
+    src = GgufSource(path)
+    try:
         mapped = torch.from_file(path, shared=False, size=src.gguf.file_bytes, dtype=torch.uint8)
         tensors: dict[str, Any] = {}
         offsets: dict[str, int] = {}
@@ -248,3 +249,5 @@ def load_gguf_tensors(path: str, *, dequantize_to: str) -> tuple[dict[str, Any],
             values = torch.frombuffer(raw, dtype=to_torch(entry.dtype)) if raw else torch.empty(0)
             tensors[entry.name] = values.reshape(entry.shape).to(to_torch(dequantize_to))
         return tensors, offsets, src.quantized()
+    finally:
+        src.close()
