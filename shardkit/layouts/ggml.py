@@ -39,6 +39,22 @@ def _f16(raw: Any) -> Any:
     return raw.contiguous().view(torch.float16).to(torch.float32)
 
 
+def _f16_at(blocks: Any, at: int) -> Any:
+    """The f16 field at byte ``at`` (even) of every block, as float32 ``(n_blocks, 1)``: one int16 column, no byte copy."""
+    import torch
+
+    return blocks.view(torch.int16)[:, at // 2].contiguous().view(torch.float16).to(torch.float32).reshape(-1, 1)
+
+
+def _nibble_values(qs: Any, n_blocks: int, offset: int) -> Any:
+    """Low nibbles of each row of ``qs`` then the high ones, minus ``offset``, as float32 (a 256-entry table)."""
+    import torch
+
+    table = torch.tensor([[b & 15, b >> 4] for b in range(256)], dtype=torch.float32) - offset
+    pairs = torch.nn.functional.embedding(qs.to(torch.int64), table)  # (n, bytes, 2)
+    return pairs.transpose(1, 2).reshape(n_blocks, -1)
+
+
 def _nibbles(qs: Any, n_blocks: int, half: int) -> Any:
     """Low nibbles of each group of ``half`` bytes, then the high nibbles: ``(n_blocks, -1)`` uint8."""
     import torch
@@ -74,21 +90,17 @@ def _deq_bf16(blocks: Any) -> Any:
 def _deq_q8_0(blocks: Any) -> Any:
     import torch
 
-    return blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32) * _f16(blocks[:, :2])
+    return blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32) * _f16_at(blocks, 0)
 
 
 def _deq_q4_0(blocks: Any) -> Any:
-    import torch
-
-    qs = _nibbles(blocks[:, 2:], blocks.shape[0], 16).to(torch.int8) - 8
-    return _f16(blocks[:, :2]) * qs.to(torch.float32)
+    return _f16_at(blocks, 0) * _nibble_values(blocks[:, 2:], blocks.shape[0], 8)
 
 
 def _deq_q4_1(blocks: Any) -> Any:
     import torch
 
-    qs = _nibbles(blocks[:, 4:], blocks.shape[0], 16).to(torch.float32)
-    return (_f16(blocks[:, :2]) * qs) + _f16(blocks[:, 2:4])
+    return (_f16_at(blocks, 0) * _nibble_values(blocks[:, 4:], blocks.shape[0], 0)) + _f16_at(blocks, 2)
 
 
 def _deq_q5_0(blocks: Any) -> Any:
@@ -98,7 +110,7 @@ def _deq_q5_0(blocks: Any) -> Any:
     qh = _bits(blocks[:, 2:6], n, 32)
     ql = _nibbles(blocks[:, 6:], n, 16)
     qs = (ql | (qh << 4)).to(torch.int8) - 16
-    return _f16(blocks[:, :2]) * qs.to(torch.float32)
+    return _f16_at(blocks, 0) * qs.to(torch.float32)
 
 
 def _scale_min_k4(scales: Any) -> tuple[Any, Any]:
@@ -118,9 +130,9 @@ def _deq_q4_k(blocks: Any) -> Any:
 
     n = blocks.shape[0]
     sc, mn = _scale_min_k4(blocks[:, 4:16])
-    d = (_f16(blocks[:, :2]) * sc.to(torch.float32)).reshape(n, -1, 1)
-    dm = (_f16(blocks[:, 2:4]) * mn.to(torch.float32)).reshape(n, -1, 1)
-    qs = _nibbles(blocks[:, 16:], n, 32).reshape(n, -1, 32).to(torch.float32)
+    d = (_f16_at(blocks, 0) * sc.to(torch.float32)).reshape(n, -1, 1)
+    dm = (_f16_at(blocks, 2) * mn.to(torch.float32)).reshape(n, -1, 1)
+    qs = _nibble_values(blocks[:, 16:].reshape(n * 4, 32), n * 4, 0).reshape(n, -1, 32)
     return (d * qs - dm).reshape(n, QK_K)
 
 
@@ -129,8 +141,8 @@ def _deq_q5_k(blocks: Any) -> Any:
 
     n = blocks.shape[0]
     sc, mn = _scale_min_k4(blocks[:, 4:16])
-    d = (_f16(blocks[:, :2]) * sc.to(torch.float32)).reshape(n, -1, 1)
-    dm = (_f16(blocks[:, 2:4]) * mn.to(torch.float32)).reshape(n, -1, 1)
+    d = (_f16_at(blocks, 0) * sc.to(torch.float32)).reshape(n, -1, 1)
+    dm = (_f16_at(blocks, 2) * mn.to(torch.float32)).reshape(n, -1, 1)
     qh = blocks[:, 16:48].reshape(n, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)
     ql = _nibbles(blocks[:, 48:], n, 32).reshape(n, -1, 32)
     q = (ql | ((qh & 1).reshape(n, -1, 32) << 4)).to(torch.float32)
@@ -143,7 +155,7 @@ def _deq_q6_k(blocks: Any) -> Any:
     n = blocks.shape[0]
     ql, qh = blocks[:, :128], blocks[:, 128:192]
     scales = blocks[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
-    d = (_f16(blocks[:, 208:210]) * scales).reshape(n, QK_K // 16, 1)
+    d = (_f16_at(blocks, 208) * scales).reshape(n, QK_K // 16, 1)
     ql = _nibbles(ql, n, 64).reshape(n, -1, 32)
     qh = (qh.reshape(n, -1, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)) & 0x03
     q = (ql | (qh.reshape(n, -1, 32) << 4)).to(torch.int8) - 32
