@@ -98,7 +98,6 @@ def _deq_q4_0(blocks: Any) -> Any:
 
 
 def _deq_q4_1(blocks: Any) -> Any:
-    import torch
 
     return (_f16_at(blocks, 0) * _nibble_values(blocks[:, 4:], blocks.shape[0], 0)) + _f16_at(blocks, 2)
 

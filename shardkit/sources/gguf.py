@@ -25,7 +25,7 @@ __all__ = ["GgufSource", "find_gguf", "load_gguf_tensors", "open_gguf"]
 
 PLAIN = {"F32": "F32", "F16": "F16", "BF16": "BF16", "F64": "F64", "I8": "I8", "I16": "I16", "I32": "I32",
          "I64": "I64"}
-BAND_BYTES = 16 * 2**20  # output bytes computed at a time
+BAND_BYTES = 4 * 2**20  # output bytes computed at a time (float32)
 
 
 def open_gguf(path: str, **_: Any) -> GgufSource:
