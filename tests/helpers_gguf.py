@@ -59,7 +59,7 @@ def llama_gguf_name(hf: str) -> str:
 
 
 def write_llama_gguf(path: Path, state: dict[str, torch.Tensor], config: Any, qtype: str = "Q8_0",
-                     *, tokens: list[str] | None = None) -> Path:
+                     *, tokens: list[str] | None = None, extra: dict[str, np.ndarray] | None = None) -> Path:
     """``state`` (HF names) as llama.cpp's converter writes it, 2-D tensors in ``qtype``."""
     import gguf
     from gguf import GGMLQuantizationType as T
@@ -89,6 +89,8 @@ def write_llama_gguf(path: Path, state: dict[str, torch.Tensor], config: Any, qt
         elif ".k_proj." in name:
             value = llama_cpp_permute(value, config.num_key_value_heads)
         add_tensor(writer, llama_gguf_name(name), value.numpy(), qtype if value.dim() == 2 else "F32")
+    for name, array in (extra or {}).items():
+        add_tensor(writer, name, array, "F32")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -232,3 +232,21 @@ def test_python_api_reads_a_gguf(llama_gguf) -> None:
         assert set(entries) == set(state)
         assert entries["model.norm.weight"].dtype == "F32" and entries["model.norm.weight"].file == str(path)
         assert entries["lm_head.weight"].dtype == "F32" and entries["lm_head.weight"].file is None
+
+
+def test_llama_cpp_only_tensors_keep_their_name(tmp_path: Path, run_cli) -> None:
+    """rope_freqs.weight (Llama 3.1 GGUFs) has no Hugging Face name: kept as is, dropped with --exclude."""
+    import transformers
+
+    config = tiny_llama_config()
+    state = transformers.LlamaForCausalLM(config).state_dict()
+    freqs = np.linspace(1, 2, 8, dtype=np.float32)
+    path = write_llama_gguf(tmp_path / "l.gguf", state, config, "F16", extra={"rope_freqs.weight": freqs})
+    assert run_cli("convert", path, tmp_path / "kept").exit_code == 0
+    kept = load_file(tmp_path / "kept" / "model.safetensors")
+    assert np.array_equal(kept["rope_freqs.weight"].numpy(), freqs) and len(kept) == len(state) + 1
+    assert run_cli("convert", path, tmp_path / "dropped", "--exclude", "rope_freqs.*").exit_code == 0
+    assert set(load_file(tmp_path / "dropped" / "model.safetensors")) == set(state)
+    assert run_cli("convert", tmp_path / "kept", tmp_path / "back.gguf", "--to", "gguf").exit_code == 0
+    back = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "back.gguf")).tensors}
+    assert np.array_equal(np.asarray(back["rope_freqs.weight"].data), freqs)

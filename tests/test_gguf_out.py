@@ -148,6 +148,8 @@ def test_refusals_leave_nothing(llama_folder: Path, tmp_path: Path, run_cli) -> 
     assert_one_line_error(run_cli("convert", llama_folder, tmp_path / "x.safetensors", "--quantize", "q8_0"),
                           contains="add --to gguf")
     assert_one_line_error(run_cli("convert", llama_folder, tmp_path / "out", "--to", "gguf"), contains="ending in .gguf")
+    assert_one_line_error(run_cli("convert", llama_folder, tmp_path / "o.gguf", "--to", "gguf", "--dtype", "bf16"),
+                          contains="--quantize f16/bf16")
     assert_one_line_error(run_cli("convert", llama_folder, tmp_path / "o.gguf", "--to", "gguf", "--quantize",
                                   "fp8-block"), contains="expected one of f16")
     odd = tmp_path / "odd"

@@ -159,7 +159,11 @@ def _checkpoint_info(path: str) -> CheckpointInfo:
                             index_name, metadata=dict(metadata))
     if index_name:
         result.index_metadata = dict(load_index(target).metadata)
-    if headers is not None:
+    if gguf is not None:
+        entries_on_disk = gguf[1]
+        result.shards = [ShardInfo(os.path.basename(target), len(entries_on_disk),
+                                   sum(e.nbytes for e in entries_on_disk), _disk_bytes(target), _shared_bytes(target))]
+    elif headers is not None:
         result.shards = [ShardInfo(os.path.basename(h.path), len(h.entries), sum(e.nbytes for e in h.entries),
                                    h.file_bytes, _shared_bytes(h.path)) for h in sorted(headers, key=lambda h: h.path)]
     else:

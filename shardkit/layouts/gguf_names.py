@@ -91,26 +91,21 @@ def name_map(architecture: str, names: list[str], metadata: Mapping[str, Any], *
     """The :class:`NameMap` of a GGUF file's tensors.
 
     Raises:
-        InvalidInputError: a Llama file whose head counts are missing, or with tensors llama.cpp's
-            Llama has no Hugging Face name for.
+        InvalidInputError: a Llama file whose head counts are missing. Tensors without a Hugging Face
+            name (``rope_freqs.weight``) keep their own.
     """
     if architecture != "llama":
         return NameMap(architecture, {}, {})
     heads = _int(metadata, "llama.attention.head_count", where)
     kv_heads = _int(metadata, "llama.attention.head_count_kv", where, heads)
-    to_hf, permuted, unknown = {}, {}, []
+    to_hf, permuted = {}, {}
     for name in names:
         hf = _hf_name(name)
-        if hf is None:
-            unknown.append(name)
+        if hf is None:  # e.g. rope_freqs.weight (Llama 3.1): kept under its own name, --exclude drops it
             continue
         to_hf[name] = hf
         if hf.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
             permuted[hf] = heads if ".q_proj." in hf else kv_heads
-    if unknown:
-        raise InvalidInputError(f"{where}: {len(unknown)} tensor(s) of this Llama GGUF have no Hugging Face name, e.g. "
-                                f"{', '.join(unknown[:3])}; shardkit maps llama.cpp's Llama tensors (blk.N.attn_*, "
-                                "ffn_*, token_embd, output, output_norm); drop them with --exclude")
     return NameMap(architecture, to_hf, permuted)
 
 
@@ -142,7 +137,7 @@ def config_from_metadata(metadata: Mapping[str, Any], *, has_output: bool, where
     for key, field in LLAMA_KEYS.items():
         value = metadata.get(f"llama.{key}")
         if value is not None:
-            config[field] = float(value) if key in _FLOAT_KEYS else int(value)
+            config[field] = _f32_decimal(float(value)) if key in _FLOAT_KEYS else int(value)
     for key in ("embedding_length", "block_count", "feed_forward_length", "attention.head_count"):
         _int(metadata, f"llama.{key}", where)
     config.setdefault("num_key_value_heads", config["num_attention_heads"])
@@ -192,3 +187,19 @@ def _rope_theta(config: Mapping[str, Any]) -> float:
         return float(params["rope_theta"])
     value = config.get("rope_theta", 10000.0)
     return float(value) if isinstance(value, (int, float)) else 10000.0
+
+
+def _f32_decimal(value: float) -> float:
+    """The shortest decimal that is the same float32 (GGUF stores ``1e-5`` as 9.99999974737875e-06).
+
+    >>> _f32_decimal(9.99999974737875e-06)
+    1e-05
+    """
+    import struct
+
+    stored = struct.pack("<f", value)
+    for digits in range(1, 10):
+        short = float(f"{value:.{digits}g}")
+        if struct.pack("<f", short) == stored:
+            return short
+    return value

@@ -55,6 +55,7 @@ FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "BF16": 32}  # llama.cpp'
 BAND_BYTES = 16 * 2**20
 FLOAT_SOURCES = frozenset({"F32", "F16", "BF16", "F64"})
 BFL_PREFIX = "model.diffusion_model."
+LLAMA_CPP_ONLY = frozenset({"rope_freqs.weight"})  # llama.cpp tensors with no HF name, kept by a GGUF source
 Row = tuple[str, int, Value, int | None]
 
 
@@ -86,6 +87,9 @@ def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize
     """
     if not output.endswith(".gguf") or os.path.isdir(output):
         raise InvalidInputError(f"{output}: --to gguf writes one file; give an OUTPUT ending in .gguf")
+    if options.dtype is not None:
+        raise InvalidInputError(f"--dtype {options.dtype} does not apply with --to gguf: --quantize f16/bf16/q8_0/q4_0 "
+                                "sets the ggml type (without it, types are kept)")
     if quantize is not None and quantize not in GGUF_QUANTIZE:
         raise InvalidInputError(f"--quantize {quantize} with --to gguf: expected one of {', '.join(GGUF_QUANTIZE)}")
     if not isinstance(source, (str, os.PathLike)):
@@ -190,7 +194,7 @@ def _plan(src: Source, model: GgufModel, *, quantize: str | None) -> list[_Tenso
     gguf = src if isinstance(src, GgufSource) else None
     out, missing = [], []
     for entry in src.entries():
-        name = model.gguf_name(entry.name)
+        name = model.gguf_name(entry.name) or (entry.name if entry.name in LLAMA_CPP_ONLY else None)
         if name is None:
             if not entry.name.endswith("rotary_emb.inv_freq"):  # recomputed by every loader; llama.cpp drops it
                 missing.append(entry.name)

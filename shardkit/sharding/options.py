@@ -40,7 +40,8 @@ class WriteOptions:
             saves reading back the tensors of a source that has none.
         progress: called as ``progress(done_bytes, total_bytes)`` while bytes are written.
         quantize: ``"fp8-block"`` (transformers FineGrainedFP8), ``"fp8-channel"`` or ``"fp8-tensor"``
-            (compressed-tensors): weights to e4m3fn with scales (see :mod:`shardkit.sharding.quant`).
+            (compressed-tensors): weights to e4m3fn with scales (see :mod:`shardkit.sharding.quant`);
+            ``"f16"``, ``"bf16"``, ``"q8_0"``, ``"q4_0"``: ggml types, for ``convert(..., to="gguf")``.
 
     Invalid values (a non-positive size, a lossy cast without ``allow_lossy``) are refused when
     the object is made, before any source is opened.
