@@ -126,9 +126,11 @@ def _open_model(path: str, *, component: str | None, variant: str | None) -> Ite
     from ..formats.layout import is_pipeline_folder, read_config
 
     if path.endswith(".gguf"):
-        with open_source(path) as src:
-            assert isinstance(src, GgufSource)
-            yield src, _gguf_model(src)
+        gguf_src = GgufSource(path)
+        try:
+            yield gguf_src, _gguf_model(gguf_src)
+        finally:
+            gguf_src.close()
         return
     config = read_config(path) if os.path.isdir(path) else None
     if is_pipeline_folder(path) or (config or {}).get("_class_name") == "FluxTransformer2DModel":
