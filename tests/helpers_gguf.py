@@ -62,7 +62,6 @@ def write_llama_gguf(path: Path, state: dict[str, torch.Tensor], config: Any, qt
                      *, tokens: list[str] | None = None, extra: dict[str, np.ndarray] | None = None) -> Path:
     """``state`` (HF names) as llama.cpp's converter writes it, 2-D tensors in ``qtype``."""
     import gguf
-    from gguf import GGMLQuantizationType as T
 
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_context_length(config.max_position_embeddings)
@@ -151,8 +150,8 @@ def random_blocks(qtype: str, n_blocks: int, *, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     _, size = gguf.GGML_QUANT_SIZES[T[qtype]]
     raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-    scale_fields = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
-                    "Q6_K": [208]}
+    scale_fields = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2],
+                    "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108]}
     for at in scale_fields.get(qtype, []):
         raw[:, at:at + 2] = np.frombuffer((rng.standard_normal(n_blocks) * 0.01).astype(np.float16).tobytes(),
                                           np.uint8).reshape(n_blocks, 2)

@@ -31,7 +31,8 @@ gguf = pytest.importorskip("gguf")
 # ----------------------------------------------------------------------------- kernels, judged by gguf.quants
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K", "BF16"])
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                                   "BF16"])
 def test_dequantize_is_bit_equal_to_gguf(qtype: str) -> None:
     raw = random_blocks(qtype, 96, seed=hash(qtype) % 1000)
     ref = gguf.quants.dequantize(raw.reshape(4, -1), gguf.GGMLQuantizationType[qtype]).reshape(-1)
@@ -250,3 +251,11 @@ def test_llama_cpp_only_tensors_keep_their_name(tmp_path: Path, run_cli) -> None
     assert run_cli("convert", tmp_path / "kept", tmp_path / "back.gguf", "--to", "gguf").exit_code == 0
     back = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "back.gguf")).tensors}
     assert np.array_equal(np.asarray(back["rope_freqs.weight"].data), freqs)
+
+
+def test_a_type_shardkit_cannot_dequantize_is_named(tmp_path: Path, run_cli) -> None:
+    path = write_raw_gguf(tmp_path / "iq.gguf", "flux", {"a.weight": (random_blocks("IQ4_NL", 4), (2, 64), "IQ4_NL")})
+    assert "IQ4_NL" in run_cli("info", path).stdout
+    assert run_cli("verify", path).exit_code == 0
+    line = assert_one_line_error(run_cli("convert", path, tmp_path / "out", "--dtype", "bf16"), contains="IQ4_NL")
+    assert "llama-quantize" in line and not (tmp_path / "out").exists()

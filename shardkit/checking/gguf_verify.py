@@ -75,9 +75,11 @@ def _non_finite(src: Any, entry: TensorEntry) -> int:
     import torch
 
     from ..formats.dtypes import to_torch
+    from ..layouts.ggml import DEQUANTIZABLE
 
-    if entry.dtype not in ("F32", "F16", "BF16", "F64"):
-        return 0
+    if entry.dtype not in ("F32", "F16", "BF16", "F64") or src.names[entry.name].kind.name not in (
+            DEQUANTIZABLE | {"F64"}):
+        return 0  # integers, and ggml types shardkit cannot dequantize (IQ*, TQ*): the container is checked
     bad = 0
     for data in src.chunks(entry, READ_BYTES):
         raw = bytearray(data)

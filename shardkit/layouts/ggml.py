@@ -12,6 +12,9 @@ Q8_0       yes         yes       32 values: f16 scale, 32 int8
 Q4_0       yes         yes       32 values: f16 scale, 16 bytes of nibbles (−8 offset)
 Q4_1       yes         no        32 values: f16 scale and min, 16 bytes of nibbles
 Q5_0       yes         no        32 values: f16 scale, 32 high bits, 16 bytes of nibbles
+Q5_1       yes         no        32 values: f16 scale and min, 32 high bits, 16 bytes of nibbles
+Q2_K       yes         no        256 values: 4-bit scales/mins, 2-bit values, f16 d and dmin
+Q3_K       yes         no        256 values: high-bit mask, 2-bit values, 6-bit scales, f16 d
 Q4_K       yes         no        256 values: f16 d, dmin, 12 bytes of 6-bit scales/mins, nibbles
 Q5_K       yes         no        as Q4_K plus 32 bytes of high bits
 Q6_K       yes         no        256 values: low nibbles, 2 high bits, int8 scales, f16 d
@@ -112,6 +115,42 @@ def _deq_q5_0(blocks: Any) -> Any:
     return _f16_at(blocks, 0) * qs.to(torch.float32)
 
 
+def _deq_q5_1(blocks: Any) -> Any:
+    import torch
+
+    n = blocks.shape[0]
+    qs = (_nibbles(blocks[:, 8:], n, 16) | (_bits(blocks[:, 4:8], n, 32) << 4)).to(torch.float32)
+    return (_f16_at(blocks, 0) * qs) + _f16_at(blocks, 2)
+
+
+def _deq_q2_k(blocks: Any) -> Any:
+    import torch
+
+    n = blocks.shape[0]
+    scales = blocks[:, :16]
+    dl = (_f16_at(blocks, 80) * (scales & 0xF).to(torch.float32)).reshape(n, QK_K // 16, 1)
+    ml = (_f16_at(blocks, 82) * (scales >> 4).to(torch.float32)).reshape(n, QK_K // 16, 1)
+    shift = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    qs = ((blocks[:, 16:80].reshape(n, -1, 1, 32) >> shift) & 3).reshape(n, QK_K // 16, 16).to(torch.float32)
+    return (dl * qs - ml).reshape(n, -1)
+
+
+def _deq_q3_k(blocks: Any) -> Any:
+    import torch
+
+    n = blocks.shape[0]
+    hmask, qs, scales = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
+    low = (scales[:, :8].reshape(n, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 2, 1)).reshape(n, 16)
+    high = (scales[:, 8:].reshape(n, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 4, 1))
+    sc = (low & 0x0F) | ((high.reshape(n, 16) & 0x03) << 4)
+    dl = (_f16_at(blocks, 108) * (sc.to(torch.int8) - 32).to(torch.float32)).reshape(n, 16, 1)
+    ql = (qs.reshape(n, -1, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1))
+    qh = (hmask.reshape(n, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1))
+    ql, qh = ql.reshape(n, 16, QK_K // 16) & 3, (qh.reshape(n, 16, QK_K // 16) & 1) ^ 1
+    q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).to(torch.float32)
+    return (dl * q).reshape(n, QK_K)
+
+
 def _scale_min_k4(scales: Any) -> tuple[Any, Any]:
     """Q4_K/Q5_K's eight 6-bit scales and mins from 12 bytes (as ``gguf.quants.Q4_K.get_scale_min``)."""
     import torch
@@ -163,7 +202,8 @@ def _deq_q6_k(blocks: Any) -> Any:
 
 _DEQUANTIZE: dict[str, Callable[[Any], Any]] = {
     "F32": _deq_f32, "F16": _deq_f16, "BF16": _deq_bf16, "Q8_0": _deq_q8_0, "Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1,
-    "Q5_0": _deq_q5_0, "Q4_K": _deq_q4_k, "Q5_K": _deq_q5_k, "Q6_K": _deq_q6_k,
+    "Q5_0": _deq_q5_0, "Q5_1": _deq_q5_1, "Q2_K": _deq_q2_k, "Q3_K": _deq_q3_k, "Q4_K": _deq_q4_k, "Q5_K": _deq_q5_k,
+    "Q6_K": _deq_q6_k,
 }
 DEQUANTIZABLE = frozenset(_DEQUANTIZE)
 

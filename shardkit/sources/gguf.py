@@ -108,9 +108,17 @@ class GgufSource(Source):
         """Refuse to write quantized ggml tensors where no loader reads them (safetensors), unless a dtype is given.
 
         Raises:
-            InvalidInputError: quantized tensors and no ``cast_to``; the message says what ``--dtype`` to add.
+            InvalidInputError: quantized tensors and no ``cast_to`` (the message says what ``--dtype`` to add), or
+                a ggml type that :mod:`shardkit.layouts.ggml` does not dequantize.
         """
+        from ..layouts.ggml import DEQUANTIZABLE
+
         quantized = self.quantized()
+        unknown = sorted({kind for kind in quantized.values() if kind not in DEQUANTIZABLE})
+        if unknown:
+            raise InvalidInputError(f"{self.description}: ggml type(s) {', '.join(unknown)} are not dequantized by "
+                                    f"shardkit (it reads {', '.join(sorted(DEQUANTIZABLE))}); requantize the file with "
+                                    "llama.cpp's llama-quantize, e.g. to Q8_0, first")
         if quantized and cast_to is None:
             kinds = sorted(set(quantized.values()))
             raise InvalidInputError(f"{self.description}: {len(quantized)} tensor(s) are ggml-quantized "
