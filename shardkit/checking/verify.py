@@ -49,7 +49,8 @@ class FileReport:
     name: str
     bytes: int
     sha256: str
-    checked: str = "structure"  # "manifest": every byte matches it; "hub-cache": its blob name; else structure only
+    checked: str = "structure"  # "manifest": every byte matches it; "hub-cache": its blob name; "gguf-values": a GGUF
+    # whose every value was dequantized and found finite; else structure only
 
 
 @dataclass
@@ -184,7 +185,7 @@ def _verify_gguf(path: str, report: VerifyReport, *, against: Any, progress: Pro
     report.findings += [Finding(name, tensor, message) for tensor, message in check.findings]
     report.tensors_checked = check.tensors_checked
     if check.sha256:
-        report.files.append(FileReport(name, check.file_bytes, check.sha256))
+        report.files.append(FileReport(name, check.file_bytes, check.sha256, checked="gguf-values"))
         report.bytes_read = check.file_bytes
     return report
 
