@@ -230,12 +230,14 @@ def dequantize(raw: bytes | bytearray | memoryview, kind: GgmlType) -> Any:
 
 
 def _roundf(x: Any) -> Any:
-    """Round half away from zero, as ``gguf.quants.np_roundf``."""
+    """Round half away from zero, as ``gguf.quants.np_roundf`` (``floor(2 * frac)`` is 1 exactly when
+    ``frac >= 0.5``: ``a - floor(a)`` is exact in float32), for finite values."""
     import torch
 
     a = x.abs()
     floored = torch.floor(a)
-    return torch.sign(x) * (floored + torch.floor(2 * (a - floored)))
+    rounded = floored + (a - floored >= 0.5)
+    return torch.where(x < 0, -rounded, rounded)
 
 
 def _inverse(d: Any) -> Any:
