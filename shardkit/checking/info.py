@@ -144,10 +144,13 @@ def _checkpoint_info(path: str) -> CheckpointInfo:
     from ..sources import open_source
 
     target, index_name = _resolve(path)
+    from ..sources.gguf import GgufSource
+
     with open_source(target) as source:
         entries = source.entries()
         metadata = source.metadata()
         headers = getattr(source, "headers", None)
+        gguf = (source.describe(), source.stored_entries()) if isinstance(source, GgufSource) else None
     fmt = _format_name(target, headers, index_name)
     filename = index_name or os.path.basename(target)
     naming = naming_from_filename(filename)
@@ -156,7 +159,11 @@ def _checkpoint_info(path: str) -> CheckpointInfo:
                             index_name, metadata=dict(metadata))
     if index_name:
         result.index_metadata = dict(load_index(target).metadata)
-    if headers is not None:
+    if gguf is not None:
+        entries_on_disk = gguf[1]
+        result.shards = [ShardInfo(os.path.basename(target), len(entries_on_disk),
+                                   sum(e.nbytes for e in entries_on_disk), _disk_bytes(target), _shared_bytes(target))]
+    elif headers is not None:
         result.shards = [ShardInfo(os.path.basename(h.path), len(h.entries), sum(e.nbytes for e in h.entries),
                                    h.file_bytes, _shared_bytes(h.path)) for h in sorted(headers, key=lambda h: h.path)]
     else:
@@ -164,6 +171,12 @@ def _checkpoint_info(path: str) -> CheckpointInfo:
                                    _disk_bytes(target), _shared_bytes(target))]
     result.shared_bytes = _sum_known([s.shared_bytes for s in result.shards])
     result.quantization, scales = _quantization(target, entries, metadata)
+    if gguf is not None:  # stored sizes by ggml type; memory as dequantized
+        result.quantization, stored = gguf
+        _summarize(result, [("", e) for e in stored])
+        result.memory_bytes = {k: sum((math.prod(e.shape) * bits + 7) // 8 if e.dtype in FLOAT_DTYPES else e.nbytes
+                                      for e in entries) for k, bits in MEMORY_TARGETS.items()}
+        return result
     _summarize(result, [("", e) for e in entries], scales=scales)
     return result
 
@@ -184,6 +197,8 @@ def _quantization(target: str, entries: list[TensorEntry], metadata: dict[str, s
 
 
 def _format_name(target: str, headers: object, index_name: str | None) -> str:
+    if target.endswith(".gguf"):
+        return "gguf"
     if headers is not None:
         return "safetensors-sharded" if index_name else "safetensors"
     if os.path.isdir(target):

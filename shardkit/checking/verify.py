@@ -49,7 +49,8 @@ class FileReport:
     name: str
     bytes: int
     sha256: str
-    checked: str = "structure"  # "manifest": every byte matches it; "hub-cache": its blob name; else structure only
+    checked: str = "structure"  # "manifest": every byte matches it; "hub-cache": its blob name; "gguf-values": a GGUF
+    # whose every value was dequantized and found finite; else structure only
 
 
 @dataclass
@@ -146,6 +147,8 @@ def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = N
     report = VerifyReport(path, against=against_path if against is not None else None)
     if against is not None and report.against is None:
         report.against = "<in-memory source>"
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return _verify_gguf(path, report, against=against, progress=progress, read_data=read_data)
     opened: list[Any] = []
     try:
         pipeline = is_pipeline_folder(path)
@@ -166,6 +169,24 @@ def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = N
     finally:
         for source in opened:
             source.close()
+    return report
+
+
+def _verify_gguf(path: str, report: VerifyReport, *, against: Any, progress: ProgressCallback | None,
+                 read_data: bool) -> VerifyReport:
+    """A GGUF file: container, model metadata and every value (see :mod:`shardkit.checking.gguf_verify`)."""
+    from .gguf_verify import verify_gguf
+
+    if against is not None:
+        raise InvalidInputError(f"{path}: --against compares safetensors checkpoints; convert the GGUF first "
+                                "(shardkit convert model.gguf out/ --dtype fp32) and verify that against it")
+    name = os.path.basename(path)
+    check = verify_gguf(path, progress=progress, read_data=read_data)
+    report.findings += [Finding(name, tensor, message) for tensor, message in check.findings]
+    report.tensors_checked = check.tensors_checked
+    if check.sha256:
+        report.files.append(FileReport(name, check.file_bytes, check.sha256, checked="gguf-values"))
+        report.bytes_read = check.file_bytes
     return report
 
 

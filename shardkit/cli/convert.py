@@ -25,6 +25,9 @@ Examples:
   shardkit convert hf://org/sd/v1-5.safetensors unet/ --to diffusers --config sd15-pipeline/
   shardkit convert sdxl-pipeline/ sdxl.safetensors --to single-file --component all   # for ComfyUI/A1111
   shardkit convert flux-dev/transformer flux1-dev.safetensors --to single-file --dtype bf16
+  shardkit convert llama-q4_k_m.gguf llama-hf/ --dtype bf16          # GGUF → transformers folder
+  shardkit convert llama-hf/ llama-q8_0.gguf --to gguf --quantize q8_0   # → llama.cpp / transformers GGUF
+  shardkit convert flux-dev/transformer flux1-dev-Q8_0.gguf --to gguf --quantize q8_0   # ComfyUI-GGUF
 
 \b
 SOURCE kinds: .safetensors file, index or folder; .bin/.pt/.pth/.ckpt pickle (loaded with
@@ -70,6 +73,15 @@ backwards (Flux q/k/v and linear1 fused back). --variant picks the source's weig
 is a .safetensors file (or a folder for shards with an index). Other model types are refused.
 
 \b
+GGUF (llama.cpp, ComfyUI-GGUF) as SOURCE: Llama files get Hugging Face names, q/k rows unpermuted and a
+config.json rebuilt from the metadata; Flux files keep their BFL names (--to diffusers --config for a
+diffusers folder). Quantized ggml tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K) need --dtype
+(bf16, fp16, or fp32 for gguf's exact dequantized values). --to gguf writes OUTPUT.gguf from a
+transformers Llama folder, a diffusers Flux transformer (or pipeline) folder, a BFL Flux file or a
+GGUF; --quantize f16/bf16/q8_0/q4_0 sets the type of 2-D tensors (1-D ones stay F32); without it
+types are kept. Written: general.architecture, llama.* from config.json, tokenizer.ggml.model=no_vocab.
+
+\b
 Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers of 2.
 """
 
@@ -86,9 +98,10 @@ Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="Drop tensors whose name (as stored in SOURCE) matches (repeatable).")
 @click.option("--rename", multiple=True, metavar="OLD=NEW", help="Replace a leading OLD with NEW (repeatable).")
-@click.option("--to", "to", type=click.Choice(["diffusers", "single-file"]),
+@click.option("--to", "to", type=click.Choice(["diffusers", "single-file", "gguf"]),
               help="diffusers: a single-file SD/SDXL/SD3/Flux checkpoint → a diffusers model folder; single-file: "
-                   "the reverse (a diffusers model or pipeline folder → one original-layout checkpoint).")
+                   "the reverse (a diffusers model or pipeline folder → one original-layout checkpoint); gguf: a "
+                   "Llama or Flux model → one .gguf file.")
 @click.option("--config", "config", type=click.Path(path_type=str), metavar="PATH",
               help="With --to diffusers: a config.json, a model folder or a pipeline folder, local or hf:// "
                    "(required).")

@@ -99,6 +99,10 @@ def integrity_line(report: object) -> str:
         parts.append(f"{by_manifest} file(s) match {' and '.join(manifests)} byte for byte")
     if by_blob:
         parts.append(f"{by_blob} file(s) match their Hugging Face cache blob names")
+    by_values = sum(f.checked == "gguf-values" for f in files)
+    if by_values:
+        parts.append(f"{by_values} GGUF file(s): container and every value checked (dequantized, finite); a changed "
+                     "byte that stays finite would go unnoticed (GGUF has no checksums)")
     if unchecked and not report.against:  # type: ignore[attr-defined]
         why = f"not listed in {' or '.join(manifests)}" if manifests else f"no {MANIFEST_NAME}"
         shown = ", ".join(unchecked[:3]) + (f" and {len(unchecked) - 3} more" if len(unchecked) > 3 else "")

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from ..errors import InvalidInputError
@@ -128,6 +128,14 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
     wrapped, (source, wrap_source) = source, unwrap_path(source)
     output = os.fspath(output)
     keymap = keymap or KeyMap()
+    if to == "gguf":
+        from .gguf_out import convert_to_gguf
+
+        if not keymap.is_identity() or key is not None or config is not None:
+            raise InvalidInputError("--key, --config and the key options do not apply with --to gguf: the model's "
+                                    "folder or file names its config and tensors")
+        return convert_to_gguf(source, output, options=replace(options, quantize=None), quantize=options.quantize,
+                               component=component)
     if to == "single-file":
         from .to_single_file import convert_to_single_file
 

@@ -40,7 +40,8 @@ class WriteOptions:
             saves reading back the tensors of a source that has none.
         progress: called as ``progress(done_bytes, total_bytes)`` while bytes are written.
         quantize: ``"fp8-block"`` (transformers FineGrainedFP8), ``"fp8-channel"`` or ``"fp8-tensor"``
-            (compressed-tensors): weights to e4m3fn with scales (see :mod:`shardkit.sharding.quant`).
+            (compressed-tensors): weights to e4m3fn with scales (see :mod:`shardkit.sharding.quant`);
+            ``"f16"``, ``"bf16"``, ``"q8_0"``, ``"q4_0"``: ggml types, for ``convert(..., to="gguf")``.
 
     Invalid values (a non-positive size, a lossy cast without ``allow_lossy``) are refused when
     the object is made, before any source is opened.
@@ -72,9 +73,10 @@ class WriteOptions:
             raise InvalidSizeError(f"max shard size must be positive, got {self.max_shard_bytes}")
         code = resolve_cast(self.dtype, allow_lossy=self.allow_lossy)
         if self.quantize is not None:
+            from ..formats.gguf import GGUF_QUANTIZE
             from ..formats.quant import QUANTIZE_SCHEMES
 
-            if self.quantize not in QUANTIZE_SCHEMES:
+            if self.quantize not in QUANTIZE_SCHEMES and self.quantize not in GGUF_QUANTIZE:
                 raise InvalidInputError(f"--quantize {self.quantize}: expected one of {', '.join(QUANTIZE_SCHEMES)}")
             if code is not None and code not in LOSSLESS_TARGETS:
                 raise InvalidInputError(f"--quantize {self.quantize} with --dtype {self.dtype}: --dtype casts the "

@@ -25,10 +25,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import InvalidInputError
+from ..formats.gguf import GGUF_QUANTIZE
 from ..formats.layout import read_config
 from ..formats.quant import find_layout
 from ..sources import Source
 from ..sources.dequantized import DequantizedSource
+from ..sources.gguf import find_gguf
 from ..sources.quantized import QuantizedSource
 from ..units import LOSSLESS_TARGETS
 from .options import WriteOptions, warn
@@ -46,6 +48,12 @@ def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset
         InvalidInputError: an inconsistent scaled checkpoint (see :func:`~shardkit.formats.quant.find_layout`),
             or a scaled one asked for fp8 or ``quantize``.
     """
+    if options.quantize in GGUF_QUANTIZE:
+        raise InvalidInputError(f"--quantize {options.quantize} is a GGUF type: add --to gguf and give an OUTPUT "
+                                "ending in .gguf (safetensors outputs take --quantize fp8-block/fp8-channel/fp8-tensor)")
+    gguf = find_gguf(src)
+    if gguf is not None:  # ggml-quantized tensors: dequantized (listed as F32) only when a dtype is given
+        gguf.require_dtype(options.cast_to if options.quantize is None else "F32")
     layout = find_layout(src.entries(), config=source_config(src), metadata=src.metadata(), where=src.description)
     if layout is None:
         if options.quantize is None:
@@ -119,6 +127,12 @@ def config_edits(output: str, jobs: Sequence[tuple[str, Source]],
     sides = {name: path for path, name in side_files}
     edits: dict[str, bytes] = {}
     for name, src in jobs:
+        gguf = find_gguf(src)
+        config = gguf.config() if gguf is not None and name not in sides else None
+        if config is not None:  # a Llama GGUF: config.json rebuilt from its metadata
+            config = src.edit_config(config) if isinstance(src, (DequantizedSource, QuantizedSource)) else config
+            edits[name] = (json.dumps(config, indent=2) + "\n").encode()
+            continue
         if not isinstance(src, (DequantizedSource, QuantizedSource)):
             continue
         path = sides.get(name)

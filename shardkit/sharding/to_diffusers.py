@@ -137,7 +137,7 @@ def convert_to_diffusers(source: str | os.PathLike[str], output: str, *, options
                          config="sd15-pipeline/", component="unet")
     """
     path = os.fspath(source)
-    backing = load_file_backed(path, key=key)
+    backing = load_file_backed(path, key=key, dequantize_to=_gguf_dtype(path, options))
     checkpoint = dequantized_for_mapping(backing.tensors, options=options, where=path)  # fp8 scales applied first
     if config is None:
         raise missing_config_error(path, checkpoint)
@@ -150,6 +150,21 @@ def convert_to_diffusers(source: str | os.PathLike[str], output: str, *, options
             result = split_source(src, output, options=options,
                                   side_files=[(os.path.join(folder, "config.json"), "config.json")])
     return result, len(checkpoint) - len(converted)
+
+
+def _gguf_dtype(path: str, options: WriteOptions) -> str:
+    """What a GGUF's quantized tensors are dequantized to before diffusers' mapping: ``--dtype``, bf16 without it."""
+    from ..units import LOSSLESS_TARGETS
+
+    if path.endswith(".gguf") and options.cast_to is None:
+        from ..sources.gguf import GgufSource
+
+        src = GgufSource(path)
+        quantized = len(src.quantized())
+        src.close()
+        if quantized:
+            warn(f"{path}: {quantized} ggml-quantized tensor(s) dequantized to bf16 (choose with --dtype)")
+    return options.cast_to if options.cast_to in LOSSLESS_TARGETS else "BF16" if options.cast_to is None else "F32"
 
 
 def missing_config_error(path: str, checkpoint: Mapping[str, Any]) -> InvalidInputError:

@@ -108,12 +108,23 @@ def _open_single_pickle_folder(path: str, *, key: str | None = None, **_: Any) -
     return open_pickle(find_single_pickle(path) or path, key=key)
 
 
+def _is_gguf_file(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def _open_gguf(path: str, **_: Any) -> Source:
+    from .gguf import open_gguf
+
+    return open_gguf(path)
+
+
 # (test, opener, description) rows, tried in order.
 _PATH_OPENERS: list[tuple[Callable[[str], bool], Callable[..., Source], str]] = [
     (_is_safetensors_file, _open_safetensors_file, "a .safetensors file"),
     (_is_safetensors_index, _open_safetensors_index, "a .safetensors.index.json file"),
     (_is_pickle_index, _open_pickle_index, "a pytorch_model.bin.index.json file"),
     (_is_pickle_file, _open_pickle, "a .bin/.pt/.pth/.ckpt pickle"),
+    (_is_gguf_file, _open_gguf, "a .gguf file (llama.cpp, ComfyUI-GGUF)"),
     (is_dcp_folder, _open_dcp, "a torch.distributed.checkpoint folder"),
     (_is_safetensors_folder, _open_safetensors_folder, "a folder with safetensors weights"),
     (is_pickle_index_folder, _open_pickle_index_folder, "a folder with pytorch_model.bin.index.json"),

@@ -44,12 +44,13 @@ class FileBacked:
     offsets: dict[str, int]
 
 
-def load_file_backed(path: str, *, key: str | None = None) -> FileBacked:
-    """Load a ``.safetensors`` file or a pickle (``weights_only``) as memory-mapped tensors.
+def load_file_backed(path: str, *, key: str | None = None, dequantize_to: str = "BF16") -> FileBacked:
+    """Load a ``.safetensors`` file, a ``.gguf`` file or a pickle (``weights_only``) as memory-mapped tensors.
 
     Args:
         path: the checkpoint file.
         key: for pickles, the nested dict holding the state dict (default: auto).
+        dequantize_to: for GGUF files, the dtype code ggml-quantized tensors are dequantized to.
 
     Returns:
         The :class:`FileBacked` state dict.
@@ -68,6 +69,11 @@ def load_file_backed(path: str, *, key: str | None = None) -> FileBacked:
             raise InvalidInputError(f"--key applies to pickles; {path} is a safetensors file with one flat state dict")
         header = read_header(path)  # validated by shardkit first: a hostile header gets shardkit's error
         return FileBacked(path, load_file(path), {e.name: e.offset for e in header.entries})
+    if path.endswith(".gguf"):
+        from .gguf import load_gguf_tensors
+
+        tensors, offsets, _ = load_gguf_tensors(path, dequantize_to=dequantize_to)
+        return FileBacked(path, tensors, offsets)
     from .pickle import load_pickle, locate_in_file, select_state_dict
 
     loaded = load_pickle(path)

@@ -1,0 +1,314 @@
+"""ggml tensor types in torch: dequantize GGUF blocks to float32, quantize float32 rows to GGUF blocks.
+
+Each kernel follows ``gguf.quants`` (llama.cpp's gguf-py, itself checked against ggml's C code) step for
+step in the same float32/float64 arithmetic, so the results are bit-equal to it (the tests compare them):
+
+=========  ==========  ========  =====================================================
+type       dequantize  quantize  block
+=========  ==========  ========  =====================================================
+F32, F16   yes         yes       1 value (F16 by ``astype``, as gguf does)
+BF16       yes         yes       1 value (round to nearest even, NaN quieted, as ggml)
+Q8_0       yes         yes       32 values: f16 scale, 32 int8
+Q4_0       yes         yes       32 values: f16 scale, 16 bytes of nibbles (−8 offset)
+Q4_1       yes         no        32 values: f16 scale and min, 16 bytes of nibbles
+Q5_0       yes         no        32 values: f16 scale, 32 high bits, 16 bytes of nibbles
+Q5_1       yes         no        32 values: f16 scale and min, 32 high bits, 16 bytes of nibbles
+Q2_K       yes         no        256 values: 4-bit scales/mins, 2-bit values, f16 d and dmin
+Q3_K       yes         no        256 values: high-bit mask, 2-bit values, 6-bit scales, f16 d
+Q4_K       yes         no        256 values: f16 d, dmin, 12 bytes of 6-bit scales/mins, nibbles
+Q5_K       yes         no        as Q4_K plus 32 bytes of high bits
+Q6_K       yes         no        256 values: low nibbles, 2 high bits, int8 scales, f16 d
+=========  ==========  ========  =====================================================
+
+torch is imported inside the functions (``import shardkit`` stays light).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import InvalidInputError
+from ..formats.gguf import GgmlType
+
+__all__ = ["DEQUANTIZABLE", "QUANTIZABLE", "dequantize", "quantize"]
+
+QK_K = 256
+
+
+def _f16(raw: Any) -> Any:
+    import torch
+
+    return raw.contiguous().view(torch.float16).to(torch.float32)
+
+
+def _f16_at(blocks: Any, at: int) -> Any:
+    """The f16 field at byte ``at`` (even) of every block, as float32 ``(n_blocks, 1)``: one int16 column, no byte copy."""
+    import torch
+
+    return blocks.view(torch.int16)[:, at // 2].contiguous().view(torch.float16).to(torch.float32).reshape(-1, 1)
+
+
+def _nibble_values(qs: Any, n_blocks: int, offset: int) -> Any:
+    """Low nibbles of each row of ``qs`` then the high ones, minus ``offset``, as float32 (a 256-entry table)."""
+    import torch
+
+    table = torch.tensor([[b & 15, b >> 4] for b in range(256)], dtype=torch.float32) - offset
+    pairs = torch.nn.functional.embedding(qs.to(torch.int64), table)  # (n, bytes, 2)
+    return pairs.transpose(1, 2).reshape(n_blocks, -1)
+
+
+def _nibbles(qs: Any, n_blocks: int, half: int) -> Any:
+    """Low nibbles of each group of ``half`` bytes, then the high nibbles: ``(n_blocks, -1)`` uint8."""
+    import torch
+
+    qs = qs.reshape(n_blocks, -1, 1, half) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 1, 2, 1)
+    return (qs & 0x0F).reshape(n_blocks, -1)
+
+
+def _bits(raw: Any, n_blocks: int, count: int) -> Any:
+    """Bits 0..count-1 of each little-endian uint32 of ``raw`` (n_blocks, 4): ``(n_blocks, count)`` uint8."""
+    import torch
+
+    word = raw.contiguous().view(torch.int32).to(torch.int64).reshape(n_blocks, 1) & 0xFFFFFFFF
+    return ((word >> torch.arange(count, dtype=torch.int64).reshape(1, count)) & 1).to(torch.uint8)
+
+
+def _deq_f32(blocks: Any) -> Any:
+    import torch
+
+    return blocks.contiguous().view(torch.float32)
+
+
+def _deq_f16(blocks: Any) -> Any:
+    return _f16(blocks)
+
+
+def _deq_bf16(blocks: Any) -> Any:
+    import torch
+
+    return (blocks.contiguous().view(torch.int16).to(torch.int32) << 16).view(torch.float32)
+
+
+def _deq_q8_0(blocks: Any) -> Any:
+    import torch
+
+    return blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32) * _f16_at(blocks, 0)
+
+
+def _deq_q4_0(blocks: Any) -> Any:
+    return _f16_at(blocks, 0) * _nibble_values(blocks[:, 2:], blocks.shape[0], 8)
+
+
+def _deq_q4_1(blocks: Any) -> Any:
+
+    return (_f16_at(blocks, 0) * _nibble_values(blocks[:, 4:], blocks.shape[0], 0)) + _f16_at(blocks, 2)
+
+
+def _deq_q5_0(blocks: Any) -> Any:
+    import torch
+
+    n = blocks.shape[0]
+    qh = _bits(blocks[:, 2:6], n, 32)
+    ql = _nibbles(blocks[:, 6:], n, 16)
+    qs = (ql | (qh << 4)).to(torch.int8) - 16
+    return _f16_at(blocks, 0) * qs.to(torch.float32)
+
+
+def _deq_q5_1(blocks: Any) -> Any:
+    import torch
+
+    n = blocks.shape[0]
+    qs = (_nibbles(blocks[:, 8:], n, 16) | (_bits(blocks[:, 4:8], n, 32) << 4)).to(torch.float32)
+    return (_f16_at(blocks, 0) * qs) + _f16_at(blocks, 2)
+
+
+def _deq_q2_k(blocks: Any) -> Any:
+    import torch
+
+    n = blocks.shape[0]
+    scales = blocks[:, :16]
+    dl = (_f16_at(blocks, 80) * (scales & 0xF).to(torch.float32)).reshape(n, QK_K // 16, 1)
+    ml = (_f16_at(blocks, 82) * (scales >> 4).to(torch.float32)).reshape(n, QK_K // 16, 1)
+    shift = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    qs = ((blocks[:, 16:80].reshape(n, -1, 1, 32) >> shift) & 3).reshape(n, QK_K // 16, 16).to(torch.float32)
+    return (dl * qs - ml).reshape(n, -1)
+
+
+def _deq_q3_k(blocks: Any) -> Any:
+    import torch
+
+    n = blocks.shape[0]
+    hmask, qs, scales = blocks[:, :32], blocks[:, 32:96], blocks[:, 96:108]
+    low = (scales[:, :8].reshape(n, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8).reshape(1, 2, 1)).reshape(n, 16)
+    high = (scales[:, 8:].reshape(n, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 4, 1))
+    sc = (low & 0x0F) | ((high.reshape(n, 16) & 0x03) << 4)
+    dl = (_f16_at(blocks, 108) * (sc.to(torch.int8) - 32).to(torch.float32)).reshape(n, 16, 1)
+    ql = (qs.reshape(n, -1, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1))
+    qh = (hmask.reshape(n, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1))
+    ql, qh = ql.reshape(n, 16, QK_K // 16) & 3, (qh.reshape(n, 16, QK_K // 16) & 1) ^ 1
+    q = (ql.to(torch.int8) - (qh << 2).to(torch.int8)).to(torch.float32)
+    return (dl * q).reshape(n, QK_K)
+
+
+def _scale_min_k4(scales: Any) -> tuple[Any, Any]:
+    """Q4_K/Q5_K's eight 6-bit scales and mins from 12 bytes (as ``gguf.quants.Q4_K.get_scale_min``)."""
+    import torch
+
+    n = scales.shape[0]
+    s = scales.reshape(n, 3, 4)
+    d, m, m_d = s[:, 0:1], s[:, 1:2], s[:, 2:3]
+    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc.reshape(n, 8), mn.reshape(n, 8)
+
+
+def _deq_q4_k(blocks: Any) -> Any:
+    import torch
+
+    n = blocks.shape[0]
+    sc, mn = _scale_min_k4(blocks[:, 4:16])
+    d = (_f16_at(blocks, 0) * sc.to(torch.float32)).reshape(n, -1, 1)
+    dm = (_f16_at(blocks, 2) * mn.to(torch.float32)).reshape(n, -1, 1)
+    qs = _nibble_values(blocks[:, 16:].reshape(n * 4, 32), n * 4, 0).reshape(n, -1, 32)
+    return (d * qs - dm).reshape(n, QK_K)
+
+
+def _deq_q5_k(blocks: Any) -> Any:
+    import torch
+
+    n = blocks.shape[0]
+    sc, mn = _scale_min_k4(blocks[:, 4:16])
+    d = (_f16_at(blocks, 0) * sc.to(torch.float32)).reshape(n, -1, 1)
+    dm = (_f16_at(blocks, 2) * mn.to(torch.float32)).reshape(n, -1, 1)
+    qh = blocks[:, 16:48].reshape(n, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8).reshape(1, 1, 8, 1)
+    ql = _nibbles(blocks[:, 48:], n, 32).reshape(n, -1, 32)
+    q = (ql | ((qh & 1).reshape(n, -1, 32) << 4)).to(torch.float32)
+    return (d * q - dm).reshape(n, QK_K)
+
+
+def _deq_q6_k(blocks: Any) -> Any:
+    import torch
+
+    n = blocks.shape[0]
+    ql, qh = blocks[:, :128], blocks[:, 128:192]
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
+    d = (_f16_at(blocks, 208) * scales).reshape(n, QK_K // 16, 1)
+    ql = _nibbles(ql, n, 64).reshape(n, -1, 32)
+    qh = (qh.reshape(n, -1, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)) & 0x03
+    q = (ql | (qh.reshape(n, -1, 32) << 4)).to(torch.int8) - 32
+    return (d * q.reshape(n, QK_K // 16, -1).to(torch.float32)).reshape(n, QK_K)
+
+
+_DEQUANTIZE: dict[str, Callable[[Any], Any]] = {
+    "F32": _deq_f32, "F16": _deq_f16, "BF16": _deq_bf16, "Q8_0": _deq_q8_0, "Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1,
+    "Q5_0": _deq_q5_0, "Q5_1": _deq_q5_1, "Q2_K": _deq_q2_k, "Q3_K": _deq_q3_k, "Q4_K": _deq_q4_k, "Q5_K": _deq_q5_k,
+    "Q6_K": _deq_q6_k,
+}
+DEQUANTIZABLE = frozenset(_DEQUANTIZE)
+
+
+def dequantize(raw: bytes | bytearray | memoryview, kind: GgmlType) -> Any:
+    """The float32 values (1-D torch tensor) of whole blocks of ``kind`` in ``raw``.
+
+    Raises:
+        InvalidInputError: a type this module does not dequantize, or a partial block.
+    """
+    import torch
+
+    if kind.name not in _DEQUANTIZE:
+        raise InvalidInputError(f"ggml type {kind.name}: shardkit dequantizes {', '.join(_DEQUANTIZE)}; convert this "
+                                "file with llama.cpp's tools first")
+    if len(raw) % kind.block_bytes:
+        raise InvalidInputError(f"{len(raw)} bytes are not whole {kind.name} blocks of {kind.block_bytes} bytes")
+    blocks = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(-1, kind.block_bytes) if len(raw) else \
+        torch.empty((0, kind.block_bytes), dtype=torch.uint8)
+    return _DEQUANTIZE[kind.name](blocks).reshape(-1)
+
+
+# ----------------------------------------------------------------------------- quantize
+
+
+def _roundf(x: Any) -> Any:
+    """Round half away from zero, as ``gguf.quants.np_roundf`` (``floor(2 * frac)`` is 1 exactly when
+    ``frac >= 0.5``: ``a - floor(a)`` is exact in float32), for finite values."""
+    import torch
+
+    a = x.abs()
+    floored = torch.floor(a)
+    rounded = floored + (a - floored >= 0.5)
+    return torch.where(x < 0, -rounded, rounded)
+
+
+def _inverse(d: Any) -> Any:
+    import torch
+
+    return torch.where(d == 0, torch.zeros_like(d), 1 / d)
+
+
+def _f16_bytes(d: Any) -> Any:
+    import torch
+
+    return d.to(torch.float16).view(torch.uint8)
+
+
+def _q_f32(rows: Any) -> Any:
+    import torch
+
+    return rows.contiguous().view(torch.uint8)
+
+
+def _q_f16(rows: Any) -> Any:
+    import torch
+
+    return rows.to(torch.float16).contiguous().view(torch.uint8)
+
+
+def _q_bf16(rows: Any) -> Any:
+    import torch
+
+    n = rows.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    n = torch.where((n & 0x7FFFFFFF) > 0x7F800000, (n & 0xFFFF0000) | (64 << 16), n)
+    n = (n + (0x7FFF + ((n >> 16) & 1))) >> 16
+    return (n & 0xFFFF).to(torch.int32).to(torch.int16).contiguous().view(torch.uint8)
+
+
+def _q_q8_0(blocks: Any) -> Any:
+    import torch
+
+    d = blocks.abs().amax(dim=1, keepdim=True) / 127
+    qs = _roundf(blocks * _inverse(d)).to(torch.int8).view(torch.uint8)
+    return torch.cat([_f16_bytes(d), qs], dim=1)
+
+
+def _q_q4_0(blocks: Any) -> Any:
+    import torch
+
+    imax = blocks.abs().argmax(dim=-1, keepdim=True)
+    d = torch.gather(blocks, -1, imax) / -8
+    scaled = blocks.to(torch.float64) * _inverse(d).to(torch.float64) + 8.5
+    qs = scaled.to(torch.float32).trunc().clamp(0, 15).to(torch.uint8).reshape(-1, 2, 16)
+    return torch.cat([_f16_bytes(d), qs[:, 0, :] | (qs[:, 1, :] << 4)], dim=1)
+
+
+_QUANTIZE_BLOCKS: dict[str, Callable[[Any], Any]] = {"Q8_0": _q_q8_0, "Q4_0": _q_q4_0}
+_QUANTIZE_VALUES: dict[str, Callable[[Any], Any]] = {"F32": _q_f32, "F16": _q_f16, "BF16": _q_bf16}
+QUANTIZABLE = frozenset(_QUANTIZE_BLOCKS) | frozenset(_QUANTIZE_VALUES)
+
+
+def quantize(values: Any, kind: GgmlType) -> Any:
+    """The GGUF bytes (1-D uint8 torch tensor) of float32 ``values`` (a whole number of blocks) as ``kind``.
+
+    Raises:
+        InvalidInputError: a type this module does not quantize, or a partial block.
+    """
+    import torch
+
+    values = values.to(torch.float32).reshape(-1)
+    if kind.name in _QUANTIZE_VALUES:
+        return _QUANTIZE_VALUES[kind.name](values).reshape(-1)
+    if kind.name not in _QUANTIZE_BLOCKS:
+        raise InvalidInputError(f"ggml type {kind.name}: shardkit writes {', '.join(sorted(QUANTIZABLE))}")
+    if values.numel() % kind.block:
+        raise InvalidInputError(f"{values.numel()} values are not whole {kind.name} blocks of {kind.block}")
+    return _QUANTIZE_BLOCKS[kind.name](values.reshape(-1, kind.block)).reshape(-1)

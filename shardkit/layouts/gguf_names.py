@@ -1,0 +1,205 @@
+"""llama.cpp's GGUF tensor names and layouts ↔ Hugging Face ones, and the metadata ↔ config.json.
+
+Llama (``general.architecture = llama``): llama.cpp renames every tensor (``blk.N.attn_q.weight`` for
+``model.layers.N.self_attn.q_proj.weight``) and permutes the rows of the q and k projections head by
+head (``reshape(n_head, 2, head_dim // 2, cols).swapaxes(1, 2)``, the kv-head count for k) so that its
+rotary embedding pairs adjacent values; :func:`unpermute_rows` undoes that and :func:`permute_rows`
+redoes it. Rows move whole, so the permutation works on quantized bytes as well as on values.
+
+Flux (``general.architecture = flux``, ComfyUI-GGUF / city96): the tensors keep their BFL names
+(``double_blocks.N.img_attn.qkv.weight``...), unpermuted. Other architectures keep their names.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InvalidInputError
+
+__all__ = ["LLAMA_KEYS", "NameMap", "config_from_metadata", "metadata_from_config", "name_map", "permute_rows",
+           "unpermute_rows"]
+
+_LAYER = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
+_TO_GGUF_LAYER = {v: k for k, v in _LAYER.items()}
+_TO_GGUF_TOP = {v: k for k, v in _TOP.items()}
+
+# The llama.* keys transformers' GGUF loader reads (GGUF_CONFIG_MAPPING["llama"]) → LlamaConfig fields.
+LLAMA_KEYS = {
+    "context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
+    "rope.dimension_count": "head_dim", "rope.freq_base": "rope_theta", "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+}
+_FLOAT_KEYS = frozenset({"rope.freq_base", "attention.layer_norm_rms_epsilon"})
+
+
+@dataclass(frozen=True)
+class NameMap:
+    """How one architecture's GGUF tensors are named and laid out on the Hugging Face side.
+
+    Attributes:
+        architecture: ``general.architecture``.
+        to_hf: GGUF name → HF name (names missing here keep their GGUF name).
+        heads: HF name → head count whose rows llama.cpp permuted (q: heads, k: kv heads).
+    """
+
+    architecture: str
+    to_hf: Mapping[str, str]
+    heads: Mapping[str, int]
+
+
+def _hf_name(name: str) -> str | None:
+    m = _GGUF_LAYER.fullmatch(name)
+    if m and m.group(2) in _LAYER:
+        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
+    stem, _, suffix = name.rpartition(".")
+    return f"{_TOP[stem]}.{suffix}" if stem in _TOP else None
+
+
+def gguf_name(hf_name: str) -> str | None:
+    """The llama.cpp name of a Llama HF tensor, or None when llama.cpp has none.
+
+    >>> gguf_name("model.layers.3.self_attn.k_proj.weight"), gguf_name("lm_head.weight")
+    ('blk.3.attn_k.weight', 'output.weight')
+    """
+    m = _HF_LAYER.fullmatch(hf_name)
+    if m and m.group(2) in _TO_GGUF_LAYER:
+        return f"blk.{m.group(1)}.{_TO_GGUF_LAYER[m.group(2)]}.{m.group(3)}"
+    stem, _, suffix = hf_name.rpartition(".")
+    return f"{_TO_GGUF_TOP[stem]}.{suffix}" if stem in _TO_GGUF_TOP else None
+
+
+def _int(metadata: Mapping[str, Any], key: str, where: str, default: int | None = None) -> int:
+    value = metadata.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InvalidInputError(f"{where}: metadata {key} is {value!r}; a Llama GGUF needs a positive integer there")
+    return value
+
+
+def name_map(architecture: str, names: list[str], metadata: Mapping[str, Any], *, where: str) -> NameMap:
+    """The :class:`NameMap` of a GGUF file's tensors.
+
+    Raises:
+        InvalidInputError: a Llama file whose head counts are missing. Tensors without a Hugging Face
+            name (``rope_freqs.weight``) keep their own.
+    """
+    if architecture != "llama":
+        return NameMap(architecture, {}, {})
+    heads = _int(metadata, "llama.attention.head_count", where)
+    kv_heads = _int(metadata, "llama.attention.head_count_kv", where, heads)
+    to_hf, permuted = {}, {}
+    for name in names:
+        hf = _hf_name(name)
+        if hf is None:  # e.g. rope_freqs.weight (Llama 3.1): kept under its own name, --exclude drops it
+            continue
+        to_hf[name] = hf
+        if hf.endswith(("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias")):
+            permuted[hf] = heads if ".q_proj." in hf else kv_heads
+    return NameMap(architecture, to_hf, permuted)
+
+
+def unpermute_rows(rows: Any, heads: int) -> Any:
+    """llama.cpp's q/k row order → Hugging Face's, for ``rows`` (whole heads, any dtype, first dim = rows).
+
+    >>> import torch
+    >>> unpermute_rows(permute_rows(torch.arange(8), 2), 2).tolist()
+    [0, 1, 2, 3, 4, 5, 6, 7]
+    """
+    n = rows.shape[0]
+    return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def permute_rows(rows: Any, heads: int) -> Any:
+    """Hugging Face's q/k row order → llama.cpp's (as its ``convert_hf_to_gguf.py`` ``permute``)."""
+    n = rows.shape[0]
+    return rows.reshape(heads, 2, n // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def config_from_metadata(metadata: Mapping[str, Any], *, has_output: bool, where: str) -> dict[str, Any]:
+    """The transformers ``config.json`` of a Llama GGUF, from its ``llama.*`` and tokenizer metadata.
+
+    ``tie_word_embeddings`` comes from a missing ``output.weight``; ``vocab_size`` from ``llama.vocab_size``
+    or the token list; ``head_dim`` from ``rope.dimension_count`` when it differs from hidden / heads.
+    """
+    config: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                              "hidden_act": "silu", "tie_word_embeddings": not has_output}
+    for key, field in LLAMA_KEYS.items():
+        value = metadata.get(f"llama.{key}")
+        if value is not None:
+            config[field] = _f32_decimal(float(value)) if key in _FLOAT_KEYS else int(value)
+    for key in ("embedding_length", "block_count", "feed_forward_length", "attention.head_count"):
+        _int(metadata, f"llama.{key}", where)
+    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+    if "vocab_size" not in config:
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if isinstance(tokens, list):
+            config["vocab_size"] = len(tokens)
+    if config.get("head_dim") == config["hidden_size"] // config["num_attention_heads"]:
+        config.pop("head_dim")
+    for key, field in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                       ("padding_token_id", "pad_token_id")):
+        value = metadata.get(f"tokenizer.ggml.{key}")
+        if isinstance(value, int):
+            config[field] = value
+    return config
+
+
+def metadata_from_config(config: Mapping[str, Any], *, where: str) -> dict[str, tuple[str, Any]]:
+    """``llama.*`` keys of a GGUF for a transformers Llama ``config``: key → (``"u32"``/``"f32"``, value).
+
+    Raises:
+        InvalidInputError: not a Llama config, or one missing a size GGUF needs.
+    """
+    if config.get("model_type") != "llama":
+        raise InvalidInputError(f"{where}: --to gguf writes Llama-family language models (config.json model_type "
+                                f"llama) and Flux transformers; this config says {config.get('model_type')!r}")
+    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+    if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:
+        raise InvalidInputError(f"{where}: config.json needs integer hidden_size and num_attention_heads")
+    values = {"max_position_embeddings": 2048, "rope_theta": _rope_theta(config), "rms_norm_eps": 1e-6,
+              "num_key_value_heads": heads, "head_dim": hidden // heads, **{
+                  k: v for k, v in config.items() if v is not None and k not in ("rope_theta",)}}
+    out: dict[str, tuple[str, Any]] = {}
+    for key, field in LLAMA_KEYS.items():
+        if field not in values:
+            raise InvalidInputError(f"{where}: config.json has no {field}; GGUF's llama.{key} needs it")
+        value = values[field]
+        out[f"llama.{key}"] = ("f32", float(value)) if key in _FLOAT_KEYS else ("u32", int(value))
+    head_dim = int(values["head_dim"])
+    out["llama.attention.key_length"] = out["llama.attention.value_length"] = ("u32", head_dim)
+    return out
+
+
+def _rope_theta(config: Mapping[str, Any]) -> float:
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping) and isinstance(params.get("rope_theta"), (int, float)):
+        return float(params["rope_theta"])
+    value = config.get("rope_theta", 10000.0)
+    return float(value) if isinstance(value, (int, float)) else 10000.0
+
+
+def _f32_decimal(value: float) -> float:
+    """The shortest decimal that is the same float32 (GGUF stores ``1e-5`` as 9.99999974737875e-06).
+
+    >>> _f32_decimal(9.99999974737875e-06)
+    1e-05
+    """
+    import struct
+
+    stored = struct.pack("<f", value)
+    for digits in range(1, 10):
+        short = float(f"{value:.{digits}g}")
+        if struct.pack("<f", short) == stored:
+            return short
+    return value

@@ -1,0 +1,296 @@
+"""``convert SRC out.gguf --to gguf``: a Llama-family checkpoint or a Flux transformer → one GGUF file.
+
+Which model, and how its tensors are named in GGUF:
+
+=================================================  =========================================================
+source                                             written
+=================================================  =========================================================
+transformers Llama folder (config.json ``llama``)  llama.cpp names, q/k rows permuted as llama.cpp's
+                                                   converter does, ``llama.*`` metadata from config.json
+diffusers Flux transformer folder                  BFL names through the single-file layouts (ComfyUI-GGUF /
+                                                   city96 layout, ``general.architecture = flux``)
+BFL Flux ``.safetensors`` (``double_blocks.*``)    its names (``model.diffusion_model.`` stripped)
+a ``.gguf`` file                                   its tensors back in llama.cpp's layout; its metadata kept
+=================================================  =========================================================
+
+``quantize`` (``f16``, ``bf16``, ``q8_0``, ``q4_0``) sets the ggml type of every tensor of two or more
+dimensions whose rows are whole blocks; 1-D tensors and the others stay F32 (F16 is not lossless for
+bf16 values). The bytes are :func:`shardkit.layouts.ggml.quantize` of the float32 values, identical to
+``gguf.quants.quantize``. Without ``quantize``, F32/F16/BF16 tensors keep their type and a GGUF source
+keeps each tensor's ggml type (its bytes copied). The file is written tensor by tensor, band by band of
+rows (memory never depends on a tensor's size), into a temporary file published atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import InvalidInputError
+from ..formats.gguf import (
+    FLOAT32,
+    GGUF_QUANTIZE,
+    STRING,
+    UINT32,
+    Value,
+    build_gguf_header,
+    ggml_type,
+    padded,
+    tensor_nbytes_ggml,
+)
+from ..formats.header import TensorEntry
+from ..formats.index import Naming
+from ..sources import Source, open_source
+from ..sources.gguf import GgufSource
+from .job import SplitResult, refuse_output_inside_source
+from .options import WriteOptions, warn
+from .plan import plan_shards
+
+__all__ = ["GGUF_QUANTIZE", "convert_to_gguf"]
+
+FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "BF16": 32}  # llama.cpp's general.file_type (LLAMA_FTYPE)
+BAND_BYTES = 16 * 2**20
+FLOAT_SOURCES = frozenset({"F32", "F16", "BF16", "F64"})
+BFL_PREFIX = "model.diffusion_model."
+LLAMA_CPP_ONLY = frozenset({"rope_freqs.weight"})  # llama.cpp tensors with no HF name, kept by a GGUF source
+Row = tuple[str, int, Value, int | None]
+
+
+@dataclass
+class GgufModel:
+    """What the writer needs to know about the model: architecture, names, permuted heads, metadata."""
+
+    architecture: str
+    gguf_name: Callable[[str], str | None]
+    heads: Callable[[str], int | None] = lambda name: None
+    metadata: list[Row] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    entry: TensorEntry   # in the source (HF names)
+    name: str            # in the GGUF file
+    kind: str            # ggml type written
+    heads: int | None    # q/k permutation
+
+
+def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize: str | None = None,
+                    component: str | None = None) -> SplitResult:
+    """Write ``source`` (see the module docstring) as the GGUF file ``output``.
+
+    Raises:
+        InvalidInputError: an output not ending in ``.gguf``, a model that is neither Llama nor Flux, a
+            tensor without a GGUF name, or a non-float tensor to quantize.
+    """
+    if not output.endswith(".gguf") or os.path.isdir(output):
+        raise InvalidInputError(f"{output}: --to gguf writes one file; give an OUTPUT ending in .gguf")
+    if options.dtype is not None:
+        raise InvalidInputError(f"--dtype {options.dtype} does not apply with --to gguf: --quantize f16/bf16/q8_0/q4_0 "
+                                "sets the ggml type (without it, types are kept)")
+    if quantize is not None and quantize not in GGUF_QUANTIZE:
+        raise InvalidInputError(f"--quantize {quantize} with --to gguf: expected one of {', '.join(GGUF_QUANTIZE)}")
+    if not isinstance(source, (str, os.PathLike)):
+        raise InvalidInputError(f"--to gguf converts a checkpoint path; got {type(source).__name__}")
+    path = os.fspath(source)
+    refuse_output_inside_source(path, output)
+    with _open_model(path, component=component, variant=options.variant) as (src, model):
+        tensors = _plan(src, model, quantize=quantize)
+        kinds = [ggml_type(t.kind) for t in tensors]
+        head, _ = build_gguf_header(_metadata(model, tensors, quantize),
+                                          [(t.name, tuple(reversed(t.entry.shape)), k) for t, k in zip(tensors, kinds,
+                                                                                                         strict=True)])
+        folder, base = os.path.split(os.path.abspath(output))
+        sizes = [(t.name, tensor_nbytes_ggml(k, tuple(reversed(t.entry.shape))))
+                 for t, k in zip(tensors, kinds, strict=True)]
+        plan = plan_shards(sizes, max_shard_bytes=2**62, naming=Naming(base[: -len(".gguf")], ext="gguf"))
+        result = SplitResult(folder, plan, src.description, quantize, options.dry_run)
+        if options.dry_run:
+            if os.path.exists(output) and not options.overwrite:
+                warn(f"{output} exists: the real run needs --overwrite")
+            return result
+        from ..atomic.commit import file_transaction
+
+        with file_transaction(output, overwrite=options.overwrite) as tmp:
+            _write(tmp, head, tensors, src, progress=options.progress)
+    return result
+
+
+# ----------------------------------------------------------------------------- which model
+
+
+@contextlib.contextmanager
+def _open_model(path: str, *, component: str | None, variant: str | None) -> Iterator[tuple[Source, GgufModel]]:
+    from ..formats.layout import is_pipeline_folder, read_config
+
+    if path.endswith(".gguf"):
+        gguf_src = GgufSource(path)
+        try:
+            yield gguf_src, _gguf_model(gguf_src)
+        finally:
+            gguf_src.close()
+        return
+    config = read_config(path) if os.path.isdir(path) else None
+    if is_pipeline_folder(path) or (config or {}).get("_class_name") == "FluxTransformer2DModel":
+        with _flux_folder(path, component=component, variant=variant) as src:
+            yield src, GgufModel("flux", lambda name: name)
+        return
+    with open_source(path, variant=variant) as src:
+        names = [e.name for e in src.entries()]
+        if any(n.startswith(("double_blocks.", BFL_PREFIX + "double_blocks.")) for n in names):
+            yield src, GgufModel("flux", lambda name: name.removeprefix(BFL_PREFIX))
+            return
+        folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+        yield src, _llama_model(read_config(folder), where=path)
+
+
+@contextlib.contextmanager
+def _flux_folder(path: str, *, component: str | None, variant: str | None) -> Iterator[Source]:
+    from .single_file_source import OriginalLayoutSource
+    from .to_single_file import plan_export, trace_part
+
+    model_type, parts = plan_export(path, component=component)
+    if model_type != "flux":
+        raise InvalidInputError(f"{path}: --to gguf writes Flux transformers of diffusers folders; this is {model_type}")
+    with OriginalLayoutSource.open(parts, variant=variant, trace=trace_part, metadata={},
+                                   description=f"{path} as a BFL Flux single file") as src:
+        yield src
+
+
+def _llama_model(config: Mapping[str, Any] | None, *, where: str) -> GgufModel:
+    from ..layouts.gguf_names import gguf_name, metadata_from_config
+
+    if config is None:
+        raise InvalidInputError(f"{where}: --to gguf needs the model's config.json beside the weights (a transformers "
+                                "Llama folder), or a Flux transformer (diffusers folder or BFL file)")
+    llama = metadata_from_config(config, where=where)
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    rows: list[Row] = [("general.architecture", STRING, "llama", None), ("general.name", STRING, "shardkit export", None)]
+    rows += [(key, UINT32 if kind == "u32" else FLOAT32, value, None) for key, (kind, value) in llama.items()]
+    rows += [("tokenizer.ggml.model", STRING, "no_vocab", None)]
+    rows += [(f"tokenizer.ggml.{key}", UINT32, config[key], None) for key in ("bos_token_id", "eos_token_id")
+             if isinstance(config.get(key), int) and not isinstance(config.get(key), bool)]
+    def heads_of(name: str) -> int | None:
+        if name.endswith(("q_proj.weight", "q_proj.bias")):
+            return heads
+        return kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None
+
+    return GgufModel("llama", gguf_name, heads_of, rows)
+
+
+def _gguf_model(src: GgufSource) -> GgufModel:
+    from ..formats.gguf import metadata_rows
+
+    rewritten = frozenset({"general.file_type", "general.alignment", "general.quantization_version"})
+    names = {hf: t.name for hf, t in src.names.items()}
+    return GgufModel(src.gguf.architecture, names.get, src.heads.get, metadata_rows(src.gguf, skip=rewritten))
+
+
+# ----------------------------------------------------------------------------- what each tensor becomes
+
+
+def _plan(src: Source, model: GgufModel, *, quantize: str | None) -> list[_Tensor]:
+    gguf = src if isinstance(src, GgufSource) else None
+    out, missing = [], []
+    for entry in src.entries():
+        name = model.gguf_name(entry.name) or (entry.name if entry.name in LLAMA_CPP_ONLY else None)
+        if name is None:
+            if not entry.name.endswith("rotary_emb.inv_freq"):  # recomputed by every loader; llama.cpp drops it
+                missing.append(entry.name)
+            continue
+        stored = gguf.names[entry.name].kind.name if gguf is not None else None
+        kind = _kind(entry, quantize, stored, where=src.description)
+        out.append(_Tensor(entry, name, kind, model.heads(entry.name)))
+    if missing:
+        raise InvalidInputError(f"{src.description}: {len(missing)} tensor(s) have no llama.cpp name, e.g. "
+                                f"{', '.join(missing[:3])}; --to gguf writes Llama-family models (model.layers.N.* "
+                                "self_attn/mlp, embed_tokens, norm, lm_head)")
+    return out
+
+
+def _kind(entry: TensorEntry, quantize: str | None, stored: str | None, *, where: str) -> str:
+    if stored is not None and (quantize is None or len(entry.shape) < 2 and stored == "F32"):
+        return stored
+    if entry.dtype not in FLOAT_SOURCES:
+        raise InvalidInputError(f"{where}: tensor {entry.name} is {entry.dtype}; --to gguf writes float tensors "
+                                "(dequantize it first: convert --dtype bf16)")
+    if quantize is None:
+        return entry.dtype if entry.dtype != "F64" else "F32"
+    kind = ggml_type(quantize)
+    if len(entry.shape) < 2 or entry.shape[-1] % kind.block:
+        return "F32"
+    return kind.name
+
+
+def _metadata(model: GgufModel, tensors: list[_Tensor], quantize: str | None) -> list[Row]:
+    kinds = [t.kind for t in tensors]
+    main = ggml_type(quantize).name if quantize else max(sorted(set(kinds)), key=kinds.count, default="F32")
+    rows = list(model.metadata)
+    if not any(r[0] == "general.architecture" for r in rows):
+        rows.insert(0, ("general.architecture", STRING, model.architecture, None))
+    rows += [("general.quantization_version", UINT32, 2, None)]
+    if main in FILE_TYPE:
+        rows += [("general.file_type", UINT32, FILE_TYPE[main], None)]
+    return rows
+
+
+# ----------------------------------------------------------------------------- bytes
+
+
+def _write(path: str, head: bytes, tensors: list[_Tensor], src: Source, *, progress: Any) -> None:
+    total = sum(t.entry.nbytes for t in tensors)
+    done = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, head, path)
+        for t in tensors:
+            written = 0
+            for data in _tensor_bytes(t, src):
+                _write_all(fd, data, path)
+                written += len(data)
+            _write_all(fd, b"\0" * (padded(written) - written), path)
+            done += t.entry.nbytes
+            if progress is not None:
+                progress(done, total)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes | memoryview, path: str) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(f"write to {path} wrote nothing")
+        view = view[written:]
+
+
+def _tensor_bytes(t: _Tensor, src: Source) -> Iterator[bytes]:
+    """The GGUF bytes of one tensor, band by band of rows: copied (same ggml type) or quantized."""
+    from ..formats.quant import matrix_shape
+    from ..layouts.ggml import quantize
+    from ..layouts.gguf_names import permute_rows
+    from ..sources.dequantized import read_rows
+
+    if isinstance(src, GgufSource) and src.names[t.entry.name].kind.name == t.kind:
+        stored = src.names[t.entry.name]
+        for begin in range(0, stored.nbytes, BAND_BYTES):
+            yield src.stored_bytes(stored, begin, min(stored.nbytes, begin + BAND_BYTES))
+        return
+    rows, cols = matrix_shape(t.entry.shape)
+    step = max(1, BAND_BYTES // (4 * max(1, cols)))
+    if t.heads is not None:
+        per_head = rows // t.heads
+        if rows % t.heads or per_head % 2:
+            raise InvalidInputError(f"tensor {t.entry.name}: {rows} rows are not {t.heads} heads of even size")
+        step = max(per_head, step // per_head * per_head)
+    kind = ggml_type(t.kind)
+    for row0 in range(0, rows, step):
+        values = read_rows(src, t.entry, row0, min(rows, row0 + step)).float()
+        if t.heads is not None:
+            values = permute_rows(values, values.shape[0] // (rows // t.heads))
+        yield quantize(values, kind).numpy().tobytes()
