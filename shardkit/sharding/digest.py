@@ -66,8 +66,10 @@ class FileHasher:
     """
 
     def __init__(self) -> None:
-        # One worker: crc32 keeps up with the disk on one core; a second would compete with the copy.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-hash")
+        # Two workers (two shards at once) where there are two cores: after a copy-on-write clone the
+        # copy costs no CPU and the crc32s are all the time left (measured on a loop-mounted XFS, 2 GB
+        # in 5 shards: 0.95 s against 1.0-1.8 s with one); a plain copy runs in the kernel beside them.
+        self._pool = ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1)), thread_name_prefix="shardkit-hash")
         self._stop = threading.Event()  # set when the write fails: Ctrl-C does not wait for a 5 GB hash
         self._pending: dict[str, Future[FileDigest]] = {}
         self._done: dict[str, FileDigest] = {}
