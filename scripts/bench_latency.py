@@ -12,6 +12,10 @@ installed: a benchmark-only dependency), diffusers ``from_pretrained``, ``shardk
 with the page cache evicted, ``dd bs=16M`` and shardkit's two paths. The mount's limit is
 requests in flight × request size ÷ latency; each row also gives the requests the mount saw and
 the peak in flight. Median of ``--runs``.
+
+``--bindfs`` adds the zero-latency FUSE case (issue 34): the same cases through a bindfs
+(FUSE passthrough, C) mount of the same folder, backing files evicted before each run (a cold
+read, as a local FUSE or container volume over a local disk sees it), beside the local disk.
 """
 
 from __future__ import annotations
@@ -93,6 +97,14 @@ def case_lazy(folder: str) -> None:
         _touch(ckpt[k] for k in ckpt)
 
 
+def case_lazy_direct(folder: str) -> None:
+    """``read="direct"``: what ``auto`` chose on every FUSE/network mount before issue 34."""
+    import shardkit
+
+    with shardkit.open(folder, read="direct") as ckpt:
+        _touch(ckpt[k] for k in ckpt)
+
+
 def case_state_dict(folder: str) -> None:
     import shardkit
 
@@ -115,6 +127,7 @@ CASES = {
     "fastsafetensors (nogds, cpu)": case_fastsafetensors,
     "diffusers from_pretrained": case_diffusers,
     "shardkit.open, ck[k] for every key": case_lazy,
+    "shardkit.open(read='direct'), ck[k] for every key": case_lazy_direct,
     "shardkit to_state_dict": case_state_dict,
     "shardkit.load_model(device_map='cpu')": case_load_model,
 }
@@ -173,7 +186,7 @@ def run_latency(folder: str, latency_ms: float, runs: int, cases: list[str]) -> 
     mnt = folder + f"-mnt-{latency_ms}"
     results: dict[str, list[dict]] = {c: [] for c in cases}
     with LatencyMount(folder, mnt, latency_ms=latency_ms) as mount:
-        results["_limit"] = [{"bytes_per_s": mount.limit_bytes_per_s()}]
+        results["_limit"] = [{"bytes_per_s": mount.limit_bytes_per_s() if latency_ms else float("inf")}]
         for r in range(runs):
             for label in cases[r % len(cases):] + cases[: r % len(cases)]:
                 _warm(folder)
@@ -201,6 +214,32 @@ def run_local_cold(folder: str, runs: int) -> dict[str, list[dict]]:
     return results
 
 
+def run_bindfs(folder: str, runs: int, cases: list[str]) -> dict[str, list[dict]]:
+    """Every case ``runs`` times through a bindfs mount of ``folder``, interleaved, backing files evicted."""
+    from benchlib import bindfs_mount
+
+    results: dict[str, list[dict]] = {c: [] for c in cases}
+    with bindfs_mount(folder) as mnt:
+        for r in range(runs):
+            for label in cases[r % len(cases):] + cases[: r % len(cases)]:
+                _evict(folder)
+                result = _child(label, mnt)
+                results[label].append(result)
+                print(f"  bindfs cold run {r + 1}/{runs} {label}: {result.get('s', result.get('error'))}", flush=True)
+    return results
+
+
+def bindfs_table(results: dict[str, list[dict]], nbytes: int) -> str:
+    base = _median(results.get("safetensors load_file (per shard)", [])) or 0.0
+    lines = ["| bindfs (no latency), backing evicted | s (GB/s) | × safetensors | runs s |", "|---|---:|---:|---|"]
+    for label, runs in results.items():
+        t = _median(runs)
+        each = ", ".join(f"{r['s']:.2f}" for r in runs if "s" in r)
+        lines.append(f"| {label} | {t:.2f} ({nbytes / t / 1e9:.2f}) | {base / t:.2f}× | {each} |" if t else
+                     f"| {label} | failed: {runs[0].get('error', '')[:60]} | | |")
+    return "\n".join(lines)
+
+
 def _median(runs: list[dict]) -> float | None:
     times = [r["s"] for r in runs if "s" in r]
     return statistics.median(times) if times else None
@@ -225,7 +264,8 @@ def table(by_latency: dict[float, dict[str, list[dict]]], local: dict[str, list[
         lines.append(f"| {label} | {' | '.join(cells)} |")
     for request_bytes, how in ((128 << 10, "128 KiB (page-cache reads)"), (1 << 20, "1 MiB (O_DIRECT reads)")):
         limits = [by_latency[x]["_limit"][0]["bytes_per_s"] * request_bytes / (128 << 10) for x in lat]
-        cells = " | ".join(f"{nbytes / limit:.2f} ({limit * 1e-9:.2f})" for limit in limits)
+        cells = " | ".join(f"{nbytes / limit:.2f} ({limit * 1e-9:.2f})" if limit != float("inf") else "none"
+                           for limit in limits)
         lines.append(f"| mount limit: 16 in flight × {how} ÷ latency | {cells} |")
     if local:
         dd = _median(local["dd bs=16M (cold)"]) or 0.0
@@ -237,7 +277,7 @@ def table(by_latency: dict[float, dict[str, list[dict]]], local: dict[str, list[
 
 
 def main_latency(latencies: list[float], *, runs: int, work: str, model: str, keep: bool, local: bool,
-                 only: list[str] | None = None) -> int:
+                 only: list[str] | None = None, bindfs: bool = False) -> int:
     sys.path.insert(0, HERE)
     from benchlib import filesystem_line, machine_line
     from latency_mount import fuse_unavailable
@@ -256,12 +296,17 @@ def main_latency(latencies: list[float], *, runs: int, work: str, model: str, ke
     print(f"{model} UNet fp16: {nbytes / 1e9:.2f} GB in {len(_shards(folder))} shards, {folder} "
           f"({filesystem_line(folder)}); {machine_line()}", flush=True)
     by_latency = {x: run_latency(folder, x, runs, cases) for x in latencies}
+    passthrough = run_bindfs(folder, runs, [c for c in cases if not c.startswith("floor")]) if bindfs else {}
     cold = run_local_cold(folder, runs) if local else {}
     print()
     print(f"{model} UNet fp16, {nbytes / 1e9:.2f} GB, {len(_shards(folder))} shards; load + touch every page of "
           f"every weight, median of {runs} runs in fresh processes, imports excluded; {machine_line()}:")
     print()
-    print(table(by_latency, cold, nbytes))
+    if by_latency:
+        print(table(by_latency, cold, nbytes))
+    if passthrough:
+        print()
+        print(bindfs_table(passthrough, nbytes))
     if not keep:
         shutil.rmtree(work, ignore_errors=True)
     return 0

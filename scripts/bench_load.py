@@ -38,6 +38,11 @@ SD 1.5 UNet in fp16 read through a FUSE mount that sleeps that long in every rea
 ``to_state_dict`` and ``load_model``, plus the local cold disk and the mount's limit.
 
     .venv/bin/python scripts/bench_load.py --latency-ms 0.5 2 5 --runs 3
+
+``--bindfs`` adds the zero-latency FUSE case to it (a bindfs mount, backing files evicted before
+each run); ``--latency-ms 0`` is the latency mount adding nothing (a Python FUSE server).
+
+    .venv/bin/python scripts/bench_load.py --latency-ms 0 2 --bindfs --runs 3
 """
 
 from __future__ import annotations
@@ -370,18 +375,20 @@ def main() -> int:
                         help="the read-backend matrix (cold/warm, local/FUSE, each backend) instead")
     parser.add_argument("--only", action="append", default=[], metavar="WORDS",
                         help="with --read-backends or --latency-ms: only cases whose label contains WORDS (repeatable)")
-    parser.add_argument("--latency-ms", type=float, nargs="+", metavar="MS",
+    parser.add_argument("--latency-ms", type=float, nargs="*", metavar="MS",
                         help="the latency benchmark through a FUSE mount adding MS per read request (issue 22)")
     parser.add_argument("--latency-model", default="sd15", choices=["sd15", "tiny"],
                         help="with --latency-ms: the UNet to build (sd15: 1.7 GB fp16)")
     parser.add_argument("--no-local", action="store_true", help="with --latency-ms: skip the local cold-disk rows")
+    parser.add_argument("--bindfs", action="store_true",
+                        help="with --latency-ms (may be empty): also the zero-latency FUSE case, a cold bindfs mount")
     args = parser.parse_args()
-    if args.latency_ms:
+    if args.latency_ms is not None and (args.latency_ms or args.bindfs):
         sys.path.insert(0, HERE)
         from bench_latency import main_latency
 
         return main_latency(args.latency_ms, runs=args.runs, work=args.work, model=args.latency_model,
-                            keep=args.keep, local=not args.no_local, only=args.only)
+                            keep=args.keep, local=not args.no_local, only=args.only, bindfs=args.bindfs)
     if args.read_backends:
         return main_read(args)
     import platform

@@ -190,3 +190,37 @@ def test_refuses_journal_pipeline_folders_pickles_and_missing_paths(tmp_path) ->
     (tmp_path / "empty").mkdir()
     with pytest.raises(SourceNotFoundError, match="no .safetensors"):
         shardkit.open(tmp_path / "empty")
+
+
+UNCLOSED_LOOP = """
+import os, sys
+import shardkit
+path, stop = sys.argv[1], int(sys.argv[2])
+fd = os.open(path, os.O_RDONLY)
+os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold: reads are in flight, not served from the cache
+os.close(fd)
+ck = shardkit.open(path, read="pread")
+for i, k in enumerate(ck):
+    ck[k].sum()
+    if i == stop:
+        break  # leave the read-ahead running
+print("done")
+"""
+
+
+def test_unclosed_checkpoint_exits_cleanly_at_interpreter_exit(tmp_path) -> None:
+    """Issue 34: ``ck = shardkit.open(p); for k in ck: ck[k]`` with no close() must exit 0 with nothing
+    on stderr: the read-ahead is cancelled and the reader threads joined before interpreter shutdown
+    (they used to be left running: a warning every time, SIGABRT sometimes)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "big.safetensors"
+    safetensors.torch.save_file({f"w{i}": torch.randn(1 << 20) for i in range(48)}, str(path))  # 192 MiB
+    script = tmp_path / "loop.py"
+    script.write_text(UNCLOSED_LOOP)
+    for run in range(6):
+        stop = -1 if run % 2 else 0  # the whole loop, or stop after the first tensor with reads in flight
+        done = subprocess.run([sys.executable, str(script), str(path), str(stop)], capture_output=True, text=True,
+                              timeout=120)
+        assert (done.returncode, done.stderr, done.stdout) == (0, "", "done\n"), f"run {run}"

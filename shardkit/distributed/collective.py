@@ -189,7 +189,7 @@ def _write_owned(run: CollectiveWrite, gather: Any) -> dict[str, FileDigest]:
                     path, writes = run.local(run.paths[shard.filename]), [by_name[n] for n in shard.names]
                     written = write_safetensors(path, writes, job.source, metadata=metadata, progress=tick, sync=sync)
                     cloned_bytes += written.cloned_bytes
-                    record.shard(job.path(shard.filename), path, writes, known=written.crc32s)
+                    record.shard(job.path(shard.filename), path, writes, known=written.crc32s, source=job.source)
                 if gather is not None:
                     gather.skip_through(shard.names)
             sync.wait()

@@ -255,24 +255,36 @@ def read_digests(path: str, ranges: list[Range], *, sha256: bool = True,
 
 def _crc_ranges(path: str, ranges: list[Range], cancelled: Callable[[], bool] | None) -> list[str]:
     """crc32 of each range, reading only those bytes (a shard's carried tensors are skipped)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return crc_ranges_fd(fd, ranges, where=path, cancelled=cancelled)
+    finally:
+        os.close(fd)
+
+
+def crc_ranges_fd(fd: int, ranges: list[Range], *, where: str, cancelled: Callable[[], bool] | None = None) -> list[str]:
+    """crc32 (8 hex digits) of each range of the open file ``fd`` (``where`` names it in errors).
+
+    Raises:
+        OSError: a read failed, or the file ends inside a range.
+        InterruptedError: ``cancelled()`` returned True between chunks.
+    """
     crcs = []
     buffer = mmap.mmap(-1, READ_BYTES)
     view = memoryview(buffer)
-    fd = os.open(path, os.O_RDONLY)
     try:
         for _, begin, end in ranges:
             crc, pos = 0, begin
             while pos < end:
                 if cancelled is not None and cancelled():
-                    raise InterruptedError(f"{path}: hashing cancelled")
+                    raise InterruptedError(f"{where}: hashing cancelled")
                 n = os.preadv(fd, [view[:min(READ_BYTES, end - pos)]], pos)
                 if n == 0:
-                    raise OSError(errno.EIO, f"{path} ended at byte {pos}, inside a range that should reach {end}")
+                    raise OSError(errno.EIO, f"{where} ended at byte {pos}, inside a range that should reach {end}")
                 crc = zlib.crc32(view[:n], crc)
                 pos += n
             crcs.append(f"{crc:08x}")
     finally:
-        os.close(fd)
         view.release()
         buffer.close()
     return crcs

@@ -292,7 +292,7 @@ def _write_shards(job: ShardJob, path_for: Callable[[str], str], metadata: Mappi
                                     progress=tick, sync=sync)
         job.cloned_bytes += written.cloned_bytes
         # hashed on a worker while the next shard is copied; what went through Python was crc'd on the way
-        record.shard(job.path(shard.filename), path, writes, known=written.crc32s)
+        record.shard(job.path(shard.filename), path, writes, known=written.crc32s, source=job.source)
 
 
 def shard_metadata(job: ShardJob, metadata: Mapping[str, str]) -> dict[str, str]:
