@@ -68,8 +68,8 @@ class Fp4Layout:
         scheme: :data:`MODELOPT_NVFP4`, :data:`COMPRESSED_NVFP4` or :data:`MXFP4`.
         block: values per block scale (16 or 32).
         weights: every packed weight whose scales are present and fit, in the source's order.
-        extra: names that are neither weights nor passed through: scales, input and kv-cache scales, and
-            the packed tensors of the weights (replaced by their dense ``output``).
+        extra: the scales of ``weights`` and their modules' input and kv-cache scales: not weights, gone once
+            dequantized (the packed tensors are replaced by their dense ``output``).
         scale_dtype: the block scales' dtype code.
         problems: one line per missing, misshapen or unrecorded scale or recipe, naming the tensor.
     """
@@ -156,7 +156,7 @@ def _modelopt(by_name: Mapping[str, TensorEntry], qconfig: Mapping[str, Any]) ->
                               problems)
         if found is not None:
             weights.append(found)
-    extra = _names_with(by_name, (".weight_scale", ".weight_scale_2", ".input_scale", ".k_scale", ".v_scale"))
+    extra = _scales_of(weights, by_name, (".input_scale", ".k_scale", ".v_scale"))
     return Fp4Layout(MODELOPT_NVFP4, 16, tuple(weights), frozenset(extra), E4M3, tuple(problems))
 
 
@@ -177,8 +177,8 @@ def _compressed(by_name: Mapping[str, TensorEntry], qconfig: Mapping[str, Any]) 
                               f"{module}.weight_global_scale", problems, output=f"{module}.weight")
         if found is not None:
             weights.append(found)
-    extra = _names_with(by_name, (".weight_scale", ".weight_global_scale", ".input_global_scale", ".input_scale",
-                                  ".weight_zero_point", ".weight_packed", ".k_scale", ".v_scale"))
+    extra = _scales_of(weights, by_name, (".input_global_scale", ".input_scale", ".weight_zero_point", ".k_scale",
+                                          ".v_scale"))
     return Fp4Layout(COMPRESSED_NVFP4, 16, tuple(weights), frozenset(extra), E4M3, tuple(problems))
 
 
@@ -235,13 +235,16 @@ def _mxfp4(by_name: Mapping[str, TensorEntry], qconfig: Mapping[str, Any]) -> Fp
         experts, rows, groups, _ = blocks.shape
         weights.append(PackedWeight(prefix + "_blocks", prefix, prefix + "_scales", None, (experts, groups * 32, rows),
                                     transposed=True))
-    extra = {n for n in by_name if n.endswith(("_blocks", "_scales")) and n.rsplit("_", 1)[0] in prefixes}
+    extra = _scales_of(weights, by_name, ())
     scale_dtype = next((by_name[w.scale].dtype for w in weights), "U8")
     return Fp4Layout(MXFP4, 32, tuple(weights), frozenset(extra), scale_dtype, tuple(problems))
 
 
-def _names_with(by_name: Mapping[str, TensorEntry], suffixes: tuple[str, ...]) -> set[str]:
-    return {n for n in by_name if n.endswith(suffixes)}
+def _scales_of(weights: list[PackedWeight], by_name: Mapping[str, TensorEntry], suffixes: tuple[str, ...]) -> set[str]:
+    """The scales of ``weights`` and their modules' ``suffixes`` (input scales...): a broken weight's stay."""
+    modules = {w.output.rpartition(".")[0] for w in weights}
+    found = {s for w in weights for s in (w.scale, w.global_scale) if s}
+    return found | {n for n in by_name if n.endswith(suffixes) and n.rpartition(".")[0] in modules} if suffixes else found
 
 
 def _order(by_name: Mapping[str, TensorEntry], suffix: str) -> Callable[[str], tuple[int, str]]:

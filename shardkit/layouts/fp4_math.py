@@ -18,13 +18,16 @@ weight's own dtype as llm-compressor observes it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+from .fp4 import COMPRESSED_NVFP4, MXFP4, Fp4Layout
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["E2M1_VALUES", "dequantize_mxfp4", "dequantize_nvfp4", "quantize_mxfp4", "quantize_nvfp4",
-           "nvfp4_global_scale", "unpack_e2m1"]
+           "nvfp4_global_scale", "scale_problems", "unpack_e2m1"]
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 E2M1_MAX = 6.0
@@ -146,3 +149,22 @@ def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
 def _pack(codes: torch.Tensor) -> torch.Tensor:
     pairs = codes.reshape(-1, 2)
     return (pairs[:, 0] | (pairs[:, 1] << 4)).reshape(codes.shape[0], -1)
+
+
+def scale_problems(layout: Fp4Layout, read: Callable[[str], torch.Tensor]) -> list[str]:
+    """One line per scale tensor of ``layout`` holding a NaN or an infinity (or a zero divisor), read by ``read``."""
+    import torch
+
+    problems = []
+    for weight in layout.weights:
+        scale = read(weight.scale)
+        values = (scale.view(torch.uint8).to(torch.float32) - 127).exp2().masked_fill(scale.view(torch.uint8) == 255,
+                                                                                     float("nan")) \
+            if layout.scheme == MXFP4 else scale.to(torch.float32)
+        if not bool(torch.isfinite(values).all()):
+            problems.append(f"scale {weight.scale} of {weight.packed} holds non-finite values")
+        if weight.global_scale is not None:
+            value = read(weight.global_scale).to(torch.float32)
+            if not bool(torch.isfinite(value).all()) or (layout.scheme == COMPRESSED_NVFP4 and bool((value == 0).any())):
+                problems.append(f"global scale {weight.global_scale} of {weight.packed} is {value.reshape(-1).tolist()}")
+    return problems

@@ -27,13 +27,17 @@ from typing import Any
 from ..errors import InvalidInputError
 from ..formats.layout import read_config
 from ..formats.quant import find_layout
+from ..layouts.fp4 import Fp4Layout
+from ..layouts.registry import find_quant_layout, quant_config
 from ..sources import Source
 from ..sources.dequantized import DequantizedSource
+from ..sources.dequantized_fp4 import Fp4DequantizedSource
 from ..sources.quantized import QuantizedSource
 from ..units import LOSSLESS_TARGETS
 from .options import WriteOptions, warn
 
-__all__ = ["config_edits", "dequantized_for_mapping", "quant_report", "quant_view"]
+__all__ = ["config_edits", "dequantized_for_mapping", "dropped_side_files", "quant_report", "quant_view"]
+VIEWS = (DequantizedSource, Fp4DequantizedSource, QuantizedSource)
 
 
 def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset[str]]:
@@ -43,7 +47,10 @@ def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset
         InvalidInputError: an inconsistent scaled checkpoint (see :func:`~shardkit.formats.quant.find_layout`),
             or a scaled one asked for fp8 or ``quantize``.
     """
-    layout = find_layout(src.entries(), config=source_config(src), metadata=src.metadata(), where=src.description)
+    layout = find_quant_layout(src.entries(), config=source_config(src), metadata=src.metadata(),
+                               where=src.description, allow_lossy=options.allow_lossy)
+    if isinstance(layout, Fp4Layout) and (refusal := layout.refusal(src.description)):
+        warn(f"{refusal.split('; every fp4 weight')[0]}: --allow-lossy copies those tensors as they are")
     if layout is None:
         if options.quantize is None:
             return src, frozenset()
@@ -59,13 +66,15 @@ def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset
         raise InvalidInputError(f"{src.description}: --dtype {options.dtype} of a checkpoint already in "
                                 f"{layout.describe()} would drop its scales; copy it as is (no --dtype) or dequantize "
                                 "(--dtype bf16)")
+    if isinstance(layout, Fp4Layout):
+        return Fp4DequantizedSource(src, layout, cast_to, allow_lossy=options.allow_lossy), frozenset()
     return DequantizedSource(src, layout, cast_to), frozenset()
 
 
 def source_config(src: Source) -> dict[str, Any] | None:
-    """The ``config.json`` beside ``src``'s files, if any."""
+    """The ``config.json`` beside ``src``'s files (with ModelOpt's ``hf_quant_config.json``), if any."""
     folder = _config_folder(src)
-    return read_config(folder) if folder else None
+    return quant_config(folder) if folder else None
 
 
 def _config_folder(src: Source) -> str | None:
@@ -74,7 +83,7 @@ def _config_folder(src: Source) -> str | None:
 
 def quant_report(src: Source) -> dict[str, Any] | None:
     """What :func:`quant_view`'s source did (scheme, kept modules, per-tensor error), or None."""
-    return src.report() if isinstance(src, (DequantizedSource, QuantizedSource)) else None
+    return src.report() if isinstance(src, VIEWS) else None
 
 
 def config_edits(output: str, jobs: Sequence[tuple[str, Source]],
@@ -90,7 +99,7 @@ def config_edits(output: str, jobs: Sequence[tuple[str, Source]],
     sides = {name: path for path, name in side_files}
     edits: dict[str, bytes] = {}
     for name, src in jobs:
-        if not isinstance(src, (DequantizedSource, QuantizedSource)):
+        if not isinstance(src, VIEWS):
             continue
         path = sides.get(name)
         folder = _config_folder(src)
@@ -102,6 +111,12 @@ def config_edits(output: str, jobs: Sequence[tuple[str, Source]],
         if config is not None:
             edits[name] = (json.dumps(src.edit_config(config), indent=2) + "\n").encode()
     return edits
+
+
+def dropped_side_files(jobs: Sequence[tuple[str, Source]]) -> frozenset[str]:
+    """Side files a dequantizing job leaves out (``hf_quant_config.json`` beside its config.json)."""
+    return frozenset(os.path.join(os.path.dirname(name), dropped) for name, src in jobs
+                     if isinstance(src, Fp4DequantizedSource) for dropped in src.dropped_side_files())
 
 
 def dequantized_for_mapping(tensors: Mapping[str, Any], *, options: WriteOptions, where: str) -> dict[str, Any]:
