@@ -63,13 +63,22 @@ def ct_nvfp4_compress(w: torch.Tensor) -> dict[str, torch.Tensor]:
                                            "weight_zero_point": zero}, scheme)
 
 
-def ct_nvfp4_decompress(module: dict[str, torch.Tensor]) -> torch.Tensor:
+def ct_nvfp4_decompress(module: dict[str, torch.Tensor], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """compressed-tensors' decompression (bf16); another ``dtype``: its ``dequantize`` of the same unpacked
+    values and bf16 scales, kept in that dtype."""
     from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
     from compressed_tensors.quantization.quant_scheme import NVFP4A16
 
     scheme = QuantizationScheme(targets=["Linear"], **NVFP4A16)
-    return NVFP4PackedCompressor.decompress(dict(module), scheme)["weight"]
+    if dtype == torch.bfloat16:
+        return NVFP4PackedCompressor.decompress(dict(module), scheme)["weight"]
+    packed = module["weight_packed"]
+    values = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2)
+    return dequantize(x_q=values, scale=module["weight_scale"].to(values.dtype), args=scheme.weights,
+                      global_scale=module["weight_global_scale"], dtype=dtype)
 
 
 def save_ct_nvfp4(folder: Path, state: dict[str, torch.Tensor], config: dict[str, Any], *,
