@@ -16,6 +16,7 @@ from helpers_fp4 import (
     save_gpt_oss_mxfp4,
     save_modelopt_nvfp4,
 )
+from helpers_hub import hub  # noqa: F401 (a fixture)
 from helpers_quant import llama  # noqa: F401 (a fixture)
 from safetensors.torch import load_file, save_file
 
@@ -256,3 +257,23 @@ def test_a_consistent_fp4_checkpoint_verifies_and_copies_whole(gpt_oss, tmp_path
         written.update(load_file(path))
     stored = load_file(folder / "model.safetensors")
     assert written.keys() == stored.keys() and all(torch.equal(written[k], stored[k]) for k in stored)
+
+
+@pytest.mark.hub
+def test_push_refuses_an_mxfp4_checkpoint_missing_scales_unless_allow_lossy(gpt_oss, hub, tmp_path: Path) -> None:
+    from helpers_hub import hub_env, run_shardkit
+
+    folder, _ = gpt_oss
+    src = tmp_path / "broken"
+    src.mkdir()
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.0.mlp.experts.gate_up_proj_scales"]
+    save_file(tensors, src / "model.safetensors")
+    (src / "config.json").write_text((folder / "config.json").read_text())
+    env = hub_env(hub, tmp_path / "home")
+    refused = run_shardkit(env, "push", src, "alice/fp4")
+    line = assert_one_line_error(refused, code=2, contains="--allow-lossy")
+    assert "model.layers.0.mlp.experts.gate_up_proj_scales" in line and ("model", "alice/fp4") not in hub.state.repos
+    pushed = run_shardkit(env, "push", src, "alice/fp4", "--allow-lossy", "-q")
+    assert pushed.returncode == 0, pushed.stderr
+    assert "model.safetensors" in hub.state.files_at("alice/fp4")

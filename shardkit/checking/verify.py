@@ -36,6 +36,7 @@ class Finding:
     file: str
     tensor: str | None
     message: str
+    quantization: bool = False  # a quantized weight's scales or recipe: ``push --allow-lossy`` sends it anyway
 
     def __str__(self) -> str:
         where = f"{self.file}: tensor {self.tensor!r}" if self.tensor is not None else self.file
@@ -242,7 +243,7 @@ def _quantization_findings(path: str, layout: Layout, headers: dict[str, HeaderR
         if found is None:  # or an inconsistent fp8 layout: this call says why
             find_quant_layout(entries, config=config, metadata=metadata, where=where)
     except InvalidInputError as e:
-        return [Finding(prefix + where, None, str(e).removeprefix(f"{where}: "))]
+        return [Finding(prefix + where, None, str(e).removeprefix(f"{where}: "), quantization=True)]
     if not isinstance(found, Fp4Layout):
         return []
     problems = list(found.problems)
@@ -254,7 +255,7 @@ def _quantization_findings(path: str, layout: Layout, headers: dict[str, HeaderR
         with open_source(path) as source:
             by_name = {e.name: e for e in source.entries()}
             problems += scale_problems(found, lambda name: read_whole(source, by_name[name]))
-    return [Finding(prefix + where, None, f"{found.scheme}: {p}") for p in problems]
+    return [Finding(prefix + where, None, f"{found.scheme}: {p}", quantization=True) for p in problems]
 
 
 def _compare_entries(layout: Layout, headers: dict[str, HeaderRead], source: Any, label: str) -> TensorComparator:
