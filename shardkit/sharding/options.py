@@ -40,7 +40,8 @@ class WriteOptions:
             saves reading back the tensors of a source that has none.
         progress: called as ``progress(done_bytes, total_bytes)`` while bytes are written.
         quantize: ``"fp8-block"`` (transformers FineGrainedFP8), ``"fp8-channel"`` or ``"fp8-tensor"``
-            (compressed-tensors): weights to e4m3fn with scales (see :mod:`shardkit.sharding.quant`).
+            (compressed-tensors): weights to e4m3fn with scales (see :mod:`shardkit.sharding.quant`);
+            ``"nvfp4"`` (compressed-tensors nvfp4-pack-quantized) or ``"mxfp4"`` (gpt-oss MoE experts).
 
     Invalid values (a non-positive size, a lossy cast without ``allow_lossy``) are refused when
     the object is made, before any source is opened.
@@ -73,9 +74,11 @@ class WriteOptions:
         code = resolve_cast(self.dtype, allow_lossy=self.allow_lossy)
         if self.quantize is not None:
             from ..formats.quant import QUANTIZE_SCHEMES
+            from ..sources.quantized_fp4 import FP4_SCHEMES
 
-            if self.quantize not in QUANTIZE_SCHEMES:
-                raise InvalidInputError(f"--quantize {self.quantize}: expected one of {', '.join(QUANTIZE_SCHEMES)}")
+            if self.quantize not in QUANTIZE_SCHEMES + FP4_SCHEMES:
+                raise InvalidInputError(f"--quantize {self.quantize}: expected one of "
+                                        f"{', '.join(QUANTIZE_SCHEMES + FP4_SCHEMES)}")
             if code is not None and code not in LOSSLESS_TARGETS:
                 raise InvalidInputError(f"--quantize {self.quantize} with --dtype {self.dtype}: --dtype casts the "
                                         "tensors --quantize keeps (norms, embeddings...); give bf16, fp16 or fp32")

@@ -33,11 +33,12 @@ from ..sources import Source
 from ..sources.dequantized import DequantizedSource
 from ..sources.dequantized_fp4 import Fp4DequantizedSource
 from ..sources.quantized import QuantizedSource
+from ..sources.quantized_fp4 import FP4_SCHEMES, Fp4QuantizedSource
 from ..units import LOSSLESS_TARGETS
 from .options import WriteOptions, warn
 
 __all__ = ["config_edits", "dequantized_for_mapping", "dropped_side_files", "quant_report", "quant_view"]
-VIEWS = (DequantizedSource, Fp4DequantizedSource, QuantizedSource)
+VIEWS = (DequantizedSource, Fp4DequantizedSource, QuantizedSource, Fp4QuantizedSource)
 
 
 def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset[str]]:
@@ -54,7 +55,7 @@ def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset
     if layout is None:
         if options.quantize is None:
             return src, frozenset()
-        view = QuantizedSource(src, options.quantize)
+        view = (Fp4QuantizedSource if options.quantize in FP4_SCHEMES else QuantizedSource)(src, options.quantize)
         return view, view.scale_names()
     if options.quantize is not None:
         raise InvalidInputError(f"{src.description}: already quantized ({layout.describe()}); --quantize applies to a "
