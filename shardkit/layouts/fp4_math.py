@@ -37,14 +37,15 @@ MXFP4_BLOCK = 32
 
 
 def unpack_e2m1(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``packed`` (..., n) uint8 as (..., 2n) values in ``dtype``: low nibble first."""
+    """``packed`` (..., n) uint8 as (..., 2n) values in ``dtype``: low nibble first (one lookup per byte in a
+    256-entry table of value pairs)."""
     import torch
 
     lut = torch.tensor(E2M1_VALUES, dtype=dtype, device=packed.device)
-    out = torch.empty((*packed.shape[:-1], packed.shape[-1] * 2), dtype=dtype, device=packed.device)
-    out[..., 0::2] = lut[(packed & 0x0F).to(torch.int)]
-    out[..., 1::2] = lut[(packed >> 4).to(torch.int)]
-    return out
+    codes = torch.arange(256, dtype=torch.int32, device=packed.device)
+    pairs = torch.stack((lut[codes & 0x0F], lut[codes >> 4]), dim=-1)
+    out = torch.index_select(pairs, 0, packed.reshape(-1).to(torch.int32))
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def dequantize_nvfp4(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, *, modelopt: bool,
@@ -157,11 +158,9 @@ def scale_problems(layout: Fp4Layout, read: Callable[[str], torch.Tensor]) -> li
 
     problems = []
     for weight in layout.weights:
-        scale = read(weight.scale)
-        values = (scale.view(torch.uint8).to(torch.float32) - 127).exp2().masked_fill(scale.view(torch.uint8) == 255,
-                                                                                     float("nan")) \
-            if layout.scheme == MXFP4 else scale.to(torch.float32)
-        if not bool(torch.isfinite(values).all()):
+        codes = read(weight.scale).view(torch.uint8)  # e4m3fn: NaN is S.1111.111, no infinity; e8m0: NaN is 0xFF
+        nan = (codes == 0xFF) if layout.scheme == MXFP4 else (codes & 0x7F) == 0x7F
+        if bool(nan.any()):
             problems.append(f"scale {weight.scale} of {weight.packed} holds non-finite values")
         if weight.global_scale is not None:
             value = read(weight.global_scale).to(torch.float32)
