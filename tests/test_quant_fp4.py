@@ -277,3 +277,26 @@ def test_push_refuses_an_mxfp4_checkpoint_missing_scales_unless_allow_lossy(gpt_
     pushed = run_shardkit(env, "push", src, "alice/fp4", "--allow-lossy", "-q")
     assert pushed.returncode == 0, pushed.stderr
     assert "model.safetensors" in hub.state.files_at("alice/fp4")
+
+
+@pytest.mark.hub
+def test_info_over_hf_names_modelopt_nvfp4_from_headers_and_hf_quant_config(llama, hub, tmp_path: Path) -> None:
+    from helpers_hub import hub_env, run_shardkit
+
+    src = _nvfp4("modelopt", llama, tmp_path)
+    hub.state.add_repo("nvidia/tiny-nvfp4", {p.name: p.read_bytes() for p in src.iterdir()})
+    proc = run_shardkit(hub_env(hub, tmp_path / "home"), "info", "hf://nvidia/tiny-nvfp4", "--json")
+    assert proc.returncode == 0, proc.stderr
+    quant = json.loads(proc.stdout)["quantization"]
+    assert quant["scheme"] == MODELOPT_NVFP4 and quant["scaled_weights"] == 14 and "error" not in quant
+
+
+def test_hostile_hf_quant_config_is_one_line(llama, tmp_path: Path, run_cli) -> None:
+    src = _nvfp4("modelopt", llama, tmp_path)
+    for hostile in (b"{" * 100, b"[" * 200_000):
+        (src / "hf_quant_config.json").write_bytes(hostile)
+        assert_one_line_error(run_cli("convert", src, tmp_path / "out", "--dtype", "bf16"), code=2,
+                              contains="hf_quant_config.json")
+    (src / "hf_quant_config.json").write_text(json.dumps({"quantization": "NVFP4"}))  # not an object: no recipe
+    assert_one_line_error(run_cli("convert", src, tmp_path / "out", "--dtype", "bf16"), code=2,
+                          contains="quantization metadata")

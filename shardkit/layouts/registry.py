@@ -75,7 +75,7 @@ def quant_config(folder: str) -> dict[str, Any] | None:
         raise InvalidInputError(f"{path}: larger than {MAX_QUANT_CONFIG_BYTES} bytes; not a quantization config")
     try:
         doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nesting too deep
         raise InvalidInputError(f"{path}: not a readable JSON file ({e}); fix or remove it") from e
     quant = doc.get("quantization") if isinstance(doc, dict) else None
     if not isinstance(quant, dict):
