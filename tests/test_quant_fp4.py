@@ -61,6 +61,7 @@ def test_info_names_nvfp4_layouts_from_headers(kind: str, scheme: str, llama, tm
     assert q["shape"] == [256, 256] and q["weight"].endswith(("q_proj.weight", "q_proj.weight_packed"))
     assert len(q["scales"]) == 2
     assert summary["parameter_count"] == sum(t.numel() for t in llama[1].values())
+    assert summary["memory_bytes"]["bf16"] == sum(t.numel() * 2 for t in llama[1].values())  # dequantized size
     text = run_cli("info", src)
     assert f"nvfp4 (e2m1), 16-value blocks, fp8 (e4m3) scales + float32 global scale ({scheme})" in text.stdout
 

@@ -166,7 +166,11 @@ def _checkpoint_info(path: str) -> CheckpointInfo:
     result.quantization, scales = _quantization(target, entries, metadata)
     _summarize(result, [("", e) for e in entries], scales=scales)
     packed = {w["weight"]: w["shape"] for w in (result.quantization or {}).get("weights", [])}
-    result.parameter_count += sum(math.prod(shape) - math.prod(e.shape) for e in entries if (shape := packed.get(e.name)))
+    for entry in entries:  # fp4: a packed uint8 weight stands for twice its elements, dequantized
+        if (shape := packed.get(entry.name)) is not None:
+            result.parameter_count += math.prod(shape) - math.prod(entry.shape)
+            for target, bits in (("fp32", 32), ("bf16", 16)):
+                result.memory_bytes[target] += math.prod(shape) * bits // 8 - entry.nbytes
     return result
 
 
