@@ -246,6 +246,12 @@ def test_non_finite_scale_is_flagged_and_refused(llama, tmp_path: Path, run_cli)
     assert verify.exit_code == 1 and "model.layers.0.mlp.up_proj.weight_scale" in verify.stdout
     line = assert_one_line_error(run_cli("convert", src, tmp_path / "out", "--dtype", "bf16"), code=2)
     assert "model.layers.0.mlp.up_proj.weight_scale" in line
+    lossy = run_cli("convert", src, tmp_path / "lossy", "--dtype", "bf16", "--allow-lossy")
+    assert lossy.exit_code == 0, lossy.stderr
+    written = load_file(tmp_path / "lossy" / "model.safetensors")
+    assert written["model.layers.0.mlp.up_proj.weight"].dtype == torch.uint8  # kept packed, with its scales
+    assert "model.layers.0.mlp.up_proj.weight_scale" in written
+    assert written["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
 
 
 def test_a_consistent_fp4_checkpoint_verifies_and_copies_whole(gpt_oss, tmp_path: Path, run_cli) -> None:

@@ -254,7 +254,7 @@ def _quantization_findings(path: str, layout: Layout, headers: dict[str, HeaderR
 
         with open_source(path) as source:
             by_name = {e.name: e for e in source.entries()}
-            problems += scale_problems(found, lambda name: read_whole(source, by_name[name]))
+            problems += [line for _, line in scale_problems(found, lambda name: read_whole(source, by_name[name]))]
     return [Finding(prefix + where, None, f"{found.scheme}: {p}", quantization=True) for p in problems]
 
 

@@ -212,7 +212,8 @@ def _nvfp4_weight(by_name: Mapping[str, TensorEntry], packed_name: str, scale_na
 def _mxfp4(by_name: Mapping[str, TensorEntry], qconfig: Mapping[str, Any]) -> Fp4Layout | None:
     recorded = qconfig.get("quant_method") == "mxfp4"
     prefixes = {n[: -len("_blocks")] for n, e in by_name.items() if n.endswith("_blocks") and e.dtype == "U8"}
-    prefixes |= {n[: -len("_scales")] for n, e in by_name.items() if n.endswith("_scales") and e.dtype in E8M0}
+    if recorded:  # scales without their blocks: only where the recipe says MXFP4 (other formats name scales so)
+        prefixes |= {n[: -len("_scales")] for n, e in by_name.items() if n.endswith("_scales") and e.dtype in E8M0}
     if not prefixes:
         return None
     problems = [] if recorded else ["no quantization metadata: config.json quantization_config (quant_method "

@@ -152,8 +152,9 @@ def _pack(codes: torch.Tensor) -> torch.Tensor:
     return (pairs[:, 0] | (pairs[:, 1] << 4)).reshape(codes.shape[0], -1)
 
 
-def scale_problems(layout: Fp4Layout, read: Callable[[str], torch.Tensor]) -> list[str]:
-    """One line per scale tensor of ``layout`` holding a NaN or an infinity (or a zero divisor), read by ``read``."""
+def scale_problems(layout: Fp4Layout, read: Callable[[str], torch.Tensor]) -> list[tuple[str, str]]:
+    """(packed weight, one line) per scale tensor of ``layout`` holding a NaN or an infinity (or a zero divisor),
+    read by ``read``."""
     import torch
 
     problems = []
@@ -161,9 +162,10 @@ def scale_problems(layout: Fp4Layout, read: Callable[[str], torch.Tensor]) -> li
         codes = read(weight.scale).view(torch.uint8)  # e4m3fn: NaN is S.1111.111, no infinity; e8m0: NaN is 0xFF
         nan = (codes == 0xFF) if layout.scheme == MXFP4 else (codes & 0x7F) == 0x7F
         if bool(nan.any()):
-            problems.append(f"scale {weight.scale} of {weight.packed} holds non-finite values")
+            problems.append((weight.packed, f"scale {weight.scale} of {weight.packed} holds non-finite values"))
         if weight.global_scale is not None:
             value = read(weight.global_scale).to(torch.float32)
             if not bool(torch.isfinite(value).all()) or (layout.scheme == COMPRESSED_NVFP4 and bool((value == 0).any())):
-                problems.append(f"global scale {weight.global_scale} of {weight.packed} is {value.reshape(-1).tolist()}")
+                problems.append((weight.packed, f"global scale {weight.global_scale} of {weight.packed} is "
+                                                f"{value.reshape(-1).tolist()}"))
     return problems

@@ -43,10 +43,10 @@ class Fp4DequantizedSource(ViewSource):
         self._by_name = {e.name: e for e in inner.entries()}
         problems = scale_problems(layout, lambda name: read_whole(inner, self._by_name[name]))
         if problems and not allow_lossy:
-            raise InvalidInputError(f"{inner.description}: {layout.scheme}: {'; '.join(problems[:3])}; dequantized, "
-                                    "these weights would be NaN or infinite (re-export the checkpoint)")
-        broken = {w.packed for w in layout.weights if any(w.scale in p or (w.global_scale or "\0") in p
-                                                          for p in problems)}
+            raise InvalidInputError(f"{inner.description}: {layout.scheme}: {'; '.join(p for _, p in problems[:3])}; "
+                                    "dequantized, these weights would be NaN or infinite (re-export the checkpoint, or "
+                                    "pass --allow-lossy to copy them as they are)")
+        broken = {packed for packed, _ in problems}
         self._packed = {w.packed: w for w in layout.weights if w.packed not in broken}
         self._dense = {w.output: w for w in self._packed.values()}
         dropped = layout.extra - {s for w in layout.weights if w.packed in broken for s in (w.scale, w.global_scale)}
