@@ -178,22 +178,36 @@ def _checkpoint_info(path: str) -> CheckpointInfo:
                                       for e in entries) for k, bits in MEMORY_TARGETS.items()}
         return result
     _summarize(result, [("", e) for e in entries], scales=scales)
+    packed = {w["weight"]: w["shape"] for w in (result.quantization or {}).get("weights", [])}
+    for entry in entries:  # fp4: a packed uint8 weight stands for twice its elements, dequantized
+        if (shape := packed.get(entry.name)) is not None:
+            result.parameter_count += math.prod(shape) - math.prod(entry.shape)
+            for target, bits in (("fp32", 32), ("bf16", 16)):
+                result.memory_bytes[target] += math.prod(shape) * bits // 8 - entry.nbytes
     return result
 
 
 def _quantization(target: str, entries: list[TensorEntry], metadata: dict[str, str]
                   ) -> tuple[dict[str, Any] | None, frozenset[str]]:
-    """The fp8-with-scales layout (or the reason it is unusable) and its scale/marker tensors."""
+    """The quantized layout (or the reason it is unusable) and its scale/marker tensors."""
     from ..errors import InvalidInputError
-    from ..formats.layout import read_config
-    from ..formats.quant import find_layout
+    from ..layouts.fp4 import Fp4Layout
+    from ..layouts.registry import find_quant_layout, quant_config
 
     folder = target if os.path.isdir(target) else os.path.dirname(os.path.abspath(target))
     try:
-        layout = find_layout(entries, config=read_config(folder), metadata=metadata, where=target)
+        config = quant_config(folder)
+        layout = find_quant_layout(entries, config=config, metadata=metadata, where=target, allow_lossy=True)
+        if layout is None:  # or an inconsistent fp8 one: say why
+            layout = find_quant_layout(entries, config=config, metadata=metadata, where=target)
     except InvalidInputError as e:  # info describes a broken checkpoint; split/convert refuse it
         return {"error": str(e)}, frozenset()
-    return (layout.to_dict(), layout.extra) if layout is not None else (None, frozenset())
+    if layout is None:
+        return None, frozenset()
+    found, refusal = layout.to_dict(), layout.refusal(target) if isinstance(layout, Fp4Layout) else None
+    if refusal is not None:
+        found = {"error": refusal, **{k: v for k, v in found.items() if k != "description"}}
+    return found, layout.extra
 
 
 def _format_name(target: str, headers: object, index_name: str | None) -> str:

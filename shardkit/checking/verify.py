@@ -36,6 +36,7 @@ class Finding:
     file: str
     tensor: str | None
     message: str
+    quantization: bool = False  # a quantized weight's scales or recipe: ``push --allow-lossy`` sends it anyway
 
     def __str__(self) -> str:
         where = f"{self.file}: tensor {self.tensor!r}" if self.tensor is not None else self.file
@@ -155,7 +156,7 @@ def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = N
         if pipeline:
             jobs = _prepare_pipeline(path, against, report, opened)
         else:
-            jobs = _prepare_checkpoint(path, against, report, opened, prefix="")
+            jobs = _prepare_checkpoint(path, against, report, opened, prefix="", read_scales=read_data)
         if not read_data:
             return report
         expected = _manifest_entries(path, pipeline, report)
@@ -223,10 +224,12 @@ def _prepare_pipeline(path: str, against: Any, report: VerifyReport, opened: lis
 
 
 def _prepare_checkpoint(path: str, against: Any, report: VerifyReport, opened: list[Any], *,
-                        prefix: str) -> list[_ScanJob]:
+                        prefix: str, read_scales: bool = True) -> list[_ScanJob]:
     """Structural checks of one checkpoint; returns the files still to be read."""
     layout = resolve_layout(path)
     headers = check_structure(layout)
+    report.findings += _quantization_findings(path, layout, headers, prefix=prefix,
+                                              read_scales=read_scales and layout.all_present and not layout.problems)
     comparator = None
     if against is not None:
         from ..sources import open_source
@@ -243,6 +246,37 @@ def _prepare_checkpoint(path: str, against: Any, report: VerifyReport, opened: l
     if layout.index:
         jobs.append(_ScanJob(os.path.join(layout.root, layout.index), prefix + layout.index, [], None))
     return jobs
+
+
+def _quantization_findings(path: str, layout: Layout, headers: dict[str, HeaderRead], *, prefix: str,
+                           read_scales: bool) -> list[Finding]:
+    """Quantized weights whose scales or recipe are missing, misshapen or (read) non-finite."""
+    from ..layouts.fp4 import Fp4Layout
+    from ..layouts.registry import find_quant_layout, quant_config
+
+    reads = [r.header for r in headers.values() if r.header]
+    entries = [e for h in reads for e in h.entries]
+    where = layout.index or (layout.files[0] if layout.files else "")
+    config = quant_config(layout.root)
+    metadata = reads[0].metadata if reads else {}
+    try:
+        found = find_quant_layout(entries, config=config, metadata=metadata, where=where, allow_lossy=True)
+        if found is None:  # or an inconsistent fp8 layout: this call says why
+            find_quant_layout(entries, config=config, metadata=metadata, where=where)
+    except InvalidInputError as e:
+        return [Finding(prefix + where, None, str(e).removeprefix(f"{where}: "), quantization=True)]
+    if not isinstance(found, Fp4Layout):
+        return []
+    problems = list(found.problems)
+    if read_scales and found.weights:
+        from ..layouts.fp4_math import scale_problems
+        from ..sources import open_source
+        from ..sources.dequantized import read_whole
+
+        with open_source(path) as source:
+            by_name = {e.name: e for e in source.entries()}
+            problems += [line for _, line in scale_problems(found, lambda name: read_whole(source, by_name[name]))]
+    return [Finding(prefix + where, None, f"{found.scheme}: {p}", quantization=True) for p in problems]
 
 
 def _compare_entries(layout: Layout, headers: dict[str, HeaderRead], source: Any, label: str) -> TensorComparator:

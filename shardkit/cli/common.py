@@ -238,12 +238,13 @@ _SHARD_OPTIONS = {
     "dtype": click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"]),
                           help="Cast floating-point tensors (F64/F32/F16/BF16) in bounded chunks."),
     "allow-lossy": click.option("--allow-lossy", is_flag=True, help="Permit casts that lose range or precision (fp8)."),
-    "quantize": click.option("--quantize", type=click.Choice(["fp8-block", "fp8-channel", "fp8-tensor",
-                                                              "f16", "bf16", "q8_0", "q4_0"]),
+    "quantize": click.option("--quantize", type=click.Choice(["fp8-block", "fp8-channel", "fp8-tensor", "nvfp4",
+                                                              "mxfp4", "f16", "bf16", "q8_0", "q4_0"]),
                              help="Weights to fp8 with absmax scales: fp8-block = 128x128 blocks (transformers "
                                   "FineGrainedFP8), fp8-channel/fp8-tensor = compressed-tensors; norms, embeddings, "
-                                  "lm_head and modulation layers kept. f16/bf16/q8_0/q4_0: ggml types, with "
-                                  "convert --to gguf (1-D tensors stay F32)."),
+                                  "lm_head and modulation layers kept. nvfp4 = compressed-tensors "
+                                  "nvfp4-pack-quantized; mxfp4 = gpt-oss MoE experts (original layout). "
+                                  "f16/bf16/q8_0/q4_0: ggml types, with convert --to gguf (1-D tensors stay F32)."),
     "name": click.option("--name", help="Output file prefix, e.g. 'model' or 'diffusion_pytorch_model'."),
     "variant": click.option("--variant", help="Variant inserted before the extension, e.g. 'fp16'."),
     "overwrite": click.option("--overwrite", is_flag=True, help="Replace the checkpoint in an existing output folder."),

@@ -50,14 +50,16 @@ is refused before anything is sent: push would upload its target (a token, an SS
               help="List what would be uploaded and what is already there; change nothing. Asks the Hub what it has; "
                    "offline, lists every file as an upload.")
 @click.option("--no-verify", "no_verify", is_flag=True, help="Push without verifying the checkpoint first.")
+@click.option("--allow-lossy", is_flag=True,
+              help="Push a quantized checkpoint even if a weight's scales or quantization config are unusable.")
 @click.option("--follow-symlinks", is_flag=True,
               help="Upload the contents of files that are symlinks leading outside PATH (refused by default).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the commit URL.")
 def push(path: str, repo_id: str, private: bool, revision: str | None, create_pr: bool, message: str | None,
          path_in_repo: str | None, repo_type: str, token: str | None, include: tuple[str, ...],
-         exclude: tuple[str, ...], dry_run: bool, no_verify: bool, follow_symlinks: bool, as_json: bool,
-         quiet: bool) -> None:
+         exclude: tuple[str, ...], dry_run: bool, no_verify: bool, allow_lossy: bool, follow_symlinks: bool,
+         as_json: bool, quiet: bool) -> None:
     """Upload the checkpoint in PATH (a folder or file) to the Hub repository REPO_ID.
 
     Creates the repository if it does not exist, uploads only what changed, and prints the
@@ -66,7 +68,7 @@ def push(path: str, repo_id: str, private: bool, revision: str | None, create_pr
     result = push_and_report(path, repo_id, private=private, revision=revision, create_pr=create_pr,
                              message=message, path_in_repo=path_in_repo, repo_type=repo_type, token=token,
                              include=list(include) or None, exclude=list(exclude) or None, dry_run=dry_run,
-                             verify=not no_verify, follow_symlinks=follow_symlinks,
+                             verify=not no_verify, allow_lossy=allow_lossy, follow_symlinks=follow_symlinks,
                              report="none" if as_json else "url" if quiet else "summary")
     if as_json:
         echo_json(result.to_dict())

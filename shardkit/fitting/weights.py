@@ -90,14 +90,13 @@ class TensorSize:
 
 def header_tensors(folder: str) -> tuple[list[TensorSize], str | None]:
     """Every tensor of a component folder's safetensors headers, and its most common float dtype."""
-    from ..formats.layout import read_config
-    from ..formats.quant import find_layout
+    from ..layouts.registry import find_quant_layout, quant_config
     from ..sources.safetensors import open_safetensors_folder
 
     with open_safetensors_folder(folder) as source:
         entries = source.entries()
-        layout = find_layout(entries, config=read_config(folder), metadata=source.metadata(), where=folder)
-    scales = layout.extra if layout is not None else frozenset()  # loaded as stored, beside their fp8 weights
+        layout = find_quant_layout(entries, config=quant_config(folder), metadata=source.metadata(), where=folder)
+    scales = layout.extra if layout is not None else frozenset()  # loaded as stored, beside their fp8/fp4 weights
     counts: dict[str, int] = {}
     out = []
     for e in entries:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = ["ConvertKeywords", "SplitKeywords", "VerifyKeywords", "convert", "info", "split", "verify"]
 
-Quantize = Literal["fp8-block", "fp8-channel", "fp8-tensor"]
+Quantize = Literal["fp8-block", "fp8-channel", "fp8-tensor", "nvfp4", "mxfp4", "f16", "bf16", "q8_0", "q4_0"]
 ConvertTo = Literal["diffusers", "single-file"]
 
 

@@ -74,10 +74,12 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
          create_pr: bool = False, message: str | None = None, path_in_repo: str | None = None,
          repo_type: str = "model", token: str | None = None, include: list[str] | str | None = None,
          exclude: list[str] | str | None = None, dry_run: bool = False, verify: bool = True,
-         follow_symlinks: bool = False, progress: ProgressCallback | None = None) -> PushResult:
+         follow_symlinks: bool = False, progress: ProgressCallback | None = None,
+         allow_lossy: bool = False) -> PushResult:
     """Upload a checkpoint folder (or file) to ``repo_id``; identical remote files are not sent again.
 
-    The folder is verified first (``verify=False`` skips it). ``token`` defaults to ``HF_TOKEN`` or
+    The folder is verified first (``verify=False`` skips it); a quantized weight whose scales or
+    quantization config are missing, misshapen or non-finite is refused unless ``allow_lossy``. ``token`` defaults to ``HF_TOKEN`` or
     the stored login. ``progress(done_bytes, total_bytes)`` is called as each file's upload ends.
     A file that is a symlink leading outside the folder (other than into a Hugging Face cache's
     ``blobs/``) is refused before anything is sent, unless ``follow_symlinks``; links to folders
@@ -91,7 +93,7 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
     files = collect_files(path, path_in_repo=path_in_repo, include=include, exclude=exclude)
     links = check_links(path, files, follow=follow_symlinks)
     check_sizes(files)
-    known = known_digests(path, files, report=verify_folder(path) if verify else None)
+    known = known_digests(path, files, report=verify_folder(path, allow_lossy=allow_lossy) if verify else None)
     if create_pr and revision is not None and revision.startswith("refs/pr/"):
         raise InvalidInputError(f"--revision {revision} is a pull request already; push to it without --create-pr")
     try:
@@ -143,13 +145,23 @@ def check_repo_id(repo_id: str) -> None:
                                 "letters, digits, '-', '_' and '.'") from e
 
 
-def verify_folder(path: str | os.PathLike[str]) -> Any:
-    """Run ``shardkit.verify`` and refuse a broken checkpoint; returns the report."""
+def verify_folder(path: str | os.PathLike[str], *, allow_lossy: bool = False) -> Any:
+    """Run ``shardkit.verify`` and refuse a broken checkpoint; returns the report.
+
+    Raises:
+        InvalidInputError: a quantized weight's scales or recipe are unusable (unless ``allow_lossy``).
+        VerificationError: any other finding.
+    """
     from ..checking.verify import verify as verify_checkpoint
 
     report = verify_checkpoint(path)
-    if not report.ok:
-        findings = [_describe(finding) for finding in report.findings]
+    quant = [f for f in report.findings if f.quantization]
+    if quant and not allow_lossy:
+        raise InvalidInputError(f"{path}: refusing to push: {_describe(quant[0])}"
+                                f"{f' (and {len(quant) - 1} more)' if len(quant) > 1 else ''}; fix the checkpoint, or "
+                                "pass --allow-lossy to push it as it is")
+    if any(not f.quantization for f in report.findings):
+        findings = [_describe(finding) for finding in report.findings if not finding.quantization]
         first = findings[0] if findings else "see `shardkit verify`"
         raise VerificationError(f"{path}: refusing to push, verification found {len(findings)} problem(s), "
                                 f"first: {first} (fix the folder, or pass --no-verify)", findings)

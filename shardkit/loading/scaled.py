@@ -1,10 +1,12 @@
-"""Loading fp8 checkpoints with scales without upcasting: the skeleton gets the scales as buffers.
+"""Loading fp8 / fp4 checkpoints with scales without upcasting: the skeleton gets the scales as buffers.
 
 :func:`attach_scales` runs on the meta skeleton before key matching: it recognises the checkpoint's
 layout (:func:`shardkit.formats.quant.find_layout`), registers each scale as a buffer of its module
 and wraps the module's ``forward`` to dequantize at compute (:mod:`shardkit.runtime.scaled_fp8`).
 Key matching then loads the fp8 weights and their scales like any other tensor, in their stored
-dtypes, whatever ``dtype`` asks for the rest; input scales and markers are not model tensors.
+dtypes, whatever ``dtype`` asks for the rest; input scales and markers are not model tensors. fp4
+checkpoints (NVFP4, MXFP4) get their packed tensors in place of the dense parameters
+(:mod:`shardkit.runtime.scaled_fp4`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..formats.layout import read_config
-from ..formats.quant import find_layout
+from ..layouts.fp4 import Fp4Layout
+from ..layouts.registry import find_quant_layout, quant_config
+from ..runtime.scaled_fp4 import attach_packed_fp4, packed_modules
 from ..runtime.scaled_fp8 import attach_scaled_fp8, scaled_modules
 from .lazy import LazyCheckpoint
 
@@ -48,10 +51,16 @@ def attach_scales(skeleton: Any, checkpoint: LazyCheckpoint) -> ScaledLoad:
 
     entries = [checkpoint.entry(name) for name in checkpoint]
     folder = os.path.dirname(os.path.abspath(checkpoint.paths[0])) if checkpoint.paths else None
-    layout = find_layout(entries, config=read_config(folder) if folder else None, metadata=checkpoint.metadata,
-                         where=checkpoint.description)
+    layout = find_quant_layout(entries, config=quant_config(folder) if folder else None, metadata=checkpoint.metadata,
+                               where=checkpoint.description)
     if layout is None:
         return ScaledLoad()
+    if isinstance(layout, Fp4Layout):  # NVFP4 / MXFP4: kept packed, dequantized at compute
+        shapes = {n: (checkpoint.shape_of(n), checkpoint.dtype_of(n)) for w in layout.weights
+                  for n in (w.packed, w.scale, w.global_scale) if n}
+        kept = attach_packed_fp4(skeleton, packed_modules(layout), shapes)
+        return ScaledLoad({n: checkpoint.dtype_of(n) for n in kept}, frozenset(layout.extra - set(kept)),
+                          layout.describe())
     refuse_disagreeing({w.scale: scale_to_float32(checkpoint.get_tensor(w.scale)) for w in layout.weights
                         if w.granularity == "fused"}, where=checkpoint.description)
     shapes = {w.scale: (checkpoint.shape_of(w.scale), checkpoint.dtype_of(w.scale)) for w in layout.weights}
@@ -69,6 +78,7 @@ def has_scales(folder: str) -> bool:
 
     try:
         with open_safetensors_folder(folder) as source:
-            return find_layout(source.entries(), config=read_config(folder), metadata=source.metadata()) is not None
+            return find_quant_layout(source.entries(), config=quant_config(folder),
+                                     metadata=source.metadata()) is not None
     except InvalidInputError:
         return True  # inconsistent: shardkit's loader says which tensors

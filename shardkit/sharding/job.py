@@ -24,7 +24,7 @@ from .digest import ManifestRecorder, stale_manifests
 from .flush import BackgroundSync, ByteCounter, copy_side_file
 from .options import WriteOptions, warn_if_many_shards, warn_if_output_taken
 from .plan import ShardPlan, plan_shards
-from .quant import config_edits, kept_cast, quant_report, quant_view
+from .quant import config_edits, dropped_side_files, kept_cast, quant_report, quant_view
 from .writer import TensorWrite, tensor_write, write_safetensors
 
 __all__ = ["ShardJob", "SideFile", "SplitResult", "checkpoint_files", "copied_names", "copy_side_files", "open_settled",
@@ -257,11 +257,12 @@ def copy_side_files(side_files: Sequence[SideFile], tx: OutputTransaction, *, sy
     ``quantization_config`` removed or added (:func:`~shardkit.sharding.quant.config_edits`).
     """
     edits = config_edits(output, [(job.path("config.json"), job.source) for job in jobs], side_files)
+    dropped = dropped_side_files([(job.path("config.json"), job.source) for job in jobs])
     for name, data in edits.items():
         tx.write_bytes(name, data)
         record.data(name, data)
     for path, name in side_files:
-        if name not in edits and not is_manifest_file(os.path.basename(name)):  # the source manifest: not ours
+        if name not in edits and name not in dropped and not is_manifest_file(os.path.basename(name)):  # the source manifest: not ours
             copy_side_file(path, dst := tx.path_for(name), sync=sync)
             record.file(name, dst)
 

@@ -41,6 +41,7 @@ class WriteOptions:
         progress: called as ``progress(done_bytes, total_bytes)`` while bytes are written.
         quantize: ``"fp8-block"`` (transformers FineGrainedFP8), ``"fp8-channel"`` or ``"fp8-tensor"``
             (compressed-tensors): weights to e4m3fn with scales (see :mod:`shardkit.sharding.quant`);
+            ``"nvfp4"`` (compressed-tensors nvfp4-pack-quantized) or ``"mxfp4"`` (gpt-oss MoE experts);
             ``"f16"``, ``"bf16"``, ``"q8_0"``, ``"q4_0"``: ggml types, for ``convert(..., to="gguf")``.
 
     Invalid values (a non-positive size, a lossy cast without ``allow_lossy``) are refused when
@@ -75,9 +76,11 @@ class WriteOptions:
         if self.quantize is not None:
             from ..formats.gguf import GGUF_QUANTIZE
             from ..formats.quant import QUANTIZE_SCHEMES
+            from ..sources.quantized_fp4 import FP4_SCHEMES
 
-            if self.quantize not in QUANTIZE_SCHEMES and self.quantize not in GGUF_QUANTIZE:
-                raise InvalidInputError(f"--quantize {self.quantize}: expected one of {', '.join(QUANTIZE_SCHEMES)}")
+            if self.quantize not in QUANTIZE_SCHEMES + FP4_SCHEMES and self.quantize not in GGUF_QUANTIZE:
+                raise InvalidInputError(f"--quantize {self.quantize}: expected one of "
+                                        f"{', '.join(QUANTIZE_SCHEMES + FP4_SCHEMES + tuple(GGUF_QUANTIZE))}")
             if code is not None and code not in LOSSLESS_TARGETS:
                 raise InvalidInputError(f"--quantize {self.quantize} with --dtype {self.dtype}: --dtype casts the "
                                         "tensors --quantize keeps (norms, embeddings...); give bf16, fp16 or fp32")

@@ -28,14 +28,19 @@ from ..errors import InvalidInputError
 from ..formats.gguf import GGUF_QUANTIZE
 from ..formats.layout import read_config
 from ..formats.quant import find_layout
+from ..layouts.fp4 import Fp4Layout
+from ..layouts.registry import find_quant_layout, quant_config
 from ..sources import Source
 from ..sources.dequantized import DequantizedSource
+from ..sources.dequantized_fp4 import Fp4DequantizedSource
 from ..sources.gguf import find_gguf
 from ..sources.quantized import QuantizedSource
+from ..sources.quantized_fp4 import FP4_SCHEMES, Fp4QuantizedSource
 from ..units import LOSSLESS_TARGETS
 from .options import WriteOptions, warn
 
-__all__ = ["config_edits", "dequantized_for_mapping", "kept_cast", "quant_report", "quant_view"]
+__all__ = ["config_edits", "dequantized_for_mapping", "dropped_side_files", "kept_cast", "quant_report", "quant_view"]
+VIEWS = (DequantizedSource, Fp4DequantizedSource, QuantizedSource, Fp4QuantizedSource)
 
 _FP8_CASTS = frozenset({"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0"})
 _WIDE = frozenset({"F32", "F64"})
@@ -50,11 +55,15 @@ def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset
     """
     if options.quantize in GGUF_QUANTIZE:
         raise InvalidInputError(f"--quantize {options.quantize} is a GGUF type: add --to gguf and give an OUTPUT "
-                                "ending in .gguf (safetensors outputs take --quantize fp8-block/fp8-channel/fp8-tensor)")
+                                "ending in .gguf (safetensors outputs take --quantize fp8-block/fp8-channel/fp8-tensor/"
+                                "nvfp4/mxfp4)")
     gguf = find_gguf(src)
     if gguf is not None:  # ggml-quantized tensors: dequantized (listed as F32) only when a dtype is given
         gguf.require_dtype(options.cast_to if options.quantize is None else "F32")
-    layout = find_layout(src.entries(), config=source_config(src), metadata=src.metadata(), where=src.description)
+    layout = find_quant_layout(src.entries(), config=source_config(src), metadata=src.metadata(),
+                               where=src.description, allow_lossy=options.allow_lossy)
+    if isinstance(layout, Fp4Layout) and (refusal := layout.refusal(src.description)):
+        warn(f"{refusal.split('; every fp4 weight')[0]}: --allow-lossy copies those tensors as they are")
     if layout is None:
         if options.quantize is None:
             if options.cast_to in _FP8_CASTS:
@@ -63,7 +72,7 @@ def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset
                      "fp8-block (transformers FineGrainedFP8) or fp8-channel/fp8-tensor (compressed-tensors), which "
                      "write scales and a quantization_config")
             return src, frozenset()
-        view = QuantizedSource(src, options.quantize)
+        view = (Fp4QuantizedSource if options.quantize in FP4_SCHEMES else QuantizedSource)(src, options.quantize)
         return view, view.scale_names()
     if options.quantize is not None:
         raise InvalidInputError(f"{src.description}: already quantized ({layout.describe()}); --quantize applies to a "
@@ -75,13 +84,15 @@ def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset
         raise InvalidInputError(f"{src.description}: --dtype {options.dtype} of a checkpoint already in "
                                 f"{layout.describe()} would drop its scales; copy it as is (no --dtype) or dequantize "
                                 "(--dtype bf16)")
+    if isinstance(layout, Fp4Layout):
+        return Fp4DequantizedSource(src, layout, cast_to, allow_lossy=options.allow_lossy), frozenset()
     return DequantizedSource(src, layout, cast_to), frozenset()
 
 
 def source_config(src: Source) -> dict[str, Any] | None:
-    """The ``config.json`` beside ``src``'s files, if any."""
+    """The ``config.json`` beside ``src``'s files (with ModelOpt's ``hf_quant_config.json``), if any."""
     folder = _config_folder(src)
-    return read_config(folder) if folder else None
+    return quant_config(folder) if folder else None
 
 
 def _config_folder(src: Source) -> str | None:
@@ -103,9 +114,10 @@ def kept_cast(src: Source, options: WriteOptions) -> str | None:
     return "BF16" if stored and max(stored, key=stored.__getitem__) in _WIDE else None
 
 
-def quant_report(src: Source, *, cast_to: str | None = None, options: WriteOptions | None = None) -> dict[str, Any] | None:
+def quant_report(src: Source, *, cast_to: str | None = None,
+                 options: WriteOptions | None = None) -> dict[str, Any] | None:
     """What :func:`quant_view`'s source did (scheme, kept modules and their dtype, per-tensor error), or None."""
-    if not isinstance(src, (DequantizedSource, QuantizedSource)):
+    if not isinstance(src, VIEWS):
         return None
     report = src.report()
     if isinstance(src, QuantizedSource):
@@ -130,10 +142,10 @@ def config_edits(output: str, jobs: Sequence[tuple[str, Source]],
         gguf = find_gguf(src)
         config = gguf.config() if gguf is not None and name not in sides else None
         if config is not None:  # a Llama GGUF: config.json rebuilt from its metadata
-            config = src.edit_config(config) if isinstance(src, (DequantizedSource, QuantizedSource)) else config
+            config = src.edit_config(config) if isinstance(src, VIEWS) else config
             edits[name] = (json.dumps(config, indent=2) + "\n").encode()
             continue
-        if not isinstance(src, (DequantizedSource, QuantizedSource)):
+        if not isinstance(src, VIEWS):
             continue
         path = sides.get(name)
         folder = _config_folder(src)
@@ -145,6 +157,12 @@ def config_edits(output: str, jobs: Sequence[tuple[str, Source]],
         if config is not None:
             edits[name] = (json.dumps(src.edit_config(config), indent=2) + "\n").encode()
     return edits
+
+
+def dropped_side_files(jobs: Sequence[tuple[str, Source]]) -> frozenset[str]:
+    """Side files a dequantizing job leaves out (``hf_quant_config.json`` beside its config.json)."""
+    return frozenset(os.path.join(os.path.dirname(name), dropped) for name, src in jobs
+                     if isinstance(src, Fp4DequantizedSource) for dropped in src.dropped_side_files())
 
 
 def dequantized_for_mapping(tensors: Mapping[str, Any], *, options: WriteOptions, where: str) -> dict[str, Any]:
