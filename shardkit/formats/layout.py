@@ -15,17 +15,18 @@ Standard library only: no torch, no diffusers.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidInputError, SourceNotFoundError
 from .index import DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, Naming, naming_from_filename
+from .links import BOUNDARY_RULE, OutsideFolderError, parse_json, read_inside
 from .suffixes import SAVED_WEIGHT_SUFFIXES
 
 MODEL_INDEX = "model_index.json"
 MAX_MODEL_INDEX_BYTES = 10_000_000
+MAX_CONFIG_BYTES = 10_000_000
 # Library named in model_index.json → file prefix its save_pretrained writes.
 _LIBRARY_PREFIX = {"diffusers": DIFFUSERS_PREFIX, "transformers": TRANSFORMERS_PREFIX}
 
@@ -71,6 +72,9 @@ def find_components(folder: str | os.PathLike[str], *, variant: str | None = Non
         _check_component_name(name, folder)
         library, class_name = value
         path = os.path.join(folder, name)
+        if os.path.islink(path):
+            raise OutsideFolderError(f"{folder}: component {name!r} is a symlink (to {os.path.realpath(path)}); "
+                                     f"{BOUNDARY_RULE}; copy the component folder in")
         weights = weight_files(path)
         naming = _naming_for(library, weights, variant)
         components.append(Component(name, path, library, naming, bool(weights), class_name))
@@ -80,15 +84,10 @@ def find_components(folder: str | os.PathLike[str], *, variant: str | None = Non
 def read_model_index(folder: str) -> dict:
     """Parse ``folder/model_index.json``; one-line errors for a missing or malformed file."""
     path = os.path.join(folder, MODEL_INDEX)
-    if not os.path.isfile(path):
-        raise SourceNotFoundError(f"{folder}: no {MODEL_INDEX}; not a diffusers pipeline folder")
-    if os.path.getsize(path) > MAX_MODEL_INDEX_BYTES:
-        raise InvalidInputError(f"{path}: too large to be a {MODEL_INDEX}")
     try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise InvalidInputError(f"{path}: not valid UTF-8 JSON ({e})") from e
+        doc = parse_json(read_inside(folder, MODEL_INDEX, where=folder, max_bytes=MAX_MODEL_INDEX_BYTES), path=path)
+    except FileNotFoundError as e:
+        raise SourceNotFoundError(f"{folder}: no {MODEL_INDEX}; not a diffusers pipeline folder") from e
     if not isinstance(doc, dict):
         raise InvalidInputError(f"{path}: must be a JSON object mapping component names to [library, class]")
     return doc
@@ -127,11 +126,10 @@ def _naming_for(library: str, weights: list[str], variant: str | None) -> Naming
 def read_config(folder: str) -> dict[str, Any] | None:
     """``folder/config.json`` as a dict, or None when there is none (or it is not a JSON object)."""
     path = os.path.join(folder, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+    try:  # a checked descriptor: a FIFO, /dev/zero or a link leaving the folder is refused unread
+        doc = parse_json(read_inside(folder, "config.json", where=folder, max_bytes=MAX_CONFIG_BYTES), path=path)
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidInputError(f"{path}: not a readable JSON file ({e}); fix or remove it") from e
+    except OSError as e:
+        raise InvalidInputError(f"{path}: not a readable JSON file ({e.strerror or e}); fix or remove it") from e
     return doc if isinstance(doc, dict) else None
