@@ -41,13 +41,15 @@ def tensor_from_bytes(raw: bytes | bytearray | memoryview, dtype_code: str, shap
     return torch.frombuffer(data, dtype=to_torch(dtype_code)).reshape(shape)
 
 
-def scale_to_float32(scale: torch.Tensor) -> torch.Tensor:
-    """A scale tensor as float32 multipliers (uint8 holds e8m0 exponents)."""
+def scale_to_float32(scale: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
+    """A scale tensor as float32 multipliers (uint8 holds e8m0 exponents); NaN or infinite values are refused."""
     import torch
 
-    if scale.dtype == torch.uint8:
-        return (scale.to(torch.float32) - 127.0).exp2()
-    return scale.to(torch.float32)
+    factors = (scale.to(torch.float32) - 127.0).exp2() if scale.dtype == torch.uint8 else scale.to(torch.float32)
+    if not bool(torch.isfinite(factors).all()):
+        raise InvalidInputError(f"scale {name or 'tensor'} holds NaN or infinite values (as float32 multipliers); "
+                                "the checkpoint is corrupt: re-export it")
+    return factors
 
 
 def band_rows(weight: ScaledWeight, cols: int) -> int:
@@ -168,10 +170,10 @@ def dequantize_state_dict(tensors: Mapping[str, torch.Tensor], *, out_dtype: tor
     if layout is None:
         return dict(tensors), None
     out = {n: t for n, t in tensors.items() if n not in layout.extra}
-    refuse_disagreeing({w.scale: scale_to_float32(tensors[w.scale]) for w in layout.weights if w.granularity == "fused"},
+    refuse_disagreeing({w.scale: scale_to_float32(tensors[w.scale], name=w.scale) for w in layout.weights if w.granularity == "fused"},
                        where=where)
     for weight in layout.weights:
-        stored, scale = tensors[weight.weight], scale_to_float32(tensors[weight.scale])
+        stored, scale = tensors[weight.weight], scale_to_float32(tensors[weight.scale], name=weight.scale)
         flat = stored.reshape(matrix_shape(tuple(stored.shape)))
         out[weight.weight] = dequantize_band(flat, scale, weight, 0, out_dtype).reshape(stored.shape)
     return out, layout
