@@ -15,7 +15,10 @@ Standard library only: no torch, no diffusers.
 
 from __future__ import annotations
 
+import math
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,3 +136,67 @@ def read_config(folder: str) -> dict[str, Any] | None:
     except OSError as e:
         raise InvalidInputError(f"{path}: not a readable JSON file ({e.strerror or e}); fix or remove it") from e
     return doc if isinstance(doc, dict) else None
+
+
+MAX_CONFIG_COUNT = 1024  # layers, blocks, depth: no released model comes near it (the largest have ~200)
+MAX_CONFIG_LIST = 1 << 18  # entries of one list or object (label maps of classifiers reach ~22k)
+MAX_CONFIG_BLOCKS = 256  # a UNet's block types × layers per block: SDXL has 3 × 10
+MAX_CONFIG_INT = 1 << 40  # any other integer (hidden sizes, vocabularies, positions)
+MAX_CONFIG_DEPTH = 16
+_COUNT_KEY = re.compile(r"(^|_)(layers?|depths?|n_layer|num_blocks|num_res_blocks|n_blocks)(_|$)", re.IGNORECASE)
+
+
+def check_config_numbers(config: Mapping[str, Any], *, where: str) -> None:
+    """Bound every number a model would be built from, before anything is built or allocated.
+
+    Layer and block counts (``layers_per_block``, ``num_hidden_layers``, ``depth``...) stay under
+    :data:`MAX_CONFIG_COUNT`, lists under :data:`MAX_CONFIG_LIST` entries, other integers under
+    2^40, floats finite; one line names the field. A hostile ``layers_per_block: 10**7`` would
+    otherwise build ten million modules before any check ran.
+
+    >>> check_config_numbers({"layers_per_block": 2, "block_out_channels": [320, 640]}, where="unet/config.json")
+    """
+    _check_value(config, where=where, field="", count=False, depth=0)
+    blocks = max((len(v) for k, v in config.items() if str(k).endswith("block_types") and isinstance(v, list)), default=1)
+    counts = [_largest_int(v) for k, v in config.items() if _COUNT_KEY.search(str(k))]
+    if blocks * max(counts, default=1) > MAX_CONFIG_BLOCKS:
+        raise InvalidInputError(f"{where}: fields *_block_types ({blocks} blocks) and the layer counts "
+                                f"({max(counts)} per block) describe more than {MAX_CONFIG_BLOCKS} blocks; the config "
+                                "is corrupt or hostile")
+
+
+def _largest_int(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, list):
+        return max((_largest_int(v) for v in value), default=1)
+    return 1
+
+
+def _check_value(value: object, *, where: str, field: str, count: bool, depth: int) -> None:
+    if depth > MAX_CONFIG_DEPTH:
+        raise InvalidInputError(f"{where}: field {field or '(top)'} is nested more than {MAX_CONFIG_DEPTH} deep")
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return
+    if isinstance(value, int):
+        limit = MAX_CONFIG_COUNT if count else MAX_CONFIG_INT
+        if not -limit <= value <= limit:
+            raise InvalidInputError(f"{where}: field {field} is {str(value)[:40]}, beyond the bound {limit} shardkit "
+                                    "builds models from; the config is corrupt or hostile")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidInputError(f"{where}: field {field} is {value}, not a finite number")
+    elif isinstance(value, list):
+        if len(value) > MAX_CONFIG_LIST:
+            raise InvalidInputError(f"{where}: field {field} has {len(value)} entries, more than the {MAX_CONFIG_LIST} "
+                                    "shardkit builds models from")
+        for i, item in enumerate(value):
+            _check_value(item, where=where, field=f"{field}[{i}]", count=count, depth=depth + 1)
+    elif isinstance(value, Mapping):
+        if len(value) > MAX_CONFIG_LIST:
+            raise InvalidInputError(f"{where}: field {field or '(top)'} has {len(value)} keys; too many for a config")
+        for key, item in value.items():
+            name = f"{field}.{key}" if field else str(key)
+            _check_value(item, where=where, field=name, count=count or bool(_COUNT_KEY.search(str(key))),
+                         depth=depth + 1)
+

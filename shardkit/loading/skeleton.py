@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 from ..errors import InvalidInputError, ShardkitError, SourceNotFoundError
-from ..formats.layout import MAX_CONFIG_BYTES
+from ..formats.layout import MAX_CONFIG_BYTES, check_config_numbers
 from ..formats.links import parse_json, read_regular
 
 if TYPE_CHECKING:
@@ -60,6 +60,8 @@ def resolve_model_class(spec: ModelSpec) -> Any:
 def load_config(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> dict[str, Any] | None:
     """Read a config given as a dict, a ``config.json`` path or a folder holding ``config.json``."""
     if config is None or isinstance(config, Mapping):
+        if config is not None:
+            check_config_numbers(config, where="config")
         return dict(config) if config is not None else None
     path = os.fspath(config)
     if os.path.isdir(path):
@@ -72,6 +74,7 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> di
         raise InvalidInputError(f"{path}: config cannot be read ({e.strerror or e})") from e
     if not isinstance(doc, dict):
         raise InvalidInputError(f"{path}: config must be a JSON object")
+    check_config_numbers(doc, where=path)  # bounded before any model is built from it
     return doc
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import InvalidInputError
 from ..formats.index import DIFFUSERS_PREFIX, Naming
-from ..formats.layout import MAX_CONFIG_BYTES
+from ..formats.layout import MAX_CONFIG_BYTES, check_config_numbers
 from ..formats.links import parse_json, read_regular
 from ..sources.file_backed import file_backed_source, load_file_backed
 from .job import SplitResult, split_source
@@ -255,6 +255,7 @@ def _empty_model(cls: Any, config: dict[str, Any], target: DiffusersTarget) -> A
     """The model ``config`` describes, with every tensor on the meta device (no memory)."""
     import torch
 
+    check_config_numbers(config, where=f"--config {target.config_file}")  # bounded before the model is built
     try:
         with torch.device("meta"):
             return cls.from_config(config)
