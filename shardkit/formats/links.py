@@ -216,7 +216,7 @@ def _checked(fd: int, path: str, *, where: str, max_bytes: int | None) -> int:
 
 
 def _kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                        (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
         if test(mode):
             return kind
@@ -262,9 +262,9 @@ def parse_json(data: bytes, *, path: str, what: str = "JSON file") -> object:
     try:
         return json.loads(data.decode("utf-8"), parse_constant=no_constants)
     except RecursionError as e:
-        raise UntrustedFileError(f"{path}: not valid UTF-8 JSON (a {what} nested too deeply)") from e
+        raise UntrustedFileError(f"{path}: not valid JSON (a {what} nested too deeply)") from e
     except (ValueError, UnicodeDecodeError) as e:  # ValueError: also integers over Python's digit limit
-        raise UntrustedFileError(f"{path}: not valid UTF-8 JSON (a {what}: {str(e)[:200]})") from e
+        raise UntrustedFileError(f"{path}: not valid JSON (a UTF-8 {what} expected: {str(e)[:200]})") from e
 
 
 def check_write_target(folder: str, name: str, *, where: str, may_exist: bool = True, link_ok: bool = False) -> str:
