@@ -176,8 +176,9 @@ def _quantization(target: str, entries: list[TensorEntry], metadata: dict[str, s
     from ..formats.quant import find_layout
 
     folder = target if os.path.isdir(target) else os.path.dirname(os.path.abspath(target))
+    config = read_config(folder)  # a config.json that leaves the folder or is no regular file: one line, exit 2
     try:
-        layout = find_layout(entries, config=read_config(folder), metadata=metadata, where=target)
+        layout = find_layout(entries, config=config, metadata=metadata, where=target)
     except InvalidInputError as e:  # info describes a broken checkpoint; split/convert refuse it
         return {"error": str(e)}, frozenset()
     return (layout.to_dict(), layout.extra) if layout is not None else (None, frozenset())
