@@ -55,7 +55,8 @@ def scale_to_float32(scale: torch.Tensor, *, name: str | None = None) -> torch.T
 def band_rows(weight: ScaledWeight, cols: int) -> int:
     """Rows per band: a whole number of scale blocks, about :data:`BAND_BYTES` of float32."""
     step = weight.block[0] if weight.granularity == "block" else 1
-    return max(step, (BAND_BYTES // max(1, cols * 4)) // step * step)
+    fit = max(1, BAND_BYTES // max(1, cols * 4))
+    return fit // step * step if fit >= step else fit  # whole blocks when they fit; a huge block is cut (gathered)
 
 
 def dequantize_band(q: torch.Tensor, scale: torch.Tensor, weight: ScaledWeight, row0: int,
@@ -87,12 +88,12 @@ def _band_scale(scale: torch.Tensor, weight: ScaledWeight, row0: int, shape: tor
         return scale.reshape(-1)[0]
     if weight.granularity == "channel":
         return scale.reshape(-1)[row0:row0 + rows].reshape(rows, 1)
+    import torch
+
     b0, b1 = weight.block
-    first, last = row0 // b0, (row0 + rows - 1) // b0 + 1
-    grid = scale.reshape(scale.shape[0], -1)[first:last]
-    full = grid.repeat_interleave(b0, dim=0).repeat_interleave(b1, dim=1)
-    at = row0 - first * b0
-    return full[at:at + rows, :cols]
+    grid = scale.reshape(scale.shape[0], -1)
+    # gathered, never expanded block by block: memory is the band's, whatever the block size
+    return grid[torch.arange(row0, row0 + rows) // b0][:, torch.arange(cols) // b1]
 
 
 def quantize_band(w: torch.Tensor, granularity: str, *, block: tuple[int, int] = (128, 128),

@@ -135,7 +135,10 @@ def read_config(folder: str) -> dict[str, Any] | None:
         return None
     except OSError as e:
         raise InvalidInputError(f"{path}: not a readable JSON file ({e.strerror or e}); fix or remove it") from e
-    return doc if isinstance(doc, dict) else None
+    if not isinstance(doc, dict):
+        return None
+    check_config_numbers(doc, where=path)
+    return doc
 
 
 MAX_CONFIG_COUNT = 1024  # layers, blocks, depth: no released model comes near it (the largest have ~200)
@@ -196,7 +199,8 @@ def _check_value(value: object, *, where: str, field: str, count: bool, depth: i
         if len(value) > MAX_CONFIG_LIST:
             raise InvalidInputError(f"{where}: field {field or '(top)'} has {len(value)} keys; too many for a config")
         for key, item in value.items():
-            name = f"{field}.{key}" if field else str(key)
+            part = str(key) if str(key).isprintable() and len(str(key)) <= 60 else repr(str(key)[:60])
+            name = f"{field}.{part}" if field else part
             _check_value(item, where=where, field=name, count=count or bool(_COUNT_KEY.search(str(key))),
                          depth=depth + 1)
 

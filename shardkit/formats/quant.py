@@ -247,7 +247,7 @@ def _granularity(weight: TensorEntry, scale: TensorEntry,
     if len(scale.shape) == 2 and len(weight.shape) == 2:
         s_rows, s_cols = scale.shape
         if math.ceil(rows / block[0]) == s_rows and math.ceil(cols / block[1]) == s_cols:
-            return "block", (min(block[0], rows), min(block[1], cols))  # a block never exceeds its weight
+            return "block", (block[0], block[1])
         if rows % s_rows == 0 and cols % s_cols == 0:
             return "block", (rows // s_rows, cols // s_cols)
     if len(scale.shape) == 1 and 1 < numel <= MAX_FUSED < rows:  # q/k/v or gate/up scales side by side
