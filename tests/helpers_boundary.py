@@ -22,12 +22,27 @@ MAX_RSS_BYTES = 1 << 30
 LIMIT_S = 60.0
 
 # Runs the CLI as a grandchild with a timeout and reports its peak RSS (ru_maxrss, KiB) on the fd argv[1].
+# The child is killed (exit 125) as soon as its RSS passes 1.5 GiB: a regression must fail the test,
+# never exhaust the machine's memory (before this work, config.json -> /dev/zero grew past 6 GB).
 _WRAP = """
-import os, resource, subprocess, sys
-try:
-    code = subprocess.run(sys.argv[3:], timeout=float(sys.argv[2])).returncode
-except subprocess.TimeoutExpired:
-    code = 124
+import os, resource, subprocess, sys, time
+limit_kib = 3 << 19
+proc = subprocess.Popen(sys.argv[3:])
+deadline = time.monotonic() + float(sys.argv[2])
+code = None
+while code is None:
+    try:
+        code = proc.wait(timeout=0.05)
+    except subprocess.TimeoutExpired:
+        try:
+            with open(f"/proc/{proc.pid}/status") as f:
+                rss = next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+        except OSError:
+            rss = 0
+        if rss > limit_kib or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            code = 125 if rss > limit_kib else 124
 os.write(int(sys.argv[1]), str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss).encode())
 sys.exit(code)
 """
@@ -65,6 +80,7 @@ def assert_refused(run: Bounded, *, code: int | tuple[int, ...] = 2, contains: s
     """One line, the expected exit code, no traceback, no hang, under 1 GiB; returns the line."""
     codes = (code,) if isinstance(code, int) else code
     assert run.returncode != 124, f"hung past {LIMIT_S}s: {run.stderr[-500:]}"
+    assert run.returncode != 125, f"killed past 1.5 GiB of memory: {run.stderr[-500:]}"
     assert run.returncode in codes, (run.returncode, run.stderr[-2000:], run.stdout[-2000:])
     assert "Traceback" not in run.stderr, run.stderr[-2000:]
     assert run.peak_rss_bytes < MAX_RSS_BYTES, f"peak RSS {run.peak_rss_bytes} bytes"
