@@ -41,7 +41,8 @@ def _copy(built: Path, tmp_path: Path) -> tuple[Path, Path]:
     shutil.copytree(built, folder)
     outside = tmp_path / "outside"
     outside.mkdir()
-    (outside / "secret.json").write_text(json.dumps({"secret": MARKER, "weight_map": {"x": "y.safetensors"}}))
+    (outside / "secret.json").write_text(json.dumps({"format": "shardkit.manifest", "version": MARKER, "secret": MARKER,
+                                                     "weight_map": {"x": "y.safetensors"}}))
     return folder, outside
 
 

@@ -181,8 +181,9 @@ def unet_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 CONFIGS = {
     "layers-per-block-1e7": ({"layers_per_block": 10**7}, "layers_per_block"),
-    "100k-block-types": ({"down_block_types": ["DownBlock2D"] * 100_000,
-                          "up_block_types": ["UpBlock2D"] * 100_000}, "block_types"),
+    "100k-block-types": ({"down_block_types": ["DownBlock2D"] * 100_000, "up_block_types": ["UpBlock2D"] * 100_000,
+                          "block_out_channels": [32] * 100_000, "only_cross_attention": False,
+                          "attention_head_dim": 8}, "block_types"),
     "transformer-layers-list": ({"transformer_layers_per_block": [1, 10**7]}, "transformer_layers_per_block"),
     "infinite-float": ({"norm_eps": 1e400}, "norm_eps"),
 }

@@ -118,12 +118,14 @@ def test_impossible_listings_are_refused(case: str, hub, tmp_path: Path, monkeyp
     assert list(tmp.iterdir()) == []
 
 
-def test_a_failed_side_file_fetch_leaves_nothing(hub, tmp_path: Path) -> None:
-    """Before: split --no-cache opened the side file before its first byte and left it (0 bytes) on a 404."""
+@pytest.mark.parametrize("name", ["README.md", "../../note.txt"])
+def test_a_failed_side_file_fetch_leaves_nothing(name: str, hub, tmp_path: Path) -> None:
+    """Before: split --no-cache opened the side file before its first byte and left it (0 bytes) on a 404,
+    outside the mirror for a listed ``../../note.txt``."""
     files = _good()
-    files["README.md"] = b"# model card\n"
+    files[name] = b"# model card\n"
     hub.state.add_repo(REPO, files)
-    hub.state.inject("GET", r"/resolve/.*/README\.md", 404, times=None)
+    hub.state.inject("GET", r"/resolve/.*(README\.md|note\.txt)", 404, times=None)
     env, tmp = _env(hub, tmp_path)
     proc = run_shardkit(env, "split", f"hf://{REPO}", tmp_path / "out", "--no-cache", "-q", timeout=120)
     one_error_line(proc)
