@@ -125,7 +125,7 @@ def open_parent(folder: str, name: str, *, where: str) -> tuple[int, str]:
 
 def _open_parent(folder: str, parts: list[str], *, where: str, name: str) -> int:
     try:
-        dir_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        dir_fd = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise OutsideFolderError(f"{where}: cannot open the folder {folder} ({e.strerror or e})") from e
     for part in parts[:-1]:
