@@ -92,7 +92,16 @@ def test_unreadable_shard_is_named_without_a_python_exception(run_cli, tmp_path:
             raise PermissionError(13, "Permission denied", denied)
         return real_open(file, *args, **kwargs)
 
+    real_os_open = os.open
+
+    def os_open_denied(file, flags, *args, dir_fd=None, **kwargs):  # checked descriptors (formats/links.py)
+        name = os.fspath(file) if isinstance(file, (str, os.PathLike)) else file
+        if name == denied or (dir_fd is not None and name == os.path.basename(denied)):
+            raise PermissionError(13, "Permission denied", denied)
+        return real_os_open(file, flags, *args, dir_fd=dir_fd, **kwargs)
+
     monkeypatch.setattr(builtins, "open", open_denied)
+    monkeypatch.setattr(os, "open", os_open_denied)
     extra = {"split": [tmp_path / "out"], "merge": [tmp_path / "m.safetensors"]}.get(command, [])
     result = run_cli(command, tmp_path / "sharded", *extra)
     assert result.exit_code in (1, 2), result.stderr

@@ -55,9 +55,11 @@ def test_kill_by_bytes_written_mid_shard(scenario_root: Path) -> None:
         assert outcome.state_after_kill == "absent"
 
 
-def test_in_place_kill_after_commit_point_is_rolled_forward_by_a_reader(tmp_path: Path) -> None:
-    """A reader (open_source) finishes a crashed in-place commit and sees exactly the new checkpoint."""
-    from shardkit.atomic.commit import JOURNAL
+def test_in_place_kill_after_commit_point_is_reported_by_a_reader_and_finished_by_recover(tmp_path: Path) -> None:
+    """A reader (open_source) never rolls a crashed in-place commit forward: it names `shardkit recover`
+    and changes nothing; recover finishes it and the reader then sees exactly the new checkpoint."""
+    from shardkit.atomic.commit import JOURNAL, recover
+    from shardkit.errors import CheckpointIndexError
     from shardkit.sources import open_source
 
     scenario = _scenarios(tmp_path)["split-in-place"]
@@ -68,6 +70,11 @@ def test_in_place_kill_after_commit_point_is_rolled_forward_by_a_reader(tmp_path
     assert proc.returncode == -9
     assert (out / JOURNAL).exists()
     assert not (out / "model.safetensors.index.json").exists()  # old index removed first, new one not yet in place
+    before = h.tree_hashes(out)
+    with pytest.raises(CheckpointIndexError, match="shardkit recover"):
+        open_source(str(out))
+    assert h.tree_hashes(out) == before and (out / JOURNAL).exists()
+    assert recover(str(out))
     with open_source(str(out)) as source:
         names = sorted(e.name for e in source.entries())
     assert not (out / JOURNAL).exists()
@@ -78,7 +85,6 @@ def test_in_place_kill_after_commit_point_is_rolled_forward_by_a_reader(tmp_path
 def test_pending_journal_on_a_read_only_folder_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from shardkit.atomic import snapshot
     from shardkit.errors import CheckpointIndexError
-    from shardkit.sources import open_source
 
     scenario = _scenarios(tmp_path)["split-in-place"]
     ref = h.reference_run(scenario, tmp_path / "ref")
@@ -91,11 +97,15 @@ def test_pending_journal_on_a_read_only_folder_is_a_clear_error(tmp_path: Path, 
 
     monkeypatch.setattr(snapshot, "recover", read_only)
     with pytest.raises(CheckpointIndexError, match="interrupted shardkit write"):
-        open_source(str(out))
+        snapshot.settle(str(out))
     monkeypatch.undo()
-    proc = h.run_shardkit(["info", out])  # with write access the CLI finishes the commit and reads the new checkpoint
+    proc = h.run_shardkit(["info", out])  # a reading command reports the journal and changes nothing
+    assert proc.returncode == 2 and "shardkit recover" in proc.stderr, proc.stderr
+    assert (out / ".shardkit-journal.json").exists()
+    proc = h.run_shardkit(["recover", out])  # with write access recover finishes the commit
     assert proc.returncode == 0, proc.stderr
     assert h.tree_hashes(out) == ref.new
+    assert h.run_shardkit(["info", out]).returncode == 0
 
 
 def test_fault_points_cost_nothing_when_unset() -> None:
@@ -131,9 +141,9 @@ def test_recover_never_touches_a_folder_another_writer_holds(tmp_path: Path) -> 
 
 
 def test_every_reader_handles_a_pending_journal_clearly(tmp_path: Path) -> None:
-    """Policy after a crash past the commit point: `shardkit verify`/`info` and open_source roll it
-    forward and see the new checkpoint; the lazy `shardkit.open` never writes, so it refuses with a
-    one-line error that says how to finish the write."""
+    """Policy after a crash past the commit point: reading commands (`shardkit verify`/`info`,
+    open_source, the lazy `shardkit.open`) never write, so they refuse with a one-line error that says
+    how to finish the write; `shardkit recover` finishes it."""
     import shardkit
     from shardkit.atomic.commit import JOURNAL
     from shardkit.errors import ShardkitError
@@ -146,6 +156,10 @@ def test_every_reader_handles_a_pending_journal_clearly(tmp_path: Path) -> None:
     with pytest.raises(ShardkitError, match="interrupted shardkit write"):
         shardkit.open(str(out))
     assert (out / JOURNAL).exists()
+    proc = h.run_shardkit(["verify", out])
+    assert proc.returncode == 2 and "shardkit recover" in proc.stderr, proc.stderr
+    assert (out / JOURNAL).exists()
+    assert h.run_shardkit(["recover", out]).returncode == 0
     proc = h.run_shardkit(["verify", out])
     assert proc.returncode == 0, proc.stderr
     assert not (out / JOURNAL).exists()

@@ -334,11 +334,12 @@ def test_push_dry_run_offline_shows_the_local_plan(tmp_path):
 
 _COUNT_HASHING = """
 import sys
+import os
 import huggingface_hub.lfs, shardkit, shardkit.hub.commits
 calls = []
 real_file, real_obj = shardkit.hub.commits.sha256_file, huggingface_hub.lfs.sha_fileobj
-shardkit.hub.commits.sha256_file = lambda path: calls.append(path) or real_file(path)
-huggingface_hub.lfs.sha_fileobj = lambda f, *a, **k: calls.append(f.name) or real_obj(f, *a, **k)
+shardkit.hub.commits.sha256_file = lambda f: calls.append(f.local_path) or real_file(f)
+huggingface_hub.lfs.sha_fileobj = lambda f, *a, **k: calls.append(os.path.realpath(f.name)) or real_obj(f, *a, **k)
 shardkit.push(sys.argv[1], sys.argv[2], verify=sys.argv[3] == "verify")
 print(sorted(p.rsplit("/", 1)[-1] for p in calls))
 """

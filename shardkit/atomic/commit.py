@@ -12,19 +12,19 @@ Two paths:
   the old index files are removed first, data files are renamed into place, index files go
   last, stale files are deleted and the journal is removed. A crash before the commit point
   leaves the old checkpoint untouched plus temporary files; a crash after it leaves the journal,
-  and the next shardkit call on the folder rolls it forward (:func:`recover`).
+  and ``shardkit recover`` or the next write into the folder rolls it forward (:func:`recover`),
+  after checking that every entry names a file of the folder itself (:mod:`shardkit.atomic.journal`).
 
 At no moment does the folder hold an index naming a missing or partial shard: an index is
 either the old one (all old shards still in place, because nothing is renamed before it is
 removed) or the new one (renamed after every shard it names).
 
 Right after a crash past the commit point the folder is *pending* (journal present, possibly no
-index): not yet the complete new checkpoint. Policy: every shardkit entry point settles it first.
-Writers recover under the folder lock; :func:`shardkit.sources.open_source` (split, convert,
-info) and ``verify`` roll the journal forward when the folder is writable (:func:`shardkit.atomic.snapshot.settle`), wait
-while a live writer is mid-commit, and give a one-line error naming ``shardkit recover
-FOLDER`` when it is read-only; the lazy ``shardkit.open``, which never writes, refuses a pending
-folder with a one-line error. Other tools see no index during that window, never a wrong one.
+index): not yet the complete new checkpoint. Policy: writers (split, convert, merge into or from
+it, ``shardkit recover``) roll it forward under the folder lock; reading commands (``info``,
+``verify``, ``plan``, ``fit``, :func:`shardkit.sources.open_source`, the lazy ``shardkit.open``)
+never write: they wait while a live writer is mid-commit and otherwise refuse with a one-line
+error naming ``shardkit recover FOLDER``. Other tools see no index during that window, never a wrong one.
 
 Readers take a consistent snapshot without a lock: see :mod:`shardkit.atomic.snapshot`.
 
@@ -192,7 +192,7 @@ class OutputTransaction:
                 ) from e
             raise ShardkitWriteError(
                 f"publishing into {self.output} was committed but could not finish ({e.strerror or e}); "
-                "the next shardkit command on this folder completes it"
+                f"run `shardkit recover {self.output}` (or write into it again) to complete it"
             ) from e
         self._committed = True
 

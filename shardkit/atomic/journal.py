@@ -10,18 +10,33 @@ See :mod:`shardkit.atomic.commit` for the whole protocol.
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
+import re
 import shutil
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _faults
 from ..errors import CheckpointIndexError
+from ..formats.links import (
+    OutsideFolderError,
+    UntrustedFileError,
+    check_name,
+    check_write_target,
+    open_parent,
+    parse_json,
+    read_inside,
+)
+from ..formats.suffixes import SAVED_WEIGHT_SUFFIXES, is_index_file, is_manifest_file
 
 TMP_MARK = ".shardkit-tmp-"
 JOURNAL = ".shardkit-journal.json"
+
+
+class JournalError(CheckpointIndexError):
+    """A ``.shardkit-journal.json`` that is not shardkit's own: recovery stops and changes nothing."""
 
 
 def fsync_dir(path: str) -> None:
@@ -156,26 +171,63 @@ def is_stale_tmp(name: str) -> bool:
     return not (pid.isdigit() and _pid_alive(int(pid)))
 
 
+MAX_JOURNAL_BYTES = 64_000_000
+MAX_JOURNAL_ENTRIES = 1_000_000
+_TMP_RE = re.compile(rf"^{re.escape(TMP_MARK)}\d+-[0-9a-f]+-(?P<base>.+)$")
+
+
+def _journal_error(folder: str, why: str) -> JournalError:
+    return JournalError(f"{os.path.join(folder, JOURNAL)}: not shardkit's own journal ({why}); recovery stopped and "
+                        "changed nothing: inspect the folder and delete the journal to proceed")
+
+
 def _read_journal(folder: str) -> dict[str, list[Any]]:
+    """The journal of ``folder``, read through a checked descriptor and validated entry by entry."""
     path = os.path.join(folder, JOURNAL)
     try:
-        with open(path, encoding="utf-8") as f:
-            plan = json.load(f)
-        _check_journal(plan)
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointIndexError(
-            f"{path}: unreadable shardkit journal ({e}); it was written durably before use, so this "
-            "file was altered by hand: inspect the folder and delete the journal to proceed"
-        ) from e
-    return plan
+        data = read_inside(folder, JOURNAL, where=folder, max_bytes=MAX_JOURNAL_BYTES)
+        plan = parse_json(data, path=path, what="shardkit journal")
+    except UntrustedFileError as e:
+        raise _journal_error(folder, str(e).removeprefix(f"{folder}: ").removeprefix(f"{path}: ")) from e
+    _check_journal(plan, folder)
+    return plan  # type: ignore[return-value]
 
 
-def _check_journal(plan: Any) -> None:
-    for key in ("remove_first", "renames", "delete"):
-        for item in plan[key]:
-            names = item if key == "renames" else [item]
-            if not all(isinstance(n, str) and n and not os.path.isabs(n) and ".." not in n.split("/") for n in names):
-                raise ValueError(f"bad entry {item!r} in {key}")
+def _check_journal(plan: object, folder: str) -> None:
+    """Entries may only name files a transaction creates: ``.shardkit-tmp-*`` files renamed onto the
+    output's own names beside them, and the checkpoint files, indexes and manifests it replaces."""
+    if not isinstance(plan, dict) or set(plan) != {"remove_first", "renames", "delete"}:
+        raise _journal_error(folder, "it must be an object with exactly remove_first, renames and delete")
+    if not all(isinstance(plan[k], list) for k in plan) or sum(len(plan[k]) for k in plan) > MAX_JOURNAL_ENTRIES:
+        raise _journal_error(folder, "its entries must be lists of at most a million names")
+    for pair in plan["renames"]:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            raise _journal_error(folder, f"renames entry {pair!r} is not a [temporary, final] pair")
+        tmp, final = (_own_name(n, folder, "renames") for n in pair)
+        m = _TMP_RE.match(os.path.basename(tmp))
+        if m is None or m["base"] != os.path.basename(final) or os.path.dirname(tmp) != os.path.dirname(final):
+            raise _journal_error(folder, f"renames entry {pair!r} does not rename a {TMP_MARK}* file onto its own name")
+        if _TMP_RE.match(os.path.basename(final)):
+            raise _journal_error(folder, f"renames entry {pair!r} renames onto a temporary name")
+    for key in ("remove_first", "delete"):
+        for name in plan[key]:
+            if not _replaceable(_own_name(name, folder, key)):
+                raise _journal_error(folder, f"{key} entry {name!r} is not a checkpoint file, index or manifest")
+
+
+def _own_name(name: object, folder: str, key: str) -> str:
+    try:
+        parts = check_name(name, where=key)
+    except OutsideFolderError as e:
+        raise _journal_error(folder, str(e)) from e
+    if len(parts) > 2 or parts[-1] == JOURNAL or parts[-1].startswith(JOURNAL + "."):
+        raise _journal_error(folder, f"{key} entry {name!r} is not a file of the folder or of one component folder")
+    return str(name)
+
+
+def _replaceable(name: str) -> bool:
+    base = os.path.basename(name)
+    return base.endswith(SAVED_WEIGHT_SUFFIXES) or is_index_file(base) or is_manifest_file(base)
 
 
 def cleanup_stale_staging(output: str, report: Recovery | None = None) -> None:
@@ -216,8 +268,11 @@ def discard_path(path: str) -> None:
 
 
 def remove_path(path: str) -> None:
+    """Remove a file, a symlink (never what it leads to) or a folder; a trailing ``/`` changes nothing."""
+    path = path.rstrip(os.sep) or path
     try:
-        if os.path.isdir(path) and not os.path.islink(path):
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode):
             shutil.rmtree(path)
         else:
             os.unlink(path)
@@ -225,19 +280,79 @@ def remove_path(path: str) -> None:
         pass
 
 
+def _checked_step(folder: str, name: str, *, link_ok: bool = True) -> tuple[int, str] | None:
+    """``(dir_fd, base)`` for a journal entry; None when its folder is gone. Refuses folders and
+    symlinked parents; the entry itself may be a symlink only where ``link_ok`` (unlinked or
+    replaced, never followed)."""
+    where = os.path.join(folder, JOURNAL)
+    try:
+        check_write_target(folder, name, where=where, link_ok=link_ok)
+        return open_parent(folder, name, where=where)
+    except FileNotFoundError:
+        return None
+    except OutsideFolderError as e:
+        raise _journal_error(folder, str(e).removeprefix(f"{where}: ")) from e
+
+
+def _check_steps(folder: str, plan: dict[str, list[Any]]) -> None:
+    """Every entry checked against the folder before the first change: one bad entry changes nothing.
+
+    A temporary file must be a regular file (never a link moved into place); the names it replaces
+    and the stale files deleted may be links themselves (removed, never followed).
+    """
+    names = [(tmp, False) for tmp, _ in plan["renames"]] + [(final, True) for _, final in plan["renames"]]
+    for name, link_ok in names + [(n, True) for n in plan["remove_first"] + plan["delete"]]:
+        step = _checked_step(folder, name, link_ok=link_ok)
+        if step is not None:
+            os.close(step[0])
+
+
+def _unlink_step(folder: str, name: str) -> None:
+    step = _checked_step(folder, name)
+    if step is None:
+        return
+    dir_fd, base = step
+    try:
+        os.unlink(base, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def _rename_step(folder: str, tmp: str, final: str) -> None:
+    step = _checked_step(folder, tmp, link_ok=False)
+    if step is None:
+        return
+    dir_fd, base = step
+    try:
+        os.stat(base, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        os.close(dir_fd)
+        return  # renamed on an earlier pass
+    try:
+        os.replace(base, os.path.basename(final), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 def roll_forward(folder: str, plan: dict[str, list[Any]]) -> None:
-    """Apply a journal; every step is idempotent, so a crash here is rolled forward again."""
+    """Apply a journal; every step is idempotent, so a crash here is rolled forward again.
+
+    Every entry is checked first (:func:`_check_steps`): a name that is a symlink, a folder or
+    passes through a symlinked folder stops recovery before anything changes.
+    """
+    _check_steps(folder, plan)
     renamed = {final for tmp, final in plan["renames"] if not os.path.lexists(os.path.join(folder, tmp))}
     for old_index in plan["remove_first"]:
         if old_index not in renamed:  # already replaced by its new version on an earlier pass
-            remove_path(os.path.join(folder, old_index))
+            _unlink_step(folder, old_index)
         _faults.point("commit:removed-old-index")
     for tmp, final in plan["renames"]:
-        if os.path.lexists(os.path.join(folder, tmp)):
-            os.replace(os.path.join(folder, tmp), os.path.join(folder, final))
+        _rename_step(folder, tmp, final)
         _faults.point("commit:renamed")
     for stale in plan["delete"]:
-        remove_path(os.path.join(folder, stale))
+        _unlink_step(folder, stale)
         _faults.point("commit:deleted-stale")
     for sub in {os.path.dirname(final) for _, final in plan["renames"]} - {""}:
         fsync_dir(os.path.join(folder, sub))
@@ -246,4 +361,3 @@ def roll_forward(folder: str, plan: dict[str, list[Any]]) -> None:
     os.unlink(os.path.join(folder, JOURNAL))
     fsync_dir(folder)
     _faults.point("commit:done")
-

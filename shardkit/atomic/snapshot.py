@@ -8,9 +8,10 @@ checkpoint opened this way is a snapshot of exactly one version, even while anot
 rewrites the folder in place (``tests/test_concurrency.py`` proves it with a reader racing a writer
 that swaps two checkpoints with identical names, shapes and headers but different values).
 
-A folder left *pending* by a crash past the commit point is settled first (:func:`settle`): the
-journal is rolled forward when the folder is writable, readers wait while a live writer is
-mid-commit, and a read-only folder gets a one-line error.
+A folder left *pending* by a crash past the commit point is never rolled forward by a reader:
+readers wait while a live writer is mid-commit (it holds the folder's lock) and report a crashed
+writer's journal in one line naming ``shardkit recover``; :func:`settle` (``recover`` and every
+write into the folder) rolls it forward, after checking every entry (:mod:`shardkit.atomic.journal`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import TypeVar
 
 from ..errors import CheckpointIndexError, ShardkitError
 from ..formats.suffixes import CHECKPOINT_SUFFIXES, DCP_METADATA
-from .journal import JOURNAL, TMP_MARK, recover
+from .journal import JOURNAL, TMP_MARK, recover, try_lock
 
 T = TypeVar("T")
 
@@ -62,7 +63,70 @@ def _pending_journal_folder(folder: str) -> str | None:
     return None
 
 
+def pending_journal(folder: str) -> bool:
+    """True when ``folder`` (or its parent) holds a crashed writer's journal; False when none, or
+    while a live writer is mid-commit (it holds the folder's lock). Reads only: never rolls forward."""
+    pending = _pending_journal_folder(folder)
+    if pending is None:
+        return False
+    try:
+        fd = try_lock(pending)
+    except OSError:
+        fd = None
+    if fd is None:
+        return False
+    os.close(fd)
+    return os.path.lexists(os.path.join(pending, JOURNAL))
+
+
 def _settle(folder: str) -> bool:
+    """Wait for a live writer's commit; a crashed writer's journal is reported, never rolled forward.
+
+    Readers (``info``, ``verify``, ``plan``, ``fit``, :func:`shardkit.open_source`) never write: a
+    pending journal is for ``shardkit recover`` or the next write into the folder to settle.
+    """
+    pending = _pending_journal_folder(folder)
+    if pending is None:
+        return True
+    if pending_journal(folder):
+        raise CheckpointIndexError(
+            f"{pending}: an interrupted shardkit write left {JOURNAL} here; reading commands never finish it: "
+            f"run `shardkit recover {pending}` (or write into the folder again) first"
+        )
+    return False
+
+
+def settle(folder: str | os.PathLike[str], *, timeout_s: float = 60.0) -> None:
+    """Finish a crashed writer's committed write in ``folder`` (or wait for a live one to finish).
+
+    The write side: it rolls the journal forward (``shardkit recover``); readers use
+    :func:`wait_settled`. Raises a one-line :class:`CheckpointIndexError` when the folder cannot
+    be written.
+
+    settle("ckpt/")
+    """
+    folder = os.fspath(folder)
+    deadline = time.monotonic() + timeout_s
+    while os.path.isdir(folder) and not _recover(folder):
+        if time.monotonic() > deadline:
+            raise CheckpointIndexError(f"{folder} is being written by another shardkit process; try again")
+        time.sleep(0.05)
+
+
+def wait_settled(folder: str | os.PathLike[str], *, timeout_s: float = 60.0) -> None:
+    """Wait while a live writer commits into ``folder``; a crashed writer's journal is a one-line error.
+
+    wait_settled("ckpt/")
+    """
+    folder = os.fspath(folder)
+    deadline = time.monotonic() + timeout_s
+    while os.path.isdir(folder) and not _settle(folder):
+        if time.monotonic() > deadline:
+            raise CheckpointIndexError(f"{folder} is being written by another shardkit process; try again")
+        time.sleep(0.05)
+
+
+def _recover(folder: str) -> bool:
     """Roll a crashed writer's journal forward; False while a live writer is committing."""
     pending = _pending_journal_folder(folder)
     if pending is None:
@@ -74,21 +138,6 @@ def _settle(folder: str) -> bool:
             f"{pending}: an interrupted shardkit write left a journal that could not be finished here "
             f"({e.strerror or e}); run `shardkit recover {pending}` with write access"
         ) from e
-
-
-def settle(folder: str | os.PathLike[str], *, timeout_s: float = 60.0) -> None:
-    """Finish a crashed writer's committed write in ``folder`` (or wait for a live one to finish).
-
-    Raises a one-line :class:`CheckpointIndexError` when the folder cannot be written.
-
-    settle("ckpt/")
-    """
-    folder = os.fspath(folder)
-    deadline = time.monotonic() + timeout_s
-    while os.path.isdir(folder) and not _settle(folder):
-        if time.monotonic() > deadline:
-            raise CheckpointIndexError(f"{folder} is being written by another shardkit process; try again")
-        time.sleep(0.05)
 
 
 def read_consistently(folder: str | os.PathLike[str], open_fn: Callable[[], T], *,

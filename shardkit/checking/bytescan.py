@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..formats.header import TensorEntry
+from ..formats.links import OutsideFolderError, open_inside
 from ..formats.manifest import crc_chunk
 from ..sources.base import Source
 from ..units import DTYPE_BITS
@@ -90,12 +91,16 @@ def _first_difference(out: TensorEntry, begin: int, got: bytes, want: bytes, *, 
 
 
 def scan_file(path: str, entries: list[TensorEntry], *, comparator: TensorComparator | None = None,
-              crc_ranges: list[tuple[str, int, int]] | None = None, tick: TickFn | None = None) -> ScanResult:
+              crc_ranges: list[tuple[str, int, int]] | None = None, tick: TickFn | None = None,
+              root: str | None = None) -> ScanResult:
     """Read ``path`` start to end; hash it and compare the ``entries`` that ``comparator`` knows.
 
     ``entries`` carry absolute offsets (as :func:`shardkit.formats.header.parse_header` gives them).
     ``crc_ranges`` (sorted absolute ranges, e.g. a manifest's) get their crc32s in the same read.
     A read error is reported in ``error`` rather than raised: the caller turns it into a finding.
+    The file is opened once through the folder boundary (:func:`~shardkit.formats.links.open_inside`,
+    relative to ``root``, else to its own folder): a link leaving it, a FIFO, a device or a folder
+    is an error before any byte is read, and the read stops at ``fstat``'s size.
     """
     tick = tick or (lambda n: None)
     ordered = sorted(entries, key=lambda e: e.offset)
@@ -107,16 +112,21 @@ def scan_file(path: str, entries: list[TensorEntry], *, comparator: TensorCompar
     failed: set[str] = set()
     compared: set[str] = set()
     crcs, crc_at = [0] * len(crc_ranges or []), 0
+    folder, name = (root, os.path.relpath(path, root)) if root else os.path.split(os.path.abspath(path))
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_inside(folder, name, where=folder)
+    except OutsideFolderError as e:
+        result.error = str(e).removeprefix(f"{folder}: ").removeprefix(f"{os.path.join(folder, name)} ")
+        return result
     except OSError as e:
         result.error = f"cannot open: {e.strerror or e}"
         return result
     try:
         _advise_sequential(fd)
         pos, cursor = 0, 0
-        while True:
-            want = _aligned_end(ordered, starts, pos, pos + CHUNK_BYTES) - pos
+        size_bytes = os.fstat(fd).st_size
+        while pos < size_bytes:
+            want = min(_aligned_end(ordered, starts, pos, pos + CHUNK_BYTES), size_bytes) - pos
             n = _read_full(fd, view[:want])
             if n == 0:
                 break

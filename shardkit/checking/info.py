@@ -191,15 +191,20 @@ def _quantization(target: str, entries: list[TensorEntry], metadata: dict[str, s
                   ) -> tuple[dict[str, Any] | None, frozenset[str]]:
     """The quantized layout (or the reason it is unusable) and its scale/marker tensors."""
     from ..errors import InvalidInputError
+    from ..formats.layout import read_config
+    from ..formats.links import UntrustedFileError
     from ..layouts.fp4 import Fp4Layout
     from ..layouts.registry import find_quant_layout, quant_config
 
     folder = target if os.path.isdir(target) else os.path.dirname(os.path.abspath(target))
+    read_config(folder)  # a config.json that leaves the folder or is no regular file: one line, exit 2
     try:
         config = quant_config(folder)
         layout = find_quant_layout(entries, config=config, metadata=metadata, where=target, allow_lossy=True)
         if layout is None:  # or an inconsistent fp8 one: say why
             layout = find_quant_layout(entries, config=config, metadata=metadata, where=target)
+    except UntrustedFileError:  # hf_quant_config.json leaving the folder, a FIFO...: refused, not described
+        raise
     except InvalidInputError as e:  # info describes a broken checkpoint; split/convert refuse it
         return {"error": str(e)}, frozenset()
     if layout is None:

@@ -77,7 +77,7 @@ def expected_files(path: str, *, pipeline: bool) -> tuple[dict[str, Expected], l
         expected.update(_entries(manifest, prefix, folder, "", used[-1]))
     if pipeline:
         for sub in sorted(os.listdir(folder)):
-            own = read_manifest(os.path.join(folder, sub)) if os.path.isdir(os.path.join(folder, sub)) else None
+            own = read_manifest(os.path.join(folder, sub)) if _real_folder(os.path.join(folder, sub)) else None
             if own is not None:  # nearest wins: drop the top manifest's records of this component
                 expected = {k: v for k, v in expected.items() if not k.startswith(f"{sub}/")}
                 used.append(f"{sub}/{MANIFEST_NAME}")
@@ -85,6 +85,11 @@ def expected_files(path: str, *, pipeline: bool) -> tuple[dict[str, Expected], l
     if only is not None:
         expected = {k: v for k, v in expected.items() if k == only}
     return expected, used
+
+
+def _real_folder(path: str) -> bool:
+    """A subfolder itself, never a symlink to one (which could lead outside the checkpoint)."""
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def _display(manifest: Manifest, folder: str) -> str:

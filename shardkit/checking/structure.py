@@ -7,7 +7,6 @@ truncated shard still yields its tensor list (one problem counts the tensors pas
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
@@ -20,7 +19,16 @@ from ..errors import (
 )
 from ..formats.header import Header, TensorEntry, parse_header, read_header_bytes
 from ..formats.index import MAX_INDEX_BYTES, check_shard_name
-from ..formats.links import LINK_RULE, leads_outside, link_target
+from ..formats.links import (
+    LINK_RULE,
+    OutsideFolderError,
+    UntrustedFileError,
+    leads_outside,
+    link_target,
+    open_inside,
+    parse_json,
+    read_inside,
+)
 
 _INDEX_NAME_RE = re.compile(r"^(?P<prefix>.+)\.safetensors\.index(?:\.(?P<variant>[^.]+))?\.json$")
 _SHARD_NAME_RE = re.compile(r"^(?P<stem>.+)-\d{5}-of-\d{5}\.safetensors$")
@@ -103,12 +111,11 @@ def read_index(layout: Layout) -> tuple[dict[str, str], dict] | None:
     name = layout.index
     path = os.path.join(layout.root, name)
     try:
-        if os.path.getsize(path) > MAX_INDEX_BYTES:
-            raise CheckpointIndexError("too large to be an index file")
-        with open(path, "rb") as f:
-            doc = json.loads(f.read().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, CheckpointIndexError) as e:
-        layout.problems.append(Problem(name, None, f"unreadable index: {e}"))
+        doc = parse_json(read_inside(layout.root, name, where=layout.root, max_bytes=MAX_INDEX_BYTES), path=path,
+                         what="JSON index")
+    except (OSError, UntrustedFileError) as e:
+        why = str(e).removeprefix(f"{layout.root}: ").removeprefix(f"{path}: ")
+        layout.problems.append(Problem(name, None, f"unreadable index: {why}"))
         return None
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
         layout.problems.append(Problem(name, None, "index must be a JSON object with a 'weight_map' object"))
@@ -136,16 +143,25 @@ def read_shard_header(path: str, name: str, problems: list[Problem]) -> HeaderRe
         problems.append(Problem(name, None, f"is a symlink leading outside the checkpoint folder (to {target}); "
                                 f"{LINK_RULE}; nothing behind it was read"))
         return HeaderRead(None, 0)
-    try:
-        with open(path, "rb") as f:
-            raw, file_bytes = read_header_bytes(f, path)
-        header = parse_header(raw, path=path)
-    except HeaderError as e:
-        problems.append(Problem(name, None, str(e).removeprefix(f"{path}: ")))
-        return HeaderRead(None, _size(path))
+    folder = os.path.dirname(path)
+    try:  # one checked descriptor: a FIFO, a device or a folder is refused before any read
+        fd = open_inside(folder, os.path.basename(path), where=folder)
+    except OutsideFolderError as e:
+        problems.append(Problem(name, None, str(e).removeprefix(f"{folder}: ").removeprefix(f"{path} ")))
+        return HeaderRead(None, 0)
     except OSError as e:
         problems.append(Problem(name, None, f"cannot read: {e.strerror or e}"))
-        return HeaderRead(None, _size(path))
+        return HeaderRead(None, 0)
+    with os.fdopen(fd, "rb") as f:
+        try:
+            raw, file_bytes = read_header_bytes(f, path)
+            header = parse_header(raw, path=path)
+        except HeaderError as e:
+            problems.append(Problem(name, None, str(e).removeprefix(f"{path}: ")))
+            return HeaderRead(None, os.fstat(fd).st_size)
+        except OSError as e:
+            problems.append(Problem(name, None, f"cannot read: {e.strerror or e}"))
+            return HeaderRead(None, os.fstat(fd).st_size)
     end = header.file_bytes  # where the tensors end, from the header alone
     if file_bytes < end:
         lost = [e.name for e in header.entries if e.offset + e.nbytes > file_bytes]  # one cause: one problem
@@ -157,13 +173,6 @@ def read_shard_header(path: str, name: str, problems: list[Problem]) -> HeaderRe
         problems.append(Problem(name, None, f"{file_bytes - end} bytes of trailing data after the last tensor"))
     complete = [e for e in header.entries if e.offset + e.nbytes <= file_bytes]
     return HeaderRead(header, file_bytes, complete)
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
 
 
 def check_index(layout: Layout, weight_map: dict[str, str], metadata: dict,

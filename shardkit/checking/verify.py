@@ -116,7 +116,8 @@ def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = N
     ``split --dtype`` does where the dtypes differ.
 
     Problems in the checkpoint are collected in the report, never raised. A folder left pending
-    by a crashed shardkit write is settled first (the journal is rolled forward).
+    by a crashed shardkit write is refused in one line (``shardkit recover`` finishes it): verify
+    never writes.
 
     Args:
         path: the checkpoint to check.
@@ -139,11 +140,11 @@ def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = N
     report.ok, [str(f) for f in report.findings]
     (True, [])
     """
-    from ..atomic.snapshot import settle
+    from ..atomic.snapshot import wait_settled
     from ..formats.layout import is_pipeline_folder
 
     path = os.fspath(path)
-    settle(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))  # a crashed in-place write
+    wait_settled(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))  # reported, never rolled forward
     against_path = os.fspath(against) if isinstance(against, (str, os.PathLike)) else None
     report = VerifyReport(path, against=against_path if against is not None else None)
     if against is not None and report.against is None:
@@ -344,7 +345,9 @@ def _run_scans(jobs: list[_ScanJob], report: VerifyReport, progress: ProgressCal
                 progress(done, total)
 
     def run(job: _ScanJob) -> ScanResult:
-        return scan_file(job.path, job.entries, comparator=job.comparator, crc_ranges=job.crc_ranges, tick=tick)
+        root = job.path[:-len(job.name) - 1] if job.path.endswith(os.sep + job.name) else None
+        return scan_file(job.path, job.entries, comparator=job.comparator, crc_ranges=job.crc_ranges, tick=tick,
+                         root=root)
 
     workers = max(1, min(len(jobs), os.cpu_count() or 1, MAX_SCAN_THREADS))
     with ThreadPoolExecutor(max_workers=workers) as pool:
@@ -357,7 +360,8 @@ def _run_scans(jobs: list[_ScanJob], report: VerifyReport, progress: ProgressCal
 def _record(job: _ScanJob, result: ScanResult, report: VerifyReport) -> None:
     report.bytes_read += result.bytes_read
     if result.error:
-        report.findings.append(Finding(job.name, None, result.error))
+        if job.name not in {f.file for f in report.findings}:  # e.g. a link leaving the folder: reported once
+            report.findings.append(Finding(job.name, None, result.error))
         return
     report.files.append(FileReport(job.name, result.bytes_read, result.sha256))
     if os.path.basename(job.name) == MANIFEST_NAME:
@@ -392,7 +396,7 @@ def _listed_jobs(path: str, expected: dict[str, Expected], jobs: list[_ScanJob],
     the manifests inside the checked folder themselves."""
     have = {job.name for job in jobs}
     extra = [_ScanJob(e.path, name, [], None) for name, e in expected.items()
-             if name not in have and os.path.isfile(e.path)]
+             if name not in have and os.path.lexists(e.path)]  # a FIFO or folder in its place: a finding
     folder = path if os.path.isdir(path) else os.path.dirname(path) if path.endswith(".json") else None
     if folder is not None:  # a folder or its index: the manifest is one of its files (not for a single file)
         extra += [_ScanJob(os.path.join(folder, m), m, [], None) for m in report.manifests

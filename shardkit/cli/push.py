@@ -121,7 +121,9 @@ def print_summary(result: Any) -> None:
                f"{len(result.commits)} commit(s), {len(result.unchanged)} unchanged{deleted}")
     outside = [link for link in result.links if link.outside]
     if outside:
-        click.echo(f"followed {len(outside)} symlink(s) leading outside the folder (--follow-symlinks)")
+        shown = ", ".join(f"{link.path_in_repo} -> {link.target}" for link in outside[:5])
+        more = f" and {len(outside) - 5} more" if len(outside) > 5 else ""
+        click.echo(f"followed {len(outside)} symlink(s) leading outside the folder (--follow-symlinks): {shown}{more}")
     if result.pr_url:
         click.echo(f"pull request: {result.pr_url}")
     click.echo(result.commit_url)

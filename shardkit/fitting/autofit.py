@@ -297,6 +297,10 @@ def fit(target: FitTarget, *, gpu: Iterable[str | int] | str | int | None = None
             raise InvalidInputError(f"{name} must be a positive integer, got {value!r}")
     workload = Workload(height, width, batch_size, guidance, attention)
     budget = Budget.parse(gpu, cpu, max_memory)
+    if isinstance(target, (str, os.PathLike)) and os.path.isdir(target):
+        from ..atomic.snapshot import wait_settled
+
+        wait_settled(target)  # a crashed write's journal is reported, never rolled forward
     if isinstance(target, (str, os.PathLike)):
         workload = resolve_workload(os.fspath(target), workload)
         profiles = profile_folder(os.fspath(target), workload, dtype=dtype)

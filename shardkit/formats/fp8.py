@@ -41,19 +41,22 @@ def tensor_from_bytes(raw: bytes | bytearray | memoryview, dtype_code: str, shap
     return torch.frombuffer(data, dtype=to_torch(dtype_code)).reshape(shape)
 
 
-def scale_to_float32(scale: torch.Tensor) -> torch.Tensor:
-    """A scale tensor as float32 multipliers (uint8 holds e8m0 exponents)."""
+def scale_to_float32(scale: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
+    """A scale tensor as float32 multipliers (uint8 holds e8m0 exponents); NaN or infinite values are refused."""
     import torch
 
-    if scale.dtype == torch.uint8:
-        return (scale.to(torch.float32) - 127.0).exp2()
-    return scale.to(torch.float32)
+    factors = (scale.to(torch.float32) - 127.0).exp2() if scale.dtype == torch.uint8 else scale.to(torch.float32)
+    if not bool(torch.isfinite(factors).all()):
+        raise InvalidInputError(f"scale {name or 'tensor'} holds NaN or infinite values (as float32 multipliers); "
+                                "the checkpoint is corrupt: re-export it")
+    return factors
 
 
 def band_rows(weight: ScaledWeight, cols: int) -> int:
     """Rows per band: a whole number of scale blocks, about :data:`BAND_BYTES` of float32."""
     step = weight.block[0] if weight.granularity == "block" else 1
-    return max(step, (BAND_BYTES // max(1, cols * 4)) // step * step)
+    fit = max(1, BAND_BYTES // max(1, cols * 4))
+    return fit // step * step if fit >= step else fit  # whole blocks when they fit; a huge block is cut (gathered)
 
 
 def dequantize_band(q: torch.Tensor, scale: torch.Tensor, weight: ScaledWeight, row0: int,
@@ -85,12 +88,12 @@ def _band_scale(scale: torch.Tensor, weight: ScaledWeight, row0: int, shape: tor
         return scale.reshape(-1)[0]
     if weight.granularity == "channel":
         return scale.reshape(-1)[row0:row0 + rows].reshape(rows, 1)
+    import torch
+
     b0, b1 = weight.block
-    first, last = row0 // b0, (row0 + rows - 1) // b0 + 1
-    grid = scale.reshape(scale.shape[0], -1)[first:last]
-    full = grid.repeat_interleave(b0, dim=0).repeat_interleave(b1, dim=1)
-    at = row0 - first * b0
-    return full[at:at + rows, :cols]
+    grid = scale.reshape(scale.shape[0], -1)
+    # gathered, never expanded block by block: memory is the band's, whatever the block size
+    return grid[torch.arange(row0, row0 + rows) // b0][:, torch.arange(cols) // b1]
 
 
 def quantize_band(w: torch.Tensor, granularity: str, *, block: tuple[int, int] = (128, 128),
@@ -168,10 +171,10 @@ def dequantize_state_dict(tensors: Mapping[str, torch.Tensor], *, out_dtype: tor
     if layout is None:
         return dict(tensors), None
     out = {n: t for n, t in tensors.items() if n not in layout.extra}
-    refuse_disagreeing({w.scale: scale_to_float32(tensors[w.scale]) for w in layout.weights if w.granularity == "fused"},
+    refuse_disagreeing({w.scale: scale_to_float32(tensors[w.scale], name=w.scale) for w in layout.weights if w.granularity == "fused"},
                        where=where)
     for weight in layout.weights:
-        stored, scale = tensors[weight.weight], scale_to_float32(tensors[weight.scale])
+        stored, scale = tensors[weight.weight], scale_to_float32(tensors[weight.scale], name=weight.scale)
         flat = stored.reshape(matrix_shape(tuple(stored.shape)))
         out[weight.weight] = dequantize_band(flat, scale, weight, 0, out_dtype).reshape(stored.shape)
     return out, layout

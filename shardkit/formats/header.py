@@ -16,6 +16,7 @@ from typing import BinaryIO
 
 from ..errors import HeaderError, InvalidInputError, SourceNotFoundError
 from ..units import DTYPE_BITS
+from .links import OutsideFolderError, open_regular
 
 MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit
 HEADER_ALIGN_BYTES = 8
@@ -93,11 +94,14 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     ['conv_in.bias', 'conv_in.weight']
     """
     path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            raw, file_bytes = read_header_bytes(f, path)
+    try:  # one checked descriptor: a FIFO or a device is refused before anything is read
+        fd = open_regular(path)
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
         raise open_error(path, e) from e
+    except OutsideFolderError as e:
+        raise HeaderError(str(e)) from e
+    with os.fdopen(fd, "rb") as f:
+        raw, file_bytes = read_header_bytes(f, path)
     return parse_header(raw, path=path, file_bytes=file_bytes)
 
 
@@ -236,9 +240,10 @@ def _parse_entry(name: str, spec: object, path: str, data_start: int) -> TensorE
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         raise HeaderError(f"{where}: unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BITS))}")
     if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_uint(d) for d in shape):
-        raise HeaderError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+        raise HeaderError(f"{where}: shape must be a list of non-negative integers below 2^64, got {str(shape)[:200]}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
-        raise HeaderError(f"{where}: data_offsets must be [begin, end] non-negative integers, got {offsets!r}")
+        raise HeaderError(f"{where}: data_offsets must be [begin, end] non-negative integers below 2^64, got "
+                          f"{str(offsets)[:200]}")
     begin, end = offsets
     if end < begin:
         raise HeaderError(f"{where}: data_offsets [{begin}, {end}] are reversed")
@@ -254,7 +259,9 @@ def _parse_entry(name: str, spec: object, path: str, data_start: int) -> TensorE
 
 
 def _is_uint(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """A JSON integer the reference reader accepts: 0 <= value < 2**64 (a dimension of a zero-element
+    tensor too: ``safe_open`` refuses any dimension that is not a 64-bit size)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
 
 
 def _check_tiling(entries: list[TensorEntry], path: str, data_start: int) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CheckpointIndexError, SourceNotFoundError
-from .links import LINK_RULE, leads_outside, link_target
+from .links import LINK_RULE, OutsideFolderError, leads_outside, link_target, read_regular
 
 DIFFUSERS_PREFIX = "diffusion_pytorch_model"
 TRANSFORMERS_PREFIX = "model"
@@ -146,16 +146,14 @@ def load_index(path: str | os.PathLike[str], *, ext: str = ".safetensors") -> Ch
     ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors']
     """
     path = os.fspath(path)
-    try:
-        size = os.path.getsize(path)
-        if size > MAX_INDEX_BYTES:
-            raise CheckpointIndexError(f"{path}: index is {size} bytes, too large to be an index file")
-        with open(path, "rb") as f:
-            raw = f.read()
+    try:  # one checked descriptor, size from fstat: a FIFO or /dev/zero is refused before any read
+        raw = read_regular(path, max_bytes=MAX_INDEX_BYTES)
     except FileNotFoundError as e:
         raise SourceNotFoundError(f"{path}: no such index file") from e
     except IsADirectoryError as e:
         raise CheckpointIndexError(f"{path}: is a directory, expected an index JSON file") from e
+    except OutsideFolderError as e:
+        raise CheckpointIndexError(f"{path}: not usable as an index file ({str(e).removeprefix(f'{path}: ')})") from e
     return parse_index(raw, path=path, ext=ext)
 
 

@@ -15,17 +15,21 @@ Standard library only: no torch, no diffusers.
 
 from __future__ import annotations
 
-import json
+import math
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidInputError, SourceNotFoundError
 from .index import DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, Naming, naming_from_filename
+from .links import BOUNDARY_RULE, OutsideFolderError, parse_json, read_inside
 from .suffixes import SAVED_WEIGHT_SUFFIXES
 
 MODEL_INDEX = "model_index.json"
 MAX_MODEL_INDEX_BYTES = 10_000_000
+MAX_CONFIG_BYTES = 10_000_000
 # Library named in model_index.json → file prefix its save_pretrained writes.
 _LIBRARY_PREFIX = {"diffusers": DIFFUSERS_PREFIX, "transformers": TRANSFORMERS_PREFIX}
 
@@ -71,6 +75,9 @@ def find_components(folder: str | os.PathLike[str], *, variant: str | None = Non
         _check_component_name(name, folder)
         library, class_name = value
         path = os.path.join(folder, name)
+        if os.path.islink(path):
+            raise OutsideFolderError(f"{folder}: component {name!r} is a symlink (to {os.path.realpath(path)}); "
+                                     f"{BOUNDARY_RULE}; copy the component folder in")
         weights = weight_files(path)
         naming = _naming_for(library, weights, variant)
         components.append(Component(name, path, library, naming, bool(weights), class_name))
@@ -80,15 +87,10 @@ def find_components(folder: str | os.PathLike[str], *, variant: str | None = Non
 def read_model_index(folder: str) -> dict:
     """Parse ``folder/model_index.json``; one-line errors for a missing or malformed file."""
     path = os.path.join(folder, MODEL_INDEX)
-    if not os.path.isfile(path):
-        raise SourceNotFoundError(f"{folder}: no {MODEL_INDEX}; not a diffusers pipeline folder")
-    if os.path.getsize(path) > MAX_MODEL_INDEX_BYTES:
-        raise InvalidInputError(f"{path}: too large to be a {MODEL_INDEX}")
     try:
-        with open(path, "rb") as f:
-            doc = json.loads(f.read().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise InvalidInputError(f"{path}: not valid UTF-8 JSON ({e})") from e
+        doc = parse_json(read_inside(folder, MODEL_INDEX, where=folder, max_bytes=MAX_MODEL_INDEX_BYTES), path=path)
+    except FileNotFoundError as e:
+        raise SourceNotFoundError(f"{folder}: no {MODEL_INDEX}; not a diffusers pipeline folder") from e
     if not isinstance(doc, dict):
         raise InvalidInputError(f"{path}: must be a JSON object mapping component names to [library, class]")
     return doc
@@ -127,11 +129,78 @@ def _naming_for(library: str, weights: list[str], variant: str | None) -> Naming
 def read_config(folder: str) -> dict[str, Any] | None:
     """``folder/config.json`` as a dict, or None when there is none (or it is not a JSON object)."""
     path = os.path.join(folder, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+    try:  # a checked descriptor: a FIFO, /dev/zero or a link leaving the folder is refused unread
+        doc = parse_json(read_inside(folder, "config.json", where=folder, max_bytes=MAX_CONFIG_BYTES), path=path)
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidInputError(f"{path}: not a readable JSON file ({e}); fix or remove it") from e
-    return doc if isinstance(doc, dict) else None
+    except OSError as e:
+        raise InvalidInputError(f"{path}: not a readable JSON file ({e.strerror or e}); fix or remove it") from e
+    if not isinstance(doc, dict):
+        return None
+    check_config_numbers(doc, where=path)
+    return doc
+
+
+MAX_CONFIG_COUNT = 1024  # layers, blocks, depth: no released model comes near it (the largest have ~200)
+MAX_CONFIG_LIST = 1 << 18  # entries of one list or object (label maps of classifiers reach ~22k)
+MAX_CONFIG_BLOCKS = 256  # a UNet's block types × layers per block: SDXL has 3 × 10
+MAX_CONFIG_INT = 1 << 40  # any other integer (hidden sizes, vocabularies, positions)
+MAX_CONFIG_DEPTH = 16
+_COUNT_KEY = re.compile(r"(^|_)(layers?|depths?|n_layer|num_blocks|num_res_blocks|n_blocks)(_|$)", re.IGNORECASE)
+
+
+def check_config_numbers(config: Mapping[str, Any], *, where: str) -> None:
+    """Bound every number a model would be built from, before anything is built or allocated.
+
+    Layer and block counts (``layers_per_block``, ``num_hidden_layers``, ``depth``...) stay under
+    :data:`MAX_CONFIG_COUNT`, lists under :data:`MAX_CONFIG_LIST` entries, other integers under
+    2^40, floats finite; one line names the field. A hostile ``layers_per_block: 10**7`` would
+    otherwise build ten million modules before any check ran.
+
+    >>> check_config_numbers({"layers_per_block": 2, "block_out_channels": [320, 640]}, where="unet/config.json")
+    """
+    _check_value(config, where=where, field="", count=False, depth=0)
+    blocks = max((len(v) for k, v in config.items() if str(k).endswith("block_types") and isinstance(v, list)), default=1)
+    counts = [_largest_int(v) for k, v in config.items() if _COUNT_KEY.search(str(k))]
+    if blocks * max(counts, default=1) > MAX_CONFIG_BLOCKS:
+        raise InvalidInputError(f"{where}: fields *_block_types ({blocks} blocks) and the layer counts "
+                                f"({max(counts)} per block) describe more than {MAX_CONFIG_BLOCKS} blocks; the config "
+                                "is corrupt or hostile")
+
+
+def _largest_int(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, list):
+        return max((_largest_int(v) for v in value), default=1)
+    return 1
+
+
+def _check_value(value: object, *, where: str, field: str, count: bool, depth: int) -> None:
+    if depth > MAX_CONFIG_DEPTH:
+        raise InvalidInputError(f"{where}: field {field or '(top)'} is nested more than {MAX_CONFIG_DEPTH} deep")
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return
+    if isinstance(value, int):
+        limit = MAX_CONFIG_COUNT if count else MAX_CONFIG_INT
+        if not -limit <= value <= limit:
+            raise InvalidInputError(f"{where}: field {field} is {str(value)[:40]}, beyond the bound {limit} shardkit "
+                                    "builds models from; the config is corrupt or hostile")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidInputError(f"{where}: field {field} is {value}, not a finite number")
+    elif isinstance(value, list):
+        if len(value) > MAX_CONFIG_LIST:
+            raise InvalidInputError(f"{where}: field {field} has {len(value)} entries, more than the {MAX_CONFIG_LIST} "
+                                    "shardkit builds models from")
+        for i, item in enumerate(value):
+            _check_value(item, where=where, field=f"{field}[{i}]", count=count, depth=depth + 1)
+    elif isinstance(value, Mapping):
+        if len(value) > MAX_CONFIG_LIST:
+            raise InvalidInputError(f"{where}: field {field or '(top)'} has {len(value)} keys; too many for a config")
+        for key, item in value.items():
+            part = str(key) if str(key).isprintable() and len(str(key)) <= 60 else repr(str(key)[:60])
+            name = f"{field}.{part}" if field else part
+            _check_value(item, where=where, field=name, count=count or bool(_COUNT_KEY.search(str(key))),
+                         depth=depth + 1)
+

@@ -1,4 +1,6 @@
-"""Which symlinks shardkit follows: the one rule every reader and ``push`` apply to a folder's files.
+"""The checkpoint-folder boundary: which files shardkit may open, create, rename or delete for a folder.
+
+Which symlinks shardkit follows is the one rule every reader and ``push`` apply to a folder's files.
 
 A file in a checkpoint folder that is a symlink is followed only to a regular file inside the
 folder, or into the ``blobs/`` of a Hugging Face cache: the cache repo whose ``snapshots/`` holds
@@ -9,10 +11,17 @@ downloaded repo planted towards ``~/.ssh``, a token or another project's weights
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import re
+import stat
 
-__all__ = ["LINK_RULE", "leads_outside", "link_target"]
+from ..errors import InvalidInputError
+
+__all__ = ["BOUNDARY_RULE", "LINK_RULE", "MAX_JSON_BYTES", "OutsideFolderError", "UntrustedFileError", "check_name", "check_write_target",
+           "leads_outside", "link_target", "open_inside", "open_parent", "open_regular", "parse_json", "read_fd", "read_inside",
+           "read_regular"]
 
 LINK_RULE = "shardkit follows such links only inside the folder or into a Hugging Face cache's blobs/"
 _CACHE_REPO_RE = re.compile(r"^(models|datasets|spaces)--.+")
@@ -57,3 +66,231 @@ def _in_cache_blobs(target: str) -> bool:
     """``<cache>/models--org--name/blobs/<blob>``: a file the Hugging Face cache holds."""
     blobs = os.path.dirname(target)
     return os.path.basename(blobs) == "blobs" and bool(_CACHE_REPO_RE.match(os.path.basename(os.path.dirname(blobs))))
+
+
+# ----------------------------------------------------------------------------- the folder boundary
+#
+# Every path shardkit reads, writes, renames or deletes on behalf of a checkpoint folder (shards,
+# index, manifest, config, side files, journal entries, pipeline components, hf:// mirror entries,
+# push uploads) is a *name inside a folder*. :func:`check_name` refuses names that could leave it
+# (absolute, ``..``, empty parts, backslashes, control characters); :func:`open_inside` opens the
+# file through an ``openat``-style walk in which no parent may be a symlink and the file itself is a
+# regular file (a symlink only under the link rule above); reads then go through that descriptor,
+# so a swap after the check cannot change what is read. :func:`check_write_target` is the same
+# walk for names about to be created, renamed onto or deleted: nothing through a link, never a folder.
+
+
+class UntrustedFileError(InvalidInputError):
+    """A file from a checkpoint folder that shardkit refuses: it leaves the folder, is not a regular
+    file, is over its byte cap, or does not parse (one line naming the file)."""
+
+
+class OutsideFolderError(UntrustedFileError):
+    """A path that leaves its folder, or is not a regular file: refused before it is opened."""
+
+
+MAX_JSON_BYTES = 100_000_000  # the cap on any JSON shardkit reads (configs, indexes, manifests, journals)
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # O_NONBLOCK: a FIFO never blocks open
+
+
+def check_name(name: object, *, where: str) -> list[str]:
+    """The parts of ``name``, a relative ``/``-separated path that stays inside its folder.
+
+    >>> check_name("unet/config.json", where="x")
+    ['unet', 'config.json']
+    """
+    if not isinstance(name, str) or not name:
+        raise OutsideFolderError(f"{where}: {name!r} is not a file name")
+    if name.startswith(("/", "\\")) or os.path.isabs(name) or "\\" in name:
+        raise OutsideFolderError(f"{where}: {name!r} is an absolute path or uses backslashes; only names inside the "
+                                 "folder are allowed")
+    if any(ord(c) < 32 or ord(c) == 127 or 0xD800 <= ord(c) <= 0xDFFF for c in name):
+        raise OutsideFolderError(f"{where}: {name!r} contains control characters or invalid Unicode")
+    parts = name.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise OutsideFolderError(f"{where}: {name!r} leaves the folder or has empty parts ('..', '.', '//', a "
+                                 "trailing '/'); only names inside the folder are allowed")
+    return parts
+
+
+def open_parent(folder: str, name: str, *, where: str) -> tuple[int, str]:
+    """``(dir_fd, base)``: a descriptor on the folder holding ``name`` (no symlink among its parents) and its last part.
+
+    Renames and unlinks then use ``dir_fd``, so a parent swapped for a link after the check changes nothing.
+    Raises ``FileNotFoundError`` when a parent does not exist.
+    """
+    parts = check_name(name, where=where)
+    return _open_parent(folder, parts, where=where, name=name), parts[-1]
+
+
+def _open_parent(folder: str, parts: list[str], *, where: str, name: str) -> int:
+    try:
+        dir_fd = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise OutsideFolderError(f"{where}: cannot open the folder {folder} ({e.strerror or e})") from e
+    for part in parts[:-1]:
+        try:
+            sub = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                          dir_fd=dir_fd)
+        except OSError as e:
+            os.close(dir_fd)
+            if e.errno == errno.ENOENT:
+                raise FileNotFoundError(errno.ENOENT, "no such file", os.path.join(folder, name)) from e
+            raise OutsideFolderError(f"{where}: {name!r} passes through {part!r}, which is a symlink or not a folder; "
+                                     f"{BOUNDARY_RULE}") from e
+        os.close(dir_fd)
+        dir_fd = sub
+    return dir_fd
+
+
+BOUNDARY_RULE = ("shardkit reads and writes only regular files inside the folder, never through a symlinked folder "
+                 "(file links only inside the folder or into a Hugging Face cache's blobs/)")
+
+
+def open_inside(folder: str, name: str, *, where: str, max_bytes: int | None = None, links: bool = True) -> int:
+    """A read-only descriptor on the regular file ``folder/name``, opened once and checked.
+
+    No parent of ``name`` may be a symlink; ``name`` itself may be one only when ``links`` and the
+    link rule allow it (:func:`leads_outside`). FIFOs, devices, sockets and folders are refused
+    before any byte is read; ``max_bytes`` caps the size ``fstat`` gives. Raises
+    ``FileNotFoundError`` when the file does not exist, :class:`OutsideFolderError` otherwise.
+
+    fd = open_inside("ckpt", "config.json", where="ckpt", max_bytes=MAX_JSON_BYTES)
+    """
+    parts = check_name(name, where=where)
+    path = os.path.join(folder, *parts)
+    dir_fd = _open_parent(folder, parts, where=where, name=name)
+    try:
+        fd = os.open(parts[-1], _OPEN_FLAGS | os.O_NOFOLLOW, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.EMLINK):
+            if e.errno == errno.ENOENT:
+                raise
+            raise OutsideFolderError(f"{where}: {path} cannot be opened ({e.strerror or e})") from e
+        fd = _open_link(path, folder, where=where, links=links)
+    finally:
+        os.close(dir_fd)
+    return _checked(fd, path, where=where, max_bytes=max_bytes)
+
+
+def _open_link(path: str, folder: str, *, where: str, links: bool) -> int:
+    target = os.path.realpath(path)
+    if not links or leads_outside(target, folder):
+        raise OutsideFolderError(f"{where}: {path} is a symlink leading outside the folder (to {target}); {LINK_RULE}; "
+                                 "nothing behind it was read")
+    try:
+        return os.open(target, _OPEN_FLAGS | os.O_NOFOLLOW)
+    except OSError as e:
+        raise OutsideFolderError(f"{where}: {path} is a symlink to {target}, which cannot be opened as a regular "
+                                 f"file ({e.strerror or e})") from e
+
+
+def open_regular(path: str, *, where: str | None = None, max_bytes: int | None = None) -> int:
+    """A read-only descriptor on ``path`` (named by the user: links followed), refused unless a regular file.
+
+    fd = open_regular("model.safetensors")
+    """
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
+        raise
+    except OSError as e:
+        raise OutsideFolderError(f"{where or path}: cannot be opened ({e.strerror or e})") from e
+    return _checked(fd, path, where=where or path, max_bytes=max_bytes)
+
+
+def _checked(fd: int, path: str, *, where: str, max_bytes: int | None) -> int:
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OutsideFolderError(f"{where}: {path} is {_kind(st.st_mode)}, not a regular file; refused before "
+                                     "reading it")
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise OutsideFolderError(f"{where}: {path} is {st.st_size} bytes, over the {max_bytes}-byte limit for "
+                                     "this kind of file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "a special file"
+
+
+def read_fd(fd: int, *, path: str) -> bytes:
+    """Every byte of the regular file open on ``fd``: exactly ``fstat``'s size, checked."""
+    size_bytes = os.fstat(fd).st_size
+    chunks, got = [], 0
+    while got < size_bytes:
+        chunk = os.pread(fd, min(size_bytes - got, 1 << 24), got)
+        if not chunk:
+            raise OutsideFolderError(f"{path}: shrank while being read ({got} of {size_bytes} bytes); try again")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def read_inside(folder: str, name: str, *, where: str, max_bytes: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of ``folder/name`` through :func:`open_inside`, at most ``max_bytes``."""
+    fd = open_inside(folder, name, where=where, max_bytes=max_bytes)
+    try:
+        return read_fd(fd, path=os.path.join(folder, name))
+    finally:
+        os.close(fd)
+
+
+def read_regular(path: str, *, where: str | None = None, max_bytes: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of ``path`` (named by the user) through :func:`open_regular`, at most ``max_bytes``."""
+    fd = open_regular(path, where=where, max_bytes=max_bytes)
+    try:
+        return read_fd(fd, path=path)
+    finally:
+        os.close(fd)
+
+
+def parse_json(data: bytes, *, path: str, what: str = "JSON file") -> object:
+    """JSON bytes as Python values; any malformation (depth, huge numbers, NaN, bad UTF-8) is one line naming ``path``."""
+    def no_constants(token: str) -> float:
+        raise ValueError(f"{token} is not a JSON number")
+
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=no_constants)
+    except RecursionError as e:
+        raise UntrustedFileError(f"{path}: not valid JSON (a {what} nested too deeply)") from e
+    except (ValueError, UnicodeDecodeError) as e:  # ValueError: also integers over Python's digit limit
+        raise UntrustedFileError(f"{path}: not valid JSON (a UTF-8 {what} expected: {str(e)[:200]})") from e
+
+
+def check_write_target(folder: str, name: str, *, where: str, may_exist: bool = True, link_ok: bool = False) -> str:
+    """The path of ``folder/name`` about to be created, renamed onto or deleted: no symlinked parent, never a folder.
+
+    An existing file there must be a regular file (``may_exist``), or a symlink itself when
+    ``link_ok`` (unlinked or replaced, never followed); a symlink among the parents refuses the
+    name. Raises :class:`OutsideFolderError` with one line naming it.
+    """
+    parts = check_name(name, where=where)
+    path = os.path.join(folder, *parts)
+    try:
+        dir_fd = _open_parent(folder, parts, where=where, name=name)
+    except FileNotFoundError:
+        return path  # a parent that does not exist yet: nothing there to leave through
+    try:
+        st = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return path
+    finally:
+        os.close(dir_fd)
+    if link_ok and stat.S_ISLNK(st.st_mode) and may_exist:
+        return path
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode) or not may_exist:
+        what = "a symlink" if stat.S_ISLNK(st.st_mode) else _kind(st.st_mode) if not stat.S_ISREG(st.st_mode) else \
+            "an existing file"
+        raise OutsideFolderError(f"{where}: {path} is {what}; shardkit only creates, replaces or deletes its own "
+                                 f"regular files inside the folder; {BOUNDARY_RULE}")
+    return path

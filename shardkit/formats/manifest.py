@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidInputError
+from .links import MAX_JSON_BYTES, OutsideFolderError, check_name, parse_json, read_inside
 from .suffixes import MANIFEST_FILE
 
 MANIFEST_NAME = MANIFEST_FILE
@@ -134,19 +135,22 @@ def parse_manifest(data: bytes, *, path: str) -> Manifest:
         ManifestError: not JSON, not a shardkit manifest, a newer version, or a malformed entry.
     """
     try:
-        doc = json.loads(data)
+        doc = parse_json(data, path=path, what="manifest")
         if not isinstance(doc, dict) or doc.get("format") != FORMAT:
             raise ValueError(f"not a {FORMAT} file")
         if doc.get("version") != VERSION or doc.get("tensor_digest") != TENSOR_DIGEST:
             raise ValueError(f"version {doc.get('version')!r} / digest {doc.get('tensor_digest')!r} is not "
                              f"{VERSION} / {TENSOR_DIGEST}: written by a newer shardkit? upgrade shardkit")
         files = {str(name): _parse_file(entry) for name, entry in doc["files"].items()}
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ManifestError(f"{path}: unreadable manifest ({e}); delete it to verify structure only, "
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as e:
+        raise ManifestError(f"{path}: unreadable manifest ({str(e).removeprefix(f'{path}: ')[:200]}); delete it to verify structure only, "
                             "or restore it from the checkpoint's origin") from e
     for name in files:
-        if os.path.isabs(name) or ".." in name.split("/"):
-            raise ManifestError(f"{path}: lists {name!r}, a path outside its folder; the manifest is not trustworthy")
+        try:
+            check_name(name, where=path)
+        except OutsideFolderError as e:
+            raise ManifestError(f"{path}: lists {name!r}, a path outside its folder; the manifest is not trustworthy") \
+                from e
     return Manifest(path, files)
 
 
@@ -167,12 +171,15 @@ def read_manifest(folder: str | os.PathLike[str]) -> Manifest | None:
     Raises:
         ManifestError: the file exists but cannot be parsed.
     """
-    path = os.path.join(os.fspath(folder), MANIFEST_NAME)
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
+    folder = os.fspath(folder)
+    path = os.path.join(folder, MANIFEST_NAME)
+    try:  # a checked descriptor: a link leaving the folder, a FIFO or a device is refused unread
+        data = read_inside(folder, MANIFEST_NAME, where=folder, max_bytes=MAX_JSON_BYTES)
     except FileNotFoundError:
         return None
+    except OutsideFolderError as e:
+        raise ManifestError(f"{path}: {str(e).removeprefix(f'{folder}: ').removeprefix(f'{path} ')}; the manifest "
+                            "is not trustworthy: delete it to verify structure only") from e
     except OSError as e:
         raise ManifestError(f"{path}: cannot be read ({e.strerror or e})") from e
     return parse_manifest(data, path=path)

@@ -152,12 +152,11 @@ def find_layout(entries: Sequence[TensorEntry], *, config: Mapping[str, Any] | N
     'fp8, 128×128 blocks, float32 scales (transformers FineGrainedFP8)'
     """
     by_name = {e.name: e for e in entries}
-    qconfig = dict((config or {}).get("quantization_config") or {})
+    qconfig = _quant_config(config, where)
     scheme = _scheme(by_name, qconfig, metadata or {})
     if scheme is None:
         return None
-    b0, b1 = qconfig.get("weight_block_size") or DEFAULT_BLOCK
-    block = (int(b0), int(b1))
+    block = _block_size(qconfig, where)
     weights, extra, problems = [], set(), []
     for entry in entries:
         if _is_extra(entry.name, scheme):
@@ -169,6 +168,9 @@ def find_layout(entries: Sequence[TensorEntry], *, config: Mapping[str, Any] | N
             problems.append(f"scale {entry.name} has no weight {entry.name[: -len(scheme.scale_suffix)]}.weight")
             continue
         found = _granularity(weight, entry, block)
+        if entry.dtype not in _SCALE_DTYPE_NAMES:
+            problems.append(f"scale {entry.name} is {entry.dtype}; scales are float32, bf16, fp16 or e8m0")
+            continue
         if found is None:
             problems.append(f"scale {entry.name} of shape {list(entry.shape)} fits no per-tensor, per-channel or "
                             f"block scaling of {weight.name} {list(weight.shape)}")
@@ -187,6 +189,28 @@ def find_layout(entries: Sequence[TensorEntry], *, config: Mapping[str, Any] | N
     return QuantLayout(scheme.name, tuple(weights), frozenset(extra),
                        _most_common([by_name[w.weight].dtype for w in weights]),
                        _most_common([by_name[w.scale].dtype for w in weights]))
+
+
+MAX_BLOCK = 1 << 16  # a scale block larger than this is no recipe any library writes
+
+
+def _quant_config(config: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
+    """``config.json``'s ``quantization_config`` (an object, or absent): anything else is one line naming it."""
+    qconfig = (config or {}).get("quantization_config") or {}
+    if not isinstance(qconfig, Mapping):
+        raise InvalidInputError(f"{where}: config.json field quantization_config must be an object, got "
+                                f"{type(qconfig).__name__}")
+    return dict(qconfig)
+
+
+def _block_size(qconfig: Mapping[str, Any], where: str) -> tuple[int, int]:
+    """``weight_block_size``: two integers in 1..65536, checked before any scale is expanded."""
+    value = qconfig.get("weight_block_size") or DEFAULT_BLOCK
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= MAX_BLOCK for b in value)):
+        raise InvalidInputError(f"{where}: config.json field quantization_config.weight_block_size must be two "
+                                f"integers from 1 to {MAX_BLOCK}, got {str(value)[:80]}")
+    return int(value[0]), int(value[1])
 
 
 def _scheme(by_name: Mapping[str, TensorEntry], qconfig: Mapping[str, Any],
@@ -214,6 +238,8 @@ def _granularity(weight: TensorEntry, scale: TensorEntry,
     """(granularity, block) of ``scale`` over ``weight`` seen as rows × columns, or None if it fits none."""
     rows, cols = matrix_shape(weight.shape)
     numel, dims = math.prod(scale.shape), [d for d in scale.shape if d != 1]
+    if numel == 0 or rows == 0 or cols == 0:  # an empty scale (0×0) scales nothing
+        return None
     if numel == 1:
         return "tensor", (rows, cols)
     if len(weight.shape) >= 2 and dims == [rows] and (scale.shape[-1] == 1 or len(scale.shape) == 1) and rows > 1:

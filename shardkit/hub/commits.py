@@ -12,10 +12,19 @@ import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from ..errors import InvalidInputError, ShardkitWarning, SourceNotFoundError
 from ..formats.index import add_variant
-from ..formats.links import LINK_RULE, leads_outside, link_target
+from ..formats.links import (
+    LINK_RULE,
+    OutsideFolderError,
+    check_name,
+    leads_outside,
+    link_target,
+    open_inside,
+    open_regular,
+)
 from ..formats.suffixes import MANIFEST_FILE
 from ..units import format_size
 
@@ -35,6 +44,8 @@ class LocalFile:
     local_path: str
     size_bytes: int
     link_target: str | None = None  # a symlink: where it leads (its contents are what is sent)
+    root: str = ""  # the folder pushed ("" for a file named directly): every read is checked against it
+    name: str = ""  # the path inside ``root``
 
 
 @dataclass(frozen=True)
@@ -70,16 +81,53 @@ def collect_files(path: str | os.PathLike[str], *, path_in_repo: str | None = No
     if not chosen:
         raise InvalidInputError(f"{path}: no files to push (check --include/--exclude)")
     prefix = clean_prefix(path_in_repo)
-    return [_local_file(root, name, prefix) for name in chosen]
+    return [_local_file(root, name, prefix, folder=os.path.isdir(path)) for name in chosen]
 
 
-def _local_file(root: str, name: str, prefix: str) -> LocalFile:
+def _local_file(root: str, name: str, prefix: str, *, folder: bool = True) -> LocalFile:
     path = os.path.join(root, name)
+    check_name(name, where=f"{root}: file to push")  # no control characters, newlines or '..' in a repo path
     target = link_target(path)
-    if target is not None and not os.path.isfile(target):
-        raise InvalidInputError(f"{path} is a symlink to {target}, which is not a regular file (or does not exist); "
-                                "remove the link or --exclude it")
-    return LocalFile(f"{prefix}{name}", path, os.path.getsize(path), target)
+    if target is not None and (not os.path.isfile(target) or _special(target)):
+        raise InvalidInputError(f"{path} is a symlink to {target}, which is not a regular file of a disk filesystem "
+                                "(a device, /proc, /sys or missing); remove the link or --exclude it")
+    if target is None and not os.path.isfile(path):
+        raise InvalidInputError(f"{path} is not a regular file (a FIFO, socket or device); remove it or --exclude it")
+    return LocalFile(f"{prefix}{name}", path, os.path.getsize(path), target, root if folder else "", name)
+
+
+_SPECIAL_ROOTS = ("/proc", "/sys", "/dev", "/run")
+
+
+def _special(target: str) -> bool:
+    """A file of a kernel or device filesystem (``/proc/self/environ`` holds the token): never uploaded."""
+    return any(target == r or target.startswith(r + "/") for r in _SPECIAL_ROOTS)
+
+
+def open_upload(f: LocalFile) -> BinaryIO:
+    """The file to send, opened once and checked: what is hashed and uploaded is read from this descriptor.
+
+    A file of a pushed folder goes through :func:`~shardkit.formats.links.open_inside` (no symlinked
+    parent, a link only under the link rule); a link followed outside with ``--follow-symlinks``
+    is opened at its checked target, which must still be a regular file outside ``/proc``, ``/sys``
+    and devices; a file named directly is the user's choice (:func:`~shardkit.formats.links.open_regular`).
+    """
+    try:
+        if not f.root:
+            fd = open_regular(f.local_path)
+        elif f.link_target is not None and leads_outside(f.link_target, f.root):
+            target = os.path.realpath(f.local_path)
+            if target != f.link_target or _special(target):
+                raise OutsideFolderError(f"{f.local_path}: the symlink changed since it was checked (now to {target}); "
+                                         "nothing was sent")
+            fd = open_regular(target, where=f.local_path)
+        else:
+            fd = open_inside(f.root, f.name, where=f.root)
+    except OSError as e:
+        raise InvalidInputError(f"{f.local_path}: cannot be read for the upload ({e.strerror or e})") from e
+    return os.fdopen(fd, "rb")
+
+
 
 
 def check_links(path: str | os.PathLike[str], files: list[LocalFile], *, follow: bool) -> list[FollowedLink]:
@@ -146,17 +194,17 @@ def check_sizes(files: list[LocalFile]) -> None:
                           f"per file; consider --max-shard-size 5GB", ShardkitWarning, stacklevel=3)
 
 
-def sha256_file(path: str) -> str:
-    """The file's sha256, read in 8 MiB pieces (``hashlib.file_digest`` needs Python 3.11)."""
+def sha256_file(file: LocalFile) -> str:
+    """The file's sha256, read in 8 MiB pieces through its checked descriptor (:func:`open_upload`)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_upload(file) as f:
         while chunk := f.read(8 << 20):
             digest.update(chunk)
     return digest.hexdigest()
 
 
-def git_blob_id(path: str) -> str:
-    with open(path, "rb") as f:
+def git_blob_id(file: LocalFile) -> str:
+    with open_upload(file) as f:
         data = f.read()
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
@@ -175,10 +223,10 @@ def split_changed(files: list[LocalFile], remote: dict[str, RemoteFile],
             continue
         if r.lfs_sha256 is not None:
             if f.path_in_repo not in digests:  # push fills in what verify or the manifest already know
-                digests[f.path_in_repo] = sha256_file(f.local_path)
+                digests[f.path_in_repo] = sha256_file(f)
             identical = digests[f.path_in_repo] == r.lfs_sha256
         else:
-            identical = git_blob_id(f.local_path) == r.blob_id
+            identical = git_blob_id(f) == r.blob_id
         (same if identical else changed).append(f)
     return changed, same
 

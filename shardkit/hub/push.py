@@ -36,6 +36,7 @@ from .commits import (
     check_sizes,
     clean_prefix,
     collect_files,
+    open_upload,
     plan_commits,
     split_changed,
     stale_files,
@@ -275,17 +276,20 @@ class _Pusher:
 
         revision = self.revision
         additions = []
-        for f in group:
-            op = CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=f.local_path)
-            if f.path_in_repo in digests:  # already hashed while comparing
-                op.upload_info.sha256 = bytes.fromhex(digests[f.path_in_repo])
-            self.api.preupload_lfs_files(self.repo_id, additions=[op], repo_type=self.repo_type,
-                                         revision=revision, create_pr=self.create_pr, free_memory=False)
-            additions.append(op)
-            sent.add(f.size_bytes)
-        operations: list[Any] = [*additions, *(CommitOperationDelete(path_in_repo=p) for p in deleted)]
-        info = self.api.create_commit(self.repo_id, operations, commit_message=title, repo_type=self.repo_type,
-                                      revision=revision, create_pr=self.create_pr, parent_commit=parent)
+        with contextlib.ExitStack() as opened:  # every upload reads the descriptor checked when it was opened
+            for f in group:
+                fileobj = opened.enter_context(open_upload(f))
+                # /proc/self/fd/N is the checked file itself: a path swapped since cannot change what is sent
+                op = CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=f"/proc/self/fd/{fileobj.fileno()}")
+                if f.path_in_repo in digests:  # already hashed while comparing
+                    op.upload_info.sha256 = bytes.fromhex(digests[f.path_in_repo])
+                self.api.preupload_lfs_files(self.repo_id, additions=[op], repo_type=self.repo_type,
+                                             revision=revision, create_pr=self.create_pr, free_memory=False)
+                additions.append(op)
+                sent.add(f.size_bytes)
+            operations: list[Any] = [*additions, *(CommitOperationDelete(path_in_repo=p) for p in deleted)]
+            info = self.api.create_commit(self.repo_id, operations, commit_message=title, repo_type=self.repo_type,
+                                          revision=revision, create_pr=self.create_pr, parent_commit=parent)
         res = self.result
         res.commit_url = info.commit_url
         res.commits.append(info.oid)

@@ -33,10 +33,11 @@ from typing import Any
 from ..errors import HeaderError, HubError, InvalidInputError, ShardkitError
 from ..formats.header import MAX_HEADER_BYTES
 from ..formats.layout import MODEL_INDEX
+from ..formats.links import OutsideFolderError, read_regular
 from ..formats.suffixes import PICKLE_SUFFIXES
 from ..units import format_size
 from .remote_errors import RETRIES, hub_read_errors
-from .remote_spec import Mirror, RemoteFile, RemoteSpec, is_remote, local_path, parse_spec
+from .remote_spec import Mirror, RemoteFile, RemoteSpec, check_listed, check_listing, is_remote, local_path, parse_spec
 
 logger = logging.getLogger("shardkit")
 
@@ -115,13 +116,18 @@ def list_files(api: Any, spec: RemoteSpec, commit: str) -> dict[str, RemoteFile]
     """Every file under the subfolder at ``commit`` (one paginated tree listing), by relative path."""
     from huggingface_hub.errors import EntryNotFoundError
 
-    prefix = spec.subfolder + "/" if spec.subfolder else ""
     try:
         tree = api.list_repo_tree(spec.repo_id, spec.subfolder or None, recursive=True, revision=commit,
                                   repo_type=spec.repo_type)
-        files = {item.path[len(prefix):]: RemoteFile(item.path, int(item.size), item.blob_id,
-                                                      item.lfs.sha256 if item.lfs else None)
-                 for item in tree if hasattr(item, "size")}
+        files = {}
+        for item in tree:
+            if hasattr(item, "size"):
+                rel, size_bytes = check_listed(spec, item.path, item.size)
+                if rel in files:
+                    raise OutsideFolderError(f"{spec}: the Hub's file listing names {rel!r} twice; refused before "
+                                             "anything was downloaded (check HF_ENDPOINT)")
+                files[rel] = RemoteFile(item.path, size_bytes, item.blob_id, item.lfs.sha256 if item.lfs else None)
+        check_listing(spec, list(files))
     except EntryNotFoundError as e:
         raise InvalidInputError(f"{spec}: no folder {spec.subfolder!r} in {spec.repo_id} at "
                                 f"{spec.revision or 'main'}; check the path (see the repository's file list)") from e
@@ -153,10 +159,45 @@ def _repo_type_flag(spec: RemoteSpec) -> str:
     return "" if spec.repo_type == "model" else f" --repo-type {spec.repo_type}"
 
 
-def _new_local_file(mirror: Mirror, remote: RemoteFile) -> str:
+def _write_new(mirror: Mirror, remote: RemoteFile, chunks: Iterator[bytes], *, size_bytes: int | None = None) -> None:
+    """Write ``chunks`` to ``remote``'s place in the mirror: the file is created only once the first chunk
+    has arrived (never through a link, never over an existing file) and removed if any later one fails;
+    ``size_bytes`` extends it with a hole (a header-only stand-in)."""
     path = local_path(mirror, remote)
+    fd = None
+    try:
+        for chunk in chunks:
+            if fd is None:
+                fd = _create(path)
+            _write_all(fd, chunk, path)
+        if fd is None:
+            fd = _create(path)
+        if size_bytes is not None:
+            os.ftruncate(fd, size_bytes)
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+            fd = None
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        raise
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _create(path: str) -> int:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    return path
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+
+def _write_all(fd: int, data: bytes, path: str) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(f"{path}: short write")
+        view = view[n:]
 
 
 def _fetch_whole(mirror: Mirror, remote: RemoteFile, token: str | None) -> None:
@@ -165,15 +206,15 @@ def _fetch_whole(mirror: Mirror, remote: RemoteFile, token: str | None) -> None:
 
     cached = hf_hub_download(mirror.spec.repo_id, remote.path, revision=mirror.commit, token=token,
                              repo_type=mirror.spec.repo_type)
-    shutil.copyfile(cached, _new_local_file(mirror, remote))
+    _write_new(mirror, remote, iter([read_regular(cached, max_bytes=MAX_FETCHED_FILE_BYTES)]))
     mirror.count(remote.size_bytes)
 
 
 def _fetch_direct(mirror: Mirror, remote: RemoteFile, token: str | None) -> None:
     """A whole file by range reads straight into the mirror (not through the HF cache)."""
-    with open(_new_local_file(mirror, remote), "wb") as f:
-        for begin in range(0, remote.size_bytes, DIRECT_CHUNK_BYTES):
-            f.write(read_range(mirror, remote, begin, min(begin + DIRECT_CHUNK_BYTES, remote.size_bytes), token=token))
+    chunks = (read_range(mirror, remote, begin, min(begin + DIRECT_CHUNK_BYTES, remote.size_bytes), token=token)
+              for begin in range(0, remote.size_bytes, DIRECT_CHUNK_BYTES))
+    _write_new(mirror, remote, chunks)
 
 
 def _fnmatch_any(path: str, patterns: tuple[str, ...]) -> bool:
@@ -188,10 +229,7 @@ def _fetch_header_file(mirror: Mirror, remote: RemoteFile, token: str | None) ->
     the file's true size. The real bytes are counted in ``mirror.prefix_bytes``: a streamed read
     starts after them, so no byte is fetched twice."""
     raw = fetch_prefix(mirror, remote, token=token)
-    path = _new_local_file(mirror, remote)
-    with open(path, "wb") as f:
-        f.write(raw)
-        f.truncate(remote.size_bytes)
+    _write_new(mirror, remote, iter([raw]), size_bytes=remote.size_bytes)
     with mirror.lock:
         mirror.prefix_bytes[remote.path] = len(raw)
 

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from typing import TypeGuard
 
 from ..errors import InvalidInputError
+from ..formats.links import OutsideFolderError, check_name
 
-__all__ = ["REPO_TYPE_PREFIXES", "SCHEME", "Mirror", "RemoteFile", "RemoteSpec", "is_remote", "local_path",
-           "parse_spec"]
+__all__ = ["MAX_REMOTE_FILE_BYTES", "REPO_TYPE_PREFIXES", "SCHEME", "Mirror", "RemoteFile", "RemoteSpec",
+           "check_listed", "check_listing", "is_remote", "local_path", "parse_spec"]
 
 SCHEME = "hf://"
 REPO_TYPE_PREFIXES = {"datasets": "dataset", "spaces": "space"}  # hf://datasets/ORG/REPO, as HfFileSystem
@@ -94,7 +95,43 @@ def parse_spec(text: str) -> RemoteSpec:
     return RemoteSpec(f"{parts[0]}/{name}", unquote(revision) or None, "/".join(rest), repo_type)
 
 
+MAX_REMOTE_FILE_BYTES = 1 << 50  # 1 PiB: a listed size above it is no file the Hub stores
+
+
+def check_listed(spec: RemoteSpec, path: object, size: object) -> tuple[str, int]:
+    """A tree entry's path relative to the subfolder, and its size, validated like an index entry.
+
+    The listing comes from the endpoint (``HF_ENDPOINT``, a mirror, a proxy): a path that is
+    absolute, climbs with ``..``, has empty parts, backslashes or control characters, or lies
+    outside the subfolder, and a size that is not an integer from 0 to 1 PiB, are refused before
+    anything is created.
+
+    >>> check_listed(RemoteSpec("org/m", subfolder="unet"), "unet/config.json", 12)
+    ('config.json', 12)
+    """
+    prefix = spec.subfolder + "/" if spec.subfolder else ""
+    where = f"{spec}: the Hub's file listing"
+    if not isinstance(path, str) or not path.startswith(prefix):
+        raise OutsideFolderError(f"{where} names {path!r}, outside the folder asked for; refused before anything "
+                                 "was downloaded (check HF_ENDPOINT)")
+    rel = path[len(prefix):]
+    check_name(rel, where=where)
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_REMOTE_FILE_BYTES:
+        raise OutsideFolderError(f"{where} gives {path!r} the size {str(size)[:40]}, not a file size; refused before "
+                                 "anything was downloaded (check HF_ENDPOINT)")
+    return rel, size
+
+
+def check_listing(spec: RemoteSpec, rels: list[str]) -> None:
+    """No listed file may also be a folder of another (``a`` and ``a/b``): the mirror could not hold both."""
+    folders = {"/".join(rel.split("/")[:i]) for rel in rels for i in range(1, rel.count("/") + 1)}
+    clash = sorted(folders.intersection(rels))
+    if clash:
+        raise OutsideFolderError(f"{spec}: the Hub's file listing names {clash[0]!r} both as a file and as a folder; "
+                                 "refused before anything was downloaded (check HF_ENDPOINT)")
+
+
 def local_path(mirror: Mirror, remote: RemoteFile) -> str:
-    """Where ``remote`` lies in the mirror."""
-    prefix = mirror.spec.subfolder + "/" if mirror.spec.subfolder else ""
-    return os.path.join(mirror.root, *remote.path[len(prefix):].split("/"))
+    """Where ``remote`` lies in the mirror (its listed path checked again: it never leaves the mirror)."""
+    rel, _ = check_listed(mirror.spec, remote.path, remote.size_bytes)
+    return os.path.join(mirror.root, *rel.split("/"))

@@ -8,7 +8,6 @@ the recipe next to the weights: ``config.json``, with ModelOpt's ``hf_quant_conf
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.layout import read_config
+from ..formats.links import parse_json, read_inside
 from ..formats.quant import QuantLayout, find_layout
 from .fp4 import Fp4Layout, find_fp4_layout
 
@@ -64,19 +64,13 @@ def quant_config(folder: str) -> dict[str, Any] | None:
     if config is not None and config.get("quantization_config"):
         return config
     path = os.path.join(folder, HF_QUANT_CONFIG)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_QUANT_CONFIG_BYTES + 1)
+    try:  # a checked descriptor: a FIFO, /dev/zero or a link leaving the folder is refused unread
+        raw = read_inside(folder, HF_QUANT_CONFIG, where=folder, max_bytes=MAX_QUANT_CONFIG_BYTES)
     except FileNotFoundError:
         return config
     except OSError as e:
-        raise InvalidInputError(f"{path}: not readable ({e}); fix or remove it") from e
-    if len(raw) > MAX_QUANT_CONFIG_BYTES:
-        raise InvalidInputError(f"{path}: larger than {MAX_QUANT_CONFIG_BYTES} bytes; not a quantization config")
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: nesting too deep
-        raise InvalidInputError(f"{path}: not a readable JSON file ({e}); fix or remove it") from e
+        raise InvalidInputError(f"{path}: not readable ({e.strerror or e}); fix or remove it") from e
+    doc = parse_json(raw, path=path)
     quant = doc.get("quantization") if isinstance(doc, dict) else None
     if not isinstance(quant, dict):
         return config

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 from ..errors import InvalidInputError, ShardkitError, SourceNotFoundError
+from ..formats.layout import MAX_CONFIG_BYTES, check_config_numbers
+from ..formats.links import parse_json, read_regular
 
 if TYPE_CHECKING:
     import torch
@@ -59,19 +60,21 @@ def resolve_model_class(spec: ModelSpec) -> Any:
 def load_config(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> dict[str, Any] | None:
     """Read a config given as a dict, a ``config.json`` path or a folder holding ``config.json``."""
     if config is None or isinstance(config, Mapping):
+        if config is not None:
+            check_config_numbers(config, where="config")
         return dict(config) if config is not None else None
     path = os.fspath(config)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+    try:  # a checked descriptor with a byte cap: a FIFO or /dev/zero is refused unread
+        doc = parse_json(read_regular(path, max_bytes=MAX_CONFIG_BYTES), path=path, what="JSON config")
     except FileNotFoundError as e:
         raise SourceNotFoundError(f"{path}: no such config file (pass config.json or the folder holding it)") from e
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidInputError(f"{path}: config is not valid JSON ({e})") from e
+    except OSError as e:
+        raise InvalidInputError(f"{path}: config cannot be read ({e.strerror or e})") from e
     if not isinstance(doc, dict):
         raise InvalidInputError(f"{path}: config must be a JSON object")
+    check_config_numbers(doc, where=path)  # bounded before any model is built from it
     return doc
 
 

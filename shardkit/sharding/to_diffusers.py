@@ -17,7 +17,6 @@ never a copy of it. What differs from ``from_single_file``:
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from collections.abc import Mapping
@@ -26,6 +25,8 @@ from typing import Any
 
 from ..errors import InvalidInputError
 from ..formats.index import DIFFUSERS_PREFIX, Naming
+from ..formats.layout import MAX_CONFIG_BYTES, check_config_numbers
+from ..formats.links import parse_json, read_regular
 from ..sources.file_backed import file_backed_source, load_file_backed
 from .job import SplitResult, split_source
 from .options import WriteOptions, warn
@@ -102,11 +103,10 @@ def _pipeline_target(folder: str, component: str | None) -> DiffusersTarget:
 
 
 def _read_json(path: str) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InvalidInputError(f"--config {path}: not a readable JSON file ({e})") from e
+    try:  # a checked descriptor with a byte cap: a FIFO or /dev/zero is refused unread
+        doc = parse_json(read_regular(path, max_bytes=MAX_CONFIG_BYTES), path=f"--config {path}")
+    except OSError as e:
+        raise InvalidInputError(f"--config {path}: not a readable JSON file ({e.strerror or e})") from e
     if not isinstance(doc, dict):
         raise InvalidInputError(f"--config {path}: not a JSON object")
     return doc
@@ -270,6 +270,7 @@ def _empty_model(cls: Any, config: dict[str, Any], target: DiffusersTarget) -> A
     """The model ``config`` describes, with every tensor on the meta device (no memory)."""
     import torch
 
+    check_config_numbers(config, where=f"--config {target.config_file}")  # bounded before the model is built
     try:
         with torch.device("meta"):
             return cls.from_config(config)

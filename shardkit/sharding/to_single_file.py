@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import InvalidInputError
-from ..formats.layout import find_components, is_pipeline_folder, read_config, read_model_index
+from ..formats.layout import check_config_numbers, find_components, is_pipeline_folder, read_config, read_model_index
 from .job import SplitResult, WrappedPath, refuse_output_inside_source, split_source
 from .options import DEFAULT_MAX_SHARD_BYTES, WriteOptions, warn
 from .single_file import is_file_output, split_to_file
@@ -183,6 +183,7 @@ def _check_against_model(folder: str, config: Mapping[str, Any], shapes: Mapping
     cls = getattr(diffusers, str(config.get("_class_name")), None)
     if not (isinstance(cls, type) and hasattr(cls, "from_config")):
         return  # a transformers text encoder: diffusers' loader checks it when the pipeline loads
+    check_config_numbers(config, where=f"{folder}/config.json")  # bounded before the model is built
     try:
         with torch.device("meta"):
             expected = {n: tuple(t.shape) for n, t in cls.from_config(dict(config)).state_dict().items()}

@@ -86,7 +86,7 @@ class DequantizedSource(ViewSource):
         """Several per-tensor scales on one (fused) weight are usable only when they agree."""
         from ..formats.fp8 import refuse_disagreeing, scale_to_float32
 
-        refuse_disagreeing({w.scale: scale_to_float32(read_whole(self.inner, self._by_name[w.scale]))
+        refuse_disagreeing({w.scale: scale_to_float32(read_whole(self.inner, self._by_name[w.scale]), name=w.scale)
                             for w in self.layout.weights if w.granularity == "fused"}, where=self.description)
 
     def entries(self) -> list[TensorEntry]:
@@ -127,7 +127,7 @@ class DequantizedSource(ViewSource):
 
         stored = self._by_name[weight.weight]
         rows, cols = matrix_shape(stored.shape)
-        scale = scale_to_float32(read_whole(self.inner, self._by_name[weight.scale]))
+        scale = scale_to_float32(read_whole(self.inner, self._by_name[weight.scale]), name=weight.scale)
         step, out_dtype = band_rows(weight, cols), to_torch(self.out_dtype)
         start = first_row // step * step
         for row0 in range(start, rows, step):
