@@ -48,8 +48,8 @@ _SWAP_DURING_VERIFY = """
 import os, sys
 import shardkit, shardkit.hub.push as p
 real = p.verify_folder
-def verify_then_swap(path):
-    report = real(path)
+def verify_then_swap(path, **options):
+    report = real(path, **options)
     os.unlink(os.path.join(path, "README.md"))
     os.symlink(sys.argv[3], os.path.join(path, "README.md"))
     return report

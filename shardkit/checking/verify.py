@@ -252,13 +252,17 @@ def _prepare_checkpoint(path: str, against: Any, report: VerifyReport, opened: l
 def _quantization_findings(path: str, layout: Layout, headers: dict[str, HeaderRead], *, prefix: str,
                            read_scales: bool) -> list[Finding]:
     """Quantized weights whose scales or recipe are missing, misshapen or (read) non-finite."""
+    from ..formats.links import UntrustedFileError
     from ..layouts.fp4 import Fp4Layout
     from ..layouts.registry import find_quant_layout, quant_config
 
     reads = [r.header for r in headers.values() if r.header]
     entries = [e for h in reads for e in h.entries]
     where = layout.index or (layout.files[0] if layout.files else "")
-    config = quant_config(layout.root)
+    try:
+        config = quant_config(layout.root)
+    except UntrustedFileError:  # a config leaving the folder or no regular file: the file scan reports it
+        return []
     metadata = reads[0].metadata if reads else {}
     try:
         found = find_quant_layout(entries, config=config, metadata=metadata, where=where, allow_lossy=True)
