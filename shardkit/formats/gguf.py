@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from ..errors import HeaderError
+from .links import UntrustedFileError, open_regular
 
 __all__ = ["GGML_TYPES", "GGUF_MAGIC", "GGUF_QUANTIZE", "GgmlType", "GgufFile", "GgufTensor", "Value", "build_gguf_header",
            "ggml_type", "is_gguf_file", "read_gguf", "tensor_nbytes_ggml"]
@@ -150,10 +151,10 @@ class GgufFile:
 
 def is_gguf_file(path: str) -> bool:
     """Whether ``path`` is a file that starts with the GGUF magic."""
-    try:
-        with open(path, "rb") as f:
+    try:  # a FIFO or device is not a GGUF file: refused unread, never waited on
+        with os.fdopen(open_regular(path), "rb") as f:
             return f.read(4) == GGUF_MAGIC
-    except OSError:
+    except (OSError, UntrustedFileError):  # missing, a folder, a FIFO...: not a GGUF file
         return False
 
 
@@ -223,8 +224,8 @@ def read_gguf(path: str | os.PathLike[str]) -> GgufFile:
             dimension or offset the file cannot hold; the message names the field.
     """
     path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
+    try:  # a checked descriptor: a FIFO, /dev/zero or a directory is refused before reading
+        with os.fdopen(open_regular(path), "rb") as f:
             return _parse(_Cursor(f, path, os.fstat(f.fileno()).st_size))
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
         from .header import open_error
