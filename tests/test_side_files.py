@@ -167,3 +167,19 @@ def test_a_link_inside_the_folder_is_copied_as_the_file_it_names(tmp_path: Path)
     assert result.copied == ["config.json", "sub/alias.json"]
     copied = tmp_path / "out" / "sub" / "alias.json"
     assert not copied.is_symlink() and copied.read_text() == "{}"
+
+
+def test_a_side_file_swapped_for_a_fifo_after_listing_is_refused_unread(tmp_path):
+    """copy_side_file opens through a checked descriptor: a FIFO (swapped in after the listing) never blocks."""
+    import os
+
+    import pytest
+
+    from shardkit.errors import ShardkitError
+    from shardkit.sharding.flush import BackgroundSync, copy_side_file
+
+    fifo = tmp_path / "tokenizer.json"
+    os.mkfifo(fifo)
+    with BackgroundSync() as sync, pytest.raises(ShardkitError, match="FIFO"):
+        copy_side_file(str(fifo), str(tmp_path / "copy.json"), sync=sync)
+    assert not (tmp_path / "copy.json").exists()

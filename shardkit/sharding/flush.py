@@ -4,12 +4,14 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 
 from .. import _faults
 from ..atomic.journal import fsync_dir as _fsync_path  # fsync works the same on a file
 from ..errors import ShardkitWriteError, describe_os_error
+from ..formats.links import open_regular
 
 __all__ = ["BackgroundSync", "ByteCounter", "copy_side_file", "write_error"]
 
@@ -67,8 +69,10 @@ def copy_side_file(src: str, path: str, *, sync: BackgroundSync) -> None:
     Its fsync goes to ``sync`` like a shard's: a side file that is published but still only in
     the page cache could come back empty after a power loss, beside complete shards.
     """
+    fd = open_regular(src)  # checked descriptor: a file swapped for a FIFO or device since listing is refused unread
     try:
-        shutil.copyfile(src, path)
+        with os.fdopen(fd, "rb") as f, open(path, "wb") as out:
+            shutil.copyfileobj(f, out, 1 << 20)
     except OSError as e:
         raise write_error(path, e) from e
     sync.submit(path)
