@@ -9,7 +9,7 @@ copied kernel-side). ``edit_config`` drops ``quantization_config`` from the chec
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from ..errors import InvalidInputError
@@ -18,7 +18,20 @@ from ..formats.quant import COMFY_METADATA_KEY, QuantLayout, ScaledWeight, matri
 from ..units import DTYPE_BITS, tensor_nbytes
 from .base import Source
 
-__all__ = ["DequantizedSource", "ViewSource", "read_rows", "read_whole"]
+__all__ = ["DequantizedSource", "ViewSource", "bytes_in_range", "read_rows", "read_whole"]
+
+
+def bytes_in_range(pieces: Iterable[tuple[int, bytes | memoryview]], begin: int, end: int) -> bytes:
+    """Bytes ``[begin, end)`` of a tensor made as consecutive ``(byte offset, bytes)`` pieces, the first
+    starting at or before ``begin`` (bands of dequantized rows); pieces past ``end`` are not drawn."""
+    out: list[bytes] = []
+    for start, data in pieces:
+        stop = start + len(data)
+        if stop > begin:
+            out.append(bytes(memoryview(data)[max(0, begin - start):max(0, min(end, stop) - start)]))
+        if stop >= end:
+            break
+    return b"".join(out)
 
 
 def read_whole(source: Source, entry: TensorEntry) -> Any:
@@ -99,16 +112,10 @@ class DequantizedSource(ViewSource):
         weight = self._scaled.get(entry.name)
         if weight is None:
             return self.inner.read(self._by_name[entry.name], begin, end)
-        out: list[bytes] = []
         row_bytes = entry.nbytes // max(1, matrix_shape(entry.shape)[0])
         first = begin // row_bytes if row_bytes else 0
-        for row0, data in self._bands(weight, first_row=first):
-            start, stop = row0 * row_bytes, row0 * row_bytes + len(data)
-            if stop > begin:
-                out.append(bytes(memoryview(data)[max(0, begin - start):max(0, min(end, stop) - start)]))
-            if stop >= end:
-                break
-        return b"".join(out)
+        bands = ((row0 * row_bytes, data) for row0, data in self._bands(weight, first_row=first))
+        return bytes_in_range(bands, begin, end)
 
     def chunks(self, entry: TensorEntry, chunk_bytes: int) -> Iterator[bytes | memoryview]:
         weight = self._scaled.get(entry.name)

@@ -20,7 +20,7 @@ from ..layouts.fp4 import MODELOPT_NVFP4, MXFP4, Fp4Layout, PackedWeight
 from ..layouts.registry import HF_QUANT_CONFIG
 from ..units import DTYPE_BITS, tensor_nbytes
 from .base import Source
-from .dequantized import ViewSource, read_rows, read_whole
+from .dequantized import ViewSource, bytes_in_range, read_rows, read_whole
 
 __all__ = ["Fp4DequantizedSource"]
 
@@ -65,14 +65,7 @@ class Fp4DequantizedSource(ViewSource):
         weight = self._dense.get(entry.name)
         if weight is None:
             return self.inner.read(self._by_name[entry.name], begin, end)
-        out: list[bytes] = []
-        for start, data in self._bands(weight, first_byte=begin):
-            stop = start + len(data)
-            if stop > begin:
-                out.append(bytes(memoryview(data)[max(0, begin - start):max(0, min(end, stop) - start)]))
-            if stop >= end:
-                break
-        return b"".join(out)
+        return bytes_in_range(self._bands(weight, first_byte=begin), begin, end)
 
     def chunks(self, entry: TensorEntry, chunk_bytes: int) -> Iterator[bytes | memoryview]:
         weight = self._dense.get(entry.name)
