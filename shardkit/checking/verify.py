@@ -252,36 +252,13 @@ def _prepare_checkpoint(path: str, against: Any, report: VerifyReport, opened: l
 def _quantization_findings(path: str, layout: Layout, headers: dict[str, HeaderRead], *, prefix: str,
                            read_scales: bool) -> list[Finding]:
     """Quantized weights whose scales or recipe are missing, misshapen or (read) non-finite."""
-    from ..formats.links import UntrustedFileError
-    from ..layouts.fp4 import Fp4Layout
-    from ..layouts.registry import find_quant_layout, quant_config
+    from .scales import scale_problems_of
 
     reads = [r.header for r in headers.values() if r.header]
-    entries = [e for h in reads for e in h.entries]
     where = layout.index or (layout.files[0] if layout.files else "")
-    try:
-        config = quant_config(layout.root)
-    except UntrustedFileError:  # a config leaving the folder or no regular file: the file scan reports it
-        return []
-    metadata = reads[0].metadata if reads else {}
-    try:
-        found = find_quant_layout(entries, config=config, metadata=metadata, where=where, allow_lossy=True)
-        if found is None:  # or an inconsistent fp8 layout: this call says why
-            find_quant_layout(entries, config=config, metadata=metadata, where=where)
-    except InvalidInputError as e:
-        return [Finding(prefix + where, None, str(e).removeprefix(f"{where}: "), quantization=True)]
-    if not isinstance(found, Fp4Layout):
-        return []
-    problems = list(found.problems)
-    if read_scales and found.weights:
-        from ..layouts.fp4_math import scale_problems
-        from ..sources import open_source
-        from ..sources.dequantized import read_whole
-
-        with open_source(path) as source:
-            by_name = {e.name: e for e in source.entries()}
-            problems += [line for _, line in scale_problems(found, lambda name: read_whole(source, by_name[name]))]
-    return [Finding(prefix + where, None, f"{found.scheme}: {p}", quantization=True) for p in problems]
+    problems = scale_problems_of(path, layout.root, [e for h in reads for e in h.entries],
+                                 reads[0].metadata if reads else {}, where=where, read_scales=read_scales)
+    return [Finding(prefix + where, None, line, quantization=True) for line in problems]
 
 
 def _compare_entries(layout: Layout, headers: dict[str, HeaderRead], source: Any, label: str) -> TensorComparator:
