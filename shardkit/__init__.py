@@ -33,7 +33,7 @@ __version__ = "0.1.0"
 
 # Public name → module that defines it; resolved on first access so imports stay cheap.
 _LAZY: dict[str, str] = {
-    "split": "hub.api",
+    "split": "api.checkpoints",
     "save_sharded": "distributed.save",
     "load_into": "distributed.rank_load",
     "SplitResult": "sharding.job",
@@ -44,10 +44,10 @@ _LAZY: dict[str, str] = {
     "open": "loading.opening",
     "load_model": "loading.load",
     "plan_device_map": "loading.device_map",
-    "convert": "hub.api",
+    "convert": "api.checkpoints",
     "merge": "sharding.merge",
-    "info": "hub.api",
-    "verify": "hub.api",
+    "info": "api.checkpoints",
+    "verify": "api.checkpoints",
     "push": "hub.push",
     "apply_offload": "runtime.offload",
     "apply_layerwise_casting": "runtime.casting",
@@ -63,7 +63,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time each name i
     from .fitting.estimate import estimate_memory
     from .fitting.pipeline import load_pipeline
     from .formats.header import read_header
-    from .hub.api import convert, info, split, verify
+    from .api.checkpoints import convert, info, split, verify
     from .hub.push import push
     from .loading.device_map import plan_device_map
     from .loading.load import load_model
