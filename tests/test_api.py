@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers_hub import hub  # noqa: F401  (the offline Hub fixture)
 
 import shardkit
-from helpers_hub import hub  # noqa: F401  (the offline Hub fixture)
 from shardkit.errors import InvalidInputError
 
 
