@@ -33,46 +33,47 @@ __version__ = "0.1.0"
 
 # Public name → module that defines it; resolved on first access so imports stay cheap.
 _LAZY: dict[str, str] = {
-    "split": "hub.api",
+    "split": "api.checkpoints",
     "save_sharded": "distributed.save",
     "load_into": "distributed.rank_load",
-    "SplitResult": "sharding.job",
-    "WriteOptions": "sharding.options",
+    "SplitResult": "api.checkpoints",
+    "WriteOptions": "api.jobs",
     "plan_shards": "sharding.plan",
     "read_header": "formats.header",
     "open_source": "sources",
     "open": "loading.opening",
     "load_model": "loading.load",
     "plan_device_map": "loading.device_map",
-    "convert": "hub.api",
-    "merge": "sharding.merge",
-    "info": "hub.api",
-    "verify": "hub.api",
-    "push": "hub.push",
+    "convert": "api.checkpoints",
+    "merge": "api.maintenance",
+    "recover": "api.maintenance",
+    "info": "api.checkpoints",
+    "verify": "api.checkpoints",
+    "push": "api.jobs",
+    "split_and_push": "api.jobs",
     "apply_offload": "runtime.offload",
     "apply_layerwise_casting": "runtime.casting",
     "estimate_memory": "fitting.estimate",
     "load_pipeline": "fitting.pipeline",
-    "fit": "fitting.autofit",
+    "fit": "api.planning",
+    "plan_model": "api.planning",
 }
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time each name is imported on first use
+    from .api.checkpoints import SplitResult, convert, info, split, verify
+    from .api.jobs import WriteOptions, push, split_and_push
+    from .api.maintenance import merge, recover
+    from .api.planning import fit, plan_model
     from .distributed.rank_load import load_into
     from .distributed.save import save_sharded
-    from .fitting.autofit import fit
     from .fitting.estimate import estimate_memory
     from .fitting.pipeline import load_pipeline
     from .formats.header import read_header
-    from .hub.api import convert, info, split, verify
-    from .hub.push import push
     from .loading.device_map import plan_device_map
     from .loading.load import load_model
     from .loading.opening import open  # noqa: A004 - shardkit.open is the public name
     from .runtime.casting import apply_layerwise_casting
     from .runtime.offload import apply_offload
-    from .sharding.job import SplitResult
-    from .sharding.merge import merge
-    from .sharding.options import WriteOptions
     from .sharding.plan import plan_shards
     from .sources import open_source
 
@@ -81,8 +82,8 @@ __all__ = [
     "OutputExistsError", "ShardkitError", "ShardkitWarning", "ShardkitWriteError", "SourceNotFoundError",
     "SplitResult", "UnsafePickleError", "VerificationError", "WriteOptions", "__version__", "apply_layerwise_casting",
     "apply_offload", "convert", "estimate_memory", "fit", "format_size", "info", "load_into", "load_model",
-    "load_pipeline", "merge", "open", "open_source", "parse_size", "plan_device_map", "plan_shards", "push",
-    "read_header", "save_sharded", "split", "verify",
+    "load_pipeline", "merge", "open", "open_source", "parse_size", "plan_device_map", "plan_model", "plan_shards", "push",
+    "read_header", "recover", "save_sharded", "split", "split_and_push", "verify",
 ]
 
 

@@ -99,7 +99,7 @@ def test_the_typed_keywords_are_the_local_functions_keywords(wrapper: str, local
     """The hf://-aware wrappers name every option of the function they forward to, and no other."""
     import importlib
 
-    from shardkit.hub import api
+    from shardkit.api import checkpoints as api
 
     module, name = local.split(":")
     params = inspect.signature(getattr(importlib.import_module(module), name)).parameters

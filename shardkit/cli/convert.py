@@ -6,7 +6,6 @@ from typing import Any
 
 import click
 
-from ..errors import InvalidInputError
 from .common import byte_progress, echo_json, hub_token_option, no_cache_option, shard_options
 
 EPILOG = """\b
@@ -120,18 +119,16 @@ def convert(source: str, output: str, key: str | None, strip_prefix: str | None,
     Streams in bounded memory with the same atomic writer as `split`: on failure or Ctrl-C
     nothing partial is left, and the source is never modified.
     """
-    from ..distributed.group import group_from_env, is_rank_zero
-    from ..sharding.convert import build_keymap
+    from ..api.jobs import WriteOptions, convert_job, is_rank_zero, torchrun_group
     from .split import print_plan
 
-    keymap = build_keymap(include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
-                          rename=rename)
-
-    with group_from_env() as collective:  # under torchrun: every rank writes its share of the shards
+    with torchrun_group() as collective:  # under torchrun: every rank writes its share of the shards
         quiet, as_json = quiet or not is_rank_zero(), as_json and is_rank_zero()  # rank 0 reports for all
-        result = _convert(source, output, key=key, keymap=keymap, to=to, config=config, component=component,
-                          collective=collective, quiet=quiet, as_json=as_json, no_cache=no_cache, token=token,
-                          write=write)
+        with byte_progress("convert", enabled=not (quiet or as_json or write["dry_run"])) as progress:
+            result = convert_job(source, output, options=WriteOptions(**write, progress=progress), key=key,
+                                 include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
+                                 rename=rename, to=to, config=config, component=component, token=token,
+                                 cache=not no_cache, collective=collective)
     if as_json:
         echo_json(result.to_dict())
     elif not quiet:
@@ -140,30 +137,6 @@ def convert(source: str, output: str, key: str | None, strip_prefix: str | None,
         if dropped:
             why = "that are not part of this model (other components, EMA...)" if to else "by the key options"
             click.echo(f"left out {dropped} source tensor(s) {why}")
-
-
-def _convert(source: str, output: str, *, key: str | None, keymap: Any, to: str | None, config: str | None,
-             component: str | None, collective: bool, quiet: bool, as_json: bool, no_cache: bool,
-             token: str | None, write: dict[str, Any]) -> Any:
-    from ..sharding.convert import convert_with
-    from ..sharding.options import WriteOptions
-
-    with byte_progress("convert", enabled=not (quiet or as_json or write["dry_run"])) as progress:
-        options = WriteOptions(**write, progress=progress)
-        if collective:
-            from ..distributed.convert import convert_collective
-            from ..hub.remote_spec import is_remote
-
-            if is_remote(source):
-                raise InvalidInputError(f"{source}: a collective convert reads a local checkpoint; download it "
-                                        "first (hf download), or convert without torchrun")
-            return convert_collective(source, output, options=options, key=key, keymap=keymap, to=to)
-        from ..hub.remote_checkpoint import config_source, open_checkpoint
-
-        with open_checkpoint(source, token=token, cache=not no_cache, pickles=True) as readable, \
-                config_source(config, token=token) as local_config:
-            return convert_with(readable, output, options=options, key=key, keymap=keymap, to=to,
-                                config=local_config, component=component)
 
 
 COMMANDS = [convert]

@@ -109,15 +109,13 @@ def fit(folder: str, gpus: tuple[int, ...], cpu: int | None, max_memory: str | N
     without fp8 layerwise casting, plus VAE tiling/slicing and attention slicing where the
     components support them.
     """
-    from ..fitting.autofit import DEFAULT_MARGIN, Margin
-    from ..fitting.autofit import fit as fit_api
-    from ..hub.remote import local_checkpoint
+    from ..api.planning import DEFAULT_MARGIN, Margin
+    from ..api.planning import fit as fit_api
 
     margin = Margin(DEFAULT_MARGIN.fraction, reserve)
-    with local_checkpoint(folder, token=token) as local:  # hf://: a header-only mirror
-        plan = fit_api(local, gpu=list(gpus), cpu=cpu, max_memory=max_memory, height=height, width=width,
-                       batch_size=batch_size, dtype=dtype, attention=attention, allow_fp8=not no_fp8,
-                       exclude=exclude, margin=margin)
+    plan = fit_api(folder, gpu=list(gpus), cpu=cpu, max_memory=max_memory, height=height, width=width,
+                   batch_size=batch_size, dtype=dtype, attention=attention, allow_fp8=not no_fp8,
+                   exclude=exclude, margin=margin, token=token)  # hf://: a header-only mirror
     if as_json:
         echo_json(plan.to_dict())
     elif quiet:
@@ -146,7 +144,7 @@ def print_ranking(plan: Any) -> None:
 
 
 def _short(candidate: Any) -> str:
-    from ..fitting.candidates import speed_class
+    from ..api.planning import speed_class
 
     return f"({speed_class(candidate.slowdown)})"
 

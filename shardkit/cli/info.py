@@ -37,11 +37,9 @@ Sizes are decimal (1 GB = 10^9 bytes).
 @hub_token_option
 def info(path: str, as_json: bool, quiet: bool, token: str | None = None) -> None:
     """Show what a checkpoint holds: format, tensors, parameters, dtypes, shards, metadata."""
-    from ..checking.info import info as info_api
-    from ..hub.remote import remote_info
-    from ..hub.remote_spec import is_remote
+    from ..api.checkpoints import info as info_api
 
-    summary = remote_info(path, token=token) if is_remote(path) else info_api(path)
+    summary = info_api(path, token=token)
     if as_json:
         echo_json(summary.to_dict())
     elif quiet:

@@ -30,7 +30,7 @@ output appears only when complete.
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
 def merge(folder: str, output: str, overwrite: bool, dry_run: bool, as_json: bool, quiet: bool) -> None:
     """Merge the sharded safetensors checkpoint in FOLDER into one OUTPUT .safetensors file."""
-    from ..sharding.merge import merge as merge_api
+    from ..api.maintenance import merge as merge_api
 
     with byte_progress("merge", enabled=not (quiet or as_json or dry_run)) as progress:
         result = merge_api(folder, output, overwrite=overwrite, dry_run=dry_run, progress=progress)

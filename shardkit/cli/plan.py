@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import click
 
-from ..errors import InvalidInputError
 from ..units import format_size
 from .common import echo_json, hub_token_option
 from .fit import COMPUTE_DTYPE, budget_options, output_options
-
-if TYPE_CHECKING:
-    from ..fitting.estimate import MemoryEstimate
 
 EPILOG = """\b
 Examples:
@@ -57,54 +52,25 @@ def plan(checkpoint: str | None, model_spec: str, config_path: str | None, gpus:
          max_memory: str | None, dtype: str | None, device_map: str, strategies: bool, as_json: bool,
          quiet: bool, token: str | None = None, no_strict: bool = False) -> None:
     """Show the device map MODEL would get for a memory budget, optionally for CHECKPOINT's weights."""
-    if checkpoint is not None:
-        from ..hub.remote import local_checkpoint
+    from ..api.planning import plan_model
 
-        with local_checkpoint(checkpoint, token=token) as local:  # hf://: a header-only mirror
-            return _plan(local, model_spec, config_path, gpus, cpu, max_memory, dtype, device_map, strategies,
-                         as_json, quiet, shown=checkpoint, strict=not no_strict)
-    return _plan(None, model_spec, config_path, gpus, cpu, max_memory, dtype, device_map, strategies, as_json,
-                 quiet, shown=None, strict=not no_strict)
-
-
-def _plan(checkpoint: str | None, model_spec: str, config_path: str | None, gpus: tuple[int, ...],
-          cpu: int | None, max_memory: str | None, dtype: str | None, device_map: str, strategies: bool,
-          as_json: bool, quiet: bool, *, shown: str | None, strict: bool) -> None:
-    from ..devices import gpu_and_cpu_bytes, merge_budgets
-
-    budget = merge_budgets(max_memory, gpu_bytes=gpus, cpu_bytes=cpu)
-    if budget is None and not strategies:
-        raise InvalidInputError("give a budget (--max-memory 0=16GB,cpu=64GB, or --gpu 16GB --cpu 64GB), "
-                                "--strategies, or both")
-    config = config_path
-    if config is None and checkpoint is not None and os.path.isfile(os.path.join(checkpoint, "config.json")):
-        config = os.path.join(checkpoint, "config.json")
-    output: dict = {}
+    result = plan_model(model_spec, checkpoint, config=config_path, max_memory=max_memory, gpu_bytes=gpus,
+                        cpu_bytes=cpu, dtype=dtype, device_map=device_map, strict=not no_strict,
+                        strategies=strategies, token=token)
     lines: list[str] = []
-    if budget is not None:
-        from ..loading.device_map import plan_device_map
-
-        result = plan_device_map(model_spec, config=config, checkpoint=checkpoint, max_memory=budget,
-                                 dtype=dtype, device_map=device_map, strict=strict)
-        output.update(result.to_dict())
-        if checkpoint is not None:
-            output["checkpoint"] = shown  # the hf:// spec, not its temporary mirror
-        lines.append(_placement_line(result) if quiet else result.table())
-    if strategies:
-        gpu_bytes = max(gpu_and_cpu_bytes({d: b for d, b in (budget or {}).items() if d != "disk"})[0], default=None)
-        estimate = _estimate(model_spec, config=config, checkpoint=checkpoint, dtype=dtype, gpu_bytes=gpu_bytes)
-        output.setdefault("model", model_spec)
-        output["strategies"] = estimate.to_dict()
-        lines.append(_strategy_line(estimate) if quiet else estimate.table())
+    if result.placement is not None:
+        lines.append(_placement_line(result.placement) if quiet else result.placement.table())
+    if result.strategies is not None:
+        lines.append(_strategy_line(result.strategies) if quiet else result.strategies.table())
     if as_json:
-        echo_json(output)
+        echo_json(result.to_dict())
     elif any(lines):
         click.echo(("\n" if quiet else "\n\n").join(line for line in lines if line))
 
 
 def _placement_line(result: Any) -> str:
     """The quiet summary of a device map: bytes placed per device."""
-    from ..devices import device_label
+    from ..api.planning import device_label
 
     return ", ".join(f"{device_label(d)} {format_size(result.device_bytes.get(d, 0))}" for d in result.devices())
 
@@ -115,15 +81,6 @@ def _strategy_line(estimate: Any) -> str:
         return ""
     fitting = estimate.fitting()
     return f"fastest that fits: {fitting[0].spec.name}" if fitting else "no strategy fits"
-
-
-def _estimate(model_spec: str, *, config: str | None, checkpoint: str | None, dtype: str | None,
-              gpu_bytes: int | None) -> MemoryEstimate:
-    from ..fitting.estimate import estimate_memory
-    from ..loading.skeleton import build_skeleton
-
-    skeleton = build_skeleton(model_spec, config=config)
-    return estimate_memory(skeleton, gpu_bytes=gpu_bytes, dtype=dtype, checkpoint=checkpoint)
 
 
 COMMANDS = [plan]

@@ -79,10 +79,15 @@ def push_and_report(path: str, repo_id: str, *, report: str = "summary", **optio
 
     Shared with ``split --push-to``.
     """
-    from ..hub.push import push as push_api
+    from ..api.jobs import push as push_api
 
     with byte_progress("push", enabled=report == "summary" and not options.get("dry_run")) as progress:
         result = push_api(path, repo_id, progress=progress, **options)
+    return report_push(result, report=report)
+
+
+def report_push(result: Any, *, report: str) -> Any:
+    """Print a push's result as ``report`` says: "summary", "url" (quiet) or "none" (JSON)."""
     if report == "summary":
         print_summary(result)
     elif report == "url" and result.commit_url and not result.dry_run:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ..atomic.journal import Recovery
-from ..errors import OutputExistsError
+from ..api.records import Recovery
 from ..units import format_size
 from .common import echo_json
 
@@ -31,14 +30,9 @@ def recover(folders: tuple[str, ...], as_json: bool, quiet: bool) -> None:
     behind names every step; this rolls it forward. Temporary files and staging folders of dead
     shardkit processes are removed. A folder another shardkit process is writing is left alone.
     """
-    from ..atomic.journal import recover_folder
+    from ..api.maintenance import recover as recover_api
 
-    reports = []
-    for folder in folders:
-        report = recover_folder(folder)
-        if report is None:
-            raise OutputExistsError(f"{folder} is being written by another shardkit process; try again when it ends")
-        reports.append(report)
+    reports = [recover_api(folder) for folder in folders]
     if as_json:
         echo_json([r.to_dict() for r in reports])
     elif not quiet:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -72,33 +73,27 @@ def split(source: str, output: str, key: str | None, as_json: bool, quiet: bool,
     output loads unchanged with diffusers, transformers, accelerate and huggingface_hub. Writes are atomic: on failure or
     Ctrl-C nothing partial is left, and the source is never modified.
     """
-    from ..sharding.options import WriteOptions
-    from ..sharding.split import split_with
+    from ..api.jobs import WriteOptions, split_and_push
+    from .push import report_push
 
     dry_run = write["dry_run"]
     check_create_pr(create_pr=create_pr, push_to=push_to)
-    if push_to:
-        from ..hub.preflight import check_folder_links, check_push_target, check_repo_id
+    report = "none" if as_json else "url" if quiet else "summary"
+    with contextlib.ExitStack() as split_bar, byte_progress("push", enabled=report == "summary") as push_progress:
+        progress = split_bar.enter_context(byte_progress("split", enabled=not (quiet or as_json or dry_run)))
 
-        # A bad repository id, a missing or rejected token, or a symlink in OUTPUT leading outside it
-        # (which the push would refuse) is found before the split, not after.
-        check_repo_id(push_to) if dry_run else check_push_target(push_to, token=token)
-        check_folder_links(output)
-    from ..hub.remote_checkpoint import open_checkpoint
+        def after_split(result: Any) -> None:
+            split_bar.close()  # the split's bar ends before its plan prints
+            if not (as_json or quiet):
+                print_plan(result)
 
-    with open_checkpoint(source, token=token, cache=not no_cache) as readable, \
-            byte_progress("split", enabled=not (quiet or as_json or dry_run)) as progress:
-        result = split_with(readable, output, options=WriteOptions(**write, progress=progress), key=key)
-    if not (as_json or quiet):
-        print_plan(result)
-    pushed = None
-    if push_to and not dry_run:
-        from .push import push_and_report
-
-        pushed = push_and_report(output, push_to, token=token, create_pr=create_pr,
-                                 report="none" if as_json else "url" if quiet else "summary")
+        done = split_and_push(source, output, push_to, options=WriteOptions(**write, progress=progress), key=key,
+                              token=token, cache=not no_cache, create_pr=create_pr, push_progress=push_progress,
+                              after_split=after_split)
+    if done.push is not None:
+        report_push(done.push, report=report)
     if as_json:
-        echo_json({**result.to_dict(), "push": pushed.to_dict()} if pushed else result.to_dict())
+        echo_json(done.to_dict())
 
 
 def check_create_pr(*, create_pr: bool, push_to: str | None) -> None:

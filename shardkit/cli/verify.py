@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
+from ..api.records import MANIFEST_NAME
 from ..errors import VerificationError
-from ..formats.manifest import MANIFEST_NAME
 from ..units import format_size
 from .common import byte_progress, echo_json, hub_token_option
 
@@ -46,15 +46,12 @@ def verify(path: str, against: str | None, as_json: bool, quiet: bool, token: st
 
     Lists every finding by file and tensor; exits 1 if there is any.
     """
-    from ..checking.verify import verify as verify_api
-    from ..hub.remote_spec import is_remote
+    from ..api.checkpoints import describe_remote_report, is_remote
+    from ..api.checkpoints import verify as verify_api
 
     remote = is_remote(path) or is_remote(against)
     if remote:
-        from ..hub.remote_verify import describe, verify_against_remote, verify_remote
-
-        report = verify_remote(path, token=token) if is_remote(path) else \
-            verify_against_remote(path, str(against), token=token)
+        report = verify_api(path, against=against, token=token)
     else:  # no bar in logs and pipes: findings and the summary line are what matter there
         with byte_progress("verify", enabled=not (quiet or as_json)) as progress:
             report = verify_api(path, against=against, progress=progress)
@@ -63,7 +60,7 @@ def verify(path: str, against: str | None, as_json: bool, quiet: bool, token: st
     elif remote:
         print_report(report, quiet=True)
         if not quiet and report.ok:
-            click.echo(describe(report))
+            click.echo(describe_remote_report(report))
     else:
         print_report(report, quiet=quiet)
     if not report.ok:

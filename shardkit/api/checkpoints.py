@@ -17,18 +17,20 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict, cast
 from ..checking.info import CheckpointInfo
 from ..checking.verify import VerifyReport
 from ..checking.verify import verify as _verify_local
+from ..hub.remote_checkpoint import config_source, open_checkpoint
+from ..hub.remote_spec import is_remote
+from ..hub.remote_verify import describe as describe_remote_report
 from ..sharding.convert import convert as _convert_local
 from ..sharding.job import SplitResult
 from ..sharding.options import ProgressCallback
 from ..sharding.split import split as _split_local
 from ..sources.base import CheckpointSource
-from .remote_checkpoint import config_source, open_checkpoint
-from .remote_spec import is_remote
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["ConvertKeywords", "SplitKeywords", "VerifyKeywords", "convert", "info", "split", "verify"]
+__all__ = ["CheckpointInfo", "ConvertKeywords", "SplitKeywords", "SplitResult", "VerifyKeywords", "VerifyReport", "convert",
+           "describe_remote_report", "info", "is_remote", "split", "verify"]
 
 Quantize = Literal["fp8-block", "fp8-channel", "fp8-tensor", "nvfp4", "mxfp4", "f16", "bf16", "q8_0", "q4_0"]
 ConvertTo = Literal["diffusers", "single-file"]
@@ -130,7 +132,7 @@ def info(path: str | os.PathLike[str], *, token: str | None = None) -> Checkpoin
     shardkit.info("hf://black-forest-labs/FLUX.1-dev").parameter_count
     """
     if is_remote(path):
-        from .remote import remote_info
+        from ..hub.remote import remote_info
 
         return remote_info(path, token=token)
     from ..checking.info import info as info_local
@@ -147,7 +149,7 @@ def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = N
 
     shardkit.verify("out/", against="hf://org/model").ok
     """
-    from .remote_verify import verify_against_remote, verify_remote
+    from ..hub.remote_verify import verify_against_remote, verify_remote
 
     if is_remote(path):
         return verify_remote(path, token=token)

@@ -1,0 +1,148 @@
+"""The application layer (shardkit/api/): every CLI command calls the function a Python caller gets.
+
+The CLI tests exercise these functions through the commands; here each command is shown to reach
+its application-layer function (a spy stands in for it), and the composite jobs that once existed
+only behind the CLI (recover, split then push, plan with strategies) are run from Python.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers_hub import hub  # noqa: F401  (the offline Hub fixture)
+
+import shardkit
+from shardkit.errors import InvalidInputError
+
+
+class Called(InvalidInputError):
+    """Raised by a spy: the command reached the application-layer function."""
+
+
+def _spy(name: str):
+    def spy(*args, **kwargs):
+        raise Called(f"{name} was called")
+
+    return spy
+
+
+@pytest.mark.parametrize("module, function, argv", [
+    ("maintenance", "recover", ["recover", "{tmp}"]),
+    ("maintenance", "merge", ["merge", "{tmp}", "{tmp}/merged.safetensors"]),
+    ("checkpoints", "info", ["info", "{tmp}"]),
+    ("checkpoints", "verify", ["verify", "{tmp}"]),
+    ("jobs", "split_and_push", ["split", "{tmp}", "{tmp}/out"]),
+    ("jobs", "convert_job", ["convert", "{tmp}", "{tmp}/out"]),
+    ("jobs", "push", ["push", "{tmp}", "alice/tiny"]),
+    ("planning", "plan_model", ["plan", "--model", "diffusers:UNet2DConditionModel", "--gpu", "1GB"]),
+    ("planning", "fit", ["fit", "{tmp}", "--gpu", "1GB"]),
+])
+def test_each_command_calls_its_application_layer_function(run_cli, monkeypatch, tmp_path: Path, module: str,
+                                                            function: str, argv: list[str]) -> None:
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module(f"shardkit.api.{module}"), function, _spy(function))
+    result = run_cli(*[a.format(tmp=tmp_path) for a in argv])
+    assert result.exit_code == 2 and f"{function} was called" in result.stderr, (result.stdout, result.stderr)
+
+
+def test_public_functions_are_the_application_layers() -> None:
+    from shardkit.api import checkpoints, jobs, maintenance, planning
+
+    for module, names in ((checkpoints, ("split", "convert", "info", "verify")), (jobs, ("split_and_push", "push")),
+                          (maintenance, ("recover", "merge")), (planning, ("fit", "plan_model"))):
+        for name in names:
+            assert getattr(shardkit, name) is getattr(module, name), name
+
+
+def test_recover_from_python_finishes_a_journal_and_removes_dead_temporaries(tmp_path: Path) -> None:
+    from shardkit.atomic.commit import JOURNAL
+
+    dead = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    (tmp_path / f".shardkit-tmp-{dead}-ffff-orphan.safetensors").write_bytes(b"j" * 2000)
+    (tmp_path / f".shardkit-tmp-{dead}-abcd-model.safetensors").write_bytes(b"new")
+    (tmp_path / JOURNAL).write_text(json.dumps({
+        "remove_first": [], "renames": [[f".shardkit-tmp-{dead}-abcd-model.safetensors", "model.safetensors"]],
+        "delete": [],
+    }))
+    report = shardkit.recover(tmp_path)
+    assert report.rolled_forward == ["model.safetensors"] and report.removed_bytes == 2000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    assert not shardkit.recover(tmp_path).changed
+
+
+_PLAN_MODEL = """
+import json, sys
+import shardkit
+
+plan = shardkit.plan_model("diffusers:UNet2DConditionModel", sys.argv[1], gpu_bytes=[10**6], cpu_bytes=10**9,
+                           strategies=True)
+print(json.dumps(plan.to_dict()))
+"""
+
+
+@pytest.mark.hub
+def test_plan_model_of_a_hub_repo_equals_the_local_folder(hub, tmp_path: Path) -> None:
+    """hf:// for plan from Python: a header-only mirror gives the local folder's placement and strategies."""
+    from conftest import tiny_unet
+    from helpers_hub import folder_files, hub_env, run_python
+    from helpers_load import save_model
+
+    folder = save_model(tiny_unet(), tmp_path / "unet")
+    hub.state.add_repo("alice/unet", folder_files(folder))
+    env = hub_env(hub, tmp_path / "home")
+    got = json.loads(run_python(_PLAN_MODEL, env, "hf://alice/unet").stdout)
+    want = json.loads(run_python(_PLAN_MODEL, env, folder).stdout)
+    assert got.pop("checkpoint") == "hf://alice/unet" and want.pop("checkpoint") == str(folder)
+    assert got == want and want["strategies"]["strategies"] and want["device_map"]
+
+
+_SPLIT_AND_PUSH = """
+import sys
+import shardkit
+from shardkit.api.jobs import WriteOptions
+
+done = shardkit.split_and_push(sys.argv[1], sys.argv[2], "alice/tiny", options=WriteOptions(max_shard_bytes=40_000))
+print(done.split.plan.total_bytes, done.push.commit_url)
+"""
+
+
+def _make_source(path: Path) -> Path:
+    """8 float32 tensors of 16 KiB."""
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({f"layer.{i}.weight": torch.randn(64, 64, generator=gen) for i in range(8)}, str(path))
+    return path
+
+
+@pytest.mark.hub
+def test_split_and_push_from_python(hub, tmp_path: Path) -> None:
+    from helpers_hub import hub_env, index_problems, run_python
+
+    source = _make_source(tmp_path / "src" / "model.safetensors")
+    proc = run_python(_SPLIT_AND_PUSH, hub_env(hub, tmp_path / "home"), source, tmp_path / "out")
+    total, url = proc.stdout.split()
+    assert int(total) == 8 * 64 * 64 * 4 and url.startswith(f"{hub.url}/alice/tiny/commit/")
+    assert "model-00004-of-00004.safetensors" in hub.state.files_at("alice/tiny")
+    assert index_problems(hub.state, "alice/tiny") == []
+
+
+@pytest.mark.hub
+def test_split_and_push_checks_the_token_before_splitting(hub, tmp_path: Path) -> None:
+    from helpers_hub import hub_env
+
+    source = _make_source(tmp_path / "src" / "model.safetensors")
+    env = hub_env(hub, tmp_path / "home", token=None)
+    code = _SPLIT_AND_PUSH.replace("print(", "# print(") + "\n"
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", code, str(source), str(tmp_path / "out")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "HubError" in proc.stderr and "no Hugging Face token" in proc.stderr
+    assert not (tmp_path / "out").exists(), "the split must not run when the push cannot"
