@@ -347,7 +347,7 @@ def test_reshard_a_hub_repo_in_one_command(hub, tmp_path):
     from helpers_hub import download
 
     folder = split_folder(tmp_path, "src", "600KB")
-    hub.state.add_repo("alice/tiny", folder_files(folder))
+    hub.state.add_repo("alice/tiny", hub_files(folder))  # the local source holds the Hub's .gitattributes too
     env = hub_env(hub, tmp_path / "home")
     proc = run_shardkit(env, "split", "hf://alice/tiny", tmp_path / "out", "--max-shard-size", "1100KB",
                         "--push-to", "alice/tiny-1100KB", "-q")
@@ -355,4 +355,6 @@ def test_reshard_a_hub_repo_in_one_command(hub, tmp_path):
     shardkit.split(folder, tmp_path / "local-out", max_shard_size="1100KB")
     got = folder_files(download(env, "alice/tiny-1100KB", tmp_path / "downloaded"))
     want = folder_files(tmp_path / "local-out")
-    assert {k: v for k, v in got.items() if not k.startswith(".")} == want
+    assert got[".gitattributes"] == want[".gitattributes"]  # the Hub's own, carried through the split
+    assert {k: v for k, v in got.items() if not k.startswith(".")} == {k: v for k, v in want.items()
+                                                                       if not k.startswith(".")}
