@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 
 _HUGE_BYTES = 4 << 20  # blocks at least this large ask for transparent huge pages
+_PAGE_BYTES = mmap.PAGESIZE
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,17 @@ def anonymous_block(nbytes: int) -> mmap.mmap:
     if nbytes >= _HUGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
         block.madvise(mmap.MADV_HUGEPAGE)
     return block
+
+
+def block_pad(run: Run, dtypes: dict[str, torch.dtype]) -> int:
+    """Bytes before ``run``'s first tensor in its block: its file offset modulo the page size, so that
+    whole pages of the file land on whole pages of the block and ``direct`` reads go straight in (see
+    :class:`~shardkit.loading.readers.ReadJob`); 0 where that would misalign a tensor (a file whose
+    tensors do not start at multiples of their dtype's size: those are read through a bounce buffer).
+    """
+    pad = run.offset % _PAGE_BYTES
+    aligned = all(entry.offset % dtypes[entry.name].itemsize == 0 for entry in run.entries)
+    return pad if aligned else 0
 
 
 def plan_runs(entries: list[TensorEntry], dtypes: dict[str, torch.dtype]) -> list[Run]:
@@ -96,21 +108,23 @@ def read_runs(runs: list[Run], readers: dict[str, Reader], pool: ReadPool, *,
     """
     import torch
 
-    blocks: list[tuple[mmap.mmap, Run]] = []
+    blocks: list[tuple[mmap.mmap, Run, int]] = []
     futures = []
     for run in runs:
-        block = anonymous_block(run.nbytes)
+        pad = block_pad(run, dtypes)
+        block = anonymous_block(-(-(pad + run.nbytes) // _PAGE_BYTES) * _PAGE_BYTES)  # whole pages
         anchor = ctypes.c_char.from_buffer(block)
-        job = ReadJob(ctypes.addressof(anchor), run.offset, run.nbytes, f"{run.file}: tensor {run.entries[0].name!r}")
+        job = ReadJob(ctypes.addressof(anchor) + pad, run.offset, run.nbytes,
+                      f"{run.file}: tensor {run.entries[0].name!r}", padded=True)
         del anchor
         reader = readers[run.file]
         futures += submit_reads(pool, reader, [job], keep=block, chunk_bytes=reader.chunk_bytes)
-        blocks.append((block, run))
+        blocks.append((block, run, pad))
     wait_all(futures)
     out: dict[str, torch.Tensor] = {}
-    for block, run in blocks:
+    for block, run, pad in blocks:
         for entry in run.entries:
             dtype = dtypes[entry.name]
             out[entry.name] = torch.frombuffer(block, dtype=dtype, count=entry.nbytes // dtype.itemsize,
-                                               offset=entry.offset - run.offset).view(entry.shape)
+                                               offset=pad + entry.offset - run.offset).view(entry.shape)
     return out

@@ -54,6 +54,10 @@ class ReadJob:
     offset: int
     nbytes: int
     where: str        # "FILE: tensor 'NAME'", for messages
+    # The memory from the page boundary at or before ``offset`` to the one after its end, at the same
+    # distance from ``address``, is the caller's to overwrite (a page-padded block): ``direct`` then reads
+    # straight into it when ``address`` and ``offset`` are congruent modulo the page size.
+    padded: bool = False
 
 
 def job_for(tensor: torch.Tensor, *, offset: int, nbytes: int, where: str) -> ReadJob:
@@ -71,7 +75,7 @@ def split_jobs(jobs: list[ReadJob], *, chunk_bytes: int) -> Iterator[ReadJob]:
         start, end = job.offset, job.offset + job.nbytes
         while start < end:
             stop = min(end, (start // chunk_bytes + 1) * chunk_bytes)
-            yield ReadJob(job.address + start - job.offset, start, stop - start, job.where)
+            yield ReadJob(job.address + start - job.offset, start, stop - start, job.where, job.padded)
             start = stop
 
 
@@ -163,7 +167,30 @@ class DirectReader(Reader):
         return buf
 
     def read_one(self, job: ReadJob) -> None:
-        """Aligned O_DIRECT reads covering the job, each copied from the bounce buffer into place."""
+        """Aligned O_DIRECT reads covering the job: straight into a page-padded job's memory where its
+        address is congruent with its offset and chunks end on pages (no bounce buffer, no copy: a 1.7 GB
+        ``to_state_dict`` through a 2 ms FUSE mount 4.49 -> 2.75 s, median of 5), else through the bounce buffer."""
+        if job.padded and (job.address - job.offset) % _ALIGN == 0 and self.chunk_bytes % _ALIGN == 0:
+            self._read_in_place(job)
+        else:
+            self._read_bounced(job)
+
+    def _read_in_place(self, job: ReadJob) -> None:
+        end = job.offset + job.nbytes
+        pos = job.offset - job.offset % _ALIGN
+        while pos < end:
+            span = min(_MAX_CALL_BYTES, _page_multiple(end - pos))
+            view = memoryview((ctypes.c_char * span).from_address(job.address + pos - job.offset)).cast("B")
+            got = os.preadv(self._direct_fd, [view], pos)
+            if got <= 0:
+                raise HeaderError(f"{job.where}: file ended at byte {pos}, before the {end} its header "
+                                  "promises (truncated or changed on disk?)")
+            pos += got
+            if pos < end and pos % _ALIGN:  # a short read ending mid-page: the rest through the bounce buffer
+                self._read_bounced(ReadJob(job.address + pos - job.offset, pos, end - pos, job.where))
+                return
+
+    def _read_bounced(self, job: ReadJob) -> None:
         buf = self._bounce()
         anchor = ctypes.c_char.from_buffer(buf)
         try:
