@@ -135,12 +135,8 @@ def info(path: str | os.PathLike[str]) -> CheckpointInfo:
 
 
 def _checkpoint_info(path: str) -> CheckpointInfo:
-    from ..formats.index import (
-        DIFFUSERS_PREFIX,
-        TRANSFORMERS_PREFIX,
-        load_index,
-        naming_from_filename,
-    )
+    from ..formats.index import load_index
+    from ..formats.names import library_naming
     from ..sources import open_source
 
     target, index_name = _resolve(path)
@@ -153,9 +149,8 @@ def _checkpoint_info(path: str) -> CheckpointInfo:
         gguf = (source.describe(), source.stored_entries()) if isinstance(source, GgufSource) else None
     fmt = _format_name(target, headers, index_name)
     filename = index_name or os.path.basename(target)
-    naming = naming_from_filename(filename)
-    known = filename.split(".")[0].split("-")[0] in (DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, "pytorch_model")
-    result = CheckpointInfo(path, fmt, naming.prefix if known else None, naming.variant if known else None,
+    naming = library_naming(filename)
+    result = CheckpointInfo(path, fmt, naming.prefix if naming else None, naming.variant if naming else None,
                             index_name, metadata=dict(metadata))
     if index_name:
         result.index_metadata = dict(load_index(target).metadata)
@@ -194,12 +189,12 @@ def _quantization(target: str, entries: list[TensorEntry], metadata: dict[str, s
     from ..formats.layout import read_config
     from ..formats.links import UntrustedFileError
     from ..layouts.fp4 import Fp4Layout
-    from ..layouts.registry import find_quant_layout, quant_config
+    from ..layouts.registry import find_quant_layout, quant_config_of
 
     folder = target if os.path.isdir(target) else os.path.dirname(os.path.abspath(target))
-    read_config(folder)  # a config.json that leaves the folder or is no regular file: one line, exit 2
+    config = read_config(folder)  # a config.json that leaves the folder or is no regular file: one line, exit 2
     try:
-        config = quant_config(folder)
+        config = quant_config_of(folder, config)
         layout = find_quant_layout(entries, config=config, metadata=metadata, where=target, allow_lossy=True)
         if layout is None:  # or an inconsistent fp8 one: say why
             layout = find_quant_layout(entries, config=config, metadata=metadata, where=target)
@@ -249,21 +244,21 @@ def _sum_known(values: list[int | None]) -> int | None:
 
 
 def _resolve(path: str) -> tuple[str, str | None]:
-    """(path to open, index file name or None)."""
+    """(path to open, index file name or None): a folder through the resolver, strictly (info opens what it finds)."""
     from ..formats.index import find_checkpoint
     from ..formats.layout import weight_files
     from ..sources import is_dcp_folder, is_pickle_index_folder
 
-    if os.path.isdir(path) and (is_dcp_folder(path) or is_pickle_index_folder(path)):
+    if not os.path.isdir(path):
+        name = os.path.basename(path)
+        return path, name if name.endswith(".json") else None
+    if is_dcp_folder(path) or is_pickle_index_folder(path):
         return path, None  # opened whole by its source; no safetensors index to show
-    if os.path.isdir(path):
-        names = weight_files(path)
-        if names and not any(n.endswith(".safetensors") for n in names) and len(names) == 1:
-            return os.path.join(path, names[0]), None  # a folder with one pickle (e.g. pytorch_model.bin)
-        layout = find_checkpoint(path)
-        return layout.path, os.path.basename(layout.path) if layout.kind == "index" else None
-    name = os.path.basename(path)
-    return path, name if name.endswith(".json") else None
+    names = weight_files(path)
+    if len(names) == 1 and not names[0].endswith(".safetensors"):
+        return os.path.join(path, names[0]), None  # a folder with one pickle (e.g. pytorch_model.bin)
+    layout = find_checkpoint(path)
+    return layout.path, os.path.basename(layout.path) if layout.kind == "index" else None
 
 
 def _pipeline_info(path: str) -> CheckpointInfo:

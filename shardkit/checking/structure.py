@@ -8,7 +8,6 @@ truncated shard still yields its tensor list (one problem counts the tensors pas
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 
 from ..errors import (
@@ -18,7 +17,7 @@ from ..errors import (
     SourceNotFoundError,
 )
 from ..formats.header import Header, TensorEntry, parse_header, read_header_bytes
-from ..formats.index import MAX_INDEX_BYTES, check_shard_name
+from ..formats.index import MAX_INDEX_BYTES, check_shard_name, find_checkpoint
 from ..formats.links import (
     LINK_RULE,
     OutsideFolderError,
@@ -29,9 +28,8 @@ from ..formats.links import (
     parse_json,
     read_inside,
 )
+from ..formats.names import family_files, named_file_kind, parse_weight_name
 
-_INDEX_NAME_RE = re.compile(r"^(?P<prefix>.+)\.safetensors\.index(?:\.(?P<variant>[^.]+))?\.json$")
-_SHARD_NAME_RE = re.compile(r"^(?P<stem>.+)-\d{5}-of-\d{5}\.safetensors$")
 _SHOWN_LOST = 3  # tensor names a truncation problem shows (the count says how many in all)
 
 
@@ -66,43 +64,29 @@ class HeaderRead:
 
 
 def resolve_layout(path: str) -> Layout:
-    """Find the checkpoint files behind a file, index or folder path; raise for unusable input."""
+    """Find the checkpoint files behind a file, index or folder path; raise for unusable input.
+
+    A folder is resolved leniently (:func:`~shardkit.formats.index.find_checkpoint` with
+    ``strict=False``): shards without their index and hostile names become problems.
+    """
     if not os.path.exists(path):
         raise SourceNotFoundError(f"{path}: no such file or folder")
     if os.path.isdir(path):
-        return _folder_layout(path)
+        found = find_checkpoint(path, strict=False)
+        name = os.path.basename(found.path)
+        layout = Layout(path, name if found.kind == "index" else None,
+                        list(found.shards) if found.kind == "shards" else [] if found.kind == "index" else [name],
+                        folder_mode=found.kind != "shards")
+        layout.problems += [Problem(p.file, None, p.message) for p in found.problems]
+        return layout
     root, name = os.path.split(os.path.abspath(path))
-    if _INDEX_NAME_RE.match(name):
-        return Layout(root, name, [], folder_mode=False)
-    if name.endswith(".safetensors"):
-        return Layout(root, None, [name], folder_mode=False)
+    kind = named_file_kind(name)
+    if kind is not None:
+        return Layout(root, name if kind == "index" else None, [name] if kind == "file" else [], folder_mode=False)
     raise InvalidInputError(
         f"{path}: not a safetensors checkpoint (expected a .safetensors file, an index .json or a folder); "
         "verify checks safetensors output; convert pickles first with 'shardkit convert'"
     )
-
-
-def _folder_layout(folder: str) -> Layout:
-    names = sorted(n for n in os.listdir(folder) if not n.startswith("."))
-    indexes = [n for n in names if _INDEX_NAME_RE.match(n)]
-    plain = [n for n in indexes if _INDEX_NAME_RE.match(n)["variant"] is None] or indexes  # type: ignore[index]
-    if len(plain) > 1:
-        raise CheckpointIndexError(f"{folder}: several index files ({', '.join(plain)}); pass the one to verify")
-    if plain:
-        return Layout(folder, plain[0], [], folder_mode=True)
-    singles = [n for n in names if n.endswith(".safetensors") and not _SHARD_NAME_RE.match(n)]
-    shards = [n for n in names if _SHARD_NAME_RE.match(n)]
-    if len(singles) > 1:
-        raise CheckpointIndexError(f"{folder}: several .safetensors files and no index ({', '.join(singles)}); "
-                                   "pass the file to verify")
-    if singles:
-        return Layout(folder, None, singles, folder_mode=True)
-    if shards:
-        layout = Layout(folder, None, shards, folder_mode=False)
-        layout.problems.append(Problem(shards[0], None, f"the folder holds {len(shards)} shard file(s) but no index "
-                                       "file; loaders cannot find the tensors"))
-        return layout
-    raise SourceNotFoundError(f"{folder}: no .safetensors checkpoint or index in this folder")
 
 
 def read_index(layout: Layout) -> tuple[dict[str, str], dict] | None:
@@ -239,9 +223,8 @@ def check_stray_files(layout: Layout, referenced: set[str]) -> None:
     if not layout.folder_mode:
         return
     stem, single = _naming_of(layout)
-    for name in sorted(os.listdir(layout.root)):
-        match = _SHARD_NAME_RE.match(name)
-        if match and match["stem"] == stem and name not in referenced:
+    for name in family_files(os.listdir(layout.root), stem):
+        if name not in referenced:
             owner = "the index" if layout.index else single
             layout.problems.append(Problem(name, None, f"orphan shard file: not referenced by {owner} "
                                            "(left over from an earlier split?); delete it"))
@@ -253,18 +236,13 @@ def check_stray_files(layout: Layout, referenced: set[str]) -> None:
 def naming_shards(layout: Layout) -> list[str]:
     """Shard files in the folder that follow the checkpoint's naming (for an unreadable index)."""
     stem, _ = _naming_of(layout)
-    return [n for n in sorted(os.listdir(layout.root))
-            if (m := _SHARD_NAME_RE.match(n)) and m["stem"] == stem and os.path.isfile(os.path.join(layout.root, n))]
+    return [n for n in family_files(os.listdir(layout.root), stem) if os.path.isfile(os.path.join(layout.root, n))]
 
 
 def _naming_of(layout: Layout) -> tuple[str, str]:
-    """(shard stem, single-file name) of the checkpoint's naming, e.g. ('model.fp16', 'model.fp16.safetensors')."""
-    if layout.index:
-        match = _INDEX_NAME_RE.match(layout.index)
-        assert match is not None
-        stem = match["prefix"] + (f".{match['variant']}" if match["variant"] else "")
-    else:
-        stem = layout.files[0].removesuffix(".safetensors")
+    """(family stem, single-file name) of the checkpoint, e.g. ('model.fp16', 'model.fp16.safetensors')."""
+    weight = parse_weight_name(layout.index or layout.files[0])
+    stem = weight.stem if weight is not None else (layout.index or layout.files[0]).removesuffix(".json")
     return stem, f"{stem}.safetensors"
 
 

@@ -1,4 +1,4 @@
-"""Index files and the naming conventions of transformers and diffusers.
+"""Index files, and finding the checkpoint in a folder (the naming rules: :mod:`shardkit.formats.names`).
 
 An index is ``{"metadata": {"total_size": N}, "weight_map": {tensor: shard_file}}``. Its shard
 names are untrusted input: absolute paths, ``..``, path separators and files of the wrong kind
@@ -10,72 +10,28 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from ..errors import CheckpointIndexError, SourceNotFoundError
 from .links import LINK_RULE, OutsideFolderError, leads_outside, link_target, read_regular
+from .names import (  # the naming rules live in names.py; re-exported here for their many importers
+    DIFFUSERS_PREFIX,
+    TRANSFORMERS_PREFIX,
+    NameProblem,
+    Naming,
+    add_variant,
+    naming_from_filename,
+    resolve_names,
+    unsafe_name_reason,
+)
 
-DIFFUSERS_PREFIX = "diffusion_pytorch_model"
-TRANSFORMERS_PREFIX = "model"
+__all__ = ["DIFFUSERS_PREFIX", "MAX_INDEX_BYTES", "TRANSFORMERS_PREFIX", "CheckpointIndex", "Layout", "Naming",
+           "add_variant", "check_shard_name", "dump_index", "find_checkpoint", "folder_names", "load_index",
+           "naming_from_filename", "parse_index", "shard_file"]
+
 MAX_INDEX_BYTES = 256_000_000
-_INDEX_RE = re.compile(r"^(?P<prefix>[^.]+)\.(?P<ext>safetensors|bin)\.index(?:\.(?P<variant>[^.]+))?\.json$")
-_SHARD_RE = re.compile(r"^(?P<stem>.+)-(?P<i>\d{5})-of-(?P<n>\d{5})\.(?P<ext>safetensors|bin)$")
-
-
-def add_variant(filename: str, variant: str | None) -> str:
-    """Insert a variant before the extension, as transformers and diffusers do.
-
-    >>> add_variant("model.safetensors", "fp16"), add_variant("model.safetensors.index.json", "fp16")
-    ('model.fp16.safetensors', 'model.safetensors.index.fp16.json')
-    """
-    if not variant:
-        return filename
-    parts = filename.split(".")
-    return ".".join(parts[:-1] + [variant] + parts[-1:])
-
-
-@dataclass(frozen=True)
-class Naming:
-    """How output files are named: ``prefix`` (``model`` or ``diffusion_pytorch_model``) and variant."""
-
-    prefix: str = TRANSFORMERS_PREFIX
-    variant: str | None = None
-    ext: str = "safetensors"
-
-    def single(self) -> str:
-        return add_variant(f"{self.prefix}.{self.ext}", self.variant)
-
-    def shard(self, number: int, total: int) -> str:
-        stem = add_variant(f"{self.prefix}.{self.ext}", self.variant)[: -len(self.ext) - 1]
-        return f"{stem}-{number:05d}-of-{total:05d}.{self.ext}"
-
-    def index(self) -> str:
-        return add_variant(f"{self.prefix}.{self.ext}.index.json", self.variant)
-
-
-def naming_from_filename(filename: str) -> Naming:
-    """Guess the naming convention a source file or index uses.
-
-    >>> naming_from_filename("diffusion_pytorch_model.fp16-00001-of-00002.safetensors")
-    Naming(prefix='diffusion_pytorch_model', variant='fp16', ext='safetensors')
-    """
-    name = os.path.basename(filename)
-    index_match = _INDEX_RE.match(name)
-    if index_match:
-        name = add_variant(f"{index_match['prefix']}.{index_match['ext']}", index_match["variant"])
-    match = _SHARD_RE.match(name)
-    if match:
-        name = f"{match['stem']}.{match['ext']}"
-    ext = "bin" if name.endswith(".bin") else "safetensors"
-    stem = name[: -len(ext) - 1] if name.endswith("." + ext) else name
-    prefix, _, variant = stem.partition(".")
-    if prefix == "pytorch_model":
-        prefix = TRANSFORMERS_PREFIX
-    if prefix not in (DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX):
-        return Naming()
-    return Naming(prefix, variant or None)
 
 
 @dataclass
@@ -100,14 +56,10 @@ class CheckpointIndex:
 
 def check_shard_name(name: object, *, where: str, ext: str = ".safetensors") -> str:
     """Refuse a shard name that could leave the folder or is not a ``ext`` file."""
-    if not isinstance(name, str) or not name:
-        raise CheckpointIndexError(f"{where}: shard name {name!r} must be a non-empty string")
-    if os.path.isabs(name) or name.startswith(("/", "\\")):
-        raise CheckpointIndexError(f"{where}: shard name {name!r} is an absolute path; only file names are allowed")
-    if "/" in name or "\\" in name or name in (".", ".."):
-        raise CheckpointIndexError(f"{where}: shard name {name!r} contains a path; only file names in the index's folder are allowed")
-    if any(ord(c) < 32 or 0xD800 <= ord(c) <= 0xDFFF for c in name):
-        raise CheckpointIndexError(f"{where}: shard name {name!r} contains control characters or invalid Unicode")
+    reason = unsafe_name_reason(name, folder="the index's folder")
+    if reason is not None:
+        raise CheckpointIndexError(f"{where}: shard name {name!r} {reason}")
+    assert isinstance(name, str)
     if not name.endswith(ext):
         raise CheckpointIndexError(f"{where}: shard name {name!r} is not a {ext} file")
     return name
@@ -186,47 +138,41 @@ def dump_index(weight_map: dict[str, str], *, total_size_bytes: int, metadata: d
 
 @dataclass(frozen=True)
 class Layout:
-    """What a checkpoint folder holds: an ``index`` file, or one ``file``."""
+    """What a checkpoint folder holds: an ``index`` file, or one ``file``; see :func:`find_checkpoint`.
 
-    kind: str  # "index" or "file"
+    ``"shards"`` (``strict=False`` only): shard files without their index; ``path`` is the first,
+    ``shards`` names them all and ``problems`` says what a strict resolution would have raised.
+    """
+
+    kind: Literal["index", "file", "shards"]
     path: str
     naming: Naming
+    shards: tuple[str, ...] = ()
+    problems: tuple[NameProblem, ...] = ()
 
 
-def find_checkpoint(folder: str | os.PathLike[str], *, variant: str | None = None, ext: str = "safetensors") -> Layout:
+def folder_names(folder: str | os.PathLike[str]) -> list[str]:
+    """The names directly inside ``folder``, sorted: the listing :func:`~shardkit.formats.names.resolve_names` takes."""
+    return sorted(entry.name for entry in os.scandir(folder))
+
+
+def find_checkpoint(folder: str | os.PathLike[str], *, variant: str | None = None, ext: str = "safetensors",
+                    strict: bool = True) -> Layout:
     """Locate the checkpoint in a folder: its index if it has one, else its single weights file.
 
-    Raises when the folder holds none, or several that conflict (pass ``variant`` to choose).
+    The rules are :func:`~shardkit.formats.names.resolve_names`'; ``strict`` (loaders, split) also
+    applies the symlink policy (:func:`shard_file`) to the file found. ``strict=False`` (verify)
+    returns shards without an index or hostile names as problems; the checks that read the files
+    report their links.
+
+    Raises:
+        SourceNotFoundError: no such folder, or it holds no checkpoint.
+        CheckpointIndexError: several that conflict (pass ``variant`` or the file to choose); strict:
+            shards without their index, a hostile name, a link leading outside.
     """
     root = Path(folder)
     if not root.is_dir():
         raise SourceNotFoundError(f"{folder}: no such folder")
-    names = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
-    indexes = [n for n in names if re.fullmatch(rf".+\.{ext}\.index(\.[^.]+)?\.json", n)]
-    singles = [n for n in names if n.endswith(f".{ext}") and not _SHARD_RE.match(n)]
-    if variant is not None:
-        indexes = [n for n in indexes if naming_from_filename(n).variant == variant]
-        singles = [n for n in singles if naming_from_filename(n).variant == variant]
-    else:
-        indexes = [n for n in indexes if naming_from_filename(n).variant is None] or indexes
-        singles = [n for n in singles if naming_from_filename(n).variant is None] or singles
-    if len(indexes) > 1:
-        raise CheckpointIndexError(
-            f"{folder}: several index files ({', '.join(indexes)}); pass the one to use, or a variant"
-        )
-    if indexes:
-        return Layout("index", shard_file(str(root), indexes[0], where=str(folder)), naming_from_filename(indexes[0]))
-    if len(singles) > 1:
-        raise CheckpointIndexError(
-            f"{folder}: several .{ext} files and no index ({', '.join(singles)}); pass the file to use"
-        )
-    if singles:
-        return Layout("file", shard_file(str(root), singles[0], where=str(folder)), naming_from_filename(singles[0]))
-    shards = [n for n in names if (m := _SHARD_RE.match(n)) and m.group("ext") == ext]
-    if shards:  # "no checkpoint" would be false: the shards are there, their index is what is missing
-        expected = naming_from_filename(shards[0]).index()
-        raise CheckpointIndexError(
-            f"{folder}: the folder holds {len(shards)} shard file(s) ({shards[0]}, ...) but no index file "
-            f"({expected}), so no loader can find the tensors; restore the index that names them"
-        )
-    raise SourceNotFoundError(f"{folder}: no .{ext} checkpoint or index found in this folder")
+    found = resolve_names(folder_names(root), where=str(folder), variant=variant, ext=ext, strict=strict)
+    path = shard_file(str(root), found.name, where=str(folder)) if strict else os.path.join(str(root), found.name)
+    return Layout(found.kind, path, found.naming, found.shards, found.problems)

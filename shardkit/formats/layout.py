@@ -23,11 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidInputError, SourceNotFoundError
-from .index import DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, Naming, naming_from_filename
 from .links import BOUNDARY_RULE, OutsideFolderError, parse_json, read_inside
-from .suffixes import SAVED_WEIGHT_SUFFIXES
+from .names import (
+    DIFFUSERS_PREFIX,
+    MODEL_INDEX,
+    SAVED_WEIGHT_SUFFIXES,
+    TRANSFORMERS_PREFIX,
+    Naming,
+    library_naming,
+)
 
-MODEL_INDEX = "model_index.json"
 MAX_MODEL_INDEX_BYTES = 10_000_000
 MAX_CONFIG_BYTES = 10_000_000
 # Library named in model_index.json → file prefix its save_pretrained writes.
@@ -120,8 +125,7 @@ def _check_component_name(name: str, folder: str) -> None:
 def _naming_for(library: str, weights: list[str], variant: str | None) -> Naming:
     """The prefix the component's files actually use; else the one its library writes."""
     default = _LIBRARY_PREFIX.get(library, TRANSFORMERS_PREFIX)
-    found = {naming_from_filename(n).prefix for n in weights
-             if os.path.basename(n).split(".")[0].split("-")[0] in (DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, "pytorch_model")}
+    found = {naming.prefix for n in weights if (naming := library_naming(n)) is not None}
     prefix = default if default in found or not found else sorted(found)[0]
     return Naming(prefix, variant)
 

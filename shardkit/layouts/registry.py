@@ -60,7 +60,11 @@ def find_quant_layout(entries: Sequence[TensorEntry], *, config: Mapping[str, An
 def quant_config(folder: str) -> dict[str, Any] | None:
     """``folder/config.json``; without a ``quantization_config`` in it, ModelOpt's ``hf_quant_config.json``
     (``{"quantization": {...}}``) as one with ``quant_method: modelopt``. None when there is neither."""
-    config = read_config(folder)
+    return quant_config_of(folder, read_config(folder))
+
+
+def quant_config_of(folder: str, config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """:func:`quant_config` for a caller that has already read ``folder``'s config.json (``config``)."""
     if config is not None and config.get("quantization_config"):
         return config
     path = os.path.join(folder, HF_QUANT_CONFIG)

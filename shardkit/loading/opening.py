@@ -11,6 +11,8 @@ import os
 from ..atomic.journal import JOURNAL
 from ..errors import InvalidInputError, SourceNotFoundError
 from ..formats.index import find_checkpoint, load_index, shard_file
+from ..formats.layout import is_pipeline_folder
+from ..formats.names import named_file_kind
 from .lazy import LazyCheckpoint
 from .prefetch import READ_AHEAD_BYTES
 from .residency import ReadMode, check_backend
@@ -95,17 +97,17 @@ def open(path: str | os.PathLike[str], *, variant: str | None = None, read: Read
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     _check_no_journal(folder)
     if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "model_index.json")):
+        if is_pipeline_folder(path):
             raise InvalidInputError(
                 f"{path}: is a diffusers pipeline folder; open one component, e.g. {os.path.join(path, 'unet')}"
             )
         layout = find_checkpoint(path, variant=variant)
-        path = layout.path
-        if layout.kind == "file":
-            return _single_file(path, read, read_ahead_bytes)
-    if path.endswith(".json"):
+        path, kind = layout.path, layout.kind
+    else:
+        kind = named_file_kind(os.path.basename(path))
+    if kind == "index":
         return _indexed(path, read, read_ahead_bytes)
-    if path.endswith(".safetensors"):
+    if kind == "file":
         return _single_file(path, read, read_ahead_bytes)
     raise InvalidInputError(
         f"{path}: not a safetensors checkpoint; convert it first with 'shardkit split {path} OUT/'"
