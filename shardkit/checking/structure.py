@@ -11,13 +11,12 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import (
-    CheckpointIndexError,
     HeaderError,
     InvalidInputError,
     SourceNotFoundError,
 )
 from ..formats.header import Header, TensorEntry, parse_header, read_header_bytes
-from ..formats.index import MAX_INDEX_BYTES, check_shard_name, find_checkpoint
+from ..formats.index import MAX_INDEX_BYTES, find_checkpoint, index_contents
 from ..formats.links import (
     LINK_RULE,
     OutsideFolderError,
@@ -89,7 +88,7 @@ def resolve_layout(path: str) -> Layout:
     )
 
 
-def read_index(layout: Layout) -> tuple[dict[str, str], dict] | None:
+def read_index(layout: Layout) -> tuple[dict[str, str], dict[str, object]] | None:
     """Parse the index, recording unsafe shard names and malformed JSON as problems."""
     assert layout.index is not None
     name = layout.index
@@ -101,19 +100,9 @@ def read_index(layout: Layout) -> tuple[dict[str, str], dict] | None:
         why = str(e).removeprefix(f"{layout.root}: ").removeprefix(f"{path}: ")
         layout.problems.append(Problem(name, None, f"unreadable index: {why}"))
         return None
-    if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
-        layout.problems.append(Problem(name, None, "index must be a JSON object with a 'weight_map' object"))
-        return None
-    metadata: dict = doc["metadata"] if isinstance(doc.get("metadata"), dict) else {}
-    weight_map: dict[str, str] = {}
-    for tensor, shard in doc["weight_map"].items():
-        try:
-            weight_map[tensor] = check_shard_name(shard, where=name)
-        except CheckpointIndexError as e:
-            layout.problems.append(Problem(name, tensor, str(e).removeprefix(f"{name}: ")))
-    if not doc["weight_map"]:
-        layout.problems.append(Problem(name, None, "weight_map is empty"))
-    return weight_map, metadata
+    contents = index_contents(doc)  # the loaders' rules, every problem recorded instead of the first raised
+    layout.problems += [Problem(name, p.tensor, p.message) for p in contents.problems]
+    return (contents.weight_map, contents.metadata) if contents.usable else None
 
 
 def read_shard_header(path: str, name: str, problems: list[Problem]) -> HeaderRead:
@@ -159,7 +148,7 @@ def read_shard_header(path: str, name: str, problems: list[Problem]) -> HeaderRe
     return HeaderRead(header, file_bytes, complete)
 
 
-def check_index(layout: Layout, weight_map: dict[str, str], metadata: dict,
+def check_index(layout: Layout, weight_map: dict[str, str], metadata: dict[str, object],
                 headers: dict[str, HeaderRead]) -> None:
     """Index ↔ files ↔ headers: placement, duplicates, orphans, total_size (a layout with an index)."""
     assert layout.index is not None
@@ -185,7 +174,7 @@ def check_index(layout: Layout, weight_map: dict[str, str], metadata: dict,
     _check_total_size(layout, index, weight_map, metadata, headers)
 
 
-def _check_total_size(layout: Layout, index: str, weight_map: dict[str, str], metadata: dict,
+def _check_total_size(layout: Layout, index: str, weight_map: dict[str, str], metadata: dict[str, object],
                       headers: dict[str, HeaderRead]) -> None:
     """total_size is the sum of the bytes of the tensors the index names, each counted once."""
     if "total_size" not in metadata or not layout.all_present:
@@ -249,7 +238,7 @@ def _naming_of(layout: Layout) -> tuple[str, str]:
 def check_structure(layout: Layout) -> dict[str, HeaderRead]:
     """Headers of every file on disk, with index/orphan/total_size problems added to the layout."""
     weight_map: dict[str, str] = {}
-    metadata: dict = {}
+    metadata: dict[str, object] = {}
     files = list(layout.files)
     if layout.index:
         parsed = read_index(layout)

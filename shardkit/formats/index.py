@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -28,8 +29,9 @@ from .names import (  # the naming rules live in names.py; re-exported here for 
 )
 
 __all__ = ["DIFFUSERS_PREFIX", "MAX_INDEX_BYTES", "TRANSFORMERS_PREFIX", "CheckpointIndex", "Layout", "Naming",
-           "add_variant", "check_shard_name", "dump_index", "find_checkpoint", "folder_names", "load_index",
-           "naming_from_filename", "parse_index", "shard_file"]
+           "IndexContents", "IndexProblem", "add_variant", "check_shard_name", "dump_index", "find_checkpoint",
+           "folder_names", "index_contents", "load_index", "naming_from_filename", "parse_index", "shard_file",
+           "shard_name_problem"]
 
 MAX_INDEX_BYTES = 256_000_000
 
@@ -54,14 +56,22 @@ class CheckpointIndex:
         return [os.path.join(self.folder, name) for name in self.shard_names()]
 
 
-def check_shard_name(name: object, *, where: str, ext: str = ".safetensors") -> str:
-    """Refuse a shard name that could leave the folder or is not a ``ext`` file."""
+def shard_name_problem(name: object, *, ext: str = ".safetensors") -> str | None:
+    """Why an index's shard name is refused (it could leave the folder, or is not an ``ext`` file); None if fine."""
     reason = unsafe_name_reason(name, folder="the index's folder")
     if reason is not None:
-        raise CheckpointIndexError(f"{where}: shard name {name!r} {reason}")
+        return f"shard name {name!r} {reason}"
+    if not str(name).endswith(ext):
+        return f"shard name {name!r} is not a {ext} file"
+    return None
+
+
+def check_shard_name(name: object, *, where: str, ext: str = ".safetensors") -> str:
+    """Refuse a shard name that could leave the folder or is not a ``ext`` file."""
+    problem = shard_name_problem(name, ext=ext)
+    if problem is not None:
+        raise CheckpointIndexError(f"{where}: {problem}")
     assert isinstance(name, str)
-    if not name.endswith(ext):
-        raise CheckpointIndexError(f"{where}: shard name {name!r} is not a {ext} file")
     return name
 
 
@@ -110,26 +120,72 @@ def load_index(path: str | os.PathLike[str], *, ext: str = ".safetensors") -> Ch
 
 
 def parse_index(raw: bytes, *, path: str, ext: str = ".safetensors") -> CheckpointIndex:
-    """Validate index JSON bytes. See :func:`load_index`."""
+    """Validate index JSON bytes, raising for the first problem. See :func:`load_index`."""
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # ValueError: also integers over Python's digit limit
         raise CheckpointIndexError(f"{path}: not a valid UTF-8 JSON index ({e})") from e
+    contents = index_contents(doc, ext=ext)
+    for problem in contents.problems:
+        raise CheckpointIndexError(f"{path}: {problem}")
+    return CheckpointIndex(path, contents.weight_map, contents.metadata)
+
+
+@dataclass(frozen=True)
+class IndexProblem:
+    """One thing wrong with an index: about one tensor's entry, or (``tensor`` None) the whole file."""
+
+    tensor: str | None
+    message: str
+
+    def __str__(self) -> str:
+        return self.message if self.tensor is None else f"tensor {self.tensor!r}: {self.message}"
+
+
+@dataclass
+class IndexContents:
+    """An index document checked entry by entry: the usable entries, and every problem found.
+
+    ``usable`` is False when the document is not an object with a ``weight_map`` object (then
+    nothing in it can be trusted); a refused shard name drops its entry and adds a problem.
+    """
+
+    weight_map: dict[str, str]
+    metadata: dict[str, object]
+    problems: list[IndexProblem]
+    usable: bool = True
+
+
+def index_contents(doc: object, *, ext: str = ".safetensors") -> IndexContents:
+    """Check a parsed index document without raising: the one set of index rules, for
+    :func:`parse_index` (which raises for the first problem) and for verify (which reports all).
+
+    >>> index_contents({"weight_map": {"w": "../x.safetensors"}}).problems[0].tensor
+    'w'
+    """
     if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
-        raise CheckpointIndexError(f"{path}: index must be an object with a 'weight_map' object")
+        return IndexContents({}, {}, [IndexProblem(None, "index must be an object with a 'weight_map' object")], False)
+    problems: list[IndexProblem] = []
     metadata = doc.get("metadata")
-    metadata = {} if metadata is None else metadata
-    if not isinstance(metadata, dict):
-        raise CheckpointIndexError(f"{path}: 'metadata' must be an object")
+    if metadata is None:
+        metadata = {}
+    elif not isinstance(metadata, dict):
+        problems.append(IndexProblem(None, "'metadata' must be an object"))
+        metadata = {}
     weight_map: dict[str, str] = {}
     for tensor, shard in doc["weight_map"].items():
-        weight_map[tensor] = check_shard_name(shard, where=f"{path}: tensor {tensor!r}", ext=ext)
-    if not weight_map:
-        raise CheckpointIndexError(f"{path}: weight_map is empty")
-    return CheckpointIndex(path, weight_map, metadata)
+        problem = shard_name_problem(shard, ext=ext)
+        if problem is None:
+            weight_map[tensor] = shard
+        else:
+            problems.append(IndexProblem(tensor, problem))
+    if not doc["weight_map"]:
+        problems.append(IndexProblem(None, "weight_map is empty"))
+    return IndexContents(weight_map, metadata, problems)
 
 
-def dump_index(weight_map: dict[str, str], *, total_size_bytes: int, metadata: dict | None = None) -> bytes:
+def dump_index(weight_map: Mapping[str, str], *, total_size_bytes: int,
+               metadata: Mapping[str, object] | None = None) -> bytes:
     """Serialize an index the way transformers does (sorted keys, 2-space indent)."""
     meta = {"total_size": total_size_bytes, **(metadata or {})}
     doc = {"metadata": meta, "weight_map": dict(sorted(weight_map.items()))}

@@ -35,6 +35,8 @@ from .names import (
 
 MAX_MODEL_INDEX_BYTES = 10_000_000
 MAX_CONFIG_BYTES = 10_000_000
+__all__ = ["MAX_CONFIG_BYTES", "MAX_MODEL_INDEX_BYTES", "MODEL_INDEX", "Component", "check_config_numbers",
+           "find_components", "is_pipeline_folder", "read_config", "read_model_index", "weight_files"]
 # Library named in model_index.json → file prefix its save_pretrained writes.
 _LIBRARY_PREFIX = {"diffusers": DIFFUSERS_PREFIX, "transformers": TRANSFORMERS_PREFIX}
 
@@ -89,7 +91,7 @@ def find_components(folder: str | os.PathLike[str], *, variant: str | None = Non
     return components
 
 
-def read_model_index(folder: str) -> dict:
+def read_model_index(folder: str) -> dict[str, Any]:
     """Parse ``folder/model_index.json``; one-line errors for a missing or malformed file."""
     path = os.path.join(folder, MODEL_INDEX)
     try:

@@ -273,13 +273,10 @@ def resolve_names(names: Iterable[str], *, where: str, variant: str | None = Non
         CheckpointIndexError: several candidates (pass the file, or a variant); strict: see above.
     """
     parsed, problems = _candidates(names, where=where, ext=ext, strict=strict)
-    indexes = _prefer_variant([w for w in parsed if w.kind == "index"], variant)
+    index = _one_index(parsed, where=where, variant=variant)
+    if index is not None:
+        return Resolution("index", index, naming_from_filename(index), problems=problems)
     singles = _prefer_variant([w for w in parsed if w.kind == "single"], variant)
-    if len(indexes) > 1:
-        raise CheckpointIndexError(f"{where}: several index files ({', '.join(w.name for w in indexes)}); "
-                                   "pass the one to use, or a variant")
-    if indexes:
-        return Resolution("index", indexes[0].name, naming_from_filename(indexes[0].name), problems=problems)
     if len(singles) > 1:
         raise CheckpointIndexError(f"{where}: several .{ext} files and no index "
                                    f"({', '.join(w.name for w in singles)}); pass the file to use")
@@ -295,6 +292,16 @@ def resolve_names(names: Iterable[str], *, where: str, variant: str | None = Non
     if strict:  # "no checkpoint" would be false: the shards are there, their index is what is missing
         raise CheckpointIndexError(f"{where}: {message}")
     return Resolution("shards", shards[0], naming, tuple(shards), (*problems, NameProblem(shards[0], message)))
+
+
+def resolve_index_name(names: Iterable[str], *, where: str, variant: str | None = None,
+                       ext: str = "safetensors") -> str | None:
+    """The one index of ``ext`` among the names, by :func:`resolve_names`' rules; None when there is none.
+
+    >>> resolve_index_name(["pytorch_model.bin.index.json", "pytorch_model.bin.index.fp16.json"], where="f", ext="bin")
+    'pytorch_model.bin.index.json'
+    """
+    return _one_index(_candidates(names, where=where, ext=ext, strict=True)[0], where=where, variant=variant)
 
 
 def family_files(names: Iterable[str], stem: str, *, kind: WeightKind = "shard", ext: str = "safetensors") -> list[str]:
@@ -326,6 +333,14 @@ def _candidates(names: Iterable[str], *, where: str, ext: str,
             continue
         parsed.append(weight)
     return parsed, tuple(problems)
+
+
+def _one_index(parsed: list[WeightName], *, where: str, variant: str | None) -> str | None:
+    indexes = _prefer_variant([w for w in parsed if w.kind == "index"], variant)
+    if len(indexes) > 1:
+        raise CheckpointIndexError(f"{where}: several index files ({', '.join(w.name for w in indexes)}); "
+                                   "pass the one to use, or a variant")
+    return indexes[0].name if indexes else None
 
 
 def _prefer_variant(found: list[WeightName], variant: str | None) -> list[WeightName]:

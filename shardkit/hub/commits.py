@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
 from ..errors import InvalidInputError, ShardkitWarning, SourceNotFoundError
-from ..formats.index import add_variant
 from ..formats.links import (
     LINK_RULE,
     OutsideFolderError,
@@ -25,17 +23,13 @@ from ..formats.links import (
     open_inside,
     open_regular,
 )
-from ..formats.suffixes import MANIFEST_FILE
+from ..formats.names import MODEL_INDEX, is_index_file, is_manifest_file, parse_weight_name
 from ..units import format_size
 
 MAX_FILE_BYTES = 50 * 10**9  # the Hub refuses larger files
 WARN_FILE_BYTES = 20 * 10**9  # the Hub's recommended maximum
 MAX_FILES_PER_COMMIT = 100  # the Hub's advice; larger pushes take several commits
 
-# shardkit.manifest.json goes with the indexes: it lists every shard, so it must not appear before them
-_LAST_COMMIT_RE = re.compile(rf"(^|/)(model_index\.json|{re.escape(MANIFEST_FILE)}|[^/]+\.index(\.[^./]+)?\.json)$")
-_INDEX_RE = re.compile(r"^(?P<prefix>[^.]+)\.safetensors\.index(?:\.(?P<variant>[^.]+))?\.json$")
-_WEIGHTS_RE = re.compile(r"^(?P<stem>.+?)(?P<shard>-\d{5}-of-\d{5})?\.safetensors$")
 
 
 @dataclass(frozen=True)
@@ -238,11 +232,16 @@ def checkpoint_family(path_in_repo: str) -> tuple[str, str, bool] | None:
     ('unet', 'diffusion_pytorch_model.fp16', True)
     """
     folder, _, name = path_in_repo.rpartition("/")
-    if match := _INDEX_RE.match(name):
-        return folder, add_variant(f"{match['prefix']}.safetensors", match["variant"])[: -len(".safetensors")], True
-    if match := _WEIGHTS_RE.match(name):
-        return folder, match["stem"], match["shard"] is None
-    return None
+    weight = parse_weight_name(name)
+    if weight is None or weight.ext != "safetensors":
+        return None
+    return folder, weight.stem, weight.kind != "shard"
+
+
+def _last_commit(path_in_repo: str) -> bool:
+    """Index files, ``model_index.json`` and the manifest (which lists every shard) go in the last commit."""
+    name = path_in_repo.rpartition("/")[2]
+    return name == MODEL_INDEX or is_manifest_file(name) or is_index_file(name)
 
 
 def stale_files(files: list[LocalFile], remote: dict[str, RemoteFile]) -> list[str]:
@@ -266,7 +265,7 @@ def plan_commits(upload: list[LocalFile], deletions: list[str],
     limit = MAX_FILES_PER_COMMIT
     if len(upload) + len(deletions) <= limit:
         return [(upload, deletions)]
-    early = [f for f in upload if f.path_in_repo not in remote and not _LAST_COMMIT_RE.search(f.path_in_repo)]
+    early = [f for f in upload if f.path_in_repo not in remote and not _last_commit(f.path_in_repo)]
     last = [f for f in upload if f not in early]
     groups: list[tuple[list[LocalFile], list[str]]] = [(early[i:i + limit], []) for i in range(0, len(early), limit)]
     return groups + [(last, deletions)] if last or deletions else groups

@@ -96,6 +96,7 @@ def open(path: str | os.PathLike[str], *, variant: str | None = None, read: Read
         raise SourceNotFoundError(f"{path}: no such file or folder")
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     _check_no_journal(folder)
+    kind: str | None
     if os.path.isdir(path):
         if is_pipeline_folder(path):
             raise InvalidInputError(

@@ -12,7 +12,8 @@ import os
 
 from ..errors import CheckpointIndexError
 from ..formats.header import TensorEntry
-from ..formats.index import CheckpointIndex, load_index, naming_from_filename
+from ..formats.index import CheckpointIndex, folder_names, load_index, naming_from_filename
+from ..formats.names import resolve_index_name
 from .base import Source
 from .memory import MemorySource
 
@@ -29,13 +30,8 @@ def find_pickle_index(folder: str) -> str | None:
     """The one ``*.bin.index*.json`` in ``folder`` (None when there is none)."""
     if not os.path.isdir(folder):
         return None
-    found = sorted(n for n in os.listdir(folder) if not n.startswith(".") and is_pickle_index(os.path.join(folder, n)))
-    if len(found) > 1:
-        plain = [n for n in found if naming_from_filename(n).variant is None]
-        if len(plain) != 1:
-            raise CheckpointIndexError(f"{folder}: several pickle index files ({', '.join(found)}); pass the one to use")
-        found = plain
-    return os.path.join(folder, found[0]) if found else None
+    name = resolve_index_name(folder_names(folder), where=folder, ext="bin")  # the one set of name rules
+    return os.path.join(folder, name) if name else None
 
 
 def find_single_pickle(folder: str) -> str | None:
