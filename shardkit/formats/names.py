@@ -263,16 +263,19 @@ def resolve_names(names: Iterable[str], *, where: str, variant: str | None = Non
                   strict: bool = True) -> Resolution:
     """The checkpoint among a folder's file names: its index if it has one, else its one weights file.
 
-    Hidden names and names in subfolders (holding ``/``) are not candidates. A candidate name with
-    control characters is refused. With ``variant``, only that variant's files count; without, the
-    plain files are preferred to variants. ``strict`` (loaders, split) raises for shards without
-    their index, or a hostile name; lenient (verify) returns them as :class:`NameProblem`.
+    Hidden names and names in subfolders (holding ``/``) are not candidates, nor are names with
+    control characters (hostile: never chosen, never printed raw). With ``variant``, only that
+    variant's files count; without, the plain files are preferred to variants. ``strict`` (loaders,
+    split) raises for shards without their index; lenient (verify) returns them, and the hostile
+    names, as :class:`NameProblem`.
 
     Raises:
         SourceNotFoundError: no weights file or index of ``ext`` among the names.
-        CheckpointIndexError: several candidates (pass the file, or a variant); strict: see above.
+        CheckpointIndexError: several candidates (pass the file, or a variant); only hostile names;
+            strict: shards without their index.
     """
-    parsed, problems = _candidates(names, where=where, ext=ext, strict=strict)
+    parsed, hostile = _candidates(names, ext=ext)
+    problems = () if strict else hostile
     index = _one_index(parsed, where=where, variant=variant)
     if index is not None:
         return Resolution("index", index, naming_from_filename(index), problems=problems)
@@ -283,6 +286,8 @@ def resolve_names(names: Iterable[str], *, where: str, variant: str | None = Non
     if singles:
         return Resolution("file", singles[0].name, naming_from_filename(singles[0].name), problems=problems)
     shards = [w.name for w in parsed if w.kind == "shard"]
+    if not shards and hostile:  # "no checkpoint" would hide why: the one weights file has a hostile name
+        raise CheckpointIndexError(f"{where}: {hostile[0].file}: {hostile[0].message}")
     if not shards:
         raise SourceNotFoundError(f"{where}: no .{ext} checkpoint or index found in this folder")
     naming = naming_from_filename(shards[0])
@@ -301,7 +306,7 @@ def resolve_index_name(names: Iterable[str], *, where: str, variant: str | None 
     >>> resolve_index_name(["pytorch_model.bin.index.json", "pytorch_model.bin.index.fp16.json"], where="f", ext="bin")
     'pytorch_model.bin.index.json'
     """
-    return _one_index(_candidates(names, where=where, ext=ext, strict=True)[0], where=where, variant=variant)
+    return _one_index(_candidates(names, ext=ext)[0], where=where, variant=variant)
 
 
 def family_files(names: Iterable[str], stem: str, *, kind: WeightKind = "shard", ext: str = "safetensors") -> list[str]:
@@ -314,10 +319,10 @@ def family_files(names: Iterable[str], stem: str, *, kind: WeightKind = "shard",
                   if (w := parse_weight_name(n)) and w.kind == kind and w.stem == stem and w.ext == ext)
 
 
-def _candidates(names: Iterable[str], *, where: str, ext: str,
-                strict: bool) -> tuple[list[WeightName], tuple[NameProblem, ...]]:
+def _candidates(names: Iterable[str], *, ext: str) -> tuple[list[WeightName], tuple[NameProblem, ...]]:
+    """The weight files of ``ext`` among the names; hostile ones (control characters) apart, as problems."""
     parsed: list[WeightName] = []
-    problems: list[NameProblem] = []
+    hostile: list[NameProblem] = []
     for name in sorted(set(names)):
         if name.startswith(".") or "/" in name:
             continue
@@ -325,14 +330,11 @@ def _candidates(names: Iterable[str], *, where: str, ext: str,
         if weight is None or weight.ext != ext:
             continue
         reason = unsafe_name_reason(name)
-        if reason is not None:
-            shown = ascii(name)
-            if strict:
-                raise CheckpointIndexError(f"{where}: file name {shown} {reason}; rename or remove it")
-            problems.append(NameProblem(shown, f"file name {reason}; rename or remove it (not read)"))
-            continue
-        parsed.append(weight)
-    return parsed, tuple(problems)
+        if reason is None:
+            parsed.append(weight)
+        else:  # never a candidate, never printed raw: ascii() keeps the message one line
+            hostile.append(NameProblem(ascii(name), f"file name {reason}; rename or remove it (not read)"))
+    return parsed, tuple(hostile)
 
 
 def _one_index(parsed: list[WeightName], *, where: str, variant: str | None) -> str | None:
