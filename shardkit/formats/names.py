@@ -6,19 +6,15 @@ listing or (later) an object-store prefix alike: the functions here take names, 
 and read nothing.
 
 The rules, as transformers and diffusers write them (``stem`` is the checkpoint's family, the
-prefix plus its variant, e.g. ``model.fp16``):
+prefix plus its variant, e.g. ``model.fp16``), name → kind, stem:
 
-=========================================================  ======  ====================
-name                                                       kind    stem
-=========================================================  ======  ====================
-``model.safetensors``                                      single  ``model``
-``model-00001-of-00002.safetensors``                       shard   ``model``
-``model.safetensors.index.json``                           index   ``model``
-``diffusion_pytorch_model.fp16-00001-of-00002.safetensors`` shard  ``diffusion_pytorch_model.fp16``
-``diffusion_pytorch_model.safetensors.index.fp16.json``    index   ``diffusion_pytorch_model.fp16``
-``model.fp16.safetensors.index.json`` (variant first)      index   ``model.fp16``
-``pytorch_model.bin.index.json``                           index   ``pytorch_model`` (ext ``bin``)
-=========================================================  ======  ====================
+- ``model.safetensors`` → single, ``model``
+- ``model-00001-of-00002.safetensors`` → shard, ``model``
+- ``model.safetensors.index.json`` → index, ``model``
+- ``diffusion_pytorch_model.fp16-00001-of-00002.safetensors`` → shard, ``diffusion_pytorch_model.fp16``
+- ``diffusion_pytorch_model.safetensors.index.fp16.json`` → index, ``diffusion_pytorch_model.fp16``
+- ``model.fp16.safetensors.index.json`` (variant written first) → index, ``model.fp16``
+- ``pytorch_model.bin.index.json`` → index of pickles (ext ``bin``), ``pytorch_model``
 
 A variant is the part of the stem after its first dot when the prefix is one of the library
 prefixes (``model``, ``diffusion_pytorch_model``, ``pytorch_model``), or the part an index puts
@@ -226,11 +222,6 @@ def unsafe_name_reason(name: object, *, folder: str = "the folder") -> str | Non
     if any(ord(c) < 32 or 0xD800 <= ord(c) <= 0xDFFF for c in name):
         return "contains control characters or invalid Unicode"
     return None
-
-
-def is_pipeline_listing(names: Iterable[str]) -> bool:
-    """A folder listing with ``model_index.json``: a diffusers pipeline (resolve its components instead)."""
-    return MODEL_INDEX in names
 
 
 # ----------------------------------------------------------------------------- a folder's listing
