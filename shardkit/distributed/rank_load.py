@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError, KeyMismatchError
-from ..loading.lazy import LazyCheckpoint, read_into
+from ..loading.host_reads import read_into
+from ..loading.lazy import LazyCheckpoint
 from ..loading.opening import open as open_checkpoint
 from .gather import is_dtensor
 

@@ -122,7 +122,7 @@ def transformer_activations(config: Mapping[str, Any], ctx: Context) -> dict[str
 
 def vae_activations(config: Mapping[str, Any], ctx: Context, *, tiling: bool, slicing: bool) -> dict[str, int]:
     """VAE decode peak activation bytes for every supported tiling/slicing combination."""
-    channels = list(config.get("block_out_channels") or [128, 256, 512, 512])
+    channels: list[int] = list(config.get("block_out_channels") or [128, 256, 512, 512])
     tile = int(config.get("sample_size") or 512)
     if isinstance(config.get("sample_size"), (list, tuple)):
         tile = int(config["sample_size"][0])

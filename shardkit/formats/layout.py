@@ -20,7 +20,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from ..errors import InvalidInputError, SourceNotFoundError
 from .index import DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, Naming, naming_from_filename
@@ -84,7 +84,7 @@ def find_components(folder: str | os.PathLike[str], *, variant: str | None = Non
     return components
 
 
-def read_model_index(folder: str) -> dict:
+def read_model_index(folder: str) -> dict[str, object]:
     """Parse ``folder/model_index.json``; one-line errors for a missing or malformed file."""
     path = os.path.join(folder, MODEL_INDEX)
     try:
@@ -106,7 +106,7 @@ def weight_files(path: str) -> list[str]:
     )
 
 
-def _is_component_spec(value: object) -> bool:
+def _is_component_spec(value: object) -> TypeGuard[list[str]]:
     return (isinstance(value, list) and len(value) == 2
             and isinstance(value[0], str) and isinstance(value[1], str))
 

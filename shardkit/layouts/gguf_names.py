@@ -15,9 +15,12 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["LLAMA_KEYS", "NameMap", "config_from_metadata", "metadata_from_config", "name_map", "permute_rows",
            "unpermute_rows"]
@@ -109,7 +112,7 @@ def name_map(architecture: str, names: list[str], metadata: Mapping[str, Any], *
     return NameMap(architecture, to_hf, permuted)
 
 
-def unpermute_rows(rows: Any, heads: int) -> Any:
+def unpermute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp's q/k row order → Hugging Face's, for ``rows`` (whole heads, any dtype, first dim = rows).
 
     >>> import torch
@@ -120,7 +123,7 @@ def unpermute_rows(rows: Any, heads: int) -> Any:
     return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def permute_rows(rows: Any, heads: int) -> Any:
+def permute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
     """Hugging Face's q/k row order → llama.cpp's (as its ``convert_hf_to_gguf.py`` ``permute``)."""
     n = rows.shape[0]
     return rows.reshape(heads, 2, n // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)

@@ -14,13 +14,18 @@ pipe.hf_device_map
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..devices import parse_max_memory
 from ..errors import InvalidInputError, ShardkitError, SourceNotFoundError
 from ..runtime.apply import RuntimeSetup, apply_runtime
 from .residency import ReadMode
+
+if TYPE_CHECKING:
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from ..devices import Device, MaxMemory
 
 DEVICE_MAPS = ("balanced", "cpu", "cuda")
 
@@ -29,12 +34,12 @@ def load_pipeline_folder(
     path: str | os.PathLike[str],
     *,
     device_map: str | None = None,
-    max_memory: Mapping[Any, Any] | None = None,
-    dtype: Any = None,
+    max_memory: MaxMemory | None = None,
+    dtype: str | torch.dtype | None = None,
     variant: str | None = None,
     runtime: RuntimeSetup | None = None,
     read: ReadMode = "auto",
-) -> Any:
+) -> DiffusionPipeline:
     """Load the pipeline in ``path`` with diffusers, then apply ``runtime`` (switches, casting, offload).
 
     The planner-free half of :func:`shardkit.load_pipeline` (which lives in ``shardkit.fitting`` because
@@ -77,7 +82,7 @@ def load_pipeline_folder(
         kwargs["variant"] = variant
     report = _preload_components(folder, kwargs, read=read, device_map=device_map, variant=variant)
     pipe = _from_pretrained(folder, kwargs)
-    pipe.shardkit_load_report = report
+    pipe.shardkit_load_report = report  # type: ignore[attr-defined]  # shardkit's own attribute
     return apply_runtime(pipe, runtime)
 
 
@@ -129,7 +134,7 @@ PIPELINE_DEVICE_FIX = (
 )
 
 
-def check_gpus(devices: list[Any], *, where: str) -> None:
+def check_gpus(devices: list[Device], *, where: str) -> None:
     """Refuse GPUs this machine lacks, as ``load_model`` does, with the pipeline's fixes.
 
     Args:
@@ -158,7 +163,7 @@ def _check_folder(path: str | os.PathLike[str]) -> str:
     return folder
 
 
-def _check_device_map(device_map: Any, offload: str | None) -> None:
+def _check_device_map(device_map: object, offload: str | None) -> None:
     if device_map is None:
         return
     if not isinstance(device_map, str) or device_map not in DEVICE_MAPS:
@@ -173,11 +178,12 @@ def _check_device_map(device_map: Any, offload: str | None) -> None:
         )
 
 
-def _from_pretrained(folder: str, kwargs: dict[str, Any]) -> Any:
+def _from_pretrained(folder: str, kwargs: dict[str, Any]) -> DiffusionPipeline:
     from diffusers import DiffusionPipeline
 
     try:
-        return DiffusionPipeline.from_pretrained(folder, **kwargs)
+        pipe: DiffusionPipeline = DiffusionPipeline.from_pretrained(folder, **kwargs)  # type: ignore[no-untyped-call]
+        return pipe
     except ShardkitError:
         raise
     except (OSError, ValueError, NotImplementedError, RuntimeError, KeyError, AttributeError, TypeError) as e:
