@@ -83,7 +83,7 @@ class Recovery:
     def changed(self) -> bool:
         return bool(self.rolled_forward or self.removed)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"folder": self.folder, "rolled_forward": self.rolled_forward, "removed": self.removed,
                 "removed_bytes": self.removed_bytes}
 

@@ -89,7 +89,7 @@ class VerifyReport:
         """True when nothing is wrong."""
         return not self.findings
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """Every field, plus ``ok``, as plain JSON-ready data."""
         data = asdict(self)
         return {"path": self.path, "ok": self.ok, **{k: v for k, v in data.items() if k != "path"}}

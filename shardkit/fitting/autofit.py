@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict, TypeVar
+from typing import TYPE_CHECKING, TypeAlias, TypedDict, TypeVar
 
 from ..errors import InvalidInputError
 from ..units import format_size
@@ -112,7 +112,7 @@ class FitPlan:
             "device_map": dict(self.chosen.peaks.device_map) if self.chosen.peaks.device_map else None,
         }
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         w = self.workload
         return {
             "chosen": self.chosen.to_dict(),

@@ -77,7 +77,7 @@ class StrategyEstimate:
     def peak_bytes(self) -> int:
         return self.param_bytes + self.activation_bytes
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "strategy": self.spec.name, "offload": self.spec.offload, "offload_options": self.spec.options,
             "layerwise_casting": list(self.spec.layerwise_casting or []) or None, "speed_rank": self.spec.speed_rank,
@@ -141,7 +141,7 @@ class MemoryEstimate:
         """Rows that fit ``gpu_bytes``, fastest first."""
         return sorted((r for r in self.rows if r.fits), key=lambda r: r.spec.speed_rank)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "gpu_bytes": self.gpu_bytes,
             "components": {c.name: {"bytes": c.total.plain_bytes, "fp8_bytes": c.total.fp8_bytes} for c in self.components},

@@ -123,7 +123,7 @@ class QuantLayout:
         scale = _SCALE_DTYPE_NAMES.get(self.scale_dtype, self.scale_dtype)
         return f"{weight}, {grains}, {scale} scales ({self.scheme})"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         grains: dict[str, int] = {}
         for w in self.weights:
             grains[w.granularity] = grains.get(w.granularity, 0) + 1

@@ -67,7 +67,7 @@ class PushResult:
     offline: str | None = None  # a dry run that could not reach the Hub: why (every file is listed as an upload)
     links: list[FollowedLink] = field(default_factory=list)  # every symlink followed (outside: --follow-symlinks)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 

@@ -92,7 +92,7 @@ class Fp4Layout:
         """Elements of the dequantized weights."""
         return sum(math.prod(w.shape) for w in self.weights)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """What ``info --json`` shows: the layout, block size, scale dtype, each weight with its scales and
         dense shape, and the dequantized sizes of those weights."""
         dense = self.dense_parameters()

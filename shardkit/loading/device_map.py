@@ -97,7 +97,7 @@ class DevicePlan:
         order = {"mps": 1, "cpu": 2, "disk": 3}
         return sorted(seen, key=lambda d: (0, d) if isinstance(d, int) else (order.get(d, 4), 0))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """A JSON-ready dict: the fields, ``offloaded_bytes``, per-device totals and per-module rows."""
         return {
             "model": self.model,

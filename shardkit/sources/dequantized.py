@@ -146,7 +146,7 @@ class DequantizedSource(ViewSource):
         """The config.json of the output: without ``quantization_config`` (the weights are plain now)."""
         return {k: v for k, v in config.items() if k != "quantization_config"}
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, object]:
         """What was dequantized: the layout read, how many weights, how many scale/marker tensors dropped."""
         return {"dequantized": self.layout.describe(), "dtype": self.out_dtype, "weights": len(self.layout.weights),
                 "dropped": len(self.layout.extra)}

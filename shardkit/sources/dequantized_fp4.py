@@ -129,7 +129,7 @@ class Fp4DequantizedSource(ViewSource):
         """Side files that describe the quantization and go with it: ModelOpt's ``hf_quant_config.json``."""
         return frozenset({HF_QUANT_CONFIG})
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, object]:
         """What was dequantized: the layout read, how many weights, how many scale tensors dropped."""
         return {"dequantized": self.layout.describe(), "dtype": self.out_dtype, "weights": len(self._packed),
                 "dropped": len(self.layout.extra)}

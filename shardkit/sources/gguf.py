@@ -28,7 +28,7 @@ PLAIN = {"F32": "F32", "F16": "F16", "BF16": "BF16", "F64": "F64", "I8": "I8", "
 BAND_BYTES = 4 * 2**20  # output bytes computed at a time (float32)
 
 
-def open_gguf(path: str, **_: Any) -> GgufSource:
+def open_gguf(path: str, **_: object) -> GgufSource:
     """Open a ``.gguf`` file (the header is validated; no tensor data is read)."""
     return GgufSource(path)
 
@@ -89,7 +89,7 @@ class GgufSource(Source):
         """The tensors as stored: HF names, ggml type names as dtypes (``"Q8_0"``), stored byte counts (for ``info``)."""
         return [TensorEntry(name, t.kind.name, t.shape, t.nbytes, self.gguf.path, t.offset) for name, t in self.names.items()]
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         """What ``info`` shows: architecture, ggml types (tensors, stored bytes), which tensors are dequantized."""
         kinds: dict[str, dict[str, int]] = {}
         for t in self.gguf.tensors:

@@ -185,7 +185,7 @@ class QuantizedSource(ViewSource):
         """The config.json of the output: the recipe's ``quantization_config`` added (replacing any)."""
         return {**config, "quantization_config": self.recipe.config(sorted(self.skipped), self.recipe.granularity)}
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, object]:
         """What was quantized: the scheme, the kept modules, and each tensor's error (after the write)."""
         quantized = [n for n, w in self._weights.items() if n == w.weight]
         return {"scheme": self.scheme, "quantized": len(quantized), "kept": sorted(self.skipped),

@@ -200,7 +200,7 @@ class Fp4QuantizedSource(ViewSource):
         patterns = sorted({re.sub(r"\.\d+\.", ".*.", m) for m in kept})
         return {**config, "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": patterns}}
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, object]:
         """What was quantized: the scheme, how many weights, the kept modules, each weight's error (after the write)."""
         quantized = sorted({t.source.name for t in self._targets.values()})
         return {"scheme": self.scheme, "quantized": len(quantized), "kept": sorted(self.skipped),
