@@ -18,11 +18,14 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
 from ..formats.index import DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, Naming
 from .job import SideFile
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["NativeModel", "library_of", "native_model", "transformers_state_dict"]
 
@@ -44,7 +47,7 @@ class NativeModel:
     """
 
     library: str
-    state_dict: Mapping[str, Any]
+    state_dict: Mapping[str, torch.Tensor]
     naming: Naming
     side_files: list[SideFile] = field(default_factory=list)
     keep: frozenset[str] = frozenset()
@@ -139,7 +142,7 @@ def _torch_dtype_name(code: str) -> str:
     return str(to_torch(code)).removeprefix("torch.")
 
 
-def transformers_state_dict(model: Any) -> tuple[Mapping[str, Any], frozenset[str]]:
+def transformers_state_dict(model: Any) -> tuple[Mapping[str, torch.Tensor], frozenset[str]]:
     """The state dict and, of tied tensors, the names transformers keeps when it saves.
 
     transformers reloads a tied pair from one declared name (``model.embed_tokens.weight``, not

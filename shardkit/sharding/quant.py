@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
 from ..formats.gguf import GGUF_QUANTIZE
@@ -38,6 +38,9 @@ from ..sources.quantized import QuantizedSource
 from ..sources.quantized_fp4 import FP4_SCHEMES, Fp4QuantizedSource
 from ..units import LOSSLESS_TARGETS
 from .options import WriteOptions, warn
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["config_edits", "dequantized_for_mapping", "dropped_side_files", "kept_cast", "quant_report", "quant_view"]
 VIEWS = (DequantizedSource, Fp4DequantizedSource, QuantizedSource, Fp4QuantizedSource)
@@ -165,7 +168,8 @@ def dropped_side_files(jobs: Sequence[tuple[str, Source]]) -> frozenset[str]:
                      if isinstance(src, Fp4DequantizedSource) for dropped in src.dropped_side_files())
 
 
-def dequantized_for_mapping(tensors: Mapping[str, Any], *, options: WriteOptions, where: str) -> dict[str, Any]:
+def dequantized_for_mapping(tensors: Mapping[str, torch.Tensor], *, options: WriteOptions, where: str
+                            ) -> dict[str, torch.Tensor]:
     """``--to diffusers``: a scaled checkpoint's weights × scales *before* diffusers' key mapping, which
     would drop the scales and keep the raw fp8 values. In ``options.cast_to``, bf16 when none is given.
 

@@ -10,13 +10,16 @@ copied kernel-side). ``edit_config`` drops ``quantization_config`` from the chec
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.quant import COMFY_METADATA_KEY, QuantLayout, ScaledWeight, matrix_shape
 from ..units import DTYPE_BITS, tensor_nbytes
 from .base import Source
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DequantizedSource", "ViewSource", "bytes_in_range", "read_rows", "read_whole"]
 
@@ -34,7 +37,7 @@ def bytes_in_range(pieces: Iterable[tuple[int, bytes | memoryview]], begin: int,
     return b"".join(out)
 
 
-def read_whole(source: Source, entry: TensorEntry) -> Any:
+def read_whole(source: Source, entry: TensorEntry) -> torch.Tensor:
     """``entry``'s whole tensor in its stored dtype (for small tensors: scales)."""
     from ..formats.fp8 import tensor_from_bytes
 
@@ -45,7 +48,7 @@ def read_whole(source: Source, entry: TensorEntry) -> Any:
     return tensor_from_bytes(raw, entry.dtype, entry.shape)
 
 
-def read_rows(source: Source, entry: TensorEntry, row0: int, row1: int) -> Any:
+def read_rows(source: Source, entry: TensorEntry, row0: int, row1: int) -> torch.Tensor:
     """Rows ``row0:row1`` of ``entry`` seen as a matrix (:func:`~shardkit.formats.quant.matrix_shape`)."""
     from ..formats.fp8 import tensor_from_bytes
 

@@ -12,7 +12,7 @@ are refused before anything is written.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
@@ -21,6 +21,9 @@ from ..layouts.registry import HF_QUANT_CONFIG
 from ..units import DTYPE_BITS, tensor_nbytes
 from .base import Source
 from .dequantized import ViewSource, bytes_in_range, read_rows, read_whole
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Fp4DequantizedSource"]
 
@@ -86,7 +89,7 @@ class Fp4DequantizedSource(ViewSource):
         for offset, band in bands(weight, out_dtype, first_byte):
             yield offset, band.contiguous().view(torch.uint8).numpy().data.cast("B")
 
-    def _nvfp4_bands(self, weight: PackedWeight, out_dtype: Any, first_byte: int) -> Iterator[tuple[int, Any]]:
+    def _nvfp4_bands(self, weight: PackedWeight, out_dtype: torch.dtype, first_byte: int) -> Iterator[tuple[int, torch.Tensor]]:
         from ..layouts.fp4_math import dequantize_nvfp4
 
         rows, cols = weight.shape
@@ -102,7 +105,7 @@ class Fp4DequantizedSource(ViewSource):
                                     global_scale, modelopt=modelopt, out_dtype=out_dtype)
             yield row0 * row_bytes, band
 
-    def _mxfp4_bands(self, weight: PackedWeight, out_dtype: Any, first_byte: int) -> Iterator[tuple[int, Any]]:
+    def _mxfp4_bands(self, weight: PackedWeight, out_dtype: torch.dtype, first_byte: int) -> Iterator[tuple[int, torch.Tensor]]:
         """Expert by expert, a run of input columns at a time: dense rows ``(e, c0:c1)`` are the transposed
         dequantized columns ``c0:c1`` of the stored ``(out, in)`` matrix of expert ``e``."""
         from ..layouts.fp4_math import dequantize_mxfp4

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
@@ -28,6 +28,9 @@ from ..formats.quant import DEFAULT_BLOCK, QUANTIZE_SCHEMES, ScaledWeight, matri
 from ..units import tensor_nbytes
 from .base import Source
 from .dequantized import ViewSource, read_rows
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["QuantizedSource"]
 
@@ -77,8 +80,8 @@ class QuantizedSource(ViewSource):
         self.skipped: list[str] = []
         for entry in inner.entries():
             self._add(entry)
-        self._scales: dict[str, Any] = {}
-        self._absmax: dict[str, Any] = {}
+        self._scales: dict[str, torch.Tensor] = {}
+        self._absmax: dict[str, torch.Tensor] = {}
         self._errors: dict[str, dict[str, float]] = {}
 
     def _add(self, entry: TensorEntry) -> None:
@@ -137,7 +140,7 @@ class QuantizedSource(ViewSource):
             for _ in self._quantized(weight, record=True):
                 pass
         scale = self._scales.pop(weight.weight)
-        return memoryview(scale.contiguous().view(torch.uint8).numpy()).cast("B")
+        return memoryview(scale.contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # a buffer
 
     def _quantized(self, weight: ScaledWeight, *, record: bool) -> Iterator[memoryview]:
         """The e4m3fn bytes of ``weight``, band by band; with ``record``, keep its scales and error."""
@@ -166,7 +169,7 @@ class QuantizedSource(ViewSource):
             self._errors[weight.weight] = {"relative_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0,
                                            "max_abs_error": worst}
 
-    def _tensor_absmax(self, weight: ScaledWeight) -> Any:
+    def _tensor_absmax(self, weight: ScaledWeight) -> torch.Tensor:
         import torch
 
         from ..formats.fp8 import band_rows

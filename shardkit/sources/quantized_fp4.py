@@ -21,7 +21,7 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
@@ -29,6 +29,9 @@ from ..formats.quant import should_skip_quantize
 from ..units import tensor_nbytes
 from .base import Source
 from .dequantized import ViewSource, read_rows
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FP4_SCHEMES", "Fp4QuantizedSource"]
 
@@ -75,8 +78,8 @@ class Fp4QuantizedSource(ViewSource):
                       "of 32)" if scheme == "mxfp4" else "2-D linear weights (input dimension a multiple of 16)")
             raise InvalidInputError(f"{inner.description}: --quantize {scheme} found nothing to quantize: it applies "
                                     f"to {wanted}")
-        self._scales: dict[str, Any] = {}
-        self._global: dict[str, Any] = {}
+        self._scales: dict[str, bytes] = {}
+        self._global: dict[str, torch.Tensor] = {}
         self._errors: dict[str, dict[str, float]] = {}
 
     def _add(self, entry: TensorEntry) -> None:
@@ -164,7 +167,7 @@ class Fp4QuantizedSource(ViewSource):
         self._errors[target.source.name] = {"relative_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0,
                                             "max_abs_error": worst}
 
-    def _bands(self, target: _Target) -> Iterator[Any]:
+    def _bands(self, target: _Target) -> Iterator[torch.Tensor]:
         """NVFP4: bands of rows, as stored; MXFP4: one expert at a time, as (out, in) rows."""
         if self.scheme == "mxfp4":
             experts, cols, rows = target.source.shape
@@ -177,7 +180,7 @@ class Fp4QuantizedSource(ViewSource):
         for row0 in range(0, rows, step):
             yield read_rows(self.inner, target.source, row0, min(rows, row0 + step))
 
-    def _global_scale(self, target: _Target) -> Any:
+    def _global_scale(self, target: _Target) -> torch.Tensor:
         """compressed-tensors' global scale of ``target`` (from its absmax, in its stored dtype)."""
         import torch
 
@@ -207,7 +210,7 @@ class Fp4QuantizedSource(ViewSource):
                 "errors": {n: self._errors[n] for n in quantized if n in self._errors}}
 
 
-def _bytes_of(tensor: Any) -> memoryview:
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
     import torch
 
-    return memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")
+    return memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray: a buffer
