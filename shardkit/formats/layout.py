@@ -20,10 +20,11 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import TypeGuard
 
 from ..errors import InvalidInputError, SourceNotFoundError
 from .index import DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, Naming, naming_from_filename
+from .json_types import Config, JsonObject
 from .links import BOUNDARY_RULE, OutsideFolderError, parse_json, read_inside
 from .suffixes import SAVED_WEIGHT_SUFFIXES
 
@@ -126,7 +127,7 @@ def _naming_for(library: str, weights: list[str], variant: str | None) -> Naming
     return Naming(prefix, variant)
 
 
-def read_config(folder: str) -> dict[str, Any] | None:
+def read_config(folder: str) -> JsonObject | None:
     """``folder/config.json`` as a dict, or None when there is none (or it is not a JSON object)."""
     path = os.path.join(folder, "config.json")
     try:  # a checked descriptor: a FIFO, /dev/zero or a link leaving the folder is refused unread
@@ -149,7 +150,7 @@ MAX_CONFIG_DEPTH = 16
 _COUNT_KEY = re.compile(r"(^|_)(layers?|depths?|n_layer|num_blocks|num_res_blocks|n_blocks)(_|$)", re.IGNORECASE)
 
 
-def check_config_numbers(config: Mapping[str, Any], *, where: str) -> None:
+def check_config_numbers(config: Config, *, where: str) -> None:
     """Bound every number a model would be built from, before anything is built or allocated.
 
     Layer and block counts (``layers_per_block``, ``num_hidden_layers``, ``depth``...) stay under

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
+from ..formats.json_types import Config, JsonObject
 
 if TYPE_CHECKING:
     import torch
@@ -83,14 +84,14 @@ def gguf_name(hf_name: str) -> str | None:
     return f"{_TO_GGUF_TOP[stem]}.{suffix}" if stem in _TO_GGUF_TOP else None
 
 
-def _int(metadata: Mapping[str, Any], key: str, where: str, default: int | None = None) -> int:
+def _int(metadata: Config, key: str, where: str, default: int | None = None) -> int:
     value = metadata.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise InvalidInputError(f"{where}: metadata {key} is {value!r}; a Llama GGUF needs a positive integer there")
     return value
 
 
-def name_map(architecture: str, names: list[str], metadata: Mapping[str, Any], *, where: str) -> NameMap:
+def name_map(architecture: str, names: list[str], metadata: Config, *, where: str) -> NameMap:
     """The :class:`NameMap` of a GGUF file's tensors.
 
     Raises:
@@ -129,13 +130,13 @@ def permute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
     return rows.reshape(heads, 2, n // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def config_from_metadata(metadata: Mapping[str, Any], *, has_output: bool, where: str) -> dict[str, Any]:
+def config_from_metadata(metadata: Config, *, has_output: bool, where: str) -> JsonObject:
     """The transformers ``config.json`` of a Llama GGUF, from its ``llama.*`` and tokenizer metadata.
 
     ``tie_word_embeddings`` comes from a missing ``output.weight``; ``vocab_size`` from ``llama.vocab_size``
     or the token list; ``head_dim`` from ``rope.dimension_count`` when it differs from hidden / heads.
     """
-    config: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    config: JsonObject = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                               "hidden_act": "silu", "tie_word_embeddings": not has_output}
     for key, field in LLAMA_KEYS.items():
         value = metadata.get(f"llama.{key}")
@@ -158,7 +159,7 @@ def config_from_metadata(metadata: Mapping[str, Any], *, has_output: bool, where
     return config
 
 
-def metadata_from_config(config: Mapping[str, Any], *, where: str) -> dict[str, tuple[str, Any]]:
+def metadata_from_config(config: Config, *, where: str) -> dict[str, tuple[str, Any]]:
     """``llama.*`` keys of a GGUF for a transformers Llama ``config``: key → (``"u32"``/``"f32"``, value).
 
     Raises:
@@ -184,7 +185,7 @@ def metadata_from_config(config: Mapping[str, Any], *, where: str) -> dict[str, 
     return out
 
 
-def _rope_theta(config: Mapping[str, Any]) -> float:
+def _rope_theta(config: Config) -> float:
     params = config.get("rope_parameters")
     if isinstance(params, Mapping) and isinstance(params.get("rope_theta"), (int, float)):
         return float(params["rope_theta"])

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,7 @@ from ..formats.gguf import (
 )
 from ..formats.header import TensorEntry
 from ..formats.index import Naming
+from ..formats.json_types import Config
 from ..sources import Source, open_source
 from ..sources.gguf import GgufSource
 from .job import SplitResult, refuse_output_inside_source
@@ -159,7 +160,7 @@ def _flux_folder(path: str, *, component: str | None, variant: str | None) -> It
         yield src
 
 
-def _llama_model(config: Mapping[str, Any] | None, *, where: str) -> GgufModel:
+def _llama_model(config: Config | None, *, where: str) -> GgufModel:
     from ..layouts.gguf_names import gguf_name, metadata_from_config
 
     if config is None:

@@ -22,10 +22,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.gguf import GGUF_QUANTIZE
+from ..formats.json_types import JsonObject
 from ..formats.layout import read_config
 from ..formats.quant import find_layout
 from ..layouts.fp4 import Fp4Layout
@@ -92,7 +93,7 @@ def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset
     return DequantizedSource(src, layout, cast_to), frozenset()
 
 
-def source_config(src: Source) -> dict[str, Any] | None:
+def source_config(src: Source) -> JsonObject | None:
     """The ``config.json`` beside ``src``'s files (with ModelOpt's ``hf_quant_config.json``), if any."""
     folder = _config_folder(src)
     return quant_config(folder) if folder else None
@@ -118,7 +119,7 @@ def kept_cast(src: Source, options: WriteOptions) -> str | None:
 
 
 def quant_report(src: Source, *, cast_to: str | None = None,
-                 options: WriteOptions | None = None) -> dict[str, Any] | None:
+                 options: WriteOptions | None = None) -> JsonObject | None:
     """What :func:`quant_view`'s source did (scheme, kept modules and their dtype, per-tensor error), or None."""
     if not isinstance(src, VIEWS):
         return None

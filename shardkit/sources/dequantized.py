@@ -10,10 +10,11 @@ copied kernel-side). ``edit_config`` drops ``quantization_config`` from the chec
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
+from ..formats.json_types import JsonObject
 from ..formats.quant import COMFY_METADATA_KEY, QuantLayout, ScaledWeight, matrix_shape
 from ..units import DTYPE_BITS, tensor_nbytes
 from .base import Source
@@ -145,7 +146,7 @@ class DequantizedSource(ViewSource):
             band = dequantize_band(read_rows(self.inner, stored, row0, row1), scale, weight, row0, out_dtype)
             yield row0, band.contiguous().view(torch.uint8).numpy().data.cast("B")
 
-    def edit_config(self, config: dict[str, Any]) -> dict[str, Any]:
+    def edit_config(self, config: JsonObject) -> JsonObject:
         """The config.json of the output: without ``quantization_config`` (the weights are plain now)."""
         return {k: v for k, v in config.items() if k != "quantization_config"}
 

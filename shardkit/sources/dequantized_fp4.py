@@ -12,10 +12,11 @@ are refused before anything is written.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
+from ..formats.json_types import JsonObject
 from ..layouts.fp4 import MODELOPT_NVFP4, MXFP4, Fp4Layout, PackedWeight
 from ..layouts.registry import HF_QUANT_CONFIG
 from ..units import DTYPE_BITS, tensor_nbytes
@@ -124,7 +125,7 @@ class Fp4DequantizedSource(ViewSource):
                 dense = dequantize_mxfp4(blocks[:, g0:g1], scales[:, g0:g1], out_dtype).transpose(0, 1)
                 yield (expert * cols + g0 * 32) * row_bytes, dense
 
-    def edit_config(self, config: dict[str, Any]) -> dict[str, Any]:
+    def edit_config(self, config: JsonObject) -> JsonObject:
         """The config.json of the output: without ``quantization_config`` (the weights are plain now)."""
         return {k: v for k, v in config.items() if k != "quantization_config"}
 

@@ -13,13 +13,17 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.gguf import GgufFile, GgufTensor, read_gguf
 from ..formats.header import TensorEntry
+from ..formats.json_types import JsonObject
 from ..units import tensor_nbytes
 from .base import Source, pread_exactly
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["GgufSource", "find_gguf", "load_gguf_tensors", "open_gguf"]
 
@@ -126,7 +130,7 @@ class GgufSource(Source):
                                     "bf16 (or fp16; fp32 keeps gguf's dequantized values exactly), or write GGUF with "
                                     "--to gguf")
 
-    def config(self) -> dict[str, Any] | None:
+    def config(self) -> JsonObject | None:
         """The transformers ``config.json`` rebuilt from a Llama file's metadata; None for other architectures."""
         from ..layouts.gguf_names import config_from_metadata
 
@@ -228,7 +232,7 @@ class GgufSource(Source):
 
 
 
-def load_gguf_tensors(path: str, *, dequantize_to: str) -> tuple[dict[str, Any], dict[str, int], dict[str, str]]:
+def load_gguf_tensors(path: str, *, dequantize_to: str) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, str]]:
     """A GGUF file as torch tensors under HF names, for conversions written in torch (diffusers' key mapping).
 
     Plain tensors stored as listed are views of a private memory map of the file (not copied into RAM);
@@ -245,7 +249,7 @@ def load_gguf_tensors(path: str, *, dequantize_to: str) -> tuple[dict[str, Any],
     src = GgufSource(path)
     try:
         mapped = torch.from_file(path, shared=False, size=src.gguf.file_bytes, dtype=torch.uint8)
-        tensors: dict[str, Any] = {}
+        tensors: dict[str, torch.Tensor] = {}
         offsets: dict[str, int] = {}
         for entry in src.entries():
             if entry.file is not None:

@@ -20,10 +20,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
+from ..formats.json_types import JsonObject
 from ..formats.quant import DEFAULT_BLOCK, QUANTIZE_SCHEMES, ScaledWeight, matrix_shape, should_skip_quantize
 from ..units import tensor_nbytes
 from .base import Source
@@ -35,12 +36,12 @@ if TYPE_CHECKING:
 __all__ = ["QuantizedSource"]
 
 
-def _finegrained_config(ignored: list[str], granularity: str) -> dict[str, Any]:
+def _finegrained_config(ignored: list[str], granularity: str) -> JsonObject:
     return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(DEFAULT_BLOCK),
             "modules_to_not_convert": ignored}
 
 
-def _compressed_config(ignored: list[str], granularity: str) -> dict[str, Any]:
+def _compressed_config(ignored: list[str], granularity: str) -> JsonObject:
     weights = {"num_bits": 8, "type": "float", "strategy": granularity, "symmetric": True, "dynamic": False,
                "group_size": None, "block_structure": None, "observer": "minmax"}
     group = {"targets": ["Linear"], "weights": weights, "input_activations": None, "output_activations": None,
@@ -53,7 +54,7 @@ def _compressed_config(ignored: list[str], granularity: str) -> dict[str, Any]:
 class _Recipe:
     granularity: str
     scale_suffix: str
-    config: Callable[[list[str], str], dict[str, Any]]
+    config: Callable[[list[str], str], JsonObject]
     scale_like_weight: bool  # scales in the weight's bf16/fp16 (what compressed-tensors loads them as), else float32
 
 
@@ -184,7 +185,7 @@ class QuantizedSource(ViewSource):
             self._absmax[weight.weight] = found
         return self._absmax[weight.weight]
 
-    def edit_config(self, config: dict[str, Any]) -> dict[str, Any]:
+    def edit_config(self, config: JsonObject) -> JsonObject:
         """The config.json of the output: the recipe's ``quantization_config`` added (replacing any)."""
         return {**config, "quantization_config": self.recipe.config(sorted(self.skipped), self.recipe.granularity)}
 

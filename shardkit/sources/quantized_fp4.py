@@ -21,10 +21,11 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
+from ..formats.json_types import JsonObject
 from ..formats.quant import should_skip_quantize
 from ..units import tensor_nbytes
 from .base import Source
@@ -38,7 +39,7 @@ __all__ = ["FP4_SCHEMES", "Fp4QuantizedSource"]
 FP4_SCHEMES = ("nvfp4", "mxfp4")
 BAND_BYTES = 16 * 2**20
 EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
-NVFP4A16_CONFIG: dict[str, Any] = {
+NVFP4A16_CONFIG: JsonObject = {
     "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
     "config_groups": {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized", "input_activations": None,
                                   "output_activations": None,
@@ -195,7 +196,7 @@ class Fp4QuantizedSource(ViewSource):
             self._global[target.packed] = nvfp4_global_scale(absmax)
         return self._global[target.packed]
 
-    def edit_config(self, config: dict[str, Any]) -> dict[str, Any]:
+    def edit_config(self, config: JsonObject) -> JsonObject:
         """The config.json of the output: the scheme's ``quantization_config`` added (replacing any)."""
         kept = sorted(self.skipped)
         if self.scheme == "nvfp4":
