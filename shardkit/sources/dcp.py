@@ -25,6 +25,7 @@ import pickle
 import struct
 import warnings
 import zipfile
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -272,7 +273,7 @@ def open_dcp(folder: str, *, key: str | None = None) -> DCPSource:
     return DCPSource(folder, tensors, description=f"DCP checkpoint {folder}{chosen}")
 
 
-def _select(items: dict[str, Any], paths: dict[str, Any], *, key: str | None, where: str) -> list[tuple[str, str]]:
+def _select(items: Mapping[str, object], paths: Mapping[str, Sequence[object]], *, key: str | None, where: str) -> list[tuple[str, str]]:
     """(fqn, output name) pairs of the chosen sub-dict, in metadata order; non-tensors refused."""
     def path_of(fqn: str) -> tuple[str, ...]:
         return tuple(str(p) for p in paths.get(fqn, (fqn,)))
@@ -292,7 +293,7 @@ def _select(items: dict[str, Any], paths: dict[str, Any], *, key: str | None, wh
     return chosen
 
 
-def _auto_key(items: dict[str, Any], path_of: Any, where: str) -> tuple[str, ...]:
+def _auto_key(items: Mapping[str, object], path_of: Callable[[str], tuple[str, ...]], where: str) -> tuple[str, ...]:
     tops = {path_of(f)[0] for f in items if len(path_of(f)) > 1}
     for candidate in STATE_DICT_KEYS:
         if candidate in tops:
