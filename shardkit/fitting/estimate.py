@@ -235,7 +235,7 @@ def report(profiles: Sequence[ComponentProfile], *, gpu_bytes: int | None = None
                           gpu_bytes, list(notes))
 
 
-def _component_modules(skeleton: Any) -> dict[str, nn.Module]:
+def _component_modules(skeleton: object) -> dict[str, nn.Module]:
     from torch import nn
 
     if isinstance(skeleton, nn.Module):

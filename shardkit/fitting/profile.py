@@ -15,7 +15,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError, ShardkitWarning
 from ..formats.json_types import Config, JsonObject
@@ -33,6 +33,9 @@ from .weights import (
     measure,
     module_tensors,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 _ROLE_BY_NAME = (("unet", "denoiser"), ("transformer", "denoiser"), ("prior", "denoiser"),
                  ("vae", "vae"), ("text_encoder", "text_encoder"))
@@ -94,7 +97,7 @@ def role_of(name: str, class_name: str | None = None) -> str:
     return "text_encoder" if "Encoder" in cls or "TextModel" in cls else "other"
 
 
-def features_of(skeleton: Any, role: str) -> tuple[set[str], list[str]]:
+def features_of(skeleton: torch.nn.Module | None, role: str) -> tuple[set[str], list[str]]:
     """Switches the (meta) module supports, and why the others do not apply."""
     from ..runtime.switches import unsupported_reason
 
@@ -112,7 +115,7 @@ def features_of(skeleton: Any, role: str) -> tuple[set[str], list[str]]:
 
 
 def profile_component(name: str, role: str, *, tensors: list[TensorSize], config: Config,
-                      ctx: Context, skeleton: Any = None, cast: bool | None = None,
+                      ctx: Context, skeleton: torch.nn.Module | None = None, cast: bool | None = None,
                       load_bytes: int | None = None) -> ComponentProfile:
     """One component's profile from its tensor list, config and (optional) meta skeleton.
 
@@ -238,7 +241,8 @@ def _skeleton(library: str, class_name: str | None, folder: str) -> tuple[Any, s
         return None, reason
 
 
-def profile_module(module: Any, workload: Workload, *, name: str = "model", role: str | None = None,
+def profile_module(module: Any,  # a model, by duck typing (fit() checks named_parameters)
+                   workload: Workload, *, name: str = "model", role: str | None = None,
                    config: Config | None = None, dtype_bytes: int | None = None,
                    stored_bytes: Mapping[str, int] | None = None, cast: bool | None = None,
                    compute_bytes: int | None = None) -> ComponentProfile:
