@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..devices import Device, device_label, parse_device, parse_max_memory
 from ..errors import InvalidInputError, ShardkitError
@@ -272,7 +272,7 @@ def check_devices_exist(devices: list[Device], *, where: str, fix: str | None = 
             raise InvalidInputError(f"{where} names 'mps', which is not available on this machine")
 
 
-def resolve_device_map(skeleton: torch.nn.Module, device_map: Any, *, max_memory: dict[Device, int] | None,
+def resolve_device_map(skeleton: torch.nn.Module, device_map: object, *, max_memory: dict[Device, int] | None,
                        no_split_module_classes: list[str] | None) -> dict[str, Device]:
     """A strategy name, "cpu" or an explicit dict → a complete module → device dict."""
     if device_map is None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import KeyMismatchError, ShardkitWarning
 from .lazy import LazyCheckpoint
 from .scaled import ScaledLoad, attach_scales
-from .skeleton import build_skeleton, cast_floating, keeps_fp32
+from .skeleton import ModelSpec, build_skeleton, cast_floating, keeps_fp32
 
 if TYPE_CHECKING:
     import torch
@@ -83,7 +83,7 @@ def match_keys(skeleton: torch.nn.Module, checkpoint: LazyCheckpoint) -> KeyMatc
     return match
 
 
-def _drop_ignored(match: KeyMatch, skeleton: torch.nn.Module, state: dict[str, Any]) -> None:
+def _drop_ignored(match: KeyMatch, skeleton: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Leave out what the model class itself says to ignore, as transformers and diffusers do:
     checkpoint tensors that are non-persistent buffers of the model (the legacy
     ``embeddings.position_ids`` of BERT-family checkpoints), and names matching the class's
@@ -157,8 +157,8 @@ def final_dtypes(skeleton: torch.nn.Module, checkpoint: LazyCheckpoint | None, m
     return dtype_for
 
 
-def prepare_skeleton(model: Any, checkpoint: LazyCheckpoint | None, *, config: Any, dtype: torch.dtype | None,
-                     strict: bool) -> tuple[Any, KeyMatch | None, str | None]:
+def prepare_skeleton(model: ModelSpec, checkpoint: LazyCheckpoint | None, *, config: Any, dtype: torch.dtype | None,
+                     strict: bool) -> tuple[torch.nn.Module, KeyMatch | None, str | None]:
     """Build the skeleton, check it against ``checkpoint`` and give its meta tensors their final dtypes."""
     skeleton = build_skeleton(model, config=config)
     match, scaled = None, ScaledLoad()
