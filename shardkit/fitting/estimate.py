@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
     from torch import nn
 
+
 __all__ = ["DEFAULT_TOKENS", "ComponentSizes", "Footprint", "MemoryEstimate", "StrategyEstimate", "StrategySpec", "estimate_memory",
            "strategy_peaks", "strategy_specs"]
 
@@ -56,7 +57,7 @@ class StrategySpec:
         return self.strategy.offload or "none"
 
     @property
-    def options(self) -> dict[str, Any]:
+    def options(self) -> dict[str, object]:
         return dict(self.strategy.offload_options)
 
     @property
@@ -248,7 +249,7 @@ def _component_modules(skeleton: object) -> dict[str, nn.Module]:
     raise InvalidInputError(f"memory estimate needs an nn.Module, a {{name: module}} mapping or a pipeline, got {type(skeleton).__name__}")
 
 
-def _itemsize(value: Any) -> int | None:
+def _itemsize(value: str | torch.dtype | None) -> int | None:
     from ..formats.dtypes import resolve_torch_dtype
 
     resolved = resolve_torch_dtype(value)

@@ -87,7 +87,7 @@ def load_pipeline_folder(
 
 
 def _preload_components(folder: str, kwargs: dict[str, Any], *, read: ReadMode, device_map: str | None,
-                        variant: str | None) -> dict[str, Any]:
+                        variant: str | None) -> dict[str, object]:
     """Load with shardkit the components whose files want a bulk reader; diffusers maps the rest.
 
     Only where placement is whole-model (no device map, ``"cpu"``, ``"cuda"``) and no variant is
@@ -101,7 +101,7 @@ def _preload_components(folder: str, kwargs: dict[str, Any], *, read: ReadMode, 
     from .scaled import has_scales
 
     check_backend(read)
-    report: dict[str, Any] = {}
+    report: dict[str, object] = {}
     if read == "mmap" or device_map == "balanced" or variant is not None:
         return report
     with open(os.path.join(folder, "model_index.json"), encoding="utf-8") as f:
@@ -123,7 +123,7 @@ def _preload_components(folder: str, kwargs: dict[str, Any], *, read: ReadMode, 
         model = load_model(f"{spec[0]}:{spec[1]}", sub, dtype=kwargs.get("torch_dtype"), read=read,
                            device_map={"": 0} if device_map == "cuda" else "cpu")
         kwargs[component] = model
-        load_report: dict[str, Any] = getattr(model, "shardkit_load_report")  # noqa: B009 - set by load_model
+        load_report: dict[str, object] = getattr(model, "shardkit_load_report")  # noqa: B009 - set by load_model
         report[component] = {**load_report, "loaded_by": "shardkit"}
     return report
 
