@@ -222,7 +222,7 @@ def _profile_one(name: str, folder: str, library: str, class_name: str | None, r
                                                                 "weights' headers alone, without its memory switches"))
 
 
-def _skeleton(library: str, class_name: str | None, folder: str) -> tuple[Any, str | None]:
+def _skeleton(library: str, class_name: str | None, folder: str) -> tuple[torch.nn.Module | None, str | None]:
     """The component's meta skeleton, or None and why when its class cannot be built here (sizes still work).
 
     Only the expected failures are turned into a note: a class or package that is not installed

@@ -47,7 +47,7 @@ from ..formats.json_types import Config
 from ..sources import Source, open_source
 from ..sources.gguf import GgufSource
 from .job import SplitResult, refuse_output_inside_source
-from .options import WriteOptions, warn
+from .options import ProgressCallback, WriteOptions, warn
 from .plan import plan_shards
 
 __all__ = ["GGUF_QUANTIZE", "convert_to_gguf"]
@@ -241,7 +241,7 @@ def _metadata(model: GgufModel, tensors: list[_Tensor], quantize: str | None) ->
 # ----------------------------------------------------------------------------- bytes
 
 
-def _write(path: str, head: bytes, tensors: list[_Tensor], src: Source, *, progress: Any) -> None:
+def _write(path: str, head: bytes, tensors: list[_Tensor], src: Source, *, progress: ProgressCallback | None) -> None:
     total = sum(t.entry.nbytes for t in tensors)
     done = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -53,7 +53,7 @@ class NativeModel:
     keep: frozenset[str] = frozenset()
 
 
-def library_of(obj: Any) -> str | None:
+def library_of(obj: object) -> str | None:
     """``"diffusers"`` for a ``ModelMixin``, ``"transformers"`` for a ``PreTrainedModel``, else None.
 
     >>> library_of({"w": 1}) is None
@@ -100,7 +100,7 @@ def native_model(obj: Any, *, cast_to: str | None = None) -> Iterator[NativeMode
         yield native
 
 
-def _refuse_quantized(model: Any) -> None:
+def _refuse_quantized(model: object) -> None:
     """A quantized model's state is more than plain tensors; only its library saves it faithfully."""
     if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
         raise InvalidInputError(f"{type(model).__name__} is quantized: save it with its own save_pretrained; "
@@ -119,13 +119,13 @@ def _save_transformers_configs(model: Any, folder: str, *, cast_to: str | None) 
         generation.save_pretrained(folder)
 
 
-def _model_class(model: Any) -> type:
+def _model_class(model: object) -> type:
     """The model's own class: FSDP2's ``fully_shard`` swaps in a subclass ``FSDP<Class>(FSDPModule, Class)``."""
     cls = type(model)
     return cls.__bases__[-1] if "FSDPModule" in {b.__name__ for b in cls.__bases__} else cls
 
 
-def _unwrap_class_name(model: Any, path: str) -> None:
+def _unwrap_class_name(model: object, path: str) -> None:
     """diffusers records ``type(model).__name__``; under FSDP2 that is the wrapper's ``FSDP<Class>``."""
     cls = _model_class(model)
     if cls is not type(model) and os.path.isfile(path):
