@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..devices import parse_max_memory
 from ..errors import InvalidInputError
@@ -33,11 +33,11 @@ def load_pipeline(
     max_memory: MaxMemory | None = None,
     dtype: str | torch.dtype | None = None,
     offload: str | None = None,
-    offload_options: Mapping[str, Any] | None = None,
+    offload_options: Mapping[str, object] | None = None,
     layerwise_casting: LayerwiseCasting | None = None,
     fit: Literal["auto"] | FitPlan | None = None,
     variant: str | None = None,
-    switches: Mapping[str, Any] | list[str] | None = None,
+    switches: Mapping[str, object] | list[str] | None = None,
     read: ReadMode = "auto",
 ) -> DiffusionPipeline:
     """Load the pipeline in ``path`` and apply placement, casting and offload options.

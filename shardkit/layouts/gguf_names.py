@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.json_types import Config, JsonObject
@@ -159,7 +159,7 @@ def config_from_metadata(metadata: Config, *, has_output: bool, where: str) -> J
     return config
 
 
-def metadata_from_config(config: Config, *, where: str) -> dict[str, tuple[str, Any]]:
+def metadata_from_config(config: Config, *, where: str) -> dict[str, tuple[str, int | float]]:
     """``llama.*`` keys of a GGUF for a transformers Llama ``config``: key → (``"u32"``/``"f32"``, value).
 
     Raises:
@@ -174,7 +174,7 @@ def metadata_from_config(config: Config, *, where: str) -> dict[str, tuple[str, 
     values = {"max_position_embeddings": 2048, "rope_theta": _rope_theta(config), "rms_norm_eps": 1e-6,
               "num_key_value_heads": heads, "head_dim": hidden // heads, **{
                   k: v for k, v in config.items() if v is not None and k not in ("rope_theta",)}}
-    out: dict[str, tuple[str, Any]] = {}
+    out: dict[str, tuple[str, int | float]] = {}
     for key, field in LLAMA_KEYS.items():
         if field not in values:
             raise InvalidInputError(f"{where}: config.json has no {field}; GGUF's llama.{key} needs it")

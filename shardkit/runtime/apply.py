@@ -44,7 +44,7 @@ class RuntimeSetup:
     switches: Mapping[str, object] | list[str] | None = None
     layerwise_casting: LayerwiseCasting | None = None
     offload: str | None = None
-    offload_options: Mapping[str, Any] = field(default_factory=dict)
+    offload_options: Mapping[str, object] = field(default_factory=dict)
     device: str | None = None
 
     def __post_init__(self) -> None:
