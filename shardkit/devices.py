@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
 from .errors import InvalidInputError
 from .units import format_size, parse_size
 
-Device = Any  # int (accelerator index), "cpu", "disk", "mps"
+if TYPE_CHECKING:
+    import torch
+
+# A parsed device key (what parse_device returns): an int (accelerator index), or "cpu", "disk", "mps".
+Device: TypeAlias = "int | str"
+# What a caller may name a device by: an index, "cuda:1", "gpu:0", "cpu", a torch.device...
+DeviceKey: TypeAlias = "int | str | torch.device"
 # What the public functions take (``load_model``, ``load_pipeline``, ``plan_device_map``, ``fit``):
 # a device key (``0``, ``"cuda:1"``, ``"gpu:0"``, ``"cpu"``, ``"disk"``...) → a size (``"16GB"``, bytes).
 MaxMemory: TypeAlias = "Mapping[int | str, int | str]"
@@ -26,7 +32,7 @@ DeviceMap: TypeAlias = "DeviceMapStrategy | str | int | Mapping[str, int | str]"
 NAMED_DEVICES = ("cpu", "disk", "mps")
 
 
-def parse_device(key: Any) -> Device:
+def parse_device(key: Any) -> Device:  # Any: a user's key, checked here
     """Normalize one device key.
 
     Args:
@@ -124,7 +130,7 @@ def merge_budgets(max_memory: str | Mapping[Any, Any] | None, *, gpu_bytes: tupl
         if device in merged and merged[device] != size_bytes:
             a, b = format_size(merged[device]), format_size(size_bytes)
             a, b = (a, b) if a != b else (f"{merged[device]} B", f"{size_bytes} B")
-            flag = "the CPU budget (--cpu)" if device == "cpu" else f"GPU budget number {device + 1} (--gpu)"
+            flag = "the CPU budget (--cpu)" if isinstance(device, str) else f"GPU budget number {device + 1} (--gpu)"
             raise InvalidInputError(
                 f"the budget for {device_label(device)} is given twice with different sizes: {a} in max memory "
                 f"(--max-memory) and {b} as {flag}; give it once"

@@ -18,7 +18,9 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 __all__ = ["CLOSE_TIMEOUT_S", "ReadPool"]
 
@@ -43,7 +45,7 @@ class ReadPool:
     def __init__(self, threads: int, *, name: str = "shardkit-read") -> None:
         self.threads = threads
         self._name = name
-        self._queue: queue.SimpleQueue[tuple[Future, Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
         self._workers: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -51,9 +53,9 @@ class ReadPool:
         self._stops_sent = 0  # end-of-work markers queued by close(): one per worker
         self.stopping = threading.Event()  # set by close(): work that retries should give up
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn()`` on a worker; its future is cancelled if the pool closes before it starts."""
-        future: Future = Future()
+        future: Future[T] = Future()
         with self._lock:
             if self._closed:
                 raise RuntimeError("read pool is closed")

@@ -42,7 +42,6 @@ import os
 import secrets
 import shutil
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 from .. import _faults
 from ..errors import (
@@ -55,6 +54,7 @@ from ..formats.suffixes import is_index_file
 from .journal import (
     JOURNAL,
     TMP_MARK,
+    JournalPlan,
     cleanup_stale_staging,
     discard_path,
     fsync_dir,
@@ -215,7 +215,7 @@ class OutputTransaction:
         _faults.point("commit:after-staging-rename")
         fsync_dir(os.path.dirname(self.output))
 
-    def _journal(self, last: str | None) -> dict[str, list[Any]]:
+    def _journal(self, last: str | None) -> JournalPlan:
         # Only index files go first and last: they are what makes shards visible. model_index.json,
         # configs and other side files are replaced by a plain atomic rename, so a pipeline folder
         # never loses its model_index.json during the commit.

@@ -16,7 +16,7 @@ import re
 import shutil
 import stat
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
 from .. import _faults
 from ..errors import CheckpointIndexError
@@ -83,7 +83,7 @@ class Recovery:
     def changed(self) -> bool:
         return bool(self.rolled_forward or self.removed)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"folder": self.folder, "rolled_forward": self.rolled_forward, "removed": self.removed,
                 "removed_bytes": self.removed_bytes}
 
@@ -176,12 +176,20 @@ MAX_JOURNAL_ENTRIES = 1_000_000
 _TMP_RE = re.compile(rf"^{re.escape(TMP_MARK)}\d+-[0-9a-f]+-(?P<base>.+)$")
 
 
+class JournalPlan(TypedDict):
+    """The journal's JSON: names relative to the output folder, checked by ``_check_journal`` when read."""
+
+    remove_first: list[str]  # indexes removed before any rename (what makes shards visible goes first)
+    renames: list[list[str]]  # [temporary, final] pairs
+    delete: list[str]  # stale files removed after the renames
+
+
 def _journal_error(folder: str, why: str) -> JournalError:
     return JournalError(f"{os.path.join(folder, JOURNAL)}: not shardkit's own journal ({why}); recovery stopped and "
                         "changed nothing: inspect the folder and delete the journal to proceed")
 
 
-def _read_journal(folder: str) -> dict[str, list[Any]]:
+def _read_journal(folder: str) -> JournalPlan:
     """The journal of ``folder``, read through a checked descriptor and validated entry by entry."""
     path = os.path.join(folder, JOURNAL)
     try:
@@ -294,7 +302,7 @@ def _checked_step(folder: str, name: str, *, link_ok: bool = True) -> tuple[int,
         raise _journal_error(folder, str(e).removeprefix(f"{where}: ")) from e
 
 
-def _check_steps(folder: str, plan: dict[str, list[Any]]) -> None:
+def _check_steps(folder: str, plan: JournalPlan) -> None:
     """Every entry checked against the folder before the first change: one bad entry changes nothing.
 
     A temporary file must be a regular file (never a link moved into place); the names it replaces
@@ -336,7 +344,7 @@ def _rename_step(folder: str, tmp: str, final: str) -> None:
         os.close(dir_fd)
 
 
-def roll_forward(folder: str, plan: dict[str, list[Any]]) -> None:
+def roll_forward(folder: str, plan: JournalPlan) -> None:
     """Apply a journal; every step is idempotent, so a crash here is rolled forward again.
 
     Every entry is checked first (:func:`_check_steps`): a name that is a symlink, a folder or

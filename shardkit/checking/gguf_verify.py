@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import HeaderError, InvalidInputError
 from ..formats.header import TensorEntry
+from ..formats.json_types import JsonObject
 
 __all__ = ["GgufCheck", "verify_gguf"]
 
@@ -88,7 +89,7 @@ def _non_finite(src: Any, entry: TensorEntry) -> int:
     return bad
 
 
-def _shape_problems(entries: list[TensorEntry], config: dict[str, Any]) -> list[tuple[str, str]]:
+def _shape_problems(entries: list[TensorEntry], config: JsonObject) -> list[tuple[str, str]]:
     """Llama tensors whose shape disagrees with the metadata's sizes."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]

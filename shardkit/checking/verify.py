@@ -12,12 +12,11 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.manifest import MANIFEST_NAME, ManifestError
-from ..sources.base import CheckpointSource
+from ..sources.base import CheckpointSource, Source
 from ..units import FLOAT_DTYPES
 from .bytescan import ScanResult, TensorComparator, scan_file
 from .integrity import Expected, compare_with_manifest, expected_files, manifest_ranges
@@ -89,7 +88,7 @@ class VerifyReport:
         """True when nothing is wrong."""
         return not self.findings
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """Every field, plus ``ok``, as plain JSON-ready data."""
         data = asdict(self)
         return {"path": self.path, "ok": self.ok, **{k: v for k, v in data.items() if k != "path"}}
@@ -151,7 +150,7 @@ def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = N
         report.against = "<in-memory source>"
     if path.endswith(".gguf") and os.path.isfile(path):
         return _verify_gguf(path, report, against=against, progress=progress, read_data=read_data)
-    opened: list[Any] = []
+    opened: list[Source] = []
     try:
         pipeline = is_pipeline_folder(path)
         if pipeline:
@@ -174,7 +173,7 @@ def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = N
     return report
 
 
-def _verify_gguf(path: str, report: VerifyReport, *, against: Any, progress: ProgressCallback | None,
+def _verify_gguf(path: str, report: VerifyReport, *, against: CheckpointSource | None, progress: ProgressCallback | None,
                  read_data: bool) -> VerifyReport:
     """A GGUF file: container, model metadata and every value (see :mod:`shardkit.checking.gguf_verify`)."""
     from .gguf_verify import verify_gguf
@@ -192,7 +191,7 @@ def _verify_gguf(path: str, report: VerifyReport, *, against: Any, progress: Pro
     return report
 
 
-def _prepare_pipeline(path: str, against: Any, report: VerifyReport, opened: list[Any]) -> list[_ScanJob]:
+def _prepare_pipeline(path: str, against: CheckpointSource | None, report: VerifyReport, opened: list[Source]) -> list[_ScanJob]:
     from ..formats.layout import find_components, is_pipeline_folder
 
     if against is not None and not (isinstance(against, (str, os.PathLike)) and is_pipeline_folder(against)):
@@ -224,7 +223,7 @@ def _prepare_pipeline(path: str, against: Any, report: VerifyReport, opened: lis
     return jobs
 
 
-def _prepare_checkpoint(path: str, against: Any, report: VerifyReport, opened: list[Any], *,
+def _prepare_checkpoint(path: str, against: CheckpointSource | None, report: VerifyReport, opened: list[Source], *,
                         prefix: str, read_scales: bool = True) -> list[_ScanJob]:
     """Structural checks of one checkpoint; returns the files still to be read."""
     layout = resolve_layout(path)
@@ -261,7 +260,7 @@ def _quantization_findings(path: str, layout: Layout, headers: dict[str, HeaderR
     return [Finding(prefix + where, None, line, quantization=True) for line in problems]
 
 
-def _compare_entries(layout: Layout, headers: dict[str, HeaderRead], source: Any, label: str) -> TensorComparator:
+def _compare_entries(layout: Layout, headers: dict[str, HeaderRead], source: Source, label: str) -> TensorComparator:
     """Missing/extra tensors and shape/dtype mismatches; the comparator gets the comparable rest."""
     expected = {e.name: e for e in source.entries()}
     groups = {name: [name] for name in expected}

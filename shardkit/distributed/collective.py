@@ -19,7 +19,7 @@ import os
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..atomic.commit import TMP_MARK, OutputTransaction
 from ..formats.manifest import FileDigest
@@ -49,6 +49,11 @@ from .group import (
     status_of,
 )
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from .gather import Gatherer
+
 __all__ = ["CollectiveWrite", "write_collective"]
 
 
@@ -56,7 +61,7 @@ __all__ = ["CollectiveWrite", "write_collective"]
 class CollectiveWrite:
     """The state of one collective write on one rank."""
 
-    process_group: Any
+    process_group: ProcessGroup | None
     rank: int
     world: int
     job: ShardJob
@@ -73,8 +78,8 @@ class CollectiveWrite:
         return os.path.join(os.path.dirname(os.path.abspath(self.output)), relative)
 
 
-def write_collective(src: Source, output: str, *, options: WriteOptions, process_group: Any,
-                     side_files: Sequence[SideFile] = (), gather: Any = None,
+def write_collective(src: Source, output: str, *, options: WriteOptions, process_group: ProcessGroup | None,
+                     side_files: Sequence[SideFile] = (), gather: Gatherer | None = None,
                      mesh_sizes: Sequence[tuple[str, int]] = ()) -> SplitResult:
     """Write ``src`` into ``output`` together with every other rank of ``process_group``.
 
@@ -114,7 +119,7 @@ def write_collective(src: Source, output: str, *, options: WriteOptions, process
     return job.result(run.output, options, copied=side_files)
 
 
-def _agree_on_plan(process_group: Any, rank: int, job: ShardJob, options: WriteOptions) -> None:
+def _agree_on_plan(process_group: ProcessGroup | None, rank: int, job: ShardJob, options: WriteOptions) -> None:
     rows: list[Sequence[object]] = [[w.out.name, w.out.dtype, list(w.out.shape)] for w in job.writes]
     rows += [[s.filename, *s.names] for s in job.plan.shards]
     rows += [[repr(options.cast_to), job.plan.max_shard_bytes, options.overwrite, sorted(job.source.aliases().items())]]
@@ -165,7 +170,7 @@ def _check_marker(run: CollectiveWrite) -> None:
     agree(run.process_group, RankStatus(run.rank, error), what=f"checking that every rank sees {run.output}")
 
 
-def _write_owned(run: CollectiveWrite, gather: Any) -> dict[str, FileDigest]:
+def _write_owned(run: CollectiveWrite, gather: Gatherer | None) -> dict[str, FileDigest]:
     """Write and hash this rank's shards; join every rank's gathers; exchange the outcome.
 
     Returns every rank's digests (none with ``manifest=False``); ``run.job.cloned_bytes`` becomes

@@ -9,7 +9,7 @@ byte-identical to a single-process ``convert``.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
 from ..formats.layout import is_pipeline_folder
@@ -19,12 +19,15 @@ from ..sharding.single_file import is_file_output
 from ..sources.keymap import KeyMap, KeyMapSource
 from .collective import write_collective
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 __all__ = ["convert_collective"]
 
 
 def convert_collective(source: Any, output: str | os.PathLike[str], *, options: WriteOptions,
                        key: str | None = None, keymap: KeyMap | None = None,
-                       process_group: Any = None, to: str | None = None) -> SplitResult:
+                       process_group: ProcessGroup | None = None, to: str | None = None) -> SplitResult:
     """Convert ``source`` into ``output`` with every rank of ``process_group`` writing its shards.
 
     Args:

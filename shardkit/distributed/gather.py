@@ -10,7 +10,7 @@ tensor lives comes from its placements (``Shard``, ``Replicate``), never from it
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, TypeGuard
 
 from ..formats.header import TensorEntry
 from ..formats.index import Naming
@@ -18,22 +18,27 @@ from ..sources.base import Source
 from ..sources.memory import check_all_tensors, host_bytes
 from ..units import tensor_nbytes
 
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+    from torch.distributed.tensor import DTensor
+
 __all__ = ["GatheredSource", "Gatherer", "is_dtensor", "local_view", "mesh_sizes"]
 
 
-def is_dtensor(t: Any) -> bool:
+def is_dtensor(t: object) -> TypeGuard[DTensor]:
     """Whether ``t`` is a ``torch.distributed.tensor.DTensor``."""
     from torch.distributed.tensor import DTensor
 
     return isinstance(t, DTensor)
 
 
-def local_view(tensors: Mapping[str, Any]) -> dict[str, Any]:
+def local_view(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each DTensor's local shard, other tensors as they are (for storage-based tie detection)."""
     return {name: t.to_local() if is_dtensor(t) else t for name, t in tensors.items()}
 
 
-def mesh_sizes(tensors: Mapping[str, Any]) -> list[tuple[str, int]]:
+def mesh_sizes(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, int]]:
     """``(name, number of ranks its mesh spans)`` for every DTensor."""
     return [(name, t.device_mesh.size()) for name, t in tensors.items() if is_dtensor(t)]
 
@@ -45,28 +50,31 @@ class Gatherer:
     one asked for (dropping the others), :meth:`skip_through` and :meth:`drain` gather and drop.
     """
 
-    def __init__(self, tensors: Mapping[str, Any], sequence: list[str]) -> None:
+    def __init__(self, tensors: Mapping[str, torch.Tensor], sequence: list[str]) -> None:
         self._tensors = tensors
         self._sequence = sequence
         self._position = {name: i for i, name in enumerate(sequence)}
         self._next = 0
         self._owner_of: dict[str, int] = {}
         self._rank = 0
-        self._group: Any = None
+        self._group: ProcessGroup | None = None
         self.gathered_bytes = 0
 
-    def assign(self, owner_of: Mapping[str, int], *, rank: int, process_group: Any) -> None:
+    def assign(self, owner_of: Mapping[str, int], *, rank: int, process_group: ProcessGroup | None) -> None:
         """Who writes each tensor: only that rank receives it (otherwise every rank gets every tensor)."""
         self._owner_of, self._rank, self._group = dict(owner_of), rank, process_group
 
-    def take(self, name: str) -> Any:
+    def take(self, name: str) -> torch.Tensor:
         """The full tensor ``name`` (which must be at or after the current position)."""
         target = self._position[name]
         if target < self._next:
             raise RuntimeError(f"tensor {name!r} was already gathered; the writer read out of plan order")
         while self._next < target:
             self._gather(self._sequence[self._next])
-        return self._gather(name)
+        full = self._gather(name)
+        if full is None:  # gathered to its owner only: the plan gave this tensor to another rank
+            raise RuntimeError(f"tensor {name!r} is written by another rank; the writer read it out of plan")
+        return full
 
     def skip_through(self, names: Collection[str]) -> None:
         """Gather and drop up to the last of ``names`` (a shard another rank writes)."""
@@ -83,7 +91,7 @@ class Gatherer:
             return error or e
         return error
 
-    def _gather(self, name: str) -> Any:
+    def _gather(self, name: str) -> torch.Tensor | None:
         self._next += 1
         t = self._tensors[name]
         if not is_dtensor(t):
@@ -96,7 +104,7 @@ class Gatherer:
         return full
 
 
-def gather_to(t: Any, owner: int, *, rank: int, process_group: Any) -> Any:
+def gather_to(t: DTensor, owner: int, *, rank: int, process_group: ProcessGroup | None) -> torch.Tensor | None:
     """The full tensor of DTensor ``t`` on rank ``owner`` (of ``process_group``) only; None elsewhere.
 
     A 1-D mesh placed ``Replicate`` needs no communication; ``Shard(d)`` is one ``dist.gather`` of
@@ -140,7 +148,7 @@ class GatheredSource(Source):
 
     shard_rule = "huggingface_hub"
 
-    def __init__(self, tensors: Mapping[str, Any], *, order: list[str], aliases: dict[str, str],
+    def __init__(self, tensors: Mapping[str, torch.Tensor], *, order: list[str], aliases: dict[str, str],
                  naming: Naming = Naming(), description: str = "distributed state dict") -> None:
         from ..formats.dtypes import from_torch
 

@@ -13,9 +13,12 @@ import gc
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError, ShardkitError, ShardkitWriteError
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["DistributedError", "RankStatus", "agree", "broadcast_from_zero", "check_world_size",
            "end_group", "group_from_env", "rank_and_world"]
@@ -34,7 +37,7 @@ class RankStatus:
     payload: Any = None
 
 
-def rank_and_world(process_group: Any) -> tuple[int, int]:
+def rank_and_world(process_group: ProcessGroup | None) -> tuple[int, int]:
     """This process's rank in ``process_group`` and the group's size."""
     import torch.distributed as dist
 
@@ -44,7 +47,7 @@ def rank_and_world(process_group: Any) -> tuple[int, int]:
     return dist.get_rank(process_group), dist.get_world_size(process_group)
 
 
-def agree(process_group: Any, status: RankStatus, *, what: str) -> list[RankStatus]:
+def agree(process_group: ProcessGroup | None, status: RankStatus, *, what: str) -> list[RankStatus]:
     """Exchange every rank's status of step ``what``; raise the same error on every rank if one failed.
 
     agree(pg, RankStatus(rank), what="writing shards")
@@ -64,7 +67,7 @@ def agree(process_group: Any, status: RankStatus, *, what: str) -> list[RankStat
     return statuses
 
 
-def broadcast_from_zero(process_group: Any, status: RankStatus | None, *, what: str) -> RankStatus:
+def broadcast_from_zero(process_group: ProcessGroup | None, status: RankStatus | None, *, what: str) -> RankStatus:
     """Rank 0's ``status`` on every rank; raise on every rank if rank 0 failed."""
     import torch.distributed as dist
 
@@ -98,7 +101,7 @@ def _first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
-def check_world_size(process_group: Any, *, sizes: Sequence[tuple[str, int]] = ()) -> RankStatus:
+def check_world_size(process_group: ProcessGroup | None, *, sizes: Sequence[tuple[str, int]] = ()) -> RankStatus:
     """This rank's check that every world size it sees agrees with the group's.
 
     ``WORLD_SIZE`` (torchrun's) must equal the size of the default group (a rank started by

@@ -14,15 +14,19 @@ import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError, KeyMismatchError
-from ..loading.lazy import LazyCheckpoint, read_into
+from ..loading.host_reads import read_into
+from ..loading.lazy import LazyCheckpoint
 from ..loading.opening import open as open_checkpoint
 from .gather import is_dtensor
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     import torch
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["RankLoad", "load_into", "slice_runs"]
 
@@ -76,7 +80,7 @@ def load_into(model: torch.nn.Module, checkpoint: str | os.PathLike[str] | LazyC
             ckpt.close()
 
 
-def _stored_names(state: Any, ckpt: LazyCheckpoint) -> dict[str, str]:
+def _stored_names(state: Mapping[str, torch.Tensor], ckpt: LazyCheckpoint) -> dict[str, str]:
     """Each model name → the name its bytes are stored under (tied names resolve to the written one)."""
     aliases = ckpt.aliases
     names = {n: n if n in ckpt else aliases.get(n, n) for n in state}
@@ -87,7 +91,7 @@ def _stored_names(state: Any, ckpt: LazyCheckpoint) -> dict[str, str]:
     return names
 
 
-def _load_one(ckpt: LazyCheckpoint, stored: str, target: Any, report: RankLoad) -> None:
+def _load_one(ckpt: LazyCheckpoint, stored: str, target: torch.Tensor, report: RankLoad) -> None:
     entry = ckpt.entry(stored)
     if tuple(entry.shape) != tuple(target.shape):
         raise KeyMismatchError(f"{stored}: the checkpoint holds shape {list(entry.shape)}, the model "
@@ -119,13 +123,13 @@ def _load_one(ckpt: LazyCheckpoint, stored: str, target: Any, report: RankLoad) 
         dest.copy_(buffer)
 
 
-def _empty_tensor(shape: tuple[int, ...], dtype: Any) -> Any:
+def _empty_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     import torch
 
     return torch.empty(shape, dtype=dtype)
 
 
-def _local_box(target: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _local_box(target: DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """This rank's ``(global offset, local shape)`` of a DTensor, from its placements."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypeAlias
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING, TypeAlias
 
 from ..sharding.job import SplitResult
 from ..sharding.options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions
@@ -14,6 +14,8 @@ from .group import DistributedError, agree, check_world_size, rank_and_world, st
 if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
+
+    from ..sharding.native import NativeModel
 
 # A state dict (tensors on any device, DTensors too) or a module (plain, diffusers or transformers).
 StateDictOrModule: TypeAlias = "Mapping[str, torch.Tensor] | torch.nn.Module"
@@ -76,8 +78,8 @@ def save_sharded(obj: StateDictOrModule, output: str | os.PathLike[str], *, max_
         return _save_collective(obj, state, native, os.fspath(output), options=options, process_group=process_group)
 
 
-def _save_collective(obj: Any, state: Any, native: Any, output: str, *, options: WriteOptions,
-                     process_group: Any) -> SplitResult:
+def _save_collective(obj: object, state: Mapping[str, torch.Tensor], native: NativeModel | None, output: str, *,
+                     options: WriteOptions, process_group: ProcessGroup | None) -> SplitResult:
     from ..formats.index import Naming
     from .collective import write_collective
     from .gather import GatheredSource, mesh_sizes
@@ -91,7 +93,8 @@ def _save_collective(obj: Any, state: Any, native: Any, output: str, *, options:
                                 mesh_sizes=mesh_sizes(state))
 
 
-def _rank0_layout(state: Any, *, keep: Any, process_group: Any) -> tuple[list[str], dict[str, str]]:
+def _rank0_layout(state: Mapping[str, torch.Tensor], *, keep: Collection[str], process_group: ProcessGroup | None
+                  ) -> tuple[list[str], dict[str, str]]:
     """Rank 0's write order and ties (huggingface_hub's rules, on its local shards), on every rank.
 
     Ties come from storage sharing, which only a rank's local tensors show; rank 0 decides so that
@@ -120,4 +123,5 @@ def _rank0_layout(state: Any, *, keep: Any, process_group: Any) -> tuple[list[st
         raise DistributedError(f"rank(s) {', '.join(map(str, differ))} planned different shards than rank 0 "
                                "(other tensor names, dtypes or shapes): call save_sharded with the same model on "
                                "every rank; nothing was published")
-    return statuses[0].payload[1]
+    agreed: tuple[list[str], dict[str, str]] = statuses[0].payload[1]
+    return agreed

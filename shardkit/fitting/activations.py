@@ -21,9 +21,11 @@ peaks, and the planner adds a safety margin on top.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from ..formats.json_types import Config
 
 # Switch sets a component's activation table may contain (sorted names joined with "+").
 NO_SWITCH = ""
@@ -72,7 +74,7 @@ def _as_list(value: Any, n: int) -> list[int]:
     return list(value) if isinstance(value, (list, tuple)) else [int(value)] * n
 
 
-def unet_activations(config: Mapping[str, Any], ctx: Context, *, sliceable: bool) -> dict[str, int]:
+def unet_activations(config: Config, ctx: Context, *, sliceable: bool) -> dict[str, int]:
     """UNet peak activation bytes, plain and (when eager attention makes it matter) sliced."""
     channels = list(config.get("block_out_channels") or [320, 640, 1280, 1280])
     levels = len(channels)
@@ -104,7 +106,7 @@ def unet_activations(config: Mapping[str, Any], ctx: Context, *, sliceable: bool
     return {k: v * _cfg_batch(ctx) * ctx.dtype_bytes for k, v in out.items()}
 
 
-def transformer_activations(config: Mapping[str, Any], ctx: Context) -> dict[str, int]:
+def transformer_activations(config: Config, ctx: Context) -> dict[str, int]:
     """DiT/MMDiT/Flux peak activation bytes."""
     heads = int(config.get("num_attention_heads") or 16)
     width = heads * int(config.get("attention_head_dim") or 64)
@@ -120,9 +122,9 @@ def transformer_activations(config: Mapping[str, Any], ctx: Context) -> dict[str
     return {NO_SWITCH: plain * _cfg_batch(ctx) * ctx.dtype_bytes}
 
 
-def vae_activations(config: Mapping[str, Any], ctx: Context, *, tiling: bool, slicing: bool) -> dict[str, int]:
+def vae_activations(config: Config, ctx: Context, *, tiling: bool, slicing: bool) -> dict[str, int]:
     """VAE decode peak activation bytes for every supported tiling/slicing combination."""
-    channels = list(config.get("block_out_channels") or [128, 256, 512, 512])
+    channels: list[int] = list(config.get("block_out_channels") or [128, 256, 512, 512])
     tile = int(config.get("sample_size") or 512)
     if isinstance(config.get("sample_size"), (list, tuple)):
         tile = int(config["sample_size"][0])
@@ -146,7 +148,7 @@ def vae_activations(config: Mapping[str, Any], ctx: Context, *, tiling: bool, sl
     return out
 
 
-def text_encoder_activations(config: Mapping[str, Any], ctx: Context) -> dict[str, int]:
+def text_encoder_activations(config: Config, ctx: Context) -> dict[str, int]:
     """CLIP/T5-style encoder peak activation bytes."""
     cfg = dict(config.get("text_config") or config)
     width = int(cfg.get("hidden_size") or cfg.get("d_model") or 768)
@@ -160,7 +162,7 @@ def text_encoder_activations(config: Mapping[str, Any], ctx: Context) -> dict[st
     return {NO_SWITCH: plain * _cfg_batch(ctx) * ctx.dtype_bytes}
 
 
-def activations_for(role: str, config: Mapping[str, Any], ctx: Context, *, features: set[str]) -> dict[str, int]:
+def activations_for(role: str, config: Config, ctx: Context, *, features: set[str]) -> dict[str, int]:
     """The activation table of one component (see the module docstring for the formulas)."""
     if role == "denoiser":
         if "down_block_types" in config:

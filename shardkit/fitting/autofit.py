@@ -21,19 +21,35 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias, TypedDict, TypeVar
 
 from ..errors import InvalidInputError
 from ..units import format_size
 from .activations import Workload
 from .candidates import DEFAULT_MARGIN, Budget, Candidate, Margin, rank, speed_class
-from .peaks import STRATEGIES
+from .peaks import STRATEGIES, DeviceSpread
 from .profile import ComponentProfile
 
 if TYPE_CHECKING:
     import torch
+    from diffusers import DiffusionPipeline
+    from torch import nn
 
     from ..devices import MaxMemory
+
+# A loaded pipeline or model: returned as given.
+Loaded = TypeVar("Loaded", bound="nn.Module | DiffusionPipeline")
+
+
+class FitSetup(TypedDict):
+    """What a plan installs (``FitPlan.setup()``)."""
+
+    placement: str
+    offload: str | None
+    offload_options: dict[str, object]
+    layerwise_casting: tuple[str, str] | None
+    switches: list[str]
+    device_map: dict[str, DeviceSpread] | None
 
 __all__ = ["STRATEGIES", "Budget", "Candidate", "ComponentProfile", "FitError", "FitPlan", "Margin", "Workload",
            "apply_plan", "fit", "plan_fit"]
@@ -79,7 +95,7 @@ class FitPlan:
                          f"{chosen.plain_reason}")
         return lines
 
-    def setup(self) -> dict[str, Any]:
+    def setup(self) -> FitSetup:
         """What to install: offload and options, fp8 casting, switches, device map.
 
         ``"placement"`` names the chosen strategy (the key predates the strategy table).
@@ -96,7 +112,7 @@ class FitPlan:
             "device_map": dict(self.chosen.peaks.device_map) if self.chosen.peaks.device_map else None,
         }
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         w = self.workload
         return {
             "chosen": self.chosen.to_dict(),
@@ -326,7 +342,7 @@ def _dtype_bytes(dtype: str | None) -> int | None:
     return DTYPE_BITS[normalize_dtype(dtype)] // 8 if dtype else None
 
 
-def apply_plan(pipe: Any, plan: FitPlan, *, device: str | None = None) -> Any:
+def apply_plan(pipe: Loaded, plan: FitPlan, *, device: str | None = None) -> Loaded:
     """Install ``plan``'s setup on a loaded pipeline (or model) and set ``pipe.shardkit_plan``.
 
     Args:
@@ -351,6 +367,6 @@ def apply_plan(pipe: Any, plan: FitPlan, *, device: str | None = None) -> Any:
                                      device=device))
     resident = plan.chosen.strategy.resident
     if resident is not None:
-        pipe.to(device if resident == "device" else "cpu")
+        pipe.to(device if resident == "device" else "cpu")  # type: ignore[union-attr]  # DiffusionPipeline.to, which mypy misses
     object.__setattr__(pipe, "shardkit_plan", plan)
     return pipe

@@ -100,7 +100,7 @@ class Candidate:
         out["cpu"] = int(self.peaks.cpu)
         return out
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"name": self.name, "label": self.label, "speed": round(self.slowdown, 3),
                 "speed_class": speed_class(self.slowdown), "fits": self.fits, "reason": self.reason,
                 "peak_bytes": self.peak_by_device(), "fp8": self.fp8, "switches": list(self.switches),

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
     from torch import nn
 
+
 __all__ = ["DEFAULT_TOKENS", "ComponentSizes", "Footprint", "MemoryEstimate", "StrategyEstimate", "StrategySpec", "estimate_memory",
            "strategy_peaks", "strategy_specs"]
 
@@ -56,7 +57,7 @@ class StrategySpec:
         return self.strategy.offload or "none"
 
     @property
-    def options(self) -> dict[str, Any]:
+    def options(self) -> dict[str, object]:
         return dict(self.strategy.offload_options)
 
     @property
@@ -77,7 +78,7 @@ class StrategyEstimate:
     def peak_bytes(self) -> int:
         return self.param_bytes + self.activation_bytes
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "strategy": self.spec.name, "offload": self.spec.offload, "offload_options": self.spec.options,
             "layerwise_casting": list(self.spec.layerwise_casting or []) or None, "speed_rank": self.spec.speed_rank,
@@ -141,7 +142,7 @@ class MemoryEstimate:
         """Rows that fit ``gpu_bytes``, fastest first."""
         return sorted((r for r in self.rows if r.fits), key=lambda r: r.spec.speed_rank)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {
             "gpu_bytes": self.gpu_bytes,
             "components": {c.name: {"bytes": c.total.plain_bytes, "fp8_bytes": c.total.fp8_bytes} for c in self.components},
@@ -235,7 +236,7 @@ def report(profiles: Sequence[ComponentProfile], *, gpu_bytes: int | None = None
                           gpu_bytes, list(notes))
 
 
-def _component_modules(skeleton: Any) -> dict[str, nn.Module]:
+def _component_modules(skeleton: object) -> dict[str, nn.Module]:
     from torch import nn
 
     if isinstance(skeleton, nn.Module):
@@ -248,7 +249,7 @@ def _component_modules(skeleton: Any) -> dict[str, nn.Module]:
     raise InvalidInputError(f"memory estimate needs an nn.Module, a {{name: module}} mapping or a pipeline, got {type(skeleton).__name__}")
 
 
-def _itemsize(value: Any) -> int | None:
+def _itemsize(value: str | torch.dtype | None) -> int | None:
     from ..formats.dtypes import resolve_torch_dtype
 
     resolved = resolve_torch_dtype(value)

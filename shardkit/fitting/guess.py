@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+
+from ..formats.json_types import JsonObject
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -21,7 +22,7 @@ class Guess:
     """A role and the config fields read from the tensors, and what was assumed, in words."""
 
     role: str | None
-    config: dict[str, Any] = field(default_factory=dict)
+    config: JsonObject = field(default_factory=dict)
     description: str = ""
 
 
@@ -38,7 +39,7 @@ def _indices(shapes: Shapes, pattern: str) -> list[int]:
     return sorted(found)
 
 
-def _unet(shapes: Shapes) -> dict[str, Any]:
+def _unet(shapes: Shapes) -> JsonObject:
     levels = _indices(shapes, r"down_blocks\.(\d+)\.resnets\.")
     channels = [shapes[k][0] for i in levels if (k := f"down_blocks.{i}.resnets.0.conv1.weight") in shapes]
     if len(channels) != len(levels) or not channels:
@@ -49,19 +50,19 @@ def _unet(shapes: Shapes) -> dict[str, Any]:
     return {"block_out_channels": channels, "down_block_types": attention, "layers_per_block": layers}
 
 
-def _vae(shapes: Shapes) -> dict[str, Any]:
+def _vae(shapes: Shapes) -> JsonObject:
     levels = _indices(shapes, r"encoder\.down_blocks\.(\d+)\.resnets\.")
     channels = [shapes[k][0] for i in levels if (k := f"encoder.down_blocks.{i}.resnets.0.conv1.weight") in shapes]
     return {"block_out_channels": channels} if channels and len(channels) == len(levels) else {}
 
 
-def _transformer(shapes: Shapes) -> dict[str, Any]:
+def _transformer(shapes: Shapes) -> JsonObject:
     query = next((s for k, s in sorted(shapes.items()) if re.search(r"transformer_blocks\.0\.attn\.to_q\.weight$", k)),
                  None)
     if not query:
         return {}
     # Only the width matters for SDPA; 64-wide heads (the usual) only shape the eager score term.
-    config: dict[str, Any] = {"num_attention_heads": max(1, query[0] // 64), "attention_head_dim": 64}
+    config: JsonObject = {"num_attention_heads": max(1, query[0] // 64), "attention_head_dim": 64}
     if "context_embedder.weight" in shapes:
         config["joint_attention_dim"] = shapes["context_embedder.weight"][-1]
     if len(shapes.get("pos_embed.proj.weight", ())) == 4:
@@ -69,8 +70,8 @@ def _transformer(shapes: Shapes) -> dict[str, Any]:
     return config
 
 
-def _text_encoder(shapes: Shapes) -> dict[str, Any]:
-    config: dict[str, Any] = {}
+def _text_encoder(shapes: Shapes) -> JsonObject:
+    config: JsonObject = {}
     # CLIP's names start with "text_model." or not, depending on the transformers version that saved it.
     def get(name: str) -> tuple[int, ...] | None:
         return shapes.get(name) or shapes.get(f"text_model.{name}")

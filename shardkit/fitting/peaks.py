@@ -32,7 +32,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeAlias
+
+# Where a component goes: a GPU index or "cpu", or the GPUs one denoiser is split over.
+DeviceSpread: TypeAlias = "int | str | list[int]"
 
 from .activations import NO_SWITCH, switch_key
 from .profile import ComponentProfile
@@ -75,7 +78,7 @@ class Peaks:
 
     gpu: tuple[int, ...]
     cpu: int
-    device_map: Mapping[str, Any] | None = None
+    device_map: Mapping[str, DeviceSpread] | None = None
     activation_bytes: int = 0
 
 
@@ -96,7 +99,7 @@ class Strategy:
     peaks: PeakFormula
     min_gpus: int = 1
     offload: str | None = None
-    offload_options: Mapping[str, Any] = field(default_factory=dict)
+    offload_options: Mapping[str, object] = field(default_factory=dict)
     resident: str | None = None
 
     def slowdown_with(self, fp8: bool, switches: Iterable[str] = ()) -> float:
@@ -176,7 +179,7 @@ def _offloaded(unit: Unit) -> PeakFormula:
 
 
 def _place_whole(views: Iterable[View], usable: tuple[int, ...], weights: list[int], lives: list[int],
-                 device_map: dict[str, Any]) -> None:
+                 device_map: dict[str, DeviceSpread]) -> None:
     """Whole components on the GPU with the most room left, largest first (diffusers' "balanced")."""
     for v in sorted(views, key=lambda v: v.stored + v.live, reverse=True):
         i = max(range(len(usable)), key=lambda j: usable[j] - weights[j] - lives[j])
@@ -187,7 +190,7 @@ def _place_whole(views: Iterable[View], usable: tuple[int, ...], weights: list[i
 
 def _balanced(views: list[View], usable: tuple[int, ...]) -> Peaks:
     weights, lives = [0] * len(usable), [0] * len(usable)
-    device_map: dict[str, int | str] = {}
+    device_map: dict[str, DeviceSpread] = {}
     _place_whole(views, usable, weights, lives, device_map)
     return Peaks(tuple(w + a for w, a in zip(weights, lives, strict=True)), 0, device_map)
 
@@ -207,13 +210,13 @@ def _staged(views: list[View], usable: tuple[int, ...]) -> Peaks:
         weights[i] += size
         lives[i] = den.live
         used.add(i)
-    device_map: dict[str, Any] = {den.name: sorted(used)}
+    device_map: dict[str, DeviceSpread] = {den.name: sorted(used)}
     _place_whole((v for v in views if v is not den), usable, weights, lives, device_map)
     return Peaks(tuple(w + a for w, a in zip(weights, lives, strict=True)), 0, device_map)
 
 
-def _group(offload_type: str, n: int | None, stream: bool) -> dict[str, Any]:
-    options: dict[str, Any] = {"offload_type": offload_type}
+def _group(offload_type: str, n: int | None, stream: bool) -> dict[str, object]:
+    options: dict[str, object] = {"offload_type": offload_type}
     if n is not None:
         options["num_blocks_per_group"] = n
     if stream:
@@ -221,7 +224,7 @@ def _group(offload_type: str, n: int | None, stream: bool) -> dict[str, Any]:
     return options
 
 
-def _group_strategy(name: str, label: str, slowdown: float, unit: Unit, options: dict[str, Any]) -> Strategy:
+def _group_strategy(name: str, label: str, slowdown: float, unit: Unit, options: dict[str, object]) -> Strategy:
     return Strategy(name, label, slowdown, _offloaded(unit), offload="group", offload_options=options)
 
 

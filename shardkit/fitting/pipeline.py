@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from ..devices import parse_max_memory
 from ..errors import InvalidInputError
@@ -33,11 +33,11 @@ def load_pipeline(
     max_memory: MaxMemory | None = None,
     dtype: str | torch.dtype | None = None,
     offload: str | None = None,
-    offload_options: Mapping[str, Any] | None = None,
+    offload_options: Mapping[str, object] | None = None,
     layerwise_casting: LayerwiseCasting | None = None,
     fit: Literal["auto"] | FitPlan | None = None,
     variant: str | None = None,
-    switches: Mapping[str, Any] | list[str] | None = None,
+    switches: Mapping[str, object] | list[str] | None = None,
     read: ReadMode = "auto",
 ) -> DiffusionPipeline:
     """Load the pipeline in ``path`` and apply placement, casting and offload options.
@@ -76,8 +76,8 @@ def load_pipeline(
                                 runtime=runtime, read=read)
 
 
-def load_fitted(path: str, fit_spec: Any, *, max_memory: Mapping[Any, Any] | None, dtype: Any = None,
-                variant: str | None = None) -> Any:
+def load_fitted(path: str, fit_spec: object, *, max_memory: MaxMemory | None, dtype: str | torch.dtype | None = None,
+                variant: str | None = None) -> DiffusionPipeline:
     """``load_pipeline(path, fit=...)``: plan (``"auto"``) or take a :class:`FitPlan`, load, apply.
 
     Args:
@@ -117,7 +117,7 @@ def load_fitted(path: str, fit_spec: Any, *, max_memory: Mapping[Any, Any] | Non
         raise InvalidInputError("a staged multi-GPU plan cannot be applied by load_pipeline; "
                                 "run scripts/staged_multi_gpu.py or plan with exclude=['staged']")
     if setup["placement"] == "balanced":
-        budgets = {i: b for i, b in enumerate(plan.budget.gpu_bytes)}
+        budgets: MaxMemory = {i: b for i, b in enumerate(plan.budget.gpu_bytes)}
         pipe = load_pipeline_folder(path, device_map="balanced", max_memory=budgets, dtype=dtype, variant=variant)
     else:
         pipe = load_pipeline_folder(path, dtype=dtype, variant=variant)

@@ -15,9 +15,10 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError, ShardkitWarning
+from ..formats.json_types import Config, JsonObject
 from ..formats.layout import read_config
 from ..units import DTYPE_BITS
 from .activations import NO_SWITCH, Context, Workload, activations_for
@@ -32,6 +33,9 @@ from .weights import (
     measure,
     module_tensors,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 _ROLE_BY_NAME = (("unet", "denoiser"), ("transformer", "denoiser"), ("prior", "denoiser"),
                  ("vae", "vae"), ("text_encoder", "text_encoder"))
@@ -93,7 +97,7 @@ def role_of(name: str, class_name: str | None = None) -> str:
     return "text_encoder" if "Encoder" in cls or "TextModel" in cls else "other"
 
 
-def features_of(skeleton: Any, role: str) -> tuple[set[str], list[str]]:
+def features_of(skeleton: torch.nn.Module | None, role: str) -> tuple[set[str], list[str]]:
     """Switches the (meta) module supports, and why the others do not apply."""
     from ..runtime.switches import unsupported_reason
 
@@ -110,8 +114,8 @@ def features_of(skeleton: Any, role: str) -> tuple[set[str], list[str]]:
     return features, notes
 
 
-def profile_component(name: str, role: str, *, tensors: list[TensorSize], config: Mapping[str, Any],
-                      ctx: Context, skeleton: Any = None, cast: bool | None = None,
+def profile_component(name: str, role: str, *, tensors: list[TensorSize], config: Config,
+                      ctx: Context, skeleton: torch.nn.Module | None = None, cast: bool | None = None,
                       load_bytes: int | None = None) -> ComponentProfile:
     """One component's profile from its tensor list, config and (optional) meta skeleton.
 
@@ -189,7 +193,7 @@ def profile_folder(path: str, workload: Workload, *, dtype: str | None = None) -
     return [replace(p, guessed=(guesses[p.name],)) if p.name in guesses else p for p in profiles]
 
 
-def _guess(name: str, folder: str, roles: dict[str, str], configs: dict[str, dict[str, Any]]) -> str:
+def _guess(name: str, folder: str, roles: dict[str, str], configs: dict[str, JsonObject]) -> str:
     """Fill ``roles``/``configs`` for a component without config.json; warn and return what was assumed."""
     from .guess import guess_component, read_shapes
 
@@ -201,7 +205,7 @@ def _guess(name: str, folder: str, roles: dict[str, str], configs: dict[str, dic
     return guess.description
 
 
-def _profile_one(name: str, folder: str, library: str, class_name: str | None, role: str, config: dict[str, Any],
+def _profile_one(name: str, folder: str, library: str, class_name: str | None, role: str, config: JsonObject,
                  workload: Workload, *, dtype: str | None, vae_scale: int, cfg: bool) -> ComponentProfile:
     from ..units import normalize_dtype
 
@@ -218,7 +222,7 @@ def _profile_one(name: str, folder: str, library: str, class_name: str | None, r
                                                                 "weights' headers alone, without its memory switches"))
 
 
-def _skeleton(library: str, class_name: str | None, folder: str) -> tuple[Any, str | None]:
+def _skeleton(library: str, class_name: str | None, folder: str) -> tuple[torch.nn.Module | None, str | None]:
     """The component's meta skeleton, or None and why when its class cannot be built here (sizes still work).
 
     Only the expected failures are turned into a note: a class or package that is not installed
@@ -237,8 +241,9 @@ def _skeleton(library: str, class_name: str | None, folder: str) -> tuple[Any, s
         return None, reason
 
 
-def profile_module(module: Any, workload: Workload, *, name: str = "model", role: str | None = None,
-                   config: Mapping[str, Any] | None = None, dtype_bytes: int | None = None,
+def profile_module(module: Any,  # a model, by duck typing (fit() checks named_parameters)
+                   workload: Workload, *, name: str = "model", role: str | None = None,
+                   config: Config | None = None, dtype_bytes: int | None = None,
                    stored_bytes: Mapping[str, int] | None = None, cast: bool | None = None,
                    compute_bytes: int | None = None) -> ComponentProfile:
     """Profile an ``nn.Module`` (a meta skeleton or a loaded model) as one component.
@@ -257,7 +262,7 @@ def profile_module(module: Any, workload: Workload, *, name: str = "model", role
                              load_bytes=dtype_bytes)
 
 
-def module_config(module: Any) -> dict[str, Any]:
+def module_config(module: Any) -> JsonObject:
     """The module's config as a plain dict (diffusers ``FrozenDict``, transformers ``PretrainedConfig``)."""
     config = getattr(module, "config", None)
     if config is None:

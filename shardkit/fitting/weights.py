@@ -25,9 +25,12 @@ import math
 import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..units import DTYPE_BITS, FLOAT_DTYPES
+
+if TYPE_CHECKING:
+    import torch
 
 FP8_ITEMSIZE = 1
 
@@ -108,7 +111,7 @@ def header_tensors(folder: str) -> tuple[list[TensorSize], str | None]:
     return out, max(counts, key=lambda k: counts[k]) if counts else None
 
 
-def module_tensors(module: Any, stored_bytes: Mapping[str, int] | None = None) -> list[TensorSize]:
+def module_tensors(module: torch.nn.Module, stored_bytes: Mapping[str, int] | None = None) -> list[TensorSize]:
     """Parameters and buffers of a module (meta tensors welcome), tied tensors counted once.
 
     ``stored_bytes`` (tensor name → bytes, e.g. from checkpoint headers) overrides the size the
@@ -133,7 +136,7 @@ def common_float_bytes(tensors: Iterable[TensorSize]) -> int | None:
     return max(set(sizes), key=sizes.count) if sizes else None
 
 
-def cast_layers_of(skeleton: Any) -> set[str]:
+def cast_layers_of(skeleton: torch.nn.Module) -> set[str]:
     """Names of the layers fp8 layerwise casting would store in 8 bits (the same walk as diffusers')."""
     from ..runtime.casting import casting_targets
 

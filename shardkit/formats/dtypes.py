@@ -23,7 +23,7 @@ def to_torch(code: str) -> torch.dtype:
     import torch
 
     name = _CODE_TO_TORCH_NAME.get(code)
-    dtype = getattr(torch, name, None) if name else None
+    dtype: torch.dtype | None = getattr(torch, name, None) if name else None
     if dtype is None:
         raise InvalidInputError(f"dtype {code} has no torch equivalent in this torch version ({torch.__version__})")
     return dtype

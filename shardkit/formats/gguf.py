@@ -67,7 +67,7 @@ _SCALARS = {UINT8: "B", INT8: "b", UINT16: "H", INT16: "h", UINT32: "I", INT32: 
             UINT64: "Q", INT64: "q", FLOAT64: "d"}
 
 Scalar = int | float | bool | str
-Value = Scalar | list  # list: of Scalars, or of lists (nested arrays)
+Value = Scalar | list["Value"]  # list: of Scalars, or of lists (nested arrays)
 
 
 def ggml_type(name: str) -> GgmlType:
@@ -176,6 +176,7 @@ class _Cursor:
         return data
 
     def unpack(self, fmt: str, what: str) -> int | float | bool:
+        value: int | float | bool
         (value,) = struct.unpack("<" + fmt, self.take(struct.calcsize(fmt), what))
         return value
 

@@ -181,7 +181,7 @@ def parse_header(raw: bytes, *, path: str = "<bytes>", file_bytes: int | None = 
     return Header(path, entries, metadata, data_start, data_start + buffer_bytes if file_bytes is None else file_bytes)
 
 
-def _decode_json(raw: bytes, path: str) -> dict:
+def _decode_json(raw: bytes, path: str) -> dict[str, object]:
     if not raw.lstrip(b" ").startswith(b"{"):
         raise HeaderError(f"{path}: header does not start with '{{' (not a safetensors file?)")
     try:
@@ -189,8 +189,8 @@ def _decode_json(raw: bytes, path: str) -> dict:
     except UnicodeDecodeError as e:
         raise HeaderError(f"{path}: header is not valid UTF-8 ({e.reason} at byte {e.start})") from e
 
-    def no_duplicates(pairs: list[tuple[str, object]]) -> dict:
-        out: dict = {}
+    def no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+        out: dict[str, object] = {}
         for key, value in pairs:
             if key in out:
                 raise HeaderError(f"{path}: tensor {key!r} appears twice in the header")

@@ -20,9 +20,10 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeGuard
 
 from ..errors import InvalidInputError, SourceNotFoundError
+from .json_types import Config, JsonObject
 from .links import BOUNDARY_RULE, OutsideFolderError, parse_json, read_inside
 from .names import (
     DIFFUSERS_PREFIX,
@@ -91,7 +92,7 @@ def find_components(folder: str | os.PathLike[str], *, variant: str | None = Non
     return components
 
 
-def read_model_index(folder: str) -> dict[str, Any]:
+def read_model_index(folder: str) -> dict[str, object]:
     """Parse ``folder/model_index.json``; one-line errors for a missing or malformed file."""
     path = os.path.join(folder, MODEL_INDEX)
     try:
@@ -113,7 +114,7 @@ def weight_files(path: str) -> list[str]:
     )
 
 
-def _is_component_spec(value: object) -> bool:
+def _is_component_spec(value: object) -> TypeGuard[list[str]]:
     return (isinstance(value, list) and len(value) == 2
             and isinstance(value[0], str) and isinstance(value[1], str))
 
@@ -132,7 +133,7 @@ def _naming_for(library: str, weights: list[str], variant: str | None) -> Naming
     return Naming(prefix, variant)
 
 
-def read_config(folder: str) -> dict[str, Any] | None:
+def read_config(folder: str) -> JsonObject | None:
     """``folder/config.json`` as a dict, or None when there is none (or it is not a JSON object)."""
     path = os.path.join(folder, "config.json")
     try:  # a checked descriptor: a FIFO, /dev/zero or a link leaving the folder is refused unread
@@ -155,7 +156,7 @@ MAX_CONFIG_DEPTH = 16
 _COUNT_KEY = re.compile(r"(^|_)(layers?|depths?|n_layer|num_blocks|num_res_blocks|n_blocks)(_|$)", re.IGNORECASE)
 
 
-def check_config_numbers(config: Mapping[str, Any], *, where: str) -> None:
+def check_config_numbers(config: Config, *, where: str) -> None:
     """Bound every number a model would be built from, before anything is built or allocated.
 
     Layer and block counts (``layers_per_block``, ``num_hidden_layers``, ``depth``...) stay under

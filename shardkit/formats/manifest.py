@@ -90,8 +90,8 @@ class FileDigest:
     header_crc32: str | None = None
     tensors: Mapping[str, TensorDigest] = field(default_factory=dict)
 
-    def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {"size_bytes": self.size_bytes}
+    def to_json(self) -> dict[str, object]:
+        doc: dict[str, object] = {"size_bytes": self.size_bytes}
         if self.sha256 is not None:
             doc["sha256"] = self.sha256
         if self.data_start is not None:

@@ -27,10 +27,10 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import InvalidInputError
 from .header import TensorEntry
+from .json_types import Config, JsonObject
 
 __all__ = ["FP8_DTYPES", "QUANTIZE_SCHEMES", "QUANTIZE_SKIP_PATTERNS", "QuantLayout", "ScaledWeight",
            "find_layout", "matrix_shape", "should_skip_quantize"]
@@ -123,7 +123,7 @@ class QuantLayout:
         scale = _SCALE_DTYPE_NAMES.get(self.scale_dtype, self.scale_dtype)
         return f"{weight}, {grains}, {scale} scales ({self.scheme})"
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         grains: dict[str, int] = {}
         for w in self.weights:
             grains[w.granularity] = grains.get(w.granularity, 0) + 1
@@ -132,7 +132,7 @@ class QuantLayout:
                 "scale_dtype": self.scale_dtype}
 
 
-def find_layout(entries: Sequence[TensorEntry], *, config: Mapping[str, Any] | None = None,
+def find_layout(entries: Sequence[TensorEntry], *, config: Config | None = None,
                 metadata: Mapping[str, str] | None = None, where: str = "checkpoint") -> QuantLayout | None:
     """The fp8-with-scales layout of a checkpoint, or None when it holds no scale tensors.
 
@@ -194,7 +194,7 @@ def find_layout(entries: Sequence[TensorEntry], *, config: Mapping[str, Any] | N
 MAX_BLOCK = 1 << 16  # a scale block larger than this is no recipe any library writes
 
 
-def _quant_config(config: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
+def _quant_config(config: Config | None, where: str) -> JsonObject:
     """``config.json``'s ``quantization_config`` (an object, or absent): anything else is one line naming it."""
     qconfig = (config or {}).get("quantization_config") or {}
     if not isinstance(qconfig, Mapping):
@@ -203,7 +203,7 @@ def _quant_config(config: Mapping[str, Any] | None, where: str) -> dict[str, Any
     return dict(qconfig)
 
 
-def _block_size(qconfig: Mapping[str, Any], where: str) -> tuple[int, int]:
+def _block_size(qconfig: Config, where: str) -> tuple[int, int]:
     """``weight_block_size``: two integers in 1..65536, checked before any scale is expanded."""
     value = qconfig.get("weight_block_size") or DEFAULT_BLOCK
     if (not isinstance(value, (list, tuple)) or len(value) != 2
@@ -213,7 +213,7 @@ def _block_size(qconfig: Mapping[str, Any], where: str) -> tuple[int, int]:
     return int(value[0]), int(value[1])
 
 
-def _scheme(by_name: Mapping[str, TensorEntry], qconfig: Mapping[str, Any],
+def _scheme(by_name: Mapping[str, TensorEntry], qconfig: Config,
             metadata: Mapping[str, str]) -> _Scheme | None:
     names = list(by_name)
     if any(n == "scaled_fp8" or n.endswith(".scaled_fp8") for n in names) or any(n.endswith(".scale_weight")
@@ -264,7 +264,7 @@ def matrix_shape(shape: Sequence[int]) -> tuple[int, int]:
     return (shape[0] if shape else 1), (math.prod(shape[1:]) if len(shape) > 1 else 1)
 
 
-def _ignored_modules(qconfig: Mapping[str, Any]) -> set[str]:
+def _ignored_modules(qconfig: Config) -> set[str]:
     names = qconfig.get("modules_to_not_convert") or qconfig.get("ignore") or []
     return {str(n) for n in names if isinstance(n, str)}
 

@@ -8,14 +8,17 @@ anyway, and a shardkit manifest records every file's sha256; this module hands t
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .commits import LocalFile
+
+if TYPE_CHECKING:
+    from ..checking.verify import VerifyReport
 
 __all__ = ["known_digests"]
 
 
-def known_digests(path: str | os.PathLike[str], files: list[LocalFile], *, report: Any = None) -> dict[str, str]:
+def known_digests(path: str | os.PathLike[str], files: list[LocalFile], *, report: VerifyReport | None = None) -> dict[str, str]:
     """sha256 of the files to push that need no second read, by path in the repo.
 
     With a verify ``report``, its digests: verify just read every byte (and checked them

@@ -25,7 +25,7 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import HubError, InvalidInputError, VerificationError
 from .commits import (
@@ -42,6 +42,9 @@ from .commits import (
     stale_files,
 )
 from .known import known_digests
+
+if TYPE_CHECKING:
+    from ..checking.verify import VerifyReport
 
 ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -67,7 +70,7 @@ class PushResult:
     offline: str | None = None  # a dry run that could not reach the Hub: why (every file is listed as an upload)
     links: list[FollowedLink] = field(default_factory=list)  # every symlink followed (outside: --follow-symlinks)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -146,7 +149,7 @@ def check_repo_id(repo_id: str) -> None:
                                 "letters, digits, '-', '_' and '.'") from e
 
 
-def verify_folder(path: str | os.PathLike[str], *, allow_lossy: bool = False) -> Any:
+def verify_folder(path: str | os.PathLike[str], *, allow_lossy: bool = False) -> VerifyReport:
     """Run ``shardkit.verify`` and refuse a broken checkpoint; returns the report.
 
     Raises:
@@ -169,7 +172,7 @@ def verify_folder(path: str | os.PathLike[str], *, allow_lossy: bool = False) ->
     return report
 
 
-def _describe(finding: Any) -> str:
+def _describe(finding: object) -> str:
     where = ": ".join(str(part) for part in (getattr(finding, "file", None), getattr(finding, "tensor", None)) if part)
     text = getattr(finding, "message", None) or str(finding)
     return f"{where}: {text}" if where else text

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import HeaderError, HubError, InvalidInputError, ShardkitError
 from ..formats.header import MAX_HEADER_BYTES
@@ -38,6 +38,11 @@ from ..formats.suffixes import PICKLE_SUFFIXES
 from ..units import format_size
 from .remote_errors import RETRIES, hub_read_errors
 from .remote_spec import Mirror, RemoteFile, RemoteSpec, check_listed, check_listing, is_remote, local_path, parse_spec
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
+    
+    from ..checking.info import CheckpointInfo
 
 logger = logging.getLogger("shardkit")
 
@@ -105,7 +110,7 @@ def _build_mirror(spec: RemoteSpec, root: str, *, token: str | None, side_files:
     return mirror
 
 
-def resolve_commit(api: Any, spec: RemoteSpec) -> str:
+def resolve_commit(api: HfApi, spec: RemoteSpec) -> str:
     """The commit ``spec``'s revision points at now: every later read names it, so a push meanwhile
     cannot mix two versions of the repository."""
     info = api.repo_info(spec.repo_id, repo_type=spec.repo_type, revision=spec.revision)
@@ -338,7 +343,7 @@ def local_checkpoint(path: str, *, token: str | None = None) -> Iterator[str]:
         yield mirror.root
 
 
-def remote_info(path: str, *, token: str | None = None) -> Any:
+def remote_info(path: str, *, token: str | None = None) -> CheckpointInfo:
     """:func:`shardkit.info` of a Hub repository, from its headers, indexes and configs only.
 
     Args:

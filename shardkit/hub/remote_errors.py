@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import HubError, ShardkitError
+
+if TYPE_CHECKING:
+    from .remote_spec import RemoteSpec
 
 RETRIES = 3  # range reads: huggingface_hub's http_backoff tries this many times more
 
 
 @contextlib.contextmanager
-def hub_read_errors(spec: Any) -> Iterator[None]:
+def hub_read_errors(spec: RemoteSpec) -> Iterator[None]:
     """Turn huggingface_hub / network exceptions while reading ``spec`` into one-line :class:`HubError`s."""
     try:
         yield
@@ -25,7 +28,7 @@ def hub_read_errors(spec: Any) -> Iterator[None]:
         raise HubError(message) from e
 
 
-def describe_read_error(error: BaseException, spec: Any) -> str | None:
+def describe_read_error(error: BaseException, spec: RemoteSpec) -> str | None:
     """A one-line explanation of a failed read from the Hub, or None if ``error`` is not one."""
     from huggingface_hub import constants
     from huggingface_hub.errors import (

@@ -13,7 +13,6 @@ import hashlib
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..checking.verify import FileReport, Finding, VerifyReport, verify
 from ..errors import SourceNotFoundError
@@ -212,7 +211,7 @@ def _first_difference(folder: str, file: str, mine: TensorEntry, mirror: Mirror,
     return None
 
 
-def describe(report: Any) -> str:
+def describe(report: VerifyReport) -> str:
     """The summary line the CLI prints for a remote check."""
     if report.against:
         lines = [f"compared: {_names([f.name for f in report.files])}"]

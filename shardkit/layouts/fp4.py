@@ -24,9 +24,9 @@ import fnmatch
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..formats.header import TensorEntry
+from ..formats.json_types import Config
 
 __all__ = ["COMPRESSED_NVFP4", "FP4_FINDERS", "MODELOPT_NVFP4", "MXFP4", "Fp4Layout", "PackedWeight", "find_fp4_layout"]
 
@@ -92,7 +92,7 @@ class Fp4Layout:
         """Elements of the dequantized weights."""
         return sum(math.prod(w.shape) for w in self.weights)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """What ``info --json`` shows: the layout, block size, scale dtype, each weight with its scales and
         dense shape, and the dequantized sizes of those weights."""
         dense = self.dense_parameters()
@@ -113,7 +113,7 @@ class Fp4Layout:
                 "to copy such tensors as they are)")
 
 
-def find_fp4_layout(entries: Sequence[TensorEntry], *, config: Mapping[str, Any] | None = None,
+def find_fp4_layout(entries: Sequence[TensorEntry], *, config: Config | None = None,
                     where: str = "checkpoint") -> Fp4Layout | None:
     """The fp4 layout of a checkpoint, or None when it holds no fp4 weight (problems are listed, not raised).
 
@@ -138,7 +138,7 @@ def find_fp4_layout(entries: Sequence[TensorEntry], *, config: Mapping[str, Any]
     return None
 
 
-def _modelopt(by_name: Mapping[str, TensorEntry], qconfig: Mapping[str, Any]) -> Fp4Layout | None:
+def _modelopt(by_name: Mapping[str, TensorEntry], qconfig: Config) -> Fp4Layout | None:
     recorded = str(qconfig.get("quant_algo", "")).upper() == "NVFP4" or (
         qconfig.get("quant_method") == "modelopt" and "NVFP4" in str(qconfig.get("quant_algo", "NVFP4")).upper())
     excluded = [str(p) for p in qconfig.get("exclude_modules") or qconfig.get("ignore") or [] if isinstance(p, str)]
@@ -160,7 +160,7 @@ def _modelopt(by_name: Mapping[str, TensorEntry], qconfig: Mapping[str, Any]) ->
     return Fp4Layout(MODELOPT_NVFP4, 16, tuple(weights), frozenset(extra), E4M3, tuple(problems))
 
 
-def _compressed(by_name: Mapping[str, TensorEntry], qconfig: Mapping[str, Any]) -> Fp4Layout | None:
+def _compressed(by_name: Mapping[str, TensorEntry], qconfig: Config) -> Fp4Layout | None:
     formats = {str(qconfig.get("format"))} | {str(g.get("format")) for g in (qconfig.get("config_groups") or {}).values()
                                               if isinstance(g, Mapping)}
     recorded = qconfig.get("quant_method") == "compressed-tensors" and NVFP4_FORMAT in formats
@@ -209,7 +209,7 @@ def _nvfp4_weight(by_name: Mapping[str, TensorEntry], packed_name: str, scale_na
     return PackedWeight(packed_name, output or packed_name, scale_name, global_name, (rows, cols))
 
 
-def _mxfp4(by_name: Mapping[str, TensorEntry], qconfig: Mapping[str, Any]) -> Fp4Layout | None:
+def _mxfp4(by_name: Mapping[str, TensorEntry], qconfig: Config) -> Fp4Layout | None:
     recorded = qconfig.get("quant_method") == "mxfp4"
     prefixes = {n[: -len("_blocks")] for n, e in by_name.items() if n.endswith("_blocks") and e.dtype == "U8"}
     if recorded:  # scales without their blocks: only where the recipe says MXFP4 (other formats name scales so)
@@ -254,5 +254,5 @@ def _order(by_name: Mapping[str, TensorEntry], suffix: str) -> Callable[[str], t
     return lambda module: (position.get(module + suffix, len(position)), module)
 
 
-FP4_FINDERS: tuple[Callable[[Mapping[str, TensorEntry], Mapping[str, Any]], Fp4Layout | None], ...] = (
+FP4_FINDERS: tuple[Callable[[Mapping[str, TensorEntry], Config], Fp4Layout | None], ...] = (
     _modelopt, _compressed, _mxfp4)

@@ -26,30 +26,33 @@ torch is imported inside the functions (``import shardkit`` stays light).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.gguf import GgmlType
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DEQUANTIZABLE", "QUANTIZABLE", "dequantize", "quantize"]
 
 QK_K = 256
 
 
-def _f16(raw: Any) -> Any:
+def _f16(raw: torch.Tensor) -> torch.Tensor:
     import torch
 
     return raw.contiguous().view(torch.float16).to(torch.float32)
 
 
-def _f16_at(blocks: Any, at: int) -> Any:
+def _f16_at(blocks: torch.Tensor, at: int) -> torch.Tensor:
     """The f16 field at byte ``at`` (even) of every block, as float32 ``(n_blocks, 1)``: one int16 column, no byte copy."""
     import torch
 
     return blocks.view(torch.int16)[:, at // 2].contiguous().view(torch.float16).to(torch.float32).reshape(-1, 1)
 
 
-def _nibble_values(qs: Any, n_blocks: int, offset: int) -> Any:
+def _nibble_values(qs: torch.Tensor, n_blocks: int, offset: int) -> torch.Tensor:
     """Low nibbles of each row of ``qs`` then the high ones, minus ``offset``, as float32 (a 256-entry table)."""
     import torch
 
@@ -58,7 +61,7 @@ def _nibble_values(qs: Any, n_blocks: int, offset: int) -> Any:
     return pairs.transpose(1, 2).reshape(n_blocks, -1)
 
 
-def _nibbles(qs: Any, n_blocks: int, half: int) -> Any:
+def _nibbles(qs: torch.Tensor, n_blocks: int, half: int) -> torch.Tensor:
     """Low nibbles of each group of ``half`` bytes, then the high nibbles: ``(n_blocks, -1)`` uint8."""
     import torch
 
@@ -66,7 +69,7 @@ def _nibbles(qs: Any, n_blocks: int, half: int) -> Any:
     return (qs & 0x0F).reshape(n_blocks, -1)
 
 
-def _bits(raw: Any, n_blocks: int, count: int) -> Any:
+def _bits(raw: torch.Tensor, n_blocks: int, count: int) -> torch.Tensor:
     """Bits 0..count-1 of each little-endian uint32 of ``raw`` (n_blocks, 4): ``(n_blocks, count)`` uint8."""
     import torch
 
@@ -74,38 +77,38 @@ def _bits(raw: Any, n_blocks: int, count: int) -> Any:
     return ((word >> torch.arange(count, dtype=torch.int64).reshape(1, count)) & 1).to(torch.uint8)
 
 
-def _deq_f32(blocks: Any) -> Any:
+def _deq_f32(blocks: torch.Tensor) -> torch.Tensor:
     import torch
 
     return blocks.contiguous().view(torch.float32)
 
 
-def _deq_f16(blocks: Any) -> Any:
+def _deq_f16(blocks: torch.Tensor) -> torch.Tensor:
     return _f16(blocks)
 
 
-def _deq_bf16(blocks: Any) -> Any:
+def _deq_bf16(blocks: torch.Tensor) -> torch.Tensor:
     import torch
 
     return (blocks.contiguous().view(torch.int16).to(torch.int32) << 16).view(torch.float32)
 
 
-def _deq_q8_0(blocks: Any) -> Any:
+def _deq_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     import torch
 
     return blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32) * _f16_at(blocks, 0)
 
 
-def _deq_q4_0(blocks: Any) -> Any:
+def _deq_q4_0(blocks: torch.Tensor) -> torch.Tensor:
     return _f16_at(blocks, 0) * _nibble_values(blocks[:, 2:], blocks.shape[0], 8)
 
 
-def _deq_q4_1(blocks: Any) -> Any:
+def _deq_q4_1(blocks: torch.Tensor) -> torch.Tensor:
 
     return (_f16_at(blocks, 0) * _nibble_values(blocks[:, 4:], blocks.shape[0], 0)) + _f16_at(blocks, 2)
 
 
-def _deq_q5_0(blocks: Any) -> Any:
+def _deq_q5_0(blocks: torch.Tensor) -> torch.Tensor:
     import torch
 
     n = blocks.shape[0]
@@ -115,7 +118,7 @@ def _deq_q5_0(blocks: Any) -> Any:
     return _f16_at(blocks, 0) * qs.to(torch.float32)
 
 
-def _deq_q5_1(blocks: Any) -> Any:
+def _deq_q5_1(blocks: torch.Tensor) -> torch.Tensor:
     import torch
 
     n = blocks.shape[0]
@@ -123,7 +126,7 @@ def _deq_q5_1(blocks: Any) -> Any:
     return (_f16_at(blocks, 0) * qs) + _f16_at(blocks, 2)
 
 
-def _deq_q2_k(blocks: Any) -> Any:
+def _deq_q2_k(blocks: torch.Tensor) -> torch.Tensor:
     import torch
 
     n = blocks.shape[0]
@@ -135,7 +138,7 @@ def _deq_q2_k(blocks: Any) -> Any:
     return (dl * qs - ml).reshape(n, -1)
 
 
-def _deq_q3_k(blocks: Any) -> Any:
+def _deq_q3_k(blocks: torch.Tensor) -> torch.Tensor:
     import torch
 
     n = blocks.shape[0]
@@ -151,7 +154,7 @@ def _deq_q3_k(blocks: Any) -> Any:
     return (dl * q).reshape(n, QK_K)
 
 
-def _scale_min_k4(scales: Any) -> tuple[Any, Any]:
+def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K/Q5_K's eight 6-bit scales and mins from 12 bytes (as ``gguf.quants.Q4_K.get_scale_min``)."""
     import torch
 
@@ -163,7 +166,7 @@ def _scale_min_k4(scales: Any) -> tuple[Any, Any]:
     return sc.reshape(n, 8), mn.reshape(n, 8)
 
 
-def _deq_q4_k(blocks: Any) -> Any:
+def _deq_q4_k(blocks: torch.Tensor) -> torch.Tensor:
     import torch
 
     n = blocks.shape[0]
@@ -174,7 +177,7 @@ def _deq_q4_k(blocks: Any) -> Any:
     return (d * qs - dm).reshape(n, QK_K)
 
 
-def _deq_q5_k(blocks: Any) -> Any:
+def _deq_q5_k(blocks: torch.Tensor) -> torch.Tensor:
     import torch
 
     n = blocks.shape[0]
@@ -187,7 +190,7 @@ def _deq_q5_k(blocks: Any) -> Any:
     return (d * q - dm).reshape(n, QK_K)
 
 
-def _deq_q6_k(blocks: Any) -> Any:
+def _deq_q6_k(blocks: torch.Tensor) -> torch.Tensor:
     import torch
 
     n = blocks.shape[0]
@@ -200,7 +203,7 @@ def _deq_q6_k(blocks: Any) -> Any:
     return (d * q.reshape(n, QK_K // 16, -1).to(torch.float32)).reshape(n, QK_K)
 
 
-_DEQUANTIZE: dict[str, Callable[[Any], Any]] = {
+_DEQUANTIZE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "F32": _deq_f32, "F16": _deq_f16, "BF16": _deq_bf16, "Q8_0": _deq_q8_0, "Q4_0": _deq_q4_0, "Q4_1": _deq_q4_1,
     "Q5_0": _deq_q5_0, "Q5_1": _deq_q5_1, "Q2_K": _deq_q2_k, "Q3_K": _deq_q3_k, "Q4_K": _deq_q4_k, "Q5_K": _deq_q5_k,
     "Q6_K": _deq_q6_k,
@@ -208,7 +211,7 @@ _DEQUANTIZE: dict[str, Callable[[Any], Any]] = {
 DEQUANTIZABLE = frozenset(_DEQUANTIZE)
 
 
-def dequantize(raw: bytes | bytearray | memoryview, kind: GgmlType) -> Any:
+def dequantize(raw: bytes | bytearray | memoryview, kind: GgmlType) -> torch.Tensor:
     """The float32 values (1-D torch tensor) of whole blocks of ``kind`` in ``raw``.
 
     Raises:
@@ -229,7 +232,7 @@ def dequantize(raw: bytes | bytearray | memoryview, kind: GgmlType) -> Any:
 # ----------------------------------------------------------------------------- quantize
 
 
-def _roundf(x: Any) -> Any:
+def _roundf(x: torch.Tensor) -> torch.Tensor:
     """Round half away from zero, as ``gguf.quants.np_roundf`` (``floor(2 * frac)`` is 1 exactly when
     ``frac >= 0.5``: ``a - floor(a)`` is exact in float32), for finite values."""
     import torch
@@ -240,31 +243,31 @@ def _roundf(x: Any) -> Any:
     return torch.where(x < 0, -rounded, rounded)
 
 
-def _inverse(d: Any) -> Any:
+def _inverse(d: torch.Tensor) -> torch.Tensor:
     import torch
 
     return torch.where(d == 0, torch.zeros_like(d), 1 / d)
 
 
-def _f16_bytes(d: Any) -> Any:
+def _f16_bytes(d: torch.Tensor) -> torch.Tensor:
     import torch
 
     return d.to(torch.float16).view(torch.uint8)
 
 
-def _q_f32(rows: Any) -> Any:
+def _q_f32(rows: torch.Tensor) -> torch.Tensor:
     import torch
 
     return rows.contiguous().view(torch.uint8)
 
 
-def _q_f16(rows: Any) -> Any:
+def _q_f16(rows: torch.Tensor) -> torch.Tensor:
     import torch
 
     return rows.to(torch.float16).contiguous().view(torch.uint8)
 
 
-def _q_bf16(rows: Any) -> Any:
+def _q_bf16(rows: torch.Tensor) -> torch.Tensor:
     import torch
 
     n = rows.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
@@ -273,7 +276,7 @@ def _q_bf16(rows: Any) -> Any:
     return (n & 0xFFFF).to(torch.int32).to(torch.int16).contiguous().view(torch.uint8)
 
 
-def _q_q8_0(blocks: Any) -> Any:
+def _q_q8_0(blocks: torch.Tensor) -> torch.Tensor:
     import torch
 
     d = blocks.abs().amax(dim=1, keepdim=True) / 127
@@ -281,7 +284,7 @@ def _q_q8_0(blocks: Any) -> Any:
     return torch.cat([_f16_bytes(d), qs], dim=1)
 
 
-def _q_q4_0(blocks: Any) -> Any:
+def _q_q4_0(blocks: torch.Tensor) -> torch.Tensor:
     import torch
 
     imax = blocks.abs().argmax(dim=-1, keepdim=True)
@@ -291,12 +294,12 @@ def _q_q4_0(blocks: Any) -> Any:
     return torch.cat([_f16_bytes(d), qs[:, 0, :] | (qs[:, 1, :] << 4)], dim=1)
 
 
-_QUANTIZE_BLOCKS: dict[str, Callable[[Any], Any]] = {"Q8_0": _q_q8_0, "Q4_0": _q_q4_0}
-_QUANTIZE_VALUES: dict[str, Callable[[Any], Any]] = {"F32": _q_f32, "F16": _q_f16, "BF16": _q_bf16}
+_QUANTIZE_BLOCKS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"Q8_0": _q_q8_0, "Q4_0": _q_q4_0}
+_QUANTIZE_VALUES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"F32": _q_f32, "F16": _q_f16, "BF16": _q_bf16}
 QUANTIZABLE = frozenset(_QUANTIZE_BLOCKS) | frozenset(_QUANTIZE_VALUES)
 
 
-def quantize(values: Any, kind: GgmlType) -> Any:
+def quantize(values: torch.Tensor, kind: GgmlType) -> torch.Tensor:
     """The GGUF bytes (1-D uint8 torch tensor) of float32 ``values`` (a whole number of blocks) as ``kind``.
 
     Raises:

@@ -15,9 +15,13 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
+from ..formats.json_types import Config, JsonObject
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["LLAMA_KEYS", "NameMap", "config_from_metadata", "metadata_from_config", "name_map", "permute_rows",
            "unpermute_rows"]
@@ -80,14 +84,14 @@ def gguf_name(hf_name: str) -> str | None:
     return f"{_TO_GGUF_TOP[stem]}.{suffix}" if stem in _TO_GGUF_TOP else None
 
 
-def _int(metadata: Mapping[str, Any], key: str, where: str, default: int | None = None) -> int:
+def _int(metadata: Config, key: str, where: str, default: int | None = None) -> int:
     value = metadata.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise InvalidInputError(f"{where}: metadata {key} is {value!r}; a Llama GGUF needs a positive integer there")
     return value
 
 
-def name_map(architecture: str, names: list[str], metadata: Mapping[str, Any], *, where: str) -> NameMap:
+def name_map(architecture: str, names: list[str], metadata: Config, *, where: str) -> NameMap:
     """The :class:`NameMap` of a GGUF file's tensors.
 
     Raises:
@@ -109,7 +113,7 @@ def name_map(architecture: str, names: list[str], metadata: Mapping[str, Any], *
     return NameMap(architecture, to_hf, permuted)
 
 
-def unpermute_rows(rows: Any, heads: int) -> Any:
+def unpermute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp's q/k row order → Hugging Face's, for ``rows`` (whole heads, any dtype, first dim = rows).
 
     >>> import torch
@@ -120,19 +124,19 @@ def unpermute_rows(rows: Any, heads: int) -> Any:
     return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def permute_rows(rows: Any, heads: int) -> Any:
+def permute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
     """Hugging Face's q/k row order → llama.cpp's (as its ``convert_hf_to_gguf.py`` ``permute``)."""
     n = rows.shape[0]
     return rows.reshape(heads, 2, n // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def config_from_metadata(metadata: Mapping[str, Any], *, has_output: bool, where: str) -> dict[str, Any]:
+def config_from_metadata(metadata: Config, *, has_output: bool, where: str) -> JsonObject:
     """The transformers ``config.json`` of a Llama GGUF, from its ``llama.*`` and tokenizer metadata.
 
     ``tie_word_embeddings`` comes from a missing ``output.weight``; ``vocab_size`` from ``llama.vocab_size``
     or the token list; ``head_dim`` from ``rope.dimension_count`` when it differs from hidden / heads.
     """
-    config: dict[str, Any] = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    config: JsonObject = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                               "hidden_act": "silu", "tie_word_embeddings": not has_output}
     for key, field in LLAMA_KEYS.items():
         value = metadata.get(f"llama.{key}")
@@ -155,7 +159,7 @@ def config_from_metadata(metadata: Mapping[str, Any], *, has_output: bool, where
     return config
 
 
-def metadata_from_config(config: Mapping[str, Any], *, where: str) -> dict[str, tuple[str, Any]]:
+def metadata_from_config(config: Config, *, where: str) -> dict[str, tuple[str, int | float]]:
     """``llama.*`` keys of a GGUF for a transformers Llama ``config``: key → (``"u32"``/``"f32"``, value).
 
     Raises:
@@ -170,7 +174,7 @@ def metadata_from_config(config: Mapping[str, Any], *, where: str) -> dict[str, 
     values = {"max_position_embeddings": 2048, "rope_theta": _rope_theta(config), "rms_norm_eps": 1e-6,
               "num_key_value_heads": heads, "head_dim": hidden // heads, **{
                   k: v for k, v in config.items() if v is not None and k not in ("rope_theta",)}}
-    out: dict[str, tuple[str, Any]] = {}
+    out: dict[str, tuple[str, int | float]] = {}
     for key, field in LLAMA_KEYS.items():
         if field not in values:
             raise InvalidInputError(f"{where}: config.json has no {field}; GGUF's llama.{key} needs it")
@@ -181,7 +185,7 @@ def metadata_from_config(config: Mapping[str, Any], *, where: str) -> dict[str, 
     return out
 
 
-def _rope_theta(config: Mapping[str, Any]) -> float:
+def _rope_theta(config: Config) -> float:
     params = config.get("rope_parameters")
     if isinstance(params, Mapping) and isinstance(params.get("rope_theta"), (int, float)):
         return float(params["rope_theta"])

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
+from ..formats.json_types import Config, JsonObject
 from ..formats.layout import read_config
 from ..formats.links import parse_json, read_inside
 from ..formats.quant import QuantLayout, find_layout
@@ -26,7 +26,7 @@ HF_QUANT_CONFIG = "hf_quant_config.json"
 MAX_QUANT_CONFIG_BYTES = 16 * 2**20
 
 
-def find_quant_layout(entries: Sequence[TensorEntry], *, config: Mapping[str, Any] | None = None,
+def find_quant_layout(entries: Sequence[TensorEntry], *, config: Config | None = None,
                       metadata: Mapping[str, str] | None = None, where: str = "checkpoint",
                       allow_lossy: bool = False) -> AnyLayout | None:
     """The checkpoint's quantized layout (fp4 or fp8 with scales), or None when it holds none.
@@ -57,13 +57,13 @@ def find_quant_layout(entries: Sequence[TensorEntry], *, config: Mapping[str, An
         raise
 
 
-def quant_config(folder: str) -> dict[str, Any] | None:
+def quant_config(folder: str) -> JsonObject | None:
     """``folder/config.json``; without a ``quantization_config`` in it, ModelOpt's ``hf_quant_config.json``
     (``{"quantization": {...}}``) as one with ``quant_method: modelopt``. None when there is neither."""
     return quant_config_of(folder, read_config(folder))
 
 
-def quant_config_of(folder: str, config: dict[str, Any] | None) -> dict[str, Any] | None:
+def quant_config_of(folder: str, config: JsonObject | None) -> JsonObject | None:
     """:func:`quant_config` for a caller that has already read ``folder``'s config.json (``config``)."""
     if config is not None and config.get("quantization_config"):
         return config

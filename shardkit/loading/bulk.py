@@ -14,8 +14,9 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ..devices import DeviceKey
 from .lazy import LazyCheckpoint
 from .pipeline_copy import CopyJob, CopyStage, CudaCopyStage, HostCopyStage, byte_view, run_pipeline
 from .readers import open_reader
@@ -29,7 +30,7 @@ class Want:
     """One tensor to read: its checkpoint name, where it goes and its final dtype."""
 
     src: str
-    device: Any             # "cpu" or a torch device / index
+    device: DeviceKey       # "cpu" or a torch device / index
     dtype: torch.dtype
 
 
@@ -37,19 +38,19 @@ class Want:
 class BatchReport:
     """What the batch did: per-file backends (from the checkpoint) and the bytes per path."""
 
-    files: list[dict[str, Any]] = field(default_factory=list)
+    files: list[dict[str, str | None]] = field(default_factory=list)
     host_batch_bytes: int = 0
     pipelined_bytes: int = 0
 
 
-def _is_host(device: Any) -> bool:
+def _is_host(device: DeviceKey) -> bool:
     import torch
 
     return torch.device(device).type == "cpu" if not isinstance(device, int) else False
 
 
 def read_batch(checkpoint: LazyCheckpoint, wants: dict[str, Want], *, pipe_host: bool = False,
-               stage_for: Callable[[Any], CopyStage] | None = None) -> tuple[dict[str, torch.Tensor], BatchReport]:
+               stage_for: Callable[[DeviceKey], CopyStage] | None = None) -> tuple[dict[str, torch.Tensor], BatchReport]:
     """Read what can be batched; the caller reads the rest with ``get_tensor``.
 
     Args:
@@ -74,14 +75,14 @@ def read_batch(checkpoint: LazyCheckpoint, wants: dict[str, Want], *, pipe_host:
     return values, report
 
 
-def default_stage(device: Any) -> CopyStage:
+def default_stage(device: DeviceKey) -> CopyStage:
     """A CUDA stage (pinned ring, side stream) for GPUs, a host stage for the CPU."""
     import torch
 
     return HostCopyStage() if _is_host(device) else CudaCopyStage(torch.device(device))
 
 
-def _read_host(checkpoint: LazyCheckpoint, wants: dict[str, Want], values: dict, report: BatchReport) -> None:
+def _read_host(checkpoint: LazyCheckpoint, wants: dict[str, Want], values: dict[str, torch.Tensor], report: BatchReport) -> None:
     """pread/direct shards, no cast: one parallel batch per shard, straight into fresh memory."""
     batch = {name: want.src for name, want in wants.items()
              if checkpoint.reader_of(want.src) is not None and checkpoint.dtype_of(want.src) == want.dtype}
@@ -91,12 +92,12 @@ def _read_host(checkpoint: LazyCheckpoint, wants: dict[str, Want], values: dict,
         report.host_batch_bytes += checkpoint.nbytes(src)
 
 
-def _read_devices(checkpoint: LazyCheckpoint, wants: dict[str, Want], values: dict, report: BatchReport,
-                  stage_for: Callable[[Any], CopyStage]) -> None:
+def _read_devices(checkpoint: LazyCheckpoint, wants: dict[str, Want], values: dict[str, torch.Tensor], report: BatchReport,
+                  stage_for: Callable[[DeviceKey], CopyStage]) -> None:
     """Per (file, device): destinations allocated once there, filled through the ring pipeline."""
     import torch
 
-    groups: dict[tuple[str, Any], list[tuple[str, Want]]] = defaultdict(list)
+    groups: dict[tuple[str, DeviceKey], list[tuple[str, Want]]] = defaultdict(list)
     for name, want in wants.items():
         groups[(checkpoint.entry(want.src).file or "", want.device)].append((name, want))
     for (path, device), items in groups.items():

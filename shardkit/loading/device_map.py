@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..devices import Device, device_label, parse_device, parse_max_memory
 from ..errors import InvalidInputError, ShardkitError
@@ -28,7 +28,7 @@ STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 _BAR_WIDTH = 28
 
 
-def infer_device_map(skeleton: Any, strategy: str, *, max_memory: dict[Device, int] | None,
+def infer_device_map(skeleton: torch.nn.Module, strategy: str, *, max_memory: dict[Device, int] | None,
                      no_split_module_classes: list[str] | None = None) -> dict[str, Device]:
     """Run accelerate's placement for ``strategy`` on a skeleton whose dtypes are already final."""
     from accelerate.utils import get_balanced_memory, infer_auto_device_map
@@ -97,7 +97,7 @@ class DevicePlan:
         order = {"mps": 1, "cpu": 2, "disk": 3}
         return sorted(seen, key=lambda d: (0, d) if isinstance(d, int) else (order.get(d, 4), 0))
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """A JSON-ready dict: the fields, ``offloaded_bytes``, per-device totals and per-module rows."""
         return {
             "model": self.model,
@@ -225,7 +225,7 @@ def plan_device_map(model: ModelSpec, *, config: ConfigSpec | None = None,
                           no_split_module_classes=no_split_module_classes)
 
 
-def _plan_skeleton(skeleton: Any, strategy: str, budget: dict[Device, int], *, dtype: torch.dtype | None,
+def _plan_skeleton(skeleton: torch.nn.Module, strategy: str, budget: dict[Device, int], *, dtype: torch.dtype | None,
                    checkpoint: str | None, no_split_module_classes: list[str] | None) -> DevicePlan:
     """Place a skeleton whose dtypes are final and measure what lands where."""
     from accelerate.utils import compute_module_sizes
@@ -248,7 +248,7 @@ def _plan_skeleton(skeleton: Any, strategy: str, budget: dict[Device, int], *, d
     )
 
 
-def _dominant_dtype(skeleton: Any) -> str | None:
+def _dominant_dtype(skeleton: torch.nn.Module) -> str | None:
     counts: dict[str, int] = {}
     for p in skeleton.parameters():
         key = str(p.dtype).removeprefix("torch.")
@@ -272,7 +272,7 @@ def check_devices_exist(devices: list[Device], *, where: str, fix: str | None = 
             raise InvalidInputError(f"{where} names 'mps', which is not available on this machine")
 
 
-def resolve_device_map(skeleton: Any, device_map: Any, *, max_memory: dict[Device, int] | None,
+def resolve_device_map(skeleton: torch.nn.Module, device_map: object, *, max_memory: dict[Device, int] | None,
                        no_split_module_classes: list[str] | None) -> dict[str, Device]:
     """A strategy name, "cpu" or an explicit dict → a complete module → device dict."""
     if device_map is None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import KeyMismatchError, ShardkitWarning
 from .lazy import LazyCheckpoint
 from .scaled import ScaledLoad, attach_scales
-from .skeleton import build_skeleton, cast_floating, keeps_fp32
+from .skeleton import ModelSpec, build_skeleton, cast_floating, keeps_fp32
 
 if TYPE_CHECKING:
     import torch
@@ -50,7 +50,7 @@ class KeyMatch:
         return "; ".join(parts)
 
 
-def match_keys(skeleton: Any, checkpoint: LazyCheckpoint) -> KeyMatch:
+def match_keys(skeleton: torch.nn.Module, checkpoint: LazyCheckpoint) -> KeyMatch:
     """Compare the skeleton's state-dict names and shapes with the checkpoint's headers."""
     from accelerate.utils import find_tied_parameters
 
@@ -83,7 +83,7 @@ def match_keys(skeleton: Any, checkpoint: LazyCheckpoint) -> KeyMatch:
     return match
 
 
-def _drop_ignored(match: KeyMatch, skeleton: Any, state: dict[str, Any]) -> None:
+def _drop_ignored(match: KeyMatch, skeleton: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Leave out what the model class itself says to ignore, as transformers and diffusers do:
     checkpoint tensors that are non-persistent buffers of the model (the legacy
     ``embeddings.position_ids`` of BERT-family checkpoints), and names matching the class's
@@ -104,7 +104,7 @@ def _drop_ignored(match: KeyMatch, skeleton: Any, state: dict[str, Any]) -> None
     match.unexpected, match.missing = unexpected, missing
 
 
-def _patterns(skeleton: Any, attribute: str) -> list[re.Pattern[str]]:
+def _patterns(skeleton: torch.nn.Module, attribute: str) -> list[re.Pattern[str]]:
     found = getattr(skeleton, attribute, None) or ()  # transformers gathers its submodules' into the instance
     if isinstance(found, str):
         found = (found,)
@@ -140,7 +140,7 @@ def check_match(match: KeyMatch, *, strict: bool, model: str, checkpoint: str) -
                   stacklevel=3)
 
 
-def final_dtypes(skeleton: Any, checkpoint: LazyCheckpoint | None, match: KeyMatch | None,
+def final_dtypes(skeleton: torch.nn.Module, checkpoint: LazyCheckpoint | None, match: KeyMatch | None,
                  dtype: torch.dtype | None) -> Callable[[str], torch.dtype | None]:
     """The dtype each tensor ends up in: ``dtype`` if given (fp32 for keep-in-fp32 modules), else the checkpoint's."""
     import torch
@@ -157,8 +157,8 @@ def final_dtypes(skeleton: Any, checkpoint: LazyCheckpoint | None, match: KeyMat
     return dtype_for
 
 
-def prepare_skeleton(model: Any, checkpoint: LazyCheckpoint | None, *, config: Any, dtype: torch.dtype | None,
-                     strict: bool) -> tuple[Any, KeyMatch | None, str | None]:
+def prepare_skeleton(model: ModelSpec, checkpoint: LazyCheckpoint | None, *, config: Any, dtype: torch.dtype | None,
+                     strict: bool) -> tuple[torch.nn.Module, KeyMatch | None, str | None]:
     """Build the skeleton, check it against ``checkpoint`` and give its meta tensors their final dtypes."""
     skeleton = build_skeleton(model, config=config)
     match, scaled = None, ScaledLoad()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeAlias
 
 from ..errors import ShardkitWriteError
 
@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from .lazy import LazyCheckpoint
 
 INDEX_NAME = "index.json"
+# accelerate's offload index: tensor name → {"safetensors_file", "weight_name", "dtype", "shape"} or
+# {"dtype", "shape"} for a tensor accelerate wrote itself (``offload_weight``).
+OffloadIndex: TypeAlias = "dict[str, dict[str, object]]"
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,7 @@ class DiskTensor:
     shape: tuple[int, ...]
 
 
-def write_offload_index(checkpoint: LazyCheckpoint, tensors: list[DiskTensor], folder: str) -> dict[str, Any]:
+def write_offload_index(checkpoint: LazyCheckpoint, tensors: list[DiskTensor], folder: str) -> OffloadIndex:
     """Write ``folder/index.json`` for ``tensors`` and return the index accelerate expects.
 
     index = write_offload_index(ckpt, [DiskTensor("up.0.weight", "up.0.weight", torch.float16, (4, 4))],
@@ -47,7 +50,7 @@ def write_offload_index(checkpoint: LazyCheckpoint, tensors: list[DiskTensor], f
     from ..formats.dtypes import to_torch
 
     os.makedirs(folder, exist_ok=True)
-    index: dict[str, Any] = {}
+    index: OffloadIndex = {}
     for tensor in tensors:
         entry = checkpoint.entry(tensor.source) if tensor.source is not None else None
         if entry is not None and entry.file is not None and to_torch(entry.dtype) == tensor.dtype:
@@ -70,7 +73,7 @@ def write_offload_index(checkpoint: LazyCheckpoint, tensors: list[DiskTensor], f
     return index
 
 
-def _publish_json(path: str, doc: dict[str, Any]) -> None:
+def _publish_json(path: str, doc: OffloadIndex) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as f:

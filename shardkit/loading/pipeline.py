@@ -14,13 +14,18 @@ pipe.hf_device_map
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..devices import parse_max_memory
 from ..errors import InvalidInputError, ShardkitError, SourceNotFoundError
 from ..runtime.apply import RuntimeSetup, apply_runtime
 from .residency import ReadMode
+
+if TYPE_CHECKING:
+    import torch
+    from diffusers import DiffusionPipeline
+
+    from ..devices import Device, MaxMemory
 
 DEVICE_MAPS = ("balanced", "cpu", "cuda")
 
@@ -29,12 +34,12 @@ def load_pipeline_folder(
     path: str | os.PathLike[str],
     *,
     device_map: str | None = None,
-    max_memory: Mapping[Any, Any] | None = None,
-    dtype: Any = None,
+    max_memory: MaxMemory | None = None,
+    dtype: str | torch.dtype | None = None,
     variant: str | None = None,
     runtime: RuntimeSetup | None = None,
     read: ReadMode = "auto",
-) -> Any:
+) -> DiffusionPipeline:
     """Load the pipeline in ``path`` with diffusers, then apply ``runtime`` (switches, casting, offload).
 
     The planner-free half of :func:`shardkit.load_pipeline` (which lives in ``shardkit.fitting`` because
@@ -77,12 +82,12 @@ def load_pipeline_folder(
         kwargs["variant"] = variant
     report = _preload_components(folder, kwargs, read=read, device_map=device_map, variant=variant)
     pipe = _from_pretrained(folder, kwargs)
-    pipe.shardkit_load_report = report
+    pipe.shardkit_load_report = report  # type: ignore[attr-defined]  # shardkit's own attribute
     return apply_runtime(pipe, runtime)
 
 
 def _preload_components(folder: str, kwargs: dict[str, Any], *, read: ReadMode, device_map: str | None,
-                        variant: str | None) -> dict[str, Any]:
+                        variant: str | None) -> dict[str, object]:
     """Load with shardkit the components whose files want a bulk reader; diffusers maps the rest.
 
     Only where placement is whole-model (no device map, ``"cpu"``, ``"cuda"``) and no variant is
@@ -96,7 +101,7 @@ def _preload_components(folder: str, kwargs: dict[str, Any], *, read: ReadMode, 
     from .scaled import has_scales
 
     check_backend(read)
-    report: dict[str, Any] = {}
+    report: dict[str, object] = {}
     if read == "mmap" or device_map == "balanced" or variant is not None:
         return report
     with open(os.path.join(folder, "model_index.json"), encoding="utf-8") as f:
@@ -118,7 +123,7 @@ def _preload_components(folder: str, kwargs: dict[str, Any], *, read: ReadMode, 
         model = load_model(f"{spec[0]}:{spec[1]}", sub, dtype=kwargs.get("torch_dtype"), read=read,
                            device_map={"": 0} if device_map == "cuda" else "cpu")
         kwargs[component] = model
-        load_report: dict[str, Any] = getattr(model, "shardkit_load_report")  # noqa: B009 - set by load_model
+        load_report: dict[str, object] = getattr(model, "shardkit_load_report")  # noqa: B009 - set by load_model
         report[component] = {**load_report, "loaded_by": "shardkit"}
     return report
 
@@ -129,7 +134,7 @@ PIPELINE_DEVICE_FIX = (
 )
 
 
-def check_gpus(devices: list[Any], *, where: str) -> None:
+def check_gpus(devices: list[Device], *, where: str) -> None:
     """Refuse GPUs this machine lacks, as ``load_model`` does, with the pipeline's fixes.
 
     Args:
@@ -158,7 +163,7 @@ def _check_folder(path: str | os.PathLike[str]) -> str:
     return folder
 
 
-def _check_device_map(device_map: Any, offload: str | None) -> None:
+def _check_device_map(device_map: object, offload: str | None) -> None:
     if device_map is None:
         return
     if not isinstance(device_map, str) or device_map not in DEVICE_MAPS:
@@ -173,11 +178,12 @@ def _check_device_map(device_map: Any, offload: str | None) -> None:
         )
 
 
-def _from_pretrained(folder: str, kwargs: dict[str, Any]) -> Any:
+def _from_pretrained(folder: str, kwargs: dict[str, Any]) -> DiffusionPipeline:
     from diffusers import DiffusionPipeline
 
     try:
-        return DiffusionPipeline.from_pretrained(folder, **kwargs)
+        pipe: DiffusionPipeline = DiffusionPipeline.from_pretrained(folder, **kwargs)  # type: ignore[no-untyped-call]
+        return pipe
     except ShardkitError:
         raise
     except (OSError, ValueError, NotImplementedError, RuntimeError, KeyError, AttributeError, TypeError) as e:

@@ -18,12 +18,14 @@ import collections
 import queue
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from .readers import Reader, ReadJob
 
 if TYPE_CHECKING:
     import torch
+
+CopyToken: TypeAlias = "torch.cuda.Event | None"  # what a stage's wait() waits on (None: copied already)
 
 RING_BUFFERS = 4
 RING_BUFFER_BYTES = 64 << 20
@@ -62,9 +64,9 @@ class CopyStage(Protocol):
 
     def allocate(self, nbytes: int) -> torch.Tensor: ...
 
-    def submit(self, buffer: torch.Tensor, job: CopyJob) -> Any: ...
+    def submit(self, buffer: torch.Tensor, job: CopyJob) -> CopyToken: ...
 
-    def wait(self, token: Any) -> None: ...
+    def wait(self, token: CopyToken) -> None: ...
 
     def finish(self) -> None: ...
 
@@ -77,11 +79,11 @@ class HostCopyStage:
 
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def submit(self, buffer: torch.Tensor, job: CopyJob) -> Any:
+    def submit(self, buffer: torch.Tensor, job: CopyJob) -> CopyToken:
         job.dest[job.dest_offset:job.dest_offset + job.nbytes].copy_(buffer[:job.nbytes])
         return None
 
-    def wait(self, token: Any) -> None:
+    def wait(self, token: CopyToken) -> None:
         return None
 
     def finish(self) -> None:
@@ -95,23 +97,23 @@ class CudaCopyStage:
         import torch
 
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)
+        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         import torch
 
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def submit(self, buffer: torch.Tensor, job: CopyJob) -> Any:
+    def submit(self, buffer: torch.Tensor, job: CopyJob) -> CopyToken:
         import torch
 
         with torch.cuda.stream(self.stream):
             job.dest[job.dest_offset:job.dest_offset + job.nbytes].copy_(buffer[:job.nbytes], non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self.stream)
         return event
 
-    def wait(self, token: Any) -> None:
+    def wait(self, token: CopyToken) -> None:
         if token is not None:
             token.synchronize()
 
@@ -128,7 +130,7 @@ class BufferRing:
 
     def __init__(self, stage: CopyStage, *, count: int, nbytes: int) -> None:
         self.nbytes = nbytes
-        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         for _ in range(count):
             self._free.put(stage.allocate(nbytes))
         self.count = count
@@ -169,8 +171,8 @@ def run_pipeline(reader: Reader, jobs: list[CopyJob], *, stage: CopyStage, ring:
     """
     ring = ring or BufferRing(stage, count=RING_BUFFERS, nbytes=RING_BUFFER_BYTES)
     chunks = collections.deque(split_copies(jobs, ring.nbytes))
-    reading: collections.deque[tuple[Future, Any, CopyJob]] = collections.deque()
-    copying: collections.deque[tuple[Any, Any]] = collections.deque()
+    reading: collections.deque[tuple[Future[None], torch.Tensor, CopyJob]] = collections.deque()
+    copying: collections.deque[tuple[CopyToken, torch.Tensor]] = collections.deque()
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardkit-ring") as pool:
         try:
             while chunks or reading:
@@ -195,13 +197,14 @@ def run_pipeline(reader: Reader, jobs: list[CopyJob], *, stage: CopyStage, ring:
     return ring
 
 
-def _retire(stage: CopyStage, ring: BufferRing, copying: collections.deque) -> None:
+def _retire(stage: CopyStage, ring: BufferRing, copying: collections.deque[tuple[CopyToken, torch.Tensor]]) -> None:
     token, buffer = copying.popleft()
     stage.wait(token)
     ring.release(buffer)
 
 
-def _drain(stage: CopyStage, ring: BufferRing, reading: collections.deque, copying: collections.deque) -> None:
+def _drain(stage: CopyStage, ring: BufferRing, reading: collections.deque[tuple[Future[None], torch.Tensor, CopyJob]],
+           copying: collections.deque[tuple[CopyToken, torch.Tensor]]) -> None:
     """Wait for every read and copy still in flight, then hand their buffers back."""
     while reading:
         future, buffer, _ = reading.popleft()

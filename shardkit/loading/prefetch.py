@@ -26,7 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..workers import ReadPool
 from .readers import Reader, ReadJob, split_jobs
@@ -39,7 +39,7 @@ log = logging.getLogger("shardkit")
 READ_AHEAD_BYTES = 256 << 20      # default read-ahead budget of a lazy checkpoint's mapping
 
 
-def wait_all(futures: list[Future]) -> None:
+def wait_all(futures: list[Future[None]]) -> None:
     """Wait for every future; on the first failure cancel the rest, wait for those running, raise it."""
     done, pending = wait(futures, return_when="FIRST_EXCEPTION")
     failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception() is not None), None)
@@ -51,14 +51,14 @@ def wait_all(futures: list[Future]) -> None:
     raise failed.exception()  # type: ignore[misc]
 
 
-def submit_reads(pool: ReadPool, reader: Reader, jobs: list[ReadJob], *, keep: Any, chunk_bytes: int) -> list[Future]:
+def submit_reads(pool: ReadPool, reader: Reader, jobs: list[ReadJob], *, keep: object, chunk_bytes: int) -> list[Future[None]]:
     """Each job cut into ``chunk_bytes`` ranges, all submitted at once; ``keep`` (the destination) lives
     as long as any of them runs."""
 
     return [pool.submit(partial(_read_chunk, reader, chunk, keep)) for chunk in split_jobs(jobs, chunk_bytes=chunk_bytes)]
 
 
-def _read_chunk(reader: Reader, chunk: ReadJob, keep: Any) -> None:
+def _read_chunk(reader: Reader, chunk: ReadJob, keep: object) -> None:
     """The task holds ``keep`` (the destination) until it returns: the memory written stays alive."""
     reader.read_one(chunk)
 
@@ -68,7 +68,7 @@ class Pending:
     """A tensor read ahead: its destination and the reads filling it."""
 
     tensor: torch.Tensor
-    futures: list[Future]
+    futures: list[Future[None]]
     nbytes: int
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..layouts.fp4 import Fp4Layout
 from ..layouts.registry import find_quant_layout, quant_config
@@ -41,7 +41,7 @@ class ScaledLoad:
         return lambda name: self.stored.get(name) or fallback(name)
 
 
-def attach_scales(skeleton: Any, checkpoint: LazyCheckpoint) -> ScaledLoad:
+def attach_scales(skeleton: torch.nn.Module, checkpoint: LazyCheckpoint) -> ScaledLoad:
     """Prepare ``skeleton`` for ``checkpoint``'s fp8 weights and scales (nothing when it has none).
 
     Raises:

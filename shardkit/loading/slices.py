@@ -8,7 +8,7 @@ tensor whole.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
@@ -43,13 +43,25 @@ def row_range(index: Any, rows: int) -> tuple[int, int, Any] | None:
     return None
 
 
+class RowSource(Protocol):
+    """What a slice reads through: a :class:`~shardkit.loading.lazy.LazyCheckpoint` (which imports this module)."""
+
+    def shape_of(self, name: str) -> tuple[int, ...]: ...
+
+    def dtype_of(self, name: str) -> torch.dtype: ...
+
+    def get_tensor(self, name: str) -> torch.Tensor: ...
+
+    def read_rows(self, name: str, start: int, stop: int) -> tuple[torch.Tensor, bool]: ...
+
+
 class TensorSlice:
     """A handle for partial reads: ``ckpt.get_slice("w")[0:2, :]`` reads only rows 0 and 1.
 
     Indexing returns a fresh tensor holding just the indexed part.
     """
 
-    def __init__(self, checkpoint: Any, name: str) -> None:  # a LazyCheckpoint (which imports this module)
+    def __init__(self, checkpoint: RowSource, name: str) -> None:
         self._checkpoint = checkpoint
         self._name = name
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeVar
 
 from ..errors import InvalidInputError
 
@@ -19,6 +19,13 @@ log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
+    from diffusers import DiffusionPipeline
+    from torch import nn
+
+    from .casting import CastingReport
+
+# A loaded model or pipeline: returned as given.
+Loaded = TypeVar("Loaded", bound="nn.Module | DiffusionPipeline")
 
 # ``(storage, compute)`` dtypes, or apply_layerwise_casting's keywords as a dict.
 LayerwiseCasting: TypeAlias = "tuple[str | torch.dtype, str | torch.dtype] | Mapping[str, Any]"
@@ -34,10 +41,10 @@ class RuntimeSetup:
     :mod:`shardkit.runtime.switches`. ``device``: the compute device offload hooks move weights to.
     """
 
-    switches: Mapping[str, Any] | list[str] | None = None
+    switches: Mapping[str, object] | list[str] | None = None
     layerwise_casting: LayerwiseCasting | None = None
     offload: str | None = None
-    offload_options: Mapping[str, Any] = field(default_factory=dict)
+    offload_options: Mapping[str, object] = field(default_factory=dict)
     device: str | None = None
 
     def __post_init__(self) -> None:
@@ -47,7 +54,7 @@ class RuntimeSetup:
             )
 
 
-def apply_runtime(target: Any, setup: RuntimeSetup) -> Any:
+def apply_runtime(target: Loaded, setup: RuntimeSetup) -> Loaded:
     """Apply ``setup`` to ``target`` (an ``nn.Module`` or a diffusers pipeline) and return it.
 
     Args:
@@ -82,7 +89,7 @@ def apply_runtime(target: Any, setup: RuntimeSetup) -> Any:
     return target
 
 
-def _cast(target: Any, spec: Any) -> Any:
+def _cast(target: nn.Module | DiffusionPipeline, spec: LayerwiseCasting) -> CastingReport:
     from .casting import apply_layerwise_casting
 
     if isinstance(spec, Mapping):
@@ -96,7 +103,7 @@ def _cast(target: Any, spec: Any) -> Any:
     return apply_layerwise_casting(target, storage, compute)
 
 
-def _is_module(target: Any) -> bool:
+def _is_module(target: object) -> bool:
     from torch import nn
 
     return isinstance(target, nn.Module)

@@ -62,7 +62,7 @@ class CastingReport:
         """Bytes freed by casting."""
         return self.before_bytes - self.after_bytes
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         """A JSON-ready summary (``cast_modules`` as a count)."""
         return {
             "storage_dtype": self.storage_dtype, "compute_dtype": self.compute_dtype,
@@ -72,7 +72,8 @@ class CastingReport:
         }
 
 
-def resolve_casting_dtypes(storage_dtype: Any, compute_dtype: Any) -> tuple[torch.dtype, torch.dtype]:
+def resolve_casting_dtypes(storage_dtype: str | torch.dtype | None, compute_dtype: str | torch.dtype | None
+                           ) -> tuple[torch.dtype, torch.dtype]:
     """``("float8_e4m3fn", "bf16")`` → ``(torch.float8_e4m3fn, torch.bfloat16)``, validated."""
     from ..formats.dtypes import resolve_torch_dtype
 
@@ -195,7 +196,7 @@ def apply_layerwise_casting(
     return report
 
 
-def _casting_modules(obj: Any, components: Sequence[str] | None) -> Iterator[tuple[str, nn.Module]]:
+def _casting_modules(obj: object, components: Sequence[str] | None) -> Iterator[tuple[str, nn.Module]]:
     from torch import nn
 
     if isinstance(obj, nn.Module):

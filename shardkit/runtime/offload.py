@@ -22,9 +22,9 @@ apply_offload(unet, "group", offload_type="block_level", num_blocks_per_group=2,
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, cast
 
 from ..errors import InvalidInputError, ShardkitError
 
@@ -34,6 +34,25 @@ if TYPE_CHECKING:
 
 # A pipeline, a module or a list of modules: returned as given.
 _Target = TypeVar("_Target")
+# The caller's keyword options, forwarded to diffusers/accelerate (which type them themselves).
+Options: TypeAlias = "dict[str, Any]"
+Modules: TypeAlias = "nn.Module | list[nn.Module] | tuple[nn.Module, ...]"
+
+
+class OffloadPipeline(Protocol):
+    """What offloading uses of a diffusers ``DiffusionPipeline`` (diffusers is imported only when used)."""
+
+    @property
+    def components(self) -> Mapping[str, object]: ...
+
+    def enable_model_cpu_offload(self, *, device: torch.device) -> None: ...
+
+    def enable_sequential_cpu_offload(self, *, device: torch.device) -> None: ...
+
+    def enable_group_offload(self, **kwargs: Any) -> None: ...
+
+
+Offloadable: TypeAlias = "Modules | OffloadPipeline"
 
 
 class OffloadError(ShardkitError, ValueError):
@@ -52,8 +71,8 @@ class Strategy:
 
     name: str
     options: frozenset[str]
-    pipeline: Callable[[Any, dict[str, Any]], None]
-    module: Callable[[nn.Module, dict[str, Any]], None]
+    pipeline: Callable[[OffloadPipeline, Options], None]
+    module: Callable[[Modules, Options], None]
     summary: str
 
 
@@ -96,9 +115,10 @@ def apply_offload(obj: _Target, strategy: str = "model", **options: Any) -> _Tar
         allowed = ", ".join(sorted(spec.options)) or "none"
         raise InvalidInputError(f"offload strategy {strategy!r} takes no option {', '.join(unknown)}; allowed: {allowed}")
     kind = _target_kind(obj)
-    _refuse_device_mapped(obj, kind, strategy)
+    target = cast("Offloadable", obj)  # checked by _target_kind
+    _refuse_device_mapped(target, kind, strategy)
     if strategy != "none":
-        _remove(obj, kind)
+        _remove(target, kind)
     apply = spec.pipeline if kind == "pipeline" else spec.module
     try:
         apply(cast(Any, obj), dict(options))  # a module or a pipeline, by ``kind``
@@ -106,13 +126,13 @@ def apply_offload(obj: _Target, strategy: str = "model", **options: Any) -> _Tar
         raise
     except (ValueError, RuntimeError, NotImplementedError) as e:
         raise OffloadError(f"offload strategy {strategy!r} failed on {type(obj).__name__}: {e}") from e
-    _record(obj, strategy, options)
+    _record(target, strategy, options)
     return obj
 
 
 # --- targets -------------------------------------------------------------------------------------
 
-def _target_kind(obj: Any) -> str:
+def _target_kind(obj: object) -> str:
     from torch import nn
 
     if isinstance(obj, nn.Module):
@@ -126,7 +146,7 @@ def _target_kind(obj: Any) -> str:
     )
 
 
-def _modules(obj: Any) -> list[tuple[str, nn.Module]]:
+def _modules(obj: Offloadable) -> list[tuple[str, nn.Module]]:
     from torch import nn
 
     if isinstance(obj, nn.Module):
@@ -136,7 +156,7 @@ def _modules(obj: Any) -> list[tuple[str, nn.Module]]:
     return [(k, v) for k, v in obj.components.items() if isinstance(v, nn.Module)]
 
 
-def _record(obj: Any, strategy: str, options: dict[str, Any]) -> None:
+def _record(obj: Offloadable, strategy: str, options: Options) -> None:
     record = None if strategy == "none" else (strategy, dict(options))
     for _, module in _modules(obj):
         object.__setattr__(module, "shardkit_offload", record)  # a plain attribute, not a submodule
@@ -146,7 +166,7 @@ def _record(obj: Any, strategy: str, options: dict[str, Any]) -> None:
 
 # --- guards for the known traps ------------------------------------------------------------------
 
-def _refuse_device_mapped(obj: Any, kind: str, strategy: str) -> None:
+def _refuse_device_mapped(obj: Offloadable, kind: str, strategy: str) -> None:
     if kind == "pipeline":
         device_map = getattr(obj, "hf_device_map", None)
         if isinstance(device_map, dict) and len(device_map) > 1:
@@ -164,12 +184,12 @@ def _refuse_device_mapped(obj: Any, kind: str, strategy: str) -> None:
             )
 
 
-def _short_map(device_map: dict[str, Any]) -> str:
+def _short_map(device_map: Mapping[object, object]) -> str:
     items = [f"{k}→{v}" for k, v in list(device_map.items())[:4]]
     return ", ".join(items) + (", ..." if len(device_map) > 4 else "")
 
 
-def placed_devices(obj: Any) -> set[str]:
+def placed_devices(obj: Offloadable) -> set[str]:
     """Devices (``"cuda:0"``, ``"cpu"``...) holding the parameters of ``obj``, meta excluded."""
     devices = set()
     for _, module in _modules(obj):
@@ -179,7 +199,7 @@ def placed_devices(obj: Any) -> set[str]:
     return devices
 
 
-def _refuse_on_accelerator(obj: Any) -> None:
+def _refuse_on_accelerator(obj: Offloadable) -> None:
     on_accelerator = sorted(d for d in placed_devices(obj) if not d.startswith("cpu"))
     if on_accelerator:
         raise OffloadError(
@@ -190,7 +210,7 @@ def _refuse_on_accelerator(obj: Any) -> None:
 
 # --- devices -------------------------------------------------------------------------------------
 
-def _device(options: dict[str, Any], key: str = "device") -> torch.device:
+def _device(options: Options, key: str = "device") -> torch.device:
     import torch
 
     value = options.pop(key, None)
@@ -209,11 +229,11 @@ def _device(options: dict[str, Any], key: str = "device") -> torch.device:
 
 # --- model offload -------------------------------------------------------------------------------
 
-def _model_pipeline(pipe: Any, options: dict[str, Any]) -> None:
+def _model_pipeline(pipe: OffloadPipeline, options: Options) -> None:
     pipe.enable_model_cpu_offload(device=_device(options))
 
 
-def _model_modules(obj: Any, options: dict[str, Any]) -> None:
+def _model_modules(obj: Modules, options: Options) -> None:
     from accelerate import cpu_offload_with_hook
 
     device = _device(options)
@@ -226,7 +246,7 @@ def _model_modules(obj: Any, options: dict[str, Any]) -> None:
 
 # --- sequential offload --------------------------------------------------------------------------
 
-def _sequential_pipeline(pipe: Any, options: dict[str, Any]) -> None:
+def _sequential_pipeline(pipe: OffloadPipeline, options: Options) -> None:
     _refuse_on_accelerator(pipe)
     device = _device(options)
     if device.type != "cpu":
@@ -239,7 +259,7 @@ def _sequential_pipeline(pipe: Any, options: dict[str, Any]) -> None:
     _sequential_modules([m for n, m in _modules(pipe) if n not in excluded], {"device": device})
 
 
-def _sequential_modules(obj: Any, options: dict[str, Any]) -> None:
+def _sequential_modules(obj: Modules, options: Options) -> None:
     from accelerate import cpu_offload
 
     _refuse_on_accelerator(obj)
@@ -251,7 +271,7 @@ def _sequential_modules(obj: Any, options: dict[str, Any]) -> None:
 
 # --- group offload -------------------------------------------------------------------------------
 
-def _group_kwargs(options: dict[str, Any]) -> dict[str, Any]:
+def _group_kwargs(options: Options) -> Options:
     """Validate group options and fill the defaults diffusers leaves to the caller."""
     import torch
 
@@ -283,14 +303,14 @@ def _group_kwargs(options: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _group_pipeline(pipe: Any, options: dict[str, Any]) -> None:
+def _group_pipeline(pipe: OffloadPipeline, options: Options) -> None:
     kwargs = _group_kwargs(options)
     if kwargs.pop("block_modules", None) is not None:
         raise InvalidInputError("group offload: block_modules applies to a single model, not to a pipeline")
     pipe.enable_group_offload(**kwargs)
 
 
-def _group_modules(obj: Any, options: dict[str, Any]) -> None:
+def _group_modules(obj: Modules, options: Options) -> None:
     from diffusers.hooks import apply_group_offloading
 
     kwargs = _group_kwargs(options)
@@ -307,7 +327,7 @@ def _group_modules(obj: Any, options: dict[str, Any]) -> None:
 
 # --- disk offload --------------------------------------------------------------------------------
 
-def _disk_modules(obj: Any, options: dict[str, Any]) -> None:
+def _disk_modules(obj: Offloadable, options: Options) -> None:
     from accelerate import disk_offload
 
     folder = options.pop("offload_dir", None)
@@ -325,7 +345,7 @@ def _disk_modules(obj: Any, options: dict[str, Any]) -> None:
 _DIFFUSERS_OFFLOAD_HOOKS = ("group_offloading", "layer_execution_tracker", "lazy_prefetch_group_offloading")
 
 
-def _remove(obj: Any, kind: str) -> None:
+def _remove(obj: Offloadable, kind: str) -> None:
     from accelerate.hooks import remove_hook_from_module
 
     for _, module in _modules(obj):
@@ -342,7 +362,7 @@ def _remove(obj: Any, kind: str) -> None:
         if any(t.is_meta for t in module.parameters()):
             raise OffloadError(f"removing offload hooks left meta weights in {type(module).__name__}; reload the model")
     if kind == "pipeline":
-        obj._all_hooks = []
+        cast(Any, obj)._all_hooks = []  # the pipeline's own list of accelerate hooks
 
 
 def _restore_group_offloaded(module: nn.Module) -> None:
@@ -361,15 +381,15 @@ def _restore_group_offloaded(module: nn.Module) -> None:
             group._is_offloaded_to_disk = False
 
 
-def _none_pipeline(pipe: Any, options: dict[str, Any]) -> None:
+def _none_pipeline(pipe: OffloadPipeline, options: Options) -> None:
     _remove(pipe, "pipeline")
 
 
-def _none_modules(obj: Any, options: dict[str, Any]) -> None:
+def _none_modules(obj: Modules, options: Options) -> None:
     _remove(obj, "module")
 
 
-def _disk_pipeline(pipe: Any, options: dict[str, Any]) -> None:
+def _disk_pipeline(pipe: OffloadPipeline, options: Options) -> None:
     _disk_modules(pipe, options)
 
 
@@ -386,7 +406,7 @@ STRATEGIES: dict[str, Strategy] = {
 }
 
 
-def installed_hooks(obj: Any) -> list[str]:
+def installed_hooks(obj: Offloadable) -> list[str]:
     """``"name: HookClass"`` for every accelerate and diffusers hook under ``obj`` (for tests and debugging)."""
     found = []
     for prefix, module in _modules(obj):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from ..layouts.fp4 import MODELOPT_NVFP4, MXFP4, Fp4Layout
 
@@ -96,8 +96,12 @@ def attach_packed_fp4(model: nn.Module, modules: list[PackedModule],
     return kept
 
 
-def _dequantizing(module: nn.Module, forward: Callable[..., Any], entry: PackedModule) -> Callable[..., Any]:
-    def dequantizing_forward(*args: Any, **kwargs: Any) -> Any:
+P = ParamSpec("P")  # the wrapped forward's parameters
+R = TypeVar("R")
+
+
+def _dequantizing(module: nn.Module, forward: Callable[P, R], entry: PackedModule) -> Callable[P, R]:
+    def dequantizing_forward(*args: P.args, **kwargs: P.kwargs) -> R:
         import torch
 
         compute = next((a.dtype for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)

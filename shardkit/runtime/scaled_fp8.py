@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 from ..formats.quant import QuantLayout, ScaledWeight
 
@@ -75,8 +75,12 @@ def attach_scaled_fp8(model: nn.Module, modules: list[ScaledModule],
     return kept
 
 
-def _dequantizing(module: nn.Module, forward: Callable[..., Any], entry: ScaledModule) -> Callable[..., Any]:
-    def dequantizing_forward(*args: Any, **kwargs: Any) -> Any:
+P = ParamSpec("P")  # the wrapped forward's parameters
+R = TypeVar("R")
+
+
+def _dequantizing(module: nn.Module, forward: Callable[P, R], entry: ScaledModule) -> Callable[P, R]:
+    def dequantizing_forward(*args: P.args, **kwargs: P.kwargs) -> R:
         import torch
 
         weight = module.weight

@@ -33,9 +33,12 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -45,13 +48,13 @@ class Switch:
     name: str
     memory: str
     speed: str
-    unsupported: Callable[[Any, Any], str | None]
-    apply: Callable[[Any, Any], None]
+    unsupported: Callable[[object, object], str | None]
+    apply: Callable[[object, object], None]
 
 
 # ----------------------------------------------------------------------------- component access
 
-def models(obj: Any) -> dict[str, Any]:
+def models(obj: object) -> dict[str, torch.nn.Module]:
     """The ``nn.Module`` components of a pipeline by name, or ``{"model": obj}`` for one model."""
     import torch
 
@@ -61,15 +64,15 @@ def models(obj: Any) -> dict[str, Any]:
     return {"model": obj} if isinstance(obj, torch.nn.Module) else {}
 
 
-def _vae(obj: Any) -> Any:
+def _vae(obj: object) -> object | None:
     vae = getattr(obj, "vae", None)
     if vae is None and type(obj).__name__.startswith(("Autoencoder", "VQModel", "ConsistencyDecoderVAE")):
         vae = obj
     return vae
 
 
-def _vae_flag(flag: str, what: str) -> Callable[[Any, Any], str | None]:
-    def check(obj: Any, value: Any) -> str | None:
+def _vae_flag(flag: str, what: str) -> Callable[[object, object], str | None]:
+    def check(obj: object, value: object) -> str | None:
         vae = _vae(obj)
         if vae is None:
             return "there is no VAE component"
@@ -80,8 +83,8 @@ def _vae_flag(flag: str, what: str) -> Callable[[Any, Any], str | None]:
     return check
 
 
-def _enable_vae(method: str) -> Callable[[Any, Any], None]:
-    def apply(obj: Any, value: Any) -> None:
+def _enable_vae(method: str) -> Callable[[object, object], None]:
+    def apply(obj: object, value: object) -> None:
         vae = _vae(obj)
         getattr(vae, method if value else method.replace("enable", "disable"))()
     return apply
@@ -89,44 +92,44 @@ def _enable_vae(method: str) -> Callable[[Any, Any], None]:
 
 # ----------------------------------------------------------------------------- strategies
 
-def _no_sliceable(obj: Any, value: Any) -> str | None:
+def _no_sliceable(obj: object, value: object) -> str | None:
     if any(hasattr(m, "set_attention_slice") for m in models(obj).values()):
         return None
     return "no component supports attention slicing (diffusers implements it for UNet-style models)"
 
 
-def _slice_attention(obj: Any, value: Any) -> None:
+def _slice_attention(obj: object, value: object) -> None:
     size = "auto" if value is True else (None if value is False else value)
     if hasattr(obj, "enable_attention_slicing"):
         obj.enable_attention_slicing(size)
         return
     for model in models(obj).values():
         if hasattr(model, "set_attention_slice"):
-            model.set_attention_slice(size)
+            model.set_attention_slice(size)  # type: ignore[operator]  # a diffusers method, not a submodule
 
 
-def _conv_models(obj: Any) -> list[Any]:
+def _conv_models(obj: object) -> list[torch.nn.Module]:
     import torch
 
     return [m for m in models(obj).values() if any(isinstance(x, torch.nn.Conv2d) for x in m.modules())]
 
 
-def _no_convs(obj: Any, value: Any) -> str | None:
+def _no_convs(obj: object, value: object) -> str | None:
     return None if _conv_models(obj) else "no component has 2-D convolutions (channels_last only helps convs)"
 
 
-def _channels_last(obj: Any, value: Any) -> None:
+def _channels_last(obj: object, value: object) -> None:
     import torch
 
     fmt = torch.channels_last if value else torch.contiguous_format
     for model in _conv_models(obj):
-        model.to(memory_format=fmt)
+        model.to(memory_format=fmt)  # type: ignore[call-overload]  # Module.to takes it; torch's stubs omit it
 
 
 ATTENTION_BACKENDS = ("sdpa", "xformers")
 
 
-def _backend_unsupported(obj: Any, value: Any) -> str | None:
+def _backend_unsupported(obj: object, value: object) -> str | None:
     import torch
 
     if value not in ATTENTION_BACKENDS:
@@ -139,21 +142,21 @@ def _backend_unsupported(obj: Any, value: Any) -> str | None:
     return None
 
 
-def _set_backend(obj: Any, value: Any) -> None:
+def _set_backend(obj: object, value: object) -> None:
     if value == "xformers":
         for model in models(obj).values():
             if hasattr(model, "enable_xformers_memory_efficient_attention"):
-                model.enable_xformers_memory_efficient_attention()
+                model.enable_xformers_memory_efficient_attention()  # type: ignore[operator]  # diffusers'
         return
     # diffusers logs that set_attention_backend is experimental; the library leaves diffusers'
     # logging alone (the CLI quiets it, an application decides for itself).
     for model in models(obj).values():
         # "native" is diffusers' name for torch.nn.functional.scaled_dot_product_attention.
         if hasattr(model, "set_attention_backend"):
-            model.set_attention_backend("native")
+            model.set_attention_backend("native")  # type: ignore[operator]  # diffusers'
 
 
-def _no_ampere(obj: Any, value: Any) -> str | None:
+def _no_ampere(obj: object, value: object) -> str | None:
     import torch
 
     if not torch.cuda.is_available():
@@ -164,7 +167,7 @@ def _no_ampere(obj: Any, value: Any) -> str | None:
     return None
 
 
-def _allow_tf32(obj: Any, value: Any) -> None:
+def _allow_tf32(obj: object, value: object) -> None:
     import torch
 
     # Process-wide by design in torch: it affects every fp32 matmul and convolution afterwards.
@@ -175,7 +178,7 @@ def _allow_tf32(obj: Any, value: Any) -> None:
 HALF_DTYPES = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
 
 
-def _bad_dtype(obj: Any, value: Any) -> str | None:
+def _bad_dtype(obj: object, value: object) -> str | None:
     import torch
 
     if isinstance(value, torch.dtype):
@@ -185,7 +188,7 @@ def _bad_dtype(obj: Any, value: Any) -> str | None:
     return None
 
 
-def _to_dtype(obj: Any, value: Any) -> None:
+def _to_dtype(obj: object, value: object) -> None:
     import torch
 
     name = HALF_DTYPES[str(value).removeprefix("torch.")]
@@ -213,7 +216,7 @@ SWITCHES: dict[str, Switch] = {s.name: s for s in (
 
 # ----------------------------------------------------------------------------- public API
 
-def normalize_switches(switches: Mapping[str, Any] | Iterable[str] | None) -> dict[str, Any]:
+def normalize_switches(switches: Mapping[str, object] | Iterable[str] | None) -> dict[str, object]:
     """``["vae_tiling", ...]`` or ``{"dtype": "bf16", ...}`` → ordered ``{name: value}``."""
     if switches is None:
         return {}
@@ -224,7 +227,7 @@ def normalize_switches(switches: Mapping[str, Any] | Iterable[str] | None) -> di
     return {name: items[name] for name in SWITCHES if name in items and items[name] is not None}
 
 
-def unsupported_reason(obj: Any, name: str, value: Any = True) -> str | None:
+def unsupported_reason(obj: object, name: str, value: object = True) -> str | None:
     """Why switch ``name`` cannot apply to ``obj`` (a pipeline or model), or None when it can.
 
     unsupported_reason(vq_pipe, "vae_tiling")
@@ -238,7 +241,7 @@ def unsupported_reason(obj: Any, name: str, value: Any = True) -> str | None:
     return switch.unsupported(obj, value)
 
 
-def apply_switches(obj: Any, switches: Mapping[str, Any] | Iterable[str] | None) -> list[str]:
+def apply_switches(obj: object, switches: Mapping[str, object] | Iterable[str] | None) -> list[str]:
     """Turn on ``switches`` on a diffusers pipeline or model; refuse them all if one cannot apply.
 
     Values: ``True``/``False`` for flags, ``"fp16"``/``"bf16"`` for ``dtype``, ``"sdpa"``/``"xformers"``

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,10 +43,11 @@ from ..formats.gguf import (
 )
 from ..formats.header import TensorEntry
 from ..formats.index import Naming
+from ..formats.json_types import Config
 from ..sources import Source, open_source
 from ..sources.gguf import GgufSource
 from .job import SplitResult, refuse_output_inside_source
-from .options import WriteOptions, warn
+from .options import ProgressCallback, WriteOptions, warn
 from .plan import plan_shards
 
 __all__ = ["GGUF_QUANTIZE", "convert_to_gguf"]
@@ -159,7 +160,7 @@ def _flux_folder(path: str, *, component: str | None, variant: str | None) -> It
         yield src
 
 
-def _llama_model(config: Mapping[str, Any] | None, *, where: str) -> GgufModel:
+def _llama_model(config: Config | None, *, where: str) -> GgufModel:
     from ..layouts.gguf_names import gguf_name, metadata_from_config
 
     if config is None:
@@ -240,7 +241,7 @@ def _metadata(model: GgufModel, tensors: list[_Tensor], quantize: str | None) ->
 # ----------------------------------------------------------------------------- bytes
 
 
-def _write(path: str, head: bytes, tensors: list[_Tensor], src: Source, *, progress: Any) -> None:
+def _write(path: str, head: bytes, tensors: list[_Tensor], src: Source, *, progress: ProgressCallback | None) -> None:
     total = sum(t.entry.nbytes for t in tensors)
     done = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

@@ -14,7 +14,6 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from ..atomic.commit import file_transaction, recover
 from ..errors import InvalidInputError, OutputExistsError
@@ -40,7 +39,7 @@ class MergeResult:
     cloned_bytes: int = 0  # tensor bytes that share extents with the shards (copy-on-write), not copied
     dry_run: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         return {"output": self.output, "source": self.source, "dry_run": self.dry_run, "shards": self.shards,
                 "tensors": self.tensors, "total_bytes": self.total_bytes, "cloned_bytes": self.cloned_bytes,
                 "copied_bytes": self.total_bytes - self.cloned_bytes}

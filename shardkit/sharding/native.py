@@ -18,11 +18,14 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
 from ..formats.index import DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, Naming
 from .job import SideFile
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["NativeModel", "library_of", "native_model", "transformers_state_dict"]
 
@@ -44,13 +47,13 @@ class NativeModel:
     """
 
     library: str
-    state_dict: Mapping[str, Any]
+    state_dict: Mapping[str, torch.Tensor]
     naming: Naming
     side_files: list[SideFile] = field(default_factory=list)
     keep: frozenset[str] = frozenset()
 
 
-def library_of(obj: Any) -> str | None:
+def library_of(obj: object) -> str | None:
     """``"diffusers"`` for a ``ModelMixin``, ``"transformers"`` for a ``PreTrainedModel``, else None.
 
     >>> library_of({"w": 1}) is None
@@ -97,7 +100,7 @@ def native_model(obj: Any, *, cast_to: str | None = None) -> Iterator[NativeMode
         yield native
 
 
-def _refuse_quantized(model: Any) -> None:
+def _refuse_quantized(model: object) -> None:
     """A quantized model's state is more than plain tensors; only its library saves it faithfully."""
     if getattr(model, "hf_quantizer", None) is not None or getattr(model, "is_quantized", False):
         raise InvalidInputError(f"{type(model).__name__} is quantized: save it with its own save_pretrained; "
@@ -116,13 +119,13 @@ def _save_transformers_configs(model: Any, folder: str, *, cast_to: str | None) 
         generation.save_pretrained(folder)
 
 
-def _model_class(model: Any) -> type:
+def _model_class(model: object) -> type:
     """The model's own class: FSDP2's ``fully_shard`` swaps in a subclass ``FSDP<Class>(FSDPModule, Class)``."""
     cls = type(model)
     return cls.__bases__[-1] if "FSDPModule" in {b.__name__ for b in cls.__bases__} else cls
 
 
-def _unwrap_class_name(model: Any, path: str) -> None:
+def _unwrap_class_name(model: object, path: str) -> None:
     """diffusers records ``type(model).__name__``; under FSDP2 that is the wrapper's ``FSDP<Class>``."""
     cls = _model_class(model)
     if cls is not type(model) and os.path.isfile(path):
@@ -139,7 +142,7 @@ def _torch_dtype_name(code: str) -> str:
     return str(to_torch(code)).removeprefix("torch.")
 
 
-def transformers_state_dict(model: Any) -> tuple[Mapping[str, Any], frozenset[str]]:
+def transformers_state_dict(model: Any) -> tuple[Mapping[str, torch.Tensor], frozenset[str]]:
     """The state dict and, of tied tensors, the names transformers keeps when it saves.
 
     transformers reloads a tied pair from one declared name (``model.embed_tokens.weight``, not

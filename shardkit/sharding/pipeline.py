@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..atomic.commit import recover
 from ..errors import InvalidInputError
@@ -43,7 +42,7 @@ class PipelineResult(SplitResult):
     def files(self) -> list[str]:
         return [os.path.join(self.output, name, f) for name, r in self.components.items() for f in r.plan.filenames()]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, object]:
         doc = super().to_dict()
         doc["index"] = None
         doc["components"] = {name: r.to_dict() for name, r in self.components.items()}

@@ -22,10 +22,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.gguf import GGUF_QUANTIZE
+from ..formats.json_types import JsonObject
 from ..formats.layout import read_config
 from ..formats.quant import find_layout
 from ..layouts.fp4 import Fp4Layout
@@ -38,6 +39,9 @@ from ..sources.quantized import QuantizedSource
 from ..sources.quantized_fp4 import FP4_SCHEMES, Fp4QuantizedSource
 from ..units import LOSSLESS_TARGETS
 from .options import WriteOptions, warn
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["config_edits", "dequantized_for_mapping", "dropped_side_files", "kept_cast", "quant_report", "quant_view"]
 VIEWS = (DequantizedSource, Fp4DequantizedSource, QuantizedSource, Fp4QuantizedSource)
@@ -89,7 +93,7 @@ def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset
     return DequantizedSource(src, layout, cast_to), frozenset()
 
 
-def source_config(src: Source) -> dict[str, Any] | None:
+def source_config(src: Source) -> JsonObject | None:
     """The ``config.json`` beside ``src``'s files (with ModelOpt's ``hf_quant_config.json``), if any."""
     folder = _config_folder(src)
     return quant_config(folder) if folder else None
@@ -115,7 +119,7 @@ def kept_cast(src: Source, options: WriteOptions) -> str | None:
 
 
 def quant_report(src: Source, *, cast_to: str | None = None,
-                 options: WriteOptions | None = None) -> dict[str, Any] | None:
+                 options: WriteOptions | None = None) -> JsonObject | None:
     """What :func:`quant_view`'s source did (scheme, kept modules and their dtype, per-tensor error), or None."""
     if not isinstance(src, VIEWS):
         return None
@@ -165,7 +169,8 @@ def dropped_side_files(jobs: Sequence[tuple[str, Source]]) -> frozenset[str]:
                      if isinstance(src, Fp4DequantizedSource) for dropped in src.dropped_side_files())
 
 
-def dequantized_for_mapping(tensors: Mapping[str, Any], *, options: WriteOptions, where: str) -> dict[str, Any]:
+def dequantized_for_mapping(tensors: Mapping[str, torch.Tensor], *, options: WriteOptions, where: str
+                            ) -> dict[str, torch.Tensor]:
     """``--to diffusers``: a scaled checkpoint's weights × scales *before* diffusers' key mapping, which
     would drop the scales and keep the raw fp8 values. In ``options.cast_to``, bf16 when none is given.
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
 
 from ..errors import InvalidInputError, SourceNotFoundError
 from .base import CheckpointSource, Source
@@ -35,25 +34,25 @@ def _is_safetensors_folder(path: str) -> bool:
     return os.path.isdir(path) and has_safetensors(path)
 
 
-def _open_safetensors_file(path: str, **_: Any) -> Source:
+def _open_safetensors_file(path: str, **_: object) -> Source:
     from .safetensors import open_safetensors_file
 
     return open_safetensors_file(path)
 
 
-def _open_safetensors_index(path: str, **_: Any) -> Source:
+def _open_safetensors_index(path: str, **_: object) -> Source:
     from .safetensors import open_safetensors_index
 
     return open_safetensors_index(path)
 
 
-def _open_safetensors_folder(path: str, *, variant: str | None = None, **_: Any) -> Source:
+def _open_safetensors_folder(path: str, *, variant: str | None = None, **_: object) -> Source:
     from .safetensors import open_safetensors_folder
 
     return open_safetensors_folder(path, variant=variant)
 
 
-def _open_pickle(path: str, *, key: str | None = None, **_: Any) -> Source:
+def _open_pickle(path: str, *, key: str | None = None, **_: object) -> Source:
     from .pickle import open_pickle
 
     return open_pickle(path, key=key)
@@ -65,7 +64,7 @@ def _is_pickle_index(path: str) -> bool:
     return is_pickle_index(path)
 
 
-def _open_pickle_index(path: str, *, key: str | None = None, **_: Any) -> Source:
+def _open_pickle_index(path: str, *, key: str | None = None, **_: object) -> Source:
     from .pickle_index import open_pickle_index
 
     return open_pickle_index(path, key=key)
@@ -77,7 +76,7 @@ def is_dcp_folder(path: str) -> bool:
     return is_dcp_folder(path)
 
 
-def _open_dcp(path: str, *, key: str | None = None, **_: Any) -> Source:
+def _open_dcp(path: str, *, key: str | None = None, **_: object) -> Source:
     from .dcp import open_dcp
 
     return open_dcp(path, key=key)
@@ -89,7 +88,7 @@ def is_pickle_index_folder(path: str) -> bool:
     return os.path.isdir(path) and find_pickle_index(path) is not None
 
 
-def _open_pickle_index_folder(path: str, *, key: str | None = None, **_: Any) -> Source:
+def _open_pickle_index_folder(path: str, *, key: str | None = None, **_: object) -> Source:
     from .pickle_index import find_pickle_index, open_pickle_index
 
     return open_pickle_index(find_pickle_index(path) or path, key=key)
@@ -101,7 +100,7 @@ def _is_single_pickle_folder(path: str) -> bool:
     return find_single_pickle(path) is not None
 
 
-def _open_single_pickle_folder(path: str, *, key: str | None = None, **_: Any) -> Source:
+def _open_single_pickle_folder(path: str, *, key: str | None = None, **_: object) -> Source:
     from .pickle import open_pickle
     from .pickle_index import find_single_pickle
 
@@ -112,7 +111,7 @@ def _is_gguf_file(path: str) -> bool:
     return os.path.isfile(path) and path.endswith(".gguf")
 
 
-def _open_gguf(path: str, **_: Any) -> Source:
+def _open_gguf(path: str, **_: object) -> Source:
     from .gguf import open_gguf
 
     return open_gguf(path)

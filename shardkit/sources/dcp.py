@@ -25,8 +25,9 @@ import pickle
 import struct
 import warnings
 import zipfile
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from ..errors import (
     InvalidInputError,
@@ -36,9 +37,9 @@ from ..errors import (
 )
 from ..formats.header import TensorEntry
 from ..formats.index import Naming
+from ..formats.suffixes import DCP_DATA_SUFFIX as DATA_SUFFIX
 from .base import Source, pread_exactly
 from .dcp_metadata import (
-    DATA_SUFFIX,
     MAX_METADATA_BYTES,
     METADATA_FILE,
     StoredTensor,
@@ -76,7 +77,7 @@ class _Chunk:
 class _FileSlice(io.RawIOBase):
     """A read-only, seekable window onto ``[offset, offset + length)`` of an open file."""
 
-    def __init__(self, f: Any, offset: int, length: int) -> None:
+    def __init__(self, f: IO[bytes], offset: int, length: int) -> None:
         self.f, self.offset, self.length, self.pos = f, offset, length, 0
 
     def readable(self) -> bool:
@@ -101,7 +102,7 @@ class _FileSlice(io.RawIOBase):
         return len(data)
 
 
-def locate_chunk(chunk: _Chunk, f: Any, *, dtype: str, itemsize: int) -> int | None:
+def locate_chunk(chunk: _Chunk, f: IO[bytes], *, dtype: str, itemsize: int) -> int | None:
     """Absolute offset of the chunk's bytes in its file, or None when they are not one plain run."""
     try:
         with zipfile.ZipFile(_FileSlice(f, chunk.blob_offset, chunk.blob_length)) as z:
@@ -122,6 +123,8 @@ def locate_chunk(chunk: _Chunk, f: Any, *, dtype: str, itemsize: int) -> int | N
     local = f.read(30)
     if len(local) < 30 or local[:4] != b"PK\x03\x04":
         return None
+    name_len: int
+    extra_len: int
     name_len, extra_len = struct.unpack("<HH", local[26:30])
     start = info.header_offset + 30 + name_len + extra_len + record.storage_offset * itemsize
     if start + math.prod(chunk.sizes) * itemsize > info.header_offset + 30 + name_len + extra_len + info.file_size:
@@ -270,7 +273,7 @@ def open_dcp(folder: str, *, key: str | None = None) -> DCPSource:
     return DCPSource(folder, tensors, description=f"DCP checkpoint {folder}{chosen}")
 
 
-def _select(items: dict[str, Any], paths: dict[str, Any], *, key: str | None, where: str) -> list[tuple[str, str]]:
+def _select(items: Mapping[str, object], paths: Mapping[str, Sequence[object]], *, key: str | None, where: str) -> list[tuple[str, str]]:
     """(fqn, output name) pairs of the chosen sub-dict, in metadata order; non-tensors refused."""
     def path_of(fqn: str) -> tuple[str, ...]:
         return tuple(str(p) for p in paths.get(fqn, (fqn,)))
@@ -290,7 +293,7 @@ def _select(items: dict[str, Any], paths: dict[str, Any], *, key: str | None, wh
     return chosen
 
 
-def _auto_key(items: dict[str, Any], path_of: Any, where: str) -> tuple[str, ...]:
+def _auto_key(items: Mapping[str, object], path_of: Callable[[str], tuple[str, ...]], where: str) -> tuple[str, ...]:
     tops = {path_of(f)[0] for f in items if len(path_of(f)) > 1}
     for candidate in STATE_DICT_KEYS:
         if candidate in tops:
@@ -302,7 +305,8 @@ def _auto_key(items: dict[str, Any], path_of: Any, where: str) -> tuple[str, ...
     return ()
 
 
-def _build_tensor(folder: str, fqn: str, name: str, meta: Any, storage: dict) -> _Tensor:
+def _build_tensor(folder: str, fqn: str, name: str, meta: Any, storage: dict[tuple[str, tuple[int, ...] | None], Any]
+                  ) -> _Tensor:
     from ..formats.dtypes import from_torch
 
     chunks = []
@@ -322,7 +326,7 @@ def _build_tensor(folder: str, fqn: str, name: str, meta: Any, storage: dict) ->
 
 def _locate_all(tensors: list[_Tensor]) -> None:
     """Check every data file exists and is long enough, then find each chunk's bytes."""
-    handles: dict[str, Any] = {}
+    handles: dict[str, IO[bytes]] = {}
     try:
         for t in tensors:
             for chunk in t.chunks:

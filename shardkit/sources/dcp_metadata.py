@@ -16,10 +16,16 @@ import os
 import pickle
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError, SourceNotFoundError, UnsafePickleError
 from ..formats.suffixes import DCP_DATA_SUFFIX as DATA_SUFFIX
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from types import ModuleType
+    
+    from torch.distributed.checkpoint.metadata import Metadata
 
 METADATA_FILE = ".metadata"
 MAX_METADATA_BYTES = 2_000_000_000
@@ -30,7 +36,7 @@ MAX_METADATA_BYTES = 2_000_000_000
 class _MetadataUnpickler(pickle.Unpickler):
     """Only DCP's own metadata dataclasses/enums and a few plain torch values may be built."""
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         import torch
 
         value = _allowed_metadata_global(module, name, torch)
@@ -39,7 +45,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         return value
 
 
-def _allowed_metadata_global(module: str, name: str, torch: Any) -> Any:
+def _allowed_metadata_global(module: str, name: str, torch: ModuleType) -> object:
     import collections
     import importlib
     import pathlib
@@ -62,7 +68,7 @@ def _allowed_metadata_global(module: str, name: str, torch: Any) -> Any:
     return None
 
 
-def load_metadata(folder: str) -> Any:
+def load_metadata(folder: str) -> Metadata:
     """Unpickle ``folder/.metadata`` with the allowlist above.
 
     load_metadata("fsdp-checkpoint/").state_dict_metadata.keys()
@@ -78,7 +84,7 @@ def load_metadata(folder: str) -> Any:
         raise InvalidInputError(f"{path}: too large to be DCP metadata")
     try:
         with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+            metadata: Metadata = _MetadataUnpickler(f).load()  # checked below
     except pickle.UnpicklingError as e:
         raise UnsafePickleError(f"{path}: refused to unpickle DCP metadata ({e}); shardkit never executes pickled code") from e
     except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, struct.error) as e:
@@ -104,7 +110,7 @@ class StoredTensor:
 class _BlobUnpickler(pickle.Unpickler):
     """Reads a chunk's ``data.pkl`` into a :class:`StoredTensor` without building a tensor."""
 
-    def find_class(self, module: str, name: str) -> Any:
+    def find_class(self, module: str, name: str) -> object:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return _record_tensor
         if (module, name) == ("torch._utils", "_rebuild_tensor_v3"):  # dtypes without a typed storage (fp8...)
@@ -125,20 +131,21 @@ class _BlobUnpickler(pickle.Unpickler):
                 return ("dtype", from_torch(value))
         raise pickle.UnpicklingError(f"{module}.{name}")
 
-    def persistent_load(self, pid: Any) -> Any:
+    def persistent_load(self, pid: object) -> tuple[str, str]:
         if not (isinstance(pid, tuple) and len(pid) >= 3 and pid[0] == "storage"):
             raise pickle.UnpicklingError("unexpected persistent id")
         return pid[1][1] if isinstance(pid[1], tuple) else str(pid[1]), str(pid[2])
 
 
-def _record_tensor(storage: Any, storage_offset: int, shape: Any, stride: Any, *_: Any) -> StoredTensor:
+def _record_tensor(storage: tuple[str, str], storage_offset: int, shape: Sequence[int], stride: Sequence[int],
+                   *_: object) -> StoredTensor:
     storage_type, key = storage
     return StoredTensor(_STORAGE_CODES.get(storage_type, storage_type), key, int(storage_offset), tuple(shape),
                          tuple(stride))
 
 
-def _record_tensor_v3(storage: Any, storage_offset: int, shape: Any, stride: Any, requires_grad: Any,
-                      hooks: Any, dtype: Any, *_: Any) -> StoredTensor:
+def _record_tensor_v3(storage: tuple[str, str], storage_offset: int, shape: Sequence[int], stride: Sequence[int],
+                      requires_grad: object, hooks: object, dtype: Any, *_rest: object) -> StoredTensor:
     _, key = storage
     code = dtype[1] if isinstance(dtype, tuple) and dtype[:1] == ("dtype",) else "?"
     return StoredTensor(code, key, int(storage_offset), tuple(shape), tuple(stride))
@@ -152,7 +159,7 @@ _STORAGE_CODES = {
 }
 
 
-def load_chunk_record(raw: bytes) -> Any:
+def load_chunk_record(raw: bytes) -> object:
     """A chunk's ``data.pkl`` as a :class:`StoredTensor` (anything else it holds is returned as is).
 
     Raises ``pickle.UnpicklingError`` for any global outside the allowlist.

@@ -10,13 +10,17 @@ copied kernel-side). ``edit_config`` drops ``quantization_config`` from the chec
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
+from ..formats.json_types import JsonObject
 from ..formats.quant import COMFY_METADATA_KEY, QuantLayout, ScaledWeight, matrix_shape
 from ..units import DTYPE_BITS, tensor_nbytes
 from .base import Source
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DequantizedSource", "ViewSource", "bytes_in_range", "read_rows", "read_whole"]
 
@@ -34,7 +38,7 @@ def bytes_in_range(pieces: Iterable[tuple[int, bytes | memoryview]], begin: int,
     return b"".join(out)
 
 
-def read_whole(source: Source, entry: TensorEntry) -> Any:
+def read_whole(source: Source, entry: TensorEntry) -> torch.Tensor:
     """``entry``'s whole tensor in its stored dtype (for small tensors: scales)."""
     from ..formats.fp8 import tensor_from_bytes
 
@@ -45,7 +49,7 @@ def read_whole(source: Source, entry: TensorEntry) -> Any:
     return tensor_from_bytes(raw, entry.dtype, entry.shape)
 
 
-def read_rows(source: Source, entry: TensorEntry, row0: int, row1: int) -> Any:
+def read_rows(source: Source, entry: TensorEntry, row0: int, row1: int) -> torch.Tensor:
     """Rows ``row0:row1`` of ``entry`` seen as a matrix (:func:`~shardkit.formats.quant.matrix_shape`)."""
     from ..formats.fp8 import tensor_from_bytes
 
@@ -142,11 +146,11 @@ class DequantizedSource(ViewSource):
             band = dequantize_band(read_rows(self.inner, stored, row0, row1), scale, weight, row0, out_dtype)
             yield row0, band.contiguous().view(torch.uint8).numpy().data.cast("B")
 
-    def edit_config(self, config: dict[str, Any]) -> dict[str, Any]:
+    def edit_config(self, config: JsonObject) -> JsonObject:
         """The config.json of the output: without ``quantization_config`` (the weights are plain now)."""
         return {k: v for k, v in config.items() if k != "quantization_config"}
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, object]:
         """What was dequantized: the layout read, how many weights, how many scale/marker tensors dropped."""
         return {"dequantized": self.layout.describe(), "dtype": self.out_dtype, "weights": len(self.layout.weights),
                 "dropped": len(self.layout.extra)}

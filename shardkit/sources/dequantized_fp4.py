@@ -12,15 +12,19 @@ are refused before anything is written.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
+from ..formats.json_types import JsonObject
 from ..layouts.fp4 import MODELOPT_NVFP4, MXFP4, Fp4Layout, PackedWeight
 from ..layouts.registry import HF_QUANT_CONFIG
 from ..units import DTYPE_BITS, tensor_nbytes
 from .base import Source
 from .dequantized import ViewSource, bytes_in_range, read_rows, read_whole
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Fp4DequantizedSource"]
 
@@ -86,7 +90,7 @@ class Fp4DequantizedSource(ViewSource):
         for offset, band in bands(weight, out_dtype, first_byte):
             yield offset, band.contiguous().view(torch.uint8).numpy().data.cast("B")
 
-    def _nvfp4_bands(self, weight: PackedWeight, out_dtype: Any, first_byte: int) -> Iterator[tuple[int, Any]]:
+    def _nvfp4_bands(self, weight: PackedWeight, out_dtype: torch.dtype, first_byte: int) -> Iterator[tuple[int, torch.Tensor]]:
         from ..layouts.fp4_math import dequantize_nvfp4
 
         rows, cols = weight.shape
@@ -102,7 +106,7 @@ class Fp4DequantizedSource(ViewSource):
                                     global_scale, modelopt=modelopt, out_dtype=out_dtype)
             yield row0 * row_bytes, band
 
-    def _mxfp4_bands(self, weight: PackedWeight, out_dtype: Any, first_byte: int) -> Iterator[tuple[int, Any]]:
+    def _mxfp4_bands(self, weight: PackedWeight, out_dtype: torch.dtype, first_byte: int) -> Iterator[tuple[int, torch.Tensor]]:
         """Expert by expert, a run of input columns at a time: dense rows ``(e, c0:c1)`` are the transposed
         dequantized columns ``c0:c1`` of the stored ``(out, in)`` matrix of expert ``e``."""
         from ..layouts.fp4_math import dequantize_mxfp4
@@ -121,7 +125,7 @@ class Fp4DequantizedSource(ViewSource):
                 dense = dequantize_mxfp4(blocks[:, g0:g1], scales[:, g0:g1], out_dtype).transpose(0, 1)
                 yield (expert * cols + g0 * 32) * row_bytes, dense
 
-    def edit_config(self, config: dict[str, Any]) -> dict[str, Any]:
+    def edit_config(self, config: JsonObject) -> JsonObject:
         """The config.json of the output: without ``quantization_config`` (the weights are plain now)."""
         return {k: v for k, v in config.items() if k != "quantization_config"}
 
@@ -129,7 +133,7 @@ class Fp4DequantizedSource(ViewSource):
         """Side files that describe the quantization and go with it: ModelOpt's ``hf_quant_config.json``."""
         return frozenset({HF_QUANT_CONFIG})
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, object]:
         """What was dequantized: the layout read, how many weights, how many scale tensors dropped."""
         return {"dequantized": self.layout.describe(), "dtype": self.out_dtype, "weights": len(self._packed),
                 "dropped": len(self.layout.extra)}

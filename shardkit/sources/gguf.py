@@ -13,13 +13,17 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.gguf import GgufFile, GgufTensor, read_gguf
 from ..formats.header import TensorEntry
+from ..formats.json_types import JsonObject
 from ..units import tensor_nbytes
 from .base import Source, pread_exactly
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["GgufSource", "find_gguf", "load_gguf_tensors", "open_gguf"]
 
@@ -28,7 +32,7 @@ PLAIN = {"F32": "F32", "F16": "F16", "BF16": "BF16", "F64": "F64", "I8": "I8", "
 BAND_BYTES = 4 * 2**20  # output bytes computed at a time (float32)
 
 
-def open_gguf(path: str, **_: Any) -> GgufSource:
+def open_gguf(path: str, **_: object) -> GgufSource:
     """Open a ``.gguf`` file (the header is validated; no tensor data is read)."""
     return GgufSource(path)
 
@@ -89,7 +93,7 @@ class GgufSource(Source):
         """The tensors as stored: HF names, ggml type names as dtypes (``"Q8_0"``), stored byte counts (for ``info``)."""
         return [TensorEntry(name, t.kind.name, t.shape, t.nbytes, self.gguf.path, t.offset) for name, t in self.names.items()]
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> dict[str, object]:
         """What ``info`` shows: architecture, ggml types (tensors, stored bytes), which tensors are dequantized."""
         kinds: dict[str, dict[str, int]] = {}
         for t in self.gguf.tensors:
@@ -126,7 +130,7 @@ class GgufSource(Source):
                                     "bf16 (or fp16; fp32 keeps gguf's dequantized values exactly), or write GGUF with "
                                     "--to gguf")
 
-    def config(self) -> dict[str, Any] | None:
+    def config(self) -> JsonObject | None:
         """The transformers ``config.json`` rebuilt from a Llama file's metadata; None for other architectures."""
         from ..layouts.gguf_names import config_from_metadata
 
@@ -228,7 +232,7 @@ class GgufSource(Source):
 
 
 
-def load_gguf_tensors(path: str, *, dequantize_to: str) -> tuple[dict[str, Any], dict[str, int], dict[str, str]]:
+def load_gguf_tensors(path: str, *, dequantize_to: str) -> tuple[dict[str, torch.Tensor], dict[str, int], dict[str, str]]:
     """A GGUF file as torch tensors under HF names, for conversions written in torch (diffusers' key mapping).
 
     Plain tensors stored as listed are views of a private memory map of the file (not copied into RAM);
@@ -245,7 +249,7 @@ def load_gguf_tensors(path: str, *, dequantize_to: str) -> tuple[dict[str, Any],
     src = GgufSource(path)
     try:
         mapped = torch.from_file(path, shared=False, size=src.gguf.file_bytes, dtype=torch.uint8)
-        tensors: dict[str, Any] = {}
+        tensors: dict[str, torch.Tensor] = {}
         offsets: dict[str, int] = {}
         for entry in src.entries():
             if entry.file is not None:

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Hashable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.index import Naming
 from ..units import tensor_nbytes
 from .base import ShardRule, Source, pread_exactly
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("shardkit")
 
@@ -32,7 +35,7 @@ class MemorySource(Source):
 
     shard_rule: ShardRule = "huggingface_hub"
 
-    def __init__(self, tensors: Mapping[str, Any], *, description: str = "in-memory state dict",
+    def __init__(self, tensors: Mapping[str, torch.Tensor], *, description: str = "in-memory state dict",
                  naming: Naming = Naming(), dedupe: bool = True, keep: Collection[str] = ()) -> None:
         from ..formats.dtypes import from_torch
 
@@ -73,7 +76,7 @@ class MemorySource(Source):
         return pread_exactly(self._fd(entry.file), end - begin, entry.offset + begin, file=entry.file,
                              name=entry.name)
 
-    def tensor(self, name: str) -> Any:
+    def tensor(self, name: str) -> torch.Tensor:
         return self._tensors[name]
 
     def close(self) -> None:
@@ -81,7 +84,7 @@ class MemorySource(Source):
         super().close()
 
 
-def check_all_tensors(tensors: Mapping[str, Any], *, where: str) -> None:
+def check_all_tensors(tensors: Mapping[str, object], *, where: str) -> None:
     """Refuse non-tensor values and tensors without host-readable data, naming them."""
     import torch
 
@@ -97,13 +100,15 @@ def check_all_tensors(tensors: Mapping[str, Any], *, where: str) -> None:
     for name, t in tensors.items():
         if not isinstance(name, str):
             raise InvalidInputError(f"{where}: tensor names must be strings, got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            continue  # refused above
         if t.is_meta:
             raise InvalidInputError(f"{where}: tensor {name!r} is on the meta device and has no data to save")
         if t.layout != torch.strided:
             raise InvalidInputError(f"{where}: tensor {name!r} has layout {t.layout}; only dense tensors can be saved")
 
 
-def find_aliases(tensors: Mapping[str, Any], *, keep: Collection[str] = ()) -> dict[str, str]:
+def find_aliases(tensors: Mapping[str, torch.Tensor], *, keep: Collection[str] = ()) -> dict[str, str]:
     """Names not to write because their memory is written under another name → that name.
 
     huggingface_hub's rule (``_remove_duplicate_names``): tensors of one storage whose byte
@@ -139,13 +144,13 @@ def find_aliases(tensors: Mapping[str, Any], *, keep: Collection[str] = ()) -> d
     return dict(sorted(aliases.items()))
 
 
-def _same_view(a: Any, b: Any) -> bool:
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride() and a.data_ptr() == b.data_ptr()
 
 
-def _shared_groups(tensors: Mapping[str, Any]) -> list[list[str]]:
+def _shared_groups(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
     """Names whose tensors overlap in one non-empty storage (``_find_shared_tensors``)."""
-    by_storage: dict[tuple, list[str]] = {}
+    by_storage: dict[tuple[torch.device, int, int], list[str]] = {}
     for name, t in tensors.items():
         storage = t.untyped_storage()
         if storage.data_ptr() != 0 and storage.nbytes() != 0:
@@ -167,7 +172,7 @@ def _shared_groups(tensors: Mapping[str, Any]) -> list[list[str]]:
     return groups
 
 
-def _end_ptr(t: Any) -> int:
+def _end_ptr(t: torch.Tensor) -> int:
     """One past the last element's first byte in logical order (the hub's ``_end_ptr``)."""
     if t.numel() == 0:
         return t.data_ptr()
@@ -175,15 +180,15 @@ def _end_ptr(t: Any) -> int:
     return t.data_ptr() + (last + 1) * t.element_size()
 
 
-def _is_complete(t: Any) -> bool:
+def _is_complete(t: torch.Tensor) -> bool:
     """Whether ``t`` starts where its storage starts and has as many bytes (the hub's test)."""
     storage = t.untyped_storage()
     return t.data_ptr() == storage.data_ptr() and t.numel() * t.element_size() == storage.nbytes()
 
 
-def _repeated_views(group: list[str], tensors: Mapping[str, Any], keep: Collection[str]) -> dict[str, str]:
+def _repeated_views(group: list[str], tensors: Mapping[str, torch.Tensor], keep: Collection[str]) -> dict[str, str]:
     """Within ``group``, names that view exactly the same memory as a name preferred to them."""
-    kept: dict[tuple, str] = {}
+    kept: dict[Hashable, str] = {}
     aliases: dict[str, str] = {}
     for name in sorted(group, key=lambda n: (n not in keep, n)):
         t = tensors[name]
@@ -194,7 +199,7 @@ def _repeated_views(group: list[str], tensors: Mapping[str, Any], keep: Collecti
     return aliases
 
 
-def hub_order(tensors: Mapping[str, Any]) -> list[str]:
+def hub_order(tensors: Mapping[str, torch.Tensor]) -> list[str]:
     """The names in key order, except that later tensors of a zero-byte storage follow its first.
 
     huggingface_hub identifies a storage by ``(device, address, bytes)``; every zero-byte storage
@@ -213,7 +218,7 @@ def hub_order(tensors: Mapping[str, Any]) -> list[str]:
     return [name for run in runs.values() for name in run]
 
 
-def host_bytes(tensor: Any) -> memoryview:
+def host_bytes(tensor: torch.Tensor) -> memoryview:
     """A flat byte view of ``tensor`` on the host (copies only what must be copied)."""
     t = tensor.detach()
     if t.device.type != "cpu":
@@ -221,10 +226,10 @@ def host_bytes(tensor: Any) -> memoryview:
     t = t.contiguous().reshape(-1)
     import torch
 
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray: a buffer
 
 
-def module_state_dict(obj: Any) -> Mapping[str, Any]:
+def module_state_dict(obj: object) -> Mapping[str, torch.Tensor]:
     """A module's state dict, or the mapping itself."""
     import torch
 

@@ -15,7 +15,7 @@ import struct
 import warnings
 import zipfile
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from ..errors import (
     InvalidInputError,
@@ -27,10 +27,13 @@ from ..formats.header import TensorEntry
 from ..formats.index import naming_from_filename
 from .memory import MemorySource
 
+if TYPE_CHECKING:
+    import torch
+
 STATE_DICT_KEYS = ("state_dict", "model", "module", "model_state_dict")
 
 
-def load_pickle(path: str) -> Any:
+def load_pickle(path: str) -> object:
     """``torch.load`` with ``weights_only=True`` (and ``mmap=True`` for zip files), errors mapped."""
     import torch
 
@@ -72,7 +75,7 @@ def _refusal_reason(error: Exception) -> str:
     return lines[0][:200] if lines else type(error).__name__
 
 
-def select_state_dict(obj: Any, *, key: str | None = None, where: str = "checkpoint") -> Mapping[str, Any]:
+def select_state_dict(obj: object, *, key: str | None = None, where: str = "checkpoint") -> Mapping[str, Any]:
     """Pick the tensor mapping out of a loaded checkpoint.
 
     With ``key``, ``obj[key]`` (a ``/``-separated path reaches nested dicts). Without it, a
@@ -98,7 +101,7 @@ def select_state_dict(obj: Any, *, key: str | None = None, where: str = "checkpo
     return obj
 
 
-def _is_tensor(value: Any) -> bool:
+def _is_tensor(value: object) -> TypeGuard[torch.Tensor]:
     import torch
 
     return isinstance(value, torch.Tensor)
@@ -118,7 +121,7 @@ def zip_record_offsets(path: str) -> dict[str, tuple[int, int]]:
     return out
 
 
-def locate_in_file(path: str, tensors: Mapping[str, Any], *, every: Any = None) -> dict[str, int]:
+def locate_in_file(path: str, tensors: Mapping[str, torch.Tensor], *, every: object = None) -> dict[str, int]:
     """File offsets of tensors that ``torch.load(mmap=True)`` mapped straight from ``path``.
 
     torch maps the whole file once; a storage's address minus the mapping base is its record's
@@ -138,7 +141,7 @@ def locate_in_file(path: str, tensors: Mapping[str, Any], *, every: Any = None) 
     with open(path, "rb") as f:
         for name, t in tensors.items():
             record = t.untyped_storage().data_ptr() - bases[0]
-            start = record + t.storage_offset() * t.element_size()
+            start = record + int(t.storage_offset()) * t.element_size()
             nbytes = t.numel() * t.element_size()
             if record in records and t.numel() and t.is_contiguous() and start + nbytes <= record + records[record] \
                     and _ends_match(f.fileno(), start, t):
@@ -146,7 +149,7 @@ def locate_in_file(path: str, tensors: Mapping[str, Any], *, every: Any = None) 
     return located
 
 
-def _ends_match(fd: int, start: int, tensor: Any) -> bool:
+def _ends_match(fd: int, start: int, tensor: torch.Tensor) -> bool:
     """The first and last bytes of ``tensor`` are the file's bytes at ``start``."""
     import torch
 
@@ -156,7 +159,7 @@ def _ends_match(fd: int, start: int, tensor: Any) -> bool:
     return os.pread(fd, k, start) == head and os.pread(fd, k, start + flat.numel() - k) == tail
 
 
-def _all_tensors(obj: Any, depth: int = 0) -> list[Any]:
+def _all_tensors(obj: object, depth: int = 0) -> list[torch.Tensor]:
     """Every tensor inside nested dicts, lists and tuples (what a weights_only pickle can hold)."""
     if _is_tensor(obj):
         return [obj]

@@ -20,24 +20,28 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
+from ..formats.json_types import JsonObject
 from ..formats.quant import DEFAULT_BLOCK, QUANTIZE_SCHEMES, ScaledWeight, matrix_shape, should_skip_quantize
 from ..units import tensor_nbytes
 from .base import Source
 from .dequantized import ViewSource, read_rows
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["QuantizedSource"]
 
 
-def _finegrained_config(ignored: list[str], granularity: str) -> dict[str, Any]:
+def _finegrained_config(ignored: list[str], granularity: str) -> JsonObject:
     return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(DEFAULT_BLOCK),
             "modules_to_not_convert": ignored}
 
 
-def _compressed_config(ignored: list[str], granularity: str) -> dict[str, Any]:
+def _compressed_config(ignored: list[str], granularity: str) -> JsonObject:
     weights = {"num_bits": 8, "type": "float", "strategy": granularity, "symmetric": True, "dynamic": False,
                "group_size": None, "block_structure": None, "observer": "minmax"}
     group = {"targets": ["Linear"], "weights": weights, "input_activations": None, "output_activations": None,
@@ -50,7 +54,7 @@ def _compressed_config(ignored: list[str], granularity: str) -> dict[str, Any]:
 class _Recipe:
     granularity: str
     scale_suffix: str
-    config: Callable[[list[str], str], dict[str, Any]]
+    config: Callable[[list[str], str], JsonObject]
     scale_like_weight: bool  # scales in the weight's bf16/fp16 (what compressed-tensors loads them as), else float32
 
 
@@ -77,8 +81,8 @@ class QuantizedSource(ViewSource):
         self.skipped: list[str] = []
         for entry in inner.entries():
             self._add(entry)
-        self._scales: dict[str, Any] = {}
-        self._absmax: dict[str, Any] = {}
+        self._scales: dict[str, torch.Tensor] = {}
+        self._absmax: dict[str, torch.Tensor] = {}
         self._errors: dict[str, dict[str, float]] = {}
 
     def _add(self, entry: TensorEntry) -> None:
@@ -137,7 +141,7 @@ class QuantizedSource(ViewSource):
             for _ in self._quantized(weight, record=True):
                 pass
         scale = self._scales.pop(weight.weight)
-        return memoryview(scale.contiguous().view(torch.uint8).numpy()).cast("B")
+        return memoryview(scale.contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # a buffer
 
     def _quantized(self, weight: ScaledWeight, *, record: bool) -> Iterator[memoryview]:
         """The e4m3fn bytes of ``weight``, band by band; with ``record``, keep its scales and error."""
@@ -166,7 +170,7 @@ class QuantizedSource(ViewSource):
             self._errors[weight.weight] = {"relative_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0,
                                            "max_abs_error": worst}
 
-    def _tensor_absmax(self, weight: ScaledWeight) -> Any:
+    def _tensor_absmax(self, weight: ScaledWeight) -> torch.Tensor:
         import torch
 
         from ..formats.fp8 import band_rows
@@ -181,11 +185,11 @@ class QuantizedSource(ViewSource):
             self._absmax[weight.weight] = found
         return self._absmax[weight.weight]
 
-    def edit_config(self, config: dict[str, Any]) -> dict[str, Any]:
+    def edit_config(self, config: JsonObject) -> JsonObject:
         """The config.json of the output: the recipe's ``quantization_config`` added (replacing any)."""
         return {**config, "quantization_config": self.recipe.config(sorted(self.skipped), self.recipe.granularity)}
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, object]:
         """What was quantized: the scheme, the kept modules, and each tensor's error (after the write)."""
         quantized = [n for n, w in self._weights.items() if n == w.weight]
         return {"scheme": self.scheme, "quantized": len(quantized), "kept": sorted(self.skipped),

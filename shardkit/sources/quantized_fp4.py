@@ -21,21 +21,25 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
+from ..formats.json_types import JsonObject
 from ..formats.quant import should_skip_quantize
 from ..units import tensor_nbytes
 from .base import Source
 from .dequantized import ViewSource, read_rows
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["FP4_SCHEMES", "Fp4QuantizedSource"]
 
 FP4_SCHEMES = ("nvfp4", "mxfp4")
 BAND_BYTES = 16 * 2**20
 EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
-NVFP4A16_CONFIG: dict[str, Any] = {
+NVFP4A16_CONFIG: JsonObject = {
     "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
     "config_groups": {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized", "input_activations": None,
                                   "output_activations": None,
@@ -75,8 +79,8 @@ class Fp4QuantizedSource(ViewSource):
                       "of 32)" if scheme == "mxfp4" else "2-D linear weights (input dimension a multiple of 16)")
             raise InvalidInputError(f"{inner.description}: --quantize {scheme} found nothing to quantize: it applies "
                                     f"to {wanted}")
-        self._scales: dict[str, Any] = {}
-        self._global: dict[str, Any] = {}
+        self._scales: dict[str, bytes] = {}
+        self._global: dict[str, torch.Tensor] = {}
         self._errors: dict[str, dict[str, float]] = {}
 
     def _add(self, entry: TensorEntry) -> None:
@@ -164,7 +168,7 @@ class Fp4QuantizedSource(ViewSource):
         self._errors[target.source.name] = {"relative_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0,
                                             "max_abs_error": worst}
 
-    def _bands(self, target: _Target) -> Iterator[Any]:
+    def _bands(self, target: _Target) -> Iterator[torch.Tensor]:
         """NVFP4: bands of rows, as stored; MXFP4: one expert at a time, as (out, in) rows."""
         if self.scheme == "mxfp4":
             experts, cols, rows = target.source.shape
@@ -177,7 +181,7 @@ class Fp4QuantizedSource(ViewSource):
         for row0 in range(0, rows, step):
             yield read_rows(self.inner, target.source, row0, min(rows, row0 + step))
 
-    def _global_scale(self, target: _Target) -> Any:
+    def _global_scale(self, target: _Target) -> torch.Tensor:
         """compressed-tensors' global scale of ``target`` (from its absmax, in its stored dtype)."""
         import torch
 
@@ -192,7 +196,7 @@ class Fp4QuantizedSource(ViewSource):
             self._global[target.packed] = nvfp4_global_scale(absmax)
         return self._global[target.packed]
 
-    def edit_config(self, config: dict[str, Any]) -> dict[str, Any]:
+    def edit_config(self, config: JsonObject) -> JsonObject:
         """The config.json of the output: the scheme's ``quantization_config`` added (replacing any)."""
         kept = sorted(self.skipped)
         if self.scheme == "nvfp4":
@@ -200,14 +204,14 @@ class Fp4QuantizedSource(ViewSource):
         patterns = sorted({re.sub(r"\.\d+\.", ".*.", m) for m in kept})
         return {**config, "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": patterns}}
 
-    def report(self) -> dict[str, Any]:
+    def report(self) -> dict[str, object]:
         """What was quantized: the scheme, how many weights, the kept modules, each weight's error (after the write)."""
         quantized = sorted({t.source.name for t in self._targets.values()})
         return {"scheme": self.scheme, "quantized": len(quantized), "kept": sorted(self.skipped),
                 "errors": {n: self._errors[n] for n in quantized if n in self._errors}}
 
 
-def _bytes_of(tensor: Any) -> memoryview:
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
     import torch
 
-    return memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")
+    return memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray: a buffer
