@@ -251,8 +251,11 @@ class DelayProxy:
     QUEUE_CHUNKS = 64  # bounded: a slow reader holds back the sender instead of piling memory up
     JOIN_TIMEOUT_S = 5.0
 
-    def __init__(self, upstream_port: int, *, delay_ms: float = 1.0, port: int = 0) -> None:
+    def __init__(self, upstream_port: int, *, delay_ms: float = 1.0, port: int = 0, cut_after_bytes: int = 0,
+                 cuts: int = 0) -> None:
         self.upstream_port = upstream_port
+        self.cut_after_bytes = cut_after_bytes  # with cuts: the next `cuts` replies longer than this are cut there
+        self.cuts = cuts
         self.delay_s = delay_ms / 1000
         self._listener = socket.create_server(("127.0.0.1", port))
         self.port: int = self._listener.getsockname()[1]
@@ -291,14 +294,17 @@ class DelayProxy:
                 self._sockets += [client, upstream]
                 self.connections += 1
             self._pipe(client, upstream, "received_bytes")
-            self._pipe(upstream, client, "sent_bytes")
+            self._pipe(upstream, client, "sent_bytes", cut=(client, upstream))
 
-    def _pipe(self, src: socket.socket, dst: socket.socket, counter: str) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, counter: str,
+              cut: tuple[socket.socket, socket.socket] | None = None) -> None:
         chunks: queue.Queue[tuple[float, bytes]] = queue.Queue(self.QUEUE_CHUNKS)
-        self._spawn(self._read, src, chunks, counter)
+        self._spawn(self._read, src, chunks, counter, cut)
         self._spawn(self._write, dst, chunks)
 
-    def _read(self, src: socket.socket, chunks: queue.Queue[tuple[float, bytes]], counter: str) -> None:
+    def _read(self, src: socket.socket, chunks: queue.Queue[tuple[float, bytes]], counter: str,
+              cut: tuple[socket.socket, socket.socket] | None) -> None:
+        passed = 0
         try:
             while True:
                 data = src.recv(self.CHUNK_BYTES)
@@ -306,6 +312,18 @@ class DelayProxy:
                     break
                 with self._lock:
                     setattr(self, counter, getattr(self, counter) + len(data))
+                    cutting = cut is not None and self.cuts > 0 and passed + len(data) > self.cut_after_bytes
+                    if cutting:
+                        self.cuts -= 1
+                if cutting:  # pass what comes before the cut, then drop the connection both ways
+                    chunks.put((time.monotonic() + self.delay_s, data[:self.cut_after_bytes - passed]))
+                    chunks.put((0.0, b""))
+                    assert cut is not None
+                    for s in cut:
+                        with contextlib.suppress(OSError):
+                            s.shutdown(socket.SHUT_RDWR)
+                    return
+                passed += len(data)
                 chunks.put((time.monotonic() + self.delay_s, data))
         except OSError:
             pass
