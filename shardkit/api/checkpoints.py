@@ -25,6 +25,7 @@ from ..sharding.job import SplitResult
 from ..sharding.options import ProgressCallback
 from ..sharding.split import split as _split_local
 from ..sources.base import CheckpointSource
+from ..stores.urls import check_local
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -135,6 +136,7 @@ def info(path: str | os.PathLike[str], *, token: str | None = None) -> Checkpoin
         from ..hub.remote import remote_info
 
         return remote_info(path, token=token)
+    check_local(path, role="checkpoint")
     from ..checking.info import info as info_local
 
     return info_local(path)
@@ -155,6 +157,8 @@ def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = N
         return verify_remote(path, token=token)
     if is_remote(against):
         return verify_against_remote(os.fspath(path), against, token=token)
+    check_local(path, role="checkpoint")
+    check_local(against, role="reference")
     return _verify_local(path, against=against, **options)
 
 

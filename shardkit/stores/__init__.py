@@ -15,10 +15,19 @@ from __future__ import annotations
 from ..errors import SourceNotFoundError
 from .base import ObjectInfo, ObjectStore, ObjectWriter, PendingUpload, RangeRequest, RemoteObject, read_ranges
 from .retry import RetryPolicy, call_with_retries
-from .urls import STORE_SCHEMES, SUPPORTED_SCHEMES, StoreUrl, check_scheme, is_store_url, parse_store_url, url_scheme
+from .urls import (
+    STORE_SCHEMES,
+    SUPPORTED_SCHEMES,
+    StoreUrl,
+    check_local,
+    check_scheme,
+    is_store_url,
+    parse_store_url,
+    url_scheme,
+)
 
 __all__ = ["STORE_SCHEMES", "SUPPORTED_SCHEMES", "ObjectInfo", "ObjectStore", "ObjectWriter", "PendingUpload",
-           "RangeRequest", "RemoteObject", "RetryPolicy", "StoreUrl", "call_with_retries", "check_scheme",
+           "RangeRequest", "RemoteObject", "RetryPolicy", "StoreUrl", "call_with_retries", "check_local", "check_scheme",
            "is_store_url", "list_folder", "open_store", "parse_store_url", "read_ranges", "url_scheme"]
 
 

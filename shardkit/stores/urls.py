@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidInputError
 
-__all__ = ["STORE_SCHEMES", "SUPPORTED_SCHEMES", "StoreUrl", "check_scheme", "is_store_url", "parse_store_url",
+__all__ = ["STORE_SCHEMES", "SUPPORTED_SCHEMES", "StoreUrl", "check_local", "check_scheme", "is_store_url", "parse_store_url",
            "url_scheme"]
 
 STORE_SCHEMES = ("s3",)  # object stores this package reads through shardkit.stores
@@ -83,6 +83,23 @@ def check_scheme(path: object, *, role: str = "checkpoint path") -> None:
     if scheme is not None and scheme not in SUPPORTED_SCHEMES:
         raise InvalidInputError(f"{path}: unknown scheme {scheme}:// for {_article(role)}; "
                                 "use a local path, hf://ORG/REPO or s3://BUCKET/PREFIX")
+
+
+def check_local(path: object, *, role: str) -> None:
+    """Refuse any ``scheme://`` where only a local path works (an unknown scheme, or one not wired in here).
+
+    What keeps ``s3://models/up`` from being written as the local folder ``./s3:/models/up``.
+
+    >>> check_local("s3://models/up", role="output")
+    Traceback (most recent call last):
+    ...
+    shardkit.errors.InvalidInputError: s3://models/up: an s3:// output is not supported by this operation yet; use a local path
+    """
+    check_scheme(path, role=role)
+    scheme = url_scheme(os.fspath(path) if isinstance(path, os.PathLike) else path)
+    if scheme is not None:
+        raise InvalidInputError(f"{path}: an {scheme}:// {role} is not supported by this operation yet; "
+                                "use a local path")
 
 
 def is_store_url(path: object) -> bool:
