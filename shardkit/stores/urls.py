@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from ..errors import InvalidInputError
 
@@ -102,7 +103,7 @@ def check_local(path: object, *, role: str) -> None:
                                 "use a local path")
 
 
-def is_store_url(path: object) -> bool:
+def is_store_url(path: object) -> TypeGuard[str]:
     """True for a string naming an object store (``s3://...``)."""
     return url_scheme(path) in STORE_SCHEMES
 
