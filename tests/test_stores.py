@@ -171,3 +171,10 @@ def test_the_standard_aws_chain_profiles_and_s3_endpoint(s3_env, tmp_path, monke
 def test_errors_are_shardkit_errors_with_exit_2() -> None:
     assert issubclass(StoreError, ShardkitError) and StoreError.exit_code == 2
     assert "shardkit.stores" in sys.modules
+
+
+def test_import_shardkit_does_not_import_boto3() -> None:
+    import subprocess
+
+    code = "import shardkit, shardkit.stores, sys; assert 'boto3' not in sys.modules and 'botocore' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
