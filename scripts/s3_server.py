@@ -121,7 +121,8 @@ class SeaweedS3:
                 "-s3.autoCreateBucket=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-master.telemetry=false", f"-metricsPort={metrics}",
                 f"-s3.localSocket={self._tmp}/s3.sock", f"-filer.localSocket={self._tmp}/filer.sock",
-                "-master.volumeSizeLimitMB=1024", "-volume.max=0", "-volume.preStopSeconds=0"]
+                # each bucket takes volumes of its own; they grow sparse, so many cost nothing
+                "-master.volumeSizeLimitMB=256", "-volume.max=2000", "-volume.preStopSeconds=0"]
         with open(self.log_path, "ab") as log:
             # TMPDIR: weed puts its gRPC Unix sockets there; inside data_dir they go with it
             env = {**os.environ, "TMPDIR": self._tmp}
