@@ -18,6 +18,8 @@ Cases (the raw client comparison; shardkit's own readers join as they land):
   obstore-threads obstore.get_range on a thread pool, each reply copied into the buffer slice
   obstore-ranges  obstore.get_ranges: all ranges in one call (the Rust side fans them out)
   shardkit-stores shardkit.stores.read_ranges on the S3 store (boto3, the chosen client)
+  write-*         the same bytes written back: shardkit's multipart writer (fed 8 MiB at a time),
+                  s3transfer's upload_fileobj, obstore.put (multipart); RSS includes the source buffer
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ import zlib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 KEY = "bench/blob.bin"
-CASES = ["boto3-threads", "s3transfer", "obstore-threads", "obstore-ranges", "shardkit-stores"]
+CASES = ["boto3-threads", "s3transfer", "obstore-threads", "obstore-ranges", "shardkit-stores",
+         "write-shardkit", "write-s3transfer", "write-obstore"]
 
 
 # ----------------------------------------------------------------------------- the child: one read
@@ -154,11 +157,54 @@ def read_shardkit_store(bucket: str, size: int, part: int, parts: int, out: memo
         return time.perf_counter() - start
 
 
+def write_shardkit_store(bucket: str, size: int, part: int, parts: int, data: memoryview) -> float:
+    from shardkit.stores import parse_store_url
+    from shardkit.stores.s3 import S3Store
+
+    with S3Store(parse_store_url(f"s3://{bucket}"), part_bytes=part) as store:
+        start = time.perf_counter()
+        with store.writer("bench/out-shardkit") as w:
+            for begin in range(0, size, 8 << 20):  # as a shard writer hands over its bytes
+                w.write(data[begin:begin + (8 << 20)])
+            w.commit()
+        return time.perf_counter() - start
+
+
+def write_s3transfer(bucket: str, size: int, part: int, parts: int, data: memoryview) -> float:
+    import io
+
+    from boto3.s3.transfer import TransferConfig
+
+    client = _boto3_client(dict(os.environ), parts)
+    config = TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=parts)
+    start = time.perf_counter()
+    client.upload_fileobj(io.BytesIO(data), bucket, "bench/out-s3transfer", Config=config)  # type: ignore[arg-type]
+    return time.perf_counter() - start
+
+
+def write_obstore(bucket: str, size: int, part: int, parts: int, data: memoryview) -> float:
+    import obstore
+
+    store = _obstore(bucket)
+    start = time.perf_counter()
+    obstore.put(store, "bench/out-obstore", data, chunk_size=part, max_concurrency=parts)
+    return time.perf_counter() - start
+
+
+WRITERS = {"write-shardkit": write_shardkit_store, "write-s3transfer": write_s3transfer,
+           "write-obstore": write_obstore}
 READERS = {"shardkit-stores": read_shardkit_store, "boto3-threads": read_boto3_threads, "s3transfer": read_s3transfer,
            "obstore-threads": read_obstore_threads, "obstore-ranges": read_obstore_ranges}
 
 
 def child(case: str, bucket: str, size: int, part: int, parts: int, crc_sample: int) -> None:
+    if case in WRITERS:
+        source = memoryview(bytearray(size))
+        for begin in range(0, size, 16 << 20):  # filled in place: the setup adds no peak of its own
+            source[begin:begin + (16 << 20)] = os.urandom(min(16 << 20, size - begin))
+        seconds = WRITERS[case](bucket, size, part, parts, source)
+        print(json.dumps({"seconds": seconds, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+        return
     out = memoryview(bytearray(size))
     seconds = READERS[case](bucket, size, part, parts, out)
     if zlib.crc32(out[size // 2: size // 2 + (1 << 20)]) != crc_sample:
@@ -169,8 +215,9 @@ def child(case: str, bucket: str, size: int, part: int, parts: int, crc_sample: 
 # ----------------------------------------------------------------------------- the parent
 
 def run_child(args: argparse.Namespace, case: str, env: dict[str, str], bucket: str, crc: int) -> tuple[float, float]:
+    size_mb = args.write_mb if case in WRITERS else args.size_mb
     cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--bucket", bucket,
-           "--size-mb", str(args.size_mb), "--part-mb", str(args.part_mb), "--parts", str(args.parts),
+           "--size-mb", str(size_mb), "--part-mb", str(args.part_mb), "--parts", str(args.parts),
            "--crc", str(crc)]
     done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
@@ -199,6 +246,7 @@ def upload(server, bucket: str, size: int) -> int:  # noqa: ANN001
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mb", type=int, default=1024, help="object size in MiB (default 1024)")
+    parser.add_argument("--write-mb", type=int, default=256, help="bytes each write case writes, MiB (default 256)")
     parser.add_argument("--part-mb", type=int, default=16, help="bytes per ranged GET, MiB (default 16)")
     parser.add_argument("--parts", type=int, default=16, help="requests in flight (default 16)")
     parser.add_argument("--runs", type=int, default=3)
@@ -230,16 +278,18 @@ def main() -> None:
                 for case in order:
                     seconds, rss = run_child(args, case, env, "bench", crc)
                     results.setdefault((path, case), []).append((seconds, rss))
+                    moved = (args.write_mb << 20) if case in WRITERS else size
                     print(f"  run {r + 1}/{args.runs} {path:>14} {case:>16}: {seconds:.2f} s, "
-                          f"{size / seconds / 1e9:.2f} GB/s, {rss:.0f} MB", flush=True)
+                          f"{moved / seconds / 1e9:.2f} GB/s, {rss:.0f} MB", flush=True)
     lines = [f"Machine: {machine_line()}, load average {os.getloadavg()[0]:.2f} at the end.",
              f"One {args.size_mb} MiB object on SeaweedFS, {args.parts} ranged GETs of {args.part_mb} MiB in flight, "
              f"median of {args.runs}, fresh process each (time after imports; RSS includes the "
-             f"{args.size_mb} MiB destination).", "",
+             f"{args.size_mb} MiB destination). Write cases write {args.write_mb} MiB from memory (RSS includes it).", "",
              "| path | client | median s | GB/s | peak RSS MB |", "|---|---|---:|---:|---:|"]
     for (path, case), values in results.items():
         med = statistics.median(v[0] for v in values)
-        lines.append(f"| {path} | {case} | {med:.2f} | {size / med / 1e9:.2f} | {max(v[1] for v in values):.0f} |")
+        moved = (args.write_mb << 20) if case in WRITERS else size
+        lines.append(f"| {path} | {case} | {med:.2f} | {moved / med / 1e9:.2f} | {max(v[1] for v in values):.0f} |")
     report = "\n".join(lines)
     print("\n" + report)
     if args.output:

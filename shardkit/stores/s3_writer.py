@@ -93,12 +93,12 @@ class S3Writer:
             raise ShardkitWriteError(f"{self._where}: more than {MAX_PARTS} parts; the object is too large for S3")
         while len(self._pending) >= IN_FLIGHT_PARTS:
             self._pending.popleft().result()
-        data, self._buffer = bytes(self._buffer), bytearray()
+        data, self._buffer = self._buffer, bytearray()  # handed over whole: no copy
         self._sent_parts = number
         assert self._pool is not None
         self._pending.append(self._pool.submit(lambda: self._upload_part(number, data)))
 
-    def _upload_part(self, number: int, data: bytes) -> None:
+    def _upload_part(self, number: int, data: bytearray) -> None:
         reply = self._store.call(f"{self._where} part {number}", lambda: self._client.upload_part(
             Bucket=self._store.url.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=data))
         self._parts[number] = str(reply["ETag"])
