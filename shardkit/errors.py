@@ -66,6 +66,10 @@ class HubError(ShardkitError):
     """Talking to the Hugging Face Hub failed."""
 
 
+class StoreError(ShardkitError, OSError):
+    """Talking to an object store (``s3://``) failed: refused credentials, no access, a failed request."""
+
+
 class ShardkitWarning(UserWarning):
     """Something worth a user's attention that is not an error (the CLI prints it as one line)."""
 

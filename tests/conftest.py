@@ -338,3 +338,32 @@ def assert_one_line_error(result: CliResult | subprocess.CompletedProcess, *, co
     if contains is not None:
         assert contains.lower() in lines[0].lower(), lines[0]
     return lines[0]
+
+
+# ----------------------------------------------------------------------------- a real object store
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One SeaweedFS S3 server for the session (skipped with the reason where ``weed`` cannot run)."""
+    from helpers_s3 import start_or_skip
+
+    server = start_or_skip(tmp_path_factory.mktemp("seaweedfs"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A fresh bucket and the standard AWS_* variables naming the server (``~/.aws`` hidden)."""
+    from helpers_s3 import S3Env, new_bucket
+
+    env = s3_server.client_env()
+    env["AWS_CONFIG_FILE"] = str(tmp_path / "no-aws-config")
+    env["AWS_SHARED_CREDENTIALS_FILE"] = str(tmp_path / "no-aws-credentials")
+    for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return S3Env(s3_server, new_bucket(s3_server), env)

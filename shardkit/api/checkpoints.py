@@ -25,6 +25,8 @@ from ..sharding.job import SplitResult
 from ..sharding.options import ProgressCallback
 from ..sharding.split import split as _split_local
 from ..sources.base import CheckpointSource
+from ..stores.urls import check_local, is_store_url
+from .stores import store_info, store_verify
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -135,6 +137,9 @@ def info(path: str | os.PathLike[str], *, token: str | None = None) -> Checkpoin
         from ..hub.remote import remote_info
 
         return remote_info(path, token=token)
+    if is_store_url(path):
+        return store_info(path)
+    check_local(path, role="checkpoint")
     from ..checking.info import info as info_local
 
     return info_local(path)
@@ -155,6 +160,10 @@ def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = N
         return verify_remote(path, token=token)
     if is_remote(against):
         return verify_against_remote(os.fspath(path), against, token=token)
+    if is_store_url(path):
+        return store_verify(path, against=against)
+    check_local(path, role="checkpoint")
+    check_local(against, role="reference")
     return _verify_local(path, against=against, **options)
 
 

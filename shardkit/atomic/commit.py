@@ -51,6 +51,7 @@ from ..errors import (
     describe_os_error,
 )
 from ..formats.suffixes import is_index_file
+from ..stores.urls import check_local
 from .journal import (
     JOURNAL,
     TMP_MARK,
@@ -92,6 +93,7 @@ class OutputTransaction:
 
     def __init__(self, output: str | os.PathLike[str], *, overwrite: bool = False,
                  stale: Iterable[str] = ()) -> None:
+        check_local(output, role="output")  # never ./s3:/models/up for s3://models/up
         self.output = os.path.abspath(os.fspath(output))
         self.overwrite = overwrite
         self.stale = list(stale)  # paths relative to the output folder
@@ -274,6 +276,7 @@ class OutputTransaction:
 
 def atomic_output_file(path: str, *, overwrite: bool = False) -> str:
     """A temporary path beside ``path`` for a single-file output; see :func:`publish_file`."""
+    check_local(path, role="output")
     if os.path.exists(path) and not overwrite:
         raise OutputExistsError(f"{path} exists; pass --overwrite to replace it")
     if os.path.isdir(path):

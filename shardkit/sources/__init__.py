@@ -9,6 +9,7 @@ import os
 from collections.abc import Callable
 
 from ..errors import InvalidInputError, SourceNotFoundError
+from ..stores.urls import check_local
 from .base import CheckpointSource, Source
 
 __all__ = ["Source", "is_dcp_folder", "is_pickle_index_folder", "open_source"]
@@ -167,6 +168,7 @@ def open_source(obj: CheckpointSource, *, key: str | None = None, variant: str |
 
         return MemorySource(module_state_dict(obj))
     path = os.fspath(obj)
+    check_local(path, role="source")  # a scheme:// here is no local path (hf:// is opened by shardkit.api)
     if not os.path.exists(path):
         raise SourceNotFoundError(f"{path}: no such file or folder")
     from ..atomic.snapshot import read_consistently

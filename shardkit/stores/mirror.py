@@ -1,0 +1,137 @@
+"""A header-only local mirror of a remote folder: what ``info``, ``verify`` and ``plan`` read.
+
+Each ``.safetensors`` object becomes a sparse local file of its true size: its real header (one
+ranged GET of ``FIRST_RANGE_BYTES``, a second only for a larger header), then a hole. The objects
+``whole`` picks (configs, indexes, the manifest) are fetched whole, up to ``MAX_WHOLE_BYTES``
+each. Nothing else is fetched, so the local readers validate a multi-GB checkpoint from a few
+hundred KB. Names come from the listing, which is untrusted. Each name is checked to be a plain
+relative path before it becomes a local path, and files are created without following links and
+never over an existing file.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from ..errors import HeaderError, InvalidInputError, StoreError
+from ..formats.header import MAX_HEADER_BYTES
+from .base import ObjectInfo, ObjectStore, RangeRequest, read_ranges
+
+__all__ = ["FIRST_RANGE_BYTES", "MAX_WHOLE_BYTES", "HeaderMirror", "build_header_mirror"]
+
+FIRST_RANGE_BYTES = 64 << 10  # most headers fit; a larger one costs exactly one more request
+MAX_WHOLE_BYTES = 10_000_000  # a config, index or manifest; a bigger one is not one of them
+MAX_WHOLE_TOTAL_BYTES = 100_000_000
+MAX_MIRRORED_OBJECTS = 20_000
+BATCH_BYTES = 256 << 20  # memory held at once while building the mirror (one header alone may be larger)
+
+
+def _batches(items: list[ObjectInfo], size_of: Callable[[ObjectInfo], int]) -> Iterator[list[ObjectInfo]]:
+    """``items`` in order, in groups whose sizes add up to at most ``BATCH_BYTES`` (or one item)."""
+    batch: list[ObjectInfo] = []
+    total = 0
+    for item in items:
+        if batch and total + size_of(item) > BATCH_BYTES:
+            yield batch
+            batch, total = [], 0
+        batch.append(item)
+        total += size_of(item)
+    if batch:
+        yield batch
+
+
+@dataclass
+class HeaderMirror:
+    """The mirror at ``root``: every object listed, and how many bytes were fetched to build it."""
+
+    root: str
+    objects: dict[str, ObjectInfo] = field(default_factory=dict)
+    fetched_bytes: int = 0
+    prefix_bytes: dict[str, int] = field(default_factory=dict)  # real bytes at the start of each sparse file
+
+
+def build_header_mirror(store: ObjectStore, root: str, objects: list[ObjectInfo], *,
+                        whole: Callable[[str], bool]) -> HeaderMirror:
+    """Write the header-only mirror of ``objects`` (from ``store.list_objects()``) into the empty folder ``root``."""
+    if len(objects) > MAX_MIRRORED_OBJECTS:
+        raise StoreError(f"{store.url}: {len(objects)} objects; a checkpoint folder has at most {MAX_MIRRORED_OBJECTS}")
+    mirror = HeaderMirror(root, {o.name: o for o in objects})
+    for o in objects:
+        _local_path(store, root, o.name)  # every name checked before anything is fetched
+    weights = [o for o in objects if o.name.endswith(".safetensors")]
+    fetched = [o for o in objects if not o.name.endswith(".safetensors") and whole(o.name)]
+    too_big = [o.name for o in fetched if o.size_bytes > MAX_WHOLE_BYTES]
+    if too_big:
+        raise InvalidInputError(f"{store.url.child(too_big[0])}: over {MAX_WHOLE_BYTES} bytes, too large for a "
+                                "config, index or manifest")
+    for o in weights:
+        if o.size_bytes < 8:
+            raise HeaderError(f"{store.url.child(o.name)}: {o.size_bytes} bytes, too short to be safetensors")
+    if sum(o.size_bytes for o in fetched) > MAX_WHOLE_TOTAL_BYTES:
+        raise InvalidInputError(f"{store.url}: configs, indexes and manifests over {MAX_WHOLE_TOTAL_BYTES} bytes "
+                                "in all; name a folder that holds one checkpoint")
+    _fetch_whole(store, mirror, fetched)
+    _fetch_headers(store, mirror, weights)
+    return mirror
+
+
+def _fetch_whole(store: ObjectStore, mirror: HeaderMirror, fetched: list[ObjectInfo]) -> None:
+    for batch in _batches(fetched, lambda o: o.size_bytes):
+        bodies = {o.name: bytearray(o.size_bytes) for o in batch}
+        read_ranges(store, [RangeRequest(n, 0, memoryview(b)) for n, b in bodies.items()])
+        for o in batch:
+            _write_new(_local_path(store, mirror.root, o.name), bytes(bodies[o.name]), size_bytes=o.size_bytes)
+            mirror.fetched_bytes += o.size_bytes
+
+
+def _fetch_headers(store: ObjectStore, mirror: HeaderMirror, weights: list[ObjectInfo]) -> None:
+    for batch in _batches(weights, lambda o: min(FIRST_RANGE_BYTES, o.size_bytes)):
+        firsts = {o.name: bytearray(min(FIRST_RANGE_BYTES, o.size_bytes)) for o in batch}
+        read_ranges(store, [RangeRequest(n, 0, memoryview(b)) for n, b in firsts.items()])
+        missing = {o.name: _header_end(store, o, firsts[o.name]) - len(firsts[o.name]) for o in batch}
+        for rest_batch in _batches(batch, lambda o, m=missing: m[o.name]):  # type: ignore[misc]
+            rests = {o.name: bytearray(missing[o.name]) for o in rest_batch}
+            read_ranges(store, [RangeRequest(n, len(firsts[n]), memoryview(b)) for n, b in rests.items() if b])
+            for o in rest_batch:
+                head = bytes(firsts[o.name] + rests[o.name])
+                _write_new(_local_path(store, mirror.root, o.name), head, size_bytes=o.size_bytes)
+                mirror.prefix_bytes[o.name] = len(head)
+                mirror.fetched_bytes += len(head)
+
+
+def _header_end(store: ObjectStore, info: ObjectInfo, first: bytearray) -> int:
+    """Where the header ends (``8 + N``), checked against the object's listed size."""
+    (header_bytes,) = struct.unpack("<Q", first[:8])
+    if header_bytes > MAX_HEADER_BYTES or header_bytes < 2 or 8 + header_bytes > info.size_bytes:
+        raise HeaderError(f"{store.url.child(info.name)}: header length {header_bytes} is impossible for the "
+                          f"{info.size_bytes}-byte object (corrupt upload, or not a safetensors file)")
+    return max(8 + int(header_bytes), len(first))
+
+
+def _local_path(store: ObjectStore, root: str, name: str) -> str:
+    parts = name.split("/")
+    if any(p in ("", ".", "..") for p in parts) or "\\" in name or "\0" in name or len(parts) > 32:
+        raise StoreError(f"{store.url}: the listing holds {name!r}, not a plain relative path; refused")
+    return os.path.join(root, *parts)
+
+
+def _write_new(path: str, data: bytes, *, size_bytes: int) -> None:
+    """Create ``path`` (never through a link, never over a file), write ``data``, extend it to ``size_bytes``."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:  # e.g. the listing holds both "a" and "a/b"
+        raise StoreError(f"{path}: cannot mirror this object ({e.strerror}); the listing names it twice") from e
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            if n <= 0:
+                raise OSError(f"{path}: short write")
+            view = view[n:]
+        os.ftruncate(fd, size_bytes)
+    finally:
+        os.close(fd)

@@ -1,0 +1,82 @@
+"""SeaweedFS and the delay proxy (scripts/s3_server.py) for tests; skips with the reason where ``weed`` cannot run.
+
+The fixtures in conftest.py: ``s3_server`` (one SeaweedFS per session, stopped at its end),
+``s3_env`` (a fresh bucket, and the standard AWS_* variables pointing at the server with
+``~/.aws`` files hidden, so the user's own configuration never leaks into a test).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from dataclasses import dataclass, field
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
+
+from s3_server import ACCESS_KEY, SECRET_KEY, DelayProxy, SeaweedS3, weed_unavailable  # noqa: E402
+
+__all__ = ["ACCESS_KEY", "SECRET_KEY", "DelayProxy", "S3Env", "SeaweedS3", "start_or_skip", "new_bucket"]
+
+
+def start_or_skip(data_dir: str | os.PathLike[str]) -> SeaweedS3:
+    """A started SeaweedFS (stop it), or a skip saying why the binary cannot run."""
+    reason = weed_unavailable()
+    if reason:
+        pytest.skip(reason)
+    return SeaweedS3(data_dir).start()
+
+
+def new_bucket(server: SeaweedS3) -> str:
+    """A new, empty bucket with a unique name."""
+    name = f"t-{uuid.uuid4().hex[:12]}"
+    client = server.client()
+    try:
+        client.create_bucket(Bucket=name)  # type: ignore[attr-defined]
+    finally:
+        client.close()  # type: ignore[attr-defined]
+    return name
+
+
+@dataclass
+class S3Env:
+    """One test's view of the server: its bucket, the environment set, a boto3 client for setup."""
+
+    server: SeaweedS3
+    bucket: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    def client(self, *, port: int | None = None):  # noqa: ANN201 - a boto3 client
+        return self.server.client(port=port)
+
+    def put(self, key: str, data: bytes) -> None:
+        client = self.client()
+        try:
+            client.put_object(Bucket=self.bucket, Key=key, Body=data)
+        finally:
+            client.close()
+
+    def get(self, key: str) -> bytes:
+        client = self.client()
+        try:
+            return client.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+        finally:
+            client.close()
+
+    def keys(self, prefix: str = "") -> list[str]:
+        client = self.client()
+        try:
+            pages = client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+            return sorted(obj["Key"] for page in pages for obj in page.get("Contents", []))
+        finally:
+            client.close()
+
+    def uploads(self) -> list[str]:
+        """Keys of multipart uploads still open in the bucket."""
+        client = self.client()
+        try:
+            return sorted(u["Key"] for u in client.list_multipart_uploads(Bucket=self.bucket).get("Uploads", []))
+        finally:
+            client.close()

@@ -1,0 +1,34 @@
+"""A ``scheme://`` path is never taken for a local folder: unknown schemes and unwired ones exit 2 in one line."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_one_line_error
+
+
+@pytest.mark.parametrize("output", ["s3://models/up", "gs://models/up", "ftp://host/x", "hf://org/repo"])
+@pytest.mark.parametrize("command", ["split", "convert"])
+def test_a_url_output_is_refused_not_written_as_a_local_folder(run_cli, safetensors_file, tmp_path, monkeypatch,
+                                                                command, output) -> None:
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    line = assert_one_line_error(run_cli(command, safetensors_file, output), contains=output)
+    assert ("unknown scheme" in line) != output.startswith(("s3://", "hf://"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == before, "no ./s3:/... folder"
+
+
+@pytest.mark.parametrize("args", [["info", "gs://bucket/x"], ["verify", "az://container/x"], ["info", "file:///x"]])
+def test_unknown_scheme_sources_name_the_scheme(run_cli, args) -> None:
+    assert_one_line_error(run_cli(*args), contains="unknown scheme")
+
+
+def test_the_library_refuses_too(safetensors_file, tmp_path, monkeypatch) -> None:
+    import shardkit
+    from shardkit.errors import InvalidInputError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidInputError, match="unknown scheme gs://"):
+        shardkit.split(safetensors_file, "gs://bucket/out")
+    with pytest.raises(InvalidInputError, match="s3://"):
+        shardkit.split("s3://bucket/in", "out")
+    assert not (tmp_path / "gs:").exists() and not (tmp_path / "out").exists()
