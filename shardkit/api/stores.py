@@ -15,7 +15,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from typing import Any
 
 from ..checking.info import CheckpointInfo
 from ..checking.verify import VerifyReport
@@ -66,7 +65,7 @@ def store_info(path: str) -> CheckpointInfo:
         return summary
 
 
-def store_verify(path: str, *, against: Any = None, **_options: Any) -> VerifyReport:
+def store_verify(path: str, *, against: object = None) -> VerifyReport:
     """The structure of ``s3://BUCKET/PREFIX`` checked without tensor data (index against headers and sizes)."""
     from ..checking.verify import verify
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from ..errors import InvalidInputError, StoreError
 from .base import PART_BYTES, ObjectInfo, PendingUpload
 from .retry import RetryPolicy, call_with_retries
 from .s3_errors import describe_client_error, is_transient, store_errors
-from .s3_writer import S3Writer
+from .s3_writer import S3Client, S3Writer
 from .urls import StoreUrl, parse_store_url
 
 __all__ = ["S3Store", "open_s3"]
@@ -91,7 +91,7 @@ class S3Store:
                                      "name a folder that holds one checkpoint")
         return sorted(found, key=lambda o: o.name)
 
-    def _pages(self, prefix: str) -> Iterator[dict[str, Any]]:
+    def _pages(self, prefix: str) -> Iterator[S3Client]:
         paginator = self._client.get_paginator("list_objects_v2")
         yield from paginator.paginate(Bucket=self.url.bucket, Prefix=prefix)
 
@@ -169,7 +169,7 @@ class S3Store:
             Bucket=self.url.bucket, Key=key, UploadId=upload.upload_id))
 
     @property
-    def client(self) -> Any:
+    def client(self) -> S3Client:
         """The boto3 client (for the writer in this package)."""
         return self._client
 
@@ -184,7 +184,7 @@ class S3Store:
         self.close()
 
 
-def _make_client(connections: int) -> Any:
+def _make_client(connections: int) -> S3Client:
     """A boto3 S3 client from the standard AWS configuration (path-style for a non-AWS endpoint)."""
     try:
         import boto3

@@ -25,6 +25,8 @@ from .urls import StoreUrl
 __all__ = ["S3Writer"]
 
 T = TypeVar("T")
+# boto3 ships no type information: its S3 client is the one foreign object named here.
+S3Client = Any  # also its replies
 
 
 class _Bucket(Protocol):
@@ -33,7 +35,7 @@ class _Bucket(Protocol):
     url: StoreUrl
 
     @property
-    def client(self) -> Any: ...
+    def client(self) -> S3Client: ...
 
     def call(self, what: str, fn: Callable[[], T]) -> T: ...
 
@@ -104,7 +106,7 @@ class S3Writer:
         self._parts[number] = str(reply["ETag"])
 
     @property
-    def _client(self) -> Any:
+    def _client(self) -> S3Client:
         return self._store.client
 
     # ------------------------------------------------------------------ ending
