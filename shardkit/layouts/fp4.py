@@ -28,7 +28,8 @@ from typing import Any
 
 from ..formats.header import TensorEntry
 
-__all__ = ["COMPRESSED_NVFP4", "FP4_FINDERS", "MODELOPT_NVFP4", "MXFP4", "Fp4Layout", "PackedWeight", "find_fp4_layout"]
+__all__ = ["COMPRESSED_NVFP4", "E4M3", "FP4_FINDERS", "MODELOPT_NVFP4", "MXFP4", "Fp4Layout", "PackedWeight",
+           "find_fp4_layout"]
 
 MODELOPT_NVFP4 = "NVIDIA ModelOpt NVFP4"
 COMPRESSED_NVFP4 = "compressed-tensors nvfp4-pack-quantized"

@@ -18,7 +18,7 @@ multiplier), the scale broadcast per tensor (one value), per output channel (``(
 (``(ceil(out/b0), ceil(in/b1))``). A scale that fits none of these, a scale whose weight is missing,
 and an fp8 weight without a scale in a scaled checkpoint are errors that name the tensors.
 
-This module is pure (stdlib only): the arithmetic lives in :mod:`shardkit.formats.fp8`.
+This module is pure (stdlib only): the arithmetic lives in :mod:`shardkit.layouts.fp8_math`.
 """
 
 from __future__ import annotations
@@ -30,14 +30,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidInputError
-from .header import TensorEntry
+from ..formats.header import TensorEntry
 
 __all__ = ["FP8_DTYPES", "QUANTIZE_SCHEMES", "QUANTIZE_SKIP_PATTERNS", "QuantLayout", "ScaledWeight",
            "find_layout", "matrix_shape", "should_skip_quantize"]
 
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
 DEFAULT_BLOCK = (128, 128)
-QUANTIZE_SCHEMES = ("fp8-block", "fp8-channel", "fp8-tensor")
+QUANTIZE_SCHEMES = ("fp8-block", "fp8-channel", "fp8-tensor")  # their recipes: shardkit.layouts.fp8_quantize
 SHOWN = 3
 MAX_FUSED = 4  # per-tensor scales of one fused layer: qkv (3), gate_up (2)
 

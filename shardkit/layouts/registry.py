@@ -1,7 +1,7 @@
 """Which quantized layout a checkpoint uses: the one question every reader asks first.
 
 :func:`find_quant_layout` tries the fp4 layouts (:mod:`shardkit.layouts.fp4`) and then the fp8 ones
-(:func:`shardkit.formats.quant.find_layout`): an NVFP4 checkpoint also holds ``weight_scale`` tensors,
+(:func:`shardkit.layouts.fp8.find_layout`): an NVFP4 checkpoint also holds ``weight_scale`` tensors,
 and read as fp8 its packed bytes would be multiplied as if they were values. :func:`quant_config` is
 the recipe next to the weights: ``config.json``, with ModelOpt's ``hf_quant_config.json`` folded in.
 """
@@ -16,8 +16,8 @@ from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.layout import read_config
 from ..formats.links import parse_json, read_inside
-from ..formats.quant import QuantLayout, find_layout
 from .fp4 import Fp4Layout, find_fp4_layout
+from .fp8 import QuantLayout, find_layout
 
 __all__ = ["HF_QUANT_CONFIG", "AnyLayout", "find_quant_layout", "quant_config"]
 

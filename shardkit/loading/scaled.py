@@ -1,7 +1,7 @@
 """Loading fp8 / fp4 checkpoints with scales without upcasting: the skeleton gets the scales as buffers.
 
 :func:`attach_scales` runs on the meta skeleton before key matching: it recognises the checkpoint's
-layout (:func:`shardkit.formats.quant.find_layout`), registers each scale as a buffer of its module
+layout (:func:`shardkit.layouts.fp8.find_layout`), registers each scale as a buffer of its module
 and wraps the module's ``forward`` to dequantize at compute (:mod:`shardkit.runtime.scaled_fp8`).
 Key matching then loads the fp8 weights and their scales like any other tensor, in their stored
 dtypes, whatever ``dtype`` asks for the rest; input scales and markers are not model tensors. fp4
@@ -47,7 +47,7 @@ def attach_scales(skeleton: Any, checkpoint: LazyCheckpoint) -> ScaledLoad:
     Raises:
         InvalidInputError: an inconsistent scaled checkpoint, or fused scales that disagree.
     """
-    from ..formats.fp8 import refuse_disagreeing, scale_to_float32
+    from ..layouts.fp8_math import refuse_disagreeing, scale_to_float32
 
     entries = [checkpoint.entry(name) for name in checkpoint]
     folder = os.path.dirname(os.path.abspath(checkpoint.paths[0])) if checkpoint.paths else None

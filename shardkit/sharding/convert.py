@@ -188,7 +188,7 @@ def _convert_to(source: Any, output: str, *, options: WriteOptions, key: str | N
         from .to_diffusers_pipeline import convert_pipeline_to_diffusers
 
         return convert_pipeline_to_diffusers(source, output, options=options, config=config, key=key)
-    from .to_diffusers import convert_to_diffusers
+    from .to_diffusers_pipeline import convert_to_diffusers
 
     result, unused = convert_to_diffusers(source, output, options=options, config=config, component=component,
                                           key=key)

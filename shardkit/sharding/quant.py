@@ -27,8 +27,8 @@ from typing import Any
 from ..errors import InvalidInputError
 from ..formats.gguf import GGUF_QUANTIZE
 from ..formats.layout import read_config
-from ..formats.quant import find_layout
 from ..layouts.fp4 import Fp4Layout
+from ..layouts.fp8 import find_layout
 from ..layouts.registry import find_quant_layout, quant_config
 from ..sources import Source
 from ..sources.dequantized import DequantizedSource
@@ -50,7 +50,7 @@ def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset
     """The source a job writes for ``src`` under ``options``, and the names ``dtype`` must not cast.
 
     Raises:
-        InvalidInputError: an inconsistent scaled checkpoint (see :func:`~shardkit.formats.quant.find_layout`),
+        InvalidInputError: an inconsistent scaled checkpoint (see :func:`~shardkit.layouts.fp8.find_layout`),
             or a scaled one asked for fp8 or ``quantize``.
     """
     if options.quantize in GGUF_QUANTIZE:
@@ -173,7 +173,7 @@ def dequantized_for_mapping(tensors: Mapping[str, Any], *, options: WriteOptions
         InvalidInputError: an fp8 ``dtype`` for a scaled checkpoint, or an inconsistent one.
     """
     from ..formats.dtypes import to_torch
-    from ..formats.fp8 import dequantize_state_dict, state_dict_entries
+    from ..layouts.fp8_math import dequantize_state_dict, state_dict_entries
 
     out_code = options.cast_to or "BF16"
     if out_code not in LOSSLESS_TARGETS:
