@@ -29,11 +29,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ..errors import InvalidInputError
+from ..formats.header import TensorEntry
 from ..formats.layout import check_config_numbers, find_components, is_pipeline_folder, read_config, read_model_index
 from .single_file import LAYOUTS, original_shapes
 from .single_file_trace import Original, check_complete, produced_names, trace_conversion
+from .table import Mapped
 
-__all__ = ["SUPPORTED", "ExportPart", "plan_export", "trace_part", "unplaced_components"]
+__all__ = ["SUPPORTED", "ExportPart", "SingleFileFamily", "plan_export", "trace_part", "unplaced_components"]
 
 SUPPORTED = ("SD 1.x / SD 2.x / SDXL UNets and VAEs and their pipelines (--component all), SD3/SD3.5 transformers "
              "and Flux.1 transformers")
@@ -187,3 +189,76 @@ def _check_against_model(folder: str, config: Mapping[str, Any], shapes: Mapping
             f"holds {len(wrong)} tensor(s) of another shape, e.g. {wrong[0]}"
         raise InvalidInputError(f"{folder}: the {cls.__name__} its config.json describes {what}; the folder is not a "
                                 "complete save_pretrained output")
+
+
+@dataclass(frozen=True)
+class SingleFileFamily:
+    """One family's diffusers ↔ original single-file mapping as a layout of the registry
+    (:class:`~shardkit.layouts.table.LayoutStrategy`): forward is the layout's namer
+    (:func:`~shardkit.layouts.single_file.original_shapes`), inverse is diffusers' own single-file conversion,
+    both run on the meta device (no memory, real sizes cost nothing).
+
+    Attributes:
+        layout: the key of :data:`~shardkit.layouts.single_file.LAYOUTS`.
+        prefix: where the family's tensors go in the single file.
+        library, class_name, config: the model of the sample (``diffusers`` or ``transformers``), built empty.
+    """
+
+    layout: str
+    prefix: str
+    library: str
+    class_name: str
+    config: Mapping[str, Any]
+
+    def sample(self) -> Mapped:
+        """The diffusers (or transformers) names and shapes of the family's model, and its config."""
+        import importlib
+
+        import torch
+
+        cls = getattr(importlib.import_module(self.library), self.class_name)
+        with torch.device("meta"):
+            if self.library == "diffusers":
+                model = cls.from_config(dict(self.config))
+                config = dict(model.config)
+            else:
+                model_config = cls.config_class(**self.config)
+                model = cls(model_config)
+                config = model_config.to_dict()
+        return Mapped(tuple(_entry(n, tuple(t.shape)) for n, t in model.state_dict().items()), config)
+
+    def forward(self, plain: Mapped) -> Mapped:
+        """The original names and shapes the family's layout gives the model's tensors."""
+        shapes = {e.name: e.shape for e in plain.entries}
+        originals = original_shapes(LAYOUTS[self.layout], shapes, plain.config, self.prefix, where=self.class_name)
+        return Mapped(tuple(_entry(n, s) for n, s in originals.items()), plain.config)
+
+    def inverse(self, stored: Mapped) -> Mapped:
+        """What diffusers' ``from_single_file`` conversion makes of the original tensors (names and shapes).
+
+        Raises:
+            InvalidInputError: diffusers fills a fused tensor (q/k/v...) in another order than the layout puts it.
+        """
+        import torch
+
+        layout = LAYOUTS[self.layout]
+        shapes = {e.name: e.shape for e in stored.entries}
+        model = {e.name: e.shape for e in self.sample().entries}  # the model's names: for text_model-less CLIPs
+        probes = {n: torch.empty(s, device="meta") for n, s in shapes.items()}
+        converted = layout.forward(probes, stored.config, self.prefix, {**shapes, **model})
+        traced = trace_conversion(lambda ck: layout.forward(ck, stored.config, self.prefix, {**shapes, **model}),
+                                  shapes, where=self.class_name)
+        name_of = layout.namer(model, stored.config)
+        for original in traced.values():
+            filled = list(dict.fromkeys(p.target for p in sorted(original.pieces, key=lambda p: p.offset)))
+            placed = sorted(filled, key=lambda t: (name_of(t) or ("", -1))[1])
+            if filled != placed:
+                raise InvalidInputError(f"{original.name}: diffusers fills it from {', '.join(filled)} in that order; "
+                                        f"the {self.layout} layout puts {', '.join(placed)}")
+        return Mapped(tuple(_entry(n, tuple(t.shape)) for n, t in converted.items()), stored.config)
+
+
+def _entry(name: str, shape: tuple[int, ...]) -> TensorEntry:
+    from ..units import tensor_nbytes
+
+    return TensorEntry(name, "F32", shape, tensor_nbytes("F32", shape))
