@@ -16,10 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..layouts.fp4 import Fp4Layout
+from ..layouts.fp4 import Fp4Layout, packed_modules
+from ..layouts.fp8 import scaled_modules
 from ..layouts.registry import find_quant_layout, quant_config
-from ..runtime.scaled_fp4 import attach_packed_fp4, packed_modules
-from ..runtime.scaled_fp8 import attach_scaled_fp8, scaled_modules
+from ..runtime.scaled_fp4 import attach_packed_fp4
+from ..runtime.scaled_fp8 import attach_scaled_fp8
 from .lazy import LazyCheckpoint
 
 if TYPE_CHECKING:

@@ -15,35 +15,15 @@ wraps it in turn, so its hooks move an offloaded weight to the device before the
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..layouts.fp8 import QuantLayout, ScaledWeight
+from ..layouts.fp8 import ScaledModule, ScaledWeight
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["ScaledModule", "attach_scaled_fp8", "scaled_modules"]
-
-
-@dataclass(frozen=True)
-class ScaledModule:
-    """One module whose ``weight`` is stored in fp8: its name, the scale buffer's name on it, the scaling."""
-
-    module: str
-    scale_attr: str
-    weight: ScaledWeight
-
-
-def scaled_modules(layout: QuantLayout) -> list[ScaledModule]:
-    """The modules of ``layout``'s scaled weights (``X.weight`` with scale ``X.<attr>``)."""
-    found = []
-    for w in layout.weights:
-        module, _, attr = w.scale.rpartition(".")
-        if w.weight == (f"{module}.weight" if module else "weight"):
-            found.append(ScaledModule(module, attr, w))
-    return found
+__all__ = ["attach_scaled_fp8"]
 
 
 def attach_scaled_fp8(model: nn.Module, modules: list[ScaledModule],

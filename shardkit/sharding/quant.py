@@ -28,7 +28,7 @@ from ..errors import InvalidInputError
 from ..formats.gguf import GGUF_QUANTIZE
 from ..formats.layout import read_config
 from ..layouts.fp4 import Fp4Layout
-from ..layouts.fp8 import find_layout
+from ..layouts.fp8 import FP8_DTYPES, find_layout
 from ..layouts.registry import find_quant_layout, quant_config
 from ..sources import Source
 from ..sources.dequantized import DequantizedSource
@@ -42,7 +42,7 @@ from .options import WriteOptions, warn
 __all__ = ["config_edits", "dequantized_for_mapping", "dropped_side_files", "kept_cast", "quant_report", "quant_view"]
 VIEWS = (DequantizedSource, Fp4DequantizedSource, QuantizedSource, Fp4QuantizedSource)
 
-_FP8_CASTS = frozenset({"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0"})
+_FP8_CASTS = FP8_DTYPES | {"F8_E8M0"}  # plain fp8 casts: the fp8 dtypes and e8m0
 _WIDE = frozenset({"F32", "F64"})
 
 
