@@ -232,7 +232,8 @@ def test_renamed_and_sliced_tensors_keep_their_place_in_the_file(tmp_path: Path,
     """Tensors diffusers only renames (or reshapes in place) are runs of the file: the writer copies them kernel-side."""
     from safetensors.torch import save_file
 
-    from shardkit.sharding.to_diffusers import convert_checkpoint, find_target
+    from shardkit.layouts.diffusers import find_target
+    from shardkit.sharding.to_diffusers_pipeline import convert_checkpoint
     from shardkit.sources.file_backed import file_backed_source, load_file_backed
 
     src = tmp_path / "sd.safetensors"

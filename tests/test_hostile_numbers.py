@@ -225,7 +225,7 @@ def test_fuzzed_configs_end_in_one_shardkit_error_or_pass(config: dict, qconfig:
     from shardkit.errors import InvalidInputError
     from shardkit.formats.header import TensorEntry
     from shardkit.formats.layout import check_config_numbers
-    from shardkit.formats.quant import find_layout
+    from shardkit.layouts.fp8 import find_layout
 
     entries = [TensorEntry("l.weight", "F8_E4M3", (256, 256), 65536),
                TensorEntry("l.weight_scale_inv", "F32", (2, 2), 16)]

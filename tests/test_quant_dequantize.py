@@ -88,7 +88,7 @@ def test_without_dtype_a_scaled_checkpoint_is_copied_whole(llama, tmp_path: Path
 
 def test_bands_cover_a_weight_larger_than_one_band(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Memory is bounded by the band, not the tensor: with a tiny band, many bands give the same bytes."""
-    import shardkit.formats.fp8 as fp8
+    import shardkit.layouts.fp8_math as fp8
 
     weights = {"l.weight": torch.randn(300, 200) * 0.1, "c.weight": torch.randn(300, 200) * 0.1}
     state = {}

@@ -1,4 +1,4 @@
-"""formats/quant.py and ``info``: every fp8-with-scales layout recognised from names, shapes, dtypes,
+"""layouts/fp8.py and ``info``: every fp8-with-scales layout recognised from names, shapes, dtypes,
 config and header metadata; parameters counted once; inconsistent checkpoints named."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 import shardkit
 from shardkit.errors import InvalidInputError
 from shardkit.formats.header import TensorEntry
-from shardkit.formats.quant import QUANTIZE_SKIP_PATTERNS, find_layout, should_skip_quantize
+from shardkit.layouts.fp8 import QUANTIZE_SKIP_PATTERNS, find_layout, should_skip_quantize
 
 
 def _layout_folder(kind: str, base: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path) -> Path:

@@ -93,8 +93,8 @@ def test_a_model_exports_loads_with_from_single_file_and_converts_back(tmp_path:
 
 def test_fused_tensors_are_assembled_and_the_rest_stays_in_place(tmp_path: Path) -> None:
     """Only q/k/v fusions and swapped adaLN halves are built in memory; every other tensor points into the folder."""
-    from shardkit.sharding.single_file_source import OriginalLayoutSource
-    from shardkit.sharding.to_single_file import plan_export, trace_part
+    from shardkit.layouts.single_file_export import plan_export, trace_part
+    from shardkit.sources.original_layout import OriginalLayoutSource
 
     _build("SD3Transformer2DModel", SD3, tmp_path / "sd3")
     _, parts = plan_export(str(tmp_path / "sd3"), component=None)
@@ -415,7 +415,7 @@ def test_real_size_layouts_agree_with_diffusers_forward_mapping(tmp_path: Path, 
     diffusers' own conversion of the proposed original layout gives back exactly the model's tensors."""
     import diffusers
 
-    from shardkit.sharding.to_single_file import plan_export, trace_part
+    from shardkit.layouts.single_file_export import plan_export, trace_part
 
     with torch.device("meta"):
         model = getattr(diffusers, class_name)(**config)
@@ -438,7 +438,7 @@ def test_real_size_text_encoder_layouts_agree_with_diffusers_forward_mapping(
         tmp_path: Path, layout: str, prefix: str, projection: bool, size: tuple[int, int, int, str]) -> None:
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    from shardkit.sharding.to_single_file import ExportPart, trace_part
+    from shardkit.layouts.single_file_export import ExportPart, trace_part
 
     hidden, layers, heads, act = size
     config = CLIPTextConfig(hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,

@@ -18,12 +18,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
+from ..formats.header import TensorEntry
 from ..formats.json_types import Config, JsonObject
+from ..units import tensor_nbytes
+from .table import Mapped
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LLAMA_KEYS", "NameMap", "config_from_metadata", "metadata_from_config", "name_map", "permute_rows",
+__all__ = ["LLAMA_KEYS", "GgufNames", "NameMap", "config_from_metadata", "metadata_from_config", "name_map", "permute_rows",
            "unpermute_rows"]
 
 _LAYER = {
@@ -207,3 +210,39 @@ def _f32_decimal(value: float) -> float:
         if struct.pack("<f", short) == stored:
             return short
     return value
+
+
+@dataclass(frozen=True)
+class GgufNames:
+    """llama.cpp's names of a Llama as a layout of the registry (:class:`~shardkit.layouts.table.LayoutStrategy`):
+    forward is :func:`gguf_name` (names llama.cpp lacks are kept), inverse is :func:`name_map` of the file."""
+
+    heads: int = 4
+    kv_heads: int = 2
+
+    def sample(self) -> Mapped:
+        """A two-layer Llama (grouped-query attention: k and v of ``kv_heads``), tied nothing."""
+        hidden, kv, ffn, vocab = 16, 16 * self.kv_heads // self.heads, 32, 64
+        shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab, hidden))]
+        for i in range(2):
+            layer = f"model.layers.{i}."
+            shapes += [(layer + "input_layernorm.weight", (hidden,)), (layer + "self_attn.q_proj.weight", (hidden, hidden)),
+                       (layer + "self_attn.k_proj.weight", (kv, hidden)), (layer + "self_attn.v_proj.weight", (kv, hidden)),
+                       (layer + "self_attn.o_proj.weight", (hidden, hidden)),
+                       (layer + "post_attention_layernorm.weight", (hidden,)), (layer + "mlp.gate_proj.weight", (ffn, hidden)),
+                       (layer + "mlp.up_proj.weight", (ffn, hidden)), (layer + "mlp.down_proj.weight", (hidden, ffn))]
+        shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (vocab, hidden))]
+        return Mapped(tuple(TensorEntry(n, "F32", s, tensor_nbytes("F32", s)) for n, s in shapes))
+
+    def forward(self, plain: Mapped) -> Mapped:
+        """The tensors under llama.cpp's names, and the head counts its q/k permutation needs."""
+        return Mapped(tuple(TensorEntry(gguf_name(e.name) or e.name, e.dtype, e.shape, e.nbytes) for e in plain.entries),
+                      {"general.architecture": "llama", "llama.attention.head_count": self.heads,
+                       "llama.attention.head_count_kv": self.kv_heads})
+
+    def inverse(self, stored: Mapped) -> Mapped:
+        """The Hugging Face names a GGUF reader gives them (q/k rows are marked for unpermuting, not renamed)."""
+        names = name_map(str(stored.config.get("general.architecture")), [e.name for e in stored.entries],
+                         stored.config, where="GGUF layout")
+        return Mapped(tuple(TensorEntry(names.to_hf.get(e.name, e.name), e.dtype, e.shape, e.nbytes)
+                            for e in stored.entries))

@@ -1,7 +1,7 @@
 """Loading fp8 / fp4 checkpoints with scales without upcasting: the skeleton gets the scales as buffers.
 
 :func:`attach_scales` runs on the meta skeleton before key matching: it recognises the checkpoint's
-layout (:func:`shardkit.formats.quant.find_layout`), registers each scale as a buffer of its module
+layout (:func:`shardkit.layouts.fp8.find_layout`), registers each scale as a buffer of its module
 and wraps the module's ``forward`` to dequantize at compute (:mod:`shardkit.runtime.scaled_fp8`).
 Key matching then loads the fp8 weights and their scales like any other tensor, in their stored
 dtypes, whatever ``dtype`` asks for the rest; input scales and markers are not model tensors. fp4
@@ -16,10 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..layouts.fp4 import Fp4Layout
+from ..layouts.fp4 import Fp4Layout, packed_modules
+from ..layouts.fp8 import scaled_modules
 from ..layouts.registry import find_quant_layout, quant_config
-from ..runtime.scaled_fp4 import attach_packed_fp4, packed_modules
-from ..runtime.scaled_fp8 import attach_scaled_fp8, scaled_modules
+from ..runtime.scaled_fp4 import attach_packed_fp4
+from ..runtime.scaled_fp8 import attach_scaled_fp8
 from .lazy import LazyCheckpoint
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ def attach_scales(skeleton: torch.nn.Module, checkpoint: LazyCheckpoint) -> Scal
     Raises:
         InvalidInputError: an inconsistent scaled checkpoint, or fused scales that disagree.
     """
-    from ..formats.fp8 import refuse_disagreeing, scale_to_float32
+    from ..layouts.fp8_math import refuse_disagreeing, scale_to_float32
 
     entries = [checkpoint.entry(name) for name in checkpoint]
     folder = os.path.dirname(os.path.abspath(checkpoint.paths[0])) if checkpoint.paths else None

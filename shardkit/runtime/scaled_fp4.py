@@ -12,51 +12,17 @@ back afterwards. Memory = packed bytes + scales, plus one layer's dense weight w
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from ..layouts.fp4 import MODELOPT_NVFP4, MXFP4, Fp4Layout
+from ..layouts.fp4 import MODELOPT_NVFP4, MXFP4, PackedModule, PackedSlot
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["PackedModule", "PackedSlot", "attach_packed_fp4", "packed_modules"]
+__all__ = ["attach_packed_fp4"]
 
 BAND_BYTES = 16 * 2**20
-
-
-@dataclass(frozen=True)
-class PackedSlot:
-    """One dense parameter of a module and the attributes holding it packed (names relative to the module)."""
-
-    dense: str
-    packed: str
-    scale: str
-    global_scale: str | None
-    shape: tuple[int, ...]
-    names: tuple[str, ...]  # the checkpoint names of packed, scale (and global scale)
-
-
-@dataclass(frozen=True)
-class PackedModule:
-    """A module whose dense parameters are stored packed, and how to unpack them."""
-
-    module: str
-    scheme: str
-    slots: tuple[PackedSlot, ...]
-
-
-def packed_modules(layout: Fp4Layout) -> list[PackedModule]:
-    """The modules of ``layout``'s packed weights, their slots grouped per module."""
-    grouped: dict[str, list[PackedSlot]] = {}
-    for w in layout.weights:
-        module, _, dense = w.output.rpartition(".")
-        names = tuple(n for n in (w.packed, w.scale, w.global_scale) if n)
-        grouped.setdefault(module, []).append(PackedSlot(
-            dense, w.packed.rpartition(".")[2], w.scale.rpartition(".")[2],
-            w.global_scale.rpartition(".")[2] if w.global_scale else None, w.shape, names))
-    return [PackedModule(module, layout.scheme, tuple(slots)) for module, slots in grouped.items()]
 
 
 def attach_packed_fp4(model: nn.Module, modules: list[PackedModule],

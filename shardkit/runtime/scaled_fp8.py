@@ -5,7 +5,7 @@ The disk counterpart of diffusers' ``enable_layerwise_casting`` for checkpoints 
 stored fp8 ``weight`` and its scale as a buffer (named as in the checkpoint, so the normal loader
 fills both); its ``forward`` is wrapped to swap in ``weight.to(float32) × scale`` in the dtype of its
 input for the call, and the fp8 tensor back afterwards. Memory = fp8 bytes + scales, plus one layer's
-dequantized weight while it runs. The arithmetic is :func:`shardkit.formats.fp8.dequantize_band`, so a
+dequantized weight while it runs. The arithmetic is :func:`shardkit.layouts.fp8_math.dequantize_band`, so a
 layer computes exactly what it computes after ``convert --dtype`` of the same checkpoint.
 
 The wrapper is an instance ``forward``, installed before accelerate dispatches the model: accelerate
@@ -15,35 +15,15 @@ wraps it in turn, so its hooks move an offloaded weight to the device before the
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from ..formats.quant import QuantLayout, ScaledWeight
+from ..layouts.fp8 import ScaledModule, ScaledWeight
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-__all__ = ["ScaledModule", "attach_scaled_fp8", "scaled_modules"]
-
-
-@dataclass(frozen=True)
-class ScaledModule:
-    """One module whose ``weight`` is stored in fp8: its name, the scale buffer's name on it, the scaling."""
-
-    module: str
-    scale_attr: str
-    weight: ScaledWeight
-
-
-def scaled_modules(layout: QuantLayout) -> list[ScaledModule]:
-    """The modules of ``layout``'s scaled weights (``X.weight`` with scale ``X.<attr>``)."""
-    found = []
-    for w in layout.weights:
-        module, _, attr = w.scale.rpartition(".")
-        if w.weight == (f"{module}.weight" if module else "weight"):
-            found.append(ScaledModule(module, attr, w))
-    return found
+__all__ = ["attach_scaled_fp8"]
 
 
 def attach_scaled_fp8(model: nn.Module, modules: list[ScaledModule],
@@ -105,7 +85,7 @@ def dequantized(stored: torch.Tensor, scale: torch.Tensor, weight: ScaledWeight,
     not the layer's (the layer's compute-dtype copy is the only full-size allocation)."""
     import torch
 
-    from ..formats.fp8 import band_rows, dequantize_band, scale_to_float32
+    from ..layouts.fp8_math import band_rows, dequantize_band, scale_to_float32
 
     flat = stored.reshape(stored.shape[0], -1) if stored.dim() != 2 else stored
     rows, cols = flat.shape

@@ -72,10 +72,10 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, max_sha
         rename: a leading ``OLD`` becomes ``NEW`` (``["OLD=NEW"]`` or ``{"OLD": "NEW"}``).
         add_prefix: prepended last.
         to: ``"diffusers"`` converts a single-file SD/SDXL/SD3/Flux... checkpoint into a diffusers
-            model folder with diffusers' own key mapping (see :mod:`shardkit.sharding.to_diffusers`);
+            model folder with diffusers' own key mapping (see :mod:`shardkit.layouts.diffusers`);
             the key options do not apply then. ``"single-file"`` does the reverse: a diffusers model or
             pipeline folder (``component="all"``) → one checkpoint in the original layout (LDM/SGM for
-            SD 1.x/2.x/XL, SAI for SD3, BFL for Flux; see :mod:`shardkit.sharding.to_single_file`).
+            SD 1.x/2.x/XL, SAI for SD3, BFL for Flux; see :mod:`shardkit.layouts.single_file_export`).
         config: with ``to="diffusers"``, the local diffusers config (a ``config.json``, a model
             folder, or a pipeline folder); required, since nothing is downloaded.
         component: with a pipeline folder as ``config``, the component to write (default: its
@@ -188,7 +188,7 @@ def _convert_to(source: Any, output: str, *, options: WriteOptions, key: str | N
         from .to_diffusers_pipeline import convert_pipeline_to_diffusers
 
         return convert_pipeline_to_diffusers(source, output, options=options, config=config, key=key)
-    from .to_diffusers import convert_to_diffusers
+    from .to_diffusers_pipeline import convert_to_diffusers
 
     result, unused = convert_to_diffusers(source, output, options=options, config=config, component=component,
                                           key=key)

@@ -149,8 +149,8 @@ def _open_model(path: str, *, component: str | None, variant: str | None) -> Ite
 
 @contextlib.contextmanager
 def _flux_folder(path: str, *, component: str | None, variant: str | None) -> Iterator[Source]:
-    from .single_file_source import OriginalLayoutSource
-    from .to_single_file import plan_export, trace_part
+    from ..layouts.single_file_export import plan_export, trace_part
+    from ..sources.original_layout import OriginalLayoutSource
 
     model_type, parts = plan_export(path, component=component)
     if model_type != "flux":
@@ -272,7 +272,7 @@ def _write_all(fd: int, data: bytes | memoryview, path: str) -> None:
 
 def _tensor_bytes(t: _Tensor, src: Source) -> Iterator[bytes]:
     """The GGUF bytes of one tensor, band by band of rows: copied (same ggml type) or quantized."""
-    from ..formats.quant import matrix_shape
+    from ..layouts.fp8 import matrix_shape
     from ..layouts.ggml import quantize
     from ..layouts.gguf_names import permute_rows
     from ..sources.dequantized import read_rows

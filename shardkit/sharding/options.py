@@ -75,7 +75,7 @@ class WriteOptions:
         code = resolve_cast(self.dtype, allow_lossy=self.allow_lossy)
         if self.quantize is not None:
             from ..formats.gguf import GGUF_QUANTIZE
-            from ..formats.quant import QUANTIZE_SCHEMES
+            from ..layouts.fp8 import QUANTIZE_SCHEMES
             from ..sources.quantized_fp4 import FP4_SCHEMES
 
             if self.quantize not in QUANTIZE_SCHEMES + FP4_SCHEMES and self.quantize not in GGUF_QUANTIZE:

@@ -28,8 +28,8 @@ from ..errors import InvalidInputError
 from ..formats.gguf import GGUF_QUANTIZE
 from ..formats.json_types import JsonObject
 from ..formats.layout import read_config
-from ..formats.quant import find_layout
 from ..layouts.fp4 import Fp4Layout
+from ..layouts.fp8 import FP8_DTYPES, find_layout
 from ..layouts.registry import find_quant_layout, quant_config
 from ..sources import Source
 from ..sources.dequantized import DequantizedSource
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["config_edits", "dequantized_for_mapping", "dropped_side_files", "kept_cast", "quant_report", "quant_view"]
 VIEWS = (DequantizedSource, Fp4DequantizedSource, QuantizedSource, Fp4QuantizedSource)
 
-_FP8_CASTS = frozenset({"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ", "F8_E8M0"})
+_FP8_CASTS = FP8_DTYPES | {"F8_E8M0"}  # plain fp8 casts: the fp8 dtypes and e8m0
 _WIDE = frozenset({"F32", "F64"})
 
 
@@ -54,7 +54,7 @@ def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset
     """The source a job writes for ``src`` under ``options``, and the names ``dtype`` must not cast.
 
     Raises:
-        InvalidInputError: an inconsistent scaled checkpoint (see :func:`~shardkit.formats.quant.find_layout`),
+        InvalidInputError: an inconsistent scaled checkpoint (see :func:`~shardkit.layouts.fp8.find_layout`),
             or a scaled one asked for fp8 or ``quantize``.
     """
     if options.quantize in GGUF_QUANTIZE:
@@ -178,7 +178,7 @@ def dequantized_for_mapping(tensors: Mapping[str, torch.Tensor], *, options: Wri
         InvalidInputError: an fp8 ``dtype`` for a scaled checkpoint, or an inconsistent one.
     """
     from ..formats.dtypes import to_torch
-    from ..formats.fp8 import dequantize_state_dict, state_dict_entries
+    from ..layouts.fp8_math import dequantize_state_dict, state_dict_entries
 
     out_code = options.cast_to or "BF16"
     if out_code not in LOSSLESS_TARGETS:

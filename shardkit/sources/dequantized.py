@@ -1,6 +1,6 @@
 """A view of an fp8-with-scales checkpoint as the plain checkpoint it stands for: weight × scale.
 
-:class:`DequantizedSource` wraps any source whose :class:`~shardkit.formats.quant.QuantLayout` is
+:class:`DequantizedSource` wraps any source whose :class:`~shardkit.layouts.fp8.QuantLayout` is
 known: every scaled weight becomes one tensor of the output dtype (computed band by band of rows, a
 whole number of scale blocks at a time, so memory never depends on the tensor's size), the scales,
 input scales and markers disappear, and every other tensor passes through with its file offsets (still
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.json_types import JsonObject
-from ..formats.quant import COMFY_METADATA_KEY, QuantLayout, ScaledWeight, matrix_shape
+from ..layouts.fp8 import COMFY_METADATA_KEY, QuantLayout, ScaledWeight, matrix_shape
 from ..units import DTYPE_BITS, tensor_nbytes
 from .base import Source
 
@@ -40,7 +40,7 @@ def bytes_in_range(pieces: Iterable[tuple[int, bytes | memoryview]], begin: int,
 
 def read_whole(source: Source, entry: TensorEntry) -> torch.Tensor:
     """``entry``'s whole tensor in its stored dtype (for small tensors: scales)."""
-    from ..formats.fp8 import tensor_from_bytes
+    from ..layouts.fp8_math import tensor_from_bytes
 
     raw = source.read(entry, 0, entry.nbytes)
     if len(raw) != entry.nbytes:
@@ -50,8 +50,8 @@ def read_whole(source: Source, entry: TensorEntry) -> torch.Tensor:
 
 
 def read_rows(source: Source, entry: TensorEntry, row0: int, row1: int) -> torch.Tensor:
-    """Rows ``row0:row1`` of ``entry`` seen as a matrix (:func:`~shardkit.formats.quant.matrix_shape`)."""
-    from ..formats.fp8 import tensor_from_bytes
+    """Rows ``row0:row1`` of ``entry`` seen as a matrix (:func:`~shardkit.layouts.fp8.matrix_shape`)."""
+    from ..layouts.fp8_math import tensor_from_bytes
 
     cols = matrix_shape(entry.shape)[1]
     row_bytes = cols * DTYPE_BITS[entry.dtype] // 8
@@ -101,7 +101,7 @@ class DequantizedSource(ViewSource):
 
     def _check_fused(self) -> None:
         """Several per-tensor scales on one (fused) weight are usable only when they agree."""
-        from ..formats.fp8 import refuse_disagreeing, scale_to_float32
+        from ..layouts.fp8_math import refuse_disagreeing, scale_to_float32
 
         refuse_disagreeing({w.scale: scale_to_float32(read_whole(self.inner, self._by_name[w.scale]), name=w.scale)
                             for w in self.layout.weights if w.granularity == "fused"}, where=self.description)
@@ -134,7 +134,7 @@ class DequantizedSource(ViewSource):
         import torch
 
         from ..formats.dtypes import to_torch
-        from ..formats.fp8 import band_rows, dequantize_band, scale_to_float32
+        from ..layouts.fp8_math import band_rows, dequantize_band, scale_to_float32
 
         stored = self._by_name[weight.weight]
         rows, cols = matrix_shape(stored.shape)

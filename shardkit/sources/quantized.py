@@ -1,7 +1,7 @@
 """A view of a checkpoint quantized to fp8 with scales, in a layout that loaders read, computed as it is written.
 
 :class:`QuantizedSource` wraps any source. Each 2-D float ``.weight`` that
-:func:`~shardkit.formats.quant.should_skip_quantize` does not keep becomes an e4m3fn weight plus its
+:func:`~shardkit.layouts.fp8.should_skip_quantize` does not keep becomes an e4m3fn weight plus its
 scale, computed band by band of rows (memory never depends on the tensor's size):
 
 - ``fp8-block``: 128×128 blocks, ``X.weight_scale_inv`` (transformers FineGrainedFP8); a weight whose
@@ -18,15 +18,14 @@ Everything else passes through (with its file offsets). ``edit_config`` adds the
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.json_types import JsonObject
-from ..formats.quant import DEFAULT_BLOCK, QUANTIZE_SCHEMES, ScaledWeight, matrix_shape, should_skip_quantize
-from ..units import tensor_nbytes
+from ..layouts.fp8 import ScaledWeight, matrix_shape
+from ..layouts.fp8_quantize import QUANTIZE_RECIPES
 from .base import Source
 from .dequantized import ViewSource, read_rows
 
@@ -36,44 +35,14 @@ if TYPE_CHECKING:
 __all__ = ["QuantizedSource"]
 
 
-def _finegrained_config(ignored: list[str], granularity: str) -> JsonObject:
-    return {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": list(DEFAULT_BLOCK),
-            "modules_to_not_convert": ignored}
-
-
-def _compressed_config(ignored: list[str], granularity: str) -> JsonObject:
-    weights = {"num_bits": 8, "type": "float", "strategy": granularity, "symmetric": True, "dynamic": False,
-               "group_size": None, "block_structure": None, "observer": "minmax"}
-    group = {"targets": ["Linear"], "weights": weights, "input_activations": None, "output_activations": None,
-             "format": "float-quantized"}
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": group}, "ignore": ignored, "kv_cache_scheme": None}
-
-
-@dataclass(frozen=True)
-class _Recipe:
-    granularity: str
-    scale_suffix: str
-    config: Callable[[list[str], str], JsonObject]
-    scale_like_weight: bool  # scales in the weight's bf16/fp16 (what compressed-tensors loads them as), else float32
-
-
-RECIPES = {
-    "fp8-block": _Recipe("block", ".weight_scale_inv", _finegrained_config, False),
-    "fp8-channel": _Recipe("channel", ".weight_scale", _compressed_config, True),
-    "fp8-tensor": _Recipe("tensor", ".weight_scale", _compressed_config, True),
-}
-assert tuple(RECIPES) == QUANTIZE_SCHEMES
-
-
 class QuantizedSource(ViewSource):
     """``inner`` with its weights quantized by ``scheme`` (``"fp8-block"``, ``"fp8-channel"``, ``"fp8-tensor"``)."""
 
     def __init__(self, inner: Source, scheme: str) -> None:
-        if scheme not in RECIPES:
-            raise InvalidInputError(f"--quantize {scheme}: expected one of {', '.join(RECIPES)}")
+        if scheme not in QUANTIZE_RECIPES:
+            raise InvalidInputError(f"--quantize {scheme}: expected one of {', '.join(QUANTIZE_RECIPES)}")
         super().__init__(inner)
-        self.scheme, self.recipe = scheme, RECIPES[scheme]
+        self.scheme, self.recipe = scheme, QUANTIZE_RECIPES[scheme]
         self._by_name: dict[str, TensorEntry] = {}
         self._weights: dict[str, ScaledWeight] = {}  # output name (weight or scale) → its weight
         self._entries: list[TensorEntry] = []
@@ -87,28 +56,16 @@ class QuantizedSource(ViewSource):
 
     def _add(self, entry: TensorEntry) -> None:
         self._by_name[entry.name] = entry
-        if not self._quantizes(entry):
+        target = self.recipe.target(entry)
+        if target is None:
             if entry.name.endswith(".weight") and len(entry.shape) >= 2:
                 self.skipped.append(entry.name[: -len(".weight")])
             self._entries.append(entry)
             return
-        rows, cols = matrix_shape(entry.shape)
-        block = {"block": DEFAULT_BLOCK, "channel": (1, cols), "tensor": (rows, cols)}[self.recipe.granularity]
-        scale_name = entry.name[: -len(".weight")] + self.recipe.scale_suffix
-        weight = ScaledWeight(entry.name, scale_name, self.recipe.granularity, block)
-        scale_shape = {"block": (rows // block[0], cols // block[1]), "channel": (rows, 1), "tensor": (1,)}
-        self._weights[entry.name] = self._weights[scale_name] = weight
-        self._entries.append(TensorEntry(entry.name, "F8_E4M3", entry.shape, tensor_nbytes("F8_E4M3", entry.shape)))
-        shape = scale_shape[self.recipe.granularity]
-        scale_dtype = entry.dtype if self.recipe.scale_like_weight and entry.dtype in ("BF16", "F16") else "F32"
-        self._entries.append(TensorEntry(scale_name, scale_dtype, shape, tensor_nbytes(scale_dtype, shape)))
-        self._scale_dtypes[entry.name] = scale_dtype
-
-    def _quantizes(self, entry: TensorEntry) -> bool:
-        if should_skip_quantize(entry):
-            return False
-        rows, cols = matrix_shape(entry.shape)
-        return self.recipe.granularity != "block" or (rows % DEFAULT_BLOCK[0] == 0 and cols % DEFAULT_BLOCK[1] == 0)
+        weight, stored, scale = target
+        self._weights[entry.name] = self._weights[weight.scale] = weight
+        self._entries += [stored, scale]
+        self._scale_dtypes[entry.name] = scale.dtype
 
     def scale_names(self) -> frozenset[str]:
         """The scale tensors written: never cast by ``dtype``."""
@@ -148,7 +105,7 @@ class QuantizedSource(ViewSource):
         import torch
 
         from ..formats.dtypes import to_torch
-        from ..formats.fp8 import band_rows, dequantize_band, quantize_band
+        from ..layouts.fp8_math import band_rows, dequantize_band, quantize_band
 
         stored = self._by_name[weight.weight]
         rows, cols = matrix_shape(stored.shape)
@@ -173,7 +130,7 @@ class QuantizedSource(ViewSource):
     def _tensor_absmax(self, weight: ScaledWeight) -> torch.Tensor:
         import torch
 
-        from ..formats.fp8 import band_rows
+        from ..layouts.fp8_math import band_rows
 
         if weight.weight not in self._absmax:
             stored = self._by_name[weight.weight]

@@ -2,7 +2,7 @@
 
 :class:`Fp4QuantizedSource` is :class:`~shardkit.sources.quantized.QuantizedSource`'s counterpart for fp4:
 
-- ``nvfp4``: each 2-D float ``.weight`` that :func:`~shardkit.formats.quant.should_skip_quantize` does
+- ``nvfp4``: each 2-D float ``.weight`` that :func:`~shardkit.layouts.fp8.should_skip_quantize` does
   not keep (and whose input dimension is a multiple of 16) becomes compressed-tensors
   ``nvfp4-pack-quantized``: ``X.weight_packed``, ``X.weight_scale`` (e4m3 per 16) and
   ``X.weight_global_scale`` (``[1]``), computed as compressed-tensors' observers and compressor do
@@ -18,16 +18,13 @@ global scale of an NVFP4 weight needs its absmax first: one extra read of that w
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.json_types import JsonObject
-from ..formats.quant import should_skip_quantize
-from ..units import tensor_nbytes
+from ..layouts.fp4_quantize import FP4_SCHEMES, Fp4Target, fp4_config, fp4_target
 from .base import Source
 from .dequantized import ViewSource, read_rows
 
@@ -36,29 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FP4_SCHEMES", "Fp4QuantizedSource"]
 
-FP4_SCHEMES = ("nvfp4", "mxfp4")
 BAND_BYTES = 16 * 2**20
-EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
-NVFP4A16_CONFIG: JsonObject = {
-    "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "quantization_status": "compressed",
-    "config_groups": {"group_0": {"targets": ["Linear"], "format": "nvfp4-pack-quantized", "input_activations": None,
-                                  "output_activations": None,
-                                  "weights": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16,
-                                              "strategy": "tensor_group", "dynamic": False, "observer": "minmax",
-                                              "scale_dtype": "torch.float8_e4m3fn"}}},
-    "kv_cache_scheme": None,
-}
-
-
-@dataclass(frozen=True)
-class _Target:
-    """One weight quantized: its source entry and the names written for it."""
-
-    source: TensorEntry
-    packed: str
-    scale: str
-    global_scale: str | None
-
 
 class Fp4QuantizedSource(ViewSource):
     """``inner`` with its weights quantized by ``scheme`` (``"nvfp4"`` or ``"mxfp4"``)."""
@@ -69,7 +44,7 @@ class Fp4QuantizedSource(ViewSource):
         super().__init__(inner)
         self.scheme = scheme
         self._by_name = {e.name: e for e in inner.entries()}
-        self._targets: dict[str, _Target] = {}  # every name written for a quantized weight → its target
+        self._targets: dict[str, Fp4Target] = {}  # every name written for a quantized weight → its target
         self._entries: list[TensorEntry] = []
         self.skipped: list[str] = []
         for entry in inner.entries():
@@ -84,41 +59,15 @@ class Fp4QuantizedSource(ViewSource):
         self._errors: dict[str, dict[str, float]] = {}
 
     def _add(self, entry: TensorEntry) -> None:
-        shapes = self._nvfp4_shapes(entry) if self.scheme == "nvfp4" else self._mxfp4_shapes(entry)
-        if shapes is None:
+        target = fp4_target(entry, self.scheme)
+        if target is None:
             if entry.name.endswith(".weight") and len(entry.shape) >= 2:
                 self.skipped.append(entry.name[: -len(".weight")])
             self._entries.append(entry)
             return
-        packed, scale, global_shape = shapes
-        if self.scheme == "nvfp4":
-            base = entry.name[: -len("weight")]
-            target = _Target(entry, base + "weight_packed", base + "weight_scale", base + "weight_global_scale")
-        else:
-            target = _Target(entry, entry.name + "_blocks", entry.name + "_scales", None)
-        self._entries.append(TensorEntry(target.packed, "U8", packed, tensor_nbytes("U8", packed)))
-        scale_dtype = "F8_E4M3" if self.scheme == "nvfp4" else "U8"
-        self._entries.append(TensorEntry(target.scale, scale_dtype, scale, tensor_nbytes(scale_dtype, scale)))
-        if target.global_scale is not None:
-            self._entries.append(TensorEntry(target.global_scale, "F32", global_shape, 4))
-        for name in (target.packed, target.scale, target.global_scale):
-            if name is not None:
-                self._targets[name] = target
-
-    @staticmethod
-    def _nvfp4_shapes(entry: TensorEntry) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
-        if should_skip_quantize(entry) or entry.shape[1] % 16:
-            return None
-        rows, cols = entry.shape
-        return (rows, cols // 2), (rows, cols // 16), (1,)
-
-    @staticmethod
-    def _mxfp4_shapes(entry: TensorEntry) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
-        if not EXPERTS.search(entry.name) or len(entry.shape) != 3 or entry.shape[1] % 32 or \
-                entry.dtype not in ("F32", "F16", "BF16"):
-            return None
-        experts, cols, rows = entry.shape  # dense (E, in, out)
-        return (experts, rows, cols // 32, 16), (experts, rows, cols // 32), ()
+        self._entries += target.written
+        for written in target.written:
+            self._targets[written.name] = target
 
     def scale_names(self) -> frozenset[str]:
         """The tensors written for quantized weights: never cast by ``dtype``."""
@@ -144,7 +93,7 @@ class Fp4QuantizedSource(ViewSource):
         else:
             yield _bytes_of(self._global_scale(target))
 
-    def _quantized(self, target: _Target) -> Iterator[memoryview]:
+    def _quantized(self, target: Fp4Target) -> Iterator[memoryview]:
         """The packed bytes of ``target``, band by band; its scales are kept for their own tensor, its error recorded."""
         import torch
 
@@ -168,7 +117,7 @@ class Fp4QuantizedSource(ViewSource):
         self._errors[target.source.name] = {"relative_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0,
                                             "max_abs_error": worst}
 
-    def _bands(self, target: _Target) -> Iterator[torch.Tensor]:
+    def _bands(self, target: Fp4Target) -> Iterator[torch.Tensor]:
         """NVFP4: bands of rows, as stored; MXFP4: one expert at a time, as (out, in) rows."""
         if self.scheme == "mxfp4":
             experts, cols, rows = target.source.shape
@@ -181,7 +130,7 @@ class Fp4QuantizedSource(ViewSource):
         for row0 in range(0, rows, step):
             yield read_rows(self.inner, target.source, row0, min(rows, row0 + step))
 
-    def _global_scale(self, target: _Target) -> torch.Tensor:
+    def _global_scale(self, target: Fp4Target) -> torch.Tensor:
         """compressed-tensors' global scale of ``target`` (from its absmax, in its stored dtype)."""
         import torch
 
@@ -198,11 +147,7 @@ class Fp4QuantizedSource(ViewSource):
 
     def edit_config(self, config: JsonObject) -> JsonObject:
         """The config.json of the output: the scheme's ``quantization_config`` added (replacing any)."""
-        kept = sorted(self.skipped)
-        if self.scheme == "nvfp4":
-            return {**config, "quantization_config": {**NVFP4A16_CONFIG, "ignore": kept}}
-        patterns = sorted({re.sub(r"\.\d+\.", ".*.", m) for m in kept})
-        return {**config, "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": patterns}}
+        return {**config, "quantization_config": fp4_config(self.scheme, self.skipped)}
 
     def report(self) -> dict[str, object]:
         """What was quantized: the scheme, how many weights, the kept modules, each weight's error (after the write)."""

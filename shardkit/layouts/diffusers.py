@@ -1,38 +1,27 @@
-"""``convert --to diffusers``: a single-file SD/SDXL/SD3/Flux... checkpoint → a diffusers model folder.
+"""diffusers' single-file mapping, original key names → a diffusers model's: which model, which function, checked.
 
 The key mapping is diffusers' own: the ``checkpoint_mapping_fn`` that ``from_single_file``
 uses for the model class (``convert_ldm_unet_checkpoint``, ``convert_ldm_vae_checkpoint``,
 ``convert_flux_transformer_checkpoint_to_diffusers``... from ``SINGLE_FILE_LOADABLE_CLASSES``),
-never a copy of it. What differs from ``from_single_file``:
-
-- the config is always local (``config=``: a ``config.json``, a model folder, or a pipeline folder
-  and a component); diffusers would fetch it from the Hub, which shardkit never does;
-- the checkpoint's tensors are backed by the file (safetensors mmap, ``torch.load(mmap=True)``),
-  so the conversion holds no copy of the checkpoint in RAM, except for the tensors diffusers
-  itself builds (fused or reshaped weights); the tensors it only renames or slices are still
-  runs of the file, and are copied kernel-side (see :mod:`shardkit.sources.file_backed`);
-- the result is checked against the model the config describes (built on the meta device: no
-  memory) and written through the normal writer: sharded, atomic, with its ``config.json``.
+never a copy of it. What differs from ``from_single_file``: the config is always local (``config=``: a
+``config.json``, a model folder, or a pipeline folder and a component; diffusers would fetch it from the
+Hub, which shardkit never does), and the result is checked against the model the config describes
+(built on the meta device: no memory). Writing it is :mod:`shardkit.sharding.to_diffusers_pipeline`'s.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidInputError
-from ..formats.index import DIFFUSERS_PREFIX, Naming
 from ..formats.layout import MAX_CONFIG_BYTES, check_config_numbers
 from ..formats.links import parse_json, read_regular
-from ..sources.file_backed import file_backed_source, load_file_backed
-from .job import SplitResult, split_source
-from .options import WriteOptions, warn
-from .quant import dequantized_for_mapping
 
-__all__ = ["DiffusersTarget", "convert_checkpoint", "convert_to_diffusers", "find_target", "has_single_file_mapping"]
+__all__ = ["DiffusersMapping", "DiffusersTarget", "find_target", "has_single_file_mapping", "is_known_checkpoint",
+           "map_to_diffusers", "missing_config_error", "unknown_checkpoint_error"]
 
 DENOISERS = ("transformer", "unet", "prior", "decoder")
 SHOWN = 3
@@ -112,69 +101,15 @@ def _read_json(path: str) -> dict[str, Any]:
     return doc
 
 
-def convert_to_diffusers(source: str | os.PathLike[str], output: str, *, options: WriteOptions,
-                         config: str | os.PathLike[str] | None, component: str | None = None,
-                         key: str | None = None) -> tuple[SplitResult, int]:
-    """Convert a single-file checkpoint into a diffusers model folder that ``from_pretrained`` loads.
-
-    Args:
-        source: a ``.safetensors`` file or a pickle (``.ckpt``/``.pt``/``.bin``, loaded with
-            ``weights_only=True``), in the original (LDM, BFL...) key names.
-        output: the model folder to write (``config.json`` + ``diffusion_pytorch_model*``).
-        options: the write options (shard size, cast, variant, overwrite, dry run...).
-        config: see :func:`find_target`; None raises an error that says which config is needed.
-        component: see :func:`find_target`.
-        key: for pickles, the nested dict holding the state dict (default: auto).
-
-    Returns:
-        The :class:`SplitResult` and how many source tensors the model does not use.
-
-    Raises:
-        InvalidInputError: no config, a checkpoint diffusers cannot convert, or a conversion that
-            does not give exactly the config's model.
-
-    convert_to_diffusers("v1-5-pruned.safetensors", "unet/", options=WriteOptions(),
-                         config="sd15-pipeline/", component="unet")
-    """
-    path = os.fspath(source)
-    backing = load_file_backed(path, key=key, dequantize_to=_gguf_dtype(path, options))
-    checkpoint = dequantized_for_mapping(backing.tensors, options=options, where=path)  # fp8 scales applied first
-    if config is None:
-        raise missing_config_error(path, checkpoint)
-    target = find_target(config, component=component)
-    converted, model = convert_checkpoint(checkpoint, target, where=path)
-    with tempfile.TemporaryDirectory(prefix="shardkit-config-") as folder:
-        model.save_config(folder)
-        description = f"{path} as diffusers {target.class_name}"
-        with file_backed_source(converted, backing, description=description, naming=Naming(DIFFUSERS_PREFIX)) as src:
-            result = split_source(src, output, options=options,
-                                  side_files=[(os.path.join(folder, "config.json"), "config.json")])
-    return result, len(checkpoint) - len(converted)
-
-
-def _gguf_dtype(path: str, options: WriteOptions) -> str:
-    """What a GGUF's quantized tensors are dequantized to before diffusers' mapping: ``--dtype``, bf16 without it."""
-    from ..units import LOSSLESS_TARGETS
-
-    if path.endswith(".gguf") and options.cast_to is None:
-        from ..sources.gguf import GgufSource
-
-        src = GgufSource(path)
-        quantized = len(src.quantized())
-        src.close()
-        if quantized:
-            warn(f"{path}: {quantized} ggml-quantized tensor(s) dequantized to bf16 (choose with --dtype)")
-    return options.cast_to if options.cast_to in LOSSLESS_TARGETS else "BF16" if options.cast_to is None else "F32"
-
-
 def missing_config_error(path: str, checkpoint: Mapping[str, Any]) -> InvalidInputError:
     """The error for a conversion without a config: what the checkpoint is and which config it needs."""
-    from diffusers.loaders.single_file_utils import DIFFUSERS_DEFAULT_PIPELINE_PATHS, infer_diffusers_model_type
+    from diffusers.loaders import single_file_utils
 
     if not is_known_checkpoint(checkpoint):
         return unknown_checkpoint_error(path)
-    model_type = infer_diffusers_model_type(checkpoint)
-    repo = DIFFUSERS_DEFAULT_PIPELINE_PATHS.get(model_type, {}).get("pretrained_model_name_or_path", "?")
+    sfu: Any = single_file_utils  # untyped
+    model_type = sfu.infer_diffusers_model_type(checkpoint)
+    repo = sfu.DIFFUSERS_DEFAULT_PIPELINE_PATHS.get(model_type, {}).get("pretrained_model_name_or_path", "?")
     return InvalidInputError(
         f"{path}: --to diffusers needs the diffusers config of the model, and shardkit never downloads one; "
         f"this is a '{model_type}' checkpoint (diffusers takes its config from the Hub repo {repo}): pass --config "
@@ -203,12 +138,26 @@ def unknown_checkpoint_error(path: str) -> InvalidInputError:
     )
 
 
-def convert_checkpoint(checkpoint: Mapping[str, Any], target: DiffusersTarget, *,
-                       where: str) -> tuple[dict[str, Any], Any]:
+@dataclass(frozen=True)
+class DiffusersMapping:
+    """A checkpoint mapped to a diffusers model's names.
+
+    Attributes:
+        tensors: ``{name: tensor}``, only the model's parameters (in the model's order).
+        model: the model, on the meta device.
+        unused: converted names that are not parameters of the model (left out; the caller says so).
+    """
+
+    tensors: dict[str, Any]
+    model: Any
+    unused: tuple[str, ...] = ()
+
+
+def map_to_diffusers(checkpoint: Mapping[str, Any], target: DiffusersTarget, *, where: str) -> DiffusersMapping:
     """Map ``checkpoint`` to ``target``'s parameter names with diffusers' function; check it against the model.
 
-    Returns:
-        The converted ``{name: tensor}`` (only the model's parameters) and the model, on the meta device.
+    Raises:
+        InvalidInputError: a checkpoint diffusers cannot convert, or one that does not give exactly the model.
     """
     cls, mapping_fn = _model_class(target)
     config = dict(cls.load_config(target.config_file))
@@ -223,7 +172,8 @@ def convert_checkpoint(checkpoint: Mapping[str, Any], target: DiffusersTarget, *
             raise _mismatch_error(where, target, checkpoint, f"diffusers' conversion failed ({type(e).__name__}: "
                                   f"{str(e).splitlines()[0][:160] if str(e) else ''})") from e
     _check_against_model(converted, expected, where=where, target=target, checkpoint=checkpoint)
-    return {name: converted[name] for name in expected}, model
+    return DiffusersMapping({name: converted[name] for name in expected}, model,
+                            tuple(n for n in converted if n not in expected))
 
 
 def _model_class(target: DiffusersTarget) -> tuple[Any, Any]:
@@ -292,10 +242,6 @@ def _check_against_model(converted: Mapping[str, Any], expected: Mapping[str, tu
         name, got, want = wrong[0]
         raise _mismatch_error(where, target, checkpoint, f"{len(wrong)} parameter(s) have another shape, e.g. "
                               f"{name}: {list(got)} in the checkpoint, {list(want)} in the config's model")
-    unused = [n for n in converted if n not in expected]
-    if unused:
-        warn(f"{where}: {len(unused)} converted tensor(s) are not parameters of {target.class_name} and are left out, "
-             f"e.g. {', '.join(unused[:SHOWN])}")
 
 
 def _mismatch_error(where: str, target: DiffusersTarget, checkpoint: Mapping[str, Any], what: str) -> InvalidInputError:

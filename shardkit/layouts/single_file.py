@@ -5,7 +5,7 @@ original checkpoint (LDM/SGM for SD 1.x/2.x/XL UNets, VAEs and text encoders, SA
 for Flux) and how tensors fuse there (q/k/v into one ``qkv``, a VAE attention matrix as a 1×1
 convolution, OpenCLIP's transposed ``text_projection``). Those proposals are checked, and the
 exact placement of every element is learnt, by running diffusers' own conversion of that layout
-forward (:mod:`shardkit.sharding.single_file_trace`), so the names written are the names
+forward (:mod:`shardkit.layouts.single_file_trace`), so the names written are the names
 diffusers reads; the top-level tables come from diffusers itself (``DIFFUSERS_TO_LDM_MAPPING``).
 """
 
@@ -137,7 +137,8 @@ def _unet_namer(shapes: Mapping[str, Shape], config: Mapping[str, Any]) -> Calla
 
 def _unet_forward(checkpoint: dict[str, Any], config: Mapping[str, Any], prefix: str,
                   shapes: Mapping[str, Shape]) -> Mapping[str, Any]:
-    return _sfu().convert_ldm_unet_checkpoint(checkpoint, dict(config))
+    converted: Mapping[str, Any] = _sfu().convert_ldm_unet_checkpoint(checkpoint, dict(config))
+    return converted
 
 
 # ----------------------------------------------------------------------------- SD VAE (LDM)
@@ -179,7 +180,8 @@ def _vae_reshape(name: str, shape: Shape) -> Shape:
 
 def _vae_forward(checkpoint: dict[str, Any], config: Mapping[str, Any], prefix: str,
                  shapes: Mapping[str, Shape]) -> Mapping[str, Any]:
-    return _sfu().convert_ldm_vae_checkpoint(checkpoint, dict(config))
+    converted: Mapping[str, Any] = _sfu().convert_ldm_vae_checkpoint(checkpoint, dict(config))
+    return converted
 
 
 # ----------------------------------------------------------------------------- CLIP text encoders
@@ -279,7 +281,8 @@ _SD3_BLOCK: list[Rule] = [
 
 def _sd3_forward(checkpoint: dict[str, Any], config: Mapping[str, Any], prefix: str,
                  shapes: Mapping[str, Shape]) -> Mapping[str, Any]:
-    return _sfu().convert_sd3_transformer_checkpoint_to_diffusers(checkpoint)
+    converted: Mapping[str, Any] = _sfu().convert_sd3_transformer_checkpoint_to_diffusers(checkpoint)
+    return converted
 
 
 _FLUX_TOP: list[Rule] = [
@@ -317,7 +320,8 @@ _FLUX_BLOCKS: list[Rule] = [
 
 def _flux_forward(checkpoint: dict[str, Any], config: Mapping[str, Any], prefix: str,
                   shapes: Mapping[str, Shape]) -> Mapping[str, Any]:
-    return _sfu().convert_flux_transformer_checkpoint_to_diffusers(checkpoint)
+    converted: Mapping[str, Any] = _sfu().convert_flux_transformer_checkpoint_to_diffusers(checkpoint)
+    return converted
 
 
 LAYOUTS: dict[str, Layout] = {

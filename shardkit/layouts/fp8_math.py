@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
-from .dtypes import to_torch
-from .header import TensorEntry
-from .quant import QuantLayout, ScaledWeight, find_layout, matrix_shape
+from ..formats.dtypes import to_torch
+from ..formats.header import TensorEntry
+from .fp8 import QuantLayout, ScaledWeight, find_layout, matrix_shape
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +66,7 @@ def dequantize_band(q: torch.Tensor, scale: torch.Tensor, weight: ScaledWeight, 
     Args:
         q: the band of the stored weight, shaped (rows, columns).
         scale: the whole scale tensor, float32 (:func:`scale_to_float32`).
-        weight: the weight's :class:`~shardkit.formats.quant.ScaledWeight`.
+        weight: the weight's :class:`~shardkit.layouts.fp8.ScaledWeight`.
         row0: the band's first row.
         out_dtype: the dtype written.
     """
@@ -150,7 +150,7 @@ def refuse_disagreeing(fused: Mapping[str, torch.Tensor], *, where: str) -> None
 
 def state_dict_entries(tensors: Mapping[str, torch.Tensor]) -> list[TensorEntry]:
     """The header records (name, dtype code, shape, bytes) of an in-memory state dict."""
-    from .dtypes import from_torch
+    from ..formats.dtypes import from_torch
 
     return [TensorEntry(n, from_torch(t.dtype), tuple(t.shape), t.numel() * t.element_size()) for n, t in tensors.items()]
 
@@ -165,7 +165,7 @@ def dequantize_state_dict(tensors: Mapping[str, torch.Tensor], *, out_dtype: tor
     Without scale tensors, ``tensors`` is returned unchanged with a None layout.
 
     Raises:
-        InvalidInputError: as :func:`~shardkit.formats.quant.find_layout`, or fused scales that disagree.
+        InvalidInputError: as :func:`~shardkit.layouts.fp8.find_layout`, or fused scales that disagree.
     """
     layout = find_layout(state_dict_entries(tensors), metadata=metadata, where=where)
     if layout is None:

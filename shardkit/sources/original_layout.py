@@ -18,10 +18,11 @@ from typing import Any
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.index import Naming
-from ..sources import Source, open_source
-from ..sources.memory import host_bytes
+from ..layouts.single_file_trace import Original, contiguous_strides
 from ..units import tensor_nbytes
-from .single_file_trace import Original, contiguous_strides
+from . import open_source
+from .base import Source
+from .memory import host_bytes
 
 __all__ = ["OriginalLayoutSource"]
 

@@ -10,7 +10,7 @@ tensor, an offset and strides into it. :func:`invert` turns that record around: 
 original tensor, which diffusers tensors (and which slabs of them) fill it, and whether it is a
 plain rename (the same bytes in the same order) or must be assembled.
 
-The original names and shapes fed in come from :mod:`shardkit.sharding.single_file_layouts`;
+The original names and shapes fed in come from :mod:`shardkit.layouts.single_file`;
 if those disagree with diffusers in any way, the trace says so (a model parameter that no
 original produces, an original that is not used whole), so the mapping cannot drift from the
 diffusers release installed.
