@@ -14,15 +14,21 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
+from ..formats.json_types import Config
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["LAYOUTS", "Layout", "original_shapes"]
 
 Shape = tuple[int, ...]
+# A state dict as diffusers' conversion functions take and give it (meta-device tensors here).
+Tensors = dict[str, "torch.Tensor"]
 Rule = tuple[str, str, int]  # (regex on the diffusers name, original name template, place in a fused tensor)
-Namer = Callable[[Mapping[str, Shape], Mapping[str, Any]], Callable[[str], "tuple[str, int] | None"]]
+Namer = Callable[[Mapping[str, Shape], Config], Callable[[str], "tuple[str, int] | None"]]
 
 
 @dataclass(frozen=True)
@@ -38,11 +44,11 @@ class Layout:
 
     kind: str
     namer: Namer
-    forward: Callable[[dict[str, Any], Mapping[str, Any], str, Mapping[str, Shape]], Mapping[str, Any]]
+    forward: Callable[[Tensors, Config, str, Mapping[str, Shape]], Mapping[str, torch.Tensor]]
     reshape: Callable[[str, Shape], Shape] = lambda name, shape: shape
 
 
-def original_shapes(layout: Layout, shapes: Mapping[str, Shape], config: Mapping[str, Any], prefix: str,
+def original_shapes(layout: Layout, shapes: Mapping[str, Shape], config: Config, prefix: str,
                     *, where: str) -> dict[str, Shape]:
     """The original tensors ``layout`` proposes for a model with these diffusers ``shapes``."""
     name_of = layout.namer(shapes, config)
@@ -64,7 +70,7 @@ def original_shapes(layout: Layout, shapes: Mapping[str, Shape], config: Mapping
 def _by_rules(rules: list[Rule]) -> Namer:
     compiled = [(re.compile(pattern), template, place) for pattern, template, place in rules]
 
-    def namer(shapes: Mapping[str, Shape], config: Mapping[str, Any]) -> Callable[[str], tuple[str, int] | None]:
+    def namer(shapes: Mapping[str, Shape], config: Config) -> Callable[[str], tuple[str, int] | None]:
         def name_of(name: str) -> tuple[str, int] | None:
             for pattern, template, place in compiled:
                 m = pattern.fullmatch(name)
@@ -89,7 +95,7 @@ _RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "norm2": "out_layers.
            "time_emb_proj": "emb_layers.1", "conv_shortcut": "skip_connection"}
 
 
-def _unet_namer(shapes: Mapping[str, Shape], config: Mapping[str, Any]) -> Callable[[str], tuple[str, int] | None]:
+def _unet_namer(shapes: Mapping[str, Shape], config: Config) -> Callable[[str], tuple[str, int] | None]:
     sfu = _sfu().DIFFUSERS_TO_LDM_MAPPING["unet"]
     top = dict(sfu["layers"])
     if config.get("class_embed_type") in ("timestep", "projection"):
@@ -135,9 +141,9 @@ def _unet_namer(shapes: Mapping[str, Shape], config: Mapping[str, Any]) -> Calla
     return name_of
 
 
-def _unet_forward(checkpoint: dict[str, Any], config: Mapping[str, Any], prefix: str,
-                  shapes: Mapping[str, Shape]) -> Mapping[str, Any]:
-    converted: Mapping[str, Any] = _sfu().convert_ldm_unet_checkpoint(checkpoint, dict(config))
+def _unet_forward(checkpoint: Tensors, config: Config, prefix: str,
+                  shapes: Mapping[str, Shape]) -> Mapping[str, torch.Tensor]:
+    converted: Mapping[str, torch.Tensor] = _sfu().convert_ldm_unet_checkpoint(checkpoint, dict(config))
     return converted
 
 
@@ -146,7 +152,7 @@ def _unet_forward(checkpoint: dict[str, Any], config: Mapping[str, Any], prefix:
 _VAE_ATTENTION = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
 
 
-def _vae_namer(shapes: Mapping[str, Shape], config: Mapping[str, Any]) -> Callable[[str], tuple[str, int] | None]:
+def _vae_namer(shapes: Mapping[str, Shape], config: Config) -> Callable[[str], tuple[str, int] | None]:
     top = _sfu().DIFFUSERS_TO_LDM_MAPPING["vae"]
     ups = len(config["up_block_types"])
     pattern = re.compile(r"(encoder|decoder)\.(?:(down|up)_blocks\.(\d+)\.(resnets\.(\d+)|downsamplers\.0|upsamplers\.0)"
@@ -178,9 +184,9 @@ def _vae_reshape(name: str, shape: Shape) -> Shape:
     return (*shape, 1, 1) if ".mid.attn_1." in name and len(shape) == 2 else shape
 
 
-def _vae_forward(checkpoint: dict[str, Any], config: Mapping[str, Any], prefix: str,
-                 shapes: Mapping[str, Shape]) -> Mapping[str, Any]:
-    converted: Mapping[str, Any] = _sfu().convert_ldm_vae_checkpoint(checkpoint, dict(config))
+def _vae_forward(checkpoint: Tensors, config: Config, prefix: str,
+                 shapes: Mapping[str, Shape]) -> Mapping[str, torch.Tensor]:
+    converted: Mapping[str, torch.Tensor] = _sfu().convert_ldm_vae_checkpoint(checkpoint, dict(config))
     return converted
 
 
@@ -191,26 +197,26 @@ def _with_text_model(name: str) -> str:
     return name if name.startswith(("text_model.", "text_projection.")) else "text_model." + name
 
 
-def _clip_namer(shapes: Mapping[str, Shape], config: Mapping[str, Any]) -> Callable[[str], tuple[str, int] | None]:
+def _clip_namer(shapes: Mapping[str, Shape], config: Config) -> Callable[[str], tuple[str, int] | None]:
     return lambda name: (_with_text_model(name), 0)
 
 
-def _flattened(converted: Mapping[str, Any], shapes: Mapping[str, Shape]) -> dict[str, Any]:
+def _flattened(converted: Mapping[str, torch.Tensor], shapes: Mapping[str, Shape]) -> Tensors:
     """As ``create_diffusers_clip_model_from_ldm`` does for a model without a ``text_model`` wrapper."""
     if any(name.startswith("text_model.") for name in shapes):
         return dict(converted)
     return {name.removeprefix("text_model."): t for name, t in converted.items()}
 
 
-def _clip_forward(checkpoint: dict[str, Any], config: Mapping[str, Any], prefix: str,
-                  shapes: Mapping[str, Shape]) -> Mapping[str, Any]:
+def _clip_forward(checkpoint: Tensors, config: Config, prefix: str,
+                  shapes: Mapping[str, Shape]) -> Mapping[str, torch.Tensor]:
     return _flattened(_sfu().convert_ldm_clip_checkpoint(checkpoint, prefix), shapes)
 
 
 _QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 
 
-def _openclip_namer(shapes: Mapping[str, Shape], config: Mapping[str, Any]) -> Callable[[str], tuple[str, int] | None]:
+def _openclip_namer(shapes: Mapping[str, Shape], config: Config) -> Callable[[str], tuple[str, int] | None]:
     tables = _sfu().DIFFUSERS_TO_LDM_MAPPING["openclip"]
     top, renames = tables["layers"], list(tables["transformer"].items())
     fused = re.compile(r"(.*)\.self_attn\.(q_proj|k_proj|v_proj)\.(weight|bias)")
@@ -236,8 +242,8 @@ def _openclip_reshape(name: str, shape: Shape) -> Shape:
     return tuple(reversed(shape)) if name == "text_projection" else shape
 
 
-def _openclip_forward(checkpoint: dict[str, Any], config: Mapping[str, Any], prefix: str,
-                      shapes: Mapping[str, Shape]) -> Mapping[str, Any]:
+def _openclip_forward(checkpoint: Tensors, config: Config, prefix: str,
+                      shapes: Mapping[str, Shape]) -> Mapping[str, torch.Tensor]:
     from types import SimpleNamespace
 
     hidden = next(s[1] for n, s in shapes.items() if n.endswith("token_embedding.weight"))
@@ -279,9 +285,9 @@ _SD3_BLOCK: list[Rule] = [
 ]
 
 
-def _sd3_forward(checkpoint: dict[str, Any], config: Mapping[str, Any], prefix: str,
-                 shapes: Mapping[str, Shape]) -> Mapping[str, Any]:
-    converted: Mapping[str, Any] = _sfu().convert_sd3_transformer_checkpoint_to_diffusers(checkpoint)
+def _sd3_forward(checkpoint: Tensors, config: Config, prefix: str,
+                 shapes: Mapping[str, Shape]) -> Mapping[str, torch.Tensor]:
+    converted: Mapping[str, torch.Tensor] = _sfu().convert_sd3_transformer_checkpoint_to_diffusers(checkpoint)
     return converted
 
 
@@ -318,9 +324,9 @@ _FLUX_BLOCKS: list[Rule] = [
 ]
 
 
-def _flux_forward(checkpoint: dict[str, Any], config: Mapping[str, Any], prefix: str,
-                  shapes: Mapping[str, Shape]) -> Mapping[str, Any]:
-    converted: Mapping[str, Any] = _sfu().convert_flux_transformer_checkpoint_to_diffusers(checkpoint)
+def _flux_forward(checkpoint: Tensors, config: Config, prefix: str,
+                  shapes: Mapping[str, Shape]) -> Mapping[str, torch.Tensor]:
+    converted: Mapping[str, torch.Tensor] = _sfu().convert_flux_transformer_checkpoint_to_diffusers(checkpoint)
     return converted
 
 
