@@ -16,9 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..reading.readers import open_reader
 from .lazy import LazyCheckpoint
 from .pipeline_copy import CopyJob, CopyStage, CudaCopyStage, HostCopyStage, byte_view, run_pipeline
-from .readers import open_reader
 
 if TYPE_CHECKING:
     import torch

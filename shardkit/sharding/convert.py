@@ -153,7 +153,7 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
                                     "to a pipeline folder; convert a component folder instead")
         return split_with(wrapped, output, options=options, key=key)  # checks the output itself
     refuse_output_inside_source(source, output)
-    with open_settled(source, key=key, dry_run=options.dry_run, wrap_source=wrap_source) as inner:
+    with open_settled(source, key=key, dry_run=options.dry_run, output=output, wrap_source=wrap_source) as inner:
         mapped: Source = inner if keymap.is_identity() else KeyMapSource(inner, keymap)
         ema = _report_ema(inner, keymap)
         if is_file_output(output):

@@ -171,21 +171,39 @@ def named_as_given(result: SplitResult, source: Any) -> SplitResult:
     return result
 
 
-def open_settled(source: Any, *, key: str | None, dry_run: bool, wrap_source: SourceWrapper | None = None) -> Source:
-    """Open ``source`` after finishing any interrupted commit in its folder (skipped by a dry run).
+def open_settled(source: Any, *, key: str | None, dry_run: bool, output: str | None = None,
+                 wrap_source: SourceWrapper | None = None) -> Source:
+    """Open ``source`` for a write into ``output``, under the one interrupted-write policy.
 
-    ``wrap_source`` (if given) wraps the opened source, e.g. to read its bytes from elsewhere;
-    the inner source is closed if wrapping fails.
+    A folder left *pending* by a crashed shardkit write is rolled forward only by a write into that
+    same folder (an in-place reshard, not a dry run: :func:`finish_in_place`) or by ``shardkit
+    recover``; read as a source of a write elsewhere it is refused like every reader refuses it
+    (:func:`shardkit.sources.open_source`: one line naming ``shardkit recover``; the source is never
+    modified). ``wrap_source`` (if given) wraps the opened source; the inner source is closed if
+    wrapping fails.
 
-    with open_settled("ckpt/", key=None, dry_run=False) as src:
+    with open_settled("ckpt/", key=None, dry_run=False, output="ckpt/") as src:
         len(src.entries())
     """
-    if isinstance(source, (str, os.PathLike)) and not dry_run:
+    finish_in_place(source, output, dry_run=dry_run)
+    return wrap_opened(open_source(source, key=key), wrap_source)
+
+
+def finish_in_place(source: Any, output: str | None, *, dry_run: bool) -> None:
+    """Roll forward an interrupted commit in ``source``'s folder when the write goes into that folder.
+
+    finish_in_place("ckpt/", "ckpt/", dry_run=False)  # the journal a crash left in ckpt/ is finished
+    """
+    if dry_run or output is None or not isinstance(source, (str, os.PathLike)):
+        return
+    path = os.fspath(source)
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    target = output if os.path.isdir(output) or not output.endswith(".safetensors") else os.path.dirname(
+        os.path.abspath(output))
+    if os.path.realpath(folder) == os.path.realpath(target):
         from ..atomic.commit import recover
 
-        path = os.fspath(source)
-        recover(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
-    return wrap_opened(open_source(source, key=key), wrap_source)
+        recover(folder)
 
 
 def wrap_opened(source: Source, wrap_source: SourceWrapper | None) -> Source:

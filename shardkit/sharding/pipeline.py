@@ -18,14 +18,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..atomic.commit import recover
 from ..errors import InvalidInputError
 from ..formats.index import naming_from_filename
 from ..formats.layout import find_components, is_pipeline_folder
 from ..formats.side_files import folder_side_files
 from ..formats.suffixes import is_manifest_file, is_saved_weight_file
 from ..sources import Source, open_source
-from .job import ShardJob, SideFile, SourceWrapper, SplitResult, plan_job, run_jobs, wrap_opened
+from .job import ShardJob, SideFile, SourceWrapper, SplitResult, finish_in_place, plan_job, run_jobs, wrap_opened
 from .options import WriteOptions, warn
 from .plan import ShardPlan, ShardSpec
 
@@ -76,8 +75,7 @@ def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str
         option = "--name" if options.name is not None else "--key"
         raise InvalidInputError(f"{option} does not apply to a pipeline folder ({folder}): every component keeps "
                                 "its own naming and state dict; run it on a component folder instead")
-    if not options.dry_run:
-        recover(folder)
+    finish_in_place(folder, output, dry_run=options.dry_run)  # never the source of a write elsewhere
     jobs, left_out = _open_components(folder, options, wrap_source)
     try:
         _warn_left_out(jobs, left_out)

@@ -76,7 +76,7 @@ def split_with(source: CheckpointSource, output: str | os.PathLike[str], *, opti
         refuse_file_output(source, output)
         return named_as_given(split_pipeline(source, output, options=options, key=key, wrap_source=wrap_source),
                               given)
-    with open_settled(source, key=key, dry_run=options.dry_run, wrap_source=wrap_source) as src:
+    with open_settled(source, key=key, dry_run=options.dry_run, output=output, wrap_source=wrap_source) as src:
         if is_file_output(output):
             return named_as_given(split_to_file(src, output, options=options), given)
         return named_as_given(split_source(src, output, options=options, side_files=side_files(source, output)),

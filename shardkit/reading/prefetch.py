@@ -39,7 +39,7 @@ log = logging.getLogger("shardkit")
 READ_AHEAD_BYTES = 256 << 20      # default read-ahead budget of a lazy checkpoint's mapping
 
 
-def wait_all(futures: list[Future]) -> None:
+def wait_all(futures: list[Future[Any]]) -> None:
     """Wait for every future; on the first failure cancel the rest, wait for those running, raise it."""
     done, pending = wait(futures, return_when="FIRST_EXCEPTION")
     failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception() is not None), None)
@@ -51,7 +51,7 @@ def wait_all(futures: list[Future]) -> None:
     raise failed.exception()  # type: ignore[misc]
 
 
-def submit_reads(pool: ReadPool, reader: Reader, jobs: list[ReadJob], *, keep: Any, chunk_bytes: int) -> list[Future]:
+def submit_reads(pool: ReadPool, reader: Reader, jobs: list[ReadJob], *, keep: Any, chunk_bytes: int) -> list[Future[Any]]:
     """Each job cut into ``chunk_bytes`` ranges, all submitted at once; ``keep`` (the destination) lives
     as long as any of them runs."""
 
@@ -68,7 +68,7 @@ class Pending:
     """A tensor read ahead: its destination and the reads filling it."""
 
     tensor: torch.Tensor
-    futures: list[Future]
+    futures: list[Future[Any]]
     nbytes: int
 
 
