@@ -70,7 +70,11 @@ class RangeReads:
         self.reader, self.pool, self.size_bytes = reader, pool, size_bytes
         self.piece_bytes = max(_PAGE, reader.chunk_bytes // _PAGE * _PAGE)
         self.ahead_pieces = ahead_bytes // self.piece_bytes
-        self._pieces: dict[int, _Piece] = {}  # piece index → piece, the read-ahead window
+        self._pieces: dict[int, _Piece] = {}  # piece index (from ``_origin``) → piece: the read-ahead window
+        self._origin = 0  # where the window's pieces start counting: the first sequential request's
+        # offset (its page for ``direct``, whose in-place reads need page-aligned offsets), so no byte
+        # before it (the header, a tensor already read) is fetched again
+        self._align = _PAGE if reader.backend == "direct" else 1
         self._last_end: int | None = None
         self._lock = threading.Lock()
 
@@ -90,28 +94,33 @@ class RangeReads:
         if nbytes == 0:
             return []
         with self._lock:  # held while waiting: no other request can cancel a piece being waited for
-            sequential = offset == self._last_end or (offset // self.piece_bytes) in self._pieces
+            sequential = offset == self._last_end or (offset >= self._origin and self._index(offset) in self._pieces)
             self._last_end = end
             if not sequential or not self.ahead_pieces:
                 self._drop(below=None)
                 pieces = [_Piece(self.reader, self.pool, offset, nbytes, where)]
             else:
+                if not self._pieces:
+                    self._origin = offset - offset % self._align
                 pieces = self._window(offset, end, where)
             views = [piece.view(max(offset, piece.offset), min(end, piece.offset + piece.nbytes)) for piece in pieces]
-            self._drop(below=(end - 1) // self.piece_bytes)  # the last piece may hold the next request's start
+            self._drop(below=self._index(end - 1))  # the last piece may hold the next request's start
             return views
 
     def _window(self, offset: int, end: int, where: str) -> list[_Piece]:
         """The pieces covering ``[offset, end)``, the next ``ahead_pieces`` submitted behind them."""
-        first, last = offset // self.piece_bytes, (end - 1) // self.piece_bytes
+        first, last = self._index(offset), self._index(end - 1)
         self._drop(below=first)
-        limit = -(-self.size_bytes // self.piece_bytes)
+        limit = -(-(self.size_bytes - self._origin) // self.piece_bytes)
         for index in range(first, min(limit, last + 1 + self.ahead_pieces)):
             if index not in self._pieces:
-                start = index * self.piece_bytes
+                start = self._origin + index * self.piece_bytes
                 stop = min(self.size_bytes, start + self.piece_bytes)
                 self._pieces[index] = _Piece(self.reader, self.pool, start, stop - start, where)
         return [self._pieces[i] for i in range(first, last + 1)]
+
+    def _index(self, offset: int) -> int:
+        return (offset - self._origin) // self.piece_bytes
 
     def _drop(self, *, below: int | None) -> None:
         """Forget the pieces before index ``below`` (all of them when None), cancelling their reads."""

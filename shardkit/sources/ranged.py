@@ -61,7 +61,7 @@ class RangedCheckpoint:
         return shown(self)
 
 
-def beneath(source: object, path: str) -> object:
+def beneath(source: str | os.PathLike[str], path: str) -> str | RangedCheckpoint:
     """``path`` (a file or folder inside ``source``) read the way ``source`` is: by range when it is a
     :class:`RangedCheckpoint`, else the path itself.
 
