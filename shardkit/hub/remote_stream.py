@@ -26,7 +26,6 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Any
 
 from ..errors import HubError, ShardkitError
 from ..workers import ReadPool
@@ -54,7 +53,7 @@ class _Digest:
     def __init__(self, remote: RemoteFile, hasher: ThreadPoolExecutor) -> None:
         self.expected = remote.sha256 or remote.blob_id
         self.kind = "sha256" if remote.sha256 else "git blob id"
-        self.hash: Any = hashlib.sha256() if remote.sha256 else hashlib.sha1(b"blob %d\0" % remote.size_bytes)
+        self.hash: hashlib._Hash = hashlib.sha256() if remote.sha256 else hashlib.sha1(b"blob %d\0" % remote.size_bytes)
         self.hasher = hasher
         self.pending: deque[Future[None]] = deque()
 
