@@ -115,9 +115,14 @@ def _checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 
 def test_a_safetensors_source_reads_through_the_parallel_readers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """open_source's reads go through shardkit.reading (the readers of shardkit.open): a tensor read is cut
-    into chunks on several reader threads, sequential reads come from the read-ahead, bytes are exact."""
+    """open_source's reads of a file that read="auto" would not map (cold, or on a network mount) go
+    through shardkit.reading (the readers of shardkit.open): a tensor read is cut into chunks on several
+    reader threads, sequential reads come from the read-ahead, bytes are exact."""
+    from shardkit.reading.residency import BackendChoice
+    from shardkit.sources import safetensors as st
+
     path, tensors = _checkpoint(tmp_path)
+    monkeypatch.setattr(st, "choose_backend", lambda p, read, fd=None: BackendChoice("pread", "cold (test)"))
     monkeypatch.setattr(readers, "CHUNK_BYTES", 64 << 10)
     seen: list[str] = []
     real = readers.Reader.read_one
@@ -159,3 +164,20 @@ def test_split_with_a_cast_reads_through_the_readers_and_matches_the_reference(t
             want = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
             assert torch.equal(out[name], want)
     assert load_file(str(next((tmp_path / "out").glob("*00001*.safetensors"))))
+
+
+def test_a_warm_local_file_is_read_with_one_pread_per_request_as_auto_would_map_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where read="auto" maps a file (its pages cached on a local disk), a source copies from the page cache
+    on the caller's thread: no reader threads, no read-ahead."""
+    from shardkit.reading.residency import BackendChoice
+    from shardkit.reading.sequential import CachedReads
+    from shardkit.sources import safetensors as st
+
+    path, tensors = _checkpoint(tmp_path)
+    monkeypatch.setattr(st, "choose_backend", lambda p, read, fd=None: BackendChoice("mmap", "warm (test)"))
+    monkeypatch.setattr(readers.Reader, "read_one", lambda self, job: pytest.fail("no reader thread for a warm file"))
+    with open_source(path) as src:
+        for entry in src.entries():
+            assert bytes(src.read(entry, 0, entry.nbytes)) == tensors[entry.name].numpy().tobytes()
+        assert all(isinstance(r, CachedReads) for r in src._reads.values())

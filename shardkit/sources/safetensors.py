@@ -25,7 +25,7 @@ from ..formats.index import (
 from ..formats.ranges import RangeFile
 from ..reading.readers import REMOTE_CHUNK_BYTES, RangeReader, Reader, open_reader
 from ..reading.residency import choose_backend
-from ..reading.sequential import AHEAD_BYTES, RangeReads
+from ..reading.sequential import AHEAD_BYTES, CachedReads, FileReads, RangeReads
 from ..workers import ReadPool
 from .base import Source
 
@@ -44,7 +44,7 @@ class SafetensorsSource(Source):
         self.description = description
         self.naming = naming
         self.paths = tuple(h.path for h in headers)
-        self._reads: dict[str, RangeReads] = {}
+        self._reads: dict[str, FileReads] = {}
         self._ranges: dict[str, RangeFile] = {}  # files whose bytes come from elsewhere (read_through)
         self._read_ahead = True
         self._pool: ReadPool | None = None
@@ -89,29 +89,34 @@ class SafetensorsSource(Source):
         for begin in range(0, entry.nbytes, chunk_bytes):
             yield from reads.views(entry.offset + begin, min(chunk_bytes, entry.nbytes - begin), where=_where(entry))
 
-    def _file_reads(self, entry: TensorEntry) -> RangeReads:
-        """The reads of ``entry``'s file, its reader opened on first use."""
+    def _file_reads(self, entry: TensorEntry) -> FileReads:
+        """The reads of ``entry``'s file, opened on first use."""
         assert entry.file is not None
         with self._lock:
             reads = self._reads.get(entry.file)
             if reads is None:
-                reader, size_bytes = self._open_reader(entry.file)
-                if self._pool is None:
-                    self._pool = ReadPool(reader.threads)
-                reads = self._reads[entry.file] = RangeReads(reader, self._pool, size_bytes=size_bytes,
-                                                             ahead_bytes=AHEAD_BYTES if self._read_ahead else 0)
+                reads = self._reads[entry.file] = self._open_reads(entry.file)
             return reads
 
-    def _open_reader(self, path: str) -> tuple[Reader, int]:
-        """``path``'s reader and the file's size: its :class:`RangeFile`'s, else as ``read="auto"`` picks."""
+    def _open_reads(self, path: str) -> FileReads:
+        """``path``'s reads, backend as ``shardkit.open(read="auto")`` picks it: a :class:`RangeFile`'s
+        range reads; a warm local file (which ``auto`` maps) one ``pread`` per request; anything else
+        (cold, network/FUSE) the parallel readers with read-ahead."""
         remote = self._ranges.get(path)
         if remote is not None:  # one call per request where the file wants them in order
-            return RangeReader(remote, chunk_bytes=None if self._read_ahead else 1 << 62), remote.size_bytes
+            reader: Reader = RangeReader(remote, chunk_bytes=None if self._read_ahead else 1 << 62)
+            return self._parallel(reader, remote.size_bytes)
         fd = self._fd(path)
         choice = choose_backend(path, "auto", fd=fd)
-        backend = "pread" if choice.backend == "mmap" else choice.backend
-        reader = open_reader(path, backend, fd=fd, remote=choice.remote is not None, quiet=True)
-        return reader, os.fstat(fd).st_size
+        if choice.backend == "mmap":
+            return CachedReads(fd, size_bytes=os.fstat(fd).st_size)
+        reader = open_reader(path, choice.backend, fd=fd, remote=choice.remote is not None, quiet=True)
+        return self._parallel(reader, os.fstat(fd).st_size)
+
+    def _parallel(self, reader: Reader, size_bytes: int) -> RangeReads:
+        if self._pool is None:
+            self._pool = ReadPool(reader.threads)
+        return RangeReads(reader, self._pool, size_bytes=size_bytes, ahead_bytes=AHEAD_BYTES if self._read_ahead else 0)
 
     def close(self) -> None:
         """Cancel the read-ahead, join the reader threads (bounded), then close the files."""
