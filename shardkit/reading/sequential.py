@@ -38,7 +38,7 @@ _MAX_CALL_BYTES = 1 << 30  # Linux returns at most ~2 GiB per read call
 class FileReads(Protocol):
     """How a source reads one file's byte ranges: :class:`RangeReads` or :class:`CachedReads`."""
 
-    def read(self, offset: int, nbytes: int, *, where: str) -> memoryview: ...
+    def read(self, offset: int, nbytes: int, *, where: str) -> bytes | memoryview: ...
 
     def views(self, offset: int, nbytes: int, *, where: str) -> list[memoryview]: ...
 
@@ -54,7 +54,7 @@ class CachedReads:
     def __init__(self, fd: int, *, size_bytes: int) -> None:
         self.fd, self.size_bytes = fd, size_bytes
 
-    def read(self, offset: int, nbytes: int, *, where: str) -> memoryview:
+    def read(self, offset: int, nbytes: int, *, where: str) -> bytes:
         """Exactly ``nbytes`` at ``offset``, or :class:`HeaderError` naming ``where``."""
         parts = [os.pread(self.fd, min(_MAX_CALL_BYTES, nbytes - at), offset + at)
                  for at in range(0, nbytes, _MAX_CALL_BYTES)]
@@ -62,10 +62,10 @@ class CachedReads:
         if len(data) != nbytes:
             raise HeaderError(f"{where} is truncated (got {len(data)} of {nbytes} bytes at offset {offset}; file "
                               "shrank while reading?); restore the file, or convert from an intact copy")
-        return memoryview(data)
+        return data  # bytes: a caller's bytes() of it is no copy
 
     def views(self, offset: int, nbytes: int, *, where: str) -> list[memoryview]:
-        return [self.read(offset, nbytes, where=where)] if nbytes else []
+        return [memoryview(self.read(offset, nbytes, where=where))] if nbytes else []
 
     def close(self) -> None:
         """Nothing to release: the descriptor is the source's."""

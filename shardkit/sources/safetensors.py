@@ -65,7 +65,7 @@ class SafetensorsSource(Source):
             merged.update(header.metadata)
         return merged
 
-    def read(self, entry: TensorEntry, begin: int, end: int) -> memoryview:
+    def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
         return self._file_reads(entry).read(entry.offset + begin, end - begin, where=_where(entry))
 
     def read_through(self, open_file: Callable[[str], RangeFile], *, read_ahead: bool = True) -> None:
