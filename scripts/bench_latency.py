@@ -168,7 +168,7 @@ def _child(label: str, folder: str) -> dict:
 
 def _evict(folder: str) -> None:
     sys.path.insert(0, os.path.dirname(HERE))
-    from shardkit.loading.residency import evict
+    from shardkit.reading.residency import evict
 
     for path in _shards(folder):
         evict(path)

@@ -147,7 +147,7 @@ def loop_mount(fs: str, image: str, size_bytes: int) -> Iterator[str]:
 def evict(path: str) -> float:
     """Drop ``path``'s pages from the page cache (fsync + POSIX_FADV_DONTNEED); the share still cached."""
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from shardkit.loading.residency import evict as evict_file
+    from shardkit.reading.residency import evict as evict_file
 
     return evict_file(path) or 0.0
 

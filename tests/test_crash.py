@@ -140,6 +140,34 @@ def test_recover_never_touches_a_folder_another_writer_holds(tmp_path: Path) -> 
     assert not h.leftovers(out)
 
 
+def test_a_pending_folder_read_as_the_source_of_a_write_elsewhere_is_refused_not_rolled_forward(tmp_path: Path) -> None:
+    """The one interrupted-write policy: only a write into the pending folder itself (or recover) finishes it;
+    split/convert of it into another folder read it like every reader does, refuse it naming `shardkit recover`,
+    and leave it byte for byte as the crash left it; an in-place split of it finishes it first."""
+    import shardkit
+    from shardkit.atomic.commit import JOURNAL
+    from shardkit.errors import CheckpointIndexError
+
+    scenario = _scenarios(tmp_path)["split-in-place"]
+    ref = h.reference_run(scenario, tmp_path / "ref")
+    renamed = next(p for p, label, _ in ref.points if label == "commit:renamed")
+    src, out = h.prepare_fresh(scenario, tmp_path / "w")
+    assert h.run_shardkit(scenario.args(src, out), SHARDKIT_FAULT_KILL_AT=renamed + 1).returncode == -9
+    before = h.tree_hashes(out)
+    for write in (lambda: shardkit.split(str(out), str(tmp_path / "elsewhere"), max_shard_size="1GB"),
+                  lambda: shardkit.convert(str(out), str(tmp_path / "elsewhere"))):
+        with pytest.raises(CheckpointIndexError, match="shardkit recover"):
+            write()
+        assert h.tree_hashes(out) == before and (out / JOURNAL).exists()
+        assert not (tmp_path / "elsewhere").exists()
+    proc = h.run_shardkit(["split", out, tmp_path / "elsewhere"])
+    assert proc.returncode == 2 and "shardkit recover" in proc.stderr, proc.stderr
+    shardkit.split(str(out), str(out), max_shard_size="1GB", overwrite=True)  # a write into it finishes it first
+    assert not (out / JOURNAL).exists()
+    with shardkit.open(str(out)) as lazy:
+        assert sorted(lazy) == sorted(h.make_tensors(**h.TENSORS_A))
+
+
 def test_every_reader_handles_a_pending_journal_clearly(tmp_path: Path) -> None:
     """Policy after a crash past the commit point: reading commands (`shardkit verify`/`info`,
     open_source, the lazy `shardkit.open`) never write, so they refuse with a one-line error that says

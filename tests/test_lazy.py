@@ -14,7 +14,8 @@ import torch
 
 import shardkit
 from conftest import make_state_dict, tensor_bytes
-from shardkit.loading import host_reads, shards
+from shardkit.loading import shards
+from shardkit.reading import host_reads
 from shardkit.errors import CheckpointIndexError, HeaderError, InvalidInputError, SourceNotFoundError
 
 

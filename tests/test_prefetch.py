@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 import shardkit
 from shardkit.errors import HeaderError, InvalidInputError, ShardkitError
-from shardkit.loading import readers, residency
+from shardkit.reading import readers, residency
 
 ALL_SHAPES = [(), (0,), (7,), (5, 3), (64, 33)]
 

@@ -15,10 +15,10 @@ from safetensors import safe_open
 import shardkit
 from conftest import make_state_dict, tensor_bytes
 from shardkit.errors import HeaderError, InvalidInputError
-from shardkit.loading import readers
+from shardkit.reading import readers
 from shardkit.loading.bulk import Want, read_batch
 from shardkit.loading.pipeline_copy import BufferRing, CopyJob, HostCopyStage, byte_view, run_pipeline
-from shardkit.loading.residency import choose_backend, evict, remote_filesystem
+from shardkit.reading.residency import choose_backend, evict, remote_filesystem
 
 BACKENDS = ["mmap", "pread", "direct"]
 ODD_SHAPES = [(), (0,), (7,), (5, 3)]  # scalars, empty tensors, odd byte counts: later offsets go odd
@@ -202,7 +202,7 @@ def test_auto_reads_a_mount_with_latency_with_many_large_requests_in_flight(tmp_
     ("nfs", None, ("direct", "nfs")),       # O_DIRECT refused, nothing timed: by kind, as before
 ])
 def test_auto_picks_the_cold_backend_from_the_timed_request(tmp_path, monkeypatch, remote, latency_s, want) -> None:
-    from shardkit.loading import residency
+    from shardkit.reading import residency
 
     path = tmp_path / "w.safetensors"
     safetensors.torch.save_file({"w": torch.ones(8)}, path)

@@ -15,8 +15,8 @@ from conftest import tensor_bytes
 from shardkit.errors import HeaderError
 from shardkit.formats.dtypes import to_torch
 from shardkit.formats.header import TensorEntry, read_header
-from shardkit.loading import readers
-from shardkit.loading.read_plan import Run, block_pad, plan_runs, read_runs
+from shardkit.reading import readers
+from shardkit.reading.read_plan import Run, block_pad, plan_runs, read_runs
 from shardkit.workers import ReadPool
 
 PAGE = 4096

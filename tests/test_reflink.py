@@ -172,7 +172,7 @@ def test_torchrun_convert_reports_the_bytes_every_rank_cloned(cow_fs: Path) -> N
 
 def _cached_pages(path: Path) -> int:
     """Pages of ``path`` in the page cache (mincore over every page)."""
-    from shardkit.loading.residency import cached_fraction
+    from shardkit.reading.residency import cached_fraction
 
     pages = (path.stat().st_size + 4095) // 4096
     fraction = cached_fraction(str(path), sample_pages=pages)

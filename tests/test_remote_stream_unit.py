@@ -114,12 +114,12 @@ def test_release_drops_the_prefetch_and_a_later_read_is_still_served(served):
 
 
 def test_close_mid_read_stops_the_requests_in_flight_and_leaves_no_thread(tmp_path, monkeypatch):
-    """Requests still retrying when the source closes are told to stop and waited for (bounded)."""
+    """Requests still retrying when the streams close are told to stop and waited for (bounded)."""
     import threading
     import time
 
     from shardkit.formats.header import read_header
-    from shardkit.sources import open_source
+    from shardkit.sources import RangedCheckpoint, open_source
     from test_remote import write_safetensors
 
     path = write_safetensors(tmp_path / "m" / "model.safetensors", count=6)
@@ -140,10 +140,12 @@ def test_close_mid_read_stops_the_requests_in_flight_and_leaves_no_thread(tmp_pa
     remote = RemoteFile("model.safetensors", len(data), "0" * 40, hashlib.sha256(data).hexdigest())
     mirror = Mirror(RemoteSpec("alice/m"), str(path.parent), "c" * 40, {remote.path: remote},
                     prefix_bytes={remote.path: header.data_start})
-    src = remote_stream.StreamingSource(open_source(str(path)), mirror)
+    streams = remote_stream.MirrorStreams(mirror)
+    src = open_source(RangedCheckpoint(str(path), streams.open_file, name="hf://alice/m", read_ahead=False))
     first = src.entries()[0]
     assert bytes(src.read(first, 0, 1000)) == data[header.data_start:header.data_start + 1000]
     started = time.monotonic()
     src.close()
+    streams.close()
     assert released.is_set() and time.monotonic() - started < 4
     assert not [t for t in threading.enumerate() if t.name.startswith(("shardkit-stream", "shardkit-hash"))]

@@ -53,7 +53,7 @@ def convert_collective(source: Any, output: str | os.PathLike[str], *, options: 
                                 "or run without torchrun")
     refuse_output_inside_source(source, output)
     keymap = keymap or KeyMap()
-    with open_settled(source, key=key, dry_run=options.dry_run) as inner:
+    with open_settled(source, key=key, dry_run=options.dry_run, output=output) as inner:
         mapped = inner if keymap.is_identity() else KeyMapSource(inner, keymap)
         return write_collective(mapped, output, options=options, process_group=process_group,
                                 side_files=side_files(source, output))

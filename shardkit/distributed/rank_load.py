@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError, KeyMismatchError
-from ..loading.host_reads import read_into
+from ..reading.host_reads import read_into
 from ..loading.lazy import LazyCheckpoint
 from ..loading.opening import open as open_checkpoint
 from .gather import is_dtensor

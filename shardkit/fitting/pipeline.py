@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Literal
 from ..devices import parse_max_memory
 from ..errors import InvalidInputError
 from ..loading.pipeline import check_gpus, load_pipeline_folder
-from ..loading.residency import ReadMode
+from ..reading.residency import ReadMode
 from ..runtime.apply import RuntimeSetup
 from .autofit import FitPlan, apply_plan, fit
 

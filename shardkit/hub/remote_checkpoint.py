@@ -1,14 +1,15 @@
 """A Hub repository as the input of ``split`` and ``convert``: through the HF cache, or streamed.
 
 :func:`open_checkpoint` turns ``hf://ORG/REPO[@REV][/SUBFOLDER]`` into what the local writers
-take, a path or a :class:`~shardkit.sharding.job.WrappedPath`:
+take, a path or a :class:`~shardkit.sources.ranged.RangedCheckpoint`:
 
 - by default the files are downloaded into the Hugging Face cache (``snapshot_download``,
   ``hf_hub_download`` for one file), so a later ``from_pretrained`` reuses them, and the
   writers run on the cached folder as on any local one;
 - with ``cache=False`` nothing goes to the cache: a mirror holds the real headers, indexes and
-  side files, and :class:`~shardkit.hub.remote_stream.StreamingSource` reads the tensor bytes
-  by range requests straight into the shards.
+  side files, and its safetensors files' tensor bytes are read by range requests
+  (:class:`~shardkit.hub.remote_stream.MirrorStreams`, one RangeFile per file) straight into the
+  shards: the writers see an ordinary source.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ from typing import Any
 from ..errors import InvalidInputError
 from ..formats.layout import MODEL_INDEX
 from ..formats.suffixes import CHECKPOINT_SUFFIXES, PICKLE_SUFFIXES
-from ..sharding.job import WrappedPath
-from ..sources import Source
+from ..sources.ranged import RangedCheckpoint
 from .remote import (
     NOT_DOWNLOADED,
     check_not_pickle_only,
@@ -39,7 +39,7 @@ __all__ = ["cached_checkpoint", "config_source", "open_checkpoint"]
 
 @contextlib.contextmanager
 def open_checkpoint(path: Any, *, token: str | None = None, cache: bool = True,
-                    pickles: bool = False) -> Iterator[str | WrappedPath]:
+                    pickles: bool = False) -> Iterator[str | RangedCheckpoint]:
     """``path`` for the local writers; for ``hf://...`` its cached copy, or a mirror streamed from the Hub.
 
     Args:
@@ -53,7 +53,7 @@ def open_checkpoint(path: Any, *, token: str | None = None, cache: bool = True,
 
     Returns:
         A context manager yielding what ``split``/``convert`` take as their source: a local path,
-        or a :class:`~shardkit.sharding.job.WrappedPath` (the mirror, and the streaming wrapper);
+        or a :class:`~shardkit.sources.ranged.RangedCheckpoint` (the mirror, its bytes streamed);
         errors raised inside name ``path``, not the temporary or cached folder.
 
     with open_checkpoint("hf://org/model", cache=False) as source:
@@ -74,15 +74,11 @@ def open_checkpoint(path: Any, *, token: str | None = None, cache: bool = True,
     if _names_a_file(spec):
         raise InvalidInputError(f"{spec}: --no-cache streams a repository folder; for one file, drop --no-cache "
                                 f"(or stream its folder: {str(spec).rpartition('/')[0]})")
-    from .remote_stream import StreamingSource
+    from .remote_stream import MirrorStreams
 
-    with open_mirror(spec, token=token, side_files=True) as mirror:
+    with open_mirror(spec, token=token, side_files=True) as mirror, MirrorStreams(mirror, token=token) as streams:
         _drop_loose_weights(mirror)
-
-        def stream(inner: Source) -> Source:
-            return StreamingSource(inner, mirror, token=token)
-
-        yield WrappedPath(mirror.root, stream, name=str(spec))
+        yield RangedCheckpoint(mirror.root, streams.open_file, name=str(spec), read_ahead=False)
 
 
 @contextlib.contextmanager

@@ -1,10 +1,13 @@
 """``split``/``convert hf://... --no-cache``: tensor bytes streamed by range reads straight into the shards.
 
 The header-only mirror (:mod:`shardkit.hub.remote`) gives the local readers everything they
-validate: headers, indexes, file sizes. :class:`StreamingSource` wraps the source opened on it and
-serves tensor bytes from the Hub instead of from the sparse files: each file is read front to
-back in windows of ``WINDOW_BYTES``, ``PREFETCH_WINDOWS`` of them in flight on worker threads, so
-memory stays bounded whatever the checkpoint's size and nothing is written to the HF cache.
+validate: headers, indexes, file sizes. :class:`MirrorStreams` gives each of its safetensors files a
+:class:`~shardkit.formats.ranges.RangeFile` (:class:`StreamedRange`) whose reads fetch the ranges
+from the Hub, so the source opened on the mirror (a :class:`~shardkit.sources.ranged.RangedCheckpoint`)
+reads tensor bytes from there instead of from the sparse files, and the writer knows only a
+source: each file is read front to back in windows of ``WINDOW_BYTES``, ``PREFETCH_WINDOWS`` of them
+in flight on worker threads, so memory stays bounded whatever the checkpoint's size and nothing
+is written to the HF cache.
 
 Why front to back with a digest: every byte of a file is fetched once, and a file read whole is
 checked against the hash the Hub lists for it (the LFS sha256, or the git blob id of a small
@@ -18,15 +21,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import threading
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Any
 
 from ..errors import HubError, ShardkitError
-from ..formats.header import TensorEntry
-from ..sources import Source
 from ..workers import ReadPool
 from .remote import read_range
 from .remote_errors import describe_read_error
@@ -52,7 +53,7 @@ class _Digest:
     def __init__(self, remote: RemoteFile, hasher: ThreadPoolExecutor) -> None:
         self.expected = remote.sha256 or remote.blob_id
         self.kind = "sha256" if remote.sha256 else "git blob id"
-        self.hash: Any = hashlib.sha256() if remote.sha256 else hashlib.sha1(b"blob %d\0" % remote.size_bytes)
+        self.hash: hashlib._Hash = hashlib.sha256() if remote.sha256 else hashlib.sha1(b"blob %d\0" % remote.size_bytes)
         self.hasher = hasher
         self.pending: deque[Future[None]] = deque()
 
@@ -187,80 +188,93 @@ class StreamedFile:
         self.window = (self.next_bytes, b"")
 
 
-class StreamingSource(Source):
-    """A source opened on a header-only mirror whose tensor bytes come from the Hub.
+class StreamedRange:
+    """One streamed file as a :class:`~shardkit.formats.ranges.RangeFile`: what the source's readers
+    fill memory through. Requests come one at a time (the source reads these files with
+    ``read_ahead=False``); reading one file releases the windows of the file read before, so memory
+    stays bounded by one file's prefetch however many files there are."""
 
-    Entries are the inner source's, so the output's layout (header padding, carried manifest
-    crc32s) is the same as a local split of the same files; ``kernel_copy`` is off, so the writer
-    reads the bytes through :meth:`read` instead of copying them from the (sparse) mirror files.
+    def __init__(self, streams: MirrorStreams, stream: StreamedFile) -> None:
+        self._streams, self._stream = streams, stream
 
-    with open_source(mirror.root) as inner, StreamingSource(inner, mirror) as src:
-        split_source(src, "out/", options=WriteOptions())
+    @property
+    def name(self) -> str:
+        return self._stream.where
+
+    @property
+    def size_bytes(self) -> int:
+        return self._stream.remote.size_bytes
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` from the windows holding bytes ``offset ..`` (fetched in order, hash-checked)."""
+        with self._streams.lock:
+            self._streams.reading(self._stream)
+            at = 0
+            for part in self._stream.views(offset, offset + len(out)):
+                out[at:at + len(part)] = part
+                at += len(part)
+        if at != len(out):
+            raise HubError(f"{self.name}: got {at} of the {len(out)} bytes at offset {offset}")
+
+    def close(self) -> None:
+        """Nothing to close: the streams' threads are :class:`MirrorStreams`'."""
+
+
+class MirrorStreams:
+    """The streamed files of one header-only mirror: the ``open_file`` of a
+    :class:`~shardkit.sources.ranged.RangedCheckpoint` whose tensor bytes come from the Hub.
+
+    Each safetensors file the mirror lists is read front to back in prefetched windows on one
+    pool, hashed on one thread; ``close`` stops both (bounded).
+
+    with open_mirror(spec) as mirror, MirrorStreams(mirror) as streams:
+        split(RangedCheckpoint(mirror.root, streams.open_file, name=str(spec), read_ahead=False), "out/")
     """
 
-    kernel_copy = False
-
-    def __init__(self, inner: Source, mirror: Mirror, *, token: str | None = None) -> None:
-        self.inner, self.mirror, self.token = inner, mirror, token
-        self.description = f"{inner.description.replace(mirror.root, str(mirror.spec))}, streamed"
-        self.naming, self.shard_rule, self.paths = inner.naming, inner.shard_rule, inner.paths
+    def __init__(self, mirror: Mirror, *, token: str | None = None) -> None:
+        self.mirror, self.token = mirror, token
         self.pool = ReadPool(PREFETCH_WINDOWS, name="shardkit-stream")
         self.hasher = ThreadPoolExecutor(1, thread_name_prefix="shardkit-hash")
         self.remote_files = {os.path.realpath(local_path(mirror, f)): f for f in mirror.files.values()}
-        self.streams: dict[str | None, StreamedFile] = {}
+        self.streams: dict[str, StreamedFile] = {}
         self.current: StreamedFile | None = None
-        try:
-            for entry in inner.entries():  # every tensor lies in a mirrored safetensors file: checked up front
-                self._stream(entry.file)
-        except BaseException:
-            self._stop_threads()
-            raise
+        self.lock = threading.Lock()
 
-    def _stream(self, local: str | None) -> StreamedFile:
-        if local not in self.streams:
-            remote = self.remote_files.get(os.path.realpath(local)) if local is not None else None
-            if local is None or remote is None or remote.path not in self.mirror.prefix_bytes:
-                raise HubError(f"{self.mirror.spec}: {self.description} holds tensors that are not in a listed "
-                               "safetensors file; only safetensors weights can be streamed (drop --no-cache)")
+    def open_file(self, local: str) -> StreamedRange:
+        """The stream of the mirror file at ``local``; a file the Hub does not list as safetensors
+        weights is one line (only those are streamed)."""
+        with self.lock:
+            return StreamedRange(self, self._stream(local))
+
+    def _stream(self, local: str) -> StreamedFile:
+        key = os.path.realpath(local)
+        if key not in self.streams:
+            remote = self.remote_files.get(key)
+            if remote is None or remote.path not in self.mirror.prefix_bytes:
+                raise HubError(f"{self.mirror.spec}: {local.replace(self.mirror.root, str(self.mirror.spec))} is not "
+                               "a listed safetensors file; only safetensors weights can be streamed (drop --no-cache)")
             with open(local, "rb") as f:  # the real bytes fetched for the mirror; the rest is a hole
                 head = f.read(self.mirror.prefix_bytes[remote.path])
-            self.streams[local] = StreamedFile(self.mirror, remote, head, token=self.token, pool=self.pool,
-                                               hasher=self.hasher)
-        return self.streams[local]
+            self.streams[key] = StreamedFile(self.mirror, remote, head, token=self.token, pool=self.pool,
+                                             hasher=self.hasher)
+        return self.streams[key]
 
-    def _reading(self, local: str | None) -> StreamedFile:
-        """The stream of ``local``; moving to another file releases the previous one's windows, so
-        memory stays bounded by one file's prefetch however many files there are."""
-        stream = self._stream(local)
+    def reading(self, stream: StreamedFile) -> None:
+        """``stream`` is read now: the previous file's windows are released (call with ``lock`` held)."""
         if self.current is not None and self.current is not stream:
             self.current.release()
         self.current = stream
-        return stream
-
-    def entries(self) -> list[TensorEntry]:
-        return self.inner.entries()
-
-    def metadata(self) -> dict[str, str]:
-        return self.inner.metadata()
-
-    def aliases(self) -> dict[str, str]:
-        return self.inner.aliases()
-
-    def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
-        return self._reading(entry.file).read(entry.offset + begin, entry.offset + end)
-
-    def chunks(self, entry: TensorEntry, chunk_bytes: int) -> Iterator[bytes | memoryview]:
-        """Views of the windows the tensor's bytes arrive in (``chunk_bytes`` is not needed: a window
-        is already bounded), so they are written without being copied."""
-        return self._reading(entry.file).views(entry.offset, entry.offset + entry.nbytes)
 
     def close(self) -> None:
-        self._stop_threads()
-        self.inner.close()
-
-    def _stop_threads(self) -> None:
+        """Drop every window and stop the requests in flight and the hashing thread (bounded)."""
         for stream in self.streams.values():
             stream.release()
         # Requests in flight see ``stopping``, give up retrying and end within the download timeout.
         self.pool.close(timeout_s=STOP_WAIT_SECONDS)
         self.hasher.shutdown(wait=True, cancel_futures=True)  # at most one window's hash is running
+
+    def __enter__(self) -> MirrorStreams:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

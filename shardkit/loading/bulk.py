@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..devices import DeviceKey
+from ..reading.readers import open_reader
 from .lazy import LazyCheckpoint
 from .pipeline_copy import CopyJob, CopyStage, CudaCopyStage, HostCopyStage, byte_view, run_pipeline
-from .readers import open_reader
 
 if TYPE_CHECKING:
     import torch

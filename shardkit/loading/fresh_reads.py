@@ -1,10 +1,10 @@
 """Reads of ``pread``/``direct`` shards into fresh memory, kept in flight for a lazy checkpoint.
 
 One tensor is read as parallel range reads straight into its destination; a read of the next
-tensor in the mapping's iteration order extends the read-ahead (:class:`~.prefetch.ReadAhead`:
+tensor in the mapping's iteration order extends the read-ahead (:class:`~shardkit.reading.prefetch.ReadAhead`:
 the following tensors' ranges in flight, within a byte budget, each kept until taken so no byte
 is read twice); many tensors at once go through one plan over every shard
-(:mod:`shardkit.loading.read_plan`). Every read runs on one :class:`~.prefetch.ReadPool`, which
+(:mod:`shardkit.reading.read_plan`). Every read runs on one :class:`~shardkit.workers.ReadPool`, which
 ``close`` cancels and joins with a bound. After each read the shard's identity is checked again:
 a file rewritten in place meanwhile is refused, never returned as mixed bytes.
 """
@@ -15,16 +15,16 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError, ShardkitError
 from ..formats.header import TensorEntry
+from ..reading.prefetch import Pending, ReadAhead, submit_reads, wait_all
+from ..reading.read_plan import plan_runs, read_runs
+from ..reading.readers import Reader, job_for
 from ..workers import ReadPool
-from .prefetch import Pending, ReadAhead, submit_reads, wait_all
-from .read_plan import plan_runs, read_runs
-from .readers import Reader, job_for
 from .shards import Shard, check_unchanged
 
 if TYPE_CHECKING:
@@ -127,7 +127,7 @@ class FreshReads:
             check_unchanged(shard)
         return out
 
-    def _submit(self, shard: Shard, entry: TensorEntry) -> tuple[torch.Tensor, list]:
+    def _submit(self, shard: Shard, entry: TensorEntry) -> tuple[torch.Tensor, list[Future[Any]]]:
         import torch
 
         from ..formats.dtypes import to_torch
@@ -156,7 +156,7 @@ class FreshReads:
 
     def _reads(self, reader: Reader) -> ReadPool:
         """The reader threads, started on first use with as many as ``reader`` wants (more on
-        network/FUSE mounts: :func:`~shardkit.loading.readers.open_reader`)."""
+        network/FUSE mounts: :func:`~shardkit.reading.readers.open_reader`)."""
         with self._lock:
             if self._closed:
                 raise InvalidInputError(f"{self._description}: checkpoint is closed")

@@ -9,9 +9,9 @@ How bytes are read is each shard's *read backend* (``read=``): ``mmap`` gives te
 cast straight from a private (copy-on-write) memory map (no copy; only the pages of the tensors
 asked for are ever read); ``pread`` and ``direct`` read each tensor as parallel range reads
 straight into freshly allocated memory, and reading the mapping in its order reads the next
-tensors ahead within a budget (:mod:`shardkit.loading.prefetch`); ``to_state_dict`` and
-``read_many`` read everything with one plan over all shards (:mod:`shardkit.loading.read_plan`);
-``auto`` picks per file (:mod:`shardkit.loading.residency`). Each shard is opened once (descriptor
+tensors ahead within a budget (:mod:`shardkit.reading.prefetch`); ``to_state_dict`` and
+``read_many`` read everything with one plan over all shards (:mod:`shardkit.reading.read_plan`);
+``auto`` picks per file (:mod:`shardkit.reading.residency`). Each shard is opened once (descriptor
 first, header read through it); reads are safe from several threads.
 """
 
@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
+from ..reading.host_reads import cast_staging, read_cast, read_into
+from ..reading.prefetch import READ_AHEAD_BYTES
+from ..reading.readers import Reader
+from ..reading.residency import check_backend
 from .fresh_reads import FreshReads
-from .host_reads import cast_staging, read_cast, read_into
-from .prefetch import READ_AHEAD_BYTES
-from .readers import Reader
-from .residency import check_backend
 from .shards import Shard, check_unchanged, close_shard, open_shard
 from .slices import TensorSlice
 
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("shardkit")
 
 
-class LazyCheckpoint(Mapping):
+class LazyCheckpoint(Mapping[str, "torch.Tensor"]):
     """A read-only ``Mapping[str, torch.Tensor]`` over one or more safetensors shards.
 
     Returned by :func:`open`. Iterating, ``len`` and ``in`` use the index alone; ``shape_of``,
@@ -210,7 +210,7 @@ class LazyCheckpoint(Mapping):
 
     def read_many(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Host tensors, stored dtype: ``pread``/``direct`` shards with one plan over all of them
-        (:mod:`shardkit.loading.read_plan`: file order, adjacent tensors coalesced, every range in
+        (:mod:`shardkit.reading.read_plan`: file order, adjacent tensors coalesced, every range in
         flight at once), memory-mapped ones as zero-copy views.
 
             state = ckpt.read_many(list(ckpt))

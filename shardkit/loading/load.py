@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     import torch
 
     from ..devices import DeviceMap, MaxMemory
+    from ..reading.residency import ReadMode
     from ..runtime.apply import LayerwiseCasting
-    from .residency import ReadMode
     from .skeleton import ConfigSpec, ModelSpec
 
 

@@ -8,25 +8,17 @@ from __future__ import annotations
 
 import os
 
-from ..atomic.journal import JOURNAL
+from ..atomic.snapshot import wait_settled
 from ..errors import InvalidInputError, SourceNotFoundError
 from ..formats.index import find_checkpoint, load_index, shard_file
 from ..formats.layout import is_pipeline_folder
 from ..formats.names import named_file_kind
+from ..reading.prefetch import READ_AHEAD_BYTES
+from ..reading.residency import ReadMode, check_backend
 from .lazy import LazyCheckpoint
-from .prefetch import READ_AHEAD_BYTES
-from .residency import ReadMode, check_backend
 from .shards import Shard, open_shard
 
 __all__ = ["open"]
-
-
-def _check_no_journal(folder: str) -> None:
-    if os.path.exists(os.path.join(folder, JOURNAL)):
-        raise InvalidInputError(
-            f"{folder}: an interrupted shardkit write left {JOURNAL} here; run "
-            f"'shardkit recover {folder}' to finish it first"
-        )
 
 
 def _single_file(path: str, read: str, read_ahead_bytes: int) -> LazyCheckpoint:
@@ -55,8 +47,11 @@ def open(path: str | os.PathLike[str], *, variant: str | None = None, read: Read
 
     Only the index is read here (a single file: its header); each shard's header is read and
     validated, through the descriptor its tensors are then read from, the first time one of its
-    tensors is touched. Opening never modifies anything. A folder with an unfinished
-    shardkit write is refused (``shardkit recover`` finishes it).
+    tensors is touched. Opening never modifies anything. The one interrupted-write policy of
+    every reader (``open_source``, so ``split``/``convert``/``verify``/``info`` of a source): a
+    folder another shardkit process is committing into is waited for; one a crashed shardkit
+    write left pending is refused with one line naming ``shardkit recover``, which (like the next
+    write into that folder) finishes it.
 
     Args:
         path: a ``.safetensors`` file, a ``*.safetensors.index*.json`` file, or a folder holding
@@ -95,7 +90,7 @@ def open(path: str | os.PathLike[str], *, variant: str | None = None, read: Read
     if not os.path.exists(path):
         raise SourceNotFoundError(f"{path}: no such file or folder")
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    _check_no_journal(folder)
+    wait_settled(folder)  # the readers' interrupted-write policy: refused, never rolled forward
     kind: str | None
     if os.path.isdir(path):
         if is_pipeline_folder(path):

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..devices import parse_max_memory
 from ..errors import InvalidInputError, ShardkitError, SourceNotFoundError
+from ..reading.residency import ReadMode
 from ..runtime.apply import RuntimeSetup, apply_runtime
-from .residency import ReadMode
 
 if TYPE_CHECKING:
     import torch
@@ -95,9 +95,9 @@ def _preload_components(folder: str, kwargs: dict[str, Any], *, read: ReadMode, 
     """
     import json
 
+    from ..reading.residency import check_backend
     from .load import load_model
     from .opening import open as open_checkpoint
-    from .residency import check_backend
     from .scaled import has_scales
 
     check_backend(read)

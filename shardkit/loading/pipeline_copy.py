@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
-from .readers import Reader, ReadJob
+from ..reading.readers import Reader, ReadJob
 
 if TYPE_CHECKING:
     import torch

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointIndexError, HeaderError, InvalidInputError
 from ..formats.header import Header, TensorEntry, open_error, parse_header, read_header_bytes
-from .readers import Reader, open_reader
-from .residency import choose_backend
+from ..reading.readers import Reader, open_reader
+from ..reading.residency import choose_backend
 
 log = logging.getLogger("shardkit")
 

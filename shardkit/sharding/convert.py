@@ -23,14 +23,14 @@ from ..formats.layout import is_pipeline_folder
 from ..sources import Source
 from ..sources.base import CheckpointSource
 from ..sources.keymap import KeyMap, KeyMapSource, parse_renames
+from ..sources.ranged import RangedCheckpoint
 from .job import (
     SplitResult,
-    named_as_given,
     open_settled,
     refuse_output_inside_source,
+    settle_source,
     side_files,
     split_source,
-    unwrap_path,
 )
 from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions, warn
 from .single_file import is_file_output, split_to_file
@@ -125,7 +125,6 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
 
     convert_with("m.ckpt", "out/", options=WriteOptions(), keymap=KeyMap(strip_prefix="model."))
     """
-    wrapped, (source, wrap_source) = source, unwrap_path(source)
     output = os.fspath(output)
     keymap = keymap or KeyMap()
     if to == "gguf":
@@ -139,10 +138,10 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
     if to == "single-file":
         from .to_single_file import convert_to_single_file
 
-        return convert_to_single_file(wrapped, output, options=options, component=component, config=config, key=key,
+        return convert_to_single_file(source, output, options=options, component=component, config=config, key=key,
                                       keymap_is_identity=keymap.is_identity())
     if to is not None or config is not None or component is not None:
-        if wrap_source is not None:
+        if isinstance(source, RangedCheckpoint):
             raise InvalidInputError(f"{source}: --to diffusers maps the checkpoint file into memory; it cannot "
                                     "stream it (drop --no-cache: the file is read through the HF cache)")
         return _convert_to(source, output, options=options, key=key, keymap=keymap, to=to, config=config,
@@ -151,9 +150,9 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
         if not keymap.is_identity():
             raise InvalidInputError(f"{source}: key options (--strip-prefix, --include, --rename ...) do not apply "
                                     "to a pipeline folder; convert a component folder instead")
-        return split_with(wrapped, output, options=options, key=key)  # checks the output itself
+        return split_with(source, output, options=options, key=key)  # checks the output itself
     refuse_output_inside_source(source, output)
-    with open_settled(source, key=key, dry_run=options.dry_run, wrap_source=wrap_source) as inner:
+    with open_settled(source, key=key, dry_run=options.dry_run, output=output) as inner:
         mapped: Source = inner if keymap.is_identity() else KeyMapSource(inner, keymap)
         ema = _report_ema(inner, keymap)
         if is_file_output(output):
@@ -162,7 +161,7 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
             result = split_source(mapped, output, options=options, side_files=side_files(source, output))
         dropped = len(inner.entries()) - len(mapped.entries())
     as_split = {f.name: getattr(result, f.name) for f in fields(SplitResult)}
-    return named_as_given(ConvertResult(**as_split, dropped=dropped, ema_tensors=ema), wrapped)
+    return ConvertResult(**as_split, dropped=dropped, ema_tensors=ema)
 
 
 def _convert_to(source: Any, output: str, *, options: WriteOptions, key: str | None, keymap: KeyMap,
@@ -180,10 +179,7 @@ def _convert_to(source: Any, output: str, *, options: WriteOptions, key: str | N
         raise InvalidInputError(f"{output}: a diffusers model is a folder (config.json + weights); give a folder as "
                                 f"OUTPUT, e.g. {output[: -len('.safetensors')]}/")
     refuse_output_inside_source(source, output)
-    if not options.dry_run:
-        from ..atomic.commit import recover
-
-        recover(os.path.dirname(os.path.abspath(os.fspath(source))))
+    settle_source(source, output, dry_run=options.dry_run)  # rolled forward only in place
     if component == "all":
         from .to_diffusers_pipeline import convert_pipeline_to_diffusers
 

@@ -134,69 +134,45 @@ def refuse_output_inside_source(source: Any, output: str) -> None:
         )
 
 
-# Wraps a source opened from a path (the Hub's streamed reads of a header-only mirror, hub/remote_stream.py).
-SourceWrapper = Callable[[Source], Source]
+def open_settled(source: Any, *, key: str | None, dry_run: bool, output: str | None = None) -> Source:
+    """Open ``source`` for a write into ``output``, under the one interrupted-write policy.
 
+    A folder left *pending* by a crashed shardkit write is rolled forward only by a write into that
+    same folder (an in-place reshard, not a dry run: :func:`settle_source`) or by ``shardkit
+    recover``; read as a source of a write elsewhere it is refused like every reader refuses it
+    (:func:`shardkit.sources.open_source`: one line naming ``shardkit recover``; the source is never
+    modified).
 
-@dataclass(frozen=True)
-class WrappedPath:
-    """A checkpoint path whose sources, once opened, are wrapped: what ``split``/``convert`` take for
-    an ``hf://`` repository streamed through a header-only mirror (``path`` is the mirror).
-
-    Attributes:
-        path: the local path the readers open and validate.
-        wrap_source: applied to every source opened from it (each component of a pipeline).
-    """
-
-    path: str
-    wrap_source: SourceWrapper
-    name: str = ""  # what results call it instead of ``path`` (the ``hf://`` spec, not a temporary folder)
-
-    def __fspath__(self) -> str:
-        return self.path
-
-
-def unwrap_path(source: Any) -> tuple[Any, SourceWrapper | None]:
-    """``(path, wrapper)`` of a :class:`WrappedPath`; any other source with no wrapper."""
-    if isinstance(source, WrappedPath):
-        return source.path, source.wrap_source
-    return source, None
-
-
-def named_as_given(result: SplitResult, source: Any) -> SplitResult:
-    """``result`` with a :class:`WrappedPath`'s ``path`` replaced by its ``name`` in what it reports."""
-    if isinstance(source, WrappedPath) and source.name:
-        for part in [result, *getattr(result, "components", {}).values()]:
-            part.source = part.source.replace(source.path, source.name)
-    return result
-
-
-def open_settled(source: Any, *, key: str | None, dry_run: bool, wrap_source: SourceWrapper | None = None) -> Source:
-    """Open ``source`` after finishing any interrupted commit in its folder (skipped by a dry run).
-
-    ``wrap_source`` (if given) wraps the opened source, e.g. to read its bytes from elsewhere;
-    the inner source is closed if wrapping fails.
-
-    with open_settled("ckpt/", key=None, dry_run=False) as src:
+    with open_settled("ckpt/", key=None, dry_run=False, output="ckpt/") as src:
         len(src.entries())
     """
-    if isinstance(source, (str, os.PathLike)) and not dry_run:
+    settle_source(source, output, dry_run=dry_run)
+    return open_source(source, key=key)
+
+
+def settle_source(source: Any, output: str | None, *, dry_run: bool) -> None:
+    """The one interrupted-write policy for the source of a write: a journal a crashed shardkit write
+    left in ``source``'s folder is rolled forward only when this write goes into that same folder
+    (an in-place reshard, not a dry run); otherwise the folder is read as every reader reads it:
+    a live writer's commit is waited for, a crashed one's journal is refused with one line naming
+    ``shardkit recover``, and nothing in it is changed.
+
+    settle_source("ckpt/", "ckpt/", dry_run=False)  # the journal a crash left in ckpt/ is finished
+    """
+    if not isinstance(source, (str, os.PathLike)):
+        return
+    path = os.fspath(source)
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    target = None if output is None else output if os.path.isdir(output) or not output.endswith(".safetensors") \
+        else os.path.dirname(os.path.abspath(output))
+    if not dry_run and target is not None and os.path.realpath(folder) == os.path.realpath(target):
         from ..atomic.commit import recover
 
-        path = os.fspath(source)
-        recover(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))
-    return wrap_opened(open_source(source, key=key), wrap_source)
+        recover(folder)
+    else:
+        from ..atomic.snapshot import wait_settled
 
-
-def wrap_opened(source: Source, wrap_source: SourceWrapper | None) -> Source:
-    """``wrap_source(source)``, closing ``source`` if that fails; ``source`` itself without a wrapper."""
-    if wrap_source is None:
-        return source
-    try:
-        return wrap_source(source)
-    except BaseException:
-        source.close()
-        raise
+        wait_settled(folder)
 
 
 def plan_job(src: Source, *, options: WriteOptions, folder: str = "") -> ShardJob:

@@ -17,14 +17,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..atomic.commit import recover
 from ..errors import InvalidInputError
 from ..formats.index import naming_from_filename
 from ..formats.layout import find_components, is_pipeline_folder
 from ..formats.side_files import folder_side_files
 from ..formats.suffixes import is_manifest_file, is_saved_weight_file
 from ..sources import Source, open_source
-from .job import ShardJob, SideFile, SourceWrapper, SplitResult, plan_job, run_jobs, wrap_opened
+from ..sources.ranged import beneath, shown
+from .job import ShardJob, SideFile, SplitResult, plan_job, run_jobs, settle_source
 from .options import WriteOptions, warn
 from .plan import ShardPlan, ShardSpec
 
@@ -50,17 +50,16 @@ class PipelineResult(SplitResult):
 
 
 def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str],
-                   *, options: WriteOptions | None = None, key: str | None = None,
-                   wrap_source: SourceWrapper | None = None) -> PipelineResult:
+                   *, options: WriteOptions | None = None, key: str | None = None) -> PipelineResult:
     """Shard every weight-bearing component of a diffusers pipeline folder; copy everything else.
 
     Args:
-        folder: the pipeline folder (``model_index.json`` plus component subfolders).
+        folder: the pipeline folder (``model_index.json`` plus component subfolders); a
+            :class:`~shardkit.sources.ranged.RangedCheckpoint` reads every component by range.
         output: the output folder; with ``options.overwrite`` it may be ``folder`` itself.
         options: shard size, cast, variant... (default: :class:`WriteOptions` defaults); ``name``
             must be None, since every component keeps its own naming.
         key: must be None (each component has its own state dict).
-        wrap_source: wraps each component's opened source (see :func:`~shardkit.sharding.job.open_settled`).
 
     Returns:
         A :class:`PipelineResult`: the combined plan, one result per component, the copied files.
@@ -69,29 +68,27 @@ def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str
     sorted(result.components)
     ['text_encoder', 'text_encoder_2', 'unet', 'vae']
     """
-    folder, output = os.fspath(folder), os.fspath(output)
+    given, folder, output = folder, os.fspath(folder), os.fspath(output)
     options = options or WriteOptions()
     if options.name is not None or key is not None:
         option = "--name" if options.name is not None else "--key"
         raise InvalidInputError(f"{option} does not apply to a pipeline folder ({folder}): every component keeps "
                                 "its own naming and state dict; run it on a component folder instead")
-    if not options.dry_run:
-        recover(folder)
-    jobs, left_out = _open_components(folder, options, wrap_source)
+    settle_source(folder, output, dry_run=options.dry_run)  # rolled forward only in place
+    jobs, left_out = _open_components(given, options)
     try:
         _warn_left_out(jobs, left_out)
         in_place = os.path.realpath(folder) == os.path.realpath(output)
         copied = [] if in_place else pipeline_side_files(folder, jobs)  # in place, they stay where they are
         copies: list[SideFile] = [(os.path.join(folder, rel), rel) for rel in copied]
         run_jobs(output, jobs, options=options, side_files=copies)
-        return _result(folder, output, jobs, options, copied)
+        return _result(shown(given), output, jobs, options, copied)
     finally:
         for job in jobs:
             job.source.close()
 
 
-def _open_components(folder: str, options: WriteOptions,
-                     wrap_source: SourceWrapper | None) -> tuple[list[ShardJob], dict[str, list[str]]]:
+def _open_components(folder: str | os.PathLike[str], options: WriteOptions) -> tuple[list[ShardJob], dict[str, list[str]]]:
     """One planned job per weight-bearing component, and the weight files each one leaves out."""
     opened: list[Source] = []
     jobs: list[ShardJob] = []
@@ -100,9 +97,8 @@ def _open_components(folder: str, options: WriteOptions,
         for component in find_components(folder):
             if not component.has_weights:
                 continue
-            source = open_source(component.path)
-            left_out[component.name] = _other_weight_files(component.path, source)
-            opened.append(wrap_opened(source, wrap_source))
+            opened.append(open_source(beneath(folder, component.path)))  # by range too where folder is read so
+            left_out[component.name] = _other_weight_files(component.path, opened[-1])
             jobs.append(plan_job(opened[-1], options=options, folder=component.name))
     except BaseException:
         for source in opened:

@@ -16,12 +16,10 @@ from ..formats.layout import is_pipeline_folder
 from ..sources.base import CheckpointSource
 from .job import (
     SplitResult,
-    named_as_given,
     open_settled,
     refuse_output_inside_source,
     side_files,
     split_source,
-    unwrap_path,
 )
 from .native import NativeModel
 from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions
@@ -41,7 +39,7 @@ def split(source: CheckpointSource, output: str | os.PathLike[str], *, max_shard
     Args:
         source: a path (safetensors file, index or sharded folder, ``.bin``/``.pt``/``.ckpt``
             pickle, diffusers pipeline folder), an open Source, or a
-            :class:`~shardkit.sharding.job.WrappedPath`.
+            :class:`~shardkit.sources.ranged.RangedCheckpoint` (tensor bytes read by range, e.g. ``hf://``).
         output: the output folder; with ``overwrite`` it may be the source's own folder.
         max_shard_size: largest shard in tensor bytes: ``"5GB"`` (10^9), ``"2GiB"`` (2^30), or an int.
         key: for pickles, the dict key holding the state dict (default: auto).
@@ -69,18 +67,15 @@ def split_with(source: CheckpointSource, output: str | os.PathLike[str], *, opti
 
     split_with("ckpt/", "out/", options=WriteOptions(max_shard_bytes=2 * 10**9, dry_run=True))
     """
-    given, (source, wrap_source) = source, unwrap_path(source)
     output = os.fspath(output)
     refuse_output_inside_source(source, output)
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
         refuse_file_output(source, output)
-        return named_as_given(split_pipeline(source, output, options=options, key=key, wrap_source=wrap_source),
-                              given)
-    with open_settled(source, key=key, dry_run=options.dry_run, wrap_source=wrap_source) as src:
+        return split_pipeline(source, output, options=options, key=key)
+    with open_settled(source, key=key, dry_run=options.dry_run, output=output) as src:
         if is_file_output(output):
-            return named_as_given(split_to_file(src, output, options=options), given)
-        return named_as_given(split_source(src, output, options=options, side_files=side_files(source, output)),
-                              given)
+            return split_to_file(src, output, options=options)
+        return split_source(src, output, options=options, side_files=side_files(source, output))
 
 
 def save_state(state: Mapping[str, Any], output: str | os.PathLike[str], *, options: WriteOptions,

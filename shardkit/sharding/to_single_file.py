@@ -19,7 +19,8 @@ from typing import Any
 from ..errors import InvalidInputError
 from ..layouts.single_file_export import plan_export, trace_part, unplaced_components
 from ..sources.original_layout import OriginalLayoutSource
-from .job import SplitResult, WrappedPath, refuse_output_inside_source, split_source
+from ..sources.ranged import RangedCheckpoint
+from .job import SplitResult, refuse_output_inside_source, settle_source, split_source
 from .options import DEFAULT_MAX_SHARD_BYTES, WriteOptions, warn
 from .single_file import is_file_output, split_to_file
 
@@ -44,8 +45,8 @@ def convert_to_single_file(source: Any, output: str, *, options: WriteOptions, c
 
     convert_to_single_file("sdxl/", "sdxl.safetensors", options=WriteOptions(), component="all")
     """
-    if isinstance(source, WrappedPath):
-        raise InvalidInputError(f"{source.name or source.path}: --to single-file reads a diffusers folder through "
+    if isinstance(source, RangedCheckpoint):
+        raise InvalidInputError(f"{source}: --to single-file reads a diffusers folder through "
                                 "the HF cache; drop --no-cache")
     if config is not None or key is not None or not keymap_is_identity:
         raise InvalidInputError("--config, --key and the key options (--strip-prefix, --rename ...) do not apply with "
@@ -58,11 +59,8 @@ def convert_to_single_file(source: Any, output: str, *, options: WriteOptions, c
     left_out = unplaced_components(path, model_type) if component == "all" else []
     if left_out:
         warn(f"{path}: {', '.join(left_out)} left out: the {model_type} single-file layout has no place for them")
-    if not options.dry_run:
-        from ..atomic.commit import recover
-
-        for part in parts:
-            recover(part.folder)
+    for part in parts:
+        settle_source(part.folder, output, dry_run=options.dry_run)  # rolled forward only in place
     with OriginalLayoutSource.open(parts, variant=options.variant, trace=trace_part,
                                    metadata={"converted_from": "diffusers", "model_type": model_type},
                                    description=f"{path} as a {model_type} single file") as src:

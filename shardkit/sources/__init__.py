@@ -11,8 +11,9 @@ from collections.abc import Callable
 from ..errors import InvalidInputError, SourceNotFoundError
 from ..stores.urls import check_local
 from .base import CheckpointSource, Source
+from .ranged import RangedCheckpoint
 
-__all__ = ["Source", "is_dcp_folder", "is_pickle_index_folder", "open_source"]
+__all__ = ["RangedCheckpoint", "Source", "is_dcp_folder", "is_pickle_index_folder", "open_source"]
 
 
 def _is_safetensors_file(path: str) -> bool:
@@ -139,11 +140,16 @@ def open_source(obj: CheckpointSource, *, key: str | None = None, variant: str |
     file or index, a ``pytorch_model.bin`` index, a pickle (``.bin``/``.pt``/``.pth``/``.ckpt``,
     loaded with ``weights_only=True``), a ``torch.distributed.checkpoint`` folder, or a folder
     holding one of these. The files are opened as one consistent snapshot even while another
-    process rewrites the folder; a folder left pending by a crashed shardkit write is settled
-    first. A :class:`Source` passed in is returned as is.
+    process rewrites the folder. The one interrupted-write policy of every reader: a folder
+    another shardkit process is committing into is waited for; one a crashed shardkit write left
+    pending is refused with one line naming ``shardkit recover`` and never modified (only that
+    command, or a write into that same folder, rolls it forward). A :class:`Source` passed in is
+    returned as is.
 
     Args:
-        obj: a path, a :class:`Source`, a state dict (``name → tensor``) or an ``nn.Module``.
+        obj: a path, a :class:`Source`, a state dict (``name → tensor``), an ``nn.Module``, or a
+            :class:`~shardkit.sources.ranged.RangedCheckpoint` (a local folder of headers whose
+            tensor bytes are read by range, e.g. from ``hf://``).
         key: for pickles and DCP folders, the entry of the loaded dict that holds the state
             dict (``"/"`` reaches nested dicts, e.g. ``"model/ema"``); None unwraps a top-level
             ``state_dict`` / ``model`` / ``module`` / ``model_state_dict`` dict when there is one.
@@ -163,6 +169,10 @@ def open_source(obj: CheckpointSource, *, key: str | None = None, variant: str |
     """
     if isinstance(obj, Source):
         return obj
+    from .ranged import read_by_range
+
+    if isinstance(obj, RangedCheckpoint):  # headers here, tensor bytes by range from elsewhere (hf://)
+        return read_by_range(open_source(obj.path, key=key, variant=variant), obj)
     if not isinstance(obj, (str, os.PathLike)):
         from .memory import MemorySource, module_state_dict
 

@@ -105,7 +105,8 @@ class Source(abc.ABC):
 
     def _held_fds(self) -> dict[str, int]:
         # Created on demand so subclasses need not call an __init__ here.
-        return self.__dict__.setdefault("_fds", {})
+        fds: dict[str, int] = self.__dict__.setdefault("_fds", {})
+        return fds
 
     def close(self) -> None:
         """Close the descriptors this source holds."""

@@ -4,7 +4,7 @@
 them shard by shard, tensor by tensor, makes the tensor count decide the speed on a network mount
 (each read pays its round trips in a row). Here every run of tensors that lie back to back in a
 file becomes one block of memory (allocated once, page-aligned) read with range reads of
-each reader's ``chunk_bytes`` spread over one :class:`~shardkit.loading.prefetch.ReadPool`: the number of reads
+each reader's ``chunk_bytes`` spread over one :class:`~shardkit.workers.ReadPool`: the number of reads
 in flight and their size decide the speed. Each tensor is a ``torch.frombuffer`` view of its
 block with its own storage (as memory-mapped tensors are); a block is freed with its last tensor.
 
@@ -61,7 +61,7 @@ def anonymous_block(nbytes: int) -> mmap.mmap:
 def block_pad(run: Run, dtypes: dict[str, torch.dtype]) -> int:
     """Bytes before ``run``'s first tensor in its block: its file offset modulo the page size, so that
     whole pages of the file land on whole pages of the block and ``direct`` reads go straight in (see
-    :class:`~shardkit.loading.readers.ReadJob`); 0 where that would misalign a tensor (a file whose
+    :class:`~shardkit.reading.readers.ReadJob`); 0 where that would misalign a tensor (a file whose
     tensors do not start at multiples of their dtype's size: those are read through a bounce buffer).
     """
     pad = run.offset % _PAGE_BYTES

@@ -7,6 +7,10 @@ so memory stays the tensors plus ``threads × bounce`` bytes. Reads are split in
 over a few threads: network and FUSE filesystems serve several outstanding requests at once, and
 on a local disk large chunks stay sequential enough for readahead.
 
+A file that is not a local descriptor (an ``hf://`` or ``s3://`` object) is a
+:class:`~shardkit.formats.ranges.RangeFile`: :class:`RangeReader` fills the same jobs through its
+``read_into``, with the remote tuning (many ranges in flight).
+
 with open_reader("model.safetensors", "pread") as reader:
     reader.read_all([ReadJob(tensor, offset=8 + header_bytes, nbytes=tensor.nbytes)])
 """
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import HeaderError
+from ..formats.ranges import RangeFile
 
 if TYPE_CHECKING:
     import torch
@@ -79,9 +84,14 @@ def split_jobs(jobs: list[ReadJob], *, chunk_bytes: int) -> Iterator[ReadJob]:
             start = stop
 
 
+def memory_at(address: int, nbytes: int) -> memoryview:
+    """A writable byte view of ``nbytes`` of memory at ``address`` (the caller keeps that memory alive)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B") if nbytes else memoryview(bytearray())
+
+
 def pread_exact(fd: int, address: int, offset: int, nbytes: int, *, where: str) -> None:
     """``pread`` exactly ``nbytes`` at ``offset`` into memory at ``address``; short reads are retried."""
-    view = memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B") if nbytes else memoryview(b"")
+    view = memory_at(address, nbytes)
     done = 0
     while done < nbytes:
         got = os.preadv(fd, [view[done:done + _MAX_CALL_BYTES]], offset + done)
@@ -222,13 +232,38 @@ class DirectReader(Reader):
             self._buffers.clear()
 
 
+class RangeReader(Reader):
+    """Reads jobs from a :class:`~shardkit.formats.ranges.RangeFile` (a remote object): each chunk is one
+    ``read_into`` of a range, ``REMOTE_THREADS`` of them in flight by default; ``close`` closes the file."""
+
+    backend = "range"
+
+    def __init__(self, file: RangeFile, *, threads: int | None = None, chunk_bytes: int | None = None) -> None:
+        self.path = file.name
+        self.file = file
+        self.chunk_bytes = chunk_bytes or REMOTE_CHUNK_BYTES
+        self.threads = threads or REMOTE_THREADS
+        self._owns_fd = False
+        self._fd = -1
+
+    def read_one(self, job: ReadJob) -> None:
+        """One chunk, on the calling thread: the file fills the job's memory (and checks the count)."""
+        self.file.read_into(job.offset, memory_at(job.address, job.nbytes))
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        self.file.close()
+
+
 def _page_multiple(nbytes: int) -> int:
     return max(_ALIGN, (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN)
 
 
-def open_reader(path: str, backend: str, *, threads: int | None = None, fd: int | None = None,
+def open_reader(path: str | RangeFile, backend: str, *, threads: int | None = None, fd: int | None = None,
                 remote: bool = False, quiet: bool = False) -> Reader:
-    """A reader for ``path``: ``"pread"``, or ``"direct"`` where the filesystem takes O_DIRECT.
+    """A reader for ``path``: ``"pread"``, or ``"direct"`` where the filesystem takes O_DIRECT; a
+    :class:`~shardkit.formats.ranges.RangeFile` (not a local file) gets a :class:`RangeReader` whatever
+    ``backend`` says.
 
     Where O_DIRECT is refused (tmpfs, some FUSE mounts) it logs one warning line and reads
     with ``pread`` instead. ``remote`` (a network/FUSE filesystem) uses the remote tuning
@@ -238,6 +273,8 @@ def open_reader(path: str, backend: str, *, threads: int | None = None, fd: int 
     open_reader("model.safetensors", "direct").backend
     'direct'
     """
+    if not isinstance(path, str):
+        return RangeReader(path, threads=threads)
     chunk = REMOTE_CHUNK_BYTES if remote else CHUNK_BYTES
     threads = threads or (REMOTE_THREADS if remote else None)
     if backend == "direct":
