@@ -34,7 +34,7 @@ def _spy(name: str):
     ("checkpoints", "info", ["info", "{tmp}"]),
     ("checkpoints", "verify", ["verify", "{tmp}"]),
     ("jobs", "split_and_push", ["split", "{tmp}", "{tmp}/out"]),
-    ("jobs", "convert_job", ["convert", "{tmp}", "{tmp}/out"]),
+    ("checkpoints", "convert", ["convert", "{tmp}", "{tmp}/out"]),
     ("jobs", "push", ["push", "{tmp}", "alice/tiny"]),
     ("planning", "plan_model", ["plan", "--model", "diffusers:UNet2DConditionModel", "--gpu", "1GB"]),
     ("planning", "fit", ["fit", "{tmp}", "--gpu", "1GB"]),

@@ -46,7 +46,8 @@ def test_options_are_frozen() -> None:
 def test_public_functions_take_options_by_keyword_only(fn) -> None:
     params = list(inspect.signature(fn).parameters.values())
     assert [p.kind for p in params[:2]] == [inspect.Parameter.POSITIONAL_OR_KEYWORD] * 2
-    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[2:])
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[2:] if p.name != "shorthands")
+    assert all(p.kind is inspect.Parameter.VAR_KEYWORD for p in params if p.name == "shorthands")
 
 
 def test_split_convert_and_save_sharded_run_the_same_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
