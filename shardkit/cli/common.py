@@ -260,8 +260,9 @@ def _write_option(option: Any) -> Callable[[Callable[..., Any]], Callable[..., A
                                 **common)
         return click.option(flag, option.name, is_flag=True, default=option.default, **common)
     if meta["choices"]:
-        return click.option(flag, option.name, type=click.Choice(list(meta["choices"])), **common)
-    return click.option(flag, option.name, **common)
+        return click.option(flag, option.name, type=click.Choice(list(meta["choices"])), default=option.default,
+                            **common)
+    return click.option(flag, option.name, default=option.default, **common)
 
 
 def _shard_options() -> dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]:
