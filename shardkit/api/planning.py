@@ -80,8 +80,8 @@ def _plan(model: str, checkpoint: str | None, *, config: str | None, max_memory:
 
     budget = merge_budgets(max_memory, gpu_bytes=list(gpu_bytes), cpu_bytes=cpu_bytes)
     if budget is None and not strategies:
-        raise InvalidInputError("give a budget (--max-memory 0=16GB,cpu=64GB, or --gpu 16GB --cpu 64GB), "
-                                "--strategies, or both")
+        raise InvalidInputError("give a budget (max_memory=..., or gpu_bytes=... and cpu_bytes=...), "
+                                "strategies=True, or both")
     if config is None and checkpoint is not None and os.path.isfile(os.path.join(checkpoint, "config.json")):
         config = os.path.join(checkpoint, "config.json")
     placement = estimate = None

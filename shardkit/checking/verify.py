@@ -180,8 +180,8 @@ def _verify_gguf(path: str, report: VerifyReport, *, against: Any, progress: Pro
     from .gguf_verify import verify_gguf
 
     if against is not None:
-        raise InvalidInputError(f"{path}: --against compares safetensors checkpoints; convert the GGUF first "
-                                "(shardkit convert model.gguf out/ --dtype fp32) and verify that against it")
+        raise InvalidInputError(f"{path}: against=... compares safetensors checkpoints; convert the GGUF first "
+                                "with dtype='fp32' and verify that against it")
     name = os.path.basename(path)
     check = verify_gguf(path, progress=progress, read_data=read_data)
     report.findings += [Finding(name, tensor, message) for tensor, message in check.findings]
@@ -196,7 +196,7 @@ def _prepare_pipeline(path: str, against: Any, report: VerifyReport, opened: lis
     from ..formats.layout import find_components, is_pipeline_folder
 
     if against is not None and not (isinstance(against, (str, os.PathLike)) and is_pipeline_folder(against)):
-        raise InvalidInputError(f"{path} is a pipeline folder: --against must be a pipeline folder too "
+        raise InvalidInputError(f"{path} is a pipeline folder: against=... must be a pipeline folder too "
                                 f"(got {against!r}); or verify one component folder against a checkpoint")
     theirs = {c.name: c for c in find_components(against)} if against is not None else {}
     jobs: list[_ScanJob] = []

@@ -53,7 +53,10 @@ def _flags_of(option: click.Option) -> dict[str, Flag]:
     off = next((o for o in option.secondary_opts if o.startswith("--no-")), None)
     if flag.startswith("--no-") and option.is_flag and off is None:  # --no-cache: the parameter is `cache`
         return {_keyword(flag)[3:]: Flag(None, flag)}
-    return {name: Flag(flag, off) for name in {option.name, _keyword(flag)}}
+    names = {option.name, _keyword(flag)}
+    if type(option.type).__name__ == "SizeParam":  # a size's Python parameter is its byte count, NAME_bytes
+        names.add(f"{_keyword(flag)}_bytes")
+    return {name: Flag(flag, off) for name in names}
 
 
 def flag_table(group: click.Group) -> dict[str, Flag]:
@@ -76,12 +79,14 @@ def _table() -> dict[str, Flag]:
 
 
 _VALUE = r"True|False|\.\.\.|'[^']*'|\"[^\"]*\"|\[[^\]]*\]|-?[0-9][\w.]*"
+_ALTERNATIVES = r"(?:,? (?:or )?'[^' ]*'(?=[ ,;)]|$))*"  # dtype='bf16', 'fp16' or 'fp32': the other choices
 
 
 @functools.lru_cache(maxsize=1)
 def _pattern() -> re.Pattern[str]:
     names = "|".join(sorted(map(re.escape, _table()), key=len, reverse=True))
-    return re.compile(rf"(?<![\w.\-'\"])({names})=({_VALUE})?(?![\w(])")
+    # not inside a word or a quoted name, and not a keyword of a Python call shown as such: f(device_map='auto')
+    return re.compile(rf"(?<![\w.\-'\"])(?<!\w\()({names})=({_VALUE})?(?![\w(])({_ALTERNATIVES})")
 
 
 def _render(flag: Flag, value: str | None) -> str | None:
@@ -104,9 +109,13 @@ def cli_words(message: str) -> str:
 
     >>> cli_words("out/ is not empty; pass overwrite=True, or drop to='diffusers' and cache=False")
     'out/ is not empty; pass --overwrite, or drop --to diffusers and --no-cache'
+    >>> cli_words("give dtype='bf16', 'fp16' or 'fp32'; see shardkit.load_model(device_map='auto')")
+    "give --dtype bf16, fp16 or fp32; see shardkit.load_model(device_map='auto')"
     """
     def flag_of(match: re.Match[str]) -> str:
         rendered = _render(_table()[match.group(1)], match.group(2))
-        return match.group(0) if rendered is None else rendered
+        if rendered is None:
+            return match.group(0)
+        return rendered + match.group(3).replace("'", "")
 
     return _pattern().sub(flag_of, message)

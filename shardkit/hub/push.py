@@ -96,7 +96,7 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
     check_sizes(files)
     known = known_digests(path, files, report=verify_folder(path, allow_lossy=allow_lossy) if verify else None)
     if create_pr and revision is not None and revision.startswith("refs/pr/"):
-        raise InvalidInputError(f"--revision {revision} is a pull request already; push to it without --create-pr")
+        raise InvalidInputError(f"revision={revision!r} is a pull request already; push to it without create_pr=True")
     try:
         with hub_errors(repo_id, revision or "main"):
             pusher = _Pusher(repo_id, repo_type=repo_type, token=token, revision=revision, create_pr=create_pr,
@@ -160,12 +160,12 @@ def verify_folder(path: str | os.PathLike[str], *, allow_lossy: bool = False) ->
     if quant and not allow_lossy:
         raise InvalidInputError(f"{path}: refusing to push: {_describe(quant[0])}"
                                 f"{f' (and {len(quant) - 1} more)' if len(quant) > 1 else ''}; fix the checkpoint, or "
-                                "pass --allow-lossy to push it as it is")
+                                "pass allow_lossy=True to push it as it is")
     if any(not f.quantization for f in report.findings):
         findings = [_describe(finding) for finding in report.findings if not finding.quantization]
         first = findings[0] if findings else "see `shardkit verify`"
         raise VerificationError(f"{path}: refusing to push, verification found {len(findings)} problem(s), "
-                                f"first: {first} (fix the folder, or pass --no-verify)", findings)
+                                f"first: {first} (fix the folder, or pass verify=False)", findings)
     return report
 
 
@@ -187,7 +187,7 @@ class _Pusher:
 
         self.token = token or get_token()
         if self.token is None and not dry_run:
-            raise HubError("no Hugging Face token: pass --token, set HF_TOKEN, or run `hf auth login`")
+            raise HubError("no Hugging Face token: pass token=..., set HF_TOKEN, or run `hf auth login`")
         self.api = HfApi(token=self.token)
         self.repo_id, self.repo_type, self.private = repo_id, repo_type, private
         self.revision, self.create_pr, self.dry_run = revision, create_pr, dry_run
@@ -345,12 +345,12 @@ def describe_hub_error(error: BaseException, repo_id: str, revision: str) -> str
             return f"invalid repository id or revision for {repo_id!r}: {str(e).splitlines()[0]}"
         if isinstance(e, RevisionNotFoundError):
             return (f"revision {revision!r} not found in {repo_id}; a pull request needs an existing branch "
-                    f"(push it first without --create-pr)")
+                    f"(push it first without create_pr=True)")
         if isinstance(e, HfHubHTTPError) and e.response is not None:
             status = e.response.status_code
             detail = e.server_message or e.response.headers.get("X-Error-Message") or ""
             if status == 401:
-                return (f"authentication failed (401) at {endpoint}: the token was rejected; pass a valid --token, "
+                return (f"authentication failed (401) at {endpoint}: the token was rejected; pass a valid token=..., "
                         f"set HF_TOKEN, or run `hf auth login`")
             if status == 403:
                 return f"no permission to write to {repo_id} (403): {detail or 'use a token with write access'}"

@@ -221,7 +221,7 @@ class StreamingSource(Source):
             remote = self.remote_files.get(os.path.realpath(local)) if local is not None else None
             if local is None or remote is None or remote.path not in self.mirror.prefix_bytes:
                 raise HubError(f"{self.mirror.spec}: {self.description} holds tensors that are not in a listed "
-                               "safetensors file; only safetensors weights can be streamed (drop --no-cache)")
+                               "safetensors file; only safetensors weights can be streamed (drop cache=False)")
             with open(local, "rb") as f:  # the real bytes fetched for the mirror; the rest is a hole
                 head = f.read(self.mirror.prefix_bytes[remote.path])
             self.streams[local] = StreamedFile(self.mirror, remote, head, token=self.token, pool=self.pool,

@@ -82,7 +82,7 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
         from .gguf_out import convert_to_gguf
 
         if not keymap.is_identity() or key is not None or config is not None:
-            raise InvalidInputError("--key, --config and the key options do not apply with --to gguf: the model's "
+            raise InvalidInputError("key=..., config=... and the key options do not apply with to='gguf': the model's "
                                     "folder or file names its config and tensors")
         return convert_to_gguf(source, output, options=replace(options, quantize=None), quantize=options.quantize,
                                component=component)
@@ -93,13 +93,13 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
                                       keymap_is_identity=keymap.is_identity())
     if to is not None or config is not None or component is not None:
         if wrap_source is not None:
-            raise InvalidInputError(f"{source}: --to diffusers maps the checkpoint file into memory; it cannot "
-                                    "stream it (drop --no-cache: the file is read through the HF cache)")
+            raise InvalidInputError(f"{source}: to='diffusers' maps the checkpoint file into memory; it cannot "
+                                    "stream it (drop cache=False: the file is read through the HF cache)")
         return _convert_to(source, output, options=options, key=key, keymap=keymap, to=to, config=config,
                            component=component)
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
         if not keymap.is_identity():
-            raise InvalidInputError(f"{source}: key options (--strip-prefix, --include, --rename ...) do not apply "
+            raise InvalidInputError(f"{source}: key options (strip_prefix=..., include=..., rename=...) do not apply "
                                     "to a pipeline folder; convert a component folder instead")
         return split_with(wrapped, output, options=options, key=key)  # checks the output itself
     refuse_output_inside_source(source, output)
@@ -119,13 +119,13 @@ def _convert_to(source: Any, output: str, *, options: WriteOptions, key: str | N
                 to: str | None, config: str | os.PathLike[str] | None, component: str | None) -> SplitResult:
     """``--to diffusers``: diffusers' own single-file conversion, written by the normal job."""
     if to != "diffusers":
-        raise InvalidInputError(f"--to {to}: the only conversion target is 'diffusers'" if to is not None else
-                                "--config and --component apply with --to diffusers; add it, or drop them")
+        raise InvalidInputError(f"to={to!r}: the only conversion target is 'diffusers'" if to is not None else
+                                "config=... and component=... apply with to='diffusers'; add it, or drop them")
     if not keymap.is_identity():
-        raise InvalidInputError("key options (--strip-prefix, --include, --rename ...) do not apply with --to diffusers: "
+        raise InvalidInputError("key options (strip_prefix=..., include=..., rename=...) do not apply with to='diffusers': "
                                 "diffusers' conversion picks and names the model's tensors itself")
     if not isinstance(source, (str, os.PathLike)):
-        raise InvalidInputError(f"--to diffusers converts a checkpoint file; got {type(source).__name__}")
+        raise InvalidInputError(f"to='diffusers' converts a checkpoint file; got {type(source).__name__}")
     if is_file_output(output):
         raise InvalidInputError(f"{output}: a diffusers model is a folder (config.json + weights); give a folder as "
                                 f"OUTPUT, e.g. {output[: -len('.safetensors')]}/")
@@ -152,9 +152,9 @@ def _report_ema(inner: Source, keymap: KeyMap) -> int:
     if not ema:
         return 0
     if any(keymap.map(n) is not None for n in ema):
-        hint = f"drop them with --exclude '{EMA_PREFIX}*', or keep only them with --include '{EMA_PREFIX}*'"
+        hint = f"drop them with exclude=['{EMA_PREFIX}*'], or keep only them with include=['{EMA_PREFIX}*']"
         warn(f"{inner.description}: {len(ema)} EMA tensors ({EMA_PREFIX}*) are included; {hint}")
     else:
         warn(f"{inner.description}: also holds {len(ema)} EMA tensors ({EMA_PREFIX}*), not selected; "
-             f"select them with --include '{EMA_PREFIX}*'")
+             f"select them with include=['{EMA_PREFIX}*']")
     return len(ema)

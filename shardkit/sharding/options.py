@@ -193,7 +193,7 @@ def resolve_cast(dtype: str | None, *, allow_lossy: bool) -> str | None:
         return None
     code = normalize_dtype(str(dtype).removeprefix("torch."))
     if code not in LOSSLESS_TARGETS and not allow_lossy:
-        raise InvalidInputError(f"casting to {dtype} loses precision; pass --allow-lossy (allow_lossy=True) to do it")
+        raise InvalidInputError(f"casting to {dtype} loses precision; pass allow_lossy=True to do it")
     return code
 
 
@@ -206,13 +206,13 @@ def warn_if_many_shards(shard_count: int, *, max_shard_bytes: int, total_bytes: 
         from ..units import format_size
 
         warn(f"the plan has {shard_count} shards of at most {format_size(max_shard_bytes)} for "
-             f"{format_size(total_bytes)} of tensors; is --max-shard-size in the unit you meant (5GB, 500MB)?")
+             f"{format_size(total_bytes)} of tensors; is max_shard_size=... in the unit you meant (5GB, 500MB)?")
 
 
 def warn_if_output_taken(output: str, *, overwrite: bool) -> None:
     """A dry run writes nothing, but says when the real run would refuse the output."""
     if not overwrite and os.path.isdir(output) and os.listdir(output):
-        warn(f"{output} exists and is not empty: the real run needs --overwrite")
+        warn(f"{output} exists and is not empty: the real run needs overwrite=True")
 
 
 def warn(message: str) -> None:

@@ -73,7 +73,7 @@ def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str
     folder, output = os.fspath(folder), os.fspath(output)
     options = options or WriteOptions()
     if options.name is not None or key is not None:
-        option = "--name" if options.name is not None else "--key"
+        option = "name=..." if options.name is not None else "key=..."
         raise InvalidInputError(f"{option} does not apply to a pipeline folder ({folder}): every component keeps "
                                 "its own naming and state dict; run it on a component folder instead")
     if not options.dry_run:

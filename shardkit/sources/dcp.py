@@ -285,7 +285,7 @@ def _select(items: dict[str, Any], paths: dict[str, Any], *, key: str | None, wh
     if bad:
         raise InvalidInputError(
             f"{where}: {len(bad)} value(s) are not tensors: {', '.join(repr(b) for b in bad[:5])}"
-            f"{' ...' if len(bad) > 5 else ''}; select the model's state dict with --key (key=...)"
+            f"{' ...' if len(bad) > 5 else ''}; select the model's state dict with key=..."
         )
     return chosen
 
@@ -297,7 +297,7 @@ def _auto_key(items: dict[str, Any], path_of: Any, where: str) -> tuple[str, ...
             others = sorted({path_of(f)[0] for f in items} - {candidate})
             if others:
                 warnings.warn(f"{where}: converting the {candidate!r} state dict; also present: "
-                              f"{', '.join(others[:10])} (choose with --key)", ShardkitWarning, stacklevel=4)
+                              f"{', '.join(others[:10])} (choose with key=...)", ShardkitWarning, stacklevel=4)
             return (candidate,)
     return ()
 

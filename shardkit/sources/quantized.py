@@ -67,7 +67,7 @@ class QuantizedSource(ViewSource):
 
     def __init__(self, inner: Source, scheme: str) -> None:
         if scheme not in RECIPES:
-            raise InvalidInputError(f"--quantize {scheme}: expected one of {', '.join(RECIPES)}")
+            raise InvalidInputError(f"quantize={scheme!r}: expected one of {', '.join(RECIPES)}")
         super().__init__(inner)
         self.scheme, self.recipe = scheme, RECIPES[scheme]
         self._by_name: dict[str, TensorEntry] = {}
