@@ -328,5 +328,5 @@ def test_bad_sizes(tmp_path: Path, safetensors_file: Path, size: Any) -> None:
 
 
 def test_bad_name(tmp_path: Path, safetensors_file: Path) -> None:
-    with pytest.raises(InvalidInputError, match="--name"):
+    with pytest.raises(InvalidInputError, match="name="):
         shardkit.split(safetensors_file, tmp_path / "out", name="../x")

@@ -14,8 +14,11 @@ from typing import TYPE_CHECKING
 
 from ..checking.info import CheckpointInfo
 from ..checking.verify import VerifyReport
+from ..distributed.save import save_sharded
+from ..formats.header import read_header
 from ..sharding.job import SplitResult
 from ..sharding.options import ProgressCallback, WriteOptions
+from ..sharding.plan import plan_shards
 from ..sources.base import CheckpointSource
 from .options import ConvertTo
 from .sources import is_hub, is_remote
@@ -26,7 +29,7 @@ if TYPE_CHECKING:
     from ..sharding.options import WriteKeywords
 
 __all__ = ["CheckpointInfo", "ConvertTo", "SplitResult", "VerifyReport", "convert", "describe_remote_report", "info",
-           "is_remote", "split", "verify"]
+           "is_remote", "plan_shards", "read_header", "save_sharded", "split", "verify"]
 
 def split(source: CheckpointSource, output: str | os.PathLike[str], *, options: WriteOptions | None = None,
           key: str | None = None, token: str | None = None, cache: bool = True,
