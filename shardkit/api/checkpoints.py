@@ -131,7 +131,8 @@ def info(path: str | os.PathLike[str], *, token: str | None = None) -> Checkpoin
     if is_hub(path):
         from ..hub.remote import remote_info
 
-        return remote_info(path, token=token)
+        described: CheckpointInfo = remote_info(path, token=token)
+        return described
     from ..checking.info import info as info_local
 
     return info_local(path)

@@ -129,11 +129,13 @@ def load_pipeline(
 
         if device_map is not None or offload is not None or offload_options or layerwise_casting is not None:
             raise InvalidInputError("fit= chooses device_map/offload/layerwise_casting itself; pass fit or those")
-        return load_fitted(os.fspath(path), fit, max_memory=max_memory, dtype=dtype, variant=variant)
+        fitted: DiffusionPipeline = load_fitted(os.fspath(path), fit, max_memory=max_memory, dtype=dtype, variant=variant)
+        return fitted
     from ..loading.pipeline import load_pipeline_folder
     from ..runtime.apply import RuntimeSetup
 
     runtime = RuntimeSetup(switches=switches, layerwise_casting=layerwise_casting, offload=offload,
                            offload_options=dict(offload_options or {}))
-    return load_pipeline_folder(path, device_map=device_map, max_memory=max_memory, dtype=dtype, variant=variant,
-                                runtime=runtime, read=read)
+    pipe: DiffusionPipeline = load_pipeline_folder(path, device_map=device_map, max_memory=max_memory, dtype=dtype,
+                                                   variant=variant, runtime=runtime, read=read)
+    return pipe

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -18,13 +17,12 @@ from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.manifest import MANIFEST_NAME, ManifestError
 from ..sources.base import CheckpointSource
-from ..units import FLOAT_DTYPES
+from ..units import FLOAT_DTYPES, ProgressCallback
 from .bytescan import ScanResult, TensorComparator, scan_file
 from .integrity import Expected, compare_with_manifest, expected_files, manifest_ranges
 from .manifest_trust import trusted_entries
 from .structure import HeaderRead, Layout, Problem, check_structure, resolve_layout
 
-ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
 _HUB_BLOB_RE = re.compile(r"^[0-9a-f]{64}$")
 MAX_SCAN_THREADS = 8
 

@@ -11,7 +11,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import click
 
@@ -45,12 +45,20 @@ def configure_logging(*, debug: bool) -> None:
     for name in ("accelerate", "diffusers", "transformers", "huggingface_hub"):
         logging.getLogger(name).setLevel(logging.ERROR)
     if "huggingface_hub" in sys.modules:
-        from huggingface_hub.utils import disable_progress_bars
+        from huggingface_hub.utils.tqdm import disable_progress_bars
 
         disable_progress_bars()
 
 
-class _StderrHandler(logging.StreamHandler):
+if TYPE_CHECKING:  # generic to type checkers; not subscriptable at run time on every supported version
+    _Handler = logging.StreamHandler[TextIO]
+    _SizeType = click.ParamType[int]
+else:
+    _Handler = logging.StreamHandler
+    _SizeType = click.ParamType
+
+
+class _StderrHandler(_Handler):
     """Writes to whatever ``sys.stderr`` is at emit time (click's test runner swaps it)."""
 
     def __init__(self) -> None:
@@ -203,7 +211,7 @@ def echo_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
-class SizeParam(click.ParamType):
+class SizeParam(_SizeType):
     """A size option: '5GB' (10⁹), '2GiB' (2³⁰), '500MB', or bytes."""
 
     name = "SIZE"

@@ -140,7 +140,7 @@ def copied_line(copied: list[str], *, dry_run: bool, shown: int = 8) -> str:
     return f"{'would copy' if dry_run else 'copied'} {len(copied)} other file(s): {names}"
 
 
-def quantization_line(quant: dict) -> str:
+def quantization_line(quant: dict[str, Any]) -> str:
     """One line on what a write did with fp8 scales (see :func:`shardkit.sharding.quant.quant_report`)."""
     if "dequantized" in quant:
         return f"dequantized {quant['weights']} weight(s) from {quant['dequantized']} to {quant['dtype']}"

@@ -118,4 +118,5 @@ def _rank0_layout(state: Any, *, keep: Any, process_group: Any) -> tuple[list[st
         raise DistributedError(f"rank(s) {', '.join(map(str, differ))} planned different shards than rank 0 "
                                "(other tensor names, dtypes or shapes): call save_sharded with the same model on "
                                "every rank; nothing was published")
-    return statuses[0].payload[1]
+    agreed: tuple[list[str], dict[str, str]] = statuses[0].payload[1]
+    return agreed

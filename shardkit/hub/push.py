@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import HubError, InvalidInputError, VerificationError
+from ..units import ByteCounter, ProgressCallback
 from .commits import (
     FollowedLink,
     LocalFile,
@@ -42,8 +43,6 @@ from .commits import (
     stale_files,
 )
 from .known import known_digests
-
-ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
 @dataclass
@@ -212,7 +211,8 @@ class _Pusher:
             res.commit_url = f"{res.repo_url}/commit/{head}"
             return res
         message = message or f"Upload {len(upload)} file(s) with shardkit"
-        sent = _Progress(res.uploaded_bytes, progress)
+        sent = ByteCounter(res.uploaded_bytes, progress)
+        sent(0)
         parent = head
         groups = plan_commits(upload, deletions, remote)
         for number, (group, deleted) in enumerate(groups, 1):
@@ -270,7 +270,7 @@ class _Pusher:
                 for e in entries if isinstance(e, RepoFile)}
 
     def _commit(self, group: list[LocalFile], deleted: list[str], digests: dict[str, str], *, title: str,
-                parent: str | None, sent: _Progress) -> str:
+                parent: str | None, sent: ByteCounter) -> str:
         """Upload a group's contents one file at a time, then commit it; returns the new head."""
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
@@ -286,7 +286,7 @@ class _Pusher:
                 self.api.preupload_lfs_files(self.repo_id, additions=[op], repo_type=self.repo_type,
                                              revision=revision, create_pr=self.create_pr, free_memory=False)
                 additions.append(op)
-                sent.add(f.size_bytes)
+                sent(f.size_bytes)
             operations: list[Any] = [*additions, *(CommitOperationDelete(path_in_repo=p) for p in deleted)]
             info = self.api.create_commit(self.repo_id, operations, commit_message=title, repo_type=self.repo_type,
                                           revision=revision, create_pr=self.create_pr, parent_commit=parent)
@@ -297,17 +297,6 @@ class _Pusher:
             res.pr_url, self.revision, self.create_pr = info.pr_url, info.pr_revision, False
             res.revision = str(info.pr_revision)
         return str(info.oid)
-
-
-class _Progress:
-    def __init__(self, total_bytes: int, callback: ProgressCallback | None) -> None:
-        self.total_bytes, self.done_bytes, self.callback = total_bytes, 0, callback
-        self.add(0)
-
-    def add(self, nbytes: int) -> None:
-        self.done_bytes += nbytes
-        if self.callback is not None:
-            self.callback(self.done_bytes, self.total_bytes)
 
 
 # ----------------------------------------------------------------------------- errors

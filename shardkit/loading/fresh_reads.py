@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError, ShardkitError
 from ..formats.header import TensorEntry
-from .prefetch import Pending, ReadAhead, ReadPool, submit_reads, wait_all
+from ..workers import ReadPool
+from .prefetch import Pending, ReadAhead, submit_reads, wait_all
 from .read_plan import plan_runs, read_runs
 from .readers import Reader, job_for
 from .shards import Shard, check_unchanged

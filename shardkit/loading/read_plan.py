@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..formats.header import TensorEntry
-from .prefetch import ReadPool, submit_reads, wait_all
+from ..workers import ReadPool
+from .prefetch import submit_reads, wait_all
 from .readers import Reader, ReadJob
 
 if TYPE_CHECKING:

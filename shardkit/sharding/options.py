@@ -10,19 +10,18 @@ import dataclasses
 import os
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, TypedDict, TypeVar, get_args
 
 from ..errors import InvalidInputError, InvalidSizeError, ShardkitWarning
-from ..units import LOSSLESS_TARGETS, normalize_dtype, parse_size
+from ..units import LOSSLESS_TARGETS, ProgressCallback, normalize_dtype, parse_size
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPE_CHOICES", "ProgressCallback", "Quantize", "SaveKeywords", "WriteKeywords",
            "WriteOptions", "option_keyword", "resolve_cast", "warn", "warn_if_many_shards", "warn_if_output_taken"]
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 DEFAULT_MAX_SHARD_BYTES = parse_size(DEFAULT_MAX_SHARD_SIZE)
-ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total): the one alias, for every job
 Quantize = Literal["fp8-block", "fp8-channel", "fp8-tensor", "nvfp4", "mxfp4", "f16", "bf16", "q8_0", "q4_0"]
 DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")  # what the CLI offers; Python takes torch dtypes too
 
