@@ -50,7 +50,7 @@ _LAZY: dict[str, str] = {
     "info": "api.checkpoints",
     "verify": "api.checkpoints",
     "push": "api.jobs",
-    "split_and_push": "api.jobs",
+    "split_and_push": "api.checkpoints",
     "apply_offload": "api.loading",
     "apply_layerwise_casting": "api.loading",
     "estimate_memory": "api.loading",
@@ -60,8 +60,18 @@ _LAZY: dict[str, str] = {
 }
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time each name is imported on first use
-    from .api.checkpoints import SplitResult, convert, info, plan_shards, read_header, save_sharded, split, verify
-    from .api.jobs import push, split_and_push
+    from .api.checkpoints import (
+        SplitResult,
+        convert,
+        info,
+        plan_shards,
+        read_header,
+        save_sharded,
+        split,
+        split_and_push,
+        verify,
+    )
+    from .api.jobs import push
     from .api.loading import (
         apply_layerwise_casting,
         apply_offload,

@@ -73,7 +73,7 @@ def split(source: str, output: str, key: str | None, as_json: bool, quiet: bool,
     output loads unchanged with diffusers, transformers, accelerate and huggingface_hub. Writes are atomic: on failure or
     Ctrl-C nothing partial is left, and the source is never modified.
     """
-    from ..api.jobs import split_and_push
+    from ..api.checkpoints import split_and_push
     from ..api.options import WriteOptions
     from .push import report_push
 
