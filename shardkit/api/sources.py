@@ -13,6 +13,7 @@ import os
 from collections.abc import Iterator
 from typing import TypeGuard
 
+from ..errors import InvalidInputError
 from ..sources.base import CheckpointSource
 
 __all__ = ["SCHEMES", "configs", "headers", "is_hub", "is_remote", "opened"]
@@ -43,6 +44,9 @@ def opened(source: CheckpointSource, *, token: str | None = None, cache: bool = 
         split_with(readable, "out/", options=WriteOptions())
     """
     if not is_hub(source):
+        if not cache:
+            shown = os.fspath(source) if isinstance(source, (str, os.PathLike)) else f"a {type(source).__name__}"
+            raise InvalidInputError(f"cache=False applies to an hf://ORG/REPO source, not to {shown}; drop it")
         yield source
         return
     from ..hub.remote_checkpoint import open_checkpoint
