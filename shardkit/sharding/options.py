@@ -110,8 +110,8 @@ class WriteOptions:
                 raise InvalidInputError(f"quantize={self.quantize!r}: expected one of "
                                         f"{', '.join(get_args(Quantize))}")
             if code is not None and code not in LOSSLESS_TARGETS:
-                raise InvalidInputError(f"quantize={self.quantize!r} with dtype={self.dtype!r}: dtype casts the "
-                                        "tensors quantize keeps (norms, embeddings...); give bf16, fp16 or fp32")
+                raise InvalidInputError(f"quantize={self.quantize!r} with dtype={self.dtype!r}: dtype=... casts the "
+                                        "tensors quantize=... keeps (norms, embeddings...); give bf16, fp16 or fp32")
 
     @classmethod
     def parse(cls, *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, **fields: object) -> WriteOptions:
