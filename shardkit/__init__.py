@@ -34,48 +34,58 @@ __version__ = "0.1.0"
 # Public name → module that defines it; resolved on first access so imports stay cheap.
 _LAZY: dict[str, str] = {
     "split": "api.checkpoints",
-    "save_sharded": "distributed.save",
-    "load_into": "distributed.rank_load",
+    "save_sharded": "api.checkpoints",
+    "load_into": "api.loading",
     "SplitResult": "api.checkpoints",
-    "WriteOptions": "api.jobs",
-    "plan_shards": "sharding.plan",
-    "read_header": "formats.header",
-    "open_source": "sources",
-    "open": "loading.opening",
-    "load_model": "loading.load",
-    "plan_device_map": "loading.device_map",
+    "WriteOptions": "api.options",
+    "plan_shards": "api.checkpoints",
+    "read_header": "api.checkpoints",
+    "open_source": "api.loading",
+    "open": "api.loading",
+    "load_model": "api.loading",
+    "plan_device_map": "api.loading",
     "convert": "api.checkpoints",
     "merge": "api.maintenance",
     "recover": "api.maintenance",
     "info": "api.checkpoints",
     "verify": "api.checkpoints",
     "push": "api.jobs",
-    "split_and_push": "api.jobs",
-    "apply_offload": "runtime.offload",
-    "apply_layerwise_casting": "runtime.casting",
-    "estimate_memory": "fitting.estimate",
-    "load_pipeline": "fitting.pipeline",
+    "split_and_push": "api.checkpoints",
+    "apply_offload": "api.loading",
+    "apply_layerwise_casting": "api.loading",
+    "estimate_memory": "api.loading",
+    "load_pipeline": "api.loading",
     "fit": "api.planning",
     "plan_model": "api.planning",
 }
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time each name is imported on first use
-    from .api.checkpoints import SplitResult, convert, info, split, verify
-    from .api.jobs import WriteOptions, push, split_and_push
+    from .api.checkpoints import (
+        SplitResult,
+        convert,
+        info,
+        plan_shards,
+        read_header,
+        save_sharded,
+        split,
+        split_and_push,
+        verify,
+    )
+    from .api.jobs import push
+    from .api.loading import (
+        apply_layerwise_casting,
+        apply_offload,
+        estimate_memory,
+        load_into,
+        load_model,
+        load_pipeline,
+        open,  # noqa: A004 - shardkit.open is the public name
+        open_source,
+        plan_device_map,
+    )
     from .api.maintenance import merge, recover
+    from .api.options import WriteOptions
     from .api.planning import fit, plan_model
-    from .distributed.rank_load import load_into
-    from .distributed.save import save_sharded
-    from .fitting.estimate import estimate_memory
-    from .fitting.pipeline import load_pipeline
-    from .formats.header import read_header
-    from .loading.device_map import plan_device_map
-    from .loading.load import load_model
-    from .loading.opening import open  # noqa: A004 - shardkit.open is the public name
-    from .runtime.casting import apply_layerwise_casting
-    from .runtime.offload import apply_offload
-    from .sharding.plan import plan_shards
-    from .sources import open_source
 
 __all__ = [
     "CheckpointIndexError", "HeaderError", "HubError", "InvalidInputError", "InvalidSizeError", "KeyMismatchError",

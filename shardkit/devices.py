@@ -130,10 +130,10 @@ def merge_budgets(max_memory: str | Mapping[Any, Any] | None, *, gpu_bytes: tupl
         if device in merged and merged[device] != size_bytes:
             a, b = format_size(merged[device]), format_size(size_bytes)
             a, b = (a, b) if a != b else (f"{merged[device]} B", f"{size_bytes} B")
-            flag = "the CPU budget (--cpu)" if isinstance(device, str) else f"GPU budget number {device + 1} (--gpu)"
+            flag = "the CPU budget (cpu=...)" if isinstance(device, str) else f"GPU budget number {device + 1} (gpu=...)"
             raise InvalidInputError(
                 f"the budget for {device_label(device)} is given twice with different sizes: {a} in max memory "
-                f"(--max-memory) and {b} as {flag}; give it once"
+                f"(max_memory=...) and {b} as {flag}; give it once"
             )
         merged[device] = size_bytes
     return merged or None

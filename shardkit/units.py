@@ -1,4 +1,4 @@
-"""Sizes and dtype widths.
+"""Sizes, dtype widths and byte progress.
 
 Size strings are parsed here and only here, at the edges (CLI options, public API
 arguments). Everything inside shardkit works on ints named ``*_bytes``.
@@ -11,8 +11,31 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 
 from .errors import InvalidInputError, InvalidSizeError
+
+ProgressCallback = Callable[[int, int], None]  # progress(done_bytes, total_bytes): every job reports through it
+
+
+class ByteCounter:
+    """Turns per-chunk byte counts into ``progress(done_bytes, total_bytes)`` calls (writes, pushes, reads).
+
+    >>> seen = []
+    >>> count = ByteCounter(10, lambda done, total: seen.append((done, total)))
+    >>> count(4); count(6); seen
+    [(4, 10), (10, 10)]
+    """
+
+    def __init__(self, total_bytes: int, progress: ProgressCallback | None) -> None:
+        self.total_bytes = total_bytes
+        self.done_bytes = 0
+        self._progress = progress
+
+    def __call__(self, n: int) -> None:
+        self.done_bytes += n
+        if self._progress is not None:
+            self._progress(self.done_bytes, self.total_bytes)
 
 _UNITS = {
     "": 1, "B": 1,

@@ -33,8 +33,8 @@ def _spy(name: str):
     ("maintenance", "merge", ["merge", "{tmp}", "{tmp}/merged.safetensors"]),
     ("checkpoints", "info", ["info", "{tmp}"]),
     ("checkpoints", "verify", ["verify", "{tmp}"]),
-    ("jobs", "split_and_push", ["split", "{tmp}", "{tmp}/out"]),
-    ("jobs", "convert_job", ["convert", "{tmp}", "{tmp}/out"]),
+    ("checkpoints", "split_and_push", ["split", "{tmp}", "{tmp}/out"]),
+    ("checkpoints", "convert", ["convert", "{tmp}", "{tmp}/out"]),
     ("jobs", "push", ["push", "{tmp}", "alice/tiny"]),
     ("planning", "plan_model", ["plan", "--model", "diffusers:UNet2DConditionModel", "--gpu", "1GB"]),
     ("planning", "fit", ["fit", "{tmp}", "--gpu", "1GB"]),
@@ -51,7 +51,7 @@ def test_each_command_calls_its_application_layer_function(run_cli, monkeypatch,
 def test_public_functions_are_the_application_layers() -> None:
     from shardkit.api import checkpoints, jobs, maintenance, planning
 
-    for module, names in ((checkpoints, ("split", "convert", "info", "verify")), (jobs, ("split_and_push", "push")),
+    for module, names in ((checkpoints, ("split", "convert", "info", "verify", "split_and_push")), (jobs, ("push",)),
                           (maintenance, ("recover", "merge")), (planning, ("fit", "plan_model"))):
         for name in names:
             assert getattr(shardkit, name) is getattr(module, name), name
@@ -102,7 +102,7 @@ def test_plan_model_of_a_hub_repo_equals_the_local_folder(hub, tmp_path: Path) -
 _SPLIT_AND_PUSH = """
 import sys
 import shardkit
-from shardkit.api.jobs import WriteOptions
+from shardkit.api.options import WriteOptions
 
 done = shardkit.split_and_push(sys.argv[1], sys.argv[2], "alice/tiny", options=WriteOptions(max_shard_bytes=40_000))
 print(done.split.plan.total_bytes, done.push.commit_url)
@@ -146,3 +146,69 @@ def test_split_and_push_checks_the_token_before_splitting(hub, tmp_path: Path) -
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "HubError" in proc.stderr and "no Hugging Face token" in proc.stderr
     assert not (tmp_path / "out").exists(), "the split must not run when the push cannot"
+
+
+def test_every_public_name_comes_through_the_application_layer() -> None:
+    outside = {name: module for name, module in shardkit._LAZY.items() if not module.startswith("api.")}
+    assert not outside, f"exported from a stage, not from shardkit/api/: {outside}"
+
+
+_LOCAL_JOBS = """
+import sys
+import shardkit
+from shardkit.cli import main
+
+src, out = sys.argv[1], sys.argv[2]
+shardkit.split(src, out + "/a", max_shard_size="20KB")
+shardkit.convert(src, out + "/b", strip_prefix="layer.")
+shardkit.split_and_push(src, out + "/c")
+try:
+    main(["split", src, out + "/d", "--max-shard-size", "40KB"])
+except SystemExit as e:
+    assert e.code == 0, e.code
+print(sorted(m for m in sys.modules if m.startswith("shardkit.hub")))
+"""
+
+
+def test_a_local_split_from_python_or_the_cli_never_enters_hub(tmp_path: Path) -> None:
+    """A split of a local path goes from the front door to the writer with no detour through hub/."""
+    import subprocess
+    import sys
+
+    source = _make_source(tmp_path / "src" / "model.safetensors")
+    proc = subprocess.run([sys.executable, "-c", _LOCAL_JOBS, str(source), str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == "[]", proc.stdout
+    assert (tmp_path / "d" / "model.safetensors.index.json").is_file()
+
+
+_PLAN_DEVICE_MAP = """
+import json, sys
+import accelerate
+import shardkit
+from diffusers import UNet2DConditionModel
+
+placement = shardkit.plan_device_map("diffusers:UNet2DConditionModel", checkpoint=sys.argv[1],
+                                     max_memory={0: 10**6, "cpu": 10**9})
+with accelerate.init_empty_weights():
+    unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(sys.argv[2]))
+estimate = shardkit.estimate_memory(unet, gpu_bytes=10**6, checkpoint=sys.argv[1])
+print(json.dumps({"placement": placement.to_dict(), "estimate": estimate.to_dict()}))
+"""
+
+
+@pytest.mark.hub
+def test_plan_device_map_and_estimate_memory_take_a_hub_repo(hub, tmp_path: Path) -> None:
+    """hf:// for plan_device_map and estimate_memory, as for fit and plan_model: the local folder's answers."""
+    from conftest import tiny_unet
+    from helpers_hub import folder_files, hub_env, run_python
+    from helpers_load import save_model
+
+    folder = save_model(tiny_unet(), tmp_path / "unet")
+    hub.state.add_repo("alice/unet", folder_files(folder))
+    env = hub_env(hub, tmp_path / "home")
+    got = json.loads(run_python(_PLAN_DEVICE_MAP, env, "hf://alice/unet", folder).stdout)
+    want = json.loads(run_python(_PLAN_DEVICE_MAP, env, folder, folder).stdout)
+    got["placement"].pop("checkpoint", None), want["placement"].pop("checkpoint", None)
+    assert got == want and want["placement"]["device_map"] and want["estimate"]["strategies"]

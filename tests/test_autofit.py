@@ -80,7 +80,7 @@ def test_impossible_budget_names_the_smallest_budget_that_fits() -> None:
     with pytest.raises(FitError) as info:
         choose(0.5)
     err = info.value
-    assert "smallest budget that would fit is --gpu" in str(err)
+    assert "smallest budget that would fit is gpu=" in str(err)
     assert err.min_gpu_bytes is not None and err.min_gpu_bytes > 0.5 * GB
     # The stated budget really is the smallest: it fits, and one byte less does not.
     plan = plan_fit(fake_pipeline(), Budget((err.min_gpu_bytes,)), margin=NO_MARGIN)
@@ -95,8 +95,8 @@ def test_impossible_cpu_budget_says_both_budgets() -> None:
     # Either a bigger GPU with the same RAM, or the smallest GPU with the RAM offloading needs
     # (offloaded weights live in CPU RAM).
     message = str(info.value)
-    assert "--gpu 5.30GB (all on one GPU" in message
-    assert ", or --gpu 1.10GB --cpu 6.20GB (group offload, leaf" in message
+    assert "gpu='5.30GB' (all on one GPU" in message
+    assert ", or gpu='1.10GB' cpu='6.20GB' (group offload, leaf" in message
     assert info.value.min_gpu_bytes == int(5.3 * GB) and info.value.min_cpu_bytes == 0
 
 
@@ -147,7 +147,7 @@ def test_budget_parsing_and_input_errors() -> None:
         plan_fit(fake_pipeline(), Budget())
     # CPU-only budget: everything on the CPU.
     assert plan_fit(fake_pipeline(), Budget((), 20 * GB), margin=NO_MARGIN).chosen.name == "cpu"
-    with pytest.raises(FitError, match="--cpu"):
+    with pytest.raises(FitError, match="cpu="):
         plan_fit(fake_pipeline(), Budget((), GB), margin=NO_MARGIN)
 
 
@@ -295,7 +295,7 @@ def test_fit_auto_options_and_impossible_budgets(tiny_folder) -> None:
 
     with pytest.raises(InvalidInputError, match="fit= chooses"):
         shardkit.load_pipeline(tiny_folder, fit="auto", max_memory={0: "1GB"}, offload="model")
-    with pytest.raises(FitError, match="smallest budget that would fit is --cpu"):
+    with pytest.raises(FitError, match="smallest budget that would fit is cpu="):
         shardkit.load_pipeline(tiny_folder, fit="auto", max_memory={"cpu": "1MB"})
     # The switches are load_pipeline options too.
     assert shardkit.load_pipeline(tiny_folder, switches=["vae_tiling"]).vae.use_tiling

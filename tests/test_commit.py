@@ -54,7 +54,7 @@ def test_existing_output_is_refused_without_overwrite(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"old")
-    with pytest.raises(OutputExistsError, match="--overwrite"):
+    with pytest.raises(OutputExistsError, match="overwrite=True"):
         OutputTransaction(out).__enter__()
     assert (out / "model.safetensors").read_bytes() == b"old"
     afile = tmp_path / "file"

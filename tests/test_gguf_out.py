@@ -148,7 +148,7 @@ def test_refusals_leave_nothing(llama_folder: Path, tmp_path: Path, run_cli) -> 
                           contains="add --to gguf")
     assert_one_line_error(run_cli("convert", llama_folder, tmp_path / "out", "--to", "gguf"), contains="ending in .gguf")
     assert_one_line_error(run_cli("convert", llama_folder, tmp_path / "o.gguf", "--to", "gguf", "--dtype", "bf16"),
-                          contains="--quantize f16/bf16")
+                          contains="--quantize f16, bf16, q8_0 or q4_0 sets the ggml type")
     assert_one_line_error(run_cli("convert", llama_folder, tmp_path / "o.gguf", "--to", "gguf", "--quantize",
                                   "fp8-block"), contains="expected one of f16")
     odd = tmp_path / "odd"

@@ -77,14 +77,14 @@ def test_collision_is_an_error_naming_both() -> None:
 
 def test_prefix_that_matches_nothing_is_an_error_with_examples() -> None:
     inner = MemorySource(sd_ckpt_like())
-    with pytest.raises(InvalidInputError, match="--strip-prefix 'unet.' matches no tensor name") as e:
+    with pytest.raises(InvalidInputError, match="strip_prefix='unet.' matches no tensor name") as e:
         KeyMapSource(inner, KeyMap(strip_prefix="unet."))
     assert "model.diffusion_model.conv_in.weight" in str(e.value)
 
 
 def test_rename_that_matches_nothing_is_an_error() -> None:
     inner = MemorySource(sd_ckpt_like())
-    with pytest.raises(InvalidInputError, match="--rename nope.=x. matches no tensor name"):
+    with pytest.raises(InvalidInputError, match=r"rename=\['nope.=x.'\] matches no tensor name"):
         KeyMapSource(inner, KeyMap(rename=(("nope.", "x."),)))
 
 

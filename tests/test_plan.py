@@ -143,7 +143,7 @@ def test_resolve_naming_keeps_source_convention_and_lets_name_and_variant_overri
     assert resolve_naming(diffusers, name=None, variant="bf16") == Naming("diffusion_pytorch_model", "bf16")
     assert resolve_naming(_NamedSource(Naming()), name=None, variant=None) == Naming()
     for bad in ("", "a/b", "model.safetensors", "../x"):
-        with pytest.raises(InvalidInputError, match="--name"):
+        with pytest.raises(InvalidInputError, match="name="):
             resolve_naming(diffusers, name=bad, variant=None)
 
 

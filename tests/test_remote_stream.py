@@ -180,7 +180,7 @@ def test_remote_flags_are_checked_before_any_work(hub, tmp_path):
     source = write_safetensors(tmp_path / "src" / "model.safetensors", count=2)
     env = hub_env(hub, tmp_path / "home")
     local = one_error_line(run_shardkit(env, "split", source, tmp_path / "out", "--no-cache"))
-    assert "--no-cache (cache=False) applies to an hf://ORG/REPO source" in local
+    assert "--no-cache applies to an hf://ORG/REPO source" in local
     pr = one_error_line(run_shardkit(env, "split", source, tmp_path / "out", "--create-pr"))
     assert "--create-pr applies with --push-to" in pr
     assert not (tmp_path / "out").exists() and hub.state.requests == []
@@ -264,7 +264,7 @@ except shardkit.InvalidInputError as e:
     lines = run_python(code, hub_env(hub, tmp_path / "home"), tmp_path).stdout.splitlines()
     assert lines[0] == "2 8"
     assert lines[1] == "True False"  # resharded: same tensors, other files than the repository's
-    assert lines[2].startswith("refused: --no-cache (cache=False) applies to an hf://ORG/REPO source")
+    assert lines[2].startswith("refused: cache=False applies to an hf://ORG/REPO source")
     shardkit.split(folder, tmp_path / "local", max_shard_size="1100KB")
     assert folder_files(tmp_path / "streamed") == folder_files(tmp_path / "local")
     assert sorted(shardkit.open(tmp_path / "converted").keys())[0] == "0.weight"

@@ -7,7 +7,6 @@ public function is an error naming it, so a change that hides the signatures aga
 
 from __future__ import annotations
 
-import inspect
 import re
 import subprocess
 import sys
@@ -90,20 +89,3 @@ def test_closed_choices_are_literals(tmp_path: Path, mypy_cache: Path) -> None:
     for n, (function, _) in enumerate(WRONG, start=2):
         found = [e for e in errors if int(e.split(":")[1]) == n]
         assert len(found) == 1 and "incompatible type" in found[0] and f'"{function}"' in found[0], errors
-
-
-@pytest.mark.parametrize("wrapper, local", [("split", "shardkit.sharding.split:split"),
-                                            ("convert", "shardkit.sharding.convert:convert"),
-                                            ("verify", "shardkit.checking.verify:verify")])
-def test_the_typed_keywords_are_the_local_functions_keywords(wrapper: str, local: str) -> None:
-    """The hf://-aware wrappers name every option of the function they forward to, and no other."""
-    import importlib
-
-    from shardkit.api import checkpoints as api
-
-    module, name = local.split(":")
-    params = inspect.signature(getattr(importlib.import_module(module), name)).parameters
-    keywords = {p.name for p in params.values() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    typed = {"split": api.SplitKeywords, "convert": api.ConvertKeywords, "verify": api.VerifyKeywords}[wrapper]
-    explicit = {"verify": {"against"}}.get(wrapper, set())  # parameters the wrapper itself names
-    assert set(typed.__annotations__) == keywords - explicit, sorted(keywords ^ set(typed.__annotations__))

@@ -1,131 +1,183 @@
 """The public ``shardkit.split`` / ``convert`` / ``info`` / ``verify``: local paths and ``hf://`` repositories.
 
-The local functions live with their stage (sharding, checking), which never imports ``hub``;
-these wrappers route an ``hf://ORG/REPO[@REVISION][/SUBFOLDER]`` argument through
-:mod:`shardkit.hub.remote_checkpoint` (split, convert) or the header-only mirror (info, verify),
-and pass everything else straight on, so ``import shardkit`` gives one function per command
-whatever the input.
+Each takes its write options once, as ``options=WriteOptions(...)`` or as the keyword shorthands
+of :class:`~shardkit.sharding.options.WriteKeywords` (both: the shorthands win), routes an
+``hf://`` source through :mod:`shardkit.api.sources` and calls the stage's function with the
+built options. A local path goes straight to the stage, never through ``hub/``.
 """
 
 from __future__ import annotations
 
-import inspect
 import os
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Literal, TypedDict, cast
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ..checking.info import CheckpointInfo
 from ..checking.verify import VerifyReport
-from ..checking.verify import verify as _verify_local
-from ..hub.remote_checkpoint import config_source, open_checkpoint
-from ..hub.remote_spec import is_remote
-from ..hub.remote_verify import describe as describe_remote_report
-from ..sharding.convert import convert as _convert_local
+from ..distributed.save import save_sharded
+from ..formats.header import read_header
 from ..sharding.job import SplitResult
-from ..sharding.options import ProgressCallback
-from ..sharding.split import split as _split_local
+from ..sharding.options import ProgressCallback, WriteOptions
+from ..sharding.plan import plan_shards
 from ..sources.base import CheckpointSource
 from ..stores.urls import check_local, is_store_url
+from .options import ConvertTo
+from .sources import is_hub, is_remote
 from .stores import store_info, store_verify
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["CheckpointInfo", "ConvertKeywords", "SplitKeywords", "SplitResult", "VerifyKeywords", "VerifyReport", "convert",
-           "describe_remote_report", "info", "is_remote", "split", "verify"]
+    from ..hub.push import PushResult
+    from ..sharding.options import WriteKeywords
 
-Quantize = Literal["fp8-block", "fp8-channel", "fp8-tensor", "nvfp4", "mxfp4", "f16", "bf16", "q8_0", "q4_0"]
-ConvertTo = Literal["diffusers", "single-file"]
+__all__ = ["CheckpointInfo", "ConvertTo", "SplitAndPush", "SplitResult", "VerifyReport", "convert", "describe_remote_report",
+           "info", "is_remote", "plan_shards", "read_header", "save_sharded", "split", "split_and_push", "verify"]
 
-
-class SplitKeywords(TypedDict, total=False):
-    """The options :func:`split` passes to the local split (each documented there and in
-    :class:`~shardkit.sharding.options.WriteOptions`): named, so a misspelt one is a type error."""
-
-    max_shard_size: str | int
-    dtype: str | None
-    name: str | None
-    variant: str | None
-    allow_lossy: bool
-    overwrite: bool
-    dry_run: bool
-    key: str | None
-    metadata: dict[str, str] | None
-    manifest: bool
-    progress: ProgressCallback | None
-    quantize: Quantize | None
-
-
-class _MappingKeywords(SplitKeywords, total=False):
-    strip_prefix: str | None
-    add_prefix: str | None
-    include: Iterable[str]
-    exclude: Iterable[str]
-    rename: Iterable[str] | dict[str, str]
-    to: ConvertTo | None
-    component: str | None
-
-
-class ConvertKeywords(_MappingKeywords, total=False):
-    """The options :func:`convert` takes besides :class:`SplitKeywords` (``config`` may be ``hf://``)."""
-
-    config: str | os.PathLike[str] | None
-
-
-class VerifyKeywords(TypedDict, total=False):
-    """The options :func:`verify` passes to the local verify."""
-
-    progress: ProgressCallback | None
-    read_data: bool
-
-
-def split(source: CheckpointSource, output: str | os.PathLike[str], *, token: str | None = None, cache: bool = True,
-          **options: Unpack[SplitKeywords]) -> SplitResult:
-    """:func:`shardkit.sharding.split.split`, for an ``hf://`` source too.
+def split(source: CheckpointSource, output: str | os.PathLike[str], *, options: WriteOptions | None = None,
+          key: str | None = None, token: str | None = None, cache: bool = True,
+          **shorthands: Unpack[WriteKeywords]) -> SplitResult:
+    """Stream a checkpoint into size-bounded safetensors shards with an index.
 
     Args:
-        source: anything the local ``split`` takes, or ``hf://ORG/REPO[@REVISION][/SUBFOLDER]``.
-        output: the output folder (or ``.safetensors`` file).
+        source: a path (safetensors file, index or sharded folder, ``.bin``/``.pt``/``.ckpt``
+            pickle, diffusers pipeline folder), an in-memory state dict or module, an open source,
+            or ``hf://ORG/REPO[@REVISION][/SUBFOLDER]``.
+        output: the output folder (or ``.safetensors`` file); with ``overwrite`` it may be the source's own folder.
+        options: the :class:`~shardkit.sharding.options.WriteOptions` of the write (default: the defaults).
+        key: for pickles, the dict key holding the state dict (default: auto).
         token: a Hub token for ``hf://`` sources (default ``HF_TOKEN`` or the stored login).
         cache: download through the Hugging Face cache (default); False streams the tensor bytes
             by range reads into the output (bounded memory, each byte fetched once, no cache copy).
-        options: ``max_shard_size``, ``dtype``, ``overwrite``... as the local ``split`` takes them.
+        **shorthands: any :class:`~shardkit.sharding.options.WriteOptions` field by name
+            (``max_shard_size="5GB"``, ``"2GiB"`` or an int for ``max_shard_bytes``), applied over ``options``.
+            A source with fp8 weights and scales is copied as is without ``dtype`` and dequantized
+            (weight × scale) with bf16/fp16/fp32.
 
     Returns:
-        The :class:`~shardkit.sharding.job.SplitResult` of the write.
+        A :class:`~shardkit.sharding.job.SplitResult` (a ``PipelineResult`` for a pipeline folder) with the plan.
 
-    shardkit.split("hf://org/model", "out/", max_shard_size="2GB", cache=False)
+    import shardkit
+    result = shardkit.split("model.safetensors", "out/", max_shard_size="5GB")
+    shardkit.split("hf://org/model", "out/", options=shardkit.WriteOptions(max_shard_bytes=2 * 10**9), cache=False)
     """
-    with open_checkpoint(source, token=token, cache=cache) as readable:  # anything but hf:// passes through
-        return _split_local(readable, output, **options)
+    from ..sharding.split import split_with
+    from .sources import opened
+
+    built = WriteOptions.build(options, shorthands, where="split()")
+    with opened(source, token=token, cache=cache) as readable:
+        return split_with(readable, output, options=built, key=key)
 
 
-def convert(source: CheckpointSource, output: str | os.PathLike[str], *, token: str | None = None, cache: bool = True,
-            **options: Unpack[ConvertKeywords]) -> SplitResult:
-    """:func:`shardkit.sharding.convert.convert`, for an ``hf://`` source too.
-
-    An ``hf://`` folder that holds pickle weights only is downloaded (through the cache): the
-    caller asked for that repository. ``cache=False`` streams safetensors only.
+def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options: WriteOptions | None = None,
+            key: str | None = None, include: Iterable[str] = (), exclude: Iterable[str] = (),
+            strip_prefix: str | None = None, add_prefix: str | None = None,
+            rename: Iterable[str] | Mapping[str, str] = (), to: ConvertTo | None = None,
+            config: str | os.PathLike[str] | None = None, component: str | None = None, token: str | None = None,
+            cache: bool = True, collective: bool = False, **shorthands: Unpack[WriteKeywords]) -> SplitResult:
+    """Convert a checkpoint of any supported kind into size-bounded safetensors shards.
 
     Args:
-        source: anything the local ``convert`` takes, or ``hf://ORG/REPO[@REVISION][/SUBFOLDER or /FILE]``.
-        output: the output folder.
-        token, cache: as for :func:`split`.
-        options: ``include``, ``strip_prefix``, ``to`` (``"diffusers"``, or ``"single-file"`` for a diffusers
-            folder → one original-layout checkpoint), ``config``... as the local ``convert`` takes them;
-            ``config`` may be ``hf://...`` too (its configs are downloaded, never its weights).
+        source: anything :func:`split` reads, plus sharded pickles, DCP folders, pipeline folders and
+            GGUF files; ``hf://ORG/REPO[@REVISION][/SUBFOLDER or /FILE]`` too (a folder holding pickle
+            weights only is downloaded through the cache; ``cache=False`` streams safetensors only).
+        output: the output folder (or file).
+        options, token, cache, **shorthands: as for :func:`split`.
+        key: the nested dict holding the state dict (``"state_dict"``, ``"a/b"``; default: auto).
+        include, exclude: globs on the source's tensor names (as stored, after ``key``).
+        strip_prefix: keep only the names that start with it, and remove it.
+        add_prefix: prepended last.
+        rename: a leading ``OLD`` becomes ``NEW`` (``["OLD=NEW"]`` or ``{"OLD": "NEW"}``).
+        to: ``"diffusers"`` (a single-file SD/SDXL/SD3/Flux... checkpoint → a diffusers model folder,
+            with diffusers' own key mapping; the key options do not apply), ``"single-file"`` (the
+            reverse: a diffusers model or pipeline folder → one original-layout checkpoint) or
+            ``"gguf"`` (a Llama or Flux model → one ``.gguf`` file; ``quantize`` sets the ggml type).
+        config: with ``to="diffusers"``, the diffusers config (a ``config.json``, a model folder, or a
+            pipeline folder), local or ``hf://`` (its configs are downloaded, never its weights).
+        component: with a pipeline folder as ``config`` (or as ``source`` with ``to="single-file"``),
+            the component to write; ``"all"`` for the whole pipeline.
+        collective: every rank of a torchrun group calls this and writes its share of the shards
+            (see :func:`shardkit.api.jobs.torchrun_group`); ``source`` is then a local checkpoint.
 
     Returns:
         A ``ConvertResult`` (a ``PipelineResult`` for a pipeline).
 
+    shardkit.convert("v1-5-pruned.ckpt", "unet/", key="state_dict", strip_prefix="model.diffusion_model.", dtype="fp16")
     shardkit.convert("hf://org/old-model", "out/", strip_prefix="model.")
     shardkit.convert("sdxl-pipeline/", "sdxl.safetensors", to="single-file", component="all")
     """
-    given = options.get("config")
-    rest = cast("_MappingKeywords", {k: v for k, v in options.items() if k != "config"})
-    with open_checkpoint(source, token=token, cache=cache, pickles=True) as readable, \
-            config_source(None if given is None else os.fspath(given), token=token) as config:
-        return _convert_local(readable, output, config=config, **rest)
+    from ..sharding.convert import build_keymap, convert_with
+    from .sources import configs, opened
+
+    built = WriteOptions.build(options, shorthands, where="convert()")
+    keymap = build_keymap(include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
+                          rename=dict(rename) if isinstance(rename, Mapping) else rename)
+    if collective:
+        from ..distributed.convert import convert_collective
+        from ..errors import InvalidInputError
+
+        if is_remote(source):
+            raise InvalidInputError(f"{source}: a collective convert reads a local checkpoint; download it "
+                                    "first (hf download), or convert without torchrun")
+        return convert_collective(source, output, options=built, key=key, keymap=keymap, to=to)
+    with opened(source, token=token, cache=cache, pickles=True) as readable, \
+            configs(config, token=token) as local_config:
+        return convert_with(readable, output, options=built, key=key, keymap=keymap, to=to, config=local_config,
+                            component=component)
+
+
+@dataclass(frozen=True)
+class SplitAndPush:
+    """What :func:`split_and_push` did: the split, and the push (None without a repository or on a dry run)."""
+
+    split: SplitResult
+    push: PushResult | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = self.split.to_dict()
+        return {**data, "push": self.push.to_dict()} if self.push else data
+
+
+def split_and_push(source: CheckpointSource, output: str | os.PathLike[str], repo_id: str | None = None, *,
+                   options: WriteOptions | None = None, key: str | None = None, token: str | None = None,
+                   cache: bool = True, create_pr: bool = False, push_progress: ProgressCallback | None = None,
+                   after_split: Callable[[SplitResult], None] | None = None,
+                   **shorthands: Unpack[WriteKeywords]) -> SplitAndPush:
+    """Split ``source`` into ``output``, then push ``output`` to ``repo_id`` (when given and not a dry run).
+
+    A bad repository id, a missing or rejected token, or a symlink in ``output`` leading outside it
+    (which the push would refuse) is found before the split, not after.
+
+    Args:
+        source: anything :func:`shardkit.split` takes, ``hf://ORG/REPO`` included.
+        output: the output folder.
+        repo_id: the Hub repository to push to; None splits only.
+        options, key, token, cache, **shorthands: as for :func:`shardkit.split`.
+        create_pr: open a pull request instead of committing to main.
+        push_progress: ``(done_bytes, total_bytes)`` of the upload.
+        after_split: called with the split's result before the push starts.
+
+    shardkit.split_and_push("model.safetensors", "out/", "org/model", options=WriteOptions(max_shard_bytes=2 * 10**9))
+    """
+    from ..sharding.split import split_with
+    from .sources import opened
+
+    options = WriteOptions.build(options, shorthands, where="split_and_push()")
+    if repo_id:  # only a push imports hub/
+        from ..hub.preflight import check_folder_links, check_push_target, check_repo_id
+
+        check_repo_id(repo_id) if options.dry_run else check_push_target(repo_id, token=token)
+        check_folder_links(output)
+    with opened(source, token=token, cache=cache) as readable:
+        result = split_with(readable, output, options=options, key=key)
+    if after_split is not None:
+        after_split(result)
+    if not repo_id or options.dry_run:
+        return SplitAndPush(result)
+    from ..hub.push import push
+
+    return SplitAndPush(result, push(output, repo_id, token=token, create_pr=create_pr, progress=push_progress))
 
 
 def info(path: str | os.PathLike[str], *, token: str | None = None) -> CheckpointInfo:
@@ -133,10 +185,11 @@ def info(path: str | os.PathLike[str], *, token: str | None = None) -> Checkpoin
 
     shardkit.info("hf://black-forest-labs/FLUX.1-dev").parameter_count
     """
-    if is_remote(path):
+    if is_hub(path):
         from ..hub.remote import remote_info
 
-        return remote_info(path, token=token)
+        described: CheckpointInfo = remote_info(path, token=token)
+        return described
     if is_store_url(path):
         return store_info(path)
     check_local(path, role="checkpoint")
@@ -146,38 +199,34 @@ def info(path: str | os.PathLike[str], *, token: str | None = None) -> Checkpoin
 
 
 def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = None, token: str | None = None,
-           **options: Unpack[VerifyKeywords]) -> VerifyReport:
-    """:func:`shardkit.checking.verify.verify`; ``path`` or ``against`` may be ``hf://...``.
+           progress: ProgressCallback | None = None, read_data: bool = True) -> VerifyReport:
+    """Check a checkpoint: structure, every byte, and with ``against`` every tensor; ``path`` or ``against`` may be ``hf://``.
 
     ``verify("hf://...")`` checks the repository's structure without tensor data;
     ``verify(folder, against="hf://...")`` compares by the Hub's sha256s, then tensor by tensor.
+    ``progress`` and ``read_data`` are as for :func:`shardkit.checking.verify.verify`.
 
     shardkit.verify("out/", against="hf://org/model").ok
     """
-    from ..hub.remote_verify import verify_against_remote, verify_remote
+    if is_hub(path):
+        from ..hub.remote_verify import verify_remote
 
-    if is_remote(path):
         return verify_remote(path, token=token)
-    if is_remote(against):
+    if is_hub(against):
+        from ..hub.remote_verify import verify_against_remote
+
         return verify_against_remote(os.fspath(path), against, token=token)
     if is_store_url(path):
         return store_verify(path, against=against)
     check_local(path, role="checkpoint")
     check_local(against, role="reference")
-    return _verify_local(path, against=against, **options)
+    from ..checking.verify import verify as verify_local
+
+    return verify_local(path, against=against, progress=progress, read_data=read_data)
 
 
-def _advertise(wrapper: Any, local: Any, *extra: str) -> None:
-    """Give ``wrapper`` (which takes ``**options``) the signature it really accepts: ``local``'s
-    parameters, keyword-only after the first ones, plus ``extra`` (``token``, ``cache``), so
-    ``help()`` and ``inspect.signature`` list every option."""
-    params = list(inspect.signature(local).parameters.values())
-    defaults = {"token": None, "cache": True}
-    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=defaults[name]) for name in extra
-               if name not in {p.name for p in params}]
-    wrapper.__signature__ = inspect.signature(wrapper).replace(parameters=params)
+def describe_remote_report(report: VerifyReport) -> str:
+    """The one-line summary of a verify against ``hf://`` (what ``shardkit verify`` prints)."""
+    from ..hub.remote_verify import describe
 
-
-_advertise(split, _split_local, "token", "cache")
-_advertise(convert, _convert_local, "token", "cache")
-_advertise(verify, _verify_local, "token")
+    return describe(report)

@@ -66,9 +66,9 @@ def plan_model(model: str, checkpoint: str | None = None, *, config: str | None 
     if checkpoint is None:
         return _plan(model, None, config=config, max_memory=max_memory, gpu_bytes=gpu_bytes, cpu_bytes=cpu_bytes,
                      dtype=dtype, device_map=device_map, strict=strict, strategies=strategies, shown=None)
-    from ..hub.remote import local_checkpoint
+    from .sources import headers
 
-    with local_checkpoint(checkpoint, token=token) as local:  # hf://: a header-only mirror
+    with headers(checkpoint, token=token) as local:  # hf://: a header-only mirror
         return _plan(model, local, config=config, max_memory=max_memory, gpu_bytes=gpu_bytes, cpu_bytes=cpu_bytes,
                      dtype=dtype, device_map=device_map, strict=strict, strategies=strategies, shown=checkpoint)
 
@@ -80,8 +80,8 @@ def _plan(model: str, checkpoint: str | None, *, config: str | None, max_memory:
 
     budget = merge_budgets(max_memory, gpu_bytes=list(gpu_bytes), cpu_bytes=cpu_bytes)
     if budget is None and not strategies:
-        raise InvalidInputError("give a budget (--max-memory 0=16GB,cpu=64GB, or --gpu 16GB --cpu 64GB), "
-                                "--strategies, or both")
+        raise InvalidInputError("give a budget (max_memory=..., or gpu_bytes=... and cpu_bytes=...), "
+                                "strategies=True, or both")
     if config is None and checkpoint is not None and os.path.isfile(os.path.join(checkpoint, "config.json")):
         config = os.path.join(checkpoint, "config.json")
     placement = estimate = None
@@ -113,13 +113,12 @@ def fit(target: FitTarget, *, gpu: Iterable[str | int] | str | int | None = None
     shardkit.fit("hf://black-forest-labs/FLUX.1-dev", gpu=["16GB", "16GB"])
     """
     from ..fitting.autofit import fit as fit_local
-    from ..hub.remote import local_checkpoint
-    from ..hub.remote_spec import is_remote
+    from .sources import headers, is_remote
 
     options: dict[str, Any] = dict(gpu=gpu, cpu=cpu, max_memory=max_memory, height=height, width=width,
                                    batch_size=batch_size, guidance=guidance, attention=attention, dtype=dtype,
                                    allow_fp8=allow_fp8, exclude=exclude, margin=margin, device=device)
     if not is_remote(target):
         return fit_local(target, **options)
-    with local_checkpoint(os.fspath(target), token=token) as local:
+    with headers(os.fspath(target), token=token) as local:
         return fit_local(local, **options)

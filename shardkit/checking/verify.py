@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -17,13 +16,12 @@ from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.manifest import MANIFEST_NAME, ManifestError
 from ..sources.base import CheckpointSource, Source
-from ..units import FLOAT_DTYPES
+from ..units import FLOAT_DTYPES, ProgressCallback
 from .bytescan import ScanResult, TensorComparator, scan_file
 from .integrity import Expected, compare_with_manifest, expected_files, manifest_ranges
 from .manifest_trust import trusted_entries
 from .structure import HeaderRead, Layout, Problem, check_structure, resolve_layout
 
-ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
 _HUB_BLOB_RE = re.compile(r"^[0-9a-f]{64}$")
 MAX_SCAN_THREADS = 8
 
@@ -179,8 +177,8 @@ def _verify_gguf(path: str, report: VerifyReport, *, against: CheckpointSource |
     from .gguf_verify import verify_gguf
 
     if against is not None:
-        raise InvalidInputError(f"{path}: --against compares safetensors checkpoints; convert the GGUF first "
-                                "(shardkit convert model.gguf out/ --dtype fp32) and verify that against it")
+        raise InvalidInputError(f"{path}: against=... compares safetensors checkpoints; convert the GGUF first "
+                                "with dtype='fp32' and verify that against it")
     name = os.path.basename(path)
     check = verify_gguf(path, progress=progress, read_data=read_data)
     report.findings += [Finding(name, tensor, message) for tensor, message in check.findings]
@@ -195,7 +193,7 @@ def _prepare_pipeline(path: str, against: CheckpointSource | None, report: Verif
     from ..formats.layout import find_components, is_pipeline_folder
 
     if against is not None and not (isinstance(against, (str, os.PathLike)) and is_pipeline_folder(against)):
-        raise InvalidInputError(f"{path} is a pipeline folder: --against must be a pipeline folder too "
+        raise InvalidInputError(f"{path} is a pipeline folder: against=... must be a pipeline folder too "
                                 f"(got {against!r}); or verify one component folder against a checkpoint")
     theirs = {c.name: c for c in find_components(against)} if against is not None else {}
     jobs: list[_ScanJob] = []

@@ -11,7 +11,7 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import click
 
@@ -45,12 +45,20 @@ def configure_logging(*, debug: bool) -> None:
     for name in ("accelerate", "diffusers", "transformers", "huggingface_hub"):
         logging.getLogger(name).setLevel(logging.ERROR)
     if "huggingface_hub" in sys.modules:
-        from huggingface_hub.utils import disable_progress_bars
+        from huggingface_hub.utils.tqdm import disable_progress_bars
 
         disable_progress_bars()
 
 
-class _StderrHandler(logging.StreamHandler):
+if TYPE_CHECKING:  # generic to type checkers; not subscriptable at run time on every supported version
+    _Handler = logging.StreamHandler[TextIO]
+    _SizeType = click.ParamType[int]
+else:
+    _Handler = logging.StreamHandler
+    _SizeType = click.ParamType
+
+
+class _StderrHandler(_Handler):
     """Writes to whatever ``sys.stderr`` is at emit time (click's test runner swaps it)."""
 
     def __init__(self) -> None:
@@ -119,7 +127,9 @@ def _report_error(e: Exception, *, debug: bool) -> int:
     if debug:
         traceback.print_exc()
     if isinstance(e, ShardkitError):
-        click.echo(f"error: {e}", err=True)
+        from .flags import cli_words
+
+        click.echo(f"error: {cli_words(str(e))}", err=True)
         return e.exit_code
     if isinstance(e, OSError) and e.filename:
         # A file the library did not expect to fail on (unreadable, vanished, read-only): name it.
@@ -157,7 +167,9 @@ def _show_warning(message: Any, category: Any, filename: str, lineno: int, file:
     from ..errors import ShardkitWarning
 
     if issubclass(category, ShardkitWarning):
-        click.echo(f"warning: {message}", err=True)
+        from .flags import cli_words
+
+        click.echo(f"warning: {cli_words(str(message))}", err=True)
 
 
 def _progress_requested() -> bool:
@@ -199,7 +211,7 @@ def echo_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
-class SizeParam(click.ParamType):
+class SizeParam(_SizeType):
     """A size option: '5GB' (10⁹), '2GiB' (2³⁰), '500MB', or bytes."""
 
     name = "SIZE"
@@ -229,33 +241,50 @@ def _warn_bare_number(value: Any, size_bytes: int, param: Any) -> None:
 SIZE = SizeParam()
 
 
-# The output options of the commands that write shards (split, convert), each defined once. The
-# parameter names of the shaping options are WriteOptions' fields, so a command passes them on
-# as one ``**write`` mapping; the size is parsed here, at the edge, into bytes.
-_SHARD_OPTIONS = {
-    "max-shard-size": click.option("--max-shard-size", "max_shard_bytes", type=SIZE, default="5GB", show_default=True,
-                                   help="Largest shard, in tensor bytes: 5GB = 5×10^9 bytes, 5GiB = 5×2^30 bytes; a bare number is bytes."),
-    "dtype": click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2"]),
-                          help="Cast floating-point tensors (F64/F32/F16/BF16) in bounded chunks."),
-    "allow-lossy": click.option("--allow-lossy", is_flag=True, help="Permit casts that lose range or precision (fp8)."),
-    "quantize": click.option("--quantize", type=click.Choice(["fp8-block", "fp8-channel", "fp8-tensor", "nvfp4",
-                                                              "mxfp4", "f16", "bf16", "q8_0", "q4_0"]),
-                             help="Weights to fp8 with absmax scales: fp8-block = 128x128 blocks (transformers "
-                                  "FineGrainedFP8), fp8-channel/fp8-tensor = compressed-tensors; norms, embeddings, "
-                                  "lm_head and modulation layers kept. nvfp4 = compressed-tensors "
-                                  "nvfp4-pack-quantized; mxfp4 = gpt-oss MoE experts (original layout). "
-                                  "f16/bf16/q8_0/q4_0: ggml types, with convert --to gguf (1-D tensors stay F32)."),
-    "name": click.option("--name", help="Output file prefix, e.g. 'model' or 'diffusion_pytorch_model'."),
-    "variant": click.option("--variant", help="Variant inserted before the extension, e.g. 'fp16'."),
-    "overwrite": click.option("--overwrite", is_flag=True, help="Replace the checkpoint in an existing output folder."),
-    "dry-run": click.option("--dry-run", is_flag=True, help="Print the plan and write nothing."),
-    "manifest": click.option("--manifest/--no-manifest", default=True, show_default=True,
-                             help="Write shardkit.manifest.json (crc32 of every tensor) so `verify` catches a changed "
-                                  "byte; --no-manifest skips reading back a source that has none (instant "
-                                  "copy-on-write reshards of foreign checkpoints)."),
-    "json": click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary."),
-    "quiet": click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary."),
-}
+class LibraryWordsOption(click.Option):
+    """An option whose help comes from the library (a :class:`WriteOptions` field): its ``name=value``
+    mentions are shown as flags, like the library's error messages (:func:`~shardkit.cli.flags.cli_words`)."""
+
+    def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
+        from .flags import cli_words
+
+        record = super().get_help_record(ctx)
+        return None if record is None else (record[0], cli_words(record[1]))
+
+
+def _write_option(option: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The click option of one :class:`WriteOptions` field: ``--KEYWORD`` (``max_shard_bytes`` is
+    typed as ``--max-shard-size``), stored under the field's name so a command passes ``**write`` on."""
+    from ..api.options import DEFAULT_MAX_SHARD_SIZE, option_keyword
+
+    flag = "--" + option_keyword(option).replace("_", "-")
+    meta = option.metadata
+    common: dict[str, Any] = {"help": meta["help"], "cls": LibraryWordsOption}
+    if option.name.endswith("_bytes"):  # a size, parsed here at the edge into bytes
+        return click.option(flag, option.name, type=SIZE, default=DEFAULT_MAX_SHARD_SIZE, show_default=True, **common)
+    if isinstance(option.default, bool):
+        if meta["negatable"]:
+            return click.option(f"{flag}/--no-{flag[2:]}", option.name, default=option.default, show_default=True,
+                                **common)
+        return click.option(flag, option.name, is_flag=True, default=option.default, **common)
+    if meta["choices"]:
+        return click.option(flag, option.name, type=click.Choice(list(meta["choices"])), default=option.default,
+                            **common)
+    return click.option(flag, option.name, default=option.default, **common)
+
+
+def _shard_options() -> dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]:
+    """The output options of the commands that write shards (split, convert): one per :class:`WriteOptions`
+    field the CLI has a flag for, made from the field, plus the CLI's own ``--json`` and ``--quiet``."""
+    from ..api.options import option_keyword, write_fields
+
+    made = {option_keyword(f).replace("_", "-"): _write_option(f) for f in write_fields() if f.metadata["cli"]}
+    made["json"] = click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
+    made["quiet"] = click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
+    return made
+
+
+_SHARD_OPTIONS = _shard_options()
 
 
 # hf:// inputs: the read token (info, fit, plan, verify, split, convert) and how split/convert read them.

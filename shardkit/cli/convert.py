@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import click
 
+from ..api.options import ConvertTo
 from .common import byte_progress, echo_json, hub_token_option, no_cache_option, shard_options
 
 EPILOG = """\b
@@ -97,7 +98,7 @@ Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers
 @click.option("--exclude", multiple=True, metavar="GLOB",
               help="Drop tensors whose name (as stored in SOURCE) matches (repeatable).")
 @click.option("--rename", multiple=True, metavar="OLD=NEW", help="Replace a leading OLD with NEW (repeatable).")
-@click.option("--to", "to", type=click.Choice(["diffusers", "single-file", "gguf"]),
+@click.option("--to", "to", type=click.Choice(get_args(ConvertTo)),
               help="diffusers: a single-file SD/SDXL/SD3/Flux checkpoint → a diffusers model folder; single-file: "
                    "the reverse (a diffusers model or pipeline folder → one original-layout checkpoint); gguf: a "
                    "Llama or Flux model → one .gguf file.")
@@ -111,7 +112,7 @@ Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers
 @no_cache_option
 @hub_token_option
 def convert(source: str, output: str, key: str | None, strip_prefix: str | None, add_prefix: str | None,
-            include: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...], to: str | None,
+            include: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...], to: ConvertTo | None,
             config: str | None, component: str | None, as_json: bool, quiet: bool, no_cache: bool = False,
             token: str | None = None, **write: Any) -> None:
     """Convert SOURCE (any supported checkpoint) into safetensors shards in the OUTPUT folder.
@@ -119,13 +120,15 @@ def convert(source: str, output: str, key: str | None, strip_prefix: str | None,
     Streams in bounded memory with the same atomic writer as `split`: on failure or Ctrl-C
     nothing partial is left, and the source is never modified.
     """
-    from ..api.jobs import WriteOptions, convert_job, is_rank_zero, torchrun_group
+    from ..api.checkpoints import convert as convert_api
+    from ..api.jobs import is_rank_zero, torchrun_group
+    from ..api.options import WriteOptions
     from .split import print_plan
 
     with torchrun_group() as collective:  # under torchrun: every rank writes its share of the shards
         quiet, as_json = quiet or not is_rank_zero(), as_json and is_rank_zero()  # rank 0 reports for all
         with byte_progress("convert", enabled=not (quiet or as_json or write["dry_run"])) as progress:
-            result = convert_job(source, output, options=WriteOptions(**write, progress=progress), key=key,
+            result = convert_api(source, output, options=WriteOptions(**write, progress=progress), key=key,
                                  include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
                                  rename=rename, to=to, config=config, component=component, token=token,
                                  cache=not no_cache, collective=collective)

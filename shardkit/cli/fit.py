@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -37,7 +37,13 @@ STRATEGY_PREFIXES = ("gpu, balanced, staged, model_offload, group (every group o
                      "group_block_stream, group_leaf, group_leaf_stream, sequential")
 
 
-class ComputeDtype(click.ParamType):
+if TYPE_CHECKING:  # generic to type checkers; not subscriptable at run time on every supported click
+    _DtypeType = click.ParamType[str]
+else:
+    _DtypeType = click.ParamType
+
+
+class ComputeDtype(_DtypeType):
     """bf16, fp16 or fp32; the long spellings (bfloat16, float16, half, float32, F16...) are accepted."""
 
     name = "[" + "|".join(COMPUTE_DTYPES) + "]"

@@ -73,7 +73,8 @@ def split(source: str, output: str, key: str | None, as_json: bool, quiet: bool,
     output loads unchanged with diffusers, transformers, accelerate and huggingface_hub. Writes are atomic: on failure or
     Ctrl-C nothing partial is left, and the source is never modified.
     """
-    from ..api.jobs import WriteOptions, split_and_push
+    from ..api.checkpoints import split_and_push
+    from ..api.options import WriteOptions
     from .push import report_push
 
     dry_run = write["dry_run"]
@@ -139,7 +140,7 @@ def copied_line(copied: list[str], *, dry_run: bool, shown: int = 8) -> str:
     return f"{'would copy' if dry_run else 'copied'} {len(copied)} other file(s): {names}"
 
 
-def quantization_line(quant: dict) -> str:
+def quantization_line(quant: dict[str, Any]) -> str:
     """One line on what a write did with fp8 scales (see :func:`shardkit.sharding.quant.quant_report`)."""
     if "dequantized" in quant:
         return f"dequantized {quant['weights']} weight(s) from {quant['dequantized']} to {quant['dtype']}"

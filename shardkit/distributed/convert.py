@@ -45,7 +45,7 @@ def convert_collective(source: Any, output: str | os.PathLike[str], *, options: 
     """
     output = os.fspath(output)
     if to is not None:
-        raise InvalidInputError(f"--to {to} converts in one process; run it without torchrun")
+        raise InvalidInputError(f"to={to!r} converts in one process; run it without torchrun")
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
         raise InvalidInputError(f"{source}: a pipeline folder is converted by one process; run it without torchrun")
     if is_file_output(output):

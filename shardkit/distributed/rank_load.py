@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError, KeyMismatchError
-from ..reading.host_reads import read_into
 from ..loading.lazy import LazyCheckpoint
 from ..loading.opening import open as open_checkpoint
+from ..reading.host_reads import read_into
 from .gather import is_dtensor
 
 if TYPE_CHECKING:

@@ -7,15 +7,17 @@ from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, TypeAlias
 
 from ..sharding.job import SplitResult
-from ..sharding.options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions
+from ..sharding.options import WriteOptions
 from ..sharding.split import save_state
 from .group import DistributedError, agree, check_world_size, rank_and_world, status_of
 
 if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
+    from typing_extensions import Unpack
 
     from ..sharding.native import NativeModel
+    from ..sharding.options import SaveKeywords
 
 # A state dict (tensors on any device, DTensors too) or a module (plain, diffusers or transformers).
 StateDictOrModule: TypeAlias = "Mapping[str, torch.Tensor] | torch.nn.Module"
@@ -23,11 +25,8 @@ StateDictOrModule: TypeAlias = "Mapping[str, torch.Tensor] | torch.nn.Module"
 __all__ = ["save_sharded"]
 
 
-def save_sharded(obj: StateDictOrModule, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-                 dtype: str | None = None, name: str | None = None, variant: str | None = None,
-                 allow_lossy: bool = False, overwrite: bool = False, metadata: dict[str, str] | None = None,
-                 manifest: bool = True, progress: ProgressCallback | None = None,
-                 process_group: ProcessGroup | None = None) -> SplitResult:
+def save_sharded(obj: StateDictOrModule, output: str | os.PathLike[str], *, options: WriteOptions | None = None,
+                 process_group: ProcessGroup | None = None, **shorthands: Unpack[SaveKeywords]) -> SplitResult:
     """Save a state dict or ``nn.Module`` (tensors on any device) as sharded safetensors; collectively
     over ``process_group``.
 
@@ -53,9 +52,9 @@ def save_sharded(obj: StateDictOrModule, output: str | os.PathLike[str], *, max_
         output: the output folder (the same folder on every rank).
         process_group: the ``torch.distributed`` group whose ranks all call this (None with
             DTensors: the default group).
-        max_shard_size: largest shard in tensor bytes: ``"5GB"`` (10^9), ``"2GiB"`` (2^30), or an int.
-        dtype, name, variant, allow_lossy, overwrite, metadata, manifest, progress: see
-            :class:`~shardkit.sharding.options.WriteOptions`.
+        options: the :class:`~shardkit.sharding.options.WriteOptions` of the write (default: the defaults).
+        **shorthands: :class:`~shardkit.sharding.options.SaveKeywords`, the fields by name
+            (``max_shard_size="5GB"``, ``"2GiB"`` or an int for ``max_shard_bytes``), applied over ``options``.
 
     Returns:
         The :class:`~shardkit.sharding.job.SplitResult`, the same on every rank.
@@ -67,9 +66,7 @@ def save_sharded(obj: StateDictOrModule, output: str | os.PathLike[str], *, max_
     from ..sources.memory import module_state_dict
     from .gather import is_dtensor
 
-    options = WriteOptions.parse(max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy, name=name,
-                                 variant=variant, overwrite=overwrite, metadata=metadata, manifest=manifest,
-                                 progress=progress)
+    options = WriteOptions.build(options, shorthands, where="save_sharded()", save=True)
     with native_model(obj, cast_to=options.cast_to) as native:  # prepared once, whichever writer runs
         state = native.state_dict if native is not None else module_state_dict(obj)
         if process_group is None and not any(is_dtensor(t) for t in state.values()):

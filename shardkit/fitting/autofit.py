@@ -188,7 +188,7 @@ def plan_fit(profiles: Sequence[ComponentProfile], budget: Budget, *, workload: 
     if any(b <= 0 for b in budget.gpu_bytes) or (budget.cpu_bytes is not None and budget.cpu_bytes <= 0):
         raise InvalidInputError("memory budgets must be greater than zero")
     if not budget.gpu_bytes and budget.cpu_bytes is None:
-        raise InvalidInputError("no memory budget: give at least one GPU budget (--gpu 8GB) or a CPU budget")
+        raise InvalidInputError("no memory budget: give at least one GPU budget (gpu='8GB') or a CPU budget")
     candidates = tuple(rank(profiles, budget, margin=margin, allow_fp8=allow_fp8, streams=streams, exclude=exclude))
     chosen = next((c for c in candidates if c.fits), None)
     if chosen is None:
@@ -228,10 +228,10 @@ def _no_fit(candidates: Sequence[Candidate], budget: Budget, margin: Margin) -> 
 def _budget_flags(gpu_bytes: int, cpu_bytes: int, candidate: Candidate, budget: Budget, *, with_cpu: bool) -> str:
     """``--gpu 1.31GB [--cpu 4.41MB] (setup)``: the flags to rerun with, then what they pay for."""
     if not budget.gpu_bytes:
-        return f"--cpu {size_flag(cpu_bytes)} ({candidate.label})"
-    flags = f"--gpu {size_flag(gpu_bytes)}"
+        return f"cpu={size_flag(cpu_bytes)!r} ({candidate.label})"
+    flags = f"gpu={size_flag(gpu_bytes)!r}"
     if with_cpu:
-        flags += f" --cpu {size_flag(cpu_bytes)}"
+        flags += f" cpu={size_flag(cpu_bytes)!r}"
     one = " on one GPU" if len(budget.gpu_bytes) > 1 else ""
     cpu_note = "" if with_cpu or not candidate.peaks.cpu else f", {format_size(cpu_bytes)} of CPU RAM"
     return f"{flags}{one} ({candidate.label}{cpu_note})"

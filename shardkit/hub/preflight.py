@@ -37,7 +37,7 @@ def check_push_target(repo_id: str, *, token: str | None = None) -> str:
 
     resolved = token or get_token()
     if resolved is None:
-        raise HubError("no Hugging Face token: pass --token, set HF_TOKEN, or run `hf auth login` "
+        raise HubError("no Hugging Face token: pass token=..., set HF_TOKEN, or run `hf auth login` "
                        "(checked before splitting, so nothing was written)")
     with hub_errors(repo_id, "main"):
         HfApi(token=resolved).whoami()

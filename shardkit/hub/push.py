@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import HubError, InvalidInputError, VerificationError
+from ..units import ByteCounter, ProgressCallback
 from .commits import (
     FollowedLink,
     LocalFile,
@@ -45,8 +46,6 @@ from .known import known_digests
 
 if TYPE_CHECKING:
     from ..checking.verify import VerifyReport
-
-ProgressCallback = Callable[[int, int], None]  # (bytes done, bytes total)
 
 
 @dataclass
@@ -99,7 +98,7 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
     check_sizes(files)
     known = known_digests(path, files, report=verify_folder(path, allow_lossy=allow_lossy) if verify else None)
     if create_pr and revision is not None and revision.startswith("refs/pr/"):
-        raise InvalidInputError(f"--revision {revision} is a pull request already; push to it without --create-pr")
+        raise InvalidInputError(f"revision={revision!r} is a pull request already; push to it without create_pr=True")
     try:
         with hub_errors(repo_id, revision or "main"):
             pusher = _Pusher(repo_id, repo_type=repo_type, token=token, revision=revision, create_pr=create_pr,
@@ -163,12 +162,12 @@ def verify_folder(path: str | os.PathLike[str], *, allow_lossy: bool = False) ->
     if quant and not allow_lossy:
         raise InvalidInputError(f"{path}: refusing to push: {_describe(quant[0])}"
                                 f"{f' (and {len(quant) - 1} more)' if len(quant) > 1 else ''}; fix the checkpoint, or "
-                                "pass --allow-lossy to push it as it is")
+                                "pass allow_lossy=True to push it as it is")
     if any(not f.quantization for f in report.findings):
         findings = [_describe(finding) for finding in report.findings if not finding.quantization]
         first = findings[0] if findings else "see `shardkit verify`"
         raise VerificationError(f"{path}: refusing to push, verification found {len(findings)} problem(s), "
-                                f"first: {first} (fix the folder, or pass --no-verify)", findings)
+                                f"first: {first} (fix the folder, or pass verify=False)", findings)
     return report
 
 
@@ -190,7 +189,7 @@ class _Pusher:
 
         self.token = token or get_token()
         if self.token is None and not dry_run:
-            raise HubError("no Hugging Face token: pass --token, set HF_TOKEN, or run `hf auth login`")
+            raise HubError("no Hugging Face token: pass token=..., set HF_TOKEN, or run `hf auth login`")
         self.api = HfApi(token=self.token)
         self.repo_id, self.repo_type, self.private = repo_id, repo_type, private
         self.revision, self.create_pr, self.dry_run = revision, create_pr, dry_run
@@ -215,7 +214,8 @@ class _Pusher:
             res.commit_url = f"{res.repo_url}/commit/{head}"
             return res
         message = message or f"Upload {len(upload)} file(s) with shardkit"
-        sent = _Progress(res.uploaded_bytes, progress)
+        sent = ByteCounter(res.uploaded_bytes, progress)
+        sent(0)
         parent = head
         groups = plan_commits(upload, deletions, remote)
         for number, (group, deleted) in enumerate(groups, 1):
@@ -273,7 +273,7 @@ class _Pusher:
                 for e in entries if isinstance(e, RepoFile)}
 
     def _commit(self, group: list[LocalFile], deleted: list[str], digests: dict[str, str], *, title: str,
-                parent: str | None, sent: _Progress) -> str:
+                parent: str | None, sent: ByteCounter) -> str:
         """Upload a group's contents one file at a time, then commit it; returns the new head."""
         from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
@@ -289,7 +289,7 @@ class _Pusher:
                 self.api.preupload_lfs_files(self.repo_id, additions=[op], repo_type=self.repo_type,
                                              revision=revision, create_pr=self.create_pr, free_memory=False)
                 additions.append(op)
-                sent.add(f.size_bytes)
+                sent(f.size_bytes)
             operations: list[Any] = [*additions, *(CommitOperationDelete(path_in_repo=p) for p in deleted)]
             info = self.api.create_commit(self.repo_id, operations, commit_message=title, repo_type=self.repo_type,
                                           revision=revision, create_pr=self.create_pr, parent_commit=parent)
@@ -300,17 +300,6 @@ class _Pusher:
             res.pr_url, self.revision, self.create_pr = info.pr_url, info.pr_revision, False
             res.revision = str(info.pr_revision)
         return str(info.oid)
-
-
-class _Progress:
-    def __init__(self, total_bytes: int, callback: ProgressCallback | None) -> None:
-        self.total_bytes, self.done_bytes, self.callback = total_bytes, 0, callback
-        self.add(0)
-
-    def add(self, nbytes: int) -> None:
-        self.done_bytes += nbytes
-        if self.callback is not None:
-            self.callback(self.done_bytes, self.total_bytes)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -348,12 +337,12 @@ def describe_hub_error(error: BaseException, repo_id: str, revision: str) -> str
             return f"invalid repository id or revision for {repo_id!r}: {str(e).splitlines()[0]}"
         if isinstance(e, RevisionNotFoundError):
             return (f"revision {revision!r} not found in {repo_id}; a pull request needs an existing branch "
-                    f"(push it first without --create-pr)")
+                    f"(push it first without create_pr=True)")
         if isinstance(e, HfHubHTTPError) and e.response is not None:
             status = e.response.status_code
             detail = e.server_message or e.response.headers.get("X-Error-Message") or ""
             if status == 401:
-                return (f"authentication failed (401) at {endpoint}: the token was rejected; pass a valid --token, "
+                return (f"authentication failed (401) at {endpoint}: the token was rejected; pass a valid token=..., "
                         f"set HF_TOKEN, or run `hf auth login`")
             if status == 403:
                 return f"no permission to write to {repo_id} (403): {detail or 'use a token with write access'}"

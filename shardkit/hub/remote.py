@@ -161,7 +161,7 @@ def check_not_pickle_only(mirror: Mirror) -> None:
 
 
 def _repo_type_flag(spec: RemoteSpec) -> str:
-    return "" if spec.repo_type == "model" else f" --repo-type {spec.repo_type}"
+    return "" if spec.repo_type == "model" else f" --repo-type {spec.repo_type}"  # the `hf download` command's flag
 
 
 def _write_new(mirror: Mirror, remote: RemoteFile, chunks: Iterator[bytes], *, size_bytes: int | None = None) -> None:
@@ -310,7 +310,7 @@ def _check_range_reply(response: Any, *, where: str, begin: int, end: int, whole
         length = response.headers.get("Content-Length", "unknown")
         raise HubError(f"{where}: asked for bytes {begin}-{end - 1} and the server answered {response.status_code} "
                        f"{response.reason_phrase or ''} with {length} bytes instead of 206 Partial Content: it ignores "
-                       "Range requests; use an endpoint (HF_ENDPOINT, proxy) that serves ranges, or drop --no-cache")
+                       "Range requests; use an endpoint (HF_ENDPOINT, proxy) that serves ranges, or drop cache=False")
 
 
 @contextlib.contextmanager

@@ -62,7 +62,7 @@ def open_checkpoint(path: Any, *, token: str | None = None, cache: bool = True,
     if not is_remote(path):
         if not cache:
             shown = os.fspath(path) if isinstance(path, (str, os.PathLike)) else f"a {type(path).__name__}"
-            raise InvalidInputError(f"--no-cache (cache=False) applies to an hf://ORG/REPO source, not to {shown}; "
+            raise InvalidInputError(f"cache=False applies to an hf://ORG/REPO source, not to {shown}; "
                                     "drop it")
         yield path
         return
@@ -72,7 +72,7 @@ def open_checkpoint(path: Any, *, token: str | None = None, cache: bool = True,
             yield local
         return
     if _names_a_file(spec):
-        raise InvalidInputError(f"{spec}: --no-cache streams a repository folder; for one file, drop --no-cache "
+        raise InvalidInputError(f"{spec}: cache=False streams a repository folder; for one file, drop cache=False "
                                 f"(or stream its folder: {str(spec).rpartition('/')[0]})")
     from .remote_stream import MirrorStreams
 
@@ -166,7 +166,7 @@ def _drop_loose_weights(mirror: Mirror) -> None:
         os.remove(os.path.join(mirror.root, *rel.split("/")))
     if loose:
         warn(f"{mirror.spec}: left out {', '.join(loose)} (weights outside the pipeline's components are not "
-             "streamed; without --no-cache they are copied through the HF cache)")
+             "streamed; without cache=False they are copied through the HF cache)")
 
 
 def _not_downloaded(listing: Mirror, *, pickles: bool) -> list[str]:

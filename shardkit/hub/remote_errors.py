@@ -44,10 +44,10 @@ def describe_read_error(error: BaseException, spec: RemoteSpec) -> str | None:
     endpoint, rev = constants.ENDPOINT, spec.revision or "main"
     if isinstance(error, GatedRepoError):
         return (f"{spec}: {spec.repo_id} is gated and this token has no access; accept its terms on the Hub "
-                "and pass --token (or set HF_TOKEN, or run `hf auth login`)")
+                "and pass token=... (or set HF_TOKEN, or run `hf auth login`)")
     if isinstance(error, RepositoryNotFoundError):
         return (f"{spec}: repository {spec.repo_id} not found at {endpoint}, or private and not visible with this "
-                "token; check the name, or pass --token (or set HF_TOKEN)")
+                "token; check the name, or pass token=... (or set HF_TOKEN)")
     if isinstance(error, RevisionNotFoundError):
         return f"{spec}: revision {rev!r} not found in {spec.repo_id}; use a branch, tag or commit that exists"
     if isinstance(error, EntryNotFoundError):
@@ -58,7 +58,7 @@ def describe_read_error(error: BaseException, spec: RemoteSpec) -> str | None:
     if isinstance(error, HfHubHTTPError) and error.response is not None:
         status = error.response.status_code
         if status == 401:
-            return f"{spec}: authentication failed (401) at {endpoint}; pass a valid --token or set HF_TOKEN"
+            return f"{spec}: authentication failed (401) at {endpoint}; pass a valid token=... or set HF_TOKEN"
         first = (error.server_message or str(error)).strip().splitlines()[0]
         return f"{spec}: the Hub answered {status} after {RETRIES} retries: {first}; try again later"
     if isinstance(error, (httpx.TransportError, ConnectionError, TimeoutError)):

@@ -252,7 +252,7 @@ class MirrorStreams:
             remote = self.remote_files.get(key)
             if remote is None or remote.path not in self.mirror.prefix_bytes:
                 raise HubError(f"{self.mirror.spec}: {local.replace(self.mirror.root, str(self.mirror.spec))} is not "
-                               "a listed safetensors file; only safetensors weights can be streamed (drop --no-cache)")
+                               "a listed safetensors file; only safetensors weights can be streamed (drop cache=False)")
             with open(local, "rb") as f:  # the real bytes fetched for the mirror; the rest is a hole
                 head = f.read(self.mirror.prefix_bytes[remote.path])
             self.streams[key] = StreamedFile(self.mirror, remote, head, token=self.token, pool=self.pool,

@@ -80,7 +80,7 @@ def verify_against_remote(path: str, against: str, *, token: str | None = None) 
     True
     """
     if not os.path.isdir(path):
-        raise SourceNotFoundError(f"{path}: no such folder (--against hf://... compares a local folder)")
+        raise SourceNotFoundError(f"{path}: no such folder (against='hf://...' compares a local folder)")
     with open_mirror(against, token=token) as mirror:
         report = RemoteVerifyReport(path, against=str(mirror.spec))
         local = _local_files(path)
@@ -111,7 +111,7 @@ def _not_compared(local: set[str], remote: set[str]) -> dict[str, str]:
         if name == MANIFEST_NAME:
             out[rel] = "shardkit's integrity record of this folder ('shardkit verify PATH' checks it)"
         else:
-            out[rel] = "not a weight, index or config file: --against hf:// compares those"
+            out[rel] = "not a weight, index or config file: against='hf://...' compares those"
         if rel not in remote:
             out[rel] += "; only here"
         elif rel not in local:

@@ -110,7 +110,7 @@ class Fp4Layout:
             return None
         more = f" (and {len(self.problems) - SHOWN} more)" if len(self.problems) > SHOWN else ""
         return (f"{where}: {self.scheme} checkpoint is inconsistent: {'; '.join(self.problems[:SHOWN])}{more}; "
-                "every fp4 weight needs its scales and the quantization config (re-export it, or pass --allow-lossy "
+                "every fp4 weight needs its scales and the quantization config (re-export it, or pass allow_lossy=True "
                 "to copy such tensors as they are)")
 
 

@@ -185,7 +185,7 @@ def find_layout(entries: Sequence[TensorEntry], *, config: Config | None = None,
         more = f" (and {len(problems) - SHOWN} more)" if len(problems) > SHOWN else ""
         raise InvalidInputError(f"{where}: {scheme.name} checkpoint is inconsistent: {'; '.join(problems[:SHOWN])}"
                                 f"{more}; every fp8 weight needs its scale (re-export it, or leave such layers out "
-                                "with --exclude)")
+                                "with exclude=...)")
     return QuantLayout(scheme.name, tuple(weights), frozenset(extra),
                        _most_common([by_name[w.weight].dtype for w in weights]),
                        _most_common([by_name[w.scale].dtype for w in weights]))

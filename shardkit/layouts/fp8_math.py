@@ -145,7 +145,7 @@ def refuse_disagreeing(fused: Mapping[str, torch.Tensor], *, where: str) -> None
     if disagree:
         raise InvalidInputError(f"{where}: fused per-tensor scales disagree ({'; '.join(disagree[:3])}): which rows "
                                 "each one scales is not recorded, so the weights cannot be dequantized (copy the "
-                                "checkpoint as is, without --dtype)")
+                                "checkpoint as is, without dtype=...)")
 
 
 def state_dict_entries(tensors: Mapping[str, torch.Tensor]) -> list[TensorEntry]:

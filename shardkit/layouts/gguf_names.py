@@ -169,7 +169,7 @@ def metadata_from_config(config: Config, *, where: str) -> dict[str, tuple[str, 
         InvalidInputError: not a Llama config, or one missing a size GGUF needs.
     """
     if config.get("model_type") != "llama":
-        raise InvalidInputError(f"{where}: --to gguf writes Llama-family language models (config.json model_type "
+        raise InvalidInputError(f"{where}: to='gguf' writes Llama-family language models (config.json model_type "
                                 f"llama) and Flux transformers; this config says {config.get('model_type')!r}")
     hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
     if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:

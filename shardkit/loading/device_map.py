@@ -213,7 +213,7 @@ def plan_device_map(model: ModelSpec, *, config: ConfigSpec | None = None,
     config = default_config(model, checkpoint, config)  # CHECKPOINT/config.json, as load_model and `plan` do
     budget = parse_max_memory(max_memory)
     if not budget:
-        raise InvalidInputError("planning needs max_memory, e.g. {0: '16GB', 'cpu': '64GB'} (CLI: --max-memory 0=16GB,cpu=64GB)")
+        raise InvalidInputError("planning needs max_memory, e.g. {0: '16GB', 'cpu': '64GB'}")
     target = resolve_torch_dtype(dtype)
     with contextlib.ExitStack() as stack:
         ckpt = checkpoint if checkpoint is None or isinstance(checkpoint, LazyCheckpoint) else \

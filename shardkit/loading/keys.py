@@ -129,9 +129,9 @@ def check_match(match: KeyMatch, *, strict: bool, model: str, checkpoint: str) -
         return
     if strict:
         raise KeyMismatchError(
-            f"{checkpoint} does not match {model}: {problems}; check that the model class and config (--model, "
-            "--config) are the ones this checkpoint was saved from, or load it anyway: strict=False in Python, "
-            "--no-strict with shardkit plan"
+            f"{checkpoint} does not match {model}: {problems}; check that the model class and config (model=..., "
+            "config=...) are the ones this checkpoint was saved from, or load it anyway with "
+            "strict=False"
         )
     done = [what for what, names in (("unexpected tensors are not loaded", match.unexpected),
                                      ("missing tensors are zeros", match.missing),

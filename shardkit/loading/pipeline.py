@@ -130,7 +130,7 @@ def _preload_components(folder: str, kwargs: dict[str, Any], *, read: ReadMode, 
 
 PIPELINE_DEVICE_FIX = (
     "to run on the CPU give no GPU (device_map='cpu', or fit='auto' with max_memory={'cpu': '24GB'}); to plan for "
-    "a GPU this machine lacks without loading, use shardkit.fit(path, max_memory=...) (CLI: shardkit fit PATH --gpu SIZE)"
+    "a GPU this machine lacks without loading, use shardkit.fit(path, max_memory=...)"
 )
 
 

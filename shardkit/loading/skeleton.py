@@ -89,7 +89,7 @@ def _is_transformers_model(cls: Any) -> bool:
 
 def _build_diffusers(cls: Any, config: dict[str, Any] | None) -> Any:
     if config is None:
-        raise InvalidInputError(f"{cls.__name__} needs a config: give --config (Python: config=), a config.json path, its folder or a dict")
+        raise InvalidInputError(f"{cls.__name__} needs a config: give config= (a config.json path, its folder or a dict)")
     meant = config.get("_class_name")
     if isinstance(meant, str) and meant != cls.__name__:
         # diffusers fills every missing field with a default, so a VAE's config silently builds a UNet.
@@ -97,14 +97,14 @@ def _build_diffusers(cls: Any, config: dict[str, Any] | None) -> Any:
 
         from ..errors import ShardkitWarning
 
-        warnings.warn(f"the config is for {meant}, not {cls.__name__}; check --model (model=) and --config (config=)",
+        warnings.warn(f"the config is for {meant}, not {cls.__name__}; check model=... and config=...",
                       ShardkitWarning, stacklevel=4)
     return cls.from_config(config)
 
 
 def _build_transformers(cls: Any, config: dict[str, Any] | None) -> Any:
     if config is None:
-        raise InvalidInputError(f"{cls.__name__} needs a config: give --config (Python: config=), a config.json path, its folder or a dict")
+        raise InvalidInputError(f"{cls.__name__} needs a config: give config= (a config.json path, its folder or a dict)")
     from transformers import AutoConfig, PretrainedConfig
 
     config_class = getattr(cls, "config_class", None)
@@ -219,8 +219,8 @@ def _call_builder(builder: Callable[[Any, dict[str, Any] | None], Any], factory:
         hint = f"; the config is for {meant}" if meant and meant != name else ""
         where = f" from {config}" if isinstance(config, (str, os.PathLike)) else ""
         raise InvalidInputError(
-            f"building {name}{where} failed ({type(e).__name__}: {e}){hint}; check that --model (model=) names the "
-            "class this config belongs to and --config (config=) is that model's config.json"
+            f"building {name}{where} failed ({type(e).__name__}: {e}){hint}; check that model=... names the "
+            "class this config belongs to and config=... is that model's config.json"
         ) from e
 
 

@@ -14,14 +14,13 @@ with ``key``); pickles are only ever loaded with ``weights_only=True``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from ..errors import InvalidInputError
 from ..formats.layout import is_pipeline_folder
 from ..sources import Source
-from ..sources.base import CheckpointSource
 from ..sources.keymap import KeyMap, KeyMapSource, parse_renames
 from ..sources.ranged import RangedCheckpoint
 from .job import (
@@ -32,11 +31,11 @@ from .job import (
     side_files,
     split_source,
 )
-from .options import DEFAULT_MAX_SHARD_SIZE, ProgressCallback, WriteOptions, warn
+from .options import WriteOptions, warn
 from .single_file import is_file_output, split_to_file
 from .split import split_with
 
-__all__ = ["ConvertResult", "build_keymap", "convert", "convert_with"]
+__all__ = ["ConvertResult", "build_keymap", "convert_with"]
 
 EMA_PREFIX = "model_ema."
 
@@ -52,60 +51,8 @@ class ConvertResult(SplitResult):
         return {**super().to_dict(), "dropped": self.dropped, "ema_tensors": self.ema_tensors}
 
 
-def convert(source: CheckpointSource, output: str | os.PathLike[str], *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
-            dtype: str | None = None, allow_lossy: bool = False, key: str | None = None,
-            strip_prefix: str | None = None, add_prefix: str | None = None, include: Iterable[str] = (),
-            exclude: Iterable[str] = (), rename: Iterable[str] | dict[str, str] = (), name: str | None = None,
-            variant: str | None = None, overwrite: bool = False, dry_run: bool = False,
-            metadata: dict[str, str] | None = None, manifest: bool = True, progress: ProgressCallback | None = None,
-            to: str | None = None, config: str | os.PathLike[str] | None = None,
-            component: str | None = None, quantize: str | None = None) -> SplitResult:
-    """Convert a checkpoint of any supported kind into size-bounded safetensors shards.
-
-    Args:
-        source: anything ``split`` reads, plus sharded pickles, DCP folders and pipeline folders.
-        output: the output folder.
-        max_shard_size: largest shard in tensor bytes: ``"5GB"`` (10^9), ``"2GiB"`` (2^30), or an int.
-        key: the nested dict holding the state dict (``"state_dict"``, ``"a/b"``; default: auto).
-        include, exclude: globs on the source's tensor names (as stored, after ``key``).
-        strip_prefix: keep only the names that start with it, and remove it.
-        rename: a leading ``OLD`` becomes ``NEW`` (``["OLD=NEW"]`` or ``{"OLD": "NEW"}``).
-        add_prefix: prepended last.
-        to: ``"diffusers"`` converts a single-file SD/SDXL/SD3/Flux... checkpoint into a diffusers
-            model folder with diffusers' own key mapping (see :mod:`shardkit.layouts.diffusers`);
-            the key options do not apply then. ``"single-file"`` does the reverse: a diffusers model or
-            pipeline folder (``component="all"``) → one checkpoint in the original layout (LDM/SGM for
-            SD 1.x/2.x/XL, SAI for SD3, BFL for Flux; see :mod:`shardkit.layouts.single_file_export`).
-        config: with ``to="diffusers"``, the local diffusers config (a ``config.json``, a model
-            folder, or a pipeline folder); required, since nothing is downloaded.
-        component: with a pipeline folder as ``config``, the component to write (default: its
-            ``unet`` or ``transformer``); ``"all"`` writes a whole pipeline folder (text encoders
-            included, tokenizers and schedulers copied from ``config``). With ``to="single-file"``
-            and a pipeline folder as ``source``: the component to export, ``"all"`` for every one.
-        dtype, allow_lossy, name, variant, overwrite, dry_run, metadata, manifest, progress, quantize: see
-            :class:`~shardkit.sharding.options.WriteOptions` (fp8 sources with scales: as for ``split``).
-
-    Returns:
-        A :class:`ConvertResult` (a ``PipelineResult`` for a pipeline folder).
-
-    import shardkit
-    shardkit.convert("v1-5-pruned.ckpt", "unet/", key="state_dict",
-                     strip_prefix="model.diffusion_model.", dtype="fp16")
-    shardkit.convert("fsdp-checkpoint/", "out/", max_shard_size="5GB")
-    shardkit.convert("v1-5-pruned.safetensors", "unet/", to="diffusers",
-                     config="stable-diffusion-v1-5/", component="unet")
-    """
-    options = WriteOptions.parse(max_shard_size=max_shard_size, dtype=dtype, allow_lossy=allow_lossy, name=name,
-                                 variant=variant, overwrite=overwrite, dry_run=dry_run, metadata=metadata,
-                                 manifest=manifest, progress=progress, quantize=quantize)
-    keymap = build_keymap(include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
-                          rename=rename)
-    return convert_with(source, output, options=options, key=key, keymap=keymap, to=to, config=config,
-                        component=component)
-
-
 def build_keymap(*, include: Iterable[str] = (), exclude: Iterable[str] = (), strip_prefix: str | None = None,
-                 add_prefix: str | None = None, rename: Iterable[str] | dict[str, str] = ()) -> KeyMap:
+                 add_prefix: str | None = None, rename: Iterable[str] | Mapping[str, str] = ()) -> KeyMap:
     """The :class:`~shardkit.sources.keymap.KeyMap` of convert's key options (empty strings mean unset).
 
     >>> build_keymap(strip_prefix="model.", rename=["a.=b."]).map("model.a.w")
@@ -114,14 +61,17 @@ def build_keymap(*, include: Iterable[str] = (), exclude: Iterable[str] = (), st
     return KeyMap(
         include=tuple(include), exclude=tuple(exclude), strip_prefix=strip_prefix or None,
         add_prefix=add_prefix or None,
-        rename=tuple(rename.items()) if isinstance(rename, dict) else parse_renames(rename),
+        rename=tuple(rename.items()) if isinstance(rename, Mapping) else parse_renames(rename),
     )
 
 
 def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteOptions, key: str | None = None,
                  keymap: KeyMap | None = None, to: str | None = None, config: str | os.PathLike[str] | None = None,
                  component: str | None = None) -> SplitResult:
-    """:func:`convert` with the options and key map already built: split of a keymapped source.
+    """Convert a checkpoint of any supported kind: ``shardkit.convert``'s writer, a split of a keymapped source.
+
+    The options and the key map are built by the caller (:mod:`shardkit.api.checkpoints`); ``to``,
+    ``config`` and ``component`` are as ``shardkit.convert`` documents them.
 
     convert_with("m.ckpt", "out/", options=WriteOptions(), keymap=KeyMap(strip_prefix="model."))
     """
@@ -131,7 +81,7 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
         from .gguf_out import convert_to_gguf
 
         if not keymap.is_identity() or key is not None or config is not None:
-            raise InvalidInputError("--key, --config and the key options do not apply with --to gguf: the model's "
+            raise InvalidInputError("key=..., config=... and the key options do not apply with to='gguf': the model's "
                                     "folder or file names its config and tensors")
         return convert_to_gguf(source, output, options=replace(options, quantize=None), quantize=options.quantize,
                                component=component)
@@ -142,13 +92,13 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
                                       keymap_is_identity=keymap.is_identity())
     if to is not None or config is not None or component is not None:
         if isinstance(source, RangedCheckpoint):
-            raise InvalidInputError(f"{source}: --to diffusers maps the checkpoint file into memory; it cannot "
-                                    "stream it (drop --no-cache: the file is read through the HF cache)")
+            raise InvalidInputError(f"{source}: to='diffusers' maps the checkpoint file into memory; it cannot "
+                                    "stream it (drop cache=False: the file is read through the HF cache)")
         return _convert_to(source, output, options=options, key=key, keymap=keymap, to=to, config=config,
                            component=component)
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
         if not keymap.is_identity():
-            raise InvalidInputError(f"{source}: key options (--strip-prefix, --include, --rename ...) do not apply "
+            raise InvalidInputError(f"{source}: key options (strip_prefix=..., include=..., rename=...) do not apply "
                                     "to a pipeline folder; convert a component folder instead")
         return split_with(source, output, options=options, key=key)  # checks the output itself
     refuse_output_inside_source(source, output)
@@ -168,13 +118,13 @@ def _convert_to(source: Any, output: str, *, options: WriteOptions, key: str | N
                 to: str | None, config: str | os.PathLike[str] | None, component: str | None) -> SplitResult:
     """``--to diffusers``: diffusers' own single-file conversion, written by the normal job."""
     if to != "diffusers":
-        raise InvalidInputError(f"--to {to}: the only conversion target is 'diffusers'" if to is not None else
-                                "--config and --component apply with --to diffusers; add it, or drop them")
+        raise InvalidInputError(f"to={to!r}: the only conversion target is 'diffusers'" if to is not None else
+                                "config=... and component=... apply with to='diffusers'; add it, or drop them")
     if not keymap.is_identity():
-        raise InvalidInputError("key options (--strip-prefix, --include, --rename ...) do not apply with --to diffusers: "
+        raise InvalidInputError("key options (strip_prefix=..., include=..., rename=...) do not apply with to='diffusers': "
                                 "diffusers' conversion picks and names the model's tensors itself")
     if not isinstance(source, (str, os.PathLike)):
-        raise InvalidInputError(f"--to diffusers converts a checkpoint file; got {type(source).__name__}")
+        raise InvalidInputError(f"to='diffusers' converts a checkpoint file; got {type(source).__name__}")
     if is_file_output(output):
         raise InvalidInputError(f"{output}: a diffusers model is a folder (config.json + weights); give a folder as "
                                 f"OUTPUT, e.g. {output[: -len('.safetensors')]}/")
@@ -198,9 +148,9 @@ def _report_ema(inner: Source, keymap: KeyMap) -> int:
     if not ema:
         return 0
     if any(keymap.map(n) is not None for n in ema):
-        hint = f"drop them with --exclude '{EMA_PREFIX}*', or keep only them with --include '{EMA_PREFIX}*'"
+        hint = f"drop them with exclude=['{EMA_PREFIX}*'], or keep only them with include=['{EMA_PREFIX}*']"
         warn(f"{inner.description}: {len(ema)} EMA tensors ({EMA_PREFIX}*) are included; {hint}")
     else:
         warn(f"{inner.description}: also holds {len(ema)} EMA tensors ({EMA_PREFIX}*), not selected; "
-             f"select them with --include '{EMA_PREFIX}*'")
+             f"select them with include=['{EMA_PREFIX}*']")
     return len(ema)

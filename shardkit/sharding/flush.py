@@ -6,28 +6,14 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
 
 from .. import _faults
 from ..atomic.journal import fsync_dir as _fsync_path  # fsync works the same on a file
 from ..errors import ShardkitWriteError, describe_os_error
 from ..formats.links import open_regular
+from ..units import ByteCounter
 
 __all__ = ["BackgroundSync", "ByteCounter", "copy_side_file", "write_error"]
-
-
-class ByteCounter:
-    """Turns per-chunk byte counts into ``progress(done_bytes, total_bytes)`` calls."""
-
-    def __init__(self, total_bytes: int, progress: Callable[[int, int], None] | None) -> None:
-        self.total_bytes = total_bytes
-        self.done_bytes = 0
-        self._progress = progress
-
-    def __call__(self, n: int) -> None:
-        self.done_bytes += n
-        if self._progress is not None:
-            self._progress(self.done_bytes, self.total_bytes)
 
 
 class BackgroundSync:

@@ -87,14 +87,14 @@ def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize
             tensor without a GGUF name, or a non-float tensor to quantize.
     """
     if not output.endswith(".gguf") or os.path.isdir(output):
-        raise InvalidInputError(f"{output}: --to gguf writes one file; give an OUTPUT ending in .gguf")
+        raise InvalidInputError(f"{output}: to='gguf' writes one file; give an OUTPUT ending in .gguf")
     if options.dtype is not None:
-        raise InvalidInputError(f"--dtype {options.dtype} does not apply with --to gguf: --quantize f16/bf16/q8_0/q4_0 "
+        raise InvalidInputError(f"dtype={options.dtype!r} does not apply with to='gguf': quantize='f16', 'bf16', 'q8_0' or 'q4_0' "
                                 "sets the ggml type (without it, types are kept)")
     if quantize is not None and quantize not in GGUF_QUANTIZE:
-        raise InvalidInputError(f"--quantize {quantize} with --to gguf: expected one of {', '.join(GGUF_QUANTIZE)}")
+        raise InvalidInputError(f"quantize={quantize!r} with to='gguf': expected one of {', '.join(GGUF_QUANTIZE)}")
     if not isinstance(source, (str, os.PathLike)):
-        raise InvalidInputError(f"--to gguf converts a checkpoint path; got {type(source).__name__}")
+        raise InvalidInputError(f"to='gguf' converts a checkpoint path; got {type(source).__name__}")
     path = os.fspath(source)
     refuse_output_inside_source(path, output)
     with _open_model(path, component=component, variant=options.variant) as (src, model):
@@ -110,7 +110,7 @@ def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize
         result = SplitResult(folder, plan, src.description, quantize, options.dry_run)
         if options.dry_run:
             if os.path.exists(output) and not options.overwrite:
-                warn(f"{output} exists: the real run needs --overwrite")
+                warn(f"{output} exists: the real run needs overwrite=True")
             return result
         from ..atomic.commit import file_transaction
 
@@ -154,7 +154,7 @@ def _flux_folder(path: str, *, component: str | None, variant: str | None) -> It
 
     model_type, parts = plan_export(path, component=component)
     if model_type != "flux":
-        raise InvalidInputError(f"{path}: --to gguf writes Flux transformers of diffusers folders; this is {model_type}")
+        raise InvalidInputError(f"{path}: to='gguf' writes Flux transformers of diffusers folders; this is {model_type}")
     with OriginalLayoutSource.open(parts, variant=variant, trace=trace_part, metadata={},
                                    description=f"{path} as a BFL Flux single file") as src:
         yield src
@@ -164,7 +164,7 @@ def _llama_model(config: Config | None, *, where: str) -> GgufModel:
     from ..layouts.gguf_names import gguf_name, metadata_from_config
 
     if config is None:
-        raise InvalidInputError(f"{where}: --to gguf needs the model's config.json beside the weights (a transformers "
+        raise InvalidInputError(f"{where}: to='gguf' needs the model's config.json beside the weights (a transformers "
                                 "Llama folder), or a Flux transformer (diffusers folder or BFL file)")
     llama = metadata_from_config(config, where=where)
     heads = int(config["num_attention_heads"])
@@ -207,7 +207,7 @@ def _plan(src: Source, model: GgufModel, *, quantize: str | None) -> list[_Tenso
         out.append(_Tensor(entry, name, kind, model.heads(entry.name)))
     if missing:
         raise InvalidInputError(f"{src.description}: {len(missing)} tensor(s) have no llama.cpp name, e.g. "
-                                f"{', '.join(missing[:3])}; --to gguf writes Llama-family models (model.layers.N.* "
+                                f"{', '.join(missing[:3])}; to='gguf' writes Llama-family models (model.layers.N.* "
                                 "self_attn/mlp, embed_tokens, norm, lm_head)")
     return out
 
@@ -216,8 +216,8 @@ def _kind(entry: TensorEntry, quantize: str | None, stored: str | None, *, where
     if stored is not None and (quantize is None or len(entry.shape) < 2 and stored == "F32"):
         return stored
     if entry.dtype not in FLOAT_SOURCES:
-        raise InvalidInputError(f"{where}: tensor {entry.name} is {entry.dtype}; --to gguf writes float tensors "
-                                "(dequantize it first: convert --dtype bf16)")
+        raise InvalidInputError(f"{where}: tensor {entry.name} is {entry.dtype}; to='gguf' writes float tensors "
+                                "(dequantize it first: convert dtype='bf16')")
     if quantize is None:
         return entry.dtype if entry.dtype != "F64" else "F32"
     kind = ggml_type(quantize)

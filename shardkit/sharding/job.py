@@ -108,7 +108,7 @@ def resolve_naming(source: Source, *, name: str | None, variant: str | None) -> 
     base = source.naming
     if name is not None:
         if not name or "/" in name or "." in name:
-            raise InvalidInputError(f"invalid --name {name!r}: give a file prefix such as 'model' or '{DIFFUSERS_PREFIX}'")
+            raise InvalidInputError(f"invalid name={name!r}: give a file prefix such as 'model' or '{DIFFUSERS_PREFIX}'")
         base = Naming(name, base.variant)
     return Naming(base.prefix, variant if variant is not None else base.variant)
 
@@ -130,7 +130,7 @@ def refuse_output_inside_source(source: Any, output: str) -> None:
         raise InvalidInputError(
             f"output {output} is inside the source folder {os.fspath(source)}: the source would change while it is "
             "read; write to a folder outside it, or reshard in place with the source folder itself as the output "
-            "and --overwrite"
+            "and overwrite=True"
         )
 
 

@@ -74,7 +74,7 @@ def merge(folder: str | os.PathLike[str], output_file: str | os.PathLike[str], *
         total = sum(w.out.nbytes for w in writes)
         if dry_run:
             if os.path.exists(output_file) and not overwrite:
-                warn(f"{output_file} exists: the real run needs --overwrite")
+                warn(f"{output_file} exists: the real run needs overwrite=True")
             return MergeResult(output_file, source.description, len(source.headers), len(writes), total, dry_run=True)
         with file_transaction(output_file, overwrite=overwrite) as tmp:
             written = write_safetensors(tmp, writes, source, metadata=source.metadata(),

@@ -71,7 +71,7 @@ def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str
     given, folder, output = folder, os.fspath(folder), os.fspath(output)
     options = options or WriteOptions()
     if options.name is not None or key is not None:
-        option = "--name" if options.name is not None else "--key"
+        option = "name=..." if options.name is not None else "key=..."
         raise InvalidInputError(f"{option} does not apply to a pipeline folder ({folder}): every component keeps "
                                 "its own naming and state dict; run it on a component folder instead")
     settle_source(folder, output, dry_run=options.dry_run)  # rolled forward only in place

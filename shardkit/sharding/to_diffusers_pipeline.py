@@ -151,10 +151,10 @@ def convert_pipeline_to_diffusers(source: str | os.PathLike[str], output: str, *
         raise missing_config_error(path, backing.tensors)
     folder = os.fspath(config)
     if not is_pipeline_folder(folder):
-        raise InvalidInputError(f"--component all writes a whole pipeline: --config must be a pipeline folder "
+        raise InvalidInputError(f"component='all' writes a whole pipeline: config=... must be a pipeline folder "
                                 f"(with model_index.json), not {folder}")
     if options.name is not None:
-        raise InvalidInputError("--name does not apply to a pipeline: every component keeps its own naming")
+        raise InvalidInputError("name=... does not apply to a pipeline: every component keeps its own naming")
     jobs: list[ShardJob] = []
     try:
         for component in find_components(folder):
@@ -186,10 +186,10 @@ def _component_source(component: Component, backing: FileBacked, folder: str, *,
                             keep=keep)
     if _is_model(cls):
         if not component.has_weights:
-            raise InvalidInputError(f"{component.name} ({component.class_name}) is not in {where} and --config {folder} "
+            raise InvalidInputError(f"{component.name} ({component.class_name}) is not in {where} and config={folder!r} "
                                     f"has no weights for it: add them to {component.path}, or set it to "
                                     "[null, null] in model_index.json if the pipeline can run without it")
-        warn(f"{component.name} ({component.class_name}) is not in {where}: its weights are copied from --config {folder}")
+        warn(f"{component.name} ({component.class_name}) is not in {where}: its weights are copied from config={folder!r}")
     return None
 
 
@@ -230,7 +230,7 @@ def _text_encoder(cls: Any, component: Component, checkpoint: Mapping[str, Any],
     except Exception as e:  # diffusers raises ValueError/KeyError/OSError for a checkpoint or config that differ
         first = str(e).splitlines()[0][:200] if str(e) else ""
         raise InvalidInputError(f"{component.name} ({component.class_name}): diffusers could not build it from the "
-                                f"checkpoint with --config {folder} ({type(e).__name__}: {first})") from e
+                                f"checkpoint with config={folder!r} ({type(e).__name__}: {first})") from e
 
 
 def _refuse_missing(state: Mapping[str, Any], component: Component, where: str) -> None:
@@ -238,7 +238,7 @@ def _refuse_missing(state: Mapping[str, Any], component: Component, where: str) 
     missing = [name for name, t in state.items() if t.is_meta]
     if missing:
         raise InvalidInputError(f"{where}: {len(missing)} parameter(s) of {component.name} ({component.class_name}) "
-                                f"are not in the checkpoint, e.g. {', '.join(missing[:3])}; check --config")
+                                f"are not in the checkpoint, e.g. {', '.join(missing[:3])}; check config=...")
 
 
 def _result(path: str, output: str, jobs: list[ShardJob], options: WriteOptions, copied: list[str]) -> PipelineResult:

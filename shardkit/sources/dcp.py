@@ -288,7 +288,7 @@ def _select(items: Mapping[str, object], paths: Mapping[str, Sequence[object]], 
     if bad:
         raise InvalidInputError(
             f"{where}: {len(bad)} value(s) are not tensors: {', '.join(repr(b) for b in bad[:5])}"
-            f"{' ...' if len(bad) > 5 else ''}; select the model's state dict with --key (key=...)"
+            f"{' ...' if len(bad) > 5 else ''}; select the model's state dict with key=..."
         )
     return chosen
 
@@ -300,7 +300,7 @@ def _auto_key(items: Mapping[str, object], path_of: Callable[[str], tuple[str, .
             others = sorted({path_of(f)[0] for f in items} - {candidate})
             if others:
                 warnings.warn(f"{where}: converting the {candidate!r} state dict; also present: "
-                              f"{', '.join(others[:10])} (choose with --key)", ShardkitWarning, stacklevel=4)
+                              f"{', '.join(others[:10])} (choose with key=...)", ShardkitWarning, stacklevel=4)
             return (candidate,)
     return ()
 

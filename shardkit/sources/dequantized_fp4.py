@@ -49,7 +49,7 @@ class Fp4DequantizedSource(ViewSource):
         if problems and not allow_lossy:
             raise InvalidInputError(f"{inner.description}: {layout.scheme}: {'; '.join(p for _, p in problems[:3])}; "
                                     "dequantized, these weights would be NaN or infinite (re-export the checkpoint, or "
-                                    "pass --allow-lossy to copy them as they are)")
+                                    "pass allow_lossy=True to copy them as they are)")
         broken = {packed for packed, _ in problems}
         self._packed = {w.packed: w for w in layout.weights if w.packed not in broken}
         self._dense = {w.output: w for w in self._packed.values()}

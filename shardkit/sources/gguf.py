@@ -126,9 +126,9 @@ class GgufSource(Source):
         if quantized and cast_to is None:
             kinds = sorted(set(quantized.values()))
             raise InvalidInputError(f"{self.description}: {len(quantized)} tensor(s) are ggml-quantized "
-                                    f"({', '.join(kinds)}), which safetensors and its loaders cannot hold; add --dtype "
-                                    "bf16 (or fp16; fp32 keeps gguf's dequantized values exactly), or write GGUF with "
-                                    "--to gguf")
+                                    f"({', '.join(kinds)}), which safetensors and its loaders cannot hold; add dtype='bf16' "
+                                    "(or 'fp16'; 'fp32' keeps gguf's dequantized values exactly), or write GGUF with "
+                                    "to='gguf'")
 
     def config(self) -> JsonObject | None:
         """The transformers ``config.json`` rebuilt from a Llama file's metadata; None for other architectures."""

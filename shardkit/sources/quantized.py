@@ -40,7 +40,7 @@ class QuantizedSource(ViewSource):
 
     def __init__(self, inner: Source, scheme: str) -> None:
         if scheme not in QUANTIZE_RECIPES:
-            raise InvalidInputError(f"--quantize {scheme}: expected one of {', '.join(QUANTIZE_RECIPES)}")
+            raise InvalidInputError(f"quantize={scheme!r}: expected one of {', '.join(QUANTIZE_RECIPES)}")
         super().__init__(inner)
         self.scheme, self.recipe = scheme, QUANTIZE_RECIPES[scheme]
         self._by_name: dict[str, TensorEntry] = {}

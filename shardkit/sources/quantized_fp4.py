@@ -40,7 +40,7 @@ class Fp4QuantizedSource(ViewSource):
 
     def __init__(self, inner: Source, scheme: str) -> None:
         if scheme not in FP4_SCHEMES:
-            raise InvalidInputError(f"--quantize {scheme}: expected one of {', '.join(FP4_SCHEMES)}")
+            raise InvalidInputError(f"quantize={scheme!r}: expected one of {', '.join(FP4_SCHEMES)}")
         super().__init__(inner)
         self.scheme = scheme
         self._by_name = {e.name: e for e in inner.entries()}
@@ -52,7 +52,7 @@ class Fp4QuantizedSource(ViewSource):
         if not any(t.packed == n for n, t in self._targets.items()):
             wanted = ("gpt-oss-style MoE experts (….experts.gate_up_proj / down_proj, 3-D, input dimension a multiple "
                       "of 32)" if scheme == "mxfp4" else "2-D linear weights (input dimension a multiple of 16)")
-            raise InvalidInputError(f"{inner.description}: --quantize {scheme} found nothing to quantize: it applies "
+            raise InvalidInputError(f"{inner.description}: quantize={scheme!r} found nothing to quantize: it applies "
                                     f"to {wanted}")
         self._scales: dict[str, bytes] = {}
         self._global: dict[str, torch.Tensor] = {}

@@ -1,0 +1,79 @@
+"""Turning what a caller names into what a stage reads: the one place that routes a source by scheme.
+
+A local path (or an open source, or an in-memory state dict) passes straight through without
+touching ``hub/``; ``hf://ORG/REPO[@REVISION][/SUBFOLDER]`` is opened by ``hub/`` (the cached
+download, the streamed range reads, or the header-only mirror). A new scheme (``s3://``) is one
+more row in :data:`SCHEMES` and one opener per kind of use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import TypeGuard
+
+from ..errors import InvalidInputError
+from ..sources.base import CheckpointSource
+
+__all__ = ["SCHEMES", "configs", "headers", "is_hub", "is_remote", "opened"]
+
+SCHEMES = {"hf://": "the Hugging Face Hub"}  # the remote schemes the application layer routes
+
+
+def is_remote(path: object) -> TypeGuard[str]:
+    """True for a string naming a remote checkpoint (any scheme of :data:`SCHEMES`).
+
+    >>> is_remote("hf://org/model"), is_remote("out/")
+    (True, False)
+    """
+    return isinstance(path, str) and path.startswith(tuple(SCHEMES))
+
+
+def is_hub(path: object) -> TypeGuard[str]:
+    """True for ``hf://...``."""
+    return isinstance(path, str) and path.startswith("hf://")
+
+
+@contextlib.contextmanager
+def opened(source: CheckpointSource, *, token: str | None = None, cache: bool = True,
+           pickles: bool = False) -> Iterator[CheckpointSource]:
+    """What the writers read for ``source``: itself, or for ``hf://`` its cached copy or a streamed mirror.
+
+    with opened("hf://org/model", cache=False) as readable:
+        split_with(readable, "out/", options=WriteOptions())
+    """
+    if not is_hub(source):
+        if not cache:
+            shown = os.fspath(source) if isinstance(source, (str, os.PathLike)) else f"a {type(source).__name__}"
+            raise InvalidInputError(f"cache=False applies to an hf://ORG/REPO source, not to {shown}; drop it")
+        yield source
+        return
+    from ..hub.remote_checkpoint import open_checkpoint
+
+    with open_checkpoint(source, token=token, cache=cache, pickles=pickles) as readable:
+        yield readable
+
+
+@contextlib.contextmanager
+def configs(path: str | os.PathLike[str] | None, *, token: str | None = None) -> Iterator[str | None]:
+    """A config folder or file: itself, or for ``hf://`` its configs, tokenizers and schedulers (never weights)."""
+    if path is None or not is_hub(os.fspath(path)):
+        yield None if path is None else os.fspath(path)
+        return
+    from ..hub.remote_checkpoint import config_source
+
+    with config_source(os.fspath(path), token=token) as local:
+        yield local
+
+
+@contextlib.contextmanager
+def headers(path: str | os.PathLike[str], *, token: str | None = None) -> Iterator[str]:
+    """A checkpoint to plan from without its tensor data: itself, or for ``hf://`` a header-only mirror."""
+    if not is_hub(os.fspath(path)):
+        yield os.fspath(path)
+        return
+    from ..hub.remote import local_checkpoint
+
+    with local_checkpoint(os.fspath(path), token=token) as local:
+        yield local
