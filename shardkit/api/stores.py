@@ -20,7 +20,6 @@ from ..checking.info import CheckpointInfo
 from ..checking.verify import VerifyReport
 from ..errors import InvalidInputError
 from ..formats.suffixes import MANIFEST_FILE
-from ..hub.remote import CONFIG_RE, renamed_errors
 from ..stores import list_folder, open_store, parse_store_url
 from ..stores.mirror import HeaderMirror, build_header_mirror
 
@@ -31,12 +30,16 @@ logger = logging.getLogger("shardkit")
 
 def _is_small_side_file(name: str) -> bool:
     """Configs, indexes and the integrity manifest: what the checks read besides the headers."""
+    from ..hub.remote import CONFIG_RE  # imported here: a local path never loads hub/
+
     return bool(CONFIG_RE.search(name)) or name.rpartition("/")[2] == MANIFEST_FILE
 
 
 @contextlib.contextmanager
 def store_mirror(path: str) -> Iterator[HeaderMirror]:
     """The header-only mirror of ``s3://BUCKET/PREFIX`` in a temporary folder, removed on exit."""
+    from ..hub.remote import renamed_errors
+
     url = parse_store_url(path)
     tmp = tempfile.mkdtemp(prefix="shardkit-s3-")
     root = os.path.join(tmp, url.bucket)
@@ -70,7 +73,7 @@ def store_verify(path: str, *, against: object = None) -> VerifyReport:
     from ..checking.verify import verify
 
     if against is not None:
-        raise InvalidInputError(f"{path}: --against with an s3:// checkpoint is not supported yet; "
+        raise InvalidInputError(f"{path}: against= with an s3:// checkpoint is not supported yet; "
                                 "verify it alone, or a local copy against the reference")
     with store_mirror(path) as mirror:
         report = verify(mirror.root, read_data=False)

@@ -108,7 +108,7 @@ def _gguf_dtype(path: str, options: WriteOptions) -> str:
         quantized = len(src.quantized())
         src.close()
         if quantized:
-            warn(f"{path}: {quantized} ggml-quantized tensor(s) dequantized to bf16 (choose with --dtype)")
+            warn(f"{path}: {quantized} ggml-quantized tensor(s) dequantized to bf16 (choose with dtype=...)")
     return options.cast_to if options.cast_to in LOSSLESS_TARGETS else "BF16" if options.cast_to is None else "F32"
 
 
