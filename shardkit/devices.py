@@ -29,6 +29,9 @@ MaxMemory: TypeAlias = "Mapping[int | str, int | str]"
 # A placement strategy, one device for everything, or module name → device key.
 DeviceMapStrategy = Literal["auto", "balanced", "balanced_low_0", "sequential", "cpu", "cuda"]
 DeviceMap: TypeAlias = "DeviceMapStrategy | str | int | Mapping[str, int | str]"
+# A budget as a caller writes it, checked by :func:`parse_max_memory`: ``"0=16GB,cpu=64GB"`` or a mapping
+# of device keys to sizes (keys typed loosely: a ``dict[int, str]`` or ``dict[str, int]`` must be accepted).
+Budgets: TypeAlias = "str | Mapping[Any, Any]"
 NAMED_DEVICES = ("cpu", "disk", "mps")
 
 
@@ -62,7 +65,7 @@ def parse_device(key: Any) -> Device:  # Any: a user's key, checked here
     )
 
 
-def parse_max_memory(value: str | Mapping[Any, Any] | None) -> dict[Device, int] | None:
+def parse_max_memory(value: Budgets | None) -> dict[Device, int] | None:
     """Parse a memory budget per device into bytes.
 
     Args:
@@ -85,7 +88,7 @@ def parse_max_memory(value: str | Mapping[Any, Any] | None) -> dict[Device, int]
     return out
 
 
-def _pairs(value: str | Mapping[Any, Any]) -> list[tuple[Any, Any]]:
+def _pairs(value: Budgets) -> list[tuple[Any, Any]]:
     if isinstance(value, Mapping):
         return list(value.items())
     if not isinstance(value, str):
@@ -104,7 +107,7 @@ def _pairs(value: str | Mapping[Any, Any]) -> list[tuple[Any, Any]]:
     return pairs
 
 
-def merge_budgets(max_memory: str | Mapping[Any, Any] | None, *, gpu_bytes: tuple[int, ...] | list[int] = (),
+def merge_budgets(max_memory: Budgets | None, *, gpu_bytes: tuple[int, ...] | list[int] = (),
                   cpu_bytes: int | None = None) -> dict[Device, int] | None:
     """One budget from its two spellings: ``max_memory`` and per-GPU/CPU sizes (``--gpu``/``--cpu``).
 

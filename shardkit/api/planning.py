@@ -8,21 +8,21 @@ that fits a budget (what ``shardkit fit`` prints).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..devices import device_label
 from ..errors import InvalidInputError
 from ..fitting.autofit import FitPlan, FitTarget
-from ..fitting.candidates import DEFAULT_MARGIN, Margin, speed_class
+from ..fitting.candidates import DEFAULT_MARGIN, Candidate, Margin, speed_class
 
 if TYPE_CHECKING:
-    from ..devices import MaxMemory
+    from ..devices import Budgets, MaxMemory
     from ..fitting.estimate import MemoryEstimate
     from ..loading.device_map import DevicePlan
 
-__all__ = ["DEFAULT_MARGIN", "FitPlan", "Margin", "ModelPlan", "device_label", "fit", "plan_model", "speed_class"]
+__all__ = ["DEFAULT_MARGIN", "Candidate", "FitPlan", "Margin", "ModelPlan", "device_label", "fit", "plan_model", "speed_class"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class ModelPlan:
 
 
 def plan_model(model: str, checkpoint: str | None = None, *, config: str | None = None,
-               max_memory: str | Mapping[Any, Any] | None = None, gpu_bytes: Sequence[int] = (),
+               max_memory: Budgets | None = None, gpu_bytes: Sequence[int] = (),
                cpu_bytes: int | None = None, dtype: str | None = None, device_map: str = "auto",
                strict: bool = True, strategies: bool = False, token: str | None = None) -> ModelPlan:
     """The device map ``model`` would get for a budget, optionally for ``checkpoint``'s weights (``hf://`` too).
@@ -73,7 +73,7 @@ def plan_model(model: str, checkpoint: str | None = None, *, config: str | None 
                      dtype=dtype, device_map=device_map, strict=strict, strategies=strategies, shown=checkpoint)
 
 
-def _plan(model: str, checkpoint: str | None, *, config: str | None, max_memory: str | Mapping[Any, Any] | None,
+def _plan(model: str, checkpoint: str | None, *, config: str | None, max_memory: Budgets | None,
           gpu_bytes: Sequence[int], cpu_bytes: int | None, dtype: str | None, device_map: str, strict: bool,
           strategies: bool, shown: str | None) -> ModelPlan:
     from ..devices import gpu_and_cpu_bytes, merge_budgets

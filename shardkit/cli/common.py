@@ -11,11 +11,17 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import Field
+from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
 import click
 
 from ..errors import ShardkitError
+
+# A click command function, and what an option decorator does to one.
+Command = Callable[..., object]
+Decorator = Callable[[Command], Command]
 
 
 def _debug_requested(argv: list[str]) -> bool:
@@ -65,11 +71,11 @@ class _StderrHandler(_Handler):
         super().__init__(sys.stderr)
 
     @property
-    def stream(self) -> Any:
+    def stream(self) -> TextIO:
         return sys.stderr
 
     @stream.setter
-    def stream(self, value: Any) -> None:
+    def stream(self, value: TextIO) -> None:
         pass
 
 
@@ -159,11 +165,12 @@ def _echo_click_error(e: click.ClickException) -> None:
     click.echo(f"error: {message}{hint}", err=True)
 
 
-def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 
-def _show_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: TextIO | None = None, line: str | None = None) -> None:
     from ..errors import ShardkitWarning
 
     if issubclass(category, ShardkitWarning):
@@ -207,7 +214,7 @@ def byte_progress(description: str, *, enabled: bool) -> Iterator[Callable[[int,
             bar.close()
 
 
-def echo_json(data: Any) -> None:
+def echo_json(data: object) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=False))
 
 
@@ -216,7 +223,7 @@ class SizeParam(_SizeType):
 
     name = "SIZE"
 
-    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         from ..units import parse_size
 
         try:
@@ -230,7 +237,7 @@ class SizeParam(_SizeType):
 BARE_NUMBER_WARN_BYTES = 10**6
 
 
-def _warn_bare_number(value: Any, size_bytes: int, param: Any) -> None:
+def _warn_bare_number(value: object, size_bytes: int, param: click.Parameter | None) -> None:
     """A bare number is a byte count; ``--max-shard-size 5000`` almost always meant 5000MB."""
     if isinstance(value, str) and value.strip().isdigit() and size_bytes < BARE_NUMBER_WARN_BYTES:
         flag = param.opts[0] if param is not None and getattr(param, "opts", None) else "size"
@@ -252,7 +259,7 @@ class LibraryWordsOption(click.Option):
         return None if record is None else (record[0], cli_words(record[1]))
 
 
-def _write_option(option: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def _write_option(option: Field[object]) -> Decorator:
     """The click option of one :class:`WriteOptions` field: ``--KEYWORD`` (``max_shard_bytes`` is
     typed as ``--max-shard-size``), stored under the field's name so a command passes ``**write`` on."""
     from ..api.options import DEFAULT_MAX_SHARD_SIZE, option_keyword
@@ -273,7 +280,7 @@ def _write_option(option: Any) -> Callable[[Callable[..., Any]], Callable[..., A
     return click.option(flag, option.name, default=option.default, **common)
 
 
-def _shard_options() -> dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]:
+def _shard_options() -> dict[str, Decorator]:
     """The output options of the commands that write shards (split, convert): one per :class:`WriteOptions`
     field the CLI has a flag for, made from the field, plus the CLI's own ``--json`` and ``--quiet``."""
     from ..api.options import option_keyword, write_fields
@@ -296,14 +303,14 @@ no_cache_option = click.option(
          "each byte fetched once, nothing in the HF cache) instead of downloading through the cache.")
 
 
-def shard_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def shard_options(*names: str) -> Decorator:
     """Add the named shard-writing options, in the given order (the order ``--help`` lists them).
 
     >>> @click.command()
     ... @shard_options("max-shard-size", "dtype", "dry-run")
     ... def cmd(max_shard_bytes: int, dtype: str | None, dry_run: bool) -> None: ...
     """
-    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+    def decorate(f: Command) -> Command:
         for name in reversed(names):  # click lists options in the order the decorators are written
             f = _SHARD_OPTIONS[name](f)
         return f

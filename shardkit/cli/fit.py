@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
 from ..errors import ShardkitError
 from ..units import format_size
-from .common import SIZE, echo_json, hub_token_option
+from .common import SIZE, Command, echo_json, hub_token_option
+
+if TYPE_CHECKING:
+    from ..api.planning import Candidate, FitPlan
 
 EPILOG = """\b
 Examples:
@@ -48,10 +51,10 @@ class ComputeDtype(_DtypeType):
 
     name = "[" + "|".join(COMPUTE_DTYPES) + "]"
 
-    def get_metavar(self, param: Any, ctx: Any = None) -> str:
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
         return self.name
 
-    def convert(self, value: Any, param: Any, ctx: Any) -> str:
+    def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> str:
         from ..units import normalize_dtype
 
         short = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
@@ -68,7 +71,7 @@ class ComputeDtype(_DtypeType):
 COMPUTE_DTYPE = ComputeDtype()
 
 
-def budget_options(f: Any) -> Any:
+def budget_options(f: Command) -> Command:
     """--gpu (repeatable), --cpu and --max-memory: the two spellings of one budget, as fit and plan share them."""
     for option in reversed([
         click.option("--gpu", "gpus", type=SIZE, multiple=True,
@@ -81,7 +84,7 @@ def budget_options(f: Any) -> Any:
     return f
 
 
-def output_options(f: Any) -> Any:
+def output_options(f: Command) -> Command:
     """--json and -q/--quiet, as fit and plan share them."""
     f = click.option("--quiet", "-q", is_flag=True, help="Print only the result line (warnings still go to stderr).")(f)
     return click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")(f)
@@ -133,7 +136,7 @@ def fit(folder: str, gpus: tuple[int, ...], cpu: int | None, max_memory: str | N
         click.echo(str(plan))
 
 
-def print_ranking(plan: Any) -> None:
+def print_ranking(plan: FitPlan) -> None:
     rows = plan.candidates
     devices = sorted({d for c in rows for d in c.peak_by_device() if d != "cpu"}) + ["cpu"]
     header = ["", "setup", "speed", *devices, "fits"]
@@ -149,7 +152,7 @@ def print_ranking(plan: Any) -> None:
                              for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip())
 
 
-def _short(candidate: Any) -> str:
+def _short(candidate: Candidate) -> str:
     from ..api.planning import speed_class
 
     return f"({speed_class(candidate.slowdown)})"

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from ..devices import gpu_and_cpu_bytes, merge_budgets
+from ..devices import Budgets, gpu_and_cpu_bytes, merge_budgets
 from ..errors import InvalidInputError
 from ..units import format_size, parse_size
 from .peaks import CPU_STRATEGY, STRATEGIES, SWITCH_SLOWDOWN, Peaks, Strategy, view_of
@@ -53,7 +52,7 @@ class Budget:
 
     @classmethod
     def parse(cls, gpu: Iterable[str | int] | str | int | None = None, cpu: str | int | None = None,
-              max_memory: str | Mapping[Any, Any] | None = None) -> Budget:
+              max_memory: Budgets | None = None) -> Budget:
         """From ``gpu=["8GB", "16GB"], cpu="24GB"`` or accelerate-style ``max_memory={0: "8GB", "cpu": ...}``.
 
         Both spellings may be mixed (``gpu=["8GB"], max_memory={"cpu": "24GB"}``); a device that
