@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import click
 
 from ..units import format_size
 from .common import echo_json, hub_token_option
+
+if TYPE_CHECKING:
+    from ..api.checkpoints import CheckpointInfo
 
 EPILOG = """\b
 Examples:
@@ -50,12 +53,12 @@ def info(path: str, as_json: bool, quiet: bool, token: str | None = None) -> Non
         print_checkpoint(summary)
 
 
-def _one_line(s: Any) -> str:
+def _one_line(s: CheckpointInfo) -> str:
     kind = f"pipeline of {len(s.components)} components" if s.components else s.format
     return f"{s.path}: {kind}, {s.tensor_count} tensors, {s.parameter_count:,} parameters, {format_size(s.total_bytes)}"
 
 
-def print_checkpoint(s: Any, *, title: str | None = None) -> None:
+def print_checkpoint(s: CheckpointInfo, *, title: str | None = None) -> None:
     layout = s.format + (f", {len(s.shards)} shards" if s.index else "")
     naming = f"{s.naming}" + (f", variant {s.variant}" if s.variant else "") if s.naming else "-"
     click.echo(click.style(title or s.path, bold=True))
@@ -82,7 +85,7 @@ def print_checkpoint(s: Any, *, title: str | None = None) -> None:
     _print_largest(s)
 
 
-def print_pipeline(s: Any) -> None:
+def print_pipeline(s: CheckpointInfo) -> None:
     click.echo(click.style(f"{s.path}  (diffusers pipeline, {len(s.components)} weight-bearing components)", bold=True))
     for name, component in s.components.items():
         click.echo()
@@ -98,7 +101,7 @@ def print_pipeline(s: Any) -> None:
     _print_largest(s)
 
 
-def _totals_rows(s: Any) -> list[tuple[str, str]]:
+def _totals_rows(s: CheckpointInfo) -> list[tuple[str, str]]:
     by_dtype = ", ".join(f"{d} {format_size(b)} ({s.tensors_by_dtype[d]:,})" for d, b in s.bytes_by_dtype.items())
     memory = "  ".join(f"{k} {format_size(v)}" for k, v in s.memory_bytes.items())
     return [("tensors", f"{s.tensor_count:,}"), ("parameters", f"{s.parameter_count:,} ({_human(s.parameter_count)})"),
@@ -113,7 +116,7 @@ def _shared_text(shared_bytes: int, file_bytes: int) -> str:
     return f"{format_size(shared_bytes)} of {format_size(file_bytes)} (copy-on-write clones, e.g. of the source)"
 
 
-def _print_largest(s: Any) -> None:
+def _print_largest(s: CheckpointInfo) -> None:
     if not s.largest:
         return
     click.echo("  largest tensors")

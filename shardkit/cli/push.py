@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..units import format_size
 from .common import byte_progress, echo_json
+
+if TYPE_CHECKING:
+    from ..api.jobs import PushResult
 
 EPILOG = """\b
 Examples:
@@ -74,7 +77,7 @@ def push(path: str, repo_id: str, private: bool, revision: str | None, create_pr
         echo_json(result.to_dict())
 
 
-def push_and_report(path: str, repo_id: str, *, report: str = "summary", **options: Any) -> Any:
+def push_and_report(path: str, repo_id: str, *, report: str = "summary", **options: Any) -> PushResult:
     """Push with a byte progress bar; ``report`` is "summary", "url" (quiet) or "none" (JSON).
 
     Shared with ``split --push-to``.
@@ -86,7 +89,7 @@ def push_and_report(path: str, repo_id: str, *, report: str = "summary", **optio
     return report_push(result, report=report)
 
 
-def report_push(result: Any, *, report: str) -> Any:
+def report_push(result: PushResult, *, report: str) -> PushResult:
     """Print a push's result as ``report`` says: "summary", "url" (quiet) or "none" (JSON)."""
     if report == "summary":
         print_summary(result)
@@ -95,7 +98,7 @@ def report_push(result: Any, *, report: str) -> Any:
     return result
 
 
-def print_summary(result: Any) -> None:
+def print_summary(result: PushResult) -> None:
     target = f"{result.repo_id}@{result.revision}"
     if result.dry_run:
         for path in result.uploaded:

@@ -26,11 +26,18 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
-from ..formats.layout import check_config_numbers, find_components, is_pipeline_folder, read_config, read_model_index
+from ..formats.json_types import Config, JsonObject
+from ..formats.layout import (
+    Component,
+    check_config_numbers,
+    find_components,
+    is_pipeline_folder,
+    read_config,
+    read_model_index,
+)
 from .single_file import LAYOUTS, original_shapes
 from .single_file_trace import Original, check_complete, produced_names, trace_conversion
 from .table import Mapped
@@ -117,7 +124,7 @@ def unplaced_components(folder: str, model_type: str) -> list[str]:
             and (model_type, c.name) not in _COMBINED and c.library in ("diffusers", "transformers")]
 
 
-def _pipeline_type(folder: str, family: str, models: Mapping[str, Any]) -> str:
+def _pipeline_type(folder: str, family: str, models: Mapping[str, Component]) -> str:
     """sd1 / sd2 (OpenCLIP text encoder, ``gelu``) / sdxl / sdxl-refiner (no first text encoder)."""
     if family == "sdxl":
         return "sdxl" if "text_encoder" in models else "sdxl-refiner"
@@ -127,13 +134,13 @@ def _pipeline_type(folder: str, family: str, models: Mapping[str, Any]) -> str:
     return "sd2" if text_config.get("hidden_act") == "gelu" else "sd1"
 
 
-def _unet_type(config: Mapping[str, Any]) -> str:
+def _unet_type(config: Config) -> str:
     if config.get("addition_embed_type") == "text_time":
         return "sdxl"
     return "sd2" if config.get("use_linear_projection") else "sd1"
 
 
-def _model_config(folder: str) -> tuple[str, dict[str, Any]]:
+def _model_config(folder: str) -> tuple[str, JsonObject]:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise InvalidInputError(f"{folder}: not a diffusers model or pipeline folder (no config.json or "
@@ -167,7 +174,7 @@ def trace_part(part: ExportPart, shapes: Mapping[str, tuple[int, ...]]) -> dict[
     return traced
 
 
-def _check_against_model(folder: str, config: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]) -> None:
+def _check_against_model(folder: str, config: Config, shapes: Mapping[str, tuple[int, ...]]) -> None:
     """A diffusers folder missing parameters of its model (or holding other shapes) would export an incomplete file."""
     import diffusers
     import torch
@@ -208,7 +215,7 @@ class SingleFileFamily:
     prefix: str
     library: str
     class_name: str
-    config: Mapping[str, Any]
+    config: Config
 
     def sample(self) -> Mapped:
         """The diffusers (or transformers) names and shapes of the family's model, and its config."""

@@ -12,14 +12,15 @@ import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..atomic.commit import OutputTransaction
 from ..errors import InvalidInputError
 from ..formats.index import DIFFUSERS_PREFIX, Naming, dump_index
+from ..formats.json_types import JsonObject
 from ..formats.side_files import folder_side_files
 from ..formats.suffixes import is_manifest_file
 from ..sources import Source, open_source
+from ..sources.base import CheckpointSource
 from .digest import ManifestRecorder, stale_manifests
 from .flush import BackgroundSync, ByteCounter, copy_side_file
 from .options import WriteOptions, warn_if_many_shards, warn_if_output_taken
@@ -44,7 +45,7 @@ class SplitResult:
     dry_run: bool = False
     aliases: dict[str, str] = field(default_factory=dict)
     cloned_bytes: int = 0  # tensor bytes cloned from the source (copy-on-write filesystems), not copied
-    quantization: dict[str, Any] | None = None  # fp8 scales dequantized or quantized (sharding/quant.py)
+    quantization: JsonObject | None = None  # fp8 scales dequantized or quantized (sharding/quant.py)
     copied: list[str] = field(default_factory=list)  # other files copied beside the weights (relative paths)
 
     @property
@@ -56,7 +57,7 @@ class SplitResult:
         """Tensor bytes that were copied (or cast) rather than cloned; 0 for a dry run."""
         return 0 if self.dry_run else self.plan.total_bytes - self.cloned_bytes
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {
             "output": self.output,
             "source": self.source,
@@ -113,7 +114,7 @@ def resolve_naming(source: Source, *, name: str | None, variant: str | None) -> 
     return Naming(base.prefix, variant if variant is not None else base.variant)
 
 
-def refuse_output_inside_source(source: Any, output: str) -> None:
+def refuse_output_inside_source(source: CheckpointSource, output: str) -> None:
     """Refuse an output folder strictly inside a source folder: the job would write into its own input.
 
     The same folder is allowed (an in-place reshard with ``overwrite``); a sibling or any other
@@ -134,7 +135,7 @@ def refuse_output_inside_source(source: Any, output: str) -> None:
         )
 
 
-def open_settled(source: Any, *, key: str | None, dry_run: bool, output: str | None = None) -> Source:
+def open_settled(source: CheckpointSource, *, key: str | None, dry_run: bool, output: str | None = None) -> Source:
     """Open ``source`` for a write into ``output``, under the one interrupted-write policy.
 
     A folder left *pending* by a crashed shardkit write is rolled forward only by a write into that
@@ -150,7 +151,7 @@ def open_settled(source: Any, *, key: str | None, dry_run: bool, output: str | N
     return open_source(source, key=key)
 
 
-def settle_source(source: Any, output: str | None, *, dry_run: bool) -> None:
+def settle_source(source: CheckpointSource, output: str | None, *, dry_run: bool) -> None:
     """The one interrupted-write policy for the source of a write: a journal a crashed shardkit write
     left in ``source``'s folder is rolled forward only when this write goes into that same folder
     (an in-place reshard, not a dry run); otherwise the folder is read as every reader reads it:
@@ -288,7 +289,7 @@ def _write_index(job: ShardJob, tx: OutputTransaction, record: ManifestRecorder)
     return name
 
 
-def side_files(source: Any, output: str) -> list[SideFile]:
+def side_files(source: CheckpointSource, output: str) -> list[SideFile]:
     """Files that travel with a checkpoint folder but hold no weights: every other file and subfolder
     (config.json, tokenizer, README.md, .gitattributes, 1_Pooling/...), see :mod:`shardkit.formats.side_files`.
 
