@@ -17,6 +17,7 @@ import contextlib
 import os
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..devices import Device, parse_max_memory
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 
     from ..devices import DeviceMap, MaxMemory
     from ..runtime.apply import LayerwiseCasting
+    from .offload_index import DiskTensor
     from .residency import ReadMode
     from .skeleton import ConfigSpec, ModelSpec
 
@@ -57,17 +59,19 @@ def _all_on_host(device_map: DeviceMap | None, budget: Mapping[Device, int] | No
     return isinstance(device_map, str) and device_map.strip().lower() == "cpu"
 
 
-def _set_tensor(skeleton: torch.nn.Module, name: str, target: Device, value: torch.Tensor) -> None:
+def _set_tensor(skeleton: torch.nn.Module, modules: Mapping[str, torch.nn.Module], name: str, target: Device,
+                value: torch.Tensor) -> None:
     """Put ``value`` (already of the tensor's shape and dtype, on ``target``) in place of meta tensor ``name``.
 
     A plain ``nn.Parameter`` or a buffer is replaced directly, as ``load_state_dict(assign=True)``
     does; a parameter subclass or one carrying attributes goes through accelerate, which knows them.
+    ``modules``: the skeleton's modules by name (looked up once, not per tensor).
     """
     import torch
     from accelerate.utils import set_module_tensor_to_device
 
     module_name, _, attr = name.rpartition(".")
-    module = skeleton.get_submodule(module_name) if module_name else skeleton
+    module = modules[module_name]
     old = module._parameters.get(attr)
     if old is not None and type(old) is torch.nn.Parameter and not old.__dict__ and value.device.type != "meta":
         module._parameters[attr] = torch.nn.Parameter(value, requires_grad=old.requires_grad)
@@ -77,43 +81,60 @@ def _set_tensor(skeleton: torch.nn.Module, name: str, target: Device, value: tor
         set_module_tensor_to_device(skeleton, name, target, value=value, clear_cache=False)
 
 
-def fill_skeleton(skeleton: torch.nn.Module, checkpoint: LazyCheckpoint, match: KeyMatch, device_map: dict[str, Device],
-                  offload_folder: str | os.PathLike[str] | None, *,
-                  ready: Mapping[str, torch.Tensor] | None = None) -> OffloadIndex | None:
-    """Read each tensor once into its device; disk tensors go to an offload index. Returns that index.
+@dataclass
+class _FillPlan:
+    """Where each skeleton tensor comes from and goes: (model name, device, checkpoint name or None
+    for zeros, meta tensor) to read, and the tensors left on disk."""
 
-    ``ready``: checkpoint name → host tensor already read (:func:`~shardkit.loading.bulk.start_early_reads`),
-    used for host tensors whose dtype it has.
-    """
-    import torch
-    from accelerate.utils import retie_parameters
+    pending: list[tuple[str, Device, str | None, torch.Tensor]] = field(default_factory=list)
+    on_disk: list[DiskTensor] = field(default_factory=list)
 
-    from .offload_index import DiskTensor, write_offload_index
 
-    ready = ready or {}
-    state = skeleton.state_dict(keep_vars=True)
+def _plan_fill(skeleton: torch.nn.Module, match: KeyMatch, device_map: dict[str, Device]) -> _FillPlan:
+    from .offload_index import DiskTensor
+
+    plan = _FillPlan()
     params = {name for name, _ in skeleton.named_parameters(remove_duplicate=False)}
-    on_disk: list[DiskTensor] = []
-    pending: list[tuple[str, Device, str | None, torch.Tensor]] = []
-    for name, tensor in state.items():
+    for name, tensor in skeleton.state_dict(keep_vars=True).items():
         device = module_device(device_map, name)
         src = None if name in match.mismatched else match.source_of.get(name)
         if device == "disk" and name in params:
-            on_disk.append(DiskTensor(name, src, tensor.dtype, tuple(tensor.shape)))
+            plan.on_disk.append(DiskTensor(name, src, tensor.dtype, tuple(tensor.shape)))
             continue
         if src is not None and name not in match.loads:
             continue  # a tied name: re-tied below
         if src is None and not tensor.is_meta:
             continue  # a buffer that keeps its built value
-        pending.append((name, "cpu" if device == "disk" else device, src, tensor))
-    early = {name: ready[src] for name, target, src, tensor in pending
+        plan.pending.append((name, "cpu" if device == "disk" else device, src, tensor))
+    return plan
+
+
+def fill_skeleton(skeleton: torch.nn.Module, checkpoint: LazyCheckpoint, match: KeyMatch, device_map: dict[str, Device],
+                  offload_folder: str | os.PathLike[str] | None, *,
+                  early: Future[dict[str, torch.Tensor]] | None = None) -> OffloadIndex | None:
+    """Read each tensor once into its device; disk tensors go to an offload index. Returns that index.
+
+    ``early``: host tensors being read since before the skeleton existed
+    (:func:`~shardkit.loading.bulk.start_early_reads`), waited for after the plan is made and used
+    for host tensors whose dtype they have; the rest is read here.
+    """
+    import torch
+    from accelerate.utils import retie_parameters
+
+    from .offload_index import write_offload_index
+
+    plan = _plan_fill(skeleton, match, device_map)
+    modules = dict(skeleton.named_modules(remove_duplicate=False))
+    ready = take_early_reads(early) if early is not None else {}
+    taken = {name: ready[src] for name, target, src, tensor in plan.pending
              if src is not None and src in ready and str(target) == "cpu" and ready[src].dtype == tensor.dtype}
-    wants = {name: Want(src, target, tensor.dtype) for name, target, src, tensor in pending
-             if src is not None and name not in early}
+    wants = {name: Want(src, target, tensor.dtype) for name, target, src, tensor in plan.pending
+             if src is not None and name not in taken}
     values, report = read_batch(checkpoint, wants)
-    _report(skeleton, report, early=sum(t.nbytes for t in early.values()))
-    values.update(early)
-    for name, target, src, tensor in pending:
+    _report(skeleton, report, early=sum(t.nbytes for t in taken.values()))
+    values.update(taken)
+    del ready, taken  # what the model does not use is freed with the blocks no kept tensor shares
+    for name, target, src, tensor in plan.pending:
         if src is None:
             value = torch.zeros(tensor.shape, dtype=tensor.dtype, device=target)
         elif name in values:
@@ -122,12 +143,12 @@ def fill_skeleton(skeleton: torch.nn.Module, checkpoint: LazyCheckpoint, match: 
             # Host tensors without a cast stay views of the mapped shards (no copy, pages read on
             # first use), as safetensors' own load_file does; casts read into fresh memory.
             value = checkpoint.get_tensor(src, device=None if target == "cpu" else target, dtype=tensor.dtype)
-        _set_tensor(skeleton, name, target, value)
+        _set_tensor(skeleton, modules, name, target, value)
     retie_parameters(skeleton, match.tied)
-    if not on_disk:
+    if not plan.on_disk:
         return None
     assert offload_folder is not None  # checked by _fill_and_dispatch before anything is read
-    return write_offload_index(checkpoint, on_disk, os.fspath(offload_folder))
+    return write_offload_index(checkpoint, plan.on_disk, os.fspath(offload_folder))
 
 
 def _report(skeleton: torch.nn.Module, report: BatchReport, *, early: int) -> None:
@@ -239,11 +260,24 @@ def _fill_and_dispatch(skeleton: torch.nn.Module, checkpoint: LazyCheckpoint, ma
             # accelerate's own maps name top-level buffers/params, which its checker calls "not submodules"
             warnings.filterwarnings("ignore", message="The following device_map keys do not match")
             check_device_map(skeleton, mapping)
-            ready = take_early_reads(early) if early is not None else None
-            offload_index = fill_skeleton(skeleton, checkpoint, match, mapping, offload_folder, ready=ready)
-            dispatch_model(skeleton, mapping, main_device=_main_device(mapping), offload_index=offload_index,
-                           offload_dir=os.fspath(offload_folder) if offload_index is not None and offload_folder else None)
+            offload_index = fill_skeleton(skeleton, checkpoint, match, mapping, offload_folder, early=early)
+            if _in_place_on_host(skeleton, mapping):
+                skeleton.hf_device_map = dict(mapping)  # type: ignore[assignment]  # all dispatch_model does here
+            else:
+                dispatch_model(skeleton, mapping, main_device=_main_device(mapping), offload_index=offload_index,
+                               offload_dir=os.fspath(offload_folder) if offload_index is not None and offload_folder else None)
     except ValueError as e:
         if isinstance(e, InvalidInputError):
             raise
         raise InvalidInputError(f"cannot place {type(skeleton).__name__} with this device map: {e}") from e
+
+
+def _in_place_on_host(skeleton: torch.nn.Module, mapping: dict[str, Device]) -> bool:
+    """Everything mapped to the CPU and already there: accelerate's ``dispatch_model`` would attach no
+    hook (one device, not a bitsandbytes model) and its ``model.to("cpu")`` would move nothing."""
+    import itertools
+
+    if set(mapping.values()) != {"cpu"} or getattr(skeleton, "is_loaded_in_8bit", False) \
+            or getattr(skeleton, "is_loaded_in_4bit", False):
+        return False
+    return all(t.device.type == "cpu" for t in itertools.chain(skeleton.parameters(), skeleton.buffers()))
