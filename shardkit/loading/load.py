@@ -3,6 +3,8 @@
 Flow: skeleton (meta) → keys matched against the checkpoint → dtypes made final on the meta
 tensors (free) → device map from accelerate → each tensor read once, straight to its device →
 disk tensors get an offload index that points into the shards → ``accelerate.dispatch_model``.
+When everything goes to the host, the reads start first: on one bounded thread
+(:func:`~shardkit.loading.bulk.start_early_reads`) while the skeleton is built and matched.
 Host memory peaks near the bytes placed on the host: host tensors that need no cast are views of
 the shards' memory maps (file-backed pages, read on first use, never copied) or, with the
 ``pread``/``direct`` backends, read in one parallel batch per shard into tensors allocated once;
