@@ -141,11 +141,12 @@ def run_child(label: str, folder: str) -> None:
 
     import shardkit.loading.load  # noqa: F401
 
+    cpu = time.process_time()  # every thread's CPU: on a shared machine it moves less than the wall time
     start = time.perf_counter()
     CASES[label](folder)
     with open("/proc/self/status") as f:
         hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    print(json.dumps({"s": time.perf_counter() - start, "hwm": hwm}))
+    print(json.dumps({"s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu, "hwm": hwm}))
 
 
 # ------------------------------------------------------------------------- parent side
@@ -195,7 +196,8 @@ def run_latency(folder: str, latency_ms: float, runs: int, cases: list[str]) -> 
                 result.update({k: v for k, v in mount.stats().items() if k != "files"})
                 results[label].append(result)
                 print(f"  {latency_ms} ms run {r + 1}/{runs} {label}: {result.get('s', result.get('error'))} "
-                      f"requests {result['requests']}, peak in flight {result['peak_in_flight']}", flush=True)
+                      f"requests {result['requests']}, peak in flight {result['peak_in_flight']}, "
+                      f"load average {os.getloadavg()[0]:.1f}", flush=True)
     return results
 
 
@@ -225,19 +227,26 @@ def run_bindfs(folder: str, runs: int, cases: list[str]) -> dict[str, list[dict]
                 _evict(folder)
                 result = _child(label, mnt)
                 results[label].append(result)
-                print(f"  bindfs cold run {r + 1}/{runs} {label}: {result.get('s', result.get('error'))}", flush=True)
+                print(f"  bindfs cold run {r + 1}/{runs} {label}: {result.get('s', result.get('error'))}, "
+                      f"load average {os.getloadavg()[0]:.1f}", flush=True)
     return results
 
 
 def bindfs_table(results: dict[str, list[dict]], nbytes: int) -> str:
     base = _median(results.get("safetensors load_file (per shard)", [])) or 0.0
-    lines = ["| bindfs (no latency), backing evicted | s (GB/s) | × safetensors | runs s |", "|---|---:|---:|---|"]
+    lines = ["| bindfs (no latency), backing evicted | s (GB/s) | × safetensors | CPU s | runs s |", "|---|---:|---:|---:|---|"]
     for label, runs in results.items():
         t = _median(runs)
         each = ", ".join(f"{r['s']:.2f}" for r in runs if "s" in r)
-        lines.append(f"| {label} | {t:.2f} ({nbytes / t / 1e9:.2f}) | {base / t:.2f}× | {each} |" if t else
-                     f"| {label} | failed: {runs[0].get('error', '')[:60]} | | |")
+        lines.append(f"| {label} | {t:.2f} ({nbytes / t / 1e9:.2f}) | {base / t:.2f}× | {_cpu(runs)} | {each} |" if t else
+                     f"| {label} | failed: {runs[0].get('error', '')[:60]} | | | |")
     return "\n".join(lines)
+
+
+def _cpu(runs: list[dict]) -> str:
+    """The case's median CPU seconds (every thread of its process; the mount server's not included)."""
+    cpu = [r["cpu_s"] for r in runs if "cpu_s" in r]
+    return f"{statistics.median(cpu):.2f}" if cpu else "–"
 
 
 def _median(runs: list[dict]) -> float | None:
@@ -247,7 +256,7 @@ def _median(runs: list[dict]) -> float | None:
 
 def table(by_latency: dict[float, dict[str, list[dict]]], local: dict[str, list[dict]], nbytes: int) -> str:
     lat = sorted(by_latency)
-    head = " | ".join(f"{x:g} ms: s (GB/s), requests, peak in flight" for x in lat)
+    head = " | ".join(f"{x:g} ms: s (GB/s), requests, peak in flight, CPU s" for x in lat)
     lines = [f"| reader | {head} |", "|---|" + "---:|" * len(lat)]
     labels = [k for k in next(iter(by_latency.values())) if not k.startswith("_")]
     for label in labels:
@@ -260,7 +269,7 @@ def table(by_latency: dict[float, dict[str, list[dict]]], local: dict[str, list[
                 continue
             req = statistics.median(r["requests"] for r in runs)
             peak = max(r["peak_in_flight"] for r in runs)
-            cells.append(f"{t:.2f} ({nbytes / t / 1e9:.2f}), {req:.0f}, {peak}")
+            cells.append(f"{t:.2f} ({nbytes / t / 1e9:.2f}), {req:.0f}, {peak}, {_cpu(runs)}")
         lines.append(f"| {label} | {' | '.join(cells)} |")
     for request_bytes, how in ((128 << 10, "128 KiB (page-cache reads)"), (1 << 20, "1 MiB (O_DIRECT reads)")):
         limits = [by_latency[x]["_limit"][0]["bytes_per_s"] * request_bytes / (128 << 10) for x in lat]
@@ -295,10 +304,14 @@ def main_latency(latencies: list[float], *, runs: int, work: str, model: str, ke
         print("fastsafetensors is not installed (pip install fastsafetensors): its row is left out")
     print(f"{model} UNet fp16: {nbytes / 1e9:.2f} GB in {len(_shards(folder))} shards, {folder} "
           f"({filesystem_line(folder)}); {machine_line()}", flush=True)
+    before = os.getloadavg()
     by_latency = {x: run_latency(folder, x, runs, cases) for x in latencies}
     passthrough = run_bindfs(folder, runs, [c for c in cases if not c.startswith("floor")]) if bindfs else {}
     cold = run_local_cold(folder, runs) if local else {}
+    after = os.getloadavg()
     print()
+    print("load average (1, 5, 15 min) before: " + ", ".join(f"{x:.1f}" for x in before)
+          + "; after: " + ", ".join(f"{x:.1f}" for x in after))
     print(f"{model} UNet fp16, {nbytes / 1e9:.2f} GB, {len(_shards(folder))} shards; load + touch every page of "
           f"every weight, median of {runs} runs in fresh processes, imports excluded; {machine_line()}:")
     print()

@@ -232,8 +232,13 @@ class LatencyMount:
 
     def stats(self, *, reset: bool = False) -> dict:
         """The counters (``requests``, ``bytes``, ``distinct_bytes``, ``peak_in_flight``, ``files``...)."""
-        with open(os.path.join(self.mountpoint, RESET_FILE if reset else STATS_FILE), "rb") as f:
-            return json.loads(f.read())
+        # One read request, its first line: each request of the virtual file is a fresh snapshot, so a
+        # second request (at the offset where the first ended) could return the tail of a newer one.
+        fd = os.open(os.path.join(self.mountpoint, RESET_FILE if reset else STATS_FILE), os.O_RDONLY)
+        try:
+            return json.loads(os.read(fd, _VIRTUAL_BYTES).split(b"\n", 1)[0])
+        finally:
+            os.close(fd)
 
     def reset(self) -> dict:
         """The counters so far, then zeroed."""

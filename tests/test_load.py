@@ -21,9 +21,10 @@ import safetensors.torch
 import torch
 
 import shardkit
-from conftest import TINY_UNET_CONFIG, tiny_clip_text_config, tiny_unet, unet_forward
+from conftest import TINY_UNET_CONFIG, tensor_bytes, tiny_clip_text_config, tiny_unet, unet_forward
 from helpers_load import TINY_VAE_CONFIG, folder_bytes, lm_forward, make_tied_lm, save_model, tiny_vae, vae_forward
 from shardkit.errors import CheckpointIndexError, HeaderError, InvalidInputError, KeyMismatchError, ShardkitWarning
+from shardkit.formats.dtypes import resolve_torch_dtype
 
 
 def _unet() -> tuple[Any, Any, dict, Callable]:
@@ -292,3 +293,119 @@ def test_peak_host_memory_stays_near_the_model_bytes(tmp_path, dtype) -> None:
     assert m["touched"] - m["base"] < 1.15 * m["model"] + largest_fp32_tensor, m
     if dtype == "none":  # zero-copy: loading itself reads (almost) nothing
         assert m["loaded"] - m["base"] < 0.25 * m["model"], m
+
+
+# ----------------------------------------------------------------- reads overlapping the skeleton build
+
+
+class _Weights(torch.nn.Module):
+    """Parameters (floating) and buffers (integer) named and shaped as ``state``'s tensors."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for name, tensor in state.items():
+            module = self
+            *path, leaf = name.split(".")
+            for part in path:
+                if not hasattr(module, part):
+                    module.add_module(part, torch.nn.Module())
+                module = getattr(module, part)
+            if tensor.is_floating_point():
+                module.register_parameter(leaf, torch.nn.Parameter(torch.empty_like(tensor)))
+            else:
+                module.register_buffer(leaf, torch.empty_like(tensor))
+
+
+def _weights(folder, *, tensors: int = 12, nbytes: int = 256 << 10, max_shard_size: str = "1MB") -> dict[str, torch.Tensor]:
+    state = {f"blocks.{i:02d}.weight": torch.randn(nbytes // 2).to(torch.float16).reshape(16, -1) for i in range(tensors)}
+    state["steps.index"] = torch.arange(1000, dtype=torch.int64)
+    shardkit.save_sharded(state, folder, max_shard_size=max_shard_size)
+    return state
+
+
+def _shard_bytes_seen(mount) -> int:
+    return sum(n for f, n in mount.stats()["files"].items() if f.endswith(".safetensors"))
+
+
+def _wait_for(condition: Callable[[], bool], *, timeout_s: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_load_model_reads_the_weights_while_the_skeleton_builds(tmp_path) -> None:
+    from helpers_latency import mount_or_skip
+
+    mount = mount_or_skip(tmp_path, latency_ms=2, direct_io=True)
+    try:
+        state = _weights(mount.source)
+        total = sum(t.nbytes for t in state.values())
+        seen: dict[str, bool] = {}
+
+        def build() -> _Weights:  # the model's constructor, called before anything else touches the shards
+            seen["all read"] = _wait_for(lambda: _shard_bytes_seen(mount) >= total)
+            return _Weights(state)
+
+        model = shardkit.load_model(build, mount.mountpoint, read="pread")
+        assert seen["all read"], "the weights are read while the model is built, not after"
+        assert model.shardkit_load_report["early_bytes"] == total
+        assert model.shardkit_load_report["host_batch_bytes"] == total
+        got = model.state_dict()
+        assert all(tensor_bytes(got[n]) == tensor_bytes(state[n]) for n in state)
+        assert isinstance(model.get_submodule("blocks.00").weight, torch.nn.Parameter)
+        assert model.get_submodule("blocks.00").weight.requires_grad
+    finally:
+        mount.stop()
+
+
+def test_a_failed_build_cancels_the_early_reads_and_joins_every_thread(tmp_path) -> None:
+    import threading
+
+    from helpers_latency import mount_or_skip
+
+    mount = mount_or_skip(tmp_path, latency_ms=10, direct_io=True)
+    try:
+        _weights(mount.source, tensors=24, nbytes=1 << 20, max_shard_size="8MB")
+        seen: dict[str, bool] = {}
+
+        def build() -> _Weights:
+            seen["reading"] = _wait_for(lambda: _shard_bytes_seen(mount) > (1 << 20))
+            raise ValueError("cross_attention_dim must be specified")
+
+        with pytest.raises(InvalidInputError, match="cross_attention_dim"):
+            shardkit.load_model(build, mount.mountpoint, read="pread")
+        assert seen["reading"], "reads had started when the build failed"
+        left = [t.name for t in threading.enumerate() if t.name.startswith("shardkit-")]
+        assert left == [], left
+    finally:
+        mount.stop()
+
+
+@pytest.mark.parametrize(("dtype", "early"), [(None, "all"), ("fp16", "all"), ("bf16", "integers"), ("fp32", "integers")])
+def test_early_reads_take_only_tensors_that_keep_their_stored_dtype(tmp_path, dtype, early) -> None:
+    state = _weights(tmp_path / "ckpt", tensors=4, nbytes=64 << 10, max_shard_size="100KB")
+    model = shardkit.load_model(lambda: _Weights(state), tmp_path / "ckpt", read="pread", dtype=dtype)
+    integers = state["steps.index"].nbytes
+    report = model.shardkit_load_report
+    assert report["early_bytes"] == (sum(t.nbytes for t in state.values()) if early == "all" else integers)
+    got = model.state_dict()
+    for name, tensor in state.items():
+        want = tensor.to(resolve_torch_dtype(dtype)) if dtype and tensor.is_floating_point() else tensor
+        assert got[name].dtype == want.dtype and tensor_bytes(got[name]) == tensor_bytes(want), name
+
+
+def test_no_early_reads_into_a_checkpoint_the_caller_holds_or_a_map_not_known_yet(tmp_path) -> None:
+    state = _weights(tmp_path / "ckpt", tensors=4, nbytes=64 << 10, max_shard_size="100KB")
+    with shardkit.open(tmp_path / "ckpt", read="pread") as ckpt:
+        held = shardkit.load_model(lambda: _Weights(state), ckpt)
+    planned = shardkit.load_model(lambda: _Weights(state), tmp_path / "ckpt", read="pread", device_map="sequential")
+    for model in (held, planned):
+        assert model.shardkit_load_report["early_bytes"] == 0
+        assert model.shardkit_load_report["host_batch_bytes"] == sum(t.nbytes for t in state.values())
+        got = model.state_dict()
+        assert all(tensor_bytes(got[n]) == tensor_bytes(state[n]) for n in state)

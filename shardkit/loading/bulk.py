@@ -6,23 +6,34 @@ tensors allocated once. Tensors headed for a CUDA device (any backend) go throug
 a side stream, destinations allocated once on the device. Everything else (memory-mapped host
 tensors, host casts) is left to ``LazyCheckpoint.get_tensor``, one tensor at a time.
 
+When everything goes to the host, :func:`start_early_reads` starts that batch before the skeleton
+exists (on one bounded worker thread, the reads themselves on the checkpoint's reader threads), so
+the skeleton build and key matching run while the bytes arrive; :func:`take_early_reads` collects it.
+
 values, report = read_batch(ckpt, {"w": Want("w", "cuda:0", torch.bfloat16)})
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 from ..devices import DeviceKey
+from ..errors import ShardkitError
 from ..reading.readers import open_reader
+from ..workers import ReadPool
 from .lazy import LazyCheckpoint
 from .pipeline_copy import CopyJob, CopyStage, CudaCopyStage, HostCopyStage, byte_view, run_pipeline
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("shardkit")
 
 
 @dataclass(frozen=True)
@@ -82,7 +93,8 @@ def default_stage(device: DeviceKey) -> CopyStage:
     return HostCopyStage() if _is_host(device) else CudaCopyStage(torch.device(device))
 
 
-def _read_host(checkpoint: LazyCheckpoint, wants: dict[str, Want], values: dict[str, torch.Tensor], report: BatchReport) -> None:
+def _read_host(checkpoint: LazyCheckpoint, wants: dict[str, Want], values: dict[str, torch.Tensor],
+               report: BatchReport) -> None:
     """pread/direct shards, no cast: one parallel batch per shard, straight into fresh memory."""
     batch = {name: want.src for name, want in wants.items()
              if checkpoint.reader_of(want.src) is not None and checkpoint.dtype_of(want.src) == want.dtype}
@@ -117,3 +129,40 @@ def _read_devices(checkpoint: LazyCheckpoint, wants: dict[str, Want], values: di
         for name, want in items:
             value = stored_values[name]
             values[name] = value if value.dtype == want.dtype else value.to(want.dtype)
+
+
+def start_early_reads(pool: ReadPool, checkpoint: LazyCheckpoint, *,
+                      dtype: torch.dtype | None) -> Future[dict[str, torch.Tensor]]:
+    """Start reading, on ``pool``'s thread, the host tensors a load onto the host keeps as stored: every
+    tensor of a ``pread``/``direct`` shard (with ``dtype``: those stored in it and the non-floating
+    ones), with one plan over all shards (``LazyCheckpoint.read_many``). Memory-mapped shards are
+    left alone (their tensors are views, nothing to read ahead).
+
+    Closing the checkpoint cancels the reads still queued; the caller then closes ``pool`` (bounded).
+
+        future = start_early_reads(pool, ckpt, dtype=None)
+        ready = take_early_reads(future)
+    """
+    return pool.submit(partial(_read_early, checkpoint, dtype))
+
+
+def _read_early(checkpoint: LazyCheckpoint, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    names = [name for name in checkpoint if checkpoint.reader_of(name) is not None]
+    if dtype is not None:
+        names = [name for name in names if _stays(checkpoint.dtype_of(name), dtype)]
+    return checkpoint.read_many(names)
+
+
+def _stays(stored: torch.dtype, dtype: torch.dtype) -> bool:
+    return stored == dtype or not stored.is_floating_point
+
+
+def take_early_reads(future: Future[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Wait for :func:`start_early_reads`: checkpoint name → host tensor. A shardkit error there (a
+    corrupt shard holding a tensor the model may not even use) gives ``{}``: the caller reads what
+    the model needs itself and meets that error only if it matters."""
+    try:
+        return future.result()
+    except ShardkitError as e:
+        log.debug("reads started before the skeleton failed (%s); reading what the model needs now", e)
+        return {}

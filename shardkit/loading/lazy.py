@@ -35,6 +35,8 @@ from .slices import TensorSlice
 if TYPE_CHECKING:
     import torch
 
+    from ..devices import DeviceKey
+
 log = logging.getLogger("shardkit")
 
 
@@ -130,7 +132,7 @@ class LazyCheckpoint(Mapping[str, "torch.Tensor"]):
         return {k: v for k, v in self.metadata.items() if v in self._shard_of and k not in self._shard_of}
 
     # -- data -----------------------------------------------------------------------------------
-    def get_tensor(self, name: str, *, device: str | torch.device | None = None,
+    def get_tensor(self, name: str, *, device: DeviceKey | None = None,
                    dtype: torch.dtype | None = None, copy: bool = False) -> torch.Tensor:
         """Read one tensor.
 

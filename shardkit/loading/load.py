@@ -3,6 +3,8 @@
 Flow: skeleton (meta) → keys matched against the checkpoint → dtypes made final on the meta
 tensors (free) → device map from accelerate → each tensor read once, straight to its device →
 disk tensors get an offload index that points into the shards → ``accelerate.dispatch_model``.
+When everything goes to the host, the reads start first: on one bounded thread
+(:func:`~shardkit.loading.bulk.start_early_reads`) while the skeleton is built and matched.
 Host memory peaks near the bytes placed on the host: host tensors that need no cast are views of
 the shards' memory maps (file-backed pages, read on first use, never copied) or, with the
 ``pread``/``direct`` backends, read in one parallel batch per shard into tensors allocated once;
@@ -16,24 +18,33 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..devices import Device, parse_max_memory
 from ..errors import InvalidInputError
 from ..runtime.apply import RuntimeSetup, apply_runtime
-from .bulk import Want, read_batch
+from ..workers import ReadPool
+from .bulk import BatchReport, Want, read_batch, start_early_reads, take_early_reads
 from .device_map import check_devices_exist, module_device, resolve_device_map
 from .keys import KeyMatch, prepare_skeleton
 from .lazy import LazyCheckpoint
 from .skeleton import default_config
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     import torch
 
     from ..devices import DeviceMap, MaxMemory
     from ..reading.residency import ReadMode
     from ..runtime.apply import LayerwiseCasting
+    from .offload_index import DiskTensor
     from .skeleton import ConfigSpec, ModelSpec
+
+# accelerate's offload index: tensor name → {"safetensors_file", "weight_name", "dtype"} (its own format)
+OffloadIndex = dict[str, dict[str, Any]]
 
 
 def _main_device(device_map: dict[str, Device]) -> Device:
@@ -41,36 +52,92 @@ def _main_device(device_map: dict[str, Device]) -> Device:
     return accelerators[0] if accelerators else "cpu"
 
 
-def fill_skeleton(skeleton: Any, checkpoint: LazyCheckpoint, match: KeyMatch, device_map: dict[str, Device],
-                  offload_folder: str | os.PathLike[str] | None) -> dict[str, Any] | None:
-    """Read each tensor once into its device; disk tensors go to an offload index. Returns that index."""
-    from accelerate.utils import retie_parameters, set_module_tensor_to_device
+def _all_on_host(device_map: DeviceMap | None, budget: Mapping[Device, int] | None) -> bool:
+    """Whether ``device_map`` places everything on the host before the skeleton exists to ask."""
+    if device_map is None:
+        return not budget  # None means "cpu" unless a budget asks for "auto"
+    if isinstance(device_map, Mapping):
+        return bool(device_map) and all(str(d).strip().lower() == "cpu" for d in device_map.values())
+    return isinstance(device_map, str) and device_map.strip().lower() == "cpu"
 
-    from .offload_index import DiskTensor, write_offload_index
 
-    state = skeleton.state_dict(keep_vars=True)
+def _set_tensor(skeleton: torch.nn.Module, modules: Mapping[str, torch.nn.Module], name: str, target: Device,
+                value: torch.Tensor) -> None:
+    """Put ``value`` (already of the tensor's shape and dtype, on ``target``) in place of meta tensor ``name``.
+
+    A plain ``nn.Parameter`` or a buffer is replaced directly, as ``load_state_dict(assign=True)``
+    does; a parameter subclass or one carrying attributes goes through accelerate, which knows them.
+    ``modules``: the skeleton's modules by name (looked up once, not per tensor).
+    """
+    import torch
+    from accelerate.utils import set_module_tensor_to_device
+
+    module_name, _, attr = name.rpartition(".")
+    module = modules[module_name]
+    old = module._parameters.get(attr)
+    if old is not None and type(old) is torch.nn.Parameter and not old.__dict__ and value.device.type != "meta":
+        module._parameters[attr] = torch.nn.Parameter(value, requires_grad=old.requires_grad)
+    elif old is None and attr in module._buffers and value.device.type != "meta":
+        module._buffers[attr] = value
+    else:
+        set_module_tensor_to_device(skeleton, name, target, value=value, clear_cache=False)
+
+
+@dataclass
+class _FillPlan:
+    """Where each skeleton tensor comes from and goes: (model name, device, checkpoint name or None
+    for zeros, meta tensor) to read, and the tensors left on disk."""
+
+    pending: list[tuple[str, Device, str | None, torch.Tensor]] = field(default_factory=list)
+    on_disk: list[DiskTensor] = field(default_factory=list)
+
+
+def _plan_fill(skeleton: torch.nn.Module, match: KeyMatch, device_map: dict[str, Device]) -> _FillPlan:
+    from .offload_index import DiskTensor
+
+    plan = _FillPlan()
     params = {name for name, _ in skeleton.named_parameters(remove_duplicate=False)}
-    on_disk: list[DiskTensor] = []
-    pending: list[tuple[str, Any, str | None, Any]] = []
-    for name, tensor in state.items():
+    for name, tensor in skeleton.state_dict(keep_vars=True).items():
         device = module_device(device_map, name)
         src = None if name in match.mismatched else match.source_of.get(name)
         if device == "disk" and name in params:
-            on_disk.append(DiskTensor(name, src, tensor.dtype, tuple(tensor.shape)))
+            plan.on_disk.append(DiskTensor(name, src, tensor.dtype, tuple(tensor.shape)))
             continue
         if src is not None and name not in match.loads:
             continue  # a tied name: re-tied below
         if src is None and not tensor.is_meta:
             continue  # a buffer that keeps its built value
-        pending.append((name, "cpu" if device == "disk" else device, src, tensor))
-    wants = {name: Want(src, target, tensor.dtype) for name, target, src, tensor in pending if src is not None}
-    values, report = read_batch(checkpoint, wants)
-    skeleton.shardkit_load_report = {"files": report.files, "host_batch_bytes": report.host_batch_bytes,
-                                     "pipelined_bytes": report.pipelined_bytes}
-    for name, target, src, tensor in pending:
-        if src is None:
-            import torch
+        plan.pending.append((name, "cpu" if device == "disk" else device, src, tensor))
+    return plan
 
+
+def fill_skeleton(skeleton: torch.nn.Module, checkpoint: LazyCheckpoint, match: KeyMatch, device_map: dict[str, Device],
+                  offload_folder: str | os.PathLike[str] | None, *,
+                  early: Future[dict[str, torch.Tensor]] | None = None) -> OffloadIndex | None:
+    """Read each tensor once into its device; disk tensors go to an offload index. Returns that index.
+
+    ``early``: host tensors being read since before the skeleton existed
+    (:func:`~shardkit.loading.bulk.start_early_reads`), waited for after the plan is made and used
+    for host tensors whose dtype they have; the rest is read here.
+    """
+    import torch
+    from accelerate.utils import retie_parameters
+
+    from .offload_index import write_offload_index
+
+    plan = _plan_fill(skeleton, match, device_map)
+    modules = dict(skeleton.named_modules(remove_duplicate=False))
+    ready = take_early_reads(early) if early is not None else {}
+    taken = {name: ready[src] for name, target, src, tensor in plan.pending
+             if src is not None and src in ready and str(target) == "cpu" and ready[src].dtype == tensor.dtype}
+    wants = {name: Want(src, target, tensor.dtype) for name, target, src, tensor in plan.pending
+             if src is not None and name not in taken}
+    values, report = read_batch(checkpoint, wants)
+    _report(skeleton, report, early=sum(t.nbytes for t in taken.values()))
+    values.update(taken)
+    del ready, taken  # what the model does not use is freed with the blocks no kept tensor shares
+    for name, target, src, tensor in plan.pending:
+        if src is None:
             value = torch.zeros(tensor.shape, dtype=tensor.dtype, device=target)
         elif name in values:
             value = values.pop(name)
@@ -78,12 +145,19 @@ def fill_skeleton(skeleton: Any, checkpoint: LazyCheckpoint, match: KeyMatch, de
             # Host tensors without a cast stay views of the mapped shards (no copy, pages read on
             # first use), as safetensors' own load_file does; casts read into fresh memory.
             value = checkpoint.get_tensor(src, device=None if target == "cpu" else target, dtype=tensor.dtype)
-        set_module_tensor_to_device(skeleton, name, target, value=value, clear_cache=False)
+        _set_tensor(skeleton, modules, name, target, value)
     retie_parameters(skeleton, match.tied)
-    if not on_disk:
+    if not plan.on_disk:
         return None
     assert offload_folder is not None  # checked by _fill_and_dispatch before anything is read
-    return write_offload_index(checkpoint, on_disk, os.fspath(offload_folder))
+    return write_offload_index(checkpoint, plan.on_disk, os.fspath(offload_folder))
+
+
+def _report(skeleton: torch.nn.Module, report: BatchReport, *, early: int) -> None:
+    """``model.shardkit_load_report``: each file's backend and why, and the bytes each read path took."""
+    skeleton.shardkit_load_report = {  # type: ignore[assignment]  # an attribute users read, like hf_device_map
+        "files": report.files, "host_batch_bytes": report.host_batch_bytes + early,
+        "pipelined_bytes": report.pipelined_bytes, "early_bytes": early}
 
 
 def load_model(model: ModelSpec, checkpoint: str | os.PathLike[str] | LazyCheckpoint, *,
@@ -151,19 +225,31 @@ def load_model(model: ModelSpec, checkpoint: str | os.PathLike[str] | LazyCheckp
     if budget:
         check_devices_exist(list(budget), where="max_memory")
     with contextlib.ExitStack() as stack:
-        ckpt = checkpoint if isinstance(checkpoint, LazyCheckpoint) else stack.enter_context(open_checkpoint(checkpoint, read=read))
+        # Unwound in reverse: the checkpoint closes first (cancelling reads still queued), then the
+        # thread that started them is joined (bounded), on every path.
+        early_pool = ReadPool(1, name="shardkit-load")
+        stack.callback(early_pool.close)
+        early: Future[dict[str, torch.Tensor]] | None = None
+        if isinstance(checkpoint, LazyCheckpoint):
+            ckpt = checkpoint  # the caller's: not closed here, so its reads cannot be cancelled early
+        else:
+            ckpt = stack.enter_context(open_checkpoint(checkpoint, read=read))
+            if _all_on_host(device_map, budget):  # read while the skeleton is built and matched
+                early = start_early_reads(early_pool, ckpt, dtype=target)
+        skeleton: torch.nn.Module
         skeleton, match, _ = prepare_skeleton(model, ckpt, config=config, dtype=target, strict=strict)
         assert match is not None
         mapping = resolve_device_map(skeleton, device_map, max_memory=budget, no_split_module_classes=no_split_module_classes)
         check_devices_exist(list(mapping.values()), where="device_map")
-        _fill_and_dispatch(skeleton, ckpt, match, mapping, offload_folder)
+        _fill_and_dispatch(skeleton, ckpt, match, mapping, offload_folder, early=early)
     skeleton.eval()
     apply_runtime(skeleton, runtime)
     return skeleton
 
 
-def _fill_and_dispatch(skeleton: Any, checkpoint: LazyCheckpoint, match: KeyMatch, mapping: dict[str, Device],
-                       offload_folder: str | os.PathLike[str] | None) -> None:
+def _fill_and_dispatch(skeleton: torch.nn.Module, checkpoint: LazyCheckpoint, match: KeyMatch,
+                       mapping: dict[str, Device], offload_folder: str | os.PathLike[str] | None, *,
+                       early: Future[dict[str, torch.Tensor]] | None) -> None:
     """Read the weights into their devices, then let accelerate install its dispatch hooks."""
     from accelerate import dispatch_model
     from accelerate.utils import check_device_map
@@ -176,10 +262,24 @@ def _fill_and_dispatch(skeleton: Any, checkpoint: LazyCheckpoint, match: KeyMatc
             # accelerate's own maps name top-level buffers/params, which its checker calls "not submodules"
             warnings.filterwarnings("ignore", message="The following device_map keys do not match")
             check_device_map(skeleton, mapping)
-            offload_index = fill_skeleton(skeleton, checkpoint, match, mapping, offload_folder)
-            dispatch_model(skeleton, mapping, main_device=_main_device(mapping), offload_index=offload_index,
-                           offload_dir=os.fspath(offload_folder) if offload_index is not None and offload_folder else None)
+            offload_index = fill_skeleton(skeleton, checkpoint, match, mapping, offload_folder, early=early)
+            if _in_place_on_host(skeleton, mapping):
+                skeleton.hf_device_map = dict(mapping)  # type: ignore[assignment]  # all dispatch_model does here
+            else:
+                dispatch_model(skeleton, mapping, main_device=_main_device(mapping), offload_index=offload_index,
+                               offload_dir=os.fspath(offload_folder) if offload_index is not None and offload_folder else None)
     except ValueError as e:
         if isinstance(e, InvalidInputError):
             raise
         raise InvalidInputError(f"cannot place {type(skeleton).__name__} with this device map: {e}") from e
+
+
+def _in_place_on_host(skeleton: torch.nn.Module, mapping: dict[str, Device]) -> bool:
+    """Everything mapped to the CPU and already there: accelerate's ``dispatch_model`` would attach no
+    hook (one device, not a bitsandbytes model) and its ``model.to("cpu")`` would move nothing."""
+    import itertools
+
+    if set(mapping.values()) != {"cpu"} or getattr(skeleton, "is_loaded_in_8bit", False) \
+            or getattr(skeleton, "is_loaded_in_4bit", False):
+        return False
+    return all(t.device.type == "cpu" for t in itertools.chain(skeleton.parameters(), skeleton.buffers()))

@@ -11,7 +11,7 @@ import contextlib
 import importlib
 import os
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, TypeAlias, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
 from ..errors import InvalidInputError, ShardkitError, SourceNotFoundError
 from ..formats.layout import MAX_CONFIG_BYTES, check_config_numbers
@@ -22,11 +22,36 @@ if TYPE_CHECKING:
 
 # "diffusers:ClassName", "transformers:ClassName", "pkg.module:Name", a class, a factory or a meta skeleton.
 ModelSpec: TypeAlias = "str | type[torch.nn.Module] | Callable[..., torch.nn.Module] | torch.nn.Module"
-# A config: a dict, a config.json path or the folder holding it.
+# A config: a dict, a config.json path or the folder holding it. Its values are JSON's (the one boundary
+# typed ``Any`` here: each model library reads its own fields).
+Config: TypeAlias = "dict[str, Any]"
 ConfigSpec: TypeAlias = "Mapping[str, Any] | str | os.PathLike[str]"
+# What builds a model: a class or any factory; what it returns is checked (an nn.Module).
+Factory: TypeAlias = "Callable[..., object]"
 
 
-def resolve_model_class(spec: ModelSpec) -> Any:
+@runtime_checkable
+class _FromConfig(Protocol):
+    """A diffusers model class, or a transformers Auto* class: ``cls.from_config(config)``."""
+
+    def from_config(self, config: object, /) -> object: ...
+
+
+@runtime_checkable
+class _FromDict(Protocol):
+    """A transformers ``PretrainedConfig`` subclass."""
+
+    def from_dict(self, config: Config, /) -> object: ...
+
+
+@runtime_checkable
+class _PrivateFromConfig(Protocol):
+    """A transformers model class: ``cls._from_config(config)`` builds it from a config object."""
+
+    def _from_config(self, config: object, /) -> object: ...
+
+
+def resolve_model_class(spec: ModelSpec) -> Factory:
     """Turn ``"diffusers:UNet2DConditionModel"`` (or any ``"package.module:Name"``) into the object.
 
     Classes and factories are returned unchanged.
@@ -49,7 +74,7 @@ def resolve_model_class(spec: ModelSpec) -> Any:
     except ImportError as e:
         raise InvalidInputError(f"unknown model class {spec!r}: cannot import {module_name!r} ({e})") from e
     try:
-        found = getattr(module, attr)
+        found: object = getattr(module, attr)
     except (AttributeError, ImportError, RuntimeError) as e:
         raise InvalidInputError(f"unknown model class {spec!r}: {module_name} has no {attr!r}") from e
     if not callable(found):
@@ -57,7 +82,7 @@ def resolve_model_class(spec: ModelSpec) -> Any:
     return found
 
 
-def load_config(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> dict[str, Any] | None:
+def load_config(config: ConfigSpec | None) -> Config | None:
     """Read a config given as a dict, a ``config.json`` path or a folder holding ``config.json``."""
     if config is None or isinstance(config, Mapping):
         if config is not None:
@@ -78,16 +103,16 @@ def load_config(config: str | os.PathLike[str] | Mapping[str, Any] | None) -> di
     return doc
 
 
-def _is_diffusers_model(cls: Any) -> bool:
+def _is_diffusers_model(cls: Factory) -> bool:
     return isinstance(cls, type) and hasattr(cls, "from_config") and hasattr(cls, "config_name") \
         and cls.__module__.startswith("diffusers")
 
 
-def _is_transformers_model(cls: Any) -> bool:
+def _is_transformers_model(cls: Factory) -> bool:
     return isinstance(cls, type) and cls.__module__.startswith("transformers") and hasattr(cls, "config_class")
 
 
-def _build_diffusers(cls: Any, config: dict[str, Any] | None) -> Any:
+def _build_diffusers(cls: Factory, config: Config | None) -> object:
     if config is None:
         raise InvalidInputError(f"{cls.__name__} needs a config: give config= (a config.json path, its folder or a dict)")
     meant = config.get("_class_name")
@@ -99,39 +124,43 @@ def _build_diffusers(cls: Any, config: dict[str, Any] | None) -> Any:
 
         warnings.warn(f"the config is for {meant}, not {cls.__name__}; check model=... and config=...",
                       ShardkitWarning, stacklevel=4)
+    assert isinstance(cls, _FromConfig)  # checked by _is_diffusers_model
     return cls.from_config(config)
 
 
-def _build_transformers(cls: Any, config: dict[str, Any] | None) -> Any:
+def _build_transformers(cls: Factory, config: Config | None) -> object:
     if config is None:
         raise InvalidInputError(f"{cls.__name__} needs a config: give config= (a config.json path, its folder or a dict)")
     from transformers import AutoConfig, PretrainedConfig
 
     config_class = getattr(cls, "config_class", None)
-    if isinstance(config_class, type) and config_class is not PretrainedConfig:
-        cfg = cast(Any, config_class).from_dict(config)  # a PretrainedConfig subclass
+    cfg: object
+    if isinstance(config_class, type) and isinstance(config_class, _FromDict) and config_class is not PretrainedConfig:
+        cfg = config_class.from_dict(config)  # a PretrainedConfig subclass
     elif "model_type" in config:
         cfg = AutoConfig.for_model(**config)
     else:
-        raise InvalidInputError(f"{cls.__name__}: the config has no 'model_type'; pass a model-specific class")
-    if hasattr(cls, "_from_config"):
+        raise InvalidInputError(f"{_name(cls)}: the config has no 'model_type'; pass a model-specific class")
+    if isinstance(cls, _PrivateFromConfig):
         return cls._from_config(cfg)
-    return cls.from_config(cfg)  # the Auto* classes
+    assert isinstance(cls, _FromConfig)  # the Auto* classes
+    return cls.from_config(cfg)
 
 
-def _build_plain(factory: Callable[..., Any], config: dict[str, Any] | None) -> Any:
+def _build_plain(factory: Factory, config: Config | None) -> object:
     return factory(**config) if config else factory()
 
 
 # (test, builder) rows, tried in order; the last one accepts any callable.
-_BUILDERS: list[tuple[Callable[[Any], bool], Callable[[Any, dict[str, Any] | None], Any]]] = [
+Builder: TypeAlias = "Callable[[Factory, Config | None], object]"
+_BUILDERS: list[tuple[Callable[[Factory], bool], Builder]] = [
     (_is_diffusers_model, _build_diffusers),
     (_is_transformers_model, _build_transformers),
     (callable, _build_plain),
 ]
 
 
-def is_meta_module(module: Any) -> bool:
+def is_meta_module(module: torch.nn.Module) -> bool:
     """True when every parameter of ``module`` is on the meta device (a skeleton)."""
     params = list(module.parameters())
     return bool(params) and all(p.is_meta for p in params)
@@ -149,7 +178,7 @@ def _ties_kept(torch_register: Callable[..., None]) -> Iterator[None]:
 
     accelerate_register = nn.Module.register_parameter
 
-    def register(module: Any, name: str, param: Any) -> None:
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and param.is_meta:
             torch_register(module, name, param)
         else:
@@ -162,7 +191,8 @@ def _ties_kept(torch_register: Callable[..., None]) -> Iterator[None]:
         nn.Module.register_parameter = accelerate_register  # type: ignore[method-assign]
 
 
-def build_skeleton(model: ModelSpec, *, config: Any = None, dtype: str | torch.dtype | None = None) -> Any:
+def build_skeleton(model: ModelSpec, *, config: ConfigSpec | None = None,
+                   dtype: str | torch.dtype | None = None) -> torch.nn.Module:
     """Build ``model`` on the meta device: no parameter memory is allocated.
 
     ``model`` is a ``"library:ClassName"`` string, a diffusers/transformers class (with ``config``:
@@ -187,7 +217,7 @@ def build_skeleton(model: ModelSpec, *, config: Any = None, dtype: str | torch.d
                 f"{type(model).__name__} already holds weights; pass its class (or a factory), or a skeleton "
                 "built under accelerate.init_empty_weights()"
             )
-        skeleton = model
+        skeleton: object = model
     else:
         factory = resolve_model_class(model)
         cfg = load_config(config)
@@ -196,14 +226,14 @@ def build_skeleton(model: ModelSpec, *, config: Any = None, dtype: str | torch.d
         with init_empty_weights(), _ties_kept(torch_register):
             skeleton = _call_builder(builder, factory, cfg, config)
         if not isinstance(skeleton, torch.nn.Module):
-            raise InvalidInputError(f"{getattr(factory, '__name__', factory)!r} returned {type(skeleton).__name__}, not an nn.Module")
+            raise InvalidInputError(f"{_name(factory)!r} returned {type(skeleton).__name__}, not an nn.Module")
+    assert isinstance(skeleton, torch.nn.Module)
     if target is not None:
         cast_floating(skeleton, lambda name: target if not keeps_fp32(skeleton, name) else torch.float32)
     return skeleton
 
 
-def _call_builder(builder: Callable[[Any, dict[str, Any] | None], Any], factory: Any, cfg: dict[str, Any] | None,
-                  config: Any) -> Any:
+def _call_builder(builder: Builder, factory: Factory, cfg: Config | None, config: ConfigSpec | None) -> object:
     """Build, turning the model library's own complaints about the config into one clear error.
 
     A config for another class (a VAE's config given to a UNet) makes the constructor raise
@@ -214,7 +244,7 @@ def _call_builder(builder: Callable[[Any, dict[str, Any] | None], Any], factory:
     except ShardkitError:
         raise
     except (ValueError, TypeError, KeyError, AttributeError, AssertionError) as e:
-        name = getattr(factory, "__name__", repr(factory))
+        name = _name(factory)
         meant = (cfg or {}).get("_class_name") or (cfg or {}).get("architectures")
         hint = f"; the config is for {meant}" if meant and meant != name else ""
         where = f" from {config}" if isinstance(config, (str, os.PathLike)) else ""
@@ -224,14 +254,14 @@ def _call_builder(builder: Callable[[Any, dict[str, Any] | None], Any], factory:
         ) from e
 
 
-def keeps_fp32(model: Any, name: str) -> bool:
+def keeps_fp32(model: torch.nn.Module, name: str) -> bool:
     """Whether ``name`` lies in one of the model class's ``_keep_in_fp32_modules``."""
     keep = getattr(model, "_keep_in_fp32_modules", None) or ()
     parts = name.split(".")
     return any(module in parts for module in keep)
 
 
-def cast_floating(model: Any, dtype_for: Callable[[str], torch.dtype | None]) -> None:
+def cast_floating(model: torch.nn.Module, dtype_for: Callable[[str], torch.dtype | None]) -> None:
     """Cast floating-point parameters and buffers in place, keeping tied parameters tied.
 
     Meta tensors cost nothing to cast; ``param.data`` assignment keeps the Parameter object, so
@@ -252,7 +282,8 @@ def cast_floating(model: Any, dtype_for: Callable[[str], torch.dtype | None]) ->
                 owner._buffers[attr] = buf.to(target)
 
 
-def default_config(model: Any, checkpoint: Any, config: Any) -> Any:
+def default_config(model: ModelSpec, checkpoint: object,
+                   config: ConfigSpec | None) -> ConfigSpec | None:
     """``config``, else the ``config.json`` beside a path ``checkpoint`` when ``model`` is a class that needs one.
 
     Plain ``nn.Module`` factories take no config unless given one (a factory called with a
@@ -280,10 +311,15 @@ def default_config(model: Any, checkpoint: Any, config: Any) -> Any:
     return path
 
 
-def _takes_config(model: Any) -> bool:
+def _takes_config(model: ModelSpec) -> bool:
     if not isinstance(model, (str, type)):
         return False  # a factory or a skeleton already built
     cls = resolve_model_class(model)
     module = getattr(cls, "__module__", "") or ""
     return isinstance(cls, type) and module.startswith(("diffusers", "transformers")) and (
         hasattr(cls, "from_config") or hasattr(cls, "config_class"))
+
+
+def _name(factory: Factory) -> str:
+    """A class's or function's name, for messages."""
+    return str(getattr(factory, "__name__", repr(factory)))
