@@ -26,6 +26,7 @@ from ..sharding.options import ProgressCallback
 from ..sharding.split import split as _split_local
 from ..sources.base import CheckpointSource
 from ..stores.urls import check_local, is_store_url
+from .store_writes import write_to_store
 from .stores import store_info, store_verify
 
 if TYPE_CHECKING:
@@ -97,6 +98,10 @@ def split(source: CheckpointSource, output: str | os.PathLike[str], *, token: st
     shardkit.split("hf://org/model", "out/", max_shard_size="2GB", cache=False)
     """
     with open_checkpoint(source, token=token, cache=cache) as readable:  # anything but hf:// passes through
+        if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
+            staged = cast("SplitKeywords", {**options, "overwrite": False})
+            return write_to_store(output, lambda out: _split_local(readable, out, **staged),
+                                  overwrite=bool(options.get("overwrite")), dry_run=bool(options.get("dry_run")))
         return _split_local(readable, output, **options)
 
 
@@ -125,6 +130,10 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, token: 
     rest = cast("_MappingKeywords", {k: v for k, v in options.items() if k != "config"})
     with open_checkpoint(source, token=token, cache=cache, pickles=True) as readable, \
             config_source(None if given is None else os.fspath(given), token=token) as config:
+        if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
+            staged = cast("_MappingKeywords", {**rest, "overwrite": False})
+            return write_to_store(output, lambda out: _convert_local(readable, out, config=config, **staged),
+                                  overwrite=bool(rest.get("overwrite")), dry_run=bool(rest.get("dry_run")))
         return _convert_local(readable, output, config=config, **rest)
 
 

@@ -8,6 +8,7 @@ torchrun (:func:`torchrun_group`) with every rank writing its share of the shard
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ from ..hub.push import PushResult, push
 from ..sharding.job import SplitResult
 from ..sharding.options import ProgressCallback, WriteOptions
 from ..sources.base import CheckpointSource
+from ..stores.urls import is_store_url
+from .store_writes import write_to_store
 
 __all__ = ["PushResult", "SplitAndPush", "WriteOptions", "convert_job", "is_rank_zero", "push", "split_and_push",
            "torchrun_group"]
@@ -68,7 +71,12 @@ def split_and_push(source: CheckpointSource, output: str | os.PathLike[str], rep
         check_repo_id(repo_id) if options.dry_run else check_push_target(repo_id, token=token)
         check_folder_links(output)
     with open_checkpoint(source, token=token, cache=cache) as readable:
-        result = split_with(readable, output, options=options, key=key)
+        if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
+            staged = dataclasses.replace(options, overwrite=False)
+            result = write_to_store(output, lambda out: split_with(readable, out, options=staged, key=key),
+                                    overwrite=options.overwrite, dry_run=options.dry_run)
+        else:
+            result = split_with(readable, output, options=options, key=key)
     if after_split is not None:
         after_split(result)
     if not repo_id or options.dry_run:
@@ -103,5 +111,10 @@ def convert_job(source: str | os.PathLike[str], output: str | os.PathLike[str], 
 
     with open_checkpoint(source, token=token, cache=cache, pickles=True) as readable, \
             config_source(None if config is None else os.fspath(config), token=token) as local_config:
+        if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
+            staged = dataclasses.replace(options, overwrite=False)
+            return write_to_store(output, lambda out: convert_with(
+                readable, out, options=staged, key=key, keymap=keymap, to=to, config=local_config,
+                component=component), overwrite=options.overwrite, dry_run=options.dry_run)
         return convert_with(readable, output, options=options, key=key, keymap=keymap, to=to,
                             config=local_config, component=component)

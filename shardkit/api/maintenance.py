@@ -7,6 +7,8 @@ import os
 from ..atomic.journal import Recovery, recover_folder
 from ..errors import OutputExistsError
 from ..sharding.merge import MergeResult, merge
+from ..stores.urls import is_store_url
+from .store_writes import recover_prefix
 
 __all__ = ["MergeResult", "Recovery", "merge", "recover"]
 
@@ -29,6 +31,8 @@ def recover(folder: str | os.PathLike[str]) -> Recovery:
 
     shardkit.recover("out/").removed_bytes
     """
+    if is_store_url(folder):
+        return recover_prefix(folder)
     report = recover_folder(folder)
     if report is None:
         raise OutputExistsError(f"{os.fspath(folder)} is being written by another shardkit process; "
