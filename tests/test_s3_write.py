@@ -126,7 +126,7 @@ def test_sigkill_mid_upload_leaves_no_index_and_recover_aborts_the_upload(s3_env
     foreign = client.create_multipart_upload(Bucket=s3_env.bucket, Key="kill/notes.bin")["UploadId"]
     client.close()
     wait = tmp_path / "go"
-    env = {**os.environ, **s3_env.env, "SHARDKIT_FAULT_WAIT_AT": "store:part", "SHARDKIT_FAULT_WAIT_FILE": str(wait)}
+    env = {**os.environ, **s3_env.env, "SHARDKIT_FAULT_WAIT_AT": f"store:sent:{16 << 20}", "SHARDKIT_FAULT_WAIT_FILE": str(wait)}
     url = f"s3://{s3_env.bucket}/kill"
     proc = subprocess.Popen([SHARDKIT_BIN, "split", str(source), url, "--max-shard-size", "20MB"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

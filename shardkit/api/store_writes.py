@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 
+from .. import _faults
 from ..atomic.journal import Recovery
 from ..errors import OutputExistsError, ShardkitWriteError
 from ..sharding.job import SplitResult
@@ -90,6 +91,7 @@ def _chunks(path: str) -> Iterator[bytes]:
                 raise ShardkitWriteError(f"{path}: the staged file ended after {done} of {size_bytes} bytes")
             done += len(chunk)
             yield chunk
+            _faults.point(f"store:sent:{done}")  # the chunk is in the writer (a part sent at each 16 MiB)
     finally:
         os.close(fd)
 

@@ -18,7 +18,7 @@ for read-only tools (or a read-only mount) that found a folder mid-commit.
 """
 
 
-class FolderOrStore(click.ParamType):
+class FolderOrStore(click.ParamType):  # type: ignore[type-arg]
     """An existing local folder, or an ``s3://BUCKET/PREFIX`` (whose killed writes ``recover`` cleans up)."""
 
     name = "folder"

@@ -17,7 +17,6 @@ from concurrent.futures import Future
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
-from .. import _faults
 from ..errors import ShardkitError, ShardkitWriteError, StoreError
 from ..workers import ReadPool
 from .base import ObjectInfo
@@ -100,7 +99,6 @@ class S3Writer:
         self._sent_parts = number
         assert self._pool is not None
         self._pending.append(self._pool.submit(lambda: self._upload_part(number, data)))
-        _faults.point("store:part", len(data))
 
     def _upload_part(self, number: int, data: bytearray) -> None:
         reply = self._store.call(f"{self._where} part {number}", lambda: self._client.upload_part(
