@@ -70,10 +70,13 @@ def test_python_api_split_and_convert_to_s3(s3_env, source, tmp_path) -> None:
     local = tmp_path / "local"
     shardkit.split(source, local, max_shard_size="20MB")
     assert _remote(s3_env, "api") == {p.name: p.read_bytes() for p in local.iterdir()}
+    planned = shardkit.split(source, f"s3://{s3_env.bucket}/dry", max_shard_size="20MB", dry_run=True)
+    assert planned.dry_run and len(planned.plan.shards) == 2 and s3_env.keys("dry/") == []
     shardkit.convert(source, f"s3://{s3_env.bucket}/conv", dtype="bf16")
     converted = tmp_path / "conv"
     shardkit.convert(source, converted, dtype="bf16")
     assert _remote(s3_env, "conv") == {p.name: p.read_bytes() for p in converted.iterdir()}
+    assert shardkit.recover(f"s3://{s3_env.bucket}/conv").removed == [], "nothing to recover after a clean write"
 
 
 def test_an_existing_prefix_needs_overwrite_and_same_names_are_refused(s3_env, source, run_cli) -> None:

@@ -65,6 +65,8 @@ def split_and_push(source: CheckpointSource, output: str | os.PathLike[str], rep
     from ..sharding.split import split_with
 
     options = options or WriteOptions()
+    if repo_id and is_store_url(output):
+        raise InvalidInputError(f"{output}: a push reads a local folder; split to a local folder to push it")
     if repo_id:
         from ..hub.preflight import check_folder_links, check_push_target, check_repo_id
 
