@@ -121,6 +121,34 @@ def test_a_failure_mid_write_deletes_what_it_created_and_nothing_else(s3_env, tm
     assert s3_env.uploads() == []
 
 
+def _start_paused_split(s3_env, source: Path, url: str, wait: Path) -> subprocess.Popen[bytes]:
+    """The CLI split to ``url`` in a subprocess, paused once 16 MiB of a shard went into its multipart upload."""
+    env = {**os.environ, **s3_env.env, "SHARDKIT_FAULT_WAIT_AT": f"store:sent:{16 << 20}",
+           "SHARDKIT_FAULT_WAIT_FILE": str(wait)}
+    proc = subprocess.Popen([SHARDKIT_BIN, "split", str(source), url, "--max-shard-size", "20MB"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not list(wait.parent.glob(wait.name + ".ready.*")):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"the split never reached its upload: {err.decode()}")
+        time.sleep(0.05)
+    return proc
+
+
+def test_ctrl_c_mid_upload_aborts_and_deletes_what_it_wrote(s3_env, source, tmp_path) -> None:
+    s3_env.put("int/README.md", b"kept")
+    s3_env.put("int/config.json", b"{}")
+    proc = _start_paused_split(s3_env, source, f"s3://{s3_env.bucket}/int/sub", tmp_path / "go")
+    assert s3_env.uploads(), "a multipart upload is open"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "Traceback" not in err.decode()
+    assert s3_env.keys("int/") == ["int/README.md", "int/config.json"], "no shard, no journal, no index left"
+    assert s3_env.uploads() == [], "the open upload was aborted"
+
+
 def test_sigkill_mid_upload_leaves_no_index_and_recover_aborts_the_upload(s3_env, source, tmp_path,
                                                                         run_cli) -> None:
     before = _digest(source)
@@ -128,23 +156,10 @@ def test_sigkill_mid_upload_leaves_no_index_and_recover_aborts_the_upload(s3_env
     client = s3_env.client()
     foreign = client.create_multipart_upload(Bucket=s3_env.bucket, Key="kill/notes.bin")["UploadId"]
     client.close()
-    wait = tmp_path / "go"
-    env = {**os.environ, **s3_env.env, "SHARDKIT_FAULT_WAIT_AT": f"store:sent:{16 << 20}", "SHARDKIT_FAULT_WAIT_FILE": str(wait)}
+    proc = _start_paused_split(s3_env, source, f"s3://{s3_env.bucket}/kill", tmp_path / "go")
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=30)
     url = f"s3://{s3_env.bucket}/kill"
-    proc = subprocess.Popen([SHARDKIT_BIN, "split", str(source), url, "--max-shard-size", "20MB"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        while not list(tmp_path.glob("go.ready.*")):
-            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
-        if proc.stderr:
-            proc.stderr.close()
     keys = s3_env.keys("kill/")
     assert f"kill/{INDEX}" not in keys, "no index before every shard is whole"
     assert any(k.startswith(f"kill/{JOURNAL_PREFIX}") for k in keys)
