@@ -19,8 +19,11 @@ def recover(folder: str | os.PathLike[str]) -> Recovery:
     Every shardkit job does this by itself before it reads or writes a folder; this is for
     read-only tools (or mounts) that found a folder mid-commit.
 
+    For ``s3://BUCKET/PREFIX``: the multipart uploads of writes killed mid-way are aborted and
+    the shards they left unpublished are deleted (see :func:`shardkit.stores.transaction.recover_store`).
+
     Args:
-        folder: a checkpoint folder (or the path a failed write was creating).
+        folder: a checkpoint folder (or the path a failed write was creating), or ``s3://BUCKET/PREFIX``.
 
     Returns:
         A :class:`~shardkit.atomic.journal.Recovery` listing the files rolled forward and the

@@ -12,6 +12,7 @@ EPILOG = """\b
 Examples:
   shardkit recover out/
   shardkit recover unet-sharded/ vae-sharded/ --json
+  shardkit recover s3://models/llama   # abort the uploads of killed writes, delete their unpublished shards
 
 Any shardkit command that reads or writes a folder does this by itself first; this command is
 for read-only tools (or a read-only mount) that found a folder mid-commit.
