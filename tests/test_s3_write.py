@@ -175,3 +175,42 @@ def test_sigkill_mid_upload_leaves_no_index_and_recover_aborts_the_upload(s3_env
     client.abort_multipart_upload(Bucket=s3_env.bucket, Key="kill/notes.bin", UploadId=foreign)
     client.close()
     assert run_cli("split", source, url, "--max-shard-size", "20MB").exit_code == 0, "the prefix is usable again"
+
+
+def _then_interrupt(data: bytes):
+    yield data
+    raise KeyboardInterrupt
+
+
+def test_a_failed_in_place_reshard_leaves_the_old_checkpoint_whole(s3_env, source, run_cli) -> None:
+    url = f"s3://{s3_env.bucket}/live"
+    assert run_cli("split", source, url, "--max-shard-size", "15MB").exit_code == 0
+    live = _remote(s3_env, "live")
+    with open_store(url) as store:
+        with pytest.raises(KeyboardInterrupt), StoreTransaction(store, ["model.safetensors"], overwrite=True) as tx:
+            tx.stream("model.safetensors", _then_interrupt(b"z" * (17 << 20)))
+    assert _remote(s3_env, "live") == live
+    assert s3_env.uploads() == []
+    assert run_cli("verify", url).exit_code == 0
+
+
+@pytest.mark.parametrize("where", ["journal", "index"])
+def test_names_from_a_journal_or_index_never_leave_the_prefix(s3_env, source, run_cli, where) -> None:
+    s3_env.put("outside.safetensors", b"must stay")
+    if where == "journal":
+        s3_env.put(f"p/{JOURNAL_PREFIX}0.json", json.dumps({"created": ["../outside.safetensors"]}).encode())
+        result = run_cli("recover", f"s3://{s3_env.bucket}/p")
+    else:
+        s3_env.put(f"p/{INDEX}", json.dumps({"weight_map": {"w": "../outside.safetensors"}}).encode())
+        result = run_cli("split", source, f"s3://{s3_env.bucket}/p", "--overwrite")
+    assert_one_line_error(result, contains="not a plain relative path")
+    assert s3_env.get("outside.safetensors") == b"must stay"
+
+
+def test_cli_convert_to_s3_equals_a_local_convert(s3_env, source, run_cli, tmp_path) -> None:
+    local = tmp_path / "local"
+    assert run_cli("convert", source, local, "--dtype", "bf16", "--max-shard-size", "8MB").exit_code == 0
+    result = run_cli("convert", source, f"s3://{s3_env.bucket}/bf16", "--dtype", "bf16", "--max-shard-size", "8MB")
+    assert result.exit_code == 0, result.stderr
+    assert _remote(s3_env, "bf16") == {p.name: p.read_bytes() for p in local.iterdir()}
+    assert len(list(local.glob("*.safetensors"))) >= 2
