@@ -65,8 +65,12 @@ def test_split_to_s3_equals_a_local_split_byte_for_byte(s3_env, source, run_cli,
 
 def test_python_api_split_and_convert_to_s3(s3_env, source, tmp_path) -> None:
     url = f"s3://{s3_env.bucket}/api"
-    result = shardkit.split(source, url, max_shard_size="20MB")
+    seen: list[tuple[int, int]] = []
+    result = shardkit.split(source, url, max_shard_size="20MB", progress=lambda done, total: seen.append((done, total)))
     assert result.output == url
+    total = seen[-1][1]
+    assert seen[-1] == (total, total) and {t for _, t in seen} == {total}, "one bar: the split, then the upload"
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and any(total // 2 < d < total for d, _ in seen)
     local = tmp_path / "local"
     shardkit.split(source, local, max_shard_size="20MB")
     assert _remote(s3_env, "api") == {p.name: p.read_bytes() for p in local.iterdir()}

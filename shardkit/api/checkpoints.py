@@ -99,9 +99,9 @@ def split(source: CheckpointSource, output: str | os.PathLike[str], *, token: st
     """
     with open_checkpoint(source, token=token, cache=cache) as readable:  # anything but hf:// passes through
         if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
-            staged = cast("SplitKeywords", {**options, "overwrite": False})
-            return write_to_store(output, lambda out: _split_local(readable, out, **staged),
-                                  overwrite=bool(options.get("overwrite")), dry_run=bool(options.get("dry_run")))
+            return write_to_store(output, lambda out, tick: _split_local(readable, out, **cast(
+                "SplitKeywords", {**options, "overwrite": False, "progress": tick})), overwrite=bool(
+                options.get("overwrite")), dry_run=bool(options.get("dry_run")), progress=options.get("progress"))
         return _split_local(readable, output, **options)
 
 
@@ -131,9 +131,9 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, token: 
     with open_checkpoint(source, token=token, cache=cache, pickles=True) as readable, \
             config_source(None if given is None else os.fspath(given), token=token) as config:
         if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
-            staged = cast("_MappingKeywords", {**rest, "overwrite": False})
-            return write_to_store(output, lambda out: _convert_local(readable, out, config=config, **staged),
-                                  overwrite=bool(rest.get("overwrite")), dry_run=bool(rest.get("dry_run")))
+            return write_to_store(output, lambda out, tick: _convert_local(readable, out, config=config, **cast(
+                "_MappingKeywords", {**rest, "overwrite": False, "progress": tick})), overwrite=bool(
+                rest.get("overwrite")), dry_run=bool(rest.get("dry_run")), progress=rest.get("progress"))
         return _convert_local(readable, output, config=config, **rest)
 
 

@@ -74,9 +74,9 @@ def split_and_push(source: CheckpointSource, output: str | os.PathLike[str], rep
         check_folder_links(output)
     with open_checkpoint(source, token=token, cache=cache) as readable:
         if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
-            staged = dataclasses.replace(options, overwrite=False)
-            result = write_to_store(output, lambda out: split_with(readable, out, options=staged, key=key),
-                                    overwrite=options.overwrite, dry_run=options.dry_run)
+            result = write_to_store(output, lambda out, tick: split_with(
+                readable, out, options=dataclasses.replace(options, overwrite=False, progress=tick), key=key),
+                overwrite=options.overwrite, dry_run=options.dry_run, progress=options.progress)
         else:
             result = split_with(readable, output, options=options, key=key)
     if after_split is not None:
@@ -114,9 +114,9 @@ def convert_job(source: str | os.PathLike[str], output: str | os.PathLike[str], 
     with open_checkpoint(source, token=token, cache=cache, pickles=True) as readable, \
             config_source(None if config is None else os.fspath(config), token=token) as local_config:
         if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
-            staged = dataclasses.replace(options, overwrite=False)
-            return write_to_store(output, lambda out: convert_with(
-                readable, out, options=staged, key=key, keymap=keymap, to=to, config=local_config,
-                component=component), overwrite=options.overwrite, dry_run=options.dry_run)
+            return write_to_store(output, lambda out, tick: convert_with(
+                readable, out, options=dataclasses.replace(options, overwrite=False, progress=tick), key=key,
+                keymap=keymap, to=to, config=local_config, component=component),
+                overwrite=options.overwrite, dry_run=options.dry_run, progress=options.progress)
         return convert_with(readable, output, options=options, key=key, keymap=keymap, to=to,
                             config=local_config, component=component)

@@ -20,6 +20,7 @@ from .. import _faults
 from ..atomic.journal import Recovery
 from ..errors import OutputExistsError, ShardkitWriteError
 from ..sharding.job import SplitResult
+from ..sharding.options import ProgressCallback
 from ..stores import ObjectStore, StoreUrl, is_store_url, open_store, parse_store_url
 from ..stores.transaction import StoreTransaction, recover_store
 
@@ -37,13 +38,16 @@ def _split_url(output: str) -> tuple[StoreUrl, str]:
     return url, "out"
 
 
-def write_to_store(output: str, job: Callable[[str], SplitResult], *, overwrite: bool = False,
-                   dry_run: bool = False) -> SplitResult:
-    """Run ``job`` on a local staging path, then publish what it wrote under ``output`` (``s3://...``).
+def write_to_store(output: str, job: Callable[[str, ProgressCallback | None], SplitResult], *,
+                   overwrite: bool = False, dry_run: bool = False,
+                   progress: ProgressCallback | None = None) -> SplitResult:
+    """Run ``job(staging_path, progress)`` locally, then publish what it wrote under ``output`` (``s3://...``).
 
     The prefix is checked first (bucket, credentials, and ``overwrite`` when it holds objects), so
-    a refusal costs no split. The result names ``output``.
+    a refusal costs no split. ``progress`` sees the job as the first half of the bytes and the
+    upload as the second. The result names ``output``.
     """
+    phases = _Phases(progress)
     url, local_name = _split_url(output)
     staging = tempfile.mkdtemp(prefix="shardkit-s3-out-")
     try:
@@ -52,19 +56,42 @@ def write_to_store(output: str, job: Callable[[str], SplitResult], *, overwrite:
                 raise OutputExistsError(f"{url}: the prefix already holds objects; pass overwrite=True to "
                                         "replace the checkpoint there")
             local = os.path.join(staging, local_name)
-            result = job(local)
+            result = job(local, phases.job if progress else None)
             if not dry_run:
-                _upload(store, local, overwrite=overwrite)
+                _upload(store, local, overwrite=overwrite, progress=phases.upload)
         return dataclasses.replace(result, output=output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def _upload(store: ObjectStore, local: str, *, overwrite: bool) -> None:
+class _Phases:
+    """One ``(done, total)`` bar over two phases: the local job (first half), the upload (second)."""
+
+    def __init__(self, progress: ProgressCallback | None) -> None:
+        self._progress = progress or (lambda done, total: None)
+        self._total = 0
+
+    def job(self, done: int, total: int) -> None:
+        self._total = total
+        self._progress(done // 2, total)
+
+    def upload(self, done: int, total: int) -> None:
+        if self._total:
+            self._progress(self._total // 2 + done * (self._total - self._total // 2) // max(total, 1), self._total)
+
+
+def _upload(store: ObjectStore, local: str, *, overwrite: bool, progress: ProgressCallback) -> None:
     files = _local_files(local)
+    total_bytes, sent_bytes = sum(os.path.getsize(p) for p in files.values()), 0
+
+    def tick(nbytes: int) -> None:
+        nonlocal sent_bytes
+        sent_bytes += nbytes
+        progress(sent_bytes, total_bytes)
+
     with StoreTransaction(store, list(files), overwrite=overwrite) as tx:
         for name, path in files.items():
-            tx.stream(name, _chunks(path))
+            tx.stream(name, _chunks(path, tick))
         tx.commit()
 
 
@@ -80,7 +107,7 @@ def _local_files(local: str) -> dict[str, str]:
     return found
 
 
-def _chunks(path: str) -> Iterator[bytes]:
+def _chunks(path: str, tick: Callable[[int], None]) -> Iterator[bytes]:
     """The file's bytes, 8 MiB at a time, the count checked against its size."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -92,6 +119,7 @@ def _chunks(path: str) -> Iterator[bytes]:
             done += len(chunk)
             yield chunk
             _faults.point(f"store:sent:{done}")  # the chunk is in the writer (a part sent at each 16 MiB)
+            tick(len(chunk))
     finally:
         os.close(fd)
 
