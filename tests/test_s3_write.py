@@ -218,3 +218,28 @@ def test_cli_convert_to_s3_equals_a_local_convert(s3_env, source, run_cli, tmp_p
     assert result.exit_code == 0, result.stderr
     assert _remote(s3_env, "bf16") == {p.name: p.read_bytes() for p in local.iterdir()}
     assert len(list(local.glob("*.safetensors"))) >= 2
+
+
+def test_a_failure_between_manifest_and_index_leaves_no_wrong_manifest(s3_env, source, run_cli, tmp_path) -> None:
+    url = f"s3://{s3_env.bucket}/m"
+    assert run_cli("split", source, url, "--max-shard-size", "15MB").exit_code == 0
+    old = _remote(s3_env, "m")
+    local = tmp_path / "local"
+    assert run_cli("split", source, local, "--max-shard-size", "8MB").exit_code == 0
+    with open_store(url) as store:
+        real_put = store.put
+
+        def put(name: str, data: bytes):
+            if name == INDEX:
+                raise KeyboardInterrupt  # the interrupt lands between the manifest's put and the index's
+            return real_put(name, data)
+
+        store.put = put  # type: ignore[method-assign]
+        files = sorted(p.name for p in local.iterdir())
+        with pytest.raises(KeyboardInterrupt), StoreTransaction(store, files, overwrite=True) as tx:
+            for name in files:
+                tx.stream(name, [(local / name).read_bytes()])
+            tx.commit()
+    assert _remote(s3_env, "m") == {k: v for k, v in old.items() if k != "shardkit.manifest.json"}
+    assert "shardkit.manifest.json" in old
+    assert s3_env.uploads() == []

@@ -13,7 +13,9 @@ any) still names intact old shards:
    the old shards it will delete, so ``recover`` can clean up after a SIGKILL.
 3. On any failure or interrupt (``KeyboardInterrupt`` included) before the publish: the open upload
    is aborted and every object this write created is deleted; objects it did not create are never
-   touched, the source least of all.
+   touched, the source least of all. One exception: a failure between the manifest's ``put`` and
+   the index's deletes the new manifest even where it replaced the old one (the old checkpoint
+   is left without a manifest rather than with a wrong one).
 4. After the indexes are published: the old indexes no longer replaced, then the old shards no new
    index names, are deleted; then the journal.
 """
@@ -130,9 +132,9 @@ class StoreTransaction:
             raise StoreError(f"{self.store.url.child(missing[0])}: never written; nothing was published")
         for name in self.names:
             if name in self._pending:
+                if name not in self._existing or posixpath.basename(name) == MANIFEST_FILE:
+                    self._created.append(name)  # a replaced manifest goes too: none beats a wrong one
                 self.store.put(name, self._pending.pop(name))
-                if name not in self._existing:
-                    self._created.append(name)
         self._published = True
         self.store.delete(self.stale_indexes)  # no index names the old shards any more...
         self.store.delete(self.stale)          # ...so they can go
