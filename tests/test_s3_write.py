@@ -125,9 +125,14 @@ def test_a_failure_mid_write_deletes_what_it_created_and_nothing_else(s3_env, tm
     assert s3_env.uploads() == []
 
 
-def _start_paused_split(s3_env, source: Path, url: str, wait: Path) -> subprocess.Popen[bytes]:
-    """The CLI split to ``url`` in a subprocess, paused once 16 MiB of a shard went into its multipart upload."""
-    env = {**os.environ, **s3_env.env, "SHARDKIT_FAULT_WAIT_AT": f"store:sent:{16 << 20}",
+FIRST_PART = f"store:sent:model-00001-of-00002.safetensors:{16 << 20}"  # a multipart upload open, nothing whole
+SECOND_SHARD = f"store:sent:model-00002-of-00002.safetensors:{8 << 20}"  # the first shard whole, unpublished
+
+
+def _start_paused_split(s3_env, source: Path, url: str, wait: Path, *,
+                        point: str = FIRST_PART) -> subprocess.Popen[bytes]:
+    """The CLI split to ``url`` in a subprocess, paused at the fault ``point`` of its upload."""
+    env = {**os.environ, **s3_env.env, "SHARDKIT_FAULT_WAIT_AT": point,
            "SHARDKIT_FAULT_WAIT_FILE": str(wait)}
     proc = subprocess.Popen([SHARDKIT_BIN, "split", str(source), url, "--max-shard-size", "20MB"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -153,24 +158,28 @@ def test_ctrl_c_mid_upload_aborts_and_deletes_what_it_wrote(s3_env, source, tmp_
     assert s3_env.uploads() == [], "the open upload was aborted"
 
 
+@pytest.mark.parametrize("point", [FIRST_PART, SECOND_SHARD])
 def test_sigkill_mid_upload_leaves_no_index_and_recover_aborts_the_upload(s3_env, source, tmp_path,
-                                                                        run_cli) -> None:
+                                                                        run_cli, point) -> None:
     before = _digest(source)
     s3_env.put("other/x.bin", b"not ours")
     client = s3_env.client()
     foreign = client.create_multipart_upload(Bucket=s3_env.bucket, Key="kill/notes.bin")["UploadId"]
     client.close()
-    proc = _start_paused_split(s3_env, source, f"s3://{s3_env.bucket}/kill", tmp_path / "go")
+    proc = _start_paused_split(s3_env, source, f"s3://{s3_env.bucket}/kill", tmp_path / "go", point=point)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=30)
     url = f"s3://{s3_env.bucket}/kill"
     keys = s3_env.keys("kill/")
     assert f"kill/{INDEX}" not in keys, "no index before every shard is whole"
     assert any(k.startswith(f"kill/{JOURNAL_PREFIX}") for k in keys)
-    assert len(s3_env.uploads()) >= 2, "the killed write's upload is still open (and the foreign one)"
+    if point == FIRST_PART:
+        assert len(s3_env.uploads()) >= 2, "the killed write's upload is still open (and the foreign one)"
+    else:
+        assert "kill/model-00001-of-00002.safetensors" in keys, "a whole shard, named by no index"
     result = run_cli("recover", url)
     assert result.exit_code == 0, result.stderr
-    assert "multipart upload aborted" in result.stdout
+    assert ("multipart upload aborted" in result.stdout) == (point == FIRST_PART), result.stdout
     assert s3_env.uploads() == ["kill/notes.bin"], "only shardkit's own uploads are aborted"
     assert s3_env.keys("kill/") == [], "the unpublished shards and the journal are gone"
     assert s3_env.keys("other/") == ["other/x.bin"]

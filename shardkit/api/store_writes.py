@@ -91,7 +91,7 @@ def _upload(store: ObjectStore, local: str, *, overwrite: bool, progress: Progre
 
     with StoreTransaction(store, list(files), overwrite=overwrite) as tx:
         for name, path in files.items():
-            tx.stream(name, _chunks(path, tick))
+            tx.stream(name, _chunks(path, tick, label=f"store:sent:{name}:"))
         tx.commit()
 
 
@@ -107,7 +107,7 @@ def _local_files(local: str) -> dict[str, str]:
     return found
 
 
-def _chunks(path: str, tick: Callable[[int], None]) -> Iterator[bytes]:
+def _chunks(path: str, tick: Callable[[int], None], *, label: str) -> Iterator[bytes]:
     """The file's bytes, 8 MiB at a time, the count checked against its size."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -118,7 +118,7 @@ def _chunks(path: str, tick: Callable[[int], None]) -> Iterator[bytes]:
                 raise ShardkitWriteError(f"{path}: the staged file ended after {done} of {size_bytes} bytes")
             done += len(chunk)
             yield chunk
-            _faults.point(f"store:sent:{done}")  # the chunk is in the writer (a part sent at each 16 MiB)
+            _faults.point(f"{label}{done}")  # the chunk is in the writer (a part sent at each 16 MiB)
             tick(len(chunk))
     finally:
         os.close(fd)
