@@ -8,6 +8,7 @@ built options. A local path goes straight to the stage, never through ``hub/``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from ..checking.info import CheckpointInfo
 from ..checking.verify import VerifyReport
 from ..distributed.save import save_sharded
+from ..errors import InvalidInputError
 from ..formats.header import read_header
 from ..sharding.job import SplitResult
 from ..sharding.options import ProgressCallback, WriteOptions
@@ -24,6 +26,7 @@ from ..sources.base import CheckpointSource
 from ..stores.urls import check_local, is_store_url
 from .options import ConvertTo
 from .sources import is_hub, is_remote
+from .store_writes import write_to_store
 from .stores import store_info, store_verify
 
 if TYPE_CHECKING:
@@ -67,6 +70,10 @@ def split(source: CheckpointSource, output: str | os.PathLike[str], *, options: 
 
     built = WriteOptions.build(options, shorthands, where="split()")
     with opened(source, token=token, cache=cache) as readable:
+        if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
+            return write_to_store(output, lambda out, tick: split_with(
+                readable, out, options=dataclasses.replace(built, overwrite=False, progress=tick), key=key),
+                overwrite=built.overwrite, dry_run=built.dry_run, progress=built.progress)
         return split_with(readable, output, options=built, key=key)
 
 
@@ -123,6 +130,11 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options
         return convert_collective(source, output, options=built, key=key, keymap=keymap, to=to)
     with opened(source, token=token, cache=cache, pickles=True) as readable, \
             configs(config, token=token) as local_config:
+        if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
+            return write_to_store(output, lambda out, tick: convert_with(
+                readable, out, options=dataclasses.replace(built, overwrite=False, progress=tick), key=key,
+                keymap=keymap, to=to, config=local_config, component=component),
+                overwrite=built.overwrite, dry_run=built.dry_run, progress=built.progress)
         return convert_with(readable, output, options=built, key=key, keymap=keymap, to=to, config=local_config,
                             component=component)
 
@@ -164,13 +176,20 @@ def split_and_push(source: CheckpointSource, output: str | os.PathLike[str], rep
     from .sources import opened
 
     options = WriteOptions.build(options, shorthands, where="split_and_push()")
+    if repo_id and is_store_url(output):
+        raise InvalidInputError(f"{output}: a push reads a local folder; split to a local folder to push it")
     if repo_id:  # only a push imports hub/
         from ..hub.preflight import check_folder_links, check_push_target, check_repo_id
 
         check_repo_id(repo_id) if options.dry_run else check_push_target(repo_id, token=token)
         check_folder_links(output)
     with opened(source, token=token, cache=cache) as readable:
-        result = split_with(readable, output, options=options, key=key)
+        if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
+            result = write_to_store(output, lambda out, tick: split_with(
+                readable, out, options=dataclasses.replace(options, overwrite=False, progress=tick), key=key),
+                overwrite=options.overwrite, dry_run=options.dry_run, progress=options.progress)
+        else:
+            result = split_with(readable, output, options=options, key=key)
     if after_split is not None:
         after_split(result)
     if not repo_id or options.dry_run:

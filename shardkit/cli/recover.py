@@ -12,14 +12,27 @@ EPILOG = """\b
 Examples:
   shardkit recover out/
   shardkit recover unet-sharded/ vae-sharded/ --json
+  shardkit recover s3://models/llama   # abort the uploads of killed writes, delete their unpublished shards
 
 Any shardkit command that reads or writes a folder does this by itself first; this command is
 for read-only tools (or a read-only mount) that found a folder mid-commit.
 """
 
 
+class FolderOrStore(click.ParamType):  # type: ignore[type-arg]
+    """An existing local folder, or an ``s3://BUCKET/PREFIX`` (whose killed writes ``recover`` cleans up)."""
+
+    name = "folder"
+
+    def convert(self, value: str, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        if value.startswith("s3://"):
+            return value
+        path: str = click.Path(exists=True, file_okay=False, path_type=str).convert(value, param, ctx)
+        return path
+
+
 @click.command(epilog=EPILOG, short_help="Finish interrupted writes and remove stale temporary files.")
-@click.argument("folders", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=str))
+@click.argument("folders", nargs=-1, required=True, type=FolderOrStore())
 @click.option("--json", "as_json", is_flag=True, help="Print what was rolled forward and removed, as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing; the exit code tells.")
 def recover(folders: tuple[str, ...], as_json: bool, quiet: bool) -> None:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any
 
 import click
 
+from ..api.store_writes import shown_path
 from ..units import format_size
 from .common import byte_progress, echo_json, hub_token_option, no_cache_option, shard_options
 
@@ -115,10 +115,10 @@ def print_plan(result: object) -> None:
         click.echo(f"  {plan.index_filename}")
     if len(plan.shards) == 1 and not plan.index_filename and not getattr(result, "components", None):
         click.echo(f"{verb} 1 file, {format_size(plan.total_bytes)}: "  # name the file, not its folder
-                   f"{os.path.abspath(result.files[0])}")  # type: ignore[attr-defined]
+                   f"{shown_path(result.files[0])}")  # type: ignore[attr-defined]
     else:
         click.echo(f"{verb} {len(plan.shards)} shard(s), {format_size(plan.total_bytes)} to "
-                   f"{os.path.abspath(result.output)}")  # type: ignore[attr-defined]
+                   f"{shown_path(result.output)}")  # type: ignore[attr-defined]
     if not result.dry_run:  # type: ignore[attr-defined]
         click.echo(f"cloned {format_size(result.cloned_bytes)}, "  # type: ignore[attr-defined]
                    f"copied {format_size(result.copied_bytes)}")  # type: ignore[attr-defined]

@@ -329,22 +329,28 @@ def _copy_by_chunks(src_fd: int, fd: int, src_offset: int, dst_offset: int, coun
 
 def _cast_tensor(fd: int, p: TensorWrite, source: Source, path: str, tick: ProgressFn) -> int:
     """Cast one tensor chunk by chunk while writing it; returns the crc32 of the bytes written."""
+    crc = 0
+    for cast in cast_chunks(p, source):
+        _write_all(fd, cast, path)
+        crc = zlib.crc32(cast, crc)
+        tick(cast.nbytes)  # progress counts output bytes, as the plan's total does
+    return crc
+
+
+def cast_chunks(p: TensorWrite, source: Source) -> Iterator[memoryview]:
+    """One tensor's bytes cast to its output dtype, in order, 16 MiB of source bytes at a time."""
     import torch
 
     from ..formats.dtypes import to_torch
 
     src_dtype, out_dtype = to_torch(p.src.dtype), to_torch(p.out.dtype)
     itemsize = src_dtype.itemsize
-    step, crc = max(itemsize, CAST_CHUNK_BYTES // itemsize * itemsize), 0
+    step = max(itemsize, CAST_CHUNK_BYTES // itemsize * itemsize)
     for begin in range(0, p.src.nbytes, step):
         end = min(begin + step, p.src.nbytes)
         raw = bytearray(source.read(p.src, begin, end))
         _check_length(p.src, begin + len(raw), end, source)
-        cast = torch.frombuffer(raw, dtype=src_dtype).to(out_dtype).view(torch.uint8).numpy().data
-        _write_all(fd, cast, path)
-        crc = zlib.crc32(cast, crc)
-        tick(cast.nbytes)  # progress counts output bytes, as the plan's total does
-    return crc
+        yield torch.frombuffer(raw, dtype=src_dtype).to(out_dtype).view(torch.uint8).numpy().data
 
 
 def _write_all(fd: int, data: bytes | memoryview, path: str) -> None:

@@ -1,0 +1,136 @@
+"""``split``/``convert`` into ``s3://BUCKET/PREFIX``, and ``recover`` of such a prefix.
+
+Interim: the job writes its output into a local staging folder (``TMPDIR``) with the local
+writer, unchanged, so the bytes are those of a local run with the same options; then a
+:class:`~shardkit.stores.transaction.StoreTransaction` streams each file into the store (8 MiB
+reads, multipart parts of 16 MiB, at most 3 in flight) and publishes the indexes last. The
+staging folder is removed on every path. Streaming shards straight from the shard writer into the
+store (no local copy) is the next step; docs/s3.md says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+
+from .. import _faults
+from ..atomic.journal import Recovery
+from ..errors import OutputExistsError, ShardkitWriteError
+from ..sharding.job import SplitResult
+from ..sharding.options import ProgressCallback
+from ..stores import ObjectStore, StoreUrl, is_store_url, open_store, parse_store_url
+from ..stores.transaction import StoreTransaction, recover_store
+
+__all__ = ["recover_prefix", "shown_path", "write_to_store"]
+
+READ_BYTES = 8 << 20
+
+
+def _split_url(output: str) -> tuple[StoreUrl, str]:
+    """The store folder and the local name of the output: ``s3://b/p/model.safetensors`` is a file in ``s3://b/p``."""
+    url = parse_store_url(output)
+    if url.prefix.endswith(".safetensors"):
+        folder, _, name = url.prefix.rpartition("/")
+        return dataclasses.replace(url, prefix=folder), name
+    return url, "out"
+
+
+def write_to_store(output: str, job: Callable[[str, ProgressCallback | None], SplitResult], *,
+                   overwrite: bool = False, dry_run: bool = False,
+                   progress: ProgressCallback | None = None) -> SplitResult:
+    """Run ``job(staging_path, progress)`` locally, then publish what it wrote under ``output`` (``s3://...``).
+
+    The prefix is checked first (bucket, credentials, and ``overwrite`` when it holds objects), so
+    a refusal costs no split. ``progress`` sees the job as the first half of the bytes and the
+    upload as the second. The result names ``output``.
+    """
+    phases = _Phases(progress)
+    url, local_name = _split_url(output)
+    staging = tempfile.mkdtemp(prefix="shardkit-s3-out-")
+    try:
+        with open_store(url) as store:
+            if not overwrite and store.list_objects():
+                raise OutputExistsError(f"{url}: the prefix already holds objects; pass overwrite=True to "
+                                        "replace the checkpoint there")
+            local = os.path.join(staging, local_name)
+            result = job(local, phases.job if progress else None)
+            if not dry_run:
+                _upload(store, local, overwrite=overwrite, progress=phases.upload)
+        return dataclasses.replace(result, output=output)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+class _Phases:
+    """One ``(done, total)`` bar over two phases: the local job (first half), the upload (second)."""
+
+    def __init__(self, progress: ProgressCallback | None) -> None:
+        self._progress = progress or (lambda done, total: None)
+        self._total = 0
+
+    def job(self, done: int, total: int) -> None:
+        self._total = total
+        self._progress(done // 2, total)
+
+    def upload(self, done: int, total: int) -> None:
+        if self._total:
+            self._progress(self._total // 2 + done * (self._total - self._total // 2) // max(total, 1), self._total)
+
+
+def _upload(store: ObjectStore, local: str, *, overwrite: bool, progress: ProgressCallback) -> None:
+    files = _local_files(local)
+    total_bytes, sent_bytes = sum(os.path.getsize(p) for p in files.values()), 0
+
+    def tick(nbytes: int) -> None:
+        nonlocal sent_bytes
+        sent_bytes += nbytes
+        progress(sent_bytes, total_bytes)
+
+    with StoreTransaction(store, list(files), overwrite=overwrite) as tx:
+        for name, path in files.items():
+            tx.stream(name, _chunks(path, tick, label=f"store:sent:{name}:"))
+        tx.commit()
+
+
+def _local_files(local: str) -> dict[str, str]:
+    """Every file the job wrote: name relative to the output folder ('/'-separated) → local path."""
+    if os.path.isfile(local):
+        return {os.path.basename(local): local}
+    found: dict[str, str] = {}
+    for root, _dirs, names in os.walk(local):
+        for name in names:
+            path = os.path.join(root, name)
+            found[os.path.relpath(path, local).replace(os.sep, "/")] = path
+    return found
+
+
+def _chunks(path: str, tick: Callable[[int], None], *, label: str) -> Iterator[bytes]:
+    """The file's bytes, 8 MiB at a time, the count checked against its size."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size_bytes, done = os.fstat(fd).st_size, 0
+        while done < size_bytes:
+            chunk = os.read(fd, min(READ_BYTES, size_bytes - done))
+            if not chunk:
+                raise ShardkitWriteError(f"{path}: the staged file ended after {done} of {size_bytes} bytes")
+            done += len(chunk)
+            yield chunk
+            _faults.point(f"{label}{done}")  # the chunk is in the writer (a part sent at each 16 MiB)
+            tick(len(chunk))
+    finally:
+        os.close(fd)
+
+
+def shown_path(path: str) -> str:
+    """A path as messages show it: an ``s3://`` URL as given, a local one absolute."""
+    return path if is_store_url(path) else os.path.abspath(path)
+
+
+def recover_prefix(output: str) -> Recovery:
+    """Abort the multipart uploads and delete the unpublished objects of killed writes under ``s3://...``."""
+    url, _ = _split_url(output)
+    with open_store(url) as store:
+        return Recovery(str(url), removed=recover_store(store))

@@ -1,0 +1,58 @@
+"""One safetensors shard written front to back into a byte sink: the seam for outputs without seek.
+
+:func:`~shardkit.sharding.writer.write_safetensors` writes a file by offsets (copy-on-write clones
+last); an object store takes bytes in order only. :func:`stream_safetensors` writes the same
+bytes (the same header, padding included, the tensors in the same order) to anything with a
+``write`` method, such as a store's multipart writer (``shardkit.stores.ObjectStore.writer``),
+reading each tensor through the source in 64 MiB chunks (casts in 16 MiB), so memory is bounded.
+Every tensor goes through Python, so every crc32 is taken on the way.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Protocol
+
+from ..formats.header import build_header
+from ..sources.base import Source
+from .writer import CHUNK_BYTES, ProgressFn, TensorWrite, WrittenFile, _check_length, cast_chunks, clone_alignment
+
+__all__ = ["ByteSink", "stream_safetensors"]
+
+
+class ByteSink(Protocol):
+    """Where a streamed shard goes: bytes in order, each call's count taken whole."""
+
+    def write(self, data: bytes | memoryview) -> None: ...
+
+
+def stream_safetensors(sink: ByteSink, name: str, writes: list[TensorWrite], source: Source, *,
+                       metadata: dict[str, str] | None = None, progress: ProgressFn | None = None) -> WrittenFile:
+    """Write ``writes`` as one safetensors file into ``sink``, byte for byte what ``write_safetensors`` writes.
+
+    Returns a :class:`~shardkit.sharding.writer.WrittenFile` named ``name`` with every tensor's crc32.
+
+    with store.writer("model-00001-of-00002.safetensors") as w:
+        stream_safetensors(w, w.name, writes, source); w.commit()
+    """
+    head, _ = build_header([p.out for p in writes], metadata=dict(sorted((metadata or {}).items())),
+                           data_start_mod=clone_alignment(writes))
+    tick = progress or (lambda n: None)
+    sink.write(head)
+    file_bytes, crc32s = len(head), {}
+    for p in writes:
+        crc, done = 0, 0
+        chunks = cast_chunks(p, source) if p.src.dtype != p.out.dtype else source.chunks(p.src, CHUNK_BYTES)
+        for chunk in chunks:
+            sink.write(chunk)
+            crc = zlib.crc32(chunk, crc)
+            nbytes = memoryview(chunk).nbytes
+            done += nbytes
+            tick(nbytes)
+        if p.src.dtype == p.out.dtype:
+            _check_length(p.src, done, p.src.nbytes, source)
+        elif done != p.out.nbytes:
+            _check_length(p.out, done, p.out.nbytes, source)
+        crc32s[p.out.name] = f"{crc:08x}"
+        file_bytes += done
+    return WrittenFile(name, file_bytes, 0, crc32s)

@@ -1,0 +1,208 @@
+"""Write a checkpoint into a store folder atomically, on a store without rename: publish last.
+
+A reader of ``s3://BUCKET/PREFIX`` finds a checkpoint through its index. So the shards go first,
+each by a streamed multipart upload; the manifest and configs (small ``.json`` objects) next; the
+indexes last. Until the last ``put`` no index names a shard of this write, and the old index (if
+any) still names intact old shards:
+
+1. :class:`StoreTransaction` lists the prefix, reads its live indexes and refuses, before any byte
+   is written, a shard name that is already an object there (an in-place reshard to the same
+   names cannot be atomic without rename: write to a fresh prefix, or delete the old one first),
+   and any object at all without ``overwrite=True``.
+2. A small journal object (``.shardkit-write-TOKEN.json``) names the shards this write creates and
+   the old shards it will delete, so ``recover`` can clean up after a SIGKILL.
+3. On any failure or interrupt (``KeyboardInterrupt`` included) before the publish: the open upload
+   is aborted and every object this write created is deleted; objects it did not create are never
+   touched, the source least of all. One exception: a failure between the manifest's ``put`` and
+   the index's deletes the new manifest even where it replaced the old one (the old checkpoint
+   is left without a manifest rather than with a wrong one).
+4. After the indexes are published: the old indexes no longer replaced, then the old shards no new
+   index names, are deleted; then the journal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import posixpath
+import secrets
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+
+from ..errors import InvalidInputError, OutputExistsError, ShardkitError, StoreError
+from ..formats.suffixes import MANIFEST_FILE
+from .base import ObjectInfo, ObjectStore, ObjectWriter
+
+__all__ = ["JOURNAL_PREFIX", "StoreTransaction", "index_names", "is_index", "recover_store"]
+
+JOURNAL_PREFIX = ".shardkit-write-"
+INDEX_SUFFIX = ".index.json"
+MAX_INDEX_BYTES = 64 << 20  # an index past this is no index shardkit reads (a bound, not a guess)
+
+
+def is_index(name: str) -> bool:
+    return name.endswith(INDEX_SUFFIX)
+
+
+def _publish_order(name: str) -> int:
+    """0: data (streamed first), 1: manifest and configs, 2: indexes (last)."""
+    return 2 if is_index(name) else 1 if name.endswith(".json") else 0
+
+
+def index_names(store: ObjectStore, index: ObjectInfo) -> set[str]:
+    """The objects an index in the store names (relative to the prefix), the index read with a bound."""
+    where = store.url.child(index.name)
+    if index.size_bytes > MAX_INDEX_BYTES:
+        raise StoreError(f"{where}: {index.size_bytes} bytes is too large for an index")
+    raw = bytearray(index.size_bytes)
+    store.read_into(index.name, 0, memoryview(raw))
+    try:
+        weight_map = json.loads(raw).get("weight_map", {})
+    except (ValueError, AttributeError) as e:
+        raise InvalidInputError(f"{where}: not a readable index ({e}); delete or fix it first") from e
+    if not isinstance(weight_map, dict):
+        raise InvalidInputError(f"{where}: its weight_map is not a mapping; delete or fix it first")
+    folder = posixpath.dirname(index.name)
+    names = {posixpath.join(folder, str(v)) for v in weight_map.values()}
+    for name in names:
+        store.url.key(name)  # a name from elsewhere never becomes a key outside the prefix
+    return names
+
+
+class StoreTransaction:
+    """Create the objects ``names`` under the store's folder, publishing the indexes last.
+
+    with StoreTransaction(store, names, overwrite=False) as tx:
+        tx.stream("model-00001-of-00002.safetensors", chunks)  # ... every name, any order
+        tx.commit()                                           # the .json objects, indexes last
+    """
+
+    def __init__(self, store: ObjectStore, names: Sequence[str], *, overwrite: bool = False) -> None:
+        self.store = store
+        self.names = sorted(set(names), key=lambda n: (_publish_order(n), n))
+        self._pending: dict[str, bytes] = {}
+        self._streamed: set[str] = set()
+        self._created: list[str] = []
+        self._writer: ObjectWriter | None = None
+        self._published = False
+        self.journal = f"{JOURNAL_PREFIX}{secrets.token_hex(8)}.json"
+        existing = {o.name: o for o in store.list_objects()}
+        if existing and not overwrite:
+            raise OutputExistsError(f"{store.url}: the prefix already holds {len(existing)} object(s); "
+                                    "pass overwrite=True to replace the checkpoint there")
+        self._existing = set(existing)
+        live_indexes = [o for n, o in existing.items() if is_index(n)]
+        live = {n for o in live_indexes for n in index_names(store, o)}
+        clash = [n for n in self.names if _publish_order(n) == 0 and n in existing]
+        if clash:
+            what = "the live index names it" if clash[0] in live else "an object of that name exists"
+            raise InvalidInputError(
+                f"{store.url.child(clash[0])}: {what}; a store without rename cannot replace it atomically: "
+                "write to a new prefix (or one with another shard count), or delete the old checkpoint first")
+        keep = set(self.names)
+        self.stale_indexes = sorted(o.name for o in live_indexes if o.name not in keep)
+        self.stale = sorted((live | ({MANIFEST_FILE} & set(existing))) - keep - set(self.stale_indexes))
+        created = [n for n in self.names if _publish_order(n) == 0]
+        store.put(self.journal, json.dumps({"created": created, "stale": self.stale}).encode())
+
+    # ------------------------------------------------------------------ writing
+
+    def stream(self, name: str, chunks: Iterable[bytes | memoryview]) -> ObjectInfo:
+        """Upload one object from ``chunks``: a data object by multipart now, a ``.json`` one held for commit."""
+        if name not in self.names or name in self._streamed or name in self._pending:
+            raise StoreError(f"{self.store.url.child(name)}: not an object of this write, or written twice")
+        if _publish_order(name) > 0:
+            data = b"".join(bytes(c) for c in chunks)
+            self._pending[name] = data
+            return ObjectInfo(name, len(data))
+        self._created.append(name)  # from here on ours to delete on failure (it did not exist before)
+        self._writer = self.store.writer(name)
+        with self._writer as writer:
+            for chunk in chunks:
+                writer.write(chunk)
+            info = writer.commit()
+        self._writer = None
+        self._streamed.add(name)
+        return info
+
+    def commit(self) -> None:
+        """Publish: every data object must be written; then the ``.json`` objects, indexes last; then clean up."""
+        missing = [n for n in self.names if n not in self._streamed and n not in self._pending]
+        if missing:
+            raise StoreError(f"{self.store.url.child(missing[0])}: never written; nothing was published")
+        for name in self.names:
+            if name in self._pending:
+                if name not in self._existing or posixpath.basename(name) == MANIFEST_FILE:
+                    self._created.append(name)  # a replaced manifest goes too: none beats a wrong one
+                self.store.put(name, self._pending.pop(name))
+        self._published = True
+        self.store.delete(self.stale_indexes)  # no index names the old shards any more...
+        self.store.delete(self.stale)          # ...so they can go
+        self.store.delete([self.journal])
+
+    # ------------------------------------------------------------------ failing
+
+    def rollback(self) -> None:
+        """Abort the open upload and delete what this write created (never anything else)."""
+        if self._writer is not None:
+            with contextlib.suppress(ShardkitError):
+                self._writer.abort()
+            self._writer = None
+        self.store.delete(self._created)
+        self._created = []
+        self.store.delete([self.journal])
+
+    def __enter__(self) -> StoreTransaction:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._published:
+            return
+        if kind is None:  # left without commit(): nothing is published, nothing stays
+            self.rollback()
+            return
+        with contextlib.suppress(ShardkitError):  # the first failure is the one to report
+            self.rollback()
+
+
+def recover_store(store: ObjectStore) -> list[str]:
+    """Clean up after writes killed mid-way (SIGKILL, power loss): what was aborted or deleted, as URLs.
+
+    Only shardkit's own leftovers: each write journal under the prefix names the objects its write
+    created and the old ones it was to delete. Their multipart uploads are aborted, and those of
+    them no live index names are deleted (a write killed before its publish leaves the old
+    checkpoint whole; one killed after it, its new one). Uploads of other names are left alone.
+    """
+    journals = [o for o in store.list_objects() if posixpath.basename(o.name).startswith(JOURNAL_PREFIX)]
+    ours: set[str] = set()
+    for journal in journals:
+        ours |= _journal_names(store, journal)
+    done: list[str] = []
+    for upload in store.pending_uploads():
+        if upload.name in ours:
+            store.abort(upload)
+            done.append(f"{store.url.child(upload.name)} (multipart upload aborted)")
+    existing = {o.name: o for o in store.list_objects()}
+    live = {n for name, o in existing.items() if is_index(name) for n in index_names(store, o)}
+    orphans = sorted(n for n in ours if n in existing and n not in live)
+    store.delete(orphans)
+    store.delete([j.name for j in journals])
+    done += [str(store.url.child(n)) for n in orphans] + [str(store.url.child(j.name)) for j in journals]
+    return done
+
+
+def _journal_names(store: ObjectStore, journal: ObjectInfo) -> set[str]:
+    where = store.url.child(journal.name)
+    if journal.size_bytes > MAX_INDEX_BYTES:
+        raise StoreError(f"{where}: {journal.size_bytes} bytes is too large for a shardkit write journal")
+    raw = bytearray(journal.size_bytes)
+    store.read_into(journal.name, 0, memoryview(raw))
+    try:
+        record = json.loads(raw)
+        names = {str(n) for key in ("created", "stale") for n in record.get(key, [])}
+    except (ValueError, AttributeError, TypeError) as e:
+        raise InvalidInputError(f"{where}: not a shardkit write journal ({e}); delete it by hand") from e
+    for name in names:
+        store.url.key(name)  # checked: a journal never makes recover touch a key outside the prefix
+    return names
