@@ -3,8 +3,8 @@
 Counted with ``ast`` over every module of ``shardkit/``: ``Any`` (``typing.Any`` or a bare ``Any``)
 in parameter and return annotations, annotated assignments and attributes, and type aliases
 (``X: TypeAlias = ...`` and module-level ``X = <a type with Any>``), string annotations included.
-Issue 32 sets the goal at 150; ``BUDGET`` is the ceiling until the modules still being made strict
-merge, and only ever goes down.
+Issue 32 set the goal at 150 (from ~700); ``BUDGET`` is the ceiling today (135 counted when it was set)
+and only ever goes down.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import shardkit
 
 PACKAGE = Path(shardkit.__file__).parent
 GOAL = 150  # issue 32
-BUDGET = 250  # lower it as modules get precise types; never raise it
+BUDGET = 140  # under the goal; lower it as modules get precise types, never raise it
 
 
 def _count(node: ast.AST | None) -> int:
