@@ -130,10 +130,11 @@ class Page:
     namespace: dict[str, Any] = field(default_factory=dict)
     built: set[str] = field(default_factory=set)
     hub: Any = None
+    s3: Any = None
 
     @property
     def isolated(self) -> bool:
-        return self.hub is not None
+        return self.hub is not None or self.s3 is not None
 
 
 def _tiny_unet(page: Page) -> None:
@@ -279,6 +280,32 @@ def _flux_config(page: Page) -> None:
     (page.folder / "flux" / "config.json").write_text(json.dumps(config, indent=2))
 
 
+def _s3(page: Page) -> None:
+    """A SeaweedFS S3 server (scripts/s3_server.py; the page skips where ``weed`` cannot run) with a
+    bucket ``models``: ``s3://models/sd15/unet`` holds the tiny UNet in 1 MB shards, ``model.safetensors``
+    is its single file here, and the standard AWS_* variables name the server (``~/.aws`` hidden)."""
+    from helpers_s3 import start_or_skip
+
+    _require(page, "tiny-unet")
+    page.s3 = start_or_skip(page.folder.parent / "seaweedfs")
+    sharded = page.folder / ".scratch-s3"
+    result = invoke_cli("split", page.folder / "unet", sharded, "--max-shard-size", "1MB")
+    assert result.exit_code == 0, result.stderr
+    client = page.s3.client()
+    try:
+        client.create_bucket(Bucket="models")
+        for path in sorted(sharded.iterdir()):
+            client.put_object(Bucket="models", Key=f"sd15/unet/{path.name}", Body=path.read_bytes())
+    finally:
+        client.close()
+    shutil.rmtree(sharded)
+    shutil.copy(page.folder / "unet" / "diffusion_pytorch_model.safetensors", page.folder / "model.safetensors")
+    page.env.update(page.s3.client_env(), AWS_CONFIG_FILE=str(page.folder.parent / "no-aws-config"),
+                    AWS_SHARED_CREDENTIALS_FILE=str(page.folder.parent / "no-aws-credentials"))
+    for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_PROFILE"):
+        page.env.pop(key, None)
+
+
 def _hub_repos(page: Page) -> None:
     """More repositories on the offline Hub: ``org/sd-pipeline`` (the tiny pipeline in 200 KB shards),
     ``org/old-model`` (the tiny BERT as a pickle only) and ``org/sd15`` (``v1-5-pruned.safetensors``)."""
@@ -300,7 +327,7 @@ def _hub_repos(page: Page) -> None:
 FIXTURES: dict[str, Callable[[Page], None]] = {
     "tiny-unet": _tiny_unet, "tiny-bert": _tiny_bert, "sd-pipeline": _sd_pipeline, "sd-ckpt": _sd_ckpt,
     "llama": _llama, "dcp": _dcp, "venv": _venv, "hub": _hub,
-    "flux-config": _flux_config, "hub-repos": _hub_repos, "sdxl-sd3": _sdxl_sd3,
+    "flux-config": _flux_config, "hub-repos": _hub_repos, "sdxl-sd3": _sdxl_sd3, "s3": _s3,
 }
 
 
@@ -455,6 +482,8 @@ def page_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pag
     finally:
         if page.hub is not None:
             page.hub.__exit__(None, None, None)
+        if page.s3 is not None:
+            page.s3.stop()
 
 
 def run_blocks(page: Page, blocks: list[Block]) -> None:
