@@ -14,7 +14,8 @@ pytestmark = pytest.mark.hub
 CODE = r"""
 import json, os, sys, tempfile
 from shardkit.hub.hf_store import HfStore
-from shardkit.hub.remote import CONFIG_RE, open_mirror
+from shardkit.formats.names import is_config_file
+from shardkit.hub.remote import open_mirror
 from shardkit.stores import RangeRequest, RemoteObject, read_ranges
 from shardkit.stores.mirror import build_header_mirror
 
@@ -30,7 +31,7 @@ def tree(root):
 with HfStore("hf://alice/ckpt") as store:
     objects = store.list_objects()
     root = tempfile.mkdtemp()
-    mirror = build_header_mirror(store, root, objects, whole=lambda n: bool(CONFIG_RE.search(n)))
+    mirror = build_header_mirror(store, root, objects, whole=is_config_file)
     shard = store.stat("model-00002-of-00002.safetensors")
     whole = bytearray(shard.size_bytes)
     read_ranges(store, [RangeRequest(shard.name, 0, memoryview(whole))], threads=4, part_bytes=100_000)

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from ..checking.info import CheckpointInfo
 from ..checking.verify import VerifyReport
 from ..errors import InvalidInputError
+from ..formats.names import is_config_file
 from ..formats.suffixes import MANIFEST_FILE
 from ..stores import list_folder, open_store, parse_store_url
 from ..stores.mirror import HeaderMirror, build_header_mirror
@@ -30,9 +31,7 @@ logger = logging.getLogger("shardkit")
 
 def _is_small_side_file(name: str) -> bool:
     """Configs, indexes and the integrity manifest: what the checks read besides the headers."""
-    from ..hub.remote import CONFIG_RE  # imported here: a local path never loads hub/
-
-    return bool(CONFIG_RE.search(name)) or name.rpartition("/")[2] == MANIFEST_FILE
+    return is_config_file(name) or name.rpartition("/")[2] == MANIFEST_FILE
 
 
 @contextlib.contextmanager

@@ -173,6 +173,20 @@ def is_index_file(name: str) -> bool:
     return parsed is not None and parsed.kind == "index"
 
 
+# What a header-only mirror (hf://, s3://) fetches whole besides the headers: configs (``config.json``,
+# ``*_config.json``), ``model_index.json`` and safetensors indexes, at any folder depth.
+_CONFIG_RE = re.compile(r"(^|/)(config|model_index|[\w.-]*_config|[\w.-]+\.safetensors\.index(\.[\w-]+)?)\.json$")
+
+
+def is_config_file(name: str) -> bool:
+    """Whether ``name`` (a path inside a checkpoint folder) is a config or index that a mirror fetches whole.
+
+    >>> [is_config_file(n) for n in ("unet/config.json", "model.fp16.safetensors.index.json", "model.safetensors")]
+    [True, True, False]
+    """
+    return bool(_CONFIG_RE.search(name))
+
+
 def is_weight_file(name: str) -> bool:
     """A file holding tensors (any kind shardkit reads) or the index of a sharded checkpoint.
 

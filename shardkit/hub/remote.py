@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import shutil
 import struct
 import tempfile
@@ -34,6 +33,7 @@ from ..errors import HeaderError, HubError, InvalidInputError, ShardkitError
 from ..formats.header import MAX_HEADER_BYTES
 from ..formats.layout import MODEL_INDEX
 from ..formats.links import OutsideFolderError, read_regular
+from ..formats.names import is_config_file
 from ..formats.suffixes import PICKLE_SUFFIXES
 from ..units import format_size
 from .remote_errors import RETRIES, hub_read_errors
@@ -53,7 +53,6 @@ NOT_DOWNLOADED = (*(f"*{suffix}" for suffix in PICKLE_SUFFIXES), "*.msgpack", "*
 RETRY_WAIT_SECONDS = 0.25
 _FETCH_THREADS = 8
 DIRECT_CHUNK_BYTES = 16 << 20
-CONFIG_RE = re.compile(r"(^|/)(config|model_index|[\w.-]*_config|[\w.-]+\.safetensors\.index(\.[\w-]+)?)\.json$")
 
 
 @contextlib.contextmanager
@@ -100,7 +99,7 @@ def _build_mirror(spec: RemoteSpec, root: str, *, token: str | None, side_files:
         fetched = [f for f in files.values() if f not in weights and not _fnmatch_any(f.path, NOT_DOWNLOADED)]
         fetch = _fetch_direct
     else:
-        fetched = [f for rel, f in files.items() if CONFIG_RE.search(rel) and f.size_bytes <= MAX_FETCHED_FILE_BYTES]
+        fetched = [f for rel, f in files.items() if is_config_file(rel) and f.size_bytes <= MAX_FETCHED_FILE_BYTES]
         fetch = _fetch_whole
     with ThreadPoolExecutor(_FETCH_THREADS) as pool:
         jobs = [pool.submit(fetch, mirror, f, token) for f in fetched]

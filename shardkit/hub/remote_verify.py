@@ -18,8 +18,9 @@ from ..checking.verify import FileReport, Finding, VerifyReport, verify
 from ..errors import SourceNotFoundError
 from ..formats.header import Header, TensorEntry, read_header
 from ..formats.manifest import MANIFEST_NAME
+from ..formats.names import is_config_file
 from ..formats.side_files import SKIPPED_DIRS
-from .remote import CONFIG_RE, open_mirror, read_range
+from .remote import open_mirror, read_range
 from .remote_spec import Mirror, RemoteFile
 
 logger = logging.getLogger("shardkit")
@@ -98,7 +99,7 @@ def verify_against_remote(path: str, against: str, *, token: str | None = None) 
 
 def _relevant(rel: str) -> bool:
     """Weight files and the configs/indexes that go with them (not READMEs, tokenizers, .gitattributes)."""
-    return rel.endswith(".safetensors") or bool(CONFIG_RE.search(rel))
+    return rel.endswith(".safetensors") or is_config_file(rel)
 
 
 def _not_compared(local: set[str], remote: set[str]) -> dict[str, str]:
