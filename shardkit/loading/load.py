@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ..devices import DeviceMap, MaxMemory
     from ..reading.residency import ReadMode
     from ..runtime.apply import LayerwiseCasting
+    from ..sources.ranged import RangedCheckpoint
     from .skeleton import ConfigSpec, ModelSpec
 
 
@@ -86,7 +87,7 @@ def fill_skeleton(skeleton: Any, checkpoint: LazyCheckpoint, match: KeyMatch, de
     return write_offload_index(checkpoint, on_disk, os.fspath(offload_folder))
 
 
-def load_model(model: ModelSpec, checkpoint: str | os.PathLike[str] | LazyCheckpoint, *,
+def load_model(model: ModelSpec, checkpoint: str | os.PathLike[str] | LazyCheckpoint | RangedCheckpoint, *,
                config: ConfigSpec | None = None, device_map: DeviceMap | None = None,
                max_memory: MaxMemory | None = None, offload_folder: str | os.PathLike[str] | None = None,
                dtype: str | torch.dtype | None = None, no_split_module_classes: list[str] | None = None,
