@@ -164,3 +164,34 @@ def test_missing_prefix_and_wrong_secret_exit_2(s3_env, sharded, tmp_path, run_c
     line = assert_one_line_error(result, contains=s3_env.bucket)
     assert "a-wrong-secret" not in result.stdout + result.stderr and SECRET_KEY not in line
     assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
+
+
+def test_the_ring_pipeline_reads_a_bucket_through_its_ranged_reader(s3_env, sharded) -> None:
+    """What ``load_model`` does for tensors headed to a GPU, run on the host (``pipe_host``): never the stand-in files."""
+    import torch
+
+    import shardkit
+    from shardkit.loading.bulk import Want, read_batch
+
+    _upload_folder(s3_env, sharded, "ckpt")
+    with shardkit.open(sharded) as local:
+        expected = {n: tensor_bytes(t) for n, t in local.to_state_dict(copy=True).items()}
+        local_cast = tensor_bytes(local.get_tensor("layers.F32.0", dtype=torch.float64))
+    with shardkit.open(f"s3://{s3_env.bucket}/ckpt") as ckpt:
+        wants = {n: Want(n, "cpu", ckpt.dtype_of(n)) for n in ckpt}
+        values, report = read_batch(ckpt, wants, pipe_host=True)
+        cast = ckpt.get_tensor("layers.F32.0", dtype=torch.float64)
+    assert report.pipelined_bytes == sum(len(b) for b in expected.values())
+    assert {n: tensor_bytes(t) for n, t in values.items()} == expected
+    assert tensor_bytes(cast) == local_cast, "a host cast reads the object, not the stand-in"
+
+
+def test_a_pickle_in_a_bucket_is_refused_in_one_line(s3_env, tmp_path, run_cli) -> None:
+    import torch
+
+    torch.save({"w": torch.ones(4)}, tmp_path / "model.bin")
+    s3_env.put("pk/model.bin", (tmp_path / "model.bin").read_bytes())
+    result = run_cli("convert", f"s3://{s3_env.bucket}/pk", tmp_path / "out")
+    line = assert_one_line_error(result)
+    assert f"s3://{s3_env.bucket}/pk" in line and "shardkit-s3-" not in line
+    assert not (tmp_path / "out").exists()
