@@ -193,5 +193,5 @@ def test_a_pickle_in_a_bucket_is_refused_in_one_line(s3_env, tmp_path, run_cli) 
     s3_env.put("pk/model.bin", (tmp_path / "model.bin").read_bytes())
     result = run_cli("convert", f"s3://{s3_env.bucket}/pk", tmp_path / "out")
     line = assert_one_line_error(result)
-    assert f"s3://{s3_env.bucket}/pk" in line and "shardkit-s3-" not in line
+    assert f"s3://{s3_env.bucket}/pk: holds model.bin, not safetensors" in line and "shardkit-s3-" not in line
     assert not (tmp_path / "out").exists()

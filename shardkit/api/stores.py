@@ -24,7 +24,7 @@ from ..checking.verify import VerifyReport
 from ..errors import InvalidInputError, SourceNotFoundError
 from ..formats.layout import MODEL_INDEX
 from ..formats.ranges import RangeFile
-from ..formats.suffixes import MANIFEST_FILE
+from ..formats.suffixes import CHECKPOINT_SUFFIXES, MANIFEST_FILE
 from ..sources.ranged import RangedCheckpoint
 from ..stores import ObjectStore, RemoteObject, list_folder, open_store, parse_store_url
 from ..stores.mirror import HeaderMirror, build_header_mirror
@@ -76,6 +76,7 @@ def store_checkpoint(path: str) -> Iterator[RangedCheckpoint]:
         shardkit.split(source, "out/", max_shard_size="2GB")
     """
     with _mirrored(path) as (mirror, store):
+        _check_has_safetensors(mirror, str(store.url))
         _drop_loose_weights(mirror, str(store.url))
 
         def open_file(local: str) -> RangeFile:
@@ -86,6 +87,17 @@ def store_checkpoint(path: str) -> Iterator[RangedCheckpoint]:
             return RemoteObject(store, found)
 
         yield RangedCheckpoint(mirror.root, open_file, name=str(store.url))
+
+
+def _check_has_safetensors(mirror: HeaderMirror, shown: str) -> None:
+    """A prefix holding other weights only (pickles, GGUF) is refused by name: only safetensors are read by range."""
+    if mirror.prefix_bytes:
+        return
+    others = sorted(n for n in mirror.objects if n.endswith(CHECKPOINT_SUFFIXES))
+    if others:
+        raise InvalidInputError(f"{shown}: holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}, not "
+                                "safetensors weights; only safetensors are read from a bucket (download the "
+                                "folder, then convert the local copy)")
 
 
 def _drop_loose_weights(mirror: HeaderMirror, shown: str) -> None:
