@@ -195,3 +195,16 @@ def test_a_pickle_in_a_bucket_is_refused_in_one_line(s3_env, tmp_path, run_cli) 
     line = assert_one_line_error(result)
     assert f"s3://{s3_env.bucket}/pk: holds model.bin, not safetensors" in line and "shardkit-s3-" not in line
     assert not (tmp_path / "out").exists()
+
+
+def test_fit_of_a_pipeline_in_a_bucket_equals_the_local_fit(s3_env, tmp_path) -> None:
+    import shardkit
+    from helpers_fit import save_tiny_pipeline
+
+    save_tiny_pipeline(tmp_path / "pipe", tmp_path / "scratch")
+    _upload_folder(s3_env, tmp_path / "pipe", "pipes/tiny")
+    local = shardkit.fit(tmp_path / "pipe", gpu="1GB").to_dict()
+    remote = shardkit.fit(f"s3://{s3_env.bucket}/pipes/tiny", gpu="1GB").to_dict()
+    local.pop("path", None), remote.pop("path", None)
+    assert json.dumps(remote, sort_keys=True).replace(f"s3://{s3_env.bucket}/pipes/tiny", "P") == \
+        json.dumps(local, sort_keys=True).replace(str(tmp_path / "pipe"), "P")
