@@ -198,8 +198,9 @@ def test_a_pickle_in_a_bucket_is_refused_in_one_line(s3_env, tmp_path, run_cli) 
 
 
 def test_fit_of_a_pipeline_in_a_bucket_equals_the_local_fit(s3_env, tmp_path) -> None:
-    import shardkit
     from helpers_fit import save_tiny_pipeline
+
+    import shardkit
 
     save_tiny_pipeline(tmp_path / "pipe", tmp_path / "scratch")
     _upload_folder(s3_env, tmp_path / "pipe", "pipes/tiny")
