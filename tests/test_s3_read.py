@@ -89,6 +89,13 @@ def test_open_reads_each_tensor_byte_once(s3_env, sharded, monkeypatch) -> None:
             data_moved = proxy.sent_bytes
             one = ckpt.get_tensor(next(iter(ckpt)), dtype=__import__("torch").float64)  # a host cast: by range too
     assert got == expected, "every tensor's bytes exactly as in the local checkpoint"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env.env["AWS_ENDPOINT_URL"])
+    before = _mirrors()
+    forgotten = shardkit.open(f"s3://{s3_env.bucket}/ckpt")
+    assert len(_mirrors() - before) == 1
+    del forgotten
+    __import__("gc").collect()
+    assert _mirrors() == before, "a checkpoint never closed leaves no mirror behind once collected"
     assert one.dtype.is_floating_point
     assert header_bytes < 300_000, header_bytes
     assert data_bytes <= data_moved < data_bytes * 1.02 + 100_000, (data_moved, data_bytes, total)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -70,7 +71,8 @@ def open(path: str | os.PathLike[str] | RangedCheckpoint, *, variant: str | None
         except BaseException:
             checkpoint.close()
             raise
-        checkpoint.close_after(stack.pop_all().close)
+        # on close(), or when a checkpoint never closed is collected: the mirror never outlives it
+        checkpoint.close_after(weakref.finalize(checkpoint, stack.pop_all().close))
     return checkpoint
 
 
