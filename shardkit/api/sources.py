@@ -68,7 +68,14 @@ def opened(source: CheckpointSource, *, token: str | None = None, cache: bool = 
 
 @contextlib.contextmanager
 def configs(path: str | os.PathLike[str] | None, *, token: str | None = None) -> Iterator[str | None]:
-    """A config folder or file: itself, or for ``hf://`` its configs, tokenizers and schedulers (never weights)."""
+    """A config folder or file: itself, for ``hf://`` its configs, tokenizers and schedulers (never weights),
+    for ``s3://BUCKET/PREFIX`` a folder of its configs (from the header-only mirror)."""
+    if path is not None and is_store_url(os.fspath(path)):
+        from .stores import store_mirror
+
+        with store_mirror(os.fspath(path)) as mirror:
+            yield mirror.root
+        return
     if path is None or not is_hub(os.fspath(path)):
         yield None if path is None else os.fspath(path)
         return
