@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch  # noqa: E402  (hard dependencies: a broken install must fail, not skip)
 from conftest import assert_bit_equal, assert_one_line_error, leftovers
 
 import shardkit
-
-import torch  # noqa: E402  (hard dependencies: a broken install must fail, not skip)
 
 # SD 1.x layout (4 blocks, 2 layers each, attention in the first three), shrunk.
 SD_LIKE_UNET = {
@@ -356,3 +355,21 @@ def test_a_pipeline_component_neither_in_the_checkpoint_nor_in_the_config(tmp_pa
                                          "--component", "all"))
     assert "text_encoder (CLIPTextModel) is not in" in line and "has no weights for it" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_source_and_config_in_a_bucket(tmp_path: Path, s3_env, run_cli, ldm_checkpoint, pipeline_config) -> None:
+    """``--config s3://...`` reads the configs only; an ``s3://`` single file is refused in one line (not mapped)."""
+    from safetensors.torch import save_file
+
+    save_file(ldm_checkpoint, tmp_path / "sd.safetensors")
+    s3_env.put("sd/sd.safetensors", (tmp_path / "sd.safetensors").read_bytes())
+    for path in sorted(pipeline_config.rglob("*.json")):
+        s3_env.put(f"sd-config/{path.relative_to(pipeline_config).as_posix()}", path.read_bytes())
+    shardkit.convert(tmp_path / "sd.safetensors", tmp_path / "local", to="diffusers", config=pipeline_config / "unet")
+    shardkit.convert(tmp_path / "sd.safetensors", tmp_path / "remote", to="diffusers",
+                     config=f"s3://{s3_env.bucket}/sd-config/unet")
+    local = {p.name: p.read_bytes() for p in (tmp_path / "local").iterdir()}
+    assert local and {p.name: p.read_bytes() for p in (tmp_path / "remote").iterdir()} == local
+    line = assert_one_line_error(run_cli("convert", f"s3://{s3_env.bucket}/sd", tmp_path / "x", "--to", "diffusers",
+                                         "--config", pipeline_config / "unet"), contains="convert a local copy")
+    assert f"s3://{s3_env.bucket}/sd" in line and "HF cache" not in line

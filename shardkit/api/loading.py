@@ -1,42 +1,105 @@
 """The public loading functions: ``shardkit.open``, ``load_model``, ``load_pipeline``, ``plan_device_map``,
 ``estimate_memory``..., each reached through the application layer.
 
-``plan_device_map`` and ``estimate_memory`` take an ``hf://ORG/REPO[@REVISION][/SUBFOLDER]``
-checkpoint as ``shardkit.fit`` and ``plan_model`` do: read from a header-only mirror (headers,
-indexes and configs; no tensor data), removed after. ``load_pipeline`` is the composite of
+``plan_device_map`` and ``estimate_memory`` take an ``hf://ORG/REPO[@REVISION][/SUBFOLDER]`` or
+``s3://BUCKET/PREFIX`` checkpoint as ``shardkit.fit`` and ``plan_model`` do: read from a header-only
+mirror (headers, indexes and configs; no tensor data), removed after. ``shardkit.open`` and
+``load_model`` read an ``s3://`` checkpoint where it lives: its headers from the mirror, its tensor
+bytes by parallel ranged GETs straight into the tensors (:func:`shardkit.api.stores.store_checkpoint`);
+a local path goes straight to the loading stage. ``load_pipeline`` is the composite of
 loading and the auto-fit planner, so it lives here rather than in either stage.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..distributed.rank_load import load_into
 from ..fitting.estimate import DEFAULT_TOKENS
-from ..loading.load import load_model
-from ..loading.opening import open  # noqa: A004 - shardkit.open is the public name
+from ..loading.load import load_model as load_local
+from ..loading.opening import open as open_local
+from ..reading.prefetch import READ_AHEAD_BYTES
 from ..reading.residency import ReadMode
 from ..runtime.casting import apply_layerwise_casting
 from ..runtime.offload import apply_offload
 from ..sources import open_source
+from ..stores.urls import is_store_url
 
 if TYPE_CHECKING:
     import torch
     from diffusers import DiffusionPipeline
 
-    from ..devices import DeviceMapStrategy, MaxMemory
+    from ..devices import DeviceMap, DeviceMapStrategy, MaxMemory
     from ..fitting.autofit import FitPlan
     from ..fitting.estimate import MemoryEstimate
     from ..loading.device_map import DevicePlan
     from ..loading.lazy import LazyCheckpoint
     from ..loading.skeleton import ConfigSpec, ModelSpec
     from ..runtime.apply import LayerwiseCasting
+    from ..sources.ranged import RangedCheckpoint
 
 __all__ = ["apply_layerwise_casting", "apply_offload", "estimate_memory", "load_into", "load_model", "load_pipeline",
            "open", "open_source", "plan_device_map"]
+
+
+def open(path: str | os.PathLike[str] | RangedCheckpoint, *, variant: str | None = None,  # noqa: A001
+         read: ReadMode = "auto", read_ahead_bytes: int = READ_AHEAD_BYTES) -> LazyCheckpoint:
+    """:func:`shardkit.loading.opening.open`, for an ``s3://BUCKET/PREFIX`` checkpoint too.
+
+    An ``s3://`` checkpoint's headers, index and configs are fetched into a header-only mirror
+    (every header validated here), and each tensor's bytes are read by parallel ranged GETs
+    straight into its memory when it is touched (``read`` does not apply); ``close()`` removes the
+    mirror and closes the connections. Every other argument is as for the local function.
+
+    with shardkit.open("s3://models/sd15/unet") as ckpt:
+        state = ckpt.to_state_dict()
+    """
+    if not is_store_url(path):
+        return open_local(path, variant=variant, read=read, read_ahead_bytes=read_ahead_bytes)
+    from .stores import store_checkpoint
+
+    with contextlib.ExitStack() as stack:
+        ranged = stack.enter_context(store_checkpoint(path))
+        checkpoint = open_local(ranged, variant=variant, read=read, read_ahead_bytes=read_ahead_bytes)
+        try:
+            checkpoint.metadata  # noqa: B018 - every shard opened now: errors name the URL, not the mirror
+        except BaseException:
+            checkpoint.close()
+            raise
+        # on close(), or when a checkpoint never closed is collected: the mirror never outlives it
+        checkpoint.close_after(weakref.finalize(checkpoint, stack.pop_all().close))
+    return checkpoint
+
+
+def load_model(model: ModelSpec, checkpoint: str | os.PathLike[str] | LazyCheckpoint | RangedCheckpoint, *,
+               config: ConfigSpec | None = None, device_map: DeviceMap | None = None,
+               max_memory: MaxMemory | None = None, offload_folder: str | os.PathLike[str] | None = None,
+               dtype: str | torch.dtype | None = None, no_split_module_classes: list[str] | None = None,
+               strict: bool = True, offload: str | None = None, offload_options: dict[str, object] | None = None,
+               layerwise_casting: LayerwiseCasting | None = None, read: ReadMode = "auto") -> torch.nn.Module:
+    """:func:`shardkit.loading.load.load_model`, from an ``s3://BUCKET/PREFIX`` checkpoint too.
+
+    An ``s3://`` checkpoint is read as :func:`open` reads it (tensor bytes by parallel ranged GETs,
+    each fetched once, no local copy); its ``config.json`` is the default ``config``; tensors the
+    device map sends to disk are written to ``offload_folder``. Every argument is as for the local function.
+
+    unet = shardkit.load_model("diffusers:UNet2DConditionModel", "s3://models/sd15/unet", dtype="fp16")
+    """
+    load = functools.partial(load_local, config=config, device_map=device_map, max_memory=max_memory,
+                             offload_folder=offload_folder, dtype=dtype,
+                             no_split_module_classes=no_split_module_classes, strict=strict, offload=offload,
+                             offload_options=offload_options, layerwise_casting=layerwise_casting, read=read)
+    if not is_store_url(checkpoint):
+        return load(model, checkpoint)
+    from .stores import store_checkpoint
+
+    with store_checkpoint(checkpoint) as ranged:
+        return load(model, ranged)
 
 
 def plan_device_map(model: ModelSpec, *, config: ConfigSpec | None = None,

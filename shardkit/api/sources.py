@@ -2,8 +2,9 @@
 
 A local path (or an open source, or an in-memory state dict) passes straight through without
 touching ``hub/``; ``hf://ORG/REPO[@REVISION][/SUBFOLDER]`` is opened by ``hub/`` (the cached
-download, the streamed range reads, or the header-only mirror). A new scheme (``s3://``) is one
-more row in :data:`SCHEMES` and one opener per kind of use.
+download, the streamed range reads, or the header-only mirror); ``s3://BUCKET/PREFIX`` by
+:mod:`shardkit.api.stores` (the header-only mirror, and its tensor bytes by ranged GETs). A new
+scheme is one more row in :data:`SCHEMES` and one opener per kind of use.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import TypeGuard
 
 from ..errors import InvalidInputError
 from ..sources.base import CheckpointSource
+from ..stores.urls import is_store_url
 
 __all__ = ["SCHEMES", "configs", "headers", "is_hub", "is_remote", "opened"]
 
-SCHEMES = {"hf://": "the Hugging Face Hub"}  # the remote schemes the application layer routes
+SCHEMES = {"hf://": "the Hugging Face Hub", "s3://": "an S3 bucket"}  # the remote schemes the application layer routes
 
 
 def is_remote(path: object) -> TypeGuard[str]:
@@ -42,7 +44,16 @@ def opened(source: CheckpointSource, *, token: str | None = None, cache: bool = 
 
     with opened("hf://org/model", cache=False) as readable:
         split_with(readable, "out/", options=WriteOptions())
+
+    An ``s3://BUCKET/PREFIX`` is read where it lives (its tensor bytes by ranged GETs, no local
+    copy), so ``cache`` does not apply to it.
     """
+    if is_store_url(source):
+        from .stores import store_checkpoint
+
+        with store_checkpoint(source) as ranged:
+            yield ranged
+        return
     if not is_hub(source):
         if not cache:
             shown = os.fspath(source) if isinstance(source, (str, os.PathLike)) else f"a {type(source).__name__}"
@@ -57,7 +68,14 @@ def opened(source: CheckpointSource, *, token: str | None = None, cache: bool = 
 
 @contextlib.contextmanager
 def configs(path: str | os.PathLike[str] | None, *, token: str | None = None) -> Iterator[str | None]:
-    """A config folder or file: itself, or for ``hf://`` its configs, tokenizers and schedulers (never weights)."""
+    """A config folder or file: itself, for ``hf://`` its configs, tokenizers and schedulers (never weights),
+    for ``s3://BUCKET/PREFIX`` a folder of its configs (from the header-only mirror)."""
+    if path is not None and is_store_url(os.fspath(path)):
+        from .stores import store_mirror
+
+        with store_mirror(os.fspath(path)) as mirror:
+            yield mirror.root
+        return
     if path is None or not is_hub(os.fspath(path)):
         yield None if path is None else os.fspath(path)
         return
@@ -69,7 +87,13 @@ def configs(path: str | os.PathLike[str] | None, *, token: str | None = None) ->
 
 @contextlib.contextmanager
 def headers(path: str | os.PathLike[str], *, token: str | None = None) -> Iterator[str]:
-    """A checkpoint to plan from without its tensor data: itself, or for ``hf://`` a header-only mirror."""
+    """A checkpoint to plan from without its tensor data: itself, or for ``hf://``/``s3://`` a header-only mirror."""
+    if is_store_url(os.fspath(path)):
+        from .stores import store_mirror
+
+        with store_mirror(os.fspath(path)) as mirror:
+            yield mirror.root
+        return
     if not is_hub(os.fspath(path)):
         yield os.fspath(path)
         return

@@ -1,10 +1,13 @@
-"""``info`` and ``verify`` of an ``s3://BUCKET/PREFIX`` checkpoint, from its headers, indexes and configs only.
+"""An ``s3://BUCKET/PREFIX`` checkpoint for the local stages: its header-only mirror, and its tensor bytes by range.
 
 A header-only mirror (:func:`shardkit.stores.mirror.build_header_mirror`) in a temporary folder
-gives the local ``info``/``verify`` everything they check: every header, the index, the manifest,
-the configs and each object's true size. Tensor bytes are never fetched: a sharded checkpoint costs
-one 64 KiB ranged GET per shard plus its small JSON files. Errors name the URL, not the
-temporary folder.
+gives the local ``info``/``verify``/``plan``/``fit`` everything they check: every header, the
+index, the manifest, the configs and each object's true size. Tensor bytes are never fetched for
+those: a sharded checkpoint costs one 64 KiB ranged GET per shard plus its small JSON files.
+:func:`store_checkpoint` adds the bytes: a :class:`~shardkit.sources.ranged.RangedCheckpoint`
+over the mirror whose safetensors files read through :class:`~shardkit.stores.RemoteObject`
+(parallel ranged GETs straight into the caller's memory), what ``split``/``convert`` and
+``shardkit.open`` read. Errors name the URL, not the temporary folder.
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ from collections.abc import Iterator
 
 from ..checking.info import CheckpointInfo
 from ..checking.verify import VerifyReport
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, SourceNotFoundError
+from ..formats.layout import MODEL_INDEX
 from ..formats.names import is_config_file
-from ..formats.suffixes import MANIFEST_FILE
-from ..stores import list_folder, open_store, parse_store_url
+from ..formats.ranges import RangeFile
+from ..formats.suffixes import CHECKPOINT_SUFFIXES, MANIFEST_FILE
+from ..sources.ranged import RangedCheckpoint
+from ..stores import ObjectStore, RemoteObject, list_folder, open_store, parse_store_url
 from ..stores.mirror import HeaderMirror, build_header_mirror
 
-__all__ = ["store_info", "store_mirror", "store_verify"]
+__all__ = ["store_checkpoint", "store_info", "store_mirror", "store_verify"]
 
 logger = logging.getLogger("shardkit")
 
@@ -35,8 +41,8 @@ def _is_small_side_file(name: str) -> bool:
 
 
 @contextlib.contextmanager
-def store_mirror(path: str) -> Iterator[HeaderMirror]:
-    """The header-only mirror of ``s3://BUCKET/PREFIX`` in a temporary folder, removed on exit."""
+def _mirrored(path: str) -> Iterator[tuple[HeaderMirror, ObjectStore]]:
+    """The header-only mirror of ``path`` and its open store; errors inside name the URL; both gone on exit."""
     from ..hub.remote import renamed_errors
 
     url = parse_store_url(path)
@@ -46,11 +52,71 @@ def store_mirror(path: str) -> Iterator[HeaderMirror]:
         os.mkdir(root)
         with open_store(url) as store:
             mirror = build_header_mirror(store, root, list_folder(store), whole=_is_small_side_file)
-        logger.debug("%s: header-only mirror, %d bytes fetched", url, mirror.fetched_bytes)
-        with renamed_errors(root, str(url)):
-            yield mirror
+            logger.debug("%s: header-only mirror, %d bytes fetched", url, mirror.fetched_bytes)
+            with renamed_errors(root, str(url)):
+                yield mirror, store
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def store_mirror(path: str) -> Iterator[HeaderMirror]:
+    """The header-only mirror of ``s3://BUCKET/PREFIX`` in a temporary folder, removed on exit."""
+    with _mirrored(path) as (mirror, _):
+        yield mirror
+
+
+@contextlib.contextmanager
+def store_checkpoint(path: str) -> Iterator[RangedCheckpoint]:
+    """``s3://BUCKET/PREFIX`` as a checkpoint the local stages read: the header-only mirror, each
+    safetensors file's tensor bytes fetched by ranged GETs from its object (no temporary copy).
+
+    with store_checkpoint("s3://models/sd15/unet") as source:
+        shardkit.split(source, "out/", max_shard_size="2GB")
+    """
+    with _mirrored(path) as (mirror, store):
+        _check_has_safetensors(mirror, str(store.url))
+        _drop_loose_weights(mirror, str(store.url))
+
+        def open_file(local: str) -> RangeFile:
+            name = os.path.relpath(local, mirror.root).replace(os.sep, "/")
+            found = mirror.objects.get(name)
+            if found is None or name not in mirror.prefix_bytes:
+                raise SourceNotFoundError(f"{store.url}: {name} is not a safetensors object of this prefix")
+            return RemoteObject(store, found)
+
+        yield RangedCheckpoint(mirror.root, open_file, name=str(store.url))
+
+
+def _check_has_safetensors(mirror: HeaderMirror, shown: str) -> None:
+    """A prefix holding other weights only (pickles, GGUF) is refused by name: only safetensors are read by range."""
+    if mirror.prefix_bytes:
+        return
+    others = sorted(n for n in mirror.objects if n.endswith(CHECKPOINT_SUFFIXES))
+    if others:
+        raise InvalidInputError(f"{shown}: holds {', '.join(others[:3])}{' ...' if len(others) > 3 else ''}, not "
+                                "safetensors weights; only safetensors are read from a bucket (download the "
+                                "folder, then convert the local copy)")
+
+
+def _drop_loose_weights(mirror: HeaderMirror, shown: str) -> None:
+    """Remove the mirror's stand-ins (a header, then a hole) for safetensors objects outside a
+    pipeline's components: a pipeline split copies such files as they are, and a stand-in must
+    never be copied as if it were the object. Left out with a warning."""
+    if MODEL_INDEX not in mirror.objects:
+        return
+    from ..formats.layout import find_components
+    from ..sharding.options import warn
+
+    inside = {os.path.realpath(c.path) for c in find_components(mirror.root)}
+    loose = sorted(name for name in mirror.prefix_bytes
+                   if os.path.realpath(os.path.dirname(os.path.join(mirror.root, name))) not in inside)
+    for name in loose:
+        os.remove(os.path.join(mirror.root, *name.split("/")))
+        del mirror.prefix_bytes[name]
+    if loose:
+        warn(f"{shown}: left out {', '.join(loose)} (weights outside the pipeline's components are not read from "
+             "a bucket; copy them separately)")
 
 
 def store_info(path: str) -> CheckpointInfo:

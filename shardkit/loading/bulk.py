@@ -122,9 +122,14 @@ def _read_devices(checkpoint: LazyCheckpoint, wants: dict[str, Want], values: di
             stored_values[name] = dest
             if entry.nbytes:
                 jobs.append(CopyJob(byte_view(dest), 0, entry.offset, entry.nbytes, f"{path}: tensor {want.src!r}"))
-        fd = checkpoint.descriptor_of(items[0][1].src)  # the file the header came from, never the path again
-        with open_reader(path, "direct" if checkpoint.read == "direct" else "pread", fd=fd) as reader:
-            run_pipeline(reader, jobs, stage=stage)
+        if checkpoint.is_ranged(items[0][1].src):  # a remote object: its own ranged reader (the file is a stand-in)
+            ranged = checkpoint.reader_of(items[0][1].src)
+            assert ranged is not None
+            run_pipeline(ranged, jobs, stage=stage)
+        else:
+            fd = checkpoint.descriptor_of(items[0][1].src)  # the file the header came from, never the path again
+            with open_reader(path, "direct" if checkpoint.read == "direct" else "pread", fd=fd) as reader:
+                run_pipeline(reader, jobs, stage=stage)
         report.pipelined_bytes += sum(j.nbytes for j in jobs)
         for name, want in items:
             value = stored_values[name]

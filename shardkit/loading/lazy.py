@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
@@ -70,6 +70,7 @@ class LazyCheckpoint(Mapping[str, "torch.Tensor"]):
         self._lock = threading.Lock()
         self._local = threading.local()
         self._closed = False
+        self._after_close: list[Callable[[], None]] = []
         self._fresh = FreshReads(list(shard_of), budget_bytes=read_ahead_bytes, locate=self._locate,
                                  shards=list(shards.values()), open_shard=self._opened, description=description)
 
@@ -170,7 +171,7 @@ class LazyCheckpoint(Mapping[str, "torch.Tensor"]):
         host_cast = on_host and dtype is not None and dtype != src_dtype
         if entry.nbytes == 0:
             tensor = torch.empty(entry.shape, dtype=src_dtype)
-        elif host_cast and not self._fresh.is_pending(name):
+        elif host_cast and shard.open_file is None and not self._fresh.is_pending(name):
             assert dtype is not None
             assert shard.fd is not None
             return read_cast(shard.fd, entry, src_dtype, dtype, staging=self._staging())
@@ -318,6 +319,19 @@ class LazyCheckpoint(Mapping[str, "torch.Tensor"]):
         with self._lock:
             for shard in self._shards.values():
                 close_shard(shard)
+            after, self._after_close = self._after_close, []
+        for release in reversed(after):
+            release()
+
+    def close_after(self, release: Callable[[], None]) -> None:
+        """Call ``release`` once the files are closed (what the checkpoint was opened from: a remote
+        store's connections and its header-only mirror)."""
+        self._after_close.append(release)
+
+    def is_ranged(self, name: str) -> bool:
+        """True when ``name``'s bytes are read by range from a remote object (its local file is only
+        a header-only stand-in, never to be read or pointed to)."""
+        return self._shards[self._shard_name(name)].open_file is not None
 
     def __enter__(self) -> LazyCheckpoint:
         return self

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from ..devices import DeviceMap, MaxMemory
     from ..reading.residency import ReadMode
     from ..runtime.apply import LayerwiseCasting
+    from ..sources.ranged import RangedCheckpoint
     from .offload_index import DiskTensor
     from .skeleton import ConfigSpec, ModelSpec
 
@@ -160,7 +161,7 @@ def _report(skeleton: torch.nn.Module, report: BatchReport, *, early: int) -> No
         "pipelined_bytes": report.pipelined_bytes, "early_bytes": early}
 
 
-def load_model(model: ModelSpec, checkpoint: str | os.PathLike[str] | LazyCheckpoint, *,
+def load_model(model: ModelSpec, checkpoint: str | os.PathLike[str] | LazyCheckpoint | RangedCheckpoint, *,
                config: ConfigSpec | None = None, device_map: DeviceMap | None = None,
                max_memory: MaxMemory | None = None, offload_folder: str | os.PathLike[str] | None = None,
                dtype: str | torch.dtype | None = None, no_split_module_classes: list[str] | None = None,

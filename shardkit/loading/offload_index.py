@@ -53,7 +53,8 @@ def write_offload_index(checkpoint: LazyCheckpoint, tensors: list[DiskTensor], f
     index: OffloadIndex = {}
     for tensor in tensors:
         entry = checkpoint.entry(tensor.source) if tensor.source is not None else None
-        if entry is not None and entry.file is not None and to_torch(entry.dtype) == tensor.dtype:
+        if entry is not None and entry.file is not None and to_torch(entry.dtype) == tensor.dtype \
+                and not checkpoint.is_ranged(entry.name):  # a remote object's local file is a header only
             index[tensor.name] = {
                 "safetensors_file": os.path.abspath(entry.file),
                 "weight_name": tensor.source,

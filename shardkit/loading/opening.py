@@ -15,14 +15,15 @@ from ..formats.layout import is_pipeline_folder
 from ..formats.names import named_file_kind
 from ..reading.prefetch import READ_AHEAD_BYTES
 from ..reading.residency import ReadMode, check_backend
+from ..sources.ranged import OpenRangeFile, RangedCheckpoint
 from .lazy import LazyCheckpoint
 from .shards import Shard, open_shard
 
 __all__ = ["open"]
 
 
-def _single_file(path: str, read: str, read_ahead_bytes: int) -> LazyCheckpoint:
-    shard = Shard(path, None)
+def _single_file(path: str, read: str, read_ahead_bytes: int, open_file: OpenRangeFile | None) -> LazyCheckpoint:
+    shard = Shard(path, None, open_file=open_file)
     open_shard(shard, read)  # the descriptor first, the header through it: reads match the header
     assert shard.header is not None
     shard_of = {e.name: path for e in shard.header.entries}
@@ -30,18 +31,18 @@ def _single_file(path: str, read: str, read_ahead_bytes: int) -> LazyCheckpoint:
                           read_ahead_bytes=read_ahead_bytes)
 
 
-def _indexed(path: str, read: str, read_ahead_bytes: int) -> LazyCheckpoint:
+def _indexed(path: str, read: str, read_ahead_bytes: int, open_file: OpenRangeFile | None) -> LazyCheckpoint:
     index = load_index(path)
     shards: dict[str, Shard] = {}
     for shard_name in index.shard_names():
         shard_path = shard_file(index.folder, shard_name, where=index.path)  # existence + symlink policy
         names = frozenset(t for t, s in index.weight_map.items() if s == shard_name)
-        shards[shard_name] = Shard(shard_path, names)
+        shards[shard_name] = Shard(shard_path, names, open_file=open_file)
     return LazyCheckpoint(dict(index.weight_map), shards, index_metadata=index.metadata, read=read,
                           read_ahead_bytes=read_ahead_bytes, description=f"sharded checkpoint {path} ({len(shards)} shards)")
 
 
-def open(path: str | os.PathLike[str], *, variant: str | None = None, read: ReadMode = "auto",  # noqa: A001
+def open(path: str | os.PathLike[str] | RangedCheckpoint, *, variant: str | None = None, read: ReadMode = "auto",  # noqa: A001
          read_ahead_bytes: int = READ_AHEAD_BYTES) -> LazyCheckpoint:
     """Open a safetensors checkpoint lazily: a file, an index JSON or a (sharded) folder.
 
@@ -63,6 +64,8 @@ def open(path: str | os.PathLike[str], *, variant: str | None = None, read: Read
             filesystems and cold caches), ``"direct"`` (O_DIRECT through aligned bounce buffers,
             ``pread`` where refused) or ``"auto"``: ``pread`` for network/FUSE filesystems and
             cold files, ``mmap`` for warm local ones; ``read_report()`` says what each shard got.
+            A :class:`~shardkit.sources.ranged.RangedCheckpoint` (how ``s3://`` is opened) reads
+            every shard by parallel ranged requests, whatever ``read`` says.
         read_ahead_bytes: with ``pread``/``direct``, reading the mapping in its order reads the
             next tensors ahead (their ranges in flight while the caller uses the current one)
             up to this many bytes not yet taken (default 256 MiB); 0 turns read-ahead off.
@@ -85,6 +88,7 @@ def open(path: str | os.PathLike[str], *, variant: str | None = None, read: Read
         print(len(ckpt), ckpt.shape_of("conv_in.weight"))
         w = ckpt["conv_in.weight"]                             # reads only this tensor
     """
+    ranged = path if isinstance(path, RangedCheckpoint) else None
     path = os.fspath(path)
     check_backend(read)
     if not os.path.exists(path):
@@ -101,10 +105,12 @@ def open(path: str | os.PathLike[str], *, variant: str | None = None, read: Read
         path, kind = layout.path, layout.kind
     else:
         kind = named_file_kind(os.path.basename(path))
-    if kind == "index":
-        return _indexed(path, read, read_ahead_bytes)
-    if kind == "file":
-        return _single_file(path, read, read_ahead_bytes)
+    if kind in ("index", "file"):
+        opener = _indexed if kind == "index" else _single_file
+        checkpoint = opener(path, read, read_ahead_bytes, ranged.open_file if ranged is not None else None)
+        if ranged is not None and ranged.name:  # the URL, not the temporary header-only folder
+            checkpoint.description = checkpoint.description.replace(ranged.root, ranged.name)
+        return checkpoint
     raise InvalidInputError(
         f"{path}: not a safetensors checkpoint; convert it first with 'shardkit split {path} OUT/'"
     )

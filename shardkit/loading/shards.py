@@ -13,12 +13,14 @@ import logging
 import mmap
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import CheckpointIndexError, HeaderError, InvalidInputError
 from ..formats.header import Header, TensorEntry, open_error, parse_header, read_header_bytes
+from ..formats.ranges import RangeFile
 from ..reading.readers import Reader, open_reader
-from ..reading.residency import choose_backend
+from ..reading.residency import BackendChoice, choose_backend
 
 log = logging.getLogger("shardkit")
 
@@ -37,6 +39,7 @@ class Shard:
     reason: str = ""                    # why (auto's choice)
     reader: Reader | None = None        # pread/direct
     identity: tuple[int, int, int] | None = None  # (inode, size, mtime_ns) at open: changes are refused
+    open_file: Callable[[str], RangeFile] | None = None  # the file is a header-only stand-in: bytes come from here
 
 
 def check_shard_names(shard: Shard, header: Header) -> None:
@@ -96,15 +99,20 @@ def open_shard(shard: Shard, read: str) -> None:
         raise
 
 
+RANGED = BackendChoice("range", "remote object: parallel ranged reads", "remote")
+
+
 def _open_fd(shard: Shard, fd: int, read: str) -> None:
     st = os.fstat(fd)
     if stat.S_ISDIR(st.st_mode):
         raise HeaderError(f"{shard.path}: is a directory, expected a .safetensors file")
-    choice = choose_backend(shard.path, read, fd=fd)  # before reading the header warms its pages
+    choice = choose_backend(shard.path, read, fd=fd) if shard.open_file is None else RANGED
     header = read_header_fd(fd, shard.path)
     check_shard_names(shard, header)
     try:
-        if choice.backend == "mmap":
+        if shard.open_file is not None:  # a remote object: its bytes by ranged reads, whatever ``read`` says
+            shard.reader = open_reader(shard.open_file(shard.path), "pread")
+        elif choice.backend == "mmap":
             shard.mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         else:
             shard.reader = open_reader(shard.path, choice.backend, fd=fd, remote=choice.remote is not None,
