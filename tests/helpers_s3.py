@@ -11,6 +11,7 @@ import os
 import sys
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -57,6 +58,16 @@ class S3Env:
             client.put_object(Bucket=self.bucket, Key=key, Body=data)
         finally:
             client.close()
+
+    def put_folder(self, folder: Path, prefix: str) -> int:
+        """Upload every file under ``folder`` to ``prefix/<relative path>``; the bytes uploaded."""
+        total = 0
+        for path in sorted(folder.rglob("*")):
+            if path.is_file():
+                data = path.read_bytes()
+                self.put(f"{prefix}/{path.relative_to(folder).as_posix()}", data)
+                total += len(data)
+        return total
 
     def get(self, key: str) -> bytes:
         client = self.client()

@@ -11,16 +11,6 @@ from conftest import assert_one_line_error, make_state_dict
 from helpers_s3 import SECRET_KEY, DelayProxy
 
 
-def _upload_folder(s3_env, folder: Path, prefix: str) -> int:
-    total = 0
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            data = path.read_bytes()
-            s3_env.put(f"{prefix}/{path.relative_to(folder).as_posix()}", data)
-            total += len(data)
-    return total
-
-
 def _without_paths(value: object) -> object:
     """An info report less what differs by place: the path, and shared bytes (None for remote files)."""
     if isinstance(value, dict):
@@ -45,7 +35,7 @@ def sharded(tmp_path, run_cli) -> Path:
 
 
 def test_info_and_verify_read_headers_only(s3_env, sharded, run_cli, monkeypatch) -> None:
-    total = _upload_folder(s3_env, sharded, "run/ckpt")
+    total = s3_env.put_folder(sharded, "run/ckpt")
     assert total > 10_000_000
     local = json.loads(run_cli("info", sharded, "--json").stdout)
     with DelayProxy(s3_env.server.port, delay_ms=0) as proxy:
@@ -66,7 +56,7 @@ def test_info_and_verify_read_headers_only(s3_env, sharded, run_cli, monkeypatch
 
 
 def test_verify_finds_a_truncated_shard(s3_env, sharded, run_cli) -> None:
-    _upload_folder(s3_env, sharded, "ckpt")
+    s3_env.put_folder(sharded, "ckpt")
     shard = sorted(p.name for p in sharded.glob("*.safetensors"))[1]
     data = (sharded / shard).read_bytes()
     s3_env.put(f"ckpt/{shard}", data[:-100])
@@ -76,7 +66,7 @@ def test_verify_finds_a_truncated_shard(s3_env, sharded, run_cli) -> None:
 
 
 def test_missing_prefix_bucket_and_wrong_secret_exit_2(s3_env, sharded, run_cli, monkeypatch) -> None:
-    _upload_folder(s3_env, sharded, "ckpt")
+    s3_env.put_folder(sharded, "ckpt")
     line = assert_one_line_error(run_cli("info", f"s3://{s3_env.bucket}/nothing-here"), contains="no objects")
     assert f"s3://{s3_env.bucket}/nothing-here" in line
     assert_one_line_error(run_cli("info", "s3://no-such-bucket-x/ckpt"), contains="no such bucket")

@@ -15,16 +15,6 @@ from conftest import assert_one_line_error, make_state_dict, tensor_bytes, tiny_
 from helpers_s3 import SECRET_KEY, DelayProxy
 
 
-def _upload_folder(s3_env, folder: Path, prefix: str) -> int:
-    total = 0
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            data = path.read_bytes()
-            s3_env.put(f"{prefix}/{path.relative_to(folder).as_posix()}", data)
-            total += len(data)
-    return total
-
-
 def _files(folder: Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
@@ -49,7 +39,7 @@ def sharded(tmp_path, run_cli) -> Path:
 
 
 def test_split_from_s3_is_byte_identical_to_a_local_split(s3_env, sharded, tmp_path, run_cli) -> None:
-    _upload_folder(s3_env, sharded, "run/ckpt")
+    s3_env.put_folder(sharded, "run/ckpt")
     url = f"s3://{s3_env.bucket}/run/ckpt"
     before = _mirrors()
     local = run_cli("split", sharded, tmp_path / "local", "--max-shard-size", "3MB")
@@ -64,7 +54,7 @@ def test_split_from_s3_is_byte_identical_to_a_local_split(s3_env, sharded, tmp_p
 def test_convert_from_s3_with_the_python_api(s3_env, sharded, tmp_path) -> None:
     import shardkit
 
-    _upload_folder(s3_env, sharded, "ckpt")
+    s3_env.put_folder(sharded, "ckpt")
     kwargs = dict(dtype="fp16", strip_prefix="", max_shard_size="4MB")
     shardkit.convert(sharded, tmp_path / "local", **kwargs)
     result = shardkit.convert(f"s3://{s3_env.bucket}/ckpt", tmp_path / "remote", **kwargs)
@@ -75,7 +65,7 @@ def test_convert_from_s3_with_the_python_api(s3_env, sharded, tmp_path) -> None:
 def test_open_reads_each_tensor_byte_once(s3_env, sharded, monkeypatch) -> None:
     import shardkit
 
-    total = _upload_folder(s3_env, sharded, "ckpt")
+    total = s3_env.put_folder(sharded, "ckpt")
     with shardkit.open(sharded) as local:
         expected = {n: tensor_bytes(t) for n, t in local.to_state_dict(copy=True).items()}
         data_bytes = local.nbytes()
@@ -110,7 +100,7 @@ def test_load_model_from_s3_matches_the_local_load(s3_env, tmp_path) -> None:
     model = tiny_unet()
     model.save_pretrained(tmp_path / "unet", max_shard_size="100KB")
     assert len(list((tmp_path / "unet").glob("*.safetensors"))) > 1
-    _upload_folder(s3_env, tmp_path / "unet", "models/unet")
+    s3_env.put_folder(tmp_path / "unet", "models/unet")
     url = f"s3://{s3_env.bucket}/models/unet"
     loaded = shardkit.load_model("diffusers:UNet2DConditionModel", url)  # config: its config.json
     local = shardkit.load_model("diffusers:UNet2DConditionModel", tmp_path / "unet")
@@ -135,7 +125,7 @@ def test_load_model_from_s3_matches_the_local_load(s3_env, tmp_path) -> None:
 def test_plan_and_fit_from_s3_read_headers_only(s3_env, tmp_path, run_cli, monkeypatch) -> None:
     model = tiny_unet()
     model.save_pretrained(tmp_path / "unet", max_shard_size="100KB")
-    total = _upload_folder(s3_env, tmp_path / "unet", "unet")
+    total = s3_env.put_folder(tmp_path / "unet", "unet")
     url = f"s3://{s3_env.bucket}/unet"
     local = run_cli("plan", tmp_path / "unet", "--model", "diffusers:UNet2DConditionModel", "--max-memory", "cpu=1GB",
                     "--json")
@@ -160,7 +150,7 @@ def test_missing_prefix_and_wrong_secret_exit_2(s3_env, sharded, tmp_path, run_c
     import shardkit
     from shardkit.errors import SourceNotFoundError
 
-    _upload_folder(s3_env, sharded, "ckpt")
+    s3_env.put_folder(sharded, "ckpt")
     line = assert_one_line_error(run_cli("split", f"s3://{s3_env.bucket}/nothing-here", tmp_path / "out"),
                                  contains="no objects")
     assert f"s3://{s3_env.bucket}/nothing-here" in line
@@ -180,7 +170,7 @@ def test_the_ring_pipeline_reads_a_bucket_through_its_ranged_reader(s3_env, shar
     import shardkit
     from shardkit.loading.bulk import Want, read_batch
 
-    _upload_folder(s3_env, sharded, "ckpt")
+    s3_env.put_folder(sharded, "ckpt")
     with shardkit.open(sharded) as local:
         expected = {n: tensor_bytes(t) for n, t in local.to_state_dict(copy=True).items()}
         local_cast = tensor_bytes(local.get_tensor("layers.F32.0", dtype=torch.float64))
@@ -210,7 +200,7 @@ def test_fit_of_a_pipeline_in_a_bucket_equals_the_local_fit(s3_env, tmp_path) ->
     import shardkit
 
     save_tiny_pipeline(tmp_path / "pipe", tmp_path / "scratch")
-    _upload_folder(s3_env, tmp_path / "pipe", "pipes/tiny")
+    s3_env.put_folder(tmp_path / "pipe", "pipes/tiny")
     local = shardkit.fit(tmp_path / "pipe", gpu="1GB").to_dict()
     remote = shardkit.fit(f"s3://{s3_env.bucket}/pipes/tiny", gpu="1GB").to_dict()
     local.pop("path", None), remote.pop("path", None)
