@@ -43,3 +43,10 @@ def test_the_library_refuses_too(safetensors_file, tmp_path, monkeypatch) -> Non
     with pytest.raises(ShardkitError, match="s3://bucket"):  # a wired source: the store refuses (no credentials)
         shardkit.split("s3://bucket/in", "out")
     assert not (tmp_path / "gs:").exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("path", "hint"), [("gs://bucket/x", "AWS_ENDPOINT_URL=https://storage.googleapis.com"),
+                                            ("az://container/x", "blobfuse2"),
+                                            ("ftp://host/x", "use a local path, hf://ORG/REPO or s3://BUCKET/PREFIX")])
+def test_unread_schemes_say_where_the_bytes_can_be_reached(run_cli, path: str, hint: str) -> None:
+    assert_one_line_error(run_cli("info", path), contains=hint)

@@ -32,6 +32,17 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # beginning and ending with a letter or digit.
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 MAX_KEY_BYTES = 1024  # S3's limit on an object key
+# Schemes users reach for that boto3 does not speak: where the bytes can be reached instead.
+_HINTS = {
+    "gs": "for Google Cloud Storage use s3://BUCKET/PREFIX with AWS_ENDPOINT_URL=https://storage.googleapis.com "
+          "and an HMAC key (untested, docs/s3.md)",
+    "gcs": "for Google Cloud Storage use s3://BUCKET/PREFIX with AWS_ENDPOINT_URL=https://storage.googleapis.com "
+           "and an HMAC key (untested, docs/s3.md)",
+    "az": "Azure Blob Storage has no S3 API: mount the container (blobfuse2) and give the local path, "
+          "or copy it with azcopy",
+    "abfs": "Azure Blob Storage has no S3 API: mount the container (blobfuse2) and give the local path, "
+            "or copy it with azcopy",
+}
 
 
 @dataclass(frozen=True)
@@ -75,15 +86,19 @@ def url_scheme(path: object) -> str | None:
 def check_scheme(path: object, *, role: str = "checkpoint path") -> None:
     """Refuse a ``scheme://`` this package does not read or write; local paths and supported schemes pass.
 
-    >>> check_scheme("gs://bucket/x", role="output")
+    >>> check_scheme("ftp://host/x", role="output")
     Traceback (most recent call last):
     ...
-    shardkit.errors.InvalidInputError: gs://bucket/x: unknown scheme gs:// for an output; use a local path, hf://ORG/REPO or s3://BUCKET/PREFIX
+    shardkit.errors.InvalidInputError: ftp://host/x: unknown scheme ftp:// for an output; use a local path, hf://ORG/REPO or s3://BUCKET/PREFIX
+    >>> check_scheme("gs://bucket/x")
+    Traceback (most recent call last):
+    ...
+    shardkit.errors.InvalidInputError: gs://bucket/x: unknown scheme gs:// for a checkpoint path; for Google Cloud Storage use s3://BUCKET/PREFIX with AWS_ENDPOINT_URL=https://storage.googleapis.com and an HMAC key (untested, docs/s3.md)
     """
     scheme = url_scheme(os.fspath(path) if isinstance(path, os.PathLike) else path)
     if scheme is not None and scheme not in SUPPORTED_SCHEMES:
-        raise InvalidInputError(f"{path}: unknown scheme {scheme}:// for {_article(role)}; "
-                                "use a local path, hf://ORG/REPO or s3://BUCKET/PREFIX")
+        hint = _HINTS.get(scheme, "use a local path, hf://ORG/REPO or s3://BUCKET/PREFIX")
+        raise InvalidInputError(f"{path}: unknown scheme {scheme}:// for {_article(role)}; {hint}")
 
 
 def check_local(path: object, *, role: str) -> None:
