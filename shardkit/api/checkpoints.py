@@ -187,7 +187,9 @@ def split_and_push(source: CheckpointSource, output: str | os.PathLike[str], rep
         check_repo_id(repo_id) if options.dry_run else check_push_target(repo_id, token=token)
         check_folder_links(output)
     with opened(source, token=token, cache=cache) as readable:
-        if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
+        if is_store_url(output) and (copied := copy_split(source, readable, output, options=options, key=key)):
+            result = copied  # S3 to S3, bytes kept: composed by copies inside the store (api/store_copy.py)
+        elif is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
             result = write_to_store(output, lambda out, tick: split_with(
                 readable, out, options=dataclasses.replace(options, overwrite=False, progress=tick), key=key),
                 overwrite=options.overwrite, dry_run=options.dry_run, progress=options.progress)
