@@ -56,6 +56,7 @@ __all__ = ["StoreCopy", "copy_split"]
 
 logger = logging.getLogger("shardkit")
 SIDE_READ_BYTES = 8 << 20
+COPY_PART_BYTES = 512 << 20  # under S3's 5 GiB: three copies in flight per shard, each well inside the 60 s timeout
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,8 @@ def _write(job: ShardJob, shards: Sequence[_Shard], sides: Sequence[tuple[str, s
     names = [s.name for s in shards] + [n for _, n in sides] + ([index] if index else []) + \
         ([MANIFEST_FILE] if options.manifest else [])
     part_bytes = int(getattr(dst_store, "part_bytes", CLIENT_PART_BYTES))
-    plans = [plan_copy_parts(len(s.header), s.spans, client_part_bytes=part_bytes) for s in shards]
+    plans = [plan_copy_parts(len(s.header), s.spans, client_part_bytes=part_bytes, max_copy_part_bytes=COPY_PART_BYTES)
+             for s in shards]
     total = sum(len(s.header) + sum(sp.nbytes for sp in s.spans) for s in shards)
     tick = _Progress(total, options.progress)
     records: dict[str, FileDigest] = {}
