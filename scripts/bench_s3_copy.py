@@ -49,8 +49,9 @@ def _boto3_client():  # noqa: ANN202
 
 
 def run_boto3(out_prefix: str, max_shard: int, work: str) -> None:
-    import shardkit
     from boto3.s3.transfer import TransferConfig
+
+    import shardkit
 
     client = _boto3_client()
     config = TransferConfig(multipart_chunksize=16 << 20, max_concurrency=10)
@@ -132,7 +133,7 @@ def digests(server, prefix: str) -> dict[str, str]:  # noqa: ANN001
     for key in sorted(o["Key"] for page in pages for o in page.get("Contents", [])):
         body = client.get_object(Bucket=BUCKET, Key=key)["Body"]
         h = hashlib.sha256()
-        for chunk in iter(lambda: body.read(8 << 20), b""):
+        while chunk := body.read(8 << 20):
             h.update(chunk)
         found[key[len(prefix) + 1:]] = h.hexdigest()
         client.delete_object(Bucket=BUCKET, Key=key)

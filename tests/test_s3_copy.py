@@ -164,3 +164,25 @@ def test_sigkill_mid_copy_leaves_no_index_and_recover_aborts_the_upload(s3_env, 
     assert result.exit_code == 0, result.stderr
     assert s3_env.uploads() == [] and s3_env.keys("kill/") == []
     assert len(s3_env.keys("src/")) == len(_files(source)), "the source is untouched"
+
+
+def test_a_manifest_with_unhashed_tensors_is_read_and_reported_without_a_store(source, run_cli) -> None:
+    """``"crc32": null`` (no server needed): verify passes, counts it, and still checks every hashed tensor."""
+    path = source / "shardkit.manifest.json"
+    doc = json.loads(path.read_bytes())
+    shard = sorted(n for n in doc["files"] if n.endswith(".safetensors"))[0]
+    tensors = doc["files"][shard]["tensors"]
+    unhashed, hashed = sorted(tensors)[:2]
+    tensors[unhashed]["crc32"] = None
+    path.write_text(json.dumps(doc))
+    report = shardkit.verify(source)
+    assert report.ok and report.unhashed == 1, report.findings
+    assert "1 tensor(s) not hashed (copied in the store)" in run_cli("verify", source).stdout
+    start = doc["files"][shard]["data_start"]
+    with open(source / shard, "r+b") as f:
+        f.seek(start + tensors[hashed]["data_offsets"][0])
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    found = shardkit.verify(source).findings
+    assert [f.tensor for f in found] == [hashed]
