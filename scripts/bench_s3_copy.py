@@ -13,6 +13,7 @@ Cases:
   copy     ``shardkit.split("s3://.../src", "s3://.../out")``: composed by copies in the store
   staged   the same call with the copies switched off: shardkit's ranged GETs into a local staged
            split, then its multipart upload (what a store without UploadPartCopy gets)
+  copy-N   copies with parts of N MiB (an A/B of the part size; the default is 512 MiB)
   boto3    download with s3transfer (``download_file``), ``shardkit.split`` locally, upload with
            s3transfer (``upload_file``): what users do today
 
@@ -71,6 +72,10 @@ def child(case: str, out_prefix: str, max_shard: int, work: str) -> None:
 
     if case == "staged":
         checkpoints.copy_split = lambda *a, **k: None  # type: ignore[assignment]  # the path without copies
+    if case.startswith("copy-"):  # an A/B of the copy part size: copy-128 = parts of 128 MiB
+        import shardkit.api.store_copy as store_copy
+
+        store_copy.COPY_PART_BYTES = int(case.removeprefix("copy-")) << 20
     start = time.perf_counter()
     cloned = 0
     if case == "boto3":
