@@ -110,6 +110,7 @@ def _applies(source: object, readable: object, output: str, *, options: WriteOpt
     return (isinstance(source, str) and is_store_url(source) and is_store_url(output)
             and isinstance(readable, RangedCheckpoint) and key is None and not options.dry_run
             and options.quantize is None and not parse_store_url(output).prefix.endswith(".safetensors")
+            and not parse_store_url(source).prefix.endswith(".safetensors")
             and not is_pipeline_folder(readable.path))
 
 
