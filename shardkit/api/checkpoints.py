@@ -26,6 +26,7 @@ from ..sources.base import CheckpointSource
 from ..stores.urls import check_local, is_store_url
 from .options import ConvertTo
 from .sources import is_hub, is_remote
+from .store_copy import copy_split
 from .store_writes import write_to_store
 from .stores import store_info, store_verify
 
@@ -70,6 +71,8 @@ def split(source: CheckpointSource, output: str | os.PathLike[str], *, options: 
 
     built = WriteOptions.build(options, shorthands, where="split()")
     with opened(source, token=token, cache=cache) as readable:
+        if is_store_url(output) and (copied := copy_split(source, readable, output, options=built, key=key)):
+            return copied  # S3 to S3, bytes kept: composed by copies inside the store (api/store_copy.py)
         if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
             return write_to_store(output, lambda out, tick: split_with(
                 readable, out, options=dataclasses.replace(built, overwrite=False, progress=tick), key=key),
@@ -184,7 +187,9 @@ def split_and_push(source: CheckpointSource, output: str | os.PathLike[str], rep
         check_repo_id(repo_id) if options.dry_run else check_push_target(repo_id, token=token)
         check_folder_links(output)
     with opened(source, token=token, cache=cache) as readable:
-        if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
+        if is_store_url(output) and (copied := copy_split(source, readable, output, options=options, key=key)):
+            result = copied  # S3 to S3, bytes kept: composed by copies inside the store (api/store_copy.py)
+        elif is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
             result = write_to_store(output, lambda out, tick: split_with(
                 readable, out, options=dataclasses.replace(options, overwrite=False, progress=tick), key=key),
                 overwrite=options.overwrite, dry_run=options.dry_run, progress=options.progress)

@@ -80,6 +80,7 @@ class VerifyReport:
     components: list[str] = field(default_factory=list)
     manifests: list[str] = field(default_factory=list)
     structure_only: list[str] = field(default_factory=list)
+    unhashed: int = 0  # tensors the manifest records without a crc32 (copied inside an object store)
 
     @property
     def ok(self) -> bool:
@@ -155,6 +156,7 @@ def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = N
             jobs = _prepare_pipeline(path, against, report, opened)
         else:
             jobs = _prepare_checkpoint(path, against, report, opened, prefix="", read_scales=read_data)
+        report.unhashed = _unhashed(path, pipeline)
         if not read_data:
             return report
         expected = _manifest_entries(path, pipeline, report)
@@ -366,6 +368,15 @@ def _manifest_entries(path: str, pipeline: bool, report: VerifyReport) -> dict[s
     expected, untrusted = trusted_entries(expected, reported={f.file for f in report.findings})
     report.findings += [Finding(f.file, f.tensor, f.message) for f in untrusted]
     return expected
+
+
+def _unhashed(path: str, pipeline: bool) -> int:
+    """Tensors the covering manifest(s) record as not hashed (``"crc32": null``: copied in an object store)."""
+    try:
+        expected, _ = expected_files(path, pipeline=pipeline)
+    except ManifestError:
+        return 0  # reported by the manifest check
+    return sum(t.crc32 is None for e in expected.values() for t in e.record.tensors.values())
 
 
 def _listed_jobs(path: str, expected: dict[str, Expected], jobs: list[_ScanJob],

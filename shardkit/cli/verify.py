@@ -100,6 +100,10 @@ def integrity_line(report: object) -> str:
     if by_values:
         parts.append(f"{by_values} GGUF file(s): container and every value checked (dequantized, finite); a changed "
                      "byte that stays finite would go unnoticed (GGUF has no checksums)")
+    unhashed = getattr(report, "unhashed", 0)
+    if unhashed:
+        parts.append(f"{unhashed} tensor(s) not hashed (copied in the store): the manifest records no crc32 for "
+                     "them, so their bytes were checked for structure only; pass --against SOURCE to compare them")
     if unchecked and not report.against:  # type: ignore[attr-defined]
         why = f"not listed in {' or '.join(manifests)}" if manifests else f"no {MANIFEST_NAME}"
         shown = ", ".join(unchecked[:3]) + (f" and {len(unchecked) - 3} more" if len(unchecked) > 3 else "")

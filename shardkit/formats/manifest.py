@@ -29,7 +29,8 @@ sha256 of each shard: it costs about as much CPU as the copy itself (1.0 s/GiB a
 would have to read every byte it cloned. crc32 catches bit rot and bad copies, which is what
 this record is for; it is not a signature against deliberate tampering (the Hub's LFS sha256,
 which ``push`` computes, is). A tensor copied from a checkpoint that has a manifest carries its
-crc32 from there, unread.
+crc32 from there, unread. A tensor copied inside an object store (``UploadPartCopy``) from a
+source without a manifest is recorded with ``"crc32": null``: not hashed, never a guessed value.
 
 Loaders never read it: transformers, diffusers, accelerate and huggingface_hub look for
 weight, index and config names only, and shardkit's readers skip it (see
@@ -73,11 +74,15 @@ class ManifestError(InvalidInputError):
 
 @dataclass(frozen=True)
 class TensorDigest:
-    """One tensor's bytes: ``[begin, end)`` relative to the data buffer, and their crc32 (8 hex digits)."""
+    """One tensor's bytes: ``[begin, end)`` relative to the data buffer, and their crc32 (8 hex digits).
+
+    ``crc32`` None (``null`` in the file): not hashed, the bytes were copied inside an object store
+    from a source without a manifest and never passed through shardkit; ``verify`` says so.
+    """
 
     begin: int
     end: int
-    crc32: str
+    crc32: str | None
 
 
 @dataclass(frozen=True)
@@ -160,7 +165,8 @@ def _parse_file(entry: Mapping[str, Any]) -> FileDigest:
         raise KeyError("sha256")  # a plain file's only digest
     if "data_start" not in entry:
         return FileDigest(size, sha)
-    tensors = {str(name): TensorDigest(int(t["data_offsets"][0]), int(t["data_offsets"][1]), str(t["crc32"]))
+    tensors = {str(name): TensorDigest(int(t["data_offsets"][0]), int(t["data_offsets"][1]),
+                                       None if t["crc32"] is None else str(t["crc32"]))
                for name, t in entry["tensors"].items()}
     return FileDigest(size, sha, int(entry["data_start"]), str(entry["header_crc32"]), tensors)
 

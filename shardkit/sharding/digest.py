@@ -197,7 +197,8 @@ def source_digests(paths: list[str]) -> dict[tuple[str, int, int], str]:
             continue
         real = os.path.realpath(path)
         for t in record.tensors.values():
-            found[(real, record.data_start + t.begin, record.data_start + t.end)] = t.crc32
+            if t.crc32 is not None:  # None: not hashed (copied in an object store); read it instead
+                found[(real, record.data_start + t.begin, record.data_start + t.end)] = t.crc32
     return found
 
 

@@ -105,6 +105,42 @@ class S3Writer:
             Bucket=self._store.url.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=data))
         self._parts[number] = str(reply["ETag"])
 
+    def copy_range(self, bucket: str, key: str, begin: int, end: int) -> None:
+        """Append bytes ``[begin, end)`` of the object ``bucket/key`` as ONE part copied inside the store
+        (``UploadPartCopy``): none of them cross the client. The bytes written before go first as a
+        part of their own, so the caller keeps them at least 5 MiB (see :mod:`.copy_plan`). A store
+        that refuses the copy raises :class:`~shardkit.stores.copy_plan.CopyRefusedError`."""
+        if self._done:
+            raise StoreError(f"{self._where}: write after commit or abort")
+        if self._buffer:
+            self._send_part()
+        if self._upload_id is None:
+            reply = self._store.call(self._where, lambda: self._client.create_multipart_upload(
+                Bucket=self._store.url.bucket, Key=self._key))
+            self._upload_id = str(reply["UploadId"])
+            self._pool = ReadPool(IN_FLIGHT_PARTS, name="shardkit-store-write")
+        number = self._sent_parts + 1
+        if number > MAX_PARTS:
+            raise ShardkitWriteError(f"{self._where}: more than {MAX_PARTS} parts; the object is too large for S3")
+        while len(self._pending) >= IN_FLIGHT_PARTS:
+            self._pending.popleft().result()
+        self._sent_parts = number
+        assert self._pool is not None
+        self._pending.append(self._pool.submit(lambda: self._copy_part(number, bucket, key, begin, end)))
+        self._written_bytes += end - begin
+
+    def _copy_part(self, number: int, bucket: str, key: str, begin: int, end: int) -> None:
+        from .copy_plan import refused_copy
+
+        def copy() -> S3Client:
+            with refused_copy(f"{self._where} part {number} (copy of s3://{bucket}/{key})"):
+                return self._client.upload_part_copy(
+                    Bucket=self._store.url.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number,
+                    CopySource={"Bucket": bucket, "Key": key}, CopySourceRange=f"bytes={begin}-{end - 1}")
+
+        reply = self._store.call(f"{self._where} part {number}", copy)
+        self._parts[number] = str(reply["CopyPartResult"]["ETag"])
+
     @property
     def _client(self) -> S3Client:
         return self._store.client

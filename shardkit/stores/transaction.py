@@ -26,7 +26,7 @@ import contextlib
 import json
 import posixpath
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 
 from ..errors import InvalidInputError, OutputExistsError, ShardkitError, StoreError
@@ -120,6 +120,19 @@ class StoreTransaction:
         with self._writer as writer:
             for chunk in chunks:
                 writer.write(chunk)
+            info = writer.commit()
+        self._writer = None
+        self._streamed.add(name)
+        return info
+
+    def compose(self, name: str, fill: Callable[[ObjectWriter], None]) -> ObjectInfo:
+        """Upload one data object by ``fill(writer)`` (writes, or a store's own copy parts), then commit it."""
+        if name not in self.names or name in self._streamed or name in self._pending or _publish_order(name) > 0:
+            raise StoreError(f"{self.store.url.child(name)}: not a data object of this write, or written twice")
+        self._created.append(name)
+        self._writer = self.store.writer(name)
+        with self._writer as writer:
+            fill(writer)
             info = writer.commit()
         self._writer = None
         self._streamed.add(name)
