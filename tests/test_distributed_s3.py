@@ -15,6 +15,7 @@ import pytest
 import torch
 from helpers_s3 import DelayProxy
 from test_distributed import TINY_UNET, run_ranks
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 SIZE = "60KB"
 
@@ -53,7 +54,7 @@ def _folder_bytes(folder: Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("route", ["s3-s3", "s3-local", "local-s3"])
+@pytest.mark.parametrize("route", ["s3-s3", "local-s3"])
 def test_collective_convert_with_s3_equals_one_process(s3_env: Any, unet_folder: Path, tmp_path: Path,
                                                       route: str) -> None:
     import shardkit
@@ -76,27 +77,34 @@ def test_collective_convert_with_s3_equals_one_process(s3_env: Any, unet_folder:
     assert shardkit.verify(str(ref)).ok
 
 
-def test_each_rank_reads_only_its_byte_ranges(s3_env: Any, unet_folder: Path, tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_s3_to_local_equals_one_process_and_each_rank_reads_only_its_byte_ranges(
+        s3_env: Any, unet_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shardkit
+
     s3_env.put_folder(unet_folder, "src")
+    shardkit.convert(str(unet_folder), tmp_path / "ref", max_shard_size=SIZE)
     tensor_bytes = (unet_folder / "diffusion_pytorch_model.safetensors").stat().st_size
     with DelayProxy(s3_env.server.port, delay_ms=0) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{proxy.port}")
         run_ranks(tmp_path, _convert_rank, f"s3://{s3_env.bucket}/src", str(tmp_path / "out"), False)
         moved = proxy.sent_bytes
+    assert _folder_bytes(tmp_path / "out") == _folder_bytes(tmp_path / "ref")
     # both ranks fetch the headers and configs (tens of KB); the tensor bytes cross once, not once per rank
     assert tensor_bytes < moved < tensor_bytes * 1.3 + 200_000, (moved, tensor_bytes)
 
 
-def test_collective_reshard_in_place_in_the_store(s3_env: Any, unet_folder: Path, tmp_path: Path) -> None:
+@pytest.mark.slow
+def test_collective_reshard_in_place_in_the_store_equals_one_process(s3_env: Any, unet_folder: Path,
+                                                                     tmp_path: Path) -> None:
     import shardkit
 
-    s3_env.put_folder(unet_folder, "m")  # one file: the collective write replaces it by shards and an index
-    url = f"s3://{s3_env.bucket}/m"
-    ref = tmp_path / "ref"
-    shardkit.convert(str(unet_folder), ref, max_shard_size=SIZE)
+    for prefix in ("one", "two"):
+        s3_env.put_folder(unet_folder, prefix)
+    shardkit.convert(f"s3://{s3_env.bucket}/one", f"s3://{s3_env.bucket}/one", max_shard_size=SIZE, overwrite=True)
+    url = f"s3://{s3_env.bucket}/two"
     run_ranks(tmp_path, _convert_rank, url, url, True)
-    assert _prefix_bytes(s3_env, "m") == _folder_bytes(ref)
+    assert _prefix_bytes(s3_env, "two") == _prefix_bytes(s3_env, "one")
+    assert any(k.endswith(".index.json") for k in s3_env.keys("two/"))
 
 
 def test_failure_on_one_rank_publishes_nothing_and_leaves_no_upload(s3_env: Any, unet_folder: Path,
@@ -104,19 +112,20 @@ def test_failure_on_one_rank_publishes_nothing_and_leaves_no_upload(s3_env: Any,
     import shardkit
 
     src, out = str(unet_folder), f"s3://{s3_env.bucket}/out"
-    with pytest.raises(Exception):
+    with pytest.raises(ProcessRaisedException):
         run_ranks(tmp_path, _fault_rank, src, out, env={1: {"SHARDKIT_FAULT_ERRNO_AT": "3:EIO"}})
     assert s3_env.keys("out/") == []  # no index, no shard of either rank, no journal
     assert s3_env.uploads() == []
     assert shardkit.recover(out).removed == []
 
 
+@pytest.mark.slow  # rank 1 waits out the gloo timeout (60 s) before it learns that rank 0 died
 def test_rank_zero_killed_mid_write_is_cleaned_by_recover(s3_env: Any, unet_folder: Path, tmp_path: Path) -> None:
     import shardkit
 
     src, out = str(unet_folder), f"s3://{s3_env.bucket}/out"
-    with pytest.raises(Exception):
-        run_ranks(tmp_path, _fault_rank, src, out, env={0: {"SHARDKIT_FAULT_KILL_AT": "3"}})
+    with pytest.raises(ProcessExitedException):
+        run_ranks(tmp_path, _fault_rank, src, out, env={0: {"SHARDKIT_FAULT_KILL_AT": "20"}})
     left = s3_env.keys("out/")
     assert not [k for k in left if k.endswith(".index.json")]
     assert [k for k in left if "/.shardkit-write-" in k], left  # the journal went first

@@ -114,7 +114,8 @@ def write_collective(src: Source, output: str, *, options: WriteOptions, process
     if is_store_url(run.output):  # each rank streams its shards into the store; rank 0 publishes
         from .store_write import write_to_store
 
-        write_to_store(run, side_files, gather)
+        write_to_store(job, run.output, options=options, process_group=process_group, rank=rank, owners=run.owners,
+                       side_files=side_files, gather=gather)
         return job.result(run.output, options, copied=side_files)
     run.stale = [job.path(n) for n in checkpoint_files(run.output, job.plan.naming)] + digest.stale_manifests(run.output, [""])
     with contextlib.ExitStack() as stack:

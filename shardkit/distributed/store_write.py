@@ -45,12 +45,27 @@ from ..stores.transaction import StoreTransaction
 from .group import DistributedError, RankStatus, agree, status_of
 
 if TYPE_CHECKING:
-    from .collective import CollectiveWrite
+    from torch.distributed import ProcessGroup
+
+    from ..sharding.job import ShardJob
+    from ..sharding.options import WriteOptions
     from .gather import Gatherer
 
 __all__ = ["write_to_store"]
 
 READ_BYTES = 8 << 20  # side files are read into the store this much at a time
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One rank's view of the write: who it is, what is planned, who owns which shard."""
+
+    process_group: ProcessGroup | None
+    rank: int
+    job: ShardJob
+    owners: list[int]
+    output: str
+    options: WriteOptions
 
 
 @dataclass
@@ -79,8 +94,23 @@ class _HeadSink:
         _faults.point(f"store:sent:{self.name}:{self.size_bytes}", nbytes)
 
 
-def write_to_store(run: CollectiveWrite, side_files: Sequence[SideFile], gather: Gatherer | None) -> None:
-    """Write ``run``'s checkpoint under the ``s3://`` URL ``run.output`` with every rank of its group."""
+def write_to_store(job: ShardJob, output: str, *, options: WriteOptions, process_group: ProcessGroup | None,
+                   rank: int, owners: list[int], side_files: Sequence[SideFile] = (),
+                   gather: Gatherer | None = None) -> None:
+    """Write ``job`` under the ``s3://`` URL ``output`` with every rank of ``process_group``.
+
+    Args:
+        job: the planned job (the same plan on every rank).
+        output: ``s3://BUCKET/PREFIX``.
+        options: the write options (equal on every rank).
+        process_group, rank: the group and this rank in it.
+        owners: the rank that writes each shard, in plan order (:func:`~shardkit.distributed.assign.assign_shards`).
+        side_files: files rank 0 publishes with the shards (configs).
+        gather: as in :func:`~shardkit.distributed.collective.write_collective`.
+
+    write_to_store(job, "s3://models/out", options=options, process_group=None, rank=0, owners=[0, 1, 0])
+    """
+    run = _Run(process_group, rank, job, owners, output, options)
     url = parse_store_url(run.output)
     shards = [run.job.path(s.filename) for s in run.job.plan.shards]
     with contextlib.ExitStack() as stack:
@@ -95,7 +125,7 @@ def write_to_store(run: CollectiveWrite, side_files: Sequence[SideFile], gather:
             raise  # then the transaction deletes every shard of the write and the journal
 
 
-def _open(run: CollectiveWrite, url: StoreUrl, shards: list[str], side_files: Sequence[SideFile],
+def _open(run: _Run, url: StoreUrl, shards: list[str], side_files: Sequence[SideFile],
           stack: contextlib.ExitStack) -> tuple[ObjectStore, _RankZero | None]:
     """Every rank opens the store; rank 0 also stages the side files and puts the journal."""
     error: BaseException | None = None
@@ -112,7 +142,7 @@ def _open(run: CollectiveWrite, url: StoreUrl, shards: list[str], side_files: Se
     return store, zero
 
 
-def _open_transaction(run: CollectiveWrite, store: ObjectStore, shards: list[str], side_files: Sequence[SideFile],
+def _open_transaction(run: _Run, store: ObjectStore, shards: list[str], side_files: Sequence[SideFile],
                       stack: contextlib.ExitStack) -> _RankZero:
     folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="shardkit-s3-publish-"))
     side_folder = os.path.join(folder, "side")
@@ -120,8 +150,8 @@ def _open_transaction(run: CollectiveWrite, store: ObjectStore, shards: list[str
             digest.ManifestRecorder(side_folder, stale=[], enabled=run.options.manifest) as record:
         copy_side_files(side_files, tx, sync=sync, record=record, jobs=[run.job], output=side_folder)
         sync.wait()
+        side = record.results()  # hashed from the staging folder: before the commit moves it
         tx.commit()
-        side = record.results()
     names = shards + list(_local_files(side_folder))
     if run.job.plan.index_filename:
         names.append(run.job.path(run.job.plan.index_filename))
@@ -132,7 +162,7 @@ def _open_transaction(run: CollectiveWrite, store: ObjectStore, shards: list[str
     return zero
 
 
-def _stream_owned(run: CollectiveWrite, store: ObjectStore, gather: Gatherer | None) -> dict[str, FileDigest]:
+def _stream_owned(run: _Run, store: ObjectStore, gather: Gatherer | None) -> dict[str, FileDigest]:
     """Stream this rank's shards into the store; join every rank's gathers; exchange the outcome.
 
     Returns every rank's shards: their digests with the manifest, else their sizes only.
@@ -176,7 +206,7 @@ def _shard_digest(sink: _HeadSink, crc32s: dict[str, str], *, hashed: bool) -> F
     return FileDigest(sink.size_bytes, None, start, f"{zlib.crc32(sink.head[:start]):08x}", tensors)
 
 
-def _publish(run: CollectiveWrite, store: ObjectStore, zero: _RankZero | None, records: dict[str, FileDigest]) -> None:
+def _publish(run: _Run, store: ObjectStore, zero: _RankZero | None, records: dict[str, FileDigest]) -> None:
     """Rank 0 checks the shards, writes the index and manifest, puts the small objects (index last)."""
     error: BaseException | None = None
     if zero is not None:
@@ -212,7 +242,7 @@ def _abort_uploads(store: ObjectStore, names: set[str]) -> None:
             store.abort(upload)
 
 
-def _agree(run: CollectiveWrite, error: BaseException | None, *, what: str,
+def _agree(run: _Run, error: BaseException | None, *, what: str,
            payload: object = None) -> list[RankStatus]:
     """Exchange the step's outcome; a rank that failed raises its own error, the others the shared one."""
     try:
