@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 from .. import _faults
 from ..atomic.commit import OutputTransaction
-from ..errors import ShardkitWriteError
+from ..errors import ShardkitError, ShardkitWriteError
 from ..formats.header import parse_header
 from ..formats.manifest import MANIFEST_NAME, FileDigest, TensorDigest
 from ..sharding import digest
@@ -91,7 +91,8 @@ class _HeadSink:
         self.writer.write(data)
         nbytes = memoryview(data).nbytes
         self.size_bytes += nbytes
-        _faults.point(f"store:sent:{self.name}:{self.size_bytes}", nbytes)
+        if _faults.ACTIVE:
+            _faults.point(f"store:sent:{self.name}:{self.size_bytes}", nbytes)
 
 
 def write_to_store(job: ShardJob, output: str, *, options: WriteOptions, process_group: ProcessGroup | None,
@@ -120,7 +121,7 @@ def write_to_store(job: ShardJob, output: str, *, options: WriteOptions, process
             _publish(run, store, zero, records)
         except BaseException:
             if zero is not None:  # a rank that died left its upload open; the others aborted theirs
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(ShardkitError):  # the first failure is the one to report
                     _abort_uploads(store, set(shards))
             raise  # then the transaction deletes every shard of the write and the journal
 
