@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from helpers_s3 import DelayProxy
-from test_distributed import TINY_UNET, run_ranks
+from test_distributed import TINY_UNET, _save_rank, _tiny_llama, run_ranks
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 SIZE = "60KB"
@@ -91,6 +91,15 @@ def test_s3_to_local_equals_one_process_and_each_rank_reads_only_its_byte_ranges
     assert _folder_bytes(tmp_path / "out") == _folder_bytes(tmp_path / "ref")
     # both ranks fetch the headers and configs (tens of KB); the tensor bytes cross once, not once per rank
     assert tensor_bytes < moved < tensor_bytes * 1.3 + 200_000, (moved, tensor_bytes)
+
+
+@pytest.mark.slow
+def test_fsdp_save_sharded_into_s3_equals_one_process(s3_env: Any, tmp_path: Path) -> None:
+    """save_sharded over a process group streams each rank's gathered shards into the store too."""
+    ref = tmp_path / "ref"
+    run_ranks(tmp_path, _save_rank, _tiny_llama, f"s3://{s3_env.bucket}/fsdp", str(ref), 20_000)
+    assert _prefix_bytes(s3_env, "fsdp") == _folder_bytes(ref)
+    assert s3_env.uploads() == []
 
 
 @pytest.mark.slow
