@@ -143,3 +143,12 @@ def test_rank_zero_killed_mid_write_is_cleaned_by_recover(s3_env: Any, unet_fold
     assert s3_env.keys("out/") == [] and s3_env.uploads() == []
     run_ranks(tmp_path, _convert_rank, src, out, False)  # the prefix takes a new write
     assert "out/diffusion_pytorch_model.safetensors.index.json" in s3_env.keys("out/")
+
+
+def test_a_hub_source_is_still_refused_by_a_collective_convert_in_one_line(tmp_path: Path) -> None:
+    import shardkit
+    from shardkit.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match=r"reads a local or s3:// checkpoint; download it first"):
+        shardkit.convert("hf://org/model", tmp_path / "out", collective=True)
+    assert not (tmp_path / "out").exists()
