@@ -108,7 +108,9 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options
         component: with a pipeline folder as ``config`` (or as ``source`` with ``to="single-file"``),
             the component to write; ``"all"`` for the whole pipeline.
         collective: every rank of a torchrun group calls this and writes its share of the shards
-            (see :func:`shardkit.api.jobs.torchrun_group`); ``source`` is then a local checkpoint.
+            (see :func:`shardkit.api.jobs.torchrun_group`); ``source`` is then a local or ``s3://``
+            checkpoint (each rank reads only its shards' byte ranges), ``output`` a folder every rank
+            sees or an ``s3://`` prefix (each rank uploads its own shards).
 
     Returns:
         A ``ConvertResult`` (a ``PipelineResult`` for a pipeline).
@@ -127,10 +129,11 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options
         from ..distributed.convert import convert_collective
         from ..errors import InvalidInputError
 
-        if is_remote(source):
-            raise InvalidInputError(f"{source}: a collective convert reads a local checkpoint; download it "
-                                    "first (hf download), or convert without torchrun")
-        return convert_collective(source, output, options=built, key=key, keymap=keymap, to=to)
+        if is_hub(source):
+            raise InvalidInputError(f"{source}: a collective convert reads a local or s3:// checkpoint; download "
+                                    "it first (hf download), or convert without torchrun")
+        with opened(source, cache=cache) as readable:  # s3://: each rank reads its shards' byte ranges
+            return convert_collective(readable, output, options=built, key=key, keymap=keymap, to=to)
     with opened(source, token=token, cache=cache, pickles=True) as readable, \
             configs(config, token=token) as local_config:
         if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)

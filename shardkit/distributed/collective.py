@@ -38,6 +38,7 @@ from ..sharding.job import (
 from ..sharding.options import WriteOptions, warn_if_output_taken
 from ..sharding.writer import write_safetensors
 from ..sources.base import Source
+from ..stores.urls import is_store_url
 from .assign import assign_shards, plan_signature
 from .group import (
     DistributedError,
@@ -109,6 +110,12 @@ def write_collective(src: Source, output: str, *, options: WriteOptions, process
     if options.dry_run:
         if rank == 0:
             warn_if_output_taken(run.output, overwrite=options.overwrite)
+        return job.result(run.output, options, copied=side_files)
+    if is_store_url(run.output):  # each rank streams its shards into the store; rank 0 publishes
+        from .store_write import write_to_store
+
+        write_to_store(job, run.output, options=options, process_group=process_group, rank=rank, owners=run.owners,
+                       side_files=side_files, gather=gather)
         return job.result(run.output, options, copied=side_files)
     run.stale = [job.path(n) for n in checkpoint_files(run.output, job.plan.naming)] + digest.stale_manifests(run.output, [""])
     with contextlib.ExitStack() as stack:

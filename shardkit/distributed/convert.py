@@ -31,8 +31,10 @@ def convert_collective(source: Any, output: str | os.PathLike[str], *, options: 
     """Convert ``source`` into ``output`` with every rank of ``process_group`` writing its shards.
 
     Args:
-        source: any checkpoint ``convert`` reads, except a pipeline folder; readable by every rank.
-        output: the output folder, on a filesystem shared by every rank.
+        source: any checkpoint ``convert`` reads, except a pipeline folder; readable by every rank
+            (an ``s3://`` prefix opened by each rank: a :class:`~shardkit.sources.ranged.RangedCheckpoint`).
+        output: the output folder, on a filesystem shared by every rank, or ``s3://BUCKET/PREFIX``
+            (each rank uploads its own shards; :mod:`shardkit.distributed.store_write`).
         options: the write options (equal on every rank).
         key, keymap: as in :func:`shardkit.sharding.convert.convert_with`.
         process_group: the group (None: the default one).

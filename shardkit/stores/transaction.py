@@ -138,6 +138,20 @@ class StoreTransaction:
         self._streamed.add(name)
         return info
 
+    def adopt(self, names: Iterable[str]) -> None:
+        """Take data objects that other processes of this write upload (the ranks of a collective write).
+
+        Call it right after the journal is written, before any of them starts: from then on a
+        rollback deletes them (none existed before: the constructor refused a clash), and
+        :meth:`commit` counts them as written. The caller commits only once every process has
+        reported its uploads complete.
+        """
+        for name in names:
+            if name not in self.names or _publish_order(name) > 0 or name in self._streamed or name in self._pending:
+                raise StoreError(f"{self.store.url.child(name)}: not a data object of this write, or written twice")
+            self._created.append(name)
+            self._streamed.add(name)
+
     def commit(self) -> None:
         """Publish: every data object must be written; then the ``.json`` objects, indexes last; then clean up."""
         missing = [n for n in self.names if n not in self._streamed and n not in self._pending]
