@@ -17,6 +17,7 @@ import pytest
 from conftest import SHARDKIT_BIN, assert_one_line_error, make_state_dict
 
 import shardkit
+from shardkit.formats.header import read_header
 from shardkit.stores import open_store
 from shardkit.stores.transaction import JOURNAL_PREFIX, StoreTransaction
 
@@ -69,8 +70,9 @@ def test_python_api_split_and_convert_to_s3(s3_env, source, tmp_path) -> None:
     result = shardkit.split(source, url, max_shard_size="20MB", progress=lambda done, total: seen.append((done, total)))
     assert result.output == url
     total = seen[-1][1]
-    assert seen[-1] == (total, total) and {t for _, t in seen} == {total}, "one bar: the split, then the upload"
+    assert seen[-1] == (total, total) and {t for _, t in seen} == {total}, "one bar over the bytes streamed"
     assert [d for d, _ in seen] == sorted(d for d, _ in seen) and any(total // 2 < d < total for d, _ in seen)
+    assert seen[0][0] in {e.nbytes for e in read_header(str(source)).entries}, "no halves: bytes as written"
     local = tmp_path / "local"
     shardkit.split(source, local, max_shard_size="20MB")
     assert _remote(s3_env, "api") == {p.name: p.read_bytes() for p in local.iterdir()}

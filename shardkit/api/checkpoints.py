@@ -70,7 +70,7 @@ def split(source: CheckpointSource, output: str | os.PathLike[str], *, options: 
 
     built = WriteOptions.build(options, shorthands, where="split()")
     with opened(source, token=token, cache=cache) as readable:
-        if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
+        if is_store_url(output):  # streamed into the store, or staged for one file (api/store_writes.py)
             return write_to_store(output, lambda out, tick: split_with(
                 readable, out, options=dataclasses.replace(built, overwrite=False, progress=tick), key=key),
                 overwrite=built.overwrite, dry_run=built.dry_run, progress=built.progress)
@@ -130,7 +130,7 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options
         return convert_collective(source, output, options=built, key=key, keymap=keymap, to=to)
     with opened(source, token=token, cache=cache, pickles=True) as readable, \
             configs(config, token=token) as local_config:
-        if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
+        if is_store_url(output):  # streamed into the store, or staged for one file (api/store_writes.py)
             return write_to_store(output, lambda out, tick: convert_with(
                 readable, out, options=dataclasses.replace(built, overwrite=False, progress=tick), key=key,
                 keymap=keymap, to=to, config=local_config, component=component),
@@ -184,7 +184,7 @@ def split_and_push(source: CheckpointSource, output: str | os.PathLike[str], rep
         check_repo_id(repo_id) if options.dry_run else check_push_target(repo_id, token=token)
         check_folder_links(output)
     with opened(source, token=token, cache=cache) as readable:
-        if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
+        if is_store_url(output):  # streamed into the store, or staged for one file (api/store_writes.py)
             result = write_to_store(output, lambda out, tick: split_with(
                 readable, out, options=dataclasses.replace(options, overwrite=False, progress=tick), key=key),
                 overwrite=options.overwrite, dry_run=options.dry_run, progress=options.progress)
