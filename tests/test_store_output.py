@@ -46,7 +46,7 @@ def _remote(s3_env, prefix: str) -> dict[str, bytes]:
 def test_a_real_model_streams_into_s3_byte_for_byte_with_no_local_copy(s3_env, model_folder, tmp_path,
                                                                        monkeypatch) -> None:
     local = tmp_path / "local"
-    shardkit.split(model_folder, local, max_shard_size="40KB")
+    shardkit.split(model_folder, local, max_shard_size="6KB")
     expected = _files(local)
     assert len([n for n in expected if n.endswith(".safetensors")]) >= 3 and MANIFEST in expected
     assert {"README.md", "vocab.txt", "1_Pooling/config.json", "config.json", INDEX} <= set(expected)
@@ -61,7 +61,7 @@ def test_a_real_model_streams_into_s3_byte_for_byte_with_no_local_copy(s3_env, m
         staged.extend(str(p) for p in staging.rglob("*") if p.is_file())
 
     url = f"s3://{s3_env.bucket}/bert"
-    result = shardkit.split(model_folder, url, max_shard_size="40KB", progress=progress)
+    result = shardkit.split(model_folder, url, max_shard_size="6KB", progress=progress)
     assert result.output == url
     assert staged == [], "no shard or side file is written to a local staging folder"
     assert _remote(s3_env, "bert") == expected, "every object equals the local file, the manifest included"
@@ -102,9 +102,9 @@ def test_a_kill_between_manifest_and_index_then_recover_leaves_no_wrong_manifest
     url = f"s3://{s3_env.bucket}/m"
     old: dict[str, bytes] = {}
     if in_place:
-        assert run_cli("split", model_folder, url, "--max-shard-size", "40KB").exit_code == 0
+        assert run_cli("split", model_folder, url, "--max-shard-size", "6KB").exit_code == 0
         old = _remote(s3_env, "m")
-    args = ["split", str(model_folder / "model.safetensors"), url, "--max-shard-size", "60KB", "--overwrite"]
+    args = ["split", str(model_folder / "model.safetensors"), url, "--max-shard-size", "16KB", "--overwrite"]
     _killed_at(s3_env, f"store:put:{MANIFEST}", args, tmp_path / "go")
     now = _remote(s3_env, "m")
     assert now.get(INDEX) == old.get(INDEX), "the index is put last: not reached"
@@ -120,9 +120,9 @@ def test_a_kill_between_manifest_and_index_then_recover_leaves_no_wrong_manifest
 
 def test_a_kill_before_the_publish_keeps_the_old_manifest(s3_env, model_folder, tmp_path, run_cli) -> None:
     url = f"s3://{s3_env.bucket}/k"
-    assert run_cli("split", model_folder, url, "--max-shard-size", "40KB").exit_code == 0
+    assert run_cli("split", model_folder, url, "--max-shard-size", "6KB").exit_code == 0
     old = _remote(s3_env, "k")
-    args = ["split", str(model_folder / "model.safetensors"), url, "--max-shard-size", "60KB", "--overwrite"]
+    args = ["split", str(model_folder / "model.safetensors"), url, "--max-shard-size", "16KB", "--overwrite"]
     _killed_at(s3_env, "store:sent:model-00001-of-", args, tmp_path / "go")
     assert run_cli("recover", url).exit_code == 0
     assert _remote(s3_env, "k") == old, "a kill mid-shard: recover leaves the old checkpoint as it was, manifest too"

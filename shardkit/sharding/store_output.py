@@ -114,14 +114,17 @@ class StoreOutput:
         self.tx.commit()
 
 
-def store_output(store: ObjectStore) -> OutputOpener:
-    """An opener that writes a job into ``store``'s prefix (bind it with :func:`~shardkit.sharding.outputs.bind_output`)."""
+def store_output(store: ObjectStore, *, overwrite: bool) -> OutputOpener:
+    """An opener that writes a job into ``store``'s prefix (bind it with :func:`~shardkit.sharding.outputs.bind_output`).
+
+    ``overwrite`` is the caller's: the job itself is run with ``overwrite=False`` on a placeholder path.
+    """
 
     @contextlib.contextmanager
     def opener(output: str, plan: OutputPlan) -> Iterator[JobOutput]:
         with ManifestRecorder(output, stale=[], enabled=plan.manifest) as record:
             names = [n for n in plan.names if record.enabled or n != MANIFEST_NAME]
-            with StoreTransaction(store, names, overwrite=plan.overwrite, on_put=_put_point) as tx:
+            with StoreTransaction(store, names, overwrite=overwrite, on_put=_put_point) as tx:
                 yield StoreOutput(tx, record)
 
     return opener
