@@ -12,7 +12,7 @@ in a fresh process per case, interleaved, ``--runs`` rounds:
   staged     the tree given by ``--staged-src`` (a checkout from before streaming; ``git archive REV``),
              which splits into a staging folder under TMPDIR, then uploads it
 
-Peak RSS is the child's own (``os.wait4``), wall time is the whole CLI process. Every run writes
+Peak RSS is the child's own high-water mark (``VmHWM``, read at its exit), wall time is the whole CLI process. Every run writes
 into a new bucket, deleted afterwards (SeaweedFS frees a bucket's volumes with it); the output
 objects' names and sizes, and the manifest's bytes (every tensor's crc32), are checked equal
 across runs and cases.
@@ -35,7 +35,19 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CLI = "import sys; from shardkit.cli import main; sys.argv[0] = 'shardkit'; sys.exit(main())"
+# The CLI, then its peak RSS (VmHWM: this process's own high-water mark since exec). ru_maxrss from
+# wait4/getrusage would not do: Linux carries the forking parent's RSS over into the child's.
+CLI = """import atexit, os, sys
+def peak():
+    with open("/proc/self/status") as f:
+        kb = next(line.split()[1] for line in f if line.startswith("VmHWM:"))
+    with open(os.environ["BENCH_RSS_FILE"], "w") as out:
+        out.write(kb)
+atexit.register(peak)
+from shardkit.cli import main
+sys.argv[0] = "shardkit"
+main()
+"""
 
 
 def make_source(folder: str, size_mb: int, shard_mb: int) -> list[str]:
@@ -66,18 +78,16 @@ def make_source(folder: str, size_mb: int, shard_mb: int) -> list[str]:
 def run_case(case: str, src: str, dst: str, env: dict[str, str], staged_src: str | None) -> tuple[float, float]:
     """One CLI split in a fresh process: (wall seconds, peak RSS MB of that process)."""
     path = staged_src if case == "staged" else ROOT
-    child_env = {**os.environ, **env, "PYTHONPATH": path}
-    cmd = [sys.executable, "-c", CLI, "split", src, dst, "--max-shard-size", "1GB"]
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=child_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=path)
-    assert proc.stderr is not None
-    err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - start
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        raise SystemExit(f"{case} failed ({proc.returncode}): {err.decode()[-2000:]}")
-    return seconds, usage.ru_maxrss / 1024
+    with tempfile.NamedTemporaryFile(prefix="bench-rss-") as rss:
+        child_env = {**os.environ, **env, "PYTHONPATH": path, "BENCH_RSS_FILE": rss.name}
+        cmd = [sys.executable, "-c", CLI, "split", src, dst, "--max-shard-size", "1GB"]
+        start = time.perf_counter()
+        done = subprocess.run(cmd, env=child_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=path,
+                              timeout=3600)
+        seconds = time.perf_counter() - start
+        if done.returncode != 0:
+            raise SystemExit(f"{case} failed ({done.returncode}): {done.stderr.decode()[-2000:]}")
+        return seconds, int(open(rss.name).read()) / 1024
 
 
 def listing(client: object, bucket: str) -> tuple[list[tuple[str, int]], bytes]:
