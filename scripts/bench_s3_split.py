@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -106,6 +107,10 @@ def drop_bucket(client: object, bucket: str) -> None:
     client.delete_bucket(Bucket=bucket)  # type: ignore[attr-defined]
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mb", type=int, default=6144)
@@ -114,6 +119,7 @@ def main() -> None:
     parser.add_argument("--staged-src", default=None, help="a shardkit tree from before streaming (the staged case)")
     parser.add_argument("--dir", default=None, help="where SeaweedFS keeps its data (needs ~2x the size)")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the server and remove its data on a plain kill too
     cases = ["streamed", "staged"] if args.staged_src else ["streamed"]
 
     from benchlib import machine_line

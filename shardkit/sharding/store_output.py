@@ -6,7 +6,8 @@ on any failure or interrupt):
 
 - each shard is written front to back by :func:`~shardkit.sharding.stream_writer.stream_safetensors`
   into the transaction's multipart writer (parts of 16 MiB, at most 3 in flight), one shard after
-  another, so memory holds one source chunk and four parts whatever the checkpoint's size. The
+  another, reading 16 MiB of a tensor at a time, so memory holds one source chunk (and the source's
+  read-ahead) and four parts whatever the checkpoint's size. The
   bytes are those of a local write with the same options, and the shard's manifest record is
   taken on the way (nothing is read back);
 - side files are streamed from their local file (``.json`` ones held for the publish), hashed on
@@ -44,6 +45,7 @@ __all__ = ["FAULT_STEP_BYTES", "StoreOutput", "store_output"]
 
 FAULT_STEP_BYTES = 8 << 20  # a fault point each time this many bytes of an object are in the writer
 READ_BYTES = 8 << 20  # side files are read this much at a time
+SOURCE_CHUNK_BYTES = 16 << 20  # tensors are read this much at a time: one part's worth (a local write reads 64 MiB)
 
 
 class _Counted:
@@ -77,7 +79,8 @@ class StoreOutput:
                     progress: ByteCounter) -> int:
         with self.tx.writer(name) as writer:
             sink = _Counted(writer, name)
-            streamed = stream_safetensors(sink, name, writes, source, metadata=metadata, progress=progress)
+            streamed = stream_safetensors(sink, name, writes, source, metadata=metadata, progress=progress,
+                                          chunk_bytes=SOURCE_CHUNK_BYTES)
             sink.close()
         self.record.add(name, streamed.digest)
         return 0

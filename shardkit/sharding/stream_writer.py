@@ -4,7 +4,7 @@
 last); an object store takes bytes in order only. :func:`stream_safetensors` writes the same
 bytes (the same header, padding included, the tensors in the same order) to anything with a
 ``write`` method, such as a store's multipart writer (``shardkit.stores.ObjectStore.writer``),
-reading each tensor through the source in 64 MiB chunks (casts in 16 MiB), so memory is bounded.
+reading each tensor through the source in chunks of at most 64 MiB (casts in 16 MiB), so memory is bounded.
 Every byte goes through Python, so the shard's whole manifest record (header region and every
 tensor's crc32) is taken on the way: nothing is read back.
 """
@@ -37,11 +37,13 @@ class StreamedFile(WrittenFile):
 
 
 def stream_safetensors(sink: ByteSink, name: str, writes: list[TensorWrite], source: Source, *,
-                       metadata: dict[str, str] | None = None, progress: ProgressFn | None = None) -> StreamedFile:
+                       metadata: dict[str, str] | None = None, progress: ProgressFn | None = None,
+                       chunk_bytes: int = CHUNK_BYTES) -> StreamedFile:
     """Write ``writes`` as one safetensors file into ``sink``, byte for byte what ``write_safetensors`` writes.
 
     Returns a :class:`StreamedFile` named ``name`` with every tensor's crc32 and the file's
     manifest record (the same record :func:`~shardkit.sharding.digest.digest_file` makes of the file).
+    ``chunk_bytes``: how much of a tensor is read from the source at a time (memory, not bytes, depends on it).
 
     with store.writer("model-00001-of-00002.safetensors") as w:
         stream_safetensors(w, w.name, writes, source); w.commit()
@@ -53,7 +55,7 @@ def stream_safetensors(sink: ByteSink, name: str, writes: list[TensorWrite], sou
     file_bytes, crc32s, tensors = len(head), {}, {}
     for p, begin in zip(writes, begins, strict=True):
         crc, done = 0, 0
-        chunks = cast_chunks(p, source) if p.src.dtype != p.out.dtype else source.chunks(p.src, CHUNK_BYTES)
+        chunks = cast_chunks(p, source) if p.src.dtype != p.out.dtype else source.chunks(p.src, chunk_bytes)
         for chunk in chunks:
             sink.write(chunk)
             crc = zlib.crc32(chunk, crc)
