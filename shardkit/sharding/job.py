@@ -225,11 +225,7 @@ def run_jobs(output: str, jobs: Sequence[ShardJob], *, options: WriteOptions,
     plan = OutputPlan(names + ([MANIFEST_NAME] if options.manifest else []), stale, options.overwrite, options.manifest)
     tick = ByteCounter(sum(job.plan.total_bytes for job in jobs), options.progress)
     with open_output(output, plan) as out:
-        for name, data in edits.items():
-            out.write_bytes(name, data)
-            out.record.data(name, data)
-        for path, name in copies:
-            out.copy_file(path, name)
+        _write_side_files(out, edits, copies)
         for job in jobs:
             _write_shards(job, out, options.metadata or {}, tick)
         out.publish(_indexes(jobs))
@@ -254,11 +250,13 @@ def plan_side_files(side_files: Sequence[SideFile], *, jobs: Sequence[ShardJob] 
 def copy_side_files(side_files: Sequence[SideFile], tx: OutputTransaction, *, sync: BackgroundSync,
                     record: ManifestRecorder, jobs: Sequence[ShardJob] = (), output: str = "") -> None:
     """Copy the side files (configs, README...) into the local ``tx``, recording their digests (see :func:`plan_side_files`)."""
-    out = LocalOutput(tx, sync, record)
-    edits, copies = plan_side_files(side_files, jobs=jobs, output=output)
+    _write_side_files(LocalOutput(tx, sync, record), *plan_side_files(side_files, jobs=jobs, output=output))
+
+
+def _write_side_files(out: JobOutput, edits: Mapping[str, bytes], copies: Sequence[SideFile]) -> None:
     for name, data in edits.items():
         out.write_bytes(name, data)
-        record.data(name, data)
+        out.record.data(name, data)
     for path, name in copies:
         out.copy_file(path, name)
 
