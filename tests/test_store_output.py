@@ -127,3 +127,24 @@ def test_a_kill_before_the_publish_keeps_the_old_manifest(s3_env, model_folder, 
     assert run_cli("recover", url).exit_code == 0
     assert _remote(s3_env, "k") == old, "a kill mid-shard: recover leaves the old checkpoint as it was, manifest too"
     assert run_cli("verify", url).exit_code == 0
+
+
+def test_a_pipeline_folder_streams_into_s3_byte_for_byte(s3_env, tmp_path, monkeypatch) -> None:
+    from helpers_pipeline import build_tiny_sd_pipeline
+
+    folder = tmp_path / "sd"
+    build_tiny_sd_pipeline(tmp_path).save_pretrained(folder)
+    local = tmp_path / "local"
+    shardkit.split(folder, local, max_shard_size="200KB")
+    expected = _files(local)
+    assert any(n.startswith("unet/") and n.endswith(".index.json") for n in expected) and MANIFEST in expected
+    staging = tmp_path / "tmp"
+    staging.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(staging))
+    staged: list[str] = []
+    url = f"s3://{s3_env.bucket}/sd"
+    shardkit.split(folder, url, max_shard_size="200KB",
+                   progress=lambda done, total: staged.extend(str(p) for p in staging.rglob("*") if p.is_file()))
+    assert staged == [], "every component streamed: nothing staged"
+    assert _remote(s3_env, "sd") == expected
+    assert s3_env.uploads() == []
