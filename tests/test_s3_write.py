@@ -17,6 +17,8 @@ import pytest
 from conftest import SHARDKIT_BIN, assert_one_line_error, make_state_dict
 
 import shardkit
+from shardkit.formats.header import read_header
+from shardkit.sharding.store_output import SOURCE_CHUNK_BYTES
 from shardkit.stores import open_store
 from shardkit.stores.transaction import JOURNAL_PREFIX, StoreTransaction
 
@@ -69,10 +71,12 @@ def test_python_api_split_and_convert_to_s3(s3_env, source, tmp_path) -> None:
     result = shardkit.split(source, url, max_shard_size="20MB", progress=lambda done, total: seen.append((done, total)))
     assert result.output == url
     total = seen[-1][1]
-    assert seen[-1] == (total, total) and {t for _, t in seen} == {total}, "one bar: the split, then the upload"
+    assert seen[-1] == (total, total) and {t for _, t in seen} == {total}, "one bar over the bytes streamed"
     assert [d for d, _ in seen] == sorted(d for d, _ in seen) and any(total // 2 < d < total for d, _ in seen)
     local = tmp_path / "local"
     shardkit.split(source, local, max_shard_size="20MB")
+    first = min(read_header(str(local / "model-00001-of-00002.safetensors")).entries, key=lambda e: e.offset)
+    assert seen[0][0] == min(first.nbytes, SOURCE_CHUNK_BYTES), "no halves: the bytes of the first chunk streamed"
     assert _remote(s3_env, "api") == {p.name: p.read_bytes() for p in local.iterdir()}
     planned = shardkit.split(source, f"s3://{s3_env.bucket}/dry", max_shard_size="20MB", dry_run=True)
     assert planned.dry_run and len(planned.plan.shards) == 2 and s3_env.keys("dry/") == []

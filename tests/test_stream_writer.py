@@ -7,6 +7,7 @@ import zlib
 import pytest
 from conftest import make_state_dict
 
+from shardkit.sharding.digest import digest_file
 from shardkit.sharding.stream_writer import stream_safetensors
 from shardkit.sharding.writer import tensor_write, write_safetensors
 from shardkit.sources import open_source
@@ -31,6 +32,8 @@ def test_streamed_shard_equals_the_written_file(tmp_path, cast_to) -> None:
         sink = Sink()
         streamed = stream_safetensors(sink, "out.safetensors", writes, source, metadata={"format": "pt"})
     data = (tmp_path / "out.safetensors").read_bytes()
+    assert streamed.digest == digest_file(str(tmp_path / "out.safetensors"), safetensors=True), \
+        "the manifest record taken on the way is the one hashed from the file"
     assert bytes(sink.data) == data and streamed.file_bytes == written.file_bytes == len(data)
     head = 8 + int.from_bytes(data[:8], "little")
     at = head

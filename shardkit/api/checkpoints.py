@@ -73,7 +73,7 @@ def split(source: CheckpointSource, output: str | os.PathLike[str], *, options: 
     with opened(source, token=token, cache=cache) as readable:
         if is_store_url(output) and (copied := copy_split(source, readable, output, options=built, key=key)):
             return copied  # S3 to S3, bytes kept: composed by copies inside the store (api/store_copy.py)
-        if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
+        if is_store_url(output):  # streamed into the store, or staged for one file (api/store_writes.py)
             return write_to_store(output, lambda out, tick: split_with(
                 readable, out, options=dataclasses.replace(built, overwrite=False, progress=tick), key=key),
                 overwrite=built.overwrite, dry_run=built.dry_run, progress=built.progress)
@@ -136,7 +136,7 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options
             return convert_collective(readable, output, options=built, key=key, keymap=keymap, to=to)
     with opened(source, token=token, cache=cache, pickles=True) as readable, \
             configs(config, token=token) as local_config:
-        if is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
+        if is_store_url(output):  # streamed into the store, or staged for one file (api/store_writes.py)
             return write_to_store(output, lambda out, tick: convert_with(
                 readable, out, options=dataclasses.replace(built, overwrite=False, progress=tick), key=key,
                 keymap=keymap, to=to, config=local_config, component=component),
@@ -192,7 +192,7 @@ def split_and_push(source: CheckpointSource, output: str | os.PathLike[str], rep
     with opened(source, token=token, cache=cache) as readable:
         if is_store_url(output) and (copied := copy_split(source, readable, output, options=options, key=key)):
             result = copied  # S3 to S3, bytes kept: composed by copies inside the store (api/store_copy.py)
-        elif is_store_url(output):  # staged locally, then published into the store (api/store_writes.py)
+        elif is_store_url(output):  # streamed into the store, or staged for one file (api/store_writes.py)
             result = write_to_store(output, lambda out, tick: split_with(
                 readable, out, options=dataclasses.replace(options, overwrite=False, progress=tick), key=key),
                 overwrite=options.overwrite, dry_run=options.dry_run, progress=options.progress)

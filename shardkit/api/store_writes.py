@@ -1,11 +1,14 @@
 """``split``/``convert`` into ``s3://BUCKET/PREFIX``, and ``recover`` of such a prefix.
 
-Interim: the job writes its output into a local staging folder (``TMPDIR``) with the local
-writer, unchanged, so the bytes are those of a local run with the same options; then a
-:class:`~shardkit.stores.transaction.StoreTransaction` streams each file into the store (8 MiB
-reads, multipart parts of 16 MiB, at most 3 in flight) and publishes the indexes last. The
-staging folder is removed on every path. Streaming shards straight from the shard writer into the
-store (no local copy) is the next step; docs/s3.md says so.
+The job is handed a placeholder path in a local staging folder, bound to the store
+(:func:`~shardkit.sharding.outputs.bind_output`): a job that writes through
+:func:`~shardkit.sharding.job.run_jobs` (split, convert, save_sharded, pipeline folders,
+``--to diffusers``) streams every shard straight into the store
+(:mod:`shardkit.sharding.store_output`), with no local copy. A job that writes its file itself
+(``--to gguf``, an output naming one ``.safetensors`` file) writes it into the staging folder,
+and its files are then streamed into a
+:class:`~shardkit.stores.transaction.StoreTransaction` (8 MiB reads, multipart parts of 16 MiB, at
+most 3 in flight), indexes last. The staging folder is removed on every path.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from ..atomic.journal import Recovery
 from ..errors import OutputExistsError, ShardkitWriteError
 from ..sharding.job import SplitResult
 from ..sharding.options import ProgressCallback
+from ..sharding.outputs import BoundOutput, bind_output
+from ..sharding.store_output import store_output
 from ..stores import ObjectStore, StoreUrl, is_store_url, open_store, parse_store_url
 from ..stores.transaction import StoreTransaction, recover_store
 
@@ -41,13 +46,12 @@ def _split_url(output: str) -> tuple[StoreUrl, str]:
 def write_to_store(output: str, job: Callable[[str, ProgressCallback | None], SplitResult], *,
                    overwrite: bool = False, dry_run: bool = False,
                    progress: ProgressCallback | None = None) -> SplitResult:
-    """Run ``job(staging_path, progress)`` locally, then publish what it wrote under ``output`` (``s3://...``).
+    """Run ``job(path, progress)`` with ``path`` bound to ``output`` (``s3://...``): streamed, or staged then uploaded.
 
     The prefix is checked first (bucket, credentials, and ``overwrite`` when it holds objects), so
-    a refusal costs no split. ``progress`` sees the job as the first half of the bytes and the
-    upload as the second. The result names ``output``.
+    a refusal costs no split. ``progress`` sees one bar over the bytes written; a staged job's
+    shows the job as the first half and the upload as the second. The result names ``output``.
     """
-    phases = _Phases(progress)
     url, local_name = _split_url(output)
     staging = tempfile.mkdtemp(prefix="shardkit-s3-out-")
     try:
@@ -56,8 +60,10 @@ def write_to_store(output: str, job: Callable[[str, ProgressCallback | None], Sp
                 raise OutputExistsError(f"{url}: the prefix already holds objects; pass overwrite=True to "
                                         "replace the checkpoint there")
             local = os.path.join(staging, local_name)
-            result = job(local, phases.job if progress else None)
-            if not dry_run:
+            with bind_output(local, store_output(store, overwrite=overwrite)) as bound:
+                phases = _Phases(progress, bound)
+                result = job(local, phases.job if progress else None)
+            if not dry_run and not bound.used:
                 _upload(store, local, overwrite=overwrite, progress=phases.upload)
         return dataclasses.replace(result, output=output)
     finally:
@@ -65,15 +71,16 @@ def write_to_store(output: str, job: Callable[[str, ProgressCallback | None], Sp
 
 
 class _Phases:
-    """One ``(done, total)`` bar over two phases: the local job (first half), the upload (second)."""
+    """One ``(done, total)`` bar: a streamed job's own; a staged job's as two halves (the job, then the upload)."""
 
-    def __init__(self, progress: ProgressCallback | None) -> None:
+    def __init__(self, progress: ProgressCallback | None, bound: BoundOutput) -> None:
         self._progress = progress or (lambda done, total: None)
+        self._bound = bound
         self._total = 0
 
     def job(self, done: int, total: int) -> None:
         self._total = total
-        self._progress(done // 2, total)
+        self._progress(done if self._bound.used else done // 2, total)
 
     def upload(self, done: int, total: int) -> None:
         if self._total:

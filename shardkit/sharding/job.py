@@ -17,19 +17,21 @@ from ..atomic.commit import OutputTransaction
 from ..errors import InvalidInputError
 from ..formats.index import DIFFUSERS_PREFIX, Naming, dump_index
 from ..formats.json_types import JsonObject
+from ..formats.manifest import MANIFEST_NAME
 from ..formats.side_files import folder_side_files
 from ..formats.suffixes import is_manifest_file
 from ..sources import Source, open_source
 from ..sources.base import CheckpointSource
 from .digest import ManifestRecorder, stale_manifests
-from .flush import BackgroundSync, ByteCounter, copy_side_file
+from .flush import BackgroundSync, ByteCounter
 from .options import WriteOptions, warn_if_many_shards, warn_if_output_taken
+from .outputs import JobOutput, LocalOutput, OutputPlan, open_output, publish_files
 from .plan import ShardPlan, plan_shards
 from .quant import config_edits, dropped_side_files, kept_cast, quant_report, quant_view
-from .writer import TensorWrite, tensor_write, write_safetensors
+from .writer import TensorWrite, tensor_write
 
 __all__ = ["ShardJob", "SideFile", "SplitResult", "checkpoint_files", "copied_names", "copy_side_files", "open_settled",
-           "plan_job", "publish", "resolve_naming", "run_jobs", "side_files", "split_source"]
+           "plan_job", "plan_side_files", "publish", "resolve_naming", "run_jobs", "side_files", "split_source"]
 
 SideFile = tuple[str, str]  # (path to copy from, file name inside the output)
 
@@ -209,68 +211,73 @@ def run_jobs(output: str, jobs: Sequence[ShardJob], *, options: WriteOptions,
              side_files: Sequence[SideFile] = ()) -> None:
     """Write every job and side file into ``output`` in ONE transaction (a dry run only warns).
 
-    The output appears complete or not at all (see :mod:`shardkit.atomic.commit`); every file
-    is fsynced before any index names it, and before the commit publishes anything.
+    The output appears complete or not at all (see :mod:`shardkit.atomic.commit`, and
+    :mod:`shardkit.sharding.outputs` for an output bound to a store); every file is durable
+    before any index names it, and before the commit publishes anything.
     """
     if options.dry_run:
         warn_if_output_taken(output, overwrite=options.overwrite)
         return
     stale = [job.path(name) for job in jobs for name in checkpoint_files(os.path.join(output, job.folder), job.plan.naming)]
     stale += stale_manifests(output, [job.folder for job in jobs])
+    edits, copies = plan_side_files(side_files, jobs=jobs, output=output)
+    names = [job.path(name) for job in jobs for name in job.plan.filenames()] + list(edits) + [n for _, n in copies]
+    plan = OutputPlan(names + ([MANIFEST_NAME] if options.manifest else []), stale, options.overwrite, options.manifest)
     tick = ByteCounter(sum(job.plan.total_bytes for job in jobs), options.progress)
-    with OutputTransaction(output, overwrite=options.overwrite, stale=stale) as tx, BackgroundSync() as sync, \
-            ManifestRecorder(output, stale=stale, enabled=options.manifest) as record:
-        copy_side_files(side_files, tx, sync=sync, record=record, jobs=jobs, output=output)
+    with open_output(output, plan) as out:
+        _write_side_files(out, edits, copies)
         for job in jobs:
-            _write_shards(job, tx.path_for, options.metadata or {}, tick, sync, record)
-        publish(tx, jobs, sync=sync, record=record)
+            _write_shards(job, out, options.metadata or {}, tick)
+        out.publish(_indexes(jobs))
+
+
+def plan_side_files(side_files: Sequence[SideFile], *, jobs: Sequence[ShardJob] = (),
+                    output: str = "") -> tuple[dict[str, bytes], list[SideFile]]:
+    """The side files a write puts beside the weights: configs written edited (name → bytes), and the
+    files copied unchanged.
+
+    The ``config.json`` of a job that dequantizes or quantizes fp8 weights is written with its
+    ``quantization_config`` removed or added (:func:`~shardkit.sharding.quant.config_edits`); the
+    source's manifest is never copied (it is not ours).
+    """
+    edits = config_edits(output, [(job.path("config.json"), job.source) for job in jobs], side_files)
+    dropped = dropped_side_files([(job.path("config.json"), job.source) for job in jobs])
+    copies = [(path, name) for path, name in side_files
+              if name not in edits and name not in dropped and not is_manifest_file(os.path.basename(name))]
+    return edits, copies
 
 
 def copy_side_files(side_files: Sequence[SideFile], tx: OutputTransaction, *, sync: BackgroundSync,
                     record: ManifestRecorder, jobs: Sequence[ShardJob] = (), output: str = "") -> None:
-    """Copy the side files (configs, README...) into ``tx``, recording their digests.
+    """Copy the side files (configs, README...) into the local ``tx``, recording their digests (see :func:`plan_side_files`)."""
+    _write_side_files(LocalOutput(tx, sync, record), *plan_side_files(side_files, jobs=jobs, output=output))
 
-    The ``config.json`` of a job that dequantizes or quantizes fp8 weights is written with its
-    ``quantization_config`` removed or added (:func:`~shardkit.sharding.quant.config_edits`).
-    """
-    edits = config_edits(output, [(job.path("config.json"), job.source) for job in jobs], side_files)
-    dropped = dropped_side_files([(job.path("config.json"), job.source) for job in jobs])
+
+def _write_side_files(out: JobOutput, edits: Mapping[str, bytes], copies: Sequence[SideFile]) -> None:
     for name, data in edits.items():
-        tx.write_bytes(name, data)
-        record.data(name, data)
-    for path, name in side_files:
-        if name not in edits and name not in dropped and not is_manifest_file(os.path.basename(name)):  # the source manifest: not ours
-            copy_side_file(path, dst := tx.path_for(name), sync=sync)
-            record.file(name, dst)
+        out.write_bytes(name, data)
+        out.record.data(name, data)
+    for path, name in copies:
+        out.copy_file(path, name)
 
 
 def publish(tx: OutputTransaction, jobs: Sequence[ShardJob], *, sync: BackgroundSync, record: ManifestRecorder,
             before_index: Callable[[], None] | None = None) -> None:
-    """The one publish path (single process and collective): wait for every file to be on disk,
+    """The one local publish path (single process and collective): wait for every file to be on disk,
     write the indexes and the manifest, commit.
 
     Every shard and side file is fsynced before an index that names it can appear; the manifest
     is fsynced in the transaction and published with the files it lists. ``before_index`` runs
     once the data is on disk (a collective write removes its marker there).
     """
-    sync.wait()
-    if before_index is not None:
-        before_index()
-    indexes = [_write_index(job, tx, record) for job in jobs if job.plan.index_filename]
-    record.write(tx)
-    tx.commit(last=indexes[-1] if indexes else None)
+    publish_files(tx, _indexes(jobs), sync=sync, record=record, before_index=before_index)
 
 
-def _write_shards(job: ShardJob, path_for: Callable[[str], str], metadata: Mapping[str, str],
-                  tick: ByteCounter, sync: BackgroundSync, record: ManifestRecorder) -> None:
+def _write_shards(job: ShardJob, out: JobOutput, metadata: Mapping[str, str], tick: ByteCounter) -> None:
     by_name = {w.out.name: w for w in job.writes}
     for shard in job.plan.shards:
-        path, writes = path_for(job.path(shard.filename)), [by_name[n] for n in shard.names]
-        written = write_safetensors(path, writes, job.source, metadata=shard_metadata(job, metadata),
-                                    progress=tick, sync=sync)
-        job.cloned_bytes += written.cloned_bytes
-        # hashed on a worker while the next shard is copied; what went through Python was crc'd on the way
-        record.shard(job.path(shard.filename), path, writes, known=written.crc32s, source=job.source)
+        job.cloned_bytes += out.write_shard(job.path(shard.filename), [by_name[n] for n in shard.names], job.source,
+                                            metadata=shard_metadata(job, metadata), progress=tick)
 
 
 def shard_metadata(job: ShardJob, metadata: Mapping[str, str]) -> dict[str, str]:
@@ -281,12 +288,10 @@ def shard_metadata(job: ShardJob, metadata: Mapping[str, str]) -> dict[str, str]
     return {"format": "pt", **job.source.metadata(), **metadata, **job.source.aliases()}
 
 
-def _write_index(job: ShardJob, tx: OutputTransaction, record: ManifestRecorder) -> str:
-    name = job.path(job.plan.index_filename or "")
-    data = dump_index(job.plan.weight_map(), total_size_bytes=job.plan.total_bytes)
-    tx.write_bytes(name, data)
-    record.data(name, data)
-    return name
+def _indexes(jobs: Sequence[ShardJob]) -> list[tuple[str, bytes]]:
+    """Each sharded job's index (name inside the output, bytes), in job order: the last is published last."""
+    return [(job.path(job.plan.index_filename), dump_index(job.plan.weight_map(), total_size_bytes=job.plan.total_bytes))
+            for job in jobs if job.plan.index_filename]
 
 
 def side_files(source: CheckpointSource, output: str) -> list[SideFile]:

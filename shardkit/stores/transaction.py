@@ -26,7 +26,7 @@ import contextlib
 import json
 import posixpath
 import secrets
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 
 from ..errors import InvalidInputError, OutputExistsError, ShardkitError, StoreError
@@ -72,19 +72,24 @@ def index_names(store: ObjectStore, index: ObjectInfo) -> set[str]:
 class StoreTransaction:
     """Create the objects ``names`` under the store's folder, publishing the indexes last.
 
+    ``on_put(name)`` runs after each ``.json`` object is put at the publish (a caller's fault point).
+
     with StoreTransaction(store, names, overwrite=False) as tx:
         tx.stream("model-00001-of-00002.safetensors", chunks)  # ... every name, any order
         tx.commit()                                           # the .json objects, indexes last
     """
 
-    def __init__(self, store: ObjectStore, names: Sequence[str], *, overwrite: bool = False) -> None:
+    def __init__(self, store: ObjectStore, names: Sequence[str], *, overwrite: bool = False,
+                 on_put: Callable[[str], None] | None = None) -> None:
         self.store = store
         self.names = sorted(set(names), key=lambda n: (_publish_order(n), n))
         self._pending: dict[str, bytes] = {}
         self._streamed: set[str] = set()
         self._created: list[str] = []
         self._writer: ObjectWriter | None = None
+        self._infos: dict[str, ObjectInfo] = {}
         self._published = False
+        self._on_put = on_put or (lambda name: None)
         self.journal = f"{JOURNAL_PREFIX}{secrets.token_hex(8)}.json"
         existing = {o.name: o for o in store.list_objects()}
         if existing and not overwrite:
@@ -103,40 +108,57 @@ class StoreTransaction:
         self.stale_indexes = sorted(o.name for o in live_indexes if o.name not in keep)
         self.stale = sorted((live | ({MANIFEST_FILE} & set(existing))) - keep - set(self.stale_indexes))
         created = [n for n in self.names if _publish_order(n) == 0]
-        store.put(self.journal, json.dumps({"created": created, "stale": self.stale}).encode())
+        # the .json objects put at the publish that a rollback deletes (new ones, and the manifest): a write killed
+        # after their put but before the index's leaves them for recover, which deletes them if it never published
+        held = [n for n in self.names if _publish_order(n) == 1 and _dropped_on_failure(n, self._existing)]
+        store.put(self.journal, json.dumps({"created": created, "stale": self.stale, "held": held}).encode())
 
     # ------------------------------------------------------------------ writing
 
     def stream(self, name: str, chunks: Iterable[bytes | memoryview]) -> ObjectInfo:
         """Upload one object from ``chunks``: a data object by multipart now, a ``.json`` one held for commit."""
-        if name not in self.names or name in self._streamed or name in self._pending:
-            raise StoreError(f"{self.store.url.child(name)}: not an object of this write, or written twice")
         if _publish_order(name) > 0:
+            self._claim(name)
             data = b"".join(bytes(c) for c in chunks)
             self._pending[name] = data
             return ObjectInfo(name, len(data))
+        with self.writer(name) as writer:
+            for chunk in chunks:
+                writer.write(chunk)
+        return self._infos.pop(name)
+
+    @contextlib.contextmanager
+    def writer(self, name: str) -> Iterator[ObjectWriter]:
+        """Write one data object by multipart upload, pushed in order (``writer.write(...)``).
+
+        Committed when the block ends without an error; on an error its upload is aborted and the
+        transaction rolls back. One object at a time: a store writes the shards one after another.
+
+        with tx.writer("model-00001-of-00002.safetensors") as w:
+            stream_safetensors(w, w.name, writes, source)
+        """
+        if _publish_order(name) > 0:
+            raise StoreError(f"{self.store.url.child(name)}: a .json object is written with stream(), held for commit")
+        if self._writer is not None:
+            raise StoreError(f"{self.store.url.child(name)}: another object of this write is still open")
+        self._claim(name)
         self._created.append(name)  # from here on ours to delete on failure (it did not exist before)
         self._writer = self.store.writer(name)
         with self._writer as writer:
-            for chunk in chunks:
-                writer.write(chunk)
-            info = writer.commit()
+            yield writer
+            self._infos[name] = writer.commit()
         self._writer = None
         self._streamed.add(name)
-        return info
+
+    def _claim(self, name: str) -> None:
+        if name not in self.names or name in self._streamed or name in self._pending or name in self._created:
+            raise StoreError(f"{self.store.url.child(name)}: not an object of this write, or written twice")
 
     def compose(self, name: str, fill: Callable[[ObjectWriter], None]) -> ObjectInfo:
         """Upload one data object by ``fill(writer)`` (writes, or a store's own copy parts), then commit it."""
-        if name not in self.names or name in self._streamed or name in self._pending or _publish_order(name) > 0:
-            raise StoreError(f"{self.store.url.child(name)}: not a data object of this write, or written twice")
-        self._created.append(name)
-        self._writer = self.store.writer(name)
-        with self._writer as writer:
+        with self.writer(name) as writer:
             fill(writer)
-            info = writer.commit()
-        self._writer = None
-        self._streamed.add(name)
-        return info
+        return self._infos.pop(name)
 
     def adopt(self, names: Iterable[str]) -> None:
         """Take data objects that other processes of this write upload (the ranks of a collective write).
@@ -147,8 +169,9 @@ class StoreTransaction:
         reported its uploads complete.
         """
         for name in names:
-            if name not in self.names or _publish_order(name) > 0 or name in self._streamed or name in self._pending:
-                raise StoreError(f"{self.store.url.child(name)}: not a data object of this write, or written twice")
+            if _publish_order(name) > 0:
+                raise StoreError(f"{self.store.url.child(name)}: not a data object of this write")
+            self._claim(name)
             self._created.append(name)
             self._streamed.add(name)
 
@@ -159,9 +182,10 @@ class StoreTransaction:
             raise StoreError(f"{self.store.url.child(missing[0])}: never written; nothing was published")
         for name in self.names:
             if name in self._pending:
-                if name not in self._existing or posixpath.basename(name) == MANIFEST_FILE:
+                if _dropped_on_failure(name, self._existing):
                     self._created.append(name)  # a replaced manifest goes too: none beats a wrong one
                 self.store.put(name, self._pending.pop(name))
+                self._on_put(name)
         self._published = True
         self.store.delete(self.stale_indexes)  # no index names the old shards any more...
         self.store.delete(self.stale)          # ...so they can go
@@ -193,6 +217,11 @@ class StoreTransaction:
             self.rollback()
 
 
+def _dropped_on_failure(name: str, existing: set[str]) -> bool:
+    """A ``.json`` object a failed write deletes: one it created, or the manifest (none beats a wrong one)."""
+    return name not in existing or posixpath.basename(name) == MANIFEST_FILE
+
+
 def recover_store(store: ObjectStore) -> list[str]:
     """Clean up after writes killed mid-way (SIGKILL, power loss): what was aborted or deleted, as URLs.
 
@@ -202,9 +231,8 @@ def recover_store(store: ObjectStore) -> list[str]:
     checkpoint whole; one killed after it, its new one). Uploads of other names are left alone.
     """
     journals = [o for o in store.list_objects() if posixpath.basename(o.name).startswith(JOURNAL_PREFIX)]
-    ours: set[str] = set()
-    for journal in journals:
-        ours |= _journal_names(store, journal)
+    records = [_journal_record(store, journal) for journal in journals]
+    ours = {n for record in records for key in ("created", "stale") for n in record[key]}
     done: list[str] = []
     for upload in store.pending_uploads():
         if upload.name in ours:
@@ -213,13 +241,36 @@ def recover_store(store: ObjectStore) -> list[str]:
     existing = {o.name: o for o in store.list_objects()}
     live = {n for name, o in existing.items() if is_index(name) for n in index_names(store, o)}
     orphans = sorted(n for n in ours if n in existing and n not in live)
+    for record in records:  # a write killed between its manifest's put and its index's: that manifest is wrong
+        if not live & record["created"]:
+            orphans += sorted(n for n in record["held"] if n in existing and n not in orphans
+                              and _put_by(store, existing[n], record["created"]))
     store.delete(orphans)
     store.delete([j.name for j in journals])
     done += [str(store.url.child(n)) for n in orphans] + [str(store.url.child(j.name)) for j in journals]
     return done
 
 
-def _journal_names(store: ObjectStore, journal: ObjectInfo) -> set[str]:
+def _put_by(store: ObjectStore, held: ObjectInfo, created: set[str]) -> bool:
+    """Whether the held ``.json`` object is the killed write's own: a new object is; a manifest only if it
+    lists a shard that write created (else it is the old checkpoint's, left as it was)."""
+    if posixpath.basename(held.name) != MANIFEST_FILE:
+        return True
+    where = store.url.child(held.name)
+    if held.size_bytes > MAX_INDEX_BYTES:
+        raise StoreError(f"{where}: {held.size_bytes} bytes is too large for a manifest")
+    raw = bytearray(held.size_bytes)
+    store.read_into(held.name, 0, memoryview(raw))
+    try:
+        files = json.loads(raw).get("files", {})
+    except (ValueError, AttributeError) as e:
+        raise InvalidInputError(f"{where}: not a readable manifest ({e}); delete or fix it first") from e
+    folder = posixpath.dirname(held.name)
+    return isinstance(files, dict) and any(posixpath.join(folder, str(n)) in created for n in files)
+
+
+def _journal_record(store: ObjectStore, journal: ObjectInfo) -> dict[str, set[str]]:
+    """A write journal's names: ``created``, ``stale`` and ``held`` (absent from older journals), each checked."""
     where = store.url.child(journal.name)
     if journal.size_bytes > MAX_INDEX_BYTES:
         raise StoreError(f"{where}: {journal.size_bytes} bytes is too large for a shardkit write journal")
@@ -227,9 +278,9 @@ def _journal_names(store: ObjectStore, journal: ObjectInfo) -> set[str]:
     store.read_into(journal.name, 0, memoryview(raw))
     try:
         record = json.loads(raw)
-        names = {str(n) for key in ("created", "stale") for n in record.get(key, [])}
+        names = {key: {str(n) for n in record.get(key, [])} for key in ("created", "stale", "held")}
     except (ValueError, AttributeError, TypeError) as e:
         raise InvalidInputError(f"{where}: not a shardkit write journal ({e}); delete it by hand") from e
-    for name in names:
+    for name in set().union(*names.values()):
         store.url.key(name)  # checked: a journal never makes recover touch a key outside the prefix
     return names
