@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from ..api.records import Recovery
+from ..api.sources import is_remote
 from ..units import format_size
 from .common import echo_json
 
@@ -57,7 +58,10 @@ def print_recovery(report: Recovery) -> None:
     folder = report.folder
     if report.rolled_forward:
         click.echo(f"{folder}: finished an interrupted commit ({len(report.rolled_forward)} file(s) published)")
-    if report.removed:
+    if report.removed and is_remote(folder):  # a store's leftovers: no byte count (uploads aborted, objects deleted)
+        click.echo(f"{folder}: cleaned up {len(report.removed)} leftover(s) of dead writers (multipart uploads "
+                   "aborted, unpublished objects and journals deleted)")
+    elif report.removed:
         click.echo(f"{folder}: removed {len(report.removed)} temporary file(s) of dead writers, "
                    f"{format_size(report.removed_bytes)}")
         for path in report.removed:

@@ -25,7 +25,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..errors import HubError, InvalidInputError, VerificationError
 from ..units import ByteCounter, ProgressCallback
@@ -41,11 +41,15 @@ from .commits import (
     plan_commits,
     split_changed,
     stale_files,
+    store_files,
 )
 from .known import known_digests
 
+SMALL_OBJECT_BYTES = 10 << 20  # a store object up to this size is read whole and sent as bytes (Xet can take it)
+
 if TYPE_CHECKING:
     from ..checking.verify import VerifyReport
+    from ..stores.base import ObjectStore
 
 
 @dataclass
@@ -97,6 +101,40 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
     links = check_links(path, files, follow=follow_symlinks)
     check_sizes(files)
     known = known_digests(path, files, report=verify_folder(path, allow_lossy=allow_lossy) if verify else None)
+    return _push_files(files, repo_id, links=links, known=known, private=private, revision=revision,
+                       create_pr=create_pr, message=message, path_in_repo=path_in_repo, repo_type=repo_type,
+                       token=token, dry_run=dry_run, progress=progress)
+
+
+def push_objects(store: ObjectStore, repo_id: str, *, report: VerifyReport | None, private: bool = False,
+                 revision: str | None = None, create_pr: bool = False, message: str | None = None,
+                 path_in_repo: str | None = None, repo_type: str = "model", token: str | None = None,
+                 include: list[str] | str | None = None, exclude: list[str] | str | None = None,
+                 dry_run: bool = False, progress: ProgressCallback | None = None,
+                 allow_lossy: bool = False) -> PushResult:
+    """Upload the objects under a store's prefix (``s3://BUCKET/PREFIX``) to ``repo_id``, with no local copy.
+
+    Each object is read by ranged GETs as it is hashed and sent (twice in all for an LFS file: the
+    Hub wants its sha256 before its bytes); configs and indexes are read once, whole. ``report``
+    is the checkpoint's verification (its structure, from the header-only mirror; None skips it),
+    refused as :func:`push` refuses a broken folder. Every other argument is as for :func:`push`;
+    the commit comes after every upload, so a failure (a read, an upload) leaves no commit.
+    """
+    from .store_files import collect_store_files
+
+    check_repo_id(repo_id)
+    files = store_files(store, collect_store_files(store, include=include, exclude=exclude), path_in_repo=path_in_repo)
+    check_sizes(files)
+    if report is not None:
+        refuse_broken(report, str(store.url), allow_lossy=allow_lossy)
+    return _push_files(files, repo_id, links=[], known={}, private=private, revision=revision, create_pr=create_pr,
+                       message=message, path_in_repo=path_in_repo, repo_type=repo_type, token=token,
+                       dry_run=dry_run, progress=progress)
+
+
+def _push_files(files: list[LocalFile], repo_id: str, *, links: list[FollowedLink], known: dict[str, str],
+                private: bool, revision: str | None, create_pr: bool, message: str | None, path_in_repo: str | None,
+                repo_type: str, token: str | None, dry_run: bool, progress: ProgressCallback | None) -> PushResult:
     if create_pr and revision is not None and revision.startswith("refs/pr/"):
         raise InvalidInputError(f"revision={revision!r} is a pull request already; push to it without create_pr=True")
     try:
@@ -158,6 +196,12 @@ def verify_folder(path: str | os.PathLike[str], *, allow_lossy: bool = False) ->
     from ..checking.verify import verify as verify_checkpoint
 
     report = verify_checkpoint(path)
+    refuse_broken(report, os.fspath(path), allow_lossy=allow_lossy)
+    return report
+
+
+def refuse_broken(report: VerifyReport, path: str, *, allow_lossy: bool = False) -> None:
+    """Raise for a verification with findings, as :func:`verify_folder` does."""
     quant = [f for f in report.findings if f.quantization]
     if quant and not allow_lossy:
         raise InvalidInputError(f"{path}: refusing to push: {_describe(quant[0])}"
@@ -168,7 +212,6 @@ def verify_folder(path: str | os.PathLike[str], *, allow_lossy: bool = False) ->
         first = findings[0] if findings else "see `shardkit verify`"
         raise VerificationError(f"{path}: refusing to push, verification found {len(findings)} problem(s), "
                                 f"first: {first} (fix the folder, or pass verify=False)", findings)
-    return report
 
 
 def _describe(finding: object) -> str:
@@ -281,9 +324,7 @@ class _Pusher:
         additions = []
         with contextlib.ExitStack() as opened:  # every upload reads the descriptor checked when it was opened
             for f in group:
-                fileobj = opened.enter_context(open_upload(f))
-                # /proc/self/fd/N is the checked file itself: a path swapped since cannot change what is sent
-                op = CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=f"/proc/self/fd/{fileobj.fileno()}")
+                op = CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=_upload_source(f, opened))
                 if f.path_in_repo in digests:  # already hashed while comparing
                     op.upload_info.sha256 = bytes.fromhex(digests[f.path_in_repo])
                 self.api.preupload_lfs_files(self.repo_id, additions=[op], repo_type=self.repo_type,
@@ -300,6 +341,20 @@ class _Pusher:
             res.pr_url, self.revision, self.create_pr = info.pr_url, info.pr_revision, False
             res.revision = str(info.pr_revision)
         return str(info.oid)
+
+
+def _upload_source(f: LocalFile, opened: contextlib.ExitStack) -> str | bytes | BinaryIO:
+    """What huggingface_hub reads for ``f``: a local file's checked descriptor, a store object's bytes
+    (small) or its ranged-GET stream (large; huggingface_hub sends a stream by the LFS protocol)."""
+    fileobj = opened.enter_context(open_upload(f))
+    if f.store is None:  # /proc/self/fd/N is the checked file itself: a path swapped since cannot change what is sent
+        return f"/proc/self/fd/{fileobj.fileno()}"
+    if f.size_bytes <= SMALL_OBJECT_BYTES:
+        data = fileobj.read()
+        if len(data) != f.size_bytes:
+            raise HubError(f"{f.local_path}: read {len(data)} bytes of {f.size_bytes}; the object changed during the push")
+        return data
+    return fileobj
 
 
 # ----------------------------------------------------------------------------- errors
