@@ -29,12 +29,14 @@ from ..formats.suffixes import CHECKPOINT_SUFFIXES, MANIFEST_FILE
 from ..sources.base import CheckpointSource
 from ..sources.ranged import RangedCheckpoint
 from ..stores import ObjectStore, RemoteObject, is_store_url, list_folder, open_store, parse_store_url
-from ..stores.mirror import HeaderMirror, build_header_mirror
+from ..stores.mirror import MAX_WHOLE_BYTES, HeaderMirror, build_header_mirror
 from ..units import ProgressCallback
 
 __all__ = ["mirrored", "store_checkpoint", "store_info", "store_mirror", "store_verify"]
 
 logger = logging.getLogger("shardkit")
+
+WEIGHTS = (*CHECKPOINT_SUFFIXES, ".gguf", ".msgpack", ".h5", ".onnx")  # never fetched whole as side files
 
 
 def _is_small_side_file(name: str) -> bool:
@@ -43,8 +45,12 @@ def _is_small_side_file(name: str) -> bool:
 
 
 @contextlib.contextmanager
-def mirrored(path: str) -> Iterator[tuple[HeaderMirror, ObjectStore]]:
-    """The header-only mirror of ``path`` and its open store; errors inside name the URL; both gone on exit."""
+def mirrored(path: str, *, side_files: bool = False) -> Iterator[tuple[HeaderMirror, ObjectStore]]:
+    """The header-only mirror of ``path`` and its open store; errors inside name the URL; both gone on exit.
+
+    ``side_files``: also every other object that is not a weight (tokenizers, schedulers, READMEs)
+    up to ``MAX_WHOLE_BYTES``, whole: what a pipeline's loaders and a full verify read besides the weights.
+    """
     from ..hub.remote import renamed_errors
 
     url = parse_store_url(path)
@@ -53,7 +59,12 @@ def mirrored(path: str) -> Iterator[tuple[HeaderMirror, ObjectStore]]:
     try:
         os.mkdir(root)
         with open_store(url) as store:
-            mirror = build_header_mirror(store, root, list_folder(store), whole=_is_small_side_file)
+            objects = list_folder(store)
+            whole = _is_small_side_file
+            if side_files:
+                small = {o.name for o in objects if o.size_bytes <= MAX_WHOLE_BYTES and not o.name.endswith(WEIGHTS)}
+                whole = small.__contains__
+            mirror = build_header_mirror(store, root, objects, whole=whole)
             logger.debug("%s: header-only mirror, %d bytes fetched", url, mirror.fetched_bytes)
             with renamed_errors(root, str(url)):
                 yield mirror, store
@@ -69,14 +80,14 @@ def store_mirror(path: str) -> Iterator[HeaderMirror]:
 
 
 @contextlib.contextmanager
-def store_checkpoint(path: str) -> Iterator[RangedCheckpoint]:
+def store_checkpoint(path: str, *, side_files: bool = False) -> Iterator[RangedCheckpoint]:
     """``s3://BUCKET/PREFIX`` as a checkpoint the local stages read: the header-only mirror, each
     safetensors file's tensor bytes fetched by ranged GETs from its object (no temporary copy).
 
     with store_checkpoint("s3://models/sd15/unet") as source:
         shardkit.split(source, "out/", max_shard_size="2GB")
     """
-    with mirrored(path) as (mirror, store):
+    with mirrored(path, side_files=side_files) as (mirror, store):
         _check_has_safetensors(mirror, str(store.url))
         _drop_loose_weights(mirror, str(store.url))
 
@@ -151,7 +162,8 @@ def store_verify(path: str | os.PathLike[str], *, against: CheckpointSource | No
             report = verify(mirror.root, read_data=False)
             report.path = str(parse_store_url(os.fspath(path)))
             return report
-    with store_checkpoint(os.fspath(path)) if is_store_url(path) else contextlib.nullcontext(path) as checked:
+    with store_checkpoint(os.fspath(path), side_files=True) if is_store_url(path) else \
+            contextlib.nullcontext(path) as checked:
         report = verify(checked, against=against, progress=progress)
         report.path = os.fspath(path)
         return report
