@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ..checking.info import CheckpointInfo
 from ..checking.verify import VerifyReport
@@ -60,7 +60,7 @@ def mirrored(path: str, *, side_files: bool = False) -> Iterator[tuple[HeaderMir
         os.mkdir(root)
         with open_store(url) as store:
             objects = list_folder(store)
-            whole = _is_small_side_file
+            whole: Callable[[str], bool] = _is_small_side_file
             if side_files:
                 small = {o.name for o in objects if o.size_bytes <= MAX_WHOLE_BYTES and not o.name.endswith(WEIGHTS)}
                 whole = small.__contains__
