@@ -58,12 +58,10 @@ def print_recovery(report: Recovery) -> None:
     folder = report.folder
     if report.rolled_forward:
         click.echo(f"{folder}: finished an interrupted commit ({len(report.rolled_forward)} file(s) published)")
-    if report.removed and is_remote(folder):  # a store's leftovers: no byte count (uploads aborted, objects deleted)
-        click.echo(f"{folder}: cleaned up {len(report.removed)} leftover(s) of dead writers (multipart uploads "
-                   "aborted, unpublished objects and journals deleted)")
-    elif report.removed:
-        click.echo(f"{folder}: removed {len(report.removed)} temporary file(s) of dead writers, "
-                   f"{format_size(report.removed_bytes)}")
+    if report.removed:  # a store's leftovers have no byte count: uploads aborted, objects deleted
+        size = "" if is_remote(folder) else f", {format_size(report.removed_bytes)}"
+        what = "leftover(s)" if is_remote(folder) else "temporary file(s)"
+        click.echo(f"{folder}: removed {len(report.removed)} {what} of dead writers{size}")
         for path in report.removed:
             click.echo(f"  {path}")
     click.echo(f"{folder}: consistent" + ("" if report.changed else " (nothing to do)"))
