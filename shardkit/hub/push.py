@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -44,8 +43,12 @@ from .commits import (
     store_files,
 )
 from .known import known_digests
+from .push_errors import describe_hub_error, hub_errors, is_network_failure
 
 SMALL_OBJECT_BYTES = 10 << 20  # a store object up to this size is read whole and sent as bytes (Xet can take it)
+
+__all__ = ["PushResult", "check_repo_id", "describe_hub_error", "hub_errors", "push", "push_objects", "refuse_broken",
+           "verify_folder"]
 
 if TYPE_CHECKING:
     from ..checking.verify import VerifyReport
@@ -145,7 +148,7 @@ def _push_files(files: list[LocalFile], repo_id: str, *, links: list[FollowedLin
             return pusher.run(files, prefix=clean_prefix(path_in_repo), message=message, progress=progress,
                               known=known)
     except HubError as e:
-        if not (dry_run and _is_network_failure(e)):
+        if not (dry_run and is_network_failure(e)):
             raise
         # Offline, a dry run still shows the local half of the plan: what would be sent.
         from huggingface_hub import constants
@@ -153,12 +156,6 @@ def _push_files(files: list[LocalFile], repo_id: str, *, links: list[FollowedLin
         return PushResult(repo_id, repo_type, revision or "main", "", dry_run=True,
                           offline=f"{constants.ENDPOINT} not reachable", links=links,
                           uploaded=[f.path_in_repo for f in files], uploaded_bytes=sum(f.size_bytes for f in files))
-
-
-def _is_network_failure(error: BaseException) -> bool:
-    from huggingface_hub.utils import httpx
-
-    return any(isinstance(e, (httpx.TransportError, ConnectionError, TimeoutError)) for e in _chain(error))
 
 
 def check_repo_id(repo_id: str) -> None:
@@ -355,74 +352,3 @@ def _upload_source(f: LocalFile, opened: contextlib.ExitStack) -> str | bytes | 
             raise HubError(f"{f.local_path}: read {len(data)} bytes of {f.size_bytes}; the object changed during the push")
         return data
     return fileobj
-
-
-# ----------------------------------------------------------------------------- errors
-
-@contextlib.contextmanager
-def hub_errors(repo_id: str, revision: str) -> Iterator[None]:
-    """Turn huggingface_hub / network exceptions into one-line :class:`HubError` messages."""
-    try:
-        yield
-    except HubError:
-        raise
-    except Exception as e:
-        message = describe_hub_error(e, repo_id, revision)
-        if message is None:
-            raise
-        raise HubError(message) from e
-
-
-def describe_hub_error(error: BaseException, repo_id: str, revision: str) -> str | None:
-    """A one-line explanation of a failed Hub call, or None if ``error`` is not one."""
-    # utils.httpx: the HTTP client module huggingface_hub itself uses (httpx2 in 2.x); importing it
-    # from there means shardkit never imports a package it does not declare.
-    from huggingface_hub import constants
-    from huggingface_hub.errors import (
-        HfHubHTTPError,
-        HFValidationError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-    from huggingface_hub.utils import httpx
-
-    endpoint = constants.ENDPOINT
-    for e in _chain(error):
-        if isinstance(e, HFValidationError):
-            return f"invalid repository id or revision for {repo_id!r}: {str(e).splitlines()[0]}"
-        if isinstance(e, RevisionNotFoundError):
-            return (f"revision {revision!r} not found in {repo_id}; a pull request needs an existing branch "
-                    f"(push it first without create_pr=True)")
-        if isinstance(e, HfHubHTTPError) and e.response is not None:
-            status = e.response.status_code
-            detail = e.server_message or e.response.headers.get("X-Error-Message") or ""
-            if status == 401:
-                return (f"authentication failed (401) at {endpoint}: the token was rejected; pass a valid token=..., "
-                        f"set HF_TOKEN, or run `hf auth login`")
-            if status == 403:
-                return f"no permission to write to {repo_id} (403): {detail or 'use a token with write access'}"
-            if isinstance(e, RepositoryNotFoundError):
-                return f"repository {repo_id} not found at {endpoint}, or not visible with this token"
-            if status == 412:
-                return f"{repo_id}@{revision} changed while pushing; run the push again"
-            first = (detail or str(e)).strip().splitlines()[0]
-            if status >= 500 or status in (408, 429):
-                return (f"the Hub failed ({status}) for {repo_id}: {first}; run the push again to resume "
-                        f"(what already arrived is not sent again)")
-            return f"the Hub answered {status} for {repo_id}: {first}"
-        if isinstance(e, (httpx.TransportError, ConnectionError, TimeoutError)):
-            return (f"network failure talking to {endpoint}: {e or type(e).__name__}; check the connection "
-                    f"(or HF_ENDPOINT) and run the push again to resume")
-    text = str(error).strip().splitlines()
-    if type(error).__module__.startswith(("huggingface_hub", "hf_xet")) or "hf_xet" in repr(type(error)):
-        return f"upload to {repo_id} failed: {text[0] if text else type(error).__name__}"
-    return None
-
-
-def _chain(error: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        current = current.__cause__ or current.__context__
