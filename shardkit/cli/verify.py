@@ -17,6 +17,7 @@ Examples:
   shardkit verify sd-pipeline/ --against sd-pipeline-orig/ --json
   shardkit verify hf://org/model                        # structure from headers + file listing
   shardkit verify out/ --against hf://org/model         # sha256 vs the Hub's LFS oids, tensor by tensor
+  shardkit verify s3://models/unet --against unet/      # every object read by range, tensor by tensor
                                                         # (weights, indexes, configs; the rest listed)
 
 \b
