@@ -39,18 +39,14 @@ def test_load_pipeline_from_a_bucket_matches_the_original(pipeline_in_bucket) ->
     np.testing.assert_allclose(generate(pipe), reference, rtol=0, atol=1e-5)
 
 
-def test_load_pipeline_from_a_bucket_in_bf16(pipeline_in_bucket) -> None:
-    url, _ = pipeline_in_bucket
-    pipe = shardkit.load_pipeline(url, device_map="cpu", dtype="bf16")
-    assert pipe.unet.dtype == torch.bfloat16 and pipe.text_encoder.dtype == torch.bfloat16
-
-
-def test_options_that_do_not_apply_to_a_bucket_are_refused(pipeline_in_bucket) -> None:
+def test_bf16_and_the_options_that_do_not_apply_to_a_bucket(pipeline_in_bucket) -> None:
     url, _ = pipeline_in_bucket
     with pytest.raises(InvalidInputError, match="variant='fp16' does not apply"):
         shardkit.load_pipeline(url, variant="fp16")
     with pytest.raises(InvalidInputError, match="fit= does not apply"):
         shardkit.load_pipeline(url, fit="auto", max_memory={"cpu": "8GB"})
+    pipe = shardkit.load_pipeline(url, device_map="cpu", dtype="bf16")
+    assert pipe.unet.dtype == torch.bfloat16 and pipe.text_encoder.dtype == torch.bfloat16
 
 
 def test_a_prefix_without_a_pipeline_is_one_line(s3_env) -> None:
