@@ -51,5 +51,5 @@ def test_bf16_and_the_options_that_do_not_apply_to_a_bucket(pipeline_in_bucket) 
 
 def test_a_prefix_without_a_pipeline_is_one_line(s3_env) -> None:
     s3_env.put("plain/model.safetensors", b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
-    with pytest.raises(shardkit.errors.SourceNotFoundError, match=f"s3://{s3_env.bucket}/plain"):
+    with pytest.raises(shardkit.errors.SourceNotFoundError, match=f"s3://{s3_env.bucket}/plain has no model_index.json"):
         shardkit.load_pipeline(f"s3://{s3_env.bucket}/plain")

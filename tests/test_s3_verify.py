@@ -107,4 +107,4 @@ def test_bucket_against_a_bucket_pipeline(s3_env, tmp_path) -> None:
 def test_missing_reference_prefix_is_one_line(s3_env, ckpt, run_cli) -> None:
     _, folder = ckpt
     result = run_cli("verify", folder, "--against", f"s3://{s3_env.bucket}/nothing-here")
-    assert_one_line_error(result, code=2, contains=f"s3://{s3_env.bucket}/nothing-here")
+    assert_one_line_error(result, code=2, contains=f"s3://{s3_env.bucket}/nothing-here: no objects under this prefix")
