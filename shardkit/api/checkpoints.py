@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..checking.info import CheckpointInfo
 from ..checking.verify import VerifyReport
 from ..distributed.save import save_sharded
-from ..errors import InvalidInputError
 from ..formats.header import read_header
 from ..sharding.job import SplitResult
 from ..sharding.options import ProgressCallback, WriteOptions
@@ -182,13 +182,12 @@ def split_and_push(source: CheckpointSource, output: str | os.PathLike[str], rep
     from .sources import opened
 
     options = WriteOptions.build(options, shorthands, where="split_and_push()")
-    if repo_id and is_store_url(output):
-        raise InvalidInputError(f"{output}: a push reads a local folder; split to a local folder to push it")
     if repo_id:  # only a push imports hub/
         from ..hub.preflight import check_folder_links, check_push_target, check_repo_id
 
         check_repo_id(repo_id) if options.dry_run else check_push_target(repo_id, token=token)
-        check_folder_links(output)
+        if not is_store_url(output):
+            check_folder_links(output)
     with opened(source, token=token, cache=cache) as readable:
         if is_store_url(output) and (copied := copy_split(source, readable, output, options=options, key=key)):
             result = copied  # S3 to S3, bytes kept: composed by copies inside the store (api/store_copy.py)
@@ -202,7 +201,7 @@ def split_and_push(source: CheckpointSource, output: str | os.PathLike[str], rep
         after_split(result)
     if not repo_id or options.dry_run:
         return SplitAndPush(result)
-    from ..hub.push import push
+    from .jobs import push  # an s3:// output is pushed from the bucket, streamed
 
     return SplitAndPush(result, push(output, repo_id, token=token, create_pr=create_pr, progress=push_progress))
 
@@ -239,12 +238,18 @@ def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = N
         from ..hub.remote_verify import verify_remote
 
         return verify_remote(path, token=token)
-    if is_hub(against):
+    if is_hub(against) and not is_store_url(path):
         from ..hub.remote_verify import verify_against_remote
 
         return verify_against_remote(os.fspath(path), against, token=token)
-    if is_store_url(path):
-        return store_verify(path, against=against)
+    if is_store_url(path) or is_store_url(against):  # every byte of an s3:// side read by ranged GETs
+        from .sources import opened
+
+        with opened(against, token=token, cache=False) if is_remote(against) else nullcontext(against) as reference:
+            report = store_verify(path, against=reference, progress=progress)
+        if is_remote(against):
+            report.against = against
+        return report
     check_local(path, role="checkpoint")
     check_local(against, role="reference")
     from ..checking.verify import verify as verify_local

@@ -7,8 +7,35 @@ The collective convert is ``shardkit.convert(..., collective=True)`` under :func
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from ..distributed.group import group_from_env as torchrun_group
 from ..distributed.group import is_rank_zero
-from ..hub.push import PushResult, push
+from ..errors import InvalidInputError
+from ..hub.push import PushResult
+from ..hub.push import push as push_local
+from ..stores.urls import is_store_url
 
 __all__ = ["PushResult", "is_rank_zero", "push", "torchrun_group"]
+
+
+def push(path: str | os.PathLike[str], repo_id: str, *, verify: bool = True, follow_symlinks: bool = False,
+         **options: Any) -> PushResult:
+    """:func:`shardkit.hub.push.push`, from an ``s3://BUCKET/PREFIX`` too: its objects are streamed
+    to the Hub by ranged GETs (no local copy), after its structure is verified from the header-only
+    mirror (index, headers, sizes). Every argument is as for the local function.
+
+    shardkit.push("s3://models/unet/sharded", "my-org/unet", private=True)
+    """
+    if not is_store_url(path):
+        return push_local(path, repo_id, verify=verify, follow_symlinks=follow_symlinks, **options)
+    if follow_symlinks:
+        raise InvalidInputError(f"{path}: follow_symlinks=True applies to a local folder; a bucket has no symlinks")
+    from ..checking.verify import verify as verify_checkpoint
+    from ..hub.push import push_objects
+    from .stores import mirrored
+
+    with mirrored(os.fspath(path)) as (mirror, store):
+        report = verify_checkpoint(mirror.root, read_data=False) if verify else None
+        return push_objects(store, repo_id, report=report, **options)

@@ -162,7 +162,9 @@ def load_pipeline(
     """Load the pipeline in ``path`` and apply placement, casting and offload options.
 
     Args:
-        path: a diffusers pipeline folder (sharded by shardkit or saved by diffusers).
+        path: a diffusers pipeline folder (sharded by shardkit or saved by diffusers), or
+            ``s3://BUCKET/PREFIX`` holding one: each component is loaded from its subfolder by
+            parallel ranged GETs (no local copy); configs, tokenizers and schedulers are fetched whole.
         device_map: ``"balanced"`` (whole components spread over the GPUs in ``max_memory``),
             ``"cuda"`` or ``"cpu"``.
         max_memory: ``{0: "16GB", 1: "16GB"}`` (sizes as strings or ints; keys as
@@ -187,6 +189,16 @@ def load_pipeline(
     """
     from ..errors import InvalidInputError
 
+    if is_store_url(path):
+        if fit is not None:
+            raise InvalidInputError(f"{path}: fit= does not apply to a pipeline in a bucket yet; plan it with "
+                                    "shardkit.fit(path, max_memory=...) and pass device_map/offload")
+        from .stores import store_checkpoint
+
+        with store_checkpoint(path, side_files=True) as ranged:  # configs, tokenizers, schedulers whole
+            return load_pipeline(ranged, device_map=device_map, max_memory=max_memory, dtype=dtype,
+                                 offload=offload, offload_options=offload_options, layerwise_casting=layerwise_casting,
+                                 variant=variant, switches=switches, read=read)
     if fit is not None:
         from ..fitting.pipeline import load_fitted
 

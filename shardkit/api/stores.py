@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ..checking.info import CheckpointInfo
 from ..checking.verify import VerifyReport
@@ -26,13 +26,17 @@ from ..formats.layout import MODEL_INDEX
 from ..formats.names import is_config_file
 from ..formats.ranges import RangeFile
 from ..formats.suffixes import CHECKPOINT_SUFFIXES, MANIFEST_FILE
+from ..sources.base import CheckpointSource
 from ..sources.ranged import RangedCheckpoint
-from ..stores import ObjectStore, RemoteObject, list_folder, open_store, parse_store_url
-from ..stores.mirror import HeaderMirror, build_header_mirror
+from ..stores import ObjectStore, RemoteObject, is_store_url, list_folder, open_store, parse_store_url
+from ..stores.mirror import MAX_WHOLE_BYTES, HeaderMirror, build_header_mirror
+from ..units import ProgressCallback
 
-__all__ = ["store_checkpoint", "store_info", "store_mirror", "store_verify"]
+__all__ = ["mirrored", "store_checkpoint", "store_info", "store_mirror", "store_verify"]
 
 logger = logging.getLogger("shardkit")
+
+WEIGHTS = (*CHECKPOINT_SUFFIXES, ".gguf", ".msgpack", ".h5", ".onnx")  # never fetched whole as side files
 
 
 def _is_small_side_file(name: str) -> bool:
@@ -41,8 +45,12 @@ def _is_small_side_file(name: str) -> bool:
 
 
 @contextlib.contextmanager
-def _mirrored(path: str) -> Iterator[tuple[HeaderMirror, ObjectStore]]:
-    """The header-only mirror of ``path`` and its open store; errors inside name the URL; both gone on exit."""
+def mirrored(path: str, *, side_files: bool = False) -> Iterator[tuple[HeaderMirror, ObjectStore]]:
+    """The header-only mirror of ``path`` and its open store; errors inside name the URL; both gone on exit.
+
+    ``side_files``: also every other object that is not a weight (tokenizers, schedulers, READMEs)
+    up to ``MAX_WHOLE_BYTES``, whole: what a pipeline's loaders and a full verify read besides the weights.
+    """
     from ..hub.remote import renamed_errors
 
     url = parse_store_url(path)
@@ -51,7 +59,12 @@ def _mirrored(path: str) -> Iterator[tuple[HeaderMirror, ObjectStore]]:
     try:
         os.mkdir(root)
         with open_store(url) as store:
-            mirror = build_header_mirror(store, root, list_folder(store), whole=_is_small_side_file)
+            objects = list_folder(store)
+            whole: Callable[[str], bool] = _is_small_side_file
+            if side_files:
+                small = {o.name for o in objects if o.size_bytes <= MAX_WHOLE_BYTES and not o.name.endswith(WEIGHTS)}
+                whole = small.__contains__
+            mirror = build_header_mirror(store, root, objects, whole=whole)
             logger.debug("%s: header-only mirror, %d bytes fetched", url, mirror.fetched_bytes)
             with renamed_errors(root, str(url)):
                 yield mirror, store
@@ -62,19 +75,19 @@ def _mirrored(path: str) -> Iterator[tuple[HeaderMirror, ObjectStore]]:
 @contextlib.contextmanager
 def store_mirror(path: str) -> Iterator[HeaderMirror]:
     """The header-only mirror of ``s3://BUCKET/PREFIX`` in a temporary folder, removed on exit."""
-    with _mirrored(path) as (mirror, _):
+    with mirrored(path) as (mirror, _):
         yield mirror
 
 
 @contextlib.contextmanager
-def store_checkpoint(path: str) -> Iterator[RangedCheckpoint]:
+def store_checkpoint(path: str, *, side_files: bool = False) -> Iterator[RangedCheckpoint]:
     """``s3://BUCKET/PREFIX`` as a checkpoint the local stages read: the header-only mirror, each
     safetensors file's tensor bytes fetched by ranged GETs from its object (no temporary copy).
 
     with store_checkpoint("s3://models/sd15/unet") as source:
         shardkit.split(source, "out/", max_shard_size="2GB")
     """
-    with _mirrored(path) as (mirror, store):
+    with mirrored(path, side_files=side_files) as (mirror, store):
         _check_has_safetensors(mirror, str(store.url))
         _drop_loose_weights(mirror, str(store.url))
 
@@ -133,14 +146,24 @@ def store_info(path: str) -> CheckpointInfo:
         return summary
 
 
-def store_verify(path: str, *, against: object = None) -> VerifyReport:
-    """The structure of ``s3://BUCKET/PREFIX`` checked without tensor data (index against headers and sizes)."""
+def store_verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = None,
+                 progress: ProgressCallback | None = None) -> VerifyReport:
+    """:func:`shardkit.verify` where ``path`` or ``against`` is ``s3://BUCKET/PREFIX``.
+
+    ``s3://`` alone: its structure without tensor data (index against headers and object sizes).
+    With ``against`` on either side: the local checks run on the header-only mirror and every
+    safetensors object is read by ranged GETs (each byte once) and compared tensor by tensor, and
+    with the manifest where there is one, as for a local folder. An ``hf://`` reference is streamed.
+    """
     from ..checking.verify import verify
 
-    if against is not None:
-        raise InvalidInputError(f"{path}: against= with an s3:// checkpoint is not supported yet; "
-                                "verify it alone, or a local copy against the reference")
-    with store_mirror(path) as mirror:
-        report = verify(mirror.root, read_data=False)
-        report.path = str(parse_store_url(path))
+    if against is None:
+        with store_mirror(os.fspath(path)) as mirror:
+            report = verify(mirror.root, read_data=False)
+            report.path = str(parse_store_url(os.fspath(path)))
+            return report
+    with store_checkpoint(os.fspath(path), side_files=True) if is_store_url(path) else \
+            contextlib.nullcontext(path) as checked:
+        report = verify(checked, against=against, progress=progress)
+        report.path = os.fspath(path)
         return report

@@ -16,13 +16,16 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..errors import ShardkitError
 from ..formats.header import TensorEntry
 from ..formats.links import OutsideFolderError, open_inside
 from ..formats.manifest import crc_chunk
+from ..formats.ranges import RangeFile
 from ..sources.base import Source
 from ..units import DTYPE_BITS
 
 CHUNK_BYTES = 1 << 20
+REMOTE_CHUNK_BYTES = 16 << 20  # one ranged GET of a remote object (stores.base.PART_BYTES)
 TickFn = Callable[[int], None]
 
 
@@ -92,7 +95,7 @@ def _first_difference(out: TensorEntry, begin: int, got: bytes, want: bytes, *, 
 
 def scan_file(path: str, entries: list[TensorEntry], *, comparator: TensorComparator | None = None,
               crc_ranges: list[tuple[str, int, int]] | None = None, tick: TickFn | None = None,
-              root: str | None = None) -> ScanResult:
+              root: str | None = None, range_file: RangeFile | None = None) -> ScanResult:
     """Read ``path`` start to end; hash it and compare the ``entries`` that ``comparator`` knows.
 
     ``entries`` carry absolute offsets (as :func:`shardkit.formats.header.parse_header` gives them).
@@ -100,8 +103,12 @@ def scan_file(path: str, entries: list[TensorEntry], *, comparator: TensorCompar
     A read error is reported in ``error`` rather than raised: the caller turns it into a finding.
     The file is opened once through the folder boundary (:func:`~shardkit.formats.links.open_inside`,
     relative to ``root``, else to its own folder): a link leaving it, a FIFO, a device or a folder
-    is an error before any byte is read, and the read stops at ``fstat``'s size.
+    is an error before any byte is read, and the read stops at ``fstat``'s size. With ``range_file``
+    (a remote object: ``verify s3://... --against``) the bytes come from it instead, ``REMOTE_CHUNK_BYTES``
+    per ranged read, and ``path`` is only its name.
     """
+    if range_file is not None:
+        return _scan_ranges(range_file, entries, comparator=comparator, crc_ranges=crc_ranges, tick=tick)
     tick = tick or (lambda n: None)
     ordered = sorted(entries, key=lambda e: e.offset)
     starts = [e.offset for e in ordered]
@@ -145,6 +152,42 @@ def scan_file(path: str, entries: list[TensorEntry], *, comparator: TensorCompar
         result.error = f"read failed at byte {result.bytes_read}: {e.strerror or e}"
     finally:
         os.close(fd)  # the buffer is freed with its last view, when this frame ends
+    result.sha256 = digest.hexdigest()
+    if crc_ranges is not None and result.error is None:
+        result.crc32s = [f"{c:08x}" for c in crcs]
+    result.tensors_compared = len(compared - failed)
+    return result
+
+
+def _scan_ranges(source: RangeFile, entries: list[TensorEntry], *, comparator: TensorComparator | None,
+                 crc_ranges: list[tuple[str, int, int]] | None, tick: TickFn | None) -> ScanResult:
+    """:func:`scan_file` over a :class:`RangeFile`: the same digest, crc32s and comparisons, read by range."""
+    tick = tick or (lambda n: None)
+    ordered = sorted(entries, key=lambda e: e.offset)
+    starts = [e.offset for e in ordered]
+    digest = hashlib.sha256()
+    result = ScanResult("", 0)
+    buffer = bytearray(REMOTE_CHUNK_BYTES)
+    view = memoryview(buffer)
+    failed: set[str] = set()
+    compared: set[str] = set()
+    crcs, crc_at = [0] * len(crc_ranges or []), 0
+    pos, cursor, size_bytes = 0, 0, source.size_bytes
+    try:
+        while pos < size_bytes:
+            want = min(_aligned_end(ordered, starts, pos, pos + REMOTE_CHUNK_BYTES), size_bytes) - pos
+            data = view[:want]
+            source.read_into(pos, data)  # fills it all or raises
+            digest.update(data)
+            if crc_ranges:
+                crc_at = crc_chunk(crc_ranges, crcs, crc_at, pos, data)
+            if comparator is not None:
+                cursor = _compare_chunk(comparator, ordered, cursor, pos, data, failed, compared, result)
+            pos += want
+            result.bytes_read = pos
+            tick(want)
+    except ShardkitError as e:
+        result.error = f"read failed at byte {result.bytes_read}: {e}"
     result.sha256 = digest.hexdigest()
     if crc_ranges is not None and result.error is None:
         result.crc32s = [f"{c:08x}" for c in crcs]

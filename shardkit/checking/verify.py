@@ -16,6 +16,7 @@ from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.manifest import MANIFEST_NAME, ManifestError
 from ..sources.base import CheckpointSource, Source
+from ..sources.ranged import RangedCheckpoint, beneath, shown
 from ..units import FLOAT_DTYPES, ProgressCallback
 from .bytescan import ScanResult, TensorComparator, scan_file
 from .integrity import Expected, compare_with_manifest, expected_files, manifest_ranges
@@ -103,14 +104,14 @@ class _ScanJob:
     crc32s: list[str] | None = None  # their crc32s, once scanned
 
 
-def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = None,
+def verify(path: str | os.PathLike[str] | RangedCheckpoint, *, against: CheckpointSource | None = None,
            progress: ProgressCallback | None = None, read_data: bool = True) -> VerifyReport:
     """Check a checkpoint: structure, every byte (sha256 per file), and optionally every tensor.
 
     ``path`` is a ``.safetensors`` file, a sharded folder or its index, or a diffusers pipeline
     folder (each weight-bearing component is checked; file names are then ``component/file``).
     ``against`` is any source :func:`shardkit.open_source` accepts (for a pipeline, another
-    pipeline folder); every tensor is compared bit for bit, after casting the source the way
+    pipeline folder, a :class:`~shardkit.sources.ranged.RangedCheckpoint` too); every tensor is compared bit for bit, after casting the source the way
     ``split --dtype`` does where the dtypes differ.
 
     Problems in the checkpoint are collected in the report, never raised. A folder left pending
@@ -118,7 +119,8 @@ def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = N
     never writes.
 
     Args:
-        path: the checkpoint to check.
+        path: the checkpoint to check; a :class:`~shardkit.sources.ranged.RangedCheckpoint` (an
+            ``s3://`` checkpoint's header mirror) has its safetensors bytes read by range.
         against: the reference: a path, a state dict or an ``nn.Module``; None checks
             ``path`` alone.
         progress: called as ``progress(bytes_done, bytes_total)`` while files are read (from
@@ -141,9 +143,10 @@ def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = N
     from ..atomic.snapshot import wait_settled
     from ..formats.layout import is_pipeline_folder
 
+    ranged = path if isinstance(path, RangedCheckpoint) else None  # a remote checkpoint: its bytes read by range
     path = os.fspath(path)
     wait_settled(path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path)))  # reported, never rolled forward
-    against_path = os.fspath(against) if isinstance(against, (str, os.PathLike)) else None
+    against_path = shown(against) if isinstance(against, (str, os.PathLike)) else None
     report = VerifyReport(path, against=against_path if against is not None else None)
     if against is not None and report.against is None:
         report.against = "<in-memory source>"
@@ -165,7 +168,7 @@ def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = N
             record = expected[job.name].record if job.name in expected else None
             if record is not None and record.data_start is not None:
                 job.crc_ranges = manifest_ranges(record)
-        _run_scans(jobs, report, progress)
+        _run_scans(jobs, report, progress, ranged=ranged)
         _check_manifest(report, expected, {job.name: job.crc32s for job in jobs})
     finally:
         for source in opened:
@@ -194,7 +197,7 @@ def _verify_gguf(path: str, report: VerifyReport, *, against: CheckpointSource |
 def _prepare_pipeline(path: str, against: CheckpointSource | None, report: VerifyReport, opened: list[Source]) -> list[_ScanJob]:
     from ..formats.layout import find_components, is_pipeline_folder
 
-    if against is not None and not (isinstance(against, (str, os.PathLike)) and is_pipeline_folder(against)):
+    if against is not None and not (isinstance(against, (str, os.PathLike)) and is_pipeline_folder(os.fspath(against))):
         raise InvalidInputError(f"{path} is a pipeline folder: against=... must be a pipeline folder too "
                                 f"(got {against!r}); or verify one component folder against a checkpoint")
     theirs = {c.name: c for c in find_components(against)} if against is not None else {}
@@ -215,8 +218,8 @@ def _prepare_pipeline(path: str, against: CheckpointSource | None, report: Verif
         if against is not None and (other is None or not other.has_weights):
             report.findings.append(Finding(f"{component.name}/", None, f"component has weights but {against} has none"))
             other = None
-        jobs += _prepare_checkpoint(component.path, other.path if other else None, report, opened,
-                                    prefix=f"{component.name}/")
+        jobs += _prepare_checkpoint(component.path, beneath(against, other.path) if other and against is not None
+                                    else None, report, opened, prefix=f"{component.name}/")
     for name, other in theirs.items():
         if other.has_weights and name not in report.components and not os.path.isdir(os.path.join(path, name)):
             report.findings.append(Finding(f"{name}/", None, f"component missing: {against} has it with weights"))
@@ -236,7 +239,7 @@ def _prepare_checkpoint(path: str, against: CheckpointSource | None, report: Ver
 
         source = open_source(against)
         opened.append(source)
-        label = os.fspath(against) if isinstance(against, (str, os.PathLike)) else "the source"
+        label = shown(against) if isinstance(against, (str, os.PathLike)) else "the source"
         comparator = _compare_entries(layout, headers, source, label)
     for problem in layout.problems:
         report.findings.append(Finding(prefix + problem.file, problem.tensor, problem.message))
@@ -311,7 +314,8 @@ def _castable(src: str, out: str) -> bool:
     return True
 
 
-def _run_scans(jobs: list[_ScanJob], report: VerifyReport, progress: ProgressCallback | None) -> None:
+def _run_scans(jobs: list[_ScanJob], report: VerifyReport, progress: ProgressCallback | None, *,
+               ranged: RangedCheckpoint | None = None) -> None:
     """Read every file (several at once: sha256 is CPU-bound) and record digests and mismatches."""
     total = sum(_size(j.path) for j in jobs)
     done = 0
@@ -326,8 +330,9 @@ def _run_scans(jobs: list[_ScanJob], report: VerifyReport, progress: ProgressCal
 
     def run(job: _ScanJob) -> ScanResult:
         root = job.path[:-len(job.name) - 1] if job.path.endswith(os.sep + job.name) else None
+        remote = ranged.open_file(job.path) if ranged is not None and job.path.endswith(".safetensors") else None
         return scan_file(job.path, job.entries, comparator=job.comparator, crc_ranges=job.crc_ranges, tick=tick,
-                         root=root)
+                         root=root, range_file=remote)
 
     workers = max(1, min(len(jobs), os.cpu_count() or 1, MAX_SCAN_THREADS))
     with ThreadPoolExecutor(max_workers=workers) as pool:

@@ -19,6 +19,7 @@ Examples:
   shardkit push unet-out/ my-org/sd15 --path-in-repo unet --dry-run
   shardkit push sd15-pipeline/ my-org/sd15 --include "unet/*" --include "*.json"
   shardkit split model.safetensors out/ --max-shard-size 5GB --push-to my-org/model
+  shardkit push s3://models/unet-sharded my-org/unet   # from a bucket: streamed by ranged GETs, no local copy
 
 \b
 The folder is verified first and a broken checkpoint is refused (--no-verify skips it).
@@ -63,7 +64,7 @@ def push(path: str, repo_id: str, private: bool, revision: str | None, create_pr
          path_in_repo: str | None, repo_type: str, token: str | None, include: tuple[str, ...],
          exclude: tuple[str, ...], dry_run: bool, no_verify: bool, allow_lossy: bool, follow_symlinks: bool,
          as_json: bool, quiet: bool) -> None:
-    """Upload the checkpoint in PATH (a folder or file) to the Hub repository REPO_ID.
+    """Upload the checkpoint in PATH (a folder, a file or s3://BUCKET/PREFIX) to the Hub repository REPO_ID.
 
     Creates the repository if it does not exist, uploads only what changed, and prints the
     commit URL (and the pull request URL with --create-pr).

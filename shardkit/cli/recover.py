@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from ..api.records import Recovery
+from ..api.sources import is_remote
 from ..units import format_size
 from .common import echo_json
 
@@ -57,9 +58,10 @@ def print_recovery(report: Recovery) -> None:
     folder = report.folder
     if report.rolled_forward:
         click.echo(f"{folder}: finished an interrupted commit ({len(report.rolled_forward)} file(s) published)")
-    if report.removed:
-        click.echo(f"{folder}: removed {len(report.removed)} temporary file(s) of dead writers, "
-                   f"{format_size(report.removed_bytes)}")
+    if report.removed:  # a store's leftovers have no byte count: uploads aborted, objects deleted
+        size = "" if is_remote(folder) else f", {format_size(report.removed_bytes)}"
+        what = "leftover(s)" if is_remote(folder) else "temporary file(s)"
+        click.echo(f"{folder}: removed {len(report.removed)} {what} of dead writers{size}")
         for path in report.removed:
             click.echo(f"  {path}")
     click.echo(f"{folder}: consistent" + ("" if report.changed else " (nothing to do)"))

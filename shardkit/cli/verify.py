@@ -17,6 +17,7 @@ Examples:
   shardkit verify sd-pipeline/ --against sd-pipeline-orig/ --json
   shardkit verify hf://org/model                        # structure from headers + file listing
   shardkit verify out/ --against hf://org/model         # sha256 vs the Hub's LFS oids, tensor by tensor
+  shardkit verify s3://models/unet --against unet/      # every object read by range, tensor by tensor
                                                         # (weights, indexes, configs; the rest listed)
 
 \b
@@ -48,13 +49,16 @@ def verify(path: str, against: str | None, as_json: bool, quiet: bool, token: st
     """
     from ..api.checkpoints import describe_remote_report, is_remote
     from ..api.checkpoints import verify as verify_api
+    from ..api.sources import is_hub
 
-    remote = is_remote(path) or is_remote(against)
+    # headers only (hf:// or s3:// alone), or by the Hub's sha256s: a summary line, no bar; otherwise
+    # (s3:// on either side of --against included) every byte is read, with the bar
+    remote = is_remote(path) and against is None or is_hub(path) or is_hub(against) and not is_remote(path)
     if remote:
         report = verify_api(path, against=against, token=token)
     else:  # no bar in logs and pipes: findings and the summary line are what matter there
         with byte_progress("verify", enabled=not (quiet or as_json)) as progress:
-            report = verify_api(path, against=against, progress=progress)
+            report = verify_api(path, against=against, progress=progress, token=token)
     if as_json:
         echo_json(report.to_dict())
     elif remote:

@@ -10,8 +10,8 @@ import hashlib
 import os
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import BinaryIO
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, BinaryIO
 
 from ..errors import InvalidInputError, ShardkitWarning, SourceNotFoundError
 from ..formats.links import (
@@ -26,6 +26,9 @@ from ..formats.links import (
 from ..formats.names import MODEL_INDEX, is_index_file, is_manifest_file, parse_weight_name
 from ..units import format_size
 
+if TYPE_CHECKING:
+    from ..stores.base import ObjectInfo, ObjectStore
+
 MAX_FILE_BYTES = 50 * 10**9  # the Hub refuses larger files
 WARN_FILE_BYTES = 20 * 10**9  # the Hub's recommended maximum
 MAX_FILES_PER_COMMIT = 100  # the Hub's advice; larger pushes take several commits
@@ -39,7 +42,8 @@ class LocalFile:
     size_bytes: int
     link_target: str | None = None  # a symlink: where it leads (its contents are what is sent)
     root: str = ""  # the folder pushed ("" for a file named directly): every read is checked against it
-    name: str = ""  # the path inside ``root``
+    name: str = ""  # the path inside ``root`` (or the object's name under the store's prefix)
+    store: ObjectStore | None = field(default=None, compare=False)  # set: an object of this store, read by range
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,13 @@ def collect_files(path: str | os.PathLike[str], *, path_in_repo: str | None = No
     return [_local_file(root, name, prefix, folder=os.path.isdir(path)) for name in chosen]
 
 
+def store_files(store: ObjectStore, objects: list[ObjectInfo], *, path_in_repo: str | None = None) -> list[LocalFile]:
+    """Objects of ``store`` (from :func:`shardkit.hub.store_files.collect_store_files`) as files to push."""
+    prefix = clean_prefix(path_in_repo)
+    return [LocalFile(f"{prefix}{o.name}", str(store.url.child(o.name)), o.size_bytes, name=o.name, store=store)
+            for o in objects]
+
+
 def _local_file(root: str, name: str, prefix: str, *, folder: bool = True) -> LocalFile:
     path = os.path.join(root, name)
     check_name(name, where=f"{root}: file to push")  # no control characters, newlines or '..' in a repo path
@@ -105,7 +116,12 @@ def open_upload(f: LocalFile) -> BinaryIO:
     parent, a link only under the link rule); a link followed outside with ``--follow-symlinks``
     is opened at its checked target, which must still be a regular file outside ``/proc``, ``/sys``
     and devices; a file named directly is the user's choice (:func:`~shardkit.formats.links.open_regular`).
+    An object of a store (``f.store``) is a buffered stream of ranged GETs: no local copy.
     """
+    if f.store is not None:
+        from .store_files import open_object
+
+        return open_object(f.store, f.name, f.size_bytes)
     try:
         if not f.root:
             fd = open_regular(f.local_path)

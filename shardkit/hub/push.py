@@ -23,9 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..errors import HubError, InvalidInputError, VerificationError
 from ..units import ByteCounter, ProgressCallback
@@ -41,11 +40,19 @@ from .commits import (
     plan_commits,
     split_changed,
     stale_files,
+    store_files,
 )
 from .known import known_digests
+from .push_errors import describe_hub_error, hub_errors, is_network_failure
+
+SMALL_OBJECT_BYTES = 10 << 20  # a store object up to this size is read whole and sent as bytes (Xet can take it)
+
+__all__ = ["PushResult", "check_repo_id", "describe_hub_error", "hub_errors", "push", "push_objects", "refuse_broken",
+           "verify_folder"]
 
 if TYPE_CHECKING:
     from ..checking.verify import VerifyReport
+    from ..stores.base import ObjectStore
 
 
 @dataclass
@@ -97,6 +104,40 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
     links = check_links(path, files, follow=follow_symlinks)
     check_sizes(files)
     known = known_digests(path, files, report=verify_folder(path, allow_lossy=allow_lossy) if verify else None)
+    return _push_files(files, repo_id, links=links, known=known, private=private, revision=revision,
+                       create_pr=create_pr, message=message, path_in_repo=path_in_repo, repo_type=repo_type,
+                       token=token, dry_run=dry_run, progress=progress)
+
+
+def push_objects(store: ObjectStore, repo_id: str, *, report: VerifyReport | None, private: bool = False,
+                 revision: str | None = None, create_pr: bool = False, message: str | None = None,
+                 path_in_repo: str | None = None, repo_type: str = "model", token: str | None = None,
+                 include: list[str] | str | None = None, exclude: list[str] | str | None = None,
+                 dry_run: bool = False, progress: ProgressCallback | None = None,
+                 allow_lossy: bool = False) -> PushResult:
+    """Upload the objects under a store's prefix (``s3://BUCKET/PREFIX``) to ``repo_id``, with no local copy.
+
+    Each object is read by ranged GETs as it is hashed and sent (twice in all for an LFS file: the
+    Hub wants its sha256 before its bytes); configs and indexes are read once, whole. ``report``
+    is the checkpoint's verification (its structure, from the header-only mirror; None skips it),
+    refused as :func:`push` refuses a broken folder. Every other argument is as for :func:`push`;
+    the commit comes after every upload, so a failure (a read, an upload) leaves no commit.
+    """
+    from .store_files import collect_store_files
+
+    check_repo_id(repo_id)
+    files = store_files(store, collect_store_files(store, include=include, exclude=exclude), path_in_repo=path_in_repo)
+    check_sizes(files)
+    if report is not None:
+        refuse_broken(report, str(store.url), allow_lossy=allow_lossy)
+    return _push_files(files, repo_id, links=[], known={}, private=private, revision=revision, create_pr=create_pr,
+                       message=message, path_in_repo=path_in_repo, repo_type=repo_type, token=token,
+                       dry_run=dry_run, progress=progress)
+
+
+def _push_files(files: list[LocalFile], repo_id: str, *, links: list[FollowedLink], known: dict[str, str],
+                private: bool, revision: str | None, create_pr: bool, message: str | None, path_in_repo: str | None,
+                repo_type: str, token: str | None, dry_run: bool, progress: ProgressCallback | None) -> PushResult:
     if create_pr and revision is not None and revision.startswith("refs/pr/"):
         raise InvalidInputError(f"revision={revision!r} is a pull request already; push to it without create_pr=True")
     try:
@@ -107,7 +148,7 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
             return pusher.run(files, prefix=clean_prefix(path_in_repo), message=message, progress=progress,
                               known=known)
     except HubError as e:
-        if not (dry_run and _is_network_failure(e)):
+        if not (dry_run and is_network_failure(e)):
             raise
         # Offline, a dry run still shows the local half of the plan: what would be sent.
         from huggingface_hub import constants
@@ -115,12 +156,6 @@ def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, r
         return PushResult(repo_id, repo_type, revision or "main", "", dry_run=True,
                           offline=f"{constants.ENDPOINT} not reachable", links=links,
                           uploaded=[f.path_in_repo for f in files], uploaded_bytes=sum(f.size_bytes for f in files))
-
-
-def _is_network_failure(error: BaseException) -> bool:
-    from huggingface_hub.utils import httpx
-
-    return any(isinstance(e, (httpx.TransportError, ConnectionError, TimeoutError)) for e in _chain(error))
 
 
 def check_repo_id(repo_id: str) -> None:
@@ -158,6 +193,12 @@ def verify_folder(path: str | os.PathLike[str], *, allow_lossy: bool = False) ->
     from ..checking.verify import verify as verify_checkpoint
 
     report = verify_checkpoint(path)
+    refuse_broken(report, os.fspath(path), allow_lossy=allow_lossy)
+    return report
+
+
+def refuse_broken(report: VerifyReport, path: str, *, allow_lossy: bool = False) -> None:
+    """Raise for a verification with findings, as :func:`verify_folder` does."""
     quant = [f for f in report.findings if f.quantization]
     if quant and not allow_lossy:
         raise InvalidInputError(f"{path}: refusing to push: {_describe(quant[0])}"
@@ -168,7 +209,6 @@ def verify_folder(path: str | os.PathLike[str], *, allow_lossy: bool = False) ->
         first = findings[0] if findings else "see `shardkit verify`"
         raise VerificationError(f"{path}: refusing to push, verification found {len(findings)} problem(s), "
                                 f"first: {first} (fix the folder, or pass verify=False)", findings)
-    return report
 
 
 def _describe(finding: object) -> str:
@@ -281,9 +321,7 @@ class _Pusher:
         additions = []
         with contextlib.ExitStack() as opened:  # every upload reads the descriptor checked when it was opened
             for f in group:
-                fileobj = opened.enter_context(open_upload(f))
-                # /proc/self/fd/N is the checked file itself: a path swapped since cannot change what is sent
-                op = CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=f"/proc/self/fd/{fileobj.fileno()}")
+                op = CommitOperationAdd(path_in_repo=f.path_in_repo, path_or_fileobj=_upload_source(f, opened))
                 if f.path_in_repo in digests:  # already hashed while comparing
                     op.upload_info.sha256 = bytes.fromhex(digests[f.path_in_repo])
                 self.api.preupload_lfs_files(self.repo_id, additions=[op], repo_type=self.repo_type,
@@ -302,72 +340,15 @@ class _Pusher:
         return str(info.oid)
 
 
-# ----------------------------------------------------------------------------- errors
-
-@contextlib.contextmanager
-def hub_errors(repo_id: str, revision: str) -> Iterator[None]:
-    """Turn huggingface_hub / network exceptions into one-line :class:`HubError` messages."""
-    try:
-        yield
-    except HubError:
-        raise
-    except Exception as e:
-        message = describe_hub_error(e, repo_id, revision)
-        if message is None:
-            raise
-        raise HubError(message) from e
-
-
-def describe_hub_error(error: BaseException, repo_id: str, revision: str) -> str | None:
-    """A one-line explanation of a failed Hub call, or None if ``error`` is not one."""
-    # utils.httpx: the HTTP client module huggingface_hub itself uses (httpx2 in 2.x); importing it
-    # from there means shardkit never imports a package it does not declare.
-    from huggingface_hub import constants
-    from huggingface_hub.errors import (
-        HfHubHTTPError,
-        HFValidationError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-    from huggingface_hub.utils import httpx
-
-    endpoint = constants.ENDPOINT
-    for e in _chain(error):
-        if isinstance(e, HFValidationError):
-            return f"invalid repository id or revision for {repo_id!r}: {str(e).splitlines()[0]}"
-        if isinstance(e, RevisionNotFoundError):
-            return (f"revision {revision!r} not found in {repo_id}; a pull request needs an existing branch "
-                    f"(push it first without create_pr=True)")
-        if isinstance(e, HfHubHTTPError) and e.response is not None:
-            status = e.response.status_code
-            detail = e.server_message or e.response.headers.get("X-Error-Message") or ""
-            if status == 401:
-                return (f"authentication failed (401) at {endpoint}: the token was rejected; pass a valid token=..., "
-                        f"set HF_TOKEN, or run `hf auth login`")
-            if status == 403:
-                return f"no permission to write to {repo_id} (403): {detail or 'use a token with write access'}"
-            if isinstance(e, RepositoryNotFoundError):
-                return f"repository {repo_id} not found at {endpoint}, or not visible with this token"
-            if status == 412:
-                return f"{repo_id}@{revision} changed while pushing; run the push again"
-            first = (detail or str(e)).strip().splitlines()[0]
-            if status >= 500 or status in (408, 429):
-                return (f"the Hub failed ({status}) for {repo_id}: {first}; run the push again to resume "
-                        f"(what already arrived is not sent again)")
-            return f"the Hub answered {status} for {repo_id}: {first}"
-        if isinstance(e, (httpx.TransportError, ConnectionError, TimeoutError)):
-            return (f"network failure talking to {endpoint}: {e or type(e).__name__}; check the connection "
-                    f"(or HF_ENDPOINT) and run the push again to resume")
-    text = str(error).strip().splitlines()
-    if type(error).__module__.startswith(("huggingface_hub", "hf_xet")) or "hf_xet" in repr(type(error)):
-        return f"upload to {repo_id} failed: {text[0] if text else type(error).__name__}"
-    return None
-
-
-def _chain(error: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    current: BaseException | None = error
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        yield current
-        current = current.__cause__ or current.__context__
+def _upload_source(f: LocalFile, opened: contextlib.ExitStack) -> str | bytes | BinaryIO:
+    """What huggingface_hub reads for ``f``: a local file's checked descriptor, a store object's bytes
+    (small) or its ranged-GET stream (large; huggingface_hub sends a stream by the LFS protocol)."""
+    fileobj = opened.enter_context(open_upload(f))
+    if f.store is None:  # /proc/self/fd/N is the checked file itself: a path swapped since cannot change what is sent
+        return f"/proc/self/fd/{fileobj.fileno()}"
+    if f.size_bytes <= SMALL_OBJECT_BYTES:
+        data = fileobj.read()
+        if len(data) != f.size_bytes:
+            raise HubError(f"{f.local_path}: read {len(data)} bytes of {f.size_bytes}; the object changed during the push")
+        return data
+    return fileobj

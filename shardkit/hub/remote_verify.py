@@ -227,8 +227,9 @@ def describe(report: VerifyReport) -> str:
                      f"and configs), {report.tensors_compared} tensor(s) identical"
                      + (f"; {len(skipped)} other file(s) not compared" if skipped else ""))
         return "\n".join(lines)
+    listing = "the Hub's file listing" if report.path.startswith("hf://") else "the object listing"
     return (f"ok: structure of {report.path}: {len(report.files)} weight file(s), {report.tensors_checked} "
-            "tensor(s), checked from headers and the Hub's file listing (no tensor data read)")
+            f"tensor(s), checked from headers and {listing} (no tensor data read)")
 
 
 def _names(names: list[str]) -> str:

@@ -20,6 +20,7 @@ from ..devices import parse_max_memory
 from ..errors import InvalidInputError, ShardkitError, SourceNotFoundError
 from ..reading.residency import ReadMode
 from ..runtime.apply import RuntimeSetup, apply_runtime
+from ..sources.ranged import RangedCheckpoint, beneath, shown
 
 if TYPE_CHECKING:
     import torch
@@ -31,7 +32,7 @@ DEVICE_MAPS = ("balanced", "cpu", "cuda")
 
 
 def load_pipeline_folder(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | RangedCheckpoint,
     *,
     device_map: str | None = None,
     max_memory: MaxMemory | None = None,
@@ -46,7 +47,11 @@ def load_pipeline_folder(
     ``fit=`` needs the planner).
 
     Args:
-        path: a diffusers pipeline folder (``model_index.json`` at its root).
+        path: a diffusers pipeline folder (``model_index.json`` at its root); or a
+            :class:`~shardkit.sources.ranged.RangedCheckpoint` over one (an ``s3://`` pipeline's
+            mirror): every weight-bearing component is then loaded by :func:`shardkit.load_model`
+            from its subfolder by ranged reads, and diffusers reads only the configs, tokenizers
+            and schedulers (``device_map`` ``"cpu"`` or ``"cuda"``; no ``variant``).
         device_map: ``"balanced"`` (whole components spread over the GPUs in ``max_memory``),
             ``"cuda"`` or ``"cpu"``.
         max_memory: ``{0: "16GB", 1: "16GB"}``; any key :func:`shardkit.devices.parse_device` accepts.
@@ -63,9 +68,15 @@ def load_pipeline_folder(
 
     pipe = load_pipeline_folder("sdxl/", device_map="balanced", max_memory={0: "16GB"})
     """
+    ranged = path if isinstance(path, RangedCheckpoint) else None
     folder = _check_folder(path)
     runtime = runtime or RuntimeSetup()
     _check_device_map(device_map, runtime.offload)
+    if ranged is not None and (device_map == "balanced" or variant is not None):
+        option = "device_map='balanced'" if device_map == "balanced" else f"variant={variant!r}"
+        raise InvalidInputError(f"{shown(ranged)}: {option} does not apply to a pipeline read from a bucket (each "
+                                "component is loaded by ranged reads); use device_map='cpu' or 'cuda', or name the "
+                                "variant's own prefix")
     kwargs: dict[str, Any] = {}
     if device_map is not None:
         kwargs["device_map"] = device_map
@@ -80,7 +91,10 @@ def load_pipeline_folder(
         kwargs["torch_dtype"] = resolve_torch_dtype(dtype)
     if variant is not None:
         kwargs["variant"] = variant
-    report = _preload_components(folder, kwargs, read=read, device_map=device_map, variant=variant)
+    if ranged is not None:
+        report = _load_ranged_components(ranged, kwargs, device_map=device_map)
+    else:
+        report = _preload_components(folder, kwargs, read=read, device_map=device_map, variant=variant)
     pipe = _from_pretrained(folder, kwargs)
     pipe.shardkit_load_report = report  # type: ignore[attr-defined]  # shardkit's own attribute
     return apply_runtime(pipe, runtime)
@@ -128,6 +142,36 @@ def _preload_components(folder: str, kwargs: dict[str, Any], *, read: ReadMode, 
     return report
 
 
+def _weight_components(folder: str) -> list[tuple[str, str]]:
+    """``(component, "library:Class")`` of each diffusers/transformers component with a ``config.json``."""
+    import json
+
+    with open(os.path.join(folder, "model_index.json"), encoding="utf-8") as f:
+        index = json.load(f)
+    return [(component, f"{spec[0]}:{spec[1]}") for component, spec in index.items()
+            if isinstance(spec, list) and len(spec) == 2 and spec[0] in ("diffusers", "transformers")
+            and os.path.isfile(os.path.join(folder, component, "config.json"))]
+
+
+def _load_ranged_components(ranged: RangedCheckpoint, kwargs: dict[str, Any], *,
+                            device_map: str | None) -> dict[str, object]:
+    """Every component with safetensors weights, loaded by :func:`shardkit.load_model` by ranged reads
+    (the mirror's stand-ins are holes: diffusers must never read one)."""
+    from .load import load_model
+
+    report: dict[str, object] = {}
+    for component, spec in _weight_components(ranged.path):
+        sub = os.path.join(ranged.path, component)
+        if not any(name.endswith(".safetensors") for name in os.listdir(sub)):
+            continue  # no weights here (diffusers reports what it misses)
+        model = load_model(spec, beneath(ranged, sub), dtype=kwargs.get("torch_dtype"),
+                           device_map={"": 0} if device_map == "cuda" else "cpu")
+        kwargs[component] = model
+        load_report: dict[str, object] = getattr(model, "shardkit_load_report")  # noqa: B009 - set by load_model
+        report[component] = {**load_report, "loaded_by": "shardkit"}
+    return report
+
+
 PIPELINE_DEVICE_FIX = (
     "to run on the CPU give no GPU (device_map='cpu', or fit='auto' with max_memory={'cpu': '24GB'}); to plan for "
     "a GPU this machine lacks without loading, use shardkit.fit(path, max_memory=...)"
@@ -152,7 +196,7 @@ def check_gpus(devices: list[Device], *, where: str) -> None:
 
 
 def _check_folder(path: str | os.PathLike[str]) -> str:
-    folder = os.fspath(path)
+    folder = os.fspath(path)  # a RangedCheckpoint: its mirror's root
     if not os.path.isdir(folder):
         raise SourceNotFoundError(f"pipeline folder {folder} does not exist")
     if not os.path.isfile(os.path.join(folder, "model_index.json")):

@@ -54,8 +54,14 @@ class HeaderMirror:
 
 
 def build_header_mirror(store: ObjectStore, root: str, objects: list[ObjectInfo], *,
-                        whole: Callable[[str], bool]) -> HeaderMirror:
-    """Write the header-only mirror of ``objects`` (from ``store.list_objects()``) into the empty folder ``root``."""
+                        whole: Callable[[str], bool], max_whole_bytes: int = MAX_WHOLE_BYTES,
+                        max_whole_total_bytes: int = MAX_WHOLE_TOTAL_BYTES) -> HeaderMirror:
+    """Write the header-only mirror of ``objects`` (from ``store.list_objects()``) into the empty folder ``root``.
+
+    ``whole`` picks the objects fetched whole, each up to ``max_whole_bytes`` and together up to
+    ``max_whole_total_bytes`` (larger limits for a mirror that carries every side file: a large
+    object is then fetched ``BATCH_BYTES`` at a time, never held whole in memory).
+    """
     if len(objects) > MAX_MIRRORED_OBJECTS:
         raise StoreError(f"{store.url}: {len(objects)} objects; a checkpoint folder has at most {MAX_MIRRORED_OBJECTS}")
     mirror = HeaderMirror(root, {o.name: o for o in objects})
@@ -63,15 +69,15 @@ def build_header_mirror(store: ObjectStore, root: str, objects: list[ObjectInfo]
         _local_path(store, root, o.name)  # every name checked before anything is fetched
     weights = [o for o in objects if o.name.endswith(".safetensors")]
     fetched = [o for o in objects if not o.name.endswith(".safetensors") and whole(o.name)]
-    too_big = [o.name for o in fetched if o.size_bytes > MAX_WHOLE_BYTES]
+    too_big = [o.name for o in fetched if o.size_bytes > max_whole_bytes]
     if too_big:
-        raise InvalidInputError(f"{store.url.child(too_big[0])}: over {MAX_WHOLE_BYTES} bytes, too large for a "
+        raise InvalidInputError(f"{store.url.child(too_big[0])}: over {max_whole_bytes} bytes, too large for a "
                                 "config, index or manifest")
     for o in weights:
         if o.size_bytes < 8:
             raise HeaderError(f"{store.url.child(o.name)}: {o.size_bytes} bytes, too short to be safetensors")
-    if sum(o.size_bytes for o in fetched) > MAX_WHOLE_TOTAL_BYTES:
-        raise InvalidInputError(f"{store.url}: configs, indexes and manifests over {MAX_WHOLE_TOTAL_BYTES} bytes "
+    if sum(o.size_bytes for o in fetched) > max_whole_total_bytes:
+        raise InvalidInputError(f"{store.url}: configs, indexes and manifests over {max_whole_total_bytes} bytes "
                                 "in all; name a folder that holds one checkpoint")
     _fetch_whole(store, mirror, fetched)
     _fetch_headers(store, mirror, weights)
@@ -79,12 +85,25 @@ def build_header_mirror(store: ObjectStore, root: str, objects: list[ObjectInfo]
 
 
 def _fetch_whole(store: ObjectStore, mirror: HeaderMirror, fetched: list[ObjectInfo]) -> None:
-    for batch in _batches(fetched, lambda o: o.size_bytes):
+    for o in (o for o in fetched if o.size_bytes > BATCH_BYTES):
+        _fetch_large(store, mirror, o)
+    for batch in _batches([o for o in fetched if o.size_bytes <= BATCH_BYTES], lambda o: o.size_bytes):
         bodies = {o.name: bytearray(o.size_bytes) for o in batch}
         read_ranges(store, [RangeRequest(n, 0, memoryview(b)) for n, b in bodies.items()])
         for o in batch:
             _write_new(_local_path(store, mirror.root, o.name), bytes(bodies[o.name]), size_bytes=o.size_bytes)
             mirror.fetched_bytes += o.size_bytes
+
+
+def _fetch_large(store: ObjectStore, mirror: HeaderMirror, o: ObjectInfo) -> None:
+    """One object over ``BATCH_BYTES``, fetched and written ``BATCH_BYTES`` at a time (bounded memory)."""
+    path = _local_path(store, mirror.root, o.name)
+    body = bytearray(BATCH_BYTES)
+    for begin in range(0, o.size_bytes, BATCH_BYTES):
+        piece = memoryview(body)[:min(BATCH_BYTES, o.size_bytes - begin)]
+        read_ranges(store, [RangeRequest(o.name, begin, piece)])
+        _write_new(path, bytes(piece), size_bytes=begin + len(piece), append=begin > 0)
+        mirror.fetched_bytes += len(piece)
 
 
 def _fetch_headers(store: ObjectStore, mirror: HeaderMirror, weights: list[ObjectInfo]) -> None:
@@ -118,11 +137,13 @@ def _local_path(store: ObjectStore, root: str, name: str) -> str:
     return os.path.join(root, *parts)
 
 
-def _write_new(path: str, data: bytes, *, size_bytes: int) -> None:
-    """Create ``path`` (never through a link, never over a file), write ``data``, extend it to ``size_bytes``."""
+def _write_new(path: str, data: bytes, *, size_bytes: int, append: bool = False) -> None:
+    """Create ``path`` (never through a link, never over a file), write ``data``, extend it to ``size_bytes``;
+    ``append``: add ``data`` at the end of the file this mirror created before."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        flags = os.O_APPEND if append else os.O_CREAT | os.O_EXCL
+        fd = os.open(path, os.O_WRONLY | flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as e:  # e.g. the listing holds both "a" and "a/b"
         raise StoreError(f"{path}: cannot mirror this object ({e.strerror}); the listing names it twice") from e
     try:
