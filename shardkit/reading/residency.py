@@ -57,6 +57,7 @@ ROUND_TRIP_S = 1e-3
 LATENCY_PROBES = 3
 _MOUNTS_REMEMBERED = 256   # mounts whose probe result a process keeps (mount_identity -> seconds or None)
 _mount_latency: dict[tuple[int, tuple[str, ...]], float | None] = {}
+_mount_probing: dict[tuple[int, tuple[str, ...]], threading.Lock] = {}  # held while that mount is timed
 _mount_lock = threading.Lock()
 _STATFS_BYTES = 256        # struct statfs is 120 bytes on 64-bit Linux; f_type is its first word
 
@@ -233,11 +234,17 @@ def mount_latency_s(path: str, *, fd: int | None = None) -> float | None:
     with _mount_lock:
         if device in _mount_latency:
             return _mount_latency[device]
-    latency = request_latency_s(path, fd=fd)
-    with _mount_lock:
-        if len(_mount_latency) >= _MOUNTS_REMEMBERED:
-            _mount_latency.clear()
-        return _mount_latency.setdefault(device, latency)
+        probing = _mount_probing.setdefault(device, threading.Lock())
+    with probing:  # shards opened together: one of them times the mount, the others wait for its answer
+        with _mount_lock:
+            if device in _mount_latency:
+                return _mount_latency[device]
+        latency = request_latency_s(path, fd=fd)
+        with _mount_lock:
+            if len(_mount_latency) >= _MOUNTS_REMEMBERED:
+                _mount_latency.clear()
+            _mount_probing.pop(device, None)
+            return _mount_latency.setdefault(device, latency)
 
 
 def forget_mount_latencies() -> None:
