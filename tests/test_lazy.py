@@ -127,6 +127,54 @@ def test_each_shard_opened_once_and_threads_agree(tmp_path, monkeypatch) -> None
         ckpt["t0"]
 
 
+@pytest.mark.parametrize("how", ["read_many", "load_model"])
+def test_shards_open_together_not_one_after_another(tmp_path, monkeypatch, how) -> None:
+    """Each shard's open (descriptor, header, a mount's timed request) costs round trips on a network
+    mount: reading many tensors opens all shards at once, each still once."""
+    from shardkit.loading import lazy
+
+    tensors = {f"t{i}": torch.randn(64) for i in range(12)}
+    out = _sharded(tmp_path, tensors, max_shard_size="1KB")
+    assert len(list(out.glob("*.safetensors"))) >= 3
+    lock = threading.Lock()
+    now = {"in": 0, "peak": 0}
+    calls: list[str] = []
+    two_in = threading.Event()
+    real_open_shard = lazy.open_shard
+
+    def open_shard(shard, read):
+        with lock:
+            calls.append(shard.path)
+            now["in"] += 1
+            now["peak"] = max(now["peak"], now["in"])
+            if now["in"] >= 2:
+                two_in.set()
+        two_in.wait(timeout=5)  # one at a time (the old lock) never gets here twice: 5 s each, then on
+        try:
+            real_open_shard(shard, read)
+        finally:
+            with lock:
+                now["in"] -= 1
+
+    monkeypatch.setattr(lazy, "open_shard", open_shard)
+    if how == "read_many":
+        with shardkit.open(out, read="pread") as ckpt:
+            state = ckpt.read_many(list(ckpt))
+    else:
+        model = shardkit.load_model(lambda: _Params(tensors), out, read="pread")
+        state = model.state_dict()
+    assert all(torch.equal(state[n], t) for n, t in tensors.items())
+    assert now["peak"] >= 2, now
+    assert len(calls) == len(set(calls)) == len(list(out.glob("*.safetensors")))
+
+
+class _Params(torch.nn.Module):
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for name, t in tensors.items():
+            self.register_parameter(name, torch.nn.Parameter(torch.empty_like(t), requires_grad=False))
+
+
 def test_to_state_dict_casts_only_floating_tensors(tmp_path) -> None:
     tensors = {"f": torch.randn(3), "i": torch.arange(3), "b": torch.tensor([True, False])}
     with shardkit.open(_sharded(tmp_path, tensors, max_shard_size="1GB")) as ckpt:

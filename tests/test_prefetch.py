@@ -291,3 +291,22 @@ def test_errors_from_reads_keep_their_type(tmp_path) -> None:
         with pytest.raises(ShardkitError) as err:
             ckpt["w"]
     assert isinstance(err.value, (HeaderError, InvalidInputError)) and str(path) in str(err.value)
+
+
+def test_direct_reads_of_one_tensor_land_in_place_without_the_bounce_buffer(tmp_path, monkeypatch) -> None:
+    """``ck[k]`` with ``direct``: a tensor of at least IN_PLACE_BYTES is read straight into its
+    page-padded memory (no bounce-buffer copy), byte-exact, through the read-ahead and without it."""
+    from shardkit.loading import fresh_reads
+
+    state = _model(tmp_path / "ckpt", tensors=6, nbytes=fresh_reads.IN_PLACE_BYTES * 2, max_shard_size="1GB")
+    bounced: list[int] = []
+    real = readers.DirectReader._read_bounced
+    monkeypatch.setattr(readers.DirectReader, "_read_bounced",
+                        lambda self, job: (bounced.append(job.nbytes), real(self, job))[1])
+    for ahead in (0, 64 << 20):
+        with shardkit.open(tmp_path / "ckpt", read="direct", read_ahead_bytes=ahead) as ckpt:
+            if ckpt.reader_of("norm.bias") is None or ckpt.reader_of("norm.bias").backend != "direct":
+                pytest.skip("O_DIRECT is refused on this filesystem")
+            got = {name: ckpt[name] for name in ckpt}
+        assert all(tensor_bytes(got[n]) == tensor_bytes(t) for n, t in state.items())
+    assert all(n < fresh_reads.IN_PLACE_BYTES for n in bounced), bounced  # only the small tensor bounced

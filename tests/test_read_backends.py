@@ -159,8 +159,9 @@ def bindfs_mount(tmp_path):
 
 
 def test_auto_reads_a_fuse_mounted_file_by_what_its_requests_cost(bindfs_mount) -> None:
-    """A passthrough FUSE mount (bindfs) is judged by a timed request, not by its kind: where it answers
-    like a local disk it is read like one (pread, 32 MiB calls), else with many requests in flight."""
+    """A passthrough FUSE mount (bindfs) is judged by a timed request, not by its kind: read with O_DIRECT
+    either way; where it answers like a local disk with few large requests (passthrough tuning), else
+    with many requests in flight."""
     src, mnt = bindfs_mount
     tensors = make_state_dict(shapes=ODD_SHAPES)
     safetensors.torch.save_file(tensors, src / "w.safetensors")
@@ -172,7 +173,7 @@ def test_auto_reads_a_fuse_mounted_file_by_what_its_requests_cost(bindfs_mount) 
         chunk_bytes = ckpt.reader_of("layers.F32.3").chunk_bytes
     assert "fuse filesystem" in report["reason"] and "ms per request" in report["reason"], report
     if "like a local disk" in report["reason"]:  # the usual verdict for bindfs over a local disk
-        assert (report["backend"], chunk_bytes) == ("pread", readers.CHUNK_BYTES), report
+        assert (report["backend"], chunk_bytes) == ("direct", readers.PASSTHROUGH_CHUNK_BYTES), report
     else:  # a machine too busy to answer within a millisecond: read as a network mount
         assert report["backend"] in ("direct", "pread") and chunk_bytes == readers.REMOTE_CHUNK_BYTES, report
 
@@ -195,26 +196,51 @@ def test_auto_reads_a_mount_with_latency_with_many_large_requests_in_flight(tmp_
 
 
 @pytest.mark.parametrize("remote, latency_s, want", [
-    (None, None, ("pread", None)),          # a local disk is never probed
-    ("fuse", 0.00005, ("pread", None)),     # bindfs over a local disk: read like one
-    ("fuse", 0.0021, ("direct", "fuse")),   # a round trip per request: many large requests in flight
-    ("nfs", 0.0009, ("pread", None)),
-    ("nfs", None, ("direct", "nfs")),       # O_DIRECT refused, nothing timed: by kind, as before
+    (None, None, ("pread", None, "local")),                 # a local disk is never probed
+    ("fuse", 0.00005, ("direct", None, "passthrough")),     # bindfs over a local disk: few large requests
+    ("fuse", 0.0021, ("direct", "fuse", "round-trip")),     # a round trip per request: many in flight
+    ("nfs", 0.0009, ("direct", None, "passthrough")),
+    ("nfs", None, ("direct", "nfs", "round-trip")),         # O_DIRECT refused, nothing timed: by kind, as before
 ])
 def test_auto_picks_the_cold_backend_from_the_timed_request(tmp_path, monkeypatch, remote, latency_s, want) -> None:
     from shardkit.reading import residency
 
-    path = tmp_path / "w.safetensors"
-    safetensors.torch.save_file({"w": torch.ones(8)}, path)
+    residency.forget_mount_latencies()
+    paths = [tmp_path / f"w{i}.safetensors" for i in range(3)]
+    for path in paths:
+        safetensors.torch.save_file({"w": torch.ones(8)}, path)
     probed = []
     monkeypatch.setattr(residency, "remote_filesystem", lambda p: remote)
     monkeypatch.setattr(residency, "cached_fraction", lambda p, **kw: 0.0)
     monkeypatch.setattr(residency, "request_latency_s", lambda p, **kw: probed.append(p) or latency_s)
-    choice = choose_backend(str(path), "auto")
-    assert (choice.backend, choice.remote) == want
-    assert probed == ([str(path)] if remote else [])
+    choices = [choose_backend(str(path), "auto") for path in paths]
+    assert {(c.backend, c.remote, c.tuning) for c in choices} == {want}
+    assert probed == ([str(paths[0])] if remote else [])  # once per mount: its other files reuse the answer
+    with shardkit.open(paths[1]) as ckpt:  # and the reader is sized by the tuning
+        reader = ckpt.reader_of("w")
+        assert reader is not None and reader.chunk_bytes == readers.TUNINGS[want[2]].chunk_bytes
     monkeypatch.setattr(residency, "cached_fraction", lambda p, **kw: 1.0)
     assert choose_backend(str(path), "auto").backend == "mmap"  # warm: no probe needed
+    residency.forget_mount_latencies()
+
+
+def test_the_mount_probe_is_timed_again_on_another_mount(tmp_path, monkeypatch) -> None:
+    from shardkit.reading import residency
+
+    residency.forget_mount_latencies()
+    path = tmp_path / "w.safetensors"
+    safetensors.torch.save_file({"w": torch.ones(8)}, path)
+    latencies = iter([0.004, 0.0001])
+    monkeypatch.setattr(residency, "remote_filesystem", lambda p: "fuse")
+    monkeypatch.setattr(residency, "cached_fraction", lambda p, **kw: 0.0)
+    monkeypatch.setattr(residency, "request_latency_s", lambda p, **kw: next(latencies))
+    assert choose_backend(str(path), "auto").tuning == "round-trip"
+    assert choose_backend(str(path), "auto").tuning == "round-trip"  # remembered, not timed again
+    real_stat = os.stat
+    monkeypatch.setattr(residency.os, "stat", lambda p, *a, **kw: os.stat_result(
+        (*real_stat(p)[:2], real_stat(p).st_dev + 1, *real_stat(p)[3:])))
+    assert choose_backend(str(path), "auto").tuning == "passthrough"  # another st_dev: timed
+    residency.forget_mount_latencies()
 
 
 # ----------------------------------------------------------------------------- ring pipeline

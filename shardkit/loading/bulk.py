@@ -152,6 +152,7 @@ def start_early_reads(pool: ReadPool, checkpoint: LazyCheckpoint, *,
 
 
 def _read_early(checkpoint: LazyCheckpoint, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    checkpoint.open_shards()  # all at once: one by one they cost a few round trips each before any read
     names = [name for name in checkpoint if checkpoint.reader_of(name) is not None]
     if dtype is not None:
         names = [name for name in names if _stays(checkpoint.dtype_of(name), dtype)]

@@ -68,6 +68,7 @@ class LazyCheckpoint(Mapping[str, "torch.Tensor"]):
         self.description = description
         self.index_metadata = dict(index_metadata or {})
         self._lock = threading.Lock()
+        self._open_locks: dict[str, threading.Lock] = {}  # shard path -> held while it opens
         self._local = threading.local()
         self._closed = False
         self._after_close: list[Callable[[], None]] = []
@@ -220,9 +221,8 @@ class LazyCheckpoint(Mapping[str, "torch.Tensor"]):
         """
         out: dict[str, torch.Tensor] = {}
         planned: list[tuple[Shard, TensorEntry]] = []
-        first = self._locate(names[0])[0] if names else None
-        if first is not None and first.reader is not None:
-            self._fresh.open_all(first.reader)  # every shard's header at once, not one round trip after another
+        if names:
+            self.open_shards()  # every shard's header at once, not one round trip after another
         for name in names:
             shard, entry = self._locate(name)
             if shard.reader is None or entry.nbytes == 0 or self._fresh.is_pending(name):
@@ -270,15 +270,27 @@ class LazyCheckpoint(Mapping[str, "torch.Tensor"]):
             raise KeyError(name) from None
 
     def _opened(self, shard: Shard) -> dict[str, TensorEntry]:
-        """Open ``shard`` once (descriptor, then its header read through it, then the backend)."""
+        """Open ``shard`` once (descriptor, then its header read through it, then the backend). Each shard
+        has its own lock: several shards open at once (:meth:`open_shards`), each only once."""
         if shard.entries is None:
             with self._lock:
                 if self._closed:
                     raise InvalidInputError(f"{self.description}: checkpoint is closed")
+                lock = self._open_locks.setdefault(shard.path, threading.Lock())
+            with lock:
                 if shard.entries is None:
                     open_shard(shard, self.read)
+                    with self._lock:
+                        if self._closed:  # closed while this one was opening: close() may have passed it
+                            close_shard(shard)
+                            raise InvalidInputError(f"{self.description}: checkpoint is closed")
         assert shard.entries is not None
         return shard.entries
+
+    def open_shards(self) -> None:
+        """Open every shard now, several at once (a shard that fails to open fails again, with its
+        error, when one of its tensors is asked for). Reads of many tensors call this first."""
+        self._fresh.open_all()
 
     def _open_shard(self, shard_name: str) -> Shard:
         shard = self._shards[shard_name]

@@ -62,8 +62,8 @@ def open(path: str | os.PathLike[str] | RangedCheckpoint, *, variant: str | None
         read: how tensor bytes are read: ``"mmap"`` (zero-copy views of the file's pages),
             ``"pread"`` (large parallel reads into fresh memory; best on network/FUSE
             filesystems and cold caches), ``"direct"`` (O_DIRECT through aligned bounce buffers,
-            ``pread`` where refused) or ``"auto"``: ``pread`` for network/FUSE filesystems and
-            cold files, ``mmap`` for warm local ones; ``read_report()`` says what each shard got.
+            ``pread`` where refused) or ``"auto"``: ``mmap`` for warm files, ``pread`` for cold local
+            ones, ``direct`` for cold network/FUSE ones (sized by one timed request per mount); ``read_report()`` says what each shard got.
             A :class:`~shardkit.sources.ranged.RangedCheckpoint` (how ``s3://`` is opened) reads
             every shard by parallel ranged requests, whatever ``read`` says.
         read_ahead_bytes: with ``pread``/``direct``, reading the mapping in its order reads the

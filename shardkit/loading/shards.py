@@ -115,7 +115,7 @@ def _open_fd(shard: Shard, fd: int, read: str) -> None:
         elif choice.backend == "mmap":
             shard.mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
         else:
-            shard.reader = open_reader(shard.path, choice.backend, fd=fd, remote=choice.remote is not None,
+            shard.reader = open_reader(shard.path, choice.backend, fd=fd, remote=choice.remote is not None, tuning=choice.tuning,
                                        quiet=read == "auto")
     except (OSError, ValueError) as e:
         raise HeaderError(f"{shard.path}: cannot open the file for reading ({e})") from e

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     import torch
 
 
-_PAGE_BYTES = mmap.PAGESIZE
+PAGE_BYTES = mmap.PAGESIZE
+_PAGE_BYTES = PAGE_BYTES
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,17 @@ def anonymous_block(nbytes: int) -> mmap.mmap:
     1.7 GB spent 1.57 CPU-s shared and 0.89 private), 4 KiB pages (asking for huge pages cost 1.67
     CPU-s on this fragmented host: compaction). Its address stays valid while the map lives."""
     return mmap.mmap(-1, max(1, nbytes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+
+
+def padded_block(offset: int, nbytes: int, *, pad: int) -> tuple[mmap.mmap, int]:
+    """A block for ``nbytes`` of the file at ``offset`` with ``pad`` bytes before them (whole pages),
+    and the address the bytes go to: with ``pad == offset % page`` the file's pages land on the
+    block's pages (a page-padded :class:`~shardkit.reading.readers.ReadJob`)."""
+    block = anonymous_block(-(-(pad + nbytes) // _PAGE_BYTES) * _PAGE_BYTES)
+    anchor = ctypes.c_char.from_buffer(block)
+    address = ctypes.addressof(anchor) + pad
+    del anchor
+    return block, address
 
 
 def block_pad(run: Run, dtypes: dict[str, torch.dtype]) -> int:
@@ -110,11 +122,8 @@ def read_runs(runs: list[Run], readers: dict[str, Reader], pool: ReadPool, *,
     futures = []
     for run in runs:
         pad = block_pad(run, dtypes)
-        block = anonymous_block(-(-(pad + run.nbytes) // _PAGE_BYTES) * _PAGE_BYTES)  # whole pages
-        anchor = ctypes.c_char.from_buffer(block)
-        job = ReadJob(ctypes.addressof(anchor) + pad, run.offset, run.nbytes,
-                      f"{run.file}: tensor {run.entries[0].name!r}", padded=True)
-        del anchor
+        block, address = padded_block(run.offset, run.nbytes, pad=pad)
+        job = ReadJob(address, run.offset, run.nbytes, f"{run.file}: tensor {run.entries[0].name!r}", padded=True)
         reader = readers[run.file]
         futures += submit_reads(pool, reader, [job], keep=block, chunk_bytes=reader.chunk_bytes)
         blocks.append((block, run, pad))

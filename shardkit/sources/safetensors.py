@@ -110,7 +110,7 @@ class SafetensorsSource(Source):
         choice = choose_backend(path, "auto", fd=fd)
         if choice.backend == "mmap":
             return CachedReads(fd, size_bytes=os.fstat(fd).st_size)
-        reader = open_reader(path, choice.backend, fd=fd, remote=choice.remote is not None, quiet=True)
+        reader = open_reader(path, choice.backend, fd=fd, remote=choice.remote is not None, tuning=choice.tuning, quiet=True)
         return self._parallel(reader, os.fstat(fd).st_size)
 
     def _parallel(self, reader: Reader, size_bytes: int) -> RangeReads:
