@@ -30,12 +30,16 @@ def _side_files(root: Path) -> dict[str, bytes]:
             if p.is_file() and not p.name.endswith((".safetensors", ".index.json")) and p.name != "shardkit.manifest.json"}
 
 
-@pytest.mark.parametrize("to_store", [False, True], ids=["s3-to-local", "s3-to-s3"])
+COPIED, STREAMED = [], ["--dtype", "bf16"]  # S3 to S3: composed by copies in the store; cast: streamed
+
+
+@pytest.mark.parametrize(("to_store", "extra"), [(False, []), (True, COPIED), (True, STREAMED)],
+                         ids=["s3-to-local", "s3-to-s3-copied", "s3-to-s3-streamed"])
 def test_split_from_s3_carries_every_side_file_byte_for_byte(s3_env, folder: Path, tmp_path: Path, run_cli,
-                                                             to_store: bool) -> None:
+                                                             to_store: bool, extra: list[str]) -> None:
     s3_env.put_folder(folder, "src")
     out = f"s3://{s3_env.bucket}/out" if to_store else str(tmp_path / "out")
-    result = run_cli("split", f"s3://{s3_env.bucket}/src", out, "--max-shard-size", "200KB")
+    result = run_cli("split", f"s3://{s3_env.bucket}/src", out, "--max-shard-size", "200KB", *extra)
     assert result.exit_code == 0, result.stderr
     expected = _side_files(folder)
     if to_store:
@@ -44,3 +48,17 @@ def test_split_from_s3_carries_every_side_file_byte_for_byte(s3_env, folder: Pat
     else:
         got = _side_files(tmp_path / "out")
     assert got == expected
+
+
+@pytest.mark.parametrize("extra", [COPIED, STREAMED], ids=["copied", "streamed"])
+def test_an_in_place_reshard_in_a_bucket_keeps_the_side_files_where_they_are(s3_env, folder: Path, run_cli,
+                                                                             extra: list[str]) -> None:
+    s3_env.put_folder(folder, "m")
+    before = {k: s3_env.get(k) for k in s3_env.keys("m/") if not k.endswith((".safetensors", ".json"))}
+    url = f"s3://{s3_env.bucket}/m"
+    result = run_cli("split", url, url, "--max-shard-size", "200KB", "--overwrite", *extra)
+    assert result.exit_code == 0, result.stderr
+    keys = s3_env.keys("m/")
+    assert "m/model.safetensors.index.json" in keys and "m/model.safetensors" not in keys
+    assert {k: s3_env.get(k) for k in before} == before
+    assert s3_env.uploads() == []

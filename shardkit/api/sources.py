@@ -51,7 +51,7 @@ def opened(source: CheckpointSource, *, token: str | None = None, cache: bool = 
     if is_store_url(source):
         from .stores import store_checkpoint
 
-        with store_checkpoint(source) as ranged:
+        with store_checkpoint(source, side_files=True) as ranged:  # a split copies them
             yield ranged
         return
     if not is_hub(source):

@@ -60,7 +60,7 @@ def write_to_store(output: str, job: Callable[[str, ProgressCallback | None], Sp
                 raise OutputExistsError(f"{url}: the prefix already holds objects; pass overwrite=True to "
                                         "replace the checkpoint there")
             local = os.path.join(staging, local_name)
-            with bind_output(local, store_output(store, overwrite=overwrite)) as bound:
+            with bind_output(local, store_output(store, overwrite=overwrite), target=str(url)) as bound:
                 phases = _Phases(progress, bound)
                 result = job(local, phases.job if progress else None)
             if not dry_run and not bound.used:

@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from ..checking.info import CheckpointInfo
 from ..checking.verify import VerifyReport
@@ -29,7 +29,7 @@ from ..formats.suffixes import CHECKPOINT_SUFFIXES, MANIFEST_FILE
 from ..sources.base import CheckpointSource
 from ..sources.ranged import RangedCheckpoint
 from ..stores import ObjectStore, RemoteObject, is_store_url, list_folder, open_store, parse_store_url
-from ..stores.mirror import MAX_WHOLE_BYTES, HeaderMirror, build_header_mirror
+from ..stores.mirror import HeaderMirror, build_header_mirror
 from ..units import ProgressCallback
 
 __all__ = ["mirrored", "store_checkpoint", "store_info", "store_mirror", "store_verify"]
@@ -37,6 +37,8 @@ __all__ = ["mirrored", "store_checkpoint", "store_info", "store_mirror", "store_
 logger = logging.getLogger("shardkit")
 
 WEIGHTS = (*CHECKPOINT_SUFFIXES, ".gguf", ".msgpack", ".h5", ".onnx")  # never fetched whole as side files
+SIDE_FILE_BYTES = 2 << 30  # one side file (a tokenizer, a README, an image) fetched whole at most
+SIDE_FILES_BYTES = 8 << 30  # all of them together
 
 
 def _is_small_side_file(name: str) -> bool:
@@ -48,8 +50,9 @@ def _is_small_side_file(name: str) -> bool:
 def mirrored(path: str, *, side_files: bool = False) -> Iterator[tuple[HeaderMirror, ObjectStore]]:
     """The header-only mirror of ``path`` and its open store; errors inside name the URL; both gone on exit.
 
-    ``side_files``: also every other object that is not a weight (tokenizers, schedulers, READMEs)
-    up to ``MAX_WHOLE_BYTES``, whole: what a pipeline's loaders and a full verify read besides the weights.
+    ``side_files``: also every other object that is not a weight (tokenizers, schedulers, READMEs),
+    whole: what a split or convert copies, and what a pipeline's loaders and a full verify read besides
+    the weights. One over ``SIDE_FILE_BYTES`` is refused in one line naming it, never left out.
     """
     from ..hub.remote import renamed_errors
 
@@ -60,11 +63,11 @@ def mirrored(path: str, *, side_files: bool = False) -> Iterator[tuple[HeaderMir
         os.mkdir(root)
         with open_store(url) as store:
             objects = list_folder(store)
-            whole: Callable[[str], bool] = _is_small_side_file
-            if side_files:
-                small = {o.name for o in objects if o.size_bytes <= MAX_WHOLE_BYTES and not o.name.endswith(WEIGHTS)}
-                whole = small.__contains__
-            mirror = build_header_mirror(store, root, objects, whole=whole)
+            if side_files:  # each fetched in 256 MiB pieces at most: memory stays bounded, /tmp holds them
+                mirror = build_header_mirror(store, root, objects, whole=lambda name: not name.endswith(WEIGHTS),
+                                             max_whole_bytes=SIDE_FILE_BYTES, max_whole_total_bytes=SIDE_FILES_BYTES)
+            else:
+                mirror = build_header_mirror(store, root, objects, whole=_is_small_side_file)
             logger.debug("%s: header-only mirror, %d bytes fetched", url, mirror.fetched_bytes)
             with renamed_errors(root, str(url)):
                 yield mirror, store

@@ -22,10 +22,11 @@ from ..formats.side_files import folder_side_files
 from ..formats.suffixes import is_manifest_file
 from ..sources import Source, open_source
 from ..sources.base import CheckpointSource
+from ..sources.ranged import RangedCheckpoint
 from .digest import ManifestRecorder, stale_manifests
 from .flush import BackgroundSync, ByteCounter
 from .options import WriteOptions, warn_if_many_shards, warn_if_output_taken
-from .outputs import JobOutput, LocalOutput, OutputPlan, open_output, publish_files
+from .outputs import JobOutput, LocalOutput, OutputPlan, open_output, output_target, publish_files
 from .plan import ShardPlan, plan_shards
 from .quant import config_edits, dropped_side_files, kept_cast, quant_report, quant_view
 from .writer import TensorWrite, tensor_write
@@ -305,6 +306,9 @@ def side_files(source: CheckpointSource, output: str) -> list[SideFile]:
         return []
     folder = os.fspath(source)
     if os.path.realpath(folder) == os.path.realpath(output):
+        return []
+    if isinstance(source, RangedCheckpoint) and source.name and source.path == source.root \
+            and source.name == output_target(output):  # s3://A resharded in place: its side files stay
         return []
     return [(os.path.join(folder, rel), rel) for rel in folder_side_files(folder)]
 

@@ -32,7 +32,7 @@ from .digest import ManifestRecorder
 from .flush import BackgroundSync, ByteCounter, copy_side_file
 from .writer import TensorWrite, write_safetensors
 
-__all__ = ["BoundOutput", "JobOutput", "LocalOutput", "OutputOpener", "OutputPlan", "bind_output", "open_output",
+__all__ = ["BoundOutput", "JobOutput", "LocalOutput", "OutputOpener", "OutputPlan", "bind_output", "open_output", "output_target",
            "publish_files"]
 
 
@@ -125,25 +125,32 @@ class BoundOutput:
     path: str
     opener: OutputOpener
     used: int = 0
+    target: str = ""  # what the path stands for (``s3://BUCKET/PREFIX``), "" for the path itself
 
 
 _BOUND: ContextVar[BoundOutput | None] = ContextVar("shardkit_bound_output", default=None)
 
 
 @contextlib.contextmanager
-def bind_output(path: str, opener: OutputOpener) -> Iterator[BoundOutput]:
+def bind_output(path: str, opener: OutputOpener, *, target: str = "") -> Iterator[BoundOutput]:
     """Within the block, a job writing into ``path`` writes through ``opener`` instead of the local folder.
 
     with bind_output("/tmp/x/out", store_output(store)) as bound:
         split_with(source, "/tmp/x/out", options=options)   # streamed into the store
     bound.used  # 1: the job went through run_jobs (0: it wrote /tmp/x/out itself)
     """
-    bound = BoundOutput(os.path.abspath(path), opener)
+    bound = BoundOutput(os.path.abspath(path), opener, target=target)
     token = _BOUND.set(bound)
     try:
         yield bound
     finally:
         _BOUND.reset(token)
+
+
+def output_target(output: str) -> str:
+    """What ``output`` stands for: the URL it is bound to (:func:`bind_output`), else the path itself."""
+    bound = _BOUND.get()
+    return bound.target if bound is not None and bound.target and bound.path == os.path.abspath(output) else output
 
 
 def open_output(output: str, plan: OutputPlan) -> contextlib.AbstractContextManager[JobOutput]:

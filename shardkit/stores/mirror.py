@@ -71,13 +71,13 @@ def build_header_mirror(store: ObjectStore, root: str, objects: list[ObjectInfo]
     fetched = [o for o in objects if not o.name.endswith(".safetensors") and whole(o.name)]
     too_big = [o.name for o in fetched if o.size_bytes > max_whole_bytes]
     if too_big:
-        raise InvalidInputError(f"{store.url.child(too_big[0])}: over {max_whole_bytes} bytes, too large for a "
-                                "config, index or manifest")
+        raise InvalidInputError(f"{store.url.child(too_big[0])}: over {max_whole_bytes} bytes, too large to fetch "
+                                "whole as a config, index or side file; move it out of the checkpoint's prefix")
     for o in weights:
         if o.size_bytes < 8:
             raise HeaderError(f"{store.url.child(o.name)}: {o.size_bytes} bytes, too short to be safetensors")
     if sum(o.size_bytes for o in fetched) > max_whole_total_bytes:
-        raise InvalidInputError(f"{store.url}: configs, indexes and manifests over {max_whole_total_bytes} bytes "
+        raise InvalidInputError(f"{store.url}: configs, indexes and side files over {max_whole_total_bytes} bytes "
                                 "in all; name a folder that holds one checkpoint")
     _fetch_whole(store, mirror, fetched)
     _fetch_headers(store, mirror, weights)

@@ -106,7 +106,9 @@ class StoreTransaction:
                 "write to a new prefix (or one with another shard count), or delete the old checkpoint first")
         keep = set(self.names)
         self.stale_indexes = sorted(o.name for o in live_indexes if o.name not in keep)
-        self.stale = sorted((live | ({MANIFEST_FILE} & set(existing))) - keep - set(self.stale_indexes))
+        # the one-file checkpoint an index replaces (model.safetensors beside model.safetensors.index.json)
+        single = {n.removesuffix(".index.json") for n in self.names if is_index(n)} & set(existing)
+        self.stale = sorted((live | single | ({MANIFEST_FILE} & set(existing))) - keep - set(self.stale_indexes))
         created = [n for n in self.names if _publish_order(n) == 0]
         # the .json objects put at the publish that a rollback deletes (new ones, and the manifest): a write killed
         # after their put but before the index's leaves them for recover, which deletes them if it never published
