@@ -50,7 +50,7 @@ def _mirrored(path: str) -> Iterator[tuple[HeaderMirror, ObjectStore]]:
     root = os.path.join(tmp, url.bucket)
     try:
         os.mkdir(root)
-        with open_store(url) as store:
+        with open_store(url, check_bucket=False) as store:  # list_folder is the first request
             mirror = build_header_mirror(store, root, list_folder(store), whole=_is_small_side_file)
             logger.debug("%s: header-only mirror, %d bytes fetched", url, mirror.fetched_bytes)
             with renamed_errors(root, str(url)):
