@@ -175,7 +175,29 @@ def read_download(bucket: str) -> tuple[float, float, int]:
     return end - start, ready - start, _tensor_crc(state)
 
 
+def time_opens(bucket: str, opens: int) -> list[float]:
+    """Seconds of each of ``opens`` successive ``shardkit.open(...)`` + close in this process (headers only)."""
+    import boto3  # noqa: F401
+    import torch  # noqa: F401
+
+    import shardkit
+    import shardkit.api.stores
+    import shardkit.hub.remote  # noqa: F401
+
+    times = []
+    for _ in range(opens):
+        start = time.perf_counter()
+        with shardkit.open(f"s3://{bucket}/{PREFIX}"):
+            times.append(time.perf_counter() - start)
+    return times
+
+
 def child(case: str, bucket: str, part: int, parts: int) -> None:
+    if case == "open":
+        import shardkit
+
+        print(json.dumps({"opens": time_opens(bucket, 3), "module": shardkit.__file__}))
+        return
     readers = {"raw-boto3": lambda: read_raw(bucket, part, parts), "runai": lambda: read_runai(bucket),
                "shardkit-open": lambda: read_shardkit(bucket), "load-model": lambda: read_load_model(bucket),
                "download+load": lambda: read_download(bucket)}
@@ -240,6 +262,10 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--delay-ms", type=float, default=1.0)
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
+    parser.add_argument("--open-runs", type=int, default=0,
+                        help="instead of reading: time shardkit.open alone (3 opens a process, this many processes)")
+    parser.add_argument("--shardkit-path", default=None,
+                        help="with --open-runs: import shardkit from this folder (e.g. an older checkout)")
     parser.add_argument("--dir", default=None)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--bucket", help=argparse.SUPPRESS)
@@ -276,6 +302,9 @@ def main() -> None:
         runai_env = {"AWS_EC2_METADATA_DISABLED": "true", "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
         paths = {"loopback": {**server.client_env(), **runai_env},
                  f"proxy {args.delay_ms:g} ms": {**server.client_env(port=proxy.port), **runai_env}}
+        if args.open_runs:
+            print("\n".join(open_latency(paths, proxy, args)))
+            return
         for r in range(args.runs):
             load_before = os.getloadavg()[0]
             for path, env in paths.items():
@@ -289,6 +318,27 @@ def main() -> None:
                           f"{data['rss_mb']:.0f} MB, load {os.getloadavg()[0]:.1f}", flush=True)
             loads.append((load_before, os.getloadavg()[0]))
     print("\n" + "\n".join(report(results, data_bytes, loads, notes, args)))
+
+
+def open_latency(paths: dict[str, dict[str, str]], proxy: object, args: argparse.Namespace) -> list[str]:
+    """Median seconds of the first ``shardkit.open`` in a fresh process and of the later ones, and the
+    requests one open makes (counted at the proxy)."""
+    extra = {"PYTHONPATH": os.path.abspath(args.shardkit_path)} if args.shardkit_path else {}
+    lines = ["| path | first open s | later opens s | requests per open | load before/after |", "|---|---:|---:|---|---|"]
+    for path, env in paths.items():
+        first, later, module = [], [], ""
+        load_before = os.getloadavg()[0]
+        proxy.reset_counters()  # type: ignore[attr-defined]
+        for _ in range(args.open_runs):
+            data = run_case("open", {**env, **extra}, args)
+            first.append(data["opens"][0])
+            later += data["opens"][1:]
+            module = data["module"]
+        requests = {k: v / (3 * args.open_runs) for k, v in proxy.requests.items()}  # type: ignore[attr-defined]
+        shown = ", ".join(f"{v:g} {k}" for k, v in sorted(requests.items())) if path != "loopback" else "-"
+        lines.append(f"| {path} | {statistics.median(first):.3f} | {statistics.median(later):.3f} | {shown} | "
+                     f"{load_before:.1f}/{os.getloadavg()[0]:.1f} |")
+    return [f"shardkit from {module}", *lines]
 
 
 def report(results: dict[tuple[str, str], list[dict[str, float]]], data_bytes: int, loads: list[tuple[float, float]],
