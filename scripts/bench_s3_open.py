@@ -243,13 +243,21 @@ def objects_crc(folder: str) -> int:
     return crc
 
 
+FAILURES: list[str] = []
+
+
 def run_case(case: str, env: dict[str, str], args: argparse.Namespace) -> dict[str, float]:
+    """One case in a fresh process; a failed one is tried once more and the failure kept for the report."""
     cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--bucket", "bench",
            "--part-mb", str(args.part_mb), "--parts", str(args.parts)]
-    done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
-    if done.returncode != 0:
-        raise SystemExit(f"{case} failed: {done.stderr.strip()[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    for attempt in range(2):
+        done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
+        if done.returncode == 0:
+            return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        FAILURES.append(f"{case} failed (try {attempt + 1}, load {os.getloadavg()[0]:.1f}): {last[-300:]}")
+        print(f"  {FAILURES[-1]}", flush=True)
+    raise SystemExit(f"{case} failed twice: {done.stderr.strip()[-3000:]}")
 
 
 def main() -> None:
@@ -274,7 +282,6 @@ def main() -> None:
         child(args.child, args.bucket, args.part_mb << 20, args.parts)
         return
 
-    from benchlib import machine_line
     from s3_server import DelayProxy, SeaweedS3
 
     cases = [c for c in args.cases.split(",") if c in CASES]
@@ -349,11 +356,11 @@ def report(results: dict[tuple[str, str], list[dict[str, float]]], data_bytes: i
              + ", ".join(f"{a:.1f}/{b:.1f}" for a, b in loads) + ".",
              f"{data_bytes / 1e6:.0f} MB of {what} on SeaweedFS, median of {args.runs}, fresh process each "
              f"(clock after imports). raw-boto3: {args.parts} ranged GETs of {args.part_mb} MiB in flight.",
-             *notes, "",
+             *notes, *(f"Failed and retried: {f}" for f in FAILURES), "",
              "| path | case | median s | GB/s | vs raw | vs runai | setup s | read s | read vs raw read | peak RSS MB |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for (path, case), values in results.items():
-        def med(key: str, of: str = case) -> float:
+        def med(key: str, of: str = case, path: str = path) -> float:
             return statistics.median(v[key] for v in results.get((path, of), [{"seconds": float("nan"),
                                                                                "setup": 0.0}]))
         total, raw, runai = med("seconds"), med("seconds", "raw-boto3"), med("seconds", "runai")

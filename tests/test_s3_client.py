@@ -14,8 +14,7 @@ from helpers_s3 import DelayProxy
 
 import shardkit
 from shardkit.errors import ShardkitError
-from shardkit.stores import list_folder, open_store
-from shardkit.stores import s3_client
+from shardkit.stores import list_folder, open_store, s3_client
 
 
 @pytest.fixture
