@@ -21,7 +21,7 @@ Every case's clock starts after its imports (boto3, torch, diffusers, the stream
 what the case must make: clients, the streamer, the store and its header-only mirror. ``setup s``
 is that part (the raw case's client; shardkit's store and mirror), ``read s`` the rest. Bytes are
 checked by crc32 of every tensor in name order (raw: of the objects). Cases run interleaved,
-``--runs`` rounds, order rotating; the table shows medians, peak RSS (``ru_maxrss`` of the child)
+``--runs`` rounds, order rotating; the table shows medians, peak RSS (the child's own ``VmHWM``)
 and the 1-minute load average at the start and end of each round.
 
 The streamer is a benchmark-only dependency: ``pip install 'shardkit[bench]'`` (or
@@ -202,8 +202,17 @@ def child(case: str, bucket: str, part: int, parts: int) -> None:
                "shardkit-open": lambda: read_shardkit(bucket), "load-model": lambda: read_load_model(bucket),
                "download+load": lambda: read_download(bucket)}
     seconds, setup, crc = readers[case]()
-    print(json.dumps({"seconds": seconds, "setup": setup, "crc": crc,
-                      "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(json.dumps({"seconds": seconds, "setup": setup, "crc": crc, "rss_mb": peak_rss_mb()}))
+
+
+def peak_rss_mb() -> float:
+    """This process's own peak RSS: VmHWM. Not ru_maxrss, which on Linux starts from the parent's peak at
+    fork (the parent here held the checkpoint and the proxy's buffers: every case showed the same figure)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 # ----------------------------------------------------------------------------- the parent
