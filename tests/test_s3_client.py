@@ -74,6 +74,10 @@ def test_an_aws_endpoint_keeps_virtual_addressing(monkeypatch, tmp_path) -> None
     for key in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "a")  # nothing is sent: only the client is made
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "b")
     monkeypatch.setenv("AWS_REGION", "eu-west-1")
     client = s3_client.make_client(4)
     try:
