@@ -7,7 +7,7 @@ requests in flight, ``--part-mb`` each), with each client, straight to the serve
 delay proxy (``--delay-ms`` each way, run in this parent process so it never shares the client's
 GIL). Every case runs in a fresh process; the time starts after its imports and client setup and
 ends when the last byte is in the buffer (checked against a sample of the object); peak RSS is the
-child's ``ru_maxrss`` (it includes the destination buffer, the same for every case). Cases run
+child's own ``VmHWM`` (not ``ru_maxrss``, which starts from the parent's peak at fork; it includes the destination buffer, the same for every case). Cases run
 interleaved, ``--runs`` rounds; the table shows medians.
 
     python scripts/bench_s3.py --size-mb 1024 --runs 3 --output docs/bench-s3.md
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -36,6 +35,8 @@ import time
 import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_s3_open import peak_rss_mb  # noqa: E402 - the child's own peak, VmHWM
 
 KEY = "bench/blob.bin"
 CASES = ["boto3-threads", "s3transfer", "obstore-threads", "obstore-ranges", "shardkit-stores",
@@ -203,13 +204,13 @@ def child(case: str, bucket: str, size: int, part: int, parts: int, crc_sample: 
         for begin in range(0, size, 16 << 20):  # filled in place: the setup adds no peak of its own
             source[begin:begin + (16 << 20)] = os.urandom(min(16 << 20, size - begin))
         seconds = WRITERS[case](bucket, size, part, parts, source)
-        print(json.dumps({"seconds": seconds, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+        print(json.dumps({"seconds": seconds, "rss_mb": peak_rss_mb()}))
         return
     out = memoryview(bytearray(size))
     seconds = READERS[case](bucket, size, part, parts, out)
     if zlib.crc32(out[size // 2: size // 2 + (1 << 20)]) != crc_sample:
         raise SystemExit(f"{case}: the bytes read differ from the object's")
-    print(json.dumps({"seconds": seconds, "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(json.dumps({"seconds": seconds, "rss_mb": peak_rss_mb()}))
 
 
 # ----------------------------------------------------------------------------- the parent

@@ -1,26 +1,40 @@
 #!/usr/bin/env python3
-"""``shardkit.open`` (all tensors) from ``s3://`` against the raw parallel ranged GET of the same bytes (issue 33).
+"""``shardkit.open`` and ``load_model`` from ``s3://`` against the Run:ai Model Streamer and the raw limit (issue 33).
 
-Starts SeaweedFS (scripts/s3_server.py) on loopback, splits a checkpoint of ``--size-mb`` random
-fp16 bytes into ``--shard-mb`` shards and uploads them, then in a fresh process per case reads
-every tensor byte once into memory allocated once:
+Starts SeaweedFS (scripts/s3_server.py) on loopback and uploads a checkpoint: by default the SD 1.5
+UNet in fp16 built from its config with random weights (one 1.72 GB safetensors file and its
+config.json, as published); ``--model random`` gives ``--size-mb`` of fp16 tensors in
+``--shard-mb`` shards instead. Then, in a fresh process per case, every tensor byte is read once
+into memory, straight to the server and through the delay proxy (``--delay-ms`` each way):
 
-  raw-boto3      the floor: boto3 get_object(Range=...) of every shard object whole, ``--parts``
-                 requests of ``--part-mb`` in flight on a thread pool, straight into one buffer per object
-  shardkit-open  ``shardkit.open("s3://...").to_state_dict()`` (header-only mirror, then the read plan
-                 through the store's ranged reads)
+  raw-boto3       the limit: boto3 get_object(Range=...) of every safetensors object whole, ``--parts``
+                  requests of ``--part-mb`` in flight on a thread pool, straight into one buffer per object
+  runai           the Run:ai Model Streamer: SafetensorsStreamer().stream_file(s3://...), every tensor
+                  of get_tensors() kept (its buffer holds the whole file: the tensors stay valid)
+  shardkit-open   shardkit.open("s3://...").to_state_dict()
+  load-model      shardkit.load_model("diffusers:UNet2DConditionModel", "s3://...") (sd15 only): the
+                  skeleton built from the bucket's config.json, every parameter filled
+  download+load   boto3 download_file (s3transfer, 10 threads) to a local file, then
+                  safetensors.torch.load_file of it (the file is removed after)
 
-straight to the server and through the delay proxy (``--delay-ms`` each way). The time starts
-after the imports and ends when the last byte is in memory (the shardkit case includes building
-the header-only mirror: one ranged GET per shard plus the index); bytes checked by crc32 against
-the local files. Cases run interleaved, ``--runs`` rounds; the table shows medians and peak RSS.
+Every case's clock starts after its imports (boto3, torch, diffusers, the streamer) and includes
+what the case must make: clients, the streamer, the store and its header-only mirror. ``setup s``
+is that part (the raw case's client; shardkit's store and mirror), ``read s`` the rest. Bytes are
+checked by crc32 of every tensor in name order (raw: of the objects). Cases run interleaved,
+``--runs`` rounds, order rotating; the table shows medians, peak RSS (the child's own ``VmHWM``)
+and the 1-minute load average at the start and end of each round.
 
-    python scripts/bench_s3_open.py --size-mb 1024 --runs 3
+The streamer is a benchmark-only dependency: ``pip install 'shardkit[bench]'`` (or
+``pip install runai-model-streamer runai-model-streamer-s3``); without it the runai case is left
+out with a note.
+
+    python scripts/bench_s3_open.py --runs 3 --delay-ms 1
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -33,22 +47,43 @@ import zlib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-CASES = ["raw-boto3", "shardkit-open"]
-READ_SECONDS = 0.0  # the shardkit case: to_state_dict alone, after the store and the mirror are open
+CASES = ["raw-boto3", "runai", "shardkit-open", "load-model", "download+load"]
 PREFIX = "ckpt"
+RUNAI_MISSING = ("the Run:ai streamer is not installed: pip install 'shardkit[bench]' "
+                 "(runai-model-streamer runai-model-streamer-s3); its case is left out")
 
 
-def read_raw(bucket: str, part: int, parts: int) -> tuple[float, int]:
+# ----------------------------------------------------------------------------- the child: one case
+
+def _tensor_crc(state: dict[str, object]) -> int:
+    import torch
+
+    crc = 0
+    for name in sorted(state):
+        t = state[name]
+        assert isinstance(t, torch.Tensor)
+        crc = zlib.crc32(t.detach().contiguous().view(-1).view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def _objects(client: object, bucket: str) -> list[tuple[str, int]]:
+    listing = client.list_objects_v2(Bucket=bucket, Prefix=PREFIX + "/")  # type: ignore[attr-defined]
+    return sorted((o["Key"], o["Size"]) for o in listing["Contents"] if o["Key"].endswith(".safetensors"))
+
+
+def read_raw(bucket: str, part: int, parts: int) -> tuple[float, float, int]:
     from concurrent.futures import ThreadPoolExecutor
 
     import boto3
+    import numpy
     from botocore.config import Config
 
-    client = boto3.client("s3", config=Config(max_pool_connections=parts, s3={"addressing_style": "path"}))
-    objects = [(o["Key"], o["Size"]) for o in client.list_objects_v2(Bucket=bucket, Prefix=PREFIX + "/")["Contents"]
-               if o["Key"].endswith(".safetensors")]
     start = time.perf_counter()
-    buffers = {key: memoryview(bytearray(size)) for key, size in objects}
+    client = boto3.client("s3", config=Config(max_pool_connections=parts, s3={"addressing_style": "path"}))
+    objects = _objects(client, bucket)
+    ready = time.perf_counter()
+    # numpy.empty, as torch.empty in the other cases: bytearray(n) would first write n zero bytes
+    buffers = {key: memoryview(numpy.empty(size, dtype=numpy.uint8)) for key, size in objects}
 
     def get(job: tuple[str, int, int]) -> None:
         key, begin, end = job
@@ -63,14 +98,34 @@ def read_raw(bucket: str, part: int, parts: int) -> tuple[float, int]:
     jobs = [(key, b, min(b + part, size)) for key, size in objects for b in range(0, size, part)]
     with ThreadPoolExecutor(parts) as pool:
         list(pool.map(get, jobs))
-    seconds = time.perf_counter() - start
+    end = time.perf_counter()
+    client.close()
     crc = 0
-    for key, _ in sorted(objects):
+    for key, _ in objects:
         crc = zlib.crc32(buffers[key], crc)
-    return seconds, crc
+    return end - start, ready - start, crc
 
 
-def read_shardkit(bucket: str) -> tuple[float, int]:
+def read_runai(bucket: str) -> tuple[float, float, int]:
+    import boto3
+    from runai_model_streamer import SafetensorsStreamer
+
+    client = boto3.client("s3")  # only to list the objects, before the clock
+    keys = [key for key, _ in _objects(client, bucket)]
+    client.close()
+    start = time.perf_counter()
+    state = {}
+    with SafetensorsStreamer() as streamer:
+        ready = time.perf_counter()
+        streamer.stream_files([f"s3://{bucket}/{key}" for key in keys])
+        for name, tensor in streamer.get_tensors():
+            state[name] = tensor
+        end = time.perf_counter()
+        crc = _tensor_crc(state)
+    return end - start, ready - start, crc
+
+
+def read_shardkit(bucket: str) -> tuple[float, float, int]:
     import boto3  # noqa: F401 - imported before the clock starts, as in the raw case
     import torch  # noqa: F401
 
@@ -80,25 +135,92 @@ def read_shardkit(bucket: str) -> tuple[float, int]:
 
     start = time.perf_counter()
     with shardkit.open(f"s3://{bucket}/{PREFIX}") as ckpt:
-        opened = time.perf_counter()
+        ready = time.perf_counter()
         state = ckpt.to_state_dict()
-        seconds = time.perf_counter() - start
-    global READ_SECONDS
-    READ_SECONDS = seconds - (opened - start)
-    crc = 0
-    for name in sorted(state):
-        crc = zlib.crc32(state[name].contiguous().view(-1).view(__import__("torch").uint8).numpy(), crc)
-    return seconds, crc
+        end = time.perf_counter()
+    return end - start, ready - start, _tensor_crc(state)
+
+
+def read_load_model(bucket: str) -> tuple[float, float, int]:
+    import boto3  # noqa: F401
+    import diffusers  # noqa: F401
+    import torch  # noqa: F401
+    from diffusers import UNet2DConditionModel  # noqa: F401 - the class import is part of the imports
+
+    import shardkit
+    import shardkit.api.stores
+    import shardkit.hub.remote  # noqa: F401
+
+    start = time.perf_counter()
+    model = shardkit.load_model("diffusers:UNet2DConditionModel", f"s3://{bucket}/{PREFIX}", dtype="fp16")
+    end = time.perf_counter()
+    return end - start, 0.0, _tensor_crc(dict(model.state_dict()))
+
+
+def read_download(bucket: str) -> tuple[float, float, int]:
+    import boto3
+    import torch  # noqa: F401
+    from safetensors.torch import load_file
+
+    state = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        client = boto3.client("s3")
+        objects = _objects(client, bucket)
+        ready = time.perf_counter()
+        for key, _ in objects:
+            local = os.path.join(tmp, key.rpartition("/")[2])
+            client.download_file(bucket, key, local)
+            state.update(load_file(local))
+        end = time.perf_counter()
+        client.close()
+    return end - start, ready - start, _tensor_crc(state)
+
+
+def time_opens(bucket: str, opens: int) -> list[float]:
+    """Seconds of each of ``opens`` successive ``shardkit.open(...)`` + close in this process (headers only)."""
+    import boto3  # noqa: F401
+    import torch  # noqa: F401
+
+    import shardkit
+    import shardkit.api.stores
+    import shardkit.hub.remote  # noqa: F401
+
+    times = []
+    for _ in range(opens):
+        start = time.perf_counter()
+        with shardkit.open(f"s3://{bucket}/{PREFIX}"):
+            times.append(time.perf_counter() - start)
+    return times
 
 
 def child(case: str, bucket: str, part: int, parts: int) -> None:
-    seconds, crc = read_raw(bucket, part, parts) if case == "raw-boto3" else read_shardkit(bucket)
-    print(json.dumps({"seconds": seconds, "crc": crc, "read_seconds": READ_SECONDS or seconds,
-                      "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    if case == "open":
+        import shardkit
+
+        print(json.dumps({"opens": time_opens(bucket, 3), "module": shardkit.__file__}))
+        return
+    readers = {"raw-boto3": lambda: read_raw(bucket, part, parts), "runai": lambda: read_runai(bucket),
+               "shardkit-open": lambda: read_shardkit(bucket), "load-model": lambda: read_load_model(bucket),
+               "download+load": lambda: read_download(bucket)}
+    seconds, setup, crc = readers[case]()
+    print(json.dumps({"seconds": seconds, "setup": setup, "crc": crc, "rss_mb": peak_rss_mb()}))
 
 
-def make_checkpoint(folder: str, size_mb: int, shard_mb: int) -> tuple[int, int]:
-    """A random fp16 checkpoint split into shards; returns (tensor bytes, crc32 of the tensors in name order)."""
+def peak_rss_mb() -> float:
+    """This process's own peak RSS: VmHWM. Not ru_maxrss, which on Linux starts from the parent's peak at
+    fork (the parent here held the checkpoint and the proxy's buffers: every case showed the same figure)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+# ----------------------------------------------------------------------------- the parent
+
+def make_random(folder: str, size_mb: int, shard_mb: int) -> tuple[int, int]:
+    """A random fp16 checkpoint split into shards under folder/PREFIX; (tensor bytes, crc32 of tensors by name)."""
     import torch
     from safetensors.torch import save_file
 
@@ -110,13 +232,20 @@ def make_checkpoint(folder: str, size_mb: int, shard_mb: int) -> tuple[int, int]
     save_file(tensors, os.path.join(folder, "one.safetensors"))
     shardkit.split(os.path.join(folder, "one.safetensors"), os.path.join(folder, PREFIX), max_shard_size=f"{shard_mb}MB")
     os.remove(os.path.join(folder, "one.safetensors"))
-    crc = 0
-    for name in sorted(tensors):
-        crc = zlib.crc32(tensors[name].view(-1).view(torch.uint8).numpy(), crc)
-    return sum(t.nbytes for t in tensors.values()), crc
+    return sum(t.nbytes for t in tensors.values()), _tensor_crc(tensors)  # type: ignore[arg-type]
 
 
-def shard_crc(folder: str) -> int:
+def make_sd15(folder: str) -> tuple[int, int]:
+    """The SD 1.5 UNet in fp16 with random weights under folder/PREFIX (one file and config.json)."""
+    from build_checkpoint import build_unet
+    from safetensors.torch import load_file
+
+    file = build_unet("sd15", os.path.join(folder, PREFIX), dtype="F16")
+    state = load_file(file)
+    return sum(t.nbytes for t in state.values()), _tensor_crc(state)  # type: ignore[arg-type]
+
+
+def objects_crc(folder: str) -> int:
     crc = 0
     for name in sorted(os.listdir(folder)):
         if name.endswith(".safetensors"):
@@ -125,14 +254,37 @@ def shard_crc(folder: str) -> int:
     return crc
 
 
+FAILURES: list[str] = []
+
+
+def run_case(case: str, env: dict[str, str], args: argparse.Namespace) -> dict[str, float]:
+    """One case in a fresh process; a failed one is tried once more and the failure kept for the report."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--bucket", "bench",
+           "--part-mb", str(args.part_mb), "--parts", str(args.parts)]
+    for attempt in range(2):
+        done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
+        if done.returncode == 0:
+            return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        FAILURES.append(f"{case} failed (try {attempt + 1}, load {os.getloadavg()[0]:.1f}): {last[-300:]}")
+        print(f"  {FAILURES[-1]}", flush=True)
+    raise SystemExit(f"{case} failed twice: {done.stderr.strip()[-3000:]}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size-mb", type=int, default=1024)
-    parser.add_argument("--shard-mb", type=int, default=300)
+    parser.add_argument("--model", choices=["sd15", "random"], default="sd15")
+    parser.add_argument("--size-mb", type=int, default=1024, help="--model random: tensor bytes, MB")
+    parser.add_argument("--shard-mb", type=int, default=300, help="--model random: shard size, MB")
     parser.add_argument("--part-mb", type=int, default=16, help="raw case: bytes per ranged GET, MiB")
     parser.add_argument("--parts", type=int, default=16, help="raw case: requests in flight")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--delay-ms", type=float, default=1.0)
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
+    parser.add_argument("--open-runs", type=int, default=0,
+                        help="instead of reading: time shardkit.open alone (3 opens a process, this many processes)")
+    parser.add_argument("--shardkit-path", default=None,
+                        help="with --open-runs: import shardkit from this folder (e.g. an older checkout)")
     parser.add_argument("--dir", default=None)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--bucket", help=argparse.SUPPRESS)
@@ -141,51 +293,100 @@ def main() -> None:
         child(args.child, args.bucket, args.part_mb << 20, args.parts)
         return
 
-    from benchlib import machine_line
     from s3_server import DelayProxy, SeaweedS3
 
-    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
-    reads: dict[tuple[str, str], list[float]] = {}
+    cases = [c for c in args.cases.split(",") if c in CASES]
+    if args.model != "sd15" and "load-model" in cases:
+        cases.remove("load-model")
+    notes = []
+    if "runai" in cases and importlib.util.find_spec("runai_model_streamer") is None:
+        cases.remove("runai")
+        notes.append(RUNAI_MISSING)
+        print(RUNAI_MISSING, flush=True)
+    results: dict[tuple[str, str], list[dict[str, float]]] = {}
+    loads: list[tuple[float, float]] = []
     with tempfile.TemporaryDirectory(dir=args.dir) as work, SeaweedS3(os.path.join(work, "weed")) as server, \
             DelayProxy(server.port, delay_ms=args.delay_ms) as proxy:
-        data_bytes, tensor_crc = make_checkpoint(work, args.size_mb, args.shard_mb)
-        expected = {"raw-boto3": shard_crc(os.path.join(work, PREFIX)), "shardkit-open": tensor_crc}
+        print(f"building the {args.model} checkpoint ...", flush=True)
+        data_bytes, tensor_crc = (make_sd15(work) if args.model == "sd15"
+                                  else make_random(work, args.size_mb, args.shard_mb))
+        expected = {case: tensor_crc for case in CASES}
+        expected["raw-boto3"] = objects_crc(os.path.join(work, PREFIX))
         client = server.client()
         client.create_bucket(Bucket="bench")  # type: ignore[attr-defined]
         for name in sorted(os.listdir(os.path.join(work, PREFIX))):
             client.upload_file(os.path.join(work, PREFIX, name), "bench", f"{PREFIX}/{name}")  # type: ignore[attr-defined]
         client.close()  # type: ignore[attr-defined]
-        paths = {"loopback": server.client_env(), f"proxy {args.delay_ms:g} ms": server.client_env(port=proxy.port)}
+        runai_env = {"AWS_EC2_METADATA_DISABLED": "true", "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
+        paths = {"loopback": {**server.client_env(), **runai_env},
+                 f"proxy {args.delay_ms:g} ms": {**server.client_env(port=proxy.port), **runai_env}}
+        if args.open_runs:
+            print("\n".join(open_latency(paths, proxy, args)))
+            return
         for r in range(args.runs):
+            load_before = os.getloadavg()[0]
             for path, env in paths.items():
-                for case in CASES[r % 2:] + CASES[:r % 2]:
-                    cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--bucket", "bench",
-                           "--part-mb", str(args.part_mb), "--parts", str(args.parts)]
-                    done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
-                    if done.returncode != 0:
-                        raise SystemExit(f"{case} failed: {done.stderr.strip()[-2000:]}")
-                    data = json.loads(done.stdout.strip().splitlines()[-1])
+                for case in cases[r % len(cases):] + cases[:r % len(cases)]:
+                    data = run_case(case, env, args)
                     if data["crc"] != expected[case]:
                         raise SystemExit(f"{case}: the bytes read differ from the checkpoint's")
-                    results.setdefault((path, case), []).append((data["seconds"], data["rss_mb"]))
-                    reads.setdefault((path, case), []).append(data["read_seconds"])
-                    print(f"  run {r + 1}/{args.runs} {path:>14} {case:>14}: {data['seconds']:.2f} s, "
-                          f"{data_bytes / data['seconds'] / 1e9:.2f} GB/s, {data['rss_mb']:.0f} MB", flush=True)
-    lines = [f"Machine: {machine_line()}, load average {os.getloadavg()[0]:.2f} at the end.",
-             f"{data_bytes / 1e6:.0f} MB of fp16 tensors in {args.shard_mb} MB shards on SeaweedFS, median of "
-             f"{args.runs}, fresh process each (time after imports). raw-boto3: {args.parts} ranged GETs of "
-             f"{args.part_mb} MiB in flight.", "",
-             "The read column: the shardkit case less opening the store (two boto3 clients, a HEAD of the bucket) "
-             "and building the header-only mirror; the raw case creates its client before its clock starts.", "",
-             "| path | case | median s | GB/s | vs raw | read only s | read vs raw | peak RSS MB |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+                    results.setdefault((path, case), []).append(data)
+                    print(f"  run {r + 1}/{args.runs} {path:>12} {case:>14}: {data['seconds']:.2f} s "
+                          f"(setup {data['setup']:.2f}), {data_bytes / data['seconds'] / 1e9:.2f} GB/s, "
+                          f"{data['rss_mb']:.0f} MB, load {os.getloadavg()[0]:.1f}", flush=True)
+            loads.append((load_before, os.getloadavg()[0]))
+    print("\n" + "\n".join(report(results, data_bytes, loads, notes, args)))
+
+
+def open_latency(paths: dict[str, dict[str, str]], proxy: object, args: argparse.Namespace) -> list[str]:
+    """Median seconds of the first ``shardkit.open`` in a fresh process and of the later ones, and the
+    requests one open makes (counted at the proxy)."""
+    extra = {"PYTHONPATH": os.path.abspath(args.shardkit_path)} if args.shardkit_path else {}
+    lines = ["| path | first open s | later opens s | requests per open | load before/after |", "|---|---:|---:|---|---|"]
+    for path, env in paths.items():
+        first, later, module = [], [], ""
+        load_before = os.getloadavg()[0]
+        proxy.reset_counters()  # type: ignore[attr-defined]
+        for _ in range(args.open_runs):
+            data = run_case("open", {**env, **extra}, args)
+            first.append(data["opens"][0])
+            later += data["opens"][1:]
+            module = data["module"]
+        requests = {k: v / (3 * args.open_runs) for k, v in proxy.requests.items()}  # type: ignore[attr-defined]
+        shown = ", ".join(f"{v:g} {k}" for k, v in sorted(requests.items())) if path != "loopback" else "-"
+        lines.append(f"| {path} | {statistics.median(first):.3f} | {statistics.median(later):.3f} | {shown} | "
+                     f"{load_before:.1f}/{os.getloadavg()[0]:.1f} |")
+    return [f"shardkit from {module}", *lines]
+
+
+def report(results: dict[tuple[str, str], list[dict[str, float]]], data_bytes: int, loads: list[tuple[float, float]],
+           notes: list[str], args: argparse.Namespace) -> list[str]:
+    what = ("the SD 1.5 UNet, fp16, one file" if args.model == "sd15"
+            else f"fp16 tensors in {args.shard_mb} MB shards")
+    lines = [f"Machine: {machine_line_safe()}. Load average (1 min) at the start/end of each round: "
+             + ", ".join(f"{a:.1f}/{b:.1f}" for a, b in loads) + ".",
+             f"{data_bytes / 1e6:.0f} MB of {what} on SeaweedFS, median of {args.runs}, fresh process each "
+             f"(clock after imports). raw-boto3: {args.parts} ranged GETs of {args.part_mb} MiB in flight.",
+             *notes, *(f"Failed and retried: {f}" for f in FAILURES), "",
+             "| path | case | median s | GB/s | vs raw | vs runai | setup s | read s | read vs raw read | peak RSS MB |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for (path, case), values in results.items():
-        med = statistics.median(v[0] for v in values)
-        raw = statistics.median(v[0] for v in results[(path, "raw-boto3")])
-        read = statistics.median(reads[(path, case)])
-        lines.append(f"| {path} | {case} | {med:.2f} | {data_bytes / med / 1e9:.2f} | {med / raw:.2f}x | "
-                     f"{read:.2f} | {read / raw:.2f}x | {max(v[1] for v in values):.0f} |")
-    print("\n" + "\n".join(lines))
+        def med(key: str, of: str = case, path: str = path) -> float:
+            return statistics.median(v[key] for v in results.get((path, of), [{"seconds": float("nan"),
+                                                                               "setup": 0.0}]))
+        total, raw, runai = med("seconds"), med("seconds", "raw-boto3"), med("seconds", "runai")
+        read = statistics.median(v["seconds"] - v["setup"] for v in values)
+        raw_read = statistics.median(v["seconds"] - v["setup"] for v in results[(path, "raw-boto3")])
+        lines.append(f"| {path} | {case} | {total:.2f} | {data_bytes / total / 1e9:.2f} | {total / raw:.2f}x | "
+                     f"{total / runai:.2f}x | {med('setup'):.2f} | {read:.2f} | {read / raw_read:.2f}x | "
+                     f"{max(v['rss_mb'] for v in values):.0f} |")
+    return lines
+
+
+def machine_line_safe() -> str:
+    from benchlib import machine_line
+
+    return machine_line()
 
 
 if __name__ == "__main__":

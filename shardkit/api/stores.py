@@ -61,7 +61,7 @@ def mirrored(path: str, *, side_files: bool = False) -> Iterator[tuple[HeaderMir
     root = os.path.join(tmp, url.bucket)
     try:
         os.mkdir(root)
-        with open_store(url) as store:
+        with open_store(url, check_bucket=False) as store:  # list_folder is the first request
             objects = list_folder(store)
             if side_files:  # each fetched in 256 MiB pieces at most: memory stays bounded, /tmp holds them
                 mirror = build_header_mirror(store, root, objects, whole=lambda name: not name.endswith(WEIGHTS),

@@ -31,12 +31,16 @@ __all__ = ["STORE_SCHEMES", "SUPPORTED_SCHEMES", "ObjectInfo", "ObjectStore", "O
            "is_store_url", "list_folder", "open_store", "parse_store_url", "read_ranges", "url_scheme"]
 
 
-def open_store(url: str | StoreUrl, *, threads: int = 16) -> ObjectStore:
-    """The store holding ``url`` (its bucket checked to exist and to accept the credentials); close it."""
+def open_store(url: str | StoreUrl, *, threads: int = 16, check_bucket: bool = True) -> ObjectStore:
+    """The store holding ``url`` (its bucket checked to exist and to accept the credentials); close it.
+
+    ``check_bucket=False`` saves that round trip where the first request lists the prefix (a missing
+    or refused bucket fails there, in the same one line).
+    """
     parsed = parse_store_url(url) if isinstance(url, str) else url
     from .s3 import open_s3  # boto3 is imported only when a store is opened
 
-    return open_s3(parsed, threads=threads)
+    return open_s3(parsed, threads=threads, check_bucket=check_bucket)
 
 
 def list_folder(store: ObjectStore, folder: str = "") -> list[ObjectInfo]:

@@ -18,10 +18,11 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
-from ..errors import InvalidInputError, StoreError
+from ..errors import StoreError
 from .base import PART_BYTES, ObjectInfo, PendingUpload
 from .retry import RetryPolicy, call_with_retries
-from .s3_errors import describe_client_error, is_transient, store_errors
+from .s3_client import make_client
+from .s3_errors import is_transient, store_errors
 from .s3_writer import S3Client, S3Writer
 from .urls import StoreUrl, parse_store_url
 
@@ -29,16 +30,18 @@ __all__ = ["S3Store", "open_s3"]
 
 T = TypeVar("T")
 MAX_LISTED_OBJECTS = 100_000  # a listing past this is no checkpoint folder: refused, not held in memory
-CONNECT_TIMEOUT_S = 10.0
-READ_TIMEOUT_S = 60.0  # a stalled request fails (and is retried) instead of hanging
-POOL_CONNECTIONS = 64
-AWS_HOST_SUFFIX = ".amazonaws.com"
 READ_SLICE_BYTES = 1 << 20
 
 
-def open_s3(url: str | StoreUrl, *, threads: int = 16) -> S3Store:
-    """An :class:`S3Store` on ``s3://BUCKET/PREFIX``, its bucket checked to exist and be readable."""
+def open_s3(url: str | StoreUrl, *, threads: int = 16, check_bucket: bool = True) -> S3Store:
+    """An :class:`S3Store` on ``s3://BUCKET/PREFIX``, its bucket checked to exist and be readable.
+
+    ``check_bucket=False`` leaves out that HEAD request, for a caller whose first request (a listing)
+    fails the same way, in one line naming the bucket, when the bucket is missing or refused.
+    """
     store = S3Store(parse_store_url(url) if isinstance(url, str) else url, threads=threads)
+    if not check_bucket:
+        return store
     try:
         store.check_bucket()
     except BaseException:
@@ -56,7 +59,7 @@ class S3Store:
         self.policy = policy or RetryPolicy()
         self.part_bytes = part_bytes
         self.stop = threading.Event()
-        self._client = _make_client(max(threads, 1) + 4)
+        self._client = make_client(max(threads, 1) + 4)  # one client per store, closed with it
         self.endpoint: str = self._client.meta.endpoint_url
 
     # ------------------------------------------------------------------ requests
@@ -182,26 +185,3 @@ class S3Store:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _make_client(connections: int) -> S3Client:
-    """A boto3 S3 client from the standard AWS configuration (path-style for a non-AWS endpoint)."""
-    try:
-        import boto3
-        from botocore.config import Config
-        from botocore.exceptions import BotoCoreError
-    except ImportError as e:
-        raise InvalidInputError("s3:// needs boto3: pip install 'shardkit[s3]'") from e
-    session = boto3.session.Session()
-    config = Config(retries={"max_attempts": 1, "mode": "standard"}, max_pool_connections=connections,
-                    connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S,
-                    request_checksum_calculation="when_required", response_checksum_validation="when_required")
-    try:
-        probe = session.client("s3", config=config)
-        endpoint = str(probe.meta.endpoint_url)
-        if AWS_HOST_SUFFIX in endpoint:
-            return probe
-        probe.close()
-        return session.client("s3", config=config.merge(Config(s3={"addressing_style": "path"})))
-    except BotoCoreError as e:  # e.g. no region anywhere, a malformed endpoint or profile
-        raise StoreError(f"s3://: the AWS configuration is not usable: {describe_client_error(e)}") from e
