@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 
 from ..atomic.journal import Recovery, recover_folder
-from ..errors import OutputExistsError
-from ..sharding.merge import MergeResult, merge
-from ..stores.urls import is_store_url
-from .store_writes import recover_prefix
+from ..errors import InvalidInputError, OutputExistsError
+from ..sharding.merge import MergeResult
+from ..sharding.merge import merge as merge_file
+from ..sharding.options import ProgressCallback
+from ..stores.urls import check_scheme, is_store_url
+from .sources import opened
+from .store_writes import recover_prefix, write_to_store
 
 __all__ = ["MergeResult", "Recovery", "merge", "recover"]
 
@@ -41,3 +44,23 @@ def recover(folder: str | os.PathLike[str]) -> Recovery:
         raise OutputExistsError(f"{os.fspath(folder)} is being written by another shardkit process; "
                                 "try again when it ends")
     return report
+
+
+def merge(folder: str | os.PathLike[str], output_file: str | os.PathLike[str], *, overwrite: bool = False,
+          dry_run: bool = False, progress: ProgressCallback | None = None, token: str | None = None) -> MergeResult:
+    """Merge a sharded checkpoint into one ``.safetensors`` file: :func:`shardkit.sharding.merge.merge`,
+    with ``s3://BUCKET/PREFIX`` (or ``hf://ORG/REPO``) as the source and ``s3://BUCKET/PREFIX/NAME.safetensors``
+    as the output too.
+
+    shardkit.merge("s3://models/llama/sharded", "model.safetensors")  # tensor bytes by ranged GETs
+    """
+    check_scheme(folder)
+    check_scheme(output_file, role="output")
+    with opened(folder, token=token) as readable:
+        if not isinstance(readable, (str, os.PathLike)):  # a folder or file path, or a RangedCheckpoint of one
+            raise InvalidInputError(f"{folder}: expected a sharded checkpoint folder or its .safetensors.index.json")
+        if is_store_url(output_file):  # staged, then uploaded: one object, published whole
+            return write_to_store(os.fspath(output_file), lambda out, tick: merge_file(
+                readable, out, overwrite=False, dry_run=dry_run, progress=tick),
+                overwrite=overwrite, dry_run=dry_run, progress=progress)
+        return merge_file(readable, output_file, overwrite=overwrite, dry_run=dry_run, progress=progress)

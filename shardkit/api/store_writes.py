@@ -18,11 +18,13 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from .. import _faults
 from ..atomic.journal import Recovery
 from ..errors import OutputExistsError, ShardkitWriteError
 from ..sharding.job import SplitResult
+from ..sharding.merge import MergeResult
 from ..sharding.options import ProgressCallback
 from ..sharding.outputs import BoundOutput, bind_output
 from ..sharding.store_output import store_output
@@ -43,9 +45,12 @@ def _split_url(output: str) -> tuple[StoreUrl, str]:
     return url, "out"
 
 
-def write_to_store(output: str, job: Callable[[str, ProgressCallback | None], SplitResult], *,
+Written = TypeVar("Written", SplitResult, MergeResult)  # what a job returns; its ``output`` is replaced
+
+
+def write_to_store(output: str, job: Callable[[str, ProgressCallback | None], Written], *,
                    overwrite: bool = False, dry_run: bool = False,
-                   progress: ProgressCallback | None = None) -> SplitResult:
+                   progress: ProgressCallback | None = None) -> Written:
     """Run ``job(path, progress)`` with ``path`` bound to ``output`` (``s3://...``): streamed, or staged then uploaded.
 
     The prefix is checked first (bucket, credentials, and ``overwrite`` when it holds objects), so

@@ -13,6 +13,8 @@ Examples:
   shardkit merge out/model.safetensors.index.json merged.safetensors --overwrite
   shardkit merge my-pipeline/unet/ unet.safetensors
   shardkit merge out/ model.safetensors --dry-run     # check the shards, write nothing
+  shardkit merge s3://models/llama/sharded model.safetensors   # tensor bytes by ranged GETs
+  shardkit merge out/ s3://models/llama/model.safetensors      # one object, published whole
 
 \b
 Tensors keep their order (shard by shard) and the shards' metadata, so merging a split of a

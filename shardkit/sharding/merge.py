@@ -19,6 +19,7 @@ from ..atomic.commit import file_transaction, recover
 from ..errors import InvalidInputError, OutputExistsError
 from ..formats.header import Header, read_header
 from ..formats.index import find_checkpoint, load_index, naming_from_filename
+from ..sources.ranged import RangedCheckpoint, read_by_range, shown
 from ..sources.safetensors import SafetensorsSource, check_index_against_headers
 from .flush import ByteCounter
 from .options import warn
@@ -45,13 +46,14 @@ class MergeResult:
                 "copied_bytes": self.total_bytes - self.cloned_bytes}
 
 
-def merge(folder: str | os.PathLike[str], output_file: str | os.PathLike[str], *, overwrite: bool = False,
+def merge(folder: str | os.PathLike[str] | RangedCheckpoint, output_file: str | os.PathLike[str], *, overwrite: bool = False,
           dry_run: bool = False, progress: Callable[[int, int], None] | None = None) -> MergeResult:
     """Merge a sharded safetensors folder (or its index file) into one ``.safetensors`` file.
 
     Args:
         folder: a sharded checkpoint folder, its ``*.safetensors.index.json``, or a folder with
-            one ``.safetensors`` file (a pipeline folder is refused: merge one component).
+            one ``.safetensors`` file (a pipeline folder is refused: merge one component); or a
+            :class:`~shardkit.sources.ranged.RangedCheckpoint` of one (``s3://``, ``hf://``).
         output_file: the merged file; must end in ``.safetensors`` and not be one of the shards.
         overwrite: replace ``output_file`` if it exists.
         dry_run: check the shards and say what would be merged; write nothing.
@@ -64,10 +66,14 @@ def merge(folder: str | os.PathLike[str], output_file: str | os.PathLike[str], *
     shardkit.merge("out/", "model.safetensors")
     MergeResult(output='model.safetensors', ..., shards=3, ...)
     """
+    ranged = folder if isinstance(folder, RangedCheckpoint) else None
     folder, output_file = os.fspath(folder), os.fspath(output_file)
     if not output_file.endswith(".safetensors"):
         raise InvalidInputError(f"{output_file}: the merged file must end in .safetensors")
     source = _open_sharded(folder)
+    if ranged is not None:  # the tensor bytes by range from where they live
+        read_by_range(source, ranged)  # the same source, reading through the ranged files
+        folder = shown(ranged)
     try:
         _refuse_overlap(source, folder, output_file)
         writes = [tensor_write(e, None) for e in source.entries()]
