@@ -49,7 +49,7 @@ def recover(folder: str | os.PathLike[str]) -> Recovery:
 def merge(folder: str | os.PathLike[str], output_file: str | os.PathLike[str], *, overwrite: bool = False,
           dry_run: bool = False, progress: ProgressCallback | None = None, token: str | None = None) -> MergeResult:
     """Merge a sharded checkpoint into one ``.safetensors`` file: :func:`shardkit.sharding.merge.merge`,
-    with ``s3://BUCKET/PREFIX`` (or ``hf://ORG/REPO``) as the source and ``s3://BUCKET/PREFIX/NAME.safetensors``
+    with ``s3://BUCKET/PREFIX`` as the source and ``s3://BUCKET/PREFIX/NAME.safetensors``
     as the output too.
 
     shardkit.merge("s3://models/llama/sharded", "model.safetensors")  # tensor bytes by ranged GETs
