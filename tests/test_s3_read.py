@@ -25,6 +25,17 @@ def _mirrors() -> set[str]:
     return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("shardkit-s3-")}
 
 
+@pytest.fixture(autouse=True)
+def _own_tmp(tmp_path, monkeypatch) -> None:
+    """A temporary folder of this test's own: another process's mirrors never count as this test's leftovers."""
+    import tempfile
+
+    own = tmp_path / "tmp"
+    own.mkdir()
+    monkeypatch.setenv("TMPDIR", str(own))
+    monkeypatch.setattr(tempfile, "tempdir", str(own))
+
+
 @pytest.fixture
 def sharded(tmp_path, run_cli) -> Path:
     """A 3-shard checkpoint of ~12 MB (random bytes) with an index and a manifest."""
