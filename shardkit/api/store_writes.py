@@ -22,18 +22,17 @@ from typing import TypeVar
 
 from .. import _faults
 from ..atomic.journal import Recovery
-from ..errors import OutputExistsError, ShardkitWriteError
+from ..errors import OutputExistsError
 from ..sharding.job import SplitResult
 from ..sharding.merge import MergeResult
 from ..sharding.options import ProgressCallback
 from ..sharding.outputs import BoundOutput, bind_output
-from ..sharding.store_output import store_output
+from ..sharding.store_output import file_chunks, store_output
 from ..stores import ObjectStore, StoreUrl, is_store_url, open_store, parse_store_url
 from ..stores.transaction import StoreTransaction, recover_store
 
 __all__ = ["recover_prefix", "shown_path", "write_to_store"]
 
-READ_BYTES = 8 << 20
 
 
 def _split_url(output: str) -> tuple[StoreUrl, str]:
@@ -121,19 +120,12 @@ def _local_files(local: str) -> dict[str, str]:
 
 def _chunks(path: str, tick: Callable[[int], None], *, label: str) -> Iterator[bytes]:
     """The file's bytes, 8 MiB at a time, the count checked against its size."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size_bytes, done = os.fstat(fd).st_size, 0
-        while done < size_bytes:
-            chunk = os.read(fd, min(READ_BYTES, size_bytes - done))
-            if not chunk:
-                raise ShardkitWriteError(f"{path}: the staged file ended after {done} of {size_bytes} bytes")
-            done += len(chunk)
-            yield chunk
-            _faults.point(f"{label}{done}")  # the chunk is in the writer (a part sent at each 16 MiB)
-            tick(len(chunk))
-    finally:
-        os.close(fd)
+    done = 0
+    for chunk in file_chunks(path):
+        done += len(chunk)
+        yield chunk
+        _faults.point(f"{label}{done}")  # the chunk is in the writer (a part sent at each 16 MiB)
+        tick(len(chunk))
 
 
 def shown_path(path: str) -> str:

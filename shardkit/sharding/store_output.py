@@ -41,7 +41,7 @@ from .outputs import JobOutput, OutputOpener, OutputPlan
 from .stream_writer import stream_safetensors
 from .writer import TensorWrite
 
-__all__ = ["FAULT_STEP_BYTES", "StoreOutput", "store_output"]
+__all__ = ["FAULT_STEP_BYTES", "StoreOutput", "file_chunks", "store_output"]
 
 FAULT_STEP_BYTES = 8 << 20  # a fault point each time this many bytes of an object are in the writer
 READ_BYTES = 8 << 20  # side files are read this much at a time
@@ -89,7 +89,7 @@ class StoreOutput:
         sha, size = hashlib.sha256(), [0]
 
         def hashed() -> Iterator[bytes]:
-            for chunk in _file_chunks(path):
+            for chunk in file_chunks(path):
                 sha.update(chunk)
                 size[0] += len(chunk)
                 yield chunk
@@ -137,7 +137,7 @@ def _put_point(name: str) -> None:
     _faults.point(f"store:put:{name}")  # the object is in the store; the indexes are put last
 
 
-def _file_chunks(path: str) -> Iterator[bytes]:
+def file_chunks(path: str) -> Iterator[bytes]:
     """A side file's bytes, :data:`READ_BYTES` at a time, through a checked descriptor; the count checked."""
     fd = open_regular(path)  # a file swapped for a FIFO or device since listing is refused unread
     try:

@@ -84,7 +84,8 @@ class S3Writer:
     def _current_part_bytes(self) -> int:
         return self._part_bytes << self._sent_parts // GROW_EVERY_PARTS
 
-    def _send_part(self) -> None:
+    def _next_part(self) -> int:
+        """The next part's number: the upload started if it was not, a slot free among the parts in flight."""
         if self._upload_id is None:
             reply = self._store.call(self._where, lambda: self._client.create_multipart_upload(
                 Bucket=self._store.url.bucket, Key=self._key))
@@ -95,6 +96,10 @@ class S3Writer:
             raise ShardkitWriteError(f"{self._where}: more than {MAX_PARTS} parts; the object is too large for S3")
         while len(self._pending) >= IN_FLIGHT_PARTS:
             self._pending.popleft().result()
+        return number
+
+    def _send_part(self) -> None:
+        number = self._next_part()
         data, self._buffer = self._buffer, bytearray()  # handed over whole: no copy
         self._sent_parts = number
         assert self._pool is not None
@@ -114,16 +119,7 @@ class S3Writer:
             raise StoreError(f"{self._where}: write after commit or abort")
         if self._buffer:
             self._send_part()
-        if self._upload_id is None:
-            reply = self._store.call(self._where, lambda: self._client.create_multipart_upload(
-                Bucket=self._store.url.bucket, Key=self._key))
-            self._upload_id = str(reply["UploadId"])
-            self._pool = ReadPool(IN_FLIGHT_PARTS, name="shardkit-store-write")
-        number = self._sent_parts + 1
-        if number > MAX_PARTS:
-            raise ShardkitWriteError(f"{self._where}: more than {MAX_PARTS} parts; the object is too large for S3")
-        while len(self._pending) >= IN_FLIGHT_PARTS:
-            self._pending.popleft().result()
+        number = self._next_part()
         self._sent_parts = number
         assert self._pool is not None
         self._pending.append(self._pool.submit(lambda: self._copy_part(number, bucket, key, begin, end)))
