@@ -304,7 +304,7 @@ def choose_backend(path: str, read: str, *, fd: int | None = None) -> BackendCho
         The backend and the reason, e.g. ``BackendChoice("direct", "fuse filesystem, cold: ...", "fuse")``.
 
     >>> choose_backend("model.safetensors", "mmap")
-    BackendChoice(backend='mmap', reason='read=mmap', remote=None)
+    BackendChoice(backend='mmap', reason='read=mmap', remote=None, tuning=None)
     """
     check_backend(read)
     if read != "auto":  # still tuned for the filesystem: more, smaller reads in flight on a remote one
