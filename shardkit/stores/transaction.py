@@ -52,14 +52,8 @@ def _publish_order(name: str) -> int:
 def index_names(store: ObjectStore, index: ObjectInfo) -> set[str]:
     """The objects an index in the store names (relative to the prefix), the index read with a bound."""
     where = store.url.child(index.name)
-    if index.size_bytes > MAX_INDEX_BYTES:
-        raise StoreError(f"{where}: {index.size_bytes} bytes is too large for an index")
-    raw = bytearray(index.size_bytes)
-    store.read_into(index.name, 0, memoryview(raw))
-    try:
-        weight_map = json.loads(raw).get("weight_map", {})
-    except (ValueError, AttributeError) as e:
-        raise InvalidInputError(f"{where}: not a readable index ({e}); delete or fix it first") from e
+    weight_map = _read_json(store, index, what="an index", bad="not a readable index",
+                            fix="delete or fix it first").get("weight_map", {})
     if not isinstance(weight_map, dict):
         raise InvalidInputError(f"{where}: its weight_map is not a mapping; delete or fix it first")
     folder = posixpath.dirname(index.name)
@@ -258,30 +252,42 @@ def _put_by(store: ObjectStore, held: ObjectInfo, created: set[str]) -> bool:
     lists a shard that write created (else it is the old checkpoint's, left as it was)."""
     if posixpath.basename(held.name) != MANIFEST_FILE:
         return True
-    where = store.url.child(held.name)
-    if held.size_bytes > MAX_INDEX_BYTES:
-        raise StoreError(f"{where}: {held.size_bytes} bytes is too large for a manifest")
-    raw = bytearray(held.size_bytes)
-    store.read_into(held.name, 0, memoryview(raw))
-    try:
-        files = json.loads(raw).get("files", {})
-    except (ValueError, AttributeError) as e:
-        raise InvalidInputError(f"{where}: not a readable manifest ({e}); delete or fix it first") from e
+    files = _read_json(store, held, what="a manifest", bad="not a readable manifest",
+                       fix="delete or fix it first").get("files", {})
     folder = posixpath.dirname(held.name)
     return isinstance(files, dict) and any(posixpath.join(folder, str(n)) in created for n in files)
+
+
+def _read_json(store: ObjectStore, info: ObjectInfo, *, what: str, bad: str, fix: str) -> dict[str, object]:
+    """The small JSON object ``info``, read with a bound; one line naming it if it is not a JSON object."""
+    where = store.url.child(info.name)
+    if info.size_bytes > MAX_INDEX_BYTES:
+        raise StoreError(f"{where}: {info.size_bytes} bytes is too large for {what}")
+    raw = bytearray(info.size_bytes)
+    store.read_into(info.name, 0, memoryview(raw))
+    try:
+        doc = json.loads(raw)
+    except ValueError as e:
+        raise InvalidInputError(f"{where}: {bad} ({e}); {fix}") from e
+    if not isinstance(doc, dict):
+        raise InvalidInputError(f"{where}: {bad} (not a JSON object); {fix}")
+    return doc
+
+
+def _names(value: object) -> set[str]:
+    if not isinstance(value, list):
+        raise TypeError(f"expected a list of names, found {type(value).__name__}")
+    return {str(n) for n in value}
 
 
 def _journal_record(store: ObjectStore, journal: ObjectInfo) -> dict[str, set[str]]:
     """A write journal's names: ``created``, ``stale`` and ``held`` (absent from older journals), each checked."""
     where = store.url.child(journal.name)
-    if journal.size_bytes > MAX_INDEX_BYTES:
-        raise StoreError(f"{where}: {journal.size_bytes} bytes is too large for a shardkit write journal")
-    raw = bytearray(journal.size_bytes)
-    store.read_into(journal.name, 0, memoryview(raw))
+    record = _read_json(store, journal, what="a shardkit write journal", bad="not a shardkit write journal",
+                        fix="delete it by hand")
     try:
-        record = json.loads(raw)
-        names = {key: {str(n) for n in record.get(key, [])} for key in ("created", "stale", "held")}
-    except (ValueError, AttributeError, TypeError) as e:
+        names = {key: _names(record.get(key, [])) for key in ("created", "stale", "held")}
+    except TypeError as e:
         raise InvalidInputError(f"{where}: not a shardkit write journal ({e}); delete it by hand") from e
     for name in set().union(*names.values()):
         store.url.key(name)  # checked: a journal never makes recover touch a key outside the prefix
