@@ -125,8 +125,16 @@ class SeaweedS3:
                 f"-s3.localSocket={self._tmp}/s3.sock", f"-filer.localSocket={self._tmp}/filer.sock",
                 # each bucket takes volumes of its own; they grow sparse, so many cost nothing
                 "-master.volumeSizeLimitMB=256", "-volume.max=2000", "-volume.preStopSeconds=0"]
+        self._launch(argv)
+        return self
+
+    NAME = "weed server"
+    POLL_S = 0.25
+
+    def _launch(self, argv: list[str]) -> None:
+        """Start ``argv`` in its own process group, log to ``log_path``; wait until ready, or stop it and raise."""
         with open(self.log_path, "ab") as log:
-            # TMPDIR: weed puts its gRPC Unix sockets there; inside data_dir they go with it
+            # TMPDIR: weed puts its gRPC Unix sockets there (rclone its cache); inside data_dir they go with it
             env = {**os.environ, "TMPDIR": self._tmp}
             self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True, cwd=self.data_dir, env=env)
@@ -135,18 +143,20 @@ class SeaweedS3:
         except BaseException:
             self.stop()
             raise
-        return self
+
+    def _ready(self) -> bool:
+        return self._answers() and self._can_write()
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             assert self.process is not None
             if self.process.poll() is not None:
-                raise RuntimeError(f"weed server exited with {self.process.returncode}: {self.log_tail()}")
-            if self._answers() and self._can_write():
+                raise RuntimeError(f"{self.NAME} exited with {self.process.returncode}: {self.log_tail()}")
+            if self._ready():
                 return
-            time.sleep(0.25)
-        raise RuntimeError(f"weed server not ready after {READY_TIMEOUT_S:.0f} s: {self.log_tail()}")
+            time.sleep(self.POLL_S)
+        raise RuntimeError(f"{self.NAME} not ready after {READY_TIMEOUT_S:.0f} s: {self.log_tail()}")
 
     def _answers(self) -> bool:
         try:
@@ -283,27 +293,14 @@ class RcloneS3(SeaweedS3):
         argv = [rclone, "serve", "s3", root, f"--addr=127.0.0.1:{self.port}",
                 f"--auth-key={self.access_key},{self.secret_key}", "--force-path-style=true", "--etag-hash=MD5",
                 "--vfs-cache-mode=off", f"--cache-dir={self._tmp}", "--config=/dev/null", "--log-level=NOTICE"]
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                            start_new_session=True, cwd=self.data_dir,
-                                            env={**os.environ, "TMPDIR": self._tmp})
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
+        self._launch(argv)
         return self
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.process is not None
-            if self.process.poll() is not None:
-                raise RuntimeError(f"rclone serve s3 exited with {self.process.returncode}: {self.log_tail()}")
-            if self._answers():
-                return
-            time.sleep(0.1)
-        raise RuntimeError(f"rclone serve s3 not ready after {READY_TIMEOUT_S:.0f} s: {self.log_tail()}")
+    NAME = "rclone serve s3"
+    POLL_S = 0.1
+
+    def _ready(self) -> bool:
+        return self._answers()
 
     def client(self, *, port: int | None = None) -> object:
         """A boto3 client as :meth:`SeaweedS3.client`, checksums only where required: rclone sends the
