@@ -19,7 +19,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts")
 
 from s3_server import ACCESS_KEY, SECRET_KEY, DelayProxy, SeaweedS3, weed_unavailable  # noqa: E402
 
-__all__ = ["ACCESS_KEY", "SECRET_KEY", "DelayProxy", "S3Env", "SeaweedS3", "start_or_skip", "new_bucket"]
+__all__ = ["ACCESS_KEY", "SECRET_KEY", "DelayProxy", "S3Env", "SeaweedS3", "new_bucket", "sharded_checkpoint",
+           "start_or_skip"]
+
+
+def sharded_checkpoint(tmp_path: Path, run_cli) -> Path:  # noqa: ANN001 - the conftest fixture
+    """A 3-shard checkpoint of ~12 MB (random bytes) with an index and a manifest, at ``tmp_path/ckpt``."""
+    from conftest import make_state_dict
+    from safetensors.torch import save_file
+
+    state = make_state_dict(["F32", "BF16", "I64"], shapes=[(1000, 1000), (7, 3)])
+    save_file(state, tmp_path / "one.safetensors")
+    out = tmp_path / "ckpt"
+    result = run_cli("split", tmp_path / "one.safetensors", out, "--max-shard-size", "5MB")
+    assert result.exit_code == 0, result.stderr
+    assert len(list(out.glob("*.safetensors"))) == 3
+    return out
 
 
 def start_or_skip(data_dir: str | os.PathLike[str]) -> SeaweedS3:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
-from conftest import assert_one_line_error, make_state_dict
-from helpers_s3 import SECRET_KEY, DelayProxy
+from conftest import assert_one_line_error
+from helpers_s3 import SECRET_KEY, DelayProxy, sharded_checkpoint
 
 
 def _without_paths(value: object) -> object:
@@ -23,15 +22,7 @@ def _without_paths(value: object) -> object:
 @pytest.fixture
 def sharded(tmp_path, run_cli) -> Path:
     """A 3-shard checkpoint of ~12 MB (random bytes) with an index and a manifest."""
-    from safetensors.torch import save_file
-
-    state = make_state_dict(["F32", "BF16", "I64"], shapes=[(1000, 1000), (7, 3)])
-    save_file(state, tmp_path / "one.safetensors")
-    out = tmp_path / "ckpt"
-    result = run_cli("split", tmp_path / "one.safetensors", out, "--max-shard-size", "5MB")
-    assert result.exit_code == 0, result.stderr
-    assert len(list(out.glob("*.safetensors"))) == 3
-    return out
+    return sharded_checkpoint(tmp_path, run_cli)
 
 
 def test_info_and_verify_read_headers_only(s3_env, sharded, run_cli, monkeypatch) -> None:

@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import assert_one_line_error, make_state_dict, tensor_bytes, tiny_unet
-from helpers_s3 import SECRET_KEY, DelayProxy
+from conftest import assert_one_line_error, tensor_bytes, tiny_unet
+from helpers_s3 import SECRET_KEY, DelayProxy, sharded_checkpoint
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -39,14 +39,7 @@ def _own_tmp(tmp_path, monkeypatch) -> None:
 @pytest.fixture
 def sharded(tmp_path, run_cli) -> Path:
     """A 3-shard checkpoint of ~12 MB (random bytes) with an index and a manifest."""
-    from safetensors.torch import save_file
-
-    state = make_state_dict(["F32", "BF16", "I64"], shapes=[(1000, 1000), (7, 3)])
-    save_file(state, tmp_path / "one.safetensors")
-    out = tmp_path / "ckpt"
-    result = run_cli("split", tmp_path / "one.safetensors", out, "--max-shard-size", "5MB")
-    assert result.exit_code == 0, result.stderr
-    return out
+    return sharded_checkpoint(tmp_path, run_cli)
 
 
 def test_split_from_s3_is_byte_identical_to_a_local_split(s3_env, sharded, tmp_path, run_cli) -> None:
