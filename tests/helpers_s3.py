@@ -8,7 +8,9 @@ The fixtures in conftest.py: ``s3_server`` (one SeaweedFS per session, stopped a
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +21,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts")
 
 from s3_server import ACCESS_KEY, SECRET_KEY, DelayProxy, SeaweedS3, weed_unavailable  # noqa: E402
 
-__all__ = ["ACCESS_KEY", "SECRET_KEY", "DelayProxy", "S3Env", "SeaweedS3", "new_bucket", "sharded_checkpoint",
-           "start_or_skip"]
+__all__ = ["ACCESS_KEY", "SECRET_KEY", "DelayProxy", "S3Env", "SeaweedS3", "new_bucket", "paused_cli",
+           "sharded_checkpoint", "start_or_skip"]
 
 
 def sharded_checkpoint(tmp_path: Path, run_cli) -> Path:  # noqa: ANN001 - the conftest fixture
@@ -35,6 +37,23 @@ def sharded_checkpoint(tmp_path: Path, run_cli) -> Path:  # noqa: ANN001 - the c
     assert result.exit_code == 0, result.stderr
     assert len(list(out.glob("*.safetensors"))) == 3
     return out
+
+
+def paused_cli(s3_env: S3Env, point: str, args: list[str], wait: Path) -> subprocess.Popen[bytes]:
+    """``shardkit ARGS`` in a subprocess with ``s3_env``'s variables, paused at the fault ``point``
+    (``shardkit._faults``: it waits for ``wait`` and marks it ``.ready.*``); the test fails if it never gets there."""
+    from conftest import SHARDKIT_BIN
+
+    env = {**os.environ, **s3_env.env, "SHARDKIT_FAULT_WAIT_AT": point, "SHARDKIT_FAULT_WAIT_FILE": str(wait)}
+    proc = subprocess.Popen([SHARDKIT_BIN, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not list(wait.parent.glob(wait.name + ".ready.*")):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"shardkit {' '.join(args)} never reached {point}: {err.decode()}")
+        time.sleep(0.05)
+    return proc
 
 
 def start_or_skip(data_dir: str | os.PathLike[str]) -> SeaweedS3:

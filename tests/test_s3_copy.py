@@ -10,12 +10,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from conftest import SHARDKIT_BIN, random_tensor
+from conftest import random_tensor
+from helpers_s3 import paused_cli
 
 import shardkit
 from shardkit.stores.copy_plan import CopyRefusedError
@@ -144,17 +143,8 @@ def test_sigkill_mid_copy_leaves_no_index_and_recover_aborts_the_upload(s3_env, 
     url = _upload(s3_env, source, "src")
     out = f"s3://{s3_env.bucket}/kill"
     wait = tmp_path / "go"
-    env = {**os.environ, **s3_env.env, "SHARDKIT_FAULT_WAIT_AT": "store:part:model-00001-of-00002.safetensors:2",
-           "SHARDKIT_FAULT_WAIT_FILE": str(wait)}
-    proc = subprocess.Popen([SHARDKIT_BIN, "split", url, out, "--max-shard-size", "20MB"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while not list(wait.parent.glob(wait.name + ".ready.*")):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            _, err = proc.communicate(timeout=30)
-            pytest.fail(f"the split never reached its copy: {err.decode()}")
-        time.sleep(0.05)
+    proc = paused_cli(s3_env, "store:part:model-00001-of-00002.safetensors:2",
+                      ["split", url, out, "--max-shard-size", "20MB"], wait)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=30)
     keys = s3_env.keys("kill/")

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from conftest import SHARDKIT_BIN, assert_one_line_error, make_state_dict
+from conftest import assert_one_line_error, make_state_dict
+from helpers_s3 import paused_cli
 
 import shardkit
 from shardkit.formats.header import read_header
@@ -136,18 +135,7 @@ SECOND_SHARD = f"store:sent:model-00002-of-00002.safetensors:{8 << 20}"  # the f
 def _start_paused_split(s3_env, source: Path, url: str, wait: Path, *,
                         point: str = FIRST_PART) -> subprocess.Popen[bytes]:
     """The CLI split to ``url`` in a subprocess, paused at the fault ``point`` of its upload."""
-    env = {**os.environ, **s3_env.env, "SHARDKIT_FAULT_WAIT_AT": point,
-           "SHARDKIT_FAULT_WAIT_FILE": str(wait)}
-    proc = subprocess.Popen([SHARDKIT_BIN, "split", str(source), url, "--max-shard-size", "20MB"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while not list(wait.parent.glob(wait.name + ".ready.*")):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            _, err = proc.communicate(timeout=30)
-            pytest.fail(f"the split never reached its upload: {err.decode()}")
-        time.sleep(0.05)
-    return proc
+    return paused_cli(s3_env, point, ["split", str(source), url, "--max-shard-size", "20MB"], wait)
 
 
 def test_ctrl_c_mid_upload_aborts_and_deletes_what_it_wrote(s3_env, source, tmp_path) -> None:

@@ -5,14 +5,12 @@ Against a real SeaweedFS (the ``s3_env`` fixture); nothing is mocked.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from conftest import SHARDKIT_BIN, tiny_bert_config
+from conftest import tiny_bert_config
+from helpers_s3 import paused_cli
 
 import shardkit
 from shardkit.formats.header import read_header
@@ -83,15 +81,7 @@ def test_an_output_naming_one_file_is_staged_and_equal(s3_env, model_folder, tmp
 
 def _killed_at(s3_env, point: str, args: list[str], wait: Path) -> None:
     """Run the CLI with ``args``, paused at the fault ``point``, then SIGKILL it there."""
-    env = {**os.environ, **s3_env.env, "SHARDKIT_FAULT_WAIT_AT": point, "SHARDKIT_FAULT_WAIT_FILE": str(wait)}
-    proc = subprocess.Popen([SHARDKIT_BIN, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while not list(wait.parent.glob(wait.name + ".ready.*")):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            _, err = proc.communicate(timeout=30)
-            pytest.fail(f"the write never reached {point}: {err.decode()}")
-        time.sleep(0.05)
+    proc = paused_cli(s3_env, point, args, wait)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=30)
 
