@@ -79,14 +79,28 @@ def _skeleton(folder: str):
         return UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder))
 
 
-def _floor(folder: str, *, backend: str = "mmap", **_):
+def _floor(folder: str, *, backend: str = "mmap", device_map="cpu", **_):
     from safetensors.torch import load_file
 
+    device = "cuda:0" if device_map == 0 else "cpu"
     state = {}
     for name in sorted(os.listdir(folder)):
         if name.endswith(".safetensors"):
-            state.update(load_file(os.path.join(folder, name), backend=backend))
+            state.update(load_file(os.path.join(folder, name), device=device, backend=backend))
     return state
+
+
+def _fastsafetensors(folder: str, *, device_map="cpu", **_):
+    """fastsafetensors (no GDS) into a meta skeleton; its buffers back the tensors, so it stays open with the model."""
+    from fastsafetensors import fastsafe_open
+
+    files = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+    opened = fastsafe_open(filenames=files, nogds=True, device="cuda:0" if device_map == 0 else "cpu")
+    reader = opened.__enter__()
+    model = _skeleton(folder)
+    model.load_state_dict({k: reader.get_tensor(k) for k in reader.keys()}, assign=True, strict=True)
+    model._bench_reader = opened
+    return model
 
 
 def _shardkit(folder: str, *, device_map="cpu", max_memory=None, offload=None, read="auto", **_):
@@ -120,7 +134,7 @@ def _assign(folder: str, **_):
 
 
 CASES = {"floor": _floor, "assign": _assign, "shardkit": _shardkit, "accelerate": _accelerate,
-         "diffusers": _diffusers}
+         "diffusers": _diffusers, "fastsafetensors": _fastsafetensors}
 
 
 def run_case(name: str, folder: str, options: dict) -> None:
@@ -194,7 +208,8 @@ def measure(args: list[str]) -> dict:
     return result
 
 
-def build_cases(folder: str, model_bytes: int, work: str, *, gpu: bool) -> list[tuple[str, list[str], str | None]]:
+def build_cases(folder: str, model_bytes: int, work: str, *, gpu: bool,
+                only: list[str] = ()) -> list[tuple[str, list[str], str | None]]:
     me = [sys.executable, os.path.abspath(__file__), "--case"]
     budget = 4 * 2**30 if model_bytes > 8e9 else int(model_bytes * 4 * 2**30 / 10.3e9)
     cases: list[tuple[str, list[str], str | None]] = [
@@ -209,15 +224,40 @@ def build_cases(folder: str, model_bytes: int, work: str, *, gpu: bool) -> list[
         opts = json.dumps({"device_map": "auto", "max_memory": {"cpu": budget}, "offload": off})
         cases.append((f"{label} cpu={budget / 2**30:.2f}GiB + disk", [*me, case, folder, opts], off))
     if gpu:
-        for label, case in (("shardkit.load_model → cuda:0", "shardkit"), ("accelerate → cuda:0", "accelerate")):
+        for label, case in (("safetensors load_file → cuda:0", "floor"), ("fastsafetensors (nogds) → cuda:0", "fastsafetensors"),
+                            ("shardkit.load_model → cuda:0", "shardkit"), ("accelerate → cuda:0", "accelerate")):
+            if case == "fastsafetensors" and not _installed("fastsafetensors"):
+                print("fastsafetensors is not installed (pip install 'shardkit[bench]'): its GPU row is left out")
+                continue
             cases.append((label, [*me, case, folder, json.dumps({"device_map": 0})], None))
     flux = os.path.join(work, "flux-config.json")
     with open(flux, "w") as f:
         json.dump(FLUX_DEV, f)
-    shardkit_bin = os.path.join(os.path.dirname(sys.executable), "shardkit")
-    cases.append(("shardkit plan Flux 12B (process)", [shardkit_bin, "plan", "--model", "diffusers:FluxTransformer2DModel",
+    cases.append(("shardkit plan Flux 12B (process)", [sys.executable, "-m", "shardkit", "plan", "--model", "diffusers:FluxTransformer2DModel",
                                                         "--config", flux, "--max-memory", "0=16GB,1=16GB", "--dtype", "bf16"], None))
-    return cases
+    return [c for c in cases if not only or "floor" in c[0] or any(word in c[0] for word in only)]
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+def host_to_device_gbps() -> float:
+    """The PCIe floor: GB/s of a 1 GiB pinned host → GPU 0 copy, median of 5 after a warm-up."""
+    import torch
+
+    src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda:0")
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return (1 << 30) / statistics.median(times[1:]) / 1e9
 
 
 def run_all(cases: list, runs: int) -> dict[str, list[dict]]:
@@ -234,7 +274,11 @@ def run_all(cases: list, runs: int) -> dict[str, list[dict]]:
                            "print(json.dumps({'load_s': s, 'touch_s': s, 'base': 0, 'loaded_hwm': h, 'hwm': h, 'written': 0}))")
                 result = measure([sys.executable, "-c", wrapper, *args])
             else:
-                result = measure(args)
+                try:
+                    result = measure(args)
+                except SystemExit as failed:  # a miss is reported as a miss, and the other cases go on
+                    print(f"  run {r + 1}/{runs} {name}: FAILED\n{failed}", flush=True)
+                    continue
             results[name].append(result)
             print(f"  run {r + 1}/{runs} {name}: load {result['load_s']:.2f} s, process {result['wall_s']:.2f} s, "
                   f"peak {result['hwm'] / 2**20:.0f} MB, written {result['written'] / 1e6:.1f} MB", flush=True)
@@ -253,6 +297,9 @@ def table(results: dict[str, list[dict]], model_bytes: int) -> str:
              "peak RSS after use MB (× model) | process s | offload written |",
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, runs in results.items():
+        if not runs:
+            lines.append(f"| {name} | failed (see the log) | | | | | | |")
+            continue
         if "plan" in name:
             lines.append(f"| {name} | {med(runs, 'load_s'):.2f} | | | | {max(r['hwm'] for r in runs) / 2**20:.0f} "
                          f"(whole process) | {med(runs, 'wall_s'):.2f} | |")
@@ -374,7 +421,7 @@ def main() -> int:
     parser.add_argument("--read-backends", action="store_true",
                         help="the read-backend matrix (cold/warm, local/FUSE, each backend) instead")
     parser.add_argument("--only", action="append", default=[], metavar="WORDS",
-                        help="with --read-backends or --latency-ms: only cases whose label contains WORDS (repeatable)")
+                        help="only cases whose label contains WORDS (repeatable; the floor always runs)")
     parser.add_argument("--latency-ms", type=float, nargs="*", metavar="MS",
                         help="the latency benchmark through a FUSE mount adding MS per read request (issue 22)")
     parser.add_argument("--latency-model", default="sd15", choices=["sd15", "tiny"],
@@ -401,7 +448,9 @@ def main() -> int:
     gpu = torch.cuda.is_available()
     print(f"{kind} UNet: {model_bytes / 1e9:.2f} GB in {folder}; {os.cpu_count()} cores, "
           f"{platform.machine()}, CUDA: {torch.cuda.get_device_name(0) if gpu else 'none'}", flush=True)
-    results = run_all(build_cases(folder, model_bytes, args.work, gpu=gpu), args.runs)
+    if gpu:
+        print(f"pinned host → GPU 0 copy (the PCIe floor): {host_to_device_gbps():.1f} GB/s", flush=True)
+    results = run_all(build_cases(folder, model_bytes, args.work, gpu=gpu, only=args.only), args.runs)
     print()
     print(f"{kind} UNet, {model_bytes / 1e9:.2f} GB fp32, median of {args.runs} interleaved runs:")
     print(table(results, model_bytes))

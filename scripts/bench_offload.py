@@ -65,18 +65,33 @@ def _to(value: Any, device: str, dtype: Any) -> Any:
     return value.to(device, dtype) if value.is_floating_point() else value.to(device)
 
 
-def measure(args: argparse.Namespace, spec: Any, dtype: Any) -> dict[str, Any]:
-    import gc
-
+def weights(args: argparse.Namespace, dtype: Any) -> dict[str, Any]:
+    """The model's weights on the CPU, built (or loaded) once; each strategy gets its own copy."""
     import torch
 
     import shardkit
 
     if args.checkpoint:
         skeleton = build(args.model, meta=True)
-        model = shardkit.load_model(type(skeleton), args.checkpoint, config=dict(skeleton.config), dtype=dtype)
-    else:
-        model = build(args.model, meta=False).to(dtype).eval()
+        return shardkit.load_model(type(skeleton), args.checkpoint, config=dict(skeleton.config), dtype=dtype).state_dict()
+    with torch.device("cuda"):  # random initialisation is seconds on the GPU, minutes on the CPU
+        model = build(args.model, meta=False).to(dtype)
+    state = {k: v.cpu() for k, v in model.state_dict().items()}
+    del model
+    torch.cuda.empty_cache()
+    return state
+
+
+def measure(args: argparse.Namespace, spec: Any, dtype: Any, state: dict[str, Any]) -> dict[str, Any]:
+    import gc
+
+    import torch
+
+    import shardkit
+
+    model = build(args.model, meta=True)
+    model.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True, strict=True)
+    model.eval()
     if spec.layerwise_casting:
         shardkit.apply_layerwise_casting(model, spec.layerwise_casting[0], str(dtype).removeprefix("torch."))
     if spec.offload == "none":
@@ -129,12 +144,13 @@ def main(argv: list[str] | None = None) -> int:
         print(estimate.table())
         return 0
     rows = []
+    state = weights(args, dtype)
     for row in estimate.rows:
         spec = row.spec
         if args.only and spec.name not in args.only:
             continue
         try:
-            measured = measure(args, spec, dtype)
+            measured = measure(args, spec, dtype, state)
         except torch.cuda.OutOfMemoryError:
             measured = {"measured_peak_bytes": None, "s_per_step": None, "error": "out of memory"}
         rows.append({**row.to_dict(), **measured})

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 SD15_UNET = {"block_out_channels": [320, 640, 1280, 1280], "layers_per_block": 2, "cross_attention_dim": 768,
@@ -105,7 +106,8 @@ def cpu_rows(height: int, width: int) -> list[str]:
             "|---|---|---:|---:|---:|---:|---:|", *rows]
 
 
-def gpu_rows(checkpoint: str | None, height: int, width: int, steps: int) -> list[str]:
+def gpu_rows(checkpoint: str | None, height: int, width: int, steps: int) -> Iterator[str]:
+    """The table's lines, each yielded as soon as it is measured (a long run shows its progress)."""
     import torch
     from diffusers import UNet2DConditionModel
 
@@ -114,20 +116,31 @@ def gpu_rows(checkpoint: str | None, height: int, width: int, steps: int) -> lis
     from shardkit.fitting.peaks import STRATEGIES
     from shardkit.fitting.profile import profile_module
 
+    if checkpoint:
+        import shardkit
+
+        probe = shardkit.load_model(UNet2DConditionModel, checkpoint, config=checkpoint, device_map="cpu",
+                                    dtype=torch.float16).eval()
+    else:
+        with torch.device("cuda"):  # random initialisation is seconds on the GPU
+            probe = UNet2DConditionModel(**SD15_UNET).to(torch.float16).eval()
+        probe.to("cpu")
+        torch.cuda.empty_cache()
+    weights = probe.state_dict()  # built (or loaded) once; each setup gets its own copy
+
     def build() -> Any:
-        if checkpoint:
-            import shardkit
+        from accelerate import init_empty_weights
 
-            return shardkit.load_model(UNet2DConditionModel, checkpoint, config=checkpoint, device_map="cpu",
-                                       dtype=torch.float16).eval()
-        return UNet2DConditionModel(**SD15_UNET).to(torch.float16).eval()
+        with init_empty_weights():
+            model = UNet2DConditionModel.from_config(probe.config)
+        model.load_state_dict({k: v.clone() for k, v in weights.items()}, assign=True, strict=True)
+        return model.eval()
 
-    probe = build()
     profile = profile_module(probe, Workload(height, width, 1, True, "sdpa"), name="unet", role="denoiser",
                              config=dict(probe.config))
-    del probe
     budget = Budget((torch.cuda.get_device_properties(0).total_memory,))
-    rows = ["| setup | est. peak GB | measured peak GB | est/meas | s/step |", "|---|---:|---:|---:|---:|"]
+    yield "| setup | est. peak GB | measured peak GB | est/meas | s/step |"
+    yield "|---|---:|---:|---:|---:|"
     for strategy in [s for s in STRATEGIES if s.min_gpus == 1]:
         for fp8 in (False, True):
             cand = evaluate(strategy, fp8, [profile], budget, Margin(0.0, 0))
@@ -156,9 +169,8 @@ def gpu_rows(checkpoint: str | None, height: int, width: int, steps: int) -> lis
             seconds = (time.perf_counter() - start) / steps
             peak = torch.cuda.max_memory_allocated() - base
             est = max(cand.peaks.gpu)
-            rows.append(f"| {cand.label} | {est / 1e9:.2f} | {peak / 1e9:.2f} | {est / max(peak, 1):.2f} | {seconds:.3f} |")
+            yield f"| {cand.label} | {est / 1e9:.2f} | {peak / 1e9:.2f} | {est / max(peak, 1):.2f} | {seconds:.3f} |"
             del model, inputs
-    return rows
 
 
 def main() -> None:
@@ -174,7 +186,8 @@ def main() -> None:
     if torch.cuda.is_available() and not args.cpu:
         h, w = args.height or 512, args.width or 512
         print(f"CUDA: {torch.cuda.get_device_name(0)}; SD 1.5 UNet fp16, {h}x{w}, batch 2 (CFG)\n")
-        print("\n".join(gpu_rows(args.checkpoint, h, w, args.steps)))
+        for line in gpu_rows(args.checkpoint, h, w, args.steps):
+            print(line, flush=True)
     else:
         h, w = args.height or 256, args.width or 256
         print(f"no CUDA: CPU accounting (fp32, batch 2 for CFG), {h}x{w}\n")
