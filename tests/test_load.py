@@ -195,6 +195,10 @@ def test_bad_inputs_are_one_line_errors(tmp_path) -> None:
         (dict(device_map={"": "disk"}), InvalidInputError, "offload_folder"),
         (dict(device_map={"conv_in": "cpu"}), InvalidInputError, "device map"),
         (dict(device_map="everywhere"), InvalidInputError, "unknown device_map"),
+        (dict(device_map=missing_gpu), InvalidInputError, f"GPU {missing_gpu}"),
+        (dict(device_map=f"cuda:{missing_gpu}"), InvalidInputError, f"GPU {missing_gpu}"),
+        (dict(device_map="disk"), InvalidInputError, "offload_folder"),
+        (dict(device_map=True), InvalidInputError, "unknown device_map"),
         (dict(max_memory="cpu=lots"), InvalidInputError, "cpu"),
         (dict(offload_options={"device": "cpu"}), InvalidInputError, "offload="),
     ]
@@ -211,6 +215,40 @@ def test_bad_inputs_are_one_line_errors(tmp_path) -> None:
     shards[2].unlink()
     with pytest.raises(CheckpointIndexError, match=shards[2].name):
         shardkit.load_model(cls, folder, config=config)
+
+
+@pytest.mark.parametrize("device_map", ["cpu", "CPU", torch.device("cpu")])
+def test_one_device_for_the_whole_model_as_transformers_takes_it(tmp_path, device_map) -> None:
+    eager, cls, config, forward = _unet()
+    folder = save_model(eager, tmp_path / "ckpt", max_shard_size="16KB")
+    model = shardkit.load_model(cls, folder, config=config, device_map=device_map)
+    assert model.hf_device_map == {"": "cpu"}
+    _close(forward(model), forward(eager), exact=False)
+
+
+def test_a_host_only_load_never_counts_gpus(tmp_path, monkeypatch) -> None:
+    # Counting GPUs initialises the CUDA driver (host memory, time): a load that names no GPU must not.
+    eager, cls, config, forward = _unet()
+    folder = save_model(eager, tmp_path / "ckpt", max_shard_size="16KB")
+    want = forward(eager)
+
+    def refuse() -> int:
+        raise AssertionError("torch.cuda.device_count() called for a host-only load")
+
+    monkeypatch.setattr(torch.cuda, "device_count", refuse)
+    for options in (dict(), dict(device_map="cpu"), dict(device_map={"": "cpu"}), dict(device_map=torch.device("cpu"))):
+        _close(forward(shardkit.load_model(cls, folder, config=config, **options)), want, exact=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device_map", [0, "cuda", "cuda:0", torch.device("cuda", 0)])
+def test_one_gpu_for_the_whole_model(tmp_path, device_map) -> None:
+    eager, cls, config, _ = _unet()
+    folder = save_model(eager, tmp_path / "ckpt", max_shard_size="16KB")
+    model = shardkit.load_model(cls, folder, config=config, device_map=device_map)
+    assert model.hf_device_map == {"": 0}
+    for name, tensor in eager.state_dict().items():
+        assert torch.equal(model.state_dict()[name].cpu(), tensor), name
 
 
 def test_config_defaults_to_the_one_beside_the_checkpoint(tmp_path) -> None:
@@ -403,7 +441,8 @@ def test_no_early_reads_into_a_checkpoint_the_caller_holds_or_a_map_not_known_ye
     state = _weights(tmp_path / "ckpt", tensors=4, nbytes=64 << 10, max_shard_size="100KB")
     with shardkit.open(tmp_path / "ckpt", read="pread") as ckpt:
         held = shardkit.load_model(lambda: _Weights(state), ckpt)
-    planned = shardkit.load_model(lambda: _Weights(state), tmp_path / "ckpt", read="pread", device_map="sequential")
+    planned = shardkit.load_model(lambda: _Weights(state), tmp_path / "ckpt", read="pread", device_map="sequential",
+                                  max_memory={"cpu": "1GB"})  # a host-only plan with a GPU present too
     for model in (held, planned):
         assert model.shardkit_load_report["early_bytes"] == 0
         assert model.shardkit_load_report["host_batch_bytes"] == sum(t.nbytes for t in state.values())

@@ -260,7 +260,10 @@ def check_devices_exist(devices: list[Device], *, where: str, fix: str | None = 
     """Loading needs real devices (planning does not); ``fix`` replaces the advice after the ';'."""
     import torch
 
-    count = torch.cuda.device_count()
+    if not any(isinstance(device, int) for device in devices):
+        count = 0  # not asked: counting GPUs initialises the CUDA driver, which a host-only load never needs
+    else:
+        count = torch.cuda.device_count()
     for device in devices:
         if isinstance(device, int) and device >= count:
             have = f"GPUs 0-{count - 1}" if count else "no GPU"
@@ -274,14 +277,37 @@ def check_devices_exist(devices: list[Device], *, where: str, fix: str | None = 
 
 def resolve_device_map(skeleton: torch.nn.Module, device_map: object, *, max_memory: dict[Device, int] | None,
                        no_split_module_classes: list[str] | None) -> dict[str, Device]:
-    """A strategy name, "cpu" or an explicit dict → a complete module → device dict."""
+    """A strategy name, "cpu", one device (``0``, ``"cuda"``, ``"cuda:1"``, a ``torch.device``) or an
+    explicit dict → a complete module → device dict."""
     if device_map is None:
         device_map = "auto" if max_memory else "cpu"
-    if isinstance(device_map, str):
-        return infer_device_map(skeleton, device_map, max_memory=max_memory, no_split_module_classes=no_split_module_classes)
-    if not isinstance(device_map, dict):
-        raise InvalidInputError(f"device_map must be a strategy name or a dict, got {type(device_map).__name__}")
-    return {name: parse_device(device) for name, device in device_map.items()}
+    if isinstance(device_map, dict):
+        return {name: parse_device(device) for name, device in device_map.items()}
+    if isinstance(device_map, str) and device_map.strip().lower() in (*STRATEGIES, "cpu"):
+        return infer_device_map(skeleton, device_map.strip().lower(), max_memory=max_memory,
+                                no_split_module_classes=no_split_module_classes)
+    return {"": single_device(device_map)}
+
+
+def single_device(device_map: object) -> Device:
+    """One device for the whole model, as transformers' ``from_pretrained`` takes it: ``0``, ``"cuda"``
+    (GPU 0), ``"cuda:1"``, ``torch.device("cuda", 1)``, ``"mps"``.
+
+    >>> single_device("cuda"), single_device(1), single_device("cuda:2")
+    (0, 1, 2)
+    """
+    bare_cuda = device_map == "cuda" or (type(device_map).__name__ == "device" and str(device_map) == "cuda")
+    try:
+        device = parse_device(0 if bare_cuda else device_map)
+    except InvalidInputError:
+        raise InvalidInputError(
+            f"unknown device_map {device_map!r}: use one of {', '.join(STRATEGIES)}, 'cpu', one device "
+            "(0, 'cuda', 'cuda:1') or a dict of module → device"
+        ) from None
+    if device == "disk":
+        raise InvalidInputError("device_map='disk' puts no weight anywhere it can run: use device_map='auto' "
+                                "with max_memory and offload_folder to spill what does not fit to disk")
+    return device
 
 
 def module_device(device_map: dict[str, Device], name: str) -> Device:

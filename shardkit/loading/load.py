@@ -59,7 +59,7 @@ def _all_on_host(device_map: DeviceMap | None, budget: Mapping[Device, int] | No
         return not budget  # None means "cpu" unless a budget asks for "auto"
     if isinstance(device_map, Mapping):
         return bool(device_map) and all(str(d).strip().lower() == "cpu" for d in device_map.values())
-    return isinstance(device_map, str) and device_map.strip().lower() == "cpu"
+    return str(device_map).strip().lower() == "cpu"  # "cpu" or torch.device("cpu")
 
 
 def _set_tensor(skeleton: torch.nn.Module, modules: Mapping[str, torch.nn.Module], name: str, target: Device,
