@@ -183,8 +183,9 @@ def load_model(model: ModelSpec, checkpoint: str | os.PathLike[str] | LazyCheckp
             default ``config.json`` beside the checkpoint (a pipeline's ``unet/`` folder holds its
             own) when the model is a diffusers or transformers class.
         device_map: ``"auto"``, ``"balanced"``, ``"balanced_low_0"``, ``"sequential"``,
-            ``"cpu"`` or a dict of module → device; None means ``"cpu"``, or ``"auto"`` when
-            ``max_memory`` is given.
+            ``"cpu"``, one device for the whole model (``0``, ``"cuda"`` meaning GPU 0,
+            ``"cuda:1"``, a ``torch.device``) or a dict of module → device; None means ``"cpu"``,
+            or ``"auto"`` when ``max_memory`` is given.
         max_memory: the budget per device, e.g. ``{0: "16GB", "cpu": "64GB"}``.
         offload_folder: where the offload index (and disk tensors that need a dtype change)
             go; required when the device map sends anything to disk.
