@@ -105,6 +105,14 @@ def case_lazy_direct(folder: str) -> None:
         _touch(ckpt[k] for k in ckpt)
 
 
+def case_lazy_mmap(folder: str) -> None:
+    """``read="mmap"``: zero-copy views of private maps, as safetensors gives, no read-ahead of shardkit's."""
+    import shardkit
+
+    with shardkit.open(folder, read="mmap") as ckpt:
+        _touch(ckpt[k] for k in ckpt)
+
+
 def case_state_dict(folder: str) -> None:
     import shardkit
 
@@ -128,6 +136,7 @@ CASES = {
     "diffusers from_pretrained": case_diffusers,
     "shardkit.open, ck[k] for every key": case_lazy,
     "shardkit.open(read='direct'), ck[k] for every key": case_lazy_direct,
+    "shardkit.open(read='mmap'), ck[k] for every key": case_lazy_mmap,
     "shardkit to_state_dict": case_state_dict,
     "shardkit.load_model(device_map='cpu')": case_load_model,
 }

@@ -183,6 +183,8 @@ class LazyCheckpoint(Mapping[str, "torch.Tensor"]):
             assert shard.fd is not None
             read_into(shard.fd, tensor, entry.offset, entry.nbytes, where=f"{entry.file}: tensor {name!r}")
         else:
+            if shard.ahead is not None:
+                shard.ahead.advance(entry.offset + entry.nbytes)
             tensor = torch.frombuffer(shard.mapped, dtype=src_dtype, count=entry.nbytes // itemsize,
                                       offset=entry.offset).view(entry.shape)
         if not on_host:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ..errors import CheckpointIndexError, HeaderError, InvalidInputError
 from ..formats.header import Header, TensorEntry, open_error, parse_header, read_header_bytes
 from ..formats.ranges import RangeFile
+from ..reading.map_ahead import MapReadAhead
 from ..reading.readers import Reader, open_reader
 from ..reading.residency import BackendChoice, choose_backend
 
@@ -40,6 +41,7 @@ class Shard:
     reader: Reader | None = None        # pread/direct
     identity: tuple[int, int, int] | None = None  # (inode, size, mtime_ns) at open: changes are refused
     open_file: Callable[[str], RangeFile] | None = None  # the file is a header-only stand-in: bytes come from here
+    ahead: MapReadAhead | None = None   # mmap on a passthrough mount: parallel read-ahead of the map
 
 
 def check_shard_names(shard: Shard, header: Header) -> None:
@@ -95,7 +97,9 @@ def open_shard(shard: Shard, read: str) -> None:
         _open_fd(shard, fd, read)
     except BaseException:
         os.close(fd)
-        shard.reader = shard.mapped = None
+        if shard.ahead is not None:
+            shard.ahead.close()
+        shard.reader = shard.mapped = shard.ahead = None
         raise
 
 
@@ -114,6 +118,8 @@ def _open_fd(shard: Shard, fd: int, read: str) -> None:
             shard.reader = open_reader(shard.open_file(shard.path), "pread")
         elif choice.backend == "mmap":
             shard.mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            if choice.tuning == "passthrough" and hasattr(os, "posix_fadvise"):
+                shard.ahead = MapReadAhead(fd, st.st_size)
         else:
             shard.reader = open_reader(shard.path, choice.backend, fd=fd, remote=choice.remote is not None, tuning=choice.tuning,
                                        quiet=read == "auto")
@@ -143,6 +149,10 @@ def close_shard(shard: Shard) -> None:
     if shard.reader is not None:
         shard.reader.close()
         shard.reader = None
+    if shard.ahead is not None:
+        if not shard.ahead.close():
+            log.warning("%s: read-ahead still running after close; leaving its descriptor open", shard.path)
+        shard.ahead = None
     if shard.fd is not None:
         os.close(shard.fd)
         shard.fd = None

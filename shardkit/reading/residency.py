@@ -259,7 +259,7 @@ def cold_backend(remote: str | None, latency_s: float | None) -> BackendChoice:
     >>> cold_backend(None, None)
     BackendChoice(backend='pread', reason='local file', remote=None, tuning='local')
     >>> cold_backend("fuse", 0.0002)
-    BackendChoice(backend='direct', reason='fuse filesystem answering like a local disk (0.20 ms per request)', remote=None, tuning='passthrough')
+    BackendChoice(backend='mmap', reason='fuse filesystem answering like a local disk (0.20 ms per request): mapped, read ahead in parallel', remote=None, tuning='passthrough')
     >>> cold_backend("fuse", 0.0021)
     BackendChoice(backend='direct', reason='fuse filesystem, 2.10 ms per request', remote='fuse', tuning='round-trip')
     >>> cold_backend("nfs", None)
@@ -269,9 +269,9 @@ def cold_backend(remote: str | None, latency_s: float | None) -> BackendChoice:
         return BackendChoice("pread", "local file", None, "local")
     if latency_s is None:
         return BackendChoice("direct", f"{remote} filesystem", remote, "round-trip")
-    if latency_s < ROUND_TRIP_S:
-        return BackendChoice("direct", f"{remote} filesystem answering like a local disk "
-                             f"({latency_s * 1e3:.2f} ms per request)", None, "passthrough")
+    if latency_s < ROUND_TRIP_S:  # safetensors' map and CPU, with parallel read-ahead (map_ahead.py)
+        return BackendChoice("mmap", f"{remote} filesystem answering like a local disk "
+                             f"({latency_s * 1e3:.2f} ms per request): mapped, read ahead in parallel", None, "passthrough")
     return BackendChoice("direct", f"{remote} filesystem, {latency_s * 1e3:.2f} ms per request", remote, "round-trip")
 
 
