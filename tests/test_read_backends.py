@@ -159,9 +159,9 @@ def bindfs_mount(tmp_path):
 
 
 def test_auto_reads_a_fuse_mounted_file_by_what_its_requests_cost(bindfs_mount) -> None:
-    """A passthrough FUSE mount (bindfs) is judged by a timed request, not by its kind: read with O_DIRECT
-    either way; where it answers like a local disk with few large requests (passthrough tuning), else
-    with many requests in flight."""
+    """A passthrough FUSE mount (bindfs) is judged by a timed request, not by its kind: where it answers
+    like a local disk, mapped with parallel read-ahead (safetensors' CPU, more requests in flight); else
+    O_DIRECT with many requests in flight."""
     src, mnt = bindfs_mount
     tensors = make_state_dict(shapes=ODD_SHAPES)
     safetensors.torch.save_file(tensors, src / "w.safetensors")
@@ -170,12 +170,13 @@ def test_auto_reads_a_fuse_mounted_file_by_what_its_requests_cost(bindfs_mount) 
     with shardkit.open(mnt / "w.safetensors") as ckpt:
         assert all(tensor_bytes(ckpt[n]) == tensor_bytes(t) for n, t in tensors.items())
         (report,) = ckpt.read_report()
-        chunk_bytes = ckpt.reader_of("layers.F32.3").chunk_bytes
+        reader = ckpt.reader_of("layers.F32.3")
     assert "fuse filesystem" in report["reason"] and "ms per request" in report["reason"], report
     if "like a local disk" in report["reason"]:  # the usual verdict for bindfs over a local disk
-        assert (report["backend"], chunk_bytes) == ("direct", readers.PASSTHROUGH_CHUNK_BYTES), report
+        assert (report["backend"], reader) == ("mmap", None) and "read ahead" in report["reason"], report
     else:  # a machine too busy to answer within a millisecond: read as a network mount
-        assert report["backend"] in ("direct", "pread") and chunk_bytes == readers.REMOTE_CHUNK_BYTES, report
+        assert reader is not None and report["backend"] in ("direct", "pread"), report
+        assert reader.chunk_bytes == readers.REMOTE_CHUNK_BYTES, report
 
 
 def test_auto_reads_a_mount_with_latency_with_many_large_requests_in_flight(tmp_path) -> None:
@@ -197,9 +198,9 @@ def test_auto_reads_a_mount_with_latency_with_many_large_requests_in_flight(tmp_
 
 @pytest.mark.parametrize("remote, latency_s, want", [
     (None, None, ("pread", None, "local")),                 # a local disk is never probed
-    ("fuse", 0.00005, ("direct", None, "passthrough")),     # bindfs over a local disk: few large requests
+    ("fuse", 0.00005, ("mmap", None, "passthrough")),       # bindfs over a local disk: mapped, read ahead
     ("fuse", 0.0021, ("direct", "fuse", "round-trip")),     # a round trip per request: many in flight
-    ("nfs", 0.0009, ("direct", None, "passthrough")),
+    ("nfs", 0.0009, ("mmap", None, "passthrough")),
     ("nfs", None, ("direct", "nfs", "round-trip")),         # O_DIRECT refused, nothing timed: by kind, as before
 ])
 def test_auto_picks_the_cold_backend_from_the_timed_request(tmp_path, monkeypatch, remote, latency_s, want) -> None:
@@ -216,9 +217,12 @@ def test_auto_picks_the_cold_backend_from_the_timed_request(tmp_path, monkeypatc
     choices = [choose_backend(str(path), "auto") for path in paths]
     assert {(c.backend, c.remote, c.tuning) for c in choices} == {want}
     assert probed == ([str(paths[0])] if remote else [])  # once per mount: its other files reuse the answer
-    with shardkit.open(paths[1]) as ckpt:  # and the reader is sized by the tuning
+    with shardkit.open(paths[1]) as ckpt:  # and the reader is sized by the tuning (a map has none)
         reader = ckpt.reader_of("w")
-        assert reader is not None and reader.chunk_bytes == readers.TUNINGS[want[2]].chunk_bytes
+        if want[0] == "mmap":
+            assert reader is None and ckpt.read_report()[0]["backend"] == "mmap"
+        else:
+            assert reader is not None and reader.chunk_bytes == readers.TUNINGS[want[2]].chunk_bytes
     monkeypatch.setattr(residency, "cached_fraction", lambda p, **kw: 1.0)
     assert choose_backend(str(path), "auto").backend == "mmap"  # warm: no probe needed
     residency.forget_mount_latencies()
