@@ -181,3 +181,21 @@ def test_a_warm_local_file_is_read_with_one_pread_per_request_as_auto_would_map_
         for entry in src.entries():
             assert bytes(src.read(entry, 0, entry.nbytes)) == tensors[entry.name].numpy().tobytes()
         assert all(isinstance(r, CachedReads) for r in src._reads.values())
+
+
+def test_a_cold_file_on_a_passthrough_mount_is_copied_by_parallel_reads_not_through_the_map(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` maps a cold file on a mount answering like a local disk (for tensors handed to callers);
+    a source copies every byte anyway, so it reads that file in parallel (O_DIRECT where taken)."""
+    from shardkit.reading.residency import BackendChoice
+    from shardkit.reading.sequential import RangeReads
+    from shardkit.sources import safetensors as st
+
+    path, tensors = _checkpoint(tmp_path)
+    choice = BackendChoice("mmap", "passthrough (test)", None, "passthrough")
+    monkeypatch.setattr(st, "choose_backend", lambda p, read, fd=None: choice)
+    with open_source(path) as src:
+        for entry in src.entries():
+            assert bytes(src.read(entry, 0, entry.nbytes)) == tensors[entry.name].numpy().tobytes()
+        assert all(isinstance(r, RangeReads) for r in src._reads.values())
+        assert {r.reader.chunk_bytes for r in src._reads.values()} == {readers.PASSTHROUGH_CHUNK_BYTES}

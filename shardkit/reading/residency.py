@@ -5,16 +5,16 @@ and what one request costs there (timed).
 copy at all), and the slowest on network and FUSE filesystems and cold caches, where every page
 fault is a small synchronous round trip. Large parallel ``pread`` calls keep those busy instead.
 ``choose_backend`` picks between them for ``read="auto"``. A cold file on a network or FUSE
-filesystem is read with O_DIRECT (no page cache in between: fewer, larger requests, and each byte
-copied once) and the mount is judged by what it does, not by its kind: one request is timed once per
-mount per process (:func:`mount_latency_s`). A mount whose requests come back fast (a passthrough FUSE
-such as bindfs over a local disk, a container volume) gets the ``passthrough`` tuning (few threads,
-large requests: least CPU); one where each request is a round trip (a network mount) the
-``round-trip`` tuning (many requests in flight).
+filesystem is judged by what its mount does, not by its kind: one request is timed once per mount
+per process (:func:`mount_latency_s`). Where each request is a round trip (a network mount), it is
+read with O_DIRECT, many requests in flight (the ``round-trip`` tuning: no page cache in between,
+each byte copied once). Where requests come back fast (a passthrough FUSE such as bindfs over a
+local disk, a container volume: the ``passthrough`` tuning) it is memory-mapped as safetensors does,
+with parallel read-ahead (:mod:`~shardkit.reading.map_ahead`): the map's CPU, more requests in flight.
 
 choose_backend("model.safetensors", "auto")
-BackendChoice(backend='direct', reason='fuse filesystem answering like a local disk (0.08 ms per request), cold: ...',
-              remote=None, tuning='passthrough')
+BackendChoice(backend='mmap', reason='fuse filesystem answering like a local disk (0.08 ms per request): mapped,
+              read ahead in parallel, cold: ...', remote=None, tuning='passthrough')
 """
 
 from __future__ import annotations
@@ -46,13 +46,14 @@ REMOTE_MAGICS = {
 WARM_FRACTION_LOCAL = 0.5
 WARM_FRACTION_REMOTE = 0.9
 _SAMPLE_PAGES = 4096       # pages probed per file, spread evenly (mincore is cheap, but 1 byte/page)
-# A cold network/FUSE file is read with O_DIRECT either way; the fastest of a few one-page O_DIRECT
-# requests (once per mount per process) picks the tuning. Slower than this, the mount costs a round trip
-# per request: many requests in flight (``round-trip``: 16 x 4 MiB); faster, it answers like a local disk:
-# fewer, larger requests (``passthrough``), which cost less CPU. Measured on bindfs over this project's
-# local disk (1 request 0.05-0.3 ms; every FUSE request 128 KiB whatever the call): 200 MiB cold in
-# 0.86 s with 16 MiB O_DIRECT calls, 2.05 s with buffered 32 MiB preads, 2.45 s through a memory map;
-# 1.8 GB over 4 files: CPU 0.87 s (direct 8 x 8 MiB) against 1.4-4.2 s (buffered pread), 0.8 s (mmap).
+# The fastest of a few one-page O_DIRECT requests (once per mount per process) picks how a cold
+# network/FUSE file is read. Slower than this, the mount costs a round trip per request: O_DIRECT, many
+# requests in flight (``round-trip``: 16 x 4 MiB). Faster, it answers like a local disk (``passthrough``):
+# a memory map with parallel read-ahead. Measured on bindfs over this project's local disk (1 request
+# 0.05-0.3 ms; every FUSE request 128 KiB whatever the call), 1.72 GB in 4 files, cold, median of 5
+# (docs/benchmarks.md): safetensors' map 3.02 s (CPU 0.90), O_DIRECT 8 x 8 MiB 3.70 s (CPU 1.52), map +
+# read-ahead 1.94 s (CPU 0.94). O_DIRECT's extra CPU (fresh memory zeroed, more threads) lost to the
+# map whenever the disk was fast; the read-ahead keeps the map's CPU.
 ROUND_TRIP_S = 1e-3
 LATENCY_PROBES = 3
 _MOUNTS_REMEMBERED = 256   # mounts whose probe result a process keeps (mount_identity -> seconds or None)
@@ -72,7 +73,7 @@ class BackendChoice:
     # in flight. None for a local disk, and for a mount whose requests come back like a local disk's.
     remote: str | None = None
     # How the reader sizes its requests (``readers.TUNINGS``): "local", "passthrough" or "round-trip";
-    # None: from ``remote`` ("round-trip" where set, else "local").
+    # None: from ``remote`` ("round-trip" where set, else "local"). A "passthrough" map reads ahead.
     tuning: str | None = None
 
 

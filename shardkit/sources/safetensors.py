@@ -108,9 +108,12 @@ class SafetensorsSource(Source):
             return self._parallel(reader, remote.size_bytes)
         fd = self._fd(path)
         choice = choose_backend(path, "auto", fd=fd)
-        if choice.backend == "mmap":
+        if choice.backend == "mmap" and choice.tuning is None:  # warm
             return CachedReads(fd, size_bytes=os.fstat(fd).st_size)
-        reader = open_reader(path, choice.backend, fd=fd, remote=choice.remote is not None, tuning=choice.tuning, quiet=True)
+        # A cold passthrough mount is mapped for tensors handed to callers (no copy); a job copies every
+        # byte anyway, so it reads in parallel with O_DIRECT, sized for that mount.
+        backend = "direct" if choice.backend == "mmap" else choice.backend
+        reader = open_reader(path, backend, fd=fd, remote=choice.remote is not None, tuning=choice.tuning, quiet=True)
         return self._parallel(reader, os.fstat(fd).st_size)
 
     def _parallel(self, reader: Reader, size_bytes: int) -> RangeReads:
