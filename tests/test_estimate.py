@@ -65,7 +65,7 @@ def test_specs_are_directly_applicable_and_ranked(tmp_path):
     specs = strategy_specs()
     assert len(specs) == 18 and [s.speed_rank for s in specs] == list(range(18))
     slowdowns = [s.strategy.slowdown_with(s.fp8) for s in specs]
-    assert slowdowns == sorted(slowdowns) and specs[0].name == "gpu" and specs[-1].name == "sequential+fp8"
+    assert slowdowns == sorted(slowdowns) and specs[0].name == "gpu" and specs[-1].name == "group_leaf+fp8"
     model = plain_net()
     ids = torch.tensor([[1, 2, 3]])
     ref = model(ids).detach()

@@ -195,4 +195,5 @@ def rank(profiles: Sequence[ComponentProfile], budget: Budget, *, margin: Margin
     with_fp8 = allow_fp8 and "fp8" not in excluded and any(p.fp8_saving_bytes > 0 for p in profiles)
     candidates = [evaluate(s, fp8, profiles, budget, margin) for s in strategies
                   for fp8 in ([False, True] if with_fp8 else [False])]
-    return sorted(candidates, key=lambda c: (round(c.slowdown, 6), c.strategy.min_gpus, sum(c.peaks.gpu)))
+    # At the same speed: fewer GPUs, then without fp8 casting (it changes the outputs), then the smaller peak.
+    return sorted(candidates, key=lambda c: (round(c.slowdown, 6), c.strategy.min_gpus, c.fp8, sum(c.peaks.gpu)))

@@ -105,8 +105,8 @@ def strategy_peaks(
 
     >>> c = ComponentSizes("m", Footprint(100, 40), rest=Footprint(10, 10),
     ...                    block_lists=((Footprint(45, 15), Footprint(45, 15)),))
-    >>> [e.param_bytes for e in strategy_peaks([c])][:2]
-    [100, 40]
+    >>> [(e.spec.name, e.param_bytes) for e in strategy_peaks([c])][:3]
+    [('gpu', 100), ('model_offload', 100), ('gpu+fp8', 40)]
     """
     if not components:
         raise InvalidInputError("memory estimate: no components with parameters")

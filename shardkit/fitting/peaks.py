@@ -16,16 +16,26 @@ gpu (all on one GPU)        1.0x   Σ stored + largest live
 balanced across GPUs        1.0x   per GPU: its whole components + their largest live
 staged (denoiser split)     1.05x  per GPU: its share of denoiser blocks + other components
 model_offload               1.25x  largest (stored + live)
-group_block_stream          1.35x  rest + 2 blocks run one after the other (the next is prefetched) + live
-group_leaf_stream           1.5x   2 largest leaves + nonleaf tensors + live
-group_block_4/2/1           1.7x–1.9x  rest + the largest window of n blocks + live
-group_leaf                  3.0x   largest leaf + nonleaf tensors + live
-sequential                  8.0x   largest leaf + nonleaf tensors + live
+group_block_stream          4.0x   rest + 2 blocks run one after the other (the next is prefetched) + live
+group_leaf_stream           4.2x   2 largest leaves + nonleaf tensors + live
+sequential                  17.5x  largest leaf + nonleaf tensors + live
+group_block_4/2/1           18x–20x  rest + the largest window of n blocks + live
+group_leaf                  21x    largest leaf + nonleaf tensors + live
 ==========================  =====  ======================================================
 
+Speeds are time per step relative to all on one GPU, measured on an NVIDIA H200 (PCIe gen 5) with
+the SDXL UNet (bf16, 1024x1024) and the SD 1.5 UNet (fp16, 512x512), rounded (docs/benchmarks.md,
+"GPU"): where the two models agreed (sequential ahead of every non-stream group offload, leaf level
+last) that order; where they did not (4, 2 or 1 blocks per group), fewer per group slower. Staged,
+balanced and model offload were not measured (model offload moves whole components once per image). A GPU with less compute per PCIe byte
+than an H200 pays less for offloading; the order is what ``fit`` uses.
+
 Offloading strategies run one component at a time and hold every offloaded weight in CPU RAM.
-fp8 layerwise casting multiplies the time by :data:`FP8_SLOWDOWN`; with leaf units the running
-layer may be the cast one (fp8 copy + upcast copy) or the largest uncast one, whichever is larger.
+fp8 layerwise casting multiplies the time by the strategy's ``fp8_slowdown``: 1.8x where the weights
+stay on the GPU (every layer is upcast at every step, measured); 1.0 where they are offloaded (it
+measured 0.56-0.95x there, fewer bytes crossing the bus, but it changes the outputs, so ``fit`` never
+picks it for speed, only to fit). With leaf units the running layer may be the cast one (fp8 copy +
+upcast copy) or the largest uncast one, whichever is larger.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ from .activations import NO_SWITCH, switch_key
 from .profile import ComponentProfile
 from .weights import ComponentSizes
 
-FP8_SLOWDOWN = 1.10
+FP8_RESIDENT_SLOWDOWN = 1.8  # fp8 casting where the weights stay on the GPU: measured 1.78-1.84x on an H200
 SWITCH_SLOWDOWN = {"vae_slicing": 1.0, "vae_tiling": 1.03, "attention_slicing": 1.10}
 
 
@@ -101,10 +111,11 @@ class Strategy:
     offload: str | None = None
     offload_options: Mapping[str, object] = field(default_factory=dict)
     resident: str | None = None
+    fp8_slowdown: float = 1.0  # what fp8 layerwise casting multiplies the time by (never below 1: see above)
 
     def slowdown_with(self, fp8: bool, switches: Iterable[str] = ()) -> float:
         """Expected time per image relative to all on one GPU, with fp8 casting and switches."""
-        factor = self.slowdown * (FP8_SLOWDOWN if fp8 else 1.0)
+        factor = self.slowdown * (self.fp8_slowdown if fp8 else 1.0)
         for s in switches:
             factor *= SWITCH_SLOWDOWN.get(s, 1.0)
         return factor
@@ -242,21 +253,24 @@ def _group_strategy(name: str, label: str, slowdown: float, unit: Unit, options:
 
 
 STRATEGIES: tuple[Strategy, ...] = (
-    Strategy("gpu", "all on one GPU", 1.0, _whole_gpu, resident="device"),
-    Strategy("balanced", "components balanced across GPUs", 1.0, _balanced, min_gpus=2),
-    Strategy("staged", "staged: denoiser split across GPUs", 1.05, _staged, min_gpus=2),
-    Strategy("model_offload", "model offload", 1.25, _offloaded(_whole), offload="model"),
-    _group_strategy("group_block_stream", "group offload, block, stream", 1.35, _blocks(1, True),
+    Strategy("gpu", "all on one GPU", 1.0, _whole_gpu, resident="device", fp8_slowdown=FP8_RESIDENT_SLOWDOWN),
+    Strategy("balanced", "components balanced across GPUs", 1.0, _balanced, min_gpus=2,
+             fp8_slowdown=FP8_RESIDENT_SLOWDOWN),
+    Strategy("staged", "staged: denoiser split across GPUs", 1.05, _staged, min_gpus=2,
+             fp8_slowdown=FP8_RESIDENT_SLOWDOWN),
+    Strategy("model_offload", "model offload", 1.25, _offloaded(_whole), offload="model",
+             fp8_slowdown=FP8_RESIDENT_SLOWDOWN),
+    _group_strategy("group_block_stream", "group offload, block, stream", 4.0, _blocks(1, True),
                     _group("block_level", 1, True)),
-    _group_strategy("group_leaf_stream", "group offload, leaf, stream", 1.5, _leaves(True),
+    _group_strategy("group_leaf_stream", "group offload, leaf, stream", 4.2, _leaves(True),
                     _group("leaf_level", None, True)),
-    _group_strategy("group_block_4", "group offload, block, 4 per group", 1.7, _blocks(4, False),
+    Strategy("sequential", "sequential offload", 17.5, _offloaded(_leaves(False)), offload="sequential"),
+    _group_strategy("group_block_4", "group offload, block, 4 per group", 18.0, _blocks(4, False),
                     _group("block_level", 4, False)),
-    _group_strategy("group_block_2", "group offload, block, 2 per group", 1.8, _blocks(2, False),
+    _group_strategy("group_block_2", "group offload, block, 2 per group", 19.0, _blocks(2, False),
                     _group("block_level", 2, False)),
-    _group_strategy("group_block_1", "group offload, block, 1 per group", 1.9, _blocks(1, False),
+    _group_strategy("group_block_1", "group offload, block, 1 per group", 20.0, _blocks(1, False),
                     _group("block_level", 1, False)),
-    _group_strategy("group_leaf", "group offload, leaf", 3.0, _leaves(False), _group("leaf_level", None, False)),
-    Strategy("sequential", "sequential offload", 8.0, _offloaded(_leaves(False)), offload="sequential"),
+    _group_strategy("group_leaf", "group offload, leaf", 21.0, _leaves(False), _group("leaf_level", None, False)),
 )
 CPU_STRATEGY = Strategy("cpu", "all on the CPU (no GPU budget)", 1.0, _cpu_only, min_gpus=0, resident="cpu")
