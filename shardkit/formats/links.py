@@ -20,7 +20,7 @@ import stat
 from ..errors import InvalidInputError
 
 __all__ = ["BOUNDARY_RULE", "LINK_RULE", "MAX_JSON_BYTES", "OutsideFolderError", "UntrustedFileError", "check_name", "check_write_target",
-           "leads_outside", "link_target", "open_inside", "open_parent", "open_regular", "parse_json", "read_fd", "read_inside",
+           "fd_path", "leads_outside", "link_target", "open_inside", "open_parent", "open_regular", "parse_json", "read_fd", "read_inside",
            "read_regular"]
 
 LINK_RULE = "shardkit follows such links only inside the folder or into a Hugging Face cache's blobs/"
@@ -221,6 +221,16 @@ def _kind(mode: int) -> str:
         if test(mode):
             return kind
     return "a special file"
+
+
+def fd_path(fd: int, path: str) -> str:
+    """A path naming the very file open on ``fd`` (``/proc/self/fd/N``), for a library that opens by name.
+
+    Opening it reaches the checked file even if ``path`` was swapped since; ``path`` itself where
+    the system has no ``/proc``.
+    """
+    proc = f"/proc/self/fd/{fd}"
+    return proc if os.path.exists(proc) else path
 
 
 def read_fd(fd: int, *, path: str) -> bytes:

@@ -93,7 +93,10 @@ def is_pickle_index_folder(path: str) -> bool:
 def _open_pickle_index_folder(path: str, *, key: str | None = None, **_: object) -> Source:
     from .pickle_index import find_pickle_index, open_pickle_index
 
-    return open_pickle_index(find_pickle_index(path) or path, key=key)
+    index = find_pickle_index(path)
+    if index is None:
+        raise SourceNotFoundError(f"{path}: no pytorch_model.bin.index.json in this folder")
+    return open_pickle_index(index, key=key, inside=path)  # found in the folder: its boundary applies
 
 
 def _is_single_pickle_folder(path: str) -> bool:
@@ -106,7 +109,10 @@ def _open_single_pickle_folder(path: str, *, key: str | None = None, **_: object
     from .pickle import open_pickle
     from .pickle_index import find_single_pickle
 
-    return open_pickle(find_single_pickle(path) or path, key=key)
+    single = find_single_pickle(path)
+    if single is None:
+        raise SourceNotFoundError(f"{path}: no pytorch_model.bin in this folder")
+    return open_pickle(single, key=key, inside=path)  # found in the folder: its boundary applies
 
 
 def _is_gguf_file(path: str) -> bool:

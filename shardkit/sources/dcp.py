@@ -18,34 +18,25 @@ present, as ``accelerate merge-weights`` does.
 
 from __future__ import annotations
 
-import io
 import math
 import os
-import pickle
-import struct
 import warnings
-import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import Any
 
 from ..errors import (
     InvalidInputError,
     ShardkitWarning,
     SourceNotFoundError,
-    UnsafePickleError,
 )
 from ..formats.header import TensorEntry
 from ..formats.index import Naming
+from ..formats.links import check_name, open_inside
 from ..formats.suffixes import DCP_DATA_SUFFIX as DATA_SUFFIX
 from .base import Source, pread_exactly
-from .dcp_metadata import (
-    MAX_METADATA_BYTES,
-    METADATA_FILE,
-    StoredTensor,
-    load_chunk_record,
-    load_metadata,
-)
+from .dcp_metadata import MAX_METADATA_BYTES, METADATA_FILE, check_tiling, load_metadata
+from .dcp_records import Chunk, locate_chunk, record_bytes
 
 __all__ = ["DATA_SUFFIX", "MAX_METADATA_BYTES", "METADATA_FILE", "DCPSource", "is_dcp_folder", "load_metadata",
            "locate_chunk", "open_dcp"]
@@ -60,87 +51,6 @@ def is_dcp_folder(path: str) -> bool:
     return os.path.isfile(os.path.join(path, METADATA_FILE)) or any(n.endswith(DATA_SUFFIX) for n in os.listdir(path))
 
 
-# ----------------------------------------------------------------------------- chunks
-
-@dataclass
-class _Chunk:
-    """One stored piece of a tensor: where it sits in the full tensor and in its file."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    file: str
-    blob_offset: int
-    blob_length: int
-    data_offset: int | None = None  # absolute offset of its contiguous bytes, when located
-
-
-class _FileSlice(io.RawIOBase):
-    """A read-only, seekable window onto ``[offset, offset + length)`` of an open file."""
-
-    def __init__(self, f: IO[bytes], offset: int, length: int) -> None:
-        self.f, self.offset, self.length, self.pos = f, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buf: Any) -> int:
-        n = max(0, min(len(buf), self.length - self.pos))
-        self.f.seek(self.offset + self.pos)
-        data = self.f.read(n)
-        buf[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
-
-
-def locate_chunk(chunk: _Chunk, f: IO[bytes], *, dtype: str, itemsize: int) -> int | None:
-    """Absolute offset of the chunk's bytes in its file, or None when they are not one plain run."""
-    try:
-        with zipfile.ZipFile(_FileSlice(f, chunk.blob_offset, chunk.blob_length)) as z:
-            pkl = next(n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
-            record = load_chunk_record(z.read(pkl))
-            if not isinstance(record, StoredTensor):
-                return None
-            prefix = pkl[: -len("data.pkl")]
-            info = z.getinfo(f"{prefix}data/{record.key}")
-    except (zipfile.BadZipFile, StopIteration, KeyError, pickle.UnpicklingError, EOFError, ValueError, TypeError):
-        return None
-    contiguous = _is_contiguous(record.shape, record.stride)
-    if record.storage_dtype != dtype or record.shape != chunk.sizes or not contiguous:
-        return None
-    if info.compress_type != zipfile.ZIP_STORED:
-        return None
-    f.seek(chunk.blob_offset + info.header_offset)
-    local = f.read(30)
-    if len(local) < 30 or local[:4] != b"PK\x03\x04":
-        return None
-    name_len: int
-    extra_len: int
-    name_len, extra_len = struct.unpack("<HH", local[26:30])
-    start = info.header_offset + 30 + name_len + extra_len + record.storage_offset * itemsize
-    if start + math.prod(chunk.sizes) * itemsize > info.header_offset + 30 + name_len + extra_len + info.file_size:
-        return None
-    return chunk.blob_offset + start
-
-
-def _is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    expected = 1
-    for size, step in reversed(list(zip(shape, stride, strict=True))):
-        if size != 1 and step != expected:
-            return False
-        expected *= size
-    return True
-
-
 # ----------------------------------------------------------------------------- the source
 
 @dataclass
@@ -148,7 +58,7 @@ class _Tensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    chunks: list[_Chunk]
+    chunks: list[Chunk]
 
 
 class DCPSource(Source):
@@ -160,7 +70,7 @@ class DCPSource(Source):
         self.naming = Naming()
         self._tensors = {t.name: t for t in tensors}
         self.paths = tuple(sorted({c.file for t in tensors for c in t.chunks}))
-        self._entries = [_entry(t) for t in tensors]
+        self._entries: list[TensorEntry] = []  # set by open_dcp once every chunk is located
         self._loaded: tuple[tuple[str, int], memoryview] | None = None
 
     def entries(self) -> list[TensorEntry]:
@@ -172,29 +82,20 @@ class DCPSource(Source):
             return self._chunk_bytes(tensor.chunks[0], entry.dtype, begin, end, name=entry.name)
         return self._assemble(tensor, begin, end)
 
-    def _chunk_bytes(self, chunk: _Chunk, dtype: str, begin: int, end: int, *, name: str) -> bytes | memoryview:
+    def _chunk_bytes(self, chunk: Chunk, dtype: str, begin: int, end: int, *, name: str) -> bytes | memoryview:
         if chunk.data_offset is not None:
             return pread_exactly(self._fd(chunk.file), end - begin, chunk.data_offset + begin, file=chunk.file,
                                  name=name)
-        return self._load_chunk(chunk)[begin:end]
+        return self._load_chunk(chunk, dtype)[begin:end]
 
-    def _load_chunk(self, chunk: _Chunk) -> memoryview:
+    def _load_chunk(self, chunk: Chunk, dtype: str) -> memoryview:
         """Fallback for chunks whose bytes are not one run: ``torch.load(weights_only=True)`` on the record."""
-        import torch
-
-        from .memory import host_bytes
-
         key = (chunk.file, chunk.blob_offset)
         if self._loaded is None or self._loaded[0] != key:
             self._loaded = None
-            with open(chunk.file, "rb") as f:
-                f.seek(chunk.blob_offset)
-                blob = io.BytesIO(f.read(chunk.blob_length))
-            try:
-                value = torch.load(blob, map_location="cpu", weights_only=True)
-            except Exception as e:
-                raise UnsafePickleError(f"{chunk.file}: chunk at byte {chunk.blob_offset} is not a plain tensor ({e})") from e
-            self._loaded = (key, host_bytes(value))
+            blob = pread_exactly(self._fd(chunk.file), chunk.blob_length, chunk.blob_offset, file=chunk.file,
+                                 name=f"chunk at byte {chunk.blob_offset}")
+            self._loaded = (key, record_bytes(chunk, blob, nbytes=math.prod(chunk.sizes) * _itemsize(dtype)))
         return self._loaded[1]
 
     def _assemble(self, tensor: _Tensor, begin: int, end: int) -> bytes:
@@ -260,6 +161,10 @@ def _entry(t: _Tensor) -> TensorEntry:
 def open_dcp(folder: str, *, key: str | None = None) -> DCPSource:
     """Open a DCP folder (see the module docstring).
 
+    Every file is opened through the folder boundary (:mod:`shardkit.formats.links`): ``.metadata``
+    names its data files by plain relative names inside the folder, each chunk list must tile its
+    tensor exactly, and the descriptors opened here are the ones every later read goes through.
+
     with open_dcp("fsdp-checkpoint/") as src:
         [e.name for e in src.entries()][:2]
     """
@@ -268,9 +173,18 @@ def open_dcp(folder: str, *, key: str | None = None) -> DCPSource:
     selected = _select(metadata.state_dict_metadata, paths, key=key, where=folder)
     storage = {(k.fqn, tuple(k.offset) if k.offset is not None else None): v for k, v in metadata.storage_data.items()}
     tensors = [_build_tensor(folder, fqn, name, metadata.state_dict_metadata[fqn], storage) for fqn, name in selected]
-    _locate_all(tensors)
+    for tensor in tensors:
+        _check_chunks(tensor, where=f"{os.path.join(folder, METADATA_FILE)}: tensor {tensor.name!r}")
     chosen = f" (key {key!r})" if key else ""
-    return DCPSource(folder, tensors, description=f"DCP checkpoint {folder}{chosen}")
+    source = DCPSource(folder, tensors, description=f"DCP checkpoint {folder}{chosen}")
+    try:
+        _open_data_files(folder, tensors, source._held_fds())
+        _locate_all(tensors, source._held_fds())
+    except BaseException:
+        source.close()
+        raise
+    source._entries = [_entry(t) for t in tensors]
+    return source
 
 
 def _select(items: Mapping[str, object], paths: Mapping[str, Sequence[object]], *, key: str | None, where: str) -> list[tuple[str, str]]:
@@ -319,28 +233,46 @@ def _build_tensor(folder: str, fqn: str, name: str, meta: Any, storage: dict[tup
                 f"{folder}: tensor {fqn!r} is stored with transforms {list(info.transform_descriptors)} "
                 "(e.g. compression); only plain DCP checkpoints are supported"
             )
-        path = os.path.join(folder, info.relative_path)
-        chunks.append(_Chunk(tuple(chunk.offsets), tuple(chunk.sizes), path, info.offset, info.length))
+        where = f"{os.path.join(folder, METADATA_FILE)}: chunk of {fqn!r} at {list(chunk.offsets)}"
+        path = os.path.join(folder, *check_name(info.relative_path, where=where))  # a name inside the folder
+        if not all(isinstance(v, int) and 0 <= v < 2**63 for v in (info.offset, info.length)):
+            raise InvalidInputError(f"{where}: byte offset {info.offset!r} and length {info.length!r} must be "
+                                    "non-negative integers; the checkpoint is damaged or was edited: re-save it")
+        chunks.append(Chunk(tuple(chunk.offsets), tuple(chunk.sizes), path, info.offset, info.length))
     return _Tensor(name, from_torch(meta.properties.dtype), tuple(meta.size), chunks)
 
 
-def _locate_all(tensors: list[_Tensor]) -> None:
-    """Check every data file exists and is long enough, then find each chunk's bytes."""
-    handles: dict[str, IO[bytes]] = {}
-    try:
-        for t in tensors:
-            for chunk in t.chunks:
-                f = handles.get(chunk.file)
-                if f is None:
-                    if not os.path.isfile(chunk.file):
-                        raise SourceNotFoundError(
-                            f"{os.path.dirname(chunk.file)}: .metadata names data file "
-                            f"{os.path.basename(chunk.file)}, which does not exist (tensor {t.name!r})"
-                        )
-                    f = handles[chunk.file] = open(chunk.file, "rb")
-                if chunk.blob_offset + chunk.blob_length > os.fstat(f.fileno()).st_size:
-                    raise InvalidInputError(f"{chunk.file}: shorter than .metadata says (truncated?); tensor {t.name!r}")
-                chunk.data_offset = locate_chunk(chunk, f, dtype=t.dtype, itemsize=_itemsize(t.dtype))
-    finally:
-        for f in handles.values():
-            f.close()
+def _check_chunks(t: _Tensor, *, where: str) -> None:
+    """The chunks tile the tensor exactly (:func:`check_tiling`), each from bytes of its own."""
+    check_tiling(t.shape, [(c.offsets, c.sizes) for c in t.chunks], where=where)
+    blobs = [(c.file, c.blob_offset) for c in t.chunks if math.prod(c.sizes)]
+    if len(set(blobs)) != len(blobs):
+        raise InvalidInputError(f"{where}: two of its chunks name the same stored bytes; each chunk of a DCP "
+                                "checkpoint is saved once: the checkpoint is damaged or was edited; re-save it")
+
+
+def _open_data_files(folder: str, tensors: list[_Tensor], fds: dict[str, int]) -> None:
+    """One checked descriptor per data file (:func:`~shardkit.formats.links.open_inside`), into ``fds``.
+
+    A link leading outside the folder, a FIFO or a device is refused before any byte is read.
+    """
+    for t in tensors:
+        for chunk in t.chunks:
+            if chunk.file in fds:
+                continue
+            name = os.path.relpath(chunk.file, folder).replace(os.sep, "/")
+            try:
+                fds[chunk.file] = open_inside(folder, name, where=os.path.join(folder, METADATA_FILE))
+            except FileNotFoundError:
+                raise SourceNotFoundError(f"{folder}: .metadata names data file {name}, which does not exist "
+                                          f"(tensor {t.name!r})") from None
+
+
+def _locate_all(tensors: list[_Tensor], fds: dict[str, int]) -> None:
+    """Check every chunk lies inside its data file, then find each chunk's bytes."""
+    sizes = {path: os.fstat(fd).st_size for path, fd in fds.items()}
+    for t in tensors:
+        for chunk in t.chunks:
+            if chunk.blob_offset + chunk.blob_length > sizes[chunk.file]:
+                raise InvalidInputError(f"{chunk.file}: shorter than .metadata says (truncated?); tensor {t.name!r}")
+            chunk.data_offset = locate_chunk(chunk, fds[chunk.file], dtype=t.dtype, itemsize=_itemsize(t.dtype))

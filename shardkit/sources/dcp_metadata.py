@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import io
+import math
 import os
 import pickle
 import struct
@@ -19,12 +20,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError, SourceNotFoundError, UnsafePickleError
+from ..formats.links import open_inside
 from ..formats.suffixes import DCP_DATA_SUFFIX as DATA_SUFFIX
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
     from types import ModuleType
-    
+
     from torch.distributed.checkpoint.metadata import Metadata
 
 METADATA_FILE = ".metadata"
@@ -69,21 +71,24 @@ def _allowed_metadata_global(module: str, name: str, torch: ModuleType) -> objec
 
 
 def load_metadata(folder: str) -> Metadata:
-    """Unpickle ``folder/.metadata`` with the allowlist above.
+    """Unpickle ``folder/.metadata`` with the allowlist above, read through one checked descriptor.
+
+    The file is opened by :func:`~shardkit.formats.links.open_inside`: a ``.metadata`` that is a
+    symlink leading outside the folder, a FIFO or a device is refused before a byte is read.
 
     load_metadata("fsdp-checkpoint/").state_dict_metadata.keys()
     """
     path = os.path.join(folder, METADATA_FILE)
-    if not os.path.isfile(path):
+    try:
+        fd = open_inside(folder, METADATA_FILE, where=folder, max_bytes=MAX_METADATA_BYTES)
+    except FileNotFoundError:
         data = sorted(n for n in os.listdir(folder) if n.endswith(DATA_SUFFIX))
         raise SourceNotFoundError(
             f"{folder}: DCP folder has no {METADATA_FILE} file"
             + (f" (found {len(data)} .distcp data file(s); the save did not finish or the file was lost)" if data else "")
-        )
-    if os.path.getsize(path) > MAX_METADATA_BYTES:
-        raise InvalidInputError(f"{path}: too large to be DCP metadata")
+        ) from None
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(fd, "rb") as f:
             metadata: Metadata = _MetadataUnpickler(f).load()  # checked below
     except pickle.UnpicklingError as e:
         raise UnsafePickleError(f"{path}: refused to unpickle DCP metadata ({e}); shardkit never executes pickled code") from e
@@ -168,3 +173,61 @@ def load_chunk_record(raw: bytes) -> object:
     '0'
     """
     return _BlobUnpickler(io.BytesIO(raw)).load()
+
+
+# ----------------------------------------------------------------------------- chunk tiling
+
+MAX_DIM = 2**63  # every dimension below it: torch sizes are signed 64-bit
+MAX_OVERLAP_CHECKS = 10_000_000  # box comparisons per tensor; real layouts (FSDP rows, TP columns) need a few per chunk
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes)
+
+
+def check_tiling(shape: Sequence[int], boxes: Sequence[Box], *, where: str) -> None:
+    """Refuse chunks that do not tile ``shape`` exactly: outside it, overlapping, or leaving elements uncovered.
+
+    Each chunk lies inside the shape, no two overlap, and their element counts sum to the shape's:
+    so together they cover every element exactly once, and nothing is ever filled with zeros.
+
+    >>> check_tiling((4, 2), [((0, 0), (2, 2)), ((2, 0), (2, 2))], where="x")
+    >>> check_tiling((4, 2), [((0, 0), (2, 2))], where="x")
+    Traceback (most recent call last):
+    ...
+    shardkit.errors.InvalidInputError: x: its chunks cover 4 of the 8 elements of shape [4, 2]; ...
+    """
+    fix = "a DCP checkpoint's chunks must tile each tensor exactly: the checkpoint is damaged or was edited; re-save it"
+    if any(not isinstance(d, int) or d < 0 or d >= MAX_DIM for d in shape):
+        raise InvalidInputError(f"{where}: shape {list(shape)} has a dimension that is not an integer in [0, 2^63)")
+    covered = 0
+    for offsets, sizes in boxes:
+        if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                not isinstance(v, int) or v < 0 for v in (*offsets, *sizes)) or any(
+                o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
+            raise InvalidInputError(f"{where}: a chunk at {list(offsets)} of size {list(sizes)} lies outside shape "
+                                    f"{list(shape)}; {fix}")
+        covered += math.prod(sizes)
+    total = math.prod(shape)
+    if covered != total:
+        raise InvalidInputError(f"{where}: its chunks cover {covered} of the {total} elements of shape {list(shape)}; "
+                                f"{fix}")
+    _check_disjoint([b for b in boxes if math.prod(b[1])], where=where, fix=fix)
+
+
+def _check_disjoint(boxes: list[Box], *, where: str, fix: str) -> None:
+    """No two non-empty chunks share an element: a sweep along the first dimension."""
+    if len(boxes) < 2:
+        return
+    if not boxes[0][0]:  # a scalar: two chunks of one element each always overlap
+        raise InvalidInputError(f"{where}: {len(boxes)} chunks of one scalar; {fix}")
+    active: list[Box] = []
+    checks = 0
+    for box in sorted(boxes):
+        active = [a for a in active if a[0][0] + a[1][0] > box[0][0]]
+        checks += len(active)
+        if checks > MAX_OVERLAP_CHECKS:
+            raise InvalidInputError(f"{where}: {len(boxes)} chunks overlapping along the first dimension, too many to "
+                                    f"check; {fix}")
+        for other in active:
+            if all(o1 < o2 + s2 and o2 < o1 + s1 for o1, s1, o2, s2 in zip(box[0], box[1], other[0], other[1], strict=True)):
+                raise InvalidInputError(f"{where}: chunks at {list(other[0])} and {list(box[0])} overlap; {fix}")
+        active.append(box)

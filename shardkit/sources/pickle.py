@@ -25,6 +25,7 @@ from ..errors import (
 )
 from ..formats.header import TensorEntry
 from ..formats.index import naming_from_filename
+from ..formats.links import fd_path, open_inside, open_regular
 from .memory import MemorySource
 
 if TYPE_CHECKING:
@@ -33,17 +34,50 @@ if TYPE_CHECKING:
 STATE_DICT_KEYS = ("state_dict", "model", "module", "model_state_dict")
 
 
-def load_pickle(path: str) -> object:
-    """``torch.load`` with ``weights_only=True`` (and ``mmap=True`` for zip files), errors mapped."""
+def open_checked(path: str, *, inside: str | None = None) -> int:
+    """A checked read descriptor on the pickle ``path``: the folder boundary when it was found in ``inside``.
+
+    A file found in a folder goes through :func:`~shardkit.formats.links.open_inside` (a symlink
+    only inside the folder or into a Hugging Face cache's ``blobs/``); a file the user named goes
+    through :func:`~shardkit.formats.links.open_regular`. Either way a FIFO or device is refused
+    before a byte is read, and every later read (``torch.load`` included) goes through this descriptor.
+    """
+    try:
+        if inside is not None:
+            return open_inside(inside, os.path.relpath(path, inside).replace(os.sep, "/"), where=inside)
+        return open_regular(path)
+    except (FileNotFoundError, IsADirectoryError):
+        raise SourceNotFoundError(f"{path}: no such file") from None
+
+
+def load_pickle(path: str, *, fd: int | None = None) -> object:
+    """``torch.load`` with ``weights_only=True`` (and ``mmap=True`` for zip files), errors mapped.
+
+    ``fd``: a descriptor from :func:`open_checked` to load through (else ``path`` is opened so).
+    """
+    if fd is None:
+        fd = open_checked(path)
+        try:
+            return load_pickle(path, fd=fd)
+        finally:
+            os.close(fd)
+    if os.fstat(fd).st_size == 0:
+        raise InvalidInputError(f"{path}: file is empty")
+    checked = fd_path(fd, path)  # the checked file itself: a path swapped since cannot change what is loaded
+    is_zip = zipfile.is_zipfile(checked)
+    loaded = _torch_load(checked, path, mmap=is_zip)
+    if not is_zip:  # warned only once loaded: a refused file gets its one-line error alone
+        warnings.warn(
+            f"{path} is a legacy (non-zip) pickle: it is loaded fully into memory; "
+            "re-save it with torch.save to stream it", ShardkitWarning, stacklevel=3)
+    return loaded
+
+
+def _torch_load(checked: str, path: str, *, mmap: bool) -> object:
     import torch
 
-    if not os.path.isfile(path):
-        raise SourceNotFoundError(f"{path}: no such file")
-    if os.path.getsize(path) == 0:
-        raise InvalidInputError(f"{path}: file is empty")
-    is_zip = zipfile.is_zipfile(path)
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
+        return torch.load(checked, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         raise UnsafePickleError(
             f"{path}: refused to unpickle: it holds objects other than tensors ({_refusal_reason(e)}); "
@@ -52,11 +86,6 @@ def load_pickle(path: str) -> object:
     except Exception as e:  # torch's unpickler raises many kinds (IndexError, KeyError...) on garbage
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
         raise InvalidInputError(f"{path}: not a readable PyTorch checkpoint ({first})") from e
-    if not is_zip:  # warned only once loaded: a refused file gets its one-line error alone
-        warnings.warn(
-            f"{path} is a legacy (non-zip) pickle: it is loaded fully into memory; "
-            "re-save it with torch.save to stream it", ShardkitWarning, stacklevel=3)
-    return loaded
 
 
 _REFUSAL_RE = re.compile(
@@ -107,29 +136,43 @@ def _is_tensor(value: object) -> TypeGuard[torch.Tensor]:
     return isinstance(value, torch.Tensor)
 
 
-def zip_record_offsets(path: str) -> dict[str, tuple[int, int]]:
-    """Absolute data offset and size of each stored (uncompressed) member of a zip file."""
+def zip_record_offsets(path: str, *, fd: int | None = None) -> dict[str, tuple[int, int]]:
+    """Absolute data offset and size of each stored (uncompressed) member of a zip file (read through ``fd``)."""
+    if fd is None:
+        fd = open_checked(path)
+        try:
+            return zip_record_offsets(path, fd=fd)
+        finally:
+            os.close(fd)
     out: dict[str, tuple[int, int]] = {}
-    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+    with zipfile.ZipFile(fd_path(fd, path)) as z:
         for info in z.infolist():
             if info.compress_type != zipfile.ZIP_STORED:
                 continue
-            f.seek(info.header_offset)
-            local = f.read(30)
+            local = os.pread(fd, 30, info.header_offset)
+            if len(local) < 30:
+                continue
             name_len, extra_len = struct.unpack("<HH", local[26:30])
             out[info.filename] = (info.header_offset + 30 + name_len + extra_len, info.file_size)
     return out
 
 
-def locate_in_file(path: str, tensors: Mapping[str, torch.Tensor], *, every: object = None) -> dict[str, int]:
-    """File offsets of tensors that ``torch.load(mmap=True)`` mapped straight from ``path``.
+def locate_in_file(path: str, tensors: Mapping[str, torch.Tensor], *, every: object = None,
+                   fd: int | None = None) -> dict[str, int]:
+    """File offsets of tensors that ``torch.load(mmap=True)`` mapped straight from ``path`` (read through ``fd``).
 
     torch maps the whole file once; a storage's address minus the mapping base is its record's
     offset. The base is the one shift that maps every storage of the loaded object (``every``,
     which must hold all of them, or the selection is ambiguous) onto a record start. Located
     bytes are spot-checked against the file, so a wrong guess costs speed, never correctness.
     """
-    records = {off: size for name, (off, size) in zip_record_offsets(path).items() if "/data/" in name}
+    if fd is None:
+        fd = open_checked(path)
+        try:
+            return locate_in_file(path, tensors, every=every, fd=fd)
+        finally:
+            os.close(fd)
+    records = {off: size for name, (off, size) in zip_record_offsets(path, fd=fd).items() if "/data/" in name}
     ptrs = {t.untyped_storage().data_ptr() for t in _all_tensors(tensors if every is None else every) if t.numel()}
     if not ptrs or not records:
         return {}
@@ -138,14 +181,13 @@ def locate_in_file(path: str, tensors: Mapping[str, torch.Tensor], *, every: obj
     if len(bases) != 1:
         return {}
     located = {}
-    with open(path, "rb") as f:
-        for name, t in tensors.items():
-            record = t.untyped_storage().data_ptr() - bases[0]
-            start = record + int(t.storage_offset()) * t.element_size()
-            nbytes = t.numel() * t.element_size()
-            if record in records and t.numel() and t.is_contiguous() and start + nbytes <= record + records[record] \
-                    and _ends_match(f.fileno(), start, t):
-                located[name] = start
+    for name, t in tensors.items():
+        record = t.untyped_storage().data_ptr() - bases[0]
+        start = record + int(t.storage_offset()) * t.element_size()
+        nbytes = t.numel() * t.element_size()
+        if record in records and t.numel() and t.is_contiguous() and start + nbytes <= record + records[record] \
+                and _ends_match(fd, start, t):
+            located[name] = start
     return located
 
 
@@ -172,13 +214,28 @@ def _all_tensors(obj: object, depth: int = 0) -> list[torch.Tensor]:
     return []
 
 
-def open_pickle(path: str, *, key: str | None = None) -> MemorySource:
-    """A source over a pickled checkpoint; see the module docstring for the safety story."""
-    obj = load_pickle(path)
+def open_pickle(path: str, *, key: str | None = None, inside: str | None = None) -> MemorySource:
+    """A source over a pickled checkpoint; see the module docstring for the safety story.
+
+    ``inside``: the folder ``path`` was found in (not named by the user): the file is opened under
+    the folder boundary (:func:`open_checked`).
+    """
+    fd = open_checked(path, inside=inside)
+    try:
+        source = _pickle_source(path, fd, key=key)
+    except BaseException:
+        os.close(fd)
+        raise
+    source._held_fds()[path] = fd  # held: later reads and kernel copies see this file even if replaced
+    return source
+
+
+def _pickle_source(path: str, fd: int, *, key: str | None) -> MemorySource:
+    obj = load_pickle(path, fd=fd)
     tensors = select_state_dict(obj, key=key, where=path)
     source = MemorySource(tensors, description=f"pickle {path}", naming=naming_from_filename(path))
-    if zipfile.is_zipfile(path):
-        offsets = locate_in_file(path, tensors, every=obj)
+    if zipfile.is_zipfile(fd_path(fd, path)):
+        offsets = locate_in_file(path, tensors, every=obj, fd=fd)
         source._entries = [
             TensorEntry(e.name, e.dtype, e.shape, e.nbytes, path, offsets[e.name]) if e.name in offsets else e
             for e in source._entries
@@ -188,5 +245,4 @@ def open_pickle(path: str, *, key: str | None = None) -> MemorySource:
     # huggingface_hub rule is for state dicts in memory), so split, convert and sharded-pickle
     # folders of the same weights give the same shards.
     source.shard_rule = "sequential"
-    source._fd(path)  # held: later reads see this file even if replaced
     return source

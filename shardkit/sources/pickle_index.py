@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import os
 
-from ..errors import CheckpointIndexError
+from ..errors import CheckpointIndexError, SourceNotFoundError
 from ..formats.header import TensorEntry
-from ..formats.index import CheckpointIndex, folder_names, load_index, naming_from_filename
+from ..formats.index import (
+    MAX_INDEX_BYTES,
+    CheckpointIndex,
+    folder_names,
+    load_index,
+    naming_from_filename,
+    parse_index,
+)
+from ..formats.links import read_inside
 from ..formats.names import resolve_index_name
 from .base import Source
 from .memory import MemorySource
@@ -71,10 +79,7 @@ class PickleIndexSource(Source):
         return sorted(self.index.shard_names())
 
     def _add_shard(self, shard: str) -> None:
-        path = os.path.join(self.index.folder, shard)
-        if not os.path.isfile(path):
-            raise CheckpointIndexError(f"{self.index.path}: names shard {shard!r}, which does not exist in {self.index.folder}")
-        source = _open_shard(path, key=self.key)
+        source = self._open(shard)
         try:
             for entry in source.entries():
                 self._claim(entry.name, shard)
@@ -108,9 +113,17 @@ class PickleIndexSource(Source):
         shard = self._shard_of[entry.name]
         if self._current is None or self._current[0] != shard:
             self.close()  # let the previous shard's mapping go before opening the next
-            self._current = (shard, _open_shard(os.path.join(self.index.folder, shard), key=self.key))
+            self._current = (shard, self._open(shard))
         source = self._current[1]
         return source.read(entry, begin, end)
+
+    def _open(self, shard: str) -> MemorySource:
+        """The shard named by the index, opened under the folder boundary (a link only inside it or into a cache)."""
+        try:
+            return _open_shard(os.path.join(self.index.folder, shard), key=self.key, inside=self.index.folder)
+        except SourceNotFoundError:
+            raise CheckpointIndexError(f"{self.index.path}: names shard {shard!r}, which does not exist in "
+                                       f"{self.index.folder}") from None
 
     def held_fd(self, path: str) -> int | None:
         return self._current[1].held_fd(path) if self._current is not None else None
@@ -121,16 +134,22 @@ class PickleIndexSource(Source):
             self._current = None
 
 
-def _open_shard(path: str, *, key: str | None) -> MemorySource:
+def _open_shard(path: str, *, key: str | None, inside: str) -> MemorySource:
     from .pickle import open_pickle
 
-    return open_pickle(path, key=key)
+    return open_pickle(path, key=key, inside=inside)
 
 
-def open_pickle_index(path: str, *, key: str | None = None) -> PickleIndexSource:
+def open_pickle_index(path: str, *, key: str | None = None, inside: str | None = None) -> PickleIndexSource:
     """Open a ``pytorch_model.bin.index.json`` and check it against the shards it names.
+
+    ``inside``: the folder the index was found in (not named by the user): it is read under the
+    folder boundary (:func:`~shardkit.formats.links.read_inside`), like the shards it names.
 
     with open_pickle_index("ckpt/pytorch_model.bin.index.json") as src:
         len(src.entries())
     """
-    return PickleIndexSource(load_index(path, ext=".bin"), key=key)
+    if inside is None:
+        return PickleIndexSource(load_index(path, ext=".bin"), key=key)
+    raw = read_inside(inside, os.path.basename(path), where=inside, max_bytes=MAX_INDEX_BYTES)
+    return PickleIndexSource(parse_index(raw, path=path, ext=".bin"), key=key)
