@@ -10,14 +10,14 @@ import subprocess
 import pytest
 import safetensors.torch
 import torch
+from conftest import make_state_dict, tensor_bytes
 from safetensors import safe_open
 
 import shardkit
-from conftest import make_state_dict, tensor_bytes
 from shardkit.errors import HeaderError, InvalidInputError
+from shardkit.loading.bulk import read_batch
+from shardkit.loading.device_reads import Want
 from shardkit.reading import readers
-from shardkit.loading.bulk import Want, read_batch
-from shardkit.loading.pipeline_copy import BufferRing, CopyJob, HostCopyStage, byte_view, run_pipeline
 from shardkit.reading.residency import choose_backend, evict, remote_filesystem
 
 BACKENDS = ["mmap", "pread", "direct"]
@@ -247,61 +247,7 @@ def test_the_mount_probe_is_timed_again_on_another_mount(tmp_path, monkeypatch) 
     residency.forget_mount_latencies()
 
 
-# ----------------------------------------------------------------------------- ring pipeline
-
-
-def _blob(tmp_path, nbytes=50_000):
-    path = tmp_path / "blob.bin"
-    data = os.urandom(nbytes)
-    path.write_bytes(data)
-    return str(path), data
-
-
-def _jobs(data, dests):
-    jobs, offset = [], 0
-    for dest in dests:
-        n = dest.numel() * dest.element_size()
-        jobs.append(CopyJob(byte_view(dest), 0, offset, n, f"blob: tensor {offset}"))
-        offset += n + 3  # odd gaps: reads start at odd offsets
-    return jobs
-
-
-def test_pipeline_with_a_host_copy_stage_is_byte_exact_and_returns_every_buffer(tmp_path) -> None:
-    path, data = _blob(tmp_path)
-    dests = [torch.empty(4097, dtype=torch.uint8), torch.empty(0, dtype=torch.float32), torch.empty(3000, dtype=torch.float16),
-             torch.empty((), dtype=torch.float64), torch.empty(1000, dtype=torch.float8_e4m3fn), torch.empty(11, dtype=torch.bool)]
-    jobs = _jobs(data, dests)
-    ring = BufferRing(HostCopyStage(), count=3, nbytes=1000)  # many chunks per tensor
-    with readers.Reader(path) as reader:
-        run_pipeline(reader, jobs, stage=HostCopyStage(), ring=ring)
-    for job in jobs:
-        assert job.dest.numpy().tobytes() == data[job.offset:job.offset + job.nbytes]
-    assert ring.in_use == 0
-
-
-class _FailingStage(HostCopyStage):
-    def __init__(self, fail_at: int) -> None:
-        self.calls, self.fail_at = 0, fail_at
-
-    def submit(self, buffer, job):
-        self.calls += 1
-        if self.calls == self.fail_at:
-            raise RuntimeError("copy failed")
-        return super().submit(buffer, job)
-
-
-def test_pipeline_errors_mid_way_release_every_buffer(tmp_path) -> None:
-    path, data = _blob(tmp_path)
-    dest = torch.empty(20_000, dtype=torch.uint8)
-    stage = _FailingStage(fail_at=4)
-    ring = BufferRing(stage, count=3, nbytes=1000)
-    with readers.Reader(path) as reader, pytest.raises(RuntimeError, match="copy failed"):
-        run_pipeline(reader, [CopyJob(dest, 0, 0, 20_000, "blob")], stage=stage, ring=ring)
-    assert ring.in_use == 0
-    truncated = CopyJob(torch.empty(20_000, dtype=torch.uint8), 0, len(data) - 5_000, 20_000, f"{path}: tensor 'w'")
-    with readers.Reader(path) as reader, pytest.raises(HeaderError, match="file ended") as err:
-        run_pipeline(reader, [truncated], stage=HostCopyStage(), ring=ring)
-    assert ring.in_use == 0 and path in str(err.value)
+# ----------------------------------------------------------------------------- read_batch through the ring
 
 
 def test_read_batch_through_the_pipeline_matches_get_tensor(tmp_path) -> None:
@@ -336,25 +282,6 @@ def test_load_model_pread_equals_mmap_and_reports_the_backend(tmp_path) -> None:
 
 
 # ----------------------------------------------------------------------------- real CUDA
-
-
-@pytest.mark.gpu
-def test_cuda_pipeline_is_byte_exact_with_pinned_ring_and_stream(tmp_path) -> None:
-    from shardkit.loading.pipeline_copy import CudaCopyStage
-
-    path, data = _blob(tmp_path, nbytes=3 << 20)
-    dests = [torch.empty(1 << 20, dtype=torch.uint8, device="cuda"), torch.empty(1000, dtype=torch.bfloat16, device="cuda")]
-    jobs = _jobs(data, dests)
-    stage = CudaCopyStage(torch.device("cuda:0"))
-    ring = BufferRing(stage, count=2, nbytes=256 << 10)
-    buffer = ring.acquire()
-    assert buffer.is_pinned()
-    ring.release(buffer)
-    with readers.Reader(path) as reader:
-        run_pipeline(reader, jobs, stage=stage, ring=ring)
-    for job in jobs:
-        assert job.dest.cpu().numpy().tobytes() == data[job.offset:job.offset + job.nbytes]
-    assert ring.in_use == 0
 
 
 @pytest.mark.gpu

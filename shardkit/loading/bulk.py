@@ -2,8 +2,9 @@
 
 ``pread``/``direct`` shards headed for the host are read in one parallel batch per shard into
 tensors allocated once. Tensors headed for a CUDA device (any backend) go through
-:func:`shardkit.loading.pipeline_copy.run_pipeline`: pinned ring buffers, ``non_blocking`` copies on
-a side stream, destinations allocated once on the device. Everything else (memory-mapped host
+:func:`shardkit.loading.pipeline_copy.run_ring`, one run per device over every file: a ring of
+pinned slots filled by parallel reads in file order, ``non_blocking`` copies on side streams,
+destinations allocated once on the device, casts done there after the copy. Everything else (memory-mapped host
 tensors, host casts) is left to ``LazyCheckpoint.get_tensor``, one tensor at a time.
 
 When everything goes to the host, :func:`start_early_reads` starts that batch before the skeleton
@@ -16,7 +17,6 @@ values, report = read_batch(ckpt, {"w": Want("w", "cuda:0", torch.bfloat16)})
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -25,24 +25,16 @@ from typing import TYPE_CHECKING
 
 from ..devices import DeviceKey
 from ..errors import ShardkitError
-from ..reading.readers import open_reader
 from ..workers import ReadPool
+from .device_reads import Want as Want  # re-exported: callers build wants for read_batch
+from .device_reads import read_devices
 from .lazy import LazyCheckpoint
-from .pipeline_copy import CopyJob, CopyStage, CudaCopyStage, HostCopyStage, byte_view, run_pipeline
+from .pipeline_copy import CopyStage, default_stage
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("shardkit")
-
-
-@dataclass(frozen=True)
-class Want:
-    """One tensor to read: its checkpoint name, where it goes and its final dtype."""
-
-    src: str
-    device: DeviceKey       # "cpu" or a torch device / index
-    dtype: torch.dtype
 
 
 @dataclass
@@ -51,7 +43,8 @@ class BatchReport:
 
     files: list[dict[str, str | None]] = field(default_factory=list)
     host_batch_bytes: int = 0
-    pipelined_bytes: int = 0
+    pipelined_bytes: int = 0        # bytes copied onto devices through the ring
+    pipelined_read_bytes: int = 0   # bytes the ring read for them (small gaps between tensors included)
 
 
 def _is_host(device: DeviceKey) -> bool:
@@ -81,16 +74,12 @@ def read_batch(checkpoint: LazyCheckpoint, wants: dict[str, Want], *, pipe_host:
     piped = {n: w for n, w in wants.items() if pipe_host or not _is_host(w.device)}
     _read_host(checkpoint, {n: w for n, w in wants.items() if n not in piped}, values, report)
     if piped:
-        _read_devices(checkpoint, piped, values, report, stage_for or default_stage)
+        moved = read_devices(checkpoint, piped, stage_for or default_stage)
+        values.update(moved.values)
+        report.pipelined_bytes += moved.copied_bytes
+        report.pipelined_read_bytes += moved.read_bytes
     report.files = checkpoint.read_report()
     return values, report
-
-
-def default_stage(device: DeviceKey) -> CopyStage:
-    """A CUDA stage (pinned ring, side stream) for GPUs, a host stage for the CPU."""
-    import torch
-
-    return HostCopyStage() if _is_host(device) else CudaCopyStage(torch.device(device))
 
 
 def _read_host(checkpoint: LazyCheckpoint, wants: dict[str, Want], values: dict[str, torch.Tensor],
@@ -102,38 +91,6 @@ def _read_host(checkpoint: LazyCheckpoint, wants: dict[str, Want], values: dict[
     for name, src in batch.items():
         values[name] = read[src]
         report.host_batch_bytes += checkpoint.nbytes(src)
-
-
-def _read_devices(checkpoint: LazyCheckpoint, wants: dict[str, Want], values: dict[str, torch.Tensor], report: BatchReport,
-                  stage_for: Callable[[DeviceKey], CopyStage]) -> None:
-    """Per (file, device): destinations allocated once there, filled through the ring pipeline."""
-    import torch
-
-    groups: dict[tuple[str, DeviceKey], list[tuple[str, Want]]] = defaultdict(list)
-    for name, want in wants.items():
-        groups[(checkpoint.entry(want.src).file or "", want.device)].append((name, want))
-    for (path, device), items in groups.items():
-        stage = stage_for(device)
-        target = torch.device(device)
-        jobs, stored_values = [], {}
-        for name, want in items:
-            entry = checkpoint.entry(want.src)
-            dest = torch.empty(entry.shape, dtype=checkpoint.dtype_of(want.src), device=target)
-            stored_values[name] = dest
-            if entry.nbytes:
-                jobs.append(CopyJob(byte_view(dest), 0, entry.offset, entry.nbytes, f"{path}: tensor {want.src!r}"))
-        if checkpoint.is_ranged(items[0][1].src):  # a remote object: its own ranged reader (the file is a stand-in)
-            ranged = checkpoint.reader_of(items[0][1].src)
-            assert ranged is not None
-            run_pipeline(ranged, jobs, stage=stage)
-        else:
-            fd = checkpoint.descriptor_of(items[0][1].src)  # the file the header came from, never the path again
-            with open_reader(path, "direct" if checkpoint.read == "direct" else "pread", fd=fd) as reader:
-                run_pipeline(reader, jobs, stage=stage)
-        report.pipelined_bytes += sum(j.nbytes for j in jobs)
-        for name, want in items:
-            value = stored_values[name]
-            values[name] = value if value.dtype == want.dtype else value.to(want.dtype)
 
 
 def start_early_reads(pool: ReadPool, checkpoint: LazyCheckpoint, *,

@@ -202,9 +202,13 @@ class LazyCheckpoint(Mapping[str, "torch.Tensor"]):
                       copy: bool = False) -> dict[str, torch.Tensor]:
         """Every tensor, zero-copy on the host by default; ``dtype`` casts floating-point tensors only.
 
-        On the host, ``pread``/``direct`` shards are read in one parallel batch each (:meth:`read_many`).
+        On the host, ``pread``/``direct`` shards are read in one parallel batch each (:meth:`read_many`);
+        onto a GPU, every file goes through the pinned ring (:meth:`to`).
         """
         on_host = device is None or str(device) == "cpu"
+        if not on_host:
+            assert device is not None
+            return self.to(device, dtype=dtype)
         out = self.read_many([n for n in self if dtype is None or not self.dtype_of(n).is_floating_point]) \
             if on_host and not copy else {}
         for name in self:
@@ -213,6 +217,50 @@ class LazyCheckpoint(Mapping[str, "torch.Tensor"]):
             cast = dtype if dtype is not None and self.dtype_of(name).is_floating_point else None
             out[name] = self.get_tensor(name, device=device, dtype=cast, copy=copy)
         return {name: out[name] for name in self}  # checkpoint order, whichever way each was read
+
+    def to(self, device: DeviceKey, *, dtype: torch.dtype | None = None,
+           names: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """Every tensor (or those in ``names``) on ``device``, read through the pinned ring: parallel
+        reads in file order into a few pinned slots, ``non_blocking`` copies on side streams, one
+        allocation per tensor on the device; ``dtype`` casts floating-point tensors there, after the copy.
+
+        On the host (``"cpu"``) it is :meth:`to_state_dict` with ``copy=True``.
+
+            state = shardkit.open("model/").to("cuda:0", dtype=torch.bfloat16)
+        """
+        import torch
+
+        from .device_reads import Want, read_devices
+        from .pipeline_copy import default_stage
+
+        wanted = list(self) if names is None else names
+        if torch.device(device).type == "cpu":
+            keep = set(wanted)
+            return {n: t for n, t in self.to_state_dict(dtype=dtype, copy=True).items() if n in keep}
+        self.open_shards()
+        wants = {}
+        for name in wanted:
+            stored = self.dtype_of(name)
+            wants[name] = Want(name, device, dtype if dtype is not None and stored.is_floating_point else stored)
+        return read_devices(self, wants, default_stage).values
+
+    def slice(self, name: str, dim: int, rank: int, world: int, *, sections: tuple[int, ...] = (),
+              device: DeviceKey = "cpu", dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rank ``rank``'s share of ``name`` split over ``world`` ranks along ``dim``, reading only its
+        bytes (``sections``: the sizes of fused parts along ``dim``, each split on its own, as a fused
+        qkv or gate_up weight is split by vLLM and Megatron).
+
+            q_part = ckpt.slice("model.layers.0.self_attn.o_proj.weight", 1, rank=1, world=4, device="cuda:1")
+        """
+        from .tensor_parallel import RankRead, SliceSpec, read_rank, slice_ranges, slice_shape
+
+        entry = self.entry(name)
+        spec = SliceSpec(name, dim, tuple(sections))
+        ranges = tuple(slice_ranges(entry.shape, self.dtype_of(name).itemsize, spec, rank=rank, world=world,
+                                    offset=entry.offset))
+        read = RankRead(spec, slice_shape(entry.shape, spec, world=world), ranges)
+        values, _ = read_rank(self, {name: read}, device=device, dtype=dtype)
+        return values[name]
 
     def read_many(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Host tensors, stored dtype: ``pread``/``direct`` shards with one plan over all of them

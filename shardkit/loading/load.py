@@ -26,8 +26,9 @@ from ..devices import Device, parse_max_memory
 from ..errors import InvalidInputError
 from ..runtime.apply import RuntimeSetup, apply_runtime
 from ..workers import ReadPool
-from .bulk import BatchReport, Want, read_batch, start_early_reads, take_early_reads
+from .bulk import BatchReport, read_batch, start_early_reads, take_early_reads
 from .device_map import check_devices_exist, module_device, resolve_device_map
+from .device_reads import Want
 from .keys import KeyMatch, prepare_skeleton
 from .lazy import LazyCheckpoint
 from .skeleton import default_config

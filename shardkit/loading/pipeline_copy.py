@@ -1,25 +1,31 @@
-"""Read → copy pipeline through a small ring of (pinned) host buffers, for loads onto a device.
+"""Reads onto a device through a ring of pinned host slots filled in parallel, copied on side streams.
 
-Reads fill ring buffers on reader threads while earlier buffers are copied to the device; the
-copy stage is pluggable: :class:`CudaCopyStage` issues ``non_blocking`` host→device copies on its
-own CUDA stream and records an event per buffer (the buffer is reused once its event has
-completed), :class:`HostCopyStage` copies into CPU tensors synchronously so the same pipeline
-runs in CPU tests. Destination tensors are allocated once by the caller; host memory is the ring
-alone (e.g. 4 × 64 MiB pinned), whatever the model's size. On any error every in-flight read and
-copy is waited for and every buffer goes back to the ring before the error propagates.
+The bytes a device needs are cut into *pieces* in file order (:func:`plan_pieces`): each piece is at
+most one slot of file bytes, read with one ``pread`` (or ``O_DIRECT`` straight into the page-aligned
+slot) or, for strided slices, a few, and holds the copies out of that slot into the destination
+tensors. Several reader threads take the next piece in file order, take a free slot (waiting for the
+copy that last used it), fill it and queue its copies with ``non_blocking=True`` on their own CUDA
+stream, recording one event per use. Host memory is the ring alone (``slots × slot_bytes``, one pinned
+block, at most :data:`MAX_RING_BYTES`), whatever the model's size; destinations are allocated once by
+the caller. On any error the other threads stop taking pieces, every copy in flight is waited for and
+every slot is back in the ring before the first error propagates.
+
+The copy stage is pluggable: :class:`CudaCopyStage` on a GPU, :class:`HostCopyStage` (synchronous
+copies into CPU tensors) so the same ring runs in CPU tests and ``pipe_host`` reads.
 
 stage = CudaCopyStage(torch.device("cuda:0"))
-run_pipeline(reader, copies, stage=stage)
+run_ring([(reader, copies)], stage=stage)
 """
 
 from __future__ import annotations
 
-import collections
 import queue
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
+from ..devices import DeviceKey
 from ..reading.readers import Reader, ReadJob
 
 if TYPE_CHECKING:
@@ -27,8 +33,43 @@ if TYPE_CHECKING:
 
 CopyToken: TypeAlias = "torch.cuda.Event | None"  # what a stage's wait() waits on (None: copied already)
 
-RING_BUFFERS = 4
-RING_BUFFER_BYTES = 64 << 20
+PAGE_BYTES = 4096
+MAX_RING_BYTES = 1 << 30   # pinned host memory per device, whatever the tuning asks for
+WAIT_TIMEOUT_S = 0.5       # how often a thread waiting for a free slot checks whether another failed
+JOIN_TIMEOUT_S = 30.0      # after an interrupt: how long to wait for each reader thread's read in flight
+
+
+@dataclass(frozen=True)
+class RingTuning:
+    """How the ring is cut: ``slots × slot_bytes`` of host memory, ``threads`` readers filling it, reads
+    of one file closer than ``gap_bytes`` merged into one (the gap read and dropped).
+
+    Measured on an H200 host (docs/benchmarks.md): see ``LOCAL`` for the default.
+    """
+
+    slots: int
+    slot_bytes: int
+    threads: int
+    gap_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if self.slots < self.threads or self.threads < 1:
+            raise ValueError(f"a ring needs at least one slot per reader thread (slots={self.slots}, "
+                             f"threads={self.threads})")
+        if self.slot_bytes % PAGE_BYTES or self.slot_bytes <= 0:
+            raise ValueError(f"slot_bytes must be a positive multiple of {PAGE_BYTES}, got {self.slot_bytes}")
+        if self.ring_bytes > MAX_RING_BYTES:
+            raise ValueError(f"a ring of {self.ring_bytes:,} bytes is over the {MAX_RING_BYTES:,}-byte bound "
+                             "on pinned memory per device: use fewer or smaller slots")
+
+    @property
+    def ring_bytes(self) -> int:
+        """Host memory the ring holds (a power of two keeps torch's pinned-memory cache from rounding it up)."""
+        return self.slots * self.slot_bytes
+
+
+LOCAL = RingTuning(slots=16, slot_bytes=16 << 20, threads=8)
+REMOTE = RingTuning(slots=32, slot_bytes=16 << 20, threads=16)   # ranged GETs: many in flight
 
 
 @dataclass(frozen=True)
@@ -42,6 +83,40 @@ class CopyJob:
     where: str
 
 
+@dataclass(frozen=True)
+class SlotCopy:
+    """``nbytes`` from byte ``slot_offset`` of a filled slot into ``dest`` at ``dest_offset``."""
+
+    dest: torch.Tensor
+    dest_offset: int
+    slot_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SlotRead:
+    """``nbytes`` of the file at ``offset`` into the slot at ``slot_offset``."""
+
+    offset: int
+    nbytes: int
+    slot_offset: int
+    where: str
+    padded: bool = False   # the slot's memory around it, to whole pages, is free to overwrite (O_DIRECT in place)
+
+
+@dataclass
+class Piece:
+    """One slot's worth of work: the reads that fill it, the copies out of it, and which file."""
+
+    source: int                     # index of the file in the ``run_ring`` list
+    reads: list[SlotRead] = field(default_factory=list)
+    copies: list[SlotCopy] = field(default_factory=list)
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(r.nbytes for r in self.reads)
+
+
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """A flat ``uint8`` view of a contiguous tensor of any dtype (fp8, bool, scalars included)."""
     import torch
@@ -49,22 +124,90 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def split_copies(jobs: list[CopyJob], chunk_bytes: int) -> list[CopyJob]:
-    """Jobs cut to fit one ring buffer each."""
-    out = []
+def plan_pieces(jobs: Sequence[CopyJob], *, source: int, slot_bytes: int, gap_bytes: int) -> list[Piece]:
+    """Cut one file's copies into slot-sized pieces in file order.
+
+    Copies closer than ``gap_bytes`` share one read (the bytes between are read and dropped); each
+    read starts on a page boundary and its page-rounded end stays inside the slot, so an ``O_DIRECT``
+    reader fills the slot in place. A copy larger than what is left of a slot continues in the next piece.
+
+    >>> import torch
+    >>> dest = torch.empty(10_000, dtype=torch.uint8)
+    >>> jobs = [CopyJob(dest, 0, 5000, 6000, "w"), CopyJob(dest, 6000, 12_000, 4000, "b")]
+    >>> [(r.offset, r.nbytes) for p in plan_pieces(jobs, source=0, slot_bytes=8192, gap_bytes=4096) for r in p.reads]
+    [(4096, 8192), (12288, 3712)]
+    >>> [[(c.slot_offset, c.nbytes) for c in p.copies] for p in plan_pieces(jobs, source=0, slot_bytes=8192, gap_bytes=0)]
+    [[(904, 6000)], [(3808, 4000)]]
+    """
+    pieces: list[Piece] = []
+    piece = Piece(source)
+    start = end = 0  # the current piece's read: file bytes [start, end)
+    for job in sorted(jobs, key=lambda j: j.offset):
+        done = 0
+        while done < job.nbytes:
+            at = job.offset + done
+            if not (piece.copies and start <= at <= end + gap_bytes and at < start + slot_bytes):
+                _close(pieces, piece, start, end)
+                piece = Piece(source)
+                start = end = at - at % PAGE_BYTES
+            take = min(job.nbytes - done, start + slot_bytes - at)
+            piece.copies.append(SlotCopy(job.dest, job.dest_offset + done, at - start, take))
+            if not piece.reads:
+                piece.reads.append(SlotRead(start, 0, 0, job.where, padded=True))
+            end = max(end, at + take)
+            done += take
+    _close(pieces, piece, start, end)
+    return pieces
+
+
+def _close(pieces: list[Piece], piece: Piece, start: int, end: int) -> None:
+    if piece.copies:
+        piece.reads[0] = SlotRead(start, end - start, 0, piece.reads[0].where, padded=True)
+        pieces.append(piece)
+
+
+def plan_strided(jobs: Sequence[CopyJob], *, source: int, slot_bytes: int) -> list[Piece]:
+    """Pieces for many small copies that land back to back in one destination (the rows of a
+    tensor-parallel slice): each copy is its own read, packed into the slot, and each piece is one
+    copy out of the slot. Only the bytes asked for are read.
+
+    >>> import torch
+    >>> dest = torch.empty(8, dtype=torch.uint8)
+    >>> rows = [CopyJob(dest, 4 * i, 100 * i, 4, "w") for i in range(2)]
+    >>> p, = plan_strided(rows, source=0, slot_bytes=4096)
+    >>> [(r.offset, r.nbytes, r.slot_offset) for r in p.reads], [(c.slot_offset, c.nbytes) for c in p.copies]
+    ([(0, 4, 0), (100, 4, 4)], [(0, 8)])
+    """
+    pieces: list[Piece] = []
+    piece = Piece(source)
+    used = 0
     for job in jobs:
-        for start in range(0, job.nbytes, chunk_bytes):
-            out.append(CopyJob(job.dest, job.dest_offset + start, job.offset + start,
-                               min(chunk_bytes, job.nbytes - start), job.where))
-    return out
+        done = 0
+        while done < job.nbytes:
+            if used == slot_bytes:
+                pieces.append(piece)
+                piece, used = Piece(source), 0
+            take = min(job.nbytes - done, slot_bytes - used)
+            piece.reads.append(SlotRead(job.offset + done, take, used, job.where))
+            last = piece.copies[-1] if piece.copies else None
+            if last is not None and last.dest is job.dest and last.dest_offset + last.nbytes == job.dest_offset + done \
+                    and last.slot_offset + last.nbytes == used:
+                piece.copies[-1] = SlotCopy(last.dest, last.dest_offset, last.slot_offset, last.nbytes + take)
+            else:
+                piece.copies.append(SlotCopy(job.dest, job.dest_offset + done, used, take))
+            used += take
+            done += take
+    if piece.copies:
+        pieces.append(piece)
+    return pieces
 
 
 class CopyStage(Protocol):
-    """Moves a filled host buffer into its destination; ``wait(token)`` returns once the buffer is free."""
+    """Moves a filled slot into its destinations; ``wait(token)`` returns once the slot is free again."""
 
     def allocate(self, nbytes: int) -> torch.Tensor: ...
 
-    def submit(self, buffer: torch.Tensor, job: CopyJob) -> CopyToken: ...
+    def submit(self, slot: torch.Tensor, copies: list[SlotCopy]) -> CopyToken: ...
 
     def wait(self, token: CopyToken) -> None: ...
 
@@ -72,15 +215,16 @@ class CopyStage(Protocol):
 
 
 class HostCopyStage:
-    """Synchronous copies into CPU tensors: the pipeline's CPU stand-in for tests and CPU loads."""
+    """Synchronous copies into CPU tensors: the ring's CPU stand-in for tests and ``pipe_host`` reads."""
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         import torch
 
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def submit(self, buffer: torch.Tensor, job: CopyJob) -> CopyToken:
-        job.dest[job.dest_offset:job.dest_offset + job.nbytes].copy_(buffer[:job.nbytes])
+    def submit(self, slot: torch.Tensor, copies: list[SlotCopy]) -> CopyToken:
+        for c in copies:
+            c.dest[c.dest_offset:c.dest_offset + c.nbytes].copy_(slot[c.slot_offset:c.slot_offset + c.nbytes])
         return None
 
     def wait(self, token: CopyToken) -> None:
@@ -91,26 +235,40 @@ class HostCopyStage:
 
 
 class CudaCopyStage:
-    """Pinned ring buffers; ``non_blocking`` copies on a side stream; one event per buffer use."""
+    """One pinned block cut into slots; each reader thread queues its copies on its own CUDA stream
+    (``non_blocking``) and records one event per slot use."""
 
     def __init__(self, device: torch.device) -> None:
-        import torch
-
         self.device = device
-        self.stream = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
+        self._local = threading.local()
+        self._streams: list[torch.cuda.Stream] = []
+        self._lock = threading.Lock()
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         import torch
 
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def submit(self, buffer: torch.Tensor, job: CopyJob) -> CopyToken:
+    def _stream(self) -> torch.cuda.Stream:
         import torch
 
-        with torch.cuda.stream(self.stream):
-            job.dest[job.dest_offset:job.dest_offset + job.nbytes].copy_(buffer[:job.nbytes], non_blocking=True)
+        stream = getattr(self._local, "stream", None)
+        if stream is None:
+            stream = self._local.stream = torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+            with self._lock:
+                self._streams.append(stream)
+        return stream
+
+    def submit(self, slot: torch.Tensor, copies: list[SlotCopy]) -> CopyToken:
+        import torch
+
+        stream = self._stream()
+        with torch.cuda.stream(stream):
+            for c in copies:
+                c.dest[c.dest_offset:c.dest_offset + c.nbytes].copy_(slot[c.slot_offset:c.slot_offset + c.nbytes],
+                                                                     non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(self.stream)
+            event.record(stream)
         return event
 
     def wait(self, token: CopyToken) -> None:
@@ -120,96 +278,176 @@ class CudaCopyStage:
     def finish(self) -> None:
         import torch
 
-        self.stream.synchronize()
-        # Later work on the default stream must see the copies.
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        current = torch.cuda.current_stream(self.device)
+        with self._lock:
+            for stream in self._streams:
+                stream.synchronize()
+                current.wait_stream(stream)  # later work on the default stream sees the copies
+
+
+def default_stage(device: DeviceKey) -> CopyStage:
+    """A CUDA stage (pinned ring, side streams) for GPUs, a host stage for the CPU."""
+    import torch
+
+    target = torch.device(device)
+    return HostCopyStage() if target.type == "cpu" else CudaCopyStage(target)
+
+
+class Slot:
+    """One slot of the ring: its memory and the token of the last copy out of it."""
+
+    def __init__(self, memory: torch.Tensor) -> None:
+        self.memory = memory
+        self.token: CopyToken = None
 
 
 class BufferRing:
-    """A fixed set of host buffers; ``in_use`` counts those handed out (0 after every run)."""
+    """``count`` slots of ``nbytes`` cut from one block of ``stage``'s memory (one pinned allocation,
+    which torch's pinned-memory cache keeps for the next load); ``in_use`` counts the slots handed
+    out (0 after every run)."""
 
     def __init__(self, stage: CopyStage, *, count: int, nbytes: int) -> None:
         self.nbytes = nbytes
-        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
-        for _ in range(count):
-            self._free.put(stage.allocate(nbytes))
         self.count = count
+        self.block = stage.allocate(count * nbytes)
+        self._free: queue.Queue[Slot] = queue.Queue()
+        for i in range(count):
+            self._free.put(Slot(self.block[i * nbytes:(i + 1) * nbytes]))
+        self._lock = threading.Lock()
         self.in_use = 0
 
-    def acquire(self) -> torch.Tensor:
-        self.in_use += 1
-        return self._free.get_nowait()
+    @classmethod
+    def for_tuning(cls, stage: CopyStage, tuning: RingTuning) -> BufferRing:
+        return cls(stage, count=tuning.slots, nbytes=tuning.slot_bytes)
 
-    def release(self, buffer: torch.Tensor) -> None:
-        self.in_use -= 1
-        self._free.put(buffer)
+    def acquire(self, stop: threading.Event) -> Slot | None:
+        """A free slot, or None once ``stop`` is set."""
+        while not stop.is_set():
+            try:
+                slot = self._free.get(timeout=WAIT_TIMEOUT_S)
+            except queue.Empty:
+                continue
+            with self._lock:
+                self.in_use += 1
+            return slot
+        return None
+
+    def release(self, slot: Slot) -> None:
+        with self._lock:
+            self.in_use -= 1
+        self._free.put(slot)
+
+    def drain(self, stage: CopyStage) -> None:
+        """Wait for every copy still reading from a slot (every slot must be back in the ring)."""
+        slots = [self._free.get_nowait() for _ in range(self._free.qsize())]
+        try:
+            for slot in slots:
+                stage.wait(slot.token)
+                slot.token = None
+        finally:
+            for slot in slots:
+                self._free.put(slot)
 
 
-def _read_into(reader: Reader, buffer: torch.Tensor, job: CopyJob) -> None:
-    reader.read_one(ReadJob(buffer.data_ptr(), job.offset, job.nbytes, job.where))
+@dataclass
+class RingReport:
+    """What one run did: bytes read from the files (merged gaps included), bytes copied out, pieces."""
+
+    read_bytes: int = 0
+    copied_bytes: int = 0
+    pieces: int = 0
+    ring_bytes: int = 0
 
 
-def run_pipeline(reader: Reader, jobs: list[CopyJob], *, stage: CopyStage, ring: BufferRing | None = None,
-                 threads: int = 2) -> BufferRing:
-    """Read every job through the ring and copy it into place, reads overlapping copies.
+def run_ring(sources: Sequence[tuple[Reader, Sequence[CopyJob]]], *, stage: CopyStage, tuning: RingTuning = LOCAL,
+             ring: BufferRing | None = None) -> RingReport:
+    """Read every job through the ring and copy it into place: files in order, each in file order.
 
     Args:
-        reader: the open file (``pread`` or ``direct``).
-        jobs: what goes where; destinations are allocated by the caller.
+        sources: each file's open reader (``pread``, ``direct`` or ranged) and what to copy out of it.
         stage: the copy stage (CUDA or host).
-        ring: the buffers; None makes ``RING_BUFFERS × RING_BUFFER_BYTES`` with ``stage.allocate``.
-        threads: reader threads filling buffers ahead of the copies.
-
-    Returns:
-        The ring (every buffer back in it).
+        tuning: slots, slot size, reader threads and the gap merged into one read.
+        ring: the slots; None cuts ``tuning``'s from one ``stage.allocate``.
 
     Raises:
-        HeaderError: the file ended early; OSError: a read failed. Buffers are all released first.
+        HeaderError: a file ended early; OSError: a read failed; whatever a copy raised. Every
+        copy in flight is waited for and every slot is back in the ring first.
 
-    run_pipeline(reader, [CopyJob(byte_view(t), 0, offset, t.nbytes, "f: tensor 'w'")],
-                 stage=HostCopyStage())
+    run_ring([(reader, [CopyJob(byte_view(t), 0, offset, t.nbytes, "f: tensor 'w'")])], stage=HostCopyStage())
     """
-    ring = ring or BufferRing(stage, count=RING_BUFFERS, nbytes=RING_BUFFER_BYTES)
-    chunks = collections.deque(split_copies(jobs, ring.nbytes))
-    reading: collections.deque[tuple[Future[None], torch.Tensor, CopyJob]] = collections.deque()
-    copying: collections.deque[tuple[CopyToken, torch.Tensor]] = collections.deque()
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardkit-ring") as pool:
-        try:
-            while chunks or reading:
-                while chunks and ring.in_use < ring.count:
-                    buffer, job = ring.acquire(), chunks.popleft()
-                    reading.append((pool.submit(_read_into, reader, buffer, job), buffer, job))
-                if not reading:  # every buffer is being copied: wait for the oldest
-                    _retire(stage, ring, copying)
-                    continue
-                future, buffer, job = reading.popleft()
-                try:
-                    future.result()
-                    token = stage.submit(buffer, job)
-                except BaseException:
-                    ring.release(buffer)
-                    raise
-                copying.append((token, buffer))
-                if chunks and ring.in_use >= ring.count:
-                    _retire(stage, ring, copying)
-        finally:
-            _drain(stage, ring, reading, copying)
-    return ring
+    pieces = [p for i, (_, jobs) in enumerate(sources)
+              for p in plan_pieces(jobs, source=i, slot_bytes=tuning.slot_bytes, gap_bytes=tuning.gap_bytes)]
+    return run_pieces([reader for reader, _ in sources], pieces, stage=stage, tuning=tuning, ring=ring)
 
 
-def _retire(stage: CopyStage, ring: BufferRing, copying: collections.deque[tuple[CopyToken, torch.Tensor]]) -> None:
-    token, buffer = copying.popleft()
-    stage.wait(token)
-    ring.release(buffer)
+def run_pieces(readers: Sequence[Reader], pieces: Sequence[Piece], *, stage: CopyStage, tuning: RingTuning = LOCAL,
+               ring: BufferRing | None = None) -> RingReport:
+    """Run planned pieces (:func:`plan_pieces`, :func:`plan_strided`) through the ring; see :func:`run_ring`."""
+    report = RingReport(pieces=len(pieces))
+    if not pieces:
+        return report
+    ring = ring or BufferRing.for_tuning(stage, tuning)
+    if any(r.slot_offset + r.nbytes > ring.nbytes for p in pieces for r in p.reads):
+        raise ValueError(f"pieces planned for slots larger than this ring's {ring.nbytes:,} bytes")
+    report.ring_bytes = ring.count * ring.nbytes
+    run = _Run(readers, pieces, stage, ring)
+    workers = [threading.Thread(target=run.work, name=f"shardkit-ring-{i}", daemon=True)
+               for i in range(min(tuning.threads, ring.count, len(pieces)))]
+    try:
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+    finally:
+        run.stop.set()  # an interrupt while joining: the others stop taking pieces
+        for worker in workers:
+            if worker.ident is not None:
+                worker.join(JOIN_TIMEOUT_S)
+        ring.drain(stage)
+        stage.finish()
+    if run.errors:
+        raise run.errors[0]
+    report.read_bytes = sum(p.read_bytes for p in pieces)
+    report.copied_bytes = sum(c.nbytes for p in pieces for c in p.copies)
+    return report
 
 
-def _drain(stage: CopyStage, ring: BufferRing, reading: collections.deque[tuple[Future[None], torch.Tensor, CopyJob]],
-           copying: collections.deque[tuple[CopyToken, torch.Tensor]]) -> None:
-    """Wait for every read and copy still in flight, then hand their buffers back."""
-    while reading:
-        future, buffer, _ = reading.popleft()
-        future.cancel() or future.exception()
-        ring.release(buffer)
-    while copying:
-        _retire(stage, ring, copying)
-    stage.finish()
+class _Run:
+    """The shared state of one run: the next piece to take, the first errors, the stop flag."""
+
+    def __init__(self, readers: Sequence[Reader], pieces: Sequence[Piece], stage: CopyStage, ring: BufferRing) -> None:
+        self.readers, self.pieces, self.stage, self.ring = readers, pieces, stage, ring
+        self.next = 0
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+
+    def take(self) -> Piece | None:
+        with self.lock:
+            if self.stop.is_set() or self.next >= len(self.pieces):
+                return None
+            self.next += 1
+            return self.pieces[self.next - 1]
+
+    def work(self) -> None:
+        while (piece := self.take()) is not None:
+            slot = self.ring.acquire(self.stop)
+            if slot is None:
+                return
+            try:
+                self.stage.wait(slot.token)
+                slot.token = None
+                self.fill(slot, piece)
+                slot.token = self.stage.submit(slot.memory, piece.copies)
+            except BaseException as e:  # noqa: B036  # handed to the caller's thread, raised there
+                with self.lock:
+                    self.errors.append(e)
+                self.stop.set()
+            finally:
+                self.ring.release(slot)
+
+    def fill(self, slot: Slot, piece: Piece) -> None:
+        reader = self.readers[piece.source]
+        base = slot.memory.data_ptr()
+        for r in piece.reads:
+            reader.read_one(ReadJob(base + r.slot_offset, r.offset, r.nbytes, r.where, r.padded))

@@ -1,0 +1,358 @@
+#!/usr/bin/env python3
+"""Host → GPU reads (issue 46): shardkit's pinned ring against safetensors, fastsafetensors, the Run:ai
+streamer and InstantTensor, with the pinned-copy floor measured in the same run.
+
+Checkpoints (bf16, random weights, real architectures' names and shapes, built on the GPU once):
+the SDXL UNet (5.1 GB, 1680 tensors, many small) and a Llama-3.2-3B-shaped decoder (6.4 GB, 255
+tensors). Every case runs in a fresh process, interleaved, ``--runs`` times (median); the time is
+the read alone (imports and CUDA start-up excluded, ``torch.cuda.synchronize`` included). Warm: the
+files are in the page cache (checked with mincore). Cold: each file evicted (``POSIX_FADV_DONTNEED``,
+checked) before every run, against ``dd iflag=direct`` of the same files (the disk's O_DIRECT rate).
+Each case prints a byte checksum of what it loaded: every case must agree.
+
+``--sweep`` times shardkit's ring with other slot counts, slot sizes and thread counts (how the
+default was chosen); ``--tp`` reads the Llama as 4 tensor-parallel ranks on one GPU, counting each
+rank's bytes read (``/proc/self/io`` rchar) and checking its tensors against slices of the full ones.
+
+    python3 scripts/bench_gpu_read.py --work /tmp/gpu-read --runs 3 --cold --sweep --tp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+LLAMA_3B = {"vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+            "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True, "head_dim": 128}
+TINY = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+        "num_attention_heads": 8, "num_key_value_heads": 4, "tie_word_embeddings": True}
+CONFIGS = {"llama3b": LLAMA_3B, "tiny": TINY}
+DEVICE = os.environ.get("BENCH_DEVICE", "cuda:0")  # "cpu": a smoke test of the script itself
+PEERS = ["shardkit", "safetensors", "safetensors-prefetch", "fastsafetensors", "runai", "instanttensor"]
+
+
+# ------------------------------------------------------------------------- building (parent)
+
+def _shapes(model: str) -> dict[str, tuple[tuple[int, ...], object]]:
+    import torch
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        if model == "sdxl":
+            from build_checkpoint import SDXL_UNET
+            from diffusers import UNet2DConditionModel
+
+            net = UNet2DConditionModel.from_config(SDXL_UNET)
+        else:
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            net = LlamaForCausalLM(LlamaConfig(**CONFIGS[model]))
+    return {n: (tuple(t.shape), torch.bfloat16) for n, t in net.state_dict().items() if n != "lm_head.weight"}
+
+
+def build(model: str, work: str) -> str:
+    """The checkpoint in 2-3 GB shards, random bf16 values made on the GPU."""
+    import torch
+
+    import shardkit
+
+    folder = os.path.join(work, model)
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    state = {n: torch.randn(shape, dtype=torch.float32, device=DEVICE, generator=gen).to(dtype).cpu()  # type: ignore[arg-type]
+             for n, (shape, dtype) in _shapes(model).items()}
+    shardkit.save_sharded(state, folder, max_shard_size="3GB")
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(CONFIGS.get(model, {}), f)
+    return folder
+
+
+def shard_files(folder: str) -> list[str]:
+    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+
+
+# ------------------------------------------------------------------------- cases (child)
+
+def _shardkit(folder: str) -> dict:
+    import shardkit
+
+    with shardkit.open(folder) as ckpt:
+        return ckpt.to(DEVICE)
+
+
+def _safetensors(folder: str) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for path in shard_files(folder):
+        out.update(load_file(path, device=DEVICE))
+    return out
+
+
+def _safetensors_prefetch(folder: str) -> dict:
+    from safetensors import safe_open
+
+    out = {}
+    for path in shard_files(folder):
+        with safe_open(path, framework="pt", device=DEVICE, prefetch=True) as f:  # type: ignore[call-arg]
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
+
+
+def _fastsafetensors(folder: str) -> dict:
+    from fastsafetensors import fastsafe_open
+
+    with fastsafe_open(filenames=shard_files(folder), nogds=True, device=DEVICE) as f:
+        return {k: f.get_tensor(k).clone() for k in f.keys()}  # its buffers die with the context
+
+
+def _runai(folder: str) -> dict:
+    from runai_model_streamer import SafetensorsStreamer
+
+    with SafetensorsStreamer() as streamer:
+        streamer.stream_files(shard_files(folder), device=DEVICE)
+        return {name: t.to(DEVICE, non_blocking=True) for name, t in streamer.get_tensors()}
+
+
+def _instanttensor(folder: str) -> dict:
+    from instanttensor import safe_open
+
+    with safe_open(shard_files(folder), framework="pt", device=DEVICE) as f:
+        return dict(f.tensors())
+
+
+CASES = {"shardkit": _shardkit, "safetensors": _safetensors, "safetensors-prefetch": _safetensors_prefetch,
+         "fastsafetensors": _fastsafetensors, "runai": _runai, "instanttensor": _instanttensor}
+
+
+def _sync() -> None:
+    import torch
+
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def run_case(name: str, folder: str, ring: str | None) -> None:
+    import torch
+
+    import shardkit.api.loading  # noqa: F401  (imports are not part of the read time)
+    import shardkit.loading.device_reads as device_reads
+    from shardkit.loading.pipeline_copy import RingTuning
+
+    if ring:
+        slots, mib, threads = (int(x) for x in ring.split(","))
+        device_reads.LOCAL = RingTuning(slots=slots, slot_bytes=mib << 20, threads=threads)
+    torch.zeros(1, device=DEVICE)
+    _sync()
+    base = _status_kb("VmRSS")
+    start = time.perf_counter()
+    state = CASES[name](folder)
+    _sync()
+    seconds = time.perf_counter() - start
+    hwm = _status_kb("VmHWM")
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    checksum = int(sum(int(t.reshape(-1).view(torch.uint8).sum(dtype=torch.int64)) for t in state.values()))
+    print(json.dumps({"load_s": seconds, "bytes": nbytes, "checksum": checksum, "tensors": len(state),
+                      "peak_rss_mb": hwm / 1024, "above_base_mb": (hwm - base) / 1024}))
+
+
+def run_floor() -> None:
+    """The PCIe floor: a 1 GiB pinned host → GPU copy, median of 5 after a warm-up."""
+    import torch
+
+    src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
+    times = []
+    for _ in range(6):
+        _sync()
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        _sync()
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"gbps": (1 << 30) / statistics.median(times[1:]) / 1e9}))
+
+
+def run_tp(folder: str) -> None:
+    """4 ranks on one GPU: bytes each reads (kernel-counted), GB/s of what it keeps, tensors checked."""
+    import torch
+
+    import shardkit
+    from shardkit.loading.tensor_parallel import TensorParallelPlan, rules_for
+
+    def rchar() -> int:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    torch.zeros(1, device=DEVICE)
+    with shardkit.open(folder) as ckpt:
+        total = ckpt.nbytes()
+        plan = TensorParallelPlan(ckpt, world=4, rules=rules_for(config))
+        ckpt.open_shards()
+        full = ckpt.to(DEVICE)
+        for rank in range(4):
+            before, start = rchar(), time.perf_counter()
+            got = plan.read(rank, device=DEVICE)
+            _sync()
+            seconds, read = time.perf_counter() - start, rchar() - before
+            kept = sum(t.numel() * t.element_size() for t in got.values())
+            equal = all(torch.equal(t, _rank_slice(full[n], plan.specs[n], rank, 4)) for n, t in got.items())
+            print(json.dumps({"rank": rank, "read_bytes": read, "fraction": read / total, "kept_bytes": kept,
+                              "seconds": seconds, "gbps": kept / seconds / 1e9, "equal": equal}))
+            del got
+
+
+def _rank_slice(full, spec, rank: int, world: int):
+    import torch
+
+    if spec.dim is None:
+        return full
+    parts = full.split(list(spec.sections), dim=spec.dim) if spec.sections else (full,)
+    return torch.cat([p.chunk(world, dim=spec.dim)[rank] for p in parts], dim=spec.dim)
+
+
+# ------------------------------------------------------------------------- orchestration (parent)
+
+def child(*args: str) -> dict:
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:200]}
+    return json.loads(lines[-1])
+
+
+def cache_state(files: list[str], *, cold: bool) -> float:
+    """Warm every file (read it once) or evict it; the fraction resident afterwards (mincore)."""
+    from shardkit.reading.residency import cached_fraction, evict
+
+    for path in files:
+        if cold:
+            evict(path)
+        else:
+            subprocess.run(["cat", path], stdout=subprocess.DEVNULL, check=True)
+    return min(cached_fraction(path) or 0.0 for path in files)
+
+
+def dd_direct_gbps(files: list[str]) -> float:
+    start, nbytes = time.perf_counter(), 0
+    for path in files:
+        subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M", "iflag=direct"], check=True, capture_output=True)
+        nbytes += os.path.getsize(path)
+    return nbytes / (time.perf_counter() - start) / 1e9
+
+
+def _available(name: str) -> bool:
+    import importlib.util
+
+    module = {"shardkit": "shardkit", "safetensors": "safetensors", "fastsafetensors": "fastsafetensors",
+              "runai": "runai_model_streamer", "instanttensor": "instanttensor"}.get(name)
+    if name == "safetensors-prefetch":
+        import safetensors
+
+        return tuple(int(x) for x in safetensors.__version__.split(".")[:2]) >= (0, 9)
+    return module is not None and importlib.util.find_spec(module) is not None
+
+
+def bench(folder: str, cases: list[tuple[str, str | None]], runs: int, *, cold: bool) -> dict[str, list[dict]]:
+    files = shard_files(folder)
+    results: dict[str, list[dict]] = {label: [] for label, _ in cases}
+    results["floor"] = []
+    for _ in range(runs):
+        results["floor"].append(dd_direct_gbps(files) if cold else child("--floor").get("gbps", float("nan")))
+        for label, ring in cases:
+            resident = cache_state(files, cold=cold)
+            name = label.split("@")[0]
+            result = child("--case", name, folder, *(["--ring", ring] if ring else []))
+            result["resident"] = resident
+            results[label].append(result)
+            print(f"  {label:<28} {json.dumps(result)}", flush=True)
+    return results
+
+
+def table(results: dict[str, list[dict]], title: str, *, cold: bool) -> str:
+    floor = statistics.median(results.pop("floor"))  # type: ignore[type-var]
+    lines = [f"### {title}", "", f"floor ({'dd iflag=direct, the disk' if cold else 'pinned 1 GiB host → GPU copy, PCIe'}): "
+             f"{floor:.1f} GB/s", "", "| case | load s (runs) | GB/s | × floor | peak RSS MB | checksum |", "|---|---:|---:|---:|---:|---|"]
+    for label, runs in results.items():
+        ok = [r for r in runs if "error" not in r]
+        if not ok:
+            lines.append(f"| {label} | error: {runs[0].get('error') if runs else 'not run'} | | | | |")
+            continue
+        load = statistics.median(r["load_s"] for r in ok)
+        gbps = ok[0]["bytes"] / load / 1e9
+        rss = statistics.median(r["peak_rss_mb"] for r in ok)
+        sums = {r["checksum"] for r in ok}
+        each = ", ".join(f"{r['load_s']:.3f}" for r in ok)
+        lines.append(f"| {label} | {load:.3f} ({each}) | {gbps:.1f} | "
+                     f"{gbps / floor:.2f} | {rss:.0f} | {'ok' if len(sums) == 1 else 'DIFFERS'} {min(sums) % 10**6:06d} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--work", default="/tmp/shardkit-gpu-read")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--models", default="sdxl,llama3b")
+    parser.add_argument("--cold", action="store_true")
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--tp", action="store_true")
+    parser.add_argument("--case", nargs=2)
+    parser.add_argument("--ring")
+    parser.add_argument("--floor", action="store_true")
+    parser.add_argument("--tp-child")
+    args = parser.parse_args()
+    if args.case:
+        run_case(args.case[0], args.case[1], args.ring)
+        return 0
+    if args.floor:
+        run_floor()
+        return 0
+    if args.tp_child:
+        run_tp(args.tp_child)
+        return 0
+    os.makedirs(args.work, exist_ok=True)
+    peers = [p for p in PEERS if _available(p)]
+    print("peers:", peers, "| missing:", [p for p in PEERS if p not in peers], flush=True)
+    out = []
+    folders = {}
+    for model in args.models.split(","):
+        start = time.perf_counter()
+        folders[model] = build(model, args.work)
+        print(f"built {folders[model]} in {time.perf_counter() - start:.1f} s", flush=True)
+    for model, folder in folders.items():
+        out.append(table(bench(folder, [(p, None) for p in peers], args.runs, cold=False), f"{model}, warm", cold=False))
+        print(out[-1], flush=True)
+    if args.tp and "llama3b" in folders:
+        print("### TP=4 on one GPU (llama3b)", flush=True)
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--tp-child", folders["llama3b"]], timeout=300)
+    if args.cold:
+        folder = folders[next(iter(folders))]
+        cold_peers = [p for p in ("shardkit", "safetensors", "instanttensor", "fastsafetensors") if p in peers]
+        out.append(table(bench(folder, [(p, None) for p in cold_peers], args.runs, cold=True), "cold", cold=True))
+        print(out[-1], flush=True)
+    if args.sweep:
+        rings = ["8,16,4", "16,16,8", "32,8,16", "32,16,16", "16,32,8", "64,16,16"]
+        folder = folders[next(iter(folders))]
+        out.append(table(bench(folder, [(f"shardkit@{r}", r) for r in rings], 2, cold=False),
+                         "ring sweep (slots, MiB per slot, threads; 2 runs)", cold=False))
+        print(out[-1], flush=True)
+    print("\n\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
