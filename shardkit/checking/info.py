@@ -245,7 +245,7 @@ def _sum_known(values: list[int | None]) -> int | None:
 
 def _resolve(path: str) -> tuple[str, str | None]:
     """(path to open, index file name or None): a folder through the resolver, strictly (info opens what it finds)."""
-    from ..formats.index import find_checkpoint
+    from ..formats.index import find_checkpoint, shard_file
     from ..formats.layout import weight_files
     from ..sources import is_dcp_folder, is_pickle_index_folder
 
@@ -256,7 +256,8 @@ def _resolve(path: str) -> tuple[str, str | None]:
         return path, None  # opened whole by its source; no safetensors index to show
     names = weight_files(path)
     if len(names) == 1 and not names[0].endswith(".safetensors"):
-        return os.path.join(path, names[0]), None  # a folder with one pickle (e.g. pytorch_model.bin)
+        # a folder with one pickle (e.g. pytorch_model.bin): found in the folder, so under its link rule
+        return shard_file(path, names[0], where=path), None
     layout = find_checkpoint(path)
     return layout.path, os.path.basename(layout.path) if layout.kind == "index" else None
 
