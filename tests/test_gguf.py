@@ -106,6 +106,11 @@ HOSTILE = {
     "duplicate": (_pad(_header(tensors=_tensor("a", (8,), 0, 0) + _tensor("a", (8,), 0, 32), tensor_count=2),
                        bytes(64)), "twice"),
     "bad utf-8": (_header(_string(b"\xff\xfe") + struct.pack("<I", 4) + bytes(64), kv_count=1), "utf-8"),
+    # issue 41: a zero-element tensor with a dimension torch cannot hold (before: converted, exit 0)
+    "zero-element 2^64-1 rows": (_pad(_header(tensors=_tensor("w", (0, 2**64 - 1), 0, 0), tensor_count=1),
+                                      bytes(64)), "2^63"),
+    "zero-element 2^63 columns": (_pad(_header(tensors=_tensor("w", (2**63, 0), 0, 0), tensor_count=1),
+                                       bytes(64)), "2^63"),
 }
 
 

@@ -113,13 +113,31 @@ def test_a_zero_element_tensor_with_a_dimension_past_64_bits_is_refused(tmp_path
     with pytest.raises(Exception):  # noqa: B017, PT011 - the control: the reference reader refuses it
         safe_open(str(path), framework="pt")
     for args, code in ((["info", path], 2), (["split", path, tmp_path / "out", "-q"], 2), (["verify", path], 1)):
-        b.assert_refused(b.run_bounded(*args), code=code, contains="2^64")
+        b.assert_refused(b.run_bounded(*args), code=code, contains="2^63")
     assert not (tmp_path / "out").exists()
     import shardkit
     from shardkit.errors import HeaderError
 
-    with pytest.raises(HeaderError, match="2\\^64"):
+    with pytest.raises(HeaderError, match="2\\^63"):
         shardkit.open(path)
+
+
+@pytest.mark.parametrize("shape", [[2**64 - 1, 0], [0, 2**63], [2**63, 0, 5]])
+def test_a_zero_element_shape_with_a_dimension_past_63_bits_is_refused(shape: list[int], tmp_path: Path) -> None:
+    """Issue 41: every dimension below 2^63 whatever the product. Before, [2**64-1, 0] passed info and verify
+    (the reference reader takes it: its sizes are unsigned), then ``shardkit.open(...)[name]`` raised a raw
+    TypeError from torch, whose sizes are signed 64-bit."""
+    path = _raw(tmp_path / "ckpt" / "model.safetensors", {"w": ("F32", shape, b""), "x": ("U8", [1], b"\0")})
+    for args, code in ((["info", path], 2), (["split", path, tmp_path / "out", "-q"], 2), (["verify", path], 1)):
+        b.assert_refused(b.run_bounded(*args), code=code, contains="2^63")
+    assert not (tmp_path / "out").exists()
+    import shardkit
+    from shardkit.errors import HeaderError
+
+    with pytest.raises(HeaderError, match="2\\^63"):
+        shardkit.open(path)
+    with pytest.raises(HeaderError, match="2\\^63"):
+        shardkit.info(path)
 
 
 def _manifested(tmp_path: Path) -> Path:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from ..errors import HeaderError
+from .header import MAX_DIM
 from .links import UntrustedFileError, open_regular
 
 __all__ = ["GGML_TYPES", "GGUF_MAGIC", "GGUF_QUANTIZE", "GgmlType", "GgufFile", "GgufTensor", "Value", "build_gguf_header",
@@ -279,6 +280,9 @@ def _tensor_info(cur: _Cursor, i: int) -> tuple[str, tuple[int, ...], GgmlType, 
     if ndims > MAX_DIMS:
         raise HeaderError(f"{cur.path}: tensor {name!r} has {ndims} dimensions; GGUF allows at most {MAX_DIMS}")
     dims = tuple(cur.uint("Q", f"tensor {name!r} dimension") for _ in range(ndims))
+    if any(d >= MAX_DIM for d in dims):  # even when another is 0: torch sizes are signed 64-bit
+        raise HeaderError(f"{cur.path}: tensor {name!r} dimensions {list(dims)}: each must be below 2^63 (torch "
+                          "cannot hold a larger one, even in a zero-element tensor); the file is damaged or hostile")
     type_id = cur.uint("I", f"tensor {name!r} type")
     kind = GGML_TYPES.get(type_id)
     if kind is None:

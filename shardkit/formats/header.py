@@ -22,6 +22,7 @@ MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit
 HEADER_ALIGN_BYTES = 8
 PAD_BLOCK_BYTES = 4096  # build_header(data_start_mod=): the filesystem block that clones need
 _MAX_DIMS = 64
+MAX_DIM = 2**63  # every dimension below it (see _is_dim)
 
 
 @dataclass(frozen=True)
@@ -239,8 +240,9 @@ def _parse_entry(name: str, spec: object, path: str, data_start: int) -> TensorE
     dtype, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         raise HeaderError(f"{where}: unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BITS))}")
-    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_uint(d) for d in shape):
-        raise HeaderError(f"{where}: shape must be a list of non-negative integers below 2^64, got {str(shape)[:200]}")
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_dim(d) for d in shape):
+        raise HeaderError(f"{where}: shape must be a list of non-negative integers below 2^63 (every dimension, even "
+                          f"of a zero-element tensor: torch sizes are signed 64-bit), got {str(shape)[:200]}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_uint(o) for o in offsets)):
         raise HeaderError(f"{where}: data_offsets must be [begin, end] non-negative integers below 2^64, got "
                           f"{str(offsets)[:200]}")
@@ -258,9 +260,14 @@ def _parse_entry(name: str, spec: object, path: str, data_start: int) -> TensorE
     return TensorEntry(name, dtype, tuple(shape), expected, path, data_start + begin)
 
 
+def _is_dim(value: object) -> bool:
+    """A dimension every reader can hold: 0 <= value < 2**63 (torch sizes are signed 64-bit), even in a
+    zero-element shape such as ``[2**64 - 1, 0]``, which the format allows and torch cannot build."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_DIM
+
+
 def _is_uint(value: object) -> bool:
-    """A JSON integer the reference reader accepts: 0 <= value < 2**64 (a dimension of a zero-element
-    tensor too: ``safe_open`` refuses any dimension that is not a 64-bit size)."""
+    """A JSON integer the reference reader accepts as an offset: 0 <= value < 2**64."""
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
 
 
