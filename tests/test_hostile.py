@@ -205,6 +205,26 @@ def test_side_file_symlink_cannot_smuggle_a_file_into_the_output(tmp_path: Path)
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("name", ["evil\nname.txt", "\x1b[2J\x1b]0;owned\x07.json", "sub\tdir/config.json", "del\x7f.md"])
+@pytest.mark.parametrize("command", ["split", "convert"])
+def test_side_file_with_control_characters_is_refused(name: str, command: str, tmp_path: Path) -> None:
+    """Issue 41: docs/reliability.md says such names are refused; before, split and convert copied them (exit 0)."""
+    folder = _sharded(tmp_path / "ckpt")
+    (folder / name).parent.mkdir(exist_ok=True)
+    (folder / name).write_text("side")
+    proc = h.run_shardkit([command, folder, tmp_path / "out", "-q"])
+    line = _refused(proc, contains="control characters", case=f"side-file:{name!r}")
+    assert not any(c in proc.stderr for c in "\x1b\x07\t\x7f"), proc.stderr  # printed escaped, never raw
+    assert not (tmp_path / "out").exists()
+    assert "rename" in line
+    import shardkit
+    from shardkit.errors import InvalidInputError
+
+    with pytest.raises(InvalidInputError, match="control characters"):
+        shardkit.split(folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("kind", ["dangling", "directory"])
 def test_shard_symlink_to_nothing_or_a_folder_is_refused(kind: str, tmp_path: Path) -> None:
     folder = _sharded(tmp_path / "ckpt")

@@ -10,7 +10,8 @@ journal, and version-control and cache folders (``.git``, ``.cache`` ...).
 Only regular files and folders are copied. A symlinked file is followed only under the one rule of
 :mod:`shardkit.formats.links` (to a regular file inside the folder or in a Hugging Face cache's
 ``blobs/``); a symlinked folder, a link leading elsewhere, a fifo, socket or device is refused
-with one line naming it. Standard library only.
+with one line naming it, and so is a name the folder boundary refuses (control characters such as
+a newline or an ANSI escape, invalid Unicode). Standard library only.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import stat
 from collections.abc import Iterable
 
 from ..errors import InvalidInputError
-from .links import LINK_RULE, leads_outside
+from .links import LINK_RULE, OutsideFolderError, check_name, leads_outside
 from .suffixes import DCP_METADATA, is_manifest_file, is_weight_file
 
 __all__ = ["MAX_SIDE_FILES", "SKIPPED_DIRS", "folder_side_files"]
@@ -41,8 +42,8 @@ def folder_side_files(folder: str | os.PathLike[str], *, rewritten: Iterable[str
             rewritten: their ``.safetensors``, pickles, DCP files and index files are not copied.
 
     Raises:
-        InvalidInputError: a symlinked folder, a symlink leading outside, a special file, or more
-            than :data:`MAX_SIDE_FILES` files.
+        InvalidInputError: a symlinked folder, a symlink leading outside, a special file, a name with
+            control characters, or more than :data:`MAX_SIDE_FILES` files.
 
     folder_side_files("minilm/")
     ['.gitattributes', '1_Pooling/config.json', 'README.md', 'config.json', 'modules.json', ...]
@@ -60,6 +61,7 @@ def folder_side_files(folder: str | os.PathLike[str], *, rewritten: Iterable[str
             rel = os.path.normpath(os.path.join(rel_dir, entry.name))
             if _is_skipped(entry.name):
                 continue
+            _check_side_name(root, rel)
             kind = _kind(entry, root, rel)
             if kind == "dir":
                 pending.append(rel)
@@ -74,6 +76,15 @@ def folder_side_files(folder: str | os.PathLike[str], *, rewritten: Iterable[str
 def _entries(path: str) -> list[os.DirEntry[str]]:
     with os.scandir(path) as it:
         return sorted(it, key=lambda e: e.name)
+
+
+def _check_side_name(root: str, rel: str) -> None:
+    """Refuse a name the folder boundary refuses (control characters, invalid Unicode): never copied, never printed raw."""
+    try:
+        check_name(rel.replace(os.sep, "/"), where=root)
+    except OutsideFolderError as e:
+        raise InvalidInputError(f"{e}; shardkit copies no such name beside the weights: rename it or move it out of "
+                                "the folder") from None
 
 
 def _is_skipped(name: str) -> bool:
