@@ -26,11 +26,12 @@ from ..errors import StoreError
 from ..workers import ReadPool
 from .urls import StoreUrl
 
-__all__ = ["ObjectInfo", "ObjectStore", "ObjectWriter", "PendingUpload", "RangeRequest", "RemoteObject",
+__all__ = ["MAX_OBJECT_BYTES", "ObjectInfo", "ObjectStore", "ObjectWriter", "PendingUpload", "RangeRequest", "RemoteObject",
            "read_ranges"]
 
 PART_BYTES = 16 << 20  # one ranged GET (measured: 16 × 16 MiB in flight reach the loopback limit, docs/s3.md)
 READ_THREADS = 16
+MAX_OBJECT_BYTES = 5 << 40  # S3's limit for one object (5 TiB): a larger listed or stated size is a lie
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ..errors import HeaderError, InvalidInputError, StoreError
-from ..formats.header import MAX_HEADER_BYTES
-from .base import ObjectInfo, ObjectStore, RangeRequest, read_ranges
+from ..formats.header import MAX_HEADER_BYTES, parse_header
+from .base import MAX_OBJECT_BYTES, ObjectInfo, ObjectStore, RangeRequest, read_ranges
+from .urls import has_control_characters
 
 __all__ = ["FIRST_RANGE_BYTES", "MAX_WHOLE_BYTES", "HeaderMirror", "build_header_mirror"]
 
@@ -66,7 +67,10 @@ def build_header_mirror(store: ObjectStore, root: str, objects: list[ObjectInfo]
         raise StoreError(f"{store.url}: {len(objects)} objects; a checkpoint folder has at most {MAX_MIRRORED_OBJECTS}")
     mirror = HeaderMirror(root, {o.name: o for o in objects})
     for o in objects:
-        _local_path(store, root, o.name)  # every name checked before anything is fetched
+        _local_path(store, root, o.name)  # every name and size checked before anything is fetched
+        if not 0 <= o.size_bytes <= MAX_OBJECT_BYTES:
+            raise StoreError(f"{store.url}/{o.name}: the listing gives it size {o.size_bytes}, outside 0 to "
+                             f"{MAX_OBJECT_BYTES} bytes (S3's limit for one object); refused before mirroring anything")
     weights = [o for o in objects if o.name.endswith(".safetensors")]
     fetched = [o for o in objects if not o.name.endswith(".safetensors") and whole(o.name)]
     too_big = [o.name for o in fetched if o.size_bytes > max_whole_bytes]
@@ -114,9 +118,11 @@ def _fetch_headers(store: ObjectStore, mirror: HeaderMirror, weights: list[Objec
         for rest_batch in _batches(batch, lambda o, m=missing: m[o.name]):  # type: ignore[misc]
             rests = {o.name: bytearray(missing[o.name]) for o in rest_batch}
             read_ranges(store, [RangeRequest(n, len(firsts[n]), memoryview(b)) for n, b in rests.items() if b])
+            heads = {o.name: bytes(firsts[o.name] + rests[o.name]) for o in rest_batch}
+            sizes = {o.name: _mirrored_size(store, o, heads[o.name]) for o in rest_batch}  # all checked first
             for o in rest_batch:
-                head = bytes(firsts[o.name] + rests[o.name])
-                _write_new(_local_path(store, mirror.root, o.name), head, size_bytes=o.size_bytes)
+                head = heads[o.name]
+                _write_new(_local_path(store, mirror.root, o.name), head, size_bytes=sizes[o.name])
                 mirror.prefix_bytes[o.name] = len(head)
                 mirror.fetched_bytes += len(head)
 
@@ -130,10 +136,34 @@ def _header_end(store: ObjectStore, info: ObjectInfo, first: bytearray) -> int:
     return max(8 + int(header_bytes), len(first))
 
 
+def _mirrored_size(store: ObjectStore, info: ObjectInfo, head: bytes) -> int:
+    """The size of the sparse stand-in for ``info``: its listed size, checked against its header first.
+
+    A listed size past the end the header declares is refused here, before a file is created (a
+    listing claiming terabytes over a kilobyte header would otherwise make a terabyte sparse file).
+    A shorter one is kept: the local checks report the truncated shard. A header that does not
+    parse gets a stand-in of the header alone: the local checks report the header's own fault.
+    """
+    where = f"{store.url}/{info.name}"
+    (header_bytes,) = struct.unpack("<Q", head[:8])  # checked by _header_end: the head holds all of it
+    try:
+        declared = parse_header(head[8:8 + header_bytes], path=where).file_bytes
+    except HeaderError:
+        return min(info.size_bytes, len(head))
+    if info.size_bytes > declared:
+        raise HeaderError(f"{where}: the listing gives it size {info.size_bytes} but its header's tensors end at "
+                          f"byte {declared} (trailing data, or a listing that does not match the object); refused "
+                          "before mirroring it: re-upload the shard, or remove what follows its tensors")
+    return info.size_bytes
+
+
 def _local_path(store: ObjectStore, root: str, name: str) -> str:
     parts = name.split("/")
     if any(p in ("", ".", "..") for p in parts) or "\\" in name or "\0" in name or len(parts) > 32:
         raise StoreError(f"{store.url}: the listing holds {name!r}, not a plain relative path; refused")
+    if has_control_characters(name):
+        raise StoreError(f"{store.url}: the listing holds {name!r}, a name with control characters; refused (rename "
+                         "or delete that object)")
     return os.path.join(root, *parts)
 
 

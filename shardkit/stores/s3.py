@@ -15,21 +15,23 @@ bucket, the key and the endpoint, never a credential.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from ..errors import StoreError
-from .base import PART_BYTES, ObjectInfo, PendingUpload
+from .base import MAX_OBJECT_BYTES, PART_BYTES, ObjectInfo, PendingUpload
 from .retry import RetryPolicy, call_with_retries
 from .s3_client import make_client
-from .s3_errors import is_transient, store_errors
+from .s3_errors import CHANGED, is_transient, store_errors
+from .s3_listing import bounded_pages, listed_object
 from .s3_writer import S3Client, S3Writer
-from .urls import StoreUrl, parse_store_url
+from .urls import StoreUrl, has_control_characters, parse_store_url
 
 __all__ = ["S3Store", "open_s3"]
 
 T = TypeVar("T")
 MAX_LISTED_OBJECTS = 100_000  # a listing past this is no checkpoint folder: refused, not held in memory
+MAX_PENDING_UPLOADS = 10_000  # open multipart uploads listed under a prefix (recover), every one counted
 READ_SLICE_BYTES = 1 << 20
 
 
@@ -60,6 +62,7 @@ class S3Store:
         self.part_bytes = part_bytes
         self.stop = threading.Event()
         self._client = make_client(max(threads, 1) + 4)  # one client per store, closed with it
+        self._etags: dict[str, str] = {}  # name -> the entity tag its reads are pinned to (If-Match)
         self.endpoint: str = self._client.meta.endpoint_url
 
     # ------------------------------------------------------------------ requests
@@ -77,26 +80,31 @@ class S3Store:
 
     def list_objects(self, folder: str = "") -> list[ObjectInfo]:
         prefix = self.url.key(folder) + "/" if folder else (self.url.prefix + "/" if self.url.prefix else "")
-        return self.call(str(self.url.child(folder) if folder else self.url), lambda: self._list(prefix))
-
-    def _list(self, prefix: str) -> list[ObjectInfo]:
+        where = str(self.url.child(folder) if folder else self.url)
         found: list[ObjectInfo] = []
-        for page in self._pages(prefix):
-            for obj in page.get("Contents", []):
-                key, size = obj.get("Key"), obj.get("Size")
-                if not isinstance(key, str) or not isinstance(size, int) or size < 0:
-                    raise StoreError(f"{self.url}: the store listed an object without a valid key or size")
-                if not key.startswith(prefix) or key.endswith("/"):
-                    continue  # a folder marker, or a key outside the prefix: never ours to read
-                found.append(ObjectInfo(self.url.relative(key), size, str(obj.get("ETag", "")).strip('"')))
-                if len(found) > MAX_LISTED_OBJECTS:
-                    raise StoreError(f"{self.url}: more than {MAX_LISTED_OBJECTS} objects under the prefix; "
-                                     "name a folder that holds one checkpoint")
+
+        def fetch(cursor: dict[str, str]) -> S3Client:
+            return self.call(where, lambda: self._client.list_objects_v2(Bucket=self.url.bucket, Prefix=prefix, **cursor))
+
+        def cursor(reply: S3Client) -> dict[str, str]:
+            return {"ContinuationToken": str(reply.get("NextContinuationToken") or "")}
+
+        for page in bounded_pages(where, fetch, cursor, "Contents", max_entries=MAX_LISTED_OBJECTS):
+            found += [o for o in (listed_object(self.url, prefix, entry) for entry in page) if o is not None]
+        self._pin(found)
         return sorted(found, key=lambda o: o.name)
 
-    def _pages(self, prefix: str) -> Iterator[S3Client]:
-        paginator = self._client.get_paginator("list_objects_v2")
-        yield from paginator.paginate(Bucket=self.url.bucket, Prefix=prefix)
+    def _pin(self, objects: list[ObjectInfo]) -> None:
+        """Remember each object's entity tag: every later ranged GET of it asks for that version (``If-Match``)."""
+        for o in objects:
+            if o.etag:
+                self._etags[o.name] = o.etag
+            else:
+                self._etags.pop(o.name, None)
+
+    def pinned_etag(self, name: str) -> str:
+        """The entity tag every read of ``name`` is pinned to ("" where none was listed or stated)."""
+        return self._etags.get(name, "")
 
     def stat(self, name: str) -> ObjectInfo:
         key = self.url.key(name)
@@ -104,21 +112,31 @@ class S3Store:
         def head() -> ObjectInfo:
             reply = self._client.head_object(Bucket=self.url.bucket, Key=key)
             size = reply.get("ContentLength")
-            if not isinstance(size, int) or size < 0:
-                raise StoreError(f"{self.url.child(name)}: the store gave no valid size")
+            if not isinstance(size, int) or size < 0 or size > MAX_OBJECT_BYTES:
+                raise StoreError(f"{self.url.child(name)}: the store gave no valid size (Content-Length {size!r}; "
+                                 f"an object holds 0 to {MAX_OBJECT_BYTES} bytes)")
             return ObjectInfo(name, size, str(reply.get("ETag", "")).strip('"'))
 
-        return self.call(str(self.url.child(name)), head)
+        info = self.call(str(self.url.child(name)), head)
+        self._pin([info])
+        return info
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         key = self.url.key(name)
         where = f"{self.url.child(name)} bytes {offset}-{offset + len(out) - 1}"
-        self.call(where, lambda: self._get_into(key, offset, out, where))
+        etag = self._etags.get(name, "")
+        self.call(where, lambda: self._get_into(key, etag, offset, out, where))
 
-    def _get_into(self, key: str, offset: int, out: memoryview, where: str) -> None:
-        reply = self._client.get_object(Bucket=self.url.bucket, Key=key, Range=f"bytes={offset}-{offset + len(out) - 1}")
+    def _get_into(self, key: str, etag: str, offset: int, out: memoryview, where: str) -> None:
+        pinned = {"IfMatch": f'"{etag}"'} if etag else {}
+        reply = self._client.get_object(Bucket=self.url.bucket, Key=key, Range=f"bytes={offset}-{offset + len(out) - 1}",
+                                        **pinned)
         body = reply["Body"]
         try:
+            answered = str(reply.get("ETag", "")).strip('"')
+            if etag and answered and answered != etag:  # a store that ignores If-Match: the tag still tells
+                raise StoreError(f"{where}: {CHANGED} (it was listed with ETag {etag!r}, the store now sends "
+                                 f"{answered!r})")
             if reply.get("ContentLength") != len(out):
                 raise StoreError(f"{where}: the store answered {reply.get('ContentLength')} bytes "
                                  f"(the object is shorter, or the store ignored the range)")
@@ -140,13 +158,17 @@ class S3Store:
             reply = self._client.put_object(Bucket=self.url.bucket, Key=key, Body=data)
             return ObjectInfo(name, len(data), str(reply.get("ETag", "")).strip('"'))
 
-        return self.call(str(self.url.child(name)), put)
+        info = self.call(str(self.url.child(name)), put)
+        self._pin([info])  # this process's own version from here on
+        return info
 
     def writer(self, name: str) -> S3Writer:
         return S3Writer(self, name, part_bytes=self.part_bytes)
 
     def delete(self, names: Sequence[str]) -> None:
         keys = [self.url.key(n) for n in names]
+        for name in names:
+            self._etags.pop(name, None)
         for begin in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             batch = [{"Key": k} for k in keys[begin:begin + 1000]]
             reply = self.call(str(self.url), lambda b=batch: self._client.delete_objects(  # type: ignore[misc]
@@ -157,14 +179,29 @@ class S3Store:
 
     def pending_uploads(self) -> list[PendingUpload]:
         prefix = self.url.prefix + "/" if self.url.prefix else ""
+        where = f"{self.url} (multipart uploads)"
 
-        def listing() -> list[PendingUpload]:
-            pages = self._client.get_paginator("list_multipart_uploads").paginate(Bucket=self.url.bucket,
-                                                                                 Prefix=prefix)
-            return [PendingUpload(self.url.relative(u["Key"]), u["UploadId"])
-                    for page in pages for u in page.get("Uploads", []) if str(u.get("Key", "")).startswith(prefix)]
+        def fetch(cursor: dict[str, str]) -> S3Client:
+            return self.call(where, lambda: self._client.list_multipart_uploads(Bucket=self.url.bucket, Prefix=prefix,
+                                                                                **cursor))
 
-        return self.call(str(self.url), listing)
+        def cursor(reply: S3Client) -> dict[str, str]:
+            return {"KeyMarker": str(reply.get("NextKeyMarker") or ""),
+                    "UploadIdMarker": str(reply.get("NextUploadIdMarker") or "")}
+
+        found: list[PendingUpload] = []
+        for page in bounded_pages(where, fetch, cursor, "Uploads", max_entries=MAX_PENDING_UPLOADS):
+            found += [upload for upload in (self._pending(prefix, u) for u in page) if upload is not None]
+        return found
+
+    def _pending(self, prefix: str, entry: S3Client) -> PendingUpload | None:
+        """One listed upload under the prefix (its key and id checked), or None for one outside it."""
+        key, upload_id = (entry.get("Key"), entry.get("UploadId")) if isinstance(entry, dict) else (None, None)
+        if not isinstance(key, str) or not isinstance(upload_id, str) or not upload_id:
+            raise StoreError(f"{self.url}: the store listed a multipart upload without a valid key or upload id")
+        if not key.startswith(prefix) or has_control_characters(key):
+            return None  # not ours: recover aborts only uploads a journal names
+        return PendingUpload(self.url.relative(key), upload_id)
 
     def abort(self, upload: PendingUpload) -> None:
         key = self.url.key(upload.name)

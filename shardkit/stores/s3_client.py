@@ -21,13 +21,11 @@ import threading
 from collections import OrderedDict
 
 from ..errors import InvalidInputError, StoreError
-from .s3_errors import describe_client_error
+from .s3_errors import CONNECT_TIMEOUT_S, READ_TIMEOUT_S, describe_client_error
 from .s3_writer import S3Client
 
 __all__ = ["AWS_HOST_SUFFIX", "MAX_SESSIONS", "make_client"]
 
-CONNECT_TIMEOUT_S = 10.0
-READ_TIMEOUT_S = 60.0  # a stalled request fails (and is retried) instead of hanging
 AWS_HOST_SUFFIX = ".amazonaws.com"
 MAX_SESSIONS = 4  # distinct AWS configurations kept; the least recently used is dropped
 

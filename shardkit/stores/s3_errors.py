@@ -12,13 +12,18 @@ from collections.abc import Iterator
 
 from ..errors import ShardkitError, SourceNotFoundError, StoreError
 
-__all__ = ["describe_client_error", "is_transient", "store_errors"]
+__all__ = ["CHANGED", "CONNECT_TIMEOUT_S", "READ_TIMEOUT_S", "describe_client_error", "is_stall", "is_transient", "store_errors"]
 
+CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 15.0  # no byte for this long is a stall: one line, not retried (a retry would wait it again)
 CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
                     "TokenRefreshRequired", "AuthorizationHeaderMalformed", "InvalidSecurity"}
 DENIED_CODES = {"AccessDenied", "403", "AllAccessDisabled", "AccountProblem"}
 MISSING_BUCKET_CODES = {"NoSuchBucket"}
 MISSING_KEY_CODES = {"NoSuchKey", "404", "NotFound", "NoSuchUpload"}
+CHANGED_CODES = {"PreconditionFailed", "412"}  # If-Match on the listed ETag failed: the object was replaced
+CHANGED = ("the object changed while it was being read (its ETag is not the one listed: it was replaced or "
+           "rewritten); nothing was written from the mixed versions: run the command again once the upload is done")
 TRANSIENT_CODES = {"SlowDown", "RequestTimeout", "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable",
                    "Throttling", "ThrottlingException", "RequestLimitExceeded", "503", "500", "502", "504"}
 FIX_CREDENTIALS = ("check AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or AWS_PROFILE and ~/.aws/credentials) "
@@ -38,9 +43,25 @@ def _code(e: BaseException) -> str:
     return ""
 
 
+def is_stall(e: BaseException) -> bool:
+    """True for a request that timed out: no byte of a reply (or no connection) for the client's timeout.
+
+    A stall is not retried: each try would wait the whole timeout again, multiplying it.
+    """
+    if isinstance(e, TimeoutError):  # socket.timeout included
+        return True
+    try:
+        from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
+        from urllib3.exceptions import TimeoutError as Urllib3TimeoutError
+    except ImportError:  # pragma: no cover - boto3 is what raised e
+        return False
+    return isinstance(e, (ConnectTimeoutError, ReadTimeoutError, Urllib3TimeoutError))
+
+
 def is_transient(e: BaseException) -> bool:
-    """True for a failure worth retrying: a 5xx or throttling reply, a reset, refused or cut connection."""
-    if isinstance(e, ShardkitError):
+    """True for a failure worth retrying: a 5xx or throttling reply, a reset, refused or cut connection
+    (a stall is not: see :func:`is_stall`)."""
+    if isinstance(e, ShardkitError) or is_stall(e):
         return False
     code = _code(e)
     if code:
@@ -83,10 +104,18 @@ def _translate(e: BaseException, where: str, endpoint: str, bucket: str) -> Shar
                                    "(and AWS_ENDPOINT_URL)")
     if code in MISSING_KEY_CODES:
         return SourceNotFoundError(f"{where}: no such object")
+    if code in CHANGED_CODES:
+        return StoreError(f"{where}: {CHANGED}")
+    if name == "ConnectTimeoutError":
+        return StoreError(f"{where}: cannot reach the store at {endpoint} (no connection within {CONNECT_TIMEOUT_S:g} s); "
+                          "check AWS_ENDPOINT_URL and the network")
+    if is_stall(e):
+        return StoreError(f"{where}: the store at {endpoint} stalled (nothing arrived for {READ_TIMEOUT_S:g} s); "
+                          "check the endpoint and the network, then run the command again")
     if name in ("NoCredentialsError", "PartialCredentialsError"):
         return StoreError(f"{where}: no AWS credentials found ({e}); set AWS_ACCESS_KEY_ID and "
                           "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE")
-    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError"):
+    if name in ("EndpointConnectionError", "ConnectionClosedError"):
         return StoreError(f"{where}: cannot reach the store at {endpoint} ({name}); check AWS_ENDPOINT_URL "
                           "and the network")
     return StoreError(f"{where}: the request failed at {endpoint}: {describe_client_error(e)}")

@@ -221,8 +221,9 @@ def _dropped_on_failure(name: str, existing: set[str]) -> bool:
 def recover_store(store: ObjectStore) -> list[str]:
     """Clean up after writes killed mid-way (SIGKILL, power loss): what was aborted or deleted, as URLs.
 
-    Only shardkit's own leftovers: each write journal under the prefix names the objects its write
-    created and the old ones it was to delete. Their multipart uploads are aborted, and those of
+    Only shardkit's own leftovers: each write journal under the prefix, at any depth, names the
+    objects its write created and the old ones it was to delete, relative to the journal's own
+    folder (where that write's prefix was). Their multipart uploads are aborted, and those of
     them no live index names are deleted (a write killed before its publish leaves the old
     checkpoint whole; one killed after it, its new one). Uploads of other names are left alone.
     """
@@ -281,7 +282,8 @@ def _names(value: object) -> set[str]:
 
 
 def _journal_record(store: ObjectStore, journal: ObjectInfo) -> dict[str, set[str]]:
-    """A write journal's names: ``created``, ``stale`` and ``held`` (absent from older journals), each checked."""
+    """A write journal's names: ``created``, ``stale`` and ``held`` (absent from older journals), each checked
+    and resolved against the journal's own folder (a name never leaves that folder)."""
     where = store.url.child(journal.name)
     record = _read_json(store, journal, what="a shardkit write journal", bad="not a shardkit write journal",
                         fix="delete it by hand")
@@ -289,6 +291,8 @@ def _journal_record(store: ObjectStore, journal: ObjectInfo) -> dict[str, set[st
         names = {key: _names(record.get(key, [])) for key in ("created", "stale", "held")}
     except TypeError as e:
         raise InvalidInputError(f"{where}: not a shardkit write journal ({e}); delete it by hand") from e
+    folder = posixpath.dirname(journal.name)
+    inside = store.url.child(folder) if folder else store.url
     for name in set().union(*names.values()):
-        store.url.key(name)  # checked: a journal never makes recover touch a key outside the prefix
-    return names
+        inside.key(name)  # checked: no '..', no absolute path, no control characters; never outside the folder
+    return {key: {posixpath.join(folder, n) for n in found} for key, found in names.items()}

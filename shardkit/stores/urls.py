@@ -22,8 +22,8 @@ from typing import TypeGuard
 
 from ..errors import InvalidInputError
 
-__all__ = ["STORE_SCHEMES", "SUPPORTED_SCHEMES", "StoreUrl", "check_local", "check_scheme", "is_store_url", "parse_store_url",
-           "url_scheme"]
+__all__ = ["STORE_SCHEMES", "SUPPORTED_SCHEMES", "StoreUrl", "check_local", "check_scheme", "has_control_characters",
+           "is_store_url", "parse_store_url", "url_scheme"]
 
 STORE_SCHEMES = ("s3",)  # object stores this package reads through shardkit.stores
 SUPPORTED_SCHEMES = ("hf", *STORE_SCHEMES)  # every scheme a checkpoint path may have
@@ -45,6 +45,16 @@ _HINTS = {
 }
 
 
+def has_control_characters(name: str) -> bool:
+    """True for a name holding a C0 or C1 control character, DEL or a lone surrogate: a newline or an
+    escape sequence that would be copied into an output or a terminal (never a name shardkit uses).
+
+    >>> has_control_characters("unet/config.json"), has_control_characters("con\\nfig"), has_control_characters("\\x1b[31m")
+    (False, True, True)
+    """
+    return any(ord(c) < 32 or 127 <= ord(c) < 160 or 0xD800 <= ord(c) <= 0xDFFF for c in name)
+
+
 @dataclass(frozen=True)
 class StoreUrl:
     """A parsed ``s3://BUCKET/PREFIX``: ``prefix`` has no leading or trailing ``/`` ("" is the bucket's root)."""
@@ -61,6 +71,8 @@ class StoreUrl:
         parts = relative.split("/")
         if not relative or any(p in ("", ".", "..") for p in parts) or "\\" in relative or "\0" in relative:
             raise InvalidInputError(f"{self}: {relative!r} is not a plain relative path under the prefix")
+        if has_control_characters(relative):
+            raise InvalidInputError(f"{self}: {relative!r} has control characters; not a name under the prefix")
         key = f"{self.prefix}/{relative}" if self.prefix else relative
         if len(key.encode()) > MAX_KEY_BYTES:
             raise InvalidInputError(f"{self}: the key of {relative!r} is longer than {MAX_KEY_BYTES} bytes")
