@@ -176,6 +176,41 @@ def test_a_pipeline_component_linked_outside_is_refused(tmp_path: Path) -> None:
         shardkit.verify(folder)
 
 
+_LOAD_PIPELINE = """
+import sys, shardkit
+try:
+    shardkit.load_pipeline(sys.argv[1], read=sys.argv[2])
+except shardkit.errors.ShardkitError as e:
+    print(type(e).__name__, e)
+"""
+
+
+@pytest.mark.parametrize("kind", ["outside-json", "fifo"])
+@pytest.mark.parametrize("read", ["auto", "mmap"])
+def test_load_pipeline_reads_model_index_inside_the_folder(kind: str, read: str, tmp_path: Path) -> None:
+    """Issue 41: loading/pipeline.py read model_index.json with plain open/json.load (and read="mmap" left it
+    to diffusers): a link leading outside was followed, a FIFO hung. Now the folder boundary refuses both."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "pipe"
+    folder.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline",
+                                                          "unet": ["diffusers", "UNet2DConditionModel"]}))
+    if kind == "fifo":
+        os.mkfifo(folder / "model_index.json")
+    else:
+        (folder / "model_index.json").symlink_to(outside / "model_index.json")
+    before = b.outside_state(tmp_path, skip=folder)
+    proc = subprocess.run([sys.executable, "-c", _LOAD_PIPELINE, str(folder), read], capture_output=True, text=True,
+                          timeout=60, env=h.clean_env())
+    assert proc.stdout.startswith("OutsideFolderError"), proc.stdout + proc.stderr[-2000:]
+    assert ("outside" if kind == "outside-json" else "FIFO") in proc.stdout
+    assert b.outside_state(tmp_path, skip=folder) == before
+
+
 def test_a_symlinked_parent_is_refused_by_the_boundary_itself(tmp_path: Path) -> None:
     """open_inside walks parents with O_NOFOLLOW: ``sub -> /outside`` makes ``sub/x`` unreadable."""
     from shardkit.formats.links import OutsideFolderError, check_write_target, open_inside, read_inside

@@ -27,7 +27,7 @@ import contextlib
 import os
 import tempfile
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,6 +39,7 @@ from ..formats.manifest import MANIFEST_NAME, FileDigest, TensorDigest
 from ..sharding import digest
 from ..sharding.flush import BackgroundSync, ByteCounter
 from ..sharding.job import SideFile, copy_side_files, publish, shard_metadata
+from ..sharding.store_output import file_chunks
 from ..sharding.stream_writer import stream_safetensors
 from ..stores import ObjectStore, ObjectWriter, StoreUrl, open_store, parse_store_url
 from ..stores.transaction import StoreTransaction
@@ -52,8 +53,6 @@ if TYPE_CHECKING:
     from .gather import Gatherer
 
 __all__ = ["write_to_store"]
-
-READ_BYTES = 8 << 20  # side files are read into the store this much at a time
 
 
 @dataclass(frozen=True)
@@ -221,7 +220,7 @@ def _publish(run: _Run, store: ObjectStore, zero: _RankZero | None, records: dic
                 publish(tx, [run.job], sync=sync, record=record)
             for folder in (os.path.join(zero.folder, "side"), final):
                 for name, path in _local_files(folder).items():
-                    zero.tx.stream(name, _chunks(path))
+                    zero.tx.stream(name, file_chunks(path))
             zero.tx.commit()
         except Exception as e:
             error = e
@@ -262,15 +261,3 @@ def _local_files(folder: str) -> dict[str, str]:
             path = os.path.join(root, name)
             found[os.path.relpath(path, folder).replace(os.sep, "/")] = path
     return dict(sorted(found.items()))
-
-
-def _chunks(path: str) -> Iterator[bytes]:
-    """A small local file's bytes, 8 MiB at a time, the count checked against its size."""
-    with open(path, "rb") as f:
-        size_bytes, done = os.fstat(f.fileno()).st_size, 0
-        while done < size_bytes:
-            chunk = f.read(min(READ_BYTES, size_bytes - done))
-            if not chunk:
-                raise ShardkitWriteError(f"{path}: ended after {done} of {size_bytes} bytes")
-            done += len(chunk)
-            yield chunk

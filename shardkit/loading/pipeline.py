@@ -107,8 +107,6 @@ def _preload_components(folder: str, kwargs: dict[str, Any], *, read: ReadMode, 
     Only where placement is whole-model (no device map, ``"cpu"``, ``"cuda"``) and no variant is
     asked for: diffusers' own ``balanced`` placement and variant lookup stay diffusers'.
     """
-    import json
-
     from ..reading.residency import check_backend
     from .load import load_model
     from .opening import open as open_checkpoint
@@ -118,13 +116,8 @@ def _preload_components(folder: str, kwargs: dict[str, Any], *, read: ReadMode, 
     report: dict[str, object] = {}
     if read == "mmap" or device_map == "balanced" or variant is not None:
         return report
-    with open(os.path.join(folder, "model_index.json"), encoding="utf-8") as f:
-        index = json.load(f)
-    for component, spec in index.items():
+    for component, spec in _weight_components(folder):
         sub = os.path.join(folder, component)
-        if not (isinstance(spec, list) and len(spec) == 2 and spec[0] in ("diffusers", "transformers")
-                and os.path.isfile(os.path.join(sub, "config.json"))):
-            continue
         try:
             with open_checkpoint(sub, read=read) as ckpt:
                 ckpt.reader_of(next(iter(ckpt)))  # opens the first shard: auto decides there
@@ -134,7 +127,7 @@ def _preload_components(folder: str, kwargs: dict[str, Any], *, read: ReadMode, 
         if all(f["backend"] == "mmap" for f in files) and not has_scales(sub):  # fp8 scales: diffusers drops them
             report[component] = {"files": files, "loaded_by": "diffusers"}
             continue
-        model = load_model(f"{spec[0]}:{spec[1]}", sub, dtype=kwargs.get("torch_dtype"), read=read,
+        model = load_model(spec, sub, dtype=kwargs.get("torch_dtype"), read=read,
                            device_map={"": 0} if device_map == "cuda" else "cpu")
         kwargs[component] = model
         load_report: dict[str, object] = getattr(model, "shardkit_load_report")  # noqa: B009 - set by load_model
@@ -143,14 +136,15 @@ def _preload_components(folder: str, kwargs: dict[str, Any], *, read: ReadMode, 
 
 
 def _weight_components(folder: str) -> list[tuple[str, str]]:
-    """``(component, "library:Class")`` of each diffusers/transformers component with a ``config.json``."""
-    import json
+    """``(component, "library:Class")`` of each diffusers/transformers component with a ``config.json``.
 
-    with open(os.path.join(folder, "model_index.json"), encoding="utf-8") as f:
-        index = json.load(f)
-    return [(component, f"{spec[0]}:{spec[1]}") for component, spec in index.items()
-            if isinstance(spec, list) and len(spec) == 2 and spec[0] in ("diffusers", "transformers")
-            and os.path.isfile(os.path.join(folder, component, "config.json"))]
+    ``model_index.json`` is read once through the folder boundary (:func:`~shardkit.formats.layout.find_components`:
+    a checked descriptor, a bounded read, component names that stay inside the folder).
+    """
+    from ..formats.layout import find_components
+
+    return [(c.name, f"{c.library}:{c.class_name}") for c in find_components(folder)
+            if c.library in ("diffusers", "transformers") and os.path.isfile(os.path.join(c.path, "config.json"))]
 
 
 def _load_ranged_components(ranged: RangedCheckpoint, kwargs: dict[str, Any], *,
@@ -199,11 +193,14 @@ def _check_folder(path: str | os.PathLike[str]) -> str:
     folder = os.fspath(path)  # a RangedCheckpoint: its mirror's root
     if not os.path.isdir(folder):
         raise SourceNotFoundError(f"pipeline folder {folder} does not exist")
-    if not os.path.isfile(os.path.join(folder, "model_index.json")):
+    if not os.path.lexists(os.path.join(folder, "model_index.json")):
         raise SourceNotFoundError(
             f"{folder} has no model_index.json, so it is not a diffusers pipeline folder; "
             "load a single model with shardkit.load_model"
         )
+    from ..formats.layout import find_components
+
+    find_components(folder)  # the folder boundary before diffusers reads anything: a linked-out index, a FIFO
     return folder
 
 
