@@ -10,6 +10,7 @@ is reported with its count. The file's sha256 is computed on the same pass.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from ..errors import HeaderError, InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.json_types import JsonObject
+from ..formats.links import open_regular
 
 __all__ = ["GgufCheck", "verify_gguf"]
 
@@ -114,9 +116,13 @@ def _shape_problems(entries: list[TensorEntry], config: JsonObject) -> list[tupl
 
 
 def _sha256(path: str) -> tuple[str, int]:
+    """The file's sha256 and size, read through one checked descriptor (a FIFO or device refused unread)."""
     digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
-        while block := f.read(READ_BYTES):
+    fd = open_regular(path)
+    try:
+        while block := os.read(fd, READ_BYTES):
             digest.update(block)
             size += len(block)
+    finally:
+        os.close(fd)
     return digest.hexdigest(), size

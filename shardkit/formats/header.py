@@ -16,7 +16,7 @@ from typing import BinaryIO
 
 from ..errors import HeaderError, InvalidInputError, SourceNotFoundError
 from ..units import DTYPE_BITS
-from .links import OutsideFolderError, open_regular
+from .links import OutsideFolderError, loads_json, open_regular
 
 MAX_HEADER_BYTES = 100_000_000  # the reference reader's limit
 HEADER_ALIGN_BYTES = 8
@@ -199,7 +199,7 @@ def _decode_json(raw: bytes, path: str) -> dict[str, object]:
         return out
 
     try:
-        doc = json.loads(text, object_pairs_hook=no_duplicates)
+        doc = loads_json(text, object_pairs_hook=no_duplicates)
     except HeaderError:  # a duplicate name: already a precise message (HeaderError is a ValueError)
         raise
     except (ValueError, RecursionError) as e:  # ValueError: also integers over Python's digit limit

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from ..errors import CheckpointIndexError, SourceNotFoundError
-from .links import LINK_RULE, OutsideFolderError, leads_outside, link_target, read_regular
+from .links import LINK_RULE, OutsideFolderError, leads_outside, link_target, loads_json, read_regular
 from .names import (  # the naming rules live in names.py; re-exported here for their many importers
     DIFFUSERS_PREFIX,
     TRANSFORMERS_PREFIX,
@@ -122,7 +122,7 @@ def load_index(path: str | os.PathLike[str], *, ext: str = ".safetensors") -> Ch
 def parse_index(raw: bytes, *, path: str, ext: str = ".safetensors") -> CheckpointIndex:
     """Validate index JSON bytes, raising for the first problem. See :func:`load_index`."""
     try:
-        doc = json.loads(raw.decode("utf-8"))
+        doc = loads_json(raw)
     except (ValueError, RecursionError) as e:  # ValueError: also integers over Python's digit limit
         raise CheckpointIndexError(f"{path}: not a valid UTF-8 JSON index ({e})") from e
     contents = index_contents(doc, ext=ext)

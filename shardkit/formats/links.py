@@ -16,11 +16,12 @@ import json
 import os
 import re
 import stat
+from collections.abc import Callable
 
 from ..errors import InvalidInputError
 
 __all__ = ["BOUNDARY_RULE", "LINK_RULE", "MAX_JSON_BYTES", "OutsideFolderError", "UntrustedFileError", "check_name", "check_write_target",
-           "fd_path", "leads_outside", "link_target", "open_inside", "open_parent", "open_regular", "parse_json", "read_fd", "read_inside",
+           "fd_path", "leads_outside", "link_target", "loads_json", "open_inside", "open_parent", "open_regular", "parse_json", "read_fd", "read_inside",
            "read_regular"]
 
 LINK_RULE = "shardkit follows such links only inside the folder or into a Hugging Face cache's blobs/"
@@ -264,16 +265,32 @@ def read_regular(path: str, *, where: str | None = None, max_bytes: int = MAX_JS
         os.close(fd)
 
 
+def _no_constants(token: str) -> float:
+    raise ValueError(f"{token} is not a JSON number")
+
+
+def loads_json(data: bytes | bytearray | str,
+               object_pairs_hook: Callable[[list[tuple[str, object]]], object] | None = None) -> object:
+    """JSON already read through a checked descriptor or a bounded buffer, as Python values (``NaN``/``Infinity`` refused).
+
+    The one place besides :func:`parse_json` where shardkit parses JSON; the caller names the file
+    and field. Raises ``ValueError`` (bad UTF-8, bad JSON, integers over Python's digit limit) or
+    ``RecursionError`` (nested too deeply).
+
+    >>> loads_json(b'{"a": [1, 2]}')
+    {'a': [1, 2]}
+    """
+    text = data if isinstance(data, str) else bytes(data).decode("utf-8")
+    return json.loads(text, parse_constant=_no_constants, object_pairs_hook=object_pairs_hook)
+
+
 def parse_json(data: bytes, *, path: str, what: str = "JSON file") -> object:
     """JSON bytes as Python values; any malformation (depth, huge numbers, NaN, bad UTF-8) is one line naming ``path``."""
-    def no_constants(token: str) -> float:
-        raise ValueError(f"{token} is not a JSON number")
-
     try:
-        return json.loads(data.decode("utf-8"), parse_constant=no_constants)
+        return loads_json(data)
     except RecursionError as e:
         raise UntrustedFileError(f"{path}: not valid JSON (a {what} nested too deeply)") from e
-    except (ValueError, UnicodeDecodeError) as e:  # ValueError: also integers over Python's digit limit
+    except ValueError as e:  # also bad UTF-8, and integers over Python's digit limit
         raise UntrustedFileError(f"{path}: not valid JSON (a UTF-8 {what} expected: {str(e)[:200]})") from e
 
 
