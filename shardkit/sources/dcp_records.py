@@ -8,6 +8,7 @@ shape is refused, so every byte written comes from bytes really on disk.
 
 from __future__ import annotations
 
+import errno
 import io
 import math
 import os
@@ -48,7 +49,10 @@ class _FileSlice(io.RawIOBase):
         return True
 
     def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        new = {0: pos, 1: self.pos + pos, 2: self.length + pos}[whence]
+        if new < 0:  # as a file does: zipfile then finds no record, never bytes before the window
+            raise OSError(errno.EINVAL, f"seek to {new}, before the chunk's first byte")
+        self.pos = new
         return self.pos
 
     def tell(self) -> int:
