@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from ..devices import DeviceKey
-from ..reading.readers import Reader, ReadJob
+from ..reading.readers import Reader, ReadJob, memory_at
 
 if TYPE_CHECKING:
     import torch
@@ -111,10 +111,12 @@ class Piece:
     source: int                     # index of the file in the ``run_ring`` list
     reads: list[SlotRead] = field(default_factory=list)
     copies: list[SlotCopy] = field(default_factory=list)
+    # A strided piece's reads as plain ``(file offset, nbytes, slot offset)`` tuples (reads[0] names it).
+    spans: list[tuple[int, int, int]] | None = None
 
     @property
     def read_bytes(self) -> int:
-        return sum(r.nbytes for r in self.reads)
+        return sum(n for _, n, _ in self.spans) if self.spans is not None else sum(r.nbytes for r in self.reads)
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -169,26 +171,27 @@ def _close(pieces: list[Piece], piece: Piece, start: int, end: int) -> None:
 def plan_strided(jobs: Sequence[CopyJob], *, source: int, slot_bytes: int) -> list[Piece]:
     """Pieces for many small copies that land back to back in one destination (the rows of a
     tensor-parallel slice): each copy is its own read, packed into the slot, and each piece is one
-    copy out of the slot. Only the bytes asked for are read.
+    copy out of the slot (or a few, at a change of destination). Only the bytes asked for are read.
 
     >>> import torch
     >>> dest = torch.empty(8, dtype=torch.uint8)
     >>> rows = [CopyJob(dest, 4 * i, 100 * i, 4, "w") for i in range(2)]
     >>> p, = plan_strided(rows, source=0, slot_bytes=4096)
-    >>> [(r.offset, r.nbytes, r.slot_offset) for r in p.reads], [(c.slot_offset, c.nbytes) for c in p.copies]
+    >>> p.spans, [(c.slot_offset, c.nbytes) for c in p.copies]
     ([(0, 4, 0), (100, 4, 4)], [(0, 8)])
     """
     pieces: list[Piece] = []
-    piece = Piece(source)
-    used = 0
+    piece, spans, used = Piece(source), [], 0
     for job in jobs:
         done = 0
         while done < job.nbytes:
             if used == slot_bytes:
-                pieces.append(piece)
-                piece, used = Piece(source), 0
+                pieces.append(_strided(piece, spans))
+                piece, spans, used = Piece(source), [], 0
             take = min(job.nbytes - done, slot_bytes - used)
-            piece.reads.append(SlotRead(job.offset + done, take, used, job.where))
+            if not spans:
+                piece.reads.append(SlotRead(job.offset + done, take, used, job.where))
+            spans.append((job.offset + done, take, used))
             last = piece.copies[-1] if piece.copies else None
             if last is not None and last.dest is job.dest and last.dest_offset + last.nbytes == job.dest_offset + done \
                     and last.slot_offset + last.nbytes == used:
@@ -198,8 +201,13 @@ def plan_strided(jobs: Sequence[CopyJob], *, source: int, slot_bytes: int) -> li
             used += take
             done += take
     if piece.copies:
-        pieces.append(piece)
+        pieces.append(_strided(piece, spans))
     return pieces
+
+
+def _strided(piece: Piece, spans: list[tuple[int, int, int]]) -> Piece:
+    piece.spans = spans
+    return piece
 
 
 class CopyStage(Protocol):
@@ -387,7 +395,7 @@ def run_pieces(readers: Sequence[Reader], pieces: Sequence[Piece], *, stage: Cop
     if not pieces:
         return report
     ring = ring or BufferRing.for_tuning(stage, tuning)
-    if any(r.slot_offset + r.nbytes > ring.nbytes for p in pieces for r in p.reads):
+    if any(_slot_end(p) > ring.nbytes for p in pieces):
         raise ValueError(f"pieces planned for slots larger than this ring's {ring.nbytes:,} bytes")
     report.ring_bytes = ring.count * ring.nbytes
     run = _Run(readers, pieces, stage, ring)
@@ -410,6 +418,12 @@ def run_pieces(readers: Sequence[Reader], pieces: Sequence[Piece], *, stage: Cop
     report.read_bytes = sum(p.read_bytes for p in pieces)
     report.copied_bytes = sum(c.nbytes for p in pieces for c in p.copies)
     return report
+
+
+def _slot_end(piece: Piece) -> int:
+    if piece.spans is not None:
+        return max(at + n for _, n, at in piece.spans)
+    return max(r.slot_offset + r.nbytes for r in piece.reads)
 
 
 class _Run:
@@ -448,6 +462,10 @@ class _Run:
 
     def fill(self, slot: Slot, piece: Piece) -> None:
         reader = self.readers[piece.source]
+        if piece.spans is not None:  # many small reads (a strided slice): one pread each, no objects
+            reader.read_spans(memory_at(slot.memory.data_ptr(), slot.memory.numel()), piece.spans,
+                              where=piece.reads[0].where)
+            return
         base = slot.memory.data_ptr()
         for r in piece.reads:
             reader.read_one(ReadJob(base + r.slot_offset, r.offset, r.nbytes, r.where, r.padded))

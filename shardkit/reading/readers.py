@@ -114,6 +114,10 @@ def memory_at(address: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B") if nbytes else memoryview(bytearray())
 
 
+def _address_of(memory: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(memory))
+
+
 def pread_exact(fd: int, address: int, offset: int, nbytes: int, *, where: str) -> None:
     """``pread`` exactly ``nbytes`` at ``offset`` into memory at ``address``; short reads are retried."""
     view = memory_at(address, nbytes)
@@ -156,6 +160,14 @@ class Reader:
     def read_one(self, job: ReadJob) -> None:
         """One chunk, on the calling thread."""
         pread_exact(self._fd, job.address, job.offset, job.nbytes, where=job.where)
+
+    def read_spans(self, memory: memoryview, spans: list[tuple[int, int, int]], *, where: str) -> None:
+        """Many small reads into one buffer, on the calling thread: ``(file offset, nbytes, buffer
+        offset)`` each (the rows of a tensor-parallel slice). One ``pread`` per span, no per-span objects."""
+        fd = self._fd
+        for offset, nbytes, at in spans:
+            if os.preadv(fd, [memory[at:at + nbytes]], offset) != nbytes:  # a short read: finish or fail
+                pread_exact(fd, _address_of(memory) + at, offset, nbytes, where=where)
 
     def close(self) -> None:
         """Close the file (when this reader opened it)."""
@@ -209,6 +221,12 @@ class DirectReader(Reader):
             self._read_in_place(job)
         else:
             self._read_bounced(job)
+
+    def read_spans(self, memory: memoryview, spans: list[tuple[int, int, int]], *, where: str) -> None:
+        """Each span through the bounce buffer (O_DIRECT needs whole pages; these are small)."""
+        base = _address_of(memory)
+        for offset, nbytes, at in spans:
+            self.read_one(ReadJob(base + at, offset, nbytes, where))
 
     def _read_in_place(self, job: ReadJob) -> None:
         end = job.offset + job.nbytes
@@ -275,6 +293,11 @@ class RangeReader(Reader):
     def read_one(self, job: ReadJob) -> None:
         """One chunk, on the calling thread: the file fills the job's memory (and checks the count)."""
         self.file.read_into(job.offset, memory_at(job.address, job.nbytes))
+
+    def read_spans(self, memory: memoryview, spans: list[tuple[int, int, int]], *, where: str) -> None:
+        """One ranged read per span."""
+        for offset, nbytes, at in spans:
+            self.file.read_into(offset, memory[at:at + nbytes])
 
     def close(self) -> None:
         """Close the file (idempotent)."""
