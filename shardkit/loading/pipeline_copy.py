@@ -181,7 +181,8 @@ def plan_strided(jobs: Sequence[CopyJob], *, source: int, slot_bytes: int) -> li
     ([(0, 4, 0), (100, 4, 4)], [(0, 8)])
     """
     pieces: list[Piece] = []
-    piece, spans, used = Piece(source), [], 0
+    spans: list[tuple[int, int, int]] = []
+    piece, used = Piece(source), 0
     for job in jobs:
         done = 0
         while done < job.nbytes:
