@@ -49,6 +49,7 @@ from ..stores.copy_plan import (
     copied_bytes,
     plan_copy_parts,
 )
+from ..stores.s3 import S3Store
 from ..stores.s3_writer import S3Writer
 from ..stores.transaction import StoreTransaction
 
@@ -174,7 +175,8 @@ def _fill(writer: ObjectWriter, parts: Sequence[Part], shard: _Shard, hasher: _T
         raise CopyRefusedError(f"{writer.name}: this store has no server-side copy")
     for number, part in enumerate(parts, 1):
         if isinstance(part, CopyPart):
-            writer.copy_range(src_store.url.bucket, src_store.url.key(part.name), part.begin, part.end)
+            etag = src_store.pinned_etag(part.name) if isinstance(src_store, S3Store) else ""  # as its ranged GETs
+            writer.copy_range(src_store.url.bucket, src_store.url.key(part.name), part.begin, part.end, etag=etag)
             hasher.skip(part.nbytes)
         else:
             data = _client_bytes(part, shard.header, src_store)

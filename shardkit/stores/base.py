@@ -86,7 +86,8 @@ class ObjectStore(Protocol):
         ...
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with the object's bytes at ``offset`` (one ranged request, retried)."""
+        """Fill ``out`` with the object's bytes at ``offset`` (one ranged request, retried), from the version
+        listed or stated (an object replaced since fails in one line instead of mixing two versions)."""
         ...
 
     def put(self, name: str, data: bytes) -> ObjectInfo:

@@ -8,8 +8,12 @@ endpoint other than AWS's is addressed path-style (``http://host:port/BUCKET/KEY
 and self-hosted stores expect. Why boto3 and not obstore or s3fs: docs/s3.md (measured).
 
 botocore's own retries are off (one attempt per call): :func:`~shardkit.stores.retry.call_with_retries`
-retries a failed request or a body cut mid-read, with back-off and a bound. Messages name the
-bucket, the key and the endpoint, never a credential.
+retries a failed request or a body cut mid-read, with back-off and a bound; a stall is not retried.
+Messages name the bucket, the key and the endpoint, never a credential.
+
+A hostile or changing store (docs/reliability.md, "Object stores"): listings are bounded in pages
+and entries (:mod:`.s3_listing`), and every ranged GET of an object carries ``If-Match`` with the
+ETag its listing or HEAD gave, so the header and the data of one object come from one version.
 """
 
 from __future__ import annotations

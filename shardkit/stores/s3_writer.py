@@ -110,11 +110,12 @@ class S3Writer:
             Bucket=self._store.url.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number, Body=data))
         self._parts[number] = str(reply["ETag"])
 
-    def copy_range(self, bucket: str, key: str, begin: int, end: int) -> None:
+    def copy_range(self, bucket: str, key: str, begin: int, end: int, *, etag: str = "") -> None:
         """Append bytes ``[begin, end)`` of the object ``bucket/key`` as ONE part copied inside the store
         (``UploadPartCopy``): none of them cross the client. The bytes written before go first as a
         part of their own, so the caller keeps them at least 5 MiB (see :mod:`.copy_plan`). A store
-        that refuses the copy raises :class:`~shardkit.stores.copy_plan.CopyRefusedError`."""
+        that refuses the copy raises :class:`~shardkit.stores.copy_plan.CopyRefusedError`. ``etag``:
+        the source's listed entity tag, the copy pinned to it (``CopySourceIfMatch``: 412 if replaced)."""
         if self._done:
             raise StoreError(f"{self._where}: write after commit or abort")
         if self._buffer:
@@ -122,17 +123,19 @@ class S3Writer:
         number = self._next_part()
         self._sent_parts = number
         assert self._pool is not None
-        self._pending.append(self._pool.submit(lambda: self._copy_part(number, bucket, key, begin, end)))
+        self._pending.append(self._pool.submit(lambda: self._copy_part(number, bucket, key, begin, end, etag)))
         self._written_bytes += end - begin
 
-    def _copy_part(self, number: int, bucket: str, key: str, begin: int, end: int) -> None:
+    def _copy_part(self, number: int, bucket: str, key: str, begin: int, end: int, etag: str) -> None:
         from .copy_plan import refused_copy
+
+        pinned = {"CopySourceIfMatch": f'"{etag}"'} if etag else {}
 
         def copy() -> S3Client:
             with refused_copy(f"{self._where} part {number} (copy of s3://{bucket}/{key})"):
                 return self._client.upload_part_copy(
                     Bucket=self._store.url.bucket, Key=self._key, UploadId=self._upload_id, PartNumber=number,
-                    CopySource={"Bucket": bucket, "Key": key}, CopySourceRange=f"bytes={begin}-{end - 1}")
+                    CopySource={"Bucket": bucket, "Key": key}, CopySourceRange=f"bytes={begin}-{end - 1}", **pinned)
 
         reply = self._store.call(f"{self._where} part {number}", copy)
         self._parts[number] = str(reply["CopyPartResult"]["ETag"])
