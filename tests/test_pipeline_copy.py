@@ -160,8 +160,7 @@ def test_plan_pieces_merges_small_gaps_and_splits_at_large_ones() -> None:
 
 def test_plan_strided_packs_rows_and_reads_only_them() -> None:
     dest = torch.empty(12_000, dtype=torch.uint8)
-    rows = [CopyJob(dest, 3000 * i, 10_000 * i + 7, 3000, "w") for i in range(4)]
-    pieces = plan_strided(rows, source=0, slot_bytes=8192)
+    pieces = plan_strided(dest, [(10_000 * i + 7, 3000) for i in range(4)], source=0, slot_bytes=8192, where="w")
     assert sum(p.read_bytes for p in pieces) == 12_000
     assert all(not r.padded for p in pieces for r in p.reads)  # packed reads must not spill to whole pages
     assert [p.spans for p in pieces] == [[(7, 3000, 0), (10_007, 3000, 3000), (20_007, 2192, 6000)],
@@ -291,9 +290,9 @@ def test_pieces_planned_for_bigger_slots_are_refused(tmp_path) -> None:
 def test_strided_pieces_through_the_ring_with_direct_reads_stay_exact(tmp_path, engine) -> None:
     path, data = _blob(tmp_path)
     dest = torch.empty(64 * 100, dtype=torch.uint8)
-    rows = [CopyJob(byte_view(dest), 100 * i, 4000 * i + 13, 100, "w") for i in range(64)]
+    rows = [(4000 * i + 13, 100) for i in range(64)]
     with readers.open_reader(path, "direct") as reader:
-        run_pieces([reader], plan_strided(rows, source=0, slot_bytes=4096), stage=engine,
+        run_pieces([reader], plan_strided(byte_view(dest), rows, source=0, slot_bytes=4096, where="w"), stage=engine,
                    tuning=RingTuning(slots=3, slot_bytes=4096, threads=3))
     assert dest.numpy().tobytes() == b"".join(data[4000 * i + 13:4000 * i + 113] for i in range(64))
 

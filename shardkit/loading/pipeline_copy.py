@@ -168,47 +168,40 @@ def _close(pieces: list[Piece], piece: Piece, start: int, end: int) -> None:
         pieces.append(piece)
 
 
-def plan_strided(jobs: Sequence[CopyJob], *, source: int, slot_bytes: int) -> list[Piece]:
-    """Pieces for many small copies that land back to back in one destination (the rows of a
-    tensor-parallel slice): each copy is its own read, packed into the slot, and each piece is one
-    copy out of the slot (or a few, at a change of destination). Only the bytes asked for are read.
+def plan_strided(dest: torch.Tensor, ranges: Sequence[tuple[int, int]], *, source: int, slot_bytes: int,
+                 where: str) -> list[Piece]:
+    """Pieces for many small file ranges that fill ``dest`` (a flat byte view) back to back, in
+    order (the rows of a tensor-parallel slice): each range is its own read, packed into the slot,
+    and each piece is one copy out of its slot. Only the bytes asked for are read.
 
     >>> import torch
-    >>> dest = torch.empty(8, dtype=torch.uint8)
-    >>> rows = [CopyJob(dest, 4 * i, 100 * i, 4, "w") for i in range(2)]
-    >>> p, = plan_strided(rows, source=0, slot_bytes=4096)
-    >>> p.spans, [(c.slot_offset, c.nbytes) for c in p.copies]
-    ([(0, 4, 0), (100, 4, 4)], [(0, 8)])
+    >>> p, = plan_strided(torch.empty(8, dtype=torch.uint8), [(0, 4), (100, 4)], source=0, slot_bytes=4096, where="w")
+    >>> p.spans, [(c.dest_offset, c.slot_offset, c.nbytes) for c in p.copies]
+    ([(0, 4, 0), (100, 4, 4)], [(0, 0, 8)])
     """
     pieces: list[Piece] = []
     spans: list[tuple[int, int, int]] = []
-    piece, used = Piece(source), 0
-    for job in jobs:
+    used = start = 0  # bytes packed into the current slot; where in ``dest`` the slot's bytes go
+    for offset, nbytes in ranges:
         done = 0
-        while done < job.nbytes:
+        while done < nbytes:
             if used == slot_bytes:
-                pieces.append(_strided(piece, spans))
-                piece, spans, used = Piece(source), [], 0
-            take = min(job.nbytes - done, slot_bytes - used)
-            if not spans:
-                piece.reads.append(SlotRead(job.offset + done, take, used, job.where))
-            spans.append((job.offset + done, take, used))
-            last = piece.copies[-1] if piece.copies else None
-            if last is not None and last.dest is job.dest and last.dest_offset + last.nbytes == job.dest_offset + done \
-                    and last.slot_offset + last.nbytes == used:
-                piece.copies[-1] = SlotCopy(last.dest, last.dest_offset, last.slot_offset, last.nbytes + take)
-            else:
-                piece.copies.append(SlotCopy(job.dest, job.dest_offset + done, used, take))
+                pieces.append(_strided(dest, spans, start, used, source, where))
+                spans, start, used = [], start + used, 0
+            take = min(nbytes - done, slot_bytes - used)
+            spans.append((offset + done, take, used))
             used += take
             done += take
-    if piece.copies:
-        pieces.append(_strided(piece, spans))
+    if used:
+        pieces.append(_strided(dest, spans, start, used, source, where))
     return pieces
 
 
-def _strided(piece: Piece, spans: list[tuple[int, int, int]]) -> Piece:
-    piece.spans = spans
-    return piece
+def _strided(dest: torch.Tensor, spans: list[tuple[int, int, int]], start: int, used: int, source: int,
+             where: str) -> Piece:
+    first = spans[0]
+    return Piece(source, reads=[SlotRead(first[0], first[1], 0, where)], copies=[SlotCopy(dest, start, 0, used)],
+                 spans=spans)
 
 
 class CopyStage(Protocol):

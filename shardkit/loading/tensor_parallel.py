@@ -199,25 +199,23 @@ def read_rank(checkpoint: RingSource, reads: Mapping[str, RankRead], *, device: 
     target = torch.device(device)
     values: dict[str, torch.Tensor] = {}
     whole: dict[int, list[CopyJob]] = defaultdict(list)    # file -> one-range reads, planned together
-    strided: dict[int, list[list[CopyJob]]] = defaultdict(list)
+    strided: dict[int, list[tuple[torch.Tensor, tuple[tuple[int, int], ...], str]]] = defaultdict(list)
     with ExitStack() as stack:
         readers = FileReaders(checkpoint, stack)
         for name, read in reads.items():
             dest = values[name] = torch.empty(read.shape, dtype=checkpoint.dtype_of(name), device=target)
-            jobs, at = [], 0
-            for offset, nbytes in read.ranges:
-                jobs.append(CopyJob(byte_view(dest), at, offset, nbytes, f"{checkpoint.entry(name).file}: tensor {name!r}"))
-                at += nbytes
-            if len(jobs) == 1:
-                whole[readers.index_of(name)] += jobs
-            elif jobs:
-                strided[readers.index_of(name)].append(jobs)
+            where = f"{checkpoint.entry(name).file}: tensor {name!r}"
+            if len(read.ranges) == 1:
+                offset, nbytes = read.ranges[0]
+                whole[readers.index_of(name)].append(CopyJob(byte_view(dest), 0, offset, nbytes, where))
+            elif read.ranges:
+                strided[readers.index_of(name)].append((byte_view(dest), read.ranges, where))
         tuning = readers.tuning()
         pieces: list[Piece] = []
         for source in sorted(set(whole) | set(strided)):
             pieces += plan_pieces(whole[source], source=source, slot_bytes=tuning.slot_bytes, gap_bytes=0)
-            for jobs in strided[source]:
-                pieces += plan_strided(jobs, source=source, slot_bytes=tuning.slot_bytes)
+            for flat, ranges, where in strided[source]:
+                pieces += plan_strided(flat, ranges, source=source, slot_bytes=tuning.slot_bytes, where=where)
         stage = HostCopyStage() if target.type == "cpu" else default_stage(device)
         report = run_pieces(readers.readers, pieces, stage=stage, tuning=tuning)
     if dtype is not None:
