@@ -190,8 +190,8 @@ class S3Store:
                                                                                 **cursor))
 
         def cursor(reply: S3Client) -> dict[str, str]:
-            return {"KeyMarker": str(reply.get("NextKeyMarker") or ""),
-                    "UploadIdMarker": str(reply.get("NextUploadIdMarker") or "")}
+            markers = {"KeyMarker": reply.get("NextKeyMarker"), "UploadIdMarker": reply.get("NextUploadIdMarker")}
+            return {k: str(v) for k, v in markers.items() if v}  # an empty marker is left out, not sent
 
         found: list[PendingUpload] = []
         for page in bounded_pages(where, fetch, cursor, "Uploads", max_entries=MAX_PENDING_UPLOADS):

@@ -57,7 +57,7 @@ def bounded_pages(where: str, fetch: Fetch, cursor: Cursor, items: str, *, max_e
                              f"{FIX}")
         params = cursor(reply)
         key = tuple(sorted(params.items()))
-        if not any(params.values()) or key in seen:
+        if not any(params.values()) or key in seen:  # none, or one seen before: the listing would start over
             raise StoreError(f"{where}: the store's listing page {page} says more follow but gives no new "
                              f"continuation token; {FIX}")
         seen.add(key)
