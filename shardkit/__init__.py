@@ -56,6 +56,9 @@ _LAZY: dict[str, str] = {
     "estimate_memory": "api.loading",
     "load_pipeline": "api.loading",
     "fit": "api.planning",
+    "TensorParallelPlan": "api.loading",
+    "SliceRule": "api.loading",
+    "tensor_parallel_rules": "api.loading",
     "plan_model": "api.planning",
 }
 
@@ -73,6 +76,8 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time each name i
     )
     from .api.jobs import push
     from .api.loading import (
+        SliceRule,
+        TensorParallelPlan,
         apply_layerwise_casting,
         apply_offload,
         estimate_memory,
@@ -82,6 +87,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time each name i
         open,  # noqa: A004 - shardkit.open is the public name
         open_source,
         plan_device_map,
+        tensor_parallel_rules,
     )
     from .api.maintenance import merge, recover
     from .api.options import WriteOptions
@@ -90,10 +96,10 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time each name i
 __all__ = [
     "CheckpointIndexError", "HeaderError", "HubError", "InvalidInputError", "InvalidSizeError", "KeyMismatchError",
     "OutputExistsError", "ShardkitError", "ShardkitWarning", "ShardkitWriteError", "SourceNotFoundError",
-    "SplitResult", "UnsafePickleError", "VerificationError", "WriteOptions", "__version__", "apply_layerwise_casting",
+    "SliceRule", "SplitResult", "TensorParallelPlan", "UnsafePickleError", "VerificationError", "WriteOptions", "__version__", "apply_layerwise_casting",
     "apply_offload", "convert", "estimate_memory", "fit", "format_size", "info", "load_into", "load_model",
     "load_pipeline", "merge", "open", "open_source", "parse_size", "plan_device_map", "plan_model", "plan_shards", "push",
-    "read_header", "recover", "save_sharded", "split", "split_and_push", "verify",
+    "read_header", "recover", "save_sharded", "split", "split_and_push", "tensor_parallel_rules", "verify",
 ]
 
 

@@ -23,6 +23,8 @@ from ..distributed.rank_load import load_into
 from ..fitting.estimate import DEFAULT_TOKENS
 from ..loading.load import load_model as load_local
 from ..loading.opening import open as open_local
+from ..loading.tensor_parallel import SliceRule, TensorParallelPlan
+from ..loading.tensor_parallel import rules_for as tensor_parallel_rules
 from ..reading.prefetch import READ_AHEAD_BYTES
 from ..reading.residency import ReadMode
 from ..runtime.casting import apply_layerwise_casting
@@ -43,8 +45,8 @@ if TYPE_CHECKING:
     from ..runtime.apply import LayerwiseCasting
     from ..sources.ranged import RangedCheckpoint
 
-__all__ = ["apply_layerwise_casting", "apply_offload", "estimate_memory", "load_into", "load_model", "load_pipeline",
-           "open", "open_source", "plan_device_map"]
+__all__ = ["SliceRule", "TensorParallelPlan", "apply_layerwise_casting", "apply_offload", "estimate_memory", "load_into",
+           "load_model", "load_pipeline", "open", "open_source", "plan_device_map", "tensor_parallel_rules"]
 
 
 def open(path: str | os.PathLike[str] | RangedCheckpoint, *, variant: str | None = None,  # noqa: A001
