@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Protocol
 from ..devices import DeviceKey
 from ..formats.header import TensorEntry
 from ..reading.readers import REMOTE_THREADS, Reader, open_reader
-from .pipeline_copy import LOCAL, REMOTE, CopyJob, CopyStage, RingReport, RingTuning, byte_view, run_ring
+from .pipeline_copy import LOCAL, REMOTE, CopyStage, RingReport, RingTuning, run_ring
+from .ring_plan import CopyJob, byte_view
 
 if TYPE_CHECKING:
     import torch
