@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from ..checking.verify import FileReport, Finding, VerifyReport, verify
 from ..errors import SourceNotFoundError
 from ..formats.header import Header, TensorEntry, read_header
+from ..formats.links import open_inside
 from ..formats.manifest import MANIFEST_NAME
 from ..formats.names import is_config_file
 from ..formats.side_files import SKIPPED_DIRS
@@ -142,10 +143,10 @@ def _local_files(folder: str) -> dict[str, str]:
 
 def _same_file(folder: str, rel: str, remote: RemoteFile, report: VerifyReport) -> bool:
     """Size, then sha256 against the LFS oid (or the git blob id of a small file)."""
-    path = os.path.join(folder, *rel.split("/"))
-    size = os.path.getsize(path)
+    fd = open_inside(folder, rel, where=folder)
+    size = os.fstat(fd).st_size
     sha256, blob = hashlib.sha256(), hashlib.sha1(b"blob %d\0" % size)
-    with open(path, "rb") as f:
+    with os.fdopen(fd, "rb") as f:
         while chunk := f.read(HASH_CHUNK_BYTES):
             sha256.update(chunk)
             blob.update(chunk)
@@ -200,7 +201,7 @@ def _first_difference(folder: str, file: str, mine: TensorEntry, mirror: Mirror,
                       other: TensorEntry, *, token: str | None) -> str | None:
     """Compare one tensor's bytes with the remote ones (range reads, bounded memory)."""
     assert mine.offset is not None and other.offset is not None
-    with open(os.path.join(folder, *file.split("/")), "rb") as f:
+    with os.fdopen(open_inside(folder, file, where=folder), "rb") as f:
         for pos in range(0, mine.nbytes, COMPARE_CHUNK_BYTES):
             n = min(COMPARE_CHUNK_BYTES, mine.nbytes - pos)
             f.seek(mine.offset + pos)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 
 from ..errors import InvalidInputError, OutputExistsError, ShardkitError, StoreError
+from ..formats.links import loads_json
 from ..formats.suffixes import MANIFEST_FILE
 from .base import ObjectInfo, ObjectStore, ObjectWriter
 
@@ -267,7 +268,7 @@ def _read_json(store: ObjectStore, info: ObjectInfo, *, what: str, bad: str, fix
     raw = bytearray(info.size_bytes)
     store.read_into(info.name, 0, memoryview(raw))
     try:
-        doc = json.loads(raw)
+        doc = loads_json(raw)
     except ValueError as e:
         raise InvalidInputError(f"{where}: {bad} ({e}); {fix}") from e
     if not isinstance(doc, dict):
