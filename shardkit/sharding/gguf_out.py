@@ -6,7 +6,10 @@ Which model, and how its tensors are named in GGUF:
 source                                             written
 =================================================  =========================================================
 transformers Llama folder (config.json ``llama``)  llama.cpp names, q/k rows permuted as llama.cpp's
-                                                   converter does, ``llama.*`` metadata from config.json
+                                                   converter does, ``llama.*`` metadata from config.json, the
+                                                   vocabulary of its tokenizer.json as that converter writes
+                                                   it (:mod:`shardkit.layouts.gguf_vocab`; none: ``no_vocab``
+                                                   and a warning)
 diffusers Flux transformer folder                  BFL names through the single-file layouts (ComfyUI-GGUF /
                                                    city96 layout, ``general.architecture = flux``)
 BFL Flux ``.safetensors`` (``double_blocks.*``)    its names (``model.diffusion_model.`` stripped)
@@ -68,6 +71,7 @@ class GgufModel:
     gguf_name: Callable[[str], str | None]
     heads: Callable[[str], int | None] = lambda name: None
     metadata: list[Row] = field(default_factory=list)
+    note: str | None = None  # said once the conversion is known to go ahead (what the file will lack)
 
 
 @dataclass(frozen=True)
@@ -111,11 +115,13 @@ def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize
         if options.dry_run:
             if os.path.exists(output) and not options.overwrite:
                 warn(f"{output} exists: the real run needs overwrite=True")
-            return result
-        from ..atomic.commit import file_transaction
+        else:
+            from ..atomic.commit import file_transaction
 
-        with file_transaction(output, overwrite=options.overwrite) as tmp:
-            _write(tmp, head, tensors, src, progress=options.progress)
+            with file_transaction(output, overwrite=options.overwrite) as tmp:
+                _write(tmp, head, tensors, src, progress=options.progress)
+    if model.note:
+        warn(model.note)
     return result
 
 
@@ -144,7 +150,7 @@ def _open_model(path: str, *, component: str | None, variant: str | None) -> Ite
             yield src, GgufModel("flux", lambda name: name.removeprefix(BFL_PREFIX))
             return
         folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-        yield src, _llama_model(read_config(folder), where=path)
+        yield src, _llama_model(read_config(folder), where=path, folder=folder)
 
 
 @contextlib.contextmanager
@@ -160,7 +166,7 @@ def _flux_folder(path: str, *, component: str | None, variant: str | None) -> It
         yield src
 
 
-def _llama_model(config: Config | None, *, where: str) -> GgufModel:
+def _llama_model(config: Config | None, *, where: str, folder: str) -> GgufModel:
     from ..layouts.gguf_names import gguf_name, metadata_from_config
 
     if config is None:
@@ -171,15 +177,26 @@ def _llama_model(config: Config | None, *, where: str) -> GgufModel:
     kv_heads = int(config.get("num_key_value_heads") or heads)
     rows: list[Row] = [("general.architecture", STRING, "llama", None), ("general.name", STRING, "shardkit export", None)]
     rows += [(key, UINT32 if kind == "u32" else FLOAT32, value, None) for key, (kind, value) in llama.items()]
-    rows += [("tokenizer.ggml.model", STRING, "no_vocab", None)]
-    rows += [(f"tokenizer.ggml.{key}", UINT32, config[key], None) for key in ("bos_token_id", "eos_token_id")
-             if isinstance(config.get(key), int) and not isinstance(config.get(key), bool)]
+    vocab, note = _vocab_rows(folder, config, where=where)
     def heads_of(name: str) -> int | None:
         if name.endswith(("q_proj.weight", "q_proj.bias")):
             return heads
         return kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None
 
-    return GgufModel("llama", gguf_name, heads_of, rows)
+    return GgufModel("llama", gguf_name, heads_of, rows + vocab, note)
+
+
+def _vocab_rows(folder: str, config: Config, *, where: str) -> tuple[list[Row], str | None]:
+    """The tokenizer's ``tokenizer.*`` keys as llama.cpp's converter writes them; without one, ``no_vocab`` and a note."""
+    from ..layouts.gguf_vocab import has_tokenizer, read_vocab
+
+    if has_tokenizer(folder):
+        return read_vocab(folder, config).rows, None
+    rows: list[Row] = [("tokenizer.ggml.model", STRING, "no_vocab", None)]
+    rows += [(f"tokenizer.ggml.{key}", UINT32, config[key], None) for key in ("bos_token_id", "eos_token_id")
+             if isinstance(config.get(key), int) and not isinstance(config.get(key), bool)]
+    return rows, (f"{where}: no tokenizer.json beside the weights, so the GGUF has no vocabulary (tokenizer.ggml.model "
+                  "= no_vocab): llama.cpp cannot tokenize text with it; put the model's tokenizer files in the folder")
 
 
 def _gguf_model(src: GgufSource) -> GgufModel:

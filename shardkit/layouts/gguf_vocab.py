@@ -1,0 +1,238 @@
+"""A Hugging Face tokenizer folder's vocabulary as the ``tokenizer.*`` keys llama.cpp's converter writes.
+
+Which vocabulary (as ``convert_hf_to_gguf.py`` chooses for the architectures shardkit writes):
+
+============================================  ===========================================================
+folder                                        ``tokenizer.ggml.model``
+============================================  ===========================================================
+``tokenizer.json`` with a byte-level BPE      ``gpt2``: tokens by id (added tokens CONTROL when special or
+                                              looking special, else USER_DEFINED; missing ids ``[PADn]``
+                                              UNUSED up to config's ``vocab_size``), merges, and
+                                              ``tokenizer.ggml.pre`` from the hash of a probe text's ids
+                                              (:mod:`shardkit.layouts.gguf_pre`)
+``tokenizer.json`` WordPiece (BERT)           ``bert``: the same token list in "phantom space" form (``##x``
+                                              → ``x``, others ``▁x``, CONTROL tokens as they are)
+============================================  ===========================================================
+
+Then the special vocabulary (:mod:`shardkit.layouts.gguf_special`): special token ids, add_bos/add_eos,
+the chat template, normalizer flags. A SentencePiece ``tokenizer.model`` or a SentencePiece-style BPE
+``tokenizer.json`` (byte fallback) is refused, naming what is supported; so is a BPE whose pre-tokenizer
+llama.cpp does not know (its converter refuses it too).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InvalidInputError
+from ..formats.gguf import ARRAY, BOOL, INT32, STRING, UINT32, Value
+from .gguf_pre import PRE_TOKENIZERS, PROBE_TEXT
+from .gguf_special import SpecialVocab, special_vocab
+
+__all__ = ["NORMAL", "Vocab", "has_tokenizer", "read_vocab"]
+
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's token types
+Row = tuple[str, int, Value, int | None]
+SUPPORTED = "a byte-level BPE tokenizer.json (GPT-2 style: Llama 3, Qwen, Mistral Nemo...) or a WordPiece one (BERT)"
+
+
+@dataclass
+class Vocab:
+    """The ``tokenizer.*`` GGUF keys of a folder, in the order llama.cpp's converter writes them."""
+
+    model: str
+    pre: str | None
+    size: int
+    rows: list[Row]
+
+
+def has_tokenizer(folder: str) -> bool:
+    """Whether ``folder`` holds a tokenizer llama.cpp's converter would read."""
+    return any(os.path.isfile(os.path.join(folder, name)) for name in ("tokenizer.json", "tokenizer.model"))
+
+
+def _read_json(folder: str, name: str) -> Any:
+    from ..formats.links import parse_json, read_inside
+
+    path = os.path.join(folder, name)
+    if not os.path.isfile(path):
+        return None
+    return parse_json(read_inside(folder, name, where=path), path=path)
+
+
+def _read_text(folder: str, name: str) -> str:
+    from ..formats.links import read_inside
+
+    path = os.path.join(folder, name)
+    try:
+        return read_inside(folder, name, where=path).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidInputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); fix or remove it") from e
+
+
+def read_vocab(folder: str, config: Mapping[str, Any], *, bert: bool = False) -> Vocab:
+    """The vocabulary of the tokenizer in ``folder`` (``bert``: the WordPiece form BERT models get).
+
+    Raises:
+        InvalidInputError: no tokenizer, or one llama.cpp's converter would not write this way (the
+            message names what is supported).
+    """
+    path = os.path.join(folder, "tokenizer.json")
+    tokenizer = _read_json(folder, "tokenizer.json")
+    if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("model"), dict):
+        spm = " (a SentencePiece tokenizer.model is not written yet)" if os.path.isfile(
+            os.path.join(folder, "tokenizer.model")) else ""
+        raise InvalidInputError(f"{folder}: no tokenizer.json{spm}; to='gguf' writes the vocabulary of {SUPPORTED}")
+    tc = _read_json(folder, "tokenizer_config.json")
+    tc = tc if isinstance(tc, dict) else None
+    kind = tokenizer["model"].get("type")
+    if bert != (kind == "WordPiece") or (kind == "BPE" and _sentencepiece_style(tokenizer)) or kind not in (
+            "BPE", "WordPiece") or (not bert and os.path.isfile(os.path.join(folder, "tokenizer.model"))):
+        raise InvalidInputError(f"{path}: a {kind} tokenizer{' for a BERT model' if bert else ''} (SentencePiece style "
+                                f"or unsupported here); to='gguf' writes the vocabulary of {SUPPORTED}")
+    tokens, types = _tokens(tokenizer, tc, config, where=path)
+    pre = _pre_tokenizer(path, tokenizer)
+    rows: list[Row] = []
+    if not bert and tc is not None and isinstance(tc.get("add_prefix_space"), bool):
+        rows.append(("tokenizer.ggml.add_space_prefix", BOOL, tc["add_prefix_space"], None))
+    if bert:
+        rows.append(("tokenizer.ggml.token_type_count", UINT32, int(config.get("type_vocab_size", 1)), None))
+        tokens = [t if kind_ == CONTROL else t[2:] if t.startswith("##") else "\u2581" + t
+                  for t, kind_ in zip(tokens, types, strict=True)]
+    token_list: list[Value] = list(tokens)
+    type_list: list[Value] = list(types)
+    rows += [("tokenizer.ggml.model", STRING, "bert" if bert else "gpt2", None),
+             ("tokenizer.ggml.pre", STRING, pre, None), ("tokenizer.ggml.tokens", ARRAY, token_list, STRING),
+             ("tokenizer.ggml.token_type", ARRAY, type_list, INT32)]
+    chat = _chat_files(folder)
+    special = special_vocab(tokenizer, tc, config, chat, merges=not bert, n_vocab=len(tokens) if bert else None)
+    rows += _special_rows(special)
+    return Vocab("bert" if bert else "gpt2", pre, len(tokens), rows)
+
+
+def _sentencepiece_style(tokenizer: Mapping[str, Any]) -> bool:
+    """llama.cpp's test for a Llama-2-style BPE (``LlamaHfVocab``): byte fallback and a Sequence decoder."""
+    model = tokenizer["model"]
+    llama3 = model.get("ignore_merges", False) and not model.get("byte_fallback", True)
+    decoder = tokenizer.get("decoder") or {}
+    return not llama3 and bool(model.get("byte_fallback", False)) and decoder.get("type") == "Sequence"
+
+
+def _looks_special(token: str) -> bool:
+    """llama.cpp's ``does_token_look_special``: added tokens that are control tokens though not marked special."""
+    return (token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (token.startswith("<|") and token.endswith("|>"))
+            or (token.startswith("<\uff5c") and token.endswith("\uff5c>"))
+            or (token.startswith("<unused") and token.endswith(">")))
+
+
+def _tokens(tokenizer: Mapping[str, Any], tc: Mapping[str, Any] | None, config: Mapping[str, Any], *,
+            where: str) -> tuple[list[str], list[int]]:
+    vocab: dict[str, int] = dict(tokenizer["model"].get("vocab") or {})
+    added = {int(a["id"]): a for a in tokenizer.get("added_tokens") or [] if isinstance(a, Mapping)}
+    for token_id, a in added.items():
+        vocab[str(a["content"])] = token_id
+    by_id = {token_id: token for token, token_id in vocab.items()}
+    size = config.get("vocab_size", len(vocab))
+    if not isinstance(size, int) or not by_id or max(by_id) >= size:
+        raise InvalidInputError(f"{where}: token ids reach {max(by_id, default=-1)} but config.json's vocab_size is "
+                                f"{size!r}; the embedding must have a row per token")
+    added_contents = {str(a["content"]) for a in added.values()}
+    tokens, types = [], []
+    for i in range(size):
+        token = by_id.get(i)
+        if token is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(UNUSED)
+        elif token in added_contents:
+            a = added.get(i, {})
+            if a.get("special") or _looks_special(token):
+                types.append(CONTROL)
+            else:
+                token = token.replace("\u2581", " ")
+                types.append(USER_DEFINED)
+            tokens.append(token)
+        else:
+            tokens.append(token)
+            types.append(NORMAL)
+    return tokens, types
+
+
+def probe_hash(tokenizer_file: str) -> str:
+    """The SHA-256 llama.cpp's converter takes of ``str()`` of the probe text's token ids (special tokens added)."""
+    from hashlib import sha256
+
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:  # pragma: no cover - tokenizers comes with transformers
+        raise InvalidInputError("to='gguf' with a tokenizer needs the tokenizers package: pip install "
+                                "'shardkit[transformers]'") from e
+    tokenizer = Tokenizer.from_file(tokenizer_file)
+    tokenizer.no_truncation()  # as transformers' encode() (a tokenizer.json may keep a training-time max_length)
+    tokenizer.no_padding()
+    ids = tokenizer.encode(PROBE_TEXT).ids
+    return sha256(str(list(ids)).encode()).hexdigest()
+
+
+def _pre_tokenizer(path: str, tokenizer: Mapping[str, Any]) -> str:
+    digest = probe_hash(path)
+    name = PRE_TOKENIZERS.get(digest)
+    if name is None:
+        raise InvalidInputError(f"{path}: its pre-tokenizer is not one llama.cpp implements (probe hash {digest[:16]}..., "
+                                f"{len(PRE_TOKENIZERS)} known, e.g. llama-bpe, qwen2, gpt-2, bert-bge); llama.cpp's own "
+                                "converter refuses it too")
+    return name
+
+
+def _chat_files(folder: str) -> dict[str, Any]:
+    """``chat_template.jinja`` (with ``additional_chat_templates/*.jinja`` as a named list) or ``chat_template.json``."""
+    if os.path.isfile(os.path.join(folder, "chat_template.jinja")):
+        template: Any = _read_text(folder, "chat_template.jinja")
+        extra = os.path.join(folder, "additional_chat_templates")
+        names = sorted(n for n in os.listdir(extra) if n.endswith(".jinja")) if os.path.isdir(extra) else []
+        if names:
+            template = [{"name": "default", "template": template}]
+            template += [{"name": name[: -len(".jinja")], "template": _read_text(extra, name)} for name in names]
+        return {"jinja": template}
+    data = _read_json(folder, "chat_template.json")
+    return {"json": data.get("chat_template")} if isinstance(data, dict) else {}
+
+
+def _special_rows(special: SpecialVocab) -> list[Row]:
+    rows: list[Row] = []
+    if special.merges:
+        merges: list[Value] = list(special.merges)
+        rows.append(("tokenizer.ggml.merges", ARRAY, merges, STRING))
+    rows += [(key, UINT32, value, None) for key, value in special.id_keys()]
+    rows += [(key, BOOL, value, None) for key, value in special.add_keys()]
+    rows += _chat_rows(special.chat_template)
+    if special.lowercase is not None:
+        rows.append(("tokenizer.ggml.normalizer.lowercase", BOOL, special.lowercase, None))
+    if special.strip_accents is not None:
+        rows.append(("tokenizer.ggml.normalizer.strip_accents", BOOL, special.strip_accents, None))
+    return rows
+
+
+def _chat_rows(template: str | list[dict[str, str]] | None) -> list[Row]:
+    if template is None:
+        return []
+    if isinstance(template, str):
+        return [("tokenizer.chat_template", STRING, template, None)]
+    rows: list[Row] = []
+    default, names = None, list[Value]()
+    for choice in template:
+        name = "".join(c if c.isascii() and c.isalnum() else "_" for c in str(choice.get("name", "")))
+        text = choice.get("template")
+        if name and text is not None:
+            if name == "default":
+                default = text
+            else:
+                names.append(name)
+                rows.append((f"tokenizer.chat_template.{name}", STRING, text, None))
+    if names:
+        rows.append(("tokenizer.chat_templates", ARRAY, names, STRING))
+    if default is not None:
+        rows.append(("tokenizer.chat_template", STRING, default, None))
+    return rows
