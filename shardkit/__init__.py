@@ -14,17 +14,26 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CheckpointIndexError,
+    CopyRefusedError,
+    DistributedError,
+    FitError,
     HeaderError,
     HubError,
     InvalidInputError,
     InvalidSizeError,
+    JournalError,
     KeyMismatchError,
+    ManifestError,
+    OffloadError,
     OutputExistsError,
+    OutsideFolderError,
     ShardkitError,
     ShardkitWarning,
     ShardkitWriteError,
     SourceNotFoundError,
+    StoreError,
     UnsafePickleError,
+    UntrustedFileError,
     VerificationError,
 )
 from .units import format_size, parse_size
@@ -94,8 +103,10 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time each name i
     from .api.planning import fit, plan_model
 
 __all__ = [
-    "CheckpointIndexError", "HeaderError", "HubError", "InvalidInputError", "InvalidSizeError", "KeyMismatchError",
-    "OutputExistsError", "ShardkitError", "ShardkitWarning", "ShardkitWriteError", "SourceNotFoundError",
+    "CheckpointIndexError", "CopyRefusedError", "DistributedError", "FitError", "HeaderError", "HubError",
+    "InvalidInputError", "InvalidSizeError", "JournalError", "KeyMismatchError", "ManifestError", "OffloadError",
+    "OutputExistsError", "OutsideFolderError", "ShardkitError", "ShardkitWarning", "ShardkitWriteError",
+    "SourceNotFoundError", "StoreError", "UntrustedFileError",
     "SliceRule", "SplitResult", "TensorParallelPlan", "UnsafePickleError", "VerificationError", "WriteOptions", "__version__", "apply_layerwise_casting",
     "apply_offload", "convert", "estimate_memory", "fit", "format_size", "info", "load_into", "load_model",
     "load_pipeline", "merge", "open", "open_source", "parse_size", "plan_device_map", "plan_model", "plan_shards", "push",

@@ -53,3 +53,26 @@ def test_docstring_examples_either_run_or_are_plain_text() -> None:
     package = Path(shardkit.__file__).parent
     skipped = [str(p.relative_to(package)) for p in package.rglob("*.py") if "doctest: +SKIP" in p.read_text()]
     assert skipped == []
+
+
+def test_every_public_error_is_defined_in_errors_and_exported() -> None:
+    """One error hierarchy: each public exception class lives in ``shardkit.errors``, derives from
+    ``ShardkitError`` and is importable as ``shardkit.NAME``."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    from shardkit import errors
+
+    elsewhere = []
+    for info in pkgutil.walk_packages(shardkit.__path__, "shardkit."):
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            if inspect.isclass(obj) and issubclass(obj, Exception) and obj.__module__ == info.name \
+                    and not name.startswith("_") and info.name != "shardkit.errors":
+                elsewhere.append(f"{info.name}.{name}")
+    assert not elsewhere, f"define these in shardkit/errors.py: {elsewhere}"
+    public = [n for n, obj in vars(errors).items() if inspect.isclass(obj) and issubclass(obj, Exception)]
+    assert all(issubclass(getattr(errors, n), (errors.ShardkitError, errors.ShardkitWarning)) for n in public)
+    assert [n for n in public if getattr(shardkit, n, None) is not getattr(errors, n)] == []
+    assert "StoreError" in shardkit.__all__ and "FitError" in shardkit.__all__

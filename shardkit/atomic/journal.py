@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TypedDict
 
 from .. import _faults
-from ..errors import CheckpointIndexError
+from ..errors import JournalError as JournalError  # re-exported: defined with every public error
 from ..formats.links import (
     OutsideFolderError,
     UntrustedFileError,
@@ -33,10 +33,6 @@ from ..formats.suffixes import SAVED_WEIGHT_SUFFIXES, is_index_file, is_manifest
 
 TMP_MARK = ".shardkit-tmp-"
 JOURNAL = ".shardkit-journal.json"
-
-
-class JournalError(CheckpointIndexError):
-    """A ``.shardkit-journal.json`` that is not shardkit's own: recovery stops and changes nothing."""
 
 
 def fsync_dir(path: str) -> None:

@@ -15,17 +15,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidInputError, ShardkitError, ShardkitWriteError
+from ..errors import DistributedError as DistributedError  # re-exported: defined with every public error
+from ..errors import InvalidInputError, ShardkitError, first_line
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = ["DistributedError", "RankStatus", "agree", "broadcast_from_zero", "check_world_size",
            "end_group", "group_from_env", "rank_and_world"]
-
-
-class DistributedError(ShardkitWriteError):
-    """Another rank failed (or disagreed) during a collective job; nothing was published."""
 
 
 @dataclass
@@ -97,8 +94,7 @@ def error_line(error: BaseException) -> str:
 
 
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+    return first_line(error, limit=10_000)
 
 
 def check_world_size(process_group: ProcessGroup | None, *, sizes: Sequence[tuple[str, int]] = ()) -> RankStatus:

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias, TypedDict, TypeVar
 
+from ..errors import FitError as FitError  # re-exported: defined with every public error
 from ..errors import InvalidInputError
 from ..units import format_size
 from .activations import Workload
@@ -53,15 +54,6 @@ class FitSetup(TypedDict):
 
 __all__ = ["STRATEGIES", "Budget", "Candidate", "ComponentProfile", "FitError", "FitPlan", "Margin", "Workload",
            "apply_plan", "fit", "plan_fit"]
-
-
-class FitError(InvalidInputError):
-    """No candidate setup fits the memory budget; says the smallest budget that would."""
-
-    def __init__(self, message: str, *, min_gpu_bytes: int | None = None, min_cpu_bytes: int | None = None) -> None:
-        super().__init__(message)
-        self.min_gpu_bytes = min_gpu_bytes
-        self.min_cpu_bytes = min_cpu_bytes
 
 
 # ----------------------------------------------------------------------------- the plan

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidInputError, ShardkitWarning
+from ..errors import InvalidInputError, ShardkitWarning, first_line
 from ..formats.json_types import Config, JsonObject
 from ..formats.layout import read_config
 from ..units import DTYPE_BITS
@@ -236,7 +236,7 @@ def _skeleton(library: str, class_name: str | None, folder: str) -> tuple[torch.
     try:
         return build_skeleton(f"{library}:{class_name}", config=folder), None
     except (ImportError, InvalidInputError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         logger.debug("%s: no %s:%s skeleton: %s", folder, library, class_name, reason)
         return None, reason
 

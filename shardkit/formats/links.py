@@ -18,7 +18,8 @@ import re
 import stat
 from collections.abc import Callable
 
-from ..errors import InvalidInputError
+from ..errors import OutsideFolderError as OutsideFolderError  # re-exported: defined with every public error
+from ..errors import UntrustedFileError as UntrustedFileError  # re-exported: defined with every public error
 
 __all__ = ["BOUNDARY_RULE", "LINK_RULE", "MAX_JSON_BYTES", "OutsideFolderError", "UntrustedFileError", "check_name", "check_write_target",
            "fd_path", "leads_outside", "link_target", "loads_json", "open_inside", "open_parent", "open_regular", "parse_json", "read_fd", "read_inside",
@@ -79,15 +80,6 @@ def _in_cache_blobs(target: str) -> bool:
 # regular file (a symlink only under the link rule above); reads then go through that descriptor,
 # so a swap after the check cannot change what is read. :func:`check_write_target` is the same
 # walk for names about to be created, renamed onto or deleted: nothing through a link, never a folder.
-
-
-class UntrustedFileError(InvalidInputError):
-    """A file from a checkpoint folder that shardkit refuses: it leaves the folder, is not a regular
-    file, is over its byte cap, or does not parse (one line naming the file)."""
-
-
-class OutsideFolderError(UntrustedFileError):
-    """A path that leaves its folder, or is not a regular file: refused before it is opened."""
 
 
 MAX_JSON_BYTES = 100_000_000  # the cap on any JSON shardkit reads (configs, indexes, manifests, journals)

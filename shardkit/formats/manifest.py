@@ -55,7 +55,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InvalidInputError
+from ..errors import ManifestError as ManifestError  # re-exported: defined with every public error
 from .links import MAX_JSON_BYTES, OutsideFolderError, check_name, parse_json, read_inside
 from .suffixes import MANIFEST_FILE
 
@@ -66,10 +66,6 @@ TENSOR_DIGEST = "crc32"
 
 __all__ = ["MANIFEST_NAME", "FileDigest", "Manifest", "ManifestError", "TensorDigest", "dump_manifest",
            "find_manifest", "parse_manifest", "read_manifest"]
-
-
-class ManifestError(InvalidInputError):
-    """A manifest file exists but cannot be read or is not a shardkit manifest."""
 
 
 @dataclass(frozen=True)

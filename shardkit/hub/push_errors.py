@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from ..errors import HubError
+from ..errors import HubError, first_line
 
 __all__ = ["describe_hub_error", "hub_errors", "is_network_failure"]
 
@@ -46,7 +46,7 @@ def describe_hub_error(error: BaseException, repo_id: str, revision: str) -> str
     endpoint = constants.ENDPOINT
     for e in _chain(error):
         if isinstance(e, HFValidationError):
-            return f"invalid repository id or revision for {repo_id!r}: {str(e).splitlines()[0]}"
+            return f"invalid repository id or revision for {repo_id!r}: {first_line(e, limit=10_000)}"
         if isinstance(e, RevisionNotFoundError):
             return (f"revision {revision!r} not found in {repo_id}; a pull request needs an existing branch "
                     f"(push it first without create_pr=True)")
@@ -62,7 +62,7 @@ def describe_hub_error(error: BaseException, repo_id: str, revision: str) -> str
                 return f"repository {repo_id} not found at {endpoint}, or not visible with this token"
             if status == 412:
                 return f"{repo_id}@{revision} changed while pushing; run the push again"
-            first = (detail or str(e)).strip().splitlines()[0]
+            first = first_line(detail or str(e), limit=10_000)
             if status >= 500 or status in (408, 429):
                 return (f"the Hub failed ({status}) for {repo_id}: {first}; run the push again to resume "
                         f"(what already arrived is not sent again)")

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from ..errors import HubError, ShardkitError
+from ..errors import HubError, ShardkitError, first_line
 
 if TYPE_CHECKING:
     from .remote_spec import RemoteSpec
@@ -54,12 +54,12 @@ def describe_read_error(error: BaseException, spec: RemoteSpec) -> str | None:
         return (f"{spec}: no file {spec.subfolder!r} in {spec.repo_id} at {rev}; check the path "
                 "(see the repository's file list)")
     if isinstance(error, HFValidationError):
-        return f"{spec}: invalid repository id or revision: {str(error).splitlines()[0]}"
+        return f"{spec}: invalid repository id or revision: {first_line(error, limit=10_000)}"
     if isinstance(error, HfHubHTTPError) and error.response is not None:
         status = error.response.status_code
         if status == 401:
             return f"{spec}: authentication failed (401) at {endpoint}; pass a valid token=... or set HF_TOKEN"
-        first = (error.server_message or str(error)).strip().splitlines()[0]
+        first = first_line(error.server_message or str(error), limit=10_000)
         return f"{spec}: the Hub answered {status} after {RETRIES} retries: {first}; try again later"
     if isinstance(error, (httpx.TransportError, ConnectionError, TimeoutError)):
         return (f"{spec}: network failure talking to {endpoint} (after {RETRIES} retries): "

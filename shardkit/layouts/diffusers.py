@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, first_line
 from ..formats.layout import MAX_CONFIG_BYTES, check_config_numbers
 from ..formats.links import parse_json, read_regular
 
@@ -170,7 +170,7 @@ def map_to_diffusers(checkpoint: Mapping[str, Any], target: DiffusersTarget, *, 
             converted = dict(mapping_fn(config=config, checkpoint=dict(checkpoint)))
         except Exception as e:  # diffusers raises KeyError/IndexError/... on a checkpoint of another model
             raise _mismatch_error(where, target, checkpoint, f"diffusers' conversion failed ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0][:160] if str(e) else ''})") from e
+                                  f"{first_line(e, limit=160)})") from e
     _check_against_model(converted, expected, where=where, target=target, checkpoint=checkpoint)
     return DiffusersMapping({name: converted[name] for name in expected}, model,
                             tuple(n for n in converted if n not in expected))
@@ -226,7 +226,7 @@ def _empty_model(cls: Any, config: dict[str, Any], target: DiffusersTarget) -> A
             return cls.from_config(config)
     except Exception as e:  # a config the class refuses (ValueError, TypeError...) is the user's --config
         raise InvalidInputError(f"config={target.config_file!r}: {target.class_name} refuses it "
-                                f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from e
+                                f"({type(e).__name__}: {first_line(e)})") from e
 
 
 def _check_against_model(converted: Mapping[str, Any], expected: Mapping[str, tuple[int, ...]], *, where: str,

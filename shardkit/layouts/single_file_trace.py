@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, first_line
 
 __all__ = ["Original", "Piece", "invert", "trace_conversion"]
 
@@ -186,7 +186,7 @@ def trace_conversion(convert: Callable[[dict[str, Any]], Mapping[str, Any]], sha
         with _mode(tracker):
             converted = dict(convert(dict(probes)))
     except Exception as e:  # diffusers raises KeyError/IndexError/RuntimeError on a layout it does not expect
-        first = str(e).splitlines()[0][:200] if str(e) else ""
+        first = first_line(e)
         raise InvalidInputError(f"{where}: diffusers' own single-file conversion cannot read the original layout of "
                                 f"this model back ({type(e).__name__}: {first}), so it is not exported") from e
     origins: dict[str, _Origin] = {}

@@ -17,7 +17,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ..devices import parse_max_memory
-from ..errors import InvalidInputError, ShardkitError, SourceNotFoundError
+from ..errors import InvalidInputError, ShardkitError, SourceNotFoundError, first_line
 from ..reading.residency import ReadMode
 from ..runtime.apply import RuntimeSetup, apply_runtime
 from ..sources.ranged import RangedCheckpoint, beneath, shown
@@ -228,5 +228,5 @@ def _from_pretrained(folder: str, kwargs: dict[str, Any]) -> DiffusionPipeline:
     except ShardkitError:
         raise
     except (OSError, ValueError, NotImplementedError, RuntimeError, KeyError, AttributeError, TypeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise InvalidInputError(f"could not load the pipeline in {folder}: {first}") from e

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, cast
 
 from ..errors import InvalidInputError, ShardkitError
+from ..errors import OffloadError as OffloadError  # re-exported: defined with every public error
 
 if TYPE_CHECKING:
     import torch
@@ -53,10 +54,6 @@ class OffloadPipeline(Protocol):
 
 
 Offloadable: TypeAlias = "Modules | OffloadPipeline"
-
-
-class OffloadError(ShardkitError, ValueError):
-    """An offload strategy cannot be applied to this object in its current state."""
 
 
 GROUP_OPTIONS = frozenset({

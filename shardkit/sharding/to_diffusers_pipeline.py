@@ -33,7 +33,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, first_line
 from ..formats.index import DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, Naming
 from ..formats.layout import Component, find_components, is_pipeline_folder
 from ..layouts.diffusers import (
@@ -228,7 +228,7 @@ def _text_encoder(cls: Any, component: Component, checkpoint: Mapping[str, Any],
     try:
         return build(cls, checkpoint=dict(checkpoint), config=folder, subfolder=component.name, local_files_only=True)
     except Exception as e:  # diffusers raises ValueError/KeyError/OSError for a checkpoint or config that differ
-        first = str(e).splitlines()[0][:200] if str(e) else ""
+        first = first_line(e)
         raise InvalidInputError(f"{component.name} ({component.class_name}): diffusers could not build it from the "
                                 f"checkpoint with config={folder!r} ({type(e).__name__}: {first})") from e
 

@@ -22,6 +22,7 @@ from ..errors import (
     ShardkitWarning,
     SourceNotFoundError,
     UnsafePickleError,
+    first_line,
 )
 from ..formats.header import TensorEntry
 from ..formats.index import naming_from_filename
@@ -84,7 +85,7 @@ def _torch_load(checked: str, path: str, *, mmap: bool) -> object:
             "shardkit never executes pickled code"
         ) from e
     except Exception as e:  # torch's unpickler raises many kinds (IndexError, KeyError...) on garbage
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise InvalidInputError(f"{path}: not a readable PyTorch checkpoint ({first})") from e
 
 

@@ -28,7 +28,8 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from ..errors import ShardkitWriteError, StoreError
+from ..errors import CopyRefusedError as CopyRefusedError  # re-exported: defined with every public error
+from ..errors import ShardkitWriteError
 
 __all__ = ["MAX_COPY_PART_BYTES", "MAX_PARTS", "MIN_PART_BYTES", "ClientPart", "CopyPart", "CopyRefusedError", "Piece", "SourceSpan",
            "client_bytes", "copied_bytes", "plan_copy_parts", "refused_copy"]
@@ -183,10 +184,6 @@ def copied_bytes(parts: Sequence[Part]) -> int:
 def client_bytes(parts: Sequence[Part]) -> int:
     """Bytes sent through the client (header and ranged GETs)."""
     return sum(p.nbytes for p in parts if isinstance(p, ClientPart))
-
-
-class CopyRefusedError(StoreError):
-    """The store does not copy byte ranges between objects (``UploadPartCopy``): stream the bytes instead."""
 
 
 REFUSED_CODES = frozenset({"NotImplemented", "XNotImplemented", "AccessDenied", "InvalidRequest", "MethodNotAllowed",
