@@ -92,3 +92,44 @@ def test_without_a_tokenizer_convert_writes_no_vocab_and_says_so(tmp_path: Path,
     notes = [line for line in result.stderr.splitlines() if "no vocabulary" in line]
     assert len(notes) == 1 and "llama.cpp cannot tokenize" in notes[0]
     assert gguf_fields(out)["tokenizer.ggml.model"][1] == "no_vocab"
+
+
+def test_info_shows_the_vocabulary_and_verify_warns_when_there_is_none(tmp_path: Path, run_cli,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = _llama_with_bpe(tmp_path / "hf")
+    monkeypatch.setitem(gguf_pre.PRE_TOKENIZERS, probe_hash(str(folder / "tokenizer.json")), "gpt-2")
+    with_vocab = tmp_path / "v.gguf"
+    shardkit.convert(folder, with_vocab, to="gguf", quantize="q8_0")
+    result = run_cli("info", with_vocab)
+    assert result.exit_code == 0, result.stderr
+    assert "vocabulary" in result.stdout and "gpt2, 304 tokens, pre-tokenizer gpt-2, chat template" in result.stdout
+    vocab = shardkit.info(with_vocab).quantization["vocabulary"]
+    assert vocab == {"model": "gpt2", "size": 304, "pre": "gpt-2", "chat_template": True, "missing": False,
+                     "text": "gpt2, 304 tokens, pre-tokenizer gpt-2, chat template"}
+    result = run_cli("verify", with_vocab)
+    assert result.exit_code == 0 and "warning" not in result.stderr, result.stderr
+
+    bare = tiny_llama_folder(tmp_path / "bare")
+    no_vocab = tmp_path / "n.gguf"
+    with pytest.warns(shardkit.ShardkitWarning, match="no vocabulary"):
+        shardkit.convert(bare, no_vocab, to="gguf")
+    assert "none (tokenizer.ggml.model = no_vocab)" in run_cli("info", no_vocab).stdout
+    result = run_cli("verify", no_vocab)
+    assert result.exit_code == 0 and "ok:" in result.stdout, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "no vocabulary" in warnings[0] and "llama.cpp cannot tokenize" in warnings[0]
+    report = shardkit.verify(no_vocab)
+    assert report.ok and len(report.warnings) == 1
+
+
+def test_a_flux_gguf_needs_no_vocabulary(tmp_path: Path, run_cli) -> None:
+    from helpers_quant import flux_bfl_state_dict, flux_config
+    from safetensors.torch import save_file
+
+    save_file(flux_bfl_state_dict(flux_config()), tmp_path / "flux.safetensors")
+    out = tmp_path / "flux.gguf"
+    result = run_cli("convert", tmp_path / "flux.safetensors", out, "--to", "gguf")
+    assert result.exit_code == 0 and "warning" not in result.stderr, result.stderr
+    assert "vocabulary" not in run_cli("info", out).stdout
+    result = run_cli("verify", out)
+    assert result.exit_code == 0 and "warning" not in result.stderr

@@ -30,6 +30,7 @@ class GgufCheck:
     """What :func:`verify_gguf` found: (tensor or None, problem) pairs, the file's sha256 and size, tensors read."""
 
     findings: list[tuple[str | None, str]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # what the file lacks, not what is wrong in it
     sha256: str = ""
     file_bytes: int = 0
     tensors_checked: int = 0
@@ -38,6 +39,7 @@ class GgufCheck:
 def verify_gguf(path: str, *, progress: Callable[[int, int], None] | None = None,
                 read_data: bool = True) -> GgufCheck:
     """Check the GGUF file ``path`` (see the module docstring); problems are collected, never raised."""
+    from ..layouts.gguf_vocab import describe_vocab
     from ..sources.gguf import GgufSource
 
     report = GgufCheck()
@@ -54,6 +56,9 @@ def verify_gguf(path: str, *, progress: Callable[[int, int], None] | None = None
             config = None
         if config is not None:
             report.findings += _shape_problems(src.entries(), config)
+        vocab = describe_vocab(src.gguf.metadata, src.gguf.architecture)
+        if vocab is not None and vocab["missing"]:
+            report.warnings.append(f"no vocabulary: {vocab['text']}")
         if not read_data:
             return report
         total = sum(e.nbytes for e in src.entries())

@@ -69,6 +69,8 @@ class VerifyReport:
         structure_only: files read whose data could only be checked for structure (no manifest
             entry, no Hugging Face cache blob name); a changed tensor in them goes unnoticed
             unless ``against`` is given.
+        warnings: what the checkpoint lacks though nothing in it is wrong (a GGUF language model without a
+            vocabulary); ``ok`` does not depend on them.
     """
 
     path: str
@@ -82,6 +84,7 @@ class VerifyReport:
     manifests: list[str] = field(default_factory=list)
     structure_only: list[str] = field(default_factory=list)
     unhashed: int = 0  # tensors the manifest records without a crc32 (copied inside an object store)
+    warnings: list[str] = field(default_factory=list)  # what the checkpoint lacks (a GGUF without vocabulary); ok stays
 
     @property
     def ok(self) -> bool:
@@ -187,6 +190,7 @@ def _verify_gguf(path: str, report: VerifyReport, *, against: CheckpointSource |
     name = os.path.basename(path)
     check = verify_gguf(path, progress=progress, read_data=read_data)
     report.findings += [Finding(name, tensor, message) for tensor, message in check.findings]
+    report.warnings += [f"{name}: {message}" for message in check.warnings]
     report.tensors_checked = check.tensors_checked
     if check.sha256:
         report.files.append(FileReport(name, check.file_bytes, check.sha256, checked="gguf-values"))

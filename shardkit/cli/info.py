@@ -68,6 +68,8 @@ def print_checkpoint(s: CheckpointInfo, *, title: str | None = None) -> None:
     rows += _totals_rows(s)
     if s.quantization:
         rows.append(("quantized", s.quantization.get("description") or f"unusable: {s.quantization.get('error')}"))
+        if isinstance(vocab := s.quantization.get("vocabulary"), dict):  # a GGUF language model's tokenizer
+            rows.append(("vocabulary", str(vocab.get("text"))))
     if s.shared_bytes is not None:
         rows.append(("shared extents", _shared_text(s.shared_bytes, sum(sh.file_bytes for sh in s.shards))))
     if s.metadata:

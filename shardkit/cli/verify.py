@@ -80,6 +80,8 @@ def print_report(report: object, *, quiet: bool) -> None:
             click.echo(f"  {f.name:<{width}}  {format_size(f.bytes):>10}  sha256 {f.sha256}")
     for finding in findings:
         click.echo(f"FAIL {finding}")
+    for warning in getattr(report, "warnings", []):
+        click.echo(f"warning: {warning}", err=True)
     if quiet or findings:
         return
     compared = report.tensors_compared  # type: ignore[attr-defined]

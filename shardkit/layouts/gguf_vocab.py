@@ -32,7 +32,7 @@ from ..formats.gguf import ARRAY, BOOL, INT32, STRING, UINT32, Value
 from .gguf_pre import PRE_TOKENIZERS, PROBE_TEXT
 from .gguf_special import SpecialVocab, special_vocab
 
-__all__ = ["NORMAL", "Vocab", "has_tokenizer", "read_vocab"]
+__all__ = ["NORMAL", "Vocab", "describe_vocab", "has_tokenizer", "probe_hash", "read_vocab"]
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's token types
 Row = tuple[str, int, Value, int | None]
@@ -236,3 +236,30 @@ def _chat_rows(template: str | list[dict[str, str]] | None) -> list[Row]:
     if default is not None:
         rows.append(("tokenizer.chat_template", STRING, default, None))
     return rows
+
+
+def describe_vocab(metadata: Mapping[str, Any], architecture: str) -> dict[str, Any] | None:
+    """What a GGUF's metadata says of its vocabulary, for ``info`` and ``verify``; None for a file that needs none.
+
+    A language model (llama.cpp's ``{arch}.block_count`` key) without tokens gets ``"missing": True``: llama.cpp
+    cannot tokenize text with it. Diffusion models (Flux...) have no vocabulary and need none.
+
+    >>> describe_vocab({"llama.block_count": 2, "tokenizer.ggml.model": "no_vocab"}, "llama")["missing"]
+    True
+    """
+    model = metadata.get("tokenizer.ggml.model")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    size = len(tokens) if isinstance(tokens, list) else 0
+    if model is None and f"{architecture}.block_count" not in metadata:
+        return None
+    pre = metadata.get("tokenizer.ggml.pre")
+    chat = isinstance(metadata.get("tokenizer.chat_template"), str)
+    missing = not size or model in (None, "none", "no_vocab")
+    if missing:
+        text = (f"none (tokenizer.ggml.model = {model or 'absent'}): llama.cpp cannot tokenize text with this file; "
+                "convert it from a folder with the model's tokenizer.json")
+    else:
+        text = f"{model}, {size:,} tokens" + (f", pre-tokenizer {pre}" if isinstance(pre, str) else "")
+        text += ", chat template" if chat else ", no chat template"
+    return {"model": model, "size": size, "pre": pre if isinstance(pre, str) else None, "chat_template": chat,
+            "missing": missing, "text": text}

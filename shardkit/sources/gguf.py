@@ -103,10 +103,13 @@ class GgufSource(Source):
         arch = self.gguf.architecture or "unknown architecture"
         types = ", ".join(f"{k} ×{v['tensors']}" for k, v in ordered.items())
         names = "Hugging Face names, q/k rows unpermuted" if self.heads else "names as stored"
+        from ..layouts.gguf_vocab import describe_vocab
+
+        vocab = describe_vocab(self.gguf.metadata, self.gguf.architecture)
         return {"description": f"GGUF v{self.gguf.version} {arch}: {types} ({names})", "scheme": "gguf",
                 "architecture": self.gguf.architecture, "ggml_types": ordered,
                 "quantized_tensors": len(self.quantized()), "alignment": self.gguf.alignment,
-                "metadata_keys": len(self.gguf.metadata)}
+                "metadata_keys": len(self.gguf.metadata), **({"vocabulary": vocab} if vocab is not None else {})}
 
     def require_dtype(self, cast_to: str | None) -> None:
         """Refuse to write quantized ggml tensors where no loader reads them (safetensors), unless a dtype is given.
