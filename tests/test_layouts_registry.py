@@ -25,7 +25,7 @@ from shardkit.layouts import registry
 from shardkit.layouts.fp8_quantize import QUANTIZE_RECIPES
 from shardkit.layouts.table import LayoutStrategy, Mapped, round_trip_problems
 
-EXPECTED = {"fp8-tensor", "fp8-channel", "fp8-block", "nvfp4", "mxfp4", "gguf-llama", "single-file-sd-unet",
+EXPECTED = {"fp8-tensor", "fp8-channel", "fp8-block", "nvfp4", "mxfp4", "peft-lora", "gguf-llama", "single-file-sd-unet",
             "single-file-sdxl-unet", "single-file-vae", "single-file-clip", "single-file-openclip", "single-file-sd3",
             "single-file-flux"}
 

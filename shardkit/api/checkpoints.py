@@ -85,7 +85,8 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options
             strip_prefix: str | None = None, add_prefix: str | None = None,
             rename: Iterable[str] | Mapping[str, str] = (), to: ConvertTo | None = None,
             config: str | os.PathLike[str] | None = None, component: str | None = None, token: str | None = None,
-            cache: bool = True, collective: bool = False, **shorthands: Unpack[WriteKeywords]) -> SplitResult:
+            cache: bool = True, collective: bool = False, lora: str | os.PathLike[str] | Iterable[str | os.PathLike[str]] = (),
+            lora_scale: float = 1.0, **shorthands: Unpack[WriteKeywords]) -> SplitResult:
     """Convert a checkpoint of any supported kind into size-bounded safetensors shards.
 
     Args:
@@ -111,6 +112,10 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options
             (see :func:`shardkit.api.jobs.torchrun_group`); ``source`` is then a local or ``s3://``
             checkpoint (each rank reads only its shards' byte ranges), ``output`` a folder every rank
             sees or an ``s3://`` prefix (each rank uploads its own shards).
+        lora: PEFT LoRA adapter folders (one, or several merged in order): each weight they target
+            becomes ``W + scale · (B @ A)``, computed in float32 from the base's band and written in
+            the output dtype; ``modules_to_save`` tensors replace the base's (see docs/lora.md).
+        lora_scale: multiplies every adapter's own scale (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA).
 
     Returns:
         A ``ConvertResult`` (a ``PipelineResult`` for a pipeline).
@@ -118,6 +123,7 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options
     shardkit.convert("v1-5-pruned.ckpt", "unet/", key="state_dict", strip_prefix="model.diffusion_model.", dtype="fp16")
     shardkit.convert("hf://org/old-model", "out/", strip_prefix="model.")
     shardkit.convert("sdxl-pipeline/", "sdxl.safetensors", to="single-file", component="all")
+    shardkit.convert("llama/", "llama-merged/", lora="my-adapter/", dtype="bf16")
     """
     from ..sharding.convert import build_keymap, convert_with
     from .sources import configs, opened
@@ -125,9 +131,13 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options
     built = WriteOptions.build(options, shorthands, where="convert()")
     keymap = build_keymap(include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
                           rename=dict(rename) if isinstance(rename, Mapping) else rename)
+    adapters = [lora] if isinstance(lora, (str, os.PathLike)) else list(lora)
     if collective:
         from ..distributed.convert import convert_collective
         from ..errors import InvalidInputError
+
+        if adapters:
+            raise InvalidInputError("lora=... is not supported in a collective convert; merge in one process")
 
         if is_hub(source):
             raise InvalidInputError(f"{source}: a collective convert reads a local or s3:// checkpoint; download "
@@ -139,10 +149,10 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options
         if is_store_url(output):  # streamed into the store, or staged for one file (api/store_writes.py)
             return write_to_store(output, lambda out, tick: convert_with(
                 readable, out, options=dataclasses.replace(built, overwrite=False, progress=tick), key=key,
-                keymap=keymap, to=to, config=local_config, component=component),
+                keymap=keymap, to=to, config=local_config, component=component, lora=adapters, lora_scale=lora_scale),
                 overwrite=built.overwrite, dry_run=built.dry_run, progress=built.progress)
         return convert_with(readable, output, options=built, key=key, keymap=keymap, to=to, config=local_config,
-                            component=component)
+                            component=component, lora=adapters, lora_scale=lora_scale)
 
 
 @dataclass(frozen=True)

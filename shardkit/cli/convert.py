@@ -28,6 +28,7 @@ Examples:
   shardkit convert llama-q4_k_m.gguf llama-hf/ --dtype bf16          # GGUF → transformers folder
   shardkit convert llama-hf/ llama-q8_0.gguf --to gguf --quantize q8_0   # → llama.cpp / transformers GGUF
   shardkit convert flux-dev/transformer flux1-dev-Q8_0.gguf --to gguf --quantize q8_0   # ComfyUI-GGUF
+  shardkit convert llama-hf/ llama-merged/ --lora my-adapter/ --dtype bf16   # a PEFT LoRA merged in
 
 \b
 SOURCE kinds: .safetensors file, index or folder; .bin/.pt/.pth/.ckpt pickle (loaded with
@@ -82,6 +83,13 @@ GGUF; --quantize f16/bf16/q8_0/q4_0 sets the type of 2-D tensors (1-D ones stay 
 types are kept. Written: general.architecture, llama.* from config.json, tokenizer.ggml.model=no_vocab.
 
 \b
+--lora ADAPTER (repeatable) merges a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors)
+into SOURCE as it streams: W + scale * (B @ A) in float32 from each band of rows, written in the output
+dtype (--dtype, or the base's own), scale = lora_alpha / r (rsLoRA: / sqrt(r); rank_pattern and
+alpha_pattern honoured) times --lora-scale; modules_to_save tensors replace the base's. Adapters whose
+shapes, ranks or targets do not fit the base are refused before anything is written.
+
+\b
 Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers of 2.
 """
 
@@ -108,13 +116,17 @@ Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers
 @click.option("--component", metavar="NAME",
               help="With --to diffusers and a pipeline --config, or --to single-file and a pipeline SOURCE: the "
                    "component to write (default: unet/transformer; 'all': the whole pipeline).")
+@click.option("--lora", "lora", multiple=True, type=click.Path(path_type=str), metavar="ADAPTER",
+              help="A PEFT LoRA folder to merge into SOURCE's weights (repeatable: merged in order).")
+@click.option("--lora-scale", type=float, default=1.0, show_default=True,
+              help="Multiplies each adapter's own scale (lora_alpha / r).")
 @shard_options("name", "variant", "overwrite", "manifest", "dry-run", "json", "quiet")
 @no_cache_option
 @hub_token_option
 def convert(source: str, output: str, key: str | None, strip_prefix: str | None, add_prefix: str | None,
             include: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...], to: ConvertTo | None,
             config: str | None, component: str | None, as_json: bool, quiet: bool, no_cache: bool = False,
-            token: str | None = None, **write: Any) -> None:
+            token: str | None = None, lora: tuple[str, ...] = (), lora_scale: float = 1.0, **write: Any) -> None:
     """Convert SOURCE (any supported checkpoint) into safetensors shards in the OUTPUT folder.
 
     Streams in bounded memory with the same atomic writer as `split`: on failure or Ctrl-C
@@ -131,11 +143,14 @@ def convert(source: str, output: str, key: str | None, strip_prefix: str | None,
             result = convert_api(source, output, options=WriteOptions(**write, progress=progress), key=key,
                                  include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
                                  rename=rename, to=to, config=config, component=component, token=token,
-                                 cache=not no_cache, collective=collective)
+                                 cache=not no_cache, collective=collective, lora=lora, lora_scale=lora_scale)
     if as_json:
         echo_json(result.to_dict())
     elif not quiet:
         print_plan(result)
+        for merged in (getattr(result, "lora", None) or {}).get("adapters", ()):
+            click.echo(f"merged {merged['adapter']}: {merged['pairs']} LoRA weight(s), {merged['replaced']} replaced "
+                       f"whole (r={merged['r']}, lora_alpha={merged['lora_alpha']}, scale x{merged['scale']:g})")
         dropped = getattr(result, "dropped", 0)
         if dropped:
             why = "that are not part of this model (other components, EMA...)" if to else "by the key options"

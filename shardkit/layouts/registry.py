@@ -23,6 +23,7 @@ from ..formats.header import TensorEntry
 from ..formats.json_types import Config, JsonObject
 from ..formats.layout import read_config
 from ..formats.links import parse_json, read_inside
+from .adapters import PeftLora
 from .fp4 import Fp4Layout, find_fp4_layout
 from .fp4_quantize import Fp4Scheme
 from .fp8 import QuantLayout, find_layout
@@ -134,6 +135,8 @@ LAYOUTS: tuple[RegisteredLayout, ...] = (
     RegisteredLayout("nvfp4", "fp4 e2m1, e4m3 scale per 16 + global scale (compressed-tensors nvfp4-pack-quantized)",
                      Fp4Scheme("nvfp4")),
     RegisteredLayout("mxfp4", "fp4 e2m1, e8m0 scale per 32, MoE experts (gpt-oss)", Fp4Scheme("mxfp4")),
+    RegisteredLayout("peft-lora", "PEFT LoRA adapter keys (base_model.model.M.lora_A/lora_B, modules_to_save)",
+                     PeftLora()),
     RegisteredLayout("gguf-llama", "llama.cpp's Llama tensor names (blk.N.attn_q...)", GgufNames()),
     RegisteredLayout("single-file-sd-unet", "SD 1.x/2.x UNet ↔ LDM (model.diffusion_model.input_blocks...)",
                      SingleFileFamily("unet", UNET, "diffusers", "UNet2DConditionModel", _SD_UNET)),

@@ -14,9 +14,9 @@ with ``key``); pickles are only ever loaded with ``weights_only=True``.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
 from ..formats.layout import is_pipeline_folder
@@ -35,6 +35,9 @@ from .options import WriteOptions, warn
 from .single_file import is_file_output, split_to_file
 from .split import split_with
 
+if TYPE_CHECKING:
+    from .lora import LoraSource
+
 __all__ = ["ConvertResult", "build_keymap", "convert_with"]
 
 EMA_PREFIX = "model_ema."
@@ -46,9 +49,11 @@ class ConvertResult(SplitResult):
 
     dropped: int = 0
     ema_tensors: int = 0
+    lora: dict[str, Any] | None = None  # what the adapters merged (sharding/lora.py), None without any
 
     def to_dict(self) -> dict[str, Any]:
-        return {**super().to_dict(), "dropped": self.dropped, "ema_tensors": self.ema_tensors}
+        return {**super().to_dict(), "dropped": self.dropped, "ema_tensors": self.ema_tensors,
+                **({"lora": self.lora} if self.lora is not None else {})}
 
 
 def build_keymap(*, include: Iterable[str] = (), exclude: Iterable[str] = (), strip_prefix: str | None = None,
@@ -67,16 +72,21 @@ def build_keymap(*, include: Iterable[str] = (), exclude: Iterable[str] = (), st
 
 def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteOptions, key: str | None = None,
                  keymap: KeyMap | None = None, to: str | None = None, config: str | os.PathLike[str] | None = None,
-                 component: str | None = None) -> SplitResult:
+                 component: str | None = None, lora: Sequence[str | os.PathLike[str]] = (),
+                 lora_scale: float = 1.0) -> SplitResult:
     """Convert a checkpoint of any supported kind: ``shardkit.convert``'s writer, a split of a keymapped source.
 
     The options and the key map are built by the caller (:mod:`shardkit.api.checkpoints`); ``to``,
-    ``config`` and ``component`` are as ``shardkit.convert`` documents them.
+    ``config``, ``component``, ``lora`` and ``lora_scale`` are as ``shardkit.convert`` documents them
+    (the adapters are merged into the source's own names, before the key options).
 
     convert_with("m.ckpt", "out/", options=WriteOptions(), keymap=KeyMap(strip_prefix="model."))
     """
     output = os.fspath(output)
     keymap = keymap or KeyMap()
+    if lora and (to is not None or (isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source))):
+        raise InvalidInputError("lora=... merges into one model checkpoint written as safetensors; convert the "
+                                "component folder, without to=... (merge first, then convert the merged folder)")
     if to == "gguf":
         from .gguf_out import convert_to_gguf
 
@@ -105,7 +115,9 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
         return split_with(source, output, options=options, key=key)  # checks the output itself
     refuse_output_inside_source(source, output)
     with open_settled(source, key=key, dry_run=options.dry_run, output=output) as inner:
-        mapped: Source = inner if keymap.is_identity() else KeyMapSource(inner, keymap)
+        lora_view = _merged(inner, lora, scale=lora_scale, options=options)
+        merged: Source = lora_view or inner
+        mapped: Source = merged if keymap.is_identity() else KeyMapSource(merged, keymap)
         ema = _report_ema(inner, keymap)
         if is_file_output(output):
             result = split_to_file(mapped, output, options=options)
@@ -113,7 +125,17 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
             result = split_source(mapped, output, options=options, side_files=side_files(source, output))
         dropped = len(inner.entries()) - len(mapped.entries())
     as_split = {f.name: getattr(result, f.name) for f in fields(SplitResult)}
-    return ConvertResult(**as_split, dropped=dropped, ema_tensors=ema)
+    return ConvertResult(**as_split, dropped=dropped, ema_tensors=ema, lora=None if lora_view is None else lora_view.report())
+
+
+def _merged(inner: Source, lora: Sequence[str | os.PathLike[str]], *, scale: float,
+            options: WriteOptions) -> LoraSource | None:
+    """``inner`` with the adapters merged (:mod:`shardkit.sharding.lora`); None without any."""
+    if not lora:
+        return None
+    from .lora import merged_view
+
+    return merged_view(inner, lora, scale=scale, cast_to=options.cast_to)
 
 
 def _convert_to(source: Any, output: str, *, options: WriteOptions, key: str | None, keymap: KeyMap,

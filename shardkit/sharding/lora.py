@@ -1,0 +1,145 @@
+"""Adapters merged into their base as it streams: ``W + scale · (B @ A)`` band by band of rows.
+
+:func:`merged_view` wraps a base source in a :class:`LoraSource`, the view every writing job reads
+(:func:`~shardkit.sharding.job.split_source`): each weight an adapter changes becomes a computed tensor
+(float32 from the base's band, then the output dtype, rounded once), every other tensor passes through
+with its file offsets (still copied kernel-side). The adapters are held in memory; the base is read one
+band of rows at a time, so memory does not depend on the base's size.
+
+The product of a tensor whose float32 delta fits :data:`WHOLE_DELTA_BYTES` is computed whole, as PEFT's
+``merge_and_unload`` computes it, so an fp32 merge equals PEFT's bit for bit; a larger one is computed
+band by band (``B[rows] @ A``), which a BLAS may round differently in the last bit of float32.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from ..errors import InvalidInputError
+from ..formats.header import TensorEntry
+from ..formats.json_types import JsonObject
+from ..layouts.fp8 import matrix_shape
+from ..layouts.registry import find_quant_layout
+from ..sources import Source
+from ..sources.dequantized import ViewSource, bytes_in_range, read_rows
+from ..units import tensor_nbytes
+from .lora_adapter import Adapter, LowRank, Replace, load_adapter, plan_merge
+from .quant import source_config
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["WHOLE_DELTA_BYTES", "LoraSource", "merged_view"]
+
+WHOLE_DELTA_BYTES = 64 * 2**20  # a delta up to this (float32) is computed whole, as PEFT does
+BAND_BYTES = 16 * 2**20  # float32 bytes of one band of rows otherwise
+_FLOATS = ("F32", "F16", "BF16", "F64")
+
+
+def merged_view(inner: Source, adapters: Sequence[str | os.PathLike[str]], *, scale: float = 1.0,
+                cast_to: str | None = None) -> LoraSource:
+    """``inner`` with ``adapters`` merged (in order), every check done before a byte is written.
+
+    Raises:
+        InvalidInputError: a quantized base, or an adapter that does not fit it (:func:`plan_merge`).
+    """
+    layout = find_quant_layout(inner.entries(), config=source_config(inner), metadata=inner.metadata(),
+                               where=inner.description)
+    if layout is not None:
+        raise InvalidInputError(f"{inner.description}: a quantized base ({layout.describe()}) cannot take a LoRA "
+                                "yet; dequantize it first (shardkit convert BASE plain/ --dtype bf16), then merge")
+    loaded = [load_adapter(path) for path in adapters]
+    return LoraSource(inner, loaded, scale=scale, cast_to=cast_to)
+
+
+class LoraSource(ViewSource):
+    """``inner`` with each weight the adapters change computed as ``W + Σ scale · (B @ A)`` (see the module)."""
+
+    def __init__(self, inner: Source, adapters: Sequence[Adapter], *, scale: float = 1.0,
+                 cast_to: str | None = None) -> None:
+        super().__init__(inner)
+        base = inner.entries()
+        self.plan = plan_merge(adapters, base, scale=scale, where=inner.description)
+        self._by_name = {e.name: e for e in base}
+        out = cast_to if cast_to in _FLOATS else None
+        self._entries = [self._output_entry(e, out) for e in base]
+        self._cache: tuple[str, list[torch.Tensor | None]] | None = None
+
+    def _output_entry(self, entry: TensorEntry, cast_to: str | None) -> TensorEntry:
+        if entry.name not in self.plan.updates:
+            return entry
+        dtype = cast_to or entry.dtype
+        return TensorEntry(entry.name, dtype, entry.shape, tensor_nbytes(dtype, entry.shape))
+
+    def entries(self) -> list[TensorEntry]:
+        return list(self._entries)
+
+    def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
+        if entry.name not in self.plan.updates:
+            return self.inner.read(self._by_name[entry.name], begin, end)
+        rows = matrix_shape(entry.shape)[0]
+        row_bytes = entry.nbytes // max(1, rows)
+        first = begin // row_bytes if row_bytes else 0
+        last = min(rows, -(-end // row_bytes)) if row_bytes else rows
+        bands = ((row0 * row_bytes, data) for row0, data in self._bands(entry, first, last))
+        return bytes_in_range(bands, begin, end)
+
+    def chunks(self, entry: TensorEntry, chunk_bytes: int) -> Iterator[bytes | memoryview]:
+        if entry.name not in self.plan.updates:
+            yield from self.inner.chunks(self._by_name[entry.name], chunk_bytes)
+            return
+        for _, data in self._bands(entry, 0, matrix_shape(entry.shape)[0]):
+            yield data
+
+    def _bands(self, entry: TensorEntry, first: int, last: int) -> Iterator[tuple[int, memoryview]]:
+        """(first row, output bytes) of the merged rows ``first:last``, a band at a time."""
+        import torch
+
+        from ..formats.dtypes import to_torch
+
+        stored = self._by_name[entry.name]
+        rows, cols = matrix_shape(stored.shape)
+        step = max(1, BAND_BYTES // max(1, cols * 4))
+        compute = torch.float64 if stored.dtype == "F64" else torch.float32
+        updates = self.plan.updates[entry.name]
+        for row0 in range(first, last, step):
+            row1 = min(last, row0 + step)
+            band: torch.Tensor | None = None
+            for i, update in enumerate(updates):
+                if isinstance(update, Replace) and not update.add:  # modules_to_save: the base is not read
+                    band = update.value.reshape(rows, cols)[row0:row1].to(compute)
+                    continue
+                if band is None:
+                    band = read_rows(self.inner, stored, row0, row1).to(compute)
+                if isinstance(update, Replace):  # lora_B.bias, added as PEFT adds it
+                    band = band + update.value.reshape(rows, cols)[row0:row1].to(compute) * update.scale
+                else:
+                    band = band + self._delta(entry.name, i, update, rows, cols, row0, row1, compute)
+            if band is None:  # no updates: never planned
+                band = read_rows(self.inner, stored, row0, row1).to(compute)
+            data = band.to(to_torch(entry.dtype)).contiguous().view(torch.uint8).numpy()
+            yield row0, data.data.cast("B")
+
+    def _delta(self, name: str, i: int, update: LowRank, rows: int, cols: int, row0: int, row1: int,
+               compute: torch.dtype) -> torch.Tensor:
+        """Rows ``row0:row1`` of ``scale · (B @ A)`` (transposed where the pair says so), as PEFT orders it."""
+        a, b = update.a.reshape(update.a.shape[0], -1).to(compute), update.b.to(compute)
+        if rows * cols * 4 <= WHOLE_DELTA_BYTES:
+            if self._cache is None or self._cache[0] != name:
+                self._cache = (name, [None] * len(self.plan.updates[name]))
+            deltas = self._cache[1]
+            whole = deltas[i]
+            if whole is None:
+                product = b @ a
+                whole = deltas[i] = (product.T if update.transpose else product) * update.scale
+            return whole[row0:row1]
+        if update.transpose:
+            return (b @ a[:, row0:row1]).T * update.scale
+        return (b[row0:row1] @ a) * update.scale
+
+    def report(self) -> JsonObject:
+        """What was merged: per adapter its rank, alpha, scale and counts; the tensors changed."""
+        return {"adapters": list(self.plan.reports), "tensors": len(self.plan.updates)}
+

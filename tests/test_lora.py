@@ -1,0 +1,171 @@
+"""``convert --lora``: PEFT LoRA adapters merged into their base as it streams, judged by PEFT's ``merge_and_unload``.
+
+Tiny transformers models (Llama, BERT) from configs with random weights; PEFT attaches LoRAs with random A
+and B (several target modules, an embedding, rsLoRA, rank_pattern/alpha_pattern, lora_bias,
+modules_to_save), saves them, and merges them itself: shardkit's merge must equal it bit for bit in fp32,
+within bf16 rounding in bf16, give the same logits, and load back with ``from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import load_folder
+from helpers_lora import (
+    BERT,
+    LLAMA,
+    assert_within_bf16,
+    bert_class,
+    llama_class,
+    peft_merged,
+    save_adapter,
+    save_base,
+)
+
+import shardkit
+
+pytest.importorskip("peft")
+
+LLAMA_LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj", "embed_tokens"],
+              "rank_pattern": {"v_proj": 2}, "alpha_pattern": {"down_proj": 3}, "modules_to_save": ["lm_head"]}
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("llama")
+    base = save_base(root / "base", llama_class(), LLAMA)
+    return {"root": root, "base": base, "adapter": save_adapter(base, root / "adapter", llama_class(), **LLAMA_LORA)}
+
+
+def assert_bit_equal_to(got: dict[str, torch.Tensor], model: torch.nn.Module) -> None:
+    want = model.state_dict()
+    assert set(got) == set(want) - {"lm_head.weight"} or set(got) == set(want)
+    unequal = [k for k in got if not torch.equal(got[k], want[k])]
+    assert unequal == [], unequal
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    ids = torch.arange(8).reshape(1, 8) % 64
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_cli_merge_equals_peft_bit_for_bit_in_fp32(llama: dict[str, Path], run_cli) -> None:
+    """q/v/down_proj with rank_pattern and alpha_pattern, an embedding pair, lm_head in modules_to_save."""
+    out = llama["root"] / "merged-cli"
+    result = run_cli("convert", llama["base"], out, "--lora", llama["adapter"], "--json")
+    assert result.exit_code == 0, result.stderr
+    report = json.loads(result.stdout)["lora"]
+    assert report["adapters"][0]["pairs"] == 7 and report["adapters"][0]["replaced"] == 2  # lm_head, embed base_layer
+    reference = peft_merged(llama["base"], [llama["adapter"]], llama_class())
+    assert_bit_equal_to(load_folder(out), reference)
+    merged = llama_class().from_pretrained(out)
+    assert torch.equal(logits(merged), logits(reference))
+    assert (out / "config.json").read_text() == (llama["base"] / "config.json").read_text()
+    base = load_folder(llama["base"])
+    assert not torch.equal(base["model.layers.0.self_attn.q_proj.weight"],
+                           load_folder(out)["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_cli_prints_what_each_adapter_merged(llama: dict[str, Path], run_cli) -> None:
+    result = run_cli("convert", llama["base"], llama["root"] / "merged-text", "--lora", llama["adapter"])
+    assert result.exit_code == 0, result.stderr
+    assert f"merged {llama['adapter']}: 7 LoRA weight(s), 2 replaced whole (r=4, lora_alpha=8, scale x1)" in result.stdout
+
+
+def test_api_rslora_and_shards(llama: dict[str, Path]) -> None:
+    """rsLoRA (alpha / sqrt(r)) through the Python API, written as several shards with an index."""
+    adapter = save_adapter(llama["base"], llama["root"] / "rslora", llama_class(), seed=2, r=8, lora_alpha=4,
+                           use_rslora=True, target_modules=["k_proj", "o_proj", "gate_proj", "up_proj"])
+    out = llama["root"] / "merged-rslora"
+    result = shardkit.convert(llama["base"], out, lora=adapter, max_shard_size="20KB")
+    assert len(result.plan.shards) > 1 and (out / "model.safetensors.index.json").exists()
+    reference = peft_merged(llama["base"], [adapter], llama_class())
+    assert_bit_equal_to(load_folder(out), reference)
+    assert torch.equal(logits(llama_class().from_pretrained(out)), logits(reference))
+
+
+def test_two_adapters_merge_in_order_as_peft_does(llama: dict[str, Path]) -> None:
+    second = save_adapter(llama["base"], llama["root"] / "second", llama_class(), seed=3, r=2, lora_alpha=2,
+                          target_modules=["q_proj", "up_proj"])
+    out = llama["root"] / "merged-two"
+    shardkit.convert(llama["base"], out, lora=[llama["adapter"], second])
+    assert_bit_equal_to(load_folder(out), peft_merged(llama["base"], [llama["adapter"], second], llama_class()))
+
+
+def test_lora_scale_multiplies_each_adapters_scale(llama: dict[str, Path]) -> None:
+    from peft.tuners.lora import LoraLayer
+
+    def doubled(model) -> None:
+        for module in model.modules():  # scale_layer() skips embeddings (no lora_A): scale every pair here
+            if isinstance(module, LoraLayer):
+                for name in module.scaling:
+                    module.scaling[name] *= 2.0
+
+    out = llama["root"] / "merged-x2"
+    shardkit.convert(llama["base"], out, lora=llama["adapter"], lora_scale=2.0)
+    assert_bit_equal_to(load_folder(out), peft_merged(llama["base"], [llama["adapter"]], llama_class(), edit=doubled))
+    zero = llama["root"] / "merged-x0"
+    shardkit.convert(llama["base"], zero, lora=llama["adapter"], lora_scale=0.0)
+    base, got = load_folder(llama["base"]), load_folder(zero)
+    assert torch.equal(got["model.layers.1.mlp.down_proj.weight"], base["model.layers.1.mlp.down_proj.weight"])
+
+
+def test_bf16_output_is_within_bf16_rounding_of_peft(llama: dict[str, Path], run_cli) -> None:
+    """An fp32 base written as bf16: the merge in fp32, rounded once; a bf16 base merged in bf16 by PEFT."""
+    out = llama["root"] / "merged-bf16"
+    assert run_cli("convert", llama["base"], out, "--lora", llama["adapter"], "--dtype", "bf16").exit_code == 0
+    got = load_folder(out)
+    reference = peft_merged(llama["base"], [llama["adapter"]], llama_class())
+    want = {k: v.to(torch.bfloat16) for k, v in reference.state_dict().items() if k in got}
+    assert all(got[k].dtype == torch.bfloat16 for k in got)
+    assert all(torch.equal(got[k], want[k]) for k in got)  # rounded once from the fp32 merge
+    base16 = save_base(llama["root"] / "base-bf16", llama_class(), LLAMA, dtype=torch.bfloat16)
+    out16 = llama["root"] / "merged-base-bf16"
+    shardkit.convert(base16, out16, lora=llama["adapter"])
+    peft16 = peft_merged(base16, [llama["adapter"]], llama_class(), dtype=torch.bfloat16)
+    got16 = load_folder(out16)
+    assert all(v.dtype == torch.bfloat16 for v in got16.values())
+    assert_within_bf16(got16, {k: v for k, v in peft16.state_dict().items() if k in got16})
+    merged, judged = logits(llama_class().from_pretrained(out16)).float(), logits(peft16).float()
+    assert float((merged - judged).norm() / judged.norm()) < 1e-2  # bf16 forwards of weights a few ulps apart
+
+
+def test_bert_with_lora_bias_and_a_classifier_in_modules_to_save(tmp_path: Path, run_cli) -> None:
+    """SEQ_CLS: PEFT keeps the classifier whole; lora_bias adds lora_B.bias × scale to the base's bias."""
+    base = save_base(tmp_path / "bert", bert_class(), BERT)
+    adapter = save_adapter(base, tmp_path / "adapter", bert_class(), r=4, lora_alpha=16, task_type="SEQ_CLS",
+                           target_modules=["query", "value", "dense"], lora_bias=True)
+    out = tmp_path / "merged"
+    assert run_cli("convert", base, out, "--lora", adapter).exit_code == 0
+    reference = peft_merged(base, [adapter], bert_class())
+    got = load_folder(out)
+    want = reference.state_dict()
+    assert set(got) == set(want)
+    assert [k for k in got if not torch.equal(got[k], want[k])] == []
+    assert not torch.equal(got["bert.encoder.layer.0.attention.self.query.bias"],
+                           load_folder(base)["bert.encoder.layer.0.attention.self.query.bias"])
+    merged = bert_class().from_pretrained(out).eval()
+    ids = torch.arange(10).reshape(1, 10)
+    with torch.no_grad():
+        assert torch.equal(merged(ids).logits, reference.eval()(ids).logits)
+
+
+def test_dry_run_checks_and_writes_nothing(llama: dict[str, Path], run_cli) -> None:
+    out = llama["root"] / "dry"
+    result = run_cli("convert", llama["base"], out, "--lora", llama["adapter"], "--dry-run", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["lora"]["tensors"] == 8
+    assert not out.exists()
+
+
+def test_keymap_applies_after_the_merge(llama: dict[str, Path]) -> None:
+    """The adapter names the base as stored; --strip-prefix and friends rename the merged tensors after."""
+    out = llama["root"] / "stripped"
+    shardkit.convert(llama["base"], out, lora=llama["adapter"], strip_prefix="model.")
+    reference = peft_merged(llama["base"], [llama["adapter"]], llama_class()).state_dict()
+    got = load_folder(out)
+    assert torch.equal(got["layers.0.self_attn.q_proj.weight"], reference["model.layers.0.self_attn.q_proj.weight"])
