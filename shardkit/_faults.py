@@ -6,6 +6,8 @@ what happens there:
 
 ``SHARDKIT_FAULT_TRACE=path``            append ``<n> <label> <bytes>`` for every point hit
 ``SHARDKIT_FAULT_KILL_AT=n``              SIGKILL this process at the n-th point (1-based)
+``SHARDKIT_FAULT_KILL_AT_LABEL=prefix``   SIGKILL at the first point whose label starts with it
+                                          (the same step whatever the write calls before it were)
 ``SHARDKIT_FAULT_KILL_AFTER_BYTES=n``     SIGKILL at the first point after n bytes were written
 ``SHARDKIT_FAULT_ERRNO_AT=n:ENOSPC``      raise ``OSError(ENOSPC)`` at the n-th point instead
 ``SHARDKIT_FAULT_WAIT_AT=label-prefix``   at the first matching point, create
@@ -30,12 +32,13 @@ def _int_env(name: str) -> int:
 
 _TRACE = os.environ.get("SHARDKIT_FAULT_TRACE") or None
 _KILL_AT = _int_env("SHARDKIT_FAULT_KILL_AT")
+_KILL_AT_LABEL = os.environ.get("SHARDKIT_FAULT_KILL_AT_LABEL") or None
 _KILL_AFTER_BYTES = _int_env("SHARDKIT_FAULT_KILL_AFTER_BYTES")
 _ERRNO_AT, _, _ERRNO_NAME = os.environ.get("SHARDKIT_FAULT_ERRNO_AT", "").partition(":")
 _ERRNO_AT_N = int(_ERRNO_AT) if _ERRNO_AT.isdigit() else 0
 _WAIT_AT = os.environ.get("SHARDKIT_FAULT_WAIT_AT") or None
 _WAIT_FILE = os.environ.get("SHARDKIT_FAULT_WAIT_FILE") or None
-ACTIVE = bool(_TRACE or _KILL_AT or _KILL_AFTER_BYTES or _ERRNO_AT_N or (_WAIT_AT and _WAIT_FILE))
+ACTIVE = bool(_TRACE or _KILL_AT or _KILL_AT_LABEL or _KILL_AFTER_BYTES or _ERRNO_AT_N or (_WAIT_AT and _WAIT_FILE))
 
 _points = 0
 _bytes = 0
@@ -55,7 +58,8 @@ def _hit(label: str, nbytes: int) -> None:
     if _TRACE:
         with open(_TRACE, "a", encoding="utf-8") as f:
             f.write(f"{_points} {label} {_bytes}\n")
-    if _KILL_AT and _points == _KILL_AT or _KILL_AFTER_BYTES and _bytes >= _KILL_AFTER_BYTES:
+    if _KILL_AT and _points == _KILL_AT or _KILL_AFTER_BYTES and _bytes >= _KILL_AFTER_BYTES \
+            or _KILL_AT_LABEL and label.startswith(_KILL_AT_LABEL):
         os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(10)  # never run past the point, even if delivery lags
     if _ERRNO_AT_N and _points == _ERRNO_AT_N:
