@@ -489,13 +489,22 @@ def main() -> None:
     parser.add_argument("dir", help="data folder for SeaweedFS")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="also start a delaying proxy")
     parser.add_argument("--rclone", action="store_true", help="serve with rclone serve s3 instead of SeaweedFS")
+    parser.add_argument("--bucket", action="append", default=None,
+                        help="create this bucket first (repeatable; default: models)")
     args = parser.parse_args()
     with (RcloneS3 if args.rclone else SeaweedS3)(args.dir) as s3, contextlib.ExitStack() as stack:
         port = s3.port
         if args.delay_ms:
             port = stack.enter_context(DelayProxy(s3.port, delay_ms=args.delay_ms)).port
+        client = s3.client()
+        try:
+            for bucket in args.bucket or ["models"]:
+                client.create_bucket(Bucket=bucket)  # type: ignore[attr-defined]
+        finally:
+            client.close()  # type: ignore[attr-defined]
         for key, value in s3.client_env(port=port).items():
             print(f"export {key}={value}")
+        print(f"# buckets: {', '.join(args.bucket or ['models'])}")
         sys.stdout.flush()
         with contextlib.suppress(KeyboardInterrupt):
             signal.sigwait({signal.SIGINT, signal.SIGTERM})

@@ -517,3 +517,11 @@ def test_output_file_that_needs_several_shards_is_refused_with_both_fixes(run_cl
     needed = line.rsplit("--max-shard-size ", 1)[1].split()[0]
     assert run_cli("split", src, tmp_path / "one.safetensors", "--max-shard-size", needed).exit_code == 0
     assert (tmp_path / "one.safetensors").is_file()
+
+
+def test_split_with_a_gguf_quantize_names_the_convert_command(tmp_path: Path) -> None:
+    """split has no --to: a GGUF type says which command writes it, and nothing is written."""
+    result = invoke_cli("split", _good_file(tmp_path), tmp_path / "out", "--quantize", "q8_0")
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "shardkit convert SOURCE OUTPUT.gguf --to gguf --quantize q8_0" in result.stderr
+    assert not (tmp_path / "out").exists()
