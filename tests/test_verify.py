@@ -147,6 +147,8 @@ def test_a_truncation_is_one_finding_however_many_tensors_it_cuts(sharded):
     report = verify(sharded)
     assert [f.file for f in report.findings] == [shard.name], [str(f) for f in report.findings]
     assert f"{len(names)} of its {len(names)} tensor(s) lie past the end" in report.findings[0].message
+    total = len(index_of(sharded)["weight_map"])
+    assert report.tensors_checked == total - len(names)  # the cut ones are a finding, not checked tensors
 
 
 def safe_open_names(folder, shard_name: str) -> list[str]:

@@ -60,7 +60,8 @@ class VerifyReport:
         path: the checked path.
         findings: every problem found, as :class:`Finding` records.
         files: the weight and index files read in full, with their sha256.
-        tensors_checked: tensors whose headers were validated.
+        tensors_checked: tensors whose headers were validated and whose bytes are all in their file
+            (a tensor past a truncated file's end is a finding, not a checked tensor).
         bytes_read: bytes read from disk.
         against: the reference compared with (a path, ``"<in-memory source>"``), or None.
         tensors_compared: tensors compared bit for bit with ``against``.
@@ -247,7 +248,7 @@ def _prepare_checkpoint(path: str, against: CheckpointSource | None, report: Ver
         comparator = _compare_entries(layout, headers, source, label)
     for problem in layout.problems:
         report.findings.append(Finding(prefix + problem.file, problem.tensor, problem.message))
-    report.tensors_checked += sum(len(r.header.entries) for r in headers.values() if r.header)
+    report.tensors_checked += sum(len(r.complete) for r in headers.values() if r.header)  # past a file's end: not checked
     jobs = [_ScanJob(os.path.join(layout.root, name), prefix + name,
                      read.complete if read.header else [], comparator) for name, read in headers.items()]
     if layout.index:
