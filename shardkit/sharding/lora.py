@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 __all__ = ["WHOLE_DELTA_BYTES", "LoraSource", "merged_view"]
 
 WHOLE_DELTA_BYTES = 64 * 2**20  # a delta up to this (float32) is computed whole, as PEFT does
-BAND_BYTES = 16 * 2**20  # float32 bytes of one band of rows otherwise
+BAND_BYTES = 8 * 2**20  # float32 bytes of one band of rows
 _FLOATS = ("F32", "F16", "BF16", "F64")
 
 
@@ -109,14 +109,14 @@ class LoraSource(ViewSource):
             band: torch.Tensor | None = None
             for i, update in enumerate(updates):
                 if isinstance(update, Replace) and not update.add:  # modules_to_save: the base is not read
-                    band = update.value.reshape(rows, cols)[row0:row1].to(compute)
+                    band = update.value.reshape(rows, cols)[row0:row1].to(compute, copy=True)  # added to in place below
                     continue
                 if band is None:
                     band = read_rows(self.inner, stored, row0, row1).to(compute)
                 if isinstance(update, Replace):  # lora_B.bias, added as PEFT adds it
                     band = band + update.value.reshape(rows, cols)[row0:row1].to(compute) * update.scale
                 else:
-                    band = band + self._delta(entry.name, i, update, rows, cols, row0, row1, compute)
+                    band = band.add_(self._delta(entry.name, i, update, rows, cols, row0, row1, compute))
             if band is None:  # no updates: never planned
                 band = read_rows(self.inner, stored, row0, row1).to(compute)
             data = band.to(to_torch(entry.dtype)).contiguous().view(torch.uint8).numpy()
@@ -133,11 +133,11 @@ class LoraSource(ViewSource):
             whole = deltas[i]
             if whole is None:
                 product = b @ a
-                whole = deltas[i] = (product.T if update.transpose else product) * update.scale
+                whole = deltas[i] = (product.T if update.transpose else product).mul_(update.scale)  # no copy
             return whole[row0:row1]
         if update.transpose:
-            return (b @ a[:, row0:row1]).T * update.scale
-        return (b[row0:row1] @ a) * update.scale
+            return (b @ a[:, row0:row1]).T.mul_(update.scale)
+        return (b[row0:row1] @ a).mul_(update.scale)
 
     def report(self) -> JsonObject:
         """What was merged: per adapter its rank, alpha, scale and counts; the tensors changed."""
