@@ -183,3 +183,30 @@ def test_a_side_file_swapped_for_a_fifo_after_listing_is_refused_unread(tmp_path
     with BackgroundSync() as sync, pytest.raises(ShardkitError, match="FIFO"):
         copy_side_file(str(fifo), str(tmp_path / "copy.json"), sync=sync)
     assert not (tmp_path / "copy.json").exists()
+
+
+def test_overwriting_another_model_removes_its_side_files_but_nothing_edited_or_unlisted(tmp_path: Path) -> None:
+    """A folder written by shardkit for model A, overwritten by model B: A's generation_config.json
+    (listed in A's manifest, unchanged) goes; a file the user edited or added since stays."""
+    a, b = _small_folder(tmp_path), tmp_path / "b"
+    (a / "generation_config.json").write_text('{"max_length": 20}')
+    (a / "tokenizer_config.json").write_text("{}")
+    b.mkdir()
+    from safetensors.torch import save_file
+    import torch
+
+    save_file({"w": torch.zeros(8, 8)}, str(b / "model.safetensors"))
+    (b / "config.json").write_text('{"model": "b"}')
+    out = tmp_path / "out"
+    assert invoke_cli("split", a, out, "-q").exit_code == 0
+    (out / "tokenizer_config.json").write_text('{"edited": true}')   # the user's edit: kept
+    (out / "notes.txt").write_text("mine")                            # not listed: kept
+    result = invoke_cli("split", b, out, "--overwrite", "-q")
+    assert result.exit_code == 0, result.stderr
+    assert sorted(p.name for p in out.iterdir()) == \
+        ["config.json", "model.safetensors", "notes.txt", "shardkit.manifest.json", "tokenizer_config.json"]
+    assert (out / "config.json").read_text() == '{"model": "b"}'
+    again = invoke_cli("split", out, out, "--max-shard-size", "100B", "--overwrite", "-q")  # in place: all stay
+    assert again.exit_code == 0, again.stderr
+    assert {"config.json", "notes.txt", "tokenizer_config.json"} <= {p.name for p in out.iterdir()}
+    assert invoke_cli("verify", out, "-q").exit_code == 0

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ..errors import ShardkitWriteError, describe_os_error
 from ..formats.header import read_header
+from ..formats.links import UntrustedFileError, open_inside
 from ..formats.manifest import (
     MANIFEST_NAME,
     FileDigest,
@@ -34,6 +35,7 @@ from ..formats.manifest import (
     crc_ranges_fd,
     find_manifest,
     read_digests,
+    read_manifest,
 )
 from ..sources.base import Source
 
@@ -354,3 +356,35 @@ def stale_manifests(output: str, folders: list[str]) -> list[str]:
     pipeline written whole gets one manifest at the top; older per-component ones would disagree)."""
     names = [MANIFEST_NAME] + [f"{folder}/{MANIFEST_NAME}" for folder in folders if folder]
     return [n for n in names if os.path.lexists(os.path.join(output, n))]
+
+
+def stale_side_files(output: str, written: Sequence[str]) -> list[str]:
+    """Side files of the checkpoint a write replaces that the new one does not have: listed in the old
+    manifest (shardkit wrote them), still byte for byte as it recorded them, and not written again
+    (a model's ``generation_config.json`` left beside another model). A file edited since, one the
+    manifest does not list, or a folder without a manifest is left alone: nothing of the user's is lost.
+
+        stale += stale_side_files("out/", names_the_write_produces)
+    """
+    try:
+        manifest = read_manifest(output)
+    except ManifestError:
+        return []  # not trustworthy: it decides nothing
+    if manifest is None:
+        return []
+    keep = set(written)
+    return [name for name, digest in manifest.files.items()
+            if name not in keep and digest.sha256 is not None and _unchanged(output, name, digest)]
+
+
+def _unchanged(output: str, name: str, digest: FileDigest) -> bool:
+    """``name`` is a regular file inside ``output`` whose size and sha256 are those recorded."""
+    try:
+        fd = open_inside(output, name, where=output, max_bytes=digest.size_bytes, links=False)
+    except (UntrustedFileError, OSError):  # gone, a link, not regular, grown past its record
+        return False
+    sha = hashlib.sha256()
+    with os.fdopen(fd, "rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    return sha.hexdigest() == digest.sha256

@@ -23,7 +23,7 @@ from ..formats.suffixes import is_manifest_file
 from ..sources import Source, open_source
 from ..sources.base import CheckpointSource
 from ..sources.ranged import RangedCheckpoint
-from .digest import ManifestRecorder, stale_manifests
+from .digest import ManifestRecorder, stale_manifests, stale_side_files
 from .flush import BackgroundSync, ByteCounter
 from .options import WriteOptions, warn_if_many_shards, warn_if_output_taken
 from .outputs import JobOutput, LocalOutput, OutputPlan, open_output, output_target, publish_files
@@ -223,6 +223,8 @@ def run_jobs(output: str, jobs: Sequence[ShardJob], *, options: WriteOptions,
     stale += stale_manifests(output, [job.folder for job in jobs])
     edits, copies = plan_side_files(side_files, jobs=jobs, output=output)
     names = [job.path(name) for job in jobs for name in job.plan.filenames()] + list(edits) + [n for _, n in copies]
+    if options.overwrite and not _reads_from(output, jobs):  # in place, the side files stay where they are
+        stale += [n for n in stale_side_files(output, names) if n not in stale]
     plan = OutputPlan(names + ([MANIFEST_NAME] if options.manifest else []), stale, options.overwrite, options.manifest)
     tick = ByteCounter(sum(job.plan.total_bytes for job in jobs), options.progress)
     with open_output(output, plan) as out:
@@ -230,6 +232,13 @@ def run_jobs(output: str, jobs: Sequence[ShardJob], *, options: WriteOptions,
         for job in jobs:
             _write_shards(job, out, options.metadata or {}, tick)
         out.publish(_indexes(jobs))
+
+
+def _reads_from(output: str, jobs: Sequence[ShardJob]) -> bool:
+    """Whether any job reads a file inside ``output`` (an in-place write)."""
+    root = os.path.realpath(output) + os.sep
+    files = {e.file for job in jobs for e in job.source.entries() if e.file}
+    return any(os.path.realpath(f).startswith(root) for f in files)
 
 
 def plan_side_files(side_files: Sequence[SideFile], *, jobs: Sequence[ShardJob] = (),
