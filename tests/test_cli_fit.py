@@ -213,3 +213,17 @@ def test_a_bug_while_building_the_model_is_not_swallowed(folder, monkeypatch) ->
     monkeypatch.setattr(skeleton, "build_skeleton", broken)
     with pytest.raises(ZeroDivisionError):
         fit(folder, gpu=["10GB"])
+
+
+def test_fit_on_a_text_model_says_what_fit_covers_and_what_to_use(tmp_path) -> None:
+    """A sentence-transformers-style BERT folder is no diffusion pipeline: one line naming it and
+    the command that plans any model's placement, exit 2, and that command works."""
+    from transformers import BertConfig, BertModel
+
+    BertModel(BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                         vocab_size=500)).save_pretrained(tmp_path / "bert")
+    code, out, err = run("fit", tmp_path / "bert", "--gpu", "8GB", "--cpu", "24GB")
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "a bert model on its own" in err and "--model transformers:BertModel" in err
+    code, out, err = run("plan", tmp_path / "bert", "--model", "transformers:BertModel", "--gpu", "1MB")
+    assert code == 0, err

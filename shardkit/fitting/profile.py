@@ -181,6 +181,7 @@ def profile_folder(path: str, workload: Workload, *, dtype: str | None = None) -
         library = "diffusers" if "_class_name" in config else "transformers"
         class_name = config.get("_class_name") or (config.get("architectures") or [None])[0]
         specs = [(os.path.basename(os.path.normpath(path)), path, library, class_name)]
+        _check_diffusion_part(path, config, role_of(specs[0][0], class_name))
     configs = {name: read_config(folder) or {} for name, folder, _, _ in specs}
     roles = {name: role_of(name, cls) for name, _, _, cls in specs}
     guesses = {name: _guess(name, folder, roles, configs) for name, folder, _, _ in specs if not configs[name]}
@@ -191,6 +192,20 @@ def profile_folder(path: str, workload: Workload, *, dtype: str | None = None) -
                              vae_scale=vae_scale, cfg=not den_cfg.get("guidance_embeds", False))
                 for name, folder, library, cls in specs]
     return [replace(p, guessed=(guesses[p.name],)) if p.name in guesses else p for p in profiles]
+
+
+def _check_diffusion_part(path: str, config: JsonObject, role: str) -> None:
+    """``fit`` prices a diffusion pipeline's denoising steps: a folder holding a text model alone
+    (a sentence-transformers BERT, an LLM) is refused, naming what it is and what covers it."""
+    if not config or role in ("denoiser", "vae"):
+        return
+    architectures = config.get("architectures")
+    cls = architectures[0] if isinstance(architectures, list) and architectures else None
+    kind = config.get("model_type") or cls or config.get("_class_name") or "model"
+    model = f"transformers:{cls}" if cls else "CLASS"
+    raise InvalidInputError(f"{path}: a {kind} model on its own; fit plans diffusion pipelines (a pipeline folder, "
+                            "or its denoiser or VAE folder) for image generation. For any model's device map "
+                            f"within a memory budget use `shardkit plan {path} --model {model} --gpu SIZE`")
 
 
 def _guess(name: str, folder: str, roles: dict[str, str], configs: dict[str, JsonObject]) -> str:
