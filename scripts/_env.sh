@@ -40,7 +40,9 @@ if ! installed || ! "$PY" -c "import shardkit, torch" 2>/dev/null; then
     if ! "$PY" -c "import torch" 2>/dev/null; then
         quiet_pip "$TORCH_REQ"
     fi
-    quiet_pip -e "$ROOT${EXTRAS:+[$EXTRAS]}"
+    # A path entry (.pth), not an import hook: a folder named shardkit in the working directory (the
+    # clone itself, seen from its parent) must not shadow the package as an empty namespace.
+    quiet_pip -e "$ROOT${EXTRAS:+[$EXTRAS]}" --config-settings editable_mode=compat
     touch "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

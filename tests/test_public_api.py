@@ -76,3 +76,12 @@ def test_every_public_error_is_defined_in_errors_and_exported() -> None:
     assert all(issubclass(getattr(errors, n), (errors.ShardkitError, errors.ShardkitWarning)) for n in public)
     assert [n for n in public if getattr(shardkit, n, None) is not getattr(errors, n)] == []
     assert "StoreError" in shardkit.__all__ and "FitError" in shardkit.__all__
+
+
+def test_a_folder_named_shardkit_in_the_working_directory_does_not_shadow_the_package(tmp_path) -> None:
+    """From the folder holding a clone named ``shardkit``, ``import shardkit`` is still the package
+    (scripts/_env.sh installs it as a path entry, not an import hook that a namespace folder beats)."""
+    (tmp_path / "shardkit").mkdir()
+    code = "import shardkit; print(shardkit.__file__, hasattr(shardkit, 'load_model'))"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "True", proc.stdout + proc.stderr
