@@ -215,3 +215,37 @@ def test_peak_rss_does_not_grow_with_the_base(tmp_path: Path) -> None:
     base_bytes = 3 * 8192 * 4096 * 4
     assert peaks[3] - peaks[1] < 48 * 2**20, peaks  # three times the base, no more memory
     assert peaks[3] < 300 * 2**20 + base_bytes // 2, peaks  # torch itself is ~230 MB of it
+
+
+def test_an_fp8_base_merges_into_bf16_and_back_into_fp8(llama: dict[str, Path], run_cli) -> None:
+    """A FineGrainedFP8 base: dequantized to float32 beneath the merge (weight × scale), the LoRA added, written in
+    bf16 without quantization_config; or quantized again with --quantize. No dtype: refused, naming both."""
+    wide = save_base(llama["root"] / "base-128", llama_class(), {**LLAMA, "hidden_size": 128, "intermediate_size": 256})
+    fp8 = llama["root"] / "fp8"  # q/o_proj and the MLP in 128x128 blocks; k/v_proj (64 rows) kept
+    assert run_cli("convert", wide, fp8, "--quantize", "fp8-block").exit_code == 0
+    plain = llama["root"] / "fp8-dequantized"
+    assert run_cli("convert", fp8, plain, "--dtype", "fp32").exit_code == 0
+    adapter = save_adapter(plain, llama["root"] / "fp8-adapter", llama_class(), seed=7, r=4, lora_alpha=8,
+                           target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
+    out = llama["root"] / "fp8-merged"
+    result = run_cli("convert", fp8, out, "--lora", adapter, "--dtype", "bf16", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert json.loads(result.stdout)["quantization"]["dequantized"].startswith("fp8")
+    reference = peft_merged(plain, [adapter], llama_class()).state_dict()
+    got = load_folder(out)
+    assert all(torch.equal(got[k], reference[k].to(torch.bfloat16)) for k in got)  # fp32 merge, rounded once
+    llama_class().from_pretrained(out)
+
+    again = llama["root"] / "fp8-merged-fp8"
+    result = run_cli("convert", fp8, again, "--lora", adapter, "--quantize", "fp8-block", "--json")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads((again / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    back = llama["root"] / "fp8-merged-back"
+    assert run_cli("convert", again, back, "--dtype", "fp32").exit_code == 0
+    name = "model.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(load_folder(back)[name], reference[name], rtol=0.07, atol=0.02)  # e4m3: 3 bits
+
+    refused = run_cli("convert", fp8, llama["root"] / "fp8-no-dtype", "--lora", adapter)
+    assert refused.exit_code == 2 and "dtype='bf16'" in refused.stderr.replace("--dtype bf16", "dtype='bf16'")
+    assert not (llama["root"] / "fp8-no-dtype").exists()

@@ -135,7 +135,7 @@ def _merged(inner: Source, lora: Sequence[str | os.PathLike[str]], *, scale: flo
         return None
     from .lora import merged_view
 
-    return merged_view(inner, lora, scale=scale, cast_to=options.cast_to)
+    return merged_view(inner, lora, scale=scale, options=options)
 
 
 def _convert_to(source: Any, output: str, *, options: WriteOptions, key: str | None, keymap: KeyMap,

@@ -20,12 +20,15 @@ from typing import TYPE_CHECKING
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.json_types import JsonObject
+from ..layouts.fp4 import Fp4Layout
 from ..layouts.fp8 import matrix_shape
 from ..layouts.registry import find_quant_layout
 from ..sources import Source
-from ..sources.dequantized import ViewSource, bytes_in_range, read_rows
-from ..units import tensor_nbytes
+from ..sources.dequantized import DequantizedSource, ViewSource, bytes_in_range, read_rows
+from ..sources.dequantized_fp4 import Fp4DequantizedSource
+from ..units import LOSSLESS_TARGETS, tensor_nbytes
 from .lora_adapter import Adapter, LowRank, Replace, load_adapter, plan_merge
+from .options import WriteOptions
 from .quant import source_config
 
 if TYPE_CHECKING:
@@ -39,19 +42,33 @@ _FLOATS = ("F32", "F16", "BF16", "F64")
 
 
 def merged_view(inner: Source, adapters: Sequence[str | os.PathLike[str]], *, scale: float = 1.0,
-                cast_to: str | None = None) -> LoraSource:
+                options: WriteOptions) -> LoraSource:
     """``inner`` with ``adapters`` merged (in order), every check done before a byte is written.
 
+    A quantized base (fp8 or fp4 with scales) is dequantized to float32 beneath the merge: written in
+    ``options.dtype`` (bf16/fp16/fp32), or quantized again with ``options.quantize``
+    (:func:`~shardkit.sharding.quant.quant_view` sees a plain checkpoint).
+
     Raises:
-        InvalidInputError: a quantized base, or an adapter that does not fit it (:func:`plan_merge`).
+        InvalidInputError: a quantized base with neither, or an adapter that does not fit (:func:`plan_merge`).
     """
-    layout = find_quant_layout(inner.entries(), config=source_config(inner), metadata=inner.metadata(),
-                               where=inner.description)
-    if layout is not None:
-        raise InvalidInputError(f"{inner.description}: a quantized base ({layout.describe()}) cannot take a LoRA "
-                                "yet; dequantize it first (shardkit convert BASE plain/ --dtype bf16), then merge")
+    inner = _dequantized(inner, options)
     loaded = [load_adapter(path) for path in adapters]
-    return LoraSource(inner, loaded, scale=scale, cast_to=cast_to)
+    return LoraSource(inner, loaded, scale=scale, cast_to=options.cast_to)
+
+
+def _dequantized(inner: Source, options: WriteOptions) -> Source:
+    layout = find_quant_layout(inner.entries(), config=source_config(inner), metadata=inner.metadata(),
+                               where=inner.description, allow_lossy=options.allow_lossy)
+    if layout is None:
+        return inner
+    if options.cast_to not in LOSSLESS_TARGETS and options.quantize is None:
+        raise InvalidInputError(f"{inner.description}: a LoRA merges into the plain weights of this {layout.describe()} "
+                                "base; choose what to write: dtype='bf16' (or 'fp16', 'fp32'), or quantize='fp8-block' "
+                                "(or another scheme) to quantize the merged weights again")
+    if isinstance(layout, Fp4Layout):
+        return Fp4DequantizedSource(inner, layout, "F32", allow_lossy=options.allow_lossy)
+    return DequantizedSource(inner, layout, "F32")
 
 
 class LoraSource(ViewSource):

@@ -43,7 +43,8 @@ from .options import WriteOptions, warn
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["config_edits", "dequantized_for_mapping", "dropped_side_files", "kept_cast", "quant_report", "quant_view"]
+__all__ = ["config_edits", "dequantized_for_mapping", "dropped_side_files", "kept_cast", "quant_report", "quant_view",
+           "written_view"]
 VIEWS = (DequantizedSource, Fp4DequantizedSource, QuantizedSource, Fp4QuantizedSource)
 
 _FP8_CASTS = FP8_DTYPES | {"F8_E8M0"}  # plain fp8 casts: the fp8 dtypes and e8m0
@@ -122,13 +123,25 @@ def kept_cast(src: Source, options: WriteOptions) -> str | None:
 def quant_report(src: Source, *, cast_to: str | None = None,
                  options: WriteOptions | None = None) -> JsonObject | None:
     """What :func:`quant_view`'s source did (scheme, kept modules and their dtype, per-tensor error), or None."""
-    if not isinstance(src, VIEWS):
+    view = written_view(src)
+    if view is None:
         return None
-    report = src.report()
-    if isinstance(src, QuantizedSource):
+    report = view.report()
+    if isinstance(view, QuantizedSource):
         report["kept_dtype"] = cast_to  # None: kept as stored
         report["kept_dtype_chosen"] = cast_to is not None and (options is None or options.cast_to is None)
     return report
+
+
+def written_view(src: Source) -> DequantizedSource | Fp4DequantizedSource | QuantizedSource | Fp4QuantizedSource | None:
+    """The (de)quantizing view a job writes through: ``src`` itself, or one beneath the views put over it
+    (a LoRA merge over a dequantized base, :mod:`shardkit.sharding.lora`, then the key options); None without one."""
+    while not isinstance(src, VIEWS):
+        inner = getattr(src, "inner", None)
+        if not isinstance(inner, Source):
+            return None
+        src = inner
+    return src
 
 
 def config_edits(output: str, jobs: Sequence[tuple[str, Source]],
@@ -150,7 +163,8 @@ def config_edits(output: str, jobs: Sequence[tuple[str, Source]],
             config = src.edit_config(config) if isinstance(src, VIEWS) else config
             edits[name] = (json.dumps(config, indent=2) + "\n").encode()
             continue
-        if not isinstance(src, VIEWS):
+        view = written_view(src)
+        if view is None:
             continue
         path = sides.get(name)
         folder = _config_folder(src)
@@ -160,14 +174,15 @@ def config_edits(output: str, jobs: Sequence[tuple[str, Source]],
             continue
         config = read_config(os.path.dirname(path)) if os.path.basename(path) == "config.json" else None
         if config is not None:
-            edits[name] = (json.dumps(src.edit_config(config), indent=2) + "\n").encode()
+            edits[name] = (json.dumps(view.edit_config(config), indent=2) + "\n").encode()
     return edits
 
 
 def dropped_side_files(jobs: Sequence[tuple[str, Source]]) -> frozenset[str]:
     """Side files a dequantizing job leaves out (``hf_quant_config.json`` beside its config.json)."""
     return frozenset(os.path.join(os.path.dirname(name), dropped) for name, src in jobs
-                     if isinstance(src, Fp4DequantizedSource) for dropped in src.dropped_side_files())
+                     if isinstance(view := written_view(src), Fp4DequantizedSource)
+                     for dropped in view.dropped_side_files())
 
 
 def dequantized_for_mapping(tensors: Mapping[str, torch.Tensor], *, options: WriteOptions, where: str
