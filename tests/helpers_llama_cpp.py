@@ -122,9 +122,10 @@ def gguf_fields(path: Path, prefix: str = "") -> dict[str, Any]:
 
 
 def tiny_bpe_tokenizer(folder: Path, *, chat_template: str | None = "{% for m in messages %}{{ m['content'] }}{% endfor %}",
-                       template_file: bool = False) -> int:
-    """A GPT-2-style byte-level BPE (Llama 3 layout: ``<|begin_of_text|>`` added by the post-processor) trained on
-    a few sentences, saved as tokenizer.json + tokenizer_config.json; returns its vocabulary size."""
+                       template_file: bool = False, style: str = "llama3") -> int:
+    """A GPT-2-style byte-level BPE trained on a few sentences, saved as tokenizer.json + tokenizer_config.json;
+    returns its vocabulary size. ``style="llama3"``: ``<|begin_of_text|>`` added by the post-processor;
+    ``"qwen"``: Qwen's special tokens (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``), no BOS."""
     import json
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -135,18 +136,74 @@ def tiny_bpe_tokenizer(folder: Path, *, chat_template: str | None = "{% for m in
     tok.decoder = decoders.ByteLevel()
     text = ["The quick brown fox jumps over the lazy dog. " * 3, "Hello world, hello shardkit! 123 4567",
             "I've been told he's there"]
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"],
+    specials = (["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"] if style == "llama3"
+                else ["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(text, trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
-        special_tokens=[("<|begin_of_text|>", 0)])
+    config: dict[str, Any]
+    if style == "llama3":
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+            special_tokens=[("<|begin_of_text|>", 0)])
+        config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "add_bos_token": True,
+                  "tokenizer_class": "PreTrainedTokenizerFast"}
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+        config = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                  "unk_token": None, "tokenizer_class": "Qwen2Tokenizer"}
     tok.save(str(folder / "tokenizer.json"))
-    config: dict[str, Any] = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "add_bos_token": True,
-                              "tokenizer_class": "PreTrainedTokenizerFast"}
     if chat_template is not None and template_file:
         (folder / "chat_template.jinja").write_text(chat_template)
     elif chat_template is not None:
         config["chat_template"] = chat_template
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return tok.get_vocab_size()
+
+
+def tiny_model_folder(folder: Path, arch: str, *, dtype: Any = None) -> Path:
+    """A random transformers model of ``arch`` (llama, mistral, qwen2, qwen3: 2 layers, grouped-query attention,
+    a byte-level BPE tokenizer; bert: all-MiniLM-L6-v2's config shrunk, with its real WordPiece tokenizer and
+    sentence-transformers pooling files), saved with ``save_pretrained``."""
+    import json
+    import shutil
+
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if arch == "bert":
+        minilm = minilm_folder()
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json", "modules.json",
+                     "sentence_bert_config.json", "1_Pooling/config.json"):
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(minilm / name, folder / name)
+        config = {k: v for k, v in json.loads((minilm / "config.json").read_text()).items() if k != "architectures"}
+        config.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+        model: Any = transformers.BertModel(transformers.BertConfig(**config))
+    else:
+        size = tiny_bpe_tokenizer(folder, style="qwen" if arch.startswith("qwen") else "llama3")
+        fields = {"vocab_size": size + 4, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+                  "rms_norm_eps": 1e-5, "bos_token_id": 0, "eos_token_id": 2}
+        classes = {"llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
+                   "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+                   "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
+                   "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True})}
+        config_class, model_class, extra = classes[arch]
+        model = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields, **extra))
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(folder)
+    return folder
+
+
+def gguf_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
+    """Every tensor of a GGUF file: name → (ggml type name, dims innermost first, bytes), via gguf-py's reader."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(path))
+    return {t.name: (t.tensor_type.name, tuple(int(d) for d in t.shape), np.asarray(t.data).tobytes())
+            for t in reader.tensors}

@@ -104,7 +104,8 @@ def test_a_gguf_copied_to_gguf_keeps_types_bytes_and_metadata(tmp_path: Path, ru
 
 
 def test_q4_0_and_rows_that_are_not_whole_blocks(tmp_path: Path, run_cli) -> None:
-    """hidden 48: rows of 48 values are not whole 32-value blocks and stay F32, as 1-D tensors do."""
+    """hidden 48: rows of 48 values are not whole 32-value blocks and fall back to F16, as llama.cpp's converter
+    does; 1-D tensors stay F32."""
     folder = tiny_llama_folder(tmp_path / "hf", hidden_size=48, num_attention_heads=4, num_key_value_heads=4,
                                intermediate_size=64, dtype=torch.bfloat16)
     out = tmp_path / "m.gguf"
@@ -114,11 +115,11 @@ def test_q4_0_and_rows_that_are_not_whole_blocks(tmp_path: Path, run_cli) -> Non
     for name, value in source.items():
         kind, raw = tensors[llama_gguf_name(name)]
         whole = value.dim() == 2 and value.shape[-1] % 32 == 0
-        assert kind == (T.Q4_0 if whole else T.F32), name
+        assert kind == (T.Q4_0 if whole else T.F16 if value.dim() == 2 else T.F32), name
         if ".q_proj." in name or ".k_proj." in name:
             value = llama_cpp_permute(value, 4)
         assert np.array_equal(raw, gguf.quants.quantize(value.float().numpy(), kind).view(np.uint8).reshape(-1)), name
-    assert tensors["blk.0.ffn_down.weight"][0] == T.Q4_0 and tensors["blk.0.attn_q.weight"][0] == T.F32
+    assert tensors["blk.0.ffn_down.weight"][0] == T.Q4_0 and tensors["blk.0.attn_q.weight"][0] == T.F16
 
 
 def test_flux_bfl_file_to_gguf_and_back(tmp_path: Path, run_cli) -> None:
@@ -145,7 +146,7 @@ def test_flux_bfl_file_to_gguf_and_back(tmp_path: Path, run_cli) -> None:
 def test_refusals_leave_nothing(llama_folder: Path, tmp_path: Path, run_cli) -> None:
     before = snapshot(llama_folder)
     assert_one_line_error(run_cli("convert", llama_folder, tmp_path / "x.safetensors", "--quantize", "q8_0"),
-                          contains="add --to gguf")
+                          contains="--to gguf --quantize q8_0")
     assert_one_line_error(run_cli("convert", llama_folder, tmp_path / "out", "--to", "gguf"), contains="ending in .gguf")
     assert_one_line_error(run_cli("convert", llama_folder, tmp_path / "o.gguf", "--to", "gguf", "--dtype", "bf16"),
                           contains="--quantize f16, bf16, q8_0 or q4_0 sets the ggml type")

@@ -78,9 +78,10 @@ GGUF (llama.cpp, ComfyUI-GGUF) as SOURCE: Llama files get Hugging Face names, q/
 config.json rebuilt from the metadata; Flux files keep their BFL names (--to diffusers --config for a
 diffusers folder). Quantized ggml tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K) need --dtype
 (bf16, fp16, or fp32 for gguf's exact dequantized values). --to gguf writes OUTPUT.gguf from a
-transformers Llama folder, a diffusers Flux transformer (or pipeline) folder, a BFL Flux file or a
-GGUF; --quantize f16/bf16/q8_0/q4_0 sets the type of 2-D tensors (1-D ones stay F32); without it
-types are kept. Written: general.architecture, llama.* from config.json, tokenizer.ggml.model=no_vocab.
+transformers Llama, Mistral, Qwen2, Qwen3 or BERT folder (as llama.cpp's convert_hf_to_gguf.py writes
+it, tokenizer.json's vocabulary included), a diffusers Flux transformer (or pipeline) folder, a BFL
+Flux file or a GGUF; --quantize f32/f16/bf16/q8_0/q4_0 sets the type of 2-D tensors (1-D ones, norms
+and biases stay F32); without it types are kept.
 
 \b
 --lora ADAPTER (repeatable) merges a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors)
@@ -109,7 +110,7 @@ Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers
 @click.option("--to", "to", type=click.Choice(get_args(ConvertTo)),
               help="diffusers: a single-file SD/SDXL/SD3/Flux checkpoint → a diffusers model folder; single-file: "
                    "the reverse (a diffusers model or pipeline folder → one original-layout checkpoint); gguf: a "
-                   "Llama or Flux model → one .gguf file.")
+                   "language model (Llama, Mistral, Qwen2, Qwen3, BERT) or Flux model → one .gguf file.")
 @click.option("--config", "config", type=click.Path(path_type=str), metavar="PATH",
               help="With --to diffusers: a config.json, a model folder or a pipeline folder, local or hf:// "
                    "(required).")

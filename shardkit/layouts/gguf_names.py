@@ -6,8 +6,9 @@ head (``reshape(n_head, 2, head_dim // 2, cols).swapaxes(1, 2)``, the kv-head co
 rotary embedding pairs adjacent values; :func:`unpermute_rows` undoes that and :func:`permute_rows`
 redoes it. Rows move whole, so the permutation works on quantized bytes as well as on values.
 
-Flux (``general.architecture = flux``, ComfyUI-GGUF / city96): the tensors keep their BFL names
-(``double_blocks.N.img_attn.qkv.weight``...), unpermuted. Other architectures keep their names.
+Qwen2, Qwen3 and BERT files get their Hugging Face names back from :mod:`shardkit.layouts.gguf_arch`
+(nothing permuted). Flux (``general.architecture = flux``, ComfyUI-GGUF / city96): the tensors keep their
+BFL names (``double_blocks.N.img_attn.qkv.weight``...), unpermuted. Other architectures keep their names.
 """
 
 from __future__ import annotations
@@ -102,7 +103,11 @@ def name_map(architecture: str, names: list[str], metadata: Config, *, where: st
             name (``rope_freqs.weight``) keep their own.
     """
     if architecture != "llama":
-        return NameMap(architecture, {}, {})
+        from .gguf_arch import ARCHITECTURES
+
+        arch = ARCHITECTURES.get(architecture)
+        hf_names = {name: arch.hf_name(name) for name in names} if arch is not None else {}
+        return NameMap(architecture, {g: hf for g, hf in hf_names.items() if hf is not None}, {})
     heads = _int(metadata, "llama.attention.head_count", where)
     kv_heads = _int(metadata, "llama.attention.head_count_kv", where, heads)
     to_hf, permuted = {}, {}

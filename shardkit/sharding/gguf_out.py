@@ -1,27 +1,29 @@
-"""``convert SRC out.gguf --to gguf``: a Llama-family checkpoint or a Flux transformer → one GGUF file.
+"""``convert SRC out.gguf --to gguf``: a language model or a Flux transformer → one GGUF file.
 
 Which model, and how its tensors are named in GGUF:
 
 =================================================  =========================================================
 source                                             written
 =================================================  =========================================================
-transformers Llama folder (config.json ``llama``)  llama.cpp names, q/k rows permuted as llama.cpp's
-                                                   converter does, ``llama.*`` metadata from config.json, the
-                                                   vocabulary of its tokenizer.json as that converter writes
-                                                   it (:mod:`shardkit.layouts.gguf_vocab`; none: ``no_vocab``
-                                                   and a warning)
+transformers folder: Llama, Mistral, Qwen2,        as llama.cpp's ``convert_hf_to_gguf.py`` writes it: the
+Qwen3, BERT (config.json ``model_type``)           entry of :mod:`shardkit.layouts.gguf_arch` (names, Llama's
+                                                   q/k row permutation, ``{arch}.*`` keys from config.json,
+                                                   BERT's pooling type), and the vocabulary of its
+                                                   tokenizer.json (:mod:`shardkit.layouts.gguf_vocab`; none:
+                                                   ``no_vocab`` and a warning)
 diffusers Flux transformer folder                  BFL names through the single-file layouts (ComfyUI-GGUF /
                                                    city96 layout, ``general.architecture = flux``)
 BFL Flux ``.safetensors`` (``double_blocks.*``)    its names (``model.diffusion_model.`` stripped)
 a ``.gguf`` file                                   its tensors back in llama.cpp's layout; its metadata kept
 =================================================  =========================================================
 
-``quantize`` (``f16``, ``bf16``, ``q8_0``, ``q4_0``) sets the ggml type of every tensor of two or more
-dimensions whose rows are whole blocks; 1-D tensors and the others stay F32 (F16 is not lossless for
-bf16 values). The bytes are :func:`shardkit.layouts.ggml.quantize` of the float32 values, identical to
-``gguf.quants.quantize``. Without ``quantize``, F32/F16/BF16 tensors keep their type and a GGUF source
-keeps each tensor's ggml type (its bytes copied). The file is written tensor by tensor, band by band of
-rows (memory never depends on a tensor's size), into a temporary file published atomically.
+``quantize`` (``f32``, ``f16``, ``bf16``, ``q8_0``, ``q4_0``) sets the ggml type of every tensor of two or more
+dimensions; 1-D tensors stay F32, and so do, for language models, what llama.cpp's converter keeps F32
+(norms, biases, BERT's position and token-type tables). Rows that are not whole blocks fall back to F16 for
+language models (as that converter does) and stay F32 for Flux. The bytes are :func:`shardkit.layouts.ggml.quantize`
+of the float32 values, identical to ``gguf.quants.quantize``. Without ``quantize``, F32/F16/BF16 tensors keep
+their type and a GGUF source keeps each tensor's ggml type (its bytes copied). The file is written tensor by
+tensor, band by band of rows (memory never depends on a tensor's size), into a temporary file published atomically.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Any
 
 from ..errors import InvalidInputError
 from ..formats.gguf import (
+    BOOL,
     FLOAT32,
     GGUF_QUANTIZE,
     STRING,
@@ -72,6 +75,9 @@ class GgufModel:
     heads: Callable[[str], int | None] = lambda name: None
     metadata: list[Row] = field(default_factory=list)
     note: str | None = None  # said once the conversion is known to go ahead (what the file will lack)
+    drops: Callable[[str], bool] = lambda name: name.endswith("rotary_emb.inv_freq")  # left out, as llama.cpp does
+    keep_f32: Callable[[str], bool] = lambda gguf_name: False  # kept F32 whatever the quantize type (by GGUF name)
+    partial_blocks: str = "F32"  # the type of 2-D tensors whose rows are not whole blocks (llama.cpp's converter: F16)
 
 
 @dataclass(frozen=True)
@@ -150,7 +156,7 @@ def _open_model(path: str, *, component: str | None, variant: str | None) -> Ite
             yield src, GgufModel("flux", lambda name: name.removeprefix(BFL_PREFIX))
             return
         folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-        yield src, _llama_model(read_config(folder), where=path, folder=folder)
+        yield src, _text_model(read_config(folder), where=path, folder=folder)
 
 
 @contextlib.contextmanager
@@ -166,32 +172,37 @@ def _flux_folder(path: str, *, component: str | None, variant: str | None) -> It
         yield src
 
 
-def _llama_model(config: Config | None, *, where: str, folder: str) -> GgufModel:
-    from ..layouts.gguf_names import gguf_name, metadata_from_config
+def _text_model(config: Config | None, *, where: str, folder: str) -> GgufModel:
+    """A transformers language model through its entry in :mod:`shardkit.layouts.gguf_arch`."""
+    from ..layouts.gguf_arch import arch_for_config, arch_metadata
 
     if config is None:
         raise InvalidInputError(f"{where}: to='gguf' needs the model's config.json beside the weights (a transformers "
-                                "Llama folder), or a Flux transformer (diffusers folder or BFL file)")
-    llama = metadata_from_config(config, where=where)
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    rows: list[Row] = [("general.architecture", STRING, "llama", None), ("general.name", STRING, "shardkit export", None)]
-    rows += [(key, UINT32 if kind == "u32" else FLOAT32, value, None) for key, (kind, value) in llama.items()]
-    vocab, note = _vocab_rows(folder, config, where=where)
-    def heads_of(name: str) -> int | None:
-        if name.endswith(("q_proj.weight", "q_proj.bias")):
-            return heads
-        return kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None
+                                "model folder), or a Flux transformer (diffusers folder or BFL file)")
+    arch = arch_for_config(config, where=where)
+    kinds = {"u32": UINT32, "f32": FLOAT32, "bool": BOOL}
+    rows: list[Row] = [("general.architecture", STRING, arch.name, None), ("general.name", STRING, "shardkit export", None)]
+    rows += [(key, kinds[kind], value, None) for key, kind, value in arch_metadata(arch, config, folder, where=where)]
+    vocab, note = _vocab_rows(folder, config, where=where, bert=arch.bert)
+    heads_of: Callable[[str], int | None] = lambda name: None  # noqa: E731
+    if arch.permute_qk:
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
 
-    return GgufModel("llama", gguf_name, heads_of, rows + vocab, note)
+        def heads_of(name: str) -> int | None:
+            if name.endswith(("q_proj.weight", "q_proj.bias")):
+                return heads
+            return kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None
+
+    return GgufModel(arch.name, arch.gguf_name, heads_of, rows + vocab, note, arch.drops, arch.keeps_f32, "F16")
 
 
-def _vocab_rows(folder: str, config: Config, *, where: str) -> tuple[list[Row], str | None]:
+def _vocab_rows(folder: str, config: Config, *, where: str, bert: bool = False) -> tuple[list[Row], str | None]:
     """The tokenizer's ``tokenizer.*`` keys as llama.cpp's converter writes them; without one, ``no_vocab`` and a note."""
     from ..layouts.gguf_vocab import has_tokenizer, read_vocab
 
     if has_tokenizer(folder):
-        return read_vocab(folder, config).rows, None
+        return read_vocab(folder, config, bert=bert).rows, None
     rows: list[Row] = [("tokenizer.ggml.model", STRING, "no_vocab", None)]
     rows += [(f"tokenizer.ggml.{key}", UINT32, config[key], None) for key in ("bos_token_id", "eos_token_id")
              if isinstance(config.get(key), int) and not isinstance(config.get(key), bool)]
@@ -216,20 +227,22 @@ def _plan(src: Source, model: GgufModel, *, quantize: str | None) -> list[_Tenso
     for entry in src.entries():
         name = model.gguf_name(entry.name) or (entry.name if entry.name in LLAMA_CPP_ONLY else None)
         if name is None:
-            if not entry.name.endswith("rotary_emb.inv_freq"):  # recomputed by every loader; llama.cpp drops it
+            if not model.drops(entry.name):  # e.g. rotary_emb.inv_freq: recomputed by every loader
                 missing.append(entry.name)
             continue
         stored = gguf.names[entry.name].kind.name if gguf is not None else None
-        kind = _kind(entry, quantize, stored, where=src.description)
+        kind = _kind(entry, quantize, stored, where=src.description, keep_f32=model.keep_f32(name),
+                     partial_blocks=model.partial_blocks)
         out.append(_Tensor(entry, name, kind, model.heads(entry.name)))
     if missing:
         raise InvalidInputError(f"{src.description}: {len(missing)} tensor(s) have no llama.cpp name, e.g. "
-                                f"{', '.join(missing[:3])}; to='gguf' writes Llama-family models (model.layers.N.* "
-                                "self_attn/mlp, embed_tokens, norm, lm_head)")
+                                f"{', '.join(missing[:3])}; to='gguf' writes {model.architecture} models as "
+                                "llama.cpp's converter names them (see shardkit.layouts.gguf_arch)")
     return out
 
 
-def _kind(entry: TensorEntry, quantize: str | None, stored: str | None, *, where: str) -> str:
+def _kind(entry: TensorEntry, quantize: str | None, stored: str | None, *, where: str, keep_f32: bool = False,
+          partial_blocks: str = "F32") -> str:
     if stored is not None and (quantize is None or len(entry.shape) < 2 and stored == "F32"):
         return stored
     if entry.dtype not in FLOAT_SOURCES:
@@ -238,9 +251,9 @@ def _kind(entry: TensorEntry, quantize: str | None, stored: str | None, *, where
     if quantize is None:
         return entry.dtype if entry.dtype != "F64" else "F32"
     kind = ggml_type(quantize)
-    if len(entry.shape) < 2 or entry.shape[-1] % kind.block:
+    if len(entry.shape) < 2 or keep_f32:
         return "F32"
-    return kind.name
+    return partial_blocks if entry.shape[-1] % kind.block else kind.name
 
 
 def _metadata(model: GgufModel, tensors: list[_Tensor], quantize: str | None) -> list[Row]:

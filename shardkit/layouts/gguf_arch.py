@@ -1,0 +1,213 @@
+"""The language-model architectures ``convert --to gguf`` writes, one layout entry each, as llama.cpp's converter does.
+
+An entry says which ``config.json`` ``model_type`` values it takes, the ``general.architecture`` written,
+how Hugging Face tensor names become llama.cpp's (``model.layers.N.<hf>`` → ``blk.N.<gguf>``, plus the
+top-level ones), whether the q/k rows are permuted (Llama only), and which per-architecture keys come
+from the config (the converter's ``TextModel.set_gguf_parameters``, plus ``vocab_size`` and
+``rope.dimension_count`` for its ``LlamaModel``; ``causal_attention``, ``pooling_type`` and the BERT
+sizes for BERT).
+
+==========  ================================  =============================================================
+written     ``model_type``                    what differs from Llama
+==========  ================================  =============================================================
+llama       llama, mistral                    (Mistral is written as llama, as llama.cpp's converter does)
+qwen2       qwen2                             q/k/v biases, no q/k permutation, no vocab_size/rope keys
+qwen3       qwen3                             q/k norms (``attn_q_norm``, ``attn_k_norm``), no biases
+bert        bert                              embeddings, position and token-type tables, LayerNorm biases,
+                                              no lm_head; pooling type from sentence-transformers' files
+==========  ================================  =============================================================
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import InvalidInputError
+
+__all__ = ["ARCHITECTURES", "GgufArch", "arch_for_config", "arch_metadata"]
+
+U32, F32, BOOL = "u32", "f32", "bool"
+
+_DECODER_LAYER = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_DECODER_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_BERT_LAYER = {
+    "attention.self.query": "attn_q", "attention.self.key": "attn_k", "attention.self.value": "attn_v",
+    "attention.output.dense": "attn_output", "attention.output.LayerNorm": "attn_output_norm",
+    "intermediate.dense": "ffn_up", "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm",
+}
+_BERT_TOP = {"embeddings.word_embeddings": "token_embd", "embeddings.position_embeddings": "position_embd",
+             "embeddings.token_type_embeddings": "token_types", "embeddings.LayerNorm": "token_embd_norm"}
+
+
+@dataclass(frozen=True)
+class GgufArch:
+    """One architecture as llama.cpp's converter writes it (see the module docstring)."""
+
+    name: str
+    model_types: tuple[str, ...]
+    layer: Mapping[str, str]
+    top: Mapping[str, str]
+    layer_prefix: str = "model.layers."
+    permute_qk: bool = False
+    llama_keys: bool = False
+    bert: bool = False
+    dropped: tuple[str, ...] = ("rotary_emb.inv_freq",)  # HF tensors the converter leaves out (suffixes)
+
+    def gguf_name(self, hf_name: str) -> str | None:
+        """llama.cpp's name of the HF tensor ``hf_name``, or None when it has none.
+
+        >>> ARCHITECTURES["qwen3"].gguf_name("model.layers.1.self_attn.q_norm.weight")
+        'blk.1.attn_q_norm.weight'
+        """
+        stem, _, suffix = hf_name.rpartition(".")
+        if stem.startswith(self.layer_prefix):
+            index, _, inner = stem[len(self.layer_prefix):].partition(".")
+            if index.isdigit() and inner in self.layer:
+                return f"blk.{index}.{self.layer[inner]}.{suffix}"
+            return None
+        return f"{self.top[stem]}.{suffix}" if stem in self.top else None
+
+    def hf_name(self, gguf_name: str) -> str | None:
+        """The HF name of llama.cpp's tensor ``gguf_name`` (the inverse of :meth:`gguf_name`)."""
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(\w+)", gguf_name)
+        if m:
+            inner = next((hf for hf, g in self.layer.items() if g == m.group(2)), None)
+            return None if inner is None else f"{self.layer_prefix}{m.group(1)}.{inner}.{m.group(3)}"
+        stem, _, suffix = gguf_name.rpartition(".")
+        hf = next((h for h, g in self.top.items() if g == stem), None)
+        return None if hf is None else f"{hf}.{suffix}"
+
+    def keeps_f32(self, gguf_name: str) -> bool:
+        """Whether llama.cpp's converter writes ``gguf_name`` F32 whatever ``--outtype`` (norms, biases, position and
+        token-type tables; 1-D tensors are F32 anyway).
+
+        >>> ARCHITECTURES["bert"].keeps_f32("position_embd.weight"), ARCHITECTURES["llama"].keeps_f32("output.weight")
+        (True, False)
+        """
+        return (gguf_name.endswith("_norm.weight") or not gguf_name.endswith(".weight")
+                or gguf_name.startswith(("position_embd.", "token_types.")))
+
+    def drops(self, hf_name: str) -> bool:
+        """Whether llama.cpp's converter leaves ``hf_name`` out (recomputed buffers, BERT's pooler and heads)."""
+        return hf_name.endswith(self.dropped) or (self.bert and hf_name.startswith(("pooler.", "cls.")))
+
+
+ARCHITECTURES: dict[str, GgufArch] = {a.name: a for a in (
+    GgufArch("llama", ("llama", "mistral"), _DECODER_LAYER, _DECODER_TOP, permute_qk=True, llama_keys=True),
+    GgufArch("qwen2", ("qwen2",), _DECODER_LAYER, _DECODER_TOP),
+    GgufArch("qwen3", ("qwen3",), {**_DECODER_LAYER, "self_attn.q_norm": "attn_q_norm",
+                                   "self_attn.k_norm": "attn_k_norm"}, _DECODER_TOP),
+    GgufArch("bert", ("bert",), _BERT_LAYER, _BERT_TOP, layer_prefix="encoder.layer.", bert=True,
+             dropped=("embeddings.position_ids",)),
+)}
+
+
+def arch_for_config(config: Mapping[str, Any], *, where: str) -> GgufArch:
+    """The entry for a transformers ``config.json``.
+
+    Raises:
+        InvalidInputError: a ``model_type`` no entry takes; the message names those supported.
+    """
+    model_type = config.get("model_type")
+    for arch in ARCHITECTURES.values():
+        if model_type in arch.model_types:
+            return arch
+    known = ", ".join(t for a in ARCHITECTURES.values() for t in a.model_types)
+    raise InvalidInputError(f"{where}: to='gguf' writes language models of model_type {known} (and Flux "
+                            f"transformers); this config says {model_type!r}")
+
+
+def _first(config: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
+    """The converter's ``find_hparam``: the value of the first key present (None included)."""
+    return next((config[k] for k in keys if k in config), None)
+
+
+def arch_metadata(arch: GgufArch, config: Mapping[str, Any], folder: str, *, where: str
+                  ) -> list[tuple[str, str, int | float | bool]]:
+    """The ``{arch}.*`` keys llama.cpp's converter writes for ``config``: ``(key, "u32"/"f32"/"bool", value)``.
+
+    Raises:
+        InvalidInputError: a config missing the layer count, or an integer field that is not one.
+    """
+    out: list[tuple[str, str, int | float | bool]] = []
+
+    def put(key: str, kind: str, value: Any) -> None:
+        if value is None:
+            return
+        if kind == U32 and (not isinstance(value, int) or isinstance(value, bool)):
+            raise InvalidInputError(f"{where}: config.json gives {value!r} for {arch.name}.{key}; an integer is needed")
+        out.append((f"{arch.name}.{key}", kind, float(value) if kind == F32 else value))
+
+    layers = _first(config, ("n_layers", "num_hidden_layers", "n_layer", "num_layers"))
+    if layers is None:
+        raise InvalidInputError(f"{where}: config.json has no num_hidden_layers; GGUF's {arch.name}.block_count needs it")
+    put("block_count", U32, layers)
+    put("context_length", U32, _first(config, ("max_position_embeddings", "n_ctx", "n_positions", "max_length",
+                                                "max_sequence_length", "model_max_length")))
+    put("embedding_length", U32, _first(config, ("hidden_size", "n_embd", "dim")))
+    put("feed_forward_length", U32, _first(config, ("prefix_dense_intermediate_size", "dense_intermediate_size",
+                                                    "intermediate_size", "n_inner", "hidden_dim")))
+    put("attention.head_count", U32, _first(config, ("num_attention_heads", "n_head", "n_heads")))
+    put("attention.head_count_kv", U32, _first(config, ("num_key_value_heads", "n_kv_heads")))
+    if config.get("is_causal") is False:
+        put("attention.causal", BOOL, False)
+    put("rope.freq_base", F32, _rope_theta(config))
+    put("attention.layer_norm_rms_epsilon", F32, _first(config, ("rms_norm_eps", "norm_eps")))
+    put("attention.layer_norm_epsilon", F32, _first(config, ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")))
+    put("attention.key_length", U32, config.get("head_dim"))
+    put("attention.value_length", U32, config.get("head_dim"))
+    if arch.llama_keys:
+        put("vocab_size", U32, config.get("vocab_size"))
+        heads = config.get("num_attention_heads")
+        rope_dim = config.get("head_dim")
+        if rope_dim is None and isinstance(heads, int) and heads > 0 and isinstance(config.get("hidden_size"), int):
+            rope_dim = config["hidden_size"] // heads
+        put("rope.dimension_count", U32, rope_dim)
+    if arch.bert:
+        put("attention.causal", BOOL, False)
+        put("pooling_type", U32, pooling_type(folder, where=where))
+    return out
+
+
+def _rope_theta(config: Mapping[str, Any]) -> float | None:
+    params = config.get("rope_parameters", config.get("rope_scaling")) or {}
+    if isinstance(params, Mapping):
+        params = params.get("full_attention", params)
+    theta = params.get("rope_theta") if isinstance(params, Mapping) else None
+    theta = config.get("rope_theta") if theta is None else theta
+    return float(theta) if isinstance(theta, (int, float)) and not isinstance(theta, bool) else None
+
+
+POOLING = {"mean": 1, "cls": 2, "lasttoken": 3}  # llama.cpp's LLAMA_POOLING_TYPE_*
+
+
+def pooling_type(folder: str, *, where: str) -> int | None:
+    """sentence-transformers' pooling (``modules.json`` → its Pooling module's ``config.json``), as llama.cpp's id."""
+    from ..formats.links import parse_json, read_inside
+
+    if not os.path.isfile(os.path.join(folder, "modules.json")):
+        return None
+    modules = parse_json(read_inside(folder, "modules.json", where=where), path=os.path.join(folder, "modules.json"))
+    path = next((m.get("path") for m in modules if isinstance(m, dict) and str(m.get("type", "")).endswith("Pooling")),
+                None) if isinstance(modules, list) else None
+    if not isinstance(path, str):
+        return None
+    name = os.path.join(path, "config.json")
+    pooling = parse_json(read_inside(folder, name, where=where), path=os.path.join(folder, name))
+    pooling = pooling if isinstance(pooling, dict) else {}
+    for key, kind in (("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"),
+                      ("pooling_mode_lasttoken", "lasttoken")):
+        if pooling.get(key):
+            return POOLING[kind]
+    if pooling.get("pooling_mode") in POOLING:
+        return POOLING[str(pooling["pooling_mode"])]
+    raise InvalidInputError(f"{os.path.join(folder, name)}: a pooling mode llama.cpp lacks; it has mean, cls and "
+                            "lasttoken")

@@ -1,0 +1,88 @@
+"""``convert --to gguf`` for each architecture entry, judged by llama.cpp's own converter on the same folder.
+
+Every tensor (name, ggml type, dims, bytes) and every non-``general.*`` key (value and type) must equal
+what ``convert_hf_to_gguf.py --outtype T`` writes for ``--quantize T``. Tiny random models built from their
+configs; the decoders get a byte-level BPE tokenizer (its pre-tokenizer hash is no real model's, so both
+sides are told ``gpt-2``), BERT gets all-MiniLM-L6-v2's real tokenizer and pooling files.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_one_line_error
+from helpers_llama_cpp import gguf_fields, gguf_tensors, run_converter, tiny_model_folder
+
+import shardkit
+from shardkit.layouts import gguf_pre
+from shardkit.layouts.gguf_vocab import probe_hash
+
+gguf = pytest.importorskip("gguf")
+
+# Each architecture at q8_0, and every outtype at least once (a bf16 source too); the full matrix is slow.
+FAST = [("llama", "q8_0", None), ("mistral", "q8_0", torch.bfloat16), ("qwen2", "q8_0", None), ("qwen3", "q8_0", None),
+        ("bert", "q8_0", None), ("llama", "f16", None), ("qwen2", "bf16", None), ("qwen3", "f32", torch.bfloat16),
+        ("bert", "f16", None)]
+FULL = [(a, t, None) for a in ("llama", "mistral", "qwen2", "qwen3", "bert") for t in ("f32", "f16", "bf16", "q8_0")]
+CASES = FAST + [pytest.param(*case, marks=pytest.mark.slow) for case in FULL if case not in FAST]
+
+
+def _ids(case: object) -> str:
+    return "bf16-source" if case is torch.bfloat16 else "" if case is None else str(case)
+
+
+@pytest.mark.parametrize(("arch", "outtype", "dtype"), CASES, ids=_ids)
+def test_every_tensor_and_key_equals_the_converters(arch: str, outtype: str, dtype: torch.dtype | None,
+                                                    tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tiny_model_folder(tmp_path / arch, arch, dtype=dtype)
+    fallback = None
+    if arch != "bert":  # a tiny BPE hashes to no real model: the same name on both sides
+        fallback = "gpt-2"
+        monkeypatch.setitem(gguf_pre.PRE_TOKENIZERS, probe_hash(str(folder / "tokenizer.json")), fallback)
+    reference = run_converter(folder, tmp_path / "ref.gguf", outtype=outtype, pre_fallback=fallback)
+    out = tmp_path / "ours.gguf"
+    shardkit.convert(folder, out, to="gguf", quantize=outtype)
+    ours, theirs = gguf_tensors(out), gguf_tensors(reference)
+    assert sorted(ours) == sorted(theirs)
+    for name, (kind, dims, data) in theirs.items():
+        assert ours[name][:2] == (kind, dims), name
+        assert ours[name][2] == data, name
+    assert gguf_fields(out) == gguf_fields(reference)
+    expected = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "bert": "bert"}[arch]
+    assert shardkit.info(out).quantization["architecture"] == expected
+
+
+def test_bert_keys_say_how_to_pool(tmp_path: Path) -> None:
+    """An embedding model: non-causal attention and sentence-transformers' mean pooling, as llama.cpp reads them."""
+    folder = tiny_model_folder(tmp_path / "bert", "bert")
+    out = tmp_path / "bert.gguf"
+    shardkit.convert(folder, out, to="gguf", quantize="f16")
+    fields = gguf_fields(out)
+    assert fields["bert.attention.causal"][1] is False and fields["bert.pooling_type"][1] == 1  # mean
+    assert fields["tokenizer.ggml.model"][1] == "bert" and fields["tokenizer.ggml.pre"][1] == "jina-v2-en"
+    assert gguf_tensors(out)["position_embd.weight"][0] == "F32"
+
+
+def test_a_qwen3_gguf_reads_back_under_hugging_face_names(tmp_path: Path) -> None:
+    folder = tiny_model_folder(tmp_path / "qwen3", "qwen3")
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as m:
+        m.setitem(gguf_pre.PRE_TOKENIZERS, probe_hash(str(folder / "tokenizer.json")), "gpt-2")
+        shardkit.convert(folder, tmp_path / "q.gguf", to="gguf", quantize="f32")
+    shardkit.convert(tmp_path / "q.gguf", tmp_path / "back", dtype="fp32")
+    from safetensors.torch import load_file
+
+    source, back = load_file(folder / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert source.keys() == back.keys()
+    assert all(torch.equal(source[n], back[n]) for n in source)
+
+
+def test_an_unsupported_architecture_is_one_line_naming_those_supported(tmp_path: Path, run_cli) -> None:
+    folder = tiny_model_folder(tmp_path / "m", "llama")
+    config = (folder / "config.json").read_text().replace('"model_type": "llama"', '"model_type": "gemma2"')
+    (folder / "config.json").write_text(config)
+    line = assert_one_line_error(run_cli("convert", folder, tmp_path / "x.gguf", "--to", "gguf"),
+                                 contains="model_type llama, mistral, qwen2, qwen3, bert")
+    assert "gemma2" in line and not (tmp_path / "x.gguf").exists()
