@@ -50,8 +50,8 @@ def test_an_adapter_for_another_base_names_the_first_mismatched_key(made, run_cl
 
 def test_a_target_module_that_matches_no_weight(made, run_cli, tmp_path) -> None:
     adapter = copy_adapter(made, tmp_path, target_modules=[*TARGETS, "qkv_proj"])
-    refused(run_cli, made, tmp_path, adapter, contains="target module 'qkv_proj' (target_modules in "
-                                                      "adapter_config.json) matches no weight")
+    refused(run_cli, made, tmp_path, adapter, contains="target module 'qkv_proj' (the adapter's target_modules) "
+                                                      "matches no weight")
 
 
 def test_a_key_whose_weight_the_base_lacks(made, run_cli, tmp_path) -> None:
@@ -85,11 +85,14 @@ def test_other_adapter_kinds_name_what_is_supported(made, run_cli, tmp_path, cha
     refused(run_cli, made, tmp_path, copy_adapter(made, tmp_path, **changes), contains=contains)
 
 
-def test_a_kohya_file_names_what_is_supported(made, run_cli, tmp_path) -> None:
+def test_a_unet_lora_on_a_llama_and_a_file_that_is_no_lora(made, run_cli, tmp_path) -> None:
     kohya = tmp_path / "kohya.safetensors"
     save_file({"lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight": torch.zeros(2, 8),
                "lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight": torch.zeros(8, 2)}, kohya)
-    refused(run_cli, made, tmp_path, kohya, contains="no adapter_config.json beside the weights (diffusers/kohya")
+    refused(run_cli, made, tmp_path, kohya, contains="target module 'down_blocks.0.attentions.0.proj_in' (the "
+                                                    "adapter's target_modules) matches no weight")
+    line = refused(run_cli, made, tmp_path, made["base"] / "model.safetensors", contains="no UNet or transformer LoRA keys")
+    assert "supported: PEFT LoRA folders" in line and "kohya" in line
 
 
 def test_a_missing_adapter_and_other_targets(made, run_cli, tmp_path) -> None:

@@ -112,7 +112,8 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options
             (see :func:`shardkit.api.jobs.torchrun_group`); ``source`` is then a local or ``s3://``
             checkpoint (each rank reads only its shards' byte ranges), ``output`` a folder every rank
             sees or an ``s3://`` prefix (each rank uploads its own shards).
-        lora: PEFT LoRA adapter folders (one, or several merged in order): each weight they target
+        lora: PEFT LoRA adapter folders, or diffusers/kohya LoRA files for a UNet or transformer
+            (one, or several merged in order): each weight they target
             becomes ``W + scale · (B @ A)``, computed in float32 from the base's band and written in
             the output dtype; ``modules_to_save`` tensors replace the base's (see docs/lora.md).
         lora_scale: multiplies every adapter's own scale (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA).

@@ -84,8 +84,8 @@ Flux file or a GGUF; --quantize f32/f16/bf16/q8_0/q4_0 sets the type of 2-D tens
 and biases stay F32); without it types are kept.
 
 \b
---lora ADAPTER (repeatable) merges a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors)
-into SOURCE as it streams: W + scale * (B @ A) in float32 from each band of rows, written in the output
+--lora ADAPTER (repeatable) merges a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors),
+or a diffusers/kohya LoRA .safetensors file into a UNet or transformer folder, into SOURCE as it streams: W + scale * (B @ A) in float32 from each band of rows, written in the output
 dtype (--dtype, or the base's own), scale = lora_alpha / r (rsLoRA: / sqrt(r); rank_pattern and
 alpha_pattern honoured) times --lora-scale; modules_to_save tensors replace the base's. Adapters whose
 shapes, ranks or targets do not fit the base are refused before anything is written.
@@ -118,7 +118,8 @@ Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers
               help="With --to diffusers and a pipeline --config, or --to single-file and a pipeline SOURCE: the "
                    "component to write (default: unet/transformer; 'all': the whole pipeline).")
 @click.option("--lora", "lora", multiple=True, type=click.Path(path_type=str), metavar="ADAPTER",
-              help="A PEFT LoRA folder to merge into SOURCE's weights (repeatable: merged in order).")
+              help="A PEFT LoRA folder, or a diffusers/kohya LoRA file, to merge into SOURCE's weights "
+                   "(repeatable: merged in order).")
 @click.option("--lora-scale", type=float, default=1.0, show_default=True,
               help="Multiplies each adapter's own scale (lora_alpha / r).")
 @shard_options("name", "variant", "overwrite", "manifest", "dry-run", "json", "quiet")

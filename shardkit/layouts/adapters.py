@@ -37,8 +37,9 @@ __all__ = ["PEFT_PREFIX", "SUPPORTED", "AdapterKeys", "LoraPair", "PeftLora", "l
 
 PEFT_PREFIX = "base_model.model."
 SUPPORTED = ("PEFT LoRA folders (adapter_config.json with peft_type LORA + adapter_model.safetensors or "
-             "adapter_model.bin): Linear, Embedding and Conv targets, rsLoRA, rank_pattern/alpha_pattern, "
-             "lora_bias, modules_to_save")
+             "adapter_model.bin: Linear, Embedding and Conv targets, rsLoRA, rank_pattern/alpha_pattern, "
+             "lora_bias, modules_to_save), and diffusers or kohya LoRA .safetensors files for a UNet or "
+             "transformer (what diffusers' load_lora_weights reads)")
 PairKind = Literal["linear", "embedding"]
 _SUFFIXES: dict[str, tuple[PairKind, str]] = {".lora_A.weight": ("linear", "A"), ".lora_B.weight": ("linear", "B"),
              ".lora_embedding_A": ("embedding", "A"), ".lora_embedding_B": ("embedding", "B")}

@@ -52,8 +52,9 @@ def merged_view(inner: Source, adapters: Sequence[str | os.PathLike[str]], *, sc
     Raises:
         InvalidInputError: a quantized base with neither, or an adapter that does not fit (:func:`plan_merge`).
     """
+    config = source_config(inner)  # an SDXL UNet's block numbering, for kohya files
     inner = _dequantized(inner, options)
-    loaded = [load_adapter(path) for path in adapters]
+    loaded = [load_adapter(path, base_config=config) for path in adapters]
     return LoraSource(inner, loaded, scale=scale, cast_to=options.cast_to)
 
 

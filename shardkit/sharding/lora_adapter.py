@@ -31,6 +31,7 @@ __all__ = ["Adapter", "LowRank", "Replace", "Update", "load_adapter", "plan_merg
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
+DIFFUSERS_NAME = "pytorch_lora_weights.safetensors"  # what diffusers' save_lora_weights writes
 _KOHYA = ("lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", "transformer.", "unet.", "text_encoder.")
 
 
@@ -74,12 +75,13 @@ class Replace:
 Update = LowRank | Replace
 
 
-def load_adapter(path: str | os.PathLike[str]) -> Adapter:
-    """Read a PEFT LoRA folder (or its weight file beside ``adapter_config.json``) into memory.
+def load_adapter(path: str | os.PathLike[str], *, base_config: Config | None = None) -> Adapter:
+    """Read a PEFT LoRA folder (or its weight file beside ``adapter_config.json``), or a diffusers/kohya
+    LoRA file (:mod:`shardkit.sharding.lora_diffusers`; ``base_config``: an SDXL UNet's numbering), into memory.
 
     Raises:
         SourceNotFoundError: no such path.
-        InvalidInputError: not a PEFT LoRA (the message names what is supported).
+        InvalidInputError: not a LoRA shardkit merges (the message names what is supported).
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -87,6 +89,8 @@ def load_adapter(path: str | os.PathLike[str]) -> Adapter:
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     weights = path if os.path.isfile(path) else next(
         (os.path.join(folder, n) for n in WEIGHT_NAMES if os.path.isfile(os.path.join(folder, n))), None)
+    if not os.path.isfile(os.path.join(folder, CONFIG_NAME)):
+        return _diffusers_file(path, folder, weights, base_config=base_config)
     config = _read_config(folder, where=path)
     if weights is None:
         raise InvalidInputError(f"adapter {path}: no {' or '.join(WEIGHT_NAMES)} in it; supported: {SUPPORTED}")
@@ -97,12 +101,23 @@ def load_adapter(path: str | os.PathLike[str]) -> Adapter:
     return Adapter(path, config, tensors, peft_keys(tensors, where=f"adapter {path}"))
 
 
+def _diffusers_file(path: str, folder: str, weights: str | None, *, base_config: Config | None) -> Adapter:
+    """A LoRA file without ``adapter_config.json``: diffusers' or kohya's (one ``.safetensors`` file)."""
+    from .lora_diffusers import diffusers_adapter
+
+    if weights is None and os.path.isfile(os.path.join(folder, DIFFUSERS_NAME)):
+        weights = os.path.join(folder, DIFFUSERS_NAME)
+    if weights is None or not weights.endswith(".safetensors"):
+        raise InvalidInputError(f"adapter {path}: neither {CONFIG_NAME} (PEFT) nor a .safetensors LoRA file "
+                                f"(diffusers, kohya); supported: {SUPPORTED}")
+    with open_source(weights) as src:
+        tensors = {e.name: read_whole(src, e) for e in src.entries()}
+        metadata = src.metadata()
+    return Adapter(path, *diffusers_adapter(path, tensors, metadata, base_config=base_config))
+
+
 def _read_config(folder: str, *, where: str) -> Config:
-    try:
-        doc = parse_json(read_inside(folder, CONFIG_NAME, where=folder), path=os.path.join(folder, CONFIG_NAME))
-    except FileNotFoundError:
-        raise InvalidInputError(f"adapter {where}: no {CONFIG_NAME} beside the weights (diffusers/kohya LoRA files "
-                                f"are not supported yet); supported: {SUPPORTED}") from None
+    doc = parse_json(read_inside(folder, CONFIG_NAME, where=folder), path=os.path.join(folder, CONFIG_NAME))
     if not isinstance(doc, dict):
         raise InvalidInputError(f"adapter {where}: {CONFIG_NAME} is not a JSON object; supported: {SUPPORTED}")
     return doc
@@ -170,8 +185,8 @@ def _check_targets(adapter: Adapter, base: Mapping[str, TensorEntry], prefix: st
     modules = [n.removeprefix(prefix).removesuffix(".weight") for n in base if n.endswith(".weight")]
     for target in targets:
         if not any(target_matches(str(target), m) for m in modules):
-            raise InvalidInputError(f"adapter {adapter.path}: target module {target!r} (target_modules in "
-                                    f"{CONFIG_NAME}) matches no weight of {where}; is this the adapter's base model?")
+            raise InvalidInputError(f"adapter {adapter.path}: target module {target!r} (the adapter's "
+                                    f"target_modules) matches no weight of {where}; is this the adapter's base model?")
 
 
 def _plan_pair(plan: MergePlan, adapter: Adapter, pair: LoraPair, base: Mapping[str, TensorEntry], prefix: str, *,

@@ -1,0 +1,89 @@
+"""diffusers and kohya LoRA files read as the PEFT adapters diffusers itself would build from them.
+
+A diffusion LoRA is one ``.safetensors`` file without ``adapter_config.json``: diffusers' own format
+(``unet.M.lora_A.weight``, ``transformer.M.lora_B.weight``, the config in the header's
+``lora_adapter_metadata``) or kohya's (``lora_unet_M.lora_down.weight``, ``.lora_up.weight``,
+``.alpha``; SDXL's ``input_blocks`` numbering mapped with the base's UNet config). They are read by
+diffusers' own functions, the ones ``load_lora_weights`` runs: ``lora_state_dict`` (kohya → diffusers
+names and alphas), ``convert_unet_state_dict_to_peft`` and ``get_peft_kwargs`` (rank, alpha, their
+patterns); the result is a PEFT config and keys, held as an :class:`~shardkit.sharding.lora_adapter.Adapter`
+and merged like any PEFT one,
+so ``pipe.load_lora_weights(...); pipe.fuse_lora()`` and the merge agree. Text-encoder keys are left
+out of a UNet or transformer merge, with a warning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from ..errors import InvalidInputError
+from ..formats.json_types import Config
+from ..formats.links import parse_json
+from ..layouts.adapters import PEFT_PREFIX, SUPPORTED, AdapterKeys, peft_keys
+from .options import warn
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["METADATA_KEY", "diffusers_adapter"]
+
+METADATA_KEY = "lora_adapter_metadata"  # diffusers' save_lora_weights: the LoraConfig, keys under the prefix
+PREFIXES = ("unet", "transformer")
+
+
+def diffusers_adapter(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], *,
+                      base_config: Config | None) -> tuple[Config, dict[str, torch.Tensor], AdapterKeys]:
+    """The PEFT adapter diffusers builds from a diffusers or kohya LoRA file (see the module docstring):
+    its LoraConfig fields, its tensors under PEFT's names, and those names sorted.
+
+    Raises:
+        InvalidInputError: no UNet or transformer keys in the file (the message names what is supported).
+    """
+    from diffusers.loaders.lora_pipeline import StableDiffusionLoraLoaderMixin
+
+    unet_config = dict(base_config) if base_config and "down_block_types" in base_config else None
+    loaded = StableDiffusionLoraLoaderMixin.lora_state_dict(dict(tensors), unet_config=unet_config)
+    state, alphas = loaded[0], loaded[1] or {}
+    prefix = next((p for p in PREFIXES if any(k.startswith(p + ".") for k in state)), None)
+    if prefix is None:
+        raise InvalidInputError(f"adapter {path}: no UNet or transformer LoRA keys (first key {next(iter(tensors), '')!r});"
+                                f" supported: {SUPPORTED}")
+    left_out = sorted({k.split(".", 1)[0] for k in state if not k.startswith(prefix + ".")})
+    if left_out:
+        warn(f"adapter {path}: its {', '.join(left_out)} keys are left out (this merge is into the {prefix}); merge "
+             "them into that component's folder with a PEFT adapter")
+    sd = {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
+    config = _config(sd, {k[len(prefix) + 1:]: v for k, v in alphas.items() if k.startswith(prefix + ".")},
+                     _metadata(metadata, prefix, where=path))
+    peft = {PEFT_PREFIX + k: v for k, v in sd.items()}
+    return config, peft, peft_keys(peft, where=f"adapter {path}")
+
+
+def _config(sd: dict[str, torch.Tensor], alphas: Mapping[str, Any], metadata: Config | None) -> Config:
+    """The LoraConfig fields diffusers would use: the file's metadata, or ranks and alphas read off the tensors."""
+    from diffusers.utils.peft_utils import get_peft_kwargs
+    from diffusers.utils.state_dict_utils import convert_unet_state_dict_to_peft
+
+    if sd and "lora_A" not in next(iter(sd)):
+        converted = convert_unet_state_dict_to_peft(sd)  # type: ignore[no-untyped-call]
+        sd.clear()
+        sd.update(converted)
+    if metadata is not None:
+        return {**metadata, "peft_type": "LORA"}
+    rank = {f"^{k}": v.shape[1] for k, v in sd.items() if "lora_B" in k and v.ndim > 1}
+    if not rank:
+        raise InvalidInputError(f"no lora_B tensors in the LoRA file; supported: {SUPPORTED}")
+    kwargs: dict[str, Any] = get_peft_kwargs(rank, alphas or None, sd, is_unet=True)  # type: ignore[no-untyped-call]
+    return {**kwargs, "peft_type": "LORA"}
+
+
+def _metadata(metadata: Mapping[str, str], prefix: str, *, where: str) -> Config | None:
+    raw = metadata.get(METADATA_KEY)
+    if raw is None:
+        return None
+    doc = parse_json(raw.encode(), path=f"adapter {where}", what=f"{METADATA_KEY} header field")
+    if not isinstance(doc, dict):
+        return None
+    picked = {k[len(prefix) + 1:]: v for k, v in doc.items() if k.startswith(prefix + ".")}
+    return picked or None

@@ -1,0 +1,93 @@
+"""``convert UNET OUT --lora FILE``: diffusers and kohya LoRA files merged into a UNet, judged by diffusers'
+``pipe.load_lora_weights(...); pipe.fuse_lora()`` on a tiny Stable Diffusion pipeline with random weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import load_folder
+from helpers_pipeline import build_tiny_sd_pipeline
+from safetensors.torch import save_file
+
+pytest.importorskip("peft")
+
+TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "conv1", "conv_shortcut"]
+
+
+@pytest.fixture(scope="module")
+def sd(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny SD pipeline folder, and one LoRA on its UNet saved in diffusers' format and in kohya's."""
+    from diffusers import StableDiffusionPipeline
+    from diffusers.utils import convert_state_dict_to_kohya
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    root = tmp_path_factory.mktemp("sd-lora")
+    pipe = build_tiny_sd_pipeline(root)
+    pipe.save_pretrained(root / "sd")
+    torch.manual_seed(1)
+    pipe.unet.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=TARGETS))
+    layers = get_peft_model_state_dict(pipe.unet)
+    StableDiffusionPipeline.save_lora_weights(root / "lora-diffusers", unet_lora_layers=layers,
+                                              unet_lora_adapter_metadata=pipe.unet.peft_config["default"].to_dict())
+    kohya = convert_state_dict_to_kohya({f"unet.{k}": v for k, v in layers.items()})
+    kohya = {k: torch.tensor(2.0) if k.endswith(".alpha") else v for k, v in kohya.items()}  # scale 2 / 4
+    save_file(kohya, root / "lora-kohya.safetensors")
+    return {"root": root, "unet": root / "sd" / "unet", "diffusers": root / "lora-diffusers" /
+            "pytorch_lora_weights.safetensors", "kohya": root / "lora-kohya.safetensors"}
+
+
+def fused_unet(sd: dict[str, Path], lora: Path) -> dict[str, torch.Tensor]:
+    from diffusers import StableDiffusionPipeline
+
+    pipe = StableDiffusionPipeline.from_pretrained(sd["root"] / "sd")
+    pipe.load_lora_weights(lora.parent, weight_name=lora.name)
+    pipe.fuse_lora()
+    pipe.unload_lora_weights()
+    return pipe.unet.state_dict()
+
+
+@pytest.mark.parametrize("kind", ["diffusers", "kohya"])
+def test_a_unet_lora_merges_as_diffusers_fuses_it(sd: dict[str, Path], run_cli, kind: str) -> None:
+    """Linear targets bit-equal; 3x3 convs (PEFT: a conv of A by B; here B @ A flattened) within float32 rounding."""
+    out = sd["root"] / f"merged-{kind}"
+    result = run_cli("convert", sd["unet"], out, "--lora", sd[kind])
+    assert result.exit_code == 0, result.stderr
+    assert "LoRA weight(s)" in result.stdout
+    got, want = load_folder(out), fused_unet(sd, sd[kind])
+    assert set(got) == set(want)
+    base = load_folder(sd["unet"])
+    changed = [k for k in got if not torch.equal(got[k], base[k])]
+    assert len(changed) >= 20
+    for name in got:
+        if got[name].dim() == 4 and got[name].shape[-1] == 3:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(got[name], want[name]), name
+    (out / "config.json").read_text()  # side files travel
+
+
+def test_a_merged_unet_loads_into_the_pipeline(sd: dict[str, Path]) -> None:
+    from diffusers import UNet2DConditionModel
+
+    import shardkit
+
+    out = sd["root"] / "merged-bf16"
+    result = shardkit.convert(sd["unet"], out, lora=sd["diffusers"], dtype="bf16")
+    assert result.to_dict()["lora"]["tensors"] >= 20
+    assert {v.dtype for v in load_folder(out).values()} == {torch.bfloat16}
+    unet = UNet2DConditionModel.from_pretrained(out, torch_dtype=torch.bfloat16)
+    assert next(unet.parameters()).dtype == torch.bfloat16
+
+
+def test_a_lora_for_another_unet_is_refused(sd: dict[str, Path], run_cli, tmp_path: Path) -> None:
+    from conftest import assert_one_line_error
+
+    other = tmp_path / "other.safetensors"
+    save_file({"unet.down_blocks.0.attentions.0.proj_in.lora_A.weight": torch.zeros(4, 7),
+               "unet.down_blocks.0.attentions.0.proj_in.lora_B.weight": torch.zeros(32, 4)}, other)
+    result = run_cli("convert", sd["unet"], tmp_path / "out", "--lora", other)
+    assert_one_line_error(result, contains="do not fit down_blocks.0.attentions.0.proj_in.weight")
+    assert not (tmp_path / "out").exists()
