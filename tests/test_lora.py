@@ -249,3 +249,18 @@ def test_an_fp8_base_merges_into_bf16_and_back_into_fp8(llama: dict[str, Path], 
     refused = run_cli("convert", fp8, llama["root"] / "fp8-no-dtype", "--lora", adapter)
     assert refused.exit_code == 2 and "dtype='bf16'" in refused.stderr.replace("--dtype bf16", "dtype='bf16'")
     assert not (llama["root"] / "fp8-no-dtype").exists()
+
+
+def test_gpt2_conv1d_with_fan_in_fan_out(tmp_path: Path) -> None:
+    """GPT-2 stores its projections as Conv1D (in, out): PEFT's fan_in_fan_out pairs merge transposed."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)).save_pretrained(
+        tmp_path / "gpt2")
+    adapter = save_adapter(tmp_path / "gpt2", tmp_path / "adapter", GPT2LMHeadModel, r=4, lora_alpha=8,
+                           target_modules=["c_attn", "c_proj"], fan_in_fan_out=True)
+    shardkit.convert(tmp_path / "gpt2", tmp_path / "merged", lora=adapter)
+    reference = peft_merged(tmp_path / "gpt2", [adapter], GPT2LMHeadModel)
+    assert_bit_equal_to(load_folder(tmp_path / "merged"), reference)
+    assert torch.equal(logits(GPT2LMHeadModel.from_pretrained(tmp_path / "merged")), logits(reference))

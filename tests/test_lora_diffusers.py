@@ -51,7 +51,7 @@ def fused_unet(sd: dict[str, Path], lora: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["diffusers", "kohya"])
 def test_a_unet_lora_merges_as_diffusers_fuses_it(sd: dict[str, Path], run_cli, kind: str) -> None:
-    """Linear targets bit-equal; 3x3 convs (PEFT: a conv of A by B; here B @ A flattened) within float32 rounding."""
+    """Every tensor bit-equal: linear pairs as B @ A, 3x3 conv pairs as PEFT's conv2d(Aᵀ, B)ᵀ."""
     out = sd["root"] / f"merged-{kind}"
     result = run_cli("convert", sd["unet"], out, "--lora", sd[kind])
     assert result.exit_code == 0, result.stderr
@@ -61,11 +61,8 @@ def test_a_unet_lora_merges_as_diffusers_fuses_it(sd: dict[str, Path], run_cli, 
     base = load_folder(sd["unet"])
     changed = [k for k in got if not torch.equal(got[k], base[k])]
     assert len(changed) >= 20
-    for name in got:
-        if got[name].dim() == 4 and got[name].shape[-1] == 3:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-6, atol=1e-6, msg=name)
-        else:
-            assert torch.equal(got[name], want[name]), name
+    assert any(got[k].dim() == 4 and got[k].shape[-1] == 3 for k in changed)  # 3x3 convs among them
+    assert [k for k in got if not torch.equal(got[k], want[k])] == []
     (out / "config.json").read_text()  # side files travel
 
 

@@ -150,7 +150,7 @@ class LoraSource(ViewSource):
             deltas = self._cache[1]
             whole = deltas[i]
             if whole is None:
-                product = b @ a
+                product = _conv_product(update.a.to(compute), b) if _is_spatial_conv(update.a) else b @ a
                 whole = deltas[i] = (product.T if update.transpose else product).mul_(update.scale)  # no copy
             return whole[row0:row1]
         if update.transpose:
@@ -161,3 +161,15 @@ class LoraSource(ViewSource):
         """What was merged: per adapter its rank, alpha, scale and counts; the tensors changed."""
         return {"adapters": list(self.plan.reports), "tensors": len(self.plan.updates)}
 
+
+def _is_spatial_conv(a: torch.Tensor) -> bool:
+    """A Conv2d pair with a kernel larger than 1x1 (PEFT merges it as a convolution, not a matmul)."""
+    return a.dim() == 4 and tuple(a.shape[2:]) != (1, 1)
+
+
+def _conv_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``B ∘ A`` for a Conv2d pair as PEFT computes it (``conv2d(Aᵀ, B)ᵀ``), as an (out, in·k·k) matrix."""
+    from torch.nn.functional import conv2d
+
+    product = conv2d(a.transpose(0, 1), b.reshape(*b.shape, 1, 1)).transpose(0, 1)
+    return product.reshape(product.shape[0], -1)
