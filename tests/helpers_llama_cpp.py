@@ -121,6 +121,16 @@ def gguf_fields(path: Path, prefix: str = "") -> dict[str, Any]:
             if k.startswith(prefix) and not k.startswith(("GGUF.", "general."))}
 
 
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def fixture_pre(arch: str) -> str:
+    """The llama.cpp pre-tokenizer of :func:`tiny_model_folder`'s tokenizer (a tiny vocabulary hashes to no real
+    model's, so tests tell both sides this name): Qwen's split for qwen2/qwen3, GPT-2's for the others."""
+    return "qwen2" if arch.startswith("qwen") else "gpt-2"
+
+
 def tiny_bpe_tokenizer(folder: Path, *, chat_template: str | None = "{% for m in messages %}{{ m['content'] }}{% endfor %}",
                        template_file: bool = False, style: str = "llama3") -> int:
     """A GPT-2-style byte-level BPE trained on a few sentences, saved as tokenizer.json + tokenizer_config.json;
@@ -128,11 +138,15 @@ def tiny_bpe_tokenizer(folder: Path, *, chat_template: str | None = "{% for m in
     ``"qwen"``: Qwen's special tokens (``<|endoftext|>``, ``<|im_start|>``, ``<|im_end|>``), no BOS."""
     import json
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if style == "qwen":  # Qwen2's own: digits one by one, then bytes (as its tokenizer.json has it)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     text = ["The quick brown fox jumps over the lazy dog. " * 3, "Hello world, hello shardkit! 123 4567",
             "I've been told he's there"]
@@ -207,3 +221,64 @@ def gguf_tensors(path: Path) -> dict[str, tuple[str, tuple[int, ...], bytes]]:
     reader = gguf.GGUFReader(str(path))
     return {t.name: (t.tensor_type.name, tuple(int(d) for d in t.shape), np.asarray(t.data).tobytes())
             for t in reader.tensors}
+
+
+NODE_LLAMA_CPP = "3.22.1"
+JUDGE = '''// node judge.mjs MODEL.gguf generate|embed TEXT [N]: llama.cpp's prompt tokens and N greedy tokens, or its embedding
+import {getLlama} from "node-llama-cpp";
+const [modelPath, mode, text, n] = process.argv.slice(2);
+const llama = await getLlama({gpu: false, build: "never", logLevel: "error"});
+const model = await llama.loadModel({modelPath, gpuLayers: 0});
+let prompt = Array.from(model.tokenize(text, false));
+const bos = model.tokens.bos;
+if (bos != null && model.tokens.shouldPrependBosToken) prompt = [bos, ...prompt];
+if (mode === "embed") {
+  const context = await model.createEmbeddingContext({threads: 1, contextSize: 128});
+  const embedding = await context.getEmbeddingFor(text);
+  console.log(JSON.stringify({prompt, embedding: Array.from(embedding.vector)}));
+} else {
+  const context = await model.createContext({threads: 1, contextSize: 128, batchSize: 128});
+  const generated = [];
+  for await (const token of context.getSequence().evaluate(prompt, {temperature: 0})) {
+    generated.push(token);
+    if (generated.length >= Number(n || 8)) break;
+  }
+  console.log(JSON.stringify({prompt, generated}));
+}
+process.exit(0);
+'''
+
+
+def node_llama_cpp() -> Path:
+    """A folder with node-llama-cpp (npm; its prebuilt Linux x64 CPU llama.cpp) and ``judge.mjs``, installed once."""
+    import shutil
+
+    root = CACHE / f"node-llama-cpp-{NODE_LLAMA_CPP}"
+    if (root / "judge.mjs").is_file():
+        return root
+    if shutil.which("node") is None or shutil.which("npm") is None:
+        pytest.skip("llama.cpp's runtime comes from node-llama-cpp on npm: node and npm are needed")
+    tmp = root.with_name(root.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "package.json").write_text('{"name": "shardkit-llama-cpp-judge", "private": true, "type": "module"}\n')
+    done = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--ignore-scripts",
+                           f"node-llama-cpp@{NODE_LLAMA_CPP}"], cwd=tmp, capture_output=True, text=True, timeout=600)
+    if done.returncode:
+        pytest.skip(f"cannot install node-llama-cpp from npm: {done.stderr.strip()[-300:]}")
+    (tmp / "judge.mjs").write_text(JUDGE)
+    shutil.rmtree(root, ignore_errors=True)
+    os.replace(tmp, root)
+    return root
+
+
+def run_llama_cpp(model: Path, mode: str, text: str, n: int = 8) -> dict[str, Any]:
+    """llama.cpp (one thread) on ``model``: ``{"prompt": ids, "generated": ids}`` or ``{"prompt", "embedding"}``."""
+    import json
+
+    root = node_llama_cpp()
+    done = subprocess.run(["node", str(root / "judge.mjs"), str(model), mode, text, str(n)], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result

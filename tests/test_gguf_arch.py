@@ -3,7 +3,7 @@
 Every tensor (name, ggml type, dims, bytes) and every non-``general.*`` key (value and type) must equal
 what ``convert_hf_to_gguf.py --outtype T`` writes for ``--quantize T``. Tiny random models built from their
 configs; the decoders get a byte-level BPE tokenizer (its pre-tokenizer hash is no real model's, so both
-sides are told ``gpt-2``), BERT gets all-MiniLM-L6-v2's real tokenizer and pooling files.
+sides are told ``gpt-2``, or ``qwen2`` for Qwen's split), BERT gets all-MiniLM-L6-v2's real tokenizer and pooling files.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_one_line_error
-from helpers_llama_cpp import gguf_fields, gguf_tensors, run_converter, tiny_model_folder
+from helpers_llama_cpp import fixture_pre, gguf_fields, gguf_tensors, run_converter, tiny_model_folder
 
 import shardkit
 from shardkit.layouts import gguf_pre
@@ -29,6 +29,15 @@ FULL = [(a, t, None) for a in ("llama", "mistral", "qwen2", "qwen3", "bert") for
 CASES = FAST + [pytest.param(*case, marks=pytest.mark.slow) for case in FULL if case not in FAST]
 
 
+def _converter_hash(folder: Path) -> str:
+    from hashlib import sha256
+
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    return sha256(str(tokenizer.encode(gguf_pre.PROBE_TEXT)).encode()).hexdigest()
+
+
 def _ids(case: object) -> str:
     return "bf16-source" if case is torch.bfloat16 else "" if case is None else str(case)
 
@@ -39,8 +48,10 @@ def test_every_tensor_and_key_equals_the_converters(arch: str, outtype: str, dty
     folder = tiny_model_folder(tmp_path / arch, arch, dtype=dtype)
     fallback = None
     if arch != "bert":  # a tiny BPE hashes to no real model: the same name on both sides
-        fallback = "gpt-2"
-        monkeypatch.setitem(gguf_pre.PRE_TOKENIZERS, probe_hash(str(folder / "tokenizer.json")), fallback)
+        fallback = fixture_pre(arch)
+        digest = probe_hash(str(folder / "tokenizer.json"))
+        assert digest == _converter_hash(folder)  # the ids the converter hashes (transformers' AutoTokenizer)
+        monkeypatch.setitem(gguf_pre.PRE_TOKENIZERS, digest, fallback)
     reference = run_converter(folder, tmp_path / "ref.gguf", outtype=outtype, pre_fallback=fallback)
     out = tmp_path / "ours.gguf"
     shardkit.convert(folder, out, to="gguf", quantize=outtype)
@@ -69,7 +80,7 @@ def test_a_qwen3_gguf_reads_back_under_hugging_face_names(tmp_path: Path) -> Non
     folder = tiny_model_folder(tmp_path / "qwen3", "qwen3")
     monkeypatch = pytest.MonkeyPatch()
     with monkeypatch.context() as m:
-        m.setitem(gguf_pre.PRE_TOKENIZERS, probe_hash(str(folder / "tokenizer.json")), "gpt-2")
+        m.setitem(gguf_pre.PRE_TOKENIZERS, probe_hash(str(folder / "tokenizer.json")), fixture_pre("qwen3"))
         shardkit.convert(folder, tmp_path / "q.gguf", to="gguf", quantize="f32")
     shardkit.convert(tmp_path / "q.gguf", tmp_path / "back", dtype="fp32")
     from safetensors.torch import load_file
