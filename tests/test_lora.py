@@ -264,3 +264,19 @@ def test_gpt2_conv1d_with_fan_in_fan_out(tmp_path: Path) -> None:
     reference = peft_merged(tmp_path / "gpt2", [adapter], GPT2LMHeadModel)
     assert_bit_equal_to(load_folder(tmp_path / "merged"), reference)
     assert torch.equal(logits(GPT2LMHeadModel.from_pretrained(tmp_path / "merged")), logits(reference))
+
+
+def test_banded_deltas_match_peft_within_float32_rounding(llama: dict[str, Path], monkeypatch) -> None:
+    """Deltas above the whole-product bound are added band by band (fused addmm): equal to PEFT's merge within
+    float32 rounding, embeddings (transposed) included; bands of 3 rows here, so every tensor has several."""
+    from shardkit.sharding import lora
+
+    monkeypatch.setattr(lora, "WHOLE_DELTA_BYTES", 0)
+    monkeypatch.setattr(lora, "BAND_BYTES", 3 * 64 * 4)
+    out = llama["root"] / "merged-banded"
+    shardkit.convert(llama["base"], out, lora=llama["adapter"])
+    want = peft_merged(llama["base"], [llama["adapter"]], llama_class()).state_dict()
+    got = load_folder(out)
+    for name, value in got.items():
+        torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-6, msg=name)
+    assert not torch.equal(got["model.embed_tokens.weight"], load_folder(llama["base"])["model.embed_tokens.weight"])

@@ -7,8 +7,8 @@ with its file offsets (still copied kernel-side). The adapters are held in memor
 band of rows at a time, so memory does not depend on the base's size.
 
 The product of a tensor whose float32 delta fits :data:`WHOLE_DELTA_BYTES` is computed whole, as PEFT's
-``merge_and_unload`` computes it, so an fp32 merge equals PEFT's bit for bit; a larger one is computed
-band by band (``B[rows] @ A``), which a BLAS may round differently in the last bit of float32.
+``merge_and_unload`` computes it, so an fp32 merge equals PEFT's bit for bit; a larger one is added band
+by band (``addmm(W[rows], scale · B[rows], A)``), which may round differently in the last bit of float32.
 """
 
 from __future__ import annotations
@@ -134,15 +134,22 @@ class LoraSource(ViewSource):
                 if isinstance(update, Replace):  # lora_B.bias, added as PEFT adds it
                     band = band + update.value.reshape(rows, cols)[row0:row1].to(compute) * update.scale
                 else:
-                    band = band.add_(self._delta(entry.name, i, update, rows, cols, row0, row1, compute))
+                    band = self._add_delta(band, entry.name, i, update, rows, cols, row0, row1, compute)
             if band is None:  # no updates: never planned
                 band = read_rows(self.inner, stored, row0, row1).to(compute)
             data = band.to(to_torch(entry.dtype)).contiguous().view(torch.uint8).numpy()
             yield row0, data.data.cast("B")
 
-    def _delta(self, name: str, i: int, update: LowRank, rows: int, cols: int, row0: int, row1: int,
-               compute: torch.dtype) -> torch.Tensor:
-        """Rows ``row0:row1`` of ``scale · (B @ A)`` (transposed where the pair says so), as PEFT orders it."""
+    def _add_delta(self, band: torch.Tensor, name: str, i: int, update: LowRank, rows: int, cols: int, row0: int,
+                   row1: int, compute: torch.dtype) -> torch.Tensor:
+        """``band`` (rows ``row0:row1``) plus those rows of ``scale · (B @ A)`` (transposed where the pair says so).
+
+        A delta up to :data:`WHOLE_DELTA_BYTES` is computed whole and added, in PEFT's order (bit-equal to its
+        merge); a larger one is one fused ``addmm`` per band with the scale folded into B (a pass over the band
+        instead of three; float32 rounding may differ from PEFT's in the last bit).
+        """
+        import torch
+
         a, b = update.a.reshape(update.a.shape[0], -1).to(compute), update.b.to(compute)
         if rows * cols * 4 <= WHOLE_DELTA_BYTES:
             if self._cache is None or self._cache[0] != name:
@@ -152,10 +159,10 @@ class LoraSource(ViewSource):
             if whole is None:
                 product = _conv_product(update.a.to(compute), b) if _is_spatial_conv(update.a) else b @ a
                 whole = deltas[i] = (product.T if update.transpose else product).mul_(update.scale)  # no copy
-            return whole[row0:row1]
-        if update.transpose:
-            return (b @ a[:, row0:row1]).T.mul_(update.scale)
-        return (b[row0:row1] @ a).mul_(update.scale)
+            return band.add_(whole[row0:row1])
+        if update.transpose:  # rows of (B @ A)ᵀ: A[:, rows]ᵀ @ Bᵀ
+            return torch.addmm(band, a[:, row0:row1].T, (b * update.scale).T, out=band)
+        return torch.addmm(band, b[row0:row1] * update.scale, a, out=band)
 
     def report(self) -> JsonObject:
         """What was merged: per adapter its rank, alpha, scale and counts; the tensors changed."""
