@@ -175,6 +175,29 @@ def tiny_bpe_tokenizer(folder: Path, *, chat_template: str | None = "{% for m in
     return tok.get_vocab_size()
 
 
+def sentencepiece_tokenizer(folder: Path) -> int:
+    """A Llama-2-style SentencePiece BPE (byte fallback, a user-defined ``<tool>``, a control ``<ctl>``) trained on a
+    few sentences: tokenizer.model + tokenizer_config.json; returns its vocabulary size."""
+    import json
+
+    import sentencepiece
+
+    folder.mkdir(parents=True, exist_ok=True)
+    corpus = folder / "corpus.txt"
+    corpus.write_text("\n".join(["The quick brown fox jumps over the lazy dog.", "Hello world, hello shardkit! 123 4567",
+                                 "I've been told he's there"] * 20))
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(folder / "tokenizer"), vocab_size=330, model_type="bpe", byte_fallback=True,
+        character_coverage=1.0, user_defined_symbols=["<tool>"], control_symbols=["<ctl>"], minloglevel=2)
+    corpus.unlink()
+    (folder / "tokenizer.vocab").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True, "add_eos_token": False,
+        "add_prefix_space": True, "added_tokens_decoder": {"4": {"content": "<tool>", "special": False}},
+        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}", "tokenizer_class": "LlamaTokenizer"}))
+    return int(sentencepiece.SentencePieceProcessor(model_file=str(folder / "tokenizer.model")).vocab_size())
+
+
 def tiny_model_folder(folder: Path, arch: str, *, dtype: Any = None) -> Path:
     """A random transformers model of ``arch`` (llama, mistral, qwen2, qwen3: 2 layers, grouped-query attention,
     a byte-level BPE tokenizer; bert: all-MiniLM-L6-v2's config shrunk, with its real WordPiece tokenizer and
@@ -186,7 +209,13 @@ def tiny_model_folder(folder: Path, arch: str, *, dtype: Any = None) -> Path:
     import transformers
 
     torch.manual_seed(0)
-    if arch == "bert":
+    if arch == "llama-spm":
+        size = sentencepiece_tokenizer(folder)
+        model: Any = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=size + 4, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+            tie_word_embeddings=False))
+    elif arch == "bert":
         minilm = minilm_folder()
         folder.mkdir(parents=True, exist_ok=True)
         for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json", "modules.json",
@@ -195,7 +224,7 @@ def tiny_model_folder(folder: Path, arch: str, *, dtype: Any = None) -> Path:
             shutil.copy(minilm / name, folder / name)
         config = {k: v for k, v in json.loads((minilm / "config.json").read_text()).items() if k != "architectures"}
         config.update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
-        model: Any = transformers.BertModel(transformers.BertConfig(**config))
+        model = transformers.BertModel(transformers.BertConfig(**config))
     else:
         size = tiny_bpe_tokenizer(folder, style="qwen" if arch.startswith("qwen") else "llama3")
         fields = {"vocab_size": size + 4, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

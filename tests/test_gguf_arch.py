@@ -3,7 +3,7 @@
 Every tensor (name, ggml type, dims, bytes) and every non-``general.*`` key (value and type) must equal
 what ``convert_hf_to_gguf.py --outtype T`` writes for ``--quantize T``. Tiny random models built from their
 configs; the decoders get a byte-level BPE tokenizer (its pre-tokenizer hash is no real model's, so both
-sides are told ``gpt-2``, or ``qwen2`` for Qwen's split), BERT gets all-MiniLM-L6-v2's real tokenizer and pooling files.
+sides are told ``gpt-2``, or ``qwen2`` for Qwen's split), ``llama-spm`` a trained SentencePiece model, BERT gets all-MiniLM-L6-v2's real tokenizer and pooling files.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ gguf = pytest.importorskip("gguf")
 
 # Each architecture at q8_0, and every outtype at least once (a bf16 source too); the full matrix is slow.
 FAST = [("llama", "q8_0", None), ("mistral", "q8_0", torch.bfloat16), ("qwen2", "q8_0", None), ("qwen3", "q8_0", None),
-        ("bert", "q8_0", None), ("llama", "f16", None), ("qwen2", "bf16", None), ("qwen3", "f32", torch.bfloat16),
-        ("bert", "f16", None)]
-FULL = [(a, t, None) for a in ("llama", "mistral", "qwen2", "qwen3", "bert") for t in ("f32", "f16", "bf16", "q8_0")]
+        ("bert", "q8_0", None), ("llama-spm", "q8_0", None), ("llama", "f16", None), ("qwen2", "bf16", None),
+        ("qwen3", "f32", torch.bfloat16), ("bert", "f16", None)]
+FULL = [(a, t, None) for a in ("llama", "mistral", "qwen2", "qwen3", "bert", "llama-spm")
+        for t in ("f32", "f16", "bf16", "q8_0")]
 CASES = FAST + [pytest.param(*case, marks=pytest.mark.slow) for case in FULL if case not in FAST]
 
 
@@ -47,7 +48,7 @@ def test_every_tensor_and_key_equals_the_converters(arch: str, outtype: str, dty
                                                     tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     folder = tiny_model_folder(tmp_path / arch, arch, dtype=dtype)
     fallback = None
-    if arch != "bert":  # a tiny BPE hashes to no real model: the same name on both sides
+    if arch not in ("bert", "llama-spm"):  # a tiny BPE hashes to no real model: the same name on both sides
         fallback = fixture_pre(arch)
         digest = probe_hash(str(folder / "tokenizer.json"))
         assert digest == _converter_hash(folder)  # the ids the converter hashes (transformers' AutoTokenizer)
@@ -61,7 +62,8 @@ def test_every_tensor_and_key_equals_the_converters(arch: str, outtype: str, dty
         assert ours[name][:2] == (kind, dims), name
         assert ours[name][2] == data, name
     assert gguf_fields(out) == gguf_fields(reference)
-    expected = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "bert": "bert"}[arch]
+    expected = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "bert": "bert",
+                "llama-spm": "llama"}[arch]
     assert shardkit.info(out).quantization["architecture"] == expected
 
 

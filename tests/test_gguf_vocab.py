@@ -78,10 +78,16 @@ def test_refusals_are_one_line_exit_2_naming_what_is_supported(tmp_path: Path, r
     result = run_cli("convert", folder, tmp_path / "x.gguf", "--to", "gguf")  # no patch: unknown pre-tokenizer
     assert_one_line_error(result, contains="pre-tokenizer is not one llama.cpp implements")
     assert result.exit_code == 2 and not (tmp_path / "x.gguf").exists()
-    (folder / "tokenizer.model").write_bytes(b"\0")
+    (folder / "tokenizer.model").write_bytes(b"\x0a\x05ab")  # a damaged SentencePiece model
     result = run_cli("convert", folder, tmp_path / "x.gguf", "--to", "gguf")
-    assert_one_line_error(result, contains="byte-level BPE tokenizer.json")
-    assert result.exit_code == 2
+    assert_one_line_error(result, contains="not a SentencePiece model")
+    (folder / "tokenizer.model").unlink()
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["model"]["type"] = "Unigram"
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    result = run_cli("convert", folder, tmp_path / "x.gguf", "--to", "gguf")
+    assert_one_line_error(result, contains="a SentencePiece tokenizer.model (Llama 2, Mistral 7B...), a byte-level BPE")
+    assert not (tmp_path / "x.gguf").exists()
 
 
 def test_without_a_tokenizer_convert_writes_no_vocab_and_says_so(tmp_path: Path, run_cli) -> None:

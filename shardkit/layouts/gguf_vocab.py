@@ -12,12 +12,14 @@ folder                                        ``tokenizer.ggml.model``
                                               (:mod:`shardkit.layouts.gguf_pre`)
 ``tokenizer.json`` WordPiece (BERT)           ``bert``: the same token list in "phantom space" form (``##x``
                                               → ``x``, others ``▁x``, CONTROL tokens as they are)
+``tokenizer.model`` (SentencePiece; first,    ``llama``, pre ``default``: pieces with their scores and types
+for Llama, Mistral and Qwen)                  (:mod:`shardkit.layouts.gguf_spm`), no merges
 ============================================  ===========================================================
 
 Then the special vocabulary (:mod:`shardkit.layouts.gguf_special`): special token ids, add_bos/add_eos,
-the chat template, normalizer flags. A SentencePiece ``tokenizer.model`` or a SentencePiece-style BPE
-``tokenizer.json`` (byte fallback) is refused, naming what is supported; so is a BPE whose pre-tokenizer
-llama.cpp does not know (its converter refuses it too).
+the chat template, normalizer flags. A SentencePiece-style BPE ``tokenizer.json`` (byte fallback) without
+its ``tokenizer.model`` is refused, naming what is supported; so is a BPE whose pre-tokenizer llama.cpp does
+not know (its converter refuses it too).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidInputError
-from ..formats.gguf import ARRAY, BOOL, INT32, STRING, UINT32, Value
+from ..formats.gguf import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32, Value
 from .gguf_pre import PRE_TOKENIZERS, PROBE_TEXT
 from .gguf_special import SpecialVocab, special_vocab
 
@@ -36,7 +38,8 @@ __all__ = ["NORMAL", "Vocab", "describe_vocab", "has_tokenizer", "probe_hash", "
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's token types
 Row = tuple[str, int, Value, int | None]
-SUPPORTED = "a byte-level BPE tokenizer.json (GPT-2 style: Llama 3, Qwen, Mistral Nemo...) or a WordPiece one (BERT)"
+SUPPORTED = ("a SentencePiece tokenizer.model (Llama 2, Mistral 7B...), a byte-level BPE tokenizer.json (GPT-2 style: "
+             "Llama 3, Qwen, Mistral Nemo...) or a WordPiece one (BERT)")
 
 
 @dataclass
@@ -73,31 +76,33 @@ def _read_text(folder: str, name: str) -> str:
         raise InvalidInputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); fix or remove it") from e
 
 
-def read_vocab(folder: str, config: Mapping[str, Any], *, bert: bool = False) -> Vocab:
-    """The vocabulary of the tokenizer in ``folder`` (``bert``: the WordPiece form BERT models get).
+def read_vocab(folder: str, config: Mapping[str, Any], *, bert: bool = False, space_prefix: bool = False) -> Vocab:
+    """The vocabulary of the tokenizer in ``folder`` (``bert``: the WordPiece form BERT models get;
+    ``space_prefix``: write ``tokenizer_config.json``'s ``add_prefix_space``, as the converter does for Llama).
 
     Raises:
         InvalidInputError: no tokenizer, or one llama.cpp's converter would not write this way (the
             message names what is supported).
     """
     path = os.path.join(folder, "tokenizer.json")
-    tokenizer = _read_json(folder, "tokenizer.json")
-    if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("model"), dict):
-        spm = " (a SentencePiece tokenizer.model is not written yet)" if os.path.isfile(
-            os.path.join(folder, "tokenizer.model")) else ""
-        raise InvalidInputError(f"{folder}: no tokenizer.json{spm}; to='gguf' writes the vocabulary of {SUPPORTED}")
     tc = _read_json(folder, "tokenizer_config.json")
     tc = tc if isinstance(tc, dict) else None
+    rows: list[Row] = []
+    if space_prefix and tc is not None and isinstance(tc.get("add_prefix_space"), bool):
+        rows.append(("tokenizer.ggml.add_space_prefix", BOOL, tc["add_prefix_space"], None))
+    tokenizer = _read_json(folder, "tokenizer.json")
+    if not bert and os.path.isfile(os.path.join(folder, "tokenizer.model")):
+        return _sentencepiece(folder, config, tc, tokenizer if isinstance(tokenizer, dict) else None, rows)
+    if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("model"), dict):
+        raise InvalidInputError(f"{folder}: no tokenizer.json; to='gguf' writes the vocabulary of {SUPPORTED}")
     kind = tokenizer["model"].get("type")
     if bert != (kind == "WordPiece") or (kind == "BPE" and _sentencepiece_style(tokenizer)) or kind not in (
-            "BPE", "WordPiece") or (not bert and os.path.isfile(os.path.join(folder, "tokenizer.model"))):
+            "BPE", "WordPiece"):
         raise InvalidInputError(f"{path}: a {kind} tokenizer{' for a BERT model' if bert else ''} (SentencePiece style "
-                                f"or unsupported here); to='gguf' writes the vocabulary of {SUPPORTED}")
+                                f"without its tokenizer.model, or unsupported here); to='gguf' writes the vocabulary "
+                                f"of {SUPPORTED}")
     tokens, types = _tokens(tokenizer, tc, config, where=path)
     pre = _pre_tokenizer(path, tokenizer)
-    rows: list[Row] = []
-    if not bert and tc is not None and isinstance(tc.get("add_prefix_space"), bool):
-        rows.append(("tokenizer.ggml.add_space_prefix", BOOL, tc["add_prefix_space"], None))
     if bert:
         rows.append(("tokenizer.ggml.token_type_count", UINT32, int(config.get("type_vocab_size", 1)), None))
         tokens = [t if kind_ == CONTROL else t[2:] if t.startswith("##") else "\u2581" + t
@@ -111,6 +116,23 @@ def read_vocab(folder: str, config: Mapping[str, Any], *, bert: bool = False) ->
     special = special_vocab(tokenizer, tc, config, chat, merges=not bert, n_vocab=len(tokens) if bert else None)
     rows += _special_rows(special)
     return Vocab("bert" if bert else "gpt2", pre, len(tokens), rows)
+
+
+def _sentencepiece(folder: str, config: Mapping[str, Any], tc: dict[str, Any] | None,
+                   tokenizer: dict[str, Any] | None, rows: list[Row]) -> Vocab:
+    """``tokenizer.model`` (llama.cpp's ``llama`` vocabulary: scores and types, no merges)."""
+    from .gguf_spm import sentencepiece_tokens
+
+    tokens, scores, types = sentencepiece_tokens(folder, config, tc, looks_special=_looks_special)
+    token_list: list[Value] = list(tokens)
+    score_list: list[Value] = list(scores)
+    type_list: list[Value] = list(types)
+    rows = rows + [("tokenizer.ggml.model", STRING, "llama", None), ("tokenizer.ggml.pre", STRING, "default", None),
+                   ("tokenizer.ggml.tokens", ARRAY, token_list, STRING),
+                   ("tokenizer.ggml.scores", ARRAY, score_list, FLOAT32),
+                   ("tokenizer.ggml.token_type", ARRAY, type_list, INT32)]
+    special = special_vocab(tokenizer, tc, config, _chat_files(folder), merges=False, n_vocab=len(tokens))
+    return Vocab("llama", "default", len(tokens), rows + _special_rows(special))
 
 
 def _sentencepiece_style(tokenizer: Mapping[str, Any]) -> bool:

@@ -183,7 +183,7 @@ def _text_model(config: Config | None, *, where: str, folder: str) -> GgufModel:
     kinds = {"u32": UINT32, "f32": FLOAT32, "bool": BOOL}
     rows: list[Row] = [("general.architecture", STRING, arch.name, None), ("general.name", STRING, "shardkit export", None)]
     rows += [(key, kinds[kind], value, None) for key, kind, value in arch_metadata(arch, config, folder, where=where)]
-    vocab, note = _vocab_rows(folder, config, where=where, bert=arch.bert)
+    vocab, note = _vocab_rows(folder, config, where=where, bert=arch.bert, space_prefix=arch.name == "llama")
     heads_of: Callable[[str], int | None] = lambda name: None  # noqa: E731
     if arch.permute_qk:
         heads = int(config["num_attention_heads"])
@@ -197,12 +197,13 @@ def _text_model(config: Config | None, *, where: str, folder: str) -> GgufModel:
     return GgufModel(arch.name, arch.gguf_name, heads_of, rows + vocab, note, arch.drops, arch.keeps_f32, "F16")
 
 
-def _vocab_rows(folder: str, config: Config, *, where: str, bert: bool = False) -> tuple[list[Row], str | None]:
+def _vocab_rows(folder: str, config: Config, *, where: str, bert: bool = False,
+                space_prefix: bool = False) -> tuple[list[Row], str | None]:
     """The tokenizer's ``tokenizer.*`` keys as llama.cpp's converter writes them; without one, ``no_vocab`` and a note."""
     from ..layouts.gguf_vocab import has_tokenizer, read_vocab
 
     if has_tokenizer(folder):
-        return read_vocab(folder, config, bert=bert).rows, None
+        return read_vocab(folder, config, bert=bert, space_prefix=space_prefix).rows, None
     rows: list[Row] = [("tokenizer.ggml.model", STRING, "no_vocab", None)]
     rows += [(f"tokenizer.ggml.{key}", UINT32, config[key], None) for key in ("bos_token_id", "eos_token_id")
              if isinstance(config.get(key), int) and not isinstance(config.get(key), bool)]
