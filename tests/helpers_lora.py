@@ -50,6 +50,8 @@ def save_adapter(base: Path, folder: Path, cls: type, *, seed: int = 1, dtype: t
         for name, param in model.named_parameters():
             if "modules_to_save" in name or "lora_B" in name and name.endswith("bias"):
                 param.add_(torch.randn_like(param))
+            elif "lora_magnitude_vector" in name:  # DoRA: magnitudes away from the base's own norms
+                param.mul_(1 + 0.1 * torch.randn_like(param))
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(folder)

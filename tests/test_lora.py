@@ -280,3 +280,14 @@ def test_banded_deltas_match_peft_within_float32_rounding(llama: dict[str, Path]
     for name, value in got.items():
         torch.testing.assert_close(value, want[name], rtol=1e-6, atol=1e-6, msg=name)
     assert not torch.equal(got["model.embed_tokens.weight"], load_folder(llama["base"])["model.embed_tokens.weight"])
+
+
+def test_dora_merges_as_peft_merges_it(llama: dict[str, Path], run_cli) -> None:
+    """DoRA: W + ΔW rescaled per output row to the magnitude vector; bit-equal to PEFT's merge in fp32."""
+    adapter = save_adapter(llama["base"], llama["root"] / "dora", llama_class(), seed=9, r=4, lora_alpha=8,
+                           use_dora=True, target_modules=["q_proj", "v_proj", "down_proj"])
+    out = llama["root"] / "merged-dora"
+    assert run_cli("convert", llama["base"], out, "--lora", adapter).exit_code == 0
+    reference = peft_merged(llama["base"], [adapter], llama_class())
+    assert_bit_equal_to(load_folder(out), reference)
+    assert torch.equal(logits(llama_class().from_pretrained(out)), logits(reference))

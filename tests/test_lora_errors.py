@@ -79,7 +79,7 @@ def test_two_adapters_on_one_weight_in_different_dtypes(made, run_cli, tmp_path)
 
 @pytest.mark.parametrize(("changes", "contains"), [
     ({"peft_type": "LOHA"}, "peft_type LOHA is not supported; supported: PEFT LoRA"),
-    ({"use_dora": True}, "DoRA (use_dora) is not supported yet"),
+    ({"peft_type": "LOKR"}, "peft_type LOKR is not supported"),
 ])
 def test_other_adapter_kinds_name_what_is_supported(made, run_cli, tmp_path, changes, contains) -> None:
     refused(run_cli, made, tmp_path, copy_adapter(made, tmp_path, **changes), contains=contains)
@@ -99,3 +99,12 @@ def test_a_missing_adapter_and_other_targets(made, run_cli, tmp_path) -> None:
     refused(run_cli, made, tmp_path, tmp_path / "nowhere", contains="no such file or folder")
     refused(run_cli, made, tmp_path, made["adapter"], contains="--lora merges into one model checkpoint",
             extra=("--to", "single-file"))
+
+
+def test_dora_on_an_embedding_and_beside_another_adapter(made, run_cli, tmp_path) -> None:
+    embedding = save_adapter(made["base"], tmp_path / "dora-embed", llama_class(), seed=6, r=2, lora_alpha=2,
+                             use_dora=True, target_modules=["embed_tokens"])
+    refused(run_cli, made, tmp_path, embedding, contains="DoRA on model.embed_tokens.weight (an embedding, conv")
+    dora = save_adapter(made["base"], tmp_path / "dora", llama_class(), seed=8, r=2, lora_alpha=2, use_dora=True,
+                        target_modules=["q_proj"])
+    refused(run_cli, made, tmp_path, made["adapter"], dora, contains="a DoRA adapter and another adapter both change")

@@ -8,6 +8,7 @@ adapter key                                base tensor changed
 =========================================  ===========================================================
 ``M.lora_A.weight`` + ``M.lora_B.weight``  ``M.weight += scale · (B @ A)`` (Linear; Conv: flattened)
 ``M.lora_B.bias``                          ``M.bias += scale · bias`` (``lora_bias=True``)
+``M.lora_magnitude_vector`` (DoRA)         ``M.weight = m / norm(W + ΔW) · (W + ΔW)``, per output row (Linear)
 ``M.lora_embedding_A`` / ``_B``            ``M.weight += scale · (B @ A)ᵀ`` (Embedding)
 any other ``base_model.model.N``           ``N`` replaced whole, before any pair is added (``modules_to_save``;
                                            ``M.base_layer.weight``: a targeted embedding's own weight)
@@ -38,13 +39,14 @@ __all__ = ["PEFT_PREFIX", "SUPPORTED", "AdapterKeys", "LoraPair", "PeftLora", "l
 PEFT_PREFIX = "base_model.model."
 SUPPORTED = ("PEFT LoRA folders (adapter_config.json with peft_type LORA + adapter_model.safetensors or "
              "adapter_model.bin: Linear, Embedding and Conv targets, rsLoRA, rank_pattern/alpha_pattern, "
-             "lora_bias, modules_to_save), and diffusers or kohya LoRA .safetensors files for a UNet or "
+             "lora_bias, modules_to_save, DoRA on Linear layers), and diffusers or kohya LoRA .safetensors files for a UNet or "
              "transformer (what diffusers' load_lora_weights reads)")
 PairKind = Literal["linear", "embedding"]
 _SUFFIXES: dict[str, tuple[PairKind, str]] = {".lora_A.weight": ("linear", "A"), ".lora_B.weight": ("linear", "B"),
              ".lora_embedding_A": ("embedding", "A"), ".lora_embedding_B": ("embedding", "B")}
 _BIAS = ".lora_B.bias"
-_UNSUPPORTED_KEYS = (".lora_magnitude_vector", ".trainable_tokens_delta", ".lora_E", ".hada_w", ".lokr_w", ".ia3_l")
+_MAGNITUDE = ".lora_magnitude_vector"  # DoRA: one magnitude per output row
+_UNSUPPORTED_KEYS = (".trainable_tokens_delta", ".lora_E", ".hada_w", ".lokr_w", ".ia3_l")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class LoraPair:
         kind: ``linear`` (``B @ A``) or ``embedding`` (``(B @ A)ᵀ``).
         a, b: the adapter keys of A and B.
         bias: the adapter key of ``lora_B.bias``, if any.
+        magnitude: the adapter key of DoRA's ``lora_magnitude_vector``, if any.
     """
 
     module: str
@@ -63,6 +66,7 @@ class LoraPair:
     a: str
     b: str
     bias: str | None = None
+    magnitude: str | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ def peft_keys(names: Iterable[str], *, where: str) -> AdapterKeys:
     """
     halves: dict[tuple[str, PairKind], dict[str, str]] = {}
     biases: dict[str, str] = {}
+    magnitudes: dict[str, str] = {}
     replaced: list[tuple[str, str]] = []
     for key in names:
         if not key.startswith(PEFT_PREFIX):
@@ -102,6 +107,8 @@ def peft_keys(names: Iterable[str], *, where: str) -> AdapterKeys:
             halves.setdefault((name[: -len(suffix)], kind), {})[half] = key
         elif name.endswith(_BIAS):
             biases[name[: -len(_BIAS)]] = key
+        elif name.endswith(_MAGNITUDE) or name.endswith(_MAGNITUDE + ".weight"):
+            magnitudes[name.rpartition(_MAGNITUDE)[0]] = key
         else:  # modules_to_save, or an embedding's base weight PEFT saved beside its pair (loaded before the merge)
             replaced.append((key, name.replace(".base_layer.", ".")))
     pairs = []
@@ -110,10 +117,10 @@ def peft_keys(names: Iterable[str], *, where: str) -> AdapterKeys:
             missing = "B" if "A" in got else "A"
             raise InvalidInputError(f"{where}: {next(iter(got.values()))!r} has no lora_{missing} beside it; "
                                     "the adapter file is incomplete: save it again")
-        pairs.append(LoraPair(module, kind, got["A"], got["B"], biases.pop(module, None)))
-    if biases:
-        raise InvalidInputError(f"{where}: {next(iter(biases.values()))!r} has no lora_A/lora_B beside it; "
-                                "the adapter file is incomplete: save it again")
+        pairs.append(LoraPair(module, kind, got["A"], got["B"], biases.pop(module, None), magnitudes.pop(module, None)))
+    if biases or magnitudes:
+        raise InvalidInputError(f"{where}: {next(iter({**biases, **magnitudes}.values()))!r} has no lora_A/lora_B "
+                                "beside it; the adapter file is incomplete: save it again")
     return AdapterKeys(tuple(pairs), tuple(replaced))
 
 

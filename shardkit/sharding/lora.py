@@ -159,10 +159,10 @@ class LoraSource(ViewSource):
             if whole is None:
                 product = _conv_product(update.a.to(compute), b) if _is_spatial_conv(update.a) else b @ a
                 whole = deltas[i] = (product.T if update.transpose else product).mul_(update.scale)  # no copy
-            return band.add_(whole[row0:row1])
+            return _dora(band.add_(whole[row0:row1]), update, row0, row1)
         if update.transpose:  # rows of (B @ A)ᵀ: A[:, rows]ᵀ @ Bᵀ
             return torch.addmm(band, a[:, row0:row1].T, (b * update.scale).T, out=band)
-        return torch.addmm(band, b[row0:row1] * update.scale, a, out=band)
+        return _dora(torch.addmm(band, b[row0:row1] * update.scale, a, out=band), update, row0, row1)
 
     def report(self) -> JsonObject:
         """What was merged: per adapter its rank, alpha, scale and counts; the tensors changed."""
@@ -180,3 +180,15 @@ def _conv_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
     product = conv2d(a.transpose(0, 1), b.reshape(*b.shape, 1, 1)).transpose(0, 1)
     return product.reshape(product.shape[0], -1)
+
+
+def _dora(merged: torch.Tensor, update: LowRank, row0: int, row1: int) -> torch.Tensor:
+    """DoRA: the merged rows rescaled to the magnitude vector, ``m / norm(W + ΔW)`` per output row, as PEFT merges."""
+    if update.magnitude is None:
+        return merged
+    import torch
+
+    norm = torch.linalg.norm(merged, dim=1).to(merged.dtype)
+    factor = update.magnitude[row0:row1].to(merged.dtype) / norm
+    rescaled: torch.Tensor = factor.view(-1, 1) * merged
+    return rescaled

@@ -53,13 +53,15 @@ class Adapter:
 
 @dataclass(frozen=True)
 class LowRank:
-    """``W += scale · (B @ A)`` (transposed for embeddings and ``fan_in_fan_out``), A and B as stored."""
+    """``W += scale · (B @ A)`` (transposed for embeddings and ``fan_in_fan_out``), A and B as stored; with
+    DoRA's ``magnitude`` m, ``W = m / norm(W + ΔW) · (W + ΔW)`` per output row."""
 
     a: torch.Tensor
     b: torch.Tensor
     scale: float
     transpose: bool
     adapter: str
+    magnitude: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -127,9 +129,6 @@ def _refuse_other_formats(where: str, config: Config, names: Sequence[str]) -> N
     kind = str(config.get("peft_type") or "LORA").upper()
     if kind != "LORA":
         raise InvalidInputError(f"adapter {where}: peft_type {kind} is not supported; supported: {SUPPORTED}")
-    if config.get("use_dora"):
-        raise InvalidInputError(f"adapter {where}: DoRA (use_dora) is not supported yet: merge it with PEFT's "
-                                f"merge_and_unload(); supported: {SUPPORTED}")
     if config.get("layer_replication"):
         raise InvalidInputError(f"adapter {where}: layer_replication changes the model's layers; not supported")
     if names and all(n.startswith(_KOHYA) for n in names):
@@ -206,8 +205,9 @@ def _plan_pair(plan: MergePlan, adapter: Adapter, pair: LoraPair, base: Mapping[
             * rank:
         raise InvalidInputError(f"adapter {adapter.path}: {pair.a} {tuple(a.shape)} / {pair.b} {tuple(b.shape)} do "
                                 f"not fit {name} {entry.shape} of {where}; is this the adapter's base model?")
+    magnitude = _magnitude(adapter, pair, rows, transpose, name)
     plan.updates.setdefault(name, []).append(LowRank(a, b.reshape(b_rows, rank), factor * scale, transpose,
-                                                     adapter.path))
+                                                     adapter.path, magnitude))
     if pair.bias is not None:
         bias = _base_entry(adapter, pair.bias, prefix + pair.module + ".bias", base, where=where)
         value = adapter.tensors[pair.bias]
@@ -215,6 +215,20 @@ def _plan_pair(plan: MergePlan, adapter: Adapter, pair: LoraPair, base: Mapping[
             raise InvalidInputError(f"adapter {adapter.path}: {pair.bias} {tuple(value.shape)} does not fit "
                                     f"{bias.name} {bias.shape} of {where}")
         plan.updates.setdefault(bias.name, []).append(Replace(value, adapter.path, add=True, scale=factor * scale))
+
+
+def _magnitude(adapter: Adapter, pair: LoraPair, rows: int, transpose: bool, name: str) -> torch.Tensor | None:
+    """DoRA's magnitude vector of ``pair`` (one per output row), checked; None for a plain LoRA pair."""
+    if pair.magnitude is None:
+        return None
+    if transpose or adapter.tensors[pair.a].dim() != 2:
+        raise InvalidInputError(f"adapter {adapter.path}: DoRA on {name} (an embedding, conv or fan_in_fan_out layer) "
+                                "is not supported, only on Linear layers; merge it with PEFT's merge_and_unload()")
+    value = adapter.tensors[pair.magnitude]
+    if value.numel() != rows:
+        raise InvalidInputError(f"adapter {adapter.path}: {pair.magnitude} {tuple(value.shape)} does not fit {name} "
+                                f"({rows} output rows)")
+    return value.reshape(rows)
 
 
 def _plan_replace(plan: MergePlan, adapter: Adapter, key: str, name: str, base: Mapping[str, TensorEntry], *,
@@ -246,6 +260,9 @@ def _base_entry(adapter: Adapter, key: str, name: str, base: Mapping[str, Tensor
 def _check_dtypes(plan: MergePlan) -> None:
     for name, updates in plan.updates.items():
         low = [u for u in updates if isinstance(u, LowRank)]
+        if len(low) > 1 and any(u.magnitude is not None for u in low):
+            raise InvalidInputError(f"{name}: a DoRA adapter and another adapter both change it "
+                                    f"({', '.join(u.adapter for u in low)}); merge the DoRA adapter alone")
         dtypes = {str(u.b.dtype).removeprefix("torch.") for u in low}
         if len(dtypes) > 1:
             raise InvalidInputError(f"{name}: changed by adapters stored in different dtypes ({', '.join(sorted(dtypes))}: "
