@@ -198,7 +198,7 @@ def sentencepiece_tokenizer(folder: Path) -> int:
     return int(sentencepiece.SentencePieceProcessor(model_file=str(folder / "tokenizer.model")).vocab_size())
 
 
-def tiny_model_folder(folder: Path, arch: str, *, dtype: Any = None) -> Path:
+def tiny_model_folder(folder: Path, arch: str, *, dtype: Any = None, **overrides: Any) -> Path:
     """A random transformers model of ``arch`` (llama, mistral, qwen2, qwen3: 2 layers, grouped-query attention,
     a byte-level BPE tokenizer; bert: all-MiniLM-L6-v2's config shrunk, with its real WordPiece tokenizer and
     sentence-transformers pooling files), saved with ``save_pretrained``."""
@@ -235,7 +235,7 @@ def tiny_model_folder(folder: Path, arch: str, *, dtype: Any = None) -> Path:
                    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
                    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True})}
         config_class, model_class, extra = classes[arch]
-        model = getattr(transformers, model_class)(getattr(transformers, config_class)(**fields, **extra))
+        model = getattr(transformers, model_class)(getattr(transformers, config_class)(**{**fields, **extra, **overrides}))
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(folder)

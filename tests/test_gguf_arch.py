@@ -99,3 +99,29 @@ def test_an_unsupported_architecture_is_one_line_naming_those_supported(tmp_path
     line = assert_one_line_error(run_cli("convert", folder, tmp_path / "x.gguf", "--to", "gguf"),
                                  contains="model_type llama, mistral, qwen2, qwen3, bert")
     assert "gemma2" in line and not (tmp_path / "x.gguf").exists()
+
+
+ROPE = {
+    "llama3.1": ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 64, "rope_theta": 500000.0}),
+    "yarn": ("qwen2", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                       "rope_theta": 1000000.0}),
+    "linear": ("llama", {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ROPE))
+def test_rope_scaling_equals_the_converters(case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama 3.1's rope_type llama3 becomes the converter's computed rope_freqs.weight; linear and yarn its keys."""
+    arch, rope = ROPE[case]
+    folder = tiny_model_folder(tmp_path / case, arch, rope_parameters=rope)
+    monkeypatch.setitem(gguf_pre.PRE_TOKENIZERS, probe_hash(str(folder / "tokenizer.json")), fixture_pre(arch))
+    reference = run_converter(folder, tmp_path / "ref.gguf", outtype="q8_0", pre_fallback=fixture_pre(arch))
+    out = tmp_path / "ours.gguf"
+    shardkit.convert(folder, out, to="gguf", quantize="q8_0")
+    assert gguf_tensors(out) == gguf_tensors(reference)
+    assert gguf_fields(out) == gguf_fields(reference)
+    if case == "llama3.1":
+        assert gguf_tensors(out)["rope_freqs.weight"][0] == "F32"
+    else:
+        assert gguf_fields(out)[f"{arch}.rope.scaling.type"][1] == rope["rope_type"]

@@ -30,7 +30,7 @@ from ..errors import InvalidInputError
 
 __all__ = ["ARCHITECTURES", "GgufArch", "arch_for_config", "arch_metadata"]
 
-U32, F32, BOOL = "u32", "f32", "bool"
+U32, F32, BOOL, STR = "u32", "f32", "bool", "str"
 
 _DECODER_LAYER = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -131,13 +131,13 @@ def _first(config: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
 
 
 def arch_metadata(arch: GgufArch, config: Mapping[str, Any], folder: str, *, where: str
-                  ) -> list[tuple[str, str, int | float | bool]]:
-    """The ``{arch}.*`` keys llama.cpp's converter writes for ``config``: ``(key, "u32"/"f32"/"bool", value)``.
+                  ) -> list[tuple[str, str, int | float | bool | str]]:
+    """The ``{arch}.*`` keys llama.cpp's converter writes for ``config``: ``(key, "u32"/"f32"/"bool"/"str", value)``.
 
     Raises:
         InvalidInputError: a config missing the layer count, or an integer field that is not one.
     """
-    out: list[tuple[str, str, int | float | bool]] = []
+    out: list[tuple[str, str, int | float | bool | str]] = []
 
     def put(key: str, kind: str, value: Any) -> None:
         if value is None:
@@ -160,6 +160,8 @@ def arch_metadata(arch: GgufArch, config: Mapping[str, Any], folder: str, *, whe
     if config.get("is_causal") is False:
         put("attention.causal", BOOL, False)
     put("rope.freq_base", F32, _rope_theta(config))
+    for key, kind, value in _rope_scaling(config):
+        put(key, kind, value)
     put("attention.layer_norm_rms_epsilon", F32, _first(config, ("rms_norm_eps", "norm_eps")))
     put("attention.layer_norm_epsilon", F32, _first(config, ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")))
     put("attention.key_length", U32, config.get("head_dim"))
@@ -175,6 +177,61 @@ def arch_metadata(arch: GgufArch, config: Mapping[str, Any], folder: str, *, whe
         put("attention.causal", BOOL, False)
         put("pooling_type", U32, pooling_type(folder, where=where))
     return out
+
+
+def rope_parameters(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The converter's ``rope_parameters`` (``rope_parameters`` or ``rope_scaling``, ``type`` read as ``rope_type``)."""
+    params = config.get("rope_parameters", config.get("rope_scaling")) or {}
+    params = params.get("full_attention", params) if isinstance(params, Mapping) else {}
+    if "rope_type" not in params and "type" in params:
+        params = {**params, "rope_type": params["type"]}
+    return params if isinstance(params, Mapping) else {}
+
+
+def _rope_scaling(config: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
+    """``rope.scaling.*`` as the converter writes them: linear and yarn (llama3's go into ``rope_freqs.weight``)."""
+    params = rope_parameters(config)
+    kind, factor = params.get("rope_type"), params.get("factor")
+    if kind not in ("linear", "yarn", "su", "longrope") or (kind in ("linear", "yarn") and factor is None):
+        return []
+    if kind in ("su", "longrope"):
+        return [("rope.scaling.type", STR, "longrope")]
+    out: list[tuple[str, str, Any]] = [("rope.scaling.type", STR, kind), ("rope.scaling.factor", F32, factor)]
+    if kind == "yarn":
+        out.append(("rope.scaling.original_context_length", U32, params.get("original_max_position_embeddings")))
+        for key, names in (("yarn_ext_factor", ("extrapolation_factor",)),
+                           ("yarn_attn_factor", ("attention_factor", "attn_factor")),
+                           ("yarn_beta_fast", ("beta_fast",)), ("yarn_beta_slow", ("beta_slow",))):
+            out.append((f"rope.scaling.{key}", F32, next((params[n] for n in names if n in params), None)))
+    return out
+
+
+def llama3_rope_factors(config: Mapping[str, Any]) -> bytes | None:
+    """The float32 bytes of ``rope_freqs.weight`` for a Llama 3.1-style ``rope_type: llama3`` config, computed as the
+    converter does (torch float32 arithmetic, value by value); None for other configs."""
+    import math
+
+    import torch
+
+    params = rope_parameters(config)
+    if str(params.get("rope_type", "")).lower() != "llama3":
+        return None
+    base = params.get("rope_theta", _rope_theta(config) or 10000.0)
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = params.get("factor", 8.0), params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
+    old = params.get("original_max_position_embeddings", 8192)
+    factors: list[Any] = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy().tobytes()
 
 
 def _rope_theta(config: Mapping[str, Any]) -> float | None:

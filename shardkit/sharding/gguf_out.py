@@ -78,6 +78,7 @@ class GgufModel:
     drops: Callable[[str], bool] = lambda name: name.endswith("rotary_emb.inv_freq")  # left out, as llama.cpp does
     keep_f32: Callable[[str], bool] = lambda gguf_name: False  # kept F32 whatever the quantize type (by GGUF name)
     partial_blocks: str = "F32"  # the type of 2-D tensors whose rows are not whole blocks (llama.cpp's converter: F16)
+    extra: dict[str, bytes] = field(default_factory=dict)  # GGUF name → F32 bytes of tensors computed from the config
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class _Tensor:
     name: str            # in the GGUF file
     kind: str            # ggml type written
     heads: int | None    # q/k permutation
+    data: bytes | None = None  # a tensor the converter computes (Llama 3.1's rope_freqs.weight), not in the source
 
 
 def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize: str | None = None,
@@ -174,13 +176,13 @@ def _flux_folder(path: str, *, component: str | None, variant: str | None) -> It
 
 def _text_model(config: Config | None, *, where: str, folder: str) -> GgufModel:
     """A transformers language model through its entry in :mod:`shardkit.layouts.gguf_arch`."""
-    from ..layouts.gguf_arch import arch_for_config, arch_metadata
+    from ..layouts.gguf_arch import arch_for_config, arch_metadata, llama3_rope_factors
 
     if config is None:
         raise InvalidInputError(f"{where}: to='gguf' needs the model's config.json beside the weights (a transformers "
                                 "model folder), or a Flux transformer (diffusers folder or BFL file)")
     arch = arch_for_config(config, where=where)
-    kinds = {"u32": UINT32, "f32": FLOAT32, "bool": BOOL}
+    kinds = {"u32": UINT32, "f32": FLOAT32, "bool": BOOL, "str": STRING}
     rows: list[Row] = [("general.architecture", STRING, arch.name, None), ("general.name", STRING, "shardkit export", None)]
     rows += [(key, kinds[kind], value, None) for key, kind, value in arch_metadata(arch, config, folder, where=where)]
     vocab, note = _vocab_rows(folder, config, where=where, bert=arch.bert, space_prefix=arch.name == "llama")
@@ -194,7 +196,9 @@ def _text_model(config: Config | None, *, where: str, folder: str) -> GgufModel:
                 return heads
             return kv_heads if name.endswith(("k_proj.weight", "k_proj.bias")) else None
 
-    return GgufModel(arch.name, arch.gguf_name, heads_of, rows + vocab, note, arch.drops, arch.keeps_f32, "F16")
+    rope_freqs = llama3_rope_factors(config) if arch.llama_keys else None
+    extra = {"rope_freqs.weight": rope_freqs} if rope_freqs is not None else {}
+    return GgufModel(arch.name, arch.gguf_name, heads_of, rows + vocab, note, arch.drops, arch.keeps_f32, "F16", extra)
 
 
 def _vocab_rows(folder: str, config: Config, *, where: str, bert: bool = False,
@@ -235,6 +239,9 @@ def _plan(src: Source, model: GgufModel, *, quantize: str | None) -> list[_Tenso
         kind = _kind(entry, quantize, stored, where=src.description, keep_f32=model.keep_f32(name),
                      partial_blocks=model.partial_blocks)
         out.append(_Tensor(entry, name, kind, model.heads(entry.name)))
+    for name, data in model.extra.items():
+        if name not in {t.name for t in out}:
+            out.append(_Tensor(TensorEntry(name, "F32", (len(data) // 4,), len(data)), name, "F32", None, data))
     if missing:
         raise InvalidInputError(f"{src.description}: {len(missing)} tensor(s) have no llama.cpp name, e.g. "
                                 f"{', '.join(missing[:3])}; to='gguf' writes {model.architecture} models as "
@@ -308,6 +315,9 @@ def _tensor_bytes(t: _Tensor, src: Source) -> Iterator[bytes]:
     from ..layouts.gguf_names import permute_rows
     from ..sources.dequantized import read_rows
 
+    if t.data is not None:
+        yield t.data
+        return
     if isinstance(src, GgufSource) and src.names[t.entry.name].kind.name == t.kind:
         stored = src.names[t.entry.name]
         for begin in range(0, stored.nbytes, BAND_BYTES):
