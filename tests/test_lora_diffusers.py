@@ -88,3 +88,19 @@ def test_a_lora_for_another_unet_is_refused(sd: dict[str, Path], run_cli, tmp_pa
     result = run_cli("convert", sd["unet"], tmp_path / "out", "--lora", other)
     assert_one_line_error(result, contains="do not fit down_blocks.0.attentions.0.proj_in.weight")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_pipeline_folder_gets_the_lora_in_its_unet(sd: dict[str, Path], run_cli) -> None:
+    """The whole pipeline written (other components and files as they are), the UNet merged; diffusers loads it."""
+    from diffusers import StableDiffusionPipeline
+
+    out = sd["root"] / "merged-pipeline"
+    result = run_cli("convert", sd["root"] / "sd", out, "--lora", sd["kohya"])
+    assert result.exit_code == 0, result.stderr
+    assert f"merged {sd['kohya']}:" in result.stdout
+    fused, unet = fused_unet(sd, sd["kohya"]), load_folder(out / "unet")
+    assert [k for k, v in unet.items() if not torch.equal(v, fused[k])] == []
+    vae, base_vae = load_folder(out / "vae"), load_folder(sd["root"] / "sd" / "vae")
+    assert vae.keys() == base_vae.keys() and all(torch.equal(v, base_vae[k]) for k, v in vae.items())
+    assert (out / "model_index.json").read_text() == (sd["root"] / "sd" / "model_index.json").read_text()
+    StableDiffusionPipeline.from_pretrained(out)

@@ -97,7 +97,7 @@ def test_a_unet_lora_on_a_llama_and_a_file_that_is_no_lora(made, run_cli, tmp_pa
 
 def test_a_missing_adapter_and_other_targets(made, run_cli, tmp_path) -> None:
     refused(run_cli, made, tmp_path, tmp_path / "nowhere", contains="no such file or folder")
-    refused(run_cli, made, tmp_path, made["adapter"], contains="--lora merges into one model checkpoint",
+    refused(run_cli, made, tmp_path, made["adapter"], contains="--lora merges into a checkpoint written as safetensors",
             extra=("--to", "single-file"))
 
 

@@ -85,7 +85,8 @@ and biases stay F32); without it types are kept.
 
 \b
 --lora ADAPTER (repeatable) merges a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors),
-or a diffusers/kohya LoRA .safetensors file into a UNet or transformer folder, into SOURCE as it streams: W + scale * (B @ A) in float32 from each band of rows, written in the output
+or a diffusers/kohya LoRA .safetensors file into a UNet or transformer folder (or a pipeline folder's),
+into SOURCE as it streams: W + scale * (B @ A) in float32 from each band of rows, written in the output
 dtype (--dtype, or the base's own), scale = lora_alpha / r (rsLoRA: / sqrt(r); rank_pattern and
 alpha_pattern honoured) times --lora-scale; modules_to_save tensors replace the base's. Adapters whose
 shapes, ranks or targets do not fit the base are refused before anything is written.
@@ -150,7 +151,8 @@ def convert(source: str, output: str, key: str | None, strip_prefix: str | None,
         echo_json(result.to_dict())
     elif not quiet:
         print_plan(result)
-        for merged in (getattr(result, "lora", None) or {}).get("adapters", ()):
+        parts = [result, *getattr(result, "components", {}).values()]  # a pipeline: its unet/transformer merged
+        for merged in (a for part in parts for a in (getattr(part, "lora", None) or {}).get("adapters", ())):
             click.echo(f"merged {merged['adapter']}: {merged['pairs']} LoRA weight(s), {merged['replaced']} replaced "
                        f"whole (r={merged['r']}, lora_alpha={merged['lora_alpha']}, scale x{merged['scale']:g})")
         dropped = getattr(result, "dropped", 0)

@@ -84,9 +84,9 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
     """
     output = os.fspath(output)
     keymap = keymap or KeyMap()
-    if lora and (to is not None or (isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source))):
-        raise InvalidInputError("lora=... merges into one model checkpoint written as safetensors; convert the "
-                                "component folder, without to=... (merge first, then convert the merged folder)")
+    if lora and to is not None:
+        raise InvalidInputError("lora=... merges into a checkpoint written as safetensors; merge first (without "
+                                "to=...), then convert the merged folder")
     if to == "gguf":
         from .gguf_out import convert_to_gguf
 
@@ -112,6 +112,14 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
         if not keymap.is_identity():
             raise InvalidInputError(f"{source}: key options (strip_prefix=..., include=..., rename=...) do not apply "
                                     "to a pipeline folder; convert a component folder instead")
+        if lora:
+            from .lora import pipeline_lora
+
+            whole, target, report = pipeline_lora(source, output, lora, scale=lora_scale, options=options, key=key)
+            part = whole.components[target]
+            whole.components[target] = ConvertResult(**{f.name: getattr(part, f.name) for f in fields(SplitResult)},
+                                                     lora=report)
+            return whole
         return split_with(source, output, options=options, key=key)  # checks the output itself
     refuse_output_inside_source(source, output)
     with open_settled(source, key=key, dry_run=options.dry_run, output=output) as inner:

@@ -34,6 +34,8 @@ from .quant import source_config
 if TYPE_CHECKING:
     import torch
 
+    from .pipeline import PipelineResult
+
 __all__ = ["WHOLE_DELTA_BYTES", "LoraSource", "merged_view"]
 
 WHOLE_DELTA_BYTES = 64 * 2**20  # a delta up to this (float32) is computed whole, as PEFT does
@@ -192,3 +194,34 @@ def _dora(merged: torch.Tensor, update: LowRank, row0: int, row1: int) -> torch.
     factor = update.magnitude[row0:row1].to(merged.dtype) / norm
     rescaled: torch.Tensor = factor.view(-1, 1) * merged
     return rescaled
+
+
+def pipeline_lora(folder: str | os.PathLike[str], output: str, adapters: Sequence[str | os.PathLike[str]], *,
+                  scale: float, options: WriteOptions, key: str | None) -> tuple[PipelineResult, str, JsonObject]:
+    """A diffusers pipeline folder with diffusion LoRAs merged into its UNet (or transformer), every other
+    component and file written as :func:`~shardkit.sharding.pipeline.split_pipeline` writes them.
+
+    Returns:
+        The pipeline's result, the component merged into, and what was merged (:meth:`LoraSource.report`).
+    """
+    from ..formats.layout import find_components
+    from .job import refuse_output_inside_source
+    from .pipeline import split_pipeline
+    from .single_file import refuse_file_output
+
+    names = {c.name for c in find_components(folder) if c.has_weights}
+    target = next((n for n in ("unet", "transformer") if n in names), None)
+    if target is None:
+        raise InvalidInputError(f"{folder}: a LoRA merges into a pipeline's unet or transformer, and this one has "
+                                f"neither ({', '.join(sorted(names))}); merge into a component folder instead")
+    refuse_output_inside_source(folder, output)
+    refuse_file_output(folder, output)
+    merged: list[LoraSource] = []
+
+    def view(name: str, src: Source) -> Source:
+        if name != target:
+            return src
+        merged.append(merged_view(src, adapters, scale=scale, options=options))
+        return merged[-1]
+
+    return split_pipeline(folder, output, options=options, key=key, view=view), target, merged[0].report()

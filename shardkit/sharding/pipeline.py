@@ -15,6 +15,7 @@ Other weight files of a component (another variant, a ``.bin`` twin of the conve
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..errors import InvalidInputError
@@ -49,8 +50,12 @@ class PipelineResult(SplitResult):
         return doc
 
 
+ComponentView = Callable[[str, Source], Source]  # (component name, its source) → the source written
+
+
 def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str],
-                   *, options: WriteOptions | None = None, key: str | None = None) -> PipelineResult:
+                   *, options: WriteOptions | None = None, key: str | None = None,
+                   view: ComponentView | None = None) -> PipelineResult:
     """Shard every weight-bearing component of a diffusers pipeline folder; copy everything else.
 
     Args:
@@ -60,6 +65,7 @@ def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str
         options: shard size, cast, variant... (default: :class:`WriteOptions` defaults); ``name``
             must be None, since every component keeps its own naming.
         key: must be None (each component has its own state dict).
+        view: wraps a component's source before it is planned (a LoRA merged into the UNet).
 
     Returns:
         A :class:`PipelineResult`: the combined plan, one result per component, the copied files.
@@ -75,7 +81,7 @@ def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str
         raise InvalidInputError(f"{option} does not apply to a pipeline folder ({folder}): every component keeps "
                                 "its own naming and state dict; run it on a component folder instead")
     settle_source(folder, output, dry_run=options.dry_run)  # rolled forward only in place
-    jobs, left_out = _open_components(given, options)
+    jobs, left_out = _open_components(given, options, view)
     try:
         _warn_left_out(jobs, left_out)
         in_place = os.path.realpath(folder) == os.path.realpath(output)
@@ -88,7 +94,8 @@ def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str
             job.source.close()
 
 
-def _open_components(folder: str | os.PathLike[str], options: WriteOptions) -> tuple[list[ShardJob], dict[str, list[str]]]:
+def _open_components(folder: str | os.PathLike[str], options: WriteOptions,
+                     view: ComponentView | None = None) -> tuple[list[ShardJob], dict[str, list[str]]]:
     """One planned job per weight-bearing component, and the weight files each one leaves out."""
     opened: list[Source] = []
     jobs: list[ShardJob] = []
@@ -99,6 +106,8 @@ def _open_components(folder: str | os.PathLike[str], options: WriteOptions) -> t
                 continue
             opened.append(open_source(beneath(folder, component.path)))  # by range too where folder is read so
             left_out[component.name] = _other_weight_files(component.path, opened[-1])
+            if view is not None:
+                opened[-1] = view(component.name, opened[-1])  # closing the view closes the component's source
             jobs.append(plan_job(opened[-1], options=options, folder=component.name))
     except BaseException:
         for source in opened:
