@@ -164,8 +164,8 @@ def tiny_bpe_tokenizer(folder: Path, *, chat_template: str | None = "{% for m in
                   "tokenizer_class": "PreTrainedTokenizerFast"}
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
-        config = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-                  "unk_token": None, "tokenizer_class": "Qwen2Tokenizer"}
+        config = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "add_prefix_space": False,
+                  "unk_token": None, "tokenizer_class": "Qwen2Tokenizer"}  # add_prefix_space: Qwen's converter skips it
     tok.save(str(folder / "tokenizer.json"))
     if chat_template is not None and template_file:
         (folder / "chat_template.jinja").write_text(chat_template)
