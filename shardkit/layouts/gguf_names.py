@@ -27,7 +27,7 @@ from .table import Mapped
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LLAMA_KEYS", "GgufNames", "NameMap", "config_from_metadata", "metadata_from_config", "name_map", "permute_rows",
+__all__ = ["LLAMA_KEYS", "GgufNames", "NameMap", "config_from_metadata", "name_map", "permute_rows",
            "unpermute_rows"]
 
 _LAYER = {
@@ -165,40 +165,6 @@ def config_from_metadata(metadata: Config, *, has_output: bool, where: str) -> J
         if isinstance(value, int):
             config[field] = value
     return config
-
-
-def metadata_from_config(config: Config, *, where: str) -> dict[str, tuple[str, int | float]]:
-    """``llama.*`` keys of a GGUF for a transformers Llama ``config``: key → (``"u32"``/``"f32"``, value).
-
-    Raises:
-        InvalidInputError: not a Llama config, or one missing a size GGUF needs.
-    """
-    if config.get("model_type") != "llama":
-        raise InvalidInputError(f"{where}: to='gguf' writes Llama-family language models (config.json model_type "
-                                f"llama) and Flux transformers; this config says {config.get('model_type')!r}")
-    hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
-    if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:
-        raise InvalidInputError(f"{where}: config.json needs integer hidden_size and num_attention_heads")
-    values = {"max_position_embeddings": 2048, "rope_theta": _rope_theta(config), "rms_norm_eps": 1e-6,
-              "num_key_value_heads": heads, "head_dim": hidden // heads, **{
-                  k: v for k, v in config.items() if v is not None and k not in ("rope_theta",)}}
-    out: dict[str, tuple[str, int | float]] = {}
-    for key, field in LLAMA_KEYS.items():
-        if field not in values:
-            raise InvalidInputError(f"{where}: config.json has no {field}; GGUF's llama.{key} needs it")
-        value = values[field]
-        out[f"llama.{key}"] = ("f32", float(value)) if key in _FLOAT_KEYS else ("u32", int(value))
-    head_dim = int(values["head_dim"])
-    out["llama.attention.key_length"] = out["llama.attention.value_length"] = ("u32", head_dim)
-    return out
-
-
-def _rope_theta(config: Config) -> float:
-    params = config.get("rope_parameters")
-    if isinstance(params, Mapping) and isinstance(params.get("rope_theta"), (int, float)):
-        return float(params["rope_theta"])
-    value = config.get("rope_theta", 10000.0)
-    return float(value) if isinstance(value, (int, float)) else 10000.0
 
 
 def _f32_decimal(value: float) -> float:
