@@ -224,6 +224,6 @@ def test_fit_on_a_text_model_says_what_fit_covers_and_what_to_use(tmp_path) -> N
                          vocab_size=500)).save_pretrained(tmp_path / "bert")
     code, out, err = run("fit", tmp_path / "bert", "--gpu", "8GB", "--cpu", "24GB")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
-    assert "a bert model on its own" in err and "--model transformers:BertModel" in err
+    assert "a bert model on its own" in err and "use plan with --model transformers:BertModel" in err
     code, out, err = run("plan", tmp_path / "bert", "--model", "transformers:BertModel", "--gpu", "1MB")
     assert code == 0, err

@@ -202,10 +202,10 @@ def _check_diffusion_part(path: str, config: JsonObject, role: str) -> None:
     architectures = config.get("architectures")
     cls = architectures[0] if isinstance(architectures, list) and architectures else None
     kind = config.get("model_type") or cls or config.get("_class_name") or "model"
-    model = f"transformers:{cls}" if cls else "CLASS"
+    model = f"transformers:{cls}" if cls else "diffusers:CLASS"
     raise InvalidInputError(f"{path}: a {kind} model on its own; fit plans diffusion pipelines (a pipeline folder, "
                             "or its denoiser or VAE folder) for image generation. For any model's device map "
-                            f"within a memory budget use `shardkit plan {path} --model {model} --gpu SIZE`")
+                            f"within a memory budget use plan with model={model!r} and the budget")
 
 
 def _guess(name: str, folder: str, roles: dict[str, str], configs: dict[str, JsonObject]) -> str:

@@ -59,10 +59,9 @@ def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset
             or a scaled one asked for fp8 or ``quantize``.
     """
     if options.quantize in GGUF_QUANTIZE:
-        raise InvalidInputError(f"quantize={options.quantize!r} is a GGUF type, which only convert writes: "
-                                f"`shardkit convert SOURCE OUTPUT.gguf --to gguf --quantize {options.quantize}` "
-                                "(safetensors outputs take quantize='fp8-block', 'fp8-channel', 'fp8-tensor', "
-                                "'nvfp4' or 'mxfp4')")
+        raise InvalidInputError(f"quantize={options.quantize!r} is a GGUF type, which only convert writes, with "
+                                "to='gguf' and an OUTPUT ending in .gguf (safetensors outputs take "
+                                "quantize='fp8-block', 'fp8-channel', 'fp8-tensor', 'nvfp4' or 'mxfp4')")
     gguf = find_gguf(src)
     if gguf is not None:  # ggml-quantized tensors: dequantized (listed as F32) only when a dtype is given
         gguf.require_dtype(options.cast_to if options.quantize is None else "F32")
