@@ -23,10 +23,11 @@ from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..devices import DeviceKey
 from ..errors import InvalidInputError
+from ..formats.json_types import Config
 from .device_reads import FileReaders, RingSource
 from .pipeline_copy import (
     CopyJob,
@@ -63,7 +64,7 @@ class SliceSpec:
     sections: tuple[int, ...]
 
 
-def rules_for(config: Mapping[str, Any]) -> list[SliceRule]:
+def rules_for(config: Config) -> list[SliceRule]:
     """Megatron/vLLM splits for Llama-family decoders (Llama, Mistral, Qwen2/3, Gemma, Phi-3's fused
     projections) from their ``config.json``; first matching rule wins, unmatched tensors are replicated.
 
