@@ -319,7 +319,7 @@ class _Run:
                 slot.token = None
                 self.fill(slot, piece)
                 slot.token = self.stage.submit(slot.memory, piece.copies)
-            except BaseException as e:  # noqa: B036  # handed to the caller's thread, raised there
+            except BaseException as e:  # handed to the caller's thread, raised there after every slot is back
                 with self.lock:
                     self.errors.append(e)
                 self.stop.set()
