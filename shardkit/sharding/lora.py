@@ -124,15 +124,17 @@ class LoraSource(ViewSource):
         step = max(1, BAND_BYTES // max(1, cols * 4))
         compute = torch.float64 if stored.dtype == "F64" else torch.float32
         updates = self.plan.updates[entry.name]
+        work = torch.empty(min(step, last - first) * cols, dtype=compute)  # one band's memory, reused (no page faults)
         for row0 in range(first, last, step):
             row1 = min(last, row0 + step)
+            into = work[: (row1 - row0) * cols].view(row1 - row0, cols)
             band: torch.Tensor | None = None
             for i, update in enumerate(updates):
                 if isinstance(update, Replace) and not update.add:  # modules_to_save: the base is not read
-                    band = update.value.reshape(rows, cols)[row0:row1].to(compute, copy=True)  # added to in place below
+                    band = into.copy_(update.value.reshape(rows, cols)[row0:row1])  # added to in place below
                     continue
                 if band is None:
-                    band = read_rows(self.inner, stored, row0, row1).to(compute)
+                    band = into.copy_(read_rows(self.inner, stored, row0, row1))
                 if isinstance(update, Replace):  # lora_B.bias, added as PEFT adds it
                     band = band + update.value.reshape(rows, cols)[row0:row1].to(compute) * update.scale
                 else:
