@@ -291,3 +291,16 @@ def test_dora_merges_as_peft_merges_it(llama: dict[str, Path], run_cli) -> None:
     reference = peft_merged(llama["base"], [adapter], llama_class())
     assert_bit_equal_to(load_folder(out), reference)
     assert torch.equal(logits(llama_class().from_pretrained(out)), logits(reference))
+
+
+def test_an_adapter_saved_as_a_pickle(llama: dict[str, Path], tmp_path: Path) -> None:
+    """adapter_model.bin (safe_serialization=False) is read with weights_only=True and merges the same."""
+    from safetensors.torch import load_file
+
+    adapter = Path(shutil.copytree(llama["adapter"], tmp_path / "bin-adapter"))
+    torch.save(load_file(adapter / "adapter_model.safetensors"), adapter / "adapter_model.bin")
+    (adapter / "adapter_model.safetensors").unlink()
+    shardkit.convert(llama["base"], tmp_path / "out", lora=adapter)
+    shardkit.convert(llama["base"], tmp_path / "ref", lora=llama["adapter"])
+    got, want = load_folder(tmp_path / "out"), load_folder(tmp_path / "ref")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
