@@ -35,18 +35,42 @@ def sd(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     kohya = convert_state_dict_to_kohya({f"unet.{k}": v for k, v in layers.items()})
     kohya = {k: torch.tensor(2.0) if k.endswith(".alpha") else v for k, v in kohya.items()}  # scale 2 / 4
     save_file(kohya, root / "lora-kohya.safetensors")
+    text = text_encoder_lora(root)  # one file with both: kohya names, alpha 2 on the UNet, rank on the text encoder
+    both = convert_state_dict_to_kohya({**{f"unet.{k}": v for k, v in layers.items()},
+                                        **{f"text_encoder.{k}": v for k, v in text.items()}})
+    both = {k: torch.tensor(2.0) if k.endswith(".alpha") and k.startswith("lora_unet") else v for k, v in both.items()}
+    save_file(both, root / "lora-both.safetensors")
     return {"root": root, "unet": root / "sd" / "unet", "diffusers": root / "lora-diffusers" /
-            "pytorch_lora_weights.safetensors", "kohya": root / "lora-kohya.safetensors"}
+            "pytorch_lora_weights.safetensors", "kohya": root / "lora-kohya.safetensors",
+            "both": root / "lora-both.safetensors", "text-merged": root / "text-merged.safetensors"}
 
 
-def fused_unet(sd: dict[str, Path], lora: Path) -> dict[str, torch.Tensor]:
+def text_encoder_lora(root: Path) -> dict[str, torch.Tensor]:
+    """A LoRA on the pipeline's CLIP text encoder made with PEFT itself (transformers' own adapter integration
+    wants a newer PEFT), and PEFT's merge of it saved as the judge (diffusers loads text-encoder LoRAs the same way)."""
+    from peft import LoraConfig, get_peft_model
+    from peft.utils import get_peft_model_state_dict
+    from transformers import CLIPTextModel
+
+    torch.manual_seed(2)
+    model = get_peft_model(CLIPTextModel.from_pretrained(root / "sd" / "text_encoder"),
+                           LoraConfig(r=2, lora_alpha=2, init_lora_weights=False,
+                                      target_modules=["q_proj", "k_proj", "v_proj", "out_proj"]))
+    layers = {k.removeprefix("base_model.model."): v.clone() for k, v in get_peft_model_state_dict(model).items()}
+    save_file({k: v.contiguous() for k, v in model.merge_and_unload().state_dict().items()},
+              root / "text-merged.safetensors")
+    return layers
+
+
+def fused_unet(sd: dict[str, Path], lora: Path, component: str = "unet") -> dict[str, torch.Tensor]:
+    """diffusers' own merge: the pipeline with the LoRA loaded, fused and unloaded; one component's weights."""
     from diffusers import StableDiffusionPipeline
 
     pipe = StableDiffusionPipeline.from_pretrained(sd["root"] / "sd")
     pipe.load_lora_weights(lora.parent, weight_name=lora.name)
     pipe.fuse_lora()
     pipe.unload_lora_weights()
-    return pipe.unet.state_dict()
+    return getattr(pipe, component).state_dict()
 
 
 @pytest.mark.parametrize("kind", ["diffusers", "kohya"])
@@ -90,16 +114,22 @@ def test_a_lora_for_another_unet_is_refused(sd: dict[str, Path], run_cli, tmp_pa
     assert not (tmp_path / "out").exists()
 
 
-def test_a_pipeline_folder_gets_the_lora_in_its_unet(sd: dict[str, Path], run_cli) -> None:
-    """The whole pipeline written (other components and files as they are), the UNet merged; diffusers loads it."""
+def test_a_pipeline_folder_gets_the_lora_in_its_unet_and_text_encoder(sd: dict[str, Path], run_cli) -> None:
+    """The whole pipeline written (other components and files as they are): the UNet merged as diffusers fuses
+    it, the text encoder as PEFT merges it (one kohya file with both); diffusers loads the result."""
     from diffusers import StableDiffusionPipeline
+    from safetensors.torch import load_file
 
     out = sd["root"] / "merged-pipeline"
-    result = run_cli("convert", sd["root"] / "sd", out, "--lora", sd["kohya"])
+    result = run_cli("convert", sd["root"] / "sd", out, "--lora", sd["both"])
     assert result.exit_code == 0, result.stderr
-    assert f"merged {sd['kohya']}:" in result.stdout
-    fused, unet = fused_unet(sd, sd["kohya"]), load_folder(out / "unet")
-    assert [k for k, v in unet.items() if not torch.equal(v, fused[k])] == []
+    assert result.stdout.count(f"merged {sd['both']}:") == 2  # unet, text_encoder
+    fused, unet = fused_unet(sd, sd["kohya"]), load_folder(out / "unet")  # the same UNet pairs and alphas
+    assert unet.keys() == fused.keys() and [k for k, v in unet.items() if not torch.equal(v, fused[k])] == []
+    text, judged = load_folder(out / "text_encoder"), load_file(sd["text-merged"])
+    assert text.keys() == judged.keys() and [k for k, v in text.items() if not torch.equal(v, judged[k])] == []
+    base_text = load_folder(sd["root"] / "sd" / "text_encoder")
+    assert sum(not torch.equal(v, base_text[k]) for k, v in text.items()) == 8  # q/k/v/out_proj of 2 layers
     vae, base_vae = load_folder(out / "vae"), load_folder(sd["root"] / "sd" / "vae")
     assert vae.keys() == base_vae.keys() and all(torch.equal(v, base_vae[k]) for k, v in vae.items())
     assert (out / "model_index.json").read_text() == (sd["root"] / "sd" / "model_index.json").read_text()

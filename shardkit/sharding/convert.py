@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
+from ..formats.json_types import JsonObject
 from ..formats.layout import is_pipeline_folder
 from ..sources import Source
 from ..sources.keymap import KeyMap, KeyMapSource, parse_renames
@@ -49,9 +50,9 @@ class ConvertResult(SplitResult):
 
     dropped: int = 0
     ema_tensors: int = 0
-    lora: dict[str, Any] | None = None  # what the adapters merged (sharding/lora.py), None without any
+    lora: JsonObject | None = None  # what the adapters merged (sharding/lora.py), None without any
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {**super().to_dict(), "dropped": self.dropped, "ema_tensors": self.ema_tensors,
                 **({"lora": self.lora} if self.lora is not None else {})}
 
@@ -115,10 +116,11 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
         if lora:
             from .lora import pipeline_lora
 
-            whole, target, report = pipeline_lora(source, output, lora, scale=lora_scale, options=options, key=key)
-            part = whole.components[target]
-            whole.components[target] = ConvertResult(**{f.name: getattr(part, f.name) for f in fields(SplitResult)},
-                                                     lora=report)
+            whole, reports = pipeline_lora(source, output, lora, scale=lora_scale, options=options, key=key)
+            for name, report in reports.items():
+                part = whole.components[name]
+                whole.components[name] = ConvertResult(**{f.name: getattr(part, f.name) for f in fields(SplitResult)},
+                                                       lora=report)
             return whole
         return split_with(source, output, options=options, key=key)  # checks the output itself
     refuse_output_inside_source(source, output)

@@ -27,7 +27,7 @@ from ..sources import Source
 from ..sources.dequantized import DequantizedSource, ViewSource, bytes_in_range, read_rows
 from ..sources.dequantized_fp4 import Fp4DequantizedSource
 from ..units import LOSSLESS_TARGETS, tensor_nbytes
-from .lora_adapter import Adapter, LowRank, Replace, load_adapter, plan_merge
+from .lora_adapter import Adapter, LowRank, Replace, is_peft_folder, load_adapter, plan_merge
 from .options import WriteOptions
 from .quant import source_config
 
@@ -41,10 +41,11 @@ __all__ = ["WHOLE_DELTA_BYTES", "LoraSource", "merged_view"]
 WHOLE_DELTA_BYTES = 64 * 2**20  # a delta up to this (float32) is computed whole, as PEFT does
 BAND_BYTES = 8 * 2**20  # float32 bytes of one band of rows
 _FLOATS = ("F32", "F16", "BF16", "F64")
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2")  # pipeline components a diffusion LoRA file may hold keys for
 
 
 def merged_view(inner: Source, adapters: Sequence[str | os.PathLike[str]], *, scale: float = 1.0,
-                options: WriteOptions) -> LoraSource:
+                options: WriteOptions, component: str | None = None) -> LoraSource:
     """``inner`` with ``adapters`` merged (in order), every check done before a byte is written.
 
     A quantized base (fp8 or fp4 with scales) is dequantized to float32 beneath the merge: written in
@@ -53,10 +54,13 @@ def merged_view(inner: Source, adapters: Sequence[str | os.PathLike[str]], *, sc
 
     Raises:
         InvalidInputError: a quantized base with neither, or an adapter that does not fit (:func:`plan_merge`).
+
+    ``component`` names the pipeline component ``inner`` is, for a diffusion LoRA file's keys.
     """
     config = source_config(inner)  # an SDXL UNet's block numbering, for kohya files
     inner = _dequantized(inner, options)
-    loaded = [load_adapter(path, base_config=config) for path in adapters]
+    names = frozenset(e.name for e in inner.entries())
+    loaded = [load_adapter(path, base_config=config, component=component, base_names=names) for path in adapters]
     return LoraSource(inner, loaded, scale=scale, cast_to=options.cast_to)
 
 
@@ -199,12 +203,13 @@ def _dora(merged: torch.Tensor, update: LowRank, row0: int, row1: int) -> torch.
 
 
 def pipeline_lora(folder: str | os.PathLike[str], output: str, adapters: Sequence[str | os.PathLike[str]], *,
-                  scale: float, options: WriteOptions, key: str | None) -> tuple[PipelineResult, str, JsonObject]:
-    """A diffusers pipeline folder with diffusion LoRAs merged into its UNet (or transformer), every other
-    component and file written as :func:`~shardkit.sharding.pipeline.split_pipeline` writes them.
+                  scale: float, options: WriteOptions, key: str | None) -> tuple[PipelineResult, dict[str, JsonObject]]:
+    """A diffusers pipeline folder with diffusion LoRAs merged into its UNet (or transformer) and, where the
+    files hold their keys, its text encoders; every other component and file written as
+    :func:`~shardkit.sharding.pipeline.split_pipeline` writes them.
 
     Returns:
-        The pipeline's result, the component merged into, and what was merged (:meth:`LoraSource.report`).
+        The pipeline's result, and what was merged into each component changed (:meth:`LoraSource.report`).
     """
     from ..formats.layout import find_components
     from .job import refuse_output_inside_source
@@ -218,12 +223,14 @@ def pipeline_lora(folder: str | os.PathLike[str], output: str, adapters: Sequenc
                                 f"neither ({', '.join(sorted(names))}); merge into a component folder instead")
     refuse_output_inside_source(folder, output)
     refuse_file_output(folder, output)
-    merged: list[LoraSource] = []
+    merged: dict[str, LoraSource] = {}
+    files_only = not any(is_peft_folder(path) for path in adapters)  # a PEFT adapter is the UNet's alone
 
     def view(name: str, src: Source) -> Source:
-        if name != target:
+        if name != target and (name not in TEXT_ENCODERS or not files_only):
             return src
-        merged.append(merged_view(src, adapters, scale=scale, options=options))
-        return merged[-1]
+        merged[name] = merged_view(src, adapters, scale=scale, options=options, component=name)
+        return merged[name]
 
-    return split_pipeline(folder, output, options=options, key=key, view=view), target, merged[0].report()
+    result = split_pipeline(folder, output, options=options, key=key, view=view)
+    return result, {name: lora.report() for name, lora in merged.items() if lora.plan.updates}

@@ -27,7 +27,7 @@ from ..sources.dequantized import read_whole
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Adapter", "LowRank", "Replace", "Update", "load_adapter", "plan_merge"]
+__all__ = ["Adapter", "LowRank", "Replace", "Update", "is_peft_folder", "load_adapter", "plan_merge"]
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHT_NAMES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -77,9 +77,11 @@ class Replace:
 Update = LowRank | Replace
 
 
-def load_adapter(path: str | os.PathLike[str], *, base_config: Config | None = None) -> Adapter:
+def load_adapter(path: str | os.PathLike[str], *, base_config: Config | None = None, component: str | None = None,
+                 base_names: frozenset[str] = frozenset()) -> Adapter:
     """Read a PEFT LoRA folder (or its weight file beside ``adapter_config.json``), or a diffusers/kohya
-    LoRA file (:mod:`shardkit.sharding.lora_diffusers`; ``base_config``: an SDXL UNet's numbering), into memory.
+    LoRA file (:mod:`shardkit.sharding.lora_diffusers`; ``base_config``: an SDXL UNet's numbering;
+    ``component``: which of its components' keys; ``base_names``: the base's tensor names), into memory.
 
     Raises:
         SourceNotFoundError: no such path.
@@ -91,8 +93,9 @@ def load_adapter(path: str | os.PathLike[str], *, base_config: Config | None = N
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     weights = path if os.path.isfile(path) else next(
         (os.path.join(folder, n) for n in WEIGHT_NAMES if os.path.isfile(os.path.join(folder, n))), None)
-    if not os.path.isfile(os.path.join(folder, CONFIG_NAME)):
-        return _diffusers_file(path, folder, weights, base_config=base_config)
+    if not is_peft_folder(path):
+        return _diffusers_file(path, folder, weights, base_config=base_config, component=component,
+                               base_names=base_names)
     config = _read_config(folder, where=path)
     if weights is None:
         raise InvalidInputError(f"adapter {path}: no {' or '.join(WEIGHT_NAMES)} in it; supported: {SUPPORTED}")
@@ -103,7 +106,15 @@ def load_adapter(path: str | os.PathLike[str], *, base_config: Config | None = N
     return Adapter(path, config, tensors, peft_keys(tensors, where=f"adapter {path}"))
 
 
-def _diffusers_file(path: str, folder: str, weights: str | None, *, base_config: Config | None) -> Adapter:
+def is_peft_folder(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a PEFT adapter (a folder, or a file beside ``adapter_config.json``)."""
+    path = os.fspath(path)
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    return os.path.isfile(os.path.join(folder, CONFIG_NAME))
+
+
+def _diffusers_file(path: str, folder: str, weights: str | None, *, base_config: Config | None,
+                    component: str | None, base_names: frozenset[str]) -> Adapter:
     """A LoRA file without ``adapter_config.json``: diffusers' or kohya's (one ``.safetensors`` file)."""
     from .lora_diffusers import diffusers_adapter
 
@@ -115,7 +126,8 @@ def _diffusers_file(path: str, folder: str, weights: str | None, *, base_config:
     with open_source(weights) as src:
         tensors = {e.name: read_whole(src, e) for e in src.entries()}
         metadata = src.metadata()
-    return Adapter(path, *diffusers_adapter(path, tensors, metadata, base_config=base_config))
+    return Adapter(path, *diffusers_adapter(path, tensors, metadata, base_config=base_config, component=component,
+                                            base_names=base_names))
 
 
 def _read_config(folder: str, *, where: str) -> Config:

@@ -8,8 +8,10 @@ diffusers' own functions, the ones ``load_lora_weights`` runs: ``lora_state_dict
 names and alphas), ``convert_unet_state_dict_to_peft`` and ``get_peft_kwargs`` (rank, alpha, their
 patterns); the result is a PEFT config and keys, held as an :class:`~shardkit.sharding.lora_adapter.Adapter`
 and merged like any PEFT one,
-so ``pipe.load_lora_weights(...); pipe.fuse_lora()`` and the merge agree. Text-encoder keys are left
-out of a UNet or transformer merge, with a warning.
+so ``pipe.load_lora_weights(...); pipe.fuse_lora()`` and the merge agree. ``component`` picks the keys:
+``unet``/``transformer`` (the default: whichever the file has), or ``text_encoder``/``text_encoder_2`` in a
+pipeline merge (diffusers' text-encoder conversion, ``text_model.`` dropped where the base has no such
+names). Keys of other components are left out of a single-folder merge, with a warning.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ PREFIXES = ("unet", "transformer")
 
 
 def diffusers_adapter(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], *,
-                      base_config: Config | None) -> tuple[Config, dict[str, torch.Tensor], AdapterKeys]:
+                      base_config: Config | None, component: str | None = None,
+                      base_names: frozenset[str] = frozenset()) -> tuple[Config, dict[str, torch.Tensor], AdapterKeys]:
     """The PEFT adapter diffusers builds from a diffusers or kohya LoRA file (see the module docstring):
     its LoraConfig fields, its tensors under PEFT's names, and those names sorted.
 
@@ -45,17 +48,22 @@ def diffusers_adapter(path: str, tensors: Mapping[str, torch.Tensor], metadata: 
     unet_config = dict(base_config) if base_config and "down_block_types" in base_config else None
     loaded = StableDiffusionLoraLoaderMixin.lora_state_dict(dict(tensors), unet_config=unet_config)
     state, alphas = loaded[0], loaded[1] or {}
-    prefix = next((p for p in PREFIXES if any(k.startswith(p + ".") for k in state)), None)
+    prefix = component or next((p for p in PREFIXES if any(k.startswith(p + ".") for k in state)), None)
     if prefix is None:
         raise InvalidInputError(f"adapter {path}: no UNet or transformer LoRA keys (first key {next(iter(tensors), '')!r});"
                                 f" supported: {SUPPORTED}")
     left_out = sorted({k.split(".", 1)[0] for k in state if not k.startswith(prefix + ".")})
-    if left_out:
+    if left_out and component is None:
         warn(f"adapter {path}: its {', '.join(left_out)} keys are left out (this merge is into the {prefix}); merge "
              "them into that component's folder with a PEFT adapter")
     sd = {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
-    config = _config(sd, {k[len(prefix) + 1:]: v for k, v in alphas.items() if k.startswith(prefix + ".")},
-                     _metadata(metadata, prefix, where=path))
+    if not sd and component is not None:  # nothing for this pipeline component: it is written as it is
+        return {"peft_type": "LORA"}, {}, AdapterKeys(())
+    alphas = {k[len(prefix) + 1:]: v for k, v in alphas.items() if k.startswith(prefix + ".")}
+    if prefix in PREFIXES:
+        config = _config(sd, alphas, _metadata(metadata, prefix, where=path))
+    else:
+        sd, config = _text_encoder(sd, alphas, _metadata(metadata, prefix, where=path), base_names)
     peft = {PEFT_PREFIX + k: v for k, v in sd.items()}
     return config, peft, peft_keys(peft, where=f"adapter {path}")
 
@@ -76,6 +84,22 @@ def _config(sd: dict[str, torch.Tensor], alphas: Mapping[str, Any], metadata: Co
         raise InvalidInputError(f"no lora_B tensors in the LoRA file; supported: {SUPPORTED}")
     kwargs: dict[str, Any] = get_peft_kwargs(rank, alphas or None, sd, is_unet=True)  # type: ignore[no-untyped-call]
     return {**kwargs, "peft_type": "LORA"}
+
+
+def _text_encoder(sd: dict[str, torch.Tensor], alphas: Mapping[str, Any], metadata: Config | None,
+                  base_names: frozenset[str]) -> tuple[dict[str, torch.Tensor], Config]:
+    """A text encoder's keys and LoraConfig fields as diffusers' ``_load_lora_into_text_encoder`` makes them."""
+    from diffusers.utils.peft_utils import get_peft_kwargs
+    from diffusers.utils.state_dict_utils import convert_state_dict_to_diffusers, convert_state_dict_to_peft
+
+    sd = convert_state_dict_to_peft(convert_state_dict_to_diffusers(sd))  # type: ignore[no-untyped-call]
+    if not any(n.startswith("text_model.") for n in base_names):  # transformers' flattened CLIPTextModel
+        sd = {k.removeprefix("text_model."): v for k, v in sd.items()}
+    if metadata is not None:
+        return sd, {**metadata, "peft_type": "LORA"}
+    rank = {k: v.shape[1] for k, v in sd.items() if k.endswith(".lora_B.weight") and v.ndim > 1}
+    kwargs: dict[str, Any] = get_peft_kwargs(rank, alphas or None, sd, is_unet=False)  # type: ignore[no-untyped-call]
+    return sd, {**kwargs, "peft_type": "LORA"}
 
 
 def _metadata(metadata: Mapping[str, str], prefix: str, *, where: str) -> Config | None:
