@@ -24,9 +24,10 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from ..errors import InvalidInputError
+from ..formats.gguf import Scalar
+from ..formats.json_types import Config
 
 __all__ = ["ARCHITECTURES", "GgufArch", "arch_for_config", "arch_metadata"]
 
@@ -110,7 +111,7 @@ ARCHITECTURES: dict[str, GgufArch] = {a.name: a for a in (
 )}
 
 
-def arch_for_config(config: Mapping[str, Any], *, where: str) -> GgufArch:
+def arch_for_config(config: Config, *, where: str) -> GgufArch:
     """The entry for a transformers ``config.json``.
 
     Raises:
@@ -125,21 +126,21 @@ def arch_for_config(config: Mapping[str, Any], *, where: str) -> GgufArch:
                             f"transformers); this config says {model_type!r}")
 
 
-def _first(config: Mapping[str, Any], keys: tuple[str, ...]) -> Any:
-    """The converter's ``find_hparam``: the value of the first key present (None included)."""
+def _first(config: Config, keys: tuple[str, ...]) -> Scalar | None:
+    """The converter's ``find_hparam``: the value of the first key present (None included), as config.json gives it
+    (``put`` checks the integers, as the converter does)."""
     return next((config[k] for k in keys if k in config), None)
 
 
-def arch_metadata(arch: GgufArch, config: Mapping[str, Any], folder: str, *, where: str
-                  ) -> list[tuple[str, str, int | float | bool | str]]:
+def arch_metadata(arch: GgufArch, config: Config, folder: str, *, where: str) -> list[tuple[str, str, Scalar]]:
     """The ``{arch}.*`` keys llama.cpp's converter writes for ``config``: ``(key, "u32"/"f32"/"bool"/"str", value)``.
 
     Raises:
         InvalidInputError: a config missing the layer count, or an integer field that is not one.
     """
-    out: list[tuple[str, str, int | float | bool | str]] = []
+    out: list[tuple[str, str, Scalar]] = []
 
-    def put(key: str, kind: str, value: Any) -> None:
+    def put(key: str, kind: str, value: Scalar | None) -> None:
         if value is None:
             return
         if kind == U32 and (not isinstance(value, int) or isinstance(value, bool)):
@@ -179,7 +180,7 @@ def arch_metadata(arch: GgufArch, config: Mapping[str, Any], folder: str, *, whe
     return out
 
 
-def rope_parameters(config: Mapping[str, Any]) -> Mapping[str, Any]:
+def rope_parameters(config: Config) -> Config:
     """The converter's ``rope_parameters`` (``rope_parameters`` or ``rope_scaling``, ``type`` read as ``rope_type``)."""
     params = config.get("rope_parameters", config.get("rope_scaling")) or {}
     params = params.get("full_attention", params) if isinstance(params, Mapping) else {}
@@ -188,7 +189,7 @@ def rope_parameters(config: Mapping[str, Any]) -> Mapping[str, Any]:
     return params if isinstance(params, Mapping) else {}
 
 
-def _rope_scaling(config: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
+def _rope_scaling(config: Config) -> list[tuple[str, str, Scalar | None]]:
     """``rope.scaling.*`` as the converter writes them: linear and yarn (llama3's go into ``rope_freqs.weight``)."""
     params = rope_parameters(config)
     kind, factor = params.get("rope_type"), params.get("factor")
@@ -196,7 +197,7 @@ def _rope_scaling(config: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
         return []
     if kind in ("su", "longrope"):
         return [("rope.scaling.type", STR, "longrope")]
-    out: list[tuple[str, str, Any]] = [("rope.scaling.type", STR, kind), ("rope.scaling.factor", F32, factor)]
+    out: list[tuple[str, str, Scalar | None]] = [("rope.scaling.type", STR, kind), ("rope.scaling.factor", F32, factor)]
     if kind == "yarn":
         out.append(("rope.scaling.original_context_length", U32, params.get("original_max_position_embeddings")))
         for key, names in (("yarn_ext_factor", ("extrapolation_factor",)),
@@ -206,7 +207,7 @@ def _rope_scaling(config: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
     return out
 
 
-def llama3_rope_factors(config: Mapping[str, Any]) -> bytes | None:
+def llama3_rope_factors(config: Config) -> bytes | None:
     """The float32 bytes of ``rope_freqs.weight`` for a Llama 3.1-style ``rope_type: llama3`` config, computed as the
     converter does (torch float32 arithmetic, value by value); None for other configs."""
     import math
@@ -221,7 +222,7 @@ def llama3_rope_factors(config: Mapping[str, Any]) -> bytes | None:
     freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     factor, low, high = params.get("factor", 8.0), params.get("low_freq_factor", 1.0), params.get("high_freq_factor", 4.0)
     old = params.get("original_max_position_embeddings", 8192)
-    factors: list[Any] = []
+    factors: list[float | torch.Tensor] = []  # 0-d tensors where computed from a frequency
     for freq in freqs:
         wavelen = 2 * math.pi / freq
         if wavelen < old / high:
@@ -234,7 +235,7 @@ def llama3_rope_factors(config: Mapping[str, Any]) -> bytes | None:
     return torch.tensor(factors, dtype=torch.float32).numpy().tobytes()
 
 
-def _rope_theta(config: Mapping[str, Any]) -> float | None:
+def _rope_theta(config: Config) -> float | None:
     params = config.get("rope_parameters", config.get("rope_scaling")) or {}
     if isinstance(params, Mapping):
         params = params.get("full_attention", params)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
 
-__all__ = ["SpecialVocab", "special_vocab"]
+from ..formats.json_types import Config, JsonObject
+
+__all__ = ["ChatFiles", "SpecialVocab", "special_vocab"]
 
 _ID_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "sep": "seperator_token_id",
             "pad": "padding_token_id", "mask": "mask_token_id", "eot": "eot_token_id", "eom": "eom_token_id"}
@@ -34,7 +36,7 @@ class SpecialVocab:
     types: tuple[str, ...] = ("bos", "eos", "unk", "sep", "pad", "cls", "mask")
     n_vocab: int | None = None
 
-    def set_id(self, kind: str, token_id: Any) -> None:
+    def set_id(self, kind: str, token_id: object) -> None:
         if isinstance(token_id, int) and not isinstance(token_id, bool) and token_id >= 0 and kind not in self.ids:
             if self.n_vocab is None or token_id < self.n_vocab:
                 self.ids[kind] = token_id
@@ -47,13 +49,21 @@ class SpecialVocab:
         return [(f"tokenizer.ggml.add_{kind}_token", value) for kind, value in self.add.items() if kind in _ADD_KEYS]
 
 
-def special_vocab(tokenizer: Mapping[str, Any] | None, tokenizer_config: dict[str, Any] | None,
-                  config: Mapping[str, Any] | None, chat_files: Mapping[str, Any], *, merges: bool,
+class ChatFiles(TypedDict, total=False):
+    """A tokenizer folder's chat template files: ``chat_template.jinja`` (with the named
+    ``additional_chat_templates/*.jinja``) or ``chat_template.json``'s ``chat_template`` value, unchecked."""
+
+    jinja: str | list[dict[str, str]]
+    json: object
+
+
+def special_vocab(tokenizer: Config | None, tokenizer_config: JsonObject | None,
+                  config: Config | None, chat_files: ChatFiles, *, merges: bool,
                   n_vocab: int | None = None) -> SpecialVocab:
     """The special vocabulary of a tokenizer folder's parsed files (``chat_files``: ``jinja``/``json``/``extra``)."""
     out = SpecialVocab(n_vocab=n_vocab)
     tc = dict(tokenizer_config) if tokenizer_config is not None else None
-    added: list[Any] = []
+    added: list[Config] = []  # tokenizer.json's added_tokens
     if tokenizer is not None:
         if merges:
             out.merges = _merges(tokenizer.get("model", {}).get("merges"))
@@ -74,7 +84,7 @@ def special_vocab(tokenizer: Mapping[str, Any] | None, tokenizer_config: dict[st
     return out
 
 
-def _merges(merges: Any) -> list[str]:
+def _merges(merges: object) -> list[str]:
     if not isinstance(merges, list) or not merges:
         return []
     if isinstance(merges[0], str):
@@ -83,7 +93,7 @@ def _merges(merges: Any) -> list[str]:
     return [" ".join("".join(chr(ord(c) + 256) if c == " " else c for c in part) for part in pair) for pair in merges]
 
 
-def _normalizer(out: SpecialVocab, normalizer: Mapping[str, Any]) -> None:
+def _normalizer(out: SpecialVocab, normalizer: Config) -> None:
     kind = normalizer.get("type")
     if kind == "Lowercase":
         out.lowercase = True
@@ -99,7 +109,7 @@ def _normalizer(out: SpecialVocab, normalizer: Mapping[str, Any]) -> None:
             _normalizer(out, inner)
 
 
-def _post_processor(out: SpecialVocab, post: Any, tc: dict[str, Any] | None) -> None:
+def _post_processor(out: SpecialVocab, post: Config | None, tc: JsonObject | None) -> None:
     bos, cls = (tc or {}).get("bos_token"), (tc or {}).get("cls_token")
     eos, sep = (tc or {}).get("eos_token"), (tc or {}).get("sep_token")
     if not bos and cls and tc:
@@ -123,13 +133,17 @@ def _post_processor(out: SpecialVocab, post: Any, tc: dict[str, Any] | None) -> 
             bos, cls, eos, sep = _template(out, proc, tc, bos, cls, eos, sep)
 
 
-def _special(piece: Any) -> Any:
+def _special(piece: object) -> object:
     return piece.get("SpecialToken", {}).get("id") if isinstance(piece, Mapping) else None
 
 
-def _template(out: SpecialVocab, proc: Mapping[str, Any], tc: dict[str, Any] | None,
-              bos: Any, cls: Any, eos: Any, sep: Any) -> tuple[Any, Any, Any, Any]:
-    """gguf-py's reading of a ``TemplateProcessing`` (simple templates only, as there)."""
+def _template(out: SpecialVocab, proc: Config, tc: JsonObject | None,
+              bos: object, cls: object, eos: object, sep: object) -> tuple[object, object, object, object]:
+    """gguf-py's reading of a ``TemplateProcessing`` (simple templates only, as there).
+
+    ``bos``... ``sep``: tokenizer_config's ``*_token`` values (a token's text, an ``AddedToken`` object or
+    absent) or a template's special token id, only compared and passed on.
+    """
     single, pair = proc.get("single", []), proc.get("pair", [])
     first = last = None
     if len(single) > 1:
@@ -163,8 +177,8 @@ def _template(out: SpecialVocab, proc: Mapping[str, Any], tc: dict[str, Any] | N
     return bos, cls, eos, sep
 
 
-def _pair_separator(out: SpecialVocab, middle: list[Any], tc: dict[str, Any] | None, *, first: Any, last: Any,
-                    eos: Any, sep: Any) -> Any:
+def _pair_separator(out: SpecialVocab, middle: list[object], tc: JsonObject | None, *, first: object, last: object,
+                    eos: object, sep: object) -> object:
     a = middle[0].get("Sequence", {}).get("id") if isinstance(middle[0], Mapping) else None
     b = middle[-1].get("Sequence", {}).get("id") if isinstance(middle[-1], Mapping) else None
     inner = middle[1:-1]
@@ -184,8 +198,7 @@ def _pair_separator(out: SpecialVocab, middle: list[Any], tc: dict[str, Any] | N
     return sep
 
 
-def _from_tokenizer_config(out: SpecialVocab, tc: Mapping[str, Any], added: list[Any],
-                           chat_files: Mapping[str, Any]) -> None:
+def _from_tokenizer_config(out: SpecialVocab, tc: Config, added: list[Config], chat_files: ChatFiles) -> None:
     template = tc.get("chat_template", chat_files.get("jinja", chat_files.get("json")))
     if template is None or isinstance(template, (str, list)):
         out.chat_template = template

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable
 
 from ..errors import InvalidInputError
+from ..formats.json_types import Config
 
 __all__ = ["sentencepiece_tokens"]
 
@@ -37,13 +37,15 @@ def _varint(data: bytes, pos: int, where: str) -> tuple[int, int]:
             return value, pos
 
 
-def _fields(data: bytes, where: str) -> list[tuple[int, int, Any]]:
-    """``(field number, wire type, value)`` of one protobuf message (value: int, bytes or float32 bits)."""
-    out, pos = [], 0
+def _fields(data: bytes, where: str) -> list[tuple[int, int, int | bytes]]:
+    """``(field number, wire type, value)`` of one protobuf message (value: an int for a varint, else bytes: a
+    length-delimited field's, or the 8 or 4 bytes of a fixed64/fixed32 one)."""
+    out: list[tuple[int, int, int | bytes]] = []
+    pos = 0
     while pos < len(data):
         key, pos = _varint(data, pos, where)
         number, wire = key >> 3, key & 7
-        value: Any
+        value: int | bytes
         if wire == 0:
             value, pos = _varint(data, pos, where)
         elif wire == 2:
@@ -65,18 +67,18 @@ def _fields(data: bytes, where: str) -> list[tuple[int, int, Any]]:
 def _pieces(data: bytes, where: str) -> list[tuple[str, float, int]]:
     pieces: list[tuple[str, float, int]] = []
     for number, wire, value in _fields(data, where):
-        if number != 1 or wire != 2:
+        if number != 1 or wire != 2 or not isinstance(value, bytes):  # (wire type 2's value is bytes)
             continue
         piece, score, kind = "", 0.0, NORMAL
         for inner, inner_wire, inner_value in _fields(value, where):
-            if inner == 1 and inner_wire == 2:
+            if inner == 1 and inner_wire == 2 and isinstance(inner_value, bytes):
                 try:
                     piece = inner_value.decode("utf-8")
                 except UnicodeDecodeError as e:
                     raise InvalidInputError(f"{where}: piece #{len(pieces)} is not UTF-8") from e
-            elif inner == 2 and inner_wire == 5:
+            elif inner == 2 and inner_wire == 5 and isinstance(inner_value, bytes):
                 score = struct.unpack("<f", inner_value)[0]
-            elif inner == 3 and inner_wire == 0:
+            elif inner == 3 and inner_wire == 0 and isinstance(inner_value, int):
                 kind = inner_value
         pieces.append((piece, score, kind))
     if not pieces:
@@ -84,8 +86,8 @@ def _pieces(data: bytes, where: str) -> list[tuple[str, float, int]]:
     return pieces
 
 
-def sentencepiece_tokens(folder: str, config: Mapping[str, Any], tokenizer_config: Mapping[str, Any] | None,
-                         *, looks_special: Any) -> tuple[list[str], list[float], list[int]]:
+def sentencepiece_tokens(folder: str, config: Config, tokenizer_config: Config | None, *,
+                         looks_special: Callable[[str], bool]) -> tuple[list[str], list[float], list[int]]:
     """Tokens, scores and types of ``folder``'s ``tokenizer.model`` (see the module docstring)."""
     from ..formats.links import parse_json, read_inside
 

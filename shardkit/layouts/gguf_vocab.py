@@ -27,14 +27,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from ..errors import InvalidInputError
 from ..formats.gguf import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32, Value
+from ..formats.json_types import Config, JsonObject
 from .gguf_pre import PRE_TOKENIZERS, PROBE_TEXT
-from .gguf_special import SpecialVocab, special_vocab
+from .gguf_special import ChatFiles, SpecialVocab, special_vocab
 
-__all__ = ["NORMAL", "Vocab", "describe_vocab", "has_tokenizer", "probe_hash", "read_vocab"]
+__all__ = ["NORMAL", "Vocab", "VocabSummary", "describe_vocab", "has_tokenizer", "probe_hash", "read_vocab"]
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp's token types
 Row = tuple[str, int, Value, int | None]
@@ -52,12 +53,23 @@ class Vocab:
     rows: list[Row]
 
 
+class VocabSummary(TypedDict):
+    """What :func:`describe_vocab` says of a GGUF's vocabulary (``info``'s ``vocabulary``)."""
+
+    model: Value | None  # tokenizer.ggml.model as stored
+    size: int
+    pre: str | None
+    chat_template: bool
+    missing: bool
+    text: str
+
+
 def has_tokenizer(folder: str) -> bool:
     """Whether ``folder`` holds a tokenizer llama.cpp's converter would read."""
     return any(os.path.isfile(os.path.join(folder, name)) for name in ("tokenizer.json", "tokenizer.model"))
 
 
-def _read_json(folder: str, name: str) -> Any:
+def _read_json(folder: str, name: str) -> object:
     from ..formats.links import parse_json, read_inside
 
     path = os.path.join(folder, name)
@@ -76,7 +88,7 @@ def _read_text(folder: str, name: str) -> str:
         raise InvalidInputError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); fix or remove it") from e
 
 
-def read_vocab(folder: str, config: Mapping[str, Any], *, bert: bool = False, space_prefix: bool = False) -> Vocab:
+def read_vocab(folder: str, config: Config, *, bert: bool = False, space_prefix: bool = False) -> Vocab:
     """The vocabulary of the tokenizer in ``folder`` (``bert``: the WordPiece form BERT models get;
     ``space_prefix``: write ``tokenizer_config.json``'s ``add_prefix_space``, as the converter does for Llama).
 
@@ -118,8 +130,8 @@ def read_vocab(folder: str, config: Mapping[str, Any], *, bert: bool = False, sp
     return Vocab("bert" if bert else "gpt2", pre, len(tokens), rows)
 
 
-def _sentencepiece(folder: str, config: Mapping[str, Any], tc: dict[str, Any] | None,
-                   tokenizer: dict[str, Any] | None, rows: list[Row]) -> Vocab:
+def _sentencepiece(folder: str, config: Config, tc: JsonObject | None, tokenizer: Config | None,
+                   rows: list[Row]) -> Vocab:
     """``tokenizer.model`` (llama.cpp's ``llama`` vocabulary: scores and types, no merges)."""
     from .gguf_spm import sentencepiece_tokens
 
@@ -135,7 +147,7 @@ def _sentencepiece(folder: str, config: Mapping[str, Any], tc: dict[str, Any] | 
     return Vocab("llama", "default", len(tokens), rows + _special_rows(special))
 
 
-def _sentencepiece_style(tokenizer: Mapping[str, Any]) -> bool:
+def _sentencepiece_style(tokenizer: Config) -> bool:
     """llama.cpp's test for a Llama-2-style BPE (``LlamaHfVocab``): byte fallback and a Sequence decoder."""
     model = tokenizer["model"]
     llama3 = model.get("ignore_merges", False) and not model.get("byte_fallback", True)
@@ -150,8 +162,7 @@ def _looks_special(token: str) -> bool:
             or (token.startswith("<unused") and token.endswith(">")))
 
 
-def _tokens(tokenizer: Mapping[str, Any], tc: Mapping[str, Any] | None, config: Mapping[str, Any], *,
-            where: str) -> tuple[list[str], list[int]]:
+def _tokens(tokenizer: Config, tc: Config | None, config: Config, *, where: str) -> tuple[list[str], list[int]]:
     vocab: dict[str, int] = dict(tokenizer["model"].get("vocab") or {})
     added = {int(a["id"]): a for a in tokenizer.get("added_tokens") or [] if isinstance(a, Mapping)}
     for token_id, a in added.items():
@@ -198,7 +209,7 @@ def probe_hash(tokenizer_file: str) -> str:
     return sha256(str(list(ids)).encode()).hexdigest()
 
 
-def _pre_tokenizer(path: str, tokenizer: Mapping[str, Any]) -> str:
+def _pre_tokenizer(path: str, tokenizer: Config) -> str:
     digest = probe_hash(path)
     name = PRE_TOKENIZERS.get(digest)
     if name is None:
@@ -208,15 +219,16 @@ def _pre_tokenizer(path: str, tokenizer: Mapping[str, Any]) -> str:
     return name
 
 
-def _chat_files(folder: str) -> dict[str, Any]:
+def _chat_files(folder: str) -> ChatFiles:
     """``chat_template.jinja`` (with ``additional_chat_templates/*.jinja`` as a named list) or ``chat_template.json``."""
     if os.path.isfile(os.path.join(folder, "chat_template.jinja")):
-        template: Any = _read_text(folder, "chat_template.jinja")
+        template = _read_text(folder, "chat_template.jinja")
         extra = os.path.join(folder, "additional_chat_templates")
         names = sorted(n for n in os.listdir(extra) if n.endswith(".jinja")) if os.path.isdir(extra) else []
         if names:
-            template = [{"name": "default", "template": template}]
-            template += [{"name": name[: -len(".jinja")], "template": _read_text(extra, name)} for name in names]
+            named = [{"name": "default", "template": template}]
+            named += [{"name": name[: -len(".jinja")], "template": _read_text(extra, name)} for name in names]
+            return {"jinja": named}
         return {"jinja": template}
     data = _read_json(folder, "chat_template.json")
     return {"json": data.get("chat_template")} if isinstance(data, dict) else {}
@@ -260,7 +272,7 @@ def _chat_rows(template: str | list[dict[str, str]] | None) -> list[Row]:
     return rows
 
 
-def describe_vocab(metadata: Mapping[str, Any], architecture: str) -> dict[str, Any] | None:
+def describe_vocab(metadata: Mapping[str, Value], architecture: str) -> VocabSummary | None:
     """What a GGUF's metadata says of its vocabulary, for ``info`` and ``verify``; None for a file that needs none.
 
     A language model (llama.cpp's ``{arch}.block_count`` key) without tokens gets ``"missing": True``: llama.cpp

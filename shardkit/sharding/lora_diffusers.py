@@ -17,10 +17,10 @@ names). Keys of other components are left out of a single-folder merge, with a w
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
-from ..formats.json_types import Config
+from ..formats.json_types import Config, JsonObject
 from ..formats.links import parse_json
 from ..layouts.adapters import PEFT_PREFIX, SUPPORTED, AdapterKeys, peft_keys
 from .options import warn
@@ -68,7 +68,7 @@ def diffusers_adapter(path: str, tensors: Mapping[str, torch.Tensor], metadata: 
     return config, peft, peft_keys(peft, where=f"adapter {path}")
 
 
-def _config(sd: dict[str, torch.Tensor], alphas: Mapping[str, Any], metadata: Config | None) -> Config:
+def _config(sd: dict[str, torch.Tensor], alphas: Mapping[str, float], metadata: Config | None) -> Config:
     """The LoraConfig fields diffusers would use: the file's metadata, or ranks and alphas read off the tensors."""
     from diffusers.utils.peft_utils import get_peft_kwargs
     from diffusers.utils.state_dict_utils import convert_unet_state_dict_to_peft
@@ -82,11 +82,11 @@ def _config(sd: dict[str, torch.Tensor], alphas: Mapping[str, Any], metadata: Co
     rank = {f"^{k}": v.shape[1] for k, v in sd.items() if "lora_B" in k and v.ndim > 1}
     if not rank:
         raise InvalidInputError(f"no lora_B tensors in the LoRA file; supported: {SUPPORTED}")
-    kwargs: dict[str, Any] = get_peft_kwargs(rank, alphas or None, sd, is_unet=True)  # type: ignore[no-untyped-call]
+    kwargs: JsonObject = get_peft_kwargs(rank, alphas or None, sd, is_unet=True)  # type: ignore[no-untyped-call]
     return {**kwargs, "peft_type": "LORA"}
 
 
-def _text_encoder(sd: dict[str, torch.Tensor], alphas: Mapping[str, Any], metadata: Config | None,
+def _text_encoder(sd: dict[str, torch.Tensor], alphas: Mapping[str, float], metadata: Config | None,
                   base_names: frozenset[str]) -> tuple[dict[str, torch.Tensor], Config]:
     """A text encoder's keys and LoraConfig fields as diffusers' ``_load_lora_into_text_encoder`` makes them."""
     from diffusers.utils.peft_utils import get_peft_kwargs
@@ -98,7 +98,7 @@ def _text_encoder(sd: dict[str, torch.Tensor], alphas: Mapping[str, Any], metada
     if metadata is not None:
         return sd, {**metadata, "peft_type": "LORA"}
     rank = {k: v.shape[1] for k, v in sd.items() if k.endswith(".lora_B.weight") and v.ndim > 1}
-    kwargs: dict[str, Any] = get_peft_kwargs(rank, alphas or None, sd, is_unet=False)  # type: ignore[no-untyped-call]
+    kwargs: JsonObject = get_peft_kwargs(rank, alphas or None, sd, is_unet=False)  # type: ignore[no-untyped-call]
     return sd, {**kwargs, "peft_type": "LORA"}
 
 

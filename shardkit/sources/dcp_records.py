@@ -16,10 +16,13 @@ import pickle
 import struct
 import zipfile
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError, UnsafePickleError
 from .dcp_metadata import StoredTensor, load_chunk_record
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 __all__ = ["MAX_RECORD_PICKLE_BYTES", "Chunk", "check_stored", "locate_chunk", "record_bytes"]
 
@@ -58,10 +61,11 @@ class _FileSlice(io.RawIOBase):
     def tell(self) -> int:
         return self.pos
 
-    def readinto(self, buf: Any) -> int:
-        n = max(0, min(len(buf), self.length - self.pos))
+    def readinto(self, buf: WriteableBuffer) -> int:
+        view = memoryview(buf).cast("B")
+        n = max(0, min(len(view), self.length - self.pos))
         data = os.pread(self.fd, n, self.offset + self.pos) if n else b""
-        buf[: len(data)] = data
+        view[: len(data)] = data
         self.pos += len(data)
         return len(data)
 

@@ -11,8 +11,7 @@ before ends it too. :func:`listed_object` checks one listed key and size before 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
 
 from ..errors import StoreError
 from .base import MAX_OBJECT_BYTES, ObjectInfo
@@ -25,12 +24,13 @@ MAX_EMPTY_PAGES = 20  # truncated pages with no entry at all: a store that says 
 FIX = ("the endpoint does not answer like an S3 store (check AWS_ENDPOINT_URL), or the prefix holds more than one "
        "checkpoint: name a folder that holds one")
 
-Reply = Any  # a boto3 reply (boto3 ships no type information)
+# A boto3 reply: a dict whose values are checked where read (boto3 ships no type information).
+Reply = Mapping[str, object]
 Fetch = Callable[[dict[str, str]], Reply]  # one page, given the cursor parameters of the request
 Cursor = Callable[[Reply], dict[str, str]]  # the next page's cursor parameters, from a truncated reply
 
 
-def bounded_pages(where: str, fetch: Fetch, cursor: Cursor, items: str, *, max_entries: int) -> Iterator[list[Reply]]:
+def bounded_pages(where: str, fetch: Fetch, cursor: Cursor, items: str, *, max_entries: int) -> Iterator[list[object]]:
     """The ``items`` of each page ``fetch`` returns, until one is not truncated; one line past a bound.
 
     ``fetch({})`` asks for the first page, ``fetch(cursor(reply))`` for the next. Every entry counts
@@ -65,7 +65,7 @@ def bounded_pages(where: str, fetch: Fetch, cursor: Cursor, items: str, *, max_e
                      f"{FIX}")
 
 
-def listed_object(url: StoreUrl, prefix: str, entry: Reply) -> ObjectInfo | None:
+def listed_object(url: StoreUrl, prefix: str, entry: object) -> ObjectInfo | None:
     """One ``Contents`` entry as an object under ``prefix`` (its key and size checked), or None for a
     folder marker or a key outside the prefix (never ours to read)."""
     fields = entry if isinstance(entry, dict) else {}
