@@ -27,8 +27,16 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from benchlib import (TORCH_SAVE, Case, build_once, build_unet_source, machine_line,  # noqa: E402
-                      publish_report, run_interleaved, table)
+from benchlib import (  # noqa: E402
+    TORCH_SAVE,
+    Case,
+    build_once,
+    build_unet_source,
+    machine_line,
+    publish_report,
+    run_interleaved,
+    table,
+)
 
 # Child-process code saving sys.argv[1] (safetensors) as a DCP folder at sys.argv[2], as FSDP training does.
 DCP_SAVE = ("import sys, warnings; warnings.simplefilter('ignore'); import torch.distributed.checkpoint as dcp; "

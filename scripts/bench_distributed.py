@@ -27,7 +27,6 @@ import glob
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 

@@ -104,8 +104,9 @@ def _fastsafetensors(folder: str, *, device_map="cpu", **_):
 
 
 def _shardkit(folder: str, *, device_map="cpu", max_memory=None, offload=None, read="auto", **_):
-    import shardkit
     from diffusers import UNet2DConditionModel
+
+    import shardkit
 
     return shardkit.load_model(UNet2DConditionModel, folder, config=folder, device_map=device_map,
                                max_memory=max_memory, offload_folder=offload, read=read)
@@ -139,10 +140,10 @@ CASES = {"floor": _floor, "assign": _assign, "shardkit": _shardkit, "accelerate"
 
 def run_case(name: str, folder: str, options: dict) -> None:
     """Child process: import, load, print one JSON line."""
-    import torch  # noqa: F401  (imports are not part of the load time)
     import accelerate  # noqa: F401
     import accelerate.big_modeling  # noqa: F401
     import safetensors.torch  # noqa: F401
+    import torch  # noqa: F401  (imports are not part of the load time)
     from diffusers import UNet2DConditionModel  # noqa: F401  (diffusers imports its models lazily)
 
     import shardkit.loading.load  # noqa: F401

@@ -58,7 +58,6 @@ def inputs(model: str, size: int, dtype: Any, device: str) -> dict[str, Any]:
 
 
 def _to(value: Any, device: str, dtype: Any) -> Any:
-    import torch
 
     if isinstance(value, dict):
         return {k: _to(v, device, dtype) for k, v in value.items()}

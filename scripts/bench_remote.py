@@ -77,11 +77,11 @@ def component_files(name: str, library: str, model: object) -> dict[str, bytes |
                                 else json.dumps(dict(config))).encode()}
     names = [f"{prefix}.safetensors"] if len(groups) == 1 else \
         [f"{prefix}-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
-    for filename, group in zip(names, groups):
+    for filename, group in zip(names, groups, strict=True):
         head, _ = build_header(group)
         files[f"{name}/{filename}"] = LazyBlob(head, len(head) + sum(e.nbytes for e in group))
     if len(groups) > 1:
-        weight_map = {e.name: f for f, g in zip(names, groups) for e in g}
+        weight_map = {e.name: f for f, g in zip(names, groups, strict=True) for e in g}
         total = sum(e.nbytes for e in entries)
         files[f"{name}/{prefix}.safetensors.index.json"] = json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}).encode()

@@ -21,18 +21,16 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
+from helpers_hub import run_measured  # noqa: E402
 from hub_server import HubServer  # noqa: E402
 from hub_state import LazyBlob  # noqa: E402
-from helpers_hub import run_measured  # noqa: E402
 
 REPO = "bench/sd15-unet"
 SHARD_LIMIT_BYTES = 2 * 10**9

@@ -28,8 +28,18 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from benchlib import (TORCH_SAVE, Case, build_once, build_unet_source, filesystem_line,  # noqa: E402
-                      loop_mount, machine_line, publish_report, run_interleaved, table)
+from benchlib import (  # noqa: E402
+    TORCH_SAVE,
+    Case,
+    build_once,
+    build_unet_source,
+    filesystem_line,
+    loop_mount,
+    machine_line,
+    publish_report,
+    run_interleaved,
+    table,
+)
 
 
 def prepare(kind: str, work: str) -> tuple[str, str]:

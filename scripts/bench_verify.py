@@ -1,5 +1,13 @@
 """verify read speed vs `cat FILES > /dev/null` on warm files (median of N runs, same process tree)."""
-import hashlib, json, mmap, os, statistics, struct, subprocess, sys, time
+import hashlib
+import json
+import mmap
+import os
+import statistics
+import struct
+import subprocess
+import sys
+import time
 
 import shardkit
 from shardkit.checking.verify import verify
@@ -58,7 +66,7 @@ for label, files, size, target in (("single file", [single], size_single, single
     t_cat = timed(cat(files))
     t_read = timed(read_only(files))
     t_hash = timed(sha_only(files))
-    t_verify = timed(lambda: verify(target))
+    t_verify = timed(lambda target=target: verify(target))
     row = {"GB": size / 1e9, "cat GB/s": size / t_cat / 1e9, "read loop GB/s": size / t_read / 1e9,
            "hashlib.file_digest (1 thread) GB/s": size / t_hash / 1e9, "verify GB/s": size / t_verify / 1e9,
            "verify / cat": t_cat / t_verify, "read loop / cat": t_cat / t_read}

@@ -53,10 +53,10 @@ def random_source(config: dict[str, Any], *, dtype: str = "F32") -> Any:
     from accelerate import init_empty_weights
     from diffusers import UNet2DConditionModel
 
+    from shardkit.formats.dtypes import to_torch
     from shardkit.formats.header import TensorEntry
     from shardkit.formats.index import Naming
     from shardkit.sources.base import Source
-    from shardkit.formats.dtypes import to_torch
     from shardkit.units import tensor_nbytes
 
     with init_empty_weights():

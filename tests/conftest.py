@@ -14,11 +14,17 @@ import os
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
+
+# Fixtures shared by many test files, registered here once (a test file importing them would shadow
+# its own parameter names): the offline Hub server, and the tiny fp8-ready Llama.
+from helpers_hub import hub  # noqa: F401
+from helpers_quant import llama  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 SHARDKIT_BIN = str(Path(sys.executable).with_name("shardkit"))

@@ -11,11 +11,11 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
-
 from hub_server import HubServer, HubState
 
 TOKEN = "hf_test_token"
@@ -95,6 +95,7 @@ def lazy_safetensors(tensors: dict[str, tuple[str, tuple[int, ...]]], *, header_
     import math
 
     from hub_state import LazyBlob
+
     from shardkit.formats.header import TensorEntry, build_header
     from shardkit.units import DTYPE_BITS
 

@@ -28,9 +28,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SHARDKIT_BIN = str(Path(sys.executable).with_name("shardkit"))

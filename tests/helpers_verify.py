@@ -70,10 +70,9 @@ def build_pipeline(root: Path, *, seed: int = 0, unet_shard_size: str = "100KB")
     """A diffusers pipeline folder as save_pretrained writes it: a sharded tiny UNet (diffusers
     naming), a CLIP text encoder (transformers naming), scheduler and tokenizer config folders."""
     import torch
+    from conftest import tiny_clip_text_config, tiny_unet
     from diffusers import DDIMScheduler
     from transformers import CLIPTextModel
-
-    from conftest import tiny_clip_text_config, tiny_unet
 
     root.mkdir(parents=True, exist_ok=True)
     tiny_unet(seed).save_pretrained(root / "unet", max_shard_size=unet_shard_size)

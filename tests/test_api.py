@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers_hub import hub  # noqa: F401  (the offline Hub fixture)
 
 import shardkit
 from shardkit.errors import InvalidInputError

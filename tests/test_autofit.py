@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-import numpy as np
-
-from shardkit.fitting.autofit import Budget, FitError, FitPlan, Margin, fit, plan_fit
 from shardkit.errors import InvalidInputError
+from shardkit.fitting.autofit import Budget, FitError, FitPlan, Margin, fit, plan_fit
 from shardkit.fitting.profile import ComponentProfile
 
 GB = 10**9
@@ -186,8 +185,9 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def plain_image(tiny_folder):
-    import shardkit
     from helpers_pipeline import generate
+
+    import shardkit
 
     return generate(shardkit.load_pipeline(tiny_folder))
 
@@ -236,8 +236,9 @@ def budget_forcing(folder, name: str, margin: Margin, **kwargs: object) -> int:
     ("sequential", 1e-5),         # fp32 hooks only: the same image
 ])
 def test_fitted_pipeline_matches_the_plain_one(tiny_folder, plain_image, expected, atol) -> None:
-    import shardkit
     from helpers_pipeline import generate
+
+    import shardkit
 
     margin = Margin(0.1, 0)
     gpu = budget_forcing(tiny_folder, expected, margin, device="cpu")
@@ -262,9 +263,10 @@ def no_gpu(monkeypatch):
 
 def test_fit_auto_without_a_gpu_refuses_gpu_budgets_like_load_model(tiny_folder, no_gpu, tmp_path) -> None:
     """load_pipeline(fit="auto") used to run on the CPU silently where load_model refused (issue 14, item 14)."""
-    import shardkit
     from conftest import tiny_unet
     from helpers_load import save_model
+
+    import shardkit
 
     for call in (lambda: shardkit.load_pipeline(tiny_folder, fit="auto", max_memory={0: "1GB", "cpu": "2GB"}),
                  lambda: shardkit.load_pipeline(tiny_folder, fit=fit(tiny_folder, gpu="1GB")),
@@ -278,8 +280,9 @@ def test_fit_auto_without_a_gpu_refuses_gpu_budgets_like_load_model(tiny_folder,
 
 
 def test_fit_auto_with_a_cpu_budget_runs_on_the_cpu(tiny_folder, plain_image, no_gpu) -> None:
-    import shardkit
     from helpers_pipeline import generate
+
+    import shardkit
 
     pipe = shardkit.load_pipeline(tiny_folder, fit="auto", max_memory={"cpu": "2GB"})
     plan = pipe.shardkit_plan
@@ -290,8 +293,9 @@ def test_fit_auto_with_a_cpu_budget_runs_on_the_cpu(tiny_folder, plain_image, no
 
 @pytest.mark.gpu
 def test_fit_auto_in_load_pipeline_on_a_gpu(tiny_folder, plain_image) -> None:
-    import shardkit
     from helpers_pipeline import generate
+
+    import shardkit
 
     pipe = shardkit.load_pipeline(tiny_folder, fit="auto", max_memory={0: "1GB", "cpu": "2GB"})
     plan = pipe.shardkit_plan

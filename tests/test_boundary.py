@@ -14,10 +14,9 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
-
 import helpers_boundary as b
 import helpers_reliability as h
+import pytest
 
 INDEX = "model.safetensors.index.json"
 MANIFEST = "shardkit.manifest.json"
@@ -157,8 +156,9 @@ def test_fit_and_plan_refuse_a_special_config(kind: str, tmp_path: Path) -> None
 
 def test_a_pipeline_component_linked_outside_is_refused(tmp_path: Path) -> None:
     """Before: a component folder that is a link to a folder outside was verified and reported ok."""
-    import shardkit
     from helpers_pipeline import build_tiny_sd_pipeline
+
+    import shardkit
 
     pipe = build_tiny_sd_pipeline(tmp_path / "scratch")
     folder = tmp_path / "pipe"

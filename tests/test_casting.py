@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from accelerate import init_empty_weights
+from helpers_offload import flux_inputs, plain_net, run_flux, tiny_flux_transformer
 
 import shardkit
-from shardkit.runtime.casting import casting_targets, is_cast
 from shardkit.errors import InvalidInputError
-
-from helpers_offload import flux_inputs, plain_net, run_flux, tiny_flux_transformer
+from shardkit.runtime.casting import casting_targets, is_cast
 
 # fp8 weights with bf16 compute: relative to the output scale, measured ~1e-2 on these toy models.
 FP8_REL_TOL = 0.08

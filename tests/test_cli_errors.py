@@ -7,8 +7,8 @@ import contextlib
 import json
 import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 from conftest import TINY_UNET_CONFIG, assert_one_line_error, leftovers, make_state_dict

@@ -8,10 +8,9 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
 from conftest import assert_one_line_error, shardkit_subprocess
 from helpers_verify import build_pipeline, flip_byte, index_of, make_state_dict, shard_of, tensor_offset, write_index
+from safetensors.torch import save_file
 
 
 @pytest.fixture
@@ -139,7 +138,7 @@ def test_info_tables_and_json(out, run_cli):
     assert result.exit_code == 0, result.stderr
     text = result.stdout
     shards = sorted(set(index_of(out)["weight_map"].values()))
-    assert "safetensors-sharded, %d shards" % len(shards) in text
+    assert f"safetensors-sharded, {len(shards)} shards" in text
     for name in shards:
         assert name in text
     assert "largest tensors" in text and "blocks.0.weight" in text
@@ -192,8 +191,8 @@ def test_every_command_has_json_and_quiet(run_cli) -> None:
 
 
 def test_info_quiet_is_one_line(run_cli, tmp_path) -> None:
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     save_file({"a": torch.zeros(3, 4), "b": torch.zeros(2)}, str(tmp_path / "m.safetensors"))
     result = run_cli("info", tmp_path / "m.safetensors", "-q")
@@ -202,8 +201,8 @@ def test_info_quiet_is_one_line(run_cli, tmp_path) -> None:
 
 
 def test_merge_dry_run_checks_and_writes_nothing(run_cli, tmp_path) -> None:
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     import shardkit
 

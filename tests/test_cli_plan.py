@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import SHARDKIT_BIN, assert_one_line_error, tiny_unet
 from helpers_load import FLUX_DEV_CONFIG, save_model, write_config
 

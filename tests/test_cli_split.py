@@ -8,8 +8,8 @@ import resource
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 from conftest import (
@@ -473,8 +473,8 @@ def test_bare_number_under_a_megabyte_warns_with_the_unit_to_add(run_cli, tmp_pa
 
 
 def test_a_plan_of_more_than_a_thousand_shards_warns_in_dry_run_too(run_cli, tmp_path: Path) -> None:
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     src = tmp_path / "many.safetensors"
     save_file({f"t{i}": torch.zeros(4) for i in range(1002)}, str(src))

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers_compare import assert_outputs_close
 from conftest import (
     TINY_UNET_CONFIG,
     assert_bit_equal,
@@ -20,6 +19,7 @@ from conftest import (
     tiny_unet,
     unet_forward,
 )
+from helpers_compare import assert_outputs_close
 
 import shardkit
 
@@ -67,7 +67,6 @@ def test_safe_open_reads_every_tensor(unet_sharded: Path, unet_source: tuple) ->
 
 
 def test_diffusers_from_pretrained_gives_identical_outputs(unet_sharded: Path, unet_source: tuple) -> None:
-    import torch
     from diffusers import UNet2DConditionModel
 
     _, _, expected = unet_source
@@ -89,7 +88,6 @@ def test_diffusers_loads_bf16_variant(unet_source: tuple, tmp_path: Path) -> Non
 
 
 def test_huggingface_hub_load_torch_model(unet_sharded: Path, unet_source: tuple) -> None:
-    import torch
     from huggingface_hub import load_torch_model
 
     _, _, expected = unet_source
@@ -99,7 +97,6 @@ def test_huggingface_hub_load_torch_model(unet_sharded: Path, unet_source: tuple
 
 
 def test_accelerate_load_checkpoint_in_model(unet_sharded: Path, unet_source: tuple) -> None:
-    import torch
     from accelerate import init_empty_weights, load_checkpoint_in_model
     from diffusers import UNet2DConditionModel
 

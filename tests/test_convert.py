@@ -121,7 +121,6 @@ def test_corrupt_pickle_is_a_one_line_error(tmp_path: Path, run_cli) -> None:
 # ----------------------------------------------------------------------------- every source kind
 
 def _sources(tmp: Path, sd: dict) -> dict[str, Path]:
-    import huggingface_hub
 
     kinds = {}
     save_file(sd, str(tmp / "model.safetensors"))

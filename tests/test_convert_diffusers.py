@@ -101,24 +101,24 @@ def vae_to_ldm(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-@pytest.fixture(scope="module")
-def sd_models() -> tuple[Any, Any]:
+@pytest.fixture(scope="module", name="sd_models")
+def fixture_sd_models() -> tuple[Any, Any]:
     from diffusers import AutoencoderKL, UNet2DConditionModel
 
     torch.manual_seed(0)
     return UNet2DConditionModel(**SD_LIKE_UNET).eval(), AutoencoderKL(**SD_LIKE_VAE).eval()
 
 
-@pytest.fixture
-def ldm_checkpoint(tmp_path: Path, sd_models: tuple[Any, Any]) -> dict[str, Any]:
+@pytest.fixture(name="ldm_checkpoint")
+def fixture_ldm_checkpoint(tmp_path: Path, sd_models: tuple[Any, Any]) -> dict[str, Any]:
     unet, vae = sd_models
     state = {**unet_to_ldm(unet.state_dict()), **vae_to_ldm(vae.state_dict())}
     state[CLIP_KEY] = torch.randn(77, 8)  # a text encoder the unet and vae leave out
     return {k: v.contiguous() for k, v in state.items()}
 
 
-@pytest.fixture
-def pipeline_config(tmp_path: Path, sd_models: tuple[Any, Any]) -> Path:
+@pytest.fixture(name="pipeline_config")
+def fixture_pipeline_config(tmp_path: Path, sd_models: tuple[Any, Any]) -> Path:
     """A pipeline folder holding only configs (all that --config reads)."""
     unet, vae = sd_models
     folder = tmp_path / "sd-config"

@@ -11,9 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import helpers_reliability as h
+import pytest
 
 # Kill points per scenario in the default run (the long mode takes all of them).
 BUDGETS = {

@@ -120,7 +120,12 @@ def _handmade_chunked(folder: Path, full: dict[str, torch.Tensor], cuts: dict[st
     with torch's own metadata classes; each chunk is a ``torch.save`` record in one of two files."""
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata)
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
 
     folder.mkdir()
     files = {0: io.BytesIO(), 1: io.BytesIO()}
@@ -128,7 +133,7 @@ def _handmade_chunked(folder: Path, full: dict[str, torch.Tensor], cuts: dict[st
     for name, tensor in full.items():
         chunks = []
         for i, (offsets, sizes) in enumerate(cuts[name]):
-            piece = tensor[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))].clone()
+            piece = tensor[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))].clone()
             f = files[i % 2]
             start = f.tell()
             torch.save(piece, f)

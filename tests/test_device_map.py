@@ -6,10 +6,10 @@ import json
 
 import pytest
 import torch
-
-import shardkit
 from conftest import TINY_UNET_CONFIG, tiny_unet
 from helpers_load import FLUX_DEV_CONFIG, SD15_UNET_CONFIG, save_model
+
+import shardkit
 from shardkit.errors import InvalidInputError, KeyMismatchError
 from shardkit.loading.device_map import group_rows
 from shardkit.loading.skeleton import build_skeleton

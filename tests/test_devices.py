@@ -62,8 +62,9 @@ def test_device_label() -> None:
 @pytest.mark.parametrize("spelling", [{"gpu:0": "1MB"}, {"cuda:0": "1MB"}, {0: "1MB"}, "0=1MB", "gpu:0=1MB"])
 def test_plan_device_map_takes_every_spelling(spelling) -> None:
     """The planner parses max_memory through the same parser (no second parser that knows fewer keys)."""
-    import shardkit
     from conftest import TINY_UNET_CONFIG
+
+    import shardkit
 
     plan = shardkit.plan_device_map("diffusers:UNet2DConditionModel", config=TINY_UNET_CONFIG,
                                     max_memory=spelling)

@@ -12,9 +12,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
-
 import helpers_reliability as h
+import pytest
 
 
 def _one_error_line(proc: subprocess.CompletedProcess) -> str:

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from conftest import REPO, invoke_cli
 
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -151,9 +150,8 @@ def _tiny_bert(page: Page) -> None:
     """``bert/``: a tiny transformers BertModel as a pickle (``pytorch_model.bin`` + ``config.json``), and
     ``bert-sharded/``: the same in two pickle shards with ``pytorch_model.bin.index.json``."""
     import torch
-    from transformers import BertModel
-
     from conftest import tiny_bert_config
+    from transformers import BertModel
 
     torch.manual_seed(0)
     model = BertModel(tiny_bert_config())
@@ -221,9 +219,8 @@ def _llama(page: Page) -> None:
     ``deepseek-style/`` (transformers FineGrainedFP8, float32 128×128 scales), ``deepseek-ue8m0/`` (e8m0
     scales), ``llm-compressor-fp8/`` (compressed-tensors, per channel), ``llama-fp8-scaled.safetensors``
     (ComfyUI scaled_fp8) and ``comfy-quant.safetensors`` (ComfyUI ``_quantization_metadata``)."""
-    from safetensors.torch import save_file
-
     from helpers_quant import comfy_quantized, comfy_scaled, save_compressed, save_finegrained, save_llama
+    from safetensors.torch import save_file
 
     state = save_llama(page.folder / "llama")
     config = _json(page.folder / "llama" / "config.json")

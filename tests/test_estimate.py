@@ -7,13 +7,12 @@ import json
 import pytest
 import torch
 from accelerate import init_empty_weights
+from helpers_offload import PlainNet, plain_net, tiny_flux_transformer
 
 import shardkit
 from shardkit.errors import InvalidInputError
 from shardkit.fitting.estimate import ComponentSizes, Footprint, strategy_peaks, strategy_specs
 from shardkit.fitting.weights import cast_layers_of, measure, module_tensors
-
-from helpers_offload import PlainNet, plain_net, tiny_flux_transformer
 
 GB = 10**9
 

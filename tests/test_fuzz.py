@@ -15,9 +15,10 @@ import os
 import signal
 import struct
 import tracemalloc
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,7 +26,7 @@ from hypothesis import strategies as st
 
 from shardkit.errors import ShardkitError
 from shardkit.formats.header import parse_header, read_header
-from shardkit.formats.index import parse_index, load_index
+from shardkit.formats.index import load_index, parse_index
 from shardkit.units import DTYPE_BITS, parse_size
 
 EXAMPLES = int(os.environ.get("SHARDKIT_FUZZ_EXAMPLES", "300"))

@@ -146,7 +146,7 @@ def test_flux_bfl_file_to_gguf_and_back(tmp_path: Path, run_cli) -> None:
 def test_refusals_leave_nothing(llama_folder: Path, tmp_path: Path, run_cli) -> None:
     before = snapshot(llama_folder)
     assert_one_line_error(run_cli("convert", llama_folder, tmp_path / "x.safetensors", "--quantize", "q8_0"),
-                          contains="--to gguf --quantize q8_0")
+                          contains="--quantize q8_0 is a GGUF type, which only convert writes, with --to gguf")
     assert_one_line_error(run_cli("convert", llama_folder, tmp_path / "out", "--to", "gguf"), contains="ending in .gguf")
     assert_one_line_error(run_cli("convert", llama_folder, tmp_path / "o.gguf", "--to", "gguf", "--dtype", "bf16"),
                           contains="--quantize f16, bf16, q8_0 or q4_0 sets the ggml type")

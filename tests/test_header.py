@@ -82,6 +82,7 @@ def test_read_header_of_reference_files_for_every_dtype(safetensors_file: Path, 
     assert set(by_name) == set(state_dict)
     blob = safetensors_file.read_bytes()
     from conftest import tensor_bytes
+
     from shardkit.formats.dtypes import from_torch
 
     for name, tensor in state_dict.items():

@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from helpers_hub import hub, hub_env, run_python  # noqa: F401
+from helpers_hub import hub_env, run_python
 
 pytestmark = pytest.mark.hub
 

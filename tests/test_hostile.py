@@ -28,11 +28,9 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import helpers_reliability as h
 import pytest
 from conftest import assert_one_line_error, invoke_cli
-
-import helpers_reliability as h
-
 
 
 def _refused(result: Any, *, contains: str | None = None, case: str) -> str:

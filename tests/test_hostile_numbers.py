@@ -11,12 +11,11 @@ import math
 import struct
 from pathlib import Path
 
+import helpers_boundary as b
+import helpers_reliability as h
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import helpers_boundary as b
-import helpers_reliability as h
 
 
 def _raw(path: Path, tensors: dict[str, tuple[str, list[int], bytes]]) -> Path:

@@ -11,8 +11,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-from helpers_hub import TOKEN, download, hub, hub_env, run_python  # noqa: F401  (hub is a fixture)
+from helpers_hub import TOKEN, download, hub_env, run_python
 from hub_server import read_xet_shard
 
 pytestmark = pytest.mark.hub

@@ -8,14 +8,13 @@ import struct
 
 import pytest
 import torch
+from helpers_verify import build_pipeline, index_of, make_state_dict
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 import shardkit
-from shardkit.errors import SourceNotFoundError
 from shardkit.checking.info import info
-
-from helpers_verify import build_pipeline, index_of, make_state_dict
+from shardkit.errors import SourceNotFoundError
 
 FLOATS = {torch.float64, torch.float32, torch.float16, torch.bfloat16}
 _DTYPE_CODE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",

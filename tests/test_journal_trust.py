@@ -13,13 +13,12 @@ import json
 import os
 from pathlib import Path
 
-import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 import helpers_boundary as b
 import helpers_reliability as h
+import pytest
 from conftest import assert_one_line_error, invoke_cli
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 JOURNAL = ".shardkit-journal.json"
 TMP = ".shardkit-tmp-1-abcd-"

@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from shardkit.formats.layout import find_components, is_pipeline_folder
 from shardkit.errors import InvalidInputError, SourceNotFoundError
+from shardkit.formats.layout import find_components, is_pipeline_folder
 
 
 def _write_pipeline(root, index: dict, files: dict[str, list[str]]) -> None:

@@ -11,12 +11,12 @@ import psutil
 import pytest
 import safetensors.torch
 import torch
+from conftest import make_state_dict, tensor_bytes
 
 import shardkit
-from conftest import make_state_dict, tensor_bytes
+from shardkit.errors import CheckpointIndexError, HeaderError, InvalidInputError, SourceNotFoundError
 from shardkit.loading import shards
 from shardkit.reading import host_reads
-from shardkit.errors import CheckpointIndexError, HeaderError, InvalidInputError, SourceNotFoundError
 
 
 def _sharded(tmp_path, tensors, *, max_shard_size="200B", **kwargs):

@@ -11,10 +11,10 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+import helpers_reliability as h
 import pytest
 from conftest import assert_one_line_error, invoke_cli
 
-import helpers_reliability as h
 import shardkit
 from shardkit.errors import CheckpointIndexError
 

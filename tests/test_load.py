@@ -13,16 +13,17 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import safetensors.torch
 import torch
-
-import shardkit
 from conftest import TINY_UNET_CONFIG, tensor_bytes, tiny_clip_text_config, tiny_unet, unet_forward
 from helpers_load import TINY_VAE_CONFIG, folder_bytes, lm_forward, make_tied_lm, save_model, tiny_vae, vae_forward
+
+import shardkit
 from shardkit.errors import CheckpointIndexError, HeaderError, InvalidInputError, KeyMismatchError, ShardkitWarning
 from shardkit.formats.dtypes import resolve_torch_dtype
 
@@ -67,7 +68,7 @@ def test_outputs_equal_eager_model_for_cpu_auto_disk_and_explicit_maps(tmp_path,
 
     model = shardkit.load_model(cls, folder, config=config, device_map="cpu")
     assert model.hf_device_map == {"": "cpu"} and not model.training
-    for (name, got), expected in zip(model.state_dict().items(), eager.state_dict().values()):
+    for (name, got), expected in zip(model.state_dict().items(), eager.state_dict().values(), strict=True):
         assert got.dtype == expected.dtype and torch.equal(got, expected), name
     _close(forward(model), want, exact=False)
 
@@ -129,7 +130,7 @@ def test_dtype_casts_and_none_keeps_checkpoint_dtypes(tmp_path) -> None:
     folder = save_model(eager, tmp_path / "ckpt")
     model = shardkit.load_model("diffusers:UNet2DConditionModel", folder, config=folder / "config.json", dtype="bf16")
     ref = tiny_unet().to(torch.bfloat16)
-    for (name, got), want in zip(model.state_dict().items(), ref.state_dict().values()):
+    for (name, got), want in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want), name
     half = save_model(eager, tmp_path / "half", dtype="fp16")
     model = shardkit.load_model(cls, half, config=config)

@@ -11,12 +11,11 @@ import sys
 
 import pytest
 import torch
+from helpers_offload import staged_script
 
 import shardkit
 from shardkit.errors import InvalidInputError, ShardkitError, SourceNotFoundError
 from shardkit.runtime.offload import installed_hooks
-
-from helpers_offload import staged_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

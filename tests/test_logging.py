@@ -49,6 +49,7 @@ def test_planning_for_absent_gpus_leaves_accelerate_logging_alone(known_levels) 
 
 def test_runtime_options_log_to_the_shardkit_logger(known_levels, caplog) -> None:
     from conftest import tiny_unet
+
     from shardkit.runtime.apply import RuntimeSetup, apply_runtime
 
     with caplog.at_level(logging.DEBUG, logger="shardkit"):

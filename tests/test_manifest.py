@@ -7,14 +7,14 @@ import os
 import shutil
 from pathlib import Path
 
+import helpers_reliability as h
 import pytest
 import torch
-from safetensors.torch import save_file
-
-import helpers_reliability as h
-import shardkit
 from conftest import leftovers
 from helpers_verify import build_pipeline, flip_byte, index_of, make_state_dict, read_raw_header, tensor_offset
+from safetensors.torch import save_file
+
+import shardkit
 from shardkit.checking.verify import verify
 from shardkit.errors import ShardkitWriteError
 from shardkit.formats.manifest import MANIFEST_NAME, read_manifest

@@ -7,12 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-import shardkit
+import torch  # noqa: E402  (a hard dependency: a broken install must fail, not skip)
 from conftest import TINY_UNET_CONFIG, assert_bit_equal, realign, tiny_unet, unet_forward
 from helpers_compare import assert_outputs_close
 
-import torch  # noqa: E402  (a hard dependency: a broken install must fail, not skip)
+import shardkit
 
 
 def _tiny_gpt2(*, tie: bool = True) -> Any:

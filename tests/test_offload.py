@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from helpers_compare import assert_outputs_close
+from helpers_offload import flux_inputs, plain_net, run_flux, staged_script, tiny_flux_transformer
 
 import shardkit
 from shardkit.errors import InvalidInputError, ShardkitError
 from shardkit.runtime.offload import OffloadError, installed_hooks
-
-from helpers_compare import assert_outputs_close
-from helpers_offload import flux_inputs, plain_net, run_flux, staged_script, tiny_flux_transformer
 
 STRATEGIES = [
     ("model", {}),
@@ -29,7 +26,7 @@ IDS = ["model", "sequential", "block1", "block2", "leaf", "low-cpu", "group-disk
 # The whole pipeline is slow on CPU: the default run covers one row per hook kind, --runslow all.
 _FAST_PIPELINE = {"model", "sequential", "block2", "group-disk"}
 PIPELINE_CASES = [pytest.param(*case, id=i, marks=() if i in _FAST_PIPELINE else pytest.mark.slow)
-                  for case, i in zip(STRATEGIES, IDS)]
+                  for case, i in zip(STRATEGIES, IDS, strict=True)]
 
 
 def _options(options: dict, tmp_path) -> dict:

@@ -8,13 +8,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers_fit import SDXL_UNET_CONFIG
+from helpers_load import FLUX_DEV_CONFIG, write_config
 
 import shardkit
 from shardkit.fitting.peaks import STRATEGIES
 from shardkit.loading.skeleton import build_skeleton
-
-from helpers_fit import SDXL_UNET_CONFIG
-from helpers_load import FLUX_DEV_CONFIG, write_config
 
 GB = 10**9
 MODELS = {

@@ -12,8 +12,7 @@ import torch
 from conftest import assert_bit_equal, assert_one_line_error, load_folder, make_state_dict
 
 import shardkit
-from shardkit.sources import open_source
-from shardkit.sources import pickle_index
+from shardkit.sources import open_source, pickle_index
 from shardkit.sources.pickle_index import PickleIndexSource
 
 

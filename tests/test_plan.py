@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from shardkit.errors import InvalidInputError
 from shardkit.formats.index import Naming
-from shardkit.sharding.plan import plan_shards
 from shardkit.sharding.job import resolve_naming
+from shardkit.sharding.plan import plan_shards
 from shardkit.sources.base import Source
 
 
@@ -169,7 +169,7 @@ def test_plan_properties(sizes: list[int], limit: int, rule: str) -> None:
     # greedy: the first tensor of the next shard within the limit would not have fit; the hub rule
     # skips over oversized shards, the sequential one starts afresh after each
     normal = [s for s in plan.shards if s.nbytes <= limit]
-    pairs = zip(normal, normal[1:]) if rule == "huggingface_hub" else zip(plan.shards, plan.shards[1:])
+    pairs = zip(normal, normal[1:], strict=False) if rule == "huggingface_hub" else zip(plan.shards, plan.shards[1:], strict=False)
     for prev, nxt in pairs:
         if prev.nbytes <= limit and nxt.nbytes <= limit:
             assert prev.nbytes + by_name[nxt.names[0]] > limit

@@ -14,9 +14,9 @@ import socket
 from pathlib import Path
 
 import pytest
+from helpers_hub import download, hub_env, index_problems, run_python, run_shardkit
 
 import shardkit
-from helpers_hub import download, hub, hub_env, index_problems, run_python, run_shardkit  # noqa: F401
 
 pytestmark = pytest.mark.hub
 

@@ -12,8 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from helpers_hub import hub, hub_env, run_python, run_shardkit  # noqa: F401
+from helpers_hub import hub_env, run_python, run_shardkit
 from test_push_symlinks import REPO, SECRET, commits_received, make_checkpoint, one_error_line
 
 pytestmark = pytest.mark.hub

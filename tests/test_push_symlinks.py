@@ -15,9 +15,9 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers_hub import folder_files, hub_env, run_shardkit
 
 import shardkit
-from helpers_hub import folder_files, hub, hub_env, run_shardkit  # noqa: F401
 
 pytestmark = pytest.mark.hub
 

@@ -9,21 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_one_line_error, leftovers, load_folder, snapshot
-from helpers_hub import hub  # noqa: F401 (a fixture)
-from helpers_quant import (
-    comfy_scaled,
-    flux_bfl_state_dict,
-    flux_config,
-    quantize,
-    reference_dequant,
-    save_finegrained,
-    llama,  # noqa: F401 (a fixture)
-)
+from helpers_quant import comfy_scaled, flux_bfl_state_dict, flux_config, quantize, reference_dequant
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from test_quant_layouts import LAYOUTS, _layout_folder
 
 import shardkit
-from test_quant_layouts import LAYOUTS, _layout_folder
 
 
 def _expected(src: Path, out_dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -16,8 +16,6 @@ from helpers_fp4 import (
     save_gpt_oss_mxfp4,
     save_modelopt_nvfp4,
 )
-from helpers_hub import hub  # noqa: F401 (a fixture)
-from helpers_quant import llama  # noqa: F401 (a fixture)
 from safetensors.torch import load_file, save_file
 
 import shardkit

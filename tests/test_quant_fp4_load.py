@@ -10,7 +10,6 @@ import pytest
 import torch
 from helpers_compare import assert_outputs_close
 from helpers_fp4 import save_ct_nvfp4, save_gpt_oss_mxfp4, save_modelopt_nvfp4
-from helpers_quant import llama  # noqa: F401 (a fixture)
 
 import shardkit
 

@@ -10,7 +10,6 @@ import pytest
 import torch
 from conftest import assert_one_line_error
 from helpers_fp4 import ct_nvfp4_compress, mxfp4_experts, tiny_gpt_oss
-from helpers_quant import llama  # noqa: F401 (a fixture)
 from safetensors.torch import load_file
 
 import shardkit

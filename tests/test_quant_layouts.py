@@ -9,13 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_one_line_error
-from helpers_quant import (
-    comfy_quantized,
-    comfy_scaled,
-    save_compressed,
-    save_finegrained,
-    llama,  # noqa: F401 (a fixture)
-)
+from helpers_quant import comfy_quantized, comfy_scaled, save_compressed, save_finegrained
 from safetensors.torch import save_file
 
 import shardkit

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_compare import assert_outputs_close
-from helpers_quant import llama  # noqa: F401 (a fixture)
 
 import shardkit
 

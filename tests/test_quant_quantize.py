@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_one_line_error, snapshot
-from helpers_quant import LLAMA, llama  # noqa: F401 (a fixture)
+from helpers_quant import LLAMA
 from safetensors.torch import load_file
 
 import shardkit

@@ -9,9 +9,9 @@ import struct
 import pytest
 import safetensors.torch
 import torch
+from conftest import tensor_bytes
 from safetensors import safe_open
 
-from conftest import tensor_bytes
 from shardkit.errors import HeaderError
 from shardkit.formats.dtypes import to_torch
 from shardkit.formats.header import TensorEntry, read_header

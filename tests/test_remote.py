@@ -12,16 +12,8 @@ import json
 from pathlib import Path
 
 import pytest
-
+from helpers_hub import folder_files, hub_env, hub_files, lazy_safetensors, run_shardkit
 from hub_state import LazyBlob
-from helpers_hub import (  # noqa: F401
-    folder_files,
-    hub,
-    hub_env,
-    hub_files,
-    lazy_safetensors,
-    run_shardkit,
-)
 
 pytestmark = pytest.mark.hub
 
@@ -343,8 +335,9 @@ with HfFileSystem().open("alice/fs/sub/model.safetensors", "rb", block_size=4096
 @pytest.mark.slow
 def test_reshard_a_hub_repo_in_one_command(hub, tmp_path):
     """split hf:// → push → snapshot_download is bit-equal to a local split of the same files."""
-    import shardkit
     from helpers_hub import download
+
+    import shardkit
 
     folder = split_folder(tmp_path, "src", "600KB")
     hub.state.add_repo("alice/tiny", hub_files(folder))  # the local source holds the Hub's .gitattributes too

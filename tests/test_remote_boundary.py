@@ -14,8 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from helpers_hub import hub, hub_env, lazy_safetensors, run_shardkit  # noqa: F401
+from helpers_hub import hub_env, lazy_safetensors, run_shardkit
 
 pytestmark = pytest.mark.hub
 

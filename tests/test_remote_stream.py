@@ -12,9 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-
-from helpers_hub import SHARDKIT_BIN, folder_files, hub, hub_env, hub_files, run_measured, run_shardkit  # noqa: F401
-from test_convert_diffusers import ldm_checkpoint, pipeline_config, sd_models  # noqa: F401
+from helpers_hub import SHARDKIT_BIN, folder_files, hub_env, hub_files, run_measured, run_shardkit
+from test_convert_diffusers import (  # noqa: F401  (fixtures, registered by their name=)
+    fixture_ldm_checkpoint,
+    fixture_pipeline_config,
+    fixture_sd_models,
+)
 from test_remote import TENSOR_BYTES, one_error_line, split_folder, write_safetensors
 
 pytestmark = pytest.mark.hub
@@ -274,10 +277,9 @@ def test_convert_to_diffusers_from_a_hub_file_with_a_hub_config(hub, tmp_path, s
                                                                 pipeline_config):
     """The single file and the config both on the Hub: the file through the cache, the config repository's
     configs only (its weights are never fetched)."""
+    from conftest import assert_bit_equal
     from diffusers import UNet2DConditionModel
     from safetensors.torch import save_file
-
-    from conftest import assert_bit_equal
 
     save_file(ldm_checkpoint, tmp_path / "sd.safetensors")
     hub.state.add_repo("alice/sd-single", {"ckpt/sd.safetensors": (tmp_path / "sd.safetensors").read_bytes()})

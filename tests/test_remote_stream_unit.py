@@ -11,8 +11,8 @@ import pytest
 
 from shardkit.errors import HubError
 from shardkit.hub import remote_stream
-from shardkit.workers import ReadPool
 from shardkit.hub.remote_spec import Mirror, RemoteFile, RemoteSpec
+from shardkit.workers import ReadPool
 
 WINDOW = 1000
 
@@ -118,9 +118,10 @@ def test_close_mid_read_stops_the_requests_in_flight_and_leaves_no_thread(tmp_pa
     import threading
     import time
 
+    from test_remote import write_safetensors
+
     from shardkit.formats.header import read_header
     from shardkit.sources import RangedCheckpoint, open_source
-    from test_remote import write_safetensors
 
     path = write_safetensors(tmp_path / "m" / "model.safetensors", count=6)
     data, header = path.read_bytes(), read_header(str(path))

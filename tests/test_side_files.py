@@ -130,8 +130,8 @@ def test_pipeline_split_copies_dotfiles_but_not_git(tmp_path: Path) -> None:
 
 
 def _small_folder(tmp_path: Path) -> Path:
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     folder = tmp_path / "src"
     (folder / "sub").mkdir(parents=True)
@@ -192,8 +192,8 @@ def test_overwriting_another_model_removes_its_side_files_but_nothing_edited_or_
     (a / "generation_config.json").write_text('{"max_length": 20}')
     (a / "tokenizer_config.json").write_text("{}")
     b.mkdir()
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     save_file({"w": torch.zeros(8, 8)}, str(b / "model.safetensors"))
     (b / "config.json").write_text('{"model": "b"}')

@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_UNET_CONFIG, tiny_clip_text_config
+from helpers_load import make_tied_lm
 from torch import nn
 
 from shardkit.errors import InvalidInputError, SourceNotFoundError
 from shardkit.loading.skeleton import build_skeleton, cast_floating, is_meta_module, resolve_model_class
-from conftest import TINY_UNET_CONFIG, tiny_clip_text_config
-from helpers_load import make_tied_lm
 
 
 def test_resolve_library_strings_classes_and_factories() -> None:

@@ -21,7 +21,7 @@ from shardkit.errors import (
 from shardkit.formats.index import Naming
 from shardkit.sources import Source, open_source
 from shardkit.sources.memory import MemorySource, find_aliases
-from shardkit.sources.pickle import load_pickle, locate_in_file, open_pickle, select_state_dict
+from shardkit.sources.pickle import load_pickle, locate_in_file, select_state_dict
 
 
 def read_all(src: Source) -> dict[str, bytes]:
@@ -401,8 +401,9 @@ def test_memory_source_round_trips_every_dtype(state_dict: dict) -> None:
 
 def test_save_sharded_moves_gpu_tensors_one_at_a_time_cpu_fallback(tmp_path: Path) -> None:
     """On CPU-only machines this is the plain path; the gpu-marked twin covers CUDA."""
-    import shardkit
     from conftest import load_folder
+
+    import shardkit
 
     tensors = make_state_dict(["F32", "BF16"], shapes=[(100,)])
     shardkit.save_sharded(tensors, tmp_path / "out", max_shard_size=300)
@@ -411,8 +412,9 @@ def test_save_sharded_moves_gpu_tensors_one_at_a_time_cpu_fallback(tmp_path: Pat
 
 @pytest.mark.gpu
 def test_save_sharded_from_cuda(tmp_path: Path) -> None:
-    import shardkit
     from conftest import load_folder
+
+    import shardkit
 
     tensors = make_state_dict(["F32", "BF16", "I64"], shapes=[(100,), (3, 5)])
     on_gpu = {k: v.to("cuda") for k, v in tensors.items()}

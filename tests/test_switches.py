@@ -6,9 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers_fit import tiny_vq_model
 from helpers_pipeline import build_tiny_sd_pipeline, generate
+
 from shardkit.errors import InvalidInputError
 from shardkit.runtime.switches import SWITCHES, apply_switches, normalize_switches, unsupported_reason
 

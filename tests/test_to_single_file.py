@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch  # noqa: E402  (hard dependencies: a broken install must fail, not skip)
 from conftest import assert_bit_equal, assert_one_line_error, leftovers, load_folder
 from test_convert_diffusers import SD_LIKE_UNET, SD_LIKE_VAE
 
 import shardkit
-import torch  # noqa: E402  (hard dependencies: a broken install must fail, not skip)
 
 SD2_UNET = {**SD_LIKE_UNET, "use_linear_projection": True, "attention_head_dim": [2, 2, 4, 4],
             "cross_attention_dim": 16}
@@ -368,7 +368,7 @@ def test_the_summary_names_the_file_written(tmp_path: Path, run_cli) -> None:
     out.parent.mkdir()
     result = run_cli("convert", tmp_path / "vae", out, "--to", "single-file")
     assert result.exit_code == 0, result.stderr
-    assert f"wrote 1 file, " in result.stdout and result.stdout.rstrip().splitlines()[-2].endswith(f": {out}")
+    assert "wrote 1 file, " in result.stdout and result.stdout.rstrip().splitlines()[-2].endswith(f": {out}")
     assert "shard(s)" not in result.stdout
 
 

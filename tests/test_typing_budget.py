@@ -16,7 +16,7 @@ import shardkit
 
 PACKAGE = Path(shardkit.__file__).parent
 GOAL = 150  # issue 32
-BUDGET = 140  # under the goal; lower it as modules get precise types, never raise it
+BUDGET = 134  # under the goal; lower it as modules get precise types, never raise it
 
 
 def _count(node: ast.AST | None) -> int:

@@ -9,15 +9,22 @@ import shutil
 
 import pytest
 import torch
+from helpers_verify import (
+    build_pipeline,
+    flip_byte,
+    index_of,
+    make_state_dict,
+    read_raw_header,
+    shard_of,
+    tensor_offset,
+    write_index,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 import shardkit
-from shardkit.errors import InvalidInputError, ShardkitError, SourceNotFoundError
 from shardkit.checking.verify import Finding, VerifyReport, verify
-
-from helpers_verify import (build_pipeline, flip_byte, index_of, make_state_dict, read_raw_header, shard_of,
-                            tensor_offset, write_index)
+from shardkit.errors import InvalidInputError, ShardkitError, SourceNotFoundError
 
 
 @pytest.fixture

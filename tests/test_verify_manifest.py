@@ -8,13 +8,14 @@ data_start disagree with the shard's header is reported as not trustworthy, nami
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
+from helpers_verify import make_state_dict, read_raw_header
 from safetensors.torch import save_file
 
-from helpers_verify import make_state_dict, read_raw_header
 from shardkit.checking.verify import verify
 from shardkit.formats.manifest import MANIFEST_NAME
 

@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 from conftest import SHARDKIT_BIN, assert_bit_equal, float_state_dict, load_folder, make_state_dict, tensor_bytes
 
-from shardkit.sharding import writer
 from shardkit.errors import HeaderError, InvalidInputError, ShardkitWriteError
 from shardkit.formats.header import TensorEntry, read_header
-from shardkit.units import DTYPE_BITS
+from shardkit.sharding import writer
+from shardkit.sharding.writer import TensorWrite, tensor_write, write_safetensors
 from shardkit.sources.memory import MemorySource
 from shardkit.sources.safetensors import open_safetensors_file
-from shardkit.sharding.writer import TensorWrite, tensor_write, write_safetensors
+from shardkit.units import DTYPE_BITS
 
 
 class RecordingSource:
@@ -280,8 +280,9 @@ def test_kernel_copy_reads_the_file_the_source_opened_even_if_replaced(tmp_path:
 
 def test_every_split_shard_keeps_its_source_block_offset(tmp_path: Path) -> None:
     """Copy-on-write padding on any filesystem: each shard's first tensor sits at its source offset mod 4096."""
-    import shardkit
     from safetensors.torch import save_file
+
+    import shardkit
 
     tensors = make_state_dict(["F32", "BF16", "I64", "BOOL"], shapes=[(37,), (1500,), (3, 700)])
     src = tmp_path / "model.safetensors"
