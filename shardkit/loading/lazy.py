@@ -209,14 +209,15 @@ class LazyCheckpoint(Mapping[str, "torch.Tensor"]):
         if not on_host:
             assert device is not None
             return self.to(device, dtype=dtype)
-        out = self.read_many([n for n in self if dtype is None or not self.dtype_of(n).is_floating_point]) \
-            if on_host and not copy else {}
+        out = {} if copy else self.read_many([n for n in self if self._cast_of(n, dtype) is None])
         for name in self:
-            if name in out:
-                continue
-            cast = dtype if dtype is not None and self.dtype_of(name).is_floating_point else None
-            out[name] = self.get_tensor(name, device=device, dtype=cast, copy=copy)
+            if name not in out:
+                out[name] = self.get_tensor(name, dtype=self._cast_of(name, dtype), copy=copy)
         return {name: out[name] for name in self}  # checkpoint order, whichever way each was read
+
+    def _cast_of(self, name: str, dtype: torch.dtype | None) -> torch.dtype | None:
+        """The dtype ``name`` is cast to when ``dtype`` is asked for: floating-point tensors only."""
+        return dtype if dtype is not None and self.dtype_of(name).is_floating_point else None
 
     def to(self, device: DeviceKey, *, dtype: torch.dtype | None = None,
            names: list[str] | None = None) -> dict[str, torch.Tensor]:
@@ -224,7 +225,7 @@ class LazyCheckpoint(Mapping[str, "torch.Tensor"]):
         reads in file order into a few pinned slots, ``non_blocking`` copies on side streams, one
         allocation per tensor on the device; ``dtype`` casts floating-point tensors there, after the copy.
 
-        On the host (``"cpu"``) it is :meth:`to_state_dict` with ``copy=True``.
+        On the host (``"cpu"``) each tensor is read into fresh memory, as ``to_state_dict(copy=True)`` does.
 
             state = shardkit.open("model/").to("cuda:0", dtype=torch.bfloat16)
         """
@@ -234,14 +235,10 @@ class LazyCheckpoint(Mapping[str, "torch.Tensor"]):
         from .pipeline_copy import default_stage
 
         wanted = list(self) if names is None else names
-        if torch.device(device).type == "cpu":
-            keep = set(wanted)
-            return {n: t for n, t in self.to_state_dict(dtype=dtype, copy=True).items() if n in keep}
+        if torch.device(device).type == "cpu":  # only the tensors asked for, each into fresh memory
+            return {n: self.get_tensor(n, dtype=self._cast_of(n, dtype), copy=True) for n in wanted}
         self.open_shards()
-        wants = {}
-        for name in wanted:
-            stored = self.dtype_of(name)
-            wants[name] = Want(name, device, dtype if dtype is not None and stored.is_floating_point else stored)
+        wants = {n: Want(n, device, self._cast_of(n, dtype) or self.dtype_of(n)) for n in wanted}
         return read_devices(self, wants, default_stage).values
 
     def slice(self, name: str, dim: int, rank: int, world: int, *, sections: tuple[int, ...] = (),
@@ -252,13 +249,9 @@ class LazyCheckpoint(Mapping[str, "torch.Tensor"]):
 
             q_part = ckpt.slice("model.layers.0.self_attn.o_proj.weight", 1, rank=1, world=4, device="cuda:1")
         """
-        from .tensor_parallel import RankRead, SliceSpec, read_rank, slice_ranges, slice_shape
+        from .tensor_parallel import SliceSpec, rank_read, read_rank
 
-        entry = self.entry(name)
-        spec = SliceSpec(name, dim, tuple(sections))
-        ranges = tuple(slice_ranges(entry.shape, self.dtype_of(name).itemsize, spec, rank=rank, world=world,
-                                    offset=entry.offset))
-        read = RankRead(spec, slice_shape(entry.shape, spec, world=world), ranges)
+        read = rank_read(self, SliceSpec(name, dim, tuple(sections)), rank=rank, world=world)
         values, _ = read_rank(self, {name: read}, device=device, dtype=dtype)
         return values[name]
 

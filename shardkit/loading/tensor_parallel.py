@@ -154,6 +154,14 @@ class RankRead:
     ranges: tuple[tuple[int, int], ...]
 
 
+def rank_read(checkpoint: RingSource, spec: SliceSpec, *, rank: int, world: int) -> RankRead:
+    """What rank ``rank`` of ``world`` reads of the tensor ``spec`` names: its shape and file ranges."""
+    entry = checkpoint.entry(spec.name)
+    ranges = tuple(slice_ranges(entry.shape, checkpoint.dtype_of(spec.name).itemsize, spec, rank=rank, world=world,
+                                offset=entry.offset))
+    return RankRead(spec, slice_shape(entry.shape, spec, world=world), ranges)
+
+
 class TensorParallelPlan:
     """Which bytes each of ``world`` ranks reads for every tensor of a checkpoint.
 
@@ -174,12 +182,9 @@ class TensorParallelPlan:
         """Tensor name → what rank ``rank`` reads of it."""
         out = {}
         for name, spec in self.specs.items():
-            entry = self.checkpoint.entry(name)
-            itemsize = self.checkpoint.dtype_of(name).itemsize
-            spec = spec if len(entry.shape) > (spec.dim or 0) else SliceSpec(name, None, ())
-            shape = slice_shape(entry.shape, spec, world=self.world)
-            ranges = tuple(slice_ranges(entry.shape, itemsize, spec, rank=rank, world=self.world, offset=entry.offset))
-            out[name] = RankRead(spec, shape, ranges)
+            if len(self.checkpoint.entry(name).shape) <= (spec.dim or 0):  # a bias a row rule names: whole
+                spec = SliceSpec(name, None, ())
+            out[name] = rank_read(self.checkpoint, spec, rank=rank, world=self.world)
         return out
 
     def read_bytes(self, rank: int) -> int:
