@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ..errors import ShardkitWriteError, describe_os_error
 from ..formats.header import read_header
-from ..formats.links import UntrustedFileError, open_inside
+from ..formats.links import UntrustedFileError, fd_path, open_inside
 from ..formats.manifest import (
     MANIFEST_NAME,
     FileDigest,
@@ -383,8 +383,8 @@ def _unchanged(output: str, name: str, digest: FileDigest) -> bool:
         fd = open_inside(output, name, where=output, max_bytes=digest.size_bytes, links=False)
     except (UntrustedFileError, OSError):  # gone, a link, not regular, grown past its record
         return False
-    sha = hashlib.sha256()
-    with os.fdopen(fd, "rb") as f:
-        while chunk := f.read(1 << 20):
-            sha.update(chunk)
-    return sha.hexdigest() == digest.sha256
+    try:
+        sha, _, _ = read_digests(fd_path(fd, os.path.join(output, name)), [])  # the checked file itself
+    finally:
+        os.close(fd)
+    return sha == digest.sha256
