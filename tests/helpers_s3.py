@@ -39,6 +39,17 @@ def sharded_checkpoint(tmp_path: Path, run_cli) -> Path:  # noqa: ANN001 - the c
     return out
 
 
+def multipart_source(tmp_path: Path) -> Path:
+    """One ~40 MB safetensors file (random bytes): shards of 20 MB go to the store by multipart upload."""
+    from conftest import make_state_dict
+    from safetensors.torch import save_file
+
+    path = tmp_path / "src" / "model.safetensors"
+    path.parent.mkdir()
+    save_file(make_state_dict(["F32", "BF16"], shapes=[(2500, 2000), (7, 3)]), path)
+    return path
+
+
 def paused_cli(s3_env: S3Env, point: str, args: list[str], wait: Path) -> subprocess.Popen[bytes]:
     """``shardkit ARGS`` in a subprocess with ``s3_env``'s variables, paused at the fault ``point``
     (``shardkit._faults``: it waits for ``wait`` and marks it ``.ready.*``); the test fails if it never gets there."""

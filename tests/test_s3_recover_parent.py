@@ -13,8 +13,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import make_state_dict
-from helpers_s3 import paused_cli
+from helpers_s3 import multipart_source, paused_cli
 
 from shardkit.stores.transaction import JOURNAL_PREFIX
 
@@ -33,12 +32,7 @@ UNRELATED = {  # objects of the parent prefix no journal there names; two share 
 @pytest.fixture
 def source(tmp_path) -> Path:
     """One ~40 MB safetensors file: two shards of 20 MB, each by multipart upload."""
-    from safetensors.torch import save_file
-
-    path = tmp_path / "src" / "model.safetensors"
-    path.parent.mkdir()
-    save_file(make_state_dict(["F32", "BF16"], shapes=[(2500, 2000), (7, 3)]), path)
-    return path
+    return multipart_source(tmp_path)
 
 
 @pytest.mark.parametrize("point", [FIRST_PART, SECOND_SHARD], ids=["upload-open", "shard-whole"])

@@ -12,8 +12,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import assert_one_line_error, make_state_dict
-from helpers_s3 import paused_cli
+from conftest import assert_one_line_error
+from helpers_s3 import multipart_source, paused_cli
 
 import shardkit
 from shardkit.formats.header import read_header
@@ -27,12 +27,7 @@ INDEX = "model.safetensors.index.json"
 @pytest.fixture
 def source(tmp_path) -> Path:
     """One ~40 MB safetensors file (random bytes): shards of 20 MB go by multipart upload."""
-    from safetensors.torch import save_file
-
-    path = tmp_path / "src" / "model.safetensors"
-    path.parent.mkdir()
-    save_file(make_state_dict(["F32", "BF16"], shapes=[(2500, 2000), (7, 3)]), path)
-    return path
+    return multipart_source(tmp_path)
 
 
 def _digest(path: Path) -> str:
