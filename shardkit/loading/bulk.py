@@ -44,7 +44,6 @@ class BatchReport:
     files: list[dict[str, str | None]] = field(default_factory=list)
     host_batch_bytes: int = 0
     pipelined_bytes: int = 0        # bytes copied onto devices through the ring
-    pipelined_read_bytes: int = 0   # bytes the ring read for them (small gaps between tensors included)
 
 
 def _is_host(device: DeviceKey) -> bool:
@@ -77,7 +76,6 @@ def read_batch(checkpoint: LazyCheckpoint, wants: dict[str, Want], *, pipe_host:
         moved = read_devices(checkpoint, piped, stage_for or default_stage)
         values.update(moved.values)
         report.pipelined_bytes += moved.copied_bytes
-        report.pipelined_read_bytes += moved.read_bytes
     report.files = checkpoint.read_report()
     return values, report
 
