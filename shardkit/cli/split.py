@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..api.store_writes import shown_path
 from ..units import format_size
 from .common import byte_progress, echo_json, hub_token_option, no_cache_option, shard_options
+
+if TYPE_CHECKING:
+    from ..api.checkpoints import SplitResult
 
 EPILOG = """\b
 Examples:
@@ -83,7 +86,7 @@ def split(source: str, output: str, key: str | None, as_json: bool, quiet: bool,
     with contextlib.ExitStack() as split_bar, byte_progress("push", enabled=report == "summary") as push_progress:
         progress = split_bar.enter_context(byte_progress("split", enabled=not (quiet or as_json or dry_run)))
 
-        def after_split(result: Any) -> None:
+        def after_split(result: SplitResult) -> None:
             split_bar.close()  # the split's bar ends before its plan prints
             if not (as_json or quiet):
                 print_plan(result)
@@ -105,9 +108,9 @@ def check_create_pr(*, create_pr: bool, push_to: str | None) -> None:
         raise InvalidInputError("--create-pr applies with --push-to REPO_ID; add it, or drop --create-pr")
 
 
-def print_plan(result: object) -> None:
-    plan = result.plan  # type: ignore[attr-defined]
-    verb = "would write" if result.dry_run else "wrote"  # type: ignore[attr-defined]
+def print_plan(result: SplitResult) -> None:
+    plan = result.plan
+    verb = "would write" if result.dry_run else "wrote"
     width = max(len(s.filename) for s in plan.shards)
     for shard in plan.shards:
         click.echo(f"  {shard.filename:<{width}}  {len(shard.names):>6} tensors  {format_size(shard.nbytes):>10}")
@@ -115,19 +118,17 @@ def print_plan(result: object) -> None:
         click.echo(f"  {plan.index_filename}")
     if len(plan.shards) == 1 and not plan.index_filename and not getattr(result, "components", None):
         click.echo(f"{verb} 1 file, {format_size(plan.total_bytes)}: "  # name the file, not its folder
-                   f"{shown_path(result.files[0])}")  # type: ignore[attr-defined]
+                   f"{shown_path(result.files[0])}")
     else:
         click.echo(f"{verb} {len(plan.shards)} shard(s), {format_size(plan.total_bytes)} to "
-                   f"{shown_path(result.output)}")  # type: ignore[attr-defined]
-    if not result.dry_run:  # type: ignore[attr-defined]
-        click.echo(f"cloned {format_size(result.cloned_bytes)}, "  # type: ignore[attr-defined]
-                   f"copied {format_size(result.copied_bytes)}")  # type: ignore[attr-defined]
-    copied = getattr(result, "copied", None)
-    if copied:
-        click.echo(copied_line(copied, dry_run=result.dry_run))  # type: ignore[attr-defined]
-    quant = getattr(result, "quantization", None)
-    if quant:
-        click.echo(quantization_line(quant))
+                   f"{shown_path(result.output)}")
+    if not result.dry_run:
+        click.echo(f"cloned {format_size(result.cloned_bytes)}, "
+                   f"copied {format_size(result.copied_bytes)}")
+    if result.copied:
+        click.echo(copied_line(result.copied, dry_run=result.dry_run))
+    if result.quantization:
+        click.echo(quantization_line(result.quantization))
 
 
 def copied_line(copied: list[str], *, dry_run: bool, shown: int = 8) -> str:

@@ -21,9 +21,10 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..errors import ShardkitWriteError, describe_os_error
-from ..formats.header import read_header
+from ..formats.header import Header, read_header
 from ..formats.links import UntrustedFileError, fd_path, open_inside
 from ..formats.manifest import (
     MANIFEST_NAME,
@@ -38,6 +39,7 @@ from ..formats.manifest import (
     read_manifest,
 )
 from ..sources.base import Source
+from .writer import TensorWrite
 
 ENABLED = True  # benchmarks switch hashing off to measure its cost; nothing else should
 Carried = Mapping[str, str]  # tensor name → crc32 recorded in the source's manifest
@@ -169,10 +171,9 @@ def digest_file(path: str, *, safetensors: bool, carried: Carried | None = None,
     return FileDigest(size, None, start, got[""], tensors)
 
 
-def _ranges(header: object) -> list[tuple[str, int, int]]:
+def _ranges(header: Header) -> list[tuple[str, int, int]]:
     """``("", 0, data_start)`` for the header region, then each tensor's absolute byte range."""
-    entries = header.entries  # type: ignore[attr-defined]
-    return [("", 0, header.data_start)] + [(e.name, e.offset, e.offset + e.nbytes) for e in entries]  # type: ignore[attr-defined]
+    return [("", 0, header.data_start)] + [(e.name, e.offset, e.offset + e.nbytes) for e in header.entries]
 
 
 def source_digests(paths: list[str]) -> dict[tuple[str, int, int], str]:
@@ -213,6 +214,12 @@ def _same_size(path: str, size_bytes: int) -> bool:
 
 # ----------------------------------------------------------------------------- one job's manifest
 
+class BytesSink(Protocol):
+    """Where the manifest goes: the output transaction (local folder or store)."""
+
+    def write_bytes(self, name: str, data: bytes, /) -> None: ...
+
+
 class ManifestRecorder:
     """Collects the digests of everything one transaction writes, then writes the manifest into it.
 
@@ -234,7 +241,7 @@ class ManifestRecorder:
         self._sources: dict[tuple[str, int, int], str] = {}
         self._looked_up: set[str] = set()
 
-    def shard(self, name: str, path: str, writes: Sequence[object], *, known: Mapping[str, str] | None = None,
+    def shard(self, name: str, path: str, writes: Sequence[TensorWrite], *, known: Mapping[str, str] | None = None,
               source: Source | None = None) -> None:
         """A finished shard ``name`` at ``path``, written from ``writes`` (TensorWrite records).
 
@@ -268,7 +275,7 @@ class ManifestRecorder:
         write sends to the rank that writes the manifest."""
         return self._hasher.results() if self.enabled else {}
 
-    def write(self, tx: object) -> None:
+    def write(self, tx: BytesSink) -> None:
         """Wait for every digest, keep the old records of files left in place, write the manifest."""
         if not self.enabled:
             return
@@ -276,17 +283,17 @@ class ManifestRecorder:
         records.update(self._kept(records))
         from ..formats.manifest import dump_manifest
 
-        tx.write_bytes(MANIFEST_NAME, dump_manifest(records))  # type: ignore[attr-defined]
+        tx.write_bytes(MANIFEST_NAME, dump_manifest(records))
 
-    def _carried(self, writes: Sequence[object]) -> dict[str, str]:
+    def _carried(self, writes: Sequence[TensorWrite]) -> dict[str, str]:
         """crc32s from the source's manifest for the tensors copied unchanged."""
-        files = sorted({w.src.file for w in writes if w.src.file} - self._looked_up)  # type: ignore[attr-defined]
+        files = sorted({w.src.file for w in writes if w.src.file} - self._looked_up)
         if files:
             self._looked_up.update(files)
             self._sources.update(source_digests(files))
         carried = {}
         for w in writes:
-            src, out = w.src, w.out  # type: ignore[attr-defined]
+            src, out = w.src, w.out
             if src.file and src.dtype == out.dtype:
                 crc = self._sources.get((os.path.realpath(src.file), src.offset, src.offset + src.nbytes))
                 if crc is not None:
@@ -330,14 +337,14 @@ class ManifestRecorder:
         self._hasher.__exit__(*exc)
 
 
-def _copied_ranges(writes: Sequence[object], carried: Carried, source: Source) -> list[CopiedRanges]:
+def _copied_ranges(writes: Sequence[TensorWrite], carried: Carried, source: Source) -> list[CopiedRanges]:
     """The tensors of ``writes`` copied byte for byte from a file (the writer's kernel-side copies),
     grouped by source file, each file opened as the writer opened it: a duplicate of the descriptor
     the source holds, else the path. A file that cannot be opened is left out (its tensors are
     then read back from the new file)."""
     by_file: dict[str, list[Range]] = {}
     for w in writes:
-        src, out = w.src, w.out  # type: ignore[attr-defined]
+        src, out = w.src, w.out
         if src.file and src.dtype == out.dtype and src.nbytes and out.name not in carried:
             by_file.setdefault(src.file, []).append((out.name, src.offset, src.offset + src.nbytes))
     copied = []

@@ -12,10 +12,13 @@ import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, TypedDict, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, get_args
 
 from ..errors import InvalidInputError, InvalidSizeError, ShardkitWarning
 from ..units import LOSSLESS_TARGETS, ProgressCallback, normalize_dtype, parse_size
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPE_CHOICES", "ProgressCallback", "Quantize", "SaveKeywords", "WriteKeywords",
            "WriteOptions", "option_keyword", "resolve_cast", "warn", "warn_if_many_shards", "warn_if_output_taken"]
@@ -114,17 +117,17 @@ class WriteOptions:
                                         "tensors quantize=... keeps (norms, embeddings...); give bf16, fp16 or fp32")
 
     @classmethod
-    def parse(cls, *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE, **fields: object) -> WriteOptions:
-        """Build from a user-facing size (``"5GB"``, ``"2GiB"``, or bytes) and the other fields.
+    def parse(cls, **fields: Unpack[WriteKeywords]) -> WriteOptions:
+        """Build from a user-facing size (``max_shard_size="5GB"``, ``"2GiB"``, or bytes) and the other fields.
 
         Args:
-            max_shard_size: the largest shard as the user wrote it.
-            **fields: any other :class:`WriteOptions` field.
+            **fields: :class:`WriteKeywords`: ``max_shard_size`` as the user wrote it, any other
+                :class:`WriteOptions` field by name.
 
         Returns:
             The validated options.
         """
-        return cls(max_shard_bytes=parse_size(max_shard_size, name="max shard size"), **fields)  # type: ignore[arg-type]
+        return cls.build(None, fields, where="WriteOptions.parse")
 
     @classmethod
     def build(cls, options: WriteOptions | None = None, shorthands: Mapping[str, object] | None = None, *,
@@ -140,16 +143,16 @@ class WriteOptions:
         """
         if not shorthands:
             return options if options is not None else cls()
-        fields = dict(shorthands)
+        fields: dict[str, Any] = dict(shorthands)  # checked by name below, by value in __post_init__
         keywords = SaveKeywords if save else WriteKeywords
         unknown = sorted(set(fields) - keywords.__required_keys__ - keywords.__optional_keys__)
         if unknown:
             raise TypeError(f"{where} got an unexpected keyword argument {unknown[0]!r}")
         if "max_shard_size" in fields:
-            fields["max_shard_bytes"] = parse_size(fields.pop("max_shard_size"), name="max shard size")  # type: ignore[arg-type]
+            fields["max_shard_bytes"] = parse_size(fields.pop("max_shard_size"), name="max shard size")
         if options is None:
-            return cls(**fields)  # type: ignore[arg-type]
-        return dataclasses.replace(options, **fields)  # type: ignore[arg-type]
+            return cls(**fields)
+        return dataclasses.replace(options, **fields)
 
     @property
     def cast_to(self) -> str | None:
