@@ -32,7 +32,7 @@ from .quant import config_edits, dropped_side_files, kept_cast, quant_report, qu
 from .writer import TensorWrite, tensor_write
 
 __all__ = ["ShardJob", "SideFile", "SplitResult", "checkpoint_files", "copied_names", "copy_side_files", "open_settled",
-           "plan_job", "plan_side_files", "publish", "resolve_naming", "run_jobs", "side_files", "split_source"]
+           "ShardWriter", "plan_job", "plan_side_files", "publish", "resolve_naming", "run_jobs", "side_files", "split_source"]
 
 SideFile = tuple[str, str]  # (path to copy from, file name inside the output)
 
@@ -208,13 +208,18 @@ def split_source(src: Source, output: str, *, options: WriteOptions,
     return job.result(output, options, copied=side_files)
 
 
+ShardWriter = Callable[[ShardJob, JobOutput, Mapping[str, str], ByteCounter], None]
+
+
 def run_jobs(output: str, jobs: Sequence[ShardJob], *, options: WriteOptions,
-             side_files: Sequence[SideFile] = ()) -> None:
+             side_files: Sequence[SideFile] = (), shards: ShardWriter | None = None) -> None:
     """Write every job and side file into ``output`` in ONE transaction (a dry run only warns).
 
     The output appears complete or not at all (see :mod:`shardkit.atomic.commit`, and
     :mod:`shardkit.sharding.outputs` for an output bound to a store); every file is durable
-    before any index names it, and before the commit publishes anything.
+    before any index names it, and before the commit publishes anything. ``shards`` puts each
+    job's shards into the output (default: write them from the source; a plan's finalize adopts
+    the shards its tasks wrote, :mod:`shardkit.distributed.plan_run`).
     """
     if options.dry_run:
         warn_if_output_taken(output, overwrite=options.overwrite)
@@ -230,7 +235,7 @@ def run_jobs(output: str, jobs: Sequence[ShardJob], *, options: WriteOptions,
     with open_output(output, plan) as out:
         _write_side_files(out, edits, copies)
         for job in jobs:
-            _write_shards(job, out, options.metadata or {}, tick)
+            (shards or _write_shards)(job, out, options.metadata or {}, tick)
         out.publish(_indexes(jobs))
 
 
