@@ -20,7 +20,8 @@ def recover(folder: str | os.PathLike[str]) -> Recovery:
     """Finish a write interrupted after its commit point and remove stale temporary files in ``folder``.
 
     Every shardkit job does this by itself before it reads or writes a folder; this is for
-    read-only tools (or mounts) that found a folder mid-commit.
+    read-only tools (or mounts) that found a folder mid-commit. It also removes the work folder of an
+    abandoned plan into ``folder`` (``.NAME.shardkit-plan-ID`` beside it) that no task is running.
 
     For ``s3://BUCKET/PREFIX``: the multipart uploads of writes killed mid-way are aborted and
     the shards they left unpublished are deleted (see :func:`shardkit.stores.transaction.recover_store`).
@@ -39,7 +40,7 @@ def recover(folder: str | os.PathLike[str]) -> Recovery:
     """
     if is_store_url(folder):
         return recover_prefix(folder)
-    report = recover_folder(folder)
+    report = recover_folder(folder, plans=True)  # an abandoned plan's work folder too
     if report is None:
         raise OutputExistsError(f"{os.fspath(folder)} is being written by another shardkit process; "
                                 "try again when it ends")

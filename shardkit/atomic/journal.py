@@ -33,6 +33,7 @@ from ..formats.suffixes import SAVED_WEIGHT_SUFFIXES, is_index_file, is_manifest
 
 TMP_MARK = ".shardkit-tmp-"
 JOURNAL = ".shardkit-journal.json"
+PLAN_MARK = ".shardkit-plan-"  # ``.<output>.shardkit-plan-<id>``: the shards a plan's tasks finished, kept for a resume
 
 
 def fsync_dir(path: str) -> None:
@@ -58,6 +59,17 @@ def try_lock(path: str) -> int | None:
     fd = os.open(path, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def try_lock_shared(path: str) -> int | None:
+    """An fd holding a shared flock on ``path`` (many plan tasks at once), or None while it is locked exclusively."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None
@@ -101,11 +113,13 @@ def recover(folder: str | os.PathLike[str]) -> bool:
     return recover_folder(folder) is not None
 
 
-def recover_folder(folder: str | os.PathLike[str]) -> Recovery | None:
+def recover_folder(folder: str | os.PathLike[str], *, plans: bool = False) -> Recovery | None:
     """:func:`recover`, saying what it did; None while another process is writing the folder.
 
     Args:
         folder: a checkpoint folder (or the path a failed write was creating).
+        plans: also remove the work folders of plans into it that no task is running (``shardkit
+            recover``: an abandoned plan; a write never does, so that a rerun resumes).
 
     Returns:
         A :class:`Recovery` listing the files rolled forward and the temporaries removed.
@@ -117,6 +131,8 @@ def recover_folder(folder: str | os.PathLike[str]) -> Recovery | None:
     report = Recovery(folder)
     if not os.path.isdir(folder):
         cleanup_stale_staging(folder, report)
+        if plans:
+            cleanup_plan_folders(folder, report)
         return report
     fd = try_lock(folder)
     if fd is None:
@@ -126,6 +142,8 @@ def recover_folder(folder: str | os.PathLike[str]) -> Recovery | None:
     finally:
         os.close(fd)
     cleanup_stale_staging(folder, report)
+    if plans:
+        cleanup_plan_folders(folder, report)
     return report
 
 
@@ -234,10 +252,16 @@ def _replaceable(name: str) -> bool:
     return base.endswith(SAVED_WEIGHT_SUFFIXES) or is_index_file(base) or is_manifest_file(base)
 
 
-def cleanup_stale_staging(output: str, report: Recovery | None = None) -> None:
+def cleanup_plan_folders(output: str, report: Recovery | None = None) -> None:
+    """Remove the work folders of plans into ``output`` that no task is running (``recover`` only:
+    a writer keeps them, since a rerun resumes from the shards they hold)."""
+    cleanup_stale_staging(output, report, mark=PLAN_MARK)
+
+
+def cleanup_stale_staging(output: str, report: Recovery | None = None, *, mark: str = TMP_MARK) -> None:
     """Remove staging folders beside ``output`` whose writer died (their flock is free)."""
     parent, base = os.path.split(os.path.abspath(output))
-    prefix = f".{base}{TMP_MARK}"
+    prefix = f".{base}{mark}"
     try:
         names = [n for n in os.listdir(parent) if n.startswith(prefix)]
     except OSError:
