@@ -1,0 +1,187 @@
+"""Conversions as plans: write one (``write_plan``), run it anywhere (``run_plan``), resume a killed one.
+
+The CLI's ``split``/``convert --write-plan`` and ``--resume`` and ``shardkit run`` call these, as
+Python callers do (see docs/plans.md). The plan is made by :mod:`shardkit.distributed.plan_file`
+from the very job a single process runs, and its tasks run by :mod:`shardkit.distributed.plan_run`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Literal
+
+from ..errors import InvalidInputError
+from ..units import ProgressCallback
+from .options import WriteKeywords, WriteOptions
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ..distributed.plan_file import ConversionPlan
+    from ..distributed.plan_run import PlanRun
+
+__all__ = ["plan_summary", "read_plan", "resume", "run_plan", "write_plan"]
+
+Command = Literal["split", "convert"]
+MAX_ENV_TASK = 10**9
+
+
+def write_plan(source: str | os.PathLike[str], output: str | os.PathLike[str], plan: str | os.PathLike[str] | None = None,
+               *, command: Command = "convert", options: WriteOptions | None = None, key: str | None = None,
+               include: Iterable[str] = (), exclude: Iterable[str] = (), strip_prefix: str | None = None,
+               add_prefix: str | None = None, rename: Iterable[str] | Mapping[str, str] = (),
+               **shorthands: Unpack[WriteKeywords]) -> ConversionPlan:
+    """Plan a split or convert of ``source`` into ``output`` and write the plan to ``plan`` (a JSON file).
+
+    Reads headers only. The same source and options give the same bytes. With ``dry_run=True``
+    (or ``plan=None``) nothing is written: the plan is returned (``plan_summary`` prints it).
+
+    Args:
+        source: a local checkpoint (safetensors file, index or folder, pickle, DCP folder).
+        output: the local folder the plan publishes.
+        plan: where to write the plan file.
+        command: ``"split"`` or ``"convert"`` (recorded in the plan; both run the same job).
+        options, key, include, exclude, strip_prefix, add_prefix, rename, **shorthands: as for
+            :func:`shardkit.convert`.
+
+    Returns:
+        The :class:`~shardkit.distributed.plan_file.ConversionPlan`.
+
+    plan = shardkit.write_plan("ckpt/", "out/", "plan.json", max_shard_size="5GB", dtype="bf16")
+    """
+    from ..distributed.plan_file import dump_plan
+    from ..distributed.plan_run import make_plan
+    from ..sharding.convert import build_keymap
+
+    built = WriteOptions.build(options, shorthands, where="write_plan()")
+    if command not in ("split", "convert"):
+        raise InvalidInputError(f"command={command!r}: a plan is of a 'split' or a 'convert'")
+    keymap = build_keymap(include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
+                          rename=dict(rename) if isinstance(rename, Mapping) else rename)
+    made = make_plan(command, os.fspath(source), os.fspath(output), options=built, key=key, keymap=keymap)
+    if plan is not None and not built.dry_run:
+        from ..atomic.commit import file_transaction
+
+        with file_transaction(os.path.abspath(os.fspath(plan)), overwrite=True) as tmp:
+            _write_new(tmp, dump_plan(made))
+    return made
+
+
+def _write_new(path: str, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_plan(plan: str | os.PathLike[str] | ConversionPlan) -> ConversionPlan:
+    """A plan file, checked (:func:`~shardkit.distributed.plan_file.parse_plan`: untrusted input)."""
+    from ..distributed.plan_file import MAX_PLAN_BYTES, ConversionPlan, parse_plan
+
+    if isinstance(plan, ConversionPlan):
+        return plan
+    from ..formats.links import read_regular
+
+    path = os.fspath(plan)
+    return parse_plan(read_regular(path, where=path, max_bytes=MAX_PLAN_BYTES), path=path)
+
+
+def plan_summary(plan: str | os.PathLike[str] | ConversionPlan, *, plan_path: str | None = None) -> list[str]:
+    """The human summary of a plan (what ``--dry-run`` prints), one line each."""
+    from ..distributed.plan_file import summary
+
+    return summary(read_plan(plan), plan_path=plan_path)
+
+
+def run_plan(plan: str | os.PathLike[str] | ConversionPlan, *, task: int | Sequence[int] | None = None,
+             finalize: bool = False, progress: ProgressCallback | None = None) -> PlanRun:
+    """Run a plan's tasks: one, all of them, or this worker's share; then (or only) publish.
+
+    Which tasks, in order of precedence: ``finalize=True`` publishes only (every task must be done);
+    ``task`` runs those tasks only; ``SLURM_ARRAY_TASK_ID`` in the environment runs that task only
+    (a Slurm array; publish with a dependent ``finalize=True`` job); torchrun's ``RANK`` and
+    ``WORLD_SIZE`` (above 1) run every ``WORLD_SIZE``-th task from ``RANK``, then rank 0 publishes
+    once all ranks are done; otherwise every task that is not done, then publish. A done task is
+    skipped, a half-written one redone, and a task refuses a source that changed since the plan.
+
+    Args:
+        plan: the plan file (or a plan from :func:`write_plan`).
+        task: a task index, or several.
+        finalize: publish only.
+        progress: called as ``progress(done_bytes, total_bytes)`` while shards are written.
+
+    Returns:
+        A :class:`~shardkit.distributed.plan_run.PlanRun`: the tasks written and skipped, and whether it published.
+
+    shardkit.run_plan("plan.json")                 # everything left, then publish
+    shardkit.run_plan("plan.json", task=3)         # one worker's task
+    shardkit.run_plan("plan.json", finalize=True)  # once every task is done
+    """
+    from ..distributed import plan_run
+
+    checked = read_plan(plan)
+    if finalize:
+        if task is not None:
+            raise InvalidInputError("finalize=True publishes; give task=... in another call")
+        return plan_run.finalize(checked)
+    if task is not None:
+        return plan_run.run_tasks(checked, [task] if isinstance(task, int) else list(task), progress=progress)
+    array_task = os.environ.get("SLURM_ARRAY_TASK_ID", "").strip()
+    if array_task:
+        return plan_run.run_tasks(checked, [_env_index("SLURM_ARRAY_TASK_ID", array_task)], progress=progress)
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    if world.isdigit() and int(world) > 1:
+        return _run_ranks(checked, progress=progress)
+    run = plan_run.run_tasks(checked, range(len(checked.tasks)), progress=progress)
+    published = plan_run.finalize(checked)
+    run.published = published.published
+    return run
+
+
+def _env_index(name: str, value: str) -> int:
+    if not value.isdigit() or int(value) > MAX_ENV_TASK:
+        raise InvalidInputError(f"{name}={value!r} is not a task index; give task=N")
+    return int(value)
+
+
+def _run_ranks(plan: ConversionPlan, *, progress: ProgressCallback | None) -> PlanRun:
+    """Under torchrun: this rank's tasks (every WORLD_SIZE-th), a barrier, then rank 0 publishes."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from ..distributed import plan_run
+    from ..distributed.group import group_from_env
+
+    with group_from_env() as distributed:
+        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+        run = plan_run.run_tasks(plan, range(rank, len(plan.tasks), world), progress=progress)
+        if distributed:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=3600))
+        if rank == 0:
+            run.published = plan_run.finalize(plan).published
+    return run
+
+
+def resume(source: str | os.PathLike[str], output: str | os.PathLike[str], *, command: Command = "convert",
+           options: WriteOptions | None = None, key: str | None = None, include: Iterable[str] = (),
+           exclude: Iterable[str] = (), strip_prefix: str | None = None, add_prefix: str | None = None,
+           rename: Iterable[str] | Mapping[str, str] = (), **shorthands: Unpack[WriteKeywords]) -> PlanRun:
+    """A split or convert that a kill does not lose: run as its plan, continued from the shards a killed
+    run finished (the same arguments find the same plan). Same arguments as :func:`write_plan`.
+
+    shardkit.api.plans.resume("ckpt/", "out/", max_shard_size="5GB")   # killed? call it again
+    """
+    built = WriteOptions.build(options, shorthands, where="resume()")
+    plan = write_plan(source, output, None, command=command, options=built, key=key, include=include,
+                      exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix, rename=rename)
+    from ..distributed import plan_run
+
+    run = plan_run.run_tasks(plan, range(len(plan.tasks)), progress=built.progress)
+    run.published = plan_run.finalize(plan).published
+    return run

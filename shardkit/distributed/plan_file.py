@@ -1,0 +1,287 @@
+"""A conversion as a file: one task per output shard and one finalize task (``--write-plan PLAN.json``).
+
+The document is made from the job the writer would run (:func:`~shardkit.sharding.job.plan_job`:
+the same :class:`~shardkit.sharding.plan.ShardPlan`, the same casts) and the job's own
+:class:`~shardkit.sharding.options.WriteOptions`, serialized field by field. It is deterministic
+(sorted keys, no times, no pids: the same inputs and options give the same bytes), readable
+(``--dry-run`` prints :func:`summary`) and carries the source's identity (each file's size and
+mtime), so a task run against a changed source refuses in one line. Any engine runs it
+(:mod:`shardkit.distributed.plan_run`): a task is an index, nothing else.
+
+A plan file is untrusted input when it is read back (:func:`parse_plan`): it is bounded in size
+and task count, every output name is a plain name inside the output folder, and a task checks
+the plan against the job it rebuilds from the source before it writes a byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import InvalidInputError
+from ..formats.header import build_header
+from ..formats.links import OutsideFolderError, check_name, parse_json
+from ..sharding.job import ShardJob, shard_metadata
+from ..sharding.options import WriteOptions
+from ..sharding.writer import TensorWrite, clone_alignment
+from ..sources.keymap import KeyMap
+from ..units import format_size
+
+__all__ = ["FORMAT", "MAX_PLAN_BYTES", "MAX_TASKS", "PLAN_OPTION_FIELDS", "ConversionPlan", "PlanSpec", "ShardTask",
+           "SourceFile", "build_plan", "dump_plan", "keymap_from_json", "options_from_json", "parse_plan",
+           "shard_tasks", "source_identity", "summary"]
+
+FORMAT = "shardkit.plan"
+VERSION = 1
+MAX_PLAN_BYTES = 256 * 2**20  # a plan of 100,000 shards with their read ranges stays far below
+MAX_TASKS = 100_000
+MAX_READS = 10_000_000
+# The WriteOptions a plan carries: every field but the callbacks and the dry run (a plan is run for real).
+PLAN_OPTION_FIELDS = ("max_shard_bytes", "dtype", "allow_lossy", "quantize", "name", "variant", "overwrite",
+                      "manifest", "metadata")
+Read = tuple[str, int, int]  # (source file, absolute begin, absolute end)
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One file the plan reads, as it was when planned: a task refuses when it is not so any more."""
+
+    path: str
+    size_bytes: int
+    mtime_ns: int
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """One output shard: what it reads, what it casts, what it writes (``size_bytes`` exactly)."""
+
+    index: int
+    output: str
+    size_bytes: int
+    tensors: int
+    reads: tuple[Read, ...]
+    casts: tuple[tuple[str, int], ...]  # ("F32->BF16", tensor count), sorted
+
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """The job a plan describes: the command, its source and output, and the options of the call."""
+
+    command: str  # "split" or "convert"
+    source: str
+    output: str
+    options: WriteOptions
+    key: str | None = None
+    keymap: KeyMap = dataclasses.field(default_factory=KeyMap)
+
+
+@dataclass(frozen=True)
+class ConversionPlan:
+    """A parsed or built plan. ``finalize`` names what the last task publishes."""
+
+    spec: PlanSpec
+    sources: tuple[SourceFile, ...]
+    tasks: tuple[ShardTask, ...]
+    index: str | None
+    side_files: tuple[str, ...]
+    total_bytes: int
+
+    @property
+    def plan_id(self) -> str:
+        """A short digest of the plan's bytes: names its work folder, so two plans never share one."""
+        return hashlib.sha256(dump_plan(self)).hexdigest()[:16]
+
+
+def options_to_json(options: WriteOptions) -> dict[str, object]:
+    """The plan's copy of the job's :class:`WriteOptions` (:data:`PLAN_OPTION_FIELDS`)."""
+    doc: dict[str, object] = {name: getattr(options, name) for name in PLAN_OPTION_FIELDS}
+    doc["dtype"] = None if options.dtype is None else str(options.dtype).removeprefix("torch.")
+    doc["metadata"] = dict(sorted((options.metadata or {}).items())) or None
+    return doc
+
+
+def options_from_json(doc: object, *, where: str) -> WriteOptions:
+    """The :class:`WriteOptions` of a plan file, validated as the options of any call are."""
+    if not isinstance(doc, dict) or set(doc) != set(PLAN_OPTION_FIELDS):
+        raise _bad(where, f"options must name exactly {', '.join(PLAN_OPTION_FIELDS)}")
+    metadata = doc["metadata"]
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise _bad(where, "options.metadata must map strings to strings")
+    try:
+        return WriteOptions(**doc)
+    except (TypeError, InvalidInputError) as e:
+        raise _bad(where, f"options: {e}") from e
+
+
+def keymap_from_json(doc: object, *, where: str) -> KeyMap:
+    fields = {"include", "exclude", "strip_prefix", "add_prefix", "rename"}
+    if not isinstance(doc, dict) or set(doc) != fields:
+        raise _bad(where, f"keymap must name exactly {', '.join(sorted(fields))}")
+    lists = [doc["include"], doc["exclude"], *doc["rename"]] if isinstance(doc["rename"], list) else [None]
+    if not all(isinstance(x, list) and all(isinstance(s, str) for s in x) for x in lists) \
+            or not all(len(pair) == 2 for pair in doc["rename"]) \
+            or not all(v is None or isinstance(v, str) for v in (doc["strip_prefix"], doc["add_prefix"])):
+        raise _bad(where, "keymap entries must be lists of strings, renames [OLD, NEW] pairs")
+    return KeyMap(tuple(doc["include"]), tuple(doc["exclude"]), doc["strip_prefix"], doc["add_prefix"],
+                  tuple((a, b) for a, b in doc["rename"]))
+
+
+def shard_tasks(job: ShardJob, options: WriteOptions) -> tuple[ShardTask, ...]:
+    """One :class:`ShardTask` per shard of ``job``: its reads coalesced per file, its exact file size."""
+    by_name = {w.out.name: w for w in job.writes}
+    metadata = shard_metadata(job, options.metadata or {})
+    tasks = []
+    for i, shard in enumerate(job.plan.shards):
+        writes = [by_name[n] for n in shard.names]
+        head, _ = build_header([w.out for w in writes], metadata=dict(sorted(metadata.items())),
+                               data_start_mod=clone_alignment(writes))
+        casts: dict[str, int] = {}
+        for w in writes:
+            if w.src.dtype != w.out.dtype:
+                casts[f"{w.src.dtype}->{w.out.dtype}"] = casts.get(f"{w.src.dtype}->{w.out.dtype}", 0) + 1
+        tasks.append(ShardTask(i, job.path(shard.filename), len(head) + sum(w.out.nbytes for w in writes),
+                               len(writes), _reads(writes), tuple(sorted(casts.items()))))
+    return tuple(tasks)
+
+
+def _reads(writes: Sequence[TensorWrite]) -> tuple[Read, ...]:
+    """The source byte ranges a shard reads, adjacent ones coalesced (a split reads one range)."""
+    reads: list[Read] = []
+    for w in writes:
+        file, begin = w.src.file or "", w.src.offset
+        if reads and reads[-1][0] == file and reads[-1][2] == begin and file:
+            reads[-1] = (file, reads[-1][1], begin + w.src.nbytes)
+        else:
+            reads.append((file, begin, begin + w.src.nbytes))
+    return tuple(reads)
+
+
+def source_identity(paths: Sequence[str]) -> tuple[SourceFile, ...]:
+    """Each path's size and mtime (sorted by path): what a task compares before it reads."""
+    out = []
+    for path in sorted(set(paths)):
+        st = os.stat(path)
+        out.append(SourceFile(path, st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+def build_plan(spec: PlanSpec, job: ShardJob, *, side_files: Sequence[str], side_paths: Sequence[str]) -> ConversionPlan:
+    """The plan of ``job`` (planned from ``spec``'s source with ``spec.options``)."""
+    files = [e.file for e in job.source.entries() if e.file] + list(side_paths)
+    return ConversionPlan(spec, source_identity(files), shard_tasks(job, spec.options),
+                          job.path(job.plan.index_filename) if job.plan.index_filename else None,
+                          tuple(sorted(side_files)), job.plan.total_bytes)
+
+
+def dump_plan(plan: ConversionPlan) -> bytes:
+    """The plan's bytes: sorted keys, one task per line; equal plans give equal bytes."""
+    spec = plan.spec
+    km = spec.keymap
+    head = {
+        "format": FORMAT, "version": VERSION, "command": spec.command, "source": spec.source, "output": spec.output,
+        "key": spec.key, "options": options_to_json(spec.options),
+        "keymap": {"include": list(km.include), "exclude": list(km.exclude), "strip_prefix": km.strip_prefix,
+                   "add_prefix": km.add_prefix, "rename": [list(p) for p in km.rename]},
+        "source_files": [[s.path, s.size_bytes, s.mtime_ns] for s in plan.sources],
+        "finalize": {"index": plan.index, "side_files": list(plan.side_files), "total_bytes": plan.total_bytes},
+    }
+    lines = [json.dumps({"task": t.index, "output": t.output, "size_bytes": t.size_bytes, "tensors": t.tensors,
+                         "reads": [list(r) for r in t.reads], "casts": dict(t.casts)},
+                        sort_keys=True, separators=(",", ":")) for t in plan.tasks]
+    text = json.dumps(head, sort_keys=True, indent=1)[:-2]
+    return (text + ',\n "tasks": [\n  ' + ",\n  ".join(lines) + "\n ]\n}\n").encode()
+
+
+def parse_plan(data: bytes, *, path: str) -> ConversionPlan:
+    """A plan file's bytes, checked: its format and version, bounded counts, names inside the output."""
+    if len(data) > MAX_PLAN_BYTES:
+        raise _bad(path, f"larger than {format_size(MAX_PLAN_BYTES)}")
+    doc = parse_json(data, path=path, what="shardkit plan")
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise _bad(path, f"not a {FORMAT} file")
+    if doc.get("version") != VERSION:
+        raise _bad(path, f"version {doc.get('version')!r} is not {VERSION}: written by another shardkit? re-plan it")
+    try:
+        return _parse(doc, path)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise _bad(path, f"malformed ({type(e).__name__}: {str(e)[:120]})") from e
+
+
+def _parse(doc: dict[str, object], path: str) -> ConversionPlan:
+    command, source, output, key = doc["command"], doc["source"], doc["output"], doc["key"]
+    if command not in ("split", "convert") or not isinstance(source, str) or not isinstance(output, str) \
+            or not (key is None or isinstance(key, str)):
+        raise _bad(path, "command must be split or convert, source and output strings")
+    spec = PlanSpec(command, source, output, options_from_json(doc["options"], where=path), key,
+                    keymap_from_json(doc["keymap"], where=path))
+    raw_tasks, raw_sources, fin = doc["tasks"], doc["source_files"], doc["finalize"]
+    if not isinstance(raw_tasks, list) or not isinstance(raw_sources, list) or not isinstance(fin, dict):
+        raise _bad(path, "tasks and source_files must be lists, finalize an object")
+    if not 0 < len(raw_tasks) <= MAX_TASKS or len(raw_sources) > MAX_TASKS:
+        raise _bad(path, f"it must hold 1 to {MAX_TASKS} tasks")
+    sources = tuple(SourceFile(str(p), _count(n), _count(m)) for p, n, m in raw_sources)
+    tasks = tuple(_task(t, i, path) for i, t in enumerate(raw_tasks))
+    if sum(len(t.reads) for t in tasks) > MAX_READS:
+        raise _bad(path, f"more than {MAX_READS} read ranges")
+    index, side = fin["index"], fin["side_files"]
+    names = [t.output for t in tasks] + ([index] if index is not None else []) + list(side)
+    for name in names:
+        _check_output_name(name, path)
+    if len(set(names)) != len(names):
+        raise _bad(path, "two tasks or files write the same output name")
+    return ConversionPlan(spec, sources, tasks, index, tuple(side), _count(fin["total_bytes"]))
+
+
+def _task(doc: object, i: int, path: str) -> ShardTask:
+    if not isinstance(doc, dict) or doc["task"] != i:
+        raise _bad(path, f"task {i} is out of order")
+    reads = tuple((str(f), _count(b), _count(e)) for f, b, e in doc["reads"])
+    casts = tuple(sorted((str(k), _count(v)) for k, v in doc["casts"].items()))
+    return ShardTask(i, str(doc["output"]), _count(doc["size_bytes"]), _count(doc["tensors"]), reads, casts)
+
+
+def _count(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not a byte count")
+    return value
+
+
+def _check_output_name(name: object, path: str) -> None:
+    try:
+        parts = check_name(name, where=path)
+    except OutsideFolderError as e:
+        raise _bad(path, f"output name {name!r} leaves the output folder") from e
+    if len(parts) > 8 or parts[-1].startswith("."):
+        raise _bad(path, f"output name {name!r} is not a plain file name of the output")
+
+
+def _bad(path: str, why: str) -> InvalidInputError:
+    return InvalidInputError(f"{path}: not a usable shardkit plan ({why}); write it again with write_plan=...")
+
+
+def summary(plan: ConversionPlan, *, plan_path: str | None = None) -> list[str]:
+    """The lines ``--dry-run`` prints: the job, every task in one line, then finalize."""
+    spec = plan.spec
+    casts: dict[str, int] = {}
+    for t in plan.tasks:
+        for k, v in t.casts:
+            casts[k] = casts.get(k, 0) + v
+    lines = [f"plan {plan.plan_id}: {spec.command} {spec.source} -> {spec.output}",
+             f"  {len(plan.tasks)} shard task(s), {format_size(plan.total_bytes)} of tensors, "
+             f"{len(plan.sources)} source file(s)" + (f", casts {dict(sorted(casts.items()))}" if casts else "")]
+    shown = plan.tasks if len(plan.tasks) <= 12 else plan.tasks[:6] + plan.tasks[-6:]
+    for t in shown:
+        if t.index == 6 and len(plan.tasks) > 12:
+            lines.append(f"  ... {len(plan.tasks) - 12} more task(s)")
+        lines.append(f"  task {t.index}: {t.output} {format_size(t.size_bytes)} ({t.tensors} tensors, "
+                     f"{len(t.reads)} read range(s))")
+    lines.append(f"  finalize: {plan.index or 'no index (one file)'}"
+                 f"{', manifest' if spec.options.manifest else ''}, {len(plan.side_files)} side file(s)")
+    if plan_path:
+        lines.append(f"  run: shardkit run {plan_path}   (or --task N per worker, then --finalize)")
+    return lines

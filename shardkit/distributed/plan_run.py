@@ -1,0 +1,309 @@
+"""Running a plan's tasks (:mod:`shardkit.distributed.plan_file`): any worker, any order, any number of times.
+
+A task writes its shard into the plan's work folder, ``.<output>.shardkit-plan-<id>`` beside the
+output: under a temporary name, fsynced, renamed onto the shard's name, then recorded as done
+(``done/<task>.json``: the shard's manifest record, a one-file manifest). A done task is skipped
+by one ``stat``; a shard killed half-written is only a temporary file, removed and redone. Tasks
+hold a shared lock on the work folder while they run, so ``shardkit recover`` (which removes an
+abandoned plan's work folder) never removes it under them.
+
+Finalize checks every shard against the plan and its record (size, header crc32), then publishes
+through the very job a single process runs (:func:`~shardkit.sharding.job.run_jobs`: side
+files, edited configs, manifest, index last), the shards hard-linked from the work folder into
+the transaction instead of written again; the work folder goes once the output is published. A
+finalize killed after its commit is recognised by the shards' inodes and only cleans up. So
+the output is byte-identical to a single-process write, whichever engine ran the tasks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import os
+import secrets
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from .. import _faults
+from ..atomic.journal import PLAN_MARK, TMP_MARK, fsync_dir, is_stale_tmp, remove_path, try_lock_shared
+from ..errors import InvalidInputError, ShardkitWriteError, describe_os_error
+from ..formats.layout import is_pipeline_folder
+from ..formats.links import read_inside
+from ..formats.manifest import FileDigest, ManifestError, dump_manifest, parse_manifest, read_digests
+from ..sharding.digest import ManifestRecorder
+from ..sharding.flush import BackgroundSync, copy_side_file
+from ..sharding.job import (
+    ShardJob,
+    ShardWriter,
+    SideFile,
+    copied_names,
+    open_settled,
+    plan_job,
+    refuse_output_inside_source,
+    run_jobs,
+    shard_metadata,
+    side_files,
+)
+from ..sharding.options import WriteOptions
+from ..sharding.outputs import JobOutput, LocalOutput
+from ..sharding.single_file import is_file_output
+from ..sharding.writer import write_safetensors
+from ..sources.keymap import KeyMap, KeyMapSource
+from ..stores.urls import is_store_url
+from ..units import ByteCounter, ProgressCallback
+from .plan_file import ConversionPlan, PlanSpec, ShardTask, build_plan, shard_tasks
+
+__all__ = ["PlanRun", "finalize", "is_done", "make_plan", "run_tasks", "work_folder"]
+
+PUBLISHED = "published"  # written into the work folder once the output is published: only cleanup is left
+
+
+@dataclass
+class PlanRun:
+    """What one call did: the tasks it wrote, those already done, and whether it published."""
+
+    plan_id: str
+    output: str
+    written: list[int]
+    skipped: list[int]
+    published: bool = False
+
+
+def work_folder(plan: ConversionPlan) -> str:
+    """Where the plan's tasks put their shards: beside the output, named by the plan's digest."""
+    parent, base = os.path.split(os.path.abspath(plan.spec.output))
+    return os.path.join(parent, f".{base}{PLAN_MARK}{plan.plan_id}")
+
+
+def _done_name(task: ShardTask) -> str:
+    return f"done/{task.index:05d}.json"
+
+
+def is_done(plan: ConversionPlan, index: int) -> bool:
+    """Whether task ``index`` finished (one ``stat``)."""
+    return os.path.exists(os.path.join(work_folder(plan), _done_name(plan.tasks[index])))
+
+
+def check_sources(plan: ConversionPlan) -> None:
+    """Refuse (one line) when a source file's size or mtime is not what the plan recorded."""
+    for f in plan.sources:
+        try:
+            st = os.stat(f.path)
+        except OSError as e:
+            raise InvalidInputError(f"{f.path}: the plan's source is gone ({describe_os_error(e)}); "
+                                    "write the plan again from the source as it is now") from e
+        if (st.st_size, st.st_mtime_ns) != (f.size_bytes, f.mtime_ns):
+            raise InvalidInputError(f"{f.path}: the source changed since the plan was written (size {st.st_size} "
+                                    f"vs {f.size_bytes}, or its mtime); nothing was written: write the plan again")
+
+
+def make_plan(command: str, source: str, output: str, *, options: WriteOptions, key: str | None = None,
+              keymap: KeyMap | None = None) -> ConversionPlan:
+    """Plan ``command`` (split or convert) of a local ``source`` into a local folder ``output``.
+
+    Only headers are read. The options are the call's own :class:`WriteOptions` (less the
+    callbacks and ``dry_run``: a plan is what would run).
+    """
+    if is_store_url(source) or is_store_url(output) or "://" in source:
+        raise InvalidInputError(f"{source} -> {output}: a plan reads a local checkpoint into a local folder; "
+                                "convert a bucket or hf:// source without write_plan=...")
+    if is_pipeline_folder(source) or is_file_output(output):
+        raise InvalidInputError(f"{source} -> {output}: a plan writes the shards of one model into a folder; "
+                                "a pipeline folder or a single .safetensors output is written in one process")
+    source, output = os.path.abspath(source), os.path.abspath(output)
+    refuse_output_inside_source(source, output)
+    spec = PlanSpec(command, source, output, dataclasses.replace(options, dry_run=False, progress=None), key,
+                    keymap or KeyMap())
+    with open_settled(source, key=key, dry_run=True, output=output) as inner:
+        mapped = inner if spec.keymap.is_identity() else KeyMapSource(inner, spec.keymap)
+        job = plan_job(mapped, options=spec.options)
+        copies = side_files(source, output)
+        return build_plan(spec, job, side_files=copied_names(copies), side_paths=[path for path, _ in copies])
+
+
+@contextlib.contextmanager
+def opened_job(plan: ConversionPlan) -> Iterator[tuple[ShardJob, list[SideFile]]]:
+    """The job the plan describes, planned again from its source: refused unless it is the same plan."""
+    spec = plan.spec
+    check_sources(plan)
+    with open_settled(spec.source, key=spec.key, dry_run=False, output=spec.output) as inner:
+        mapped = inner if spec.keymap.is_identity() else KeyMapSource(inner, spec.keymap)
+        job = plan_job(mapped, options=spec.options)
+        if shard_tasks(job, spec.options) != plan.tasks:
+            raise InvalidInputError(f"{spec.source}: planned again, it does not give the plan's tasks (the source or "
+                                    "shardkit changed); nothing was written: write the plan again")
+        yield job, side_files(spec.source, spec.output)
+
+
+@contextlib.contextmanager
+def _work_lock(plan: ConversionPlan) -> Iterator[str]:
+    """The work folder (made if missing), share-locked for the block: recover leaves it alone meanwhile."""
+    work = work_folder(plan)
+    try:
+        os.makedirs(os.path.join(work, "done"), exist_ok=True)
+        fd = try_lock_shared(work)
+    except OSError as e:
+        raise ShardkitWriteError(f"{work}: cannot make the plan's work folder: {describe_os_error(e)}") from e
+    if fd is None:
+        raise ShardkitWriteError(f"{work} is being removed by `shardkit recover`; run the task again when it is done")
+    try:
+        yield work
+    finally:
+        os.close(fd)
+
+
+def run_tasks(plan: ConversionPlan, indexes: Sequence[int], *, progress: ProgressCallback | None = None) -> PlanRun:
+    """Run the tasks ``indexes`` that are not done yet (the source opened once for all of them)."""
+    for i in indexes:
+        if not 0 <= i < len(plan.tasks):
+            raise InvalidInputError(f"task={i}: the plan has tasks 0 to {len(plan.tasks) - 1}")
+    run = PlanRun(plan.plan_id, plan.spec.output, [], [])
+    with _work_lock(plan) as work:
+        pending = [i for i in indexes if not os.path.exists(os.path.join(work, _done_name(plan.tasks[i])))]
+        run.skipped = [i for i in indexes if i not in set(pending)]
+        if not pending:
+            return run
+        total = sum(plan.tasks[i].size_bytes for i in pending)
+        with opened_job(plan) as (job, _):
+            tick = ByteCounter(total, progress)
+            for i in pending:
+                _write_task(plan, job, plan.tasks[i], work, tick)
+                run.written.append(i)
+    return run
+
+
+def _write_task(plan: ConversionPlan, job: ShardJob, task: ShardTask, work: str, tick: ByteCounter) -> None:
+    """Write one shard into ``work`` (temporary name, fsync, rename), then its done record."""
+    _remove_stale_tmp(work, task.output)
+    shard = job.plan.shards[task.index]
+    by_name = {w.out.name: w for w in job.writes}
+    writes = [by_name[n] for n in shard.names]
+    tmp = os.path.join(work, f"{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}-{task.output}")
+    try:
+        written = write_safetensors(tmp, writes, job.source, metadata=shard_metadata(job, plan.spec.options.metadata or {}),
+                                    progress=tick)
+        if written.file_bytes != task.size_bytes:
+            raise ShardkitWriteError(f"{task.output}: wrote {written.file_bytes} bytes, the plan says {task.size_bytes}; "
+                                     "nothing was published: report this")
+        with ManifestRecorder(work, stale=[], enabled=plan.spec.options.manifest) as record:
+            record.shard(task.output, tmp, writes, known=written.crc32s, source=job.source)
+            digest = record.results().get(task.output) or _header_digest(tmp, written.file_bytes)
+        os.rename(tmp, os.path.join(work, task.output))
+        fsync_dir(work)
+        _faults.point("plan:shard-renamed")
+        _write_small(work, _done_name(task), dump_manifest({task.output: digest}))
+    except BaseException:
+        remove_path(tmp)
+        raise
+    _faults.point("plan:task-done")
+
+
+def _header_digest(path: str, size_bytes: int) -> FileDigest:
+    """The record of a shard without a manifest: its size and header region's crc32 only."""
+    from ..formats.header import read_header
+
+    data_start = read_header(path).data_start
+    _, crcs, _ = read_digests(path, [("", 0, data_start)], sha256=False)
+    return FileDigest(size_bytes, None, data_start, crcs[0], {})
+
+
+def _remove_stale_tmp(work: str, name: str) -> None:
+    """Temporary files of this shard left by a killed task (its pid gone)."""
+    for entry in os.listdir(work):
+        if entry.startswith(TMP_MARK) and entry.endswith(f"-{name}") and is_stale_tmp(entry):
+            remove_path(os.path.join(work, entry))
+
+
+def _write_small(work: str, name: str, data: bytes) -> None:
+    path = os.path.join(work, name)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path))
+    except OSError as e:
+        remove_path(tmp)
+        raise ShardkitWriteError(f"recording {path} failed: {describe_os_error(e)}") from e
+
+
+def _records(plan: ConversionPlan, work: str) -> dict[str, FileDigest]:
+    """Every task's record, each shard checked against it and the plan (size, header crc32)."""
+    records: dict[str, FileDigest] = {}
+    missing = [t.index for t in plan.tasks if not os.path.exists(os.path.join(work, _done_name(t)))]
+    if missing:
+        shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        raise InvalidInputError(f"{plan.spec.output}: {len(missing)} task(s) not done ({shown}); run them "
+                                f"(shardkit.run_plan(plan, task=N), or every one with no task) before finalize=True")
+    for t in plan.tasks:
+        name = _done_name(t)
+        try:
+            record = parse_manifest(read_inside(work, name, where=work), path=os.path.join(work, name)).files[t.output]
+            size_bytes = os.path.getsize(os.path.join(work, t.output))
+            _, crcs, _ = read_digests(os.path.join(work, t.output), [("", 0, record.data_start or 0)], sha256=False)
+        except (OSError, ManifestError, KeyError) as e:
+            raise InvalidInputError(f"{work}: task {t.index}'s shard or record is unreadable ({e}); delete {name} "
+                                    "and run the task again") from e
+        if not size_bytes == record.size_bytes == t.size_bytes or crcs[0] != record.header_crc32:
+            raise InvalidInputError(f"{work}/{t.output}: not the shard task {t.index} recorded (size {size_bytes}, "
+                                    f"plan {t.size_bytes}); delete {name} and run the task again")
+        records[t.output] = record
+    return records
+
+
+def _published(plan: ConversionPlan, work: str) -> bool:
+    """Whether a finalize already published this plan (killed before its cleanup): the output's
+    shards are the work folder's own files (hard links)."""
+    if os.path.exists(os.path.join(work, PUBLISHED)):
+        return True
+    try:
+        return all(os.path.samefile(os.path.join(work, t.output), os.path.join(plan.spec.output, t.output))
+                   for t in plan.tasks)
+    except OSError:
+        return False
+
+
+def finalize(plan: ConversionPlan) -> PlanRun:
+    """Check every shard, then publish the output (side files, manifest, index last); remove the work folder."""
+    run = PlanRun(plan.plan_id, plan.spec.output, [], [], published=True)
+    with _work_lock(plan) as work:
+        if not _published(plan, work):
+            records = _records(plan, work)
+            with opened_job(plan) as (job, copies):
+                run_jobs(plan.spec.output, [job], options=plan.spec.options, side_files=copies,
+                         shards=_adopt(work, records))
+            _faults.point("plan:published")
+            _write_small(work, PUBLISHED, b"")
+    remove_path(work)
+    return run
+
+
+def _adopt(work: str, records: Mapping[str, FileDigest]) -> ShardWriter:
+    """The ``shards=`` of :func:`run_jobs`: each shard hard-linked from ``work`` (copied where the
+    filesystem cannot link) and its record handed to the manifest."""
+
+    def adopt(job: ShardJob, out: JobOutput, metadata: Mapping[str, str], tick: ByteCounter) -> None:
+        if not isinstance(out, LocalOutput):
+            raise ShardkitWriteError(f"{work}: a plan publishes into a local folder; nothing was published")
+        for shard in job.plan.shards:
+            name = job.path(shard.filename)
+            dst = out.tx.path_for(name)
+            _link_or_copy(os.path.join(work, name), dst, sync=out.sync)
+            out.record.add(name, records[name])
+            tick(records[name].size_bytes)
+
+    return adopt
+
+
+def _link_or_copy(src: str, dst: str, *, sync: BackgroundSync) -> None:
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+        copy_side_file(src, dst, sync=sync)
