@@ -69,6 +69,8 @@ _LAZY: dict[str, str] = {
     "SliceRule": "api.loading",
     "tensor_parallel_rules": "api.loading",
     "plan_model": "api.planning",
+    "write_plan": "api.plans",
+    "run_plan": "api.plans",
 }
 
 if TYPE_CHECKING:  # what editors and type checkers see; at run time each name is imported on first use
@@ -101,6 +103,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time each name i
     from .api.maintenance import merge, recover
     from .api.options import WriteOptions
     from .api.planning import fit, plan_model
+    from .api.plans import run_plan, write_plan
 
 __all__ = [
     "CheckpointIndexError", "CopyRefusedError", "DistributedError", "FitError", "HeaderError", "HubError",
@@ -110,7 +113,8 @@ __all__ = [
     "SliceRule", "SplitResult", "TensorParallelPlan", "UnsafePickleError", "VerificationError", "WriteOptions", "__version__", "apply_layerwise_casting",
     "apply_offload", "convert", "estimate_memory", "fit", "format_size", "info", "load_into", "load_model",
     "load_pipeline", "merge", "open", "open_source", "parse_size", "plan_device_map", "plan_model", "plan_shards", "push",
-    "read_header", "recover", "save_sharded", "split", "split_and_push", "tensor_parallel_rules", "verify",
+    "read_header", "recover", "run_plan", "save_sharded", "split", "split_and_push", "tensor_parallel_rules", "verify",
+    "write_plan",
 ]
 
 
