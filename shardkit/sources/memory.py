@@ -226,7 +226,7 @@ def host_bytes(tensor: torch.Tensor) -> memoryview:
     t = t.contiguous().reshape(-1)
     import torch
 
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray: a buffer
+    return t.view(torch.uint8).numpy().data.cast("B")
 
 
 def module_state_dict(obj: object) -> Mapping[str, torch.Tensor]:

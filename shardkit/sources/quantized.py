@@ -28,6 +28,7 @@ from ..layouts.fp8 import ScaledWeight, matrix_shape
 from ..layouts.fp8_quantize import QUANTIZE_RECIPES
 from .base import Source
 from .dequantized import ViewSource, read_rows
+from .memory import host_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -92,13 +93,11 @@ class QuantizedSource(ViewSource):
             yield from self._quantized(weight, record=True)
 
     def _scale_bytes(self, weight: ScaledWeight) -> memoryview:
-        import torch
-
         if weight.weight not in self._scales:
             for _ in self._quantized(weight, record=True):
                 pass
         scale = self._scales.pop(weight.weight)
-        return memoryview(scale.contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # a buffer
+        return host_bytes(scale)
 
     def _quantized(self, weight: ScaledWeight, *, record: bool) -> Iterator[memoryview]:
         """The e4m3fn bytes of ``weight``, band by band; with ``record``, keep its scales and error."""

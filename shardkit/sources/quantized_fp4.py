@@ -27,6 +27,7 @@ from ..formats.json_types import JsonObject
 from ..layouts.fp4_quantize import FP4_SCHEMES, Fp4Target, fp4_config, fp4_target
 from .base import Source
 from .dequantized import ViewSource, read_rows
+from .memory import host_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -91,7 +92,7 @@ class Fp4QuantizedSource(ViewSource):
                     pass
             yield self._scales.pop(target.packed)
         else:
-            yield _bytes_of(self._global_scale(target))
+            yield host_bytes(self._global_scale(target))
 
     def _quantized(self, target: Fp4Target) -> Iterator[memoryview]:
         """The packed bytes of ``target``, band by band; its scales are kept for their own tensor, its error recorded."""
@@ -111,8 +112,8 @@ class Fp4QuantizedSource(ViewSource):
             diff = back - band.to(torch.float32)
             err_sq, ref_sq = err_sq + float(diff.square().sum()), ref_sq + float(band.to(torch.float32).square().sum())
             worst = max(worst, float(diff.abs().max()) if diff.numel() else 0.0)
-            scales.append(_bytes_of(scale))
-            yield _bytes_of(packed)
+            scales.append(host_bytes(scale))
+            yield host_bytes(packed)
         self._scales[target.packed] = b"".join(bytes(s) for s in scales)
         self._errors[target.source.name] = {"relative_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0,
                                             "max_abs_error": worst}
@@ -156,7 +157,3 @@ class Fp4QuantizedSource(ViewSource):
                 "errors": {n: self._errors[n] for n in quantized if n in self._errors}}
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    import torch
-
-    return memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # ndarray: a buffer
