@@ -25,15 +25,13 @@ import argparse
 import filecmp
 import glob
 import os
-import shutil
-import statistics
 import sys
 import time
+from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from benchlib import build_once, build_unet_source, machine_line, measure, publish_report  # noqa: E402
+from benchlib import Case, machine_line, med, parser, publish_report, remove, rounds
+from benchlib import measure as measure_command
+from build_checkpoint import build_once, unet_source
 
 DEFAULT_SOURCE = "/work/cowbench/sdxl-unet/diffusion_pytorch_model.safetensors"
 
@@ -66,111 +64,82 @@ DCP_TO_TORCH = ("import sys, warnings; warnings.simplefilter('ignore'); "
                 "dcp_to_torch_save(sys.argv[1], sys.argv[2])")
 
 
-def prepare(args: argparse.Namespace) -> str:
-    source = args.source if os.path.exists(args.source) else build_unet_source("sdxl", args.work)
-    tag = f"{args.gb:g}GB" if args.gb else "full"
-    return build_once(os.path.join(args.work, f"sdxl-unet-dcp-{tag}"), DCP_SAVE, source, str(int(args.gb * 1e9)),
-                      hide_stderr=True)
-
-
-def cases(args: argparse.Namespace, dcp: str) -> list[tuple[str, str, str, str]]:
-    """(name, command, output, rss dir or "") of every case."""
-    py, work, size = sys.executable, args.work, args.max_shard_size
+def cases(args: argparse.Namespace, dcp: str, work: str) -> list[Case]:
+    """Every case; a shardkit case's cleanup is [output, its rank RSS folder]."""
+    py = sys.executable
     wrapper = os.path.join(work, "shardkit_rss.py")
     with open(wrapper, "w") as f:
         f.write(RSS_WRAPPER)
-    accelerate = os.path.join(os.path.dirname(py), "accelerate")
-    out = {n: os.path.join(work, f"out-{n}") for n in ("cp", "r1", "r2", "r4", "acc", "pt")}
-    rows = [("cp -r (floor)", f"cp -r {dcp} {out['cp']} && sync", out["cp"], "")]
+    out = {n: os.path.join(work, f"out-{n}") for n in ("cp", "acc", "pt")}
+    rows = [Case("cp -r (floor)", f"cp -r {dcp} {out['cp']} && sync", cleanup=[out["cp"]])]
     for n in args.ranks:
-        rss = os.path.join(work, f"rss-{n}")
-        launch = f"{py} {wrapper}" if n == 1 else \
-            f"{py} -m torch.distributed.run --standalone --nproc-per-node {n} {wrapper}"
-        rows.append((f"shardkit convert, {n} rank{'s' if n > 1 else ''}",
-                     f"BENCH_RSS_DIR={rss} {launch} convert {dcp} {out[f'r{n}']} --max-shard-size {size} -q && sync",
-                     out[f"r{n}"], rss))
+        rss, output = os.path.join(work, f"rss-{n}"), os.path.join(work, f"out-r{n}")
+        launch = f"{py} {wrapper}" if n == 1 else f"{py} -m torch.distributed.run --standalone --nproc-per-node {n} {wrapper}"
+        rows.append(Case(f"shardkit convert, {n} rank{'s' if n > 1 else ''}", f"BENCH_RSS_DIR={rss} {launch} convert "
+                         f"{dcp} {output} --max-shard-size {args.max_shard_size} -q && sync",
+                         target="shardkit", cleanup=[output, rss]))
     if not args.no_incumbents:
-        rows.append(("accelerate merge-weights", f"{accelerate} merge-weights {dcp} {out['acc']} >/dev/null 2>&1 && sync",
-                     out["acc"], ""))
-        rows.append(("dcp_to_torch_save", f"{py} -c \"{DCP_TO_TORCH}\" {dcp} {out['pt']}.pt 2>/dev/null && sync",
-                     out["pt"] + ".pt", ""))
+        rows.append(Case("accelerate merge-weights", f"{os.path.join(os.path.dirname(py), 'accelerate')} merge-weights "
+                         f"{dcp} {out['acc']} >/dev/null 2>&1 && sync", cleanup=[out["acc"]]))
+        rows.append(Case("dcp_to_torch_save", f"{py} -c \"{DCP_TO_TORCH}\" {dcp} {out['pt']}.pt 2>/dev/null && sync",
+                         cleanup=[out["pt"] + ".pt"]))
     return rows
 
 
-def _clean(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    elif os.path.exists(path):
-        os.unlink(path)
+def run(all_cases: list[Case], runs: int) -> dict[Case, list[dict[str, Any]]]:
+    first = next(c.cleanup[0] for c in all_cases if c.target == "shardkit")
+
+    def one(case: Case, r: int) -> dict[str, Any]:
+        for path in case.cleanup:
+            remove(path)
+        rss_dir = case.cleanup[1] if case.target == "shardkit" else ""
+        if rss_dir:
+            os.makedirs(rss_dir)
+        print(f"run {r + 1}: {case.name} ...", flush=True)
+        seconds, rss_mb = measure_command(case.command)
+        ranks = [int(open(p).read()) / 1024 for p in sorted(glob.glob(os.path.join(rss_dir, "rank-*")))] if rss_dir else []
+        output = case.cleanup[0]
+        if case.target == "shardkit" and output != first and os.path.isdir(first):  # must equal the first shardkit output
+            names = sorted(os.listdir(first))
+            _, mismatch, errors = filecmp.cmpfiles(first, output, names, shallow=False)
+            if names != sorted(os.listdir(output)) or mismatch or errors:
+                raise SystemExit(f"{output} differs from {first}: {mismatch or errors}")
+            print(f"{output} is byte-identical to {first}", flush=True)
+        if output != first:
+            remove(output)  # disk
+        return {"seconds": seconds, "rss_mb": rss_mb, "rank_rss_mb": ranks}
+
+    return rounds(all_cases, runs, one)
 
 
-def run(args: argparse.Namespace, dcp: str) -> list[dict]:
-    rows = cases(args, dcp)
-    results = {name: {"name": name, "seconds": [], "rss_mb": [], "rank_rss_mb": []} for name, *_ in rows}
-    for r in range(args.runs):
-        for name, command, output, rss in rows[r % len(rows):] + rows[: r % len(rows)]:
-            _clean(output)
-            if rss:
-                _clean(rss)
-                os.makedirs(rss)
-            print(f"run {r + 1}: {name} ...", flush=True)
-            seconds, rss_mb = measure(command)
-            results[name]["seconds"].append(seconds)
-            results[name]["rss_mb"].append(rss_mb)
-            if rss:
-                ranks = sorted(glob.glob(os.path.join(rss, "rank-*")))
-                results[name]["rank_rss_mb"] = [int(open(p).read()) / 1024 for p in ranks]
-            _check_identical(rows, output)
-    return list(results.values())
-
-
-def _check_identical(rows: list[tuple[str, str, str, str]], output: str) -> None:
-    """A shardkit output must equal the first shardkit case's; all but that one are removed (disk)."""
-    first = next(out for _, _, out, rss in rows if rss)
-    if output != first and any(out == output and rss for _, _, out, rss in rows) and os.path.isdir(first):
-        names = sorted(os.listdir(first))
-        assert names == sorted(os.listdir(output)), (first, output)
-        _, mismatch, errors = filecmp.cmpfiles(first, output, names, shallow=False)
-        assert not mismatch and not errors, f"{output} differs from {first}: {mismatch or errors}"
-        print(f"{output} is byte-identical to {first}", flush=True)
-    if output != first:
-        _clean(output)
-
-
-def report(args: argparse.Namespace, dcp: str, results: list[dict]) -> str:
+def main() -> None:
+    p = parser(__doc__, runs=1, work="/tmp/bench-distributed")
+    p.add_argument("--source", default=DEFAULT_SOURCE, help="the SDXL UNet safetensors file")
+    p.add_argument("--gb", type=float, default=0.0, help="keep only the first tensors up to this many GB (0: all)")
+    p.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
+    p.add_argument("--max-shard-size", default="2GB")
+    p.add_argument("--no-incumbents", action="store_true")
+    args = p.parse_args()
+    os.makedirs(args.work, exist_ok=True)
+    source = args.source if os.path.exists(args.source) else unet_source("sdxl", args.work)
+    dcp = build_once(os.path.join(args.work, f"sdxl-unet-dcp-{f'{args.gb:g}GB' if args.gb else 'full'}"), DCP_SAVE,
+                     source, str(int(args.gb * 1e9)), hide_stderr=True)
+    started = time.perf_counter()
+    results = run(cases(args, dcp, args.work), args.runs)
     size_bytes = sum(os.path.getsize(p) for p in glob.glob(os.path.join(dcp, "*")))
     lines = [f"DCP folder {dcp}: {size_bytes / 1e9:.2f} GB, shards of {args.max_shard_size}, "
              f"median of {args.runs} run(s); {machine_line()}", "",
              "| case | seconds | GB/s | peak RSS (MB) | per-rank peak RSS (MB) |", "|---|---:|---:|---:|---|"]
-    for r in results:
-        seconds = statistics.median(r["seconds"])
-        ranks = ", ".join(f"{m:.0f}" for m in r["rank_rss_mb"]) or "-"
-        lines.append(f"| {r['name']} | {seconds:.1f} | {size_bytes / 1e9 / seconds:.2f} | "
-                     f"{statistics.median(r['rss_mb']):.0f} | {ranks} |")
-    return "\n".join(lines)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--source", default=DEFAULT_SOURCE, help="the SDXL UNet safetensors file")
-    parser.add_argument("--gb", type=float, default=0.0, help="keep only the first tensors up to this many GB (0: all)")
-    parser.add_argument("--ranks", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
-    parser.add_argument("--runs", type=int, default=1)
-    parser.add_argument("--max-shard-size", default="2GB")
-    parser.add_argument("--work", default="/tmp/bench-distributed")
-    parser.add_argument("--no-incumbents", action="store_true")
-    parser.add_argument("--output", help="also write the report (markdown) here")
-    args = parser.parse_args()
-    os.makedirs(args.work, exist_ok=True)
-    dcp = prepare(args)
-    started = time.perf_counter()
-    text = report(args, dcp, run(args, dcp))
-    print(text)
+    for case, runs in results.items():
+        seconds = med(runs, "seconds")
+        ranks = ", ".join(f"{m:.0f}" for m in runs[-1]["rank_rss_mb"]) or "-"
+        lines.append(f"| {case.name} | {seconds:.1f} | {size_bytes / 1e9 / seconds:.2f} | {med(runs, 'rss_mb'):.0f} | {ranks} |")
+    print("\n".join(lines))
     print(f"(benchmark took {time.perf_counter() - started:.0f} s)")
-    publish_report(text, args.output)
-    for name in os.listdir(args.work):
-        if name.startswith("out-"):
-            _clean(os.path.join(args.work, name))
+    publish_report("\n".join(lines), args.output)
+    for case in results:
+        for path in case.cleanup:
+            remove(path)
 
 
 if __name__ == "__main__":

@@ -17,21 +17,17 @@ times (median), each in a fresh process with its peak RSS:
 
 from __future__ import annotations
 
-import argparse
 import os
-import shlex
-import subprocess
 import sys
+from shlex import quote
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-from benchlib import Case, machine_line, publish_report, run_interleaved, table  # noqa: E402
+from benchlib import Case, machine_line, parser, publish_report, run_interleaved, table
+from build_checkpoint import build_once
 
 BUILD = """
 import sys, numpy as np, gguf
 from gguf import GGMLQuantizationType as T
-path, layers = sys.argv[1], int(sys.argv[2])
+layers, path = int(sys.argv[1]), sys.argv[2]
 rng = np.random.default_rng(0)
 H, I, V = 4096, 11008, 32000
 w = gguf.GGUFWriter(path, "llama")
@@ -64,27 +60,20 @@ INCUMBENT = ("import sys, numpy as np, torch, gguf; from safetensors.torch impor
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=9)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--work", default="bench-data")
-    parser.add_argument("--output", help="write the markdown table here too")
-    args = parser.parse_args()
+    p = parser(__doc__, work="bench-data")
+    p.add_argument("--layers", type=int, default=9)
+    args = p.parse_args()
     os.makedirs(args.work, exist_ok=True)
-    src = os.path.join(args.work, f"llama-{args.layers}l-q4_0.gguf")
-    if not os.path.exists(src):
-        subprocess.run([sys.executable, "-c", BUILD, src + ".tmp", str(args.layers)], check=True)
-        os.replace(src + ".tmp", src)
+    src = build_once(os.path.join(args.work, f"llama-{args.layers}l-q4_0.gguf"), BUILD, str(args.layers))
     out = os.path.join(args.work, "gguf-out")
-    sk = shlex.quote(os.path.join(os.path.dirname(sys.executable), "shardkit"))
-    q_src, q_out, py = shlex.quote(src), shlex.quote(out), shlex.quote(sys.executable)
+    sk = quote(os.path.join(os.path.dirname(sys.executable), "shardkit"))
+    q_src, q_out = quote(src), quote(out)
     cases = [
         Case("cp .gguf (floor)", f"mkdir -p {q_out} && cp {q_src} {q_out}/ && sync", cleanup=[out]),
         Case("shardkit convert --dtype bf16", f"{sk} convert {q_src} {q_out} --dtype bf16 -q && sync",
              "≤ 500 MB", [out]),
-        Case("gguf dequantize + save_file (incumbent)",
-             f"mkdir -p {q_out} && {py} -c {shlex.quote(INCUMBENT)} {q_src} {q_out}/model.safetensors && sync",
-             "incumbent", [out]),
+        Case("gguf dequantize + save_file (incumbent)", f"mkdir -p {q_out} && {quote(sys.executable)} -c "
+             f"{quote(INCUMBENT)} {q_src} {q_out}/model.safetensors && sync", "incumbent", [out]),
     ]
     run_interleaved(cases, runs=args.runs)
     report = (f"GGUF convert benchmark: Llama-shaped Q4_0, {args.layers} layers, {os.path.getsize(src) / 1e9:.2f} GB, "

@@ -1,11 +1,16 @@
-"""Shared helpers for the benchmarks: run a command in a fresh process, time it, read its peak RSS.
+"""What every benchmark shares: cases run interleaved in fresh processes, timed, with their peak RSS.
 
-Each case runs as ``python benchlib.py --run CMD`` in a child process: getrusage(RUSAGE_CHILDREN)
-there is the peak RSS of exactly that command's process tree.
+Two kinds of case. A shell command (:class:`Case`) runs as ``python benchlib.py --run CMD`` in a
+child process: getrusage(RUSAGE_CHILDREN) there is the peak RSS of exactly that command's process
+tree. A Python case runs as ``python SCRIPT --child NAME ARGS...`` (:func:`child`), times itself
+after its imports and prints one JSON line, with its own peak RSS (:func:`peak_rss_mb`: VmHWM, as
+ru_maxrss would carry over the forking parent's). :func:`rounds` runs either kind ``--runs``
+times, the case order rotating each round; the tables show medians.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -16,11 +21,16 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+K = TypeVar("K")
 
 
-@dataclass
+@dataclass(eq=False)
 class Case:
     name: str
     command: str                 # run with bash -c; include "&& sync" for honest write timings
@@ -30,6 +40,8 @@ class Case:
     rss_mb: list[float] = field(default_factory=list)
     floor: str = ""              # name of this case's floor, when it is not the table's default
 
+
+# ----------------------------------------------------------------------------- running cases
 
 def measure(command: str) -> tuple[float, float]:
     """Wall seconds and peak RSS (MB) of ``bash -c command``, run from a fresh process."""
@@ -50,23 +62,93 @@ def _run_and_report(command: str) -> None:
     print(json.dumps({"seconds": seconds, "rss_mb": rss_kb / 1024}))
 
 
-def run_interleaved(cases: list[Case], *, runs: int, log=print) -> None:
-    """Run every case ``runs`` times, interleaved (case order rotates each round)."""
+def rotated(items: list[K], round_index: int) -> list[K]:
+    """``items`` starting at ``round_index`` (mod its length): the case order of one round."""
+    k = round_index % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
+def rounds(keys: list[K], runs: int, run_one: Callable[[K, int], dict[str, Any] | None]) -> dict[K, list[dict[str, Any]]]:
+    """``run_one(key, round)`` for every key, ``runs`` rounds, order rotating; its results by key (None: dropped)."""
+    results: dict[K, list[dict[str, Any]]] = {key: [] for key in keys}
     for r in range(runs):
-        order = cases[r % len(cases):] + cases[: r % len(cases)]
-        for case in order:
-            for path in case.cleanup:
-                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else (
-                    os.path.exists(path) and os.unlink(path))
-            subprocess.run(["sync"], check=True)
-            seconds, rss = measure(case.command)
-            case.times.append(seconds)
-            case.rss_mb.append(rss)
-            log(f"  run {r + 1}/{runs} {case.name}: {seconds:.2f} s, {rss:.0f} MB peak RSS")
+        for key in rotated(keys, r):
+            result = run_one(key, r)
+            if result is not None:
+                results[key].append(result)
+    return results
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def run_interleaved(cases: list[Case], *, runs: int, log: Callable[[str], None] = print) -> None:
+    """Run every shell case ``runs`` times, interleaved, after ``sync``; times and RSS into the cases."""
+    def one(case: Case, r: int) -> None:
+        for path in case.cleanup:
+            remove(path)
+        subprocess.run(["sync"], check=True)
+        seconds, rss = measure(case.command)
+        case.times.append(seconds)
+        case.rss_mb.append(rss)
+        log(f"  run {r + 1}/{runs} {case.name}: {seconds:.2f} s, {rss:.0f} MB peak RSS")
+
+    rounds(cases, runs, one)
     for case in cases:
         for path in case.cleanup:
-            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else (
-                os.path.exists(path) and os.unlink(path))
+            remove(path)
+
+
+def child(script: str, *args: str, env: dict[str, str] | None = None, check: bool = True,
+          timeout: float = 1800) -> dict[str, Any]:
+    """Run ``python script args...`` and return the last JSON line it printed.
+
+    A failure raises SystemExit with its stderr's tail, or with ``check=False`` gives ``{"error": last line}``.
+    """
+    done = subprocess.run([sys.executable, script, *args], env={**os.environ, **(env or {})}, capture_output=True,
+                          text=True, timeout=timeout)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode == 0 and lines:
+        return json.loads(lines[-1])  # type: ignore[no-any-return]
+    if check:
+        raise SystemExit(f"{' '.join(args[:2])} failed ({done.returncode}): {done.stderr.strip()[-3000:]}")
+    return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1][:200]}
+
+
+def status_bytes(name: str) -> int:
+    """A field of /proc/self/status in bytes: VmHWM (peak RSS since exec), VmRSS..."""
+    with open("/proc/self/status", encoding="ascii") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(name + ":"))
+
+
+def peak_rss_mb() -> float:
+    """This process's own peak RSS (VmHWM); ru_maxrss would start from the forking parent's peak."""
+    return status_bytes("VmHWM") / 2**20
+
+
+def median(values: Iterable[float]) -> float:
+    return statistics.median(values)
+
+
+def med(results: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in results)
+
+
+# ----------------------------------------------------------------------------- reports
+
+def parser(doc: str | None, *, runs: int = 3, work: str | None = None, output: bool = True) -> argparse.ArgumentParser:
+    """The options every benchmark takes: ``--runs``, and ``--work`` / ``--output`` where it has them."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=runs)
+    if work is not None:
+        p.add_argument("--work", default=work, help=f"scratch folder (default {work})")
+    if output:
+        p.add_argument("--output", help="also write the report (markdown) here")
+    return p
 
 
 def publish_report(report: str, output: str | None) -> None:
@@ -74,12 +156,13 @@ def publish_report(report: str, output: str | None) -> None:
     print("\n" + report)
     if output:
         with open(output, "w", encoding="utf-8") as f:
-            f.write(report)
+            f.write(report if report.endswith("\n") else report + "\n")
 
 
 def machine_line() -> str:
     mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{platform.machine()}, {os.cpu_count()} cores, {mem_gb:.0f} GiB RAM, Linux {platform.release()}, Python {platform.python_version()}"
+    return (f"{platform.machine()}, {os.cpu_count()} cores, {mem_gb:.0f} GiB RAM, Linux {platform.release()}, "
+            f"Python {platform.python_version()}")
 
 
 def filesystem_line(path: str) -> str:
@@ -89,35 +172,70 @@ def filesystem_line(path: str) -> str:
     return f"{fstype or 'unknown'} on {source.strip() or '?'}"
 
 
+def markdown(head: list[str], rows: Iterable[list[str]], *, align: str = "") -> str:
+    """A markdown table; ``align`` has one letter a column (l: text, r: numbers), default text then numbers."""
+    align = align or "l" + "r" * (len(head) - 1)
+    rule = ["---:" if a == "r" else "---" for a in align]
+    lines = ["| " + " | ".join(cells) + " |" for cells in [head, *rows]]
+    return "\n".join([lines[0], "|" + "|".join(rule) + "|", *lines[1:]])
+
+
 def table(cases: list[Case], *, floor: str, also: str | None = None) -> str:
-    """A markdown table of medians; ``also`` adds a column of ratios to a second case."""
+    """The medians of shell cases against their floor; ``also`` adds a column of ratios to a second case."""
     medians = {c.name: statistics.median(c.times) for c in cases}
-    extra_head, extra_rule = (f" × {also} |", "---:|") if also else ("", "")
-    lines = [f"| case | median s | × floor |{extra_head} peak RSS MB | target |",
-             f"|---|---:|---:|{extra_rule}---:|---|"]
-    for c in cases:
-        base = medians[c.floor or floor]
-        extra = f" {medians[c.name] / medians[also]:.3f}× |" if also else ""
-        lines.append(f"| {c.name} | {medians[c.name]:.2f} | {medians[c.name] / base:.2f}× |{extra} "
-                     f"{max(c.rss_mb):.0f} | {c.target} |")
-    return "\n".join(lines)
+    head = ["case", "median s", "× floor", *([f"× {also}"] if also else []), "peak RSS MB", "target"]
+    rows = [[c.name, f"{medians[c.name]:.2f}", f"{medians[c.name] / medians[c.floor or floor]:.2f}×",
+             *([f"{medians[c.name] / medians[also]:.3f}×"] if also else []), f"{max(c.rss_mb):.0f}", c.target]
+            for c in cases]
+    return markdown(head, rows, align="l" + "r" * (len(head) - 2) + "l")
 
 
-# ----------------------------------------------------------------------------- loop-mounted filesystems
+# ----------------------------------------------------------------------------- page cache, mounts
 
-MKFS = {"xfs": (["mkfs.xfs", "-q", "-f", "-m", "reflink=1"], "xfsprogs"),
-        "btrfs": (["mkfs.btrfs", "-q", "-f"], "btrfs-progs")}
+def shard_files(folder: str) -> list[str]:
+    return sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors"))
 
 
-def ensure_mkfs(fs: str) -> None:
-    """Install the filesystem's tools with apt-get when ``mkfs.<fs>`` is missing (needs root)."""
-    command, package = MKFS[fs]
-    if shutil.which(command[0]):
+def evict(path: str) -> float:
+    """Drop ``path``'s pages from the page cache (fsync + POSIX_FADV_DONTNEED); the share still cached (mincore)."""
+    from shardkit.reading.residency import evict as evict_file
+
+    return evict_file(path) or 0.0
+
+
+def set_cache(files: list[str], *, cold: bool) -> float:
+    """Evict every file (cold) or read it once (warm); the smallest fraction resident afterwards (mincore)."""
+    from shardkit.reading.residency import cached_fraction
+
+    for path in files:
+        if cold:
+            evict(path)
+        else:
+            subprocess.run(["cat", path], stdout=subprocess.DEVNULL, check=True)
+    return min((cached_fraction(path) or 0.0 for path in files), default=0.0)
+
+
+def touch_pages(tensors: Iterable[Any]) -> None:
+    """Read one byte of every page of every tensor: lazily mapped weights become resident."""
+    import torch
+
+    for t in tensors:
+        if not t.is_meta and t.numel():
+            t.reshape(-1).view(torch.uint8)[::4096].sum().item()
+
+
+def apt_install(command: str, package: str) -> None:
+    """Install ``package`` with apt-get when ``command`` is missing (needs root)."""
+    if shutil.which(command):
         return
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     if subprocess.run(["apt-get", "install", "-y", "-q", package], env=env).returncode != 0:
         subprocess.run(["apt-get", "update", "-q"], env=env, check=True)
         subprocess.run(["apt-get", "install", "-y", "-q", package], env=env, check=True)
+
+
+MKFS = {"xfs": (["mkfs.xfs", "-q", "-f", "-m", "reflink=1"], "xfsprogs"),
+        "btrfs": (["mkfs.btrfs", "-q", "-f"], "btrfs-progs")}
 
 
 @contextlib.contextmanager
@@ -126,14 +244,15 @@ def loop_mount(fs: str, image: str, size_bytes: int) -> Iterator[str]:
 
     The image is made anew each time (a stale one could hold another run's files).
     """
-    ensure_mkfs(fs)
+    command, package = MKFS[fs]
+    apt_install(command[0], package)
     mount = image + ".mnt"
     if os.path.ismount(mount):
         subprocess.run(["umount", mount], check=True)
     with open(image, "wb") as f:
         f.truncate(size_bytes)
     os.makedirs(mount, exist_ok=True)
-    subprocess.run([*MKFS[fs][0], image], check=True)
+    subprocess.run([*command, image], check=True)
     subprocess.run(["mount", "-o", "loop", image, mount], check=True)
     try:
         yield mount
@@ -142,23 +261,10 @@ def loop_mount(fs: str, image: str, size_bytes: int) -> Iterator[str]:
         os.unlink(image)
 
 
-# ----------------------------------------------------------------------------- page cache and FUSE
-
-def evict(path: str) -> float:
-    """Drop ``path``'s pages from the page cache (fsync + POSIX_FADV_DONTNEED); the share still cached."""
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from shardkit.reading.residency import evict as evict_file
-
-    return evict_file(path) or 0.0
-
-
 @contextlib.contextmanager
 def bindfs_mount(folder: str) -> Iterator[str]:
     """A bindfs (FUSE passthrough) mount of ``folder`` beside it; bindfs installed with apt-get if missing."""
-    if not shutil.which("bindfs"):
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", "update", "-q"], env=env, check=False)
-        subprocess.run(["apt-get", "install", "-y", "-q", "bindfs"], env=env, check=True)
+    apt_install("bindfs", "bindfs")
     mount = folder.rstrip("/") + ".fuse"
     os.makedirs(mount, exist_ok=True)
     if not os.path.ismount(mount):
@@ -168,36 +274,9 @@ def bindfs_mount(folder: str) -> Iterator[str]:
     finally:
         subprocess.run(["fusermount", "-u", mount], check=False)
 
-# ----------------------------------------------------------------------------- inputs
 
-# Child-process code writing sys.argv[1] (a safetensors file) as a torch.save zip pickle at sys.argv[2].
-TORCH_SAVE = ("import sys, torch; from safetensors.torch import load_file; "
-              "torch.save(load_file(sys.argv[1]), sys.argv[2])")
-
-
-def build_unet_source(kind: str, work: str) -> str:
-    """The ``kind`` UNet's safetensors file under ``work``, built once with random weights."""
-    from build_checkpoint import build_unet
-
-    src_dir = os.path.join(work, f"{kind}-unet")
-    src = os.path.join(src_dir, "diffusion_pytorch_model.safetensors")
-    if not os.path.exists(src):
-        print(f"building {src} ...", flush=True)
-        build_unet(kind, src_dir, overwrite=True)
-    return src
-
-
-def build_once(path: str, code: str, *args: str, note: str = "", hide_stderr: bool = False) -> str:
-    """Build ``path`` unless it exists: run Python ``code`` in a child process with ``sys.argv[1:]``
-    = ``[*args, tmp]``, then rename ``tmp`` onto ``path`` (an interrupted build leaves no input)."""
-    if not os.path.exists(path):
-        print(f"building {path}{note} ...", flush=True)
-        tmp = path + ".tmp"
-        subprocess.run([sys.executable, "-c", code, *args, tmp], check=True,
-                       stderr=subprocess.DEVNULL if hide_stderr else None)
-        os.replace(tmp, path)
-    return path
-
+if ROOT not in sys.path:  # shardkit from this checkout when it is not installed
+    sys.path.append(ROOT)
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--run":
     _run_and_report(sys.argv[2])

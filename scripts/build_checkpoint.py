@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
+import subprocess
 import sys
 from typing import Any
 
@@ -45,13 +47,30 @@ TINY_UNET = {
     "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
 }
 CONFIGS = {"sd15": SD15_UNET, "sdxl": SDXL_UNET, "tiny": TINY_UNET}
+# diffusers' FluxTransformer2DModel defaults are the FLUX.1-dev sizes (12B parameters)
+FLUX_DEV = {
+    "_class_name": "FluxTransformer2DModel", "in_channels": 64, "num_layers": 19, "num_single_layers": 38,
+    "attention_head_dim": 128, "num_attention_heads": 24, "joint_attention_dim": 4096,
+    "pooled_projection_dim": 768, "guidance_embeds": True, "axes_dims_rope": [16, 56, 56], "patch_size": 1,
+}
+# Child-process code writing sys.argv[1] (a safetensors file) as a torch.save zip pickle at sys.argv[2].
+TORCH_SAVE = ("import sys, torch; from safetensors.torch import load_file; "
+              "torch.save(load_file(sys.argv[1]), sys.argv[2])")
 
 
-def random_source(config: dict[str, Any], *, dtype: str = "F32") -> Any:
-    """A shardkit Source whose tensors are generated on demand from a meta skeleton."""
-    import torch
+def unet_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape of the UNet ``config`` describes (its skeleton built on the meta device)."""
     from accelerate import init_empty_weights
     from diffusers import UNet2DConditionModel
+
+    with init_empty_weights():
+        skeleton = UNet2DConditionModel.from_config({k: v for k, v in config.items() if k != "_class_name"})
+    return {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+
+
+def random_source(shapes: dict[str, tuple[int, ...]], *, dtype: str = "F32", prefix: str = "model") -> Any:
+    """A shardkit Source of ``shapes`` (in name order) whose values are generated on demand, seeded by name."""
+    import torch
 
     from shardkit.formats.dtypes import to_torch
     from shardkit.formats.header import TensorEntry
@@ -59,13 +78,9 @@ def random_source(config: dict[str, Any], *, dtype: str = "F32") -> Any:
     from shardkit.sources.base import Source
     from shardkit.units import tensor_nbytes
 
-    with init_empty_weights():
-        skeleton = UNet2DConditionModel.from_config({k: v for k, v in config.items() if k != "_class_name"})
-    shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
-
     class RandomSource(Source):
-        description = "random UNet weights"
-        naming = Naming("diffusion_pytorch_model")
+        description = "random weights"
+        naming = Naming(prefix)
 
         def __init__(self) -> None:
             self._entries = [TensorEntry(n, dtype, s, tensor_nbytes(dtype, s)) for n, s in sorted(shapes.items())]
@@ -86,16 +101,71 @@ def random_source(config: dict[str, Any], *, dtype: str = "F32") -> Any:
     return RandomSource()
 
 
-def build_unet(kind: str, path: str, *, dtype: str = "F32", overwrite: bool = False) -> str:
-    """Write ``path/diffusion_pytorch_model.safetensors`` and ``path/config.json``; return the file."""
+def build_unet(kind: str, path: str, *, dtype: str = "F32", overwrite: bool = False,
+               max_shard_size: int | str = "1TB") -> str:
+    """Write ``path/diffusion_pytorch_model*.safetensors`` (one file unless ``max_shard_size``) and
+    ``path/config.json``; return the first weights file."""
     import shardkit
 
     config = CONFIGS[kind]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    shardkit.split(random_source(config, dtype=dtype), path, max_shard_size="1TB", overwrite=overwrite)
+    source = random_source(unet_shapes(config), dtype=dtype, prefix="diffusion_pytorch_model")
+    shardkit.split(source, path, max_shard_size=max_shard_size, overwrite=overwrite)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
-    return os.path.join(path, "diffusion_pytorch_model.safetensors")
+    return sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))[0]
+
+
+def build_random(path: str, *, size_bytes: int, shard_bytes: int | str = "1TB", tensor_bytes: int = 64 << 20,
+                 dtype: str = "BF16") -> list[str]:
+    """A checkpoint of ``size_bytes`` of random 1-D tensors (``layers.NNNN.weight``), split by shardkit
+    (index and manifest) into shards of ``shard_bytes``; its file names."""
+    import shardkit
+
+    itemsize = 4 if dtype == "F32" else 2
+    count, left = size_bytes // tensor_bytes, size_bytes % tensor_bytes
+    shapes = {f"layers.{i:04d}.weight": (tensor_bytes // itemsize,) for i in range(count)}
+    if left or not count:
+        shapes[f"layers.{count:04d}.weight"] = (max(left, itemsize) // itemsize,)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    shardkit.split(random_source(shapes, dtype=dtype), path, max_shard_size=shard_bytes)
+    return sorted(os.listdir(path))
+
+
+def build_once(path: str, code: str, *args: str, note: str = "", hide_stderr: bool = False) -> str:
+    """Build ``path`` unless it exists: run Python ``code`` in a child process with ``sys.argv[1:]``
+    = ``[*args, tmp]``, then rename ``tmp`` onto ``path`` (an interrupted build leaves no input)."""
+    if not os.path.exists(path):
+        print(f"building {path}{note} ...", flush=True)
+        tmp = path + ".tmp"
+        subprocess.run([sys.executable, "-c", code, *args, tmp], check=True,
+                       stderr=subprocess.DEVNULL if hide_stderr else None)
+        os.replace(tmp, path)
+    return path
+
+
+def unet_source(kind: str, work: str, *, dtype: str = "F32") -> str:
+    """The ``kind`` UNet's single safetensors file under ``work``, built once."""
+    folder = os.path.join(work, f"{kind}-unet" + ("" if dtype == "F32" else f"-{dtype.lower()}"))
+    src = os.path.join(folder, "diffusion_pytorch_model.safetensors")
+    if not os.path.exists(src):
+        print(f"building {src} ...", flush=True)
+        build_unet(kind, folder, dtype=dtype, overwrite=True)
+    return src
+
+
+def sharded_unet(kind: str, work: str, *, dtype: str = "F32", shards: int | None = None) -> tuple[str, int]:
+    """The ``kind`` UNet in shards (5GB for SDXL, 2GB for the others, or ``shards`` of them), built once;
+    (folder, tensor bytes)."""
+    folder = os.path.join(work, f"{kind}-unet-{dtype.lower()}-sharded")
+    shapes = unet_shapes(CONFIGS[kind])
+    itemsize = 4 if dtype == "F32" else 2
+    nbytes = sum(math.prod(s) * itemsize for s in shapes.values())
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        print(f"building {folder} ...", flush=True)
+        limit = nbytes // shards + (64 << 20) if shards else "5GB" if kind == "sdxl" else "2GB"
+        build_unet(kind, folder, dtype=dtype, overwrite=True, max_shard_size=limit)
+    return folder, nbytes
 
 
 def main() -> int:
