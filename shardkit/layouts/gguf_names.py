@@ -27,7 +27,7 @@ from .table import Mapped
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["LLAMA_KEYS", "GgufNames", "NameMap", "config_from_metadata", "name_map", "permute_rows",
+__all__ = ["CONFIG_ARCHITECTURES", "LLAMA_KEYS", "GgufNames", "NameMap", "config_from_metadata", "name_map", "permute_rows",
            "unpermute_rows"]
 
 _LAYER = {
@@ -91,7 +91,7 @@ def gguf_name(hf_name: str) -> str | None:
 def _int(metadata: Config, key: str, where: str, default: int | None = None) -> int:
     value = metadata.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise InvalidInputError(f"{where}: metadata {key} is {value!r}; a Llama GGUF needs a positive integer there")
+        raise InvalidInputError(f"{where}: metadata {key} is {value!r}; this GGUF needs a positive integer there")
     return value
 
 
@@ -138,27 +138,43 @@ def permute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
     return rows.reshape(heads, 2, n // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def config_from_metadata(metadata: Config, *, has_output: bool, where: str) -> JsonObject:
-    """The transformers ``config.json`` of a Llama GGUF, from its ``llama.*`` and tokenizer metadata.
+# general.architecture → (transformers class, hidden_act) of the config.json rebuilt from a GGUF's metadata
+CONFIG_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "silu"), "qwen2": ("Qwen2ForCausalLM", "silu"),
+                        "qwen3": ("Qwen3ForCausalLM", "silu"), "bert": ("BertModel", "gelu")}
+_ARCH_KEYS = {"attention.layer_norm_epsilon": "layer_norm_eps", "attention.key_length": "head_dim"}
 
-    ``tie_word_embeddings`` comes from a missing ``output.weight``; ``vocab_size`` from ``llama.vocab_size``
-    or the token list; ``head_dim`` from ``rope.dimension_count`` when it differs from hidden / heads.
+
+def config_from_metadata(metadata: Config, *, has_output: bool, where: str) -> JsonObject:
+    """The transformers ``config.json`` of a Llama, Qwen2, Qwen3 or BERT GGUF, from its ``{arch}.*`` and tokenizer
+    metadata.
+
+    ``tie_word_embeddings`` comes from a missing ``output.weight``; ``vocab_size`` from ``{arch}.vocab_size``
+    or the token list; ``head_dim`` (Llama) from ``rope.dimension_count`` when it differs from hidden / heads,
+    (Qwen3) from ``attention.key_length``.
     """
-    config: JsonObject = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-                              "hidden_act": "silu", "tie_word_embeddings": not has_output}
-    for key, field in LLAMA_KEYS.items():
-        value = metadata.get(f"llama.{key}")
-        if value is not None:
-            config[field] = _f32_decimal(float(value)) if key in _FLOAT_KEYS else int(value)
+    arch = str(metadata.get("general.architecture", "llama"))
+    class_name, act = CONFIG_ARCHITECTURES[arch]
+    config: JsonObject = {"architectures": [class_name], "model_type": arch, "hidden_act": act}
+    if arch != "bert":
+        config["tie_word_embeddings"] = not has_output
+    for key, field in {**LLAMA_KEYS, **_ARCH_KEYS}.items():
+        value = metadata.get(f"{arch}.{key}")
+        if value is not None and not (arch == "bert" and key == "attention.head_count_kv"):
+            config[field] = _f32_decimal(float(value)) if key in _FLOAT_KEYS or isinstance(value, float) else int(value)
     for key in ("embedding_length", "block_count", "feed_forward_length", "attention.head_count"):
-        _int(metadata, f"llama.{key}", where)
-    config.setdefault("num_key_value_heads", config["num_attention_heads"])
+        _int(metadata, f"{arch}.{key}", where)
+    if arch != "bert":
+        config.setdefault("num_key_value_heads", config["num_attention_heads"])
     if "vocab_size" not in config:
         tokens = metadata.get("tokenizer.ggml.tokens")
         if isinstance(tokens, list):
             config["vocab_size"] = len(tokens)
-    if config.get("head_dim") == config["hidden_size"] // config["num_attention_heads"]:
+    if arch != "qwen3" and config.get("head_dim") == config["hidden_size"] // config["num_attention_heads"]:
         config.pop("head_dim")
+    if arch == "bert":
+        types = metadata.get("tokenizer.ggml.token_type_count")
+        config["type_vocab_size"] = int(types) if isinstance(types, int) else 2
+        return config
     for key, field in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                        ("padding_token_id", "pad_token_id")):
         value = metadata.get(f"tokenizer.ggml.{key}")

@@ -157,6 +157,10 @@ def config_edits(output: str, jobs: Sequence[tuple[str, Source]],
     edits: dict[str, bytes] = {}
     for name, src in jobs:
         gguf = find_gguf(src)
+        if gguf is not None:  # a GGUF: its tokenizer and generation config rebuilt from its metadata too
+            beside = os.path.dirname(name)
+            edits.update({os.path.join(beside, rel): data for rel, data in gguf.hf_files().items()
+                          if os.path.join(beside, rel) not in sides})
         config = gguf.config() if gguf is not None and name not in sides else None
         if config is not None:  # a Llama GGUF: config.json rebuilt from its metadata
             config = src.edit_config(config) if isinstance(src, VIEWS) else config

@@ -134,10 +134,11 @@ class GgufSource(Source):
                                     "to='gguf'")
 
     def config(self) -> JsonObject | None:
-        """The transformers ``config.json`` rebuilt from a Llama file's metadata; None for other architectures."""
-        from ..layouts.gguf_names import config_from_metadata
+        """The transformers ``config.json`` rebuilt from the metadata of a Llama, Qwen2, Qwen3 or BERT file; None for
+        other architectures."""
+        from ..layouts.gguf_names import CONFIG_ARCHITECTURES, config_from_metadata
 
-        if self.gguf.architecture != "llama":
+        if self.gguf.architecture not in CONFIG_ARCHITECTURES:
             return None
         return config_from_metadata(self.gguf.metadata, has_output="output.weight" in {t.name for t in self.gguf.tensors},
                                     where=self.description)
@@ -145,6 +146,21 @@ class GgufSource(Source):
     def config_bytes(self) -> bytes | None:
         config = self.config()
         return None if config is None else (json.dumps(config, indent=2) + "\n").encode()
+
+    def hf_files(self) -> dict[str, bytes]:
+        """The Hugging Face files beside config.json rebuilt from the metadata: the tokenizer
+        (:func:`~shardkit.layouts.gguf_tokenizer.tokenizer_files`) and, for a language model, ``generation_config.json``
+        with its bos/eos ids. Empty for a file without a vocabulary or an architecture with no config.json here."""
+        from ..layouts.gguf_tokenizer import tokenizer_files
+
+        config = self.config()
+        if config is None:
+            return {}
+        files = tokenizer_files(self.gguf.metadata, where=self.description)
+        ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
+        if ids and config.get("model_type") != "bert":
+            files["generation_config.json"] = (json.dumps(ids, indent=2) + "\n").encode()
+        return files
 
     # ------------------------------------------------------------------ bytes
 
