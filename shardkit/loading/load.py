@@ -155,11 +155,25 @@ def fill_skeleton(skeleton: torch.nn.Module, checkpoint: LazyCheckpoint, match: 
     return write_offload_index(checkpoint, plan.on_disk, os.fspath(offload_folder))
 
 
+REPORT_ATTRIBUTE = "shardkit_load_report"
+
+
 def _report(skeleton: torch.nn.Module, report: BatchReport, *, early: int) -> None:
     """``model.shardkit_load_report``: each file's backend and why, and the bytes each read path took."""
-    skeleton.shardkit_load_report = {  # type: ignore[assignment]  # an attribute users read, like hf_device_map
-        "files": report.files, "host_batch_bytes": report.host_batch_bytes + early,
-        "pipelined_bytes": report.pipelined_bytes, "early_bytes": early}
+    attach_report(skeleton, {"files": report.files, "host_batch_bytes": report.host_batch_bytes + early,
+                             "pipelined_bytes": report.pipelined_bytes, "early_bytes": early})
+
+
+def attach_report(target: object, report: Mapping[str, object]) -> None:
+    """Set ``target.shardkit_load_report``: a plain attribute users read, like accelerate's
+    ``hf_device_map`` (set through ``vars``: ``nn.Module``'s typed ``__setattr__`` is for tensors)."""
+    vars(target)[REPORT_ATTRIBUTE] = report
+
+
+def load_report(target: object) -> dict[str, object]:
+    """``target.shardkit_load_report`` as :func:`load_model` (or ``load_pipeline``) set it."""
+    report: dict[str, object] = vars(target)[REPORT_ATTRIBUTE]
+    return report
 
 
 def load_model(model: ModelSpec, checkpoint: str | os.PathLike[str] | LazyCheckpoint | RangedCheckpoint, *,
@@ -267,7 +281,7 @@ def _fill_and_dispatch(skeleton: torch.nn.Module, checkpoint: LazyCheckpoint, ma
             check_device_map(skeleton, mapping)
             offload_index = fill_skeleton(skeleton, checkpoint, match, mapping, offload_folder, early=early)
             if _in_place_on_host(skeleton, mapping):
-                skeleton.hf_device_map = dict(mapping)  # type: ignore[assignment]  # all dispatch_model does here
+                vars(skeleton)["hf_device_map"] = dict(mapping)  # all dispatch_model does here
             else:
                 dispatch_model(skeleton, mapping, main_device=_main_device(mapping), offload_index=offload_index,
                                offload_dir=os.fspath(offload_folder) if offload_index is not None and offload_folder else None)

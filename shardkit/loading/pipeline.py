@@ -96,7 +96,9 @@ def load_pipeline_folder(
     else:
         report = _preload_components(folder, kwargs, read=read, device_map=device_map, variant=variant)
     pipe = _from_pretrained(folder, kwargs)
-    pipe.shardkit_load_report = report  # type: ignore[attr-defined]  # shardkit's own attribute
+    from .load import attach_report
+
+    attach_report(pipe, report)
     return apply_runtime(pipe, runtime)
 
 
@@ -108,7 +110,7 @@ def _preload_components(folder: str, kwargs: dict[str, Any], *, read: ReadMode, 
     asked for: diffusers' own ``balanced`` placement and variant lookup stay diffusers'.
     """
     from ..reading.residency import check_backend
-    from .load import load_model
+    from .load import load_model, load_report
     from .opening import open as open_checkpoint
     from .scaled import has_scales
 
@@ -130,8 +132,7 @@ def _preload_components(folder: str, kwargs: dict[str, Any], *, read: ReadMode, 
         model = load_model(spec, sub, dtype=kwargs.get("torch_dtype"), read=read,
                            device_map={"": 0} if device_map == "cuda" else "cpu")
         kwargs[component] = model
-        load_report: dict[str, object] = getattr(model, "shardkit_load_report")  # noqa: B009 - set by load_model
-        report[component] = {**load_report, "loaded_by": "shardkit"}
+        report[component] = {**load_report(model), "loaded_by": "shardkit"}
     return report
 
 
@@ -151,7 +152,7 @@ def _load_ranged_components(ranged: RangedCheckpoint, kwargs: dict[str, Any], *,
                             device_map: str | None) -> dict[str, object]:
     """Every component with safetensors weights, loaded by :func:`shardkit.load_model` by ranged reads
     (the mirror's stand-ins are holes: diffusers must never read one)."""
-    from .load import load_model
+    from .load import load_model, load_report
 
     report: dict[str, object] = {}
     for component, spec in _weight_components(ranged.path):
@@ -161,8 +162,7 @@ def _load_ranged_components(ranged: RangedCheckpoint, kwargs: dict[str, Any], *,
         model = load_model(spec, beneath(ranged, sub), dtype=kwargs.get("torch_dtype"),
                            device_map={"": 0} if device_map == "cuda" else "cpu")
         kwargs[component] = model
-        load_report: dict[str, object] = getattr(model, "shardkit_load_report")  # noqa: B009 - set by load_model
-        report[component] = {**load_report, "loaded_by": "shardkit"}
+        report[component] = {**load_report(model), "loaded_by": "shardkit"}
     return report
 
 

@@ -42,13 +42,13 @@ READ_AHEAD_BYTES = 256 << 20      # default read-ahead budget of a lazy checkpoi
 def wait_all(futures: list[Future[None]]) -> None:
     """Wait for every future; on the first failure cancel the rest, wait for those running, raise it."""
     done, pending = wait(futures, return_when="FIRST_EXCEPTION")
-    failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception() is not None), None)
-    if failed is None:
+    error = next((e for f in futures if f.done() and not f.cancelled() and (e := f.exception()) is not None), None)
+    if error is None:
         return
     for future in pending:
         future.cancel()
     wait(pending)
-    raise failed.exception()  # type: ignore[misc]
+    raise error
 
 
 def submit_reads(pool: ReadPool, reader: Reader, jobs: list[ReadJob], *, keep: object, chunk_bytes: int) -> list[Future[None]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import Future
 
 from .. import _faults
 from ..atomic.journal import fsync_dir as _fsync_path  # fsync works the same on a file
@@ -28,7 +29,7 @@ class BackgroundSync:
         from concurrent.futures import ThreadPoolExecutor
 
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardkit-fsync")
-        self._pending: list[tuple[str, object]] = []
+        self._pending: list[tuple[str, Future[None]]] = []
 
     def submit(self, path: str) -> None:
         self._pending.append((path, self._pool.submit(_fsync_path, path)))
@@ -38,7 +39,7 @@ class BackgroundSync:
         pending, self._pending = self._pending, []
         for path, future in pending:
             try:
-                future.result()  # type: ignore[attr-defined]
+                future.result()
             except OSError as e:
                 raise write_error(path, e) from e
 
