@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from ..distributed.plan_file import ConversionPlan
     from ..distributed.plan_run import PlanRun
 
-__all__ = ["plan_summary", "read_plan", "resume", "run_plan", "write_plan"]
+__all__ = ["Command", "plan_summary", "read_plan", "resume", "run_plan", "write_plan"]
 
 Command = Literal["split", "convert"]
 MAX_ENV_TASK = 10**9

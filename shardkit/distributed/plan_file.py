@@ -208,6 +208,8 @@ def parse_plan(data: bytes, *, path: str) -> ConversionPlan:
         raise _bad(path, f"version {doc.get('version')!r} is not {VERSION}: written by another shardkit? re-plan it")
     try:
         return _parse(doc, path)
+    except InvalidInputError:
+        raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise _bad(path, f"malformed ({type(e).__name__}: {str(e)[:120]})") from e
 

@@ -94,8 +94,9 @@ def check_sources(plan: ConversionPlan) -> None:
             raise InvalidInputError(f"{f.path}: the plan's source is gone ({describe_os_error(e)}); "
                                     "write the plan again from the source as it is now") from e
         if (st.st_size, st.st_mtime_ns) != (f.size_bytes, f.mtime_ns):
-            raise InvalidInputError(f"{f.path}: the source changed since the plan was written (size {st.st_size} "
-                                    f"vs {f.size_bytes}, or its mtime); nothing was written: write the plan again")
+            what = f"size {st.st_size}, planned {f.size_bytes}" if st.st_size != f.size_bytes else "modified"
+            raise InvalidInputError(f"{f.path}: the source changed since the plan was written ({what}); nothing "
+                                    "was written: write the plan again")
 
 
 def make_plan(command: str, source: str, output: str, *, options: WriteOptions, key: str | None = None,

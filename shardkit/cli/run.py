@@ -1,0 +1,106 @@
+"""``shardkit run``, and the ``--write-plan``/``--resume`` of ``split`` and ``convert``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from ..api.plans import Command
+from .common import byte_progress, echo_json
+
+EPILOG = """\b
+Examples:
+  shardkit convert ckpt/ out/ --dtype bf16 --max-shard-size 5GB --write-plan plan.json
+  shardkit run plan.json                       # every task left, then publish (one process)
+  shardkit run plan.json --task 3              # one task (any worker, any order, rerun-safe)
+  shardkit run plan.json --finalize            # publish, once every task is done
+  SLURM_ARRAY_TASK_ID=3 shardkit run plan.json # a Slurm array task: sbatch --array=0-N
+  torchrun --nproc-per-node 2 -m shardkit run plan.json   # each rank every 2nd task; rank 0 publishes
+  shardkit convert ckpt/ out/ --dtype bf16 --resume       # killed? the same line continues it
+
+\b
+A plan (--write-plan) lists one task per output shard (the source byte ranges it reads, its casts,
+its name and exact size) and a finalize (index, manifest, configs); it carries the source files'
+sizes and mtimes, so a task refuses a source that changed. A task writes its shard into
+.OUTPUT.shardkit-plan-ID beside OUTPUT and records it done: a done task is skipped, a killed
+one redone. Finalize checks every shard (size, header crc32) and publishes, index last; the output
+is byte-identical to a single-process convert. `shardkit recover OUTPUT` removes an abandoned
+plan's work folder. See docs/plans.md.
+"""
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def plan_options(f: F) -> F:
+    """``--write-plan`` and ``--resume``, for ``split`` and ``convert``."""
+    f = click.option("--resume", is_flag=True,
+                     help="Run as a plan a kill does not lose: the same command again continues from the finished "
+                          "shards (output byte-identical, at most one shard redone).")(f)
+    return click.option("--write-plan", "plan_file", type=click.Path(dir_okay=False, path_type=str),
+                        metavar="PLAN.json",
+                        help="Write the job as a plan (one task per shard, then finalize) instead of running it; "
+                             "run it with `shardkit run PLAN.json`. With --dry-run: print it only.")(f)
+
+
+def run_as_plan(command: Command, source: str, output: str, *, plan_file: str | None, resume: bool, as_json: bool,
+                quiet: bool, write: dict[str, Any], **keys: Any) -> None:
+    """``split``/``convert`` with ``--write-plan`` or ``--resume``."""
+    from ..api.options import WriteOptions
+    from ..api.plans import plan_summary, write_plan
+    from ..api.plans import resume as resume_api
+
+    if plan_file is not None and resume:
+        raise click.UsageError("--write-plan writes the plan, --resume runs it: give one")
+    if resume:
+        with byte_progress(command, enabled=not (quiet or as_json)) as progress:
+            run = resume_api(source, output, command=command,
+                             options=WriteOptions(**{**write, "dry_run": False}, progress=progress), **keys)
+        _report(run, as_json=as_json, quiet=quiet)
+        return
+    plan = write_plan(source, output, plan_file, command=command, options=WriteOptions(**write), **keys)
+    if as_json:
+        echo_json({"plan": plan_file, "plan_id": plan.plan_id, "tasks": len(plan.tasks), "written": not write["dry_run"]})
+    elif not quiet:
+        for line in plan_summary(plan, plan_path=None if write["dry_run"] else plan_file):
+            click.echo(line)
+
+
+def _report(run: Any, *, as_json: bool, quiet: bool) -> None:
+    if as_json:
+        echo_json({"plan_id": run.plan_id, "output": run.output, "written": run.written, "skipped": run.skipped,
+                   "published": run.published})
+    elif not quiet:
+        done = f"wrote {len(run.written)} shard task(s)" + (f", {len(run.skipped)} already done" if run.skipped else "")
+        click.echo(done + (f"; published {run.output}" if run.published else ""))
+
+
+@click.command(epilog=EPILOG, short_help="Run a plan's tasks (one, this worker's share, or all) and publish.")
+@click.argument("plan", type=click.Path(exists=True, dir_okay=False, path_type=str))
+@click.option("--task", "task", type=click.IntRange(min=0), multiple=True, metavar="N",
+              help="Run task N only (repeatable). Default: SLURM_ARRAY_TASK_ID, torchrun's RANK/WORLD_SIZE "
+                   "share, or every task left, then publish.")
+@click.option("--finalize", is_flag=True, help="Publish only: check every shard, write index and manifest.")
+@click.option("--dry-run", is_flag=True, help="Print the plan's summary; run nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print what ran as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing; the exit code tells.")
+def run(plan: str, task: tuple[int, ...], finalize: bool, dry_run: bool, as_json: bool, quiet: bool) -> None:
+    """Run the tasks of PLAN (written by `convert`/`split --write-plan`), then publish its output.
+
+    Any number of workers may run tasks at once, in any order, any number of times: a done task is
+    skipped, a killed one redone; the output is byte-identical whichever engine ran it.
+    """
+    from ..api.jobs import is_rank_zero
+    from ..api.plans import plan_summary, run_plan
+
+    if dry_run:
+        for line in plan_summary(plan, plan_path=plan):
+            click.echo(line)
+        return
+    with byte_progress("run", enabled=not (quiet or as_json)) as progress:
+        done = run_plan(plan, task=list(task) or None, finalize=finalize, progress=progress)
+    _report(done, as_json=as_json and is_rank_zero(), quiet=quiet or not is_rank_zero())
+
+
+COMMANDS = [run]
