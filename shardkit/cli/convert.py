@@ -8,6 +8,7 @@ import click
 
 from ..api.options import ConvertTo
 from .common import byte_progress, echo_json, hub_token_option, no_cache_option, shard_options
+from .run import plan_options, run_as_plan
 
 EPILOG = """\b
 Examples:
@@ -29,6 +30,8 @@ Examples:
   shardkit convert llama-hf/ llama-q8_0.gguf --to gguf --quantize q8_0   # → llama.cpp / transformers GGUF
   shardkit convert flux-dev/transformer flux1-dev-Q8_0.gguf --to gguf --quantize q8_0   # ComfyUI-GGUF
   shardkit convert llama-hf/ llama-merged/ --lora my-adapter/ --dtype bf16   # a PEFT LoRA merged in
+  shardkit convert ckpt/ out/ --dtype bf16 --write-plan plan.json   # then: shardkit run plan.json
+  shardkit convert ckpt/ out/ --dtype bf16 --resume                 # killed? run it again: continues
 
 \b
 SOURCE kinds: .safetensors file, index or folder; .bin/.pt/.pth/.ckpt pickle (loaded with
@@ -124,12 +127,14 @@ Sizes: KB/MB/GB are powers of 10 (5GB = 5,000,000,000 bytes), KiB/MiB/GiB powers
 @click.option("--lora-scale", type=float, default=1.0, show_default=True,
               help="Multiplies each adapter's own scale (lora_alpha / r).")
 @shard_options("name", "variant", "overwrite", "manifest", "dry-run", "json", "quiet")
+@plan_options
 @no_cache_option
 @hub_token_option
 def convert(source: str, output: str, key: str | None, strip_prefix: str | None, add_prefix: str | None,
             include: tuple[str, ...], exclude: tuple[str, ...], rename: tuple[str, ...], to: ConvertTo | None,
             config: str | None, component: str | None, as_json: bool, quiet: bool, no_cache: bool = False,
-            token: str | None = None, lora: tuple[str, ...] = (), lora_scale: float = 1.0, **write: Any) -> None:
+            token: str | None = None, lora: tuple[str, ...] = (), lora_scale: float = 1.0, plan_file: str | None = None,
+            resume: bool = False, **write: Any) -> None:
     """Convert SOURCE (any supported checkpoint) into safetensors shards in the OUTPUT folder.
 
     Streams in bounded memory with the same atomic writer as `split`: on failure or Ctrl-C
@@ -140,6 +145,14 @@ def convert(source: str, output: str, key: str | None, strip_prefix: str | None,
     from ..api.options import WriteOptions
     from .split import print_plan
 
+    if plan_file is not None or resume:  # the job as a plan (shardkit run), or run as one that resumes
+        if to or config or component or lora or no_cache:
+            raise click.UsageError("--write-plan/--resume plan a local convert into a folder: drop --to, --config, "
+                                   "--component, --lora and --no-cache")
+        run_as_plan("convert", source, output, plan_file=plan_file, resume=resume, as_json=as_json, quiet=quiet,
+                    write=write, key=key, include=include, exclude=exclude, strip_prefix=strip_prefix,
+                    add_prefix=add_prefix, rename=rename)
+        return
     with torchrun_group() as collective:  # under torchrun: every rank writes its share of the shards
         quiet, as_json = quiet or not is_rank_zero(), as_json and is_rank_zero()  # rank 0 reports for all
         with byte_progress("convert", enabled=not (quiet or as_json or write["dry_run"])) as progress:

@@ -10,6 +10,7 @@ import click
 from ..api.store_writes import shown_path
 from ..units import format_size
 from .common import byte_progress, echo_json, hub_token_option, no_cache_option, shard_options
+from .run import plan_options, run_as_plan
 
 if TYPE_CHECKING:
     from ..api.checkpoints import SplitResult
@@ -20,6 +21,7 @@ Examples:
   shardkit split pytorch_model.bin out/ --max-shard-size 2GiB --dtype bf16
   shardkit split ckpt-dir/ resharded/ --max-shard-size 500MB --dry-run
   shardkit split ckpt-dir/ ckpt-dir/ --max-shard-size 2GB --overwrite   # reshard in place
+  shardkit split ckpt-dir/ out/ --max-shard-size 5GB --write-plan plan.json   # then: shardkit run plan.json
   shardkit split hf://org/model out/ --max-shard-size 2GB --no-cache    # stream a Hub repo, no cache copy
   shardkit split hf://org/model out/ --max-shard-size 2GB --push-to org/model --create-pr
 
@@ -65,10 +67,12 @@ Hub's sha256 before anything is published. Pickle weights are never downloaded b
 @click.option("--push-to", "push_to", metavar="REPO_ID",
               help="After the split, push OUTPUT to this Hub repository (see `shardkit push`).")
 @click.option("--create-pr", is_flag=True, help="With --push-to: open a pull request instead of committing to main.")
+@plan_options
 @no_cache_option
 @hub_token_option
 def split(source: str, output: str, key: str | None, as_json: bool, quiet: bool, push_to: str | None = None,
-          create_pr: bool = False, no_cache: bool = False, token: str | None = None, **write: Any) -> None:
+          create_pr: bool = False, no_cache: bool = False, token: str | None = None, plan_file: str | None = None,
+          resume: bool = False, **write: Any) -> None:
     """Stream SOURCE into size-bounded safetensors shards in the OUTPUT folder.
 
     SOURCE is a .safetensors file, a sharded folder or its index, a .bin/.pt/.pth/.ckpt pickle
@@ -80,6 +84,12 @@ def split(source: str, output: str, key: str | None, as_json: bool, quiet: bool,
     from ..api.options import WriteOptions
     from .push import report_push
 
+    if plan_file is not None or resume:  # the job as a plan (shardkit run), or run as one that resumes
+        if push_to or no_cache:
+            raise click.UsageError("--write-plan/--resume plan a local split into a folder: drop --push-to and --no-cache")
+        run_as_plan("split", source, output, plan_file=plan_file, resume=resume, as_json=as_json, quiet=quiet,
+                    write=write, key=key)
+        return
     dry_run = write["dry_run"]
     check_create_pr(create_pr=create_pr, push_to=push_to)
     report = "none" if as_json else "url" if quiet else "summary"
