@@ -174,6 +174,8 @@ def _ties_kept(torch_register: Callable[..., None]) -> Iterator[None]:
     weights tied in ``__init__``. A parameter that is already on meta needs no re-wrapping, so it
     is registered as is (with torch's own ``register_parameter``), which keeps the tie.
     """
+    from unittest import mock
+
     from torch import nn
 
     accelerate_register = nn.Module.register_parameter
@@ -184,11 +186,8 @@ def _ties_kept(torch_register: Callable[..., None]) -> Iterator[None]:
         else:
             accelerate_register(module, name, param)
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign, assignment]
-    try:
+    with mock.patch.object(nn.Module, "register_parameter", register):  # restored on every path
         yield
-    finally:
-        nn.Module.register_parameter = accelerate_register  # type: ignore[method-assign]
 
 
 def build_skeleton(model: ModelSpec, *, config: ConfigSpec | None = None,

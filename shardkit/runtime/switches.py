@@ -103,9 +103,15 @@ def _slice_attention(obj: object, value: object) -> None:
     if hasattr(obj, "enable_attention_slicing"):
         obj.enable_attention_slicing(size)
         return
+    _call_each(obj, "set_attention_slice", size)
+
+
+def _call_each(obj: object, method: str, *args: object) -> None:
+    """Call diffusers' ``method`` on each model of ``obj`` that has it (typed ``nn.Module``s do not)."""
     for model in models(obj).values():
-        if hasattr(model, "set_attention_slice"):
-            model.set_attention_slice(size)  # type: ignore[operator]  # a diffusers method, not a submodule
+        bound = getattr(model, method, None)
+        if callable(bound):
+            bound(*args)
 
 
 def _conv_models(obj: object) -> list[torch.nn.Module]:
@@ -144,16 +150,12 @@ def _backend_unsupported(obj: object, value: object) -> str | None:
 
 def _set_backend(obj: object, value: object) -> None:
     if value == "xformers":
-        for model in models(obj).values():
-            if hasattr(model, "enable_xformers_memory_efficient_attention"):
-                model.enable_xformers_memory_efficient_attention()  # type: ignore[operator]  # diffusers'
+        _call_each(obj, "enable_xformers_memory_efficient_attention")
         return
     # diffusers logs that set_attention_backend is experimental; the library leaves diffusers'
     # logging alone (the CLI quiets it, an application decides for itself).
-    for model in models(obj).values():
-        # "native" is diffusers' name for torch.nn.functional.scaled_dot_product_attention.
-        if hasattr(model, "set_attention_backend"):
-            model.set_attention_backend("native")  # type: ignore[operator]  # diffusers'
+    # "native" is diffusers' name for torch.nn.functional.scaled_dot_product_attention.
+    _call_each(obj, "set_attention_backend", "native")
 
 
 def _no_ampere(obj: object, value: object) -> str | None:
