@@ -27,16 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import zlib
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_s3_open import peak_rss_mb  # noqa: E402 - the child's own peak, VmHWM
+from benchlib import child, machine_line, markdown, median, peak_rss_mb, publish_report, rotated
+from s3_server import DelayProxy, SeaweedS3
 
 KEY = "bench/blob.bin"
 CASES = ["boto3-threads", "s3transfer", "obstore-threads", "obstore-ranges", "shardkit-stores",
@@ -49,7 +45,7 @@ def _ranges(size: int, part: int) -> list[tuple[int, int]]:
     return [(b, min(b + part, size)) for b in range(0, size, part)]
 
 
-def _boto3_client(env: dict[str, str], parts: int):  # noqa: ANN202
+def _boto3_client(parts: int):  # noqa: ANN202
     import boto3
     from botocore.config import Config
 
@@ -59,7 +55,7 @@ def _boto3_client(env: dict[str, str], parts: int):  # noqa: ANN202
 def read_boto3_threads(bucket: str, size: int, part: int, parts: int, out: memoryview) -> float:
     from concurrent.futures import ThreadPoolExecutor
 
-    client = _boto3_client(dict(os.environ), parts)
+    client = _boto3_client(parts)
     start = time.perf_counter()
 
     def get(r: tuple[int, int]) -> None:
@@ -101,7 +97,7 @@ class _BufferWriter:
 def read_s3transfer(bucket: str, size: int, part: int, parts: int, out: memoryview) -> float:
     from boto3.s3.transfer import TransferConfig
 
-    client = _boto3_client(dict(os.environ), parts)
+    client = _boto3_client(parts)
     config = TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=parts,
                             use_threads=True)
     start = time.perf_counter()
@@ -176,7 +172,7 @@ def write_s3transfer(bucket: str, size: int, part: int, parts: int, data: memory
 
     from boto3.s3.transfer import TransferConfig
 
-    client = _boto3_client(dict(os.environ), parts)
+    client = _boto3_client(parts)
     config = TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=parts)
     start = time.perf_counter()
     client.upload_fileobj(io.BytesIO(data), bucket, "bench/out-s3transfer", Config=config)  # type: ignore[arg-type]
@@ -198,34 +194,21 @@ READERS = {"shardkit-stores": read_shardkit_store, "boto3-threads": read_boto3_t
            "obstore-threads": read_obstore_threads, "obstore-ranges": read_obstore_ranges}
 
 
-def child(case: str, bucket: str, size: int, part: int, parts: int, crc_sample: int) -> None:
+def run_child(case: str, bucket: str, size: int, part: int, parts: int, crc_sample: int) -> None:
     if case in WRITERS:
-        source = memoryview(bytearray(size))
+        buffer = memoryview(bytearray(size))
         for begin in range(0, size, 16 << 20):  # filled in place: the setup adds no peak of its own
-            source[begin:begin + (16 << 20)] = os.urandom(min(16 << 20, size - begin))
-        seconds = WRITERS[case](bucket, size, part, parts, source)
-        print(json.dumps({"seconds": seconds, "rss_mb": peak_rss_mb()}))
-        return
-    out = memoryview(bytearray(size))
-    seconds = READERS[case](bucket, size, part, parts, out)
-    if zlib.crc32(out[size // 2: size // 2 + (1 << 20)]) != crc_sample:
-        raise SystemExit(f"{case}: the bytes read differ from the object's")
+            buffer[begin:begin + (16 << 20)] = os.urandom(min(16 << 20, size - begin))
+        seconds = WRITERS[case](bucket, size, part, parts, buffer)
+    else:
+        buffer = memoryview(bytearray(size))
+        seconds = READERS[case](bucket, size, part, parts, buffer)
+        if zlib.crc32(buffer[size // 2: size // 2 + (1 << 20)]) != crc_sample:
+            raise SystemExit(f"{case}: the bytes read differ from the object's")
     print(json.dumps({"seconds": seconds, "rss_mb": peak_rss_mb()}))
 
 
 # ----------------------------------------------------------------------------- the parent
-
-def run_child(args: argparse.Namespace, case: str, env: dict[str, str], bucket: str, crc: int) -> tuple[float, float]:
-    size_mb = args.write_mb if case in WRITERS else args.size_mb
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--bucket", bucket,
-           "--size-mb", str(size_mb), "--part-mb", str(args.part_mb), "--parts", str(args.parts),
-           "--crc", str(crc)]
-    done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise SystemExit(f"{case} failed: {done.stderr.strip()[-2000:]}")
-    data = json.loads(done.stdout.strip().splitlines()[-1])
-    return data["seconds"], data["rss_mb"]
-
 
 def upload(server, bucket: str, size: int) -> int:  # noqa: ANN001
     """A ``size``-byte object of random bytes (multipart, 64 MiB at a time); returns the sample's crc32."""
@@ -245,57 +228,57 @@ def upload(server, bucket: str, size: int) -> int:  # noqa: ANN001
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size-mb", type=int, default=1024, help="object size in MiB (default 1024)")
-    parser.add_argument("--write-mb", type=int, default=256, help="bytes each write case writes, MiB (default 256)")
-    parser.add_argument("--part-mb", type=int, default=16, help="bytes per ranged GET, MiB (default 16)")
-    parser.add_argument("--parts", type=int, default=16, help="requests in flight (default 16)")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--delay-ms", type=float, default=1.0, help="proxy delay each way (default 1 ms)")
-    parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--dir", default=None, help="SeaweedFS data folder (default: a temporary one)")
-    parser.add_argument("--output", default=None, help="also write the report (markdown) here")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--bucket", help=argparse.SUPPRESS)
-    parser.add_argument("--crc", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size-mb", type=int, default=1024, help="object size in MiB (default 1024)")
+    p.add_argument("--write-mb", type=int, default=256, help="bytes each write case writes, MiB (default 256)")
+    p.add_argument("--part-mb", type=int, default=16, help="bytes per ranged GET, MiB (default 16)")
+    p.add_argument("--parts", type=int, default=16, help="requests in flight (default 16)")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--delay-ms", type=float, default=1.0, help="proxy delay each way (default 1 ms)")
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--dir", default=None, help="SeaweedFS data folder (default: a temporary one)")
+    p.add_argument("--output", default=None, help="also write the report (markdown) here")
+    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # CASE BUCKET CRC
+    args = p.parse_args()
     size, part = args.size_mb << 20, args.part_mb << 20
     if args.child:
-        child(args.child, args.bucket, size, part, args.parts, args.crc)
+        case, bucket, crc = args.child
+        run_child(case, bucket, (args.write_mb << 20) if case in WRITERS else size, part, args.parts, int(crc))
         return
 
-    from benchlib import machine_line
-    from s3_server import DelayProxy, SeaweedS3
-
-    cases = args.cases.split(",")
-    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as work, SeaweedS3(work) as server, \
             DelayProxy(server.port, delay_ms=args.delay_ms) as proxy:
         crc = upload(server, "bench", size)
         paths = {"loopback": server.client_env(), f"proxy {args.delay_ms:g} ms": server.client_env(port=proxy.port)}
+        flags = ["--size-mb", str(args.size_mb), "--write-mb", str(args.write_mb), "--part-mb", str(args.part_mb),
+                 "--parts", str(args.parts)]
+
+        def one(key: tuple[str, str], r: int) -> dict[str, float]:
+            path, case = key
+            data = child(__file__, "--child", case, "bench", str(crc), *flags, env=paths[path], timeout=600)
+            moved = (args.write_mb << 20) if case in WRITERS else size
+            print(f"  run {r + 1}/{args.runs} {path:>14} {case:>16}: {data['seconds']:.2f} s, "
+                  f"{moved / data['seconds'] / 1e9:.2f} GB/s, {data['rss_mb']:.0f} MB", flush=True)
+            return data
+
+        # each round: every case on one path, then on the other (the case order rotating by round)
+        results: dict[tuple[str, str], list[dict[str, float]]] = {}
         for r in range(args.runs):
-            order = cases[r % len(cases):] + cases[:r % len(cases)]
-            for path, env in paths.items():
-                for case in order:
-                    seconds, rss = run_child(args, case, env, "bench", crc)
-                    results.setdefault((path, case), []).append((seconds, rss))
-                    moved = (args.write_mb << 20) if case in WRITERS else size
-                    print(f"  run {r + 1}/{args.runs} {path:>14} {case:>16}: {seconds:.2f} s, "
-                          f"{moved / seconds / 1e9:.2f} GB/s, {rss:.0f} MB", flush=True)
-    lines = [f"Machine: {machine_line()}, load average {os.getloadavg()[0]:.2f} at the end.",
-             f"One {args.size_mb} MiB object on SeaweedFS, {args.parts} ranged GETs of {args.part_mb} MiB in flight, "
-             f"median of {args.runs}, fresh process each (time after imports; RSS includes the "
-             f"{args.size_mb} MiB destination). Write cases write {args.write_mb} MiB from memory (RSS includes it).", "",
-             "| path | client | median s | GB/s | peak RSS MB |", "|---|---|---:|---:|---:|"]
+            for path in paths:
+                for case in rotated(args.cases.split(","), r):
+                    results.setdefault((path, case), []).append(one((path, case), r))
+    rows = []
     for (path, case), values in results.items():
-        med = statistics.median(v[0] for v in values)
+        seconds = median(v["seconds"] for v in values)
         moved = (args.write_mb << 20) if case in WRITERS else size
-        lines.append(f"| {path} | {case} | {med:.2f} | {moved / med / 1e9:.2f} | {max(v[1] for v in values):.0f} |")
-    report = "\n".join(lines)
-    print("\n" + report)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(report + "\n")
+        rows.append([path, case, f"{seconds:.2f}", f"{moved / seconds / 1e9:.2f}", f"{max(v['rss_mb'] for v in values):.0f}"])
+    report = "\n".join([
+        f"Machine: {machine_line()}, load average {os.getloadavg()[0]:.2f} at the end.",
+        f"One {args.size_mb} MiB object on SeaweedFS, {args.parts} ranged GETs of {args.part_mb} MiB in flight, "
+        f"median of {args.runs}, fresh process each (time after imports; RSS includes the {args.size_mb} MiB "
+        f"destination). Write cases write {args.write_mb} MiB from memory (RSS includes it).", "",
+        markdown(["path", "client", "median s", "GB/s", "peak RSS MB"], rows, align="llrrr")])
+    publish_report(report, args.output)
 
 
 if __name__ == "__main__":

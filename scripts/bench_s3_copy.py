@@ -4,7 +4,7 @@
 Starts SeaweedFS (scripts/s3_server.py) on loopback and the byte-counting delay proxy in this
 parent process (``--delay-ms`` each way); every client request of every case goes through the
 proxy, so its counters are the bytes that crossed the client. Builds a checkpoint of
-``--size-mb`` random bf16 bytes in ``--shards`` shards (shardkit's own split, with its manifest),
+``--size-mb`` random bf16 values in ``--shards`` shards (shardkit's own split, with its manifest),
 uploads it, then reshards it into ``--out-shards`` shards with each case, interleaved, each in a
 fresh process; the time starts after imports and ends when the index is published. Each output is
 checked against the first case's (byte for byte, every object) and deleted after its run.
@@ -26,35 +26,27 @@ import argparse
 import hashlib
 import json
 import os
-import resource
 import shutil
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import child, machine_line, markdown, median, peak_rss_mb, rounds
+from build_checkpoint import build_random
+from s3_server import DelayProxy, SeaweedS3
 
 CASES = ["copy", "staged", "boto3"]
 BUCKET = "bench"
 
 
-# ----------------------------------------------------------------------------- the child: one reshard
-
-def _boto3_client():  # noqa: ANN202
-    import boto3
-    from botocore.config import Config
-
-    return boto3.client("s3", config=Config(max_pool_connections=16, s3={"addressing_style": "path"}))
-
-
 def run_boto3(out_prefix: str, max_shard: int, work: str) -> None:
+    import boto3
     from boto3.s3.transfer import TransferConfig
+    from botocore.config import Config
 
     import shardkit
 
-    client = _boto3_client()
+    client = boto3.client("s3", config=Config(max_pool_connections=16, s3={"addressing_style": "path"}))
     config = TransferConfig(multipart_chunksize=16 << 20, max_concurrency=10)
     src, out = os.path.join(work, "src"), os.path.join(work, "out")
     os.makedirs(src)
@@ -66,7 +58,7 @@ def run_boto3(out_prefix: str, max_shard: int, work: str) -> None:
         client.upload_file(os.path.join(out, name), BUCKET, f"{out_prefix}/{name}", Config=config)
 
 
-def child(case: str, out_prefix: str, max_shard: int, work: str) -> None:
+def run_child(case: str, out_prefix: str, max_shard: int, work: str) -> None:
     import shardkit
     import shardkit.api.checkpoints as checkpoints
 
@@ -83,134 +75,83 @@ def child(case: str, out_prefix: str, max_shard: int, work: str) -> None:
     else:
         result = shardkit.split(f"s3://{BUCKET}/src", f"s3://{BUCKET}/{out_prefix}", max_shard_size=max_shard)
         cloned = result.cloned_bytes
-    seconds = time.perf_counter() - start
-    print(json.dumps({"seconds": seconds, "rss_mb": peak_rss_mb(), "cloned": cloned}))
+    print(json.dumps({"seconds": time.perf_counter() - start, "rss_mb": peak_rss_mb(), "cloned": cloned}))
 
 
-def peak_rss_mb() -> float:
-    """This process's peak RSS since its exec (``VmHWM``; ``ru_maxrss`` would include the parent's at the fork)."""
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-# ----------------------------------------------------------------------------- the parent
-
-def build(server, work: str, size_mb: int, shards: int) -> int:  # noqa: ANN001
-    """A checkpoint of random bf16 tensors (32 MiB each but the last), split into ``shards``, uploaded to src/."""
-    import torch
-    from safetensors.torch import save_file
-
-    import shardkit
-
-    single = os.path.join(work, "single")
-    os.makedirs(single)
-    total, state, i = size_mb << 20, {}, 0
-    while total > 0:
-        nbytes = min(32 << 20, total)
-        state[f"layers.{i:03d}.weight"] = torch.frombuffer(bytearray(os.urandom(nbytes)), dtype=torch.bfloat16)
-        total -= nbytes
-        i += 1
-    save_file(state, os.path.join(single, "model.safetensors"))
-    del state
-    with open(os.path.join(single, "config.json"), "w") as f:
-        f.write('{"model_type": "bench"}\n')
-    src = os.path.join(work, "src")
-    shardkit.split(single, src, max_shard_size=-(-(size_mb << 20) // shards))
-    shutil.rmtree(single)
-    client = server.client()
-    client.create_bucket(Bucket=BUCKET)
-    uploaded = 0
-    for name in sorted(os.listdir(src)):
-        client.upload_file(os.path.join(src, name), BUCKET, f"src/{name}")
-        uploaded += os.path.getsize(os.path.join(src, name))
-    client.close()
-    shutil.rmtree(src)
-    return uploaded
-
-
-def digests(server, prefix: str) -> dict[str, str]:  # noqa: ANN001
+def digests(server: SeaweedS3, prefix: str) -> dict[str, str]:
+    """sha256 of every object under ``prefix``/ (read back, then deleted)."""
     client = server.client()
     found = {}
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix + "/")
-    for key in sorted(o["Key"] for page in pages for o in page.get("Contents", [])):
-        body = client.get_object(Bucket=BUCKET, Key=key)["Body"]
+    for key in sorted(server.objects(BUCKET, prefix + "/")):
+        body = client.get_object(Bucket=BUCKET, Key=f"{prefix}/{key}")["Body"]
         h = hashlib.sha256()
         while chunk := body.read(8 << 20):
             h.update(chunk)
-        found[key[len(prefix) + 1:]] = h.hexdigest()
-        client.delete_object(Bucket=BUCKET, Key=key)
+        found[key] = h.hexdigest()
     client.close()
+    server.drop(BUCKET, prefix + "/")
     return found
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size-mb", type=int, default=1024, help="checkpoint size in MiB (default 1024)")
-    parser.add_argument("--shards", type=int, default=5, help="source shards (default 5)")
-    parser.add_argument("--out-shards", type=int, default=2, help="output shards (default 2)")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--delay-ms", type=float, default=1.0, help="proxy delay each way (default 1 ms)")
-    parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--out-prefix", help=argparse.SUPPRESS)
-    parser.add_argument("--max-shard", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--work", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size-mb", type=int, default=1024, help="checkpoint size in MiB (default 1024)")
+    p.add_argument("--shards", type=int, default=5, help="source shards (default 5)")
+    p.add_argument("--out-shards", type=int, default=2, help="output shards (default 2)")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--delay-ms", type=float, default=1.0, help="proxy delay each way (default 1 ms)")
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--dir", default=None, help="work folder (default: a temporary one)")
+    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # CASE OUT_PREFIX MAX_SHARD WORK
+    args = p.parse_args()
     if args.child:
-        child(args.child, args.out_prefix, args.max_shard, args.work)
+        run_child(args.child[0], args.child[1], int(args.child[2]), args.child[3])
         return
 
-    from benchlib import machine_line
-    from s3_server import DelayProxy, SeaweedS3
-
-    cases = args.cases.split(",")
     max_shard = -(-(args.size_mb << 20) // args.out_shards) + (1 << 20)
-    results: dict[str, list[tuple[float, float, int, int]]] = {}
     load = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(dir=args.dir) as work, SeaweedS3(os.path.join(work, "weed")) as server, \
             DelayProxy(server.port, delay_ms=args.delay_ms) as proxy:
-        size = build(server, work, args.size_mb, args.shards)
-        env = {**os.environ, **server.client_env(port=proxy.port)}
-        reference: dict[str, str] | None = None
-        for r in range(args.runs):
-            for case in cases[r % len(cases):] + cases[:r % len(cases)]:
-                scratch = tempfile.mkdtemp(dir=work)
-                before = proxy.sent_bytes + proxy.received_bytes
-                cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--out-prefix", f"out-{case}-{r}",
-                       "--max-shard", str(max_shard), "--work", scratch]
-                done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-                if done.returncode != 0:
-                    raise SystemExit(f"{case} failed: {done.stderr.strip()[-2000:]}")
-                moved = proxy.sent_bytes + proxy.received_bytes - before
-                shutil.rmtree(scratch)
-                data = json.loads(done.stdout.strip().splitlines()[-1])
-                got = digests(server, f"out-{case}-{r}")
-                reference = reference or got
-                if got != reference:
-                    raise SystemExit(f"{case}: its output differs from the first case's: {got} != {reference}")
-                results.setdefault(case, []).append((data["seconds"], data["rss_mb"], moved, data["cloned"]))
-                load.append(os.getloadavg()[0])
-                print(f"  run {r + 1}/{args.runs} {case:>7}: {data['seconds']:.2f} s, through the client "
-                      f"{moved / 1e6:.1f} MB ({100 * moved / size:.2f}%), copied in the store {data['cloned'] / 1e6:.0f} MB, "
-                      f"{data['rss_mb']:.0f} MB RSS, load {load[-1]:.2f}", flush=True)
-    lines = [f"Machine: {machine_line()}; load average (1 min) {min(load):.1f}-{max(load):.1f} during the run.",
-             f"A {size / 1e6:.0f} MB checkpoint of random bf16 tensors in {args.shards} shards resharded into "
-             f"{args.out_shards} on SeaweedFS, every request through the counting proxy ({args.delay_ms:g} ms each "
-             f"way); median of {args.runs}, interleaved, fresh process each; outputs identical byte for byte.", "",
-             "| case | median s | runs s | bytes through the client | % of the checkpoint | copied in the store | "
-             "peak RSS MB |", "|---|---:|---|---:|---:|---:|---:|"]
+        src = os.path.join(work, "src")
+        build_random(src, size_bytes=args.size_mb << 20, shard_bytes=-(-(args.size_mb << 20) // args.shards),
+                     tensor_bytes=32 << 20)
+        with open(os.path.join(src, "config.json"), "w") as f:
+            f.write('{"model_type": "bench"}\n')
+        size = server.upload(src, BUCKET, "src")
+        shutil.rmtree(src)
+        reference: list[dict[str, str]] = []
+
+        def one(case: str, r: int) -> dict[str, float]:
+            scratch = tempfile.mkdtemp(dir=work)
+            before = proxy.sent_bytes + proxy.received_bytes
+            data = child(__file__, "--child", case, f"out-{case}-{r}", str(max_shard), scratch,
+                         env=server.client_env(port=proxy.port), timeout=1200)
+            data["moved"] = proxy.sent_bytes + proxy.received_bytes - before
+            shutil.rmtree(scratch)
+            got = digests(server, f"out-{case}-{r}")
+            reference[:] = reference or [got]
+            if got != reference[0]:
+                raise SystemExit(f"{case}: its output differs from the first case's: {got} != {reference[0]}")
+            load.append(os.getloadavg()[0])
+            print(f"  run {r + 1}/{args.runs} {case:>7}: {data['seconds']:.2f} s, through the client "
+                  f"{data['moved'] / 1e6:.1f} MB ({100 * data['moved'] / size:.2f}%), copied in the store "
+                  f"{data['cloned'] / 1e6:.0f} MB, {data['rss_mb']:.0f} MB RSS, load {load[-1]:.2f}", flush=True)
+            return data
+
+        results = rounds(args.cases.split(","), args.runs, one)
+    rows = []
     for case, values in results.items():
-        med = statistics.median(v[0] for v in values)
-        moved = statistics.median(v[2] for v in values)
-        lines.append(f"| {case} | {med:.2f} | {', '.join(f'{v[0]:.2f}' for v in values)} | {moved / 1e6:.1f} MB | "
-                     f"{100 * moved / size:.2f}% | {max(v[3] for v in values) / 1e6:.0f} MB | "
-                     f"{max(v[1] for v in values):.0f} |")
-    print("\n" + "\n".join(lines))
+        moved = median(v["moved"] for v in values)
+        rows.append([case, f"{median(v['seconds'] for v in values):.2f}", ", ".join(f"{v['seconds']:.2f}" for v in values),
+                     f"{moved / 1e6:.1f} MB", f"{100 * moved / size:.2f}%", f"{max(v['cloned'] for v in values) / 1e6:.0f} MB",
+                     f"{max(v['rss_mb'] for v in values):.0f}"])
+    print(f"\nMachine: {machine_line()}; load average (1 min) {min(load):.1f}-{max(load):.1f} during the run.\n"
+          f"A {size / 1e6:.0f} MB checkpoint of random bf16 tensors in {args.shards} shards resharded into "
+          f"{args.out_shards} on SeaweedFS, every request through the counting proxy ({args.delay_ms:g} ms each "
+          f"way); median of {args.runs}, interleaved, fresh process each; outputs identical byte for byte.\n")
+    print(markdown(["case", "median s", "runs s", "bytes through the client", "% of the checkpoint",
+                    "copied in the store", "peak RSS MB"], rows, align="lrlrrrr"))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

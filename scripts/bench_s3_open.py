@@ -34,18 +34,19 @@ out with a note.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import importlib.util
 import json
 import os
-import resource
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import zlib
+from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import child, machine_line, median, peak_rss_mb, rotated, shard_files
+from build_checkpoint import build_random, build_unet
+from s3_server import DelayProxy, SeaweedS3
 
 CASES = ["raw-boto3", "runai", "shardkit-open", "load-model", "download+load"]
 PREFIX = "ckpt"
@@ -55,19 +56,24 @@ RUNAI_MISSING = ("the Run:ai streamer is not installed: pip install 'shardkit[be
 
 # ----------------------------------------------------------------------------- the child: one case
 
-def _tensor_crc(state: dict[str, object]) -> int:
+def _tensor_crc(state: dict[str, Any]) -> int:
     import torch
 
     crc = 0
     for name in sorted(state):
-        t = state[name]
-        assert isinstance(t, torch.Tensor)
-        crc = zlib.crc32(t.detach().contiguous().view(-1).view(torch.uint8).numpy(), crc)
+        crc = zlib.crc32(state[name].detach().contiguous().view(-1).view(torch.uint8).numpy(), crc)
     return crc
 
 
-def _objects(client: object, bucket: str) -> list[tuple[str, int]]:
-    listing = client.list_objects_v2(Bucket=bucket, Prefix=PREFIX + "/")  # type: ignore[attr-defined]
+def _import_readers() -> None:
+    """shardkit's s3:// reading modules, imported before the clock starts (wherever they live in this tree)."""
+    for name in ("shardkit.api.stores", "shardkit.stores.s3", "shardkit.stores.hf", "shardkit.hub.remote"):
+        with contextlib.suppress(ModuleNotFoundError):
+            importlib.import_module(name)
+
+
+def _objects(client: Any, bucket: str) -> list[tuple[str, int]]:
+    listing = client.list_objects_v2(Bucket=bucket, Prefix=PREFIX + "/")
     return sorted((o["Key"], o["Size"]) for o in listing["Contents"] if o["Key"].endswith(".safetensors"))
 
 
@@ -130,8 +136,8 @@ def read_shardkit(bucket: str) -> tuple[float, float, int]:
     import torch  # noqa: F401
 
     import shardkit
-    import shardkit.api.stores
-    import shardkit.hub.remote  # noqa: F401
+
+    _import_readers()
 
     start = time.perf_counter()
     with shardkit.open(f"s3://{bucket}/{PREFIX}") as ckpt:
@@ -148,8 +154,8 @@ def read_load_model(bucket: str) -> tuple[float, float, int]:
     from diffusers import UNet2DConditionModel  # noqa: F401 - the class import is part of the imports
 
     import shardkit
-    import shardkit.api.stores
-    import shardkit.hub.remote  # noqa: F401
+
+    _import_readers()
 
     start = time.perf_counter()
     model = shardkit.load_model("diffusers:UNet2DConditionModel", f"s3://{bucket}/{PREFIX}", dtype="fp16")
@@ -183,8 +189,8 @@ def time_opens(bucket: str, opens: int) -> list[float]:
     import torch  # noqa: F401
 
     import shardkit
-    import shardkit.api.stores
-    import shardkit.hub.remote  # noqa: F401
+
+    _import_readers()
 
     times = []
     for _ in range(opens):
@@ -194,7 +200,7 @@ def time_opens(bucket: str, opens: int) -> list[float]:
     return times
 
 
-def child(case: str, bucket: str, part: int, parts: int) -> None:
+def run_child(case: str, bucket: str, part: int, parts: int) -> None:
     if case == "open":
         import shardkit
 
@@ -207,116 +213,78 @@ def child(case: str, bucket: str, part: int, parts: int) -> None:
     print(json.dumps({"seconds": seconds, "setup": setup, "crc": crc, "rss_mb": peak_rss_mb()}))
 
 
-def peak_rss_mb() -> float:
-    """This process's own peak RSS: VmHWM. Not ru_maxrss, which on Linux starts from the parent's peak at
-    fork (the parent here held the checkpoint and the proxy's buffers: every case showed the same figure)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 # ----------------------------------------------------------------------------- the parent
 
-def make_random(folder: str, size_mb: int, shard_mb: int) -> tuple[int, int]:
-    """A random fp16 checkpoint split into shards under folder/PREFIX; (tensor bytes, crc32 of tensors by name)."""
-    import torch
-    from safetensors.torch import save_file
-
-    import shardkit
-
-    gen = torch.Generator().manual_seed(0)
-    tensors = {f"layers.{i:03d}.weight": torch.randn(2048, 4096, generator=gen).half()
-               for i in range(max(1, (size_mb << 20) // (2048 * 4096 * 2)))}
-    save_file(tensors, os.path.join(folder, "one.safetensors"))
-    shardkit.split(os.path.join(folder, "one.safetensors"), os.path.join(folder, PREFIX), max_shard_size=f"{shard_mb}MB")
-    os.remove(os.path.join(folder, "one.safetensors"))
-    return sum(t.nbytes for t in tensors.values()), _tensor_crc(tensors)  # type: ignore[arg-type]
-
-
-def make_sd15(folder: str) -> tuple[int, int]:
-    """The SD 1.5 UNet in fp16 with random weights under folder/PREFIX (one file and config.json)."""
-    from build_checkpoint import build_unet
+def build(work: str, args: argparse.Namespace) -> tuple[int, dict[str, int]]:
+    """The checkpoint under work/PREFIX: (tensor bytes, the crc32 each case must read)."""
     from safetensors.torch import load_file
 
-    file = build_unet("sd15", os.path.join(folder, PREFIX), dtype="F16")
-    state = load_file(file)
-    return sum(t.nbytes for t in state.values()), _tensor_crc(state)  # type: ignore[arg-type]
-
-
-def objects_crc(folder: str) -> int:
-    crc = 0
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            with open(os.path.join(folder, name), "rb") as f:
-                crc = zlib.crc32(f.read(), crc)
-    return crc
+    folder = os.path.join(work, PREFIX)
+    if args.model == "sd15":  # the SD 1.5 UNet in fp16 with random weights (one file and config.json)
+        build_unet("sd15", folder, dtype="F16")
+    else:  # random fp16 tensors of 16 MiB split into shards
+        build_random(folder, size_bytes=args.size_mb << 20, shard_bytes=f"{args.shard_mb}MB", tensor_bytes=16 << 20,
+                     dtype="F16")
+    state: dict[str, Any] = {}
+    raw_crc = 0
+    for path in shard_files(folder):
+        state.update(load_file(path))
+        with open(path, "rb") as f:
+            raw_crc = zlib.crc32(f.read(), raw_crc)
+    expected = dict.fromkeys(CASES, _tensor_crc(state))
+    expected["raw-boto3"] = raw_crc
+    return sum(t.nbytes for t in state.values()), expected
 
 
 FAILURES: list[str] = []
 
 
-def run_case(case: str, env: dict[str, str], args: argparse.Namespace) -> dict[str, float]:
+def run_case(case: str, env: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
     """One case in a fresh process; a failed one is tried once more and the failure kept for the report."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", case, "--bucket", "bench",
-           "--part-mb", str(args.part_mb), "--parts", str(args.parts)]
+    flags = ["--child", case, "--bucket", "bench", "--part-mb", str(args.part_mb), "--parts", str(args.parts)]
     for attempt in range(2):
-        done = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
-        if done.returncode == 0:
-            return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        FAILURES.append(f"{case} failed (try {attempt + 1}, load {os.getloadavg()[0]:.1f}): {last[-300:]}")
+        data = child(__file__, *flags, env=env, check=attempt == 1, timeout=900)
+        if "error" not in data:
+            return data
+        FAILURES.append(f"{case} failed (try {attempt + 1}, load {os.getloadavg()[0]:.1f}): {data['error'][-300:]}")
         print(f"  {FAILURES[-1]}", flush=True)
-    raise SystemExit(f"{case} failed twice: {done.stderr.strip()[-3000:]}")
+    raise AssertionError("unreachable: the second try raises")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", choices=["sd15", "random"], default="sd15")
-    parser.add_argument("--size-mb", type=int, default=1024, help="--model random: tensor bytes, MB")
-    parser.add_argument("--shard-mb", type=int, default=300, help="--model random: shard size, MB")
-    parser.add_argument("--part-mb", type=int, default=16, help="raw case: bytes per ranged GET, MiB")
-    parser.add_argument("--parts", type=int, default=16, help="raw case: requests in flight")
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--delay-ms", type=float, default=1.0)
-    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
-    parser.add_argument("--open-runs", type=int, default=0,
-                        help="instead of reading: time shardkit.open alone (3 opens a process, this many processes)")
-    parser.add_argument("--shardkit-path", default=None,
-                        help="with --open-runs: import shardkit from this folder (e.g. an older checkout)")
-    parser.add_argument("--dir", default=None)
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--bucket", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=["sd15", "random"], default="sd15")
+    p.add_argument("--size-mb", type=int, default=1024, help="--model random: tensor bytes, MB")
+    p.add_argument("--shard-mb", type=int, default=300, help="--model random: shard size, MB")
+    p.add_argument("--part-mb", type=int, default=16, help="raw case: bytes per ranged GET, MiB")
+    p.add_argument("--parts", type=int, default=16, help="raw case: requests in flight")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--delay-ms", type=float, default=1.0)
+    p.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
+    p.add_argument("--open-runs", type=int, default=0,
+                   help="instead of reading: time shardkit.open alone (3 opens a process, this many processes)")
+    p.add_argument("--shardkit-path", default=None,
+                   help="with --open-runs: import shardkit from this folder (e.g. an older checkout)")
+    p.add_argument("--dir", default=None)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--bucket", help=argparse.SUPPRESS)
+    args = p.parse_args()
     if args.child:
-        child(args.child, args.bucket, args.part_mb << 20, args.parts)
+        run_child(args.child, args.bucket, args.part_mb << 20, args.parts)
         return
-
-    from s3_server import DelayProxy, SeaweedS3
-
-    cases = [c for c in args.cases.split(",") if c in CASES]
-    if args.model != "sd15" and "load-model" in cases:
-        cases.remove("load-model")
+    cases = [c for c in args.cases.split(",") if c in CASES and (c != "load-model" or args.model == "sd15")]
     notes = []
     if "runai" in cases and importlib.util.find_spec("runai_model_streamer") is None:
         cases.remove("runai")
         notes.append(RUNAI_MISSING)
         print(RUNAI_MISSING, flush=True)
-    results: dict[tuple[str, str], list[dict[str, float]]] = {}
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     loads: list[tuple[float, float]] = []
     with tempfile.TemporaryDirectory(dir=args.dir) as work, SeaweedS3(os.path.join(work, "weed")) as server, \
             DelayProxy(server.port, delay_ms=args.delay_ms) as proxy:
         print(f"building the {args.model} checkpoint ...", flush=True)
-        data_bytes, tensor_crc = (make_sd15(work) if args.model == "sd15"
-                                  else make_random(work, args.size_mb, args.shard_mb))
-        expected = {case: tensor_crc for case in CASES}
-        expected["raw-boto3"] = objects_crc(os.path.join(work, PREFIX))
-        client = server.client()
-        client.create_bucket(Bucket="bench")  # type: ignore[attr-defined]
-        for name in sorted(os.listdir(os.path.join(work, PREFIX))):
-            client.upload_file(os.path.join(work, PREFIX, name), "bench", f"{PREFIX}/{name}")  # type: ignore[attr-defined]
-        client.close()  # type: ignore[attr-defined]
+        data_bytes, expected = build(work, args)
+        server.upload(os.path.join(work, PREFIX), "bench", PREFIX)
         runai_env = {"AWS_EC2_METADATA_DISABLED": "true", "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
         paths = {"loopback": {**server.client_env(), **runai_env},
                  f"proxy {args.delay_ms:g} ms": {**server.client_env(port=proxy.port), **runai_env}}
@@ -326,7 +294,7 @@ def main() -> None:
         for r in range(args.runs):
             load_before = os.getloadavg()[0]
             for path, env in paths.items():
-                for case in cases[r % len(cases):] + cases[:r % len(cases)]:
+                for case in rotated(cases, r):
                     data = run_case(case, env, args)
                     if data["crc"] != expected[case]:
                         raise SystemExit(f"{case}: the bytes read differ from the checkpoint's")
@@ -338,55 +306,49 @@ def main() -> None:
     print("\n" + "\n".join(report(results, data_bytes, loads, notes, args)))
 
 
-def open_latency(paths: dict[str, dict[str, str]], proxy: object, args: argparse.Namespace) -> list[str]:
+def open_latency(paths: dict[str, dict[str, str]], proxy: DelayProxy, args: argparse.Namespace) -> list[str]:
     """Median seconds of the first ``shardkit.open`` in a fresh process and of the later ones, and the
     requests one open makes (counted at the proxy)."""
     extra = {"PYTHONPATH": os.path.abspath(args.shardkit_path)} if args.shardkit_path else {}
     lines = ["| path | first open s | later opens s | requests per open | load before/after |", "|---|---:|---:|---|---|"]
+    module = ""
     for path, env in paths.items():
-        first, later, module = [], [], ""
+        first: list[float] = []
+        later: list[float] = []
         load_before = os.getloadavg()[0]
-        proxy.reset_counters()  # type: ignore[attr-defined]
+        proxy.reset_counters()
         for _ in range(args.open_runs):
             data = run_case("open", {**env, **extra}, args)
             first.append(data["opens"][0])
             later += data["opens"][1:]
             module = data["module"]
-        requests = {k: v / (3 * args.open_runs) for k, v in proxy.requests.items()}  # type: ignore[attr-defined]
+        requests = {k: v / (3 * args.open_runs) for k, v in proxy.requests.items()}
         shown = ", ".join(f"{v:g} {k}" for k, v in sorted(requests.items())) if path != "loopback" else "-"
-        lines.append(f"| {path} | {statistics.median(first):.3f} | {statistics.median(later):.3f} | {shown} | "
+        lines.append(f"| {path} | {median(first):.3f} | {median(later):.3f} | {shown} | "
                      f"{load_before:.1f}/{os.getloadavg()[0]:.1f} |")
     return [f"shardkit from {module}", *lines]
 
 
-def report(results: dict[tuple[str, str], list[dict[str, float]]], data_bytes: int, loads: list[tuple[float, float]],
+def report(results: dict[tuple[str, str], list[dict[str, Any]]], data_bytes: int, loads: list[tuple[float, float]],
            notes: list[str], args: argparse.Namespace) -> list[str]:
-    what = ("the SD 1.5 UNet, fp16, one file" if args.model == "sd15"
-            else f"fp16 tensors in {args.shard_mb} MB shards")
-    lines = [f"Machine: {machine_line_safe()}. Load average (1 min) at the start/end of each round: "
+    what = "the SD 1.5 UNet, fp16, one file" if args.model == "sd15" else f"fp16 tensors in {args.shard_mb} MB shards"
+    lines = [f"Machine: {machine_line()}. Load average (1 min) at the start/end of each round: "
              + ", ".join(f"{a:.1f}/{b:.1f}" for a, b in loads) + ".",
              f"{data_bytes / 1e6:.0f} MB of {what} on SeaweedFS, median of {args.runs}, fresh process each "
              f"(clock after imports). raw-boto3: {args.parts} ranged GETs of {args.part_mb} MiB in flight.",
              *notes, *(f"Failed and retried: {f}" for f in FAILURES), "",
              "| path | case | median s | GB/s | vs raw | vs runai | setup s | read s | read vs raw read | peak RSS MB |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    nan = [{"seconds": float("nan"), "setup": 0.0}]
     for (path, case), values in results.items():
-        def med(key: str, of: str = case, path: str = path) -> float:
-            return statistics.median(v[key] for v in results.get((path, of), [{"seconds": float("nan"),
-                                                                               "setup": 0.0}]))
-        total, raw, runai = med("seconds"), med("seconds", "raw-boto3"), med("seconds", "runai")
-        read = statistics.median(v["seconds"] - v["setup"] for v in values)
-        raw_read = statistics.median(v["seconds"] - v["setup"] for v in results[(path, "raw-boto3")])
+        total, raw, runai = (median(v["seconds"] for v in results.get((path, c), nan))
+                             for c in (case, "raw-boto3", "runai"))
+        read = median(v["seconds"] - v["setup"] for v in values)
+        raw_read = median(v["seconds"] - v["setup"] for v in results[(path, "raw-boto3")])
         lines.append(f"| {path} | {case} | {total:.2f} | {data_bytes / total / 1e9:.2f} | {total / raw:.2f}x | "
-                     f"{total / runai:.2f}x | {med('setup'):.2f} | {read:.2f} | {read / raw_read:.2f}x | "
-                     f"{max(v['rss_mb'] for v in values):.0f} |")
+                     f"{total / runai:.2f}x | {median(v['setup'] for v in values):.2f} | {read:.2f} | "
+                     f"{read / raw_read:.2f}x | {max(v['rss_mb'] for v in values):.0f} |")
     return lines
-
-
-def machine_line_safe() -> str:
-    from benchlib import machine_line
-
-    return machine_line()
 
 
 if __name__ == "__main__":

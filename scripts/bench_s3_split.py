@@ -23,19 +23,19 @@ across runs and cases.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
+import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import ROOT, machine_line, markdown, median, parser, rounds
+from build_checkpoint import build_random
+from s3_server import SeaweedS3
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The CLI, then its peak RSS (VmHWM: this process's own high-water mark since exec). ru_maxrss from
 # wait4/getrusage would not do: Linux carries the forking parent's RSS over into the child's.
 CLI = """import atexit, os, sys
@@ -51,60 +51,18 @@ main()
 """
 
 
-def make_source(folder: str, size_mb: int, shard_mb: int) -> list[str]:
-    """A sharded checkpoint of random bf16 tensors (64 MiB each), written shard by shard; its file names."""
-    import torch
-    from safetensors.torch import save_file
-
-    tensor_bytes = 64 << 20
-    count = max(1, (size_mb << 20) // tensor_bytes)
-    per_shard = max(1, (shard_mb << 20) // tensor_bytes)
-    shards = -(-count // per_shard)
-    gen = torch.Generator().manual_seed(0)
-    weight_map, names = {}, []
-    for s in range(shards):
-        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        tensors = {f"layers.{i:04d}.weight": torch.randn(4096, tensor_bytes // 8192, generator=gen).bfloat16()
-                   for i in range(s * per_shard, min(count, (s + 1) * per_shard))}
-        save_file(tensors, os.path.join(folder, name), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, name))
-        names.append(name)
-        del tensors
-    index = {"metadata": {"total_size": count * tensor_bytes}, "weight_map": weight_map}
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump(index, f)
-    return [*names, "model.safetensors.index.json"]
-
-
-def run_case(case: str, src: str, dst: str, env: dict[str, str], staged_src: str | None) -> tuple[float, float]:
-    """One CLI split in a fresh process: (wall seconds, peak RSS MB of that process)."""
+def run_case(case: str, src: str, dst: str, env: dict[str, str], staged_src: str | None) -> dict[str, float]:
+    """One CLI split in a fresh process: wall seconds, peak RSS MB of that process."""
     path = staged_src if case == "staged" else ROOT
     with tempfile.NamedTemporaryFile(prefix="bench-rss-") as rss:
         child_env = {**os.environ, **env, "PYTHONPATH": path, "BENCH_RSS_FILE": rss.name}
-        cmd = [sys.executable, "-c", CLI, "split", src, dst, "--max-shard-size", "1GB"]
         start = time.perf_counter()
-        done = subprocess.run(cmd, env=child_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=path,
-                              timeout=3600)
+        done = subprocess.run([sys.executable, "-c", CLI, "split", src, dst, "--max-shard-size", "1GB"], env=child_env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=path, timeout=3600)
         seconds = time.perf_counter() - start
         if done.returncode != 0:
             raise SystemExit(f"{case} failed ({done.returncode}): {done.stderr.decode()[-2000:]}")
-        return seconds, int(open(rss.name).read()) / 1024
-
-
-def listing(client: object, bucket: str) -> tuple[list[tuple[str, int]], bytes]:
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket)  # type: ignore[attr-defined]
-    objects = sorted((o["Key"], o["Size"]) for page in pages for o in page.get("Contents", []))
-    manifest = client.get_object(Bucket=bucket, Key="ckpt/shardkit.manifest.json")["Body"].read()  # type: ignore[attr-defined]
-    return objects, manifest
-
-
-def drop_bucket(client: object, bucket: str) -> None:
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket)  # type: ignore[attr-defined]
-    for page in pages:
-        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-        if keys:
-            client.delete_objects(Bucket=bucket, Delete={"Objects": keys})  # type: ignore[attr-defined]
-    client.delete_bucket(Bucket=bucket)  # type: ignore[attr-defined]
+        return {"seconds": seconds, "rss_mb": int(open(rss.name).read()) / 1024}
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -112,61 +70,49 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--size-mb", type=int, default=6144)
-    parser.add_argument("--source-shard-mb", type=int, default=2048)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--staged-src", default=None, help="a shardkit tree from before streaming (the staged case)")
-    parser.add_argument("--dir", default=None, help="where SeaweedFS keeps its data (needs ~2x the size)")
-    args = parser.parse_args()
+    p = parser(__doc__, output=False)
+    p.add_argument("--size-mb", type=int, default=6144)
+    p.add_argument("--source-shard-mb", type=int, default=2048)
+    p.add_argument("--staged-src", default=None, help="a shardkit tree from before streaming (the staged case)")
+    p.add_argument("--dir", default=None, help="where SeaweedFS keeps its data (needs ~2x the size)")
+    args = p.parse_args()
     signal.signal(signal.SIGTERM, _interrupt)  # stop the server and remove its data on a plain kill too
-    cases = ["streamed", "staged"] if args.staged_src else ["streamed"]
-
-    from benchlib import machine_line
-    from s3_server import SeaweedS3
-
-    results: dict[str, list[tuple[float, float]]] = {}
-    expected: tuple[list[tuple[str, int]], bytes] | None = None
+    expected: list[Any] = []
     with tempfile.TemporaryDirectory(dir=args.dir) as work, SeaweedS3(os.path.join(work, "weed")) as server:
-        client = server.client()
-        client.create_bucket(Bucket="bench")  # type: ignore[attr-defined]
         local = os.path.join(work, "src")
-        os.mkdir(local)
-        for name in make_source(local, args.size_mb, args.source_shard_mb):
-            client.upload_file(os.path.join(local, name), "bench", f"src/{name}")  # type: ignore[attr-defined]
-            os.remove(os.path.join(local, name))
+        build_random(local, size_bytes=args.size_mb << 20, shard_bytes=args.source_shard_mb << 20, manifest=False)
+        server.upload(local, "bench", "src")
+        shutil.rmtree(local)
         print(f"source uploaded: {args.size_mb} MB; load average {os.getloadavg()[0]:.2f}", flush=True)
-        env = server.client_env()
-        n = 0
-        for r in range(args.runs):
-            for case in cases[r % 2:] + cases[:r % 2]:
-                n += 1
-                bucket = f"out-{n}"
-                client.create_bucket(Bucket=bucket)  # type: ignore[attr-defined]
-                seconds, rss = run_case(case, "s3://bench/src", f"s3://{bucket}/ckpt", env, args.staged_src)
-                got = listing(client, bucket)
-                if expected is None:
-                    expected = got
-                elif got != expected:
-                    raise SystemExit(f"{case}: the output differs from the first run's (names, sizes or manifest)")
-                drop_bucket(client, bucket)
-                results.setdefault(case, []).append((seconds, rss))
-                print(f"  run {r + 1}/{args.runs} {case:>9}: {seconds:.1f} s, peak RSS {rss:.0f} MB, "
-                      f"load average {os.getloadavg()[0]:.2f}", flush=True)
-        client.close()  # type: ignore[attr-defined]
-    assert expected is not None
-    shards = sum(1 for key, _ in expected[0] if key.endswith(".safetensors"))
-    lines = [f"Machine: {machine_line()}, load average {os.getloadavg()[0]:.2f} at the end.",
-             f"`shardkit split s3://bench/src s3://out/ckpt --max-shard-size 1GB`: {args.size_mb} MiB of random bf16 "
-             f"in {args.source_shard_mb} MiB source shards → {shards} shards; SeaweedFS on loopback; fresh process "
-             f"each, interleaved, median of {args.runs}.", "",
-             "| case | wall s (runs) | median s | MB/s | peak RSS MB (max) |", "|---|---|---:|---:|---:|"]
-    for case, values in results.items():
-        med = statistics.median(v[0] for v in values)
-        runs = ", ".join(f"{v[0]:.1f}" for v in values)
-        lines.append(f"| {case} | {runs} | {med:.1f} | {(args.size_mb << 20) / med / 1e6:.0f} | "
-                     f"{max(v[1] for v in values):.0f} |")
-    print("\n" + "\n".join(lines))
+        env, count = server.client_env(), [0]
+
+        def one(case: str, r: int) -> dict[str, float]:
+            count[0] += 1
+            bucket = f"out-{count[0]}"
+            client = server.client()
+            client.create_bucket(Bucket=bucket)
+            data = run_case(case, "s3://bench/src", f"s3://{bucket}/ckpt", env, args.staged_src)
+            manifest = client.get_object(Bucket=bucket, Key="ckpt/shardkit.manifest.json")["Body"].read()
+            client.close()
+            got = (server.objects(bucket), manifest)
+            expected[:] = expected or [got]
+            if got != expected[0]:
+                raise SystemExit(f"{case}: the output differs from the first run's (names, sizes or manifest)")
+            server.drop(bucket)
+            print(f"  run {r + 1}/{args.runs} {case:>9}: {data['seconds']:.1f} s, peak RSS {data['rss_mb']:.0f} MB, "
+                  f"load average {os.getloadavg()[0]:.2f}", flush=True)
+            return data
+
+        results = rounds(["streamed", "staged"] if args.staged_src else ["streamed"], args.runs, one)
+    shards = sum(1 for key in expected[0][0] if key.endswith(".safetensors"))
+    rows = [[case, ", ".join(f"{v['seconds']:.1f}" for v in values), f"{median(v['seconds'] for v in values):.1f}",
+             f"{(args.size_mb << 20) / median(v['seconds'] for v in values) / 1e6:.0f}",
+             f"{max(v['rss_mb'] for v in values):.0f}"] for case, values in results.items()]
+    print(f"\nMachine: {machine_line()}, load average {os.getloadavg()[0]:.2f} at the end.\n"
+          f"`shardkit split s3://bench/src s3://out/ckpt --max-shard-size 1GB`: {args.size_mb} MiB of random bf16 "
+          f"in {args.source_shard_mb} MiB source shards → {shards} shards; SeaweedFS on loopback; fresh process "
+          f"each, interleaved, median of {args.runs}.\n")
+    print(markdown(["case", "wall s (runs)", "median s", "MB/s", "peak RSS MB (max)"], rows, align="llrrr"))
 
 
 if __name__ == "__main__":

@@ -117,9 +117,9 @@ def build_unet(kind: str, path: str, *, dtype: str = "F32", overwrite: bool = Fa
 
 
 def build_random(path: str, *, size_bytes: int, shard_bytes: int | str = "1TB", tensor_bytes: int = 64 << 20,
-                 dtype: str = "BF16") -> list[str]:
+                 dtype: str = "BF16", manifest: bool = True) -> list[str]:
     """A checkpoint of ``size_bytes`` of random 1-D tensors (``layers.NNNN.weight``), split by shardkit
-    (index and manifest) into shards of ``shard_bytes``; its file names."""
+    (index, and manifest unless told not) into shards of ``shard_bytes``; its file names."""
     import shardkit
 
     itemsize = 4 if dtype == "F32" else 2
@@ -128,7 +128,7 @@ def build_random(path: str, *, size_bytes: int, shard_bytes: int | str = "1TB", 
     if left or not count:
         shapes[f"layers.{count:04d}.weight"] = (max(left, itemsize) // itemsize,)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    shardkit.split(random_source(shapes, dtype=dtype), path, max_shard_size=shard_bytes)
+    shardkit.split(random_source(shapes, dtype=dtype), path, max_shard_size=shard_bytes, manifest=manifest)
     return sorted(os.listdir(path))
 
 

@@ -204,6 +204,39 @@ class SeaweedS3:
             "AWS_DEFAULT_REGION": REGION, "AWS_EC2_METADATA_DISABLED": "true",
         }
 
+    def upload(self, folder: str, bucket: str, prefix: str, *, create_bucket: bool = True) -> int:
+        """Every file of ``folder`` to ``s3://bucket/prefix/`` (as ``aws s3 cp --recursive``); the bytes uploaded."""
+        client = self.client()
+        try:
+            if create_bucket:
+                client.create_bucket(Bucket=bucket)
+            for name in sorted(os.listdir(folder)):
+                client.upload_file(os.path.join(folder, name), bucket, f"{prefix}/{name}")
+        finally:
+            client.close()
+        return sum(os.path.getsize(os.path.join(folder, name)) for name in os.listdir(folder))
+
+    def objects(self, bucket: str, prefix: str = "") -> dict[str, int]:
+        """Every object under ``prefix`` (key relative to it: size)."""
+        client = self.client()
+        try:
+            pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+            return {o["Key"][len(prefix):]: o["Size"] for page in pages for o in page.get("Contents", [])}
+        finally:
+            client.close()
+
+    def drop(self, bucket: str, prefix: str = "") -> None:
+        """Delete every object under ``prefix``, and the bucket too when no prefix is given."""
+        client = self.client()
+        try:
+            keys = [{"Key": prefix + key} for key in self.objects(bucket, prefix)]
+            for begin in range(0, len(keys), 1000):
+                client.delete_objects(Bucket=bucket, Delete={"Objects": keys[begin:begin + 1000]})
+            if not prefix:
+                client.delete_bucket(Bucket=bucket)
+        finally:
+            client.close()
+
     def traffic_bytes(self, bucket: str) -> dict[str, int]:
         """Object bytes the gateway has sent and received for ``bucket`` (its Prometheus counters)."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
