@@ -314,7 +314,7 @@ def _castable(src: str, out: str) -> bool:
         from ..formats.dtypes import to_torch
 
         to_torch(src), to_torch(out)
-    except Exception:
+    except InvalidInputError:  # a float dtype this torch has no type for
         return False
     return True
 
