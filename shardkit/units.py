@@ -70,6 +70,18 @@ DTYPE_ALIASES: dict[str, str] = {
 }
 
 LOSSLESS_TARGETS = frozenset({"F32", "F16", "BF16", "F64"})
+COMPUTE_DTYPES = ("BF16", "F16", "F32")  # what weights compute in (fp8 is storage: layerwise casting)
+STORAGE_DTYPES = ("F8_E4M3", "F8_E5M2")  # what layerwise casting stores weights in between forwards
+
+# The torch dtype of each code, by attribute name (torch is imported lazily, and an older torch
+# lacks some): the one table every code <-> torch.dtype conversion reads (formats/dtypes.py).
+TORCH_NAMES: dict[str, str] = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16",
+    "F16": "float16", "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32",
+    "C64": "complex64", "F64": "float64", "I64": "int64", "U64": "uint64",
+    "F8_E5M2": "float8_e5m2", "F8_E4M3": "float8_e4m3fn", "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+}
 
 
 def parse_size(value: str | int, *, name: str = "size") -> int:
@@ -170,6 +182,15 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...] | list[int]) -> int:
     if bits is None:
         raise InvalidInputError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BITS))}")
     return (math.prod(shape) * bits + 7) // 8
+
+
+def short_dtype(code: str) -> str:
+    """The short name users type for a code (the first alias), else the code itself.
+
+    >>> short_dtype("BF16"), short_dtype("F32"), short_dtype("F8_E4M3"), short_dtype("I64")
+    ('bf16', 'fp32', 'fp8', 'I64')
+    """
+    return next((alias for alias, c in DTYPE_ALIASES.items() if c == code), code)
 
 
 def normalize_dtype(name: str) -> str:

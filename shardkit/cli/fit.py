@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 import click
 
 from ..errors import ShardkitError
-from ..units import format_size
+from ..units import COMPUTE_DTYPES as COMPUTE_CODES
+from ..units import format_size, short_dtype
 from .common import SIZE, Command, echo_json, hub_token_option
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ smallest budget that would, ready to paste).
 
 # The compute/load dtypes fit and plan take: the lossless subset of split/convert's --dtype (fp8 is
 # storage, not compute: fit proposes fp8 layerwise casting itself, --no-fp8 turns it off).
-COMPUTE_DTYPES = ("bf16", "fp16", "fp32")
+COMPUTE_DTYPES = tuple(short_dtype(code) for code in COMPUTE_CODES)  # bf16, fp16, fp32
 STRATEGY_PREFIXES = ("gpu, balanced, staged, model_offload, group (every group offload), group_block, "
                      "group_block_stream, group_leaf, group_leaf_stream, sequential")
 
@@ -57,15 +58,14 @@ class ComputeDtype(_DtypeType):
     def convert(self, value: object, param: click.Parameter | None, ctx: click.Context | None) -> str:
         from ..units import normalize_dtype
 
-        short = {"BF16": "bf16", "F16": "fp16", "F32": "fp32"}
         try:
             code = normalize_dtype(str(value))
         except ShardkitError:
             code = None
-        if code not in short:
+        if code is None or code not in COMPUTE_CODES:
             self.fail(f"{value!r} is not a compute dtype: use one of {', '.join(COMPUTE_DTYPES)} "
                       "(fp8 storage is layerwise casting, which fit proposes itself)", param, ctx)
-        return short[code]
+        return short_dtype(code)
 
 
 COMPUTE_DTYPE = ComputeDtype()

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidInputError
+from ..units import COMPUTE_DTYPES, STORAGE_DTYPES, TORCH_NAMES
 
 if TYPE_CHECKING:
     import torch
@@ -29,8 +30,6 @@ if TYPE_CHECKING:
 EXTRA_SKIP_PATTERNS: tuple[str, ...] = (
     "norm", "embed", "time_emb", "emb_proj", "modulation", "adaln", "ada_ln", "scale_shift",
 )
-STORAGE_DTYPES = ("float8_e4m3fn", "float8_e5m2")
-COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
 # Pipeline components cast by default: the denoisers hold nearly all the weights; text encoders
 # are run once per prompt and are more sensitive.
 DEFAULT_PIPELINE_COMPONENTS = ("transformer", "transformer_2", "unet", "prior", "decoder")
@@ -75,7 +74,7 @@ class CastingReport:
 def resolve_casting_dtypes(storage_dtype: str | torch.dtype | None, compute_dtype: str | torch.dtype | None
                            ) -> tuple[torch.dtype, torch.dtype]:
     """``("float8_e4m3fn", "bf16")`` → ``(torch.float8_e4m3fn, torch.bfloat16)``, validated."""
-    from ..formats.dtypes import resolve_torch_dtype
+    from ..formats.dtypes import from_torch, resolve_torch_dtype
 
     pairs = ((storage_dtype, STORAGE_DTYPES, "storage"), (compute_dtype, COMPUTE_DTYPES, "compute"))
     resolved = []
@@ -84,10 +83,9 @@ def resolve_casting_dtypes(storage_dtype: str | torch.dtype | None, compute_dtyp
             dtype = resolve_torch_dtype(value)
         except InvalidInputError as e:
             raise InvalidInputError(f"layerwise casting: bad {role} dtype {value!r}: {e}") from e
-        if dtype is None or str(dtype).removeprefix("torch.") not in allowed:
-            raise InvalidInputError(
-                f"layerwise casting: {role} dtype must be one of {', '.join(allowed)}, got {value!r}"
-            )
+        if dtype is None or from_torch(dtype) not in allowed:
+            raise InvalidInputError(f"layerwise casting: {role} dtype must be one of "
+                                    f"{', '.join(TORCH_NAMES[code] for code in allowed)}, got {value!r}")
         resolved.append(dtype)
     return resolved[0], resolved[1]
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
+from ..units import normalize_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -177,24 +178,26 @@ def _allow_tf32(obj: object, value: object) -> None:
     torch.backends.cudnn.allow_tf32 = bool(value)
 
 
-HALF_DTYPES = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16"}
+HALF_DTYPES = ("F16", "BF16")
+
+
+def _half_code(value: object) -> str | None:
+    """``"bf16"``, ``"float16"``, ``torch.float16``... → its code when it is a half type, else None."""
+    try:
+        code = normalize_dtype(str(value).removeprefix("torch."))
+    except InvalidInputError:
+        return None
+    return code if code in HALF_DTYPES else None
 
 
 def _bad_dtype(obj: object, value: object) -> str | None:
-    import torch
-
-    if isinstance(value, torch.dtype):
-        value = str(value).removeprefix("torch.")
-    if str(value) not in HALF_DTYPES:
-        return f"dtype must be fp16 or bf16, got {value!r}"
-    return None
+    return None if _half_code(value) else f"dtype must be fp16 or bf16, got {value!r}"
 
 
 def _to_dtype(obj: object, value: object) -> None:
-    import torch
+    from ..formats.dtypes import to_torch
 
-    name = HALF_DTYPES[str(value).removeprefix("torch.")]
-    dtype = getattr(torch, name)
+    dtype = to_torch(normalize_dtype(str(value).removeprefix("torch.")))  # a half type: checked by _bad_dtype
     for model in models(obj).values():
         model.to(dtype=dtype)
 
