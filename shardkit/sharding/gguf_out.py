@@ -91,8 +91,11 @@ class _Tensor:
 
 
 def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize: str | None = None,
-                    component: str | None = None) -> SplitResult:
+                    component: str | None = None, view: Callable[[Source], Source] | None = None) -> SplitResult:
     """Write ``source`` (see the module docstring) as the GGUF file ``output``.
+
+    ``view`` wraps the model's opened source before it is planned (LoRA adapters merged in as it streams,
+    :func:`shardkit.sharding.lora.merged_view`).
 
     Raises:
         InvalidInputError: an output not ending in ``.gguf``, a model that is neither Llama nor Flux, a
@@ -110,6 +113,7 @@ def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize
     path = os.fspath(source)
     refuse_output_inside_source(path, output)
     with _open_model(path, component=component, variant=options.variant) as (src, model):
+        src = view(src) if view is not None else src
         tensors = _plan(src, model, quantize=quantize)
         kinds = [ggml_type(t.kind) for t in tensors]
         head, _ = build_gguf_header(_metadata(model, tensors, quantize),
