@@ -85,17 +85,29 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
     """
     output = os.fspath(output)
     keymap = keymap or KeyMap()
-    if lora and to is not None:
-        raise InvalidInputError("lora=... merges into a checkpoint written as safetensors; merge first (without "
-                                "to=...), then convert the merged folder")
+    if lora and to not in (None, "gguf"):
+        raise InvalidInputError("lora=... merges into a checkpoint written as safetensors or with to='gguf'; merge "
+                                "first (without to=...), then convert the merged folder")
     if to == "gguf":
         from .gguf_out import convert_to_gguf
 
         if not keymap.is_identity() or key is not None or config is not None:
             raise InvalidInputError("key=..., config=... and the key options do not apply with to='gguf': the model's "
                                     "folder or file names its config and tensors")
-        return convert_to_gguf(source, output, options=replace(options, quantize=None), quantize=options.quantize,
-                               component=component)
+        plain = replace(options, quantize=None)
+        views: list[LoraSource] = []
+
+        def merge(src: Source) -> Source:  # the adapters merged into the model's tensors as they stream
+            from .lora import merged_view
+
+            views.append(merged_view(src, lora, scale=lora_scale, options=plain))
+            return views[-1]
+
+        gguf = convert_to_gguf(source, output, options=plain, quantize=options.quantize, component=component,
+                               view=merge if lora else None)
+        if not views:
+            return gguf
+        return ConvertResult(**{f.name: getattr(gguf, f.name) for f in fields(SplitResult)}, lora=views[0].report())
     if to == "single-file":
         from .to_single_file import convert_to_single_file
 
