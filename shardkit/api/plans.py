@@ -21,9 +21,10 @@ if TYPE_CHECKING:
     from ..distributed.plan_file import ConversionPlan
     from ..distributed.plan_run import PlanRun
 
-__all__ = ["Command", "plan_summary", "read_plan", "resume", "run_plan", "write_plan"]
+__all__ = ["Command", "Engine", "plan_summary", "read_plan", "resume", "run_plan", "write_plan"]
 
 Command = Literal["split", "convert"]
+Engine = Literal["local", "ray"]
 MAX_ENV_TASK = 10**9
 
 
@@ -99,7 +100,7 @@ def plan_summary(plan: str | os.PathLike[str] | ConversionPlan, *, plan_path: st
 
 
 def run_plan(plan: str | os.PathLike[str] | ConversionPlan, *, task: int | Sequence[int] | None = None,
-             finalize: bool = False, progress: ProgressCallback | None = None) -> PlanRun:
+             finalize: bool = False, engine: Engine = "local", progress: ProgressCallback | None = None) -> PlanRun:
     """Run a plan's tasks: one, all of them, or this worker's share; then (or only) publish.
 
     Which tasks, in order of precedence: ``finalize=True`` publishes only (every task must be done);
@@ -113,6 +114,9 @@ def run_plan(plan: str | os.PathLike[str] | ConversionPlan, *, task: int | Seque
         plan: the plan file (or a plan from :func:`write_plan`).
         task: a task index, or several.
         finalize: publish only.
+        engine: ``"local"`` (this process, or this worker's share as above) or ``"ray"``: every task
+            left as a Ray task on the cluster this process is connected to (``ray.init``), then
+            publish here (``pip install shardkit[ray]``; :mod:`shardkit.distributed.ray`).
         progress: called as ``progress(done_bytes, total_bytes)`` while shards are written.
 
     Returns:
@@ -121,10 +125,19 @@ def run_plan(plan: str | os.PathLike[str] | ConversionPlan, *, task: int | Seque
     shardkit.run_plan("plan.json")                 # everything left, then publish
     shardkit.run_plan("plan.json", task=3)         # one worker's task
     shardkit.run_plan("plan.json", finalize=True)  # once every task is done
+    shardkit.run_plan("plan.json", engine="ray")   # every task left on a Ray cluster, then publish
     """
     from ..distributed import plan_run
 
     checked = read_plan(plan)
+    if engine not in ("local", "ray"):
+        raise InvalidInputError(f"engine={engine!r}: use 'local' or 'ray'")
+    if engine == "ray":
+        if task is not None or finalize:
+            raise InvalidInputError("engine='ray' runs every task left and publishes; drop task=... and finalize=True")
+        from ..distributed.ray import run_on_ray
+
+        return run_on_ray(checked)
     if finalize:
         if task is not None:
             raise InvalidInputError("finalize=True publishes; give task=... in another call")

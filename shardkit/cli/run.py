@@ -7,7 +7,7 @@ from typing import Any, TypeVar
 
 import click
 
-from ..api.plans import Command
+from ..api.plans import Command, Engine
 from .common import byte_progress, echo_json
 
 EPILOG = """\b
@@ -18,6 +18,7 @@ Examples:
   shardkit run plan.json --finalize            # publish, once every task is done
   SLURM_ARRAY_TASK_ID=3 shardkit run plan.json # a Slurm array task: sbatch --array=0-N
   torchrun --nproc-per-node 2 -m shardkit run plan.json   # each rank every 2nd task; rank 0 publishes
+  shardkit run plan.json --engine ray          # Ray tasks (pip install shardkit[ray]); publish here
   shardkit convert ckpt/ out/ --dtype bf16 --resume       # killed? the same line continues it
 
 \b
@@ -82,10 +83,13 @@ def _report(run: Any, *, as_json: bool, quiet: bool) -> None:
               help="Run task N only (repeatable). Default: SLURM_ARRAY_TASK_ID, torchrun's RANK/WORLD_SIZE "
                    "share, or every task left, then publish.")
 @click.option("--finalize", is_flag=True, help="Publish only: check every shard, write index and manifest.")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True,
+              help="ray: every task left as a Ray task (on RAY_ADDRESS's cluster, or a local one), publish here.")
 @click.option("--dry-run", is_flag=True, help="Print the plan's summary; run nothing.")
 @click.option("--json", "as_json", is_flag=True, help="Print what ran as JSON.")
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing; the exit code tells.")
-def run(plan: str, task: tuple[int, ...], finalize: bool, dry_run: bool, as_json: bool, quiet: bool) -> None:
+def run(plan: str, task: tuple[int, ...], finalize: bool, engine: Engine, dry_run: bool, as_json: bool,
+        quiet: bool) -> None:
     """Run the tasks of PLAN (written by `convert`/`split --write-plan`), then publish its output.
 
     Any number of workers may run tasks at once, in any order, any number of times: a done task is
@@ -99,7 +103,7 @@ def run(plan: str, task: tuple[int, ...], finalize: bool, dry_run: bool, as_json
             click.echo(line)
         return
     with byte_progress("run", enabled=not (quiet or as_json)) as progress:
-        done = run_plan(plan, task=list(task) or None, finalize=finalize, progress=progress)
+        done = run_plan(plan, task=list(task) or None, finalize=finalize, engine=engine, progress=progress)
     _report(done, as_json=as_json and is_rank_zero(), quiet=quiet or not is_rank_zero())
 
 
