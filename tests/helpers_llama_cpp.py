@@ -215,6 +215,23 @@ def tiny_model_folder(folder: Path, arch: str, *, dtype: Any = None, **overrides
             vocab_size=size + 4, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
             tie_word_embeddings=False))
+    elif arch in ("gemma2", "phi3"):  # SentencePiece models, as their converters require
+        size = sentencepiece_tokenizer(folder)
+        common = {"vocab_size": size + 4, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+                  "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+        if arch == "gemma2":
+            config_obj: Any = transformers.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=16,
+                                                        sliding_window=64, **overrides)
+            model = transformers.Gemma2ForCausalLM(config_obj)
+        else:
+            config_obj = transformers.Phi3Config(**common, original_max_position_embeddings=256, sliding_window=None,
+                                                 tie_word_embeddings=False, **overrides)
+            model = transformers.Phi3ForCausalLM(config_obj)
+        with torch.no_grad():  # norms away from their init (1 or 0) so that a wrong shift shows
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.copy_(torch.randn_like(param) * 0.1 + (0.0 if arch == "gemma2" else 1.0))
     elif arch == "bert":
         minilm = minilm_folder()
         folder.mkdir(parents=True, exist_ok=True)
@@ -233,7 +250,10 @@ def tiny_model_folder(folder: Path, arch: str, *, dtype: Any = None, **overrides
         classes = {"llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
                    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
                    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": False}),
-                   "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True})}
+                   "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
+                   "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+                       "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                       "tie_word_embeddings": False})}
         config_class, model_class, extra = classes[arch]
         model = getattr(transformers, model_class)(getattr(transformers, config_class)(**{**fields, **extra, **overrides}))
     if dtype is not None:

@@ -15,6 +15,16 @@ qwen2       qwen2                             q/k/v biases, no q/k permutation, 
 qwen3       qwen3                             q/k norms (``attn_q_norm``, ``attn_k_norm``), no biases
 bert        bert                              embeddings, position and token-type tables, LayerNorm biases,
                                               no lm_head; pooling type from sentence-transformers' files
+qwen3moe    qwen3_moe                         qwen3's, with each layer's experts stacked into one 3-D tensor
+                                              (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``, expert
+                                              index first), the router ``ffn_gate_inp`` F32, expert keys
+gemma2      gemma2                            every ``*norm.weight`` + 1 (float32, or float16 for an F16
+                                              source, as the converter adds it), four norms a layer, no
+                                              ``lm_head``, softcapping and sliding-window keys, no rope keys,
+                                              ``add_space_prefix`` false
+phi3        phi3                              fused ``qkv_proj`` (``attn_qkv``) and ``gate_up_proj``
+                                              (``ffn_up``) kept fused; its own keys (rope dimension count
+                                              from the partial rotary factor, original context length)
 ==========  ================================  =============================================================
 """
 
@@ -44,6 +54,15 @@ _BERT_LAYER = {
     "attention.output.dense": "attn_output", "attention.output.LayerNorm": "attn_output_norm",
     "intermediate.dense": "ffn_up", "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm",
 }
+_QWEN3_LAYER = {**_DECODER_LAYER, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+_MOE_LAYER = {**{k: v for k, v in _QWEN3_LAYER.items() if not k.startswith("mlp.")}, "mlp.gate": "ffn_gate_inp",
+              "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+              "mlp.experts.down_proj": "ffn_down_exps"}
+_GEMMA2_LAYER = {**_DECODER_LAYER, "post_attention_layernorm": "post_attention_norm",
+                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+_PHI3_LAYER = {**{k: v for k, v in _DECODER_LAYER.items() if k not in ("mlp.gate_proj", "mlp.up_proj")},
+               "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)$")
 _BERT_TOP = {"embeddings.word_embeddings": "token_embd", "embeddings.position_embeddings": "position_embd",
              "embeddings.token_type_embeddings": "token_types", "embeddings.LayerNorm": "token_embd_norm"}
 
@@ -61,13 +80,22 @@ class GgufArch:
     llama_keys: bool = False
     bert: bool = False
     dropped: tuple[str, ...] = ("rotary_emb.inv_freq",)  # HF tensors the converter leaves out (suffixes)
+    keys: str = "text"           # which key set: the converter's TextModel ("text"), or its own ("gemma2", "phi3")
+    norm_shift: float = 0.0      # added to every *norm.weight (Gemma stores norm - 1)
+    experts: bool = False        # per-expert tensors stacked into one (MoE)
+    space_prefix: bool | None = None  # add_space_prefix written whatever the tokenizer says (Gemma: False)
 
     def gguf_name(self, hf_name: str) -> str | None:
-        """llama.cpp's name of the HF tensor ``hf_name``, or None when it has none.
+        """llama.cpp's name of the HF tensor ``hf_name``, or None when it has none (every expert of a layer has the
+        name of their stacked tensor).
 
         >>> ARCHITECTURES["qwen3"].gguf_name("model.layers.1.self_attn.q_norm.weight")
         'blk.1.attn_q_norm.weight'
+        >>> ARCHITECTURES["qwen3moe"].gguf_name("model.layers.1.mlp.experts.7.up_proj.weight")
+        'blk.1.ffn_up_exps.weight'
         """
+        if self.experts and (m := _EXPERT.fullmatch(hf_name.removesuffix(".weight"))):
+            hf_name = f"{m.group(1)}.{m.group(3)}.weight"
         stem, _, suffix = hf_name.rpartition(".")
         if stem.startswith(self.layer_prefix):
             index, _, inner = stem[len(self.layer_prefix):].partition(".")
@@ -75,6 +103,11 @@ class GgufArch:
                 return f"blk.{index}.{self.layer[inner]}.{suffix}"
             return None
         return f"{self.top[stem]}.{suffix}" if stem in self.top else None
+
+    def expert_index(self, hf_name: str) -> int | None:
+        """The expert number of a per-expert HF tensor (``...mlp.experts.3.up_proj.weight`` → 3), else None."""
+        m = _EXPERT.fullmatch(hf_name.removesuffix(".weight")) if self.experts else None
+        return int(m.group(2)) if m else None
 
     def hf_name(self, gguf_name: str) -> str | None:
         """The HF name of llama.cpp's tensor ``gguf_name`` (the inverse of :meth:`gguf_name`)."""
@@ -94,7 +127,11 @@ class GgufArch:
         (True, False)
         """
         return (gguf_name.endswith("_norm.weight") or not gguf_name.endswith(".weight")
-                or gguf_name.startswith(("position_embd.", "token_types.")))
+                or gguf_name.startswith(("position_embd.", "token_types.")) or ".ffn_gate_inp." in gguf_name)
+
+    def shift(self, hf_name: str) -> float:
+        """What the converter adds to ``hf_name``'s values (Gemma's norms: 1), else 0."""
+        return self.norm_shift if hf_name.endswith("norm.weight") else 0.0
 
     def drops(self, hf_name: str) -> bool:
         """Whether llama.cpp's converter leaves ``hf_name`` out (recomputed buffers, BERT's pooler and heads)."""
@@ -104,8 +141,11 @@ class GgufArch:
 ARCHITECTURES: dict[str, GgufArch] = {a.name: a for a in (
     GgufArch("llama", ("llama", "mistral"), _DECODER_LAYER, _DECODER_TOP, permute_qk=True, llama_keys=True),
     GgufArch("qwen2", ("qwen2",), _DECODER_LAYER, _DECODER_TOP),
-    GgufArch("qwen3", ("qwen3",), {**_DECODER_LAYER, "self_attn.q_norm": "attn_q_norm",
-                                   "self_attn.k_norm": "attn_k_norm"}, _DECODER_TOP),
+    GgufArch("qwen3", ("qwen3",), _QWEN3_LAYER, _DECODER_TOP),
+    GgufArch("qwen3moe", ("qwen3_moe",), _MOE_LAYER, _DECODER_TOP, experts=True),
+    GgufArch("gemma2", ("gemma2",), _GEMMA2_LAYER, _DECODER_TOP, keys="gemma2", norm_shift=1.0, space_prefix=False,
+             dropped=("rotary_emb.inv_freq", "lm_head.weight")),
+    GgufArch("phi3", ("phi3",), _PHI3_LAYER, _DECODER_TOP, keys="phi3"),
     GgufArch("bert", ("bert",), _BERT_LAYER, _BERT_TOP, layer_prefix="encoder.layer.", bert=True,
              dropped=("embeddings.position_ids",)),
 )}
@@ -132,24 +172,52 @@ def _first(config: Config, keys: tuple[str, ...]) -> Scalar | None:
     return next((config[k] for k in keys if k in config), None)
 
 
+class _Keys:
+    """The ``{arch}.*`` rows being written; ``put`` checks integers as the converter's writer does."""
+
+    def __init__(self, arch: GgufArch, where: str) -> None:
+        self.arch, self.where, self.rows = arch, where, list[tuple[str, str, Scalar]]()
+
+    def put(self, key: str, kind: str, value: Scalar | None) -> None:
+        if value is None:
+            return
+        if kind == U32 and (not isinstance(value, int) or isinstance(value, bool)):
+            raise InvalidInputError(f"{self.where}: config.json gives {value!r} for {self.arch.name}.{key}; an integer "
+                                    "is needed")
+        self.rows.append((f"{self.arch.name}.{key}", kind, float(value) if kind == F32 else value))
+
+
 def arch_metadata(arch: GgufArch, config: Config, folder: str, *, where: str) -> list[tuple[str, str, Scalar]]:
     """The ``{arch}.*`` keys llama.cpp's converter writes for ``config``: ``(key, "u32"/"f32"/"bool"/"str", value)``.
 
     Raises:
-        InvalidInputError: a config missing the layer count, or an integer field that is not one.
+        InvalidInputError: a config missing the layer count or a field the architecture's converter requires, or an
+            integer field that is not one.
     """
-    out: list[tuple[str, str, Scalar]] = []
-
-    def put(key: str, kind: str, value: Scalar | None) -> None:
-        if value is None:
-            return
-        if kind == U32 and (not isinstance(value, int) or isinstance(value, bool)):
-            raise InvalidInputError(f"{where}: config.json gives {value!r} for {arch.name}.{key}; an integer is needed")
-        out.append((f"{arch.name}.{key}", kind, float(value) if kind == F32 else value))
-
+    keys = _Keys(arch, where)
     layers = _first(config, ("n_layers", "num_hidden_layers", "n_layer", "num_layers"))
     if layers is None:
         raise InvalidInputError(f"{where}: config.json has no num_hidden_layers; GGUF's {arch.name}.block_count needs it")
+    if arch.keys == "gemma2":
+        _gemma2_keys(keys, config, layers)
+    elif arch.keys == "phi3":
+        _phi3_keys(keys, config, layers)
+    else:
+        _text_keys(keys, config, layers, folder)
+    return keys.rows
+
+
+def _need(config: Config, keys: _Keys, key: str) -> Scalar:
+    value = config.get(key)
+    if not isinstance(value, (int, float, bool, str)):
+        raise InvalidInputError(f"{keys.where}: config.json has no {key} (or not a number); llama.cpp's converter needs "
+                                f"it for {keys.arch.name}")
+    return value
+
+
+def _text_keys(keys: _Keys, config: Config, layers: Scalar, folder: str) -> None:
+    """The converter's ``TextModel.set_gguf_parameters`` (plus Llama's, BERT's and the MoE ones)."""
+    put, arch = keys.put, keys.arch
     put("block_count", U32, layers)
     put("context_length", U32, _first(config, ("max_position_embeddings", "n_ctx", "n_positions", "max_length",
                                                 "max_sequence_length", "model_max_length")))
@@ -160,13 +228,18 @@ def arch_metadata(arch: GgufArch, config: Config, folder: str, *, where: str) ->
     put("attention.head_count_kv", U32, _first(config, ("num_key_value_heads", "n_kv_heads")))
     if config.get("is_causal") is False:
         put("attention.causal", BOOL, False)
-    put("rope.freq_base", F32, _rope_theta(config))
     for key, kind, value in _rope_scaling(config):
         put(key, kind, value)
+    put("rope.freq_base", F32, _rope_theta(config))
     put("attention.layer_norm_rms_epsilon", F32, _first(config, ("rms_norm_eps", "norm_eps")))
     put("attention.layer_norm_epsilon", F32, _first(config, ("layer_norm_eps", "layer_norm_epsilon", "norm_epsilon")))
+    put("expert_count", U32, _first(config, ("num_local_experts", "num_experts", "n_routed_experts")))
+    put("expert_used_count", U32, _first(config, ("num_experts_per_tok", "num_experts_per_token", "top_k_experts")))
     put("attention.key_length", U32, config.get("head_dim"))
     put("attention.value_length", U32, config.get("head_dim"))
+    if arch.experts:  # the converter's Qwen2MoeModel
+        put("expert_feed_forward_length", U32, config.get("moe_intermediate_size"))
+        put("expert_shared_feed_forward_length", U32, config.get("shared_expert_intermediate_size"))
     if arch.llama_keys:
         put("vocab_size", U32, config.get("vocab_size"))
         heads = config.get("num_attention_heads")
@@ -176,8 +249,47 @@ def arch_metadata(arch: GgufArch, config: Config, folder: str, *, where: str) ->
         put("rope.dimension_count", U32, rope_dim)
     if arch.bert:
         put("attention.causal", BOOL, False)
-        put("pooling_type", U32, pooling_type(folder, where=where))
-    return out
+        put("pooling_type", U32, pooling_type(folder, where=keys.where))
+
+
+def _gemma2_keys(keys: _Keys, config: Config, layers: Scalar) -> None:
+    """The converter's ``Gemma2Model.set_gguf_parameters`` (no rope keys; softcapping and sliding window)."""
+    put = keys.put
+    put("context_length", U32, _need(config, keys, "max_position_embeddings"))
+    put("embedding_length", U32, _need(config, keys, "hidden_size"))
+    put("block_count", U32, layers)
+    put("feed_forward_length", U32, _need(config, keys, "intermediate_size"))
+    put("attention.head_count", U32, _need(config, keys, "num_attention_heads"))
+    put("attention.head_count_kv", U32, config.get("num_key_value_heads", config.get("num_attention_heads")))
+    put("attention.layer_norm_rms_epsilon", F32, _need(config, keys, "rms_norm_eps"))
+    put("attention.key_length", U32, _need(config, keys, "head_dim"))
+    put("attention.value_length", U32, _need(config, keys, "head_dim"))
+    put("attn_logit_softcapping", F32, _need(config, keys, "attn_logit_softcapping"))
+    put("final_logit_softcapping", F32, _need(config, keys, "final_logit_softcapping"))
+    put("attention.sliding_window", U32, _need(config, keys, "sliding_window"))
+
+
+def _phi3_keys(keys: _Keys, config: Config, layers: Scalar) -> None:
+    """The converter's ``Phi3MiniModel.set_gguf_parameters``."""
+    put = keys.put
+    hidden, heads = _first(config, ("hidden_size", "n_embd")), _first(config, ("num_attention_heads", "n_head"))
+    params = rope_parameters(config)
+    original = params.get("original_max_position_embeddings", config.get("original_max_position_embeddings"))
+    if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0 or original is None:
+        raise InvalidInputError(f"{keys.where}: phi3 needs hidden_size, num_attention_heads and "
+                                "original_max_position_embeddings in config.json (llama.cpp's converter reads them)")
+    rotary = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    put("context_length", U32, _first(config, ("n_positions", "max_position_embeddings")))
+    put("rope.scaling.original_context_length", U32, original)
+    put("embedding_length", U32, hidden)
+    put("feed_forward_length", U32, _need(config, keys, "intermediate_size"))
+    put("block_count", U32, layers)
+    put("attention.head_count", U32, heads)
+    put("attention.head_count_kv", U32, _first(config, ("num_key_value_heads", "n_head_kv")))
+    put("attention.layer_norm_rms_epsilon", F32, _need(config, keys, "rms_norm_eps"))
+    put("rope.dimension_count", U32, int(float(rotary) * hidden) // heads)
+    put("rope.freq_base", F32, _rope_theta(config))
+    put("attention.sliding_window", U32, config.get("sliding_window") or 0)
 
 
 def rope_parameters(config: Config) -> Config:

@@ -79,6 +79,8 @@ class GgufModel:
     keep_f32: Callable[[str], bool] = lambda gguf_name: False  # kept F32 whatever the quantize type (by GGUF name)
     partial_blocks: str = "F32"  # the type of 2-D tensors whose rows are not whole blocks (llama.cpp's converter: F16)
     extra: dict[str, bytes] = field(default_factory=dict)  # GGUF name → F32 bytes of tensors computed from the config
+    shift: Callable[[str], float] = lambda name: 0.0  # added to a tensor's values (by HF name; Gemma's norms: 1)
+    expert_index: Callable[[str], int | None] = lambda name: None  # the expert of a tensor stacked with its peers
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,8 @@ class _Tensor:
     kind: str            # ggml type written
     heads: int | None    # q/k permutation
     data: bytes | None = None  # a tensor the converter computes (Llama 3.1's rope_freqs.weight), not in the source
+    parts: tuple[TensorEntry, ...] = ()  # stacked experts: the source tensors, expert 0 first (``entry`` their stack)
+    shift: float = 0.0   # added to the values before quantizing
 
 
 def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize: str | None = None,
@@ -202,7 +206,10 @@ def _text_model(config: Config | None, *, where: str, folder: str) -> GgufModel:
 
     rope_freqs = llama3_rope_factors(config) if arch.llama_keys else None
     extra = {"rope_freqs.weight": rope_freqs} if rope_freqs is not None else {}
-    return GgufModel(arch.name, arch.gguf_name, heads_of, rows + vocab, note, arch.drops, arch.keeps_f32, "F16", extra)
+    if arch.space_prefix is not None:
+        vocab.append(("tokenizer.ggml.add_space_prefix", BOOL, arch.space_prefix, None))
+    return GgufModel(arch.name, arch.gguf_name, heads_of, rows + vocab, note, arch.drops, arch.keeps_f32, "F16", extra,
+                     arch.shift, arch.expert_index)
 
 
 def _vocab_rows(folder: str, config: Config, *, where: str, bert: bool = False,
@@ -232,17 +239,27 @@ def _gguf_model(src: GgufSource) -> GgufModel:
 
 def _plan(src: Source, model: GgufModel, *, quantize: str | None) -> list[_Tensor]:
     gguf = src if isinstance(src, GgufSource) else None
-    out, missing = [], []
+    out: list[_Tensor] = []
+    missing: list[str] = []
+    experts: dict[str, dict[int, TensorEntry]] = {}
     for entry in src.entries():
         name = model.gguf_name(entry.name) or (entry.name if entry.name in LLAMA_CPP_ONLY else None)
         if name is None:
             if not model.drops(entry.name):  # e.g. rotary_emb.inv_freq: recomputed by every loader
                 missing.append(entry.name)
             continue
+        expert = model.expert_index(entry.name)
+        if expert is not None:  # stacked once the layer's experts are all known
+            if name not in experts:
+                out.append(_Tensor(entry, name, "", None))
+            experts.setdefault(name, {})[expert] = entry
+            continue
         stored = gguf.names[entry.name].kind.name if gguf is not None else None
         kind = _kind(entry, quantize, stored, where=src.description, keep_f32=model.keep_f32(name),
                      partial_blocks=model.partial_blocks)
-        out.append(_Tensor(entry, name, kind, model.heads(entry.name)))
+        out.append(_Tensor(entry, name, kind, model.heads(entry.name), shift=model.shift(entry.name)))
+    out = [_stacked(t, experts[t.name], quantize, model, where=src.description) if t.name in experts else t
+           for t in out]
     for name, data in model.extra.items():
         if name not in {t.name for t in out}:
             out.append(_Tensor(TensorEntry(name, "F32", (len(data) // 4,), len(data)), name, "F32", None, data))
@@ -251,6 +268,20 @@ def _plan(src: Source, model: GgufModel, *, quantize: str | None) -> list[_Tenso
                                 f"{', '.join(missing[:3])}; to='gguf' writes {model.architecture} models as "
                                 "llama.cpp's converter names them (see shardkit.layouts.gguf_arch)")
     return out
+
+
+def _stacked(first: _Tensor, parts: dict[int, TensorEntry], quantize: str | None, model: GgufModel, *,
+             where: str) -> _Tensor:
+    """One tensor of a layer's experts stacked, expert index first (the converter's ``torch.stack``)."""
+    entries = [parts[i] for i in sorted(parts)]
+    if sorted(parts) != list(range(len(parts))) or len({(e.dtype, e.shape) for e in entries}) != 1:
+        raise InvalidInputError(f"{where}: the experts of {first.name} are not numbered 0..{len(parts) - 1} with one "
+                                "dtype and shape; to='gguf' stacks them as llama.cpp's converter does")
+    shape = (len(entries), *entries[0].shape)
+    stack = TensorEntry(first.name, entries[0].dtype, shape, entries[0].nbytes * len(entries))
+    kind = _kind(stack, quantize, None, where=where, keep_f32=model.keep_f32(first.name),
+                 partial_blocks=model.partial_blocks)
+    return _Tensor(stack, first.name, kind, None, parts=tuple(entries))
 
 
 def _kind(entry: TensorEntry, quantize: str | None, stored: str | None, *, where: str, keep_f32: bool = False,
@@ -313,30 +344,41 @@ def _write_all(fd: int, data: bytes | memoryview, path: str) -> None:
 
 
 def _tensor_bytes(t: _Tensor, src: Source) -> Iterator[bytes]:
-    """The GGUF bytes of one tensor, band by band of rows: copied (same ggml type) or quantized."""
+    """The GGUF bytes of one tensor, band by band of rows: copied (same ggml type) or quantized; stacked experts
+    one after another (rows stay whole, so their blocks are the stack's)."""
+    if t.data is not None:
+        yield t.data
+        return
+    for entry in t.parts or (t.entry,):
+        yield from _entry_bytes(t, entry, src)
+
+
+def _entry_bytes(t: _Tensor, entry: TensorEntry, src: Source) -> Iterator[bytes]:
+    import torch
+
     from ..layouts.fp8 import matrix_shape
     from ..layouts.ggml import quantize
     from ..layouts.gguf_names import permute_rows
     from ..sources.dequantized import read_rows
 
-    if t.data is not None:
-        yield t.data
-        return
-    if isinstance(src, GgufSource) and src.names[t.entry.name].kind.name == t.kind:
-        stored = src.names[t.entry.name]
+    if isinstance(src, GgufSource) and src.names[entry.name].kind.name == t.kind:
+        stored = src.names[entry.name]
         for begin in range(0, stored.nbytes, BAND_BYTES):
             yield src.stored_bytes(stored, begin, min(stored.nbytes, begin + BAND_BYTES))
         return
-    rows, cols = matrix_shape(t.entry.shape)
+    rows, cols = matrix_shape(entry.shape)
     step = max(1, BAND_BYTES // (4 * max(1, cols)))
     if t.heads is not None:
         per_head = rows // t.heads
         if rows % t.heads or per_head % 2:
-            raise InvalidInputError(f"tensor {t.entry.name}: {rows} rows are not {t.heads} heads of even size")
+            raise InvalidInputError(f"tensor {entry.name}: {rows} rows are not {t.heads} heads of even size")
         step = max(per_head, step // per_head * per_head)
     kind = ggml_type(t.kind)
     for row0 in range(0, rows, step):
-        values = read_rows(src, t.entry, row0, min(rows, row0 + step)).float()
+        values = read_rows(src, entry, row0, min(rows, row0 + step))
+        if t.shift:  # in the source's float16/float32, else float32, as the converter adds it
+            values = (values if values.dtype in (torch.float16, torch.float32) else values.float()) + t.shift
+        values = values.float()
         if t.heads is not None:
             values = permute_rows(values, values.shape[0] // (rows // t.heads))
         yield quantize(values, kind).numpy().tobytes()
