@@ -224,7 +224,11 @@ def tiny_model_folder(folder: Path, arch: str, *, dtype: Any = None, **overrides
             config_obj: Any = transformers.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=16,
                                                         sliding_window=64, **overrides)
             model = transformers.Gemma2ForCausalLM(config_obj)
-        else:
+        else:  # llama.cpp's Phi-3 vocabulary needs its <|end|> (as real Phi-3 tokenizers have, past the pieces)
+            tc = json.loads((folder / "tokenizer_config.json").read_text())
+            tc["added_tokens_decoder"].update({str(size): {"content": "<|endoftext|>", "special": True},
+                                               str(size + 1): {"content": "<|end|>", "special": True}})
+            (folder / "tokenizer_config.json").write_text(json.dumps(tc))
             config_obj = transformers.Phi3Config(**common, original_max_position_embeddings=256, sliding_window=None,
                                                  tie_word_embeddings=False, **overrides)
             model = transformers.Phi3ForCausalLM(config_obj)

@@ -21,14 +21,15 @@ from shardkit.layouts.gguf_vocab import probe_hash
 TEXT = "Hello world, the quick brown fox jumps over the lazy dog 123"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-spm", pytest.param("mistral", marks=pytest.mark.slow),
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-spm", "gemma2", "qwen3moe", "phi3",
+                                  pytest.param("mistral", marks=pytest.mark.slow),
                                   pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_llama_cpp_runs_our_file_as_it_runs_the_converters(arch: str, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import transformers
 
     folder = tiny_model_folder(tmp_path / arch, arch)
-    spm = arch == "llama-spm"
+    spm = arch in ("llama-spm", "gemma2", "phi3")
     if not spm:
         monkeypatch.setitem(gguf_pre.PRE_TOKENIZERS, probe_hash(str(folder / "tokenizer.json")), fixture_pre(arch))
     reference = run_converter(folder, tmp_path / "ref.gguf", outtype="q8_0", pre_fallback=None if spm else fixture_pre(arch))
@@ -36,12 +37,12 @@ def test_llama_cpp_runs_our_file_as_it_runs_the_converters(arch: str, tmp_path: 
     shardkit.convert(folder, ours, to="gguf", quantize="q8_0")
     theirs, got = run_llama_cpp(reference, "generate", TEXT + " <tool>"), run_llama_cpp(ours, "generate", TEXT + " <tool>")
     assert got == theirs
-    if spm:  # SentencePiece's own ids, BOS first
+    if arch == "llama-spm":  # SentencePiece's own ids, BOS first (Gemma 2 is written without the space prefix)
         import sentencepiece
 
         processor = sentencepiece.SentencePieceProcessor(model_file=str(folder / "tokenizer.model"))
         assert got["prompt"] == [1, *processor.encode(TEXT + " <tool>")]
-    else:
+    elif not spm:
         assert got["prompt"] == transformers.AutoTokenizer.from_pretrained(folder).encode(TEXT + " <tool>")
     assert len(got["generated"]) == 8
 
