@@ -18,8 +18,8 @@ from .options import WriteKeywords, WriteOptions
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from ..distributed.plan_file import ConversionPlan
-    from ..distributed.plan_run import PlanRun
+    from ..distributed.plan_file import ConversionPlan as ConversionPlan
+    from ..distributed.plan_run import PlanRun as PlanRun
 
 __all__ = ["Command", "Engine", "plan_summary", "read_plan", "resume", "run_plan", "write_plan"]
 
@@ -92,11 +92,11 @@ def read_plan(plan: str | os.PathLike[str] | ConversionPlan) -> ConversionPlan:
     return parse_plan(read_regular(path, where=path, max_bytes=MAX_PLAN_BYTES), path=path)
 
 
-def plan_summary(plan: str | os.PathLike[str] | ConversionPlan, *, plan_path: str | None = None) -> list[str]:
+def plan_summary(plan: str | os.PathLike[str] | ConversionPlan) -> list[str]:
     """The human summary of a plan (what ``--dry-run`` prints), one line each."""
     from ..distributed.plan_file import summary
 
-    return summary(read_plan(plan), plan_path=plan_path)
+    return summary(read_plan(plan))
 
 
 def run_plan(plan: str | os.PathLike[str] | ConversionPlan, *, task: int | Sequence[int] | None = None,

@@ -150,7 +150,7 @@ def convert(source: str, output: str, key: str | None, strip_prefix: str | None,
             raise click.UsageError("--write-plan/--resume plan a local convert into a folder: drop --to, --config, "
                                    "--component, --lora and --no-cache")
         run_as_plan("convert", source, output, plan_file=plan_file, resume=resume, as_json=as_json, quiet=quiet,
-                    write=write, key=key, include=include, exclude=exclude, strip_prefix=strip_prefix,
+                    options=WriteOptions(**write), key=key, include=include, exclude=exclude, strip_prefix=strip_prefix,
                     add_prefix=add_prefix, rename=rename)
         return
     with torchrun_group() as collective:  # under torchrun: every rank writes its share of the shards

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, TypeVar
 
 import click
 
+from ..api.options import WriteOptions
 from ..api.plans import Command, Engine
 from .common import byte_progress, echo_json
+
+if TYPE_CHECKING:
+    from ..api.plans import PlanRun
 
 EPILOG = """\b
 Examples:
@@ -31,7 +36,7 @@ is byte-identical to a single-process convert. `shardkit recover OUTPUT` removes
 plan's work folder. See docs/plans.md.
 """
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
 
 
 def plan_options(f: F) -> F:
@@ -46,9 +51,10 @@ def plan_options(f: F) -> F:
 
 
 def run_as_plan(command: Command, source: str, output: str, *, plan_file: str | None, resume: bool, as_json: bool,
-                quiet: bool, write: dict[str, Any], **keys: Any) -> None:
+                quiet: bool, options: WriteOptions, key: str | None, include: Iterable[str] = (),
+                exclude: Iterable[str] = (), strip_prefix: str | None = None, add_prefix: str | None = None,
+                rename: Iterable[str] = ()) -> None:
     """``split``/``convert`` with ``--write-plan`` or ``--resume``."""
-    from ..api.options import WriteOptions
     from ..api.plans import plan_summary, write_plan
     from ..api.plans import resume as resume_api
 
@@ -56,19 +62,23 @@ def run_as_plan(command: Command, source: str, output: str, *, plan_file: str | 
         raise click.UsageError("--write-plan writes the plan, --resume runs it: give one")
     if resume:
         with byte_progress(command, enabled=not (quiet or as_json)) as progress:
-            run = resume_api(source, output, command=command,
-                             options=WriteOptions(**{**write, "dry_run": False}, progress=progress), **keys)
+            run = resume_api(source, output, command=command, key=key, include=include, exclude=exclude,
+                             strip_prefix=strip_prefix, add_prefix=add_prefix, rename=rename,
+                             options=dataclasses.replace(options, dry_run=False, progress=progress))
         _report(run, as_json=as_json, quiet=quiet)
         return
-    plan = write_plan(source, output, plan_file, command=command, options=WriteOptions(**write), **keys)
+    plan = write_plan(source, output, plan_file, command=command, options=options, key=key, include=include,
+                      exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix, rename=rename)
     if as_json:
-        echo_json({"plan": plan_file, "plan_id": plan.plan_id, "tasks": len(plan.tasks), "written": not write["dry_run"]})
+        echo_json({"plan": plan_file, "plan_id": plan.plan_id, "tasks": len(plan.tasks), "written": not options.dry_run})
     elif not quiet:
-        for line in plan_summary(plan, plan_path=None if write["dry_run"] else plan_file):
+        for line in plan_summary(plan):
             click.echo(line)
+        if plan_file and not options.dry_run:
+            click.echo(f"  run: shardkit run {plan_file}   (or --task N per worker, then --finalize)")
 
 
-def _report(run: Any, *, as_json: bool, quiet: bool) -> None:
+def _report(run: PlanRun, *, as_json: bool, quiet: bool) -> None:
     if as_json:
         echo_json({"plan_id": run.plan_id, "output": run.output, "written": run.written, "skipped": run.skipped,
                    "published": run.published})
@@ -99,7 +109,7 @@ def run(plan: str, task: tuple[int, ...], finalize: bool, engine: Engine, dry_ru
     from ..api.plans import plan_summary, run_plan
 
     if dry_run:
-        for line in plan_summary(plan, plan_path=plan):
+        for line in plan_summary(plan):
             click.echo(line)
         return
     with byte_progress("run", enabled=not (quiet or as_json)) as progress:

@@ -88,7 +88,7 @@ def split(source: str, output: str, key: str | None, as_json: bool, quiet: bool,
         if push_to or no_cache:
             raise click.UsageError("--write-plan/--resume plan a local split into a folder: drop --push-to and --no-cache")
         run_as_plan("split", source, output, plan_file=plan_file, resume=resume, as_json=as_json, quiet=quiet,
-                    write=write, key=key)
+                    options=WriteOptions(**write), key=key)
         return
     dry_run = write["dry_run"]
     check_create_pr(create_pr=create_pr, push_to=push_to)

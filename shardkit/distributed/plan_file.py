@@ -266,7 +266,7 @@ def _bad(path: str, why: str) -> InvalidInputError:
     return InvalidInputError(f"{path}: not a usable shardkit plan ({why}); write it again with write_plan=...")
 
 
-def summary(plan: ConversionPlan, *, plan_path: str | None = None) -> list[str]:
+def summary(plan: ConversionPlan) -> list[str]:
     """The lines ``--dry-run`` prints: the job, every task in one line, then finalize."""
     spec = plan.spec
     casts: dict[str, int] = {}
@@ -284,6 +284,4 @@ def summary(plan: ConversionPlan, *, plan_path: str | None = None) -> list[str]:
                      f"{len(t.reads)} read range(s))")
     lines.append(f"  finalize: {plan.index or 'no index (one file)'}"
                  f"{', manifest' if spec.options.manifest else ''}, {len(plan.side_files)} side file(s)")
-    if plan_path:
-        lines.append(f"  run: shardkit run {plan_path}   (or --task N per worker, then --finalize)")
     return lines
