@@ -95,7 +95,7 @@ def test_the_cli_flags_are_made_from_the_fields(command: str) -> None:
 
 def test_the_convert_command_and_function_take_the_same_options() -> None:
     params = set(inspect.signature(shardkit.convert).parameters) - {"source", "output", "options", "shorthands"}
-    cli_only = {"as_json", "quiet"}  # how the CLI prints
+    cli_only = {"as_json", "quiet", "plan_file", "resume"}  # how the CLI prints; the job as a plan (shardkit.write_plan)
     flags = {"cache" if n == "no_cache" else n for n in _options("convert")} - {f.name for f in write_fields()} - cli_only
     assert flags == params - {"collective"}, sorted(flags ^ (params - {"collective"}))  # collective: torchrun's env
     assert list(_options("convert")["to"].type.choices) == list(get_args(ConvertTo))  # type: ignore[attr-defined]
