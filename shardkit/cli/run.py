@@ -32,8 +32,8 @@ its name and exact size) and a finalize (index, manifest, configs); it carries t
 sizes and mtimes, so a task refuses a source that changed. A task writes its shard into
 .OUTPUT.shardkit-plan-ID beside OUTPUT and records it done: a done task is skipped, a killed
 one redone. Finalize checks every shard (size, header crc32) and publishes, index last; the output
-is byte-identical to a single-process convert. `shardkit recover OUTPUT` removes an abandoned
-plan's work folder. See docs/plans.md.
+is byte-identical to a single-process convert. `shardkit recover OUTPUT` (an existing folder)
+removes an abandoned plan's work folder. See docs/plans.md.
 """
 
 F = TypeVar("F", bound=Callable[..., object])
