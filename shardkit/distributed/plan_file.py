@@ -172,7 +172,7 @@ def source_identity(paths: Sequence[str]) -> tuple[SourceFile, ...]:
 
 def build_plan(spec: PlanSpec, job: ShardJob, *, side_files: Sequence[str], side_paths: Sequence[str]) -> ConversionPlan:
     """The plan of ``job`` (planned from ``spec``'s source with ``spec.options``)."""
-    files = [e.file for e in job.source.entries() if e.file] + list(side_paths)
+    files = [e.file for e in job.source.entries() if e.file] + list(job.source.paths) + list(side_paths)
     return ConversionPlan(spec, source_identity(files), shard_tasks(job, spec.options),
                           job.path(job.plan.index_filename) if job.plan.index_filename else None,
                           tuple(sorted(side_files)), job.plan.total_bytes)
