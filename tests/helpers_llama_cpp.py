@@ -84,14 +84,17 @@ def llama_cpp_converter() -> Path:
     return script
 
 
-def run_converter(folder: Path, out: Path, *, outtype: str = "f32", pre_fallback: str | None = None) -> Path:
-    """llama.cpp's converter on ``folder`` → ``out`` (``--outtype``); fails the test with its output if it fails."""
+def run_converter(folder: Path, out: Path, *, outtype: str = "f32", pre_fallback: str | None = None,
+                  extra: tuple[str, ...] = ()) -> Path:
+    """llama.cpp's converter on ``folder`` → ``out`` (``--outtype``, then ``extra`` arguments: ``--split-max-size``
+    writes ``out``'s stem ``-00001-of-0000N.gguf``...); fails the test with its output if it fails."""
     script = llama_cpp_converter()
     env = {**os.environ, "PRE_FALLBACK": pre_fallback or ""}
     env.pop("NO_LOCAL_GGUF", None)  # its own gguf-py, as vendored
     done = subprocess.run([sys.executable, str(script.parent / "wrapper.py"), str(script), str(folder), "--outfile",
-                           str(out), "--outtype", outtype], capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0 and out.is_file(), done.stderr[-3000:]
+                           str(out), "--outtype", outtype, *extra], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0 and (out.is_file() or extra), done.stderr[-3000:]
     return out
 
 

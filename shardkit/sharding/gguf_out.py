@@ -29,6 +29,7 @@ tensor, band by band of rows (memory never depends on a tensor's size), into a t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,7 +40,9 @@ from ..formats.gguf import (
     BOOL,
     FLOAT32,
     GGUF_QUANTIZE,
+    INT32,
     STRING,
+    UINT16,
     UINT32,
     Value,
     build_gguf_header,
@@ -53,8 +56,8 @@ from ..formats.json_types import Config
 from ..sources import Source, open_source
 from ..sources.gguf import GgufSource
 from .job import SplitResult, refuse_output_inside_source
-from .options import ProgressCallback, WriteOptions, warn
-from .plan import plan_shards
+from .options import DEFAULT_MAX_SHARD_BYTES, ProgressCallback, WriteOptions, warn
+from .plan import ShardPlan, plan_shards
 
 __all__ = ["GGUF_QUANTIZE", "convert_to_gguf"]
 
@@ -119,23 +122,21 @@ def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize
     with _open_model(path, component=component, variant=options.variant) as (src, model):
         src = view(src) if view is not None else src
         tensors = _plan(src, model, quantize=quantize)
-        kinds = [ggml_type(t.kind) for t in tensors]
-        head, _ = build_gguf_header(_metadata(model, tensors, quantize),
-                                          [(t.name, tuple(reversed(t.entry.shape)), k) for t, k in zip(tensors, kinds,
-                                                                                                         strict=True)])
         folder, base = os.path.split(os.path.abspath(output))
-        sizes = [(t.name, tensor_nbytes_ggml(k, tuple(reversed(t.entry.shape))))
-                 for t, k in zip(tensors, kinds, strict=True)]
-        plan = plan_shards(sizes, max_shard_bytes=2**62, naming=Naming(base[: -len(".gguf")], ext="gguf"))
+        sizes = [(t.name, padded(tensor_nbytes_ggml(ggml_type(t.kind), tuple(reversed(t.entry.shape)))))
+                 for t in tensors]
+        limit = 2**62 if options.max_shard_bytes == DEFAULT_MAX_SHARD_BYTES else options.max_shard_bytes
+        plan = plan_shards(sizes, max_shard_bytes=limit, naming=Naming(base[: -len(".gguf")], ext="gguf"),
+                           rule="sequential")  # gguf-split's: runs of tensors, a file closed before it would pass
+        plan = dataclasses.replace(plan, index_filename=None)  # a split GGUF's first file is its index
+        files = split_files(plan, tensors, _metadata(model, tensors, quantize))
         result = SplitResult(folder, plan, src.description, quantize, options.dry_run)
         if options.dry_run:
-            if os.path.exists(output) and not options.overwrite:
-                warn(f"{output} exists: the real run needs overwrite=True")
+            taken = [name for name, _, _ in files if os.path.exists(os.path.join(folder, name))]
+            if taken and not options.overwrite:
+                warn(f"{os.path.join(folder, taken[0])} exists: the real run needs overwrite=True")
         else:
-            from ..atomic.commit import file_transaction
-
-            with file_transaction(output, overwrite=options.overwrite) as tmp:
-                _write(tmp, head, tensors, src, progress=options.progress)
+            _write_files(folder, files, src, overwrite=options.overwrite, progress=options.progress)
     if model.note:
         warn(model.note)
     return result
@@ -229,7 +230,8 @@ def _vocab_rows(folder: str, config: Config, *, where: str, bert: bool = False,
 def _gguf_model(src: GgufSource) -> GgufModel:
     from ..formats.gguf import metadata_rows
 
-    rewritten = frozenset({"general.file_type", "general.alignment", "general.quantization_version"})
+    rewritten = frozenset({"general.file_type", "general.alignment", "general.quantization_version", "split.no",
+                           "split.count", "split.tensors.count"})
     names = {hf: t.name for hf, t in src.names.items()}
     return GgufModel(src.gguf.architecture, names.get, src.heads.get, metadata_rows(src.gguf, skip=rewritten))
 
@@ -312,6 +314,42 @@ def _metadata(model: GgufModel, tensors: list[_Tensor], quantize: str | None) ->
 
 
 # ----------------------------------------------------------------------------- bytes
+
+
+def split_files(plan: ShardPlan, tensors: list[_Tensor], metadata: list[Row]) -> list[tuple[str, bytes, list[_Tensor]]]:
+    """``(file name, header, tensors)`` of each file: one file, or llama.cpp's gguf-split layout (every key in the
+    first file, then in each ``split.no`` (u16, from 0), ``split.count`` (u16), ``split.tensors.count`` (i32))."""
+    by_name = {t.name: t for t in tensors}
+    out = []
+    for number, shard in enumerate(plan.shards):
+        part = [by_name[name] for name in shard.names]
+        rows = list(metadata) if number == 0 else []
+        if len(plan.shards) > 1:
+            rows += [("split.no", UINT16, number, None), ("split.count", UINT16, len(plan.shards), None),
+                     ("split.tensors.count", INT32, len(tensors), None)]
+        head, _ = build_gguf_header(rows, [(t.name, tuple(reversed(t.entry.shape)), ggml_type(t.kind)) for t in part])
+        out.append((shard.filename, head, part))
+    return out
+
+
+def _write_files(folder: str, files: list[tuple[str, bytes, list[_Tensor]]], src: Source, *, overwrite: bool,
+                 progress: ProgressCallback | None) -> None:
+    """Every file into a temporary file; all published once all are written (none if one fails)."""
+    from ..atomic.commit import file_transaction
+
+    total = sum(t.entry.nbytes for _, _, part in files for t in part)
+    done = 0
+    with contextlib.ExitStack() as stack:
+        for name, head, part in files:
+            tmp = stack.enter_context(file_transaction(os.path.join(folder, name), overwrite=overwrite))
+            before = done
+
+            def tick(written: int, _total: int, before: int = before) -> None:
+                if progress is not None:
+                    progress(before + written, total)
+
+            _write(tmp, head, part, src, progress=tick)
+            done += sum(t.entry.nbytes for t in part)
 
 
 def _write(path: str, head: bytes, tensors: list[_Tensor], src: Source, *, progress: ProgressCallback | None) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
-from ..formats.gguf import GgufFile, GgufTensor, read_gguf
+from ..formats.gguf import GgufFile, GgufTensor, read_split_gguf
 from ..formats.header import TensorEntry
 from ..formats.json_types import JsonObject
 from ..units import tensor_nbytes
@@ -57,20 +57,25 @@ class GgufSource(Source):
     def __init__(self, path: str) -> None:
         from ..layouts.gguf_names import name_map
 
-        self.gguf: GgufFile = read_gguf(path)
-        self.description, self.paths = path, (path,)
+        first, parts = read_split_gguf(path)  # a split GGUF (gguf-split): every part, from the first
+        self.gguf: GgufFile = first
+        if len(parts) > 1:
+            self.gguf.tensors = [t for part in parts for t in part.tensors]
+        self.file_of = {t.name: part.path for part in parts for t in part.tensors}  # GGUF tensor name → its file
+        self.description, self.paths = path, tuple(part.path for part in parts)
         mapping = name_map(self.gguf.architecture, [t.name for t in self.gguf.tensors], self.gguf.metadata,
                            where=path)
         self.names: dict[str, GgufTensor] = {mapping.to_hf.get(t.name, t.name): t for t in self.gguf.tensors}
         self.heads = dict(mapping.heads)
         self._entries = [self._entry(name, t) for name, t in self.names.items()]
-        self._fd(path)  # held: every read sees the file that was validated
+        for part in parts:  # held: every read sees the files that were validated
+            self._fd(part.path)
 
     def _entry(self, name: str, tensor: GgufTensor) -> TensorEntry:
         dtype = PLAIN.get(tensor.kind.name, "F32")
         shape = tensor.shape
         if dtype == tensor.kind.name and name not in self.heads:
-            return TensorEntry(name, dtype, shape, tensor.nbytes, self.gguf.path, tensor.offset)
+            return TensorEntry(name, dtype, shape, tensor.nbytes, self.file_of[tensor.name], tensor.offset)
         if name in self.heads and (not shape or shape[0] % (2 * self.heads[name]) or (
                 len(shape) == 1 and tensor.kind.block != 1)):
             raise InvalidInputError(f"{self.description}: tensor {tensor.name} has {shape[0] if shape else 0} rows, "
@@ -91,7 +96,8 @@ class GgufSource(Source):
 
     def stored_entries(self) -> list[TensorEntry]:
         """The tensors as stored: HF names, ggml type names as dtypes (``"Q8_0"``), stored byte counts (for ``info``)."""
-        return [TensorEntry(name, t.kind.name, t.shape, t.nbytes, self.gguf.path, t.offset) for name, t in self.names.items()]
+        return [TensorEntry(name, t.kind.name, t.shape, t.nbytes, self.file_of[t.name], t.offset)
+                for name, t in self.names.items()]
 
     def describe(self) -> dict[str, object]:
         """What ``info`` shows: architecture, ggml types (tensors, stored bytes), which tensors are dequantized."""
@@ -166,7 +172,8 @@ class GgufSource(Source):
 
     def stored_bytes(self, tensor: GgufTensor, begin: int, end: int) -> bytes:
         """Bytes ``begin:end`` of ``tensor``'s data as the file stores it (llama.cpp's row order, its ggml type)."""
-        return pread_exactly(self._fd(self.gguf.path), end - begin, tensor.offset + begin, file=self.gguf.path,
+        file = self.file_of[tensor.name]
+        return pread_exactly(self._fd(file), end - begin, tensor.offset + begin, file=file,
                              name=tensor.name)
 
     def matrix(self, name: str) -> tuple[int, int]:
@@ -191,8 +198,9 @@ class GgufSource(Source):
         tensor = self.names[name]
         rows = self.matrix(name)[0]
         row_bytes = tensor.nbytes // rows
-        raw = pread_exactly(self._fd(self.gguf.path), (row1 - row0) * row_bytes, tensor.offset + row0 * row_bytes,
-                            file=self.gguf.path, name=tensor.name)
+        file = self.file_of[tensor.name]
+        raw = pread_exactly(self._fd(file), (row1 - row0) * row_bytes, tensor.offset + row0 * row_bytes,
+                            file=file, name=tensor.name)
         heads = self.heads.get(name)
         if heads is None:
             return raw
@@ -267,6 +275,9 @@ def load_gguf_tensors(path: str, *, dequantize_to: str) -> tuple[dict[str, torch
 
     src = GgufSource(path)
     try:
+        if len(src.paths) > 1:
+            raise InvalidInputError(f"{path}: a split GGUF ({len(src.paths)} parts) is read here as one file only; "
+                                    "merge it first: convert it with to='gguf' to one .gguf")
         mapped = torch.from_file(path, shared=False, size=src.gguf.file_bytes, dtype=torch.uint8)
         tensors: dict[str, torch.Tensor] = {}
         offsets: dict[str, int] = {}
