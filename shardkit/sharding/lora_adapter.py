@@ -11,7 +11,7 @@ not LoRA (the message names what is supported).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -23,6 +23,7 @@ from ..layouts.adapters import SUPPORTED, AdapterKeys, LoraPair, lora_scale, pef
 from ..layouts.fp8 import matrix_shape
 from ..sources import open_source
 from ..sources.dequantized import read_whole
+from .lora_original import Placement
 
 if TYPE_CHECKING:
     import torch
@@ -62,6 +63,12 @@ class LowRank:
     transpose: bool
     adapter: str
     magnitude: torch.Tensor | None = None
+    row0: int = 0  # the first row of the base tensor the product adds to (a part of a fused tensor)
+
+    @property
+    def rows(self) -> int:
+        """How many rows of the base tensor the product covers."""
+        return int(self.a.shape[1] if self.transpose else self.b.shape[0])
 
 
 @dataclass(frozen=True)
@@ -157,21 +164,28 @@ class MergePlan:
 
 
 def plan_merge(adapters: Sequence[Adapter], base: Sequence[TensorEntry], *, scale: float = 1.0,
-               where: str) -> MergePlan:
+               where: str, placements: Mapping[str, tuple[Placement, ...]] | None = None) -> MergePlan:
     """Each base tensor's updates from ``adapters`` (applied in order), after every check.
+
+    ``placements``: for a base in another layout than the adapters' names (an original Flux file), where
+    each named tensor's rows lie in the base (:mod:`shardkit.sharding.lora_original`).
 
     Raises:
         InvalidInputError: see the module docstring; the first problem found, in one line.
     """
     by_name = {e.name: e for e in base}
+    placed = placements or {}
     plan = MergePlan()
     for adapter in adapters:
         prefix = _base_prefix(adapter.keys, by_name)
-        _check_targets(adapter, by_name, prefix, where=where)
+        _check_targets(adapter, [*by_name, *placed], prefix, where=where)
         for key, name in adapter.keys.replaced:  # first: PEFT loads them before it merges the pairs
             _plan_replace(plan, adapter, key, prefix + name, by_name, where=where)
         for pair in adapter.keys.pairs:
-            _plan_pair(plan, adapter, pair, by_name, prefix, scale=scale, where=where)
+            if prefix + pair.module + ".weight" not in by_name and prefix + pair.module + ".weight" in placed:
+                _plan_placed_pair(plan, adapter, pair, by_name, placed, scale=scale, where=where)
+            else:
+                _plan_pair(plan, adapter, pair, by_name, prefix, scale=scale, where=where)
         plan.reports.append({**adapter.to_dict(), "scale": scale})
     _check_dtypes(plan)
     return plan
@@ -189,7 +203,7 @@ def _base_prefix(keys: AdapterKeys, base: Mapping[str, TensorEntry]) -> str:
     return ""
 
 
-def _check_targets(adapter: Adapter, base: Mapping[str, TensorEntry], prefix: str, *, where: str) -> None:
+def _check_targets(adapter: Adapter, base: Iterable[str], prefix: str, *, where: str) -> None:
     targets = adapter.config.get("target_modules")
     if isinstance(targets, str) or not targets:
         return  # a regex (or none): the keys themselves are checked below
@@ -227,6 +241,31 @@ def _plan_pair(plan: MergePlan, adapter: Adapter, pair: LoraPair, base: Mapping[
             raise InvalidInputError(f"adapter {adapter.path}: {pair.bias} {tuple(value.shape)} does not fit "
                                     f"{bias.name} {bias.shape} of {where}")
         plan.updates.setdefault(bias.name, []).append(Replace(value, adapter.path, add=True, scale=factor * scale))
+
+
+def _plan_placed_pair(plan: MergePlan, adapter: Adapter, pair: LoraPair, base: Mapping[str, TensorEntry],
+                      placed: Mapping[str, tuple[Placement, ...]], *, scale: float, where: str) -> None:
+    """A pair whose weight is rows of fused base tensors: one update per run of rows, B cut to those rows."""
+    a, b = adapter.tensors[pair.a], adapter.tensors[pair.b]
+    rank, factor = lora_scale(adapter.config, pair.module)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank or pair.magnitude is not None:
+        raise InvalidInputError(f"adapter {adapter.path}: {pair.a} {tuple(a.shape)} / {pair.b} {tuple(b.shape)} "
+                                f"(r={rank}) is not a Linear LoRA pair of rank r; only those merge into a fused tensor")
+    rows = 0
+    for part in placed[pair.module + ".weight"]:
+        entry = _base_entry(adapter, pair.a, part.name, base, where=where)
+        rows += part.rows
+        if matrix_shape(entry.shape)[1] != a.shape[1] or part.start + part.rows > b.shape[0]:
+            raise InvalidInputError(f"adapter {adapter.path}: {pair.a} {tuple(a.shape)} / {pair.b} {tuple(b.shape)} do "
+                                    f"not fit {part.name} {entry.shape} of {where}; is this the adapter's base model?")
+        plan.updates.setdefault(part.name, []).append(LowRank(
+            a, b[part.start: part.start + part.rows], factor * scale, False, adapter.path, row0=part.row0))
+    if rows != b.shape[0]:
+        raise InvalidInputError(f"adapter {adapter.path}: {pair.b} has {b.shape[0]} rows, but {pair.module} is "
+                                f"{rows} rows of {where}; is this the adapter's base model?")
+    if pair.bias is not None:
+        raise InvalidInputError(f"adapter {adapter.path}: {pair.bias} (lora_bias) on a fused tensor of {where} is "
+                                "not supported; merge into the diffusers folder instead")
 
 
 def _magnitude(adapter: Adapter, pair: LoraPair, rows: int, transpose: bool, name: str) -> torch.Tensor | None:

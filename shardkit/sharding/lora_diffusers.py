@@ -16,10 +16,10 @@ names). Keys of other components are left out of a single-folder merge, with a w
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, first_line
 from ..formats.json_types import Config, JsonObject
 from ..formats.links import parse_json
 from ..layouts.adapters import PEFT_PREFIX, SUPPORTED, AdapterKeys, peft_keys
@@ -28,10 +28,12 @@ from .options import warn
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["METADATA_KEY", "diffusers_adapter"]
+__all__ = ["METADATA_KEY", "diffusers_adapter", "is_flux"]
 
 METADATA_KEY = "lora_adapter_metadata"  # diffusers' save_lora_weights: the LoraConfig, keys under the prefix
 PREFIXES = ("unet", "transformer")
+_COMPONENTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+_FLUX_MARKERS = ("double_blocks", "single_blocks", "single_transformer_blocks", "lora_transformer_")
 
 
 def diffusers_adapter(path: str, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str], *,
@@ -43,19 +45,19 @@ def diffusers_adapter(path: str, tensors: Mapping[str, torch.Tensor], metadata: 
     Raises:
         InvalidInputError: no UNet or transformer keys in the file (the message names what is supported).
     """
-    from diffusers.loaders.lora_pipeline import StableDiffusionLoraLoaderMixin
-
-    unet_config = dict(base_config) if base_config and "down_block_types" in base_config else None
-    loaded = StableDiffusionLoraLoaderMixin.lora_state_dict(dict(tensors), unet_config=unet_config)
-    state, alphas = loaded[0], loaded[1] or {}
+    state, alphas = _diffusers_state(path, tensors, base_config, base_names)
     prefix = component or next((p for p in PREFIXES if any(k.startswith(p + ".") for k in state)), None)
     if prefix is None:
         raise InvalidInputError(f"adapter {path}: no UNet or transformer LoRA keys (first key {next(iter(tensors), '')!r});"
                                 f" supported: {SUPPORTED}")
     left_out = sorted({k.split(".", 1)[0] for k in state if not k.startswith(prefix + ".")})
-    if left_out and component is None:
-        warn(f"adapter {path}: its {', '.join(left_out)} keys are left out (this merge is into the {prefix}); merge "
-             "them into that component's folder with a PEFT adapter")
+    stray = [name for name in left_out if name not in _COMPONENTS]
+    if stray and component in (None, *PREFIXES):  # diffusers' kohya Flux conversion leaves the top-level layers (x_embedder...) without a prefix
+        warn(f"adapter {path}: its {', '.join(stray)} keys are left out, as diffusers' load_lora_weights leaves them "
+             "out (its conversion gives them no component prefix)")
+    if len(left_out) > len(stray) and component is None:
+        warn(f"adapter {path}: its {', '.join(n for n in left_out if n in _COMPONENTS)} keys are left out (this merge "
+             f"is into the {prefix}); merge them into that component's folder with a PEFT adapter")
     sd = {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
     if not sd and component is not None:  # nothing for this pipeline component: it is written as it is
         return {"peft_type": "LORA"}, {}, AdapterKeys(())
@@ -66,6 +68,32 @@ def diffusers_adapter(path: str, tensors: Mapping[str, torch.Tensor], metadata: 
         sd, config = _text_encoder(sd, alphas, _metadata(metadata, prefix, where=path), base_names)
     peft = {PEFT_PREFIX + k: v for k, v in sd.items()}
     return config, peft, peft_keys(peft, where=f"adapter {path}")
+
+
+def is_flux(names: Iterable[str], base_config: Config | None = None) -> bool:
+    """Whether LoRA keys or base names are Flux's (kohya's ``lora_unet_double_blocks_*``, BFL's ``double_blocks.``,
+    diffusers' ``single_transformer_blocks``), or the base's config is a ``FluxTransformer2DModel``'s."""
+    if base_config and base_config.get("_class_name") == "FluxTransformer2DModel":
+        return True
+    return any(marker in name for name in names for marker in _FLUX_MARKERS)
+
+
+def _diffusers_state(path: str, tensors: Mapping[str, torch.Tensor], base_config: Config | None,
+                     base_names: frozenset[str]) -> tuple[dict[str, torch.Tensor], Mapping[str, float]]:
+    """The file's keys in diffusers' names (``unet.M.lora_A.weight``...) and its alphas, by the loader diffusers'
+    pipeline uses for it: Flux's (kohya's fused ``qkv``/``linear1`` split as diffusers splits them) or SD's."""
+    from diffusers.loaders.lora_pipeline import FluxLoraLoaderMixin, StableDiffusionLoraLoaderMixin
+
+    if is_flux(tensors, base_config) or is_flux(base_names):
+        try:
+            state, alphas = FluxLoraLoaderMixin.lora_state_dict(dict(tensors), return_alphas=True)
+        except (ValueError, AssertionError, RuntimeError, KeyError, IndexError) as e:  # its checks: assert, raise
+            raise InvalidInputError(f"adapter {path}: diffusers' Flux LoRA conversion refuses it ({type(e).__name__}: "
+                                    f"{first_line(e)}); supported: {SUPPORTED}") from e
+        return dict(state), alphas or {}
+    unet_config = dict(base_config) if base_config and "down_block_types" in base_config else None
+    loaded = StableDiffusionLoraLoaderMixin.lora_state_dict(dict(tensors), unet_config=unet_config)
+    return loaded[0], loaded[1] or {}
 
 
 def _config(sd: dict[str, torch.Tensor], alphas: Mapping[str, float], metadata: Config | None) -> Config:
