@@ -169,3 +169,14 @@ def test_torchrun_two_ranks_run_the_same_plan_to_the_same_bytes(planned: tuple[P
     assert run.returncode == 0 and "terminate called" not in run.stderr, run.stderr[-3000:]
     assert '"written": [\n    0,\n    2,\n    4\n  ]' in run.stdout  # rank 0's share; rank 1 prints nothing
     assert folder_bytes(plan_path.parent / "out") == ref
+
+
+def test_torchrun_convert_resume_is_the_plan_run_over_ranks(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    shardkit.convert(src, tmp_path / "ref", max_shard_size="20KB", dtype="bf16")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "shardkit", "convert", str(src), str(tmp_path / "out"), "--max-shard-size", "20KB",
+                          "--dtype", "bf16", "--resume"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "terminate called" not in run.stderr, run.stderr[-3000:]
+    assert "wrote 3 shard task(s); published" in run.stdout  # rank 0 reports its share
+    assert folder_bytes(tmp_path / "out") == folder_bytes(tmp_path / "ref")

@@ -187,6 +187,7 @@ def resume(source: str | os.PathLike[str], output: str | os.PathLike[str], *, co
            rename: Iterable[str] | Mapping[str, str] = (), **shorthands: Unpack[WriteKeywords]) -> PlanRun:
     """A split or convert that a kill does not lose: run as its plan, continued from the shards a killed
     run finished (the same arguments find the same plan). Same arguments as :func:`write_plan`.
+    Under torchrun every rank plans the same job and runs every ``WORLD_SIZE``-th task; rank 0 publishes.
 
     shardkit.api.plans.resume("ckpt/", "out/", max_shard_size="5GB")   # killed? call it again
     """
@@ -195,6 +196,9 @@ def resume(source: str | os.PathLike[str], output: str | os.PathLike[str], *, co
                       exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix, rename=rename)
     from ..distributed import plan_run
 
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    if world.isdigit() and int(world) > 1:  # under torchrun: each rank its share of the same plan
+        return _run_ranks(plan, progress=built.progress)
     run = plan_run.run_tasks(plan, range(len(plan.tasks)), progress=built.progress)
     run.published = plan_run.finalize(plan).published
     return run

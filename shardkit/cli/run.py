@@ -65,7 +65,9 @@ def run_as_plan(command: Command, source: str, output: str, *, plan_file: str | 
             run = resume_api(source, output, command=command, key=key, include=include, exclude=exclude,
                              strip_prefix=strip_prefix, add_prefix=add_prefix, rename=rename,
                              options=dataclasses.replace(options, dry_run=False, progress=progress))
-        _report(run, as_json=as_json, quiet=quiet)
+        from ..api.jobs import is_rank_zero
+
+        _report(run, as_json=as_json and is_rank_zero(), quiet=quiet or not is_rank_zero())  # torchrun: rank 0
         return
     plan = write_plan(source, output, plan_file, command=command, options=options, key=key, include=include,
                       exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix, rename=rename)
