@@ -17,17 +17,16 @@ process, interleaved, ``--runs`` times (median reported):
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from benchlib import HERE, child, med, parser, rounds, shard_files
+from build_checkpoint import random_source
+
 CHILD = r"""
 import json, sys, time, torch, shardkit
-path, forward = sys.argv[1], sys.argv[2] == "1"
+sys.path.insert(0, sys.argv[1])  # benchlib
+path, forward = sys.argv[2], sys.argv[3] == "1"
 start = time.perf_counter()
 model = shardkit.load_model("diffusers:FluxTransformer2DModel", path, device_map="cpu")
 loaded = time.perf_counter() - start
@@ -42,66 +41,56 @@ if forward:
         model(**inputs)
 total = time.perf_counter() - start
 held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-hwm_kb = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-print(json.dumps({"load_s": loaded, "total_s": total, "held_bytes": held, "rss_mb": hwm_kb / 1024}))
+from benchlib import peak_rss_mb
+print(json.dumps({"load_s": loaded, "total_s": total, "held_bytes": held, "rss_mb": peak_rss_mb()}))
 """
 
 
 def build(work: str, double: int, single: int) -> tuple[str, str]:
+    """The bf16 transformer (random weights, one file) and its fp8-block copy, built once."""
     import torch
     from diffusers import FluxTransformer2DModel
-    from safetensors.torch import save_file
 
     import shardkit
 
     bf16, fp8 = os.path.join(work, "bf16"), os.path.join(work, "fp8")
-    if not os.path.exists(os.path.join(bf16, "diffusion_pytorch_model.safetensors")):
+    if not os.path.exists(os.path.join(bf16, "config.json")):
         with torch.device("meta"):
             model = FluxTransformer2DModel(num_layers=double, num_single_layers=single)
-        os.makedirs(bf16, exist_ok=True)
-        g = torch.Generator().manual_seed(0)
-        state = {n: (torch.randn(t.shape, generator=g) * 0.02).to(torch.bfloat16) for n, t in model.state_dict().items()}
-        save_file(state, os.path.join(bf16, "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
+        shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+        os.makedirs(work, exist_ok=True)
+        shardkit.split(random_source(shapes, dtype="BF16", prefix="diffusion_pytorch_model"), bf16,
+                       max_shard_size="100GB", overwrite=True)
         model.save_config(bf16)
-        del state
     if not os.path.exists(os.path.join(fp8, "config.json")):
         shardkit.convert(bf16, fp8, quantize="fp8-block", max_shard_size="100GB")
     return bf16, fp8
 
 
-def disk_bytes(folder: str) -> int:
-    return sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder) if n.endswith(".safetensors"))
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", default="/tmp/shardkit-bench-fp8")
-    parser.add_argument("--double", type=int, default=2)
-    parser.add_argument("--single", type=int, default=4)
-    parser.add_argument("--runs", type=int, default=3)
-    args = parser.parse_args()
-    bf16, fp8 = build(args.work, args.double, args.single)
-    results: dict[tuple[str, str], list[dict[str, float]]] = {}
-    for r in range(args.runs):
-        for name, path in (("bf16", bf16), ("fp8-block", fp8))[:: 1 if r % 2 == 0 else -1]:
-            for forward in ("0", "1"):
-                subprocess.run(["sync"], check=True)
-                out = subprocess.run([sys.executable, "-c", CHILD, path, forward], check=True, capture_output=True,
-                                     text=True)
-                data = json.loads(out.stdout.strip().splitlines()[-1])
-                results.setdefault((name, forward), []).append(data)
-                print(f"  run {r + 1} {name} {'load+forward' if forward == '1' else 'load'}: {data}", flush=True)
+    p = parser(__doc__, work="/tmp/shardkit-bench-fp8", output=False)
+    p.add_argument("--double", type=int, default=2)
+    p.add_argument("--single", type=int, default=4)
+    args = p.parse_args()
+    paths = dict(zip(("bf16", "fp8-block"), build(args.work, args.double, args.single), strict=True))
+
+    def one(key: tuple[str, str], r: int) -> dict[str, float]:
+        name, forward = key
+        data = child("-c", CHILD, HERE, paths[name], forward)
+        print(f"  run {r + 1} {name} {'load+forward' if forward == '1' else 'load'}: {data}", flush=True)
+        return data
+
+    results = rounds([(name, forward) for name in paths for forward in ("0", "1")], args.runs, one)
     print(f"\nFluxTransformer2DModel, width 3072, {args.double} double + {args.single} single blocks, random weights, "
           f"CPU, median of {args.runs}")
     print("| checkpoint | on disk | held in memory | load_model s | peak RSS | load + 1 forward s | peak RSS |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for name, path in (("bf16", bf16), ("fp8-block", fp8)):
+    for name, path in paths.items():
         load, run = results[(name, "0")], results[(name, "1")]
-        med = lambda rows, key: statistics.median(row[key] for row in rows)  # noqa: E731
-        print(f"| {name} | {disk_bytes(path) / 1e9:.2f} GB | {med(load, 'held_bytes') / 1e9:.2f} GB | "
-              f"{med(load, 'load_s'):.2f} | {med(load, 'rss_mb') / 1024:.2f} GiB | {med(run, 'total_s'):.2f} | "
-              f"{med(run, 'rss_mb') / 1024:.2f} GiB |")
+        print(f"| {name} | {sum(os.path.getsize(f) for f in shard_files(path)) / 1e9:.2f} GB | "
+              f"{med(load, 'held_bytes') / 1e9:.2f} GB | {med(load, 'load_s'):.2f} | {med(load, 'rss_mb') / 1024:.2f} GiB | "
+              f"{med(run, 'total_s'):.2f} | {med(run, 'rss_mb') / 1024:.2f} GiB |")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

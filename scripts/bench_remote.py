@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
@@ -44,7 +45,7 @@ CLIP_L = {"hidden_size": 768, "intermediate_size": 3072, "num_attention_heads": 
           "vocab_size": 49408, "max_position_embeddings": 77, "projection_dim": 768, "hidden_act": "quick_gelu"}
 
 
-def meta_models() -> dict[str, tuple[str, str, object]]:
+def meta_models() -> dict[str, tuple[str, str, Any]]:
     """component → (library, class name, model on the meta device)."""
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKL, FluxTransformer2DModel
@@ -57,34 +58,31 @@ def meta_models() -> dict[str, tuple[str, str, object]]:
                 "vae": ("diffusers", "AutoencoderKL", AutoencoderKL(**FLUX_VAE))}
 
 
-def component_files(name: str, library: str, model: object) -> dict[str, bytes | LazyBlob]:
-    """config.json and bf16 safetensors shards (named as save_pretrained names them) for one component."""
+def lazy_weights(model: Any, *, dtype: str, prefix: str, limit: int = 10**12,
+                 true_oid: bool = False) -> dict[str, bytes | LazyBlob]:
+    """``model``'s tensors as safetensors files of ``dtype`` with real headers and zeros (lazily made), in
+    shards of ``limit`` bytes named as save_pretrained names them, with their index when there are several."""
     import math
 
     from shardkit.formats.header import TensorEntry, build_header
 
-    prefix = "diffusion_pytorch_model" if library == "diffusers" else "model"
-    entries = [TensorEntry(k, "BF16", tuple(t.shape), math.prod(t.shape) * 2)
-               for k, t in model.state_dict().items()]  # type: ignore[attr-defined]
-    groups, limit = [[]], SHARD_BYTES.get(name, 10**12)
+    itemsize = 2 if dtype in ("BF16", "F16") else 4
+    entries = [TensorEntry(k, dtype, tuple(t.shape), math.prod(t.shape) * itemsize) for k, t in model.state_dict().items()]
+    groups: list[list[TensorEntry]] = [[]]
     for e in entries:
         if groups[-1] and sum(x.nbytes for x in groups[-1]) + e.nbytes > limit:
             groups.append([])
         groups[-1].append(e)
-    config = model.config  # type: ignore[attr-defined]
-    files: dict[str, bytes | LazyBlob] = {
-        f"{name}/config.json": (config.to_json_string() if hasattr(config, "to_json_string")
-                                else json.dumps(dict(config))).encode()}
     names = [f"{prefix}.safetensors"] if len(groups) == 1 else \
         [f"{prefix}-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
+    files: dict[str, bytes | LazyBlob] = {}
     for filename, group in zip(names, groups, strict=True):
         head, _ = build_header(group)
-        files[f"{name}/{filename}"] = LazyBlob(head, len(head) + sum(e.nbytes for e in group))
+        files[filename] = LazyBlob(head, len(head) + sum(e.nbytes for e in group), true_oid=true_oid)
     if len(groups) > 1:
         weight_map = {e.name: f for f, g in zip(names, groups, strict=True) for e in g}
-        total = sum(e.nbytes for e in entries)
-        files[f"{name}/{prefix}.safetensors.index.json"] = json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}).encode()
+        files[f"{prefix}.safetensors.index.json"] = json.dumps(
+            {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}).encode()
     return files
 
 
@@ -96,7 +94,12 @@ def flux_repo() -> dict[str, bytes | LazyBlob]:
                                 "tokenizer_2": ["transformers", "T5TokenizerFast"]}
     for name, (library, class_name, model) in meta_models().items():
         index[name] = [library, class_name]
-        files.update(component_files(name, library, model))
+        config = model.config
+        files[f"{name}/config.json"] = (config.to_json_string() if hasattr(config, "to_json_string")
+                                        else json.dumps(dict(config))).encode()
+        weights = lazy_weights(model, dtype="BF16", limit=SHARD_BYTES.get(name, 10**12),
+                               prefix="diffusion_pytorch_model" if library == "diffusers" else "model")
+        files.update({f"{name}/{filename}": blob for filename, blob in weights.items()})
     files["model_index.json"] = json.dumps(index).encode()
     files["scheduler/scheduler_config.json"] = json.dumps(
         {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0, "use_dynamic_shifting": True}).encode()

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import statistics
@@ -28,6 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
+from bench_remote import lazy_weights  # noqa: E402
 from helpers_hub import run_measured  # noqa: E402
 from hub_server import HubServer  # noqa: E402
 from hub_state import LazyBlob  # noqa: E402
@@ -54,26 +54,10 @@ def unet_repo() -> dict[str, bytes | LazyBlob]:
     from accelerate import init_empty_weights
     from diffusers import UNet2DConditionModel
 
-    from shardkit.formats.header import TensorEntry, build_header
-
     with init_empty_weights():
         model = UNet2DConditionModel(cross_attention_dim=768)
-    entries = [TensorEntry(k, "F32", tuple(t.shape), math.prod(t.shape) * 4) for k, t in model.state_dict().items()]
-    groups: list[list[TensorEntry]] = [[]]
-    for e in entries:
-        if groups[-1] and sum(x.nbytes for x in groups[-1]) + e.nbytes > SHARD_LIMIT_BYTES:
-            groups.append([])
-        groups[-1].append(e)
-    files: dict[str, bytes | LazyBlob] = {"config.json": json.dumps(dict(model.config)).encode()}
-    weight_map = {}
-    for n, group in enumerate(groups, 1):
-        name = f"diffusion_pytorch_model-{n:05d}-of-{len(groups):05d}.safetensors"
-        head, _ = build_header(group)
-        files[name] = LazyBlob(head, len(head) + sum(e.nbytes for e in group), true_oid=True)
-        weight_map.update({e.name: name for e in group})
-    files["diffusion_pytorch_model.safetensors.index.json"] = json.dumps(
-        {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}).encode()
-    return files
+    return {"config.json": json.dumps(dict(model.config)).encode(),
+            **lazy_weights(model, dtype="F32", prefix="diffusion_pytorch_model", limit=SHARD_LIMIT_BYTES, true_oid=True)}
 
 
 def run_case(argv: list[str], env: dict[str, str]) -> tuple[float, int]:
