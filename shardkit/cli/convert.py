@@ -77,14 +77,16 @@ backwards (Flux q/k/v and linear1 fused back). --variant picks the source's weig
 is a .safetensors file (or a folder for shards with an index). Other model types are refused.
 
 \b
-GGUF (llama.cpp, ComfyUI-GGUF) as SOURCE: Llama files get Hugging Face names, q/k rows unpermuted and a
-config.json rebuilt from the metadata; Flux files keep their BFL names (--to diffusers --config for a
+GGUF (llama.cpp, ComfyUI-GGUF) as SOURCE (a split one from its first part): Llama, Qwen2/3 and BERT files get
+Hugging Face names (Llama's q/k rows unpermuted), config.json and the tokenizer files rebuilt from the metadata;
+Flux files keep their BFL names (--to diffusers --config for a
 diffusers folder). Quantized ggml tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K) need --dtype
 (bf16, fp16, or fp32 for gguf's exact dequantized values). --to gguf writes OUTPUT.gguf from a
-transformers Llama, Mistral, Qwen2, Qwen3 or BERT folder (as llama.cpp's convert_hf_to_gguf.py writes
+transformers Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Phi-3 or BERT folder (as llama.cpp's convert_hf_to_gguf.py writes
 it, tokenizer.json's vocabulary included), a diffusers Flux transformer (or pipeline) folder, a BFL
-Flux file or a GGUF; --quantize f32/f16/bf16/q8_0/q4_0 sets the type of 2-D tensors (1-D ones, norms
-and biases stay F32); without it types are kept.
+Flux file or a GGUF; --quantize f32/f16/bf16/q8_0/q4_0/q4_1/q5_0/q5_1 sets the type of 2-D tensors (1-D
+ones, norms and biases stay F32); without it types are kept. --max-shard-size writes llama.cpp's gguf-split
+files (OUTPUT-00001-of-0000N.gguf).
 
 \b
 --lora ADAPTER (repeatable) merges a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors),

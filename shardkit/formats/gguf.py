@@ -36,7 +36,7 @@ MAX_TOTAL_ITEMS = 2**26           # every array element of the file together
 MAX_NAME_BYTES = 1024             # a tensor name (llama.cpp's own limit is 64)
 MAX_DIMS = 4                      # GGML_MAX_DIMS
 MAX_ALIGNMENT = 2**16
-GGUF_QUANTIZE = ("f16", "bf16", "q8_0", "q4_0", "f32")  # what ``convert --to gguf --quantize`` writes
+GGUF_QUANTIZE = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "f32")  # what ``convert --to gguf --quantize`` writes
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ F32, F16   yes         yes       1 value (F16 by ``astype``, as gguf does)
 BF16       yes         yes       1 value (round to nearest even, NaN quieted, as ggml)
 Q8_0       yes         yes       32 values: f16 scale, 32 int8
 Q4_0       yes         yes       32 values: f16 scale, 16 bytes of nibbles (−8 offset)
-Q4_1       yes         no        32 values: f16 scale and min, 16 bytes of nibbles
-Q5_0       yes         no        32 values: f16 scale, 32 high bits, 16 bytes of nibbles
-Q5_1       yes         no        32 values: f16 scale and min, 32 high bits, 16 bytes of nibbles
+Q4_1       yes         yes       32 values: f16 scale and min, 16 bytes of nibbles
+Q5_0       yes         yes       32 values: f16 scale, 32 high bits, 16 bytes of nibbles
+Q5_1       yes         yes       32 values: f16 scale and min, 32 high bits, 16 bytes of nibbles
 Q2_K       yes         no        256 values: 4-bit scales/mins, 2-bit values, f16 d and dmin
 Q3_K       yes         no        256 values: high-bit mask, 2-bit values, 6-bit scales, f16 d
 Q4_K       yes         no        256 values: f16 d, dmin, 12 bytes of 6-bit scales/mins, nibbles
@@ -289,12 +289,60 @@ def _q_q4_0(blocks: torch.Tensor) -> torch.Tensor:
 
     imax = blocks.abs().argmax(dim=-1, keepdim=True)
     d = torch.gather(blocks, -1, imax) / -8
-    scaled = blocks.to(torch.float64) * _inverse(d).to(torch.float64) + 8.5
-    qs = scaled.to(torch.float32).trunc().clamp(0, 15).to(torch.uint8).reshape(-1, 2, 16)
+    scaled = blocks * _inverse(d) + 8.5  # float32 throughout, as gguf-py (numpy float32 * float32 + float32(8.5))
+    qs = scaled.trunc().clamp(0, 15).to(torch.uint8).reshape(-1, 2, 16)
     return torch.cat([_f16_bytes(d), qs[:, 0, :] | (qs[:, 1, :] << 4)], dim=1)
 
 
-_QUANTIZE_BLOCKS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"Q8_0": _q_q8_0, "Q4_0": _q_q4_0}
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Values 0..15 (low 4 bits of 0..31) of each 32-value block: the first 16 in the low nibbles, the rest high."""
+    qs = q.reshape(-1, 2, 16)
+    return (qs[:, 0, :] & 0x0F) | (qs[:, 1, :] << 4)
+
+
+def _high_bits(q: torch.Tensor) -> torch.Tensor:
+    """Bit 4 of each of a block's 32 values, as 4 little-endian bytes (``np.packbits(..., bitorder="little")``)."""
+    import torch
+
+    bits = ((q >> 4) & 1).to(torch.int32).reshape(-1, 4, 8) << torch.arange(8, dtype=torch.int32)
+    return bits.sum(dim=-1).to(torch.uint8)
+
+
+def _min_max_scale(blocks: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(d, min, q)`` of the min/max types (Q4_1, Q5_1): ``q = trunc((x - min) / d + 0.5)`` in float32, clipped."""
+    import torch
+
+    low, high = blocks.amin(dim=-1, keepdim=True), blocks.amax(dim=-1, keepdim=True)
+    d = (high - low) / levels
+    q = ((blocks - low) * _inverse(d) + 0.5).trunc().clamp(0, levels).to(torch.uint8)
+    return d, low, q
+
+
+def _q_q4_1(blocks: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    d, low, q = _min_max_scale(blocks, 15)
+    return torch.cat([_f16_bytes(d), _f16_bytes(low), _pack_nibbles(q)], dim=1)
+
+
+def _q_q5_0(blocks: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    imax = blocks.abs().argmax(dim=-1, keepdim=True)
+    d = torch.gather(blocks, -1, imax) / -16
+    q = (blocks * _inverse(d) + 16.5).trunc().clamp(0, 31).to(torch.uint8)
+    return torch.cat([_f16_bytes(d), _high_bits(q), _pack_nibbles(q)], dim=1)
+
+
+def _q_q5_1(blocks: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    d, low, q = _min_max_scale(blocks, 31)
+    return torch.cat([_f16_bytes(d), _f16_bytes(low), _high_bits(q), _pack_nibbles(q)], dim=1)
+
+
+_QUANTIZE_BLOCKS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "Q8_0": _q_q8_0, "Q4_0": _q_q4_0, "Q4_1": _q_q4_1, "Q5_0": _q_q5_0, "Q5_1": _q_q5_1}
 _QUANTIZE_VALUES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"F32": _q_f32, "F16": _q_f16, "BF16": _q_bf16}
 QUANTIZABLE = frozenset(_QUANTIZE_BLOCKS) | frozenset(_QUANTIZE_VALUES)
 

@@ -61,7 +61,7 @@ from .plan import ShardPlan, plan_shards
 
 __all__ = ["GGUF_QUANTIZE", "convert_to_gguf"]
 
-FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q8_0": 7, "BF16": 32}  # llama.cpp's general.file_type (LLAMA_FTYPE)
+FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32}  # llama.cpp's general.file_type (LLAMA_FTYPE)
 BAND_BYTES = 16 * 2**20
 FLOAT_SOURCES = frozenset({"F32", "F16", "BF16", "F64"})
 BFL_PREFIX = "model.diffusion_model."
@@ -111,7 +111,7 @@ def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize
     if not output.endswith(".gguf") or os.path.isdir(output):
         raise InvalidInputError(f"{output}: to='gguf' writes one file; give an OUTPUT ending in .gguf")
     if options.dtype is not None:
-        raise InvalidInputError(f"dtype={options.dtype!r} does not apply with to='gguf': quantize='f16', 'bf16', 'q8_0' or 'q4_0' "
+        raise InvalidInputError(f"dtype={options.dtype!r} does not apply with to='gguf': quantize='f16', 'bf16', 'q8_0', 'q4_0'... "
                                 "sets the ggml type (without it, types are kept)")
     if quantize is not None and quantize not in GGUF_QUANTIZE:
         raise InvalidInputError(f"quantize={quantize!r} with to='gguf': expected one of {', '.join(GGUF_QUANTIZE)}")

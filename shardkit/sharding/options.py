@@ -25,7 +25,8 @@ __all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPE_CHOICES", "ProgressCallback", "Quant
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 DEFAULT_MAX_SHARD_BYTES = parse_size(DEFAULT_MAX_SHARD_SIZE)
-Quantize = Literal["fp8-block", "fp8-channel", "fp8-tensor", "nvfp4", "mxfp4", "f16", "bf16", "q8_0", "q4_0", "f32"]
+Quantize = Literal["fp8-block", "fp8-channel", "fp8-tensor", "nvfp4", "mxfp4", "f16", "bf16", "q8_0", "q4_0", "q4_1",
+                   "q5_0", "q5_1", "f32"]
 DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")  # what the CLI offers; Python takes torch dtypes too
 
 
@@ -57,7 +58,7 @@ class WriteOptions:
         quantize: ``"fp8-block"`` (transformers FineGrainedFP8), ``"fp8-channel"`` or ``"fp8-tensor"``
             (compressed-tensors): weights to e4m3fn with scales (see :mod:`shardkit.sharding.quant`);
             ``"nvfp4"`` (compressed-tensors nvfp4-pack-quantized) or ``"mxfp4"`` (gpt-oss MoE experts);
-            ``"f16"``, ``"bf16"``, ``"q8_0"``, ``"q4_0"``, ``"f32"``: ggml types, for ``convert(..., to="gguf")``.
+            ``"f16"``, ``"bf16"``, ``"q8_0"``, ``"q4_0"``, ``"q4_1"``, ``"q5_0"``, ``"q5_1"``, ``"f32"``: ggml types, for ``convert(..., to="gguf")``.
         name: output file prefix (``"model"``); None keeps the source's convention.
         variant: inserted before the extension (``"fp16"``); None keeps the source's.
         overwrite: replace the checkpoint in an existing, non-empty output folder.
@@ -87,7 +88,7 @@ class WriteOptions:
         None, "Weights to fp8 with absmax scales: fp8-block = 128x128 blocks (transformers FineGrainedFP8), "
         "fp8-channel/fp8-tensor = compressed-tensors; norms, embeddings, lm_head and modulation layers kept. "
         "nvfp4 = compressed-tensors nvfp4-pack-quantized; mxfp4 = gpt-oss MoE experts (original layout). "
-        "f16/bf16/q8_0/q4_0/f32: ggml types, for a convert with to='gguf' (1-D tensors stay F32).", choices=get_args(Quantize))
+        "f16/bf16/q8_0/q4_0/q4_1/q5_0/q5_1/f32: ggml types, for a convert with to='gguf' (1-D tensors stay F32).", choices=get_args(Quantize))
     name: str | None = _option(None, "Output file prefix, e.g. 'model' or 'diffusion_pytorch_model'.")
     variant: str | None = _option(None, "Variant inserted before the extension, e.g. 'fp16'.")
     overwrite: bool = _option(False, "Replace the checkpoint in an existing output folder.")
