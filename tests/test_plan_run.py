@@ -180,3 +180,17 @@ def test_torchrun_convert_resume_is_the_plan_run_over_ranks(tmp_path: Path) -> N
     assert run.returncode == 0 and "terminate called" not in run.stderr, run.stderr[-3000:]
     assert "wrote 3 shard task(s); published" in run.stdout  # rank 0 reports its share
     assert folder_bytes(tmp_path / "out") == folder_bytes(tmp_path / "ref")
+
+
+def test_a_taken_output_is_refused_before_any_task_runs(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "src")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep")
+    with pytest.raises(shardkit.OutputExistsError, match="overwrite=True"):
+        shardkit.write_plan(src, tmp_path / "out", tmp_path / "p.json", max_shard_size="20KB")
+    with pytest.warns(shardkit.ShardkitWarning, match="needs overwrite=True"):
+        shardkit.write_plan(src, tmp_path / "out", tmp_path / "p.json", max_shard_size="20KB", dry_run=True)
+    plan = shardkit.write_plan(src, tmp_path / "out", tmp_path / "p.json", max_shard_size="20KB", overwrite=True)
+    shardkit.run_plan(plan)
+    assert (tmp_path / "out" / "mine.txt").read_text() == "keep"  # not a checkpoint file: left alone
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from .. import _faults
 from ..atomic.journal import PLAN_MARK, TMP_MARK, fsync_dir, is_stale_tmp, remove_path, try_lock_shared
-from ..errors import InvalidInputError, ShardkitWriteError, describe_os_error
+from ..errors import InvalidInputError, OutputExistsError, ShardkitWriteError, describe_os_error
 from ..formats.layout import is_pipeline_folder
 from ..formats.links import read_inside
 from ..formats.manifest import FileDigest, ManifestError, dump_manifest, parse_manifest, read_digests
@@ -45,7 +45,7 @@ from ..sharding.job import (
     shard_metadata,
     side_files,
 )
-from ..sharding.options import WriteOptions
+from ..sharding.options import WriteOptions, warn_if_output_taken
 from ..sharding.outputs import JobOutput, LocalOutput
 from ..sharding.single_file import is_file_output
 from ..sharding.writer import write_safetensors
@@ -120,7 +120,21 @@ def make_plan(command: str, source: str, output: str, *, options: WriteOptions, 
         mapped = inner if spec.keymap.is_identity() else KeyMapSource(inner, spec.keymap)
         job = plan_job(mapped, options=spec.options)
         copies = side_files(source, output)
-        return build_plan(spec, job, side_files=copied_names(copies), side_paths=[path for path, _ in copies])
+        plan = build_plan(spec, job, side_files=copied_names(copies), side_paths=[path for path, _ in copies])
+    _refuse_taken_output(plan, dry_run=options.dry_run)
+    return plan
+
+
+def _refuse_taken_output(plan: ConversionPlan, *, dry_run: bool) -> None:
+    """A plan whose finalize would refuse its output is refused before any task runs (a dry run warns),
+    unless the plan already ran there (a resume after its publish, killed before the cleanup)."""
+    output = plan.spec.output
+    if plan.spec.options.overwrite or not (os.path.isdir(output) and os.listdir(output)):
+        return
+    if dry_run:
+        warn_if_output_taken(output, overwrite=False)
+    elif not os.path.isdir(work_folder(plan)):
+        raise OutputExistsError(f"{output} exists and is not empty; pass overwrite=True to replace its checkpoint")
 
 
 @contextlib.contextmanager
