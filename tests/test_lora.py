@@ -304,3 +304,14 @@ def test_an_adapter_saved_as_a_pickle(llama: dict[str, Path], tmp_path: Path) ->
     shardkit.convert(llama["base"], tmp_path / "ref", lora=llama["adapter"])
     got, want = load_folder(tmp_path / "out"), load_folder(tmp_path / "ref")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+def test_a_base_in_a_bucket_merges_into_a_bucket(llama: dict[str, Path], s3_env, run_cli, tmp_path: Path) -> None:
+    """``s3://`` on both sides: the base read by range, the merged shards streamed up; the same bytes as a local merge."""
+    for path in llama["base"].iterdir():
+        s3_env.put(f"base/{path.name}", path.read_bytes())
+    result = run_cli("convert", f"s3://{s3_env.bucket}/base", f"s3://{s3_env.bucket}/merged", "--lora", llama["adapter"])
+    assert result.exit_code == 0, result.stderr
+    local = tmp_path / "local"
+    shardkit.convert(llama["base"], local, lora=llama["adapter"])
+    assert s3_env.get("merged/model.safetensors") == (local / "model.safetensors").read_bytes()

@@ -23,6 +23,7 @@ from ..layouts.adapters import SUPPORTED, AdapterKeys, LoraPair, lora_scale, pef
 from ..layouts.fp8 import matrix_shape
 from ..sources import open_source
 from ..sources.dequantized import read_whole
+from ..stores.urls import url_scheme
 from .lora_original import Placement
 
 if TYPE_CHECKING:
@@ -95,6 +96,9 @@ def load_adapter(path: str | os.PathLike[str], *, base_config: Config | None = N
         InvalidInputError: not a LoRA shardkit merges (the message names what is supported).
     """
     path = os.fspath(path)
+    if url_scheme(path) is not None:
+        raise InvalidInputError(f"adapter {path}: adapters are read from a local folder or file (the base may be "
+                                "remote); download it first (hf download, aws s3 cp) and pass that path")
     if not os.path.exists(path):
         raise SourceNotFoundError(f"adapter {path}: no such file or folder")
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
