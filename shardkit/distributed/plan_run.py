@@ -294,7 +294,10 @@ def finalize(plan: ConversionPlan) -> PlanRun:
                          shards=_adopt(work, records))
             _faults.point("plan:published")
             _write_small(work, PUBLISHED, b"")
-    remove_path(work)
+    gone = f"{work}-published"  # renamed first: a kill mid-removal never leaves a half work folder
+    remove_path(gone)  # an earlier run's, killed mid-removal
+    os.replace(work, gone)
+    remove_path(gone)
     return run
 
 
