@@ -27,8 +27,10 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+from benchlib import child as run_child
+from benchlib import markdown, pinned_copy_gbps, set_cache, shard_files, status_bytes
+from build_checkpoint import SDXL_UNET
+
 LLAMA_3B = {"vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
             "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True, "head_dim": 128}
 TINY = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
@@ -46,7 +48,6 @@ def _shapes(model: str) -> dict[str, tuple[tuple[int, ...], object]]:
 
     with init_empty_weights():
         if model == "sdxl":
-            from build_checkpoint import SDXL_UNET
             from diffusers import UNet2DConditionModel
 
             net = UNet2DConditionModel.from_config(SDXL_UNET)
@@ -73,10 +74,6 @@ def build(model: str, work: str) -> str:
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(CONFIGS.get(model, {}), f)
     return folder
-
-
-def shard_files(folder: str) -> list[str]:
-    return sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
 
 
 # ------------------------------------------------------------------------- cases (child)
@@ -140,11 +137,6 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
 def run_case(name: str, folder: str, ring: str | None) -> None:
     import torch
 
@@ -157,12 +149,12 @@ def run_case(name: str, folder: str, ring: str | None) -> None:
         device_reads.LOCAL = RingTuning(slots=slots, slot_bytes=mib << 20, threads=threads)
     torch.zeros(1, device=DEVICE)
     _sync()
-    base = _status_kb("VmRSS")
+    base = status_bytes("VmRSS") / 1024
     start = time.perf_counter()
     state = CASES[name](folder)
     _sync()
     seconds = time.perf_counter() - start
-    hwm = _status_kb("VmHWM")
+    hwm = status_bytes("VmHWM") / 1024
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     checksum = int(sum(int(t.reshape(-1).view(torch.uint8).sum(dtype=torch.int64)) for t in state.values()))
     print(json.dumps({"load_s": seconds, "bytes": nbytes, "checksum": checksum, "tensors": len(state),
@@ -171,18 +163,7 @@ def run_case(name: str, folder: str, ring: str | None) -> None:
 
 def run_floor() -> None:
     """The PCIe floor: a 1 GiB pinned host → GPU copy, median of 5 after a warm-up."""
-    import torch
-
-    src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
-    times = []
-    for _ in range(6):
-        _sync()
-        start = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        _sync()
-        times.append(time.perf_counter() - start)
-    print(json.dumps({"gbps": (1 << 30) / statistics.median(times[1:]) / 1e9}))
+    print(json.dumps({"gbps": pinned_copy_gbps(DEVICE)}))
 
 
 def run_tp(folder: str) -> None:
@@ -294,23 +275,7 @@ def _rank_slice(full, spec, rank: int, world: int):
 # ------------------------------------------------------------------------- orchestration (parent)
 
 def child(*args: str) -> dict:
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), *args], capture_output=True, text=True, timeout=300)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:200]}
-    return json.loads(lines[-1])
-
-
-def cache_state(files: list[str], *, cold: bool) -> float:
-    """Warm every file (read it once) or evict it; the fraction resident afterwards (mincore)."""
-    from shardkit.reading.residency import cached_fraction, evict
-
-    for path in files:
-        if cold:
-            evict(path)
-        else:
-            subprocess.run(["cat", path], stdout=subprocess.DEVNULL, check=True)
-    return min(cached_fraction(path) or 0.0 for path in files)
+    return run_child(__file__, *args, check=False, timeout=300)
 
 
 def dd_direct_gbps(files: list[str]) -> float:
@@ -340,7 +305,7 @@ def bench(folder: str, cases: list[tuple[str, str | None]], runs: int, *, cold: 
     for _ in range(runs):
         results["floor"].append(dd_direct_gbps(files) if cold else child("--floor").get("gbps", float("nan")))
         for label, ring in cases:
-            resident = cache_state(files, cold=cold)
+            resident = set_cache(files, cold=cold)
             name = label.split("@")[0]
             result = child("--case", name, folder, *(["--ring", ring] if ring else []))
             result["resident"] = resident
@@ -351,21 +316,22 @@ def bench(folder: str, cases: list[tuple[str, str | None]], runs: int, *, cold: 
 
 def table(results: dict[str, list[dict]], title: str, *, cold: bool) -> str:
     floor = statistics.median(results.pop("floor"))  # type: ignore[type-var]
-    lines = [f"### {title}", "", f"floor ({'dd iflag=direct, the disk' if cold else 'pinned 1 GiB host → GPU copy, PCIe'}): "
-             f"{floor:.1f} GB/s", "", "| case | load s (runs) | GB/s | × floor | peak RSS MB | checksum |", "|---|---:|---:|---:|---:|---|"]
+    rows = []
     for label, runs in results.items():
         ok = [r for r in runs if "error" not in r]
         if not ok:
-            lines.append(f"| {label} | error: {runs[0].get('error') if runs else 'not run'} | | | | |")
+            rows.append([label, f"error: {runs[0].get('error') if runs else 'not run'}", "", "", "", ""])
             continue
         load = statistics.median(r["load_s"] for r in ok)
         gbps = ok[0]["bytes"] / load / 1e9
-        rss = statistics.median(r["peak_rss_mb"] for r in ok)
         sums = {r["checksum"] for r in ok}
         each = ", ".join(f"{r['load_s']:.3f}" for r in ok)
-        lines.append(f"| {label} | {load:.3f} ({each}) | {gbps:.1f} | "
-                     f"{gbps / floor:.2f} | {rss:.0f} | {'ok' if len(sums) == 1 else 'DIFFERS'} {min(sums) % 10**6:06d} |")
-    return "\n".join(lines)
+        rows.append([label, f"{load:.3f} ({each})",
+                     f"{gbps:.1f}", f"{gbps / floor:.2f}", f"{statistics.median(r['peak_rss_mb'] for r in ok):.0f}",
+                     f"{'ok' if len(sums) == 1 else 'DIFFERS'} {min(sums) % 10**6:06d}"])
+    what = "dd iflag=direct, the disk" if cold else "pinned 1 GiB host → GPU copy, PCIe"
+    return (f"### {title}\n\nfloor ({what}): {floor:.1f} GB/s\n\n"
+            + markdown(["case", "load s (runs)", "GB/s", "× floor", "peak RSS MB", "checksum"], rows, align="lrrrrl"))
 
 
 def main() -> int:

@@ -63,6 +63,7 @@ from benchlib import (
     measure,
     med,
     parser,
+    pinned_copy_gbps,
     rotated,
     rounds,
     set_cache,
@@ -263,24 +264,6 @@ def build_cases(folder: str, model_bytes: int, work: str, *, gpu: bool,
     return [c for c in cases if not only or any(word in c[0] for word in only)]
 
 
-def host_to_device_gbps() -> float:
-    """The PCIe floor: GB/s of a 1 GiB pinned host → GPU 0 copy, median of 5 after a warm-up."""
-    import statistics
-
-    import torch
-
-    src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda:0")
-    times = []
-    for _ in range(6):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return (1 << 30) / statistics.median(times[1:]) / 1e9
-
-
 def run_all(cases: list[tuple[str, str, dict[str, Any], str | None]], folder: str, runs: int) -> dict[str, list[dict[str, Any]]]:
     by_label = {c[0]: c for c in cases}
 
@@ -416,7 +399,7 @@ def main() -> int:
     print(f"{kind} UNet: {model_bytes / 1e9:.2f} GB in {folder}; {machine_line()}, "
           f"CUDA: {torch.cuda.get_device_name(0) if gpu else 'none'}", flush=True)
     if gpu:
-        print(f"pinned host → GPU 0 copy (the PCIe floor): {host_to_device_gbps():.1f} GB/s", flush=True)
+        print(f"pinned host → GPU 0 copy (the PCIe floor): {pinned_copy_gbps():.1f} GB/s", flush=True)
     results = run_all(build_cases(folder, model_bytes, args.work, gpu=gpu, only=args.only), folder, args.runs)
     print(f"\n{kind} UNet, {model_bytes / 1e9:.2f} GB fp32, median of {args.runs} interleaved runs:")
     print(table(results, model_bytes))

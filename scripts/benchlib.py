@@ -138,6 +138,22 @@ def med(results: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in results)
 
 
+def pinned_copy_gbps(device: str = "cuda:0") -> float:
+    """The PCIe floor: GB/s of a 1 GiB pinned host → ``device`` copy, median of 5 after a warm-up."""
+    import torch
+
+    src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return (1 << 30) / statistics.median(times[1:]) / 1e9
+
+
 # ----------------------------------------------------------------------------- reports
 
 def parser(doc: str | None, *, runs: int = 3, work: str | None = None, output: bool = True) -> argparse.ArgumentParser:
