@@ -16,18 +16,14 @@ the estimator's table for the real-size meta skeleton only.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
-import time
 from typing import Any
 
-SDXL_UNET = dict(sample_size=128, cross_attention_dim=2048, transformer_layers_per_block=[1, 2, 10],
-                 block_out_channels=[320, 640, 1280], attention_head_dim=[5, 10, 20], use_linear_projection=True,
-                 down_block_types=["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
-                 up_block_types=["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
-                 addition_embed_type="text_time", addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816)
-FLUX_DEV = dict(guidance_embeds=True)   # diffusers' defaults are the FLUX.1-dev sizes
+from benchlib import fresh_copy, gpu_weights, timed_steps
+from build_checkpoint import FLUX_DEV, SDXL_UNET
 
 
 def build(model: str, *, meta: bool) -> Any:
@@ -37,8 +33,8 @@ def build(model: str, *, meta: bool) -> Any:
     cls, config = (UNet2DConditionModel, SDXL_UNET) if model == "sdxl" else (FluxTransformer2DModel, FLUX_DEV)
     if meta:
         with init_empty_weights():
-            return cls(**config)
-    return cls(**config)
+            return cls.from_config(config)
+    return cls.from_config(config)
 
 
 def inputs(model: str, size: int, dtype: Any, device: str) -> dict[str, Any]:
@@ -66,19 +62,12 @@ def _to(value: Any, device: str, dtype: Any) -> Any:
 
 def weights(args: argparse.Namespace, dtype: Any) -> dict[str, Any]:
     """The model's weights on the CPU, built (or loaded) once; each strategy gets its own copy."""
-    import torch
-
     import shardkit
 
     if args.checkpoint:
         skeleton = build(args.model, meta=True)
         return shardkit.load_model(type(skeleton), args.checkpoint, config=dict(skeleton.config), dtype=dtype).state_dict()
-    with torch.device("cuda"):  # random initialisation is seconds on the GPU, minutes on the CPU
-        model = build(args.model, meta=False).to(dtype)
-    state = {k: v.cpu() for k, v in model.state_dict().items()}
-    del model
-    torch.cuda.empty_cache()
-    return state
+    return gpu_weights(lambda: build(args.model, meta=False), dtype)
 
 
 def measure(args: argparse.Namespace, spec: Any, dtype: Any, state: dict[str, Any]) -> dict[str, Any]:
@@ -88,9 +77,7 @@ def measure(args: argparse.Namespace, spec: Any, dtype: Any, state: dict[str, An
 
     import shardkit
 
-    model = build(args.model, meta=True)
-    model.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True, strict=True)
-    model.eval()
+    model = fresh_copy(build(args.model, meta=True), state)
     if spec.layerwise_casting:
         shardkit.apply_layerwise_casting(model, spec.layerwise_casting[0], str(dtype).removeprefix("torch."))
     if spec.offload == "none":
@@ -98,16 +85,7 @@ def measure(args: argparse.Namespace, spec: Any, dtype: Any, state: dict[str, An
     else:
         shardkit.apply_offload(model, spec.offload, device="cuda", **spec.options)
     feed = _to(inputs(args.model, args.size, dtype, "cuda"), "cuda", dtype)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    with torch.no_grad():
-        for _ in range(args.steps):
-            start = time.perf_counter()
-            model(**feed)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-    peak = torch.cuda.max_memory_allocated()
+    times, peak = timed_steps(functools.partial(model, **feed), args.steps)
     del model, feed
     gc.collect()
     torch.cuda.empty_cache()

@@ -154,6 +154,42 @@ def pinned_copy_gbps(device: str = "cuda:0") -> float:
     return (1 << 30) / statistics.median(times[1:]) / 1e9
 
 
+def gpu_weights(build: Callable[[], Any], dtype: Any) -> dict[str, Any]:
+    """``build()``'s random weights in ``dtype``, made on the GPU (seconds; minutes on the CPU), kept on the CPU."""
+    import torch
+
+    with torch.device("cuda"):
+        model = build().to(dtype)
+    state = {k: v.cpu() for k, v in model.state_dict().items()}
+    del model
+    torch.cuda.empty_cache()
+    return state
+
+
+def fresh_copy(skeleton: Any, state: dict[str, Any]) -> Any:
+    """``skeleton`` (on the meta device) given its own copy of ``state``: each setup measured starts alike."""
+    skeleton.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True, strict=True)
+    return skeleton.eval()
+
+
+def timed_steps(step: Callable[[], object], steps: int, *, reset_peak: bool = True) -> tuple[list[float], int]:
+    """Seconds of each of ``steps`` calls of ``step`` (no grad, CUDA synchronized) and the peak GPU bytes
+    allocated (since here, or since the caller's own reset)."""
+    import torch
+
+    torch.cuda.synchronize()
+    if reset_peak:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    with torch.no_grad():
+        for _ in range(steps):
+            start = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    return times, torch.cuda.max_memory_allocated()
+
+
 # ----------------------------------------------------------------------------- reports
 
 def parser(doc: str | None, *, runs: int = 3, work: str | None = None, output: bool = True) -> argparse.ArgumentParser:

@@ -19,15 +19,14 @@ activation bytes of a forward pass, measured as the peak of live tensor-storage 
 from __future__ import annotations
 
 import argparse
-import time
+import functools
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
-SD15_UNET = {"block_out_channels": [320, 640, 1280, 1280], "layers_per_block": 2, "cross_attention_dim": 768,
-             "attention_head_dim": 8, "sample_size": 64,
-             "down_block_types": ["CrossAttnDownBlock2D"] * 3 + ["DownBlock2D"],
-             "up_block_types": ["UpBlock2D"] + ["CrossAttnUpBlock2D"] * 3}
+from benchlib import fresh_copy, gpu_weights, timed_steps
+from build_checkpoint import SD15_UNET
+
 SMALL_UNETS = {
     "tiny (32,64)": {"block_out_channels": [32, 64], "layers_per_block": 1, "cross_attention_dim": 32,
                      "attention_head_dim": 4, "norm_num_groups": 8,
@@ -106,6 +105,17 @@ def cpu_rows(height: int, width: int) -> list[str]:
             "|---|---|---:|---:|---:|---:|---:|", *rows]
 
 
+def unet_copy(config: Any, state: dict[str, Any]) -> Any:
+    """A UNet skeleton given its own copy of ``state`` (filled outside init_empty_weights, which would
+    move the assigned tensors to the meta device)."""
+    from accelerate import init_empty_weights
+    from diffusers import UNet2DConditionModel
+
+    with init_empty_weights():
+        skeleton = UNet2DConditionModel.from_config(config)
+    return fresh_copy(skeleton, state)
+
+
 def gpu_rows(checkpoint: str | None, height: int, width: int, steps: int) -> Iterator[str]:
     """The table's lines, each yielded as soon as it is measured (a long run shows its progress)."""
     import torch
@@ -121,20 +131,13 @@ def gpu_rows(checkpoint: str | None, height: int, width: int, steps: int) -> Ite
 
         probe = shardkit.load_model(UNet2DConditionModel, checkpoint, config=checkpoint, device_map="cpu",
                                     dtype=torch.float16).eval()
+        weights = probe.state_dict()
     else:
-        with torch.device("cuda"):  # random initialisation is seconds on the GPU
-            probe = UNet2DConditionModel(**SD15_UNET).to(torch.float16).eval()
-        probe.to("cpu")
-        torch.cuda.empty_cache()
-    weights = probe.state_dict()  # built (or loaded) once; each setup gets its own copy
+        weights = gpu_weights(lambda: UNet2DConditionModel.from_config(SD15_UNET), torch.float16)
+        probe = unet_copy(SD15_UNET, weights)
 
-    def build() -> Any:
-        from accelerate import init_empty_weights
-
-        with init_empty_weights():
-            model = UNet2DConditionModel.from_config(probe.config)
-        model.load_state_dict({k: v.clone() for k, v in weights.items()}, assign=True, strict=True)
-        return model.eval()
+    def build() -> Any:  # each setup gets its own copy of the weights (built or loaded once)
+        return unet_copy(probe.config, weights)
 
     profile = profile_module(probe, Workload(height, width, 1, True, "sdpa"), name="unet", role="denoiser",
                              config=dict(probe.config))
@@ -159,15 +162,9 @@ def gpu_rows(checkpoint: str | None, height: int, width: int, steps: int) -> Ite
             else:
                 model.to("cuda")
             inputs = unet_inputs(model, height, width, 2, "cuda", torch.float16)
-            with torch.no_grad():
-                model(*inputs)  # warm-up
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(steps):
-                    model(*inputs)
-                torch.cuda.synchronize()
-            seconds = (time.perf_counter() - start) / steps
-            peak = torch.cuda.max_memory_allocated() - base
+            times, peak_bytes = timed_steps(functools.partial(model, *inputs), steps + 1, reset_peak=False)  # 1 warm-up
+            seconds = sum(times[1:]) / steps
+            peak = peak_bytes - base
             est = max(cand.peaks.gpu)
             yield f"| {cand.label} | {est / 1e9:.2f} | {peak / 1e9:.2f} | {est / max(peak, 1):.2f} | {seconds:.3f} |"
             del model, inputs
