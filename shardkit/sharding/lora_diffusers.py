@@ -3,9 +3,11 @@
 A diffusion LoRA is one ``.safetensors`` file without ``adapter_config.json``: diffusers' own format
 (``unet.M.lora_A.weight``, ``transformer.M.lora_B.weight``, the config in the header's
 ``lora_adapter_metadata``) or kohya's (``lora_unet_M.lora_down.weight``, ``.lora_up.weight``,
-``.alpha``; SDXL's ``input_blocks`` numbering mapped with the base's UNet config). They are read by
-diffusers' own functions, the ones ``load_lora_weights`` runs: ``lora_state_dict`` (kohya → diffusers
-names and alphas), ``convert_unet_state_dict_to_peft`` and ``get_peft_kwargs`` (rank, alpha, their
+``.alpha``; SDXL's ``input_blocks`` numbering mapped with the base's UNet config; Flux's
+``lora_unet_double_blocks_*``/``lora_unet_single_blocks_*``, whose fused ``qkv``/``linear1`` pairs diffusers
+splits). They are read by diffusers' own functions, the ones ``load_lora_weights`` runs: ``lora_state_dict``
+(kohya → diffusers names and alphas; ``FluxLoraLoaderMixin``'s for Flux keys or a Flux base, else
+``StableDiffusionLoraLoaderMixin``'s), ``convert_unet_state_dict_to_peft`` and ``get_peft_kwargs`` (rank, alpha, their
 patterns); the result is a PEFT config and keys, held as an :class:`~shardkit.sharding.lora_adapter.Adapter`
 and merged like any PEFT one,
 so ``pipe.load_lora_weights(...); pipe.fuse_lora()`` and the merge agree. ``component`` picks the keys:
