@@ -93,7 +93,8 @@ def s3_demo(out: str) -> int:
         server.start()
         os.environ.update(server.client_env())  # the standard AWS_* variables; the CLI below reads them
         os.environ["AWS_CONFIG_FILE"] = os.environ["AWS_SHARED_CREDENTIALS_FILE"] = os.path.join(data, "none")
-        upload(server, src, "demo", "unet")
+        server.upload(src, "demo", "unet")
+        print("\n".join(f"uploaded s3://demo/unet/{name}" for name in sorted(os.listdir(src))))
         step("3. inspect it where it lives (headers only, by ranged GETs)")
         shardkit_cli("info", "s3://demo/unet")
         step("4. split it from one bucket prefix to another (index published last)")
@@ -108,18 +109,6 @@ def s3_demo(out: str) -> int:
         shutil.rmtree(data, ignore_errors=True)
     print(f"\ns3 demo finished in {time.perf_counter() - started:.0f} s; the server is stopped and its data removed")
     return 0
-
-
-def upload(server: object, folder: str, bucket: str, prefix: str) -> None:
-    """Every file of ``folder`` to ``s3://bucket/prefix/`` with boto3 (as ``aws s3 cp --recursive`` would)."""
-    client = server.client()  # type: ignore[attr-defined]
-    try:
-        client.create_bucket(Bucket=bucket)
-        for name in sorted(os.listdir(folder)):
-            client.upload_file(os.path.join(folder, name), bucket, f"{prefix}/{name}")
-            print(f"uploaded s3://{bucket}/{prefix}/{name}")
-    finally:
-        client.close()
 
 
 def check_forward(src: str, dst: str) -> None:

