@@ -1,0 +1,78 @@
+"""The benchmarks' shared runner and builders (scripts/benchlib.py, scripts/build_checkpoint.py), and a
+tiny end-to-end run of the benchmarks that build their own inputs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import benchlib  # noqa: E402
+import build_checkpoint  # noqa: E402
+
+
+def test_rounds_rotate_the_case_order_and_drop_none() -> None:
+    seen: list[tuple[str, int]] = []
+
+    def one(key: str, r: int) -> dict[str, int] | None:
+        seen.append((key, r))
+        return None if key == "b" and r == 1 else {"r": r}
+
+    results = benchlib.rounds(["a", "b", "c"], 3, one)
+    assert [k for k, _ in seen] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert results == {"a": [{"r": 0}, {"r": 1}, {"r": 2}], "b": [{"r": 0}, {"r": 2}], "c": [{"r": 0}, {"r": 1}, {"r": 2}]}
+
+
+def test_shell_cases_are_timed_in_fresh_processes_with_their_cleanup(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    cases = [benchlib.Case("floor", "true"),
+             benchlib.Case("write", f"mkdir {out} && head -c 1000 /dev/zero > {out}/x", "t", [str(out)])]
+    benchlib.run_interleaved(cases, runs=2, log=lambda line: None)
+    assert [len(c.times) for c in cases] == [2, 2] and all(rss > 0 for c in cases for rss in c.rss_mb)
+    assert not out.exists()  # removed before each run (mkdir would fail) and after the last
+    table = benchlib.table(cases, floor="floor")
+    assert table.splitlines()[:2] == ["| case | median s | × floor | peak RSS MB | target |", "|---|---:|---:|---:|---|"]
+    assert table.splitlines()[2].startswith("| floor | ") and "| 1.00× |" in table.splitlines()[2]
+
+
+def test_a_failing_child_is_an_error_or_a_miss(tmp_path: Path) -> None:
+    script = tmp_path / "child.py"
+    script.write_text("import json, sys\nif sys.argv[1] == 'ok': print(json.dumps({'x': 1}))\nelse: sys.exit('bad input')\n")
+    assert benchlib.child(str(script), "ok") == {"x": 1}
+    assert benchlib.child(str(script), "no", check=False) == {"error": "bad input"}
+    with pytest.raises(SystemExit, match="bad input"):
+        benchlib.child(str(script), "no")
+
+
+def test_build_random_writes_the_size_asked_in_shards(tmp_path: Path) -> None:
+    names = build_checkpoint.build_random(str(tmp_path / "ck"), size_bytes=5 << 20, shard_bytes=2 << 20,
+                                          tensor_bytes=1 << 20, dtype="F16", manifest=False)
+    assert names == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)] + ["model.safetensors.index.json"]
+    state: dict[str, torch.Tensor] = {}
+    for name in names[:3]:
+        state.update(load_file(tmp_path / "ck" / name))
+    assert sorted(state) == [f"layers.{i:04d}.weight" for i in range(5)]
+    assert sum(t.nbytes for t in state.values()) == 5 << 20
+    again = build_checkpoint.build_random(str(tmp_path / "again"), size_bytes=5 << 20, shard_bytes=2 << 20,
+                                          tensor_bytes=1 << 20, dtype="F16", manifest=False)
+    assert all((tmp_path / "ck" / n).read_bytes() == (tmp_path / "again" / n).read_bytes() for n in again)  # seeded
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [["bench_convert.py", "--tiny"], ["bench_split.py", "--size", "tiny"]])
+def test_a_benchmark_runs_end_to_end_on_a_tiny_unet(tmp_path: Path, argv: list[str]) -> None:
+    report = tmp_path / "report.md"
+    done = subprocess.run([sys.executable, str(SCRIPTS / argv[0]), *argv[1:], "--runs", "1", "--work",
+                           str(tmp_path / "work"), "--output", str(report)], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(SCRIPTS.parent)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = report.read_text()
+    assert "| case | median s | × floor | peak RSS MB | target |" in text and "(floor" in text
