@@ -59,6 +59,7 @@ _LAZY: dict[str, str] = {
     "info": "api.checkpoints",
     "verify": "api.checkpoints",
     "push": "api.jobs",
+    "PushOptions": "api.jobs",
     "split_and_push": "api.checkpoints",
     "apply_offload": "api.loading",
     "apply_layerwise_casting": "api.loading",
@@ -85,7 +86,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time each name i
         split_and_push,
         verify,
     )
-    from .api.jobs import push
+    from .api.jobs import PushOptions, push
     from .api.loading import (
         SliceRule,
         TensorParallelPlan,
@@ -110,7 +111,7 @@ __all__ = [
     "InvalidInputError", "InvalidSizeError", "JournalError", "KeyMismatchError", "ManifestError", "OffloadError",
     "OutputExistsError", "OutsideFolderError", "ShardkitError", "ShardkitWarning", "ShardkitWriteError",
     "SourceNotFoundError", "StoreError", "UntrustedFileError",
-    "SliceRule", "SplitResult", "TensorParallelPlan", "UnsafePickleError", "VerificationError", "WriteOptions", "__version__", "apply_layerwise_casting",
+    "PushOptions", "SliceRule", "SplitResult", "TensorParallelPlan", "UnsafePickleError", "VerificationError", "WriteOptions", "__version__", "apply_layerwise_casting",
     "apply_offload", "convert", "estimate_memory", "fit", "format_size", "info", "load_into", "load_model",
     "load_pipeline", "merge", "open", "open_source", "parse_size", "plan_device_map", "plan_model", "plan_shards", "push",
     "read_header", "recover", "run_plan", "save_sharded", "split", "split_and_push", "tensor_parallel_rules", "verify",

@@ -1,5 +1,5 @@
 """Bounded worker threads that every stage closes the same way: shardkit's reads of local, FUSE and
-network files (:mod:`shardkit.loading`) and of ``hf://`` range requests (:mod:`shardkit.hub.remote_stream`).
+network files (:mod:`shardkit.loading`) and of ``hf://`` range requests (:mod:`shardkit.stores.streamed`).
 
 >>> pool = ReadPool(threads=2)
 >>> [pool.submit(lambda: 6 * 7).result() for _ in range(3)]

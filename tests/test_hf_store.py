@@ -12,10 +12,10 @@ pytestmark = pytest.mark.hub
 
 CODE = r"""
 import json, os, sys, tempfile
-from shardkit.hub.hf_store import HfStore
+from shardkit.api.stores import store_mirror
 from shardkit.formats.names import is_config_file
-from shardkit.hub.remote import open_mirror
-from shardkit.stores import RangeRequest, RemoteObject, read_ranges
+from shardkit.stores import RangeRequest, RemoteObject, open_store, read_ranges
+from shardkit.stores.hf import HfStore
 from shardkit.stores.mirror import build_header_mirror
 
 def tree(root):
@@ -36,9 +36,11 @@ with HfStore("hf://alice/ckpt") as store:
     read_ranges(store, [RangeRequest(shard.name, 0, memoryview(whole))], threads=4, part_bytes=100_000)
     piece = bytearray(10)
     RemoteObject(store, shard).read_into(1000, memoryview(piece))
-    with open_mirror("hf://alice/ckpt") as reference:
+    with store_mirror("hf://alice/ckpt") as reference:
         same = tree(reference.root) == tree(root)
-    print(json.dumps({"names": [o.name for o in objects], "url": str(store.url), "same": same,
+    with open_store("hf://alice/ckpt") as opened:
+        same_store = isinstance(opened, HfStore) and opened.list_objects() == objects
+    print(json.dumps({"names": [o.name for o in objects], "url": str(store.url), "same": same, "same_store": same_store,
                       "fetched": mirror.fetched_bytes, "whole": whole.hex(), "piece": piece.hex()}))
 """
 
@@ -56,7 +58,8 @@ def test_the_generic_mirror_and_reads_work_on_a_hub_repository(hub, tmp_path) ->
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["names"] == sorted([*files, ".gitattributes"]) and got["url"] == "hf://alice/ckpt"
-    assert got["same"], "the generic header mirror equals the Hub's own"
+    assert got["same"], "the header mirror built by hand equals the one every location gets"
+    assert got["same_store"], "open_store('hf://...') opens the same store"
     second = shards["model-00002-of-00002.safetensors"]
     assert bytes.fromhex(got["whole"]) == second and bytes.fromhex(got["piece"]) == second[1000:1010]
     assert got["fetched"] < sum(map(len, shards.values())) / 2

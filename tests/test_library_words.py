@@ -21,7 +21,7 @@ PACKAGE = Path(shardkit.__file__).resolve().parent
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 # Other tools' flags in a command line a message quotes (module, flag): not shardkit's words.
 OTHER_TOOLS = {("distributed/group.py", "--nnodes"), ("distributed/group.py", "--nproc-per-node"),  # torchrun
-               ("hub/remote.py", "--repo-type")}  # `hf download`
+               ("stores/hf.py", "--repo-type")}  # `hf download`
 
 
 def _docstrings(tree: ast.AST) -> set[int]:

@@ -125,7 +125,7 @@ def test_info_and_fit_of_a_pipeline_repo_match_the_local_folder(hub, tmp_path, p
 
 @pytest.mark.parametrize("extra", [0, 1], ids=["at-boundary", "one-past"])
 def test_header_ending_exactly_at_the_first_range(hub, tmp_path, extra):
-    from shardkit.hub.remote import FIRST_RANGE_BYTES
+    from shardkit.stores.mirror import FIRST_RANGE_BYTES
 
     blob = lazy_safetensors({"w": ("F32", (1000, 1000))}, header_total_bytes=FIRST_RANGE_BYTES + extra)
     hub.state.add_repo("alice/edge", {"model.safetensors": blob})
@@ -251,7 +251,7 @@ def test_verify_remote_checks_structure_without_tensor_data(hub, tmp_path):
 
 
 def test_verify_against_remote_decides_from_oids_and_reads_only_differing_tensors(hub, tmp_path):
-    from shardkit.hub.remote import FIRST_RANGE_BYTES
+    from shardkit.stores.mirror import FIRST_RANGE_BYTES
 
     folder = split_folder(tmp_path, "out", "600KB")
     for name, text in ((".gitattributes", "*.safetensors filter=lfs\n"), ("README.md", "# tiny\n"),

@@ -82,7 +82,7 @@ def test_split_no_cache_of_a_pipeline_repo_equals_a_local_pipeline_split(hub, tm
 
 def test_convert_no_cache_fetches_only_the_kept_tensors(hub, tmp_path):
     import shardkit
-    from shardkit.hub.remote import FIRST_RANGE_BYTES
+    from shardkit.stores.mirror import FIRST_RANGE_BYTES
 
     source = write_safetensors(tmp_path / "src" / "model.safetensors", count=200, seed=3)  # 52 MB
     hub.state.add_repo("alice/wide", hub_files(source.parent))
@@ -298,7 +298,7 @@ def test_convert_to_diffusers_from_a_hub_file_with_a_hub_config(hub, tmp_path, s
 
 def test_a_dataset_repository_is_a_source_too(hub, tmp_path):
     import shardkit
-    from shardkit.hub.remote_spec import parse_spec
+    from shardkit.stores.hf_spec import parse_spec
 
     assert str(parse_spec("hf://datasets/alice/ckpts@v1/run-3")) == "hf://datasets/alice/ckpts@v1/run-3"
     assert parse_spec("hf://datasets/alice/ckpts").repo_type == "dataset"

@@ -1,9 +1,9 @@
-"""The public ``shardkit.split`` / ``convert`` / ``info`` / ``verify``: local paths and ``hf://`` repositories.
+"""The public ``shardkit.split`` / ``convert`` / ``info`` / ``verify``: local paths and remote locations alike.
 
 Each takes its write options once, as ``options=WriteOptions(...)`` or as the keyword shorthands
-of :class:`~shardkit.sharding.options.WriteKeywords` (both: the shorthands win), routes an
-``hf://`` source through :mod:`shardkit.api.sources` and calls the stage's function with the
-built options. A local path goes straight to the stage, never through ``hub/``.
+of :class:`~shardkit.sharding.options.WriteKeywords` (both: the shorthands win), resolves a remote
+source (``hf://``, ``s3://``) through :mod:`shardkit.api.sources` and calls the stage's function
+with the built options. A local path goes straight to the stage.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from ..sharding.plan import plan_shards
 from ..sources.base import CheckpointSource
 from ..stores.urls import check_local, is_store_url
 from .options import ConvertTo
-from .sources import is_hub, is_remote
+from .sources import is_remote, lists_digests
 from .store_copy import copy_split
 from .store_writes import write_to_store
-from .stores import store_info, store_verify
+from .stores import store_checkpoint, store_info
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -140,9 +140,6 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options
         if adapters:
             raise InvalidInputError("lora=... is not supported in a collective convert; merge in one process")
 
-        if is_hub(source):
-            raise InvalidInputError(f"{source}: a collective convert reads a local or s3:// checkpoint; download "
-                                    "it first (hf download), or convert without torchrun")
         with opened(source, cache=cache) as readable:  # s3://: each rank reads its shards' byte ranges
             return convert_collective(readable, output, options=built, key=key, keymap=keymap, to=to)
     with opened(source, token=token, cache=cache, pickles=True) as readable, \
@@ -218,17 +215,13 @@ def split_and_push(source: CheckpointSource, output: str | os.PathLike[str], rep
 
 
 def info(path: str | os.PathLike[str], *, token: str | None = None) -> CheckpointInfo:
-    """:func:`shardkit.checking.info.info`; for ``hf://...`` from headers, indexes and configs only.
+    """:func:`shardkit.checking.info.info`; for a remote location (``hf://``, ``s3://``) from headers, indexes
+    and configs only.
 
     shardkit.info("hf://black-forest-labs/FLUX.1-dev").parameter_count
     """
-    if is_hub(path):
-        from ..hub.remote import remote_info
-
-        described: CheckpointInfo = remote_info(path, token=token)
-        return described
-    if is_store_url(path):
-        return store_info(path)
+    if is_remote(path):
+        return store_info(path, token=token)
     check_local(path, role="checkpoint")
     from ..checking.info import info as info_local
 
@@ -237,39 +230,40 @@ def info(path: str | os.PathLike[str], *, token: str | None = None) -> Checkpoin
 
 def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = None, token: str | None = None,
            progress: ProgressCallback | None = None, read_data: bool = True) -> VerifyReport:
-    """Check a checkpoint: structure, every byte, and with ``against`` every tensor; ``path`` or ``against`` may be ``hf://``.
+    """Check a checkpoint: structure, every byte, and with ``against`` every tensor; either may be remote.
 
-    ``verify("hf://...")`` checks the repository's structure without tensor data;
-    ``verify(folder, against="hf://...")`` compares by the Hub's sha256s, then tensor by tensor.
+    ``verify("hf://...")`` or ``verify("s3://...")`` checks the folder's structure without tensor data;
+    ``verify(folder, against="hf://...")`` compares by the digests the Hub lists, then tensor by
+    tensor; any other remote side is read whole by ranged reads and compared tensor by tensor.
     ``progress`` and ``read_data`` are as for :func:`shardkit.checking.verify.verify`.
 
     shardkit.verify("out/", against="hf://org/model").ok
     """
-    if is_hub(path):
-        from ..hub.remote_verify import verify_remote
+    from .store_verify import verify_against_listing, verify_structure
 
-        return verify_remote(path, token=token)
-    if is_hub(against) and not is_store_url(path):
-        from ..hub.remote_verify import verify_against_remote
+    if is_remote(path) and against is None:
+        return verify_structure(path, token=token)
+    if not is_remote(path) and lists_digests(against):
+        return verify_against_listing(os.fspath(path), against, token=token)
+    from ..checking.verify import verify as verify_local
 
-        return verify_against_remote(os.fspath(path), against, token=token)
-    if is_store_url(path) or is_store_url(against):  # every byte of an s3:// side read by ranged GETs
+    if is_remote(path) or is_remote(against):  # every byte of a remote side read by ranged reads
         from .sources import opened
 
-        with opened(against, token=token, cache=False) if is_remote(against) else nullcontext(against) as reference:
-            report = store_verify(path, against=reference, progress=progress)
+        with opened(against, token=token, cache=False) if is_remote(against) else nullcontext(against) as reference, \
+                store_checkpoint(path, side_files=True, token=token) if is_remote(path) else nullcontext(path) as checked:
+            report = verify_local(checked, against=reference, progress=progress)
+        report.path = os.fspath(path)
         if is_remote(against):
             report.against = against
         return report
     check_local(path, role="checkpoint")
     check_local(against, role="reference")
-    from ..checking.verify import verify as verify_local
-
     return verify_local(path, against=against, progress=progress, read_data=read_data)
 
 
-def describe_remote_report(report: VerifyReport) -> str:
-    """The one-line summary of a verify against ``hf://`` (what ``shardkit verify`` prints)."""
-    from ..hub.remote_verify import describe
+def describe_remote_report(report: VerifyReport) -> str | None:
+    """The one-line summary of a check decided from a listing (what ``shardkit verify`` prints), else None."""
+    from .store_verify import describe
 
     return describe(report)

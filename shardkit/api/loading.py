@@ -1,12 +1,13 @@
 """The public loading functions: ``shardkit.open``, ``load_model``, ``load_pipeline``, ``plan_device_map``,
 ``estimate_memory``..., each reached through the application layer.
 
-``plan_device_map`` and ``estimate_memory`` take an ``hf://ORG/REPO[@REVISION][/SUBFOLDER]`` or
-``s3://BUCKET/PREFIX`` checkpoint as ``shardkit.fit`` and ``plan_model`` do: read from a header-only
-mirror (headers, indexes and configs; no tensor data), removed after. ``shardkit.open`` and
-``load_model`` read an ``s3://`` checkpoint where it lives: its headers from the mirror, its tensor
-bytes by parallel ranged GETs straight into the tensors (:func:`shardkit.api.stores.store_checkpoint`);
-a local path goes straight to the loading stage. ``load_pipeline`` is the composite of
+``plan_device_map`` and ``estimate_memory`` take a remote checkpoint (``hf://ORG/REPO[@REVISION][/SUBFOLDER]``,
+``s3://BUCKET/PREFIX``) as ``shardkit.fit`` and ``plan_model`` do: read from a header-only
+mirror (headers, indexes and configs; no tensor data), removed after. ``shardkit.open``,
+``load_model`` and ``load_pipeline`` read a remote checkpoint where it lives: its headers from the
+mirror, its tensor bytes by parallel ranged reads straight into the tensors
+(:func:`shardkit.api.stores.store_checkpoint`); a local path goes straight to the loading stage.
+``load_pipeline`` is the composite of
 loading and the auto-fit planner, so it lives here rather than in either stage.
 """
 
@@ -30,7 +31,7 @@ from ..reading.residency import ReadMode
 from ..runtime.casting import apply_layerwise_casting
 from ..runtime.offload import apply_offload
 from ..sources import open_source
-from ..stores.urls import is_store_url
+from .sources import is_remote
 
 if TYPE_CHECKING:
     import torch
@@ -50,23 +51,24 @@ __all__ = ["SliceRule", "TensorParallelPlan", "apply_layerwise_casting", "apply_
 
 
 def open(path: str | os.PathLike[str] | RangedCheckpoint, *, variant: str | None = None,  # noqa: A001
-         read: ReadMode = "auto", read_ahead_bytes: int = READ_AHEAD_BYTES) -> LazyCheckpoint:
-    """:func:`shardkit.loading.opening.open`, for an ``s3://BUCKET/PREFIX`` checkpoint too.
+         read: ReadMode = "auto", read_ahead_bytes: int = READ_AHEAD_BYTES, token: str | None = None) -> LazyCheckpoint:
+    """:func:`shardkit.loading.opening.open`, for a remote checkpoint (``s3://BUCKET/PREFIX``, ``hf://ORG/REPO``) too.
 
-    An ``s3://`` checkpoint's headers, index and configs are fetched into a header-only mirror
+    A remote checkpoint's headers, index and configs are fetched into a header-only mirror
     (every header validated here), and each tensor's bytes are read by parallel ranged GETs
     straight into its memory when it is touched (``read`` does not apply); ``close()`` removes the
-    mirror and closes the connections. Every other argument is as for the local function.
+    mirror and closes the connections. ``token`` is a Hub token for ``hf://`` (default ``HF_TOKEN``
+    or the stored login). Every other argument is as for the local function.
 
     with shardkit.open("s3://models/sd15/unet") as ckpt:
         state = ckpt.to_state_dict()
     """
-    if not is_store_url(path):
+    if not is_remote(path):
         return open_local(path, variant=variant, read=read, read_ahead_bytes=read_ahead_bytes)
     from .stores import store_checkpoint
 
     with contextlib.ExitStack() as stack:
-        ranged = stack.enter_context(store_checkpoint(path))
+        ranged = stack.enter_context(store_checkpoint(path, token=token))
         checkpoint = open_local(ranged, variant=variant, read=read, read_ahead_bytes=read_ahead_bytes)
         try:
             checkpoint.metadata  # noqa: B018 - every shard opened now: errors name the URL, not the mirror
@@ -83,10 +85,11 @@ def load_model(model: ModelSpec, checkpoint: str | os.PathLike[str] | LazyCheckp
                max_memory: MaxMemory | None = None, offload_folder: str | os.PathLike[str] | None = None,
                dtype: str | torch.dtype | None = None, no_split_module_classes: list[str] | None = None,
                strict: bool = True, offload: str | None = None, offload_options: dict[str, object] | None = None,
-               layerwise_casting: LayerwiseCasting | None = None, read: ReadMode = "auto") -> torch.nn.Module:
-    """:func:`shardkit.loading.load.load_model`, from an ``s3://BUCKET/PREFIX`` checkpoint too.
+               layerwise_casting: LayerwiseCasting | None = None, read: ReadMode = "auto",
+               token: str | None = None) -> torch.nn.Module:
+    """:func:`shardkit.loading.load.load_model`, from a remote checkpoint (``s3://BUCKET/PREFIX``, ``hf://ORG/REPO``) too.
 
-    An ``s3://`` checkpoint is read as :func:`open` reads it (tensor bytes by parallel ranged GETs,
+    A remote checkpoint is read as :func:`open` reads it (tensor bytes by parallel ranged GETs,
     each fetched once, no local copy); its ``config.json`` is the default ``config``; tensors the
     device map sends to disk are written to ``offload_folder``. Every argument is as for the local function.
 
@@ -96,11 +99,11 @@ def load_model(model: ModelSpec, checkpoint: str | os.PathLike[str] | LazyCheckp
                              offload_folder=offload_folder, dtype=dtype,
                              no_split_module_classes=no_split_module_classes, strict=strict, offload=offload,
                              offload_options=offload_options, layerwise_casting=layerwise_casting, read=read)
-    if not is_store_url(checkpoint):
+    if not is_remote(checkpoint):
         return load(model, checkpoint)
     from .stores import store_checkpoint
 
-    with store_checkpoint(checkpoint) as ranged:
+    with store_checkpoint(checkpoint, token=token) as ranged:
         return load(model, ranged)
 
 
@@ -117,7 +120,7 @@ def plan_device_map(model: ModelSpec, *, config: ConfigSpec | None = None,
                              max_memory={0: "4GB", "cpu": "16GB"})
     """
     from ..loading.device_map import plan_device_map as plan_local
-    from .sources import headers, is_remote
+    from .sources import headers
 
     if not is_remote(checkpoint):
         return plan_local(model, config=config, checkpoint=checkpoint, max_memory=max_memory, dtype=dtype,
@@ -191,7 +194,7 @@ def load_pipeline(
     """
     from ..errors import InvalidInputError
 
-    if is_store_url(path):
+    if is_remote(path):
         if fit is not None:
             raise InvalidInputError(f"{path}: fit= does not apply to a pipeline in a bucket yet; plan it with "
                                     "shardkit.fit(path, max_memory=...) and pass device_map/offload")

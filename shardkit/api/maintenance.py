@@ -10,7 +10,7 @@ from ..sharding.merge import MergeResult
 from ..sharding.merge import merge as merge_file
 from ..sharding.options import ProgressCallback
 from ..stores.urls import check_scheme, is_store_url
-from .sources import opened
+from .sources import is_remote, opened
 from .store_writes import recover_prefix, write_to_store
 
 __all__ = ["MergeResult", "Recovery", "merge", "recover"]
@@ -38,7 +38,7 @@ def recover(folder: str | os.PathLike[str]) -> Recovery:
 
     shardkit.recover("out/").removed_bytes
     """
-    if is_store_url(folder):
+    if is_remote(folder):
         return recover_prefix(folder)
     report = recover_folder(folder, plans=True)  # an abandoned plan's work folder too
     if report is None:

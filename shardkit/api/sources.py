@@ -1,103 +1,161 @@
-"""Turning what a caller names into what a stage reads: the one place that routes a source by scheme.
+"""Turning what a caller names into what a stage reads: the one place a location is resolved.
 
-A local path (or an open source, or an in-memory state dict) passes straight through without
-touching ``hub/``; ``hf://ORG/REPO[@REVISION][/SUBFOLDER]`` is opened by ``hub/`` (the cached
-download, the streamed range reads, or the header-only mirror); ``s3://BUCKET/PREFIX`` by
-:mod:`shardkit.api.stores` (the header-only mirror, and its tensor bytes by ranged GETs). A new
-scheme is one more row in :data:`SCHEMES` and one opener per kind of use.
+A location is a local path (or an open source, or an in-memory state dict), which passes straight
+through, or a ``scheme://`` string whose row of :data:`LOCATIONS` says how it is read. Every remote
+location is a store (:func:`shardkit.stores.open_store`: ``s3://BUCKET/PREFIX``, ``hf://ORG/REPO[@REV][/SUBFOLDER]``)
+read the same way (:mod:`shardkit.api.stores`: a header-only mirror, and the tensor bytes by range);
+a row adds only what that kind of store offers besides: a local cache (the Hugging Face cache), a
+config-only download, digests listed for every file. A new store is one row here and one opener
+in ``stores/``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import TypeGuard
 
 from ..errors import InvalidInputError
 from ..sources.base import CheckpointSource
-from ..stores.urls import is_store_url
+from ..stores.urls import check_scheme, url_scheme
 
-__all__ = ["SCHEMES", "configs", "headers", "is_hub", "is_remote", "opened"]
+__all__ = ["LOCATIONS", "Location", "configs", "headers", "is_remote", "lists_digests", "opened"]
 
-SCHEMES = {"hf://": "the Hugging Face Hub", "s3://": "an S3 bucket"}  # the remote schemes the application layer routes
+
+def _hf_cached(path: str, *, token: str | None, pickles: bool) -> AbstractContextManager[str]:
+    from ..stores.hf_cache import cached_folder
+
+    return cached_folder(path, token=token, pickles=pickles)
+
+
+def _hf_configs(path: str, *, token: str | None) -> AbstractContextManager[str]:
+    from ..stores.hf_cache import cached_configs
+
+    return cached_configs(path, token=token)
+
+
+def _hf_names_a_file(path: str) -> bool:
+    from ..stores.hf_cache import names_a_file
+
+    return names_a_file(path)
+
+
+@dataclass(frozen=True)
+class Location:
+    """What one kind of remote location offers besides the store every one of them is.
+
+    ``cached``: a local copy through a cache, used by default for ``split``/``convert`` (``cache=True``);
+    None: read where it lives. ``configs``: the configs of a folder, downloaded (None: from the
+    header-only mirror). ``names_a_file``: the location names one checkpoint file, not a folder
+    (read through ``cached`` only). ``digests``: the store lists a digest of every file, so a local
+    folder is compared with it file by file before any tensor byte is read.
+    """
+
+    what: str
+    cached: Callable[..., AbstractContextManager[str]] | None = None
+    configs: Callable[..., AbstractContextManager[str]] | None = None
+    names_a_file: Callable[[str], bool] | None = None
+    digests: bool = False
+
+
+LOCATIONS: dict[str, Location] = {
+    "hf": Location("a Hugging Face Hub repository", cached=_hf_cached, configs=_hf_configs,
+                   names_a_file=_hf_names_a_file, digests=True),
+    "s3": Location("an S3 bucket"),
+}
+
+
+def location(path: object) -> Location | None:
+    """The row of a remote location, or None for a local path or an open source; an unknown scheme is refused."""
+    text = os.fspath(path) if isinstance(path, os.PathLike) else path
+    scheme = url_scheme(text)
+    if scheme is None:
+        return None
+    check_scheme(text)
+    return LOCATIONS[scheme]
 
 
 def is_remote(path: object) -> TypeGuard[str]:
-    """True for a string naming a remote checkpoint (any scheme of :data:`SCHEMES`).
+    """True for a string naming a remote checkpoint (a row of :data:`LOCATIONS`).
 
-    >>> is_remote("hf://org/model"), is_remote("out/")
-    (True, False)
+    >>> is_remote("hf://org/model"), is_remote("s3://models/m"), is_remote("out/")
+    (True, True, False)
     """
-    return isinstance(path, str) and path.startswith(tuple(SCHEMES))
+    return isinstance(path, str) and url_scheme(path) in LOCATIONS
 
 
-def is_hub(path: object) -> TypeGuard[str]:
-    """True for ``hf://...``."""
-    return isinstance(path, str) and path.startswith("hf://")
+def lists_digests(path: object) -> TypeGuard[str]:
+    """True for a remote location whose store lists a digest of every file (a Hub repository)."""
+    row = location(path) if isinstance(path, str) else None
+    return row is not None and row.digests
 
 
 @contextlib.contextmanager
 def opened(source: CheckpointSource, *, token: str | None = None, cache: bool = True,
            pickles: bool = False) -> Iterator[CheckpointSource]:
-    """What the writers read for ``source``: itself, or for ``hf://`` its cached copy or a streamed mirror.
+    """What the writers read for ``source``: itself, a cached copy, or the store's folder read by range.
 
     with opened("hf://org/model", cache=False) as readable:
         split_with(readable, "out/", options=WriteOptions())
 
-    An ``s3://BUCKET/PREFIX`` is read where it lives (its tensor bytes by ranged GETs, no local
-    copy), so ``cache`` does not apply to it.
-    """
-    if is_store_url(source):
-        from .stores import store_checkpoint
+    A location whose row has a cache (``hf://``) is read through it unless ``cache=False``; then,
+    and for every other store (``s3://``), it is read where it lives (tensor bytes by ranged reads,
+    no local copy; objects with a listed digest front to back, checked). ``pickles``: a cached
+    folder holding pickle weights only is downloaded (never read by range).
 
-        with store_checkpoint(source, side_files=True) as ranged:  # a split copies them
-            yield ranged
-        return
-    if not is_hub(source):
+    Also the way to read any location as a folder (a LoRA adapter, a config folder): the result is
+    a local path, or a :class:`~shardkit.sources.ranged.RangedCheckpoint` whose ``root`` holds every
+    file but the weights (``side_files``) and whose ``open_file`` reads a weight file by range.
+    """
+    path = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
+    row = location(path) if path is not None else None
+    if path is None or row is None:
         if not cache:
-            shown = os.fspath(source) if isinstance(source, (str, os.PathLike)) else f"a {type(source).__name__}"
+            shown = path if path is not None else f"a {type(source).__name__}"
             raise InvalidInputError(f"cache=False applies to an hf://ORG/REPO source, not to {shown}; drop it")
         yield source
         return
-    from ..hub.remote_checkpoint import open_checkpoint
+    if row.cached is not None and (cache or (row.names_a_file is not None and row.names_a_file(path))):
+        if not cache:
+            raise InvalidInputError(f"{path}: cache=False streams a repository folder; for one file, drop cache=False "
+                                    f"(or stream its folder: {path.rpartition('/')[0]})")
+        with row.cached(path, token=token, pickles=pickles) as local:
+            yield local
+        return
+    from .stores import store_checkpoint
 
-    with open_checkpoint(source, token=token, cache=cache, pickles=pickles) as readable:
-        yield readable
+    with store_checkpoint(path, side_files=True, token=token, checked=True) as ranged:  # a split copies them
+        yield ranged
 
 
 @contextlib.contextmanager
 def configs(path: str | os.PathLike[str] | None, *, token: str | None = None) -> Iterator[str | None]:
-    """A config folder or file: itself, for ``hf://`` its configs, tokenizers and schedulers (never weights),
-    for ``s3://BUCKET/PREFIX`` a folder of its configs (from the header-only mirror)."""
-    if path is not None and is_store_url(os.fspath(path)):
-        from .stores import store_mirror
-
-        with store_mirror(os.fspath(path)) as mirror:
-            yield mirror.root
-        return
-    if path is None or not is_hub(os.fspath(path)):
+    """A config folder or file: itself; for a remote location its configs, tokenizers and schedulers
+    (never weights), downloaded where its row can, else a folder of them from the header-only mirror."""
+    row = location(path) if path is not None else None
+    if path is None or row is None:
         yield None if path is None else os.fspath(path)
         return
-    from ..hub.remote_checkpoint import config_source
+    if row.configs is not None:
+        with row.configs(os.fspath(path), token=token) as local:
+            yield local
+        return
+    from .stores import store_mirror
 
-    with config_source(os.fspath(path), token=token) as local:
-        yield local
+    with store_mirror(os.fspath(path), token=token) as mirror:
+        yield mirror.root
 
 
 @contextlib.contextmanager
 def headers(path: str | os.PathLike[str], *, token: str | None = None) -> Iterator[str]:
-    """A checkpoint to plan from without its tensor data: itself, or for ``hf://``/``s3://`` a header-only mirror."""
-    if is_store_url(os.fspath(path)):
-        from .stores import store_mirror
-
-        with store_mirror(os.fspath(path)) as mirror:
-            yield mirror.root
-        return
-    if not is_hub(os.fspath(path)):
+    """A checkpoint to plan from without its tensor data: itself, or for a remote location a header-only mirror."""
+    if location(path) is None:
         yield os.fspath(path)
         return
-    from ..hub.remote import local_checkpoint
+    from .stores import store_mirror
 
-    with local_checkpoint(os.fspath(path), token=token) as local:
-        yield local
+    with store_mirror(os.fspath(path), token=token) as mirror:
+        yield mirror.root

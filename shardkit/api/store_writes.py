@@ -134,7 +134,8 @@ def shown_path(path: str) -> str:
 
 
 def recover_prefix(output: str) -> Recovery:
-    """Abort the multipart uploads and delete the unpublished objects of killed writes under ``s3://...``."""
-    url, _ = _split_url(output)
+    """Abort the multipart uploads and delete the unpublished objects of killed writes in a store's folder
+    (``s3://...``; a read-only store such as ``hf://`` has none, and is reported consistent)."""
+    url = _split_url(output)[0] if is_store_url(output) else output
     with open_store(url) as store:
-        return Recovery(str(url), removed=recover_store(store))
+        return Recovery(str(store.url), removed=recover_store(store))

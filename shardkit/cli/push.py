@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -10,7 +10,7 @@ from ..units import format_size
 from .common import byte_progress, echo_json
 
 if TYPE_CHECKING:
-    from ..api.jobs import PushResult
+    from ..api.jobs import PushOptions, PushResult
 
 EPILOG = """\b
 Examples:
@@ -69,24 +69,23 @@ def push(path: str, repo_id: str, private: bool, revision: str | None, create_pr
     Creates the repository if it does not exist, uploads only what changed, and prints the
     commit URL (and the pull request URL with --create-pr).
     """
-    result = push_and_report(path, repo_id, private=private, revision=revision, create_pr=create_pr,
-                             message=message, path_in_repo=path_in_repo, repo_type=repo_type, token=token,
-                             include=list(include) or None, exclude=list(exclude) or None, dry_run=dry_run,
-                             verify=not no_verify, allow_lossy=allow_lossy, follow_symlinks=follow_symlinks,
-                             report="none" if as_json else "url" if quiet else "summary")
+    from ..api.jobs import PushOptions
+
+    options = PushOptions(private=private, revision=revision, create_pr=create_pr, message=message,
+                          path_in_repo=path_in_repo, repo_type=repo_type, token=token, include=include,
+                          exclude=exclude, dry_run=dry_run, verify=not no_verify, allow_lossy=allow_lossy,
+                          follow_symlinks=follow_symlinks)
+    result = push_and_report(path, repo_id, options, report="none" if as_json else "url" if quiet else "summary")
     if as_json:
         echo_json(result.to_dict())
 
 
-def push_and_report(path: str, repo_id: str, *, report: str = "summary", **options: Any) -> PushResult:
-    """Push with a byte progress bar; ``report`` is "summary", "url" (quiet) or "none" (JSON).
-
-    Shared with ``split --push-to``.
-    """
+def push_and_report(path: str, repo_id: str, options: PushOptions, *, report: str = "summary") -> PushResult:
+    """Push with a byte progress bar; ``report`` is "summary", "url" (quiet) or "none" (JSON)."""
     from ..api.jobs import push as push_api
 
-    with byte_progress("push", enabled=report == "summary" and not options.get("dry_run")) as progress:
-        result = push_api(path, repo_id, progress=progress, **options)
+    with byte_progress("push", enabled=report == "summary" and not options.dry_run) as progress:
+        result = push_api(path, repo_id, options=options, progress=progress)
     return report_push(result, report=report)
 
 

@@ -21,12 +21,12 @@ for read-only tools (or a read-only mount) that found a folder mid-commit.
 
 
 class FolderOrStore(click.ParamType):  # type: ignore[type-arg]
-    """An existing local folder, or an ``s3://BUCKET/PREFIX`` (whose killed writes ``recover`` cleans up)."""
+    """An existing local folder, or a remote location such as ``s3://BUCKET/PREFIX`` (``recover`` says which it cleans)."""
 
     name = "folder"
 
     def convert(self, value: str, param: click.Parameter | None, ctx: click.Context | None) -> str:
-        if value.startswith("s3://"):
+        if is_remote(value):
             return value
         path: str = click.Path(exists=True, file_okay=False, path_type=str).convert(value, param, ctx)
         return path

@@ -47,24 +47,20 @@ def verify(path: str, against: str | None, as_json: bool, quiet: bool, token: st
 
     Lists every finding by file and tensor; exits 1 if there is any.
     """
-    from ..api.checkpoints import describe_remote_report, is_remote
+    from ..api.checkpoints import describe_remote_report
     from ..api.checkpoints import verify as verify_api
-    from ..api.sources import is_hub
 
-    # headers only (hf:// or s3:// alone), or by the Hub's sha256s: a summary line, no bar; otherwise
-    # (s3:// on either side of --against included) every byte is read, with the bar
-    remote = is_remote(path) and against is None or is_hub(path) or is_hub(against) and not is_remote(path)
-    if remote:
-        report = verify_api(path, against=against, token=token)
-    else:  # no bar in logs and pipes: findings and the summary line are what matter there
-        with byte_progress("verify", enabled=not (quiet or as_json)) as progress:
-            report = verify_api(path, against=against, progress=progress, token=token)
+    # no bar in logs and pipes: findings and the summary line are what matter there; a check decided
+    # from a listing (a remote folder alone, or compared by listed digests) reads no tensor byte and shows none
+    with byte_progress("verify", enabled=not (quiet or as_json)) as progress:
+        report = verify_api(path, against=against, progress=progress, token=token)
+    summary = describe_remote_report(report)
     if as_json:
         echo_json(report.to_dict())
-    elif remote:
+    elif summary is not None:
         print_report(report, quiet=True)
         if not quiet and report.ok:
-            click.echo(describe_remote_report(report))
+            click.echo(summary)
     else:
         print_report(report, quiet=quiet)
     if not report.ok:

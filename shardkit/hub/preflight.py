@@ -8,8 +8,9 @@ no symlink in the folder that the push would refuse.
 from __future__ import annotations
 
 from ..errors import HubError
+from ..stores.hf_errors import hub_errors
 from .commits import check_folder_links
-from .push import check_repo_id, hub_errors
+from .push import check_repo_id, push_call
 
 __all__ = ["check_folder_links", "check_push_target", "check_repo_id"]
 
@@ -39,6 +40,6 @@ def check_push_target(repo_id: str, *, token: str | None = None) -> str:
     if resolved is None:
         raise HubError("no Hugging Face token: pass token=..., set HF_TOKEN, or run `hf auth login` "
                        "(checked before splitting, so nothing was written)")
-    with hub_errors(repo_id, "main"):
+    with hub_errors(push_call(repo_id)):
         HfApi(token=resolved).whoami()
     return resolved

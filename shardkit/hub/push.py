@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..errors import HubError, InvalidInputError, VerificationError
+from ..stores.hf_errors import HubCall, hub_errors, is_network_failure
 from ..units import ByteCounter, ProgressCallback
 from .commits import (
     FollowedLink,
@@ -43,16 +44,67 @@ from .commits import (
     store_files,
 )
 from .known import known_digests
-from .push_errors import describe_hub_error, hub_errors, is_network_failure
 
 SMALL_OBJECT_BYTES = 10 << 20  # a store object up to this size is read whole and sent as bytes (Xet can take it)
 
-__all__ = ["PushResult", "check_repo_id", "describe_hub_error", "hub_errors", "push", "push_objects", "refuse_broken",
+__all__ = ["PushOptions", "PushResult", "check_repo_id", "push", "push_call", "push_objects", "refuse_broken",
            "verify_folder"]
 
 if TYPE_CHECKING:
     from ..checking.verify import VerifyReport
     from ..stores.base import ObjectStore
+
+
+@dataclass(frozen=True)
+class PushOptions:
+    """How a push publishes: the one definition of the push options (``shardkit.push``, ``split_and_push``
+    and ``shardkit push``'s flags all build this).
+
+    Args:
+        private: create the repository as private (when it does not exist).
+        revision: the branch to push to (created from main if missing), or the base of ``create_pr``.
+        create_pr: open a pull request instead of committing to the branch.
+        message: the commit message (default: "Upload N file(s) with shardkit").
+        path_in_repo: the folder in the repository to upload into (default: its root).
+        repo_type: ``"model"`` or ``"dataset"``.
+        token: a token with write access (default ``HF_TOKEN`` or the stored login).
+        include, exclude: globs on the paths inside the pushed folder (a str is one glob).
+        dry_run: list what would be uploaded and what is already there; change nothing.
+        verify: verify the checkpoint first and refuse a broken one.
+        follow_symlinks: upload the targets of symlinks leading outside the folder (refused by default).
+        allow_lossy: push a quantized checkpoint whose scales or quantization config are unusable.
+        progress: ``progress(done_bytes, total_bytes)``, called as each file's upload ends.
+
+    >>> PushOptions(include="unet/*").include
+    ('unet/*',)
+    """
+
+    private: bool = False
+    revision: str | None = None
+    create_pr: bool = False
+    message: str | None = None
+    path_in_repo: str | None = None
+    repo_type: str = "model"
+    token: str | None = None
+    include: tuple[str, ...] | list[str] | str = ()
+    exclude: tuple[str, ...] | list[str] | str = ()
+    dry_run: bool = False
+    verify: bool = True
+    follow_symlinks: bool = False
+    allow_lossy: bool = False
+    progress: ProgressCallback | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("include", "exclude"):  # one glob, a list or a tuple: kept as a tuple
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value or ()))
+        if self.create_pr and self.revision is not None and self.revision.startswith("refs/pr/"):
+            raise InvalidInputError(f"revision={self.revision!r} is a pull request already; push to it without "
+                                    "create_pr=True")
+
+    def globs(self) -> tuple[list[str] | None, list[str] | None]:
+        """``include`` and ``exclude`` as huggingface_hub's filter takes them (None: no filter)."""
+        return list(self.include) or None, list(self.exclude) or None
 
 
 @dataclass
@@ -80,82 +132,74 @@ class PushResult:
         return asdict(self)
 
 
-def push(path: str | os.PathLike[str], repo_id: str, *, private: bool = False, revision: str | None = None,
-         create_pr: bool = False, message: str | None = None, path_in_repo: str | None = None,
-         repo_type: str = "model", token: str | None = None, include: list[str] | str | None = None,
-         exclude: list[str] | str | None = None, dry_run: bool = False, verify: bool = True,
-         follow_symlinks: bool = False, progress: ProgressCallback | None = None,
-         allow_lossy: bool = False) -> PushResult:
+def push(path: str | os.PathLike[str], repo_id: str, options: PushOptions | None = None) -> PushResult:
     """Upload a checkpoint folder (or file) to ``repo_id``; identical remote files are not sent again.
 
     The folder is verified first (``verify=False`` skips it); a quantized weight whose scales or
-    quantization config are missing, misshapen or non-finite is refused unless ``allow_lossy``. ``token`` defaults to ``HF_TOKEN`` or
-    the stored login. ``progress(done_bytes, total_bytes)`` is called as each file's upload ends.
+    quantization config are missing, misshapen or non-finite is refused unless ``allow_lossy``.
     A file that is a symlink leading outside the folder (other than into a Hugging Face cache's
     ``blobs/``) is refused before anything is sent, unless ``follow_symlinks``; links to folders
-    are never followed. ``result.links`` lists every symlink followed.
+    are never followed. ``result.links`` lists every symlink followed. The options: :class:`PushOptions`.
 
-    result = shardkit.push("out/", "my-org/model", private=True)
+    result = push("out/", "my-org/model", PushOptions(private=True))
     result.commit_url
     'https://huggingface.co/my-org/model/commit/4f1c...'
     """
+    options = options or PushOptions()
     check_repo_id(repo_id)
-    files = collect_files(path, path_in_repo=path_in_repo, include=include, exclude=exclude)
-    links = check_links(path, files, follow=follow_symlinks)
+    include, exclude = options.globs()
+    files = collect_files(path, path_in_repo=options.path_in_repo, include=include, exclude=exclude)
+    links = check_links(path, files, follow=options.follow_symlinks)
     check_sizes(files)
-    known = known_digests(path, files, report=verify_folder(path, allow_lossy=allow_lossy) if verify else None)
-    return _push_files(files, repo_id, links=links, known=known, private=private, revision=revision,
-                       create_pr=create_pr, message=message, path_in_repo=path_in_repo, repo_type=repo_type,
-                       token=token, dry_run=dry_run, progress=progress)
+    report = verify_folder(path, allow_lossy=options.allow_lossy) if options.verify else None
+    return _push_files(files, repo_id, options, links=links, known=known_digests(path, files, report=report))
 
 
-def push_objects(store: ObjectStore, repo_id: str, *, report: VerifyReport | None, private: bool = False,
-                 revision: str | None = None, create_pr: bool = False, message: str | None = None,
-                 path_in_repo: str | None = None, repo_type: str = "model", token: str | None = None,
-                 include: list[str] | str | None = None, exclude: list[str] | str | None = None,
-                 dry_run: bool = False, progress: ProgressCallback | None = None,
-                 allow_lossy: bool = False) -> PushResult:
-    """Upload the objects under a store's prefix (``s3://BUCKET/PREFIX``) to ``repo_id``, with no local copy.
+def push_objects(store: ObjectStore, repo_id: str, options: PushOptions | None = None, *,
+                 report: VerifyReport | None) -> PushResult:
+    """Upload the objects in a store's folder (``s3://BUCKET/PREFIX``, ``hf://...``) to ``repo_id``, with no local copy.
 
-    Each object is read by ranged GETs as it is hashed and sent (twice in all for an LFS file: the
+    Each object is read by ranged reads as it is hashed and sent (twice in all for an LFS file: the
     Hub wants its sha256 before its bytes); configs and indexes are read once, whole. ``report``
     is the checkpoint's verification (its structure, from the header-only mirror; None skips it),
-    refused as :func:`push` refuses a broken folder. Every other argument is as for :func:`push`;
-    the commit comes after every upload, so a failure (a read, an upload) leaves no commit.
+    refused as :func:`push` refuses a broken folder. The options are as for :func:`push`
+    (``follow_symlinks`` does not apply); the commit comes after every upload, so a failure (a read,
+    an upload) leaves no commit.
     """
     from .store_files import collect_store_files
 
+    options = options or PushOptions()
     check_repo_id(repo_id)
-    files = store_files(store, collect_store_files(store, include=include, exclude=exclude), path_in_repo=path_in_repo)
+    include, exclude = options.globs()
+    files = store_files(store, collect_store_files(store, include=include, exclude=exclude),
+                        path_in_repo=options.path_in_repo)
     check_sizes(files)
     if report is not None:
-        refuse_broken(report, str(store.url), allow_lossy=allow_lossy)
-    return _push_files(files, repo_id, links=[], known={}, private=private, revision=revision, create_pr=create_pr,
-                       message=message, path_in_repo=path_in_repo, repo_type=repo_type, token=token,
-                       dry_run=dry_run, progress=progress)
+        refuse_broken(report, str(store.url), allow_lossy=options.allow_lossy)
+    return _push_files(files, repo_id, options, links=[], known={})
 
 
-def _push_files(files: list[LocalFile], repo_id: str, *, links: list[FollowedLink], known: dict[str, str],
-                private: bool, revision: str | None, create_pr: bool, message: str | None, path_in_repo: str | None,
-                repo_type: str, token: str | None, dry_run: bool, progress: ProgressCallback | None) -> PushResult:
-    if create_pr and revision is not None and revision.startswith("refs/pr/"):
-        raise InvalidInputError(f"revision={revision!r} is a pull request already; push to it without create_pr=True")
+def _push_files(files: list[LocalFile], repo_id: str, options: PushOptions, *, links: list[FollowedLink],
+                known: dict[str, str]) -> PushResult:
     try:
-        with hub_errors(repo_id, revision or "main"):
-            pusher = _Pusher(repo_id, repo_type=repo_type, token=token, revision=revision, create_pr=create_pr,
-                             private=private, dry_run=dry_run)
+        with hub_errors(push_call(repo_id, options.revision)):
+            pusher = _Pusher(repo_id, options)
             pusher.result.links = links
-            return pusher.run(files, prefix=clean_prefix(path_in_repo), message=message, progress=progress,
-                              known=known)
+            return pusher.run(files, prefix=clean_prefix(options.path_in_repo), known=known)
     except HubError as e:
-        if not (dry_run and is_network_failure(e)):
+        if not (options.dry_run and is_network_failure(e)):
             raise
         # Offline, a dry run still shows the local half of the plan: what would be sent.
         from huggingface_hub import constants
 
-        return PushResult(repo_id, repo_type, revision or "main", "", dry_run=True,
+        return PushResult(repo_id, options.repo_type, options.revision or "main", "", dry_run=True,
                           offline=f"{constants.ENDPOINT} not reachable", links=links,
                           uploaded=[f.path_in_repo for f in files], uploaded_bytes=sum(f.size_bytes for f in files))
+
+
+def push_call(repo_id: str, revision: str | None = None) -> HubCall:
+    """A push to ``repo_id`` at ``revision``, as the error translator names it."""
+    return HubCall("push", repo_id, revision or "main")
 
 
 def check_repo_id(repo_id: str) -> None:
@@ -222,22 +266,21 @@ def _describe(finding: object) -> str:
 class _Pusher:
     """One push: the API client, the target, and the running result."""
 
-    def __init__(self, repo_id: str, *, repo_type: str, token: str | None, revision: str | None,
-                 create_pr: bool, private: bool, dry_run: bool) -> None:
+    def __init__(self, repo_id: str, options: PushOptions) -> None:
         from huggingface_hub import HfApi
         from huggingface_hub.utils import get_token
 
-        self.token = token or get_token()
-        if self.token is None and not dry_run:
+        self.token = options.token or get_token()
+        if self.token is None and not options.dry_run:
             raise HubError("no Hugging Face token: pass token=..., set HF_TOKEN, or run `hf auth login`")
         self.api = HfApi(token=self.token)
-        self.repo_id, self.repo_type, self.private = repo_id, repo_type, private
-        self.revision, self.create_pr, self.dry_run = revision, create_pr, dry_run
-        self.result = PushResult(repo_id, repo_type, revision or "main", "", dry_run=dry_run)
+        self.options = options
+        self.repo_id, self.repo_type, self.private = repo_id, options.repo_type, options.private
+        self.revision, self.create_pr, self.dry_run = options.revision, options.create_pr, options.dry_run
+        self.result = PushResult(repo_id, self.repo_type, self.revision or "main", "", dry_run=self.dry_run)
         self._name_repo(repo_id)
 
-    def run(self, files: list[LocalFile], *, prefix: str, message: str | None,
-            progress: ProgressCallback | None, known: dict[str, str] | None = None) -> PushResult:
+    def run(self, files: list[LocalFile], *, prefix: str, known: dict[str, str] | None = None) -> PushResult:
         head = self._prepare_target()
         remote = self._remote_files(head, prefix) if head else {}
         digests: dict[str, str] = dict(known or {})  # not hashed again, neither here nor by the upload
@@ -253,8 +296,8 @@ class _Pusher:
         if not upload and not deletions:
             res.commit_url = f"{res.repo_url}/commit/{head}"
             return res
-        message = message or f"Upload {len(upload)} file(s) with shardkit"
-        sent = ByteCounter(res.uploaded_bytes, progress)
+        message = self.options.message or f"Upload {len(upload)} file(s) with shardkit"
+        sent = ByteCounter(res.uploaded_bytes, self.options.progress)
         sent(0)
         parent = head
         groups = plan_commits(upload, deletions, remote)

@@ -115,10 +115,9 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
                                       keymap_is_identity=keymap.is_identity())
     if to is not None or config is not None or component is not None:
         if isinstance(source, RangedCheckpoint):
-            fix = ("drop cache=False: the file is read through the HF cache" if source.name.startswith("hf://")
-                   else "convert a local copy")
             raise InvalidInputError(f"{source}: to='diffusers' maps the checkpoint file into memory; it cannot "
-                                    f"read it by range ({fix})")
+                                    "read it by range (convert a local copy; for hf://, drop cache=False: the file "
+                                    "is then read through the HF cache)")
         return _convert_to(source, output, options=options, key=key, keymap=keymap, to=to, config=config,
                            component=component)
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):

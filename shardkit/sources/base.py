@@ -60,7 +60,7 @@ class Source(abc.ABC):
     # run of the file order; in-memory state dicts use "huggingface_hub" to match its plan.
     shard_rule: ShardRule = "sequential"
     # False when the files that entries name give the layout (offsets, manifests) but their bytes
-    # must come through read(): a Hub file streamed behind a sparse mirror (hub/remote_stream.py).
+    # must come through read(): a Hub file streamed behind a sparse mirror (stores/streamed.py).
     kernel_copy: bool = True
 
     @abc.abstractmethod

@@ -1,4 +1,5 @@
-"""Remote object stores under one interface: ``s3://BUCKET/PREFIX`` today (boto3, docs/s3.md).
+"""Remote object stores under one interface: ``s3://BUCKET/PREFIX`` (boto3, docs/s3.md) and ``hf://ORG/REPO``
+(the Hugging Face Hub, read-only: :mod:`shardkit.stores.hf`), each opened by its row of :data:`OPENERS`.
 
 A low stage: it imports only the top level, ``formats.ranges`` and ``workers``, and nothing here
 knows about checkpoints beyond "a folder of objects". The readers read a remote object as a
@@ -12,7 +13,9 @@ by multipart upload (:meth:`ObjectStore.writer`) and publish the index last (:me
 
 from __future__ import annotations
 
-from ..errors import SourceNotFoundError
+from typing import Protocol
+
+from ..errors import InvalidInputError, SourceNotFoundError
 from .base import ObjectInfo, ObjectStore, ObjectWriter, PendingUpload, RangeRequest, RemoteObject, read_ranges
 from .retry import RetryPolicy, call_with_retries
 from .urls import (
@@ -26,21 +29,44 @@ from .urls import (
     url_scheme,
 )
 
-__all__ = ["STORE_SCHEMES", "SUPPORTED_SCHEMES", "ObjectInfo", "ObjectStore", "ObjectWriter", "PendingUpload",
+__all__ = ["OPENERS", "STORE_SCHEMES", "SUPPORTED_SCHEMES", "ObjectInfo", "ObjectStore", "ObjectWriter", "PendingUpload",
            "RangeRequest", "RemoteObject", "RetryPolicy", "StoreUrl", "call_with_retries", "check_local", "check_scheme",
            "is_store_url", "list_folder", "open_store", "parse_store_url", "read_ranges", "url_scheme"]
 
 
-def open_store(url: str | StoreUrl, *, threads: int = 16, check_bucket: bool = True) -> ObjectStore:
-    """The store holding ``url`` (its bucket checked to exist and to accept the credentials); close it.
-
-    ``check_bucket=False`` saves that round trip where the first request lists the prefix (a missing
-    or refused bucket fails there, in the same one line).
-    """
-    parsed = parse_store_url(url) if isinstance(url, str) else url
+def _open_s3(url: str | StoreUrl, *, token: str | None, threads: int, check_bucket: bool) -> ObjectStore:
     from .s3 import open_s3  # boto3 is imported only when a store is opened
 
-    return open_s3(parsed, threads=threads, check_bucket=check_bucket)
+    return open_s3(parse_store_url(url) if isinstance(url, str) else url, threads=threads, check_bucket=check_bucket)
+
+
+def _open_hf(url: str | StoreUrl, *, token: str | None, threads: int, check_bucket: bool) -> ObjectStore:
+    from .hf import HfStore  # huggingface_hub is imported only when a store is opened
+
+    return HfStore(str(url), token=token)
+
+
+class _Opener(Protocol):
+    def __call__(self, url: str | StoreUrl, *, token: str | None, threads: int, check_bucket: bool) -> ObjectStore: ...
+
+
+OPENERS: dict[str, _Opener] = {"s3": _open_s3, "hf": _open_hf}  # scheme -> its store: one row per kind of store
+
+
+def open_store(url: str | StoreUrl, *, token: str | None = None, threads: int = 16,
+               check_bucket: bool = True) -> ObjectStore:
+    """The store holding ``url`` (an S3 bucket checked to exist and to accept the credentials; a Hub
+    repository pinned to the commit its revision names now); close it.
+
+    ``check_bucket=False`` saves that round trip where the first request lists the prefix (a missing
+    or refused bucket fails there, in the same one line). ``token`` is a Hub token (S3 reads the AWS chain).
+    """
+    scheme = url.scheme if isinstance(url, StoreUrl) else url_scheme(url)
+    opener = OPENERS.get(scheme or "")
+    if opener is None:
+        check_scheme(url)
+        raise InvalidInputError(f"{url}: expected s3://BUCKET/PREFIX or hf://ORG/REPO")
+    return opener(url, token=token, threads=threads, check_bucket=check_bucket)
 
 
 def list_folder(store: ObjectStore, folder: str = "") -> list[ObjectInfo]:

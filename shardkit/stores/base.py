@@ -26,7 +26,7 @@ from ..errors import StoreError
 from ..workers import ReadPool
 from .urls import StoreUrl
 
-__all__ = ["MAX_OBJECT_BYTES", "ObjectInfo", "ObjectStore", "ObjectWriter", "PendingUpload", "RangeRequest", "RemoteObject",
+__all__ = ["MAX_OBJECT_BYTES", "Digest", "ObjectInfo", "ObjectStore", "ObjectWriter", "PendingUpload", "RangeRequest", "RemoteObject",
            "read_ranges"]
 
 PART_BYTES = 16 << 20  # one ranged GET (measured: 16 × 16 MiB in flight reach the loopback limit, docs/s3.md)
@@ -34,13 +34,18 @@ READ_THREADS = 16
 MAX_OBJECT_BYTES = 5 << 40  # S3's limit for one object (5 TiB): a larger listed or stated size is a lie
 
 
+Digest = tuple[str, str]  # (kind, hex): ("sha256", ...) or ("git blob id", ...), as a store lists it
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
-    """An object under the store's prefix: ``name`` relative to it, its size and entity tag."""
+    """An object under the store's prefix: ``name`` relative to it, its size and entity tag, and the
+    digest of its bytes where the store lists one (the Hub does; S3's entity tags are not digests)."""
 
     name: str
     size_bytes: int
     etag: str = ""
+    digest: Digest | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,10 @@ class ObjectStore(Protocol):
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
         """Fill ``out`` with the object's bytes at ``offset`` (one ranged request, retried), from the version
         listed or stated (an object replaced since fails in one line instead of mixing two versions)."""
+        ...
+
+    def download_command(self, name: str) -> str:
+        """The command line that fetches object ``name`` by hand with the store's own tool (for a message)."""
         ...
 
     def put(self, name: str, data: bytes) -> ObjectInfo:

@@ -11,17 +11,22 @@ never over an existing file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from ..errors import HeaderError, InvalidInputError, StoreError
+from ..errors import HeaderError, InvalidInputError, ShardkitError, StoreError
 from ..formats.header import MAX_HEADER_BYTES, parse_header
+from ..formats.names import MODEL_INDEX
+from ..formats.suffixes import PICKLE_SUFFIXES
+from ..units import format_size
 from .base import MAX_OBJECT_BYTES, ObjectInfo, ObjectStore, RangeRequest, read_ranges
 from .urls import has_control_characters
 
-__all__ = ["FIRST_RANGE_BYTES", "MAX_WHOLE_BYTES", "HeaderMirror", "build_header_mirror"]
+__all__ = ["FIRST_RANGE_BYTES", "MAX_WHOLE_BYTES", "HeaderMirror", "build_header_mirror", "check_not_pickle_only",
+           "renamed_errors"]
 
 FIRST_RANGE_BYTES = 64 << 10  # most headers fit; a larger one costs exactly one more request
 MAX_WHOLE_BYTES = 10_000_000  # a config, index or manifest; a bigger one is not one of them
@@ -186,3 +191,43 @@ def _write_new(path: str, data: bytes, *, size_bytes: int, append: bool = False)
         os.ftruncate(fd, size_bytes)
     finally:
         os.close(fd)
+
+
+def check_not_pickle_only(store: ObjectStore, objects: list[ObjectInfo], *, download: Callable[[str], str]) -> None:
+    """Refuse a folder (or a pipeline component) whose weights are pickles only: never fetch one implicitly.
+
+    ``download(name)`` is the command that fetches one object by hand (the store's own tool).
+    """
+    names = {o.name: o for o in objects}
+    folders = {""}
+    if MODEL_INDEX in names:
+        folders |= {name.split("/")[0] for name in names if "/" in name}
+    for folder in sorted(folders):
+        inside = [o for name, o in names.items() if name.rpartition("/")[0] == folder]
+        if any(o.name.endswith(".safetensors") for o in inside):
+            continue
+        pickles = sorted((o for o in inside if o.name.endswith(PICKLE_SUFFIXES)), key=lambda o: o.name)
+        if pickles:
+            listed = ", ".join(o.name for o in pickles[:3])
+            sizes = ", ".join(f"{o.name} ({format_size(o.size_bytes)})" for o in pickles[:3])
+            more = f" and {len(pickles) - 3} more" if len(pickles) > 3 else ""
+            raise InvalidInputError(
+                f"{store.url}: {folder + '/' if folder else ''}holds {listed}{more}, not safetensors weights: pickle "
+                f"weights only ({sizes}{more}); shardkit reads only safetensors headers remotely and never downloads "
+                f"a pickle implicitly: download it ({download(pickles[0].name)}) and pass the local path")
+
+
+@contextlib.contextmanager
+def renamed_errors(root: str, shown: str) -> Iterator[None]:
+    """Errors from the local readers name the mirror's temporary folder: show the location instead.
+
+    Only the text changes: the error keeps its type (a ``HeaderError`` stays one, a
+    ``VerificationError`` keeps its exit code), so callers and the CLI treat it as before.
+    """
+    try:
+        yield
+    except ShardkitError as e:
+        text = str(e)
+        if root in text:
+            e.args = (text.replace(root + os.sep, shown + "/").replace(root, shown),)
+        raise

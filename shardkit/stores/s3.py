@@ -155,6 +155,9 @@ class S3Store:
 
     # ------------------------------------------------------------------ writing
 
+    def download_command(self, name: str) -> str:
+        return f"aws s3 cp {self.url.child(name)} ."
+
     def put(self, name: str, data: bytes) -> ObjectInfo:
         key = self.url.key(name)
 

@@ -2,7 +2,7 @@
 
 The one place ``scheme://`` strings are parsed. ``s3://BUCKET/PREFIX`` names a folder in a bucket
 (a prefix is a folder: shards, index, configs and subfolders under it). ``hf://`` is the Hub's
-(parsed by :mod:`shardkit.hub.remote_spec`); any other ``scheme://`` is refused rather than taken
+(parsed by :mod:`shardkit.stores.hf_spec`); any other ``scheme://`` is refused rather than taken
 for a relative local folder named ``scheme:``.
 
 >>> parse_store_url("s3://models/sd15/unet/")

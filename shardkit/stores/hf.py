@@ -2,9 +2,10 @@
 
 The repository is pinned to one commit when the store opens: every later read names it, so a push
 in the meantime cannot mix two versions. ``list_objects`` and ``stat`` answer from the tree
-listing (each file's entity tag is its LFS sha256 or git blob id). ``read_into`` is one ranged
-GET through :func:`read_range`, which checks the ``206`` reply and the byte
-count and counts the bytes on the mirror record. The generic pieces then work on a repository:
+listing (each file's entity tag and digest are its LFS sha256 or git blob id, which the streamed
+reader checks: :mod:`shardkit.stores.streamed`). ``read_into`` is one ranged GET through
+:func:`read_range`, which checks the ``206`` reply and the byte count; the store counts the bytes.
+The generic pieces then work on a repository:
 :class:`~shardkit.stores.base.RemoteObject` (a ``RangeFile`` for the readers),
 :func:`~shardkit.stores.base.read_ranges` and
 :func:`~shardkit.stores.mirror.build_header_mirror`. Publishing goes through ``shardkit push``
@@ -20,15 +21,15 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import HeaderError, HubError, InvalidInputError, SourceNotFoundError
 from ..formats.links import OutsideFolderError
-from ..stores.base import ObjectInfo, ObjectStore, ObjectWriter, PendingUpload
-from ..stores.urls import StoreUrl
-from .remote_errors import RETRIES, hub_read_errors
-from .remote_spec import Mirror, RemoteFile, RemoteSpec, check_listed, check_listing, parse_spec
+from .base import ObjectInfo, ObjectStore, ObjectWriter, PendingUpload
+from .hf_errors import RETRIES, HubCall, hub_errors
+from .hf_spec import SCHEME, RemoteFile, RemoteSpec, check_listed, check_listing, parse_spec
+from .urls import StoreUrl
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
 
-__all__ = ["HfStore", "list_files", "read_range", "resolve_commit"]
+__all__ = ["HfStore", "list_files", "read_call", "read_range", "resolve_commit"]
 
 RETRY_WAIT_SECONDS = 0.25
 
@@ -65,7 +66,12 @@ def list_files(api: Any, spec: RemoteSpec, commit: str) -> dict[str, RemoteFile]
 
 
 
-def read_range(mirror: Mirror, remote: RemoteFile, begin: int, end: int, *, token: str | None,
+def read_call(spec: RemoteSpec) -> HubCall:
+    """A read of ``spec``, as the error translator names it."""
+    return HubCall("read", spec.repo_id, spec.revision or "main", shown=str(spec), subfolder=spec.subfolder)
+
+
+def read_range(spec: RemoteSpec, commit: str, remote: RemoteFile, begin: int, end: int, *, token: str | None,
                stop: threading.Event | None = None) -> bytes:
     """Bytes ``[begin, end)`` of a remote file, retried on transient failures (huggingface_hub's backoff).
 
@@ -76,8 +82,8 @@ def read_range(mirror: Mirror, remote: RemoteFile, begin: int, end: int, *, toke
     from huggingface_hub import constants, hf_hub_url
     from huggingface_hub.utils import build_hf_headers, http_stream_backoff, httpx
 
-    where = f"{mirror.spec}:{remote.path}"
-    url = hf_hub_url(mirror.spec.repo_id, remote.path, revision=mirror.commit, repo_type=mirror.spec.repo_type)
+    where = f"{spec}:{remote.path}"
+    url = hf_hub_url(spec.repo_id, remote.path, revision=commit, repo_type=spec.repo_type)
     headers = {**build_hf_headers(token=token), "Range": f"bytes={begin}-{end - 1}"}
     whole = begin == 0 and end >= remote.size_bytes
     for attempt in range(RETRIES + 1):
@@ -97,7 +103,6 @@ def read_range(mirror: Mirror, remote: RemoteFile, begin: int, end: int, *, toke
         if attempt == RETRIES:  # the body was cut every time: one line from describe_read_error
             raise cut
         time.sleep(RETRY_WAIT_SECONDS * 2**attempt)
-    mirror.count(len(data))
     if len(data) != end - begin:
         raise HeaderError(f"{where}: asked for bytes {begin}-{end - 1}, got {len(data)} bytes "
                           "(the file is shorter than the Hub lists, or the transfer was cut)")
@@ -121,38 +126,52 @@ def _check_range_reply(response: Any, *, where: str, begin: int, end: int, whole
 
 
 class HfStore:
-    """``hf://[datasets/]ORG/REPO[@REVISION][/SUBFOLDER]``, read by range at one commit."""
+    """``hf://[datasets/]ORG/REPO[@REVISION][/SUBFOLDER]``, read by range at one commit.
+
+    ``files`` is the tree listing (by path relative to the subfolder); each :class:`ObjectInfo`
+    carries the digest the Hub lists for its file (the LFS sha256, or the git blob id of a small one).
+    """
 
     def __init__(self, spec: RemoteSpec | str, *, token: str | None = None) -> None:
         from huggingface_hub import HfApi
 
         self.spec = parse_spec(spec) if isinstance(spec, str) else spec
         self._token = token
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()  # set by close(): range reads retrying give up
+        self.transferred_bytes = 0
         api = HfApi(token=token)
-        with hub_read_errors(self.spec):
-            commit = resolve_commit(api, self.spec)
-            files = list_files(api, self.spec, commit)
-        self.mirror = Mirror(self.spec, "", commit, files)  # read_range's record: commit, byte counts
-        repo = str(self.spec).removeprefix("hf://").removesuffix(self.spec.subfolder).rstrip("/")
+        with hub_errors(read_call(self.spec)):
+            self.commit = resolve_commit(api, self.spec)
+            self.files = list_files(api, self.spec, self.commit)
+        repo = str(self.spec).removeprefix(SCHEME).removesuffix(self.spec.subfolder).rstrip("/")
         self.url = StoreUrl("hf", repo, self.spec.subfolder)
 
     def list_objects(self, folder: str = "") -> list[ObjectInfo]:
         inside = f"{folder}/" if folder else ""
-        return [ObjectInfo(rel, f.size_bytes, f.sha256 or f.blob_id)
-                for rel, f in sorted(self.mirror.files.items()) if rel.startswith(inside)]
+        return [_info(rel, f) for rel, f in sorted(self.files.items()) if rel.startswith(inside)]
 
     def stat(self, name: str) -> ObjectInfo:
-        remote = self.mirror.files.get(name)
-        if remote is None:
-            raise SourceNotFoundError(f"{self.spec}: no file {name!r} at commit {self.mirror.commit[:12]}")
-        return ObjectInfo(name, remote.size_bytes, remote.sha256 or remote.blob_id)
+        return _info(name, self._file(name))
 
     def read_into(self, name: str, offset: int, out: memoryview) -> None:
-        remote = self.mirror.files.get(name)
+        remote = self._file(name)
+        with hub_errors(read_call(self.spec)):
+            data = read_range(self.spec, self.commit, remote, offset, offset + len(out), token=self._token,
+                              stop=self._stopping)
+        with self._lock:
+            self.transferred_bytes += len(data)
+        out[:] = data
+
+    def download_command(self, name: str) -> str:
+        kind = "" if self.spec.repo_type == "model" else f" --repo-type {self.spec.repo_type}"  # `hf download`'s flag
+        return f"hf download {self.spec.repo_id} {self._file(name).path}{kind}"
+
+    def _file(self, name: str) -> RemoteFile:
+        remote = self.files.get(name)
         if remote is None:
-            raise SourceNotFoundError(f"{self.spec}: no file {name!r} at commit {self.mirror.commit[:12]}")
-        with hub_read_errors(self.spec):
-            out[:] = read_range(self.mirror, remote, offset, offset + len(out), token=self._token)
+            raise SourceNotFoundError(f"{self.spec}: no file {name!r} at commit {self.commit[:12]}")
+        return remote
 
     def _read_only(self) -> InvalidInputError:
         return InvalidInputError(f"{self.spec}: an hf:// folder is read here; publish to it with shardkit push")
@@ -172,18 +191,19 @@ class HfStore:
     def abort(self, upload: PendingUpload) -> None:
         raise self._read_only()
 
-    @property
-    def transferred_bytes(self) -> int:
-        return self.mirror.transferred_bytes
-
     def close(self) -> None:
-        pass  # huggingface_hub owns its connections
+        self._stopping.set()  # huggingface_hub owns its connections
 
     def __enter__(self) -> HfStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _info(name: str, remote: RemoteFile) -> ObjectInfo:
+    digest = ("sha256", remote.sha256) if remote.sha256 else ("git blob id", remote.blob_id)
+    return ObjectInfo(name, remote.size_bytes, remote.sha256 or remote.blob_id, digest=digest)
 
 
 if TYPE_CHECKING:  # mypy checks that HfStore is an ObjectStore

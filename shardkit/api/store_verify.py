@@ -1,14 +1,16 @@
-"""``verify hf://...`` (structure from headers and the tree listing) and ``verify out/ --against hf://...``.
+"""``verify`` of a remote location: its structure from the header-only mirror and the listing, and a local
+folder compared with a store that lists digests (a Hub repository) file by file.
 
-Against a repository, every file is first decided from metadata: an LFS file by its sha256 (the
-Hub's LFS oid), a small file by its git blob id, a tensor's name, dtype and shape by the two
-headers. Only the tensors of a weight file whose sha256 differs (or that sits in a file of
-another name, e.g. after a reshard) are compared byte for byte, by range reads of just those
-tensors: nothing that metadata decides is downloaded.
+Against such a store, every file is first decided from metadata: a file by the digest its store
+lists (the Hub's LFS sha256, or the git blob id of a small file), a tensor's name, dtype and
+shape by the two headers. Only the tensors of a weight file whose digest differs (or that sits in
+a file of another name, e.g. after a reshard) are compared byte for byte, by range reads of just
+those tensors: nothing that metadata decides is downloaded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import os
@@ -21,8 +23,11 @@ from ..formats.links import open_inside
 from ..formats.manifest import MANIFEST_NAME
 from ..formats.names import is_config_file
 from ..formats.side_files import SKIPPED_DIRS
-from .remote import open_mirror, read_range
-from .remote_spec import Mirror, RemoteFile
+from ..stores import ObjectInfo, ObjectStore
+from ..stores.mirror import HeaderMirror
+from .stores import mirrored
+
+__all__ = ["RemoteVerifyReport", "describe", "verify_against_listing", "verify_structure"]
 
 logger = logging.getLogger("shardkit")
 
@@ -33,68 +38,57 @@ _SHOWN = 8  # file names a summary line shows (--json lists all)
 
 @dataclass
 class RemoteVerifyReport(VerifyReport):
-    """A :class:`VerifyReport` of ``verify PATH --against hf://...``, which compares weight files and the
-    configs and indexes that go with them; ``not_compared`` gives every other file (here or there) and why."""
+    """A :class:`VerifyReport` decided from a store's listing: a remote folder's structure, or a local folder
+    compared with the digests a store lists; ``not_compared`` gives every other file (here or there) and why."""
 
     not_compared: dict[str, str] = field(default_factory=dict)
 
 
-def verify_remote(path: str, *, token: str | None = None) -> VerifyReport:
-    """Check a Hub repository's structure without downloading tensor data.
+def verify_structure(path: str, *, token: str | None = None) -> RemoteVerifyReport:
+    """Check a remote folder's structure without reading tensor data.
 
-    The index against the headers and the listed file sizes: every tensor where the index says,
-    no missing or orphan shards, no truncated or overlong files. ``report.files`` lists each
-    weight file with the sha256 the Hub records for it.
+    The index against the headers and the listed sizes: every tensor where the index says, no
+    missing or orphan shards, no truncated or overlong files. Where the store lists digests,
+    ``report.files`` lists each weight file with its sha256.
 
-    Args:
-        path: ``hf://ORG/REPO[@REVISION][/SUBFOLDER]``.
-        token: a Hub token; default ``HF_TOKEN`` or the stored login.
-
-    Returns:
-        A :class:`VerifyReport` (``bytes_read`` is 0: no tensor byte is read).
-
-    verify_remote("hf://org/model").ok
+    verify_structure("hf://org/model").ok
     True
     """
-    with open_mirror(path, token=token) as mirror:
-        report = verify(mirror.root, read_data=False)
-        report.path = str(mirror.spec)
-        report.files = [FileReport(rel, f.size_bytes, f.sha256 or "", "hub-listing")
-                        for rel, f in sorted(mirror.files.items()) if rel.endswith(".safetensors")]
-        logger.debug("%s: structure checked, %d bytes transferred", mirror.spec, mirror.transferred_bytes)
+    with mirrored(path, token=token) as (mirror, store):
+        checked = verify(mirror.root, read_data=False)
+        report = RemoteVerifyReport(**{f.name: getattr(checked, f.name) for f in dataclasses.fields(checked) if f.init})
+        report.path = str(store.url)
+        weights = [o for name, o in sorted(mirror.objects.items()) if name.endswith(".safetensors")]
+        if weights and all(o.digest for o in weights):  # the digests the store lists (the Hub's LFS sha256s)
+            report.files = [FileReport(o.name, o.size_bytes, _sha256(o), "hub-listing") for o in weights]
         return report
 
 
-def verify_against_remote(path: str, against: str, *, token: str | None = None) -> RemoteVerifyReport:
-    """Compare a local folder with a Hub repository: files by sha256 / git blob id, tensors by headers.
-
-    Args:
-        path: a local folder (a checkpoint or a pipeline folder).
-        against: ``hf://ORG/REPO[@REVISION][/SUBFOLDER]``.
-        token: a Hub token; default ``HF_TOKEN`` or the stored login.
+def verify_against_listing(path: str, against: str, *, token: str | None = None) -> RemoteVerifyReport:
+    """Compare a local folder with a remote folder whose store lists digests: files by digest, tensors by headers.
 
     Returns:
         A :class:`RemoteVerifyReport` whose findings name every missing, extra or differing file and
         tensor; ``tensors_compared`` counts the tensors found identical; ``not_compared`` says which
         files were left out and why.
 
-    verify_against_remote("out/", "hf://org/model").ok
+    verify_against_listing("out/", "hf://org/model").ok
     True
     """
     if not os.path.isdir(path):
         raise SourceNotFoundError(f"{path}: no such folder (against='hf://...' compares a local folder)")
-    with open_mirror(against, token=token) as mirror:
-        report = RemoteVerifyReport(path, against=str(mirror.spec))
+    with mirrored(against, token=token) as (mirror, store):
+        shown = str(store.url)
+        report = RemoteVerifyReport(path, against=shown)
         local = _local_files(path)
-        remote = {rel: f for rel, f in mirror.files.items() if _relevant(rel)}
-        report.not_compared = _not_compared(_every_local_file(path), set(mirror.files))
+        remote = {rel: o for rel, o in mirror.objects.items() if _relevant(rel)}
+        report.not_compared = _not_compared(_every_local_file(path), set(mirror.objects))
         for rel in sorted(set(remote) - set(local)):
-            report.findings.append(Finding(rel, None, f"missing: {mirror.spec} has it"))
+            report.findings.append(Finding(rel, None, f"missing: {shown} has it"))
         for rel in sorted(set(local) - set(remote)):
-            report.findings.append(Finding(rel, None, f"extra file: not in {mirror.spec}"))
+            report.findings.append(Finding(rel, None, f"extra file: not in {shown}"))
         matched = {rel for rel in sorted(set(local) & set(remote)) if _same_file(path, rel, remote[rel], report)}
-        _compare_tensors(path, mirror, matched, report, token=token)
-        logger.debug("%s: compared, %d bytes transferred", mirror.spec, mirror.transferred_bytes)
+        _compare_tensors(path, mirror, store, matched, report)
         return report
 
 
@@ -141,8 +135,12 @@ def _local_files(folder: str) -> dict[str, str]:
     return out
 
 
-def _same_file(folder: str, rel: str, remote: RemoteFile, report: VerifyReport) -> bool:
-    """Size, then sha256 against the LFS oid (or the git blob id of a small file)."""
+def _sha256(info: ObjectInfo) -> str:
+    return info.digest[1] if info.digest is not None and info.digest[0] == "sha256" else ""
+
+
+def _same_file(folder: str, rel: str, remote: ObjectInfo, report: VerifyReport) -> bool:
+    """Size, then the digest the store lists: a sha256 (the LFS oid), or the git blob id of a small file."""
     fd = open_inside(folder, rel, where=folder)
     size = os.fstat(fd).st_size
     sha256, blob = hashlib.sha256(), hashlib.sha1(b"blob %d\0" % size)
@@ -155,7 +153,8 @@ def _same_file(folder: str, rel: str, remote: RemoteFile, report: VerifyReport) 
     if size != remote.size_bytes:
         report.findings.append(Finding(rel, None, f"{size} bytes, but {report.against} has {remote.size_bytes}"))
         return False
-    same = sha256.hexdigest() == remote.sha256 if remote.sha256 else blob.hexdigest() == remote.blob_id
+    kind, expected = remote.digest or ("", "")
+    same = (sha256 if kind == "sha256" else blob).hexdigest() == expected
     if not same and not rel.endswith(".safetensors"):  # tensors of a differing weight file are compared below
         report.findings.append(Finding(rel, None, f"content differs from {report.against} (same size)"))
     return same
@@ -172,52 +171,57 @@ def _headers(folder: str, names: list[str]) -> dict[str, tuple[str, TensorEntry]
     return out
 
 
-def _compare_tensors(folder: str, mirror: Mirror, matched: set[str], report: VerifyReport, *,
-                     token: str | None) -> None:
+def _compare_tensors(folder: str, mirror: HeaderMirror, store: ObjectStore, matched: set[str],
+                     report: VerifyReport) -> None:
+    shown = str(store.url)
     local_names = [rel for rel in _local_files(folder) if rel.endswith(".safetensors")]
-    remote_names = [rel for rel in mirror.files if rel.endswith(".safetensors")]
+    remote_names = [rel for rel in mirror.objects if rel.endswith(".safetensors")]
     ours, theirs = _headers(folder, local_names), _headers(mirror.root, remote_names)
     for key in sorted(set(theirs) - set(ours)):
-        report.findings.append(Finding(theirs[key][0], key, f"missing: in {mirror.spec} but not here"))
+        report.findings.append(Finding(theirs[key][0], key, f"missing: in {shown} but not here"))
     for key in sorted(set(ours) - set(theirs)):
-        report.findings.append(Finding(ours[key][0], key, f"extra tensor: not in {mirror.spec}"))
+        report.findings.append(Finding(ours[key][0], key, f"extra tensor: not in {shown}"))
     for key in sorted(set(ours) & set(theirs)):
         (file, mine), (their_file, other) = ours[key], theirs[key]
         report.tensors_checked += 1
         if (mine.dtype, tuple(mine.shape)) != (other.dtype, tuple(other.shape)):
-            report.findings.append(Finding(file, key, f"{mine.dtype} {list(mine.shape)} but {mirror.spec} has "
+            report.findings.append(Finding(file, key, f"{mine.dtype} {list(mine.shape)} but {shown} has "
                                            f"{other.dtype} {list(other.shape)}"))
         elif file == their_file and file in matched:
             report.tensors_compared += 1  # decided by the file's sha256: same bytes
         else:
-            difference = _first_difference(folder, file, mine, mirror, mirror.files[their_file], other, token=token)
+            difference = _first_difference(folder, file, mine, store, their_file, other)
             if difference is None:
                 report.tensors_compared += 1
             else:
                 report.findings.append(Finding(file, key, difference))
 
 
-def _first_difference(folder: str, file: str, mine: TensorEntry, mirror: Mirror, remote: RemoteFile,
-                      other: TensorEntry, *, token: str | None) -> str | None:
+def _first_difference(folder: str, file: str, mine: TensorEntry, store: ObjectStore, name: str,
+                      other: TensorEntry) -> str | None:
     """Compare one tensor's bytes with the remote ones (range reads, bounded memory)."""
-    assert mine.offset is not None and other.offset is not None
+    if mine.offset is None or other.offset is None:
+        return "has no byte offset (a header without data offsets)"
     with os.fdopen(open_inside(folder, file, where=folder), "rb") as f:
         for pos in range(0, mine.nbytes, COMPARE_CHUNK_BYTES):
             n = min(COMPARE_CHUNK_BYTES, mine.nbytes - pos)
             f.seek(mine.offset + pos)
             here = f.read(n)
-            there = read_range(mirror, remote, other.offset + pos, other.offset + pos + n, token=token)
+            there = bytearray(n)
+            store.read_into(name, other.offset + pos, memoryview(there))
             if here != there:
                 at = pos + next(i for i, (a, b) in enumerate(zip(here, there, strict=False)) if a != b)
-                return f"differs from {mirror.spec} at byte {at} of the tensor"
+                return f"differs from {store.url} at byte {at} of the tensor"
     return None
 
 
-def describe(report: VerifyReport) -> str:
-    """The summary line the CLI prints for a remote check."""
+def describe(report: VerifyReport) -> str | None:
+    """The summary line the CLI prints for a check decided from a listing; None for any other report."""
+    if not isinstance(report, RemoteVerifyReport):
+        return None
     if report.against:
         lines = [f"compared: {_names([f.name for f in report.files])}"]
-        skipped = getattr(report, "not_compared", {})
+        skipped = report.not_compared
         if skipped:
             records = [rel for rel in skipped if rel.rpartition("/")[2] == MANIFEST_NAME]
             others = [rel for rel in skipped if rel not in records]
@@ -228,7 +232,7 @@ def describe(report: VerifyReport) -> str:
                      f"and configs), {report.tensors_compared} tensor(s) identical"
                      + (f"; {len(skipped)} other file(s) not compared" if skipped else ""))
         return "\n".join(lines)
-    listing = "the Hub's file listing" if report.path.startswith("hf://") else "the object listing"
+    listing = "the Hub's file listing" if any(f.checked == "hub-listing" for f in report.files) else "the object listing"
     return (f"ok: structure of {report.path}: {len(report.files)} weight file(s), {report.tensors_checked} "
             f"tensor(s), checked from headers and {listing} (no tensor data read)")
 

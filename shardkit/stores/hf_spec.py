@@ -1,19 +1,18 @@
-"""What an ``hf://`` spec names: the parsed spec, the repository's files, and the header-only mirror
-that stands in for them locally (see :mod:`shardkit.hub.remote`).
+"""What an ``hf://`` location names: the parsed spec and the repository's files as its tree listing gives them.
+
+The one place ``hf://`` text is parsed (:func:`parse_spec`); :class:`~shardkit.stores.hf.HfStore` reads
+the repository at one commit, and every listed path is checked (:func:`check_listed`) before it is used.
 """
 
 from __future__ import annotations
 
-import os
-import threading
-from dataclasses import dataclass, field
-from typing import TypeGuard
+from dataclasses import dataclass
 
 from ..errors import InvalidInputError
 from ..formats.links import OutsideFolderError, check_name
 
-__all__ = ["MAX_REMOTE_FILE_BYTES", "REPO_TYPE_PREFIXES", "SCHEME", "Mirror", "RemoteFile", "RemoteSpec",
-           "check_listed", "check_listing", "is_remote", "local_path", "parse_spec"]
+__all__ = ["MAX_REMOTE_FILE_BYTES", "REPO_TYPE_PREFIXES", "SCHEME", "RemoteFile", "RemoteSpec",
+           "check_listed", "check_listing", "parse_spec"]
 
 SCHEME = "hf://"
 REPO_TYPE_PREFIXES = {"datasets": "dataset", "spaces": "space"}  # hf://datasets/ORG/REPO, as HfFileSystem
@@ -42,28 +41,6 @@ class RemoteFile:
     size_bytes: int
     blob_id: str
     sha256: str | None  # the LFS oid, for LFS files
-
-
-@dataclass
-class Mirror:
-    """A header-only local mirror of a remote folder; ``root`` is where the local readers look."""
-
-    spec: RemoteSpec
-    root: str
-    commit: str
-    files: dict[str, RemoteFile]  # by path relative to the subfolder
-    transferred_bytes: int = 0
-    prefix_bytes: dict[str, int] = field(default_factory=dict)  # real bytes at the start of each sparse file
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def count(self, nbytes: int) -> None:
-        with self.lock:
-            self.transferred_bytes += nbytes
-
-
-def is_remote(path: object) -> TypeGuard[str]:
-    """True for a string that names a Hub repository (``hf://...``)."""
-    return isinstance(path, str) and path.startswith(SCHEME)
 
 
 def parse_spec(text: str) -> RemoteSpec:
@@ -129,9 +106,3 @@ def check_listing(spec: RemoteSpec, rels: list[str]) -> None:
     if clash:
         raise OutsideFolderError(f"{spec}: the Hub's file listing names {clash[0]!r} both as a file and as a folder; "
                                  "refused before anything was downloaded (check HF_ENDPOINT)")
-
-
-def local_path(mirror: Mirror, remote: RemoteFile) -> str:
-    """Where ``remote`` lies in the mirror (its listed path checked again: it never leaves the mirror)."""
-    rel, _ = check_listed(mirror.spec, remote.path, remote.size_bytes)
-    return os.path.join(mirror.root, *rel.split("/"))
