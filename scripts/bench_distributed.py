@@ -12,8 +12,8 @@ fresh process, ``--runs`` times interleaved (median), every write ending with ``
   * ``accelerate merge-weights`` (one process, safetensors)
   * ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` (one process, a .pt file)
 
-Peak RSS: for shardkit, each rank's own ``ru_maxrss`` (a wrapper records it at exit); for the
-others, the process tree's. Every shardkit output is checked byte-identical to the 1-rank one.
+Peak RSS: for shardkit, each rank's own (VmHWM, recorded at its exit by ``benchlib.py --shardkit``);
+for the others, the process tree's. Every shardkit output is checked byte-identical to the 1-rank one.
 
     .venv/bin/python scripts/bench_distributed.py --gb 2.5 --runs 1     # what fits a 2-core box
     .venv/bin/python scripts/bench_distributed.py --runs 3              # the full 10.27 GB
@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from benchlib import Case, machine_line, med, parser, publish_report, remove, rounds
+from benchlib import HERE, Case, machine_line, med, parser, publish_report, rank_peaks_mb, remove, rounds
 from benchlib import measure as measure_command
 from build_checkpoint import build_once, unet_source
 
@@ -45,20 +45,6 @@ DCP_SAVE = ("import sys, warnings; warnings.simplefilter('ignore'); import torch
             "        if limit and total >= limit: break\n"
             "dcp.save({'model': sd}, checkpoint_id=sys.argv[3], no_dist=True)")
 
-# Runs ``shardkit`` with argv, then records this process's peak RSS in $BENCH_RSS_DIR/rank-<RANK>.
-RSS_WRAPPER = """import os, resource, runpy, sys
-def _record():
-    folder = os.environ.get("BENCH_RSS_DIR")
-    if folder:
-        with open(os.path.join(folder, "rank-" + os.environ.get("RANK", "0")), "w") as f:
-            f.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
-sys.argv = ["shardkit", *sys.argv[1:]]
-try:
-    runpy.run_module("shardkit", run_name="__main__")
-finally:
-    _record()
-"""
-
 DCP_TO_TORCH = ("import sys, warnings; warnings.simplefilter('ignore'); "
                 "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
                 "dcp_to_torch_save(sys.argv[1], sys.argv[2])")
@@ -67,9 +53,7 @@ DCP_TO_TORCH = ("import sys, warnings; warnings.simplefilter('ignore'); "
 def cases(args: argparse.Namespace, dcp: str, work: str) -> list[Case]:
     """Every case; a shardkit case's cleanup is [output, its rank RSS folder]."""
     py = sys.executable
-    wrapper = os.path.join(work, "shardkit_rss.py")
-    with open(wrapper, "w") as f:
-        f.write(RSS_WRAPPER)
+    wrapper = f"{os.path.join(HERE, 'benchlib.py')} --shardkit"
     out = {n: os.path.join(work, f"out-{n}") for n in ("cp", "acc", "pt")}
     rows = [Case("cp -r (floor)", f"cp -r {dcp} {out['cp']} && sync", cleanup=[out["cp"]])]
     for n in args.ranks:
@@ -97,7 +81,7 @@ def run(all_cases: list[Case], runs: int) -> dict[Case, list[dict[str, Any]]]:
             os.makedirs(rss_dir)
         print(f"run {r + 1}: {case.name} ...", flush=True)
         seconds, rss_mb = measure_command(case.command)
-        ranks = [int(open(p).read()) / 1024 for p in sorted(glob.glob(os.path.join(rss_dir, "rank-*")))] if rss_dir else []
+        ranks = rank_peaks_mb(rss_dir) if rss_dir else []
         output = case.cleanup[0]
         if case.target == "shardkit" and output != first and os.path.isdir(first):  # must equal the first shardkit output
             names = sorted(os.listdir(first))

@@ -32,37 +32,24 @@ import tempfile
 import time
 from typing import Any
 
-from benchlib import ROOT, machine_line, markdown, median, parser, rounds
+from benchlib import HERE, ROOT, machine_line, markdown, median, parser, rank_peaks_mb, rounds
 from build_checkpoint import build_random
 from s3_server import SeaweedS3
-
-# The CLI, then its peak RSS (VmHWM: this process's own high-water mark since exec). ru_maxrss from
-# wait4/getrusage would not do: Linux carries the forking parent's RSS over into the child's.
-CLI = """import atexit, os, sys
-def peak():
-    with open("/proc/self/status") as f:
-        kb = next(line.split()[1] for line in f if line.startswith("VmHWM:"))
-    with open(os.environ["BENCH_RSS_FILE"], "w") as out:
-        out.write(kb)
-atexit.register(peak)
-from shardkit.cli import main
-sys.argv[0] = "shardkit"
-main()
-"""
 
 
 def run_case(case: str, src: str, dst: str, env: dict[str, str], staged_src: str | None) -> dict[str, float]:
     """One CLI split in a fresh process: wall seconds, peak RSS MB of that process."""
     path = staged_src if case == "staged" else ROOT
-    with tempfile.NamedTemporaryFile(prefix="bench-rss-") as rss:
-        child_env = {**os.environ, **env, "PYTHONPATH": path, "BENCH_RSS_FILE": rss.name}
+    with tempfile.TemporaryDirectory(prefix="bench-rss-") as rss:
+        child_env = {**os.environ, **env, "PYTHONPATH": path, "BENCH_RSS_DIR": rss}
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-c", CLI, "split", src, dst, "--max-shard-size", "1GB"], env=child_env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=path, timeout=3600)
+        done = subprocess.run([sys.executable, os.path.join(HERE, "benchlib.py"), "--shardkit", "split", src, dst,
+                               "--max-shard-size", "1GB"], env=child_env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, cwd=path, timeout=3600)
         seconds = time.perf_counter() - start
         if done.returncode != 0:
             raise SystemExit(f"{case} failed ({done.returncode}): {done.stderr.decode()[-2000:]}")
-        return {"seconds": seconds, "rss_mb": int(open(rss.name).read()) / 1024}
+        return {"seconds": seconds, "rss_mb": rank_peaks_mb(rss)[0]}
 
 
 def _interrupt(signum: int, frame: object) -> None:

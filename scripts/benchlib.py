@@ -62,6 +62,24 @@ def _run_and_report(command: str) -> None:
     print(json.dumps({"seconds": seconds, "rss_mb": rss_kb / 1024}))
 
 
+def run_shardkit_recording_peak(argv: list[str]) -> None:
+    """``shardkit ARGV`` in this process (``python benchlib.py --shardkit ARGV``, under torchrun too); at exit its
+    own peak RSS in kB (VmHWM) goes to ``$BENCH_RSS_DIR/rank-$RANK``, for the parent to read."""
+    import atexit
+    import runpy
+
+    path = os.path.join(os.environ["BENCH_RSS_DIR"], "rank-" + os.environ.get("RANK", "0"))
+    atexit.register(lambda: open(path, "w").write(str(status_bytes("VmHWM") // 1024)))
+    sys.argv = ["shardkit", *argv]
+    runpy.run_module("shardkit", run_name="__main__")
+
+
+def rank_peaks_mb(folder: str) -> list[float]:
+    """The peaks that :func:`run_shardkit_recording_peak` left in ``folder``, rank by rank (MB)."""
+    names = sorted(n for n in os.listdir(folder) if n.startswith("rank-"))
+    return [int(open(os.path.join(folder, n)).read()) / 1024 for n in names]
+
+
 def rotated(items: list[K], round_index: int) -> list[K]:
     """``items`` starting at ``round_index`` (mod its length): the case order of one round."""
     k = round_index % len(items) if items else 0
@@ -332,3 +350,5 @@ if ROOT not in sys.path:  # shardkit from this checkout when it is not installed
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--run":
     _run_and_report(sys.argv[2])
+elif __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "--shardkit":
+    run_shardkit_recording_peak(sys.argv[2:])
