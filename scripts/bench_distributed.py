@@ -51,7 +51,7 @@ DCP_TO_TORCH = ("import sys, warnings; warnings.simplefilter('ignore'); "
 
 
 def cases(args: argparse.Namespace, dcp: str, work: str) -> list[Case]:
-    """Every case; a shardkit case's cleanup is [output, its rank RSS folder]."""
+    """Every case; each one's output is its first cleanup path."""
     py = sys.executable
     wrapper = f"{os.path.join(HERE, 'benchlib.py')} --shardkit"
     out = {n: os.path.join(work, f"out-{n}") for n in ("cp", "acc", "pt")}
@@ -61,7 +61,7 @@ def cases(args: argparse.Namespace, dcp: str, work: str) -> list[Case]:
         launch = f"{py} {wrapper}" if n == 1 else f"{py} -m torch.distributed.run --standalone --nproc-per-node {n} {wrapper}"
         rows.append(Case(f"shardkit convert, {n} rank{'s' if n > 1 else ''}", f"BENCH_RSS_DIR={rss} {launch} convert "
                          f"{dcp} {output} --max-shard-size {args.max_shard_size} -q && sync",
-                         target="shardkit", cleanup=[output, rss]))
+                         cleanup=[output, rss], rss_dir=rss))
     if not args.no_incumbents:
         rows.append(Case("accelerate merge-weights", f"{os.path.join(os.path.dirname(py), 'accelerate')} merge-weights "
                          f"{dcp} {out['acc']} >/dev/null 2>&1 && sync", cleanup=[out["acc"]]))
@@ -71,19 +71,18 @@ def cases(args: argparse.Namespace, dcp: str, work: str) -> list[Case]:
 
 
 def run(all_cases: list[Case], runs: int) -> dict[Case, list[dict[str, Any]]]:
-    first = next(c.cleanup[0] for c in all_cases if c.target == "shardkit")
+    first = next(c.cleanup[0] for c in all_cases if c.rss_dir)
 
     def one(case: Case, r: int) -> dict[str, Any]:
         for path in case.cleanup:
             remove(path)
-        rss_dir = case.cleanup[1] if case.target == "shardkit" else ""
-        if rss_dir:
-            os.makedirs(rss_dir)
+        if case.rss_dir:
+            os.makedirs(case.rss_dir)
         print(f"run {r + 1}: {case.name} ...", flush=True)
         seconds, rss_mb = measure_command(case.command)
-        ranks = rank_peaks_mb(rss_dir) if rss_dir else []
+        ranks = rank_peaks_mb(case.rss_dir) if case.rss_dir else []
         output = case.cleanup[0]
-        if case.target == "shardkit" and output != first and os.path.isdir(first):  # must equal the first shardkit output
+        if case.rss_dir and output != first and os.path.isdir(first):  # must equal the first shardkit output
             names = sorted(os.listdir(first))
             _, mismatch, errors = filecmp.cmpfiles(first, output, names, shallow=False)
             if names != sorted(os.listdir(output)) or mismatch or errors:

@@ -39,6 +39,7 @@ class Case:
     times: list[float] = field(default_factory=list)
     rss_mb: list[float] = field(default_factory=list)
     floor: str = ""              # name of this case's floor, when it is not the table's default
+    rss_dir: str = ""            # where a shardkit process run through ``benchlib.py --shardkit`` leaves its peaks
 
 
 # ----------------------------------------------------------------------------- running cases
