@@ -140,7 +140,7 @@ class LoraSource(ViewSource):
             row1 = min(last, row0 + step)
             with torch_threads(threads):
                 band = self._merged_band(work[: (row1 - row0) * cols].view(row1 - row0, cols), stored, row0, row1)
-                data = band.to(to_torch(entry.dtype)).contiguous().view(torch.uint8).numpy()
+                data = band.to(to_torch(entry.dtype), copy=True).view(torch.uint8).numpy()  # never the reused buffer
             yield row0, data.data.cast("B")
 
     def _merged_band(self, into: torch.Tensor, stored: TensorEntry, row0: int, row1: int) -> torch.Tensor:
