@@ -96,6 +96,9 @@ def test_flux_placements_are_diffusers_rows_of_the_bfl_tensors() -> None:
     assert set(placed["norm_out.linear.weight"]) == {Placement("final_layer.adaLN_modulation.1.weight", 0, w, w),
                                                      Placement("final_layer.adaLN_modulation.1.weight", w, 0, w)}
     assert placed["x_embedder.weight"] == (Placement("img_in.weight", 0, 0, w),)
+    comfy = [TensorEntry("model.diffusion_model." + e.name, e.dtype, e.shape, e.nbytes) for e in entries]
+    assert original_placements(comfy, where="comfy")["single_transformer_blocks.0.attn.to_v.weight"] == (
+        Placement("model.diffusion_model.single_blocks.0.linear1.weight", 2 * w, 0, w),)  # ComfyUI's names kept
     with pytest.raises(InvalidInputError, match="of width 32"):
         original_placements([TensorEntry("img_in.weight", "BF16", (32, 64), 4096),
                              TensorEntry("double_blocks.0.img_attn.qkv.weight", "BF16", (96, 32), 6144)], where="tiny")
