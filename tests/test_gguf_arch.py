@@ -128,3 +128,22 @@ def test_rope_scaling_equals_the_converters(case: str, tmp_path: Path, monkeypat
         assert gguf_tensors(out)["rope_freqs.weight"][0] == "F32"
     else:
         assert gguf_fields(out)[f"{arch}.rope.scaling.type"][1] == rope["rope_type"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fields_a_config_leaves_out_are_transformers_defaults(arch: str, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """An older config.json without head_dim, rope_theta or rms_norm_eps: the converter reads transformers' config
+    class, which fills them in (Llama: hidden / heads; Qwen3: 128), and writes the keys; so does shardkit."""
+    import json
+
+    folder = tiny_model_folder(tmp_path / arch, arch, **({"head_dim": 128} if arch == "qwen3" else {}))
+    config = json.loads((folder / "config.json").read_text())
+    for key in ("head_dim", "rope_parameters", "rope_theta", "rms_norm_eps"):
+        config.pop(key, None)
+    (folder / "config.json").write_text(json.dumps(config))
+    monkeypatch.setitem(gguf_pre.PRE_TOKENIZERS, probe_hash(str(folder / "tokenizer.json")), fixture_pre(arch))
+    reference = run_converter(folder, tmp_path / "ref.gguf", outtype="f16", pre_fallback=fixture_pre(arch))
+    shardkit.convert(folder, tmp_path / "ours.gguf", to="gguf", quantize="f16")
+    assert gguf_fields(tmp_path / "ours.gguf") == gguf_fields(reference)
+    assert f"{arch}.attention.key_length" in gguf_fields(reference)

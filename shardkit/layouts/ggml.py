@@ -1,4 +1,5 @@
-"""ggml tensor types in torch: dequantize GGUF blocks to float32, quantize float32 rows to GGUF blocks.
+"""ggml tensor types: dequantize GGUF blocks to float32 (torch, here), quantize float values to GGUF blocks
+(numpy, :mod:`shardkit.layouts.ggml_quantize`).
 
 Each kernel follows ``gguf.quants`` (llama.cpp's gguf-py, itself checked against ggml's C code) step for
 step in the same float32/float64 arithmetic, so the results are bit-equal to it (the tests compare them):
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.gguf import GgmlType
+from .ggml_quantize import QUANTIZABLE, quantize  # the writing half, in numpy (gguf-py's own kernels)
 
 if TYPE_CHECKING:
     import torch
@@ -227,139 +229,3 @@ def dequantize(raw: bytes | bytearray | memoryview, kind: GgmlType) -> torch.Ten
     blocks = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(-1, kind.block_bytes) if len(raw) else \
         torch.empty((0, kind.block_bytes), dtype=torch.uint8)
     return _DEQUANTIZE[kind.name](blocks).reshape(-1)
-
-
-# ----------------------------------------------------------------------------- quantize
-
-
-def _roundf(x: torch.Tensor) -> torch.Tensor:
-    """Round half away from zero, as ``gguf.quants.np_roundf`` (``floor(2 * frac)`` is 1 exactly when
-    ``frac >= 0.5``: ``a - floor(a)`` is exact in float32), for finite values."""
-    import torch
-
-    a = x.abs()
-    floored = torch.floor(a)
-    rounded = floored + (a - floored >= 0.5)
-    return torch.where(x < 0, -rounded, rounded)
-
-
-def _inverse(d: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    return torch.where(d == 0, torch.zeros_like(d), 1 / d)
-
-
-def _f16_bytes(d: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    return d.to(torch.float16).view(torch.uint8)
-
-
-def _q_f32(rows: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    return rows.contiguous().view(torch.uint8)
-
-
-def _q_f16(rows: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    return rows.to(torch.float16).contiguous().view(torch.uint8)
-
-
-def _q_bf16(rows: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    n = rows.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    n = torch.where((n & 0x7FFFFFFF) > 0x7F800000, (n & 0xFFFF0000) | (64 << 16), n)
-    n = (n + (0x7FFF + ((n >> 16) & 1))) >> 16
-    return (n & 0xFFFF).to(torch.int32).to(torch.int16).contiguous().view(torch.uint8)
-
-
-def _q_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    d = blocks.abs().amax(dim=1, keepdim=True) / 127
-    qs = _roundf(blocks * _inverse(d)).to(torch.int8).view(torch.uint8)
-    return torch.cat([_f16_bytes(d), qs], dim=1)
-
-
-def _q_q4_0(blocks: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    imax = blocks.abs().argmax(dim=-1, keepdim=True)
-    d = torch.gather(blocks, -1, imax) / -8
-    scaled = blocks * _inverse(d) + 8.5  # float32 throughout, as gguf-py (numpy float32 * float32 + float32(8.5))
-    qs = scaled.trunc().clamp(0, 15).to(torch.uint8).reshape(-1, 2, 16)
-    return torch.cat([_f16_bytes(d), qs[:, 0, :] | (qs[:, 1, :] << 4)], dim=1)
-
-
-def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """Values 0..15 (low 4 bits of 0..31) of each 32-value block: the first 16 in the low nibbles, the rest high."""
-    qs = q.reshape(-1, 2, 16)
-    return (qs[:, 0, :] & 0x0F) | (qs[:, 1, :] << 4)
-
-
-def _high_bits(q: torch.Tensor) -> torch.Tensor:
-    """Bit 4 of each of a block's 32 values, as 4 little-endian bytes (``np.packbits(..., bitorder="little")``)."""
-    import torch
-
-    bits = ((q >> 4) & 1).to(torch.int32).reshape(-1, 4, 8) << torch.arange(8, dtype=torch.int32)
-    return bits.sum(dim=-1).to(torch.uint8)
-
-
-def _min_max_scale(blocks: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(d, min, q)`` of the min/max types (Q4_1, Q5_1): ``q = trunc((x - min) / d + 0.5)`` in float32, clipped."""
-    import torch
-
-    low, high = blocks.amin(dim=-1, keepdim=True), blocks.amax(dim=-1, keepdim=True)
-    d = (high - low) / levels
-    q = ((blocks - low) * _inverse(d) + 0.5).trunc().clamp(0, levels).to(torch.uint8)
-    return d, low, q
-
-
-def _q_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    d, low, q = _min_max_scale(blocks, 15)
-    return torch.cat([_f16_bytes(d), _f16_bytes(low), _pack_nibbles(q)], dim=1)
-
-
-def _q_q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    imax = blocks.abs().argmax(dim=-1, keepdim=True)
-    d = torch.gather(blocks, -1, imax) / -16
-    q = (blocks * _inverse(d) + 16.5).trunc().clamp(0, 31).to(torch.uint8)
-    return torch.cat([_f16_bytes(d), _high_bits(q), _pack_nibbles(q)], dim=1)
-
-
-def _q_q5_1(blocks: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    d, low, q = _min_max_scale(blocks, 31)
-    return torch.cat([_f16_bytes(d), _f16_bytes(low), _high_bits(q), _pack_nibbles(q)], dim=1)
-
-
-_QUANTIZE_BLOCKS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "Q8_0": _q_q8_0, "Q4_0": _q_q4_0, "Q4_1": _q_q4_1, "Q5_0": _q_q5_0, "Q5_1": _q_q5_1}
-_QUANTIZE_VALUES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"F32": _q_f32, "F16": _q_f16, "BF16": _q_bf16}
-QUANTIZABLE = frozenset(_QUANTIZE_BLOCKS) | frozenset(_QUANTIZE_VALUES)
-
-
-def quantize(values: torch.Tensor, kind: GgmlType) -> torch.Tensor:
-    """The GGUF bytes (1-D uint8 torch tensor) of float32 ``values`` (a whole number of blocks) as ``kind``.
-
-    Raises:
-        InvalidInputError: a type this module does not quantize, or a partial block.
-    """
-    import torch
-
-    values = values.to(torch.float32).reshape(-1)
-    if kind.name in _QUANTIZE_VALUES:
-        return _QUANTIZE_VALUES[kind.name](values).reshape(-1)
-    if kind.name not in _QUANTIZE_BLOCKS:
-        raise InvalidInputError(f"ggml type {kind.name}: shardkit writes {', '.join(sorted(QUANTIZABLE))}")
-    if values.numel() % kind.block:
-        raise InvalidInputError(f"{values.numel()} values are not whole {kind.name} blocks of {kind.block}")
-    return _QUANTIZE_BLOCKS[kind.name](values.reshape(-1, kind.block)).reshape(-1)

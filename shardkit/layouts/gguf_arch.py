@@ -195,6 +195,7 @@ def arch_metadata(arch: GgufArch, config: Config, folder: str, *, where: str) ->
             integer field that is not one.
     """
     keys = _Keys(arch, where)
+    config = with_defaults(config)
     layers = _first(config, ("n_layers", "num_hidden_layers", "n_layer", "num_layers"))
     if layers is None:
         raise InvalidInputError(f"{where}: config.json has no num_hidden_layers; GGUF's {arch.name}.block_count needs it")
@@ -205,6 +206,39 @@ def arch_metadata(arch: GgufArch, config: Config, folder: str, *, where: str) ->
     else:
         _text_keys(keys, config, layers, folder)
     return keys.rows
+
+
+# What transformers' config classes fill in for a field config.json leaves out (the converter reads
+# AutoConfig.from_pretrained(...).to_dict(), so it writes these): model_type → field → value or "hidden/heads".
+_DEFAULTS: dict[str, dict[str, object]] = {
+    "llama": {"head_dim": "hidden/heads", "rope_theta": 10000.0, "rms_norm_eps": 1e-6},
+    "mistral": {"head_dim": "hidden/heads", "rope_theta": 10000.0, "rms_norm_eps": 1e-6},
+    "qwen2": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6},
+    "qwen3": {"head_dim": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-6},
+    "qwen3_moe": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6},
+    "gemma2": {"head_dim": 256},
+    "phi3": {"rope_theta": 10000.0},
+}
+
+
+def with_defaults(config: Config) -> Config:
+    """``config`` with the fields its transformers config class would fill in (see :data:`_DEFAULTS`); rope_theta
+    only where no rope parameters carry one.
+
+    >>> with_defaults({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4})["head_dim"]
+    16
+    """
+    out = dict(config)
+    for key, value in _DEFAULTS.get(str(config.get("model_type")), {}).items():
+        if key in out or (key == "rope_theta" and _rope_theta(config) is not None):
+            continue
+        if value == "hidden/heads":
+            hidden, heads = config.get("hidden_size"), config.get("num_attention_heads")
+            if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:
+                continue
+            value = hidden // heads
+        out[key] = value
+    return out
 
 
 def _need(config: Config, keys: _Keys, key: str) -> Scalar:

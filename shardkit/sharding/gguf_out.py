@@ -111,7 +111,7 @@ def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize
     if not output.endswith(".gguf") or os.path.isdir(output):
         raise InvalidInputError(f"{output}: to='gguf' writes one file; give an OUTPUT ending in .gguf")
     if options.dtype is not None:
-        raise InvalidInputError(f"dtype={options.dtype!r} does not apply with to='gguf': quantize='f16', 'bf16', 'q8_0', 'q4_0'... "
+        raise InvalidInputError(f"dtype={options.dtype!r} does not apply with to='gguf': quantize='f16', 'bf16', 'q8_0' or 'q4_0' "
                                 "sets the ggml type (without it, types are kept)")
     if quantize is not None and quantize not in GGUF_QUANTIZE:
         raise InvalidInputError(f"quantize={quantize!r} with to='gguf': expected one of {', '.join(GGUF_QUANTIZE)}")
@@ -381,7 +381,7 @@ def _write_all(fd: int, data: bytes | memoryview, path: str) -> None:
         view = view[written:]
 
 
-def _tensor_bytes(t: _Tensor, src: Source) -> Iterator[bytes]:
+def _tensor_bytes(t: _Tensor, src: Source) -> Iterator[bytes | memoryview]:
     """The GGUF bytes of one tensor, band by band of rows: copied (same ggml type) or quantized; stacked experts
     one after another (rows stay whole, so their blocks are the stack's)."""
     if t.data is not None:
@@ -391,7 +391,7 @@ def _tensor_bytes(t: _Tensor, src: Source) -> Iterator[bytes]:
         yield from _entry_bytes(t, entry, src)
 
 
-def _entry_bytes(t: _Tensor, entry: TensorEntry, src: Source) -> Iterator[bytes]:
+def _entry_bytes(t: _Tensor, entry: TensorEntry, src: Source) -> Iterator[bytes | memoryview]:
     import torch
 
     from ..layouts.fp8 import matrix_shape
@@ -413,10 +413,9 @@ def _entry_bytes(t: _Tensor, entry: TensorEntry, src: Source) -> Iterator[bytes]
         step = max(per_head, step // per_head * per_head)
     kind = ggml_type(t.kind)
     for row0 in range(0, rows, step):
-        values = read_rows(src, entry, row0, min(rows, row0 + step))
+        values = read_rows(src, entry, row0, min(rows, row0 + step))  # widened to float32 as it is quantized
         if t.shift:  # in the source's float16/float32, else float32, as the converter adds it
             values = (values if values.dtype in (torch.float16, torch.float32) else values.float()) + t.shift
-        values = values.float()
         if t.heads is not None:
             values = permute_rows(values, values.shape[0] // (rows // t.heads))
-        yield quantize(values, kind).numpy().tobytes()
+        yield quantize(values, kind).numpy().data
