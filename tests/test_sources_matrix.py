@@ -1,4 +1,5 @@
-"""Every api function that takes a location, against every kind of location: a local folder, ``s3://`` on a real
+"""Every api function that takes a location (open, load_model, info, verify, split, convert, merge,
+plan_device_map, recover), against every kind of location: a local folder, ``s3://`` on a real
 SeaweedFS and ``hf://`` on the offline Hub (tests/hub_server.py), all holding the same checkpoint.
 
 One script runs the functions on one location in a subprocess (``HF_ENDPOINT`` and the AWS
@@ -49,6 +50,11 @@ shardkit.split(location, os.path.join(work, "split"), max_shard_size="200KB")
 got["split"] = files(os.path.join(work, "split"))
 shardkit.convert(location, os.path.join(work, "convert"), dtype="fp16", max_shard_size="300KB")
 got["convert"] = files(os.path.join(work, "convert"))
+os.makedirs(os.path.join(work, "merged"))
+shardkit.merge(location, os.path.join(work, "merged", "model.safetensors"))
+got["merge"] = files(os.path.join(work, "merged"))
+plan = shardkit.plan_device_map("diffusers:UNet2DConditionModel", checkpoint=location, max_memory={"cpu": "1GB"})
+got["plan_device_map"] = plan.device_map
 print(json.dumps(got))
 """
 
@@ -92,7 +98,7 @@ with shardkit.open(location) as ckpt:
                for name in sorted(ckpt.keys())}
 summary = shardkit.info(location)
 print(json.dumps({"open": tensors, "info": [summary.format, summary.tensor_count, summary.total_bytes],
-                  "verify": shardkit.verify(location).ok}))
+                  "verify": shardkit.verify(location).ok, "recover": shardkit.recover(location).changed}))
 """
 
 
@@ -107,6 +113,6 @@ def test_open_info_and_verify_take_every_location_alike(hub, s3_env, tmp_path) -
     rows = {location: json.loads(run_python(QUICK, env, location).stdout.strip().splitlines()[-1])
             for location in (str(source.parent), f"s3://{s3_env.bucket}/tiny", "hf://alice/tiny")}
     local = rows.pop(str(source.parent))
-    assert local["verify"] is True and len(local["open"]) == 4
+    assert local["verify"] is True and local["recover"] is False and len(local["open"]) == 4
     for location, got in rows.items():
         assert got == local, location

@@ -183,7 +183,8 @@ class HfStore:
         raise self._read_only()
 
     def delete(self, names: Sequence[str]) -> None:
-        raise self._read_only()
+        if names:  # nothing to delete is no write (recover of a repository finds no leftovers)
+            raise self._read_only()
 
     def pending_uploads(self) -> list[PendingUpload]:
         return []
