@@ -124,3 +124,21 @@ def test_flux_width_loras_merge_into_the_folder_and_into_the_bfl_file(tmp_path: 
         changed = [k for k, v in merged.items() if not torch.equal(v, before[k])]
         assert {"single_transformer_blocks.0.proj_mlp.weight", "transformer_blocks.0.attn.to_v.weight"} <= set(changed)
         del merged, want
+
+
+def test_a_flux_pipeline_folder_gets_the_lora_in_its_transformer(flux: dict[str, Path], run_cli) -> None:
+    """A FluxPipeline folder (here its transformer and scheduler only): the transformer merged as diffusers fuses it,
+    the rest written as it is."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    pipe = FluxPipeline(transformer=FluxTransformer2DModel.from_pretrained(flux["base"]),
+                        scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None,
+                        text_encoder_2=None, tokenizer_2=None)
+    pipe.save_pretrained(flux["root"] / "pipeline")
+    out = flux["root"] / "pipeline-merged"
+    result = run_cli("convert", flux["root"] / "pipeline", out, "--lora", flux["kohya"])
+    assert result.exit_code == 0, result.stderr
+    got, want = load_folder(out / "transformer"), flux_fused(flux["base"], flux["kohya"])
+    assert got.keys() == want.keys() and [k for k in got if not torch.equal(got[k], want[k])] == []
+    assert (out / "model_index.json").read_text() == (flux["root"] / "pipeline" / "model_index.json").read_text()
+    assert (out / "scheduler" / "scheduler_config.json").exists()
