@@ -6,6 +6,9 @@
 with its file offsets (still copied kernel-side). The adapters are held in memory; the base is read one
 band of rows at a time, so memory does not depend on the base's size.
 
+A pair may cover only some rows of a tensor (``LowRank.row0``: a diffusers module's part of an original
+Flux file's fused ``qkv``); each band adds the rows of each product that fall in it.
+
 The product of a tensor whose float32 delta fits :data:`WHOLE_DELTA_BYTES` is computed whole, as PEFT's
 ``merge_and_unload`` computes it, so an fp32 merge equals PEFT's bit for bit; a larger one is added band
 by band (``addmm(W[rows], scale · B[rows], A)``), which may round differently in the last bit of float32.
@@ -58,7 +61,9 @@ def merged_view(inner: Source, adapters: Sequence[str | os.PathLike[str]], *, sc
     Raises:
         InvalidInputError: a quantized base with neither, or an adapter that does not fit (:func:`plan_merge`).
 
-    ``component`` names the pipeline component ``inner`` is, for a diffusion LoRA file's keys.
+    ``component`` names the pipeline component ``inner`` is, for a diffusion LoRA file's keys. A diffusion
+    LoRA (diffusers' names) merged into an original Flux file adds each pair to its rows of the fused tensors
+    (:mod:`shardkit.sharding.lora_original`).
     """
     config = source_config(inner)  # an SDXL UNet's block numbering, for kohya files
     inner = _dequantized(inner, options)
