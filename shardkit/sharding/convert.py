@@ -116,8 +116,8 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
     if to is not None or config is not None or component is not None:
         if isinstance(source, RangedCheckpoint):
             raise InvalidInputError(f"{source}: to='diffusers' maps the checkpoint file into memory; it cannot "
-                                    "read it by range (convert a local copy; for hf://, drop cache=False: the file "
-                                    "is then read through the HF cache)")
+                                    "read it by range (convert a local copy; a location with a cache, such as the "
+                                    "Hub, is read whole without cache=False)")
         return _convert_to(source, output, options=options, key=key, keymap=keymap, to=to, config=config,
                            component=component)
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
