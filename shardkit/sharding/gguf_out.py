@@ -404,6 +404,10 @@ def _entry_bytes(t: _Tensor, entry: TensorEntry, src: Source) -> Iterator[bytes 
         for begin in range(0, stored.nbytes, BAND_BYTES):
             yield src.stored_bytes(stored, begin, min(stored.nbytes, begin + BAND_BYTES))
         return
+    if entry.dtype == t.kind and t.heads is None and not t.shift:  # same type, same order: the bytes as stored
+        for begin in range(0, entry.nbytes, BAND_BYTES):
+            yield src.read(entry, begin, min(entry.nbytes, begin + BAND_BYTES))
+        return
     rows, cols = matrix_shape(entry.shape)
     step = max(1, BAND_BYTES // (4 * max(1, cols)))
     if t.heads is not None:
