@@ -25,7 +25,7 @@ from ..errors import InvalidInputError
 __all__ = ["STORE_SCHEMES", "SUPPORTED_SCHEMES", "StoreUrl", "check_local", "check_scheme", "has_control_characters",
            "is_store_url", "parse_store_url", "url_scheme"]
 
-STORE_SCHEMES = ("s3",)  # object stores this package reads through shardkit.stores
+STORE_SCHEMES = ("s3",)  # object stores this package also writes (hf:// is read-only: published by push)
 SUPPORTED_SCHEMES = ("hf", *STORE_SCHEMES)  # every scheme a checkpoint path may have
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 # S3's bucket naming rules: 3-63 characters, lower-case letters, digits, dots and hyphens,
@@ -131,7 +131,10 @@ def check_local(path: object, *, role: str) -> None:
 
 
 def is_store_url(path: object) -> TypeGuard[str]:
-    """True for a string naming an object store (``s3://...``)."""
+    """True for a string naming a store this package writes into (``s3://...``): an output that is not a folder.
+
+    Which locations are read as stores is :data:`shardkit.api.sources.LOCATIONS`' question (``is_remote``).
+    """
     return url_scheme(path) in STORE_SCHEMES
 
 
