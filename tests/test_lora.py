@@ -315,3 +315,31 @@ def test_a_base_in_a_bucket_merges_into_a_bucket(llama: dict[str, Path], s3_env,
     local = tmp_path / "local"
     shardkit.convert(llama["base"], local, lora=llama["adapter"])
     assert s3_env.get("merged/model.safetensors") == (local / "model.safetensors").read_bytes()
+
+
+def test_an_adapter_in_a_bucket_merges_as_a_local_one(llama: dict[str, Path], s3_env, run_cli, tmp_path: Path) -> None:
+    """``--lora s3://...``: adapter_config.json mirrored, the weights read by range; a missing one is one line."""
+    from conftest import assert_one_line_error
+
+    for path in llama["adapter"].iterdir():
+        s3_env.put(f"adapter/{path.name}", path.read_bytes())
+    out = tmp_path / "merged"
+    result = run_cli("convert", llama["base"], out, "--lora", f"s3://{s3_env.bucket}/adapter")
+    assert result.exit_code == 0, result.stderr
+    assert f"merged s3://{s3_env.bucket}/adapter: 7 LoRA weight(s)" in result.stdout
+    shardkit.convert(llama["base"], tmp_path / "local", lora=llama["adapter"])
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "local" / "model.safetensors").read_bytes()
+    assert_one_line_error(run_cli("convert", llama["base"], tmp_path / "x", "--lora", f"s3://{s3_env.bucket}/nothing"))
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_adapter_on_the_hub_merges_as_a_local_one(llama: dict[str, Path], hub, tmp_path: Path) -> None:
+    """``--lora hf://ORG/REPO`` (the offline Hub): the adapter read through the HF cache, as a model is."""
+    from helpers_hub import hub_env, hub_files, run_shardkit
+
+    hub.state.add_repo("alice/adapter", hub_files(llama["adapter"]))
+    out = tmp_path / "merged"
+    done = run_shardkit(hub_env(hub, tmp_path / "home"), "convert", llama["base"], out, "--lora", "hf://alice/adapter")
+    assert done.returncode == 0, done.stderr
+    shardkit.convert(llama["base"], tmp_path / "local", lora=llama["adapter"])
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "local" / "model.safetensors").read_bytes()

@@ -32,7 +32,7 @@ def copy_adapter(made: dict[str, Path], tmp_path: Path, **changes: object) -> Pa
     return adapter
 
 
-def refused(run_cli, made: dict[str, Path], tmp_path: Path, *adapters: Path | str, base: Path | None = None,
+def refused(run_cli, made: dict[str, Path], tmp_path: Path, *adapters: Path, base: Path | None = None,
             contains: str, extra: tuple[str, ...] = ()) -> str:
     out = tmp_path / "out"
     args = [a for adapter in adapters for a in ("--lora", adapter)]
@@ -97,8 +97,6 @@ def test_a_unet_lora_on_a_llama_and_a_file_that_is_no_lora(made, run_cli, tmp_pa
 
 def test_a_missing_adapter_and_other_targets(made, run_cli, tmp_path) -> None:
     refused(run_cli, made, tmp_path, tmp_path / "nowhere", contains="no such file or folder")
-    for remote in ("hf://org/my-adapter", "s3://bucket/my-adapter"):
-        refused(run_cli, made, tmp_path, remote, contains="adapters are read from a local folder or file")
     refused(run_cli, made, tmp_path, made["adapter"], contains="--lora merges into a checkpoint written as safetensors",
             extra=("--to", "single-file"))
 

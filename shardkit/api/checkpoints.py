@@ -8,6 +8,7 @@ with the built options. A local path goes straight to the stage.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -112,8 +113,8 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options
             (see :func:`shardkit.api.jobs.torchrun_group`); ``source`` is then a local or ``s3://``
             checkpoint (each rank reads only its shards' byte ranges), ``output`` a folder every rank
             sees or an ``s3://`` prefix (each rank uploads its own shards).
-        lora: PEFT LoRA adapter folders, or diffusers/kohya LoRA files for a UNet or transformer
-            (one, or several merged in order): each weight they target
+        lora: PEFT LoRA adapter folders, or diffusers/kohya LoRA files for a UNet or transformer (SD, SDXL,
+            Flux), local, ``s3://`` or ``hf://`` (one, or several merged in order): each weight they target
             becomes ``W + scale · (B @ A)``, computed in float32 from the base's band and written in
             the output dtype; ``modules_to_save`` tensors replace the base's (see docs/lora.md).
         lora_scale: multiplies every adapter's own scale (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA).
@@ -143,7 +144,8 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options
         with opened(source, cache=cache) as readable:  # s3://: each rank reads its shards' byte ranges
             return convert_collective(readable, output, options=built, key=key, keymap=keymap, to=to)
     with opened(source, token=token, cache=cache, pickles=True) as readable, \
-            configs(config, token=token) as local_config:
+            configs(config, token=token) as local_config, contextlib.ExitStack() as held:
+        adapters = [_opened_adapter(held, a, token=token) for a in adapters]
         if is_store_url(output):  # streamed into the store, or staged for one file (api/store_writes.py)
             return write_to_store(output, lambda out, tick: convert_with(
                 readable, out, options=dataclasses.replace(built, overwrite=False, progress=tick), key=key,
@@ -151,6 +153,20 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options
                 overwrite=built.overwrite, dry_run=built.dry_run, progress=built.progress)
         return convert_with(readable, output, options=built, key=key, keymap=keymap, to=to, config=local_config,
                             component=component, lora=adapters, lora_scale=lora_scale)
+
+
+def _opened_adapter(held: contextlib.ExitStack, adapter: str | os.PathLike[str], *,
+                    token: str | None) -> str | os.PathLike[str]:
+    """A LoRA adapter to read: itself, or one in a store opened for the convert (the Hub's through its cache, a
+    bucket's files mirrored with its weights read by range)."""
+    from .sources import opened
+
+    if not is_remote(adapter):
+        return adapter
+    got = held.enter_context(opened(adapter, token=token))
+    if not isinstance(got, (str, os.PathLike)):
+        raise TypeError(f"{adapter}: opened as a {type(got).__name__}, not a path")
+    return got
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from ..layouts.adapters import SUPPORTED, AdapterKeys, LoraPair, lora_scale, pef
 from ..layouts.fp8 import matrix_shape
 from ..sources import open_source
 from ..sources.dequantized import read_whole
+from ..sources.ranged import beneath, shown
 from ..stores.urls import url_scheme
 from .lora_original import Placement
 
@@ -90,27 +91,30 @@ def load_adapter(path: str | os.PathLike[str], *, base_config: Config | None = N
     """Read a PEFT LoRA folder (or its weight file beside ``adapter_config.json``), or a diffusers/kohya
     LoRA file (:mod:`shardkit.sharding.lora_diffusers`; ``base_config``: an SDXL UNet's numbering;
     ``component``: which of its components' keys; ``base_names``: the base's tensor names), into memory.
+    A :class:`~shardkit.sources.ranged.RangedCheckpoint` (an adapter in a bucket: its files mirrored, headers
+    only) has its weights read by range.
 
     Raises:
         SourceNotFoundError: no such path.
         InvalidInputError: not a LoRA shardkit merges (the message names what is supported).
     """
-    path = os.fspath(path)
+    given, path = path, os.fspath(path)
     if url_scheme(path) is not None:
-        raise InvalidInputError(f"adapter {path}: adapters are read from a local folder or file (the base may be "
-                                "remote); download it first (hf download, aws s3 cp) and pass that path")
+        raise InvalidInputError(f"adapter {path}: adapters are read from a local folder or file, or through "
+                                "shardkit.convert (which opens s3:// and hf:// adapters); download it first")
     if not os.path.exists(path):
-        raise SourceNotFoundError(f"adapter {path}: no such file or folder")
+        raise SourceNotFoundError(f"adapter {shown(given)}: no such file or folder")
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     weights = path if os.path.isfile(path) else next(
         (os.path.join(folder, n) for n in WEIGHT_NAMES if os.path.isfile(os.path.join(folder, n))), None)
     if not is_peft_folder(path):
-        return _diffusers_file(path, folder, weights, base_config=base_config, component=component,
+        return _diffusers_file(given, folder, weights, base_config=base_config, component=component,
                                base_names=base_names)
+    path = shown(given)
     config = _read_config(folder, where=path)
     if weights is None:
         raise InvalidInputError(f"adapter {path}: no {' or '.join(WEIGHT_NAMES)} in it; supported: {SUPPORTED}")
-    with open_source(weights) as src:
+    with open_source(beneath(given, weights)) as src:
         entries = src.entries()
         _refuse_other_formats(path, config, [e.name for e in entries])
         tensors = {e.name: read_whole(src, e) for e in entries}
@@ -124,17 +128,18 @@ def is_peft_folder(path: str | os.PathLike[str]) -> bool:
     return os.path.isfile(os.path.join(folder, CONFIG_NAME))
 
 
-def _diffusers_file(path: str, folder: str, weights: str | None, *, base_config: Config | None,
+def _diffusers_file(given: str | os.PathLike[str], folder: str, weights: str | None, *, base_config: Config | None,
                     component: str | None, base_names: frozenset[str]) -> Adapter:
     """A LoRA file without ``adapter_config.json``: diffusers' or kohya's (one ``.safetensors`` file)."""
     from .lora_diffusers import diffusers_adapter
 
+    path = shown(given)
     if weights is None and os.path.isfile(os.path.join(folder, DIFFUSERS_NAME)):
         weights = os.path.join(folder, DIFFUSERS_NAME)
     if weights is None or not weights.endswith(".safetensors"):
         raise InvalidInputError(f"adapter {path}: neither {CONFIG_NAME} (PEFT) nor a .safetensors LoRA file "
                                 f"(diffusers, kohya); supported: {SUPPORTED}")
-    with open_source(weights) as src:
+    with open_source(beneath(given, weights)) as src:
         tensors = {e.name: read_whole(src, e) for e in src.entries()}
         metadata = src.metadata()
     return Adapter(path, *diffusers_adapter(path, tensors, metadata, base_config=base_config, component=component,
