@@ -142,3 +142,17 @@ def test_a_flux_pipeline_folder_gets_the_lora_in_its_transformer(flux: dict[str,
     assert got.keys() == want.keys() and [k for k in got if not torch.equal(got[k], want[k])] == []
     assert (out / "model_index.json").read_text() == (flux["root"] / "pipeline" / "model_index.json").read_text()
     assert (out / "scheduler" / "scheduler_config.json").exists()
+
+
+def test_a_lora_file_on_the_hub_merges_as_a_local_one(flux: dict[str, Path], hub, tmp_path: Path) -> None:
+    """``--lora hf://ORG/REPO/FILE.safetensors``: one file of a Hub repository, read through the HF cache."""
+    from helpers_hub import hub_env, hub_files, run_shardkit
+
+    hub.state.add_repo("alice/flux-lora", hub_files(flux["kohya"].parent / "lora-diffusers"))
+    lora = "hf://alice/flux-lora/pytorch_lora_weights.safetensors"
+    done = run_shardkit(hub_env(hub, tmp_path / "home"), "convert", flux["base"], tmp_path / "out", "--lora", lora)
+    assert done.returncode == 0, done.stderr
+    shardkit.convert(flux["base"], tmp_path / "local", lora=flux["diffusers"])
+    assert load_folder(tmp_path / "out").keys() == load_folder(tmp_path / "local").keys()
+    assert (tmp_path / "out" / "diffusion_pytorch_model.safetensors").read_bytes() == \
+        (tmp_path / "local" / "diffusion_pytorch_model.safetensors").read_bytes()
