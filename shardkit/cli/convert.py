@@ -91,7 +91,8 @@ files (OUTPUT-00001-of-0000N.gguf).
 \b
 --lora ADAPTER (repeatable) merges a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors),
 or a diffusers/kohya LoRA .safetensors file (SD, SDXL, Flux) into a UNet or transformer folder (or a pipeline
-folder's, or an original Flux.1 file), local, s3:// or hf://, into SOURCE as it streams (with --to gguf too): W + scale * (B @ A) in float32 from each band of rows, written in the output
+folder's, or an original Flux.1 file), local, s3:// or hf://, into SOURCE as it streams (with --to gguf
+too): W + scale * (B @ A) in float32 from each band of rows, written in the output
 dtype (--dtype, or the base's own), scale = lora_alpha / r (rsLoRA: / sqrt(r); rank_pattern and
 alpha_pattern honoured) times --lora-scale; modules_to_save tensors replace the base's. Adapters whose
 shapes, ranks or targets do not fit the base are refused before anything is written.
