@@ -54,7 +54,7 @@ def verify_gguf(path: str, *, progress: Callable[[int, int], None] | None = None
         except InvalidInputError as e:
             report.findings.append((None, str(e).removeprefix(f"{path}: ")))
             config = None
-        if config is not None:
+        if config is not None and config.get("model_type") != "bert":  # decoders: Llama, Qwen2, Qwen3
             report.findings += _shape_problems(src.entries(), config)
         vocab = describe_vocab(src.gguf.metadata, src.gguf.architecture)
         if vocab is not None and vocab["missing"]:
@@ -97,7 +97,7 @@ def _non_finite(src: Any, entry: TensorEntry) -> int:
 
 
 def _shape_problems(entries: list[TensorEntry], config: JsonObject) -> list[tuple[str, str]]:
-    """Llama tensors whose shape disagrees with the metadata's sizes."""
+    """Decoder tensors (Llama, Qwen2, Qwen3) whose shape disagrees with the metadata's sizes."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim", hidden // heads)
@@ -115,7 +115,7 @@ def _shape_problems(entries: list[TensorEntry], config: JsonObject) -> list[tupl
             problems.append((entry.name, f"shape {list(entry.shape)} but the metadata's sizes make {list(shape)}"))
     layers = {int(e.name.split(".")[2]) for e in entries if e.name.startswith("model.layers.")}
     if layers != set(range(config["num_hidden_layers"])):
-        problems.append(("model.layers", f"{len(layers)} layers in the file, llama.block_count says "
+        problems.append(("model.layers", f"{len(layers)} layers in the file, {config['model_type']}.block_count says "
                                          f"{config['num_hidden_layers']}"))
     return problems
 
