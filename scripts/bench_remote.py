@@ -110,6 +110,13 @@ def flux_repo() -> dict[str, bytes | LazyBlob]:
     return files
 
 
+def hub_env(url: str, home: str) -> dict[str, str]:
+    """This environment without its HF_* variables, pointed at the Hub at ``url`` with ``home`` as HF_HOME."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    return {**env, "HF_ENDPOINT": url, "HF_HOME": home, "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1"}
+
+
 def run_cli(env: dict[str, str], *args: str) -> float:
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "shardkit", *args], env=env, check=True, capture_output=True)
@@ -125,9 +132,7 @@ def main() -> int:
     repo_bytes = sum(len(v) for v in files.values())
     with tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp, HubServer(Path(tmp) / "hub") as hub:
         hub.state.add_repo(REPO, files)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-        env.update(HF_ENDPOINT=hub.url, HF_HOME=f"{tmp}/home", HF_HUB_DISABLE_PROGRESS_BARS="1",
-                   HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_XET="1")
+        env = hub_env(hub.url, f"{tmp}/home")
         rows = []
         for label, cli in (("shardkit info", ["info", f"hf://{REPO}"]),
                            ("shardkit fit --gpu 16GB --gpu 16GB", ["fit", f"hf://{REPO}", "--gpu", "16GB", "--gpu", "16GB"])):

@@ -27,7 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-from bench_remote import lazy_weights  # noqa: E402
+from bench_remote import hub_env, lazy_weights  # noqa: E402
 from helpers_hub import run_measured  # noqa: E402
 from hub_server import HubServer  # noqa: E402
 from hub_state import LazyBlob  # noqa: E402
@@ -102,15 +102,12 @@ def main() -> int:
             HubServer(Path(tmp_name) / "hub") as hub:
         tmp = Path(tmp_name)
         hub.state.add_repo(REPO, files)
-        base_env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-        base_env.update(HF_ENDPOINT=hub.url, HF_HUB_DISABLE_PROGRESS_BARS="1", HF_HUB_DISABLE_TELEMETRY="1",
-                        HF_HUB_DISABLE_XET="1")
+        env = hub_env(hub.url, str(tmp / "home"))
         for _ in range(args.rounds):
             for label, argv in cases(hub.url, files, tmp).items():
                 for leftover in (tmp / "out", tmp / "home"):
                     shutil.rmtree(leftover, ignore_errors=True)
                 (tmp / "out").mkdir()  # an empty folder: curl and save_torch_state_dict need it, shardkit takes it
-                env = {**base_env, "HF_HOME": str(tmp / "home")}
                 before = hub.state.bytes_sent()
                 seconds, peak = run_case(argv, env)
                 results.setdefault(label, []).append((seconds, peak, hub.state.bytes_sent() - before,

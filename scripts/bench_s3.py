@@ -30,6 +30,7 @@ import os
 import tempfile
 import time
 import zlib
+from typing import Any
 
 from benchlib import child, machine_line, markdown, median, peak_rss_mb, publish_report, rotated
 from s3_server import DelayProxy, SeaweedS3
@@ -45,30 +46,32 @@ def _ranges(size: int, part: int) -> list[tuple[int, int]]:
     return [(b, min(b + part, size)) for b in range(0, size, part)]
 
 
-def _boto3_client(parts: int):  # noqa: ANN202
+def boto3_client(parts: int) -> Any:
     import boto3
     from botocore.config import Config
 
     return boto3.client("s3", config=Config(max_pool_connections=parts, s3={"addressing_style": "path"}))
 
 
+def get_range_into(client: Any, bucket: str, key: str, begin: int, view: memoryview) -> None:
+    """The bytes of ``key`` from ``begin`` straight into ``view`` (1 MiB a readinto: urllib3 reads each
+    readinto into a temporary first)."""
+    body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={begin}-{begin + len(view) - 1}")["Body"]
+    got = 0
+    while got < len(view):
+        n = body.readinto(view[got:got + (1 << 20)])
+        if not n:
+            raise OSError(f"short read of {key} at {begin + got}")
+        got += n
+
+
 def read_boto3_threads(bucket: str, size: int, part: int, parts: int, out: memoryview) -> float:
     from concurrent.futures import ThreadPoolExecutor
 
-    client = _boto3_client(parts)
+    client = boto3_client(parts)
     start = time.perf_counter()
-
-    def get(r: tuple[int, int]) -> None:
-        body = client.get_object(Bucket=bucket, Key=KEY, Range=f"bytes={r[0]}-{r[1] - 1}")["Body"]
-        view, got = out[r[0]:r[1]], 0
-        while got < len(view):  # 1 MiB at a time: urllib3 reads each readinto into a temporary first
-            n = body.readinto(view[got:got + (1 << 20)])
-            if not n:
-                raise OSError(f"short read at {r[0] + got}")
-            got += n
-
     with ThreadPoolExecutor(parts) as pool:
-        list(pool.map(get, _ranges(size, part)))
+        list(pool.map(lambda r: get_range_into(client, bucket, KEY, r[0], out[r[0]:r[1]]), _ranges(size, part)))
     return time.perf_counter() - start
 
 
@@ -97,7 +100,7 @@ class _BufferWriter:
 def read_s3transfer(bucket: str, size: int, part: int, parts: int, out: memoryview) -> float:
     from boto3.s3.transfer import TransferConfig
 
-    client = _boto3_client(parts)
+    client = boto3_client(parts)
     config = TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=parts,
                             use_threads=True)
     start = time.perf_counter()
@@ -172,7 +175,7 @@ def write_s3transfer(bucket: str, size: int, part: int, parts: int, data: memory
 
     from boto3.s3.transfer import TransferConfig
 
-    client = _boto3_client(parts)
+    client = boto3_client(parts)
     config = TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=parts)
     start = time.perf_counter()
     client.upload_fileobj(io.BytesIO(data), bucket, "bench/out-s3transfer", Config=config)  # type: ignore[arg-type]

@@ -286,15 +286,6 @@ def set_cache(files: list[str], *, cold: bool) -> float:
     return min((cached_fraction(path) or 0.0 for path in files), default=0.0)
 
 
-def touch_pages(tensors: Iterable[Any]) -> None:
-    """Read one byte of every page of every tensor: lazily mapped weights become resident."""
-    import torch
-
-    for t in tensors:
-        if not t.is_meta and t.numel():
-            t.reshape(-1).view(torch.uint8)[::4096].sum().item()
-
-
 def apt_install(command: str, package: str) -> None:
     """Install ``package`` with apt-get when ``command`` is missing (needs root)."""
     if shutil.which(command):
