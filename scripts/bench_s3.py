@@ -108,7 +108,7 @@ def read_s3transfer(bucket: str, size: int, part: int, parts: int, out: memoryvi
     return time.perf_counter() - start
 
 
-def _obstore(bucket: str):  # noqa: ANN202
+def _obstore(bucket: str) -> Any:
     from obstore.store import S3Store
 
     endpoint = os.environ["AWS_ENDPOINT_URL"]
@@ -213,7 +213,7 @@ def run_child(case: str, bucket: str, size: int, part: int, parts: int, crc_samp
 
 # ----------------------------------------------------------------------------- the parent
 
-def upload(server, bucket: str, size: int) -> int:  # noqa: ANN001
+def upload(server: SeaweedS3, bucket: str, size: int) -> int:
     """A ``size``-byte object of random bytes (multipart, 64 MiB at a time); returns the sample's crc32."""
     client = server.client()
     client.create_bucket(Bucket=bucket)

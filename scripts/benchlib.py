@@ -132,7 +132,7 @@ def child(script: str, *args: str, env: dict[str, str] | None = None, check: boo
                           text=True, timeout=timeout)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode == 0 and lines:
-        return json.loads(lines[-1])  # type: ignore[no-any-return]
+        return dict(json.loads(lines[-1]))
     if check:
         raise SystemExit(f"{' '.join(args[:2])} failed ({done.returncode}): {done.stderr.strip()[-3000:]}")
     return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1][:200]}
