@@ -66,7 +66,7 @@ def main() -> None:
     shards = sorted(os.path.join(sharded, n) for n in os.listdir(sharded))
     results: dict[str, dict[str, float]] = {}
     for label, files, target in (("single file", [single], single),
-                                 (f"{len(shards) - 1} shards + index", shards, sharded)):
+                                 (f"{sum(n.endswith('.safetensors') for n in shards)} shards + index", shards, sharded)):
         size = sum(os.path.getsize(p) for p in files)
         t_cat = timed(lambda files=files: subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True),
                       args.runs)
