@@ -33,7 +33,7 @@ from ..formats.json_types import JsonObject
 
 __all__ = ["tokenizer_files"]
 
-CONTROL, UNKNOWN, USER_DEFINED = 3, 2, 4  # llama.cpp's token types
+CONTROL, UNKNOWN, USER_DEFINED, UNUSED = 3, 2, 4, 5  # llama.cpp's token types
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
            r"\s+(?!\S)|\s+")
 _QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
@@ -64,6 +64,12 @@ def byte_alphabet() -> dict[int, str]:
         if b not in table:
             table[b], extra = chr(256 + extra), extra + 1
     return table
+
+
+def _filler(token: str, index: int, kind: int) -> bool:
+    """Whether ``token`` is a ``[PADn]`` the converter made up for an id the tokenizer lacks (left out of the
+    rebuilt vocabulary: the converter makes it up again from config.json's vocab_size)."""
+    return kind == UNUSED and token == f"[PAD{index}]"
 
 
 def _list(metadata: Mapping[str, Value], key: str, *, where: str) -> list[Value]:
@@ -166,6 +172,8 @@ def _byte_level(metadata: Mapping[str, Value], tokens: list[str], types: list[in
     alphabet = set(spelling.values())
     vocab: dict[str, int] = {}
     for i, (token, kind) in enumerate(zip(tokens, types, strict=True)):
+        if _filler(token, i, kind):
+            continue
         if not set(token) <= alphabet:
             if kind in (CONTROL, USER_DEFINED):
                 continue  # an added token only (its text is matched whole)
@@ -217,8 +225,9 @@ def _sentencepiece(metadata: Mapping[str, Value], tokens: list[str], types: list
     unk = tokens[unk_id] if unk_id is not None else next((t for t, k in zip(tokens, types, strict=True)
                                                           if k == UNKNOWN), None)
     vocab: dict[str, int] = {}
-    for i, token in enumerate(tokens):
-        vocab.setdefault(token, i)
+    for i, (token, kind) in enumerate(zip(tokens, types, strict=True)):
+        if not _filler(token, i, kind):
+            vocab.setdefault(token, i)
     decoders: list[JsonObject] = [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
                                   {"type": "ByteFallback"}, {"type": "Fuse"}]
     if prefix:

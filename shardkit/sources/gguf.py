@@ -166,6 +166,15 @@ class GgufSource(Source):
         ids = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config}
         if ids and config.get("model_type") != "bert":
             files["generation_config.json"] = (json.dumps(ids, indent=2) + "\n").encode()
+        value = self.gguf.metadata.get("bert.pooling_type")
+        pooling = {1: "pooling_mode_mean_tokens", 2: "pooling_mode_cls_token", 3: "pooling_mode_lasttoken"}.get(
+            value if isinstance(value, int) else 0)
+        if config.get("model_type") == "bert" and pooling is not None:  # sentence-transformers' files, as read
+            modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                       {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+            files["modules.json"] = (json.dumps(modules, indent=2) + "\n").encode()
+            files["1_Pooling/config.json"] = (json.dumps({"word_embedding_dimension": config["hidden_size"],
+                                                           pooling: True}, indent=2) + "\n").encode()
         return files
 
     # ------------------------------------------------------------------ bytes
