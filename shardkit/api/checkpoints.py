@@ -128,7 +128,7 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options
     shardkit.convert("llama/", "llama-merged/", lora="my-adapter/", dtype="bf16")
     """
     from ..sharding.convert import build_keymap, convert_with
-    from .sources import configs, opened
+    from .sources import check_collective, configs, opened
 
     built = WriteOptions.build(options, shorthands, where="convert()")
     keymap = build_keymap(include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
@@ -141,6 +141,7 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options
         if adapters:
             raise InvalidInputError("lora=... is not supported in a collective convert; merge in one process")
 
+        check_collective(source)
         with opened(source, cache=cache) as readable:  # s3://: each rank reads its shards' byte ranges
             return convert_collective(readable, output, options=built, key=key, keymap=keymap, to=to)
     with opened(source, token=token, cache=cache, pickles=True) as readable, \

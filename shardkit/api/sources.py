@@ -22,7 +22,7 @@ from ..errors import InvalidInputError
 from ..sources.base import CheckpointSource
 from ..stores.urls import check_scheme, url_scheme
 
-__all__ = ["LOCATIONS", "Location", "configs", "headers", "is_remote", "lists_digests", "opened"]
+__all__ = ["LOCATIONS", "Location", "check_collective", "configs", "headers", "is_remote", "lists_digests", "opened"]
 
 
 def _hf_cached(path: str, *, token: str | None, pickles: bool) -> AbstractContextManager[str]:
@@ -51,7 +51,8 @@ class Location:
     None: read where it lives. ``configs``: the configs of a folder, downloaded (None: from the
     header-only mirror). ``names_a_file``: the location names one checkpoint file, not a folder
     (read through ``cached`` only). ``digests``: the store lists a digest of every file, so a local
-    folder is compared with it file by file before any tensor byte is read.
+    folder is compared with it file by file before any tensor byte is read. ``collective``: the ranks of
+    a torchrun group may each read their shards' byte ranges from it (a cached location is not shared).
     """
 
     what: str
@@ -59,11 +60,12 @@ class Location:
     configs: Callable[..., AbstractContextManager[str]] | None = None
     names_a_file: Callable[[str], bool] | None = None
     digests: bool = False
+    collective: bool = True
 
 
 LOCATIONS: dict[str, Location] = {
     "hf": Location("a Hugging Face Hub repository", cached=_hf_cached, configs=_hf_configs,
-                   names_a_file=_hf_names_a_file, digests=True),
+                   names_a_file=_hf_names_a_file, digests=True, collective=False),
     "s3": Location("an S3 bucket"),
 }
 
@@ -91,6 +93,15 @@ def lists_digests(path: object) -> TypeGuard[str]:
     """True for a remote location whose store lists a digest of every file (a Hub repository)."""
     row = location(path) if isinstance(path, str) else None
     return row is not None and row.digests
+
+
+def check_collective(source: object) -> None:
+    """Refuse a location the ranks of a collective convert cannot each read by range (before any work)."""
+    row = location(source) if isinstance(source, (str, os.PathLike)) else None
+    if row is not None and not row.collective:
+        shared = " or ".join(f"{scheme}://" for scheme, r in LOCATIONS.items() if r.collective)
+        raise InvalidInputError(f"{source}: a collective convert reads a local or {shared} checkpoint; download it "
+                                "first, or convert without torchrun")
 
 
 @contextlib.contextmanager
