@@ -123,3 +123,19 @@ def test_a_plan_refuses_what_runs_in_one_process(tmp_path: Path) -> None:
         shardkit.write_plan(src, tmp_path / "one.safetensors", tmp_path / "p.json")
     result = invoke_cli("convert", str(src), str(tmp_path / "o"), "--to", "gguf", "--write-plan", str(tmp_path / "p.json"))
     assert_one_line_error(result, code=2)
+
+
+def test_a_dequantized_fp8_tensor_is_counted_as_computed_and_runs_to_the_convert_bytes(tmp_path: Path) -> None:
+    from helpers_quant import save_finegrained, save_llama
+
+    state = save_llama(tmp_path / "llama")
+    config = json.loads((tmp_path / "llama" / "config.json").read_text())
+    save_finegrained(tmp_path / "fp8", state, config=config)
+    plan = shardkit.write_plan(tmp_path / "fp8", tmp_path / "out", max_shard_size="100KB", dtype="bf16")
+    casts = {k: v for t in plan.tasks for k, v in t.casts}
+    assert "computed->BF16" in casts and all(r[0] for t in plan.tasks for r in t.reads)
+    assert any(s.path.endswith(".safetensors") for s in plan.sources)
+    shardkit.run_plan(plan)
+    shardkit.convert(tmp_path / "fp8", tmp_path / "ref", max_shard_size="100KB", dtype="bf16")
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == \
+        {p.name: p.read_bytes() for p in (tmp_path / "ref").iterdir()}

@@ -141,9 +141,10 @@ def shard_tasks(job: ShardJob, options: WriteOptions) -> tuple[ShardTask, ...]:
         head, _ = build_header([w.out for w in writes], metadata=dict(sorted(metadata.items())),
                                data_start_mod=clone_alignment(writes))
         casts: dict[str, int] = {}
-        for w in writes:
-            if w.src.dtype != w.out.dtype:
-                casts[f"{w.src.dtype}->{w.out.dtype}"] = casts.get(f"{w.src.dtype}->{w.out.dtype}", 0) + 1
+        for w in writes:  # a tensor a source view computes (fp8 dequantized with its scales) has no file range
+            kind = f"{w.src.dtype}->{w.out.dtype}" if w.src.file else f"computed->{w.out.dtype}"
+            if w.src.dtype != w.out.dtype or not w.src.file:
+                casts[kind] = casts.get(kind, 0) + 1
         tasks.append(ShardTask(i, job.path(shard.filename), len(head) + sum(w.out.nbytes for w in writes),
                                len(writes), _reads(writes), tuple(sorted(casts.items()))))
     return tuple(tasks)
@@ -153,8 +154,10 @@ def _reads(writes: Sequence[TensorWrite]) -> tuple[Read, ...]:
     """The source byte ranges a shard reads, adjacent ones coalesced (a split reads one range)."""
     reads: list[Read] = []
     for w in writes:
-        file, begin = w.src.file or "", w.src.offset
-        if reads and reads[-1][0] == file and reads[-1][2] == begin and file:
+        file, begin = w.src.file, w.src.offset
+        if not file:
+            continue  # computed: counted in the task's casts; its files are in the plan's source_files
+        if reads and reads[-1][0] == file and reads[-1][2] == begin:
             reads[-1] = (file, reads[-1][1], begin + w.src.nbytes)
         else:
             reads.append((file, begin, begin + w.src.nbytes))
