@@ -4,6 +4,7 @@ any number of times, finalize checks and publishes, every engine gives the singl
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -194,3 +195,13 @@ def test_a_taken_output_is_refused_before_any_task_runs(tmp_path: Path) -> None:
     shardkit.run_plan(plan)
     assert (tmp_path / "out" / "mine.txt").read_text() == "keep"  # not a checkpoint file: left alone
     assert (tmp_path / "out" / "model.safetensors.index.json").exists()
+
+
+def test_an_in_place_reshard_as_a_plan_equals_the_one_process_in_place_reshard(tmp_path: Path) -> None:
+    src = make_source(tmp_path / "ck")
+    shutil.copytree(src, tmp_path / "ck2")
+    shardkit.split(tmp_path / "ck2", tmp_path / "ck2", max_shard_size="20KB", overwrite=True)
+    shardkit.write_plan(src, src, tmp_path / "p.json", command="split", max_shard_size="20KB", overwrite=True)
+    assert shardkit.run_plan(tmp_path / "p.json").published
+    assert folder_bytes(src) == folder_bytes(tmp_path / "ck2")
+    assert sorted(os.listdir(tmp_path)) == ["ck", "ck2", "p.json"]
