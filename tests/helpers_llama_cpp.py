@@ -218,7 +218,7 @@ def tiny_model_folder(folder: Path, arch: str, *, dtype: Any = None, **overrides
             vocab_size=size + 4, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
             tie_word_embeddings=False))
-    elif arch in ("gemma2", "phi3"):  # SentencePiece models, as their converters require
+    elif arch in ("gemma2", "gemma3", "phi3"):  # SentencePiece models, as their converters require
         size = sentencepiece_tokenizer(folder)
         common = {"vocab_size": size + 4, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                   "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
@@ -227,6 +227,11 @@ def tiny_model_folder(folder: Path, arch: str, *, dtype: Any = None, **overrides
             config_obj: Any = transformers.Gemma2Config(**common, head_dim=16, query_pre_attn_scalar=16,
                                                         sliding_window=64, **overrides)
             model = transformers.Gemma2ForCausalLM(config_obj)
+        elif arch == "gemma3":  # one sliding and one full layer
+            config_obj = transformers.Gemma3TextConfig(**common, head_dim=16, query_pre_attn_scalar=16,
+                                                       sliding_window=64, layer_types=["sliding_attention",
+                                                                                       "full_attention"], **overrides)
+            model = transformers.Gemma3ForCausalLM(config_obj)
         else:  # llama.cpp's Phi-3 vocabulary needs its <|end|> (as real Phi-3 tokenizers have, past the pieces)
             tc = json.loads((folder / "tokenizer_config.json").read_text())
             tc["added_tokens_decoder"].update({str(size): {"content": "<|endoftext|>", "special": True},
@@ -238,7 +243,7 @@ def tiny_model_folder(folder: Path, arch: str, *, dtype: Any = None, **overrides
         with torch.no_grad():  # norms away from their init (1 or 0) so that a wrong shift shows
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
-                    param.copy_(torch.randn_like(param) * 0.1 + (0.0 if arch == "gemma2" else 1.0))
+                    param.copy_(torch.randn_like(param) * 0.1 + (0.0 if arch.startswith("gemma") else 1.0))
     elif arch == "bert":
         minilm = minilm_folder()
         folder.mkdir(parents=True, exist_ok=True)

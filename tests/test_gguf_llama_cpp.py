@@ -21,7 +21,7 @@ from shardkit.layouts.gguf_vocab import probe_hash
 TEXT = "Hello world, the quick brown fox jumps over the lazy dog 123"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-spm", "gemma2", "qwen3moe", "phi3",
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-spm", "gemma2", "gemma3", "qwen3moe", "phi3",
                                   pytest.param("mistral", marks=pytest.mark.slow),
                                   pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_llama_cpp_runs_our_file_as_it_runs_the_converters(arch: str, tmp_path: Path,
@@ -29,7 +29,7 @@ def test_llama_cpp_runs_our_file_as_it_runs_the_converters(arch: str, tmp_path: 
     import transformers
 
     folder = tiny_model_folder(tmp_path / arch, arch)
-    spm = arch in ("llama-spm", "gemma2", "phi3")
+    spm = arch in ("llama-spm", "gemma2", "gemma3", "phi3")
     if not spm:
         monkeypatch.setitem(gguf_pre.PRE_TOKENIZERS, probe_hash(str(folder / "tokenizer.json")), fixture_pre(arch))
     reference = run_converter(folder, tmp_path / "ref.gguf", outtype="q8_0", pre_fallback=None if spm else fixture_pre(arch))

@@ -22,6 +22,8 @@ gemma2      gemma2                            every ``*norm.weight`` + 1 (float3
                                               source, as the converter adds it), four norms a layer, no
                                               ``lm_head``, softcapping and sliding-window keys, no rope keys,
                                               ``add_space_prefix`` false
+gemma3      gemma3_text                       gemma2's, with q/k norms (shifted too), the sliding layers' rope
+                                              base, defaults for what its config leaves out
 phi3        phi3                              fused ``qkv_proj`` (``attn_qkv``) and ``gate_up_proj``
                                               (``ffn_up``) kept fused; its own keys (rope dimension count
                                               from the partial rotary factor, original context length)
@@ -146,6 +148,9 @@ ARCHITECTURES: dict[str, GgufArch] = {a.name: a for a in (
     GgufArch("gemma2", ("gemma2",), _GEMMA2_LAYER, _DECODER_TOP, keys="gemma2", norm_shift=1.0, space_prefix=False,
              dropped=("rotary_emb.inv_freq", "lm_head.weight")),
     GgufArch("phi3", ("phi3",), _PHI3_LAYER, _DECODER_TOP, keys="phi3"),
+    GgufArch("gemma3", ("gemma3_text",), {**_GEMMA2_LAYER, "self_attn.q_norm": "attn_q_norm",
+                                          "self_attn.k_norm": "attn_k_norm"}, _DECODER_TOP, keys="gemma3",
+             norm_shift=1.0, space_prefix=False, dropped=("rotary_emb.inv_freq", "lm_head.weight")),
     GgufArch("bert", ("bert",), _BERT_LAYER, _BERT_TOP, layer_prefix="encoder.layer.", bert=True,
              dropped=("embeddings.position_ids",)),
 )}
@@ -201,6 +206,8 @@ def arch_metadata(arch: GgufArch, config: Config, folder: str, *, where: str) ->
         raise InvalidInputError(f"{where}: config.json has no num_hidden_layers; GGUF's {arch.name}.block_count needs it")
     if arch.keys == "gemma2":
         _gemma2_keys(keys, config, layers)
+    elif arch.keys == "gemma3":
+        _gemma3_keys(keys, config, layers, folder)
     elif arch.keys == "phi3":
         _phi3_keys(keys, config, layers)
     else:
@@ -217,6 +224,7 @@ _DEFAULTS: dict[str, dict[str, object]] = {
     "qwen3": {"head_dim": 128, "rope_theta": 10000.0, "rms_norm_eps": 1e-6},
     "qwen3_moe": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6},
     "gemma2": {"head_dim": 256},
+    "gemma3_text": {"head_dim": 256, "rms_norm_eps": 1e-6},
     "phi3": {"rope_theta": 10000.0},
 }
 
@@ -301,6 +309,30 @@ def _gemma2_keys(keys: _Keys, config: Config, layers: Scalar) -> None:
     put("attn_logit_softcapping", F32, _need(config, keys, "attn_logit_softcapping"))
     put("final_logit_softcapping", F32, _need(config, keys, "final_logit_softcapping"))
     put("attention.sliding_window", U32, _need(config, keys, "sliding_window"))
+
+
+def _gemma3_keys(keys: _Keys, config: Config, layers: Scalar, folder: str) -> None:
+    """The converter's ``Gemma3Model.set_gguf_parameters``: TextModel's keys, the sliding layers' rope base, then its
+    own (a key written twice keeps its place and takes the later value, as gguf-py's writer does)."""
+    _text_keys(keys, config, layers, folder)
+    put = keys.put
+    params = config.get("rope_parameters", config.get("rope_scaling")) or {}
+    sliding = params.get("sliding_attention") if isinstance(params, Mapping) else None
+    put("rope.freq_base_swa", F32, sliding.get("rope_theta") if isinstance(sliding, Mapping) else None)
+    put("context_length", U32, config.get("max_position_embeddings", 131072))
+    put("attention.head_count", U32, config.get("num_attention_heads", 8))
+    put("attention.layer_norm_rms_epsilon", F32, config.get("rms_norm_eps", 1e-6))
+    put("attention.key_length", U32, config.get("head_dim", 256))
+    put("attention.value_length", U32, config.get("head_dim", 256))
+    put("rope.freq_base", F32, _rope_theta(config) or 1_000_000.0)
+    put("final_logit_softcapping", F32, config.get("final_logit_softcapping") or None)
+    if config.get("sliding_window_pattern") != 1:
+        put("attention.sliding_window", U32, _need(config, keys, "sliding_window"))
+    put("attention.head_count_kv", U32, config.get("num_key_value_heads", 4))
+    seen: dict[str, tuple[str, str, Scalar]] = {}
+    for row in keys.rows:
+        seen[row[0]] = row  # a key already seen keeps its place
+    keys.rows = list(seen.values())
 
 
 def _phi3_keys(keys: _Keys, config: Config, layers: Scalar) -> None:
