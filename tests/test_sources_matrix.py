@@ -1,5 +1,5 @@
-"""Every api function that takes a location (open, load_model, info, verify, split, convert, merge,
-plan_device_map, recover), against every kind of location: a local folder, ``s3://`` on a real
+"""Every api function that takes a location (open, load_model, load_pipeline, info, verify, split, convert,
+merge, plan_device_map, recover), against every kind of location: a local folder, ``s3://`` on a real
 SeaweedFS and ``hf://`` on the offline Hub (tests/hub_server.py), all holding the same checkpoint.
 
 One script runs the functions on one location in a subprocess (``HF_ENDPOINT`` and the AWS
@@ -116,3 +116,36 @@ def test_open_info_and_verify_take_every_location_alike(hub, s3_env, tmp_path) -
     assert local["verify"] is True and local["recover"] is False and len(local["open"]) == 4
     for location, got in rows.items():
         assert got == local, location
+
+
+PIPELINE = r"""
+import hashlib, json, sys
+import torch
+import shardkit
+
+pipe = shardkit.load_pipeline(sys.argv[1], device_map="cpu")
+print(json.dumps({
+    "tensors": {f"{part}.{name}": hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                                                  ).hexdigest()
+                for part in ("unet", "vae", "text_encoder") for name, t in getattr(pipe, part).state_dict().items()},
+    "tokens": pipe.tokenizer("a photo of a cat").input_ids, "scheduler": type(pipe.scheduler).__name__}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_load_pipeline_reads_every_location_alike(hub, s3_env, tmp_path) -> None:
+    from helpers_pipeline import build_tiny_sd_pipeline
+
+    import shardkit
+
+    build_tiny_sd_pipeline(tmp_path / "scratch").save_pretrained(tmp_path / "saved")
+    sharded = tmp_path / "sharded"
+    shardkit.split(tmp_path / "saved", sharded, max_shard_size="200KB")
+    hub.state.add_repo("alice/sd", hub_files(sharded))
+    s3_env.put_folder(sharded, "sd")
+    env = {**hub_env(hub, tmp_path / "home"), **s3_env.env}
+    rows = [json.loads(run_python(PIPELINE, env, location, timeout=600).stdout.strip().splitlines()[-1])
+            for location in (str(sharded), f"s3://{s3_env.bucket}/sd", "hf://alice/sd")]
+    assert len(rows[0]["tensors"]) > 50
+    assert rows[1] == rows[0] and rows[2] == rows[0]
