@@ -185,7 +185,8 @@ def _flux_folder(path: str, *, component: str | None, variant: str | None) -> It
 
 def _text_model(config: Config | None, *, where: str, folder: str) -> GgufModel:
     """A transformers language model through its entry in :mod:`shardkit.layouts.gguf_arch`."""
-    from ..layouts.gguf_arch import arch_for_config, arch_metadata, llama3_rope_factors
+    from ..layouts.gguf_arch import arch_for_config
+    from ..layouts.gguf_keys import arch_metadata, llama3_rope_factors
 
     if config is None:
         raise InvalidInputError(f"{where}: to='gguf' needs the model's config.json beside the weights (a transformers "
