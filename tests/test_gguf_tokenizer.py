@@ -109,16 +109,16 @@ def test_spm_merges_follow_transformers_generate_merges() -> None:
     assert [tuple(m) for m in spm_merges(tokens, scores)] == expected
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "bert"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "bert", "llama-spm"])
 def test_the_folder_round_trips_through_llama_cpps_converter(arch: str, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """GGUF → folder → ``convert_hf_to_gguf.py``: every tensor and key of the GGUF again (BERT's pooling included,
-    from the sentence-transformers files written beside it)."""
+    from the sentence-transformers files written beside it; SentencePiece from the tokenizer.model rebuilt)."""
     from helpers_llama_cpp import gguf_fields, gguf_tensors, run_converter
 
     _, gguf_file = _gguf(tmp_path, arch, monkeypatch)
     shardkit.convert(gguf_file, tmp_path / "back", dtype="fp32")
     again = run_converter(tmp_path / "back", tmp_path / "again.gguf", outtype="f32",
-                          pre_fallback=None if arch == "bert" else fixture_pre(arch))
+                          pre_fallback=None if arch in ("bert", "llama-spm") else fixture_pre(arch))
     assert gguf_tensors(again) == gguf_tensors(gguf_file)
     assert gguf_fields(again) == gguf_fields(gguf_file)

@@ -109,7 +109,7 @@ def tokenizer_files(metadata: Mapping[str, Value], *, where: str) -> dict[str, b
     specials = _special_tokens(metadata, tokens, bert=model == "bert")
     body: JsonObject = {"version": "1.0", "truncation": None, "padding": None,
                         "added_tokens": _added(tokens, types, specials), "normalizer": None, "pre_tokenizer": None,
-                        "post_processor": _post_processor(metadata, tokens, bert=model == "bert"), "decoder": None}
+                        "post_processor": _post_processor(metadata, tokens, model=str(model)), "decoder": None}
     if model == "gpt2":
         body.update(_byte_level(metadata, tokens, types, where=where))
     elif model == "llama":
@@ -127,8 +127,58 @@ def tokenizer_files(metadata: Mapping[str, Value], *, where: str) -> dict[str, b
     template = metadata.get("tokenizer.chat_template")
     if isinstance(template, str):
         config["chat_template"] = template
-    return {"tokenizer.json": (json.dumps(body, ensure_ascii=False) + "\n").encode(),
-            "tokenizer_config.json": (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode()}
+    files = {"tokenizer.json": (json.dumps(body, ensure_ascii=False) + "\n").encode()}
+    if model == "llama":  # the SentencePiece model too: llama.cpp's converter reads it first, as it read the original
+        files["tokenizer.model"] = sentencepiece_model(metadata, tokens, types)
+        prefix = metadata.get("tokenizer.ggml.add_space_prefix")
+        if isinstance(prefix, bool):
+            config["add_prefix_space"] = prefix
+        config["added_tokens_decoder"] = {str(i): {"content": t, "special": False} for i, (t, k) in
+                                          enumerate(zip(tokens, types, strict=True)) if k == USER_DEFINED}
+    files["tokenizer_config.json"] = (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode()
+    return files
+
+
+def _field(number: int, wire: int, payload: bytes) -> bytes:
+    key, out = number << 3 | wire, bytearray()
+    for value in (key, len(payload)) if wire == 2 else (key,):
+        while value > 0x7F:
+            out.append(value & 0x7F | 0x80)
+            value >>= 7
+        out.append(value)
+    return bytes(out) + payload
+
+
+def _varint_field(number: int, value: int) -> bytes:
+    out = bytearray()
+    value &= 2**64 - 1  # negative int32s as protobuf writes them
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return _field(number, 0, bytes(out))
+
+
+def sentencepiece_model(metadata: Mapping[str, Value], tokens: list[str], types: list[int]) -> bytes:
+    """A SentencePiece ``ModelProto`` (BPE, byte fallback, no normalization but the space prefix the GGUF says) with
+    the GGUF's pieces, scores and types; the converter's ``[PADn]`` fillers left out."""
+    import struct
+
+    raw = metadata.get("tokenizer.ggml.scores")
+    scores = [float(v) if isinstance(v, (int, float)) else 0.0 for v in raw] if isinstance(raw, list) else []
+    pieces = b"".join(
+        _field(1, 2, _field(1, 2, t.encode()) + _field(2, 5, struct.pack("<f", score)) + _varint_field(3, k))
+        for i, (t, k, score) in enumerate(zip(tokens, types, scores, strict=True)) if not _filler(t, i, k))
+    ids = {40: "unknown_token_id", 41: "bos_token_id", 42: "eos_token_id", 43: "padding_token_id"}
+    trainer = _varint_field(3, 2) + _varint_field(4, sum(not _filler(t, i, k) for i, (t, k) in
+                                                         enumerate(zip(tokens, types, strict=True))))
+    trainer += _varint_field(35, 1) + b"".join(_varint_field(n, value if isinstance(value, int) else -1)
+                                              for n, key in ids.items()
+                                              for value in [metadata.get(f"tokenizer.ggml.{key}")])
+    prefix = metadata.get("tokenizer.ggml.add_space_prefix", True) is not False
+    normalizer = (_field(1, 2, b"identity") + _varint_field(3, int(prefix)) + _varint_field(4, 0)
+                  + _varint_field(5, 1))
+    return pieces + _field(2, 2, trainer) + _field(3, 2, normalizer)
 
 
 def _special_tokens(metadata: Mapping[str, Value], tokens: list[str], *, bert: bool) -> JsonObject:
@@ -147,8 +197,10 @@ def _added(tokens: list[str], types: list[int], specials: JsonObject) -> list[Js
             if k in (CONTROL, USER_DEFINED, UNKNOWN) or t in named]
 
 
-def _post_processor(metadata: Mapping[str, Value], tokens: list[str], *, bert: bool) -> JsonObject:
-    """A ``TemplateProcessing`` adding what the ``add_*_token`` flags say (BERT: CLS and SEP)."""
+def _post_processor(metadata: Mapping[str, Value], tokens: list[str], *, model: str) -> JsonObject:
+    """A ``TemplateProcessing`` adding what the ``add_*_token`` flags say (BERT: CLS and SEP). Its pair template
+    is one gguf-py reads as no ``add_sep_token`` for SentencePiece (whose GGUF has none), ``false`` for BPE."""
+    bert = model == "bert"
     size = len(tokens)
     first_id = _id(metadata, "bos_token_id", size) if metadata.get("tokenizer.ggml.add_bos_token") is True else None
     last_key = "seperator_token_id" if bert else "eos_token_id"
@@ -162,6 +214,8 @@ def _post_processor(metadata: Mapping[str, Value], tokens: list[str], *, bert: b
 
     single = piece(first_id, 0) + seq("A", 0) + piece(last_id, 0)
     pair = single + ([] if bert else piece(first_id, 1)) + seq("B", 1) + piece(last_id, 1)
+    if model == "llama":
+        pair = piece(first_id, 0) + seq("A", 0) + seq("B", 1) + piece(last_id, 1)
     special = {tokens[i]: {"id": tokens[i], "ids": [i], "tokens": [tokens[i]]} for i in (first_id, last_id)
                if i is not None}
     return {"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": special}
