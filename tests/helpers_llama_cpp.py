@@ -265,7 +265,10 @@ def tiny_model_folder(folder: Path, arch: str, *, dtype: Any = None, **overrides
                    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
                    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
                        "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
-                       "tie_word_embeddings": False})}
+                       "tie_word_embeddings": False}),
+                   "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+                       "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                       "shared_expert_intermediate_size": 96, "tie_word_embeddings": False})}
         config_class, model_class, extra = classes[arch]
         model = getattr(transformers, model_class)(getattr(transformers, config_class)(**{**fields, **extra, **overrides}))
     if dtype is not None:

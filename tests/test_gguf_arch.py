@@ -2,7 +2,7 @@
 
 Every tensor (name, ggml type, dims, bytes) and every non-``general.*`` key (value and type) must equal
 what ``convert_hf_to_gguf.py --outtype T`` writes for ``--quantize T``. Tiny random models built from their
-configs. The BPE decoders (llama, mistral, qwen2, qwen3, qwen3moe) get a byte-level BPE tokenizer (its pre-tokenizer
+configs. The BPE decoders (llama, mistral, qwen2, qwen3, qwen3moe, qwen2moe) get a byte-level BPE tokenizer (its pre-tokenizer
 hash is no real model's, so both sides are told ``gpt-2``, or ``qwen2`` for Qwen's split); ``llama-spm``, Gemma 2, Gemma 3 and
 Phi-3 a trained SentencePiece model (their converters require one); BERT all-MiniLM-L6-v2's real tokenizer and pooling
 files.
@@ -28,8 +28,9 @@ FAST = [("llama", "q8_0", None), ("mistral", "q8_0", torch.bfloat16), ("qwen2", 
         ("bert", "q8_0", None), ("llama-spm", "q8_0", None), ("llama", "f16", None), ("qwen2", "bf16", None),
         ("qwen3", "f32", torch.bfloat16), ("bert", "f16", None), ("gemma2", "q8_0", None), ("gemma2", "f16", torch.bfloat16),
         ("qwen3moe", "q8_0", None), ("qwen3moe", "bf16", torch.bfloat16), ("phi3", "q8_0", None),
-        ("gemma3", "q8_0", None), ("gemma3", "f16", torch.bfloat16)]
-FULL = [(a, t, None) for a in ("llama", "mistral", "qwen2", "qwen3", "bert", "llama-spm", "gemma2", "qwen3moe", "phi3", "gemma3")
+        ("gemma3", "q8_0", None), ("gemma3", "f16", torch.bfloat16), ("qwen2moe", "q8_0", None)]
+FULL = [(a, t, None) for a in ("llama", "mistral", "qwen2", "qwen3", "bert", "llama-spm", "gemma2", "qwen3moe", "phi3", "gemma3",
+                                        "qwen2moe")
         for t in ("f32", "f16", "bf16", "q8_0")]
 CASES = FAST + [pytest.param(*case, marks=pytest.mark.slow) for case in FULL if case not in FAST]
 
@@ -68,7 +69,7 @@ def test_every_tensor_and_key_equals_the_converters(arch: str, outtype: str, dty
     assert gguf_fields(out) == gguf_fields(reference)
     expected = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "bert": "bert",
                 "llama-spm": "llama", "gemma2": "gemma2", "qwen3moe": "qwen3moe", "phi3": "phi3",
-                "gemma3": "gemma3"}[arch]
+                "gemma3": "gemma3", "qwen2moe": "qwen2moe"}[arch]
     assert shardkit.info(out).quantization["architecture"] == expected
 
 
@@ -102,7 +103,7 @@ def test_an_unsupported_architecture_is_one_line_naming_those_supported(tmp_path
     config = (folder / "config.json").read_text().replace('"model_type": "llama"', '"model_type": "gpt_neox"')
     (folder / "config.json").write_text(config)
     line = assert_one_line_error(run_cli("convert", folder, tmp_path / "x.gguf", "--to", "gguf"),
-                                 contains="model_type llama, mistral, qwen2, qwen3, qwen3_moe, gemma2, phi3, gemma3_text, bert")
+                                 contains="model_type llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, gemma2, phi3, gemma3_text, bert")
     assert "gpt_neox" in line and not (tmp_path / "x.gguf").exists()
 
 

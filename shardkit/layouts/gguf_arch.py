@@ -18,6 +18,8 @@ bert        bert                              embeddings, position and token-typ
 qwen3moe    qwen3_moe                         qwen3's, with each layer's experts stacked into one 3-D tensor
                                               (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``, expert
                                               index first), the router ``ffn_gate_inp`` F32, expert keys
+qwen2moe    qwen2_moe                         qwen2's with qwen3moe's experts, plus the shared expert
+                                              (``ffn_*_shexp``, its gate ``ffn_gate_inp_shexp`` F32)
 gemma2      gemma2                            every ``*norm.weight`` + 1 (float32, or float16 for an F16
                                               source, as the converter adds it), four norms a layer, no
                                               ``lm_head``, softcapping and sliding-window keys, no rope keys,
@@ -58,6 +60,9 @@ _QWEN3_LAYER = {**_DECODER_LAYER, "self_attn.q_norm": "attn_q_norm", "self_attn.
 _MOE_LAYER = {**{k: v for k, v in _QWEN3_LAYER.items() if not k.startswith("mlp.")}, "mlp.gate": "ffn_gate_inp",
               "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
               "mlp.experts.down_proj": "ffn_down_exps"}
+_QWEN2_MOE_LAYER = {**{k: v for k, v in _MOE_LAYER.items() if "_norm" not in k},
+                    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 _GEMMA2_LAYER = {**_DECODER_LAYER, "post_attention_layernorm": "post_attention_norm",
                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 _PHI3_LAYER = {**{k: v for k, v in _DECODER_LAYER.items() if k not in ("mlp.gate_proj", "mlp.up_proj")},
@@ -127,7 +132,7 @@ class GgufArch:
         (True, False)
         """
         return (gguf_name.endswith("_norm.weight") or not gguf_name.endswith(".weight")
-                or gguf_name.startswith(("position_embd.", "token_types.")) or ".ffn_gate_inp." in gguf_name)
+                or gguf_name.startswith(("position_embd.", "token_types.")) or ".ffn_gate_inp." in gguf_name or ".ffn_gate_inp_shexp." in gguf_name)
 
     def shift(self, hf_name: str) -> float:
         """What the converter adds to ``hf_name``'s values (Gemma's norms: 1), else 0."""
@@ -143,6 +148,7 @@ ARCHITECTURES: dict[str, GgufArch] = {a.name: a for a in (
     GgufArch("qwen2", ("qwen2",), _DECODER_LAYER, _DECODER_TOP),
     GgufArch("qwen3", ("qwen3",), _QWEN3_LAYER, _DECODER_TOP),
     GgufArch("qwen3moe", ("qwen3_moe",), _MOE_LAYER, _DECODER_TOP, experts=True),
+    GgufArch("qwen2moe", ("qwen2_moe",), _QWEN2_MOE_LAYER, _DECODER_TOP, experts=True),
     GgufArch("gemma2", ("gemma2",), _GEMMA2_LAYER, _DECODER_TOP, keys="gemma2", norm_shift=1.0, space_prefix=False,
              dropped=("rotary_emb.inv_freq", "lm_head.weight")),
     GgufArch("phi3", ("phi3",), _PHI3_LAYER, _DECODER_TOP, keys="phi3"),
