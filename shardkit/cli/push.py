@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import fields
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import click
 
@@ -12,7 +10,7 @@ from ..units import format_size
 from .common import byte_progress, echo_json
 
 if TYPE_CHECKING:
-    from ..api.jobs import PushKeywords, PushOptions, PushResult
+    from ..api.jobs import PushOptions, PushResult
 
 EPILOG = """\b
 Examples:
@@ -38,34 +36,34 @@ is refused before anything is sent: push would upload its target (a token, an SS
 """
 
 
-def push_flags(command: Callable[..., None]) -> Callable[..., None]:
-    """One flag per :class:`~shardkit.hub.push.PushOptions` field, from its help and settings (``--no-verify``
-    turns ``verify`` off; globs repeat)."""
-    from ..api.jobs import PushOptions
-
-    for option in reversed([f for f in fields(PushOptions) if f.metadata.get("cli", True)]):
-        meta, flag = option.metadata, "--" + option.name.replace("_", "-")
-        settings: dict[str, object] = {"help": meta["help"]}
-        if option.default is True:
-            flag, settings["flag_value"] = f"--no-{flag[2:]}", False
-        elif isinstance(option.default, bool):
-            settings["is_flag"] = True
-        elif meta.get("glob"):
-            settings.update(multiple=True, metavar="GLOB")
-        elif meta.get("choices"):
-            settings.update(type=click.Choice(list(meta["choices"])), show_default=True)
-        names = [flag, option.name] + ([str(meta["short"])] if meta.get("short") else [])
-        command = click.option(*names, cls=click.Option, default=option.default, **settings)(command)
-    return command
-
-
 @click.command(epilog=EPILOG, short_help="Upload a checkpoint to the Hub, sending only what changed.")
 @click.argument("path", type=click.Path(path_type=str))
 @click.argument("repo_id")
-@push_flags
+@click.option("--private", is_flag=True, help="Create the repository as private (if it does not exist).")
+@click.option("--revision", help="Branch to push to (created from main if missing), or the base of --create-pr.")
+@click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing to the branch.")
+@click.option("--message", "-m", help="Commit message (default: 'Upload N file(s) with shardkit').")
+@click.option("--path-in-repo", help="Folder in the repository to upload into (default: its root).")
+@click.option("--repo-type", type=click.Choice(["model", "dataset"]), default="model", show_default=True)
+@click.option("--token", help="Hugging Face token with write access (default: HF_TOKEN or the stored login).")
+@click.option("--include", multiple=True, metavar="GLOB",
+              help="Only push files whose path inside PATH matches, e.g. 'unet/*' (repeatable).")
+@click.option("--exclude", multiple=True, metavar="GLOB",
+              help="Skip files whose path inside PATH matches, e.g. '*.bin' (repeatable).")
+@click.option("--dry-run", is_flag=True,
+              help="List what would be uploaded and what is already there; change nothing. Asks the Hub what it has; "
+                   "offline, lists every file as an upload.")
+@click.option("--no-verify", "no_verify", is_flag=True, help="Push without verifying the checkpoint first.")
+@click.option("--allow-lossy", is_flag=True,
+              help="Push a quantized checkpoint even if a weight's scales or quantization config are unusable.")
+@click.option("--follow-symlinks", is_flag=True,
+              help="Upload the contents of files that are symlinks leading outside PATH (refused by default).")
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the commit URL.")
-def push(path: str, repo_id: str, as_json: bool, quiet: bool, **flags: object) -> None:
+def push(path: str, repo_id: str, private: bool, revision: str | None, create_pr: bool, message: str | None,
+         path_in_repo: str | None, repo_type: str, token: str | None, include: tuple[str, ...],
+         exclude: tuple[str, ...], dry_run: bool, no_verify: bool, allow_lossy: bool, follow_symlinks: bool,
+         as_json: bool, quiet: bool) -> None:
     """Upload the checkpoint in PATH (a folder, a file or s3://BUCKET/PREFIX) to the Hub repository REPO_ID.
 
     Creates the repository if it does not exist, uploads only what changed, and prints the
@@ -73,7 +71,10 @@ def push(path: str, repo_id: str, as_json: bool, quiet: bool, **flags: object) -
     """
     from ..api.jobs import PushOptions
 
-    options = PushOptions(**cast("PushKeywords", flags))  # one flag per PushOptions field (push_flags)
+    options = PushOptions(private=private, revision=revision, create_pr=create_pr, message=message,
+                          path_in_repo=path_in_repo, repo_type=repo_type, token=token, include=include,
+                          exclude=exclude, dry_run=dry_run, verify=not no_verify, allow_lossy=allow_lossy,
+                          follow_symlinks=follow_symlinks)
     result = push_and_report(path, repo_id, options, report="none" if as_json else "url" if quiet else "summary")
     if as_json:
         echo_json(result.to_dict())

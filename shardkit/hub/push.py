@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..errors import HubError, InvalidInputError, VerificationError
 from ..stores.hf_errors import HubCall, hub_errors, is_network_failure
@@ -45,7 +45,6 @@ from .commits import (
 )
 from .known import known_digests
 
-T = TypeVar("T")
 SMALL_OBJECT_BYTES = 10 << 20  # a store object up to this size is read whole and sent as bytes (Xet can take it)
 
 __all__ = ["PushOptions", "PushResult", "check_repo_id", "push", "push_call", "push_objects", "refuse_broken",
@@ -56,39 +55,44 @@ if TYPE_CHECKING:
     from ..stores.base import ObjectStore
 
 
-def _option(default: T, help: str, **flag: object) -> T:
-    """A :class:`PushOptions` field with the help of its CLI flag (``flag``: click's settings for it)."""
-    return field(default=default, metadata={"help": help, **flag})
-
-
 @dataclass(frozen=True)
 class PushOptions:
-    """How a push publishes: the one definition of the push options. ``shardkit.push``, ``split_and_push``
-    and ``shardkit push`` all build this; the command's flags are made from these fields.
+    """How a push publishes: the one definition of the push options (``shardkit.push``, ``split_and_push``
+    and ``shardkit push``'s flags all build this).
+
+    Args:
+        private: create the repository as private (when it does not exist).
+        revision: the branch to push to (created from main if missing), or the base of ``create_pr``.
+        create_pr: open a pull request instead of committing to the branch.
+        message: the commit message (default: "Upload N file(s) with shardkit").
+        path_in_repo: the folder in the repository to upload into (default: its root).
+        repo_type: ``"model"`` or ``"dataset"``.
+        token: a token with write access (default ``HF_TOKEN`` or the stored login).
+        include, exclude: globs on the paths inside the pushed folder (a str is one glob).
+        dry_run: list what would be uploaded and what is already there; change nothing.
+        verify: verify the checkpoint first and refuse a broken one.
+        follow_symlinks: upload the targets of symlinks leading outside the folder (refused by default).
+        allow_lossy: push a quantized checkpoint whose scales or quantization config are unusable.
+        progress: ``progress(done_bytes, total_bytes)``, called as each file's upload ends.
 
     >>> PushOptions(include="unet/*").include
     ('unet/*',)
     """
 
-    private: bool = _option(False, "Create the repository as private (if it does not exist).")
-    revision: str | None = _option(None, "Branch to push to (created from main if missing), or the pull request's base.")
-    create_pr: bool = _option(False, "Open a pull request instead of committing to the branch.")
-    message: str | None = _option(None, "Commit message (default: 'Upload N file(s) with shardkit').", short="-m")
-    path_in_repo: str | None = _option(None, "Folder in the repository to upload into (default: its root).")
-    repo_type: str = _option("model", "The repository's type.", choices=("model", "dataset"))
-    token: str | None = _option(None, "Hugging Face token with write access (default: HF_TOKEN or the stored login).")
-    include: tuple[str, ...] | list[str] | str = _option(
-        (), "Only push files whose path inside PATH matches, e.g. 'unet/*' (repeatable).", glob=True)
-    exclude: tuple[str, ...] | list[str] | str = _option(
-        (), "Skip files whose path inside PATH matches, e.g. '*.bin' (repeatable).", glob=True)
-    dry_run: bool = _option(False, "List what would be uploaded and what is already there; change nothing. Asks the "
-                            "Hub what it has; offline, lists every file as an upload.")
-    verify: bool = _option(True, "Push without verifying the checkpoint first.")  # its flag turns it off
-    allow_lossy: bool = _option(False, "Push a quantized checkpoint even if a weight's scales or quantization "
-                                "config are unusable.")
-    follow_symlinks: bool = _option(False, "Upload the contents of files that are symlinks leading outside PATH "
-                                    "(refused by default).")
-    progress: ProgressCallback | None = _option(None, "", cli=False)  # (done_bytes, total_bytes) after each file
+    private: bool = False
+    revision: str | None = None
+    create_pr: bool = False
+    message: str | None = None
+    path_in_repo: str | None = None
+    repo_type: str = "model"
+    token: str | None = None
+    include: tuple[str, ...] | list[str] | str = ()
+    exclude: tuple[str, ...] | list[str] | str = ()
+    dry_run: bool = False
+    verify: bool = True
+    follow_symlinks: bool = False
+    allow_lossy: bool = False
+    progress: ProgressCallback | None = None
 
     def __post_init__(self) -> None:
         for name in ("include", "exclude"):  # one glob, a list or a tuple: kept as a tuple
