@@ -19,11 +19,12 @@ dry run) and when the store refuses ``UploadPartCopy``; the caller then streams 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 from .. import _faults
@@ -153,8 +154,8 @@ def _write(job: ShardJob, shards: Sequence[_Shard], sides: Sequence[tuple[str, s
     with StoreTransaction(dst_store, names, overwrite=options.overwrite) as tx:
         for shard, parts in zip(shards, plans, strict=True):
             hasher = _TensorCrcs(shard)
-            tx.compose(shard.name, lambda w, s=shard, p=parts, h=hasher: _fill(  # type: ignore[misc]
-                w, p, s, h, src_store, tick))
+            tx.compose(shard.name, functools.partial(_fill, parts=parts, shard=shard, hasher=hasher,
+                                                     src_store=src_store, tick=tick))
             records[shard.name] = hasher.record()
         for path, name in sides:
             records[name] = _copy_side_file(tx, src_store, _object_name(readable, path), name)
@@ -204,14 +205,14 @@ def _copy_side_file(tx: StoreTransaction, src_store: ObjectStore, source_name: s
     size = src_store.stat(source_name).size_bytes
     digest = hashlib.sha256()
 
-    def chunks() -> object:
+    def chunks() -> Iterator[memoryview]:
         for begin in range(0, size, SIDE_READ_BYTES):
-            chunk = bytearray(min(SIDE_READ_BYTES, size - begin))
-            src_store.read_into(source_name, begin, memoryview(chunk))
+            chunk = memoryview(bytearray(min(SIDE_READ_BYTES, size - begin)))
+            src_store.read_into(source_name, begin, chunk)
             digest.update(chunk)
             yield chunk
 
-    tx.stream(name, chunks())  # type: ignore[arg-type]
+    tx.stream(name, chunks())
     return FileDigest(size, digest.hexdigest())
 
 

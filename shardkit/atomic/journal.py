@@ -211,30 +211,36 @@ def _read_journal(folder: str) -> JournalPlan:
         plan = parse_json(data, path=path, what="shardkit journal")
     except UntrustedFileError as e:
         raise _journal_error(folder, str(e).removeprefix(f"{folder}: ").removeprefix(f"{path}: ")) from e
-    _check_journal(plan, folder)
-    return plan  # type: ignore[return-value]
+    return _check_journal(plan, folder)
 
 
-def _check_journal(plan: object, folder: str) -> None:
+def _check_journal(plan: object, folder: str) -> JournalPlan:
     """Entries may only name files a transaction creates: ``.shardkit-tmp-*`` files renamed onto the
-    output's own names beside them, and the checkpoint files, indexes and manifests it replaces."""
+    output's own names beside them, and the checkpoint files, indexes and manifests it replaces.
+    Returns the plan made of the names checked."""
     if not isinstance(plan, dict) or set(plan) != {"remove_first", "renames", "delete"}:
         raise _journal_error(folder, "it must be an object with exactly remove_first, renames and delete")
     if not all(isinstance(plan[k], list) for k in plan) or sum(len(plan[k]) for k in plan) > MAX_JOURNAL_ENTRIES:
         raise _journal_error(folder, "its entries must be lists of at most a million names")
+    renames: list[list[str]] = []
     for pair in plan["renames"]:
         if not (isinstance(pair, list) and len(pair) == 2):
             raise _journal_error(folder, f"renames entry {pair!r} is not a [temporary, final] pair")
         tmp, final = (_own_name(n, folder, "renames") for n in pair)
+        renames.append([tmp, final])
         m = _TMP_RE.match(os.path.basename(tmp))
         if m is None or m["base"] != os.path.basename(final) or os.path.dirname(tmp) != os.path.dirname(final):
             raise _journal_error(folder, f"renames entry {pair!r} does not rename a {TMP_MARK}* file onto its own name")
         if _TMP_RE.match(os.path.basename(final)):
             raise _journal_error(folder, f"renames entry {pair!r} renames onto a temporary name")
-    for key in ("remove_first", "delete"):
+    replaced: dict[str, list[str]] = {"remove_first": [], "delete": []}
+    for key, names in replaced.items():
         for name in plan[key]:
-            if not _replaceable(_own_name(name, folder, key)):
+            own = _own_name(name, folder, key)
+            if not _replaceable(own):
                 raise _journal_error(folder, f"{key} entry {name!r} is not a checkpoint file, index or manifest")
+            names.append(own)
+    return JournalPlan(remove_first=replaced["remove_first"], renames=renames, delete=replaced["delete"])
 
 
 def _own_name(name: object, folder: str, key: str) -> str:

@@ -59,9 +59,11 @@ def configure_logging(*, debug: bool) -> None:
 if TYPE_CHECKING:  # generic to type checkers; not subscriptable at run time on every supported version
     _Handler = logging.StreamHandler[TextIO]
     _SizeType = click.ParamType[int]
+    StrParamType = click.ParamType[str]
 else:
     _Handler = logging.StreamHandler
     _SizeType = click.ParamType
+    StrParamType = click.ParamType
 
 
 class _StderrHandler(_Handler):

@@ -9,7 +9,7 @@ import click
 from ..errors import ShardkitError
 from ..units import COMPUTE_DTYPES as COMPUTE_CODES
 from ..units import format_size, short_dtype
-from .common import SIZE, Command, echo_json, hub_token_option
+from .common import SIZE, Command, StrParamType, echo_json, hub_token_option
 
 if TYPE_CHECKING:
     from ..api.planning import Candidate, FitPlan
@@ -41,13 +41,7 @@ STRATEGY_PREFIXES = ("gpu, balanced, staged, model_offload, group (every group o
                      "group_block_stream, group_leaf, group_leaf_stream, sequential")
 
 
-if TYPE_CHECKING:  # generic to type checkers; not subscriptable at run time on every supported click
-    _DtypeType = click.ParamType[str]
-else:
-    _DtypeType = click.ParamType
-
-
-class ComputeDtype(_DtypeType):
+class ComputeDtype(StrParamType):
     """bf16, fp16 or fp32; the long spellings (bfloat16, float16, half, float32, F16...) are accepted."""
 
     name = "[" + "|".join(COMPUTE_DTYPES) + "]"

@@ -7,7 +7,7 @@ import click
 from ..api.records import Recovery
 from ..api.sources import is_remote
 from ..units import format_size
-from .common import echo_json
+from .common import StrParamType, echo_json
 
 EPILOG = """\b
 Examples:
@@ -20,7 +20,7 @@ for read-only tools (or a read-only mount) that found a folder mid-commit.
 """
 
 
-class FolderOrStore(click.ParamType):  # type: ignore[type-arg]
+class FolderOrStore(StrParamType):
     """An existing local folder, or a remote location such as ``s3://BUCKET/PREFIX`` (``recover`` says which it cleans)."""
 
     name = "folder"

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from ..api.records import MANIFEST_NAME
 from ..errors import VerificationError
 from ..units import format_size
 from .common import byte_progress, echo_json, hub_token_option
+
+if TYPE_CHECKING:
+    from ..api.checkpoints import VerifyReport
 
 EPILOG = """\b
 Examples:
@@ -68,29 +73,29 @@ def verify(path: str, against: str | None, as_json: bool, quiet: bool, token: st
                                 [str(f) for f in report.findings])
 
 
-def print_report(report: object, *, quiet: bool) -> None:
-    files, findings = report.files, report.findings  # type: ignore[attr-defined]
+def print_report(report: VerifyReport, *, quiet: bool) -> None:
+    files, findings = report.files, report.findings
     if not quiet and files:
         width = max(len(f.name) for f in files)
         for f in files:
             click.echo(f"  {f.name:<{width}}  {format_size(f.bytes):>10}  sha256 {f.sha256}")
     for finding in findings:
         click.echo(f"FAIL {finding}")
-    for warning in getattr(report, "warnings", []):
+    for warning in report.warnings:
         click.echo(f"warning: {warning}", err=True)
     if quiet or findings:
         return
-    compared = report.tensors_compared  # type: ignore[attr-defined]
-    against = f", {compared} tensor(s) identical to {report.against}" if report.against else ""  # type: ignore[attr-defined]
+    compared = report.tensors_compared
+    against = f", {compared} tensor(s) identical to {report.against}" if report.against else ""
     click.echo(integrity_line(report))
-    click.echo(f"ok: {len(files)} file(s), {report.tensors_checked} tensor(s), "  # type: ignore[attr-defined]
-               f"{format_size(report.bytes_read)} read{against}")  # type: ignore[attr-defined]
+    click.echo(f"ok: {len(files)} file(s), {report.tensors_checked} tensor(s), "
+               f"{format_size(report.bytes_read)} read{against}")
 
 
-def integrity_line(report: object) -> str:
+def integrity_line(report: VerifyReport) -> str:
     """What the data was checked against: the manifest, cache blob names, or structure only."""
-    files, manifests = report.files, report.manifests  # type: ignore[attr-defined]
-    unchecked = report.structure_only  # type: ignore[attr-defined]
+    files, manifests = report.files, report.manifests
+    unchecked = report.structure_only
     by_manifest = sum(f.checked == "manifest" and not f.name.endswith(MANIFEST_NAME) for f in files)
     by_blob = sum(f.checked == "hub-cache" for f in files)
     parts = []
@@ -102,11 +107,11 @@ def integrity_line(report: object) -> str:
     if by_values:
         parts.append(f"{by_values} GGUF file(s): container and every value checked (dequantized, finite); a changed "
                      "byte that stays finite would go unnoticed (GGUF has no checksums)")
-    unhashed = getattr(report, "unhashed", 0)
+    unhashed = report.unhashed
     if unhashed:
         parts.append(f"{unhashed} tensor(s) not hashed (copied in the store): the manifest records no crc32 for "
                      "them, so their bytes were checked for structure only; pass --against SOURCE to compare them")
-    if unchecked and not report.against:  # type: ignore[attr-defined]
+    if unchecked and not report.against:
         why = f"not listed in {' or '.join(manifests)}" if manifests else f"no {MANIFEST_NAME}"
         shown = ", ".join(unchecked[:3]) + (f" and {len(unchecked) - 3} more" if len(unchecked) > 3 else "")
         parts.append(f"structure only for {shown} ({why}): their data could only be checked for structure, "

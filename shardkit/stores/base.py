@@ -16,6 +16,7 @@ a key, so a listing or an index from elsewhere never makes it touch an object ou
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -176,7 +177,7 @@ def read_ranges(store: ObjectStore, requests: Sequence[RangeRequest], *, threads
     pool = ReadPool(min(threads, len(parts)), name="shardkit-store-read")
     try:
         futures: list[Future[None]] = [
-            pool.submit(lambda p=p: store.read_into(p.name, p.offset, p.out)) for p in parts]  # type: ignore[misc]
+            pool.submit(functools.partial(store.read_into, p.name, p.offset, p.out)) for p in parts]
         for future in futures:
             future.result()
     finally:

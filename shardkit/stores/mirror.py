@@ -12,6 +12,7 @@ never over an existing file.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import struct
 from collections.abc import Callable, Iterator
@@ -33,6 +34,10 @@ MAX_WHOLE_BYTES = 10_000_000  # a config, index or manifest; a bigger one is not
 MAX_WHOLE_TOTAL_BYTES = 100_000_000
 MAX_MIRRORED_OBJECTS = 20_000
 BATCH_BYTES = 256 << 20  # memory held at once while building the mirror (one header alone may be larger)
+
+
+def _missing_of(missing: dict[str, int], item: ObjectInfo) -> int:
+    return missing[item.name]
 
 
 def _batches(items: list[ObjectInfo], size_of: Callable[[ObjectInfo], int]) -> Iterator[list[ObjectInfo]]:
@@ -120,7 +125,7 @@ def _fetch_headers(store: ObjectStore, mirror: HeaderMirror, weights: list[Objec
         firsts = {o.name: bytearray(min(FIRST_RANGE_BYTES, o.size_bytes)) for o in batch}
         read_ranges(store, [RangeRequest(n, 0, memoryview(b)) for n, b in firsts.items()])
         missing = {o.name: _header_end(store, o, firsts[o.name]) - len(firsts[o.name]) for o in batch}
-        for rest_batch in _batches(batch, lambda o, m=missing: m[o.name]):  # type: ignore[misc]
+        for rest_batch in _batches(batch, functools.partial(_missing_of, missing)):
             rests = {o.name: bytearray(missing[o.name]) for o in rest_batch}
             read_ranges(store, [RangeRequest(n, len(firsts[n]), memoryview(b)) for n, b in rests.items() if b])
             heads = {o.name: bytes(firsts[o.name] + rests[o.name]) for o in rest_batch}

@@ -18,6 +18,7 @@ ETag its listing or HEAD gave, so the header and the data of one object come fro
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -178,8 +179,8 @@ class S3Store:
             self._etags.pop(name, None)
         for begin in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             batch = [{"Key": k} for k in keys[begin:begin + 1000]]
-            reply = self.call(str(self.url), lambda b=batch: self._client.delete_objects(  # type: ignore[misc]
-                Bucket=self.url.bucket, Delete={"Objects": b, "Quiet": True}))
+            reply = self.call(str(self.url), functools.partial(
+                self._client.delete_objects, Bucket=self.url.bucket, Delete={"Objects": batch, "Quiet": True}))
             if reply.get("Errors"):
                 first = reply["Errors"][0]
                 raise StoreError(f"{self.url}: could not delete {first.get('Key')}: {first.get('Code')}")
