@@ -16,7 +16,6 @@ by band (``addmm(W[rows], scale · B[rows], A)``), which may round differently i
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -45,7 +44,6 @@ __all__ = ["WHOLE_DELTA_BYTES", "LoraSource", "merged_view"]
 
 WHOLE_DELTA_BYTES = 64 * 2**20  # a delta up to this (float32) is computed whole, as PEFT does
 BAND_BYTES = 8 * 2**20  # float32 bytes of one band of rows
-SMALL_RANK = 64  # bands of adapters up to this rank are merged on one torch thread (see torch_threads)
 _FLOATS = ("F32", "F16", "BF16", "F64")
 TEXT_ENCODERS = ("text_encoder", "text_encoder_2")  # pipeline components a diffusion LoRA file may hold keys for
 
@@ -138,14 +136,11 @@ class LoraSource(ViewSource):
         cols = matrix_shape(stored.shape)[1]
         step = max(1, BAND_BYTES // max(1, cols * 4))
         compute = torch.float64 if stored.dtype == "F64" else torch.float32
-        updates = self.plan.updates[entry.name]
         work = torch.empty(min(step, last - first) * cols, dtype=compute)  # one band's memory, reused (no page faults)
-        threads = 1 if all(u.b.shape[-1] <= SMALL_RANK for u in updates if isinstance(u, LowRank)) else None
         for row0 in range(first, last, step):
             row1 = min(last, row0 + step)
-            with torch_threads(threads):
-                band = self._merged_band(work[: (row1 - row0) * cols].view(row1 - row0, cols), stored, row0, row1)
-                data = band.to(to_torch(entry.dtype), copy=True).view(torch.uint8).numpy()  # never the reused buffer
+            band = self._merged_band(work[: (row1 - row0) * cols].view(row1 - row0, cols), stored, row0, row1)
+            data = band.to(to_torch(entry.dtype), copy=True).view(torch.uint8).numpy()  # never the reused buffer
             yield row0, data.data.cast("B")
 
     def _merged_band(self, into: torch.Tensor, stored: TensorEntry, row0: int, row1: int) -> torch.Tensor:
@@ -199,29 +194,6 @@ class LoraSource(ViewSource):
     def report(self) -> JsonObject:
         """What was merged: per adapter its rank, alpha, scale and counts; the tensors changed."""
         return {"adapters": list(self.plan.reports), "tensors": len(self.plan.updates)}
-
-
-@contextlib.contextmanager
-def torch_threads(count: int | None) -> Iterator[None]:
-    """torch's intra-op threads set to ``count`` for one band's work, then restored (None: left as they are).
-
-    A band's passes (bf16 → float32, a rank-r ``addmm``, the cast out) are memory-bound and small (8 MiB): on
-    a busy machine OpenMP's threads wait on each other longer than they work. Measured on the shared 2-core
-    machine (load ~8), a 1 GB bf16 base merged with a rank-16 LoRA took 21.6 s with torch's 2 threads and 8.4
-    to 9.9 s with one, against 8.1 to 9.5 s for the plain convert. A rank above :data:`SMALL_RANK` makes the
-    product compute-bound: its bands keep torch's threads.
-    """
-    import torch
-
-    if count is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _is_spatial_conv(a: torch.Tensor) -> bool:
