@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ..distributed.rank_load import load_into
 from ..fitting.estimate import DEFAULT_TOKENS
 from ..loading.load import load_model as load_local
-from ..loading.opening import open as open_local
+from ..loading.opening import open_checkpoint as open_local
 from ..loading.tensor_parallel import SliceRule, TensorParallelPlan
 from ..loading.tensor_parallel import rules_for as tensor_parallel_rules
 from ..reading.prefetch import READ_AHEAD_BYTES
@@ -52,7 +52,7 @@ __all__ = ["SliceRule", "TensorParallelPlan", "apply_layerwise_casting", "apply_
 
 def open(path: str | os.PathLike[str] | RangedCheckpoint, *, variant: str | None = None,  # noqa: A001
          read: ReadMode = "auto", read_ahead_bytes: int = READ_AHEAD_BYTES, token: str | None = None) -> LazyCheckpoint:
-    """:func:`shardkit.loading.opening.open`, for a remote checkpoint (``s3://BUCKET/PREFIX``, ``hf://ORG/REPO``) too.
+    """:func:`shardkit.loading.opening.open_checkpoint`, for a remote checkpoint (``s3://BUCKET/PREFIX``, ``hf://ORG/REPO``) too.
 
     A remote checkpoint's headers, index and configs are fetched into a header-only mirror
     (every header validated here), and each tensor's bytes are read by parallel ranged GETs
@@ -71,7 +71,7 @@ def open(path: str | os.PathLike[str] | RangedCheckpoint, *, variant: str | None
         ranged = stack.enter_context(store_checkpoint(path, token=token))
         checkpoint = open_local(ranged, variant=variant, read=read, read_ahead_bytes=read_ahead_bytes)
         try:
-            checkpoint.metadata  # noqa: B018 - every shard opened now: errors name the URL, not the mirror
+            _ = checkpoint.metadata  # every shard opened now: errors name the URL, not the mirror
         except BaseException:
             checkpoint.close()
             raise

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError, KeyMismatchError
 from ..loading.lazy import LazyCheckpoint
-from ..loading.opening import open as open_checkpoint
+from ..loading.opening import open_checkpoint
 from ..reading.host_reads import read_into
 from .gather import is_dtensor
 

@@ -207,7 +207,7 @@ def plan_device_map(model: ModelSpec, *, config: ConfigSpec | None = None,
     from ..formats.dtypes import resolve_torch_dtype
     from .keys import prepare_skeleton
     from .lazy import LazyCheckpoint
-    from .opening import open as open_checkpoint
+    from .opening import open_checkpoint
     from .skeleton import default_config
 
     config = default_config(model, checkpoint, config)  # CHECKPOINT/config.json, as load_model and `plan` do

@@ -233,7 +233,7 @@ def load_model(model: ModelSpec, checkpoint: str | os.PathLike[str] | LazyCheckp
     unet.hf_device_map
     """
     from ..formats.dtypes import resolve_torch_dtype
-    from .opening import open as open_checkpoint
+    from .opening import open_checkpoint
 
     runtime = RuntimeSetup(layerwise_casting=layerwise_casting, offload=offload, offload_options=offload_options or {})
     target = resolve_torch_dtype(dtype)

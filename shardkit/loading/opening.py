@@ -19,7 +19,7 @@ from ..sources.ranged import OpenRangeFile, RangedCheckpoint
 from .lazy import LazyCheckpoint
 from .shards import Shard, open_shard
 
-__all__ = ["open"]
+__all__ = ["open_checkpoint"]
 
 
 def _single_file(path: str, read: str, read_ahead_bytes: int, open_file: OpenRangeFile | None) -> LazyCheckpoint:
@@ -42,8 +42,8 @@ def _indexed(path: str, read: str, read_ahead_bytes: int, open_file: OpenRangeFi
                           read_ahead_bytes=read_ahead_bytes, description=f"sharded checkpoint {path} ({len(shards)} shards)")
 
 
-def open(path: str | os.PathLike[str] | RangedCheckpoint, *, variant: str | None = None, read: ReadMode = "auto",  # noqa: A001
-         read_ahead_bytes: int = READ_AHEAD_BYTES) -> LazyCheckpoint:
+def open_checkpoint(path: str | os.PathLike[str] | RangedCheckpoint, *, variant: str | None = None,
+                    read: ReadMode = "auto", read_ahead_bytes: int = READ_AHEAD_BYTES) -> LazyCheckpoint:
     """Open a safetensors checkpoint lazily: a file, an index JSON or a (sharded) folder.
 
     Only the index is read here (a single file: its header); each shard's header is read and

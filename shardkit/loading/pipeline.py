@@ -111,7 +111,7 @@ def _preload_components(folder: str, kwargs: dict[str, Any], *, read: ReadMode, 
     """
     from ..reading.residency import check_backend
     from .load import load_model, load_report
-    from .opening import open as open_checkpoint
+    from .opening import open_checkpoint
     from .scaled import has_scales
 
     check_backend(read)
