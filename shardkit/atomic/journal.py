@@ -54,22 +54,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def try_lock(path: str) -> int | None:
-    """An fd holding an exclusive flock on ``path``, or None when another process holds it."""
+def try_lock(path: str, *, shared: bool = False) -> int | None:
+    """An fd holding a flock on ``path``, exclusive (or ``shared``: many plan tasks at once), or None
+    when another process holds a lock that excludes it."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
-def try_lock_shared(path: str) -> int | None:
-    """An fd holding a shared flock on ``path`` (many plan tasks at once), or None while it is locked exclusively."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         return None

@@ -26,7 +26,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from .. import _faults
-from ..atomic.journal import PLAN_MARK, TMP_MARK, fsync_dir, is_stale_tmp, remove_path, try_lock_shared
+from ..atomic.journal import PLAN_MARK, TMP_MARK, fsync_dir, is_stale_tmp, remove_path, try_lock
 from ..errors import InvalidInputError, OutputExistsError, ShardkitWriteError, describe_os_error
 from ..formats.layout import is_pipeline_folder
 from ..formats.links import read_inside
@@ -157,7 +157,7 @@ def _work_lock(plan: ConversionPlan) -> Iterator[str]:
     work = work_folder(plan)
     try:
         os.makedirs(os.path.join(work, "done"), exist_ok=True)
-        fd = try_lock_shared(work)
+        fd = try_lock(work, shared=True)
     except OSError as e:
         raise ShardkitWriteError(f"{work}: cannot make the plan's work folder: {describe_os_error(e)}") from e
     if fd is None:
