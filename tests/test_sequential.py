@@ -116,8 +116,9 @@ def _checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 def test_a_safetensors_source_reads_through_the_parallel_readers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """open_source's reads of a file that read="auto" would not map (cold, or on a network mount) go
-    through shardkit.reading (the readers of shardkit.open): a tensor read is cut into chunks on several
-    reader threads, sequential reads come from the read-ahead, bytes are exact."""
+    through shardkit.reading (the readers of shardkit.open): reads run on the reader pool, sequential
+    reads come from the read-ahead, bytes are exact. (Which pool thread takes each of its few reads is
+    timing: the read-ahead here is three reads one after another, so no count of threads is asserted.)"""
     from shardkit.reading.residency import BackendChoice
     from shardkit.sources import safetensors as st
 
@@ -140,7 +141,6 @@ def test_a_safetensors_source_reads_through_the_parallel_readers(tmp_path: Path,
             chunked = b"".join(bytes(c) for c in src.chunks(entry, 10_000))
             assert chunked == tensor.numpy().tobytes()
     assert seen and all(t.startswith("shardkit-read") for t in seen), "reads run on the reader pool"
-    assert len(set(seen)) > 1, "several reads in flight"
 
 
 def test_a_source_file_that_shrinks_is_refused_with_the_tensor_named(tmp_path: Path) -> None:
