@@ -37,7 +37,7 @@ TINY = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "num_hi
         "num_attention_heads": 8, "num_key_value_heads": 4, "tie_word_embeddings": True}
 CONFIGS = {"llama3b": LLAMA_3B, "tiny": TINY}
 DEVICE = os.environ.get("BENCH_DEVICE", "cuda:0")  # "cpu": a smoke test of the script itself
-PEERS = ["shardkit", "safetensors", "safetensors-prefetch", "fastsafetensors", "runai", "instanttensor"]
+PEERS = ["shardkit", "shardkit-mapped", "safetensors", "safetensors-prefetch", "fastsafetensors", "runai", "instanttensor"]
 
 
 # ------------------------------------------------------------------------- building (parent)
@@ -126,7 +126,86 @@ def _instanttensor(folder: str) -> dict:
         return dict(f.tensors())
 
 
-CASES = {"shardkit": _shardkit, "safetensors": _safetensors, "safetensors-prefetch": _safetensors_prefetch,
+REGISTER_READ_ONLY = 8     # cudaHostRegisterReadOnly: pin read-only pages (a file's page cache) for DMA
+MAPPED_CHUNK = 64 << 20    # bytes registered and copied at once by one thread
+
+
+def _map_file(path: str) -> tuple[int, int]:
+    """A read-only shared mapping of ``path``: (address, length); never written, unmapped at exit."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
+    finally:
+        os.close(fd)
+    if address in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), f"mmap of {path} failed")
+    return address, size
+
+
+def _host_tensor(address: int, nbytes: int):
+    import ctypes
+
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(address)))
+
+
+def _mapped(folder: str, threads: int = 8) -> dict:
+    """Prototype, not shardkit's path: DMA straight from the page cache. Each thread registers a 64 MiB
+    window of a file's read-only mapping (``cudaHostRegister``, read-only), copies the tensors' bytes in it
+    on its own stream, waits, unregisters: no host copy at all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    import shardkit
+    from shardkit.loading.ring_plan import byte_view
+
+    cudart = torch.cuda.cudart()
+    with shardkit.open(folder) as ckpt:
+        names = list(ckpt)
+        dests = {n: torch.empty(ckpt.shape_of(n), dtype=ckpt.dtype_of(n), device=DEVICE) for n in names}
+        windows: dict[tuple[str, int], list[tuple[torch.Tensor, int, int, int]]] = {}
+        for n in names:  # (dest view, its byte offset, the window's byte offset, bytes)
+            e = ckpt.entry(n)
+            view, at, end = byte_view(dests[n]), e.offset, e.offset + e.nbytes
+            while at < end:
+                start = at // MAPPED_CHUNK * MAPPED_CHUNK
+                take = min(end, start + MAPPED_CHUNK) - at
+                windows.setdefault((str(e.file), start), []).append((view, at - e.offset, at - start, take))
+                at += take
+        maps = {path: _map_file(path) for path, _ in windows}
+
+        def copy_window(key: tuple[str, int]) -> None:
+            path, start = key
+            address, size = maps[path]
+            length = min(MAPPED_CHUNK, size - start)
+            err = cudart.cudaHostRegister(address + start, length, REGISTER_READ_ONLY)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {path} at {start} failed: {err}")
+            try:
+                src = _host_tensor(address + start, length)
+                stream = torch.cuda.Stream()
+                with torch.cuda.stream(stream):
+                    for view, dest_at, src_at, n in windows[key]:
+                        view[dest_at:dest_at + n].copy_(src[src_at:src_at + n], non_blocking=True)
+                stream.synchronize()
+            finally:
+                cudart.cudaHostUnregister(address + start)
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(copy_window, sorted(windows)))
+    return dests
+
+
+CASES = {"shardkit": _shardkit, "shardkit-mapped": _mapped, "safetensors": _safetensors, "safetensors-prefetch": _safetensors_prefetch,
          "fastsafetensors": _fastsafetensors, "runai": _runai, "instanttensor": _instanttensor}
 
 
@@ -144,9 +223,10 @@ def run_case(name: str, folder: str, ring: str | None) -> None:
     import shardkit.loading.device_reads as device_reads
     from shardkit.loading.pipeline_copy import RingTuning
 
-    if ring:
-        slots, mib, threads = (int(x) for x in ring.split(","))
-        device_reads.LOCAL = RingTuning(slots=slots, slot_bytes=mib << 20, threads=threads)
+    if ring:  # "slots,MiB,threads[,eager]"
+        slots, mib, threads, *rest = ring.split(",")
+        device_reads.LOCAL = RingTuning(slots=int(slots), slot_bytes=int(mib) << 20, threads=int(threads),
+                                        grow=rest != ["eager"])
     torch.zeros(1, device=DEVICE)
     _sync()
     base = status_bytes("VmRSS") / 1024
@@ -229,9 +309,11 @@ def run_profile(folder: str) -> None:
     def stage():
         return CudaCopyStage(torch.device(DEVICE)) if DEVICE.startswith("cuda") else HostCopyStage()
 
-    ring = BufferRing.for_tuning(stage(), RingTuning(slots=16, slot_bytes=16 << 20, threads=8))
+    ring = BufferRing.for_tuning(stage(), RingTuning(slots=16, slot_bytes=16 << 20, threads=8, grow=False))
     row["pin_256MiB_s"] = time.perf_counter() - stamp
     del ring  # back to torch's pinned cache: the runs below reuse it
+    if DEVICE.startswith("cuda"):
+        row.update(_pin_probes(folder))
     stamp = time.perf_counter()
     dests = {n: torch.empty(ckpt.shape_of(n), dtype=ckpt.dtype_of(n), device=DEVICE) for n in names}
     _sync()
@@ -263,6 +345,43 @@ def run_profile(folder: str) -> None:
     print(json.dumps(row))
 
 
+def _pin_probes(folder: str) -> dict:
+    """What pinning costs each way: 16 separate 16 MiB slots, registering touched pageable memory, and
+    registering 1 GiB of a file's page cache read-only, then the DMA rate straight from it."""
+    import numpy as np
+    import torch
+
+    cudart, row = torch.cuda.cudart(), {}
+    stamp = time.perf_counter()
+    slots = [torch.empty(16 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(16)]
+    row["pin_16x16MiB_s"] = time.perf_counter() - stamp
+    del slots
+    stamp = time.perf_counter()
+    host = np.ones(256 << 20, dtype=np.uint8)
+    row["malloc_touch_256MiB_s"] = time.perf_counter() - stamp
+    stamp = time.perf_counter()
+    row["register_256MiB_err"] = int(cudart.cudaHostRegister(host.ctypes.data, host.nbytes, 0))
+    row["register_256MiB_s"] = time.perf_counter() - stamp
+    cudart.cudaHostUnregister(host.ctypes.data)
+    address, size = _map_file(shard_files(folder)[0])
+    nbytes = min(1 << 30, size // 4096 * 4096)
+    stamp = time.perf_counter()
+    err = row["register_pagecache_err"] = int(cudart.cudaHostRegister(address, nbytes, REGISTER_READ_ONLY))
+    row["register_pagecache_1GiB_s"] = time.perf_counter() - stamp
+    if err == 0:
+        src, dst = _host_tensor(address, nbytes), torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+        for _ in range(3):
+            torch.cuda.synchronize()
+            stamp = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            row["dma_from_pagecache_gbps"] = nbytes / (time.perf_counter() - stamp) / 1e9
+        stamp = time.perf_counter()
+        cudart.cudaHostUnregister(address)
+        row["unregister_1GiB_s"] = time.perf_counter() - stamp
+    return row
+
+
 def _rank_slice(full, spec, rank: int, world: int):
     import torch
 
@@ -289,8 +408,10 @@ def dd_direct_gbps(files: list[str]) -> float:
 def _available(name: str) -> bool:
     import importlib.util
 
-    module = {"shardkit": "shardkit", "safetensors": "safetensors", "fastsafetensors": "fastsafetensors",
+    module = {"shardkit": "shardkit", "shardkit-mapped": "shardkit", "safetensors": "safetensors", "fastsafetensors": "fastsafetensors",
               "runai": "runai_model_streamer", "instanttensor": "instanttensor"}.get(name)
+    if name == "shardkit-mapped":
+        return DEVICE.startswith("cuda")
     if name == "safetensors-prefetch":
         import safetensors
 
@@ -383,11 +504,11 @@ def main() -> int:
             subprocess.run([sys.executable, os.path.abspath(__file__), "--profile-child", folder], timeout=300)
     if args.cold:
         folder = folders[next(iter(folders))]
-        cold_peers = [p for p in ("shardkit", "safetensors", "instanttensor") if p in peers]
-        out.append(table(bench(folder, [(p, None) for p in cold_peers], args.runs, cold=True), "cold", cold=True))
+        cold_cases = [(p, None) for p in ("shardkit", "safetensors") if p in peers] + [("shardkit@16,16,4", "16,16,4")]
+        out.append(table(bench(folder, cold_cases, args.runs, cold=True), "cold", cold=True))
         print(out[-1], flush=True)
     if args.sweep:
-        rings = ["8,16,4", "32,16,16", "16,32,8", "64,16,16"]
+        rings = ["16,16,8,eager", "16,16,8", "24,16,12", "32,16,16", "16,32,8"]
         folder = folders[next(iter(folders))]
         out.append(table(bench(folder, [(f"shardkit@{r}", r) for r in rings], 2, cold=False),
                          "ring sweep (slots, MiB per slot, threads; 2 runs)", cold=False))
