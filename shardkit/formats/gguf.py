@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,7 +25,7 @@ from .header import MAX_DIM
 from .links import UntrustedFileError, open_regular
 
 __all__ = ["GGML_TYPES", "GGUF_MAGIC", "GGUF_QUANTIZE", "GgmlType", "GgufFile", "GgufTensor", "Value", "build_gguf_header",
-           "ggml_type", "is_gguf_file", "read_gguf", "read_split_gguf", "tensor_nbytes_ggml"]
+           "ggml_type", "is_gguf_file", "metadata_rows", "padded", "read_gguf", "tensor_nbytes_ggml"]
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -373,45 +372,6 @@ def build_gguf_header(metadata: Sequence[tuple[str, int, Value, int | None]],
         cursor += -(-tensor_nbytes_ggml(ggml, dims) // alignment) * alignment
     head = b"".join(parts)
     return head + b"\0" * (-len(head) % alignment), offsets
-
-
-MAX_SPLITS = 9999
-_SPLIT_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")
-
-
-def read_split_gguf(path: str | os.PathLike[str]) -> tuple[GgufFile, list[GgufFile]]:
-    """A GGUF file and, when it is the first of llama.cpp's gguf-split layout (``NAME-00001-of-0000N.gguf`` with
-    ``split.count`` N > 1), every part of it: ``(first, parts)``; ``parts`` is ``[first]`` for a whole file.
-
-    Raises:
-        HeaderError: a later part given instead of the first, a part missing or numbered wrongly, a tensor in two
-            parts, or a tensor count other than ``split.tensors.count``.
-    """
-    path = os.fspath(path)
-    first = read_gguf(path)
-    count = first.metadata.get("split.count", 1)
-    if not isinstance(count, int) or isinstance(count, bool) or count <= 1:
-        return first, [first]
-    number, match = first.metadata.get("split.no"), _SPLIT_NAME.fullmatch(os.path.basename(path))
-    if number != 0 or match is None or int(match.group(3)) != count or count > MAX_SPLITS:
-        raise HeaderError(f"{path}: part {number!r} of a {count}-part split GGUF; give the first part, "
-                          f"NAME-00001-of-{count:05d}.gguf (it names the others)")
-    folder, prefix = os.path.dirname(path), match.group(1)
-    parts, names = [first], {t.name for t in first.tensors}
-    for index in range(1, count):
-        part = read_gguf(os.path.join(folder, f"{prefix}-{index + 1:05d}-of-{count:05d}.gguf"))
-        if part.metadata.get("split.no") != index or part.metadata.get("split.count") != count:
-            raise HeaderError(f"{part.path}: split.no/split.count say {part.metadata.get('split.no')!r}/"
-                              f"{part.metadata.get('split.count')!r}, not {index}/{count}")
-        twice = names & {t.name for t in part.tensors}
-        if twice:
-            raise HeaderError(f"{part.path}: tensor {sorted(twice)[0]!r} is also in an earlier part")
-        names |= {t.name for t in part.tensors}
-        parts.append(part)
-    expected = first.metadata.get("split.tensors.count")
-    if expected != len(names):
-        raise HeaderError(f"{path}: the {count} parts hold {len(names)} tensors; split.tensors.count says {expected!r}")
-    return first, parts
 
 
 def padded(nbytes: int, alignment: int = DEFAULT_ALIGNMENT) -> int:

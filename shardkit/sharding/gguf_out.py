@@ -23,50 +23,35 @@ dimensions; 1-D tensors stay F32, and so do, for language models, what llama.cpp
 language models (as that converter does) and stay F32 for Flux. The bytes are :func:`shardkit.layouts.ggml.quantize`
 of the float32 values, identical to ``gguf.quants.quantize``. Without ``quantize``, F32/F16/BF16 tensors keep
 their type and a GGUF source keeps each tensor's ggml type (its bytes copied). The file is written tensor by
-tensor, band by band of rows (memory never depends on a tensor's size), into a temporary file published atomically.
+tensor, band by band of rows (memory never depends on a tensor's size: :mod:`shardkit.sharding.gguf_bytes`), into a
+temporary file published atomically; with ``max_shard_size``, llama.cpp's gguf-split layout (:mod:`shardkit.sharding.gguf_split`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import InvalidInputError
-from ..formats.gguf import (
-    BOOL,
-    FLOAT32,
-    GGUF_QUANTIZE,
-    INT32,
-    STRING,
-    UINT16,
-    UINT32,
-    Value,
-    build_gguf_header,
-    ggml_type,
-    padded,
-    tensor_nbytes_ggml,
-)
+from ..formats.gguf import BOOL, FLOAT32, GGUF_QUANTIZE, STRING, UINT32, ggml_type
 from ..formats.header import TensorEntry
-from ..formats.index import Naming
 from ..formats.json_types import Config
 from ..sources import Source, open_source
 from ..sources.gguf import GgufSource
+from .gguf_bytes import PlannedTensor
+from .gguf_split import Row, plan_files, split_files, write_files
 from .job import SplitResult, refuse_output_inside_source
-from .options import DEFAULT_MAX_SHARD_BYTES, ProgressCallback, WriteOptions, warn
-from .plan import ShardPlan, plan_shards
+from .options import WriteOptions, warn
 
 __all__ = ["GGUF_QUANTIZE", "convert_to_gguf"]
 
 FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32}  # llama.cpp's general.file_type (LLAMA_FTYPE)
-BAND_BYTES = 16 * 2**20
 FLOAT_SOURCES = frozenset({"F32", "F16", "BF16", "F64"})
 BFL_PREFIX = "model.diffusion_model."
 LLAMA_CPP_ONLY = frozenset({"rope_freqs.weight"})  # llama.cpp tensors with no HF name, kept by a GGUF source
-Row = tuple[str, int, Value, int | None]
 
 
 @dataclass
@@ -84,17 +69,6 @@ class GgufModel:
     extra: dict[str, bytes] = field(default_factory=dict)  # GGUF name → F32 bytes of tensors computed from the config
     shift: Callable[[str], float] = lambda name: 0.0  # added to a tensor's values (by HF name; Gemma's norms: 1)
     expert_index: Callable[[str], int | None] = lambda name: None  # the expert of a tensor stacked with its peers
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    entry: TensorEntry   # in the source (HF names)
-    name: str            # in the GGUF file
-    kind: str            # ggml type written
-    heads: int | None    # q/k permutation
-    data: bytes | None = None  # a tensor the converter computes (Llama 3.1's rope_freqs.weight), not in the source
-    parts: tuple[TensorEntry, ...] = ()  # stacked experts: the source tensors, expert 0 first (``entry`` their stack)
-    shift: float = 0.0   # added to the values before quantizing
 
 
 def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize: str | None = None,
@@ -122,13 +96,8 @@ def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize
     with _open_model(path, component=component, variant=options.variant) as (src, model):
         src = view(src) if view is not None else src
         tensors = _plan(src, model, quantize=quantize)
-        folder, base = os.path.split(os.path.abspath(output))
-        sizes = [(t.name, padded(tensor_nbytes_ggml(ggml_type(t.kind), tuple(reversed(t.entry.shape)))))
-                 for t in tensors]
-        limit = 2**62 if options.max_shard_bytes == DEFAULT_MAX_SHARD_BYTES else options.max_shard_bytes
-        plan = plan_shards(sizes, max_shard_bytes=limit, naming=Naming(base[: -len(".gguf")], ext="gguf"),
-                           rule="sequential")  # gguf-split's: runs of tensors, a file closed before it would pass
-        plan = dataclasses.replace(plan, index_filename=None)  # a split GGUF's first file is its index
+        folder = os.path.dirname(os.path.abspath(output))
+        plan = plan_files(tensors, output, max_shard_bytes=options.max_shard_bytes)
         files = split_files(plan, tensors, _metadata(model, tensors, quantize))
         result = SplitResult(folder, plan, src.description, quantize, options.dry_run)
         if options.dry_run:
@@ -136,7 +105,7 @@ def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize
             if taken and not options.overwrite:
                 warn(f"{os.path.join(folder, taken[0])} exists: the real run needs overwrite=True")
         else:
-            _write_files(folder, files, src, overwrite=options.overwrite, progress=options.progress)
+            write_files(folder, files, src, overwrite=options.overwrite, progress=options.progress)
     if model.note:
         warn(model.note)
     return result
@@ -240,9 +209,9 @@ def _gguf_model(src: GgufSource) -> GgufModel:
 # ----------------------------------------------------------------------------- what each tensor becomes
 
 
-def _plan(src: Source, model: GgufModel, *, quantize: str | None) -> list[_Tensor]:
+def _plan(src: Source, model: GgufModel, *, quantize: str | None) -> list[PlannedTensor]:
     gguf = src if isinstance(src, GgufSource) else None
-    out: list[_Tensor] = []
+    out: list[PlannedTensor] = []
     missing: list[str] = []
     experts: dict[str, dict[int, TensorEntry]] = {}
     for entry in src.entries():
@@ -254,18 +223,18 @@ def _plan(src: Source, model: GgufModel, *, quantize: str | None) -> list[_Tenso
         expert = model.expert_index(entry.name)
         if expert is not None:  # stacked once the layer's experts are all known
             if name not in experts:
-                out.append(_Tensor(entry, name, "", None))
+                out.append(PlannedTensor(entry, name, "", None))
             experts.setdefault(name, {})[expert] = entry
             continue
         stored = gguf.names[entry.name].kind.name if gguf is not None else None
         kind = _kind(entry, quantize, stored, where=src.description, keep_f32=model.keep_f32(name),
                      partial_blocks=model.partial_blocks)
-        out.append(_Tensor(entry, name, kind, model.heads(entry.name), shift=model.shift(entry.name)))
+        out.append(PlannedTensor(entry, name, kind, model.heads(entry.name), shift=model.shift(entry.name)))
     out = [_stacked(t, experts[t.name], quantize, model, where=src.description) if t.name in experts else t
            for t in out]
     for name, data in model.extra.items():
         if name not in {t.name for t in out}:
-            out.append(_Tensor(TensorEntry(name, "F32", (len(data) // 4,), len(data)), name, "F32", None, data))
+            out.append(PlannedTensor(TensorEntry(name, "F32", (len(data) // 4,), len(data)), name, "F32", None, data))
     if missing:
         raise InvalidInputError(f"{src.description}: {len(missing)} tensor(s) have no llama.cpp name, e.g. "
                                 f"{', '.join(missing[:3])}; to='gguf' writes {model.architecture} models as "
@@ -273,8 +242,8 @@ def _plan(src: Source, model: GgufModel, *, quantize: str | None) -> list[_Tenso
     return out
 
 
-def _stacked(first: _Tensor, parts: dict[int, TensorEntry], quantize: str | None, model: GgufModel, *,
-             where: str) -> _Tensor:
+def _stacked(first: PlannedTensor, parts: dict[int, TensorEntry], quantize: str | None, model: GgufModel, *,
+             where: str) -> PlannedTensor:
     """One tensor of a layer's experts stacked, expert index first (the converter's ``torch.stack``)."""
     entries = [parts[i] for i in sorted(parts)]
     if sorted(parts) != list(range(len(parts))) or len({(e.dtype, e.shape) for e in entries}) != 1:
@@ -284,7 +253,7 @@ def _stacked(first: _Tensor, parts: dict[int, TensorEntry], quantize: str | None
     stack = TensorEntry(first.name, entries[0].dtype, shape, entries[0].nbytes * len(entries))
     kind = _kind(stack, quantize, None, where=where, keep_f32=model.keep_f32(first.name),
                  partial_blocks=model.partial_blocks)
-    return _Tensor(stack, first.name, kind, None, parts=tuple(entries))
+    return PlannedTensor(stack, first.name, kind, None, parts=tuple(entries))
 
 
 def _kind(entry: TensorEntry, quantize: str | None, stored: str | None, *, where: str, keep_f32: bool = False,
@@ -302,7 +271,7 @@ def _kind(entry: TensorEntry, quantize: str | None, stored: str | None, *, where
     return partial_blocks if entry.shape[-1] % kind.block else kind.name
 
 
-def _metadata(model: GgufModel, tensors: list[_Tensor], quantize: str | None) -> list[Row]:
+def _metadata(model: GgufModel, tensors: list[PlannedTensor], quantize: str | None) -> list[Row]:
     kinds = [t.kind for t in tensors]
     main = ggml_type(quantize).name if quantize else max(sorted(set(kinds)), key=kinds.count, default="F32")
     rows = list(model.metadata)
@@ -312,115 +281,3 @@ def _metadata(model: GgufModel, tensors: list[_Tensor], quantize: str | None) ->
     if main in FILE_TYPE:
         rows += [("general.file_type", UINT32, FILE_TYPE[main], None)]
     return rows
-
-
-# ----------------------------------------------------------------------------- bytes
-
-
-def split_files(plan: ShardPlan, tensors: list[_Tensor], metadata: list[Row]) -> list[tuple[str, bytes, list[_Tensor]]]:
-    """``(file name, header, tensors)`` of each file: one file, or llama.cpp's gguf-split layout (every key in the
-    first file, then in each ``split.no`` (u16, from 0), ``split.count`` (u16), ``split.tensors.count`` (i32))."""
-    by_name = {t.name: t for t in tensors}
-    out = []
-    for number, shard in enumerate(plan.shards):
-        part = [by_name[name] for name in shard.names]
-        rows = list(metadata) if number == 0 else []
-        if len(plan.shards) > 1:
-            rows += [("split.no", UINT16, number, None), ("split.count", UINT16, len(plan.shards), None),
-                     ("split.tensors.count", INT32, len(tensors), None)]
-        head, _ = build_gguf_header(rows, [(t.name, tuple(reversed(t.entry.shape)), ggml_type(t.kind)) for t in part])
-        out.append((shard.filename, head, part))
-    return out
-
-
-def _write_files(folder: str, files: list[tuple[str, bytes, list[_Tensor]]], src: Source, *, overwrite: bool,
-                 progress: ProgressCallback | None) -> None:
-    """Every file into a temporary file; all published once all are written (none if one fails)."""
-    from ..atomic.commit import file_transaction
-
-    total = sum(t.entry.nbytes for _, _, part in files for t in part)
-    done = 0
-    with contextlib.ExitStack() as stack:
-        for name, head, part in files:
-            tmp = stack.enter_context(file_transaction(os.path.join(folder, name), overwrite=overwrite))
-            before = done
-
-            def tick(written: int, _total: int, before: int = before) -> None:
-                if progress is not None:
-                    progress(before + written, total)
-
-            _write(tmp, head, part, src, progress=tick)
-            done += sum(t.entry.nbytes for t in part)
-
-
-def _write(path: str, head: bytes, tensors: list[_Tensor], src: Source, *, progress: ProgressCallback | None) -> None:
-    total = sum(t.entry.nbytes for t in tensors)
-    done = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        _write_all(fd, head, path)
-        for t in tensors:
-            written = 0
-            for data in _tensor_bytes(t, src):
-                _write_all(fd, data, path)
-                written += len(data)
-            _write_all(fd, b"\0" * (padded(written) - written), path)
-            done += t.entry.nbytes
-            if progress is not None:
-                progress(done, total)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, data: bytes | memoryview, path: str) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        written = os.write(fd, view)
-        if written <= 0:
-            raise OSError(f"write to {path} wrote nothing")
-        view = view[written:]
-
-
-def _tensor_bytes(t: _Tensor, src: Source) -> Iterator[bytes | memoryview]:
-    """The GGUF bytes of one tensor, band by band of rows: copied (same ggml type) or quantized; stacked experts
-    one after another (rows stay whole, so their blocks are the stack's)."""
-    if t.data is not None:
-        yield t.data
-        return
-    for entry in t.parts or (t.entry,):
-        yield from _entry_bytes(t, entry, src)
-
-
-def _entry_bytes(t: _Tensor, entry: TensorEntry, src: Source) -> Iterator[bytes | memoryview]:
-    import torch
-
-    from ..layouts.fp8 import matrix_shape
-    from ..layouts.ggml import quantize
-    from ..layouts.gguf_names import permute_rows
-    from ..sources.dequantized import read_rows
-
-    if isinstance(src, GgufSource) and src.names[entry.name].kind.name == t.kind:
-        stored = src.names[entry.name]
-        for begin in range(0, stored.nbytes, BAND_BYTES):
-            yield src.stored_bytes(stored, begin, min(stored.nbytes, begin + BAND_BYTES))
-        return
-    if entry.dtype == t.kind and t.heads is None and not t.shift:  # same type, same order: the bytes as stored
-        for begin in range(0, entry.nbytes, BAND_BYTES):
-            yield src.read(entry, begin, min(entry.nbytes, begin + BAND_BYTES))
-        return
-    rows, cols = matrix_shape(entry.shape)
-    step = max(1, BAND_BYTES // (4 * max(1, cols)))
-    if t.heads is not None:
-        per_head = rows // t.heads
-        if rows % t.heads or per_head % 2:
-            raise InvalidInputError(f"tensor {entry.name}: {rows} rows are not {t.heads} heads of even size")
-        step = max(per_head, step // per_head * per_head)
-    kind = ggml_type(t.kind)
-    for row0 in range(0, rows, step):
-        values = read_rows(src, entry, row0, min(rows, row0 + step))  # widened to float32 as it is quantized
-        if t.shift:  # in the source's float16/float32, else float32, as the converter adds it
-            values = (values if values.dtype in (torch.float16, torch.float32) else values.float()) + t.shift
-        if t.heads is not None:
-            values = permute_rows(values, values.shape[0] // (rows // t.heads))
-        yield quantize(values, kind).numpy().data

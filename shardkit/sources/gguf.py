@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
-from ..formats.gguf import GgufFile, GgufTensor, read_split_gguf
+from ..formats.gguf import GgufFile, GgufTensor
+from ..formats.gguf_split import read_split_gguf
 from ..formats.header import TensorEntry
 from ..formats.json_types import JsonObject
 from ..units import tensor_nbytes

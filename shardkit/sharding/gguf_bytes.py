@@ -1,0 +1,111 @@
+"""The bytes of a GGUF file ``convert --to gguf`` writes: its header, then each tensor band by band of rows.
+
+A tensor's bytes are copied when the source holds them in the ggml type written (a GGUF source's quantized
+tensors, or F32/F16/BF16 unchanged), else read as float32 values, permuted (Llama's q/k rows), shifted (Gemma's
+norms) and quantized (:func:`shardkit.layouts.ggml.quantize`); memory never depends on a tensor's size.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from ..errors import InvalidInputError
+from ..formats.gguf import ggml_type, padded
+from ..formats.header import TensorEntry
+from ..sources import Source
+from ..sources.gguf import GgufSource
+from .options import ProgressCallback
+
+__all__ = ["BAND_BYTES", "PlannedTensor", "tensor_bytes", "write_gguf_file"]
+
+BAND_BYTES = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    """One tensor of the GGUF file to write: where it comes from and what it becomes."""
+
+    entry: TensorEntry   # in the source (HF names)
+    name: str            # in the GGUF file
+    kind: str            # ggml type written
+    heads: int | None    # q/k permutation
+    data: bytes | None = None  # a tensor the converter computes (Llama 3.1's rope_freqs.weight), not in the source
+    parts: tuple[TensorEntry, ...] = ()  # stacked experts: the source tensors, expert 0 first (``entry`` their stack)
+    shift: float = 0.0   # added to the values before quantizing
+
+
+def write_gguf_file(path: str, head: bytes, tensors: list[PlannedTensor], src: Source, *,
+                    progress: ProgressCallback | None) -> None:
+    """``head`` then every tensor's bytes, each padded to the alignment, into ``path`` (created or emptied), synced."""
+    total = sum(t.entry.nbytes for t in tensors)
+    done = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _write_all(fd, head, path)
+        for t in tensors:
+            written = 0
+            for data in tensor_bytes(t, src):
+                _write_all(fd, data, path)
+                written += len(data)
+            _write_all(fd, b"\0" * (padded(written) - written), path)
+            done += t.entry.nbytes
+            if progress is not None:
+                progress(done, total)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes | memoryview, path: str) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.write(fd, view)
+        if written <= 0:
+            raise OSError(f"write to {path} wrote nothing")
+        view = view[written:]
+
+
+def tensor_bytes(t: PlannedTensor, src: Source) -> Iterator[bytes | memoryview]:
+    """The GGUF bytes of one tensor, band by band of rows: copied (same ggml type) or quantized; stacked experts
+    one after another (rows stay whole, so their blocks are the stack's)."""
+    if t.data is not None:
+        yield t.data
+        return
+    for entry in t.parts or (t.entry,):
+        yield from _entry_bytes(t, entry, src)
+
+
+def _entry_bytes(t: PlannedTensor, entry: TensorEntry, src: Source) -> Iterator[bytes | memoryview]:
+    import torch
+
+    from ..layouts.fp8 import matrix_shape
+    from ..layouts.ggml import quantize
+    from ..layouts.gguf_names import permute_rows
+    from ..sources.dequantized import read_rows
+
+    if isinstance(src, GgufSource) and src.names[entry.name].kind.name == t.kind:
+        stored = src.names[entry.name]
+        for begin in range(0, stored.nbytes, BAND_BYTES):
+            yield src.stored_bytes(stored, begin, min(stored.nbytes, begin + BAND_BYTES))
+        return
+    if entry.dtype == t.kind and t.heads is None and not t.shift:  # same type, same order: the bytes as stored
+        for begin in range(0, entry.nbytes, BAND_BYTES):
+            yield src.read(entry, begin, min(entry.nbytes, begin + BAND_BYTES))
+        return
+    rows, cols = matrix_shape(entry.shape)
+    step = max(1, BAND_BYTES // (4 * max(1, cols)))
+    if t.heads is not None:
+        per_head = rows // t.heads
+        if rows % t.heads or per_head % 2:
+            raise InvalidInputError(f"tensor {entry.name}: {rows} rows are not {t.heads} heads of even size")
+        step = max(per_head, step // per_head * per_head)
+    kind = ggml_type(t.kind)
+    for row0 in range(0, rows, step):
+        values = read_rows(src, entry, row0, min(rows, row0 + step))  # widened to float32 as it is quantized
+        if t.shift:  # in the source's float16/float32, else float32, as the converter adds it
+            values = (values if values.dtype in (torch.float16, torch.float32) else values.float()) + t.shift
+        if t.heads is not None:
+            values = permute_rows(values, values.shape[0] // (rows // t.heads))
+        yield quantize(values, kind).numpy().data
