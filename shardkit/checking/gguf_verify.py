@@ -4,7 +4,13 @@ Checked, each problem a finding (never raised): the header (counts, strings, typ
 overlaps: :func:`~shardkit.formats.gguf.read_gguf`); for Llama files, that every tensor has a Hugging
 Face name and the metadata gives a config (head counts, sizes) whose shapes the tensors match; then
 every tensor is read band by band and dequantized (its block scales included), and any NaN or infinity
-is reported with its count. The file's sha256 is computed on the same pass.
+is reported with its count. Then the file's sha256 and size.
+
+A split GGUF (llama.cpp's gguf-split layout, given by its first part ``NAME-00001-of-0000N.gguf``) is checked
+whole: every part's header, that each part is there, whole, numbered as its name says and holds tensors no other
+part holds (:func:`~shardkit.formats.gguf_split.check_split_parts`), the model across all parts, every value in
+every part, and each part's sha256. A part missing or damaged is a finding naming that part; the model and its
+values are then not checked (they need every part), the parts that are whole are still hashed.
 """
 
 from __future__ import annotations
@@ -13,12 +19,15 @@ import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ..errors import HeaderError, InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.json_types import JsonObject
 from ..formats.links import open_regular
+
+if TYPE_CHECKING:
+    from ..sources.gguf import GgufSource
 
 __all__ = ["GgufCheck", "verify_gguf"]
 
@@ -27,59 +36,108 @@ READ_BYTES = 16 * 2**20
 
 @dataclass
 class GgufCheck:
-    """What :func:`verify_gguf` found: (tensor or None, problem) pairs, the file's sha256 and size, tensors read."""
+    """What :func:`verify_gguf` found.
 
-    findings: list[tuple[str | None, str]] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)  # what the file lacks, not what is wrong in it
-    sha256: str = ""
-    file_bytes: int = 0
+    Attributes:
+        findings: ``(file, tensor or None, problem)``: the file is the name of the part it is in (of the checked file
+            for a whole GGUF).
+        warnings: what the file lacks, not what is wrong in it.
+        files: ``(name, bytes, sha256)`` of every file read in full (each part of a split GGUF).
+        tensors_checked: tensors whose values were read.
+    """
+
+    findings: list[tuple[str, str | None, str]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    files: list[tuple[str, int, str]] = field(default_factory=list)
     tensors_checked: int = 0
 
 
 def verify_gguf(path: str, *, progress: Callable[[int, int], None] | None = None,
                 read_data: bool = True) -> GgufCheck:
-    """Check the GGUF file ``path`` (see the module docstring); problems are collected, never raised."""
+    """Check the GGUF file ``path`` and, when it is the first part of a split GGUF, every other part (see the module
+    docstring); problems are collected, never raised.
+
+    Raises:
+        InvalidInputError: ``path`` is a later part of a split GGUF (the message names the first part).
+    """
+    from ..formats.gguf import read_gguf
+    from ..formats.gguf_split import check_split_parts, first_part, later_part_message
+
+    report, name = GgufCheck(), os.path.basename(path)
+    try:
+        first = read_gguf(path)
+    except HeaderError as e:
+        report.findings.append((name, None, str(e).removeprefix(f"{path}: ")))
+        return report
+    first_path = first_part(first)
+    if first_path is not None:
+        raise InvalidInputError(later_part_message(first, first_path))
+    split = check_split_parts(first)
+    report.findings += [(os.path.basename(part), None, problem) for part, problem in split.problems]
+    if split.problems:  # values need every part: the parts that are whole are still hashed
+        if read_data:
+            broken = {part for part, _ in split.problems}
+            report.files = [_sha256(part) for part in split.paths if part not in broken and os.path.isfile(part)]
+        return report
+    if _check_model(path, report, progress=progress, read_data=read_data) and read_data:
+        report.files = [_sha256(part) for part in split.paths]
+    return report
+
+
+def _check_model(path: str, report: GgufCheck, *, progress: Callable[[int, int], None] | None,
+                 read_data: bool) -> bool:
+    """The model the GGUF (every part of it) describes: names, shapes against its metadata, then every value;
+    False when it could not be opened as a model (a finding says why)."""
     from ..layouts.gguf_vocab import describe_vocab
     from ..sources.gguf import GgufSource
 
-    report = GgufCheck()
+    name = os.path.basename(path)
     try:
         src = GgufSource(path)
     except (HeaderError, InvalidInputError) as e:
-        report.findings.append((None, str(e).removeprefix(f"{path}: ")))
-        return report
+        report.findings.append((name, None, str(e).removeprefix(f"{path}: ")))
+        return False
     try:
         try:
             config = src.config()
         except InvalidInputError as e:
-            report.findings.append((None, str(e).removeprefix(f"{path}: ")))
+            report.findings.append((name, None, str(e).removeprefix(f"{path}: ")))
             config = None
         if config is not None and config.get("model_type") != "bert":  # decoders: Llama, Qwen2, Qwen3
-            report.findings += _shape_problems(src.entries(), config)
+            report.findings += [(_part_of(src, tensor), tensor, problem)
+                                for tensor, problem in _shape_problems(src.entries(), config)]
         vocab = describe_vocab(src.gguf.metadata, src.gguf.architecture)
         if vocab is not None and vocab["missing"]:
             report.warnings.append(f"no vocabulary: {vocab['text']}")
-        if not read_data:
-            return report
-        total = sum(e.nbytes for e in src.entries())
-        done = 0
-        for entry in src.entries():
-            bad = _non_finite(src, entry)
-            if bad:
-                kind = src.names[entry.name].kind.name
-                report.findings.append((entry.name, f"{bad} NaN/infinite value(s) once read as {kind} "
-                                        "(damaged data or block scales)"))
-            report.tensors_checked += 1
-            done += entry.nbytes
-            if progress is not None:
-                progress(done, total)
-        report.sha256, report.file_bytes = _sha256(path)
+        if read_data:
+            _check_values(src, report, progress=progress)
     finally:
         src.close()
-    return report
+    return True
 
 
-def _non_finite(src: Any, entry: TensorEntry) -> int:
+def _check_values(src: GgufSource, report: GgufCheck, *, progress: Callable[[int, int], None] | None) -> None:
+    total = sum(e.nbytes for e in src.entries())
+    done = 0
+    for entry in src.entries():
+        bad = _non_finite(src, entry)
+        if bad:
+            kind = src.names[entry.name].kind.name
+            report.findings.append((_part_of(src, entry.name), entry.name, f"{bad} NaN/infinite value(s) once read as "
+                                    f"{kind} (damaged data or block scales)"))
+        report.tensors_checked += 1
+        done += entry.nbytes
+        if progress is not None:
+            progress(done, total)
+
+
+def _part_of(src: GgufSource, hf_name: str) -> str:
+    """The name of the file (the part, for a split GGUF) holding the tensor ``hf_name``; the first for a layer count."""
+    tensor = src.names.get(hf_name)
+    return os.path.basename(src.file_of[tensor.name] if tensor is not None else src.paths[0])
+
+
+def _non_finite(src: GgufSource, entry: TensorEntry) -> int:
     import torch
 
     from ..formats.dtypes import to_torch
@@ -120,8 +178,8 @@ def _shape_problems(entries: list[TensorEntry], config: JsonObject) -> list[tupl
     return problems
 
 
-def _sha256(path: str) -> tuple[str, int]:
-    """The file's sha256 and size, read through one checked descriptor (a FIFO or device refused unread)."""
+def _sha256(path: str) -> tuple[str, int, str]:
+    """The file's name, size and sha256, read through one checked descriptor (a FIFO or device refused unread)."""
     digest, size = hashlib.sha256(), 0
     fd = open_regular(path)
     try:
@@ -130,4 +188,4 @@ def _sha256(path: str) -> tuple[str, int]:
             size += len(block)
     finally:
         os.close(fd)
-    return digest.hexdigest(), size
+    return os.path.basename(path), size, digest.hexdigest()

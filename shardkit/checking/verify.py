@@ -189,13 +189,13 @@ def _verify_gguf(path: str, report: VerifyReport, *, against: CheckpointSource |
         raise InvalidInputError(f"{path}: against=... compares safetensors checkpoints; convert the GGUF first "
                                 "with dtype='fp32' and verify that against it")
     name = os.path.basename(path)
-    check = verify_gguf(path, progress=progress, read_data=read_data)
-    report.findings += [Finding(name, tensor, message) for tensor, message in check.findings]
+    check = verify_gguf(path, progress=progress, read_data=read_data)  # a split GGUF: every part
+    report.findings += [Finding(file, tensor, message) for file, tensor, message in check.findings]
     report.warnings += [f"{name}: {message}" for message in check.warnings]
     report.tensors_checked = check.tensors_checked
-    if check.sha256:
-        report.files.append(FileReport(name, check.file_bytes, check.sha256, checked="gguf-values"))
-        report.bytes_read = check.file_bytes
+    checked = "gguf-values" if check.tensors_checked else "structure"  # values need every part of a split
+    report.files += [FileReport(file, nbytes, sha256, checked=checked) for file, nbytes, sha256 in check.files]
+    report.bytes_read = sum(nbytes for _, nbytes, _ in check.files)
     return report
 
 
