@@ -1,46 +1,79 @@
 #!/usr/bin/env python3
-"""S3 reads against a real SeaweedFS: which client reaches the network's limit (issue 33).
+"""S3 benchmarks against a real SeaweedFS on loopback (scripts/s3_server.py): four tables of cases (issue 33).
 
-Starts SeaweedFS (scripts/s3_server.py) on loopback, uploads one object of ``--size-mb`` random
-bytes, and reads it whole into one preallocated buffer by parallel ranged GETs (``--parts``
-requests in flight, ``--part-mb`` each), with each client, straight to the server and through the
-delay proxy (``--delay-ms`` each way, run in this parent process so it never shares the client's
-GIL). Every case runs in a fresh process; the time starts after its imports and client setup and
-ends when the last byte is in the buffer (checked against a sample of the object); peak RSS is the
-child's own ``VmHWM`` (not ``ru_maxrss``, which starts from the parent's peak at fork; it includes the destination buffer, the same for every case). Cases run
-interleaved, ``--runs`` rounds; the table shows medians.
+Every case runs in a fresh process, cases interleaved, ``--runs`` rounds, the order rotating; the
+clock starts after the case's imports; peak RSS is the child's own ``VmHWM`` (``ru_maxrss`` would
+start from the parent's peak at fork). "Through the proxy": every request crosses the delay proxy
+(``--delay-ms`` each way), run in this parent so it never shares the client's GIL; it counts the
+bytes and requests that crossed the client. The tables show medians.
 
-    python scripts/bench_s3.py --size-mb 1024 --runs 3 --output docs/bench-s3.md
+    python scripts/bench_s3.py clients --size-mb 1024 --write-mb 256 --runs 3 --delay-ms 1
+    python scripts/bench_s3.py open --runs 3 --delay-ms 1
+    python scripts/bench_s3.py open --model random --size-mb 256 --shard-mb 50 --open-runs 5
+    python scripts/bench_s3.py copy --size-mb 1024 --shards 5 --out-shards 2 --runs 3
+    python scripts/bench_s3.py split --size-mb 6144 --runs 3 --staged-src /tmp/staged
 
-Cases (the raw client comparison; shardkit's own readers join as they land):
-  boto3-threads   boto3 get_object(Range=...) on a thread pool, body read into the buffer slice
-  s3transfer      boto3's download_fileobj (s3transfer) into a seekable view of the buffer
-  obstore-threads obstore.get_range on a thread pool, each reply copied into the buffer slice
-  obstore-ranges  obstore.get_ranges: all ranges in one call (the Rust side fans them out)
-  shardkit-stores shardkit.stores.read_ranges on the S3 store (boto3, the chosen client)
-  write-*         the same bytes written back: shardkit's multipart writer (fed 8 MiB at a time),
-                  s3transfer's upload_fileobj, obstore.put (multipart); RSS includes the source buffer
+clients  One object of random bytes read whole into one buffer by ``--parts`` ranged GETs of
+         ``--part-mb`` in flight (checked against a sample), straight and through the proxy:
+         boto3-threads, s3transfer (download_fileobj), obstore-threads, obstore-ranges (get_ranges),
+         shardkit-stores (stores.read_ranges); write-shardkit (its multipart writer fed 8 MiB at a
+         time), write-s3transfer, write-obstore write ``--write-mb`` back (RSS includes that buffer).
+open     Every tensor of a checkpoint read once into memory, crc32 of every tensor checked, straight
+         and through the proxy: raw-boto3 (the limit: every object whole by ranged GETs), runai (the
+         Run:ai Model Streamer: ``pip install 'shardkit[bench]'``, else left out with a note),
+         shardkit-open (``shardkit.open(...).to_state_dict()``), load-model (``load_model`` of the
+         UNet, sd15 only), download+load (boto3 download_file, then safetensors load_file). ``setup
+         s`` is making the client, streamer or store and its header mirror, ``read s`` the rest. The
+         checkpoint: the SD 1.5 UNet in fp16 (one 1.72 GB file and config.json) or ``--model random``.
+         ``--open-runs N`` times ``shardkit.open`` alone instead (3 opens a process, N processes) and
+         counts its requests; ``--shardkit-path`` imports shardkit from another checkout.
+copy     ``--shards`` shards of random bf16 resharded into ``--out-shards``, through the proxy: copy
+         (``shardkit.split`` s3→s3, composed by UploadPartCopy), staged (the copies switched off:
+         ranged GETs, a local split, the multipart upload), copy-N (copy parts of N MiB), boto3
+         (s3transfer download, ``shardkit.split`` locally, s3transfer upload). Every output equal to
+         the first case's, object by object.
+split    ``shardkit split s3://bench/src s3://out-N/ckpt --max-shard-size 1GB`` (CLI process), straight:
+         streamed (this tree) against staged (``--staged-src``: a tree from before streaming, e.g.
+         ``git archive 396671a | tar -x -C /tmp/staged``); names, sizes and manifest checked equal.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import io
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from benchlib import child, machine_line, markdown, median, peak_rss_mb, publish_report, rotated
+import benchlib
+from benchlib import child, markdown, median, parser, peak_rss_mb, rotated
+from build_checkpoint import build_random, build_unet
 from s3_server import DelayProxy, SeaweedS3
 
-KEY = "bench/blob.bin"
-CASES = ["boto3-threads", "s3transfer", "obstore-threads", "obstore-ranges", "shardkit-stores",
-         "write-shardkit", "write-s3transfer", "write-obstore"]
+BUCKET, KEY, PREFIX = "bench", "bench/blob.bin", "ckpt"
+CASES = {"clients": ["boto3-threads", "s3transfer", "obstore-threads", "obstore-ranges", "shardkit-stores",
+                     "write-shardkit", "write-s3transfer", "write-obstore"],
+         "open": ["raw-boto3", "runai", "shardkit-open", "load-model", "download+load"],
+         "copy": ["copy", "staged", "boto3"], "split": ["streamed", "staged"]}
+SIZE_MB = {"clients": 1024, "open": 1024, "copy": 1024, "split": 6144}
+RUNAI_MISSING = ("the Run:ai streamer is not installed: pip install 'shardkit[bench]' "
+                 "(runai-model-streamer runai-model-streamer-s3); its case is left out")
+RUNAI_ENV = {"AWS_EC2_METADATA_DISABLED": "true", "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
 
 
-# ----------------------------------------------------------------------------- the child: one read
+# ----------------------------------------------------------------------------- clients (children)
 
 def _ranges(size: int, part: int) -> list[tuple[int, int]]:
     return [(b, min(b + part, size)) for b in range(0, size, part)]
@@ -65,14 +98,11 @@ def get_range_into(client: Any, bucket: str, key: str, begin: int, view: memoryv
         got += n
 
 
-def read_boto3_threads(bucket: str, size: int, part: int, parts: int, out: memoryview) -> float:
+def _pool_map(fn: Callable[[Any], None], items: list[Any], threads: int) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    client = boto3_client(parts)
-    start = time.perf_counter()
-    with ThreadPoolExecutor(parts) as pool:
-        list(pool.map(lambda r: get_range_into(client, bucket, KEY, r[0], out[r[0]:r[1]]), _ranges(size, part)))
-    return time.perf_counter() - start
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(fn, items))
 
 
 class _BufferWriter:
@@ -88,7 +118,7 @@ class _BufferWriter:
     def tell(self) -> int:
         return self.pos
 
-    def write(self, data: bytes) -> int:
+    def write(self, data: Any) -> int:
         self.out[self.pos:self.pos + len(data)] = data
         self.pos += len(data)
         return len(data)
@@ -97,191 +127,519 @@ class _BufferWriter:
         return True
 
 
-def read_s3transfer(bucket: str, size: int, part: int, parts: int, out: memoryview) -> float:
-    from boto3.s3.transfer import TransferConfig
-
-    client = boto3_client(parts)
-    config = TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=parts,
-                            use_threads=True)
-    start = time.perf_counter()
-    client.download_fileobj(bucket, KEY, _BufferWriter(out), Config=config)
-    return time.perf_counter() - start
-
-
-def _obstore(bucket: str) -> Any:
+def _obstore() -> Any:
     from obstore.store import S3Store
 
     endpoint = os.environ["AWS_ENDPOINT_URL"]
-    return S3Store(bucket, endpoint=endpoint, region=os.environ["AWS_REGION"],
+    return S3Store(BUCKET, endpoint=endpoint, region=os.environ["AWS_REGION"],
                    client_options={"allow_http": endpoint.startswith("http://"), "pool_max_idle_per_host": "64"})
 
 
-def read_obstore_threads(bucket: str, size: int, part: int, parts: int, out: memoryview) -> float:
-    from concurrent.futures import ThreadPoolExecutor
-
-    import obstore
-
-    store = _obstore(bucket)
-    start = time.perf_counter()
-
-    def get(r: tuple[int, int]) -> None:
-        data = obstore.get_range(store, KEY, start=r[0], end=r[1])
-        view = memoryview(data)
-        if len(view) != r[1] - r[0]:
-            raise OSError(f"short read at {r[0]}")
-        out[r[0]:r[1]] = view
-
-    with ThreadPoolExecutor(parts) as pool:
-        list(pool.map(get, _ranges(size, part)))
-    return time.perf_counter() - start
-
-
-def read_obstore_ranges(bucket: str, size: int, part: int, parts: int, out: memoryview) -> float:
-    import obstore
-
-    store = _obstore(bucket)
-    ranges = _ranges(size, part)
-    start = time.perf_counter()
-    replies = obstore.get_ranges(store, KEY, starts=[r[0] for r in ranges], ends=[r[1] for r in ranges])
-    for (b, e), data in zip(ranges, replies, strict=True):
-        out[b:e] = memoryview(data)
-    return time.perf_counter() - start
-
-
-def read_shardkit_store(bucket: str, size: int, part: int, parts: int, out: memoryview) -> float:
-    from shardkit.stores import RangeRequest, open_store, read_ranges
-
-    with open_store(f"s3://{bucket}", threads=parts) as store:
-        start = time.perf_counter()
-        read_ranges(store, [RangeRequest(KEY, 0, out)], threads=parts, part_bytes=part)
-        return time.perf_counter() - start
-
-
-def write_shardkit_store(bucket: str, size: int, part: int, parts: int, data: memoryview) -> float:
-    from shardkit.stores import parse_store_url
-    from shardkit.stores.s3 import S3Store
-
-    with S3Store(parse_store_url(f"s3://{bucket}"), part_bytes=part) as store:
-        start = time.perf_counter()
-        with store.writer("bench/out-shardkit") as w:
-            for begin in range(0, size, 8 << 20):  # as a shard writer hands over its bytes
-                w.write(data[begin:begin + (8 << 20)])
-            w.commit()
-        return time.perf_counter() - start
-
-
-def write_s3transfer(bucket: str, size: int, part: int, parts: int, data: memoryview) -> float:
-    import io
-
+def client_case(case: str, buf: memoryview, part: int, parts: int) -> None:
+    """One client reading the object into ``buf`` (or writing ``buf`` back), timed by the caller."""
     from boto3.s3.transfer import TransferConfig
 
-    client = boto3_client(parts)
-    config = TransferConfig(multipart_threshold=part, multipart_chunksize=part, max_concurrency=parts)
-    start = time.perf_counter()
-    client.upload_fileobj(io.BytesIO(data), bucket, "bench/out-s3transfer", Config=config)  # type: ignore[arg-type]
-    return time.perf_counter() - start
+    size, transfer = len(buf), TransferConfig(multipart_threshold=part, multipart_chunksize=part,
+                                              max_concurrency=parts, use_threads=True)
+    if case == "boto3-threads":
+        client = boto3_client(parts)
+        _pool_map(lambda r: get_range_into(client, BUCKET, KEY, r[0], buf[r[0]:r[1]]), _ranges(size, part), parts)
+    elif case == "s3transfer":
+        boto3_client(parts).download_fileobj(BUCKET, KEY, _BufferWriter(buf), Config=transfer)
+    elif case in ("obstore-threads", "obstore-ranges"):
+        import obstore
+
+        store, ranges = _obstore(), _ranges(size, part)
+        if case == "obstore-ranges":  # all ranges in one call: the Rust side fans them out
+            replies = obstore.get_ranges(store, KEY, starts=[b for b, _ in ranges], ends=[e for _, e in ranges])
+            for (b, e), data in zip(ranges, replies, strict=True):
+                buf[b:e] = memoryview(data)
+        else:
+            _pool_map(lambda r: buf.__setitem__(slice(*r), memoryview(obstore.get_range(store, KEY, start=r[0],
+                                                                                         end=r[1]))), ranges, parts)
+    elif case == "shardkit-stores":
+        from shardkit.stores import RangeRequest, open_store, read_ranges
+
+        with open_store(f"s3://{BUCKET}", threads=parts) as store:
+            read_ranges(store, [RangeRequest(KEY, 0, buf)], threads=parts, part_bytes=part)
+    elif case == "write-shardkit":
+        from shardkit.stores import parse_store_url
+        from shardkit.stores.s3 import S3Store
+
+        with S3Store(parse_store_url(f"s3://{BUCKET}"), part_bytes=part) as s3, s3.writer("bench/out-shardkit") as w:
+            for begin in range(0, size, 8 << 20):  # as a shard writer hands over its bytes
+                w.write(buf[begin:begin + (8 << 20)])
+            w.commit()
+    elif case == "write-s3transfer":
+        boto3_client(parts).upload_fileobj(io.BytesIO(buf), BUCKET, "bench/out-s3transfer", Config=transfer)
+    elif case == "write-obstore":
+        import obstore
+
+        obstore.put(_obstore(), "bench/out-obstore", buf, chunk_size=part, max_concurrency=parts)
 
 
-def write_obstore(bucket: str, size: int, part: int, parts: int, data: memoryview) -> float:
-    import obstore
+def child_clients(case: str, args: argparse.Namespace, extra: dict[str, Any]) -> dict[str, Any]:
+    import boto3  # noqa: F401 - imported before the clock starts
 
-    store = _obstore(bucket)
-    start = time.perf_counter()
-    obstore.put(store, "bench/out-obstore", data, chunk_size=part, max_concurrency=parts)
-    return time.perf_counter() - start
-
-
-WRITERS = {"write-shardkit": write_shardkit_store, "write-s3transfer": write_s3transfer,
-           "write-obstore": write_obstore}
-READERS = {"shardkit-stores": read_shardkit_store, "boto3-threads": read_boto3_threads, "s3transfer": read_s3transfer,
-           "obstore-threads": read_obstore_threads, "obstore-ranges": read_obstore_ranges}
-
-
-def run_child(case: str, bucket: str, size: int, part: int, parts: int, crc_sample: int) -> None:
-    if case in WRITERS:
-        buffer = memoryview(bytearray(size))
+    size = (args.write_mb if case.startswith("write-") else args.size_mb) << 20
+    buf = memoryview(bytearray(size))
+    if case.startswith("write-"):
         for begin in range(0, size, 16 << 20):  # filled in place: the setup adds no peak of its own
-            buffer[begin:begin + (16 << 20)] = os.urandom(min(16 << 20, size - begin))
-        seconds = WRITERS[case](bucket, size, part, parts, buffer)
+            buf[begin:begin + (16 << 20)] = os.urandom(min(16 << 20, size - begin))
+    start = time.perf_counter()
+    client_case(case, buf, args.part_mb << 20, args.parts)
+    seconds = time.perf_counter() - start
+    if not case.startswith("write-") and zlib.crc32(buf[size // 2: size // 2 + (1 << 20)]) != extra["crc"]:
+        raise SystemExit(f"{case}: the bytes read differ from the object's")
+    return {"seconds": seconds, "rss_mb": peak_rss_mb()}
+
+
+# ----------------------------------------------------------------------------- open (children)
+
+def _tensor_crc(state: dict[str, Any]) -> int:
+    import torch
+
+    crc = 0
+    for name in sorted(state):
+        crc = zlib.crc32(state[name].detach().contiguous().view(-1).view(torch.uint8).numpy(), crc)
+    return crc
+
+
+def _objects(client: Any) -> list[tuple[str, int]]:
+    listing = client.list_objects_v2(Bucket=BUCKET, Prefix=PREFIX + "/")
+    return sorted((o["Key"], o["Size"]) for o in listing["Contents"] if o["Key"].endswith(".safetensors"))
+
+
+def open_case(case: str, args: argparse.Namespace) -> tuple[float, float, dict[str, Any] | int]:
+    """(seconds, setup seconds, what was read: tensors by name, or the raw objects' crc32)."""
+    import boto3
+    import numpy
+
+    url = f"s3://{BUCKET}/{PREFIX}"
+    if case == "raw-boto3":
+        part, start = args.part_mb << 20, time.perf_counter()
+        client = boto3_client(args.parts)
+        objects = _objects(client)
+        ready = time.perf_counter()
+        # numpy.empty, as torch.empty in the other cases: bytearray(n) would first write n zero bytes
+        bufs = {key: memoryview(numpy.empty(size, dtype=numpy.uint8)) for key, size in objects}
+        jobs = [(key, b, min(b + part, size)) for key, size in objects for b in range(0, size, part)]
+        _pool_map(lambda j: get_range_into(client, BUCKET, j[0], j[1], bufs[j[0]][j[1]:j[2]]), jobs, args.parts)
+        end = time.perf_counter()
+        crc = 0
+        for key, _ in objects:
+            crc = zlib.crc32(bufs[key], crc)
+        return end - start, ready - start, crc
+    if case == "runai":
+        from runai_model_streamer import SafetensorsStreamer
+
+        keys = [key for key, _ in _objects(boto3.client("s3"))]  # only the listing, before the clock
+        start, state = time.perf_counter(), {}
+        with SafetensorsStreamer() as streamer:
+            ready = time.perf_counter()
+            streamer.stream_files([f"s3://{BUCKET}/{key}" for key in keys])
+            for name, tensor in streamer.get_tensors():
+                state[name] = tensor
+            return time.perf_counter() - start, ready - start, {**state}
+    if case == "download+load":
+        from safetensors.torch import load_file
+
+        state = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            start = time.perf_counter()
+            client = boto3.client("s3")
+            objects = _objects(client)
+            ready = time.perf_counter()
+            for key, _ in objects:
+                client.download_file(BUCKET, key, os.path.join(tmp, key.rpartition("/")[2]))
+                state.update(load_file(os.path.join(tmp, key.rpartition("/")[2])))
+            return time.perf_counter() - start, ready - start, state
+    import shardkit
+
+    if case == "load-model":
+        from diffusers import UNet2DConditionModel  # noqa: F401 - the class import is part of the imports
+
+        start = time.perf_counter()
+        model = shardkit.load_model("diffusers:UNet2DConditionModel", url, dtype="fp16")
+        return time.perf_counter() - start, 0.0, dict(model.state_dict())
+    start = time.perf_counter()
+    with shardkit.open(url) as ckpt:
+        ready = time.perf_counter()
+        state = ckpt.to_state_dict()
+        return time.perf_counter() - start, ready - start, state
+
+
+def child_open(case: str, args: argparse.Namespace, extra: dict[str, Any]) -> dict[str, Any]:
+    import torch  # noqa: F401 - imported before the clock starts
+
+    import shardkit
+
+    for name in ("shardkit.api.stores", "shardkit.stores.s3", "shardkit.stores.hf"):  # before the clock too
+        with contextlib.suppress(ModuleNotFoundError):
+            importlib.import_module(name)
+    if case == "open":  # shardkit.open alone (headers only), three times in this process
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            with shardkit.open(f"s3://{BUCKET}/{PREFIX}"):
+                times.append(time.perf_counter() - start)
+        return {"opens": times, "module": shardkit.__file__}
+    seconds, setup, got = open_case(case, args)
+    return {"seconds": seconds, "setup": setup, "crc": got if isinstance(got, int) else _tensor_crc(got),
+            "rss_mb": peak_rss_mb()}
+
+
+# ----------------------------------------------------------------------------- copy (children)
+
+def child_copy(case: str, args: argparse.Namespace, extra: dict[str, Any]) -> dict[str, Any]:
+    from boto3.s3.transfer import TransferConfig
+
+    import shardkit
+    import shardkit.api.checkpoints as checkpoints
+    import shardkit.api.store_copy as store_copy
+
+    if case == "staged":
+        checkpoints.copy_split = lambda *a, **k: None  # the path without copies
+    if case.startswith("copy-"):  # an A/B of the copy part size: copy-128 = parts of 128 MiB
+        store_copy.COPY_PART_BYTES = int(case.removeprefix("copy-")) << 20
+    out, max_shard, start, cloned = extra["out"], extra["max_shard"], time.perf_counter(), 0
+    if case == "boto3":  # what users do today: download, split locally, upload
+        client, config = boto3_client(16), TransferConfig(multipart_chunksize=16 << 20, max_concurrency=10)
+        src, dst = os.path.join(extra["scratch"], "src"), os.path.join(extra["scratch"], "out")
+        os.makedirs(src)
+        for key in [o["Key"] for o in client.list_objects_v2(Bucket=BUCKET, Prefix="src/")["Contents"]]:
+            client.download_file(BUCKET, key, os.path.join(src, key[len("src/"):]), Config=config)
+        shardkit.split(src, dst, max_shard_size=max_shard)
+        for name in sorted(os.listdir(dst)):
+            client.upload_file(os.path.join(dst, name), BUCKET, f"{out}/{name}", Config=config)
     else:
-        buffer = memoryview(bytearray(size))
-        seconds = READERS[case](bucket, size, part, parts, buffer)
-        if zlib.crc32(buffer[size // 2: size // 2 + (1 << 20)]) != crc_sample:
-            raise SystemExit(f"{case}: the bytes read differ from the object's")
-    print(json.dumps({"seconds": seconds, "rss_mb": peak_rss_mb()}))
+        cloned = shardkit.split(f"s3://{BUCKET}/src", f"s3://{BUCKET}/{out}", max_shard_size=max_shard).cloned_bytes
+    return {"seconds": time.perf_counter() - start, "rss_mb": peak_rss_mb(), "cloned": cloned}
+
+
+CHILDREN = {"clients": child_clients, "open": child_open, "copy": child_copy}
 
 
 # ----------------------------------------------------------------------------- the parent
 
-def upload(server: SeaweedS3, bucket: str, size: int) -> int:
-    """A ``size``-byte object of random bytes (multipart, 64 MiB at a time); returns the sample's crc32."""
-    client = server.client()
-    client.create_bucket(Bucket=bucket)
-    upload_id = client.create_multipart_upload(Bucket=bucket, Key=KEY)["UploadId"]
+@contextlib.contextmanager
+def serve(args: argparse.Namespace) -> Iterator[tuple[str, SeaweedS3, DelayProxy]]:
+    """A scratch folder, SeaweedFS on loopback and the delay proxy in front of it."""
+    with tempfile.TemporaryDirectory(dir=args.dir) as work, SeaweedS3(os.path.join(work, "weed")) as server, \
+            DelayProxy(server.port, delay_ms=args.delay_ms) as proxy:
+        yield work, server, proxy
+
+
+def run_child(case: str, env: dict[str, str], args: argparse.Namespace, *, retry: bool = False,
+              **extra: Any) -> dict[str, Any]:
+    """One case in a fresh process (``--child``); ``retry``: a failed one is tried once more, noted."""
+    argv = sys.argv[1:]
+    for attempt in range(2 if retry else 1):
+        data = child(__file__, *argv, "--child", case, "--extra", json.dumps(extra), env=env,
+                     check=attempt == 1 or not retry, timeout=1800)
+        if "error" not in data:
+            return data
+        args.notes.append(f"Failed and retried: {case} (try {attempt + 1}, load {os.getloadavg()[0]:.1f}): "
+                          f"{data['error'][-300:]}")
+        print(f"  {args.notes[-1]}", flush=True)
+    raise AssertionError("unreachable: the last try raises")
+
+
+def measure(keys: list[tuple[str, str]], args: argparse.Namespace, one: Callable[[str, str], dict[str, Any]],
+            line: Callable[[dict[str, Any]], str]) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """``one(path, case)`` for every key, ``--runs`` rounds: each round every case on one path, then on the
+    next, the case order rotating by round; the load average at the start and end of each round."""
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {key: [] for key in keys}
+    paths = list(dict.fromkeys(p for p, _ in keys))
+    for r in range(args.runs):
+        load = os.getloadavg()[0]
+        for path in paths:
+            for case in rotated([c for p, c in keys if p == path], r):
+                data = one(path, case)
+                results[(path, case)].append(data)
+                print(f"  run {r + 1}/{args.runs} {path:>12} {case:>16}: {line(data)}, load {os.getloadavg()[0]:.1f}",
+                      flush=True)
+        args.loads.append((load, os.getloadavg()[0]))
+    return results
+
+
+def header(args: argparse.Namespace, what: str) -> str:
+    loads = ", ".join(f"{a:.1f}/{b:.1f}" for a, b in args.loads)
+    return "\n".join([f"Machine: {benchlib.machine_line()}. Load average (1 min) at the start/end of each round: {loads}.",
+                      f"{what}; median of {args.runs}, fresh process each, interleaved.", *args.notes, ""])
+
+
+def paths_of(server: SeaweedS3, proxy: DelayProxy, args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    return {"loopback": {**server.client_env(), **RUNAI_ENV},
+            f"proxy {args.delay_ms:g} ms": {**server.client_env(port=proxy.port), **RUNAI_ENV}}
+
+
+def upload_blob(server: SeaweedS3, size: int) -> int:
+    """A ``size``-byte object of random bytes (multipart, 64 MiB at a time); the crc32 of its middle MiB."""
+    client: Any = server.client()
+    client.create_bucket(Bucket=BUCKET)
+    upload_id = client.create_multipart_upload(Bucket=BUCKET, Key=KEY)["UploadId"]
     parts, crc, part = [], 0, 64 << 20
     for n, begin in enumerate(range(0, size, part), start=1):
         data = os.urandom(min(part, size - begin))
         if begin <= size // 2 < begin + len(data):
             crc = zlib.crc32(data[size // 2 - begin: size // 2 - begin + (1 << 20)])
-        etag = client.upload_part(Bucket=bucket, Key=KEY, UploadId=upload_id, PartNumber=n, Body=data)["ETag"]
+        etag = client.upload_part(Bucket=BUCKET, Key=KEY, UploadId=upload_id, PartNumber=n, Body=data)["ETag"]
         parts.append({"PartNumber": n, "ETag": etag})
-    client.complete_multipart_upload(Bucket=bucket, Key=KEY, UploadId=upload_id, MultipartUpload={"Parts": parts})
+    client.complete_multipart_upload(Bucket=BUCKET, Key=KEY, UploadId=upload_id, MultipartUpload={"Parts": parts})
     client.close()
     return crc
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size-mb", type=int, default=1024, help="object size in MiB (default 1024)")
-    p.add_argument("--write-mb", type=int, default=256, help="bytes each write case writes, MiB (default 256)")
-    p.add_argument("--part-mb", type=int, default=16, help="bytes per ranged GET, MiB (default 16)")
-    p.add_argument("--parts", type=int, default=16, help="requests in flight (default 16)")
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--delay-ms", type=float, default=1.0, help="proxy delay each way (default 1 ms)")
-    p.add_argument("--cases", default=",".join(CASES))
-    p.add_argument("--dir", default=None, help="SeaweedFS data folder (default: a temporary one)")
-    p.add_argument("--output", default=None, help="also write the report (markdown) here")
-    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # CASE BUCKET CRC
-    args = p.parse_args()
-    size, part = args.size_mb << 20, args.part_mb << 20
-    if args.child:
-        case, bucket, crc = args.child
-        run_child(case, bucket, (args.write_mb << 20) if case in WRITERS else size, part, args.parts, int(crc))
-        return
+def bench_clients(args: argparse.Namespace, cases: list[str]) -> str:
+    with serve(args) as (_, server, proxy):
+        crc, paths = upload_blob(server, args.size_mb << 20), paths_of(server, proxy, args)
 
-    with tempfile.TemporaryDirectory(dir=args.dir) as work, SeaweedS3(work) as server, \
-            DelayProxy(server.port, delay_ms=args.delay_ms) as proxy:
-        crc = upload(server, "bench", size)
-        paths = {"loopback": server.client_env(), f"proxy {args.delay_ms:g} ms": server.client_env(port=proxy.port)}
-        flags = ["--size-mb", str(args.size_mb), "--write-mb", str(args.write_mb), "--part-mb", str(args.part_mb),
-                 "--parts", str(args.parts)]
+        def moved(case: str) -> int:
+            return (args.write_mb if case.startswith("write-") else args.size_mb) << 20
 
-        def one(key: tuple[str, str], r: int) -> dict[str, float]:
-            path, case = key
-            data = child(__file__, "--child", case, "bench", str(crc), *flags, env=paths[path], timeout=600)
-            moved = (args.write_mb << 20) if case in WRITERS else size
-            print(f"  run {r + 1}/{args.runs} {path:>14} {case:>16}: {data['seconds']:.2f} s, "
-                  f"{moved / data['seconds'] / 1e9:.2f} GB/s, {data['rss_mb']:.0f} MB", flush=True)
+        results = measure([(p, c) for p in paths for c in cases], args,
+                          lambda p, c: {**run_child(c, paths[p], args, crc=crc), "moved": moved(c)},
+                          lambda d: f"{d['seconds']:.2f} s, {d['moved'] / d['seconds'] / 1e9:.2f} GB/s, "
+                                    f"{d['rss_mb']:.0f} MB")
+    rows = [[path, case, f"{median(v['seconds'] for v in vs):.2f}",
+             f"{moved(case) / median(v['seconds'] for v in vs) / 1e9:.2f}", f"{max(v['rss_mb'] for v in vs):.0f}"]
+            for (path, case), vs in results.items()]
+    return header(args, f"One {args.size_mb} MiB object, {args.parts} ranged GETs of {args.part_mb} MiB in flight "
+                        f"(RSS includes the destination); write cases write {args.write_mb} MiB from memory") + \
+        markdown(["path", "client", "median s", "GB/s", "peak RSS MB"], rows, align="llrrr")
+
+
+def build_open(work: str, args: argparse.Namespace) -> tuple[int, dict[str, int]]:
+    """The checkpoint under work/PREFIX: (tensor bytes, the crc32 each case must read)."""
+    from safetensors.torch import load_file
+
+    folder = os.path.join(work, PREFIX)
+    if args.model == "sd15":  # the SD 1.5 UNet in fp16 with random weights (one file and config.json)
+        build_unet("sd15", folder, dtype="F16")
+    else:  # random fp16 tensors of 16 MiB split into shards
+        build_random(folder, size_bytes=args.size_mb << 20, shard_bytes=f"{args.shard_mb}MB", tensor_bytes=16 << 20,
+                     dtype="F16")
+    state: dict[str, Any] = {}
+    raw_crc = 0
+    for path in benchlib.shard_files(folder):
+        state.update(load_file(path))
+        with open(path, "rb") as f:
+            raw_crc = zlib.crc32(f.read(), raw_crc)
+    return sum(t.nbytes for t in state.values()), {**dict.fromkeys(CASES["open"], _tensor_crc(state)),
+                                                   "raw-boto3": raw_crc}
+
+
+def bench_open(args: argparse.Namespace, cases: list[str]) -> str:
+    cases = [c for c in cases if c != "load-model" or args.model == "sd15"]
+    if "runai" in cases and importlib.util.find_spec("runai_model_streamer") is None:
+        cases.remove("runai")
+        args.notes.append(RUNAI_MISSING)
+        print(RUNAI_MISSING, flush=True)
+    with serve(args) as (work, server, proxy):
+        print(f"building the {args.model} checkpoint ...", flush=True)
+        data_bytes, expected = build_open(work, args)
+        server.upload(os.path.join(work, PREFIX), BUCKET, PREFIX)
+        paths = paths_of(server, proxy, args)
+        if args.open_runs:
+            return open_latency(paths, proxy, args)
+
+        def one(path: str, case: str) -> dict[str, Any]:
+            data = run_child(case, paths[path], args, retry=True)
+            if data["crc"] != expected[case]:
+                raise SystemExit(f"{case}: the bytes read differ from the checkpoint's")
             return data
 
-        # each round: every case on one path, then on the other (the case order rotating by round)
-        results: dict[tuple[str, str], list[dict[str, float]]] = {}
-        for r in range(args.runs):
-            for path in paths:
-                for case in rotated(args.cases.split(","), r):
-                    results.setdefault((path, case), []).append(one((path, case), r))
+        results = measure([(p, c) for p in paths for c in cases], args, one,
+                          lambda d: f"{d['seconds']:.2f} s (setup {d['setup']:.2f}), "
+                                    f"{data_bytes / d['seconds'] / 1e9:.2f} GB/s, {d['rss_mb']:.0f} MB")
+    nan = [{"seconds": float("nan"), "setup": 0.0}]
     rows = []
-    for (path, case), values in results.items():
-        seconds = median(v["seconds"] for v in values)
-        moved = (args.write_mb << 20) if case in WRITERS else size
-        rows.append([path, case, f"{seconds:.2f}", f"{moved / seconds / 1e9:.2f}", f"{max(v['rss_mb'] for v in values):.0f}"])
-    report = "\n".join([
-        f"Machine: {machine_line()}, load average {os.getloadavg()[0]:.2f} at the end.",
-        f"One {args.size_mb} MiB object on SeaweedFS, {args.parts} ranged GETs of {args.part_mb} MiB in flight, "
-        f"median of {args.runs}, fresh process each (time after imports; RSS includes the {args.size_mb} MiB "
-        f"destination). Write cases write {args.write_mb} MiB from memory (RSS includes it).", "",
-        markdown(["path", "client", "median s", "GB/s", "peak RSS MB"], rows, align="llrrr")])
-    publish_report(report, args.output)
+    for (path, case), vs in results.items():
+        total, raw, runai = (median(v["seconds"] for v in results.get((path, c), nan))
+                             for c in (case, "raw-boto3", "runai"))
+        read = median(v["seconds"] - v["setup"] for v in vs)
+        raw_read = median(v["seconds"] - v["setup"] for v in results.get((path, "raw-boto3"), nan))
+        rows.append([path, case, f"{total:.2f}", f"{data_bytes / total / 1e9:.2f}", f"{total / raw:.2f}x",
+                     f"{total / runai:.2f}x", f"{median(v['setup'] for v in vs):.2f}", f"{read:.2f}",
+                     f"{read / raw_read:.2f}x", f"{max(v['rss_mb'] for v in vs):.0f}"])
+    what = "the SD 1.5 UNet, fp16, one file" if args.model == "sd15" else f"fp16 tensors in {args.shard_mb} MB shards"
+    return header(args, f"{data_bytes / 1e6:.0f} MB of {what}; clock after imports; raw-boto3: {args.parts} "
+                        f"ranged GETs of {args.part_mb} MiB in flight") + \
+        markdown(["path", "case", "median s", "GB/s", "vs raw", "vs runai", "setup s", "read s", "read vs raw read",
+                  "peak RSS MB"], rows, align="llrrrrrrrr")
+
+
+def open_latency(paths: dict[str, dict[str, str]], proxy: DelayProxy, args: argparse.Namespace) -> str:
+    """Median seconds of the first ``shardkit.open`` in a fresh process and of the later ones, and the
+    requests one open makes (counted at the proxy)."""
+    extra = {"PYTHONPATH": os.path.abspath(args.shardkit_path)} if args.shardkit_path else {}
+    rows, module = [], ""
+    for path, env in paths.items():
+        first: list[float] = []
+        later: list[float] = []
+        load_before = os.getloadavg()[0]
+        proxy.reset_counters()
+        for _ in range(args.open_runs):
+            data = run_child("open", {**env, **extra}, args, retry=True)
+            first.append(data["opens"][0])
+            later += data["opens"][1:]
+            module = data["module"]
+        requests = {k: v / (3 * args.open_runs) for k, v in proxy.requests.items()}
+        shown = ", ".join(f"{v:g} {k}" for k, v in sorted(requests.items())) if path != "loopback" else "-"
+        rows.append([path, f"{median(first):.3f}", f"{median(later):.3f}", shown,
+                     f"{load_before:.1f}/{os.getloadavg()[0]:.1f}"])
+    return f"shardkit from {module}\n" + markdown(["path", "first open s", "later opens s", "requests per open",
+                                                    "load before/after"], rows, align="lrrll")
+
+
+def bench_copy(args: argparse.Namespace, cases: list[str]) -> str:
+    max_shard = -(-(args.size_mb << 20) // args.out_shards) + (1 << 20)
+    with serve(args) as (work, server, proxy):
+        src = os.path.join(work, "src")
+        build_random(src, size_bytes=args.size_mb << 20, shard_bytes=-(-(args.size_mb << 20) // args.shards),
+                     tensor_bytes=32 << 20)
+        with open(os.path.join(src, "config.json"), "w") as f:
+            f.write('{"model_type": "bench"}\n')
+        size = server.upload(src, BUCKET, "src")
+        shutil.rmtree(src)
+        reference: list[dict[str, str]] = []
+        count = [0]
+
+        def one(path: str, case: str) -> dict[str, Any]:
+            count[0] += 1
+            scratch, out = tempfile.mkdtemp(dir=work), f"out-{case}-{count[0]}"
+            before = proxy.sent_bytes + proxy.received_bytes
+            data = run_child(case, server.client_env(port=proxy.port), args, out=out, max_shard=max_shard,
+                             scratch=scratch)
+            data["moved"] = proxy.sent_bytes + proxy.received_bytes - before
+            shutil.rmtree(scratch)
+            got = digests(server, out)
+            reference[:] = reference or [got]
+            if got != reference[0]:
+                raise SystemExit(f"{case}: its output differs from the first case's: {got} != {reference[0]}")
+            return data
+
+        results = measure([(f"proxy {args.delay_ms:g} ms", c) for c in cases], args, one,
+                          lambda d: f"{d['seconds']:.2f} s, through the client {d['moved'] / 1e6:.1f} MB "
+                                    f"({100 * d['moved'] / size:.2f}%), copied in the store {d['cloned'] / 1e6:.0f} "
+                                    f"MB, {d['rss_mb']:.0f} MB RSS")
+    rows = []
+    for (_, case), vs in results.items():
+        moved = median(v["moved"] for v in vs)
+        rows.append([case, f"{median(v['seconds'] for v in vs):.2f}", ", ".join(f"{v['seconds']:.2f}" for v in vs),
+                     f"{moved / 1e6:.1f} MB", f"{100 * moved / size:.2f}%",
+                     f"{max(v['cloned'] for v in vs) / 1e6:.0f} MB", f"{max(v['rss_mb'] for v in vs):.0f}"])
+    return header(args, f"A {size / 1e6:.0f} MB checkpoint of random bf16 tensors in {args.shards} shards resharded "
+                        f"into {args.out_shards}, every request through the counting proxy; outputs identical") + \
+        markdown(["case", "median s", "runs s", "bytes through the client", "% of the checkpoint",
+                  "copied in the store", "peak RSS MB"], rows, align="lrlrrrr")
+
+
+def digests(server: SeaweedS3, prefix: str) -> dict[str, str]:
+    """sha256 of every object under ``prefix``/ (read back, then deleted)."""
+    client: Any = server.client()
+    found = {}
+    for key in sorted(server.objects(BUCKET, prefix + "/")):
+        body = client.get_object(Bucket=BUCKET, Key=f"{prefix}/{key}")["Body"]
+        h = hashlib.sha256()
+        while chunk := body.read(8 << 20):
+            h.update(chunk)
+        found[key] = h.hexdigest()
+    client.close()
+    server.drop(BUCKET, prefix + "/")
+    return found
+
+
+def split_cli(case: str, dst: str, env: dict[str, str], staged_src: str | None) -> dict[str, float]:
+    """One CLI split in a fresh process: wall seconds, peak RSS MB of that process."""
+    path = staged_src if case == "staged" else benchlib.ROOT
+    with tempfile.TemporaryDirectory(prefix="bench-rss-") as rss:
+        start = time.perf_counter()
+        done = subprocess.run([sys.executable, os.path.join(benchlib.HERE, "benchlib.py"), "--shardkit", "split",
+                               f"s3://{BUCKET}/src", dst, "--max-shard-size", "1GB"],
+                              env={**os.environ, **env, "PYTHONPATH": path or benchlib.ROOT, "BENCH_RSS_DIR": rss},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=path, timeout=3600)
+        seconds = time.perf_counter() - start
+        if done.returncode != 0:
+            raise SystemExit(f"{case} failed ({done.returncode}): {done.stderr.decode()[-2000:]}")
+        return {"seconds": seconds, "rss_mb": benchlib.rank_peaks_mb(rss)[0]}
+
+
+def bench_split(args: argparse.Namespace, cases: list[str]) -> str:
+    cases = [c for c in cases if c != "staged" or args.staged_src]
+    expected: list[Any] = []
+    with serve(args) as (work, server, _):
+        local = os.path.join(work, "src")
+        build_random(local, size_bytes=args.size_mb << 20, shard_bytes=args.source_shard_mb << 20, manifest=False)
+        server.upload(local, BUCKET, "src")
+        shutil.rmtree(local)
+        print(f"source uploaded: {args.size_mb} MB; load average {os.getloadavg()[0]:.2f}", flush=True)
+        count = [0]
+
+        def one(path: str, case: str) -> dict[str, float]:
+            count[0] += 1
+            bucket = f"out-{count[0]}"
+            client: Any = server.client()
+            client.create_bucket(Bucket=bucket)
+            data = split_cli(case, f"s3://{bucket}/ckpt", server.client_env(), args.staged_src)
+            manifest = client.get_object(Bucket=bucket, Key="ckpt/shardkit.manifest.json")["Body"].read()
+            client.close()
+            got = (server.objects(bucket), manifest)
+            expected[:] = expected or [got]
+            if got != expected[0]:
+                raise SystemExit(f"{case}: the output differs from the first run's (names, sizes or manifest)")
+            server.drop(bucket)  # SeaweedFS frees a bucket's volumes with it
+            return data
+
+        results = measure([("loopback", c) for c in cases], args, one,
+                          lambda d: f"{d['seconds']:.1f} s, peak RSS {d['rss_mb']:.0f} MB")
+    shards = sum(1 for key in expected[0][0] if key.endswith(".safetensors"))
+    rows = [[case, ", ".join(f"{v['seconds']:.1f}" for v in vs), f"{median(v['seconds'] for v in vs):.1f}",
+             f"{(args.size_mb << 20) / median(v['seconds'] for v in vs) / 1e6:.0f}",
+             f"{max(v['rss_mb'] for v in vs):.0f}"] for (_, case), vs in results.items()]
+    return header(args, f"`shardkit split s3://bench/src s3://out/ckpt --max-shard-size 1GB`: {args.size_mb} MiB of "
+                        f"random bf16 in {args.source_shard_mb} MiB source shards → {shards} shards") + \
+        markdown(["case", "wall s (runs)", "median s", "MB/s", "peak RSS MB (max)"], rows, align="llrrr")
+
+
+BENCHES = {"clients": bench_clients, "open": bench_open, "copy": bench_copy, "split": bench_split}
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("table", choices=sorted(BENCHES))
+    p.add_argument("--size-mb", type=int, help="bytes of the object or checkpoint, MiB (default: " +
+                   ", ".join(f"{k} {v}" for k, v in SIZE_MB.items()) + ")")
+    p.add_argument("--delay-ms", type=float, default=1.0, help="proxy delay each way (default 1 ms)")
+    p.add_argument("--cases", help="comma-separated subset of the table's cases (copy: also copy-N)")
+    p.add_argument("--dir", default=None, help="where SeaweedFS keeps its data (default: a temporary folder)")
+    p.add_argument("--part-mb", type=int, default=16, help="clients, open raw-boto3: bytes per ranged GET, MiB")
+    p.add_argument("--parts", type=int, default=16, help="clients, open raw-boto3: requests in flight")
+    p.add_argument("--write-mb", type=int, default=256, help="clients: bytes each write case writes, MiB")
+    p.add_argument("--model", choices=["sd15", "random"], default="sd15", help="open: the checkpoint")
+    p.add_argument("--shard-mb", type=int, default=300, help="open --model random: shard size, MB")
+    p.add_argument("--open-runs", type=int, default=0, help="open: time shardkit.open alone in this many processes")
+    p.add_argument("--shardkit-path", default=None, help="open --open-runs: import shardkit from this folder")
+    p.add_argument("--shards", type=int, default=5, help="copy: source shards")
+    p.add_argument("--out-shards", type=int, default=2, help="copy: output shards")
+    p.add_argument("--source-shard-mb", type=int, default=2048, help="split: source shard size, MiB")
+    p.add_argument("--staged-src", default=None, help="split: a shardkit tree from before streaming (the staged case)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--extra", default="{}", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.size_mb = args.size_mb or SIZE_MB[args.table]
+    if args.child:
+        print(json.dumps(CHILDREN[args.table](args.child, args, json.loads(args.extra))))
+        return
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the server and remove its data on a plain kill too
+    args.notes, args.loads = [], []
+    cases = args.cases.split(",") if args.cases else CASES[args.table]
+    benchlib.publish_report(BENCHES[args.table](args, cases), args.output)
 
 
 if __name__ == "__main__":
