@@ -62,7 +62,7 @@ def _has_cuda() -> bool:
         import torch
 
         return torch.cuda.is_available()
-    except Exception:  # pragma: no cover - torch missing is a broken env, not a skip reason
+    except ImportError:  # pragma: no cover - torch missing is a broken env, not a skip reason
         return False
 
 

@@ -94,9 +94,10 @@ class Handler(BaseHTTPRequestHandler):
             if e.code:
                 headers["X-Error-Code"] = e.code
             self._send_json(e.status, e.body or {"error": str(e)}, headers)
-        except Exception as e:  # a server bug: answer it rather than drop the connection
+        except Exception as e:  # a server bug: answer it, then raise it (http.server prints its traceback)
             status = 500
             self._send_json(500, {"error": f"{type(e).__name__}: {e}"})
+            raise
         finally:
             with self.state.lock:
                 self.state.requests.append((method, url.path, status))

@@ -15,12 +15,12 @@ from shardkit.units import DTYPE_BITS, tensor_nbytes
 
 
 def _reference_rejects(path: Path) -> bool:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     try:
         with safe_open(str(path), framework="numpy") as f:
             list(f.keys())
-    except Exception:
+    except (SafetensorError, OSError, ValueError):
         return True
     return False
 

@@ -126,7 +126,9 @@ def run_cli(group: click.Group, argv: list[str] | None = None) -> int:
             return 2 if e.exit_code not in (0, 1) else e.exit_code
         except click.exceptions.Exit as e:
             return e.exit_code
-        except Exception as e:
+        except (ShardkitError, OSError, ValueError, RuntimeError, ArithmeticError, MemoryError) as e:
+            # shardkit's errors, a file it did not expect to fail on, and the failures of the libraries it
+            # drives (torch's RuntimeError, parsers' ValueError); any other exception is a bug: its traceback
             return _report_error(e, debug=debug)
     return 0
 
@@ -145,7 +147,7 @@ def _report_error(e: Exception, *, debug: bool) -> int:
 
         click.echo(f"error: {e.filename}: {describe_os_error(e)} (run with --debug for the traceback)", err=True)
         return 2
-    # A bug or an unexpected library error: still one line unless --debug.
+    # An unexpected library error: still one line unless --debug.
     click.echo(f"error: {type(e).__name__}: {e} (run with --debug for the traceback)", err=True)
     return 2
 

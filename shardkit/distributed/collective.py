@@ -48,6 +48,7 @@ from .group import (
     check_world_size,
     rank_and_world,
     status_of,
+    tell_failure,
 )
 
 if TYPE_CHECKING:
@@ -140,7 +141,7 @@ def _agree_on_plan(process_group: ProcessGroup | None, rank: int, job: ShardJob,
 
 def _open_output(run: CollectiveWrite, stack: contextlib.ExitStack) -> OutputTransaction | None:
     """Rank 0 opens the transaction and writes the marker; every rank learns the staging paths."""
-    tx, error, status = None, None, None
+    tx, status = None, None
     if run.rank == 0:
         try:
             tx = stack.enter_context(OutputTransaction(run.output, overwrite=run.options.overwrite, stale=run.stale))
@@ -153,13 +154,9 @@ def _open_output(run: CollectiveWrite, stack: contextlib.ExitStack) -> OutputTra
                 f.write(token)
             status = RankStatus(0, payload=(paths, os.path.relpath(marker, parent), token))
         except Exception as e:  # every rank must hear of it, or the others block in the next collective
-            error, status = e, status_of(0, e)
-    try:
-        got = broadcast_from_zero(run.process_group, status, what=f"opening {run.output}")
-    except DistributedError:
-        if error is not None:
-            raise error from None
-        raise
+            tell_failure(run.process_group, status_of(0, e), what=f"opening {run.output}", from_zero=True)
+            raise
+    got = broadcast_from_zero(run.process_group, status, what=f"opening {run.output}")
     run.paths, run.marker, run.token = got.payload
     return tx
 
@@ -206,11 +203,12 @@ def _write_owned(run: CollectiveWrite, gather: Gatherer | None) -> dict[str, Fil
                     gather.skip_through(shard.names)
             sync.wait()
             outcome = (record.results(), cloned_bytes)
-    except Exception as e:
-        error = e
-    finally:
+    except Exception as e:  # the others still gather the tensors after ours, then hear of it
         if gather is not None:
-            error = gather.drain(error)  # the others still gather the tensors after ours
+            gather.drain(e)
+        agree(run.process_group, status_of(run.rank, e), what="writing shards")  # raises on every rank
+        raise
+    error = gather.drain(None) if gather is not None else None
     statuses = agree(run.process_group, status_of(run.rank, error, payload=outcome), what="writing shards")
     job.cloned_bytes = sum(s.payload[1] for s in statuses)
     return {name: record for s in statuses for name, record in s.payload[0].items()}
@@ -219,20 +217,16 @@ def _write_owned(run: CollectiveWrite, gather: Gatherer | None) -> dict[str, Fil
 def _publish(run: CollectiveWrite, tx: OutputTransaction | None, records: dict[str, FileDigest],
              side_files: Sequence[SideFile]) -> None:
     """Rank 0 writes the side files, index and manifest and commits; every rank learns the outcome."""
-    error, status = None, None
+    status = None
     if run.rank == 0:
         assert tx is not None
         try:
             _commit(run, tx, records, side_files)
             status = RankStatus(0)
-        except Exception as e:
-            error, status = e, status_of(0, e)
-    try:
-        broadcast_from_zero(run.process_group, status, what=f"publishing {run.output}")
-    except DistributedError:
-        if error is not None:
-            raise error from None
-        raise
+        except Exception as e:  # every rank must hear of it
+            tell_failure(run.process_group, status_of(0, e), what=f"publishing {run.output}", from_zero=True)
+            raise
+    broadcast_from_zero(run.process_group, status, what=f"publishing {run.output}")
 
 
 def _commit(run: CollectiveWrite, tx: OutputTransaction, records: dict[str, FileDigest],

@@ -87,7 +87,7 @@ class Gatherer:
         try:
             while self._next < len(self._sequence):
                 self._gather(self._sequence[self._next])
-        except Exception as e:  # a peer died: nothing more can be gathered
+        except RuntimeError as e:  # a peer died (torch's DistBackendError): nothing more can be gathered
             return error or e
         return error
 

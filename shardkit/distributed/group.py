@@ -81,6 +81,16 @@ def broadcast_from_zero(process_group: ProcessGroup | None, status: RankStatus |
     return got
 
 
+def tell_failure(process_group: ProcessGroup | None, status: RankStatus, *, what: str, from_zero: bool = False) -> None:
+    """Send a failed ``status`` to the other ranks (each raises there), so that none blocks in the next
+    collective; the caller then raises its own error. ``from_zero``: rank 0 broadcasts, else every rank agrees."""
+    with contextlib.suppress(DistributedError):
+        if from_zero:
+            broadcast_from_zero(process_group, status, what=what)
+        else:
+            agree(process_group, status, what=what)
+
+
 def status_of(rank: int, error: BaseException | None, payload: Any = None) -> RankStatus:
     """The status record of a step that raised ``error`` (or None)."""
     return RankStatus(rank, None if error is None else error_line(error), payload)

@@ -112,8 +112,9 @@ def _rank0_layout(state: Mapping[str, torch.Tensor], *, keep: Collection[str], p
             local = MemorySource(local_view(state), description="rank 0's local tensors", keep=keep)
             layout = ([e.name for e in local.entries()], local.aliases())
         status.payload = (plan_signature(rows), layout)
-    except Exception as e:
-        status = status_of(rank, e)
+    except Exception as e:  # every rank must hear of it
+        agree(process_group, status_of(rank, e), what="planning the collective save")  # raises on every rank
+        raise
     statuses = agree(process_group, status, what="planning the collective save")
     differ = [s.rank for s in statuses if s.payload[0] != statuses[0].payload[0]]
     if differ:

@@ -43,7 +43,7 @@ from ..sharding.store_output import file_chunks
 from ..sharding.stream_writer import stream_safetensors
 from ..stores import ObjectStore, ObjectWriter, StoreUrl, open_store, parse_store_url
 from ..stores.transaction import StoreTransaction
-from .group import DistributedError, RankStatus, agree, status_of
+from .group import RankStatus, agree, status_of, tell_failure
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -128,17 +128,15 @@ def write_to_store(job: ShardJob, output: str, *, options: WriteOptions, process
 def _open(run: _Run, url: StoreUrl, shards: list[str], side_files: Sequence[SideFile],
           stack: contextlib.ExitStack) -> tuple[ObjectStore, _RankZero | None]:
     """Every rank opens the store; rank 0 also stages the side files and puts the journal."""
-    error: BaseException | None = None
-    store: ObjectStore | None = None
     zero = None
     try:
         store = stack.enter_context(open_store(url))
         if run.rank == 0:
             zero = _open_transaction(run, store, shards, side_files, stack)
     except Exception as e:  # every rank must hear of it, or the others block in the next collective
-        error = e
-    _agree(run, error, what=f"opening {run.output}")
-    assert store is not None
+        _tell(run, e, what=f"opening {run.output}")
+        raise
+    _agree(run, what=f"opening {run.output}")
     return store, zero
 
 
@@ -172,7 +170,6 @@ def _stream_owned(run: _Run, store: ObjectStore, gather: Gatherer | None) -> dic
     owned = list(zip(job.plan.shards, run.owners, strict=True))
     tick = ByteCounter(sum(s.nbytes for s, owner in owned if owner == run.rank), run.options.progress)
     written: dict[str, FileDigest] = {}
-    error: BaseException | None = None
     if gather is not None:
         gather.assign({n: owner for s, owner in owned for n in s.names}, rank=run.rank, process_group=run.process_group)
     try:
@@ -186,12 +183,16 @@ def _stream_owned(run: _Run, store: ObjectStore, gather: Gatherer | None) -> dic
                 written[name] = _shard_digest(sink, out.crc32s, hashed=run.options.manifest)
             if gather is not None:
                 gather.skip_through(shard.names)
-    except Exception as e:
-        error = e
-    finally:
+    except Exception as e:  # the others still gather the tensors after ours, then hear of it
         if gather is not None:
-            error = gather.drain(error)  # the others still gather the tensors after ours
-    statuses = _agree(run, error, what="writing shards", payload=written)
+            gather.drain(e)
+        _tell(run, e, what="writing shards")
+        raise
+    error = gather.drain(None) if gather is not None else None
+    if error is not None:  # a peer died while we gathered for it
+        _tell(run, error, what="writing shards")
+        raise error
+    statuses = _agree(run, what="writing shards", payload=written)
     return {name: record for s in statuses for name, record in s.payload.items()}
 
 
@@ -208,7 +209,6 @@ def _shard_digest(sink: _HeadSink, crc32s: dict[str, str], *, hashed: bool) -> F
 
 def _publish(run: _Run, store: ObjectStore, zero: _RankZero | None, records: dict[str, FileDigest]) -> None:
     """Rank 0 checks the shards, writes the index and manifest, puts the small objects (index last)."""
-    error: BaseException | None = None
     if zero is not None:
         try:
             _check_sizes(store, records)
@@ -222,9 +222,10 @@ def _publish(run: _Run, store: ObjectStore, zero: _RankZero | None, records: dic
                 for name, path in _local_files(folder).items():
                     zero.tx.stream(name, file_chunks(path))
             zero.tx.commit()
-        except Exception as e:
-            error = e
-    _agree(run, error, what=f"publishing {run.output}")
+        except Exception as e:  # every rank must hear of it
+            _tell(run, e, what=f"publishing {run.output}")
+            raise
+    _agree(run, what=f"publishing {run.output}")
 
 
 def _check_sizes(store: ObjectStore, records: dict[str, FileDigest]) -> None:
@@ -242,15 +243,14 @@ def _abort_uploads(store: ObjectStore, names: set[str]) -> None:
             store.abort(upload)
 
 
-def _agree(run: _Run, error: BaseException | None, *, what: str,
-           payload: object = None) -> list[RankStatus]:
-    """Exchange the step's outcome; a rank that failed raises its own error, the others the shared one."""
-    try:
-        return agree(run.process_group, status_of(run.rank, error, payload=payload), what=what)
-    except DistributedError:
-        if error is not None:
-            raise error from None
-        raise
+def _agree(run: _Run, *, what: str, payload: object = None) -> list[RankStatus]:
+    """This rank's success at step ``what``: every rank's status, or the shared error where another failed."""
+    return agree(run.process_group, status_of(run.rank, None, payload=payload), what=what)
+
+
+def _tell(run: _Run, error: BaseException, *, what: str) -> None:
+    """This rank's failure at step ``what`` to the others; the caller raises its own error."""
+    tell_failure(run.process_group, status_of(run.rank, error), what=what)
 
 
 def _local_files(folder: str) -> dict[str, str]:
