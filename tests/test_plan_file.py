@@ -117,8 +117,10 @@ def test_cli_write_plan_equals_python_write_plan(tmp_path: Path) -> None:
 
 def test_a_plan_refuses_what_runs_in_one_process(tmp_path: Path) -> None:
     src = make_source(tmp_path / "src")
-    with pytest.raises(shardkit.InvalidInputError, match="local checkpoint into a local folder"):
-        shardkit.write_plan(src, "s3://bucket/out", tmp_path / "p.json")
+    with pytest.raises(shardkit.InvalidInputError, match=r"a local path or s3://BUCKET/PREFIX"):
+        shardkit.write_plan(src, "hf://org/out", tmp_path / "p.json")
+    with pytest.raises(shardkit.InvalidInputError, match=r"a local path or s3://BUCKET/PREFIX"):
+        shardkit.write_plan("hf://org/model", tmp_path / "o", tmp_path / "p.json")
     with pytest.raises(shardkit.InvalidInputError, match="single .safetensors output"):
         shardkit.write_plan(src, tmp_path / "one.safetensors", tmp_path / "p.json")
     result = invoke_cli("convert", str(src), str(tmp_path / "o"), "--to", "gguf", "--write-plan", str(tmp_path / "p.json"))

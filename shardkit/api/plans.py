@@ -7,8 +7,9 @@ from the very job a single process runs, and its tasks run by :mod:`shardkit.dis
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
 from ..errors import InvalidInputError
@@ -19,9 +20,10 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from ..distributed.plan_file import ConversionPlan as ConversionPlan
-    from ..distributed.plan_run import PlanRun as PlanRun
+    from ..distributed.plan_source import OpenedSource
+    from ..distributed.plan_source import PlanRun as PlanRun
 
-__all__ = ["Command", "Engine", "plan_summary", "read_plan", "resume", "run_plan", "write_plan"]
+__all__ = ["Command", "Engine", "open_plan_source", "plan_summary", "read_plan", "resume", "run_plan", "write_plan"]
 
 Command = Literal["split", "convert"]
 Engine = Literal["local", "ray"]
@@ -39,8 +41,10 @@ def write_plan(source: str | os.PathLike[str], output: str | os.PathLike[str], p
     (or ``plan=None``) nothing is written: the plan is returned (``plan_summary`` prints it).
 
     Args:
-        source: a local checkpoint (safetensors file, index or folder, pickle, DCP folder).
-        output: the local folder the plan publishes.
+        source: a local checkpoint (safetensors file, index or folder, pickle, DCP folder), or an
+            ``s3://BUCKET/PREFIX`` of safetensors (each object known by its size and ETag).
+        output: the local folder or ``s3://BUCKET/PREFIX`` the plan publishes (in a store, each task
+            uploads its shard as its own multipart upload; finalize puts the index last).
         plan: where to write the plan file.
         command: ``"split"`` or ``"convert"`` (recorded in the plan; both run the same job).
         options, key, include, exclude, strip_prefix, add_prefix, rename, **shorthands: as for
@@ -60,13 +64,47 @@ def write_plan(source: str | os.PathLike[str], output: str | os.PathLike[str], p
         raise InvalidInputError(f"command={command!r}: a plan is of a 'split' or a 'convert'")
     keymap = build_keymap(include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
                           rename=dict(rename) if isinstance(rename, Mapping) else rename)
-    made = make_plan(command, os.fspath(source), os.fspath(output), options=built, key=key, keymap=keymap)
+    made = make_plan(command, os.fspath(source), os.fspath(output), options=built, key=key, keymap=keymap,
+                     opener=open_plan_source)
     if plan is not None and not built.dry_run:
         from ..atomic.commit import file_transaction
 
         with file_transaction(os.path.abspath(os.fspath(plan)), overwrite=True) as tmp:
             _write_new(tmp, dump_plan(made))
     return made
+
+
+@contextlib.contextmanager
+def open_plan_source(source: str) -> Iterator[OpenedSource]:
+    """A plan's source as a worker opens it (:class:`~shardkit.distributed.plan_source.OpenedSource`): a local
+    path as it is; an ``s3://`` prefix as its header-only mirror read by range, its objects named by URL and
+    known by the size and ETag a listing gives (taken after the mirror's own listing, whose ETags every
+    ranged read is pinned to: an object replaced since fails the read instead of mixing versions)."""
+    from ..distributed.plan_file import SourceFile
+    from ..distributed.plan_source import OpenedSource, local_source
+    from ..sources.ranged import RangedCheckpoint
+    from ..stores import open_store, url_scheme
+    from .sources import opened
+
+    if url_scheme(source) is None:
+        with local_source(source) as local:
+            yield local
+        return
+    with opened(source) as checkpoint:
+        if not isinstance(checkpoint, RangedCheckpoint):
+            raise InvalidInputError(f"{source}: a plan reads a local checkpoint or an s3:// prefix; download it first")
+        with open_store(source, check_bucket=False) as store:
+            listed = {str(store.url.child(o.name)): o for o in store.list_objects()}
+            url = store.url
+        root = checkpoint.root
+
+        def name_of(path: str) -> str:
+            return str(url.child(os.path.relpath(path, root).replace(os.sep, "/")))
+
+        def identity(names: Sequence[str]) -> tuple[SourceFile, ...]:
+            return tuple(SourceFile(n, listed[n].size_bytes, 0, listed[n].etag) for n in sorted(set(names)))
+
+        yield OpenedSource(checkpoint, name_of, identity)
 
 
 def _write_new(path: str, data: bytes) -> None:
@@ -137,21 +175,23 @@ def run_plan(plan: str | os.PathLike[str] | ConversionPlan, *, task: int | Seque
             raise InvalidInputError("engine='ray' runs every task left and publishes; drop task=... and finalize=True")
         from ..distributed.ray import run_on_ray
 
-        return run_on_ray(checked)
+        return run_on_ray(checked, opener=open_plan_source)
     if finalize:
         if task is not None:
             raise InvalidInputError("finalize=True publishes; give task=... in another call")
-        return plan_run.finalize(checked)
+        return plan_run.finalize(checked, opener=open_plan_source)
     if task is not None:
-        return plan_run.run_tasks(checked, [task] if isinstance(task, int) else list(task), progress=progress)
+        return plan_run.run_tasks(checked, [task] if isinstance(task, int) else list(task), progress=progress,
+                                  opener=open_plan_source)
     array_task = os.environ.get("SLURM_ARRAY_TASK_ID", "").strip()
     if array_task:
-        return plan_run.run_tasks(checked, [_env_index("SLURM_ARRAY_TASK_ID", array_task)], progress=progress)
+        return plan_run.run_tasks(checked, [_env_index("SLURM_ARRAY_TASK_ID", array_task)], progress=progress,
+                                  opener=open_plan_source)
     world = os.environ.get("WORLD_SIZE", "").strip()
     if world.isdigit() and int(world) > 1:
         return _run_ranks(checked, progress=progress)
-    run = plan_run.run_tasks(checked, range(len(checked.tasks)), progress=progress)
-    published = plan_run.finalize(checked)
+    run = plan_run.run_tasks(checked, range(len(checked.tasks)), progress=progress, opener=open_plan_source)
+    published = plan_run.finalize(checked, opener=open_plan_source)
     run.published = published.published
     return run
 
@@ -173,11 +213,11 @@ def _run_ranks(plan: ConversionPlan, *, progress: ProgressCallback | None) -> Pl
 
     with group_from_env() as distributed:
         rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-        run = plan_run.run_tasks(plan, range(rank, len(plan.tasks), world), progress=progress)
+        run = plan_run.run_tasks(plan, range(rank, len(plan.tasks), world), progress=progress, opener=open_plan_source)
         if distributed:
             dist.monitored_barrier(timeout=datetime.timedelta(seconds=3600))
         if rank == 0:
-            run.published = plan_run.finalize(plan).published
+            run.published = plan_run.finalize(plan, opener=open_plan_source).published
     return run
 
 
@@ -199,6 +239,6 @@ def resume(source: str | os.PathLike[str], output: str | os.PathLike[str], *, co
     world = os.environ.get("WORLD_SIZE", "").strip()
     if world.isdigit() and int(world) > 1:  # under torchrun: each rank its share of the same plan
         return _run_ranks(plan, progress=built.progress)
-    run = plan_run.run_tasks(plan, range(len(plan.tasks)), progress=built.progress)
-    run.published = plan_run.finalize(plan).published
+    run = plan_run.run_tasks(plan, range(len(plan.tasks)), progress=built.progress, opener=open_plan_source)
+    run.published = plan_run.finalize(plan, opener=open_plan_source).published
     return run

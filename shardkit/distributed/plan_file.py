@@ -5,7 +5,7 @@ the same :class:`~shardkit.sharding.plan.ShardPlan`, the same casts) and the job
 :class:`~shardkit.sharding.options.WriteOptions`, serialized field by field. It is deterministic
 (sorted keys, no times, no pids: the same inputs and options give the same bytes), readable
 (``--dry-run`` prints :func:`summary`) and carries the source's identity (each file's size and
-mtime), so a task run against a changed source refuses in one line. Any engine runs it
+mtime; an ``s3://`` object's size and ETag), so a task run against a changed source refuses in one line. Any engine runs it
 (:mod:`shardkit.distributed.plan_run`): a task is an index, nothing else.
 
 A plan file is untrusted input when it is read back (:func:`parse_plan`): it is bounded in size
@@ -19,7 +19,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..errors import InvalidInputError
@@ -33,7 +33,7 @@ from ..units import format_size
 
 __all__ = ["FORMAT", "MAX_PLAN_BYTES", "MAX_TASKS", "PLAN_OPTION_FIELDS", "ConversionPlan", "PlanSpec", "ShardTask",
            "SourceFile", "build_plan", "dump_plan", "keymap_from_json", "options_from_json", "parse_plan",
-           "shard_tasks", "source_identity", "summary"]
+           "same_path", "shard_tasks", "source_identity", "summary"]
 
 FORMAT = "shardkit.plan"
 VERSION = 1
@@ -48,11 +48,16 @@ Read = tuple[str, int, int]  # (source file, absolute begin, absolute end)
 
 @dataclass(frozen=True)
 class SourceFile:
-    """One file the plan reads, as it was when planned: a task refuses when it is not so any more."""
+    """One file the plan reads, as it was when planned: a task refuses when it is not so any more.
+
+    A local file is known by its size and mtime, an object in a store (``path`` its ``s3://`` URL)
+    by its size and entity tag (``etag``; ``mtime_ns`` 0).
+    """
 
     path: str
     size_bytes: int
     mtime_ns: int
+    etag: str = ""
 
 
 @dataclass(frozen=True)
@@ -131,8 +136,16 @@ def keymap_from_json(doc: object, *, where: str) -> KeyMap:
                   tuple((a, b) for a, b in doc["rename"]))
 
 
-def shard_tasks(job: ShardJob, options: WriteOptions) -> tuple[ShardTask, ...]:
-    """One :class:`ShardTask` per shard of ``job``: its reads coalesced per file, its exact file size."""
+def same_path(path: str) -> str:
+    return path
+
+
+def shard_tasks(job: ShardJob, options: WriteOptions, *, name_of: Callable[[str], str] = same_path,
+                ) -> tuple[ShardTask, ...]:
+    """One :class:`ShardTask` per shard of ``job``: its reads coalesced per file, its exact file size.
+
+    ``name_of``: a file the readers open → its name in the plan (a store's URL for its local mirror's path).
+    """
     by_name = {w.out.name: w for w in job.writes}
     metadata = shard_metadata(job, options.metadata or {})
     tasks = []
@@ -146,17 +159,17 @@ def shard_tasks(job: ShardJob, options: WriteOptions) -> tuple[ShardTask, ...]:
             if w.src.dtype != w.out.dtype or not w.src.file:
                 casts[kind] = casts.get(kind, 0) + 1
         tasks.append(ShardTask(i, job.path(shard.filename), len(head) + sum(w.out.nbytes for w in writes),
-                               len(writes), _reads(writes), tuple(sorted(casts.items()))))
+                               len(writes), _reads(writes, name_of), tuple(sorted(casts.items()))))
     return tuple(tasks)
 
 
-def _reads(writes: Sequence[TensorWrite]) -> tuple[Read, ...]:
+def _reads(writes: Sequence[TensorWrite], name_of: Callable[[str], str]) -> tuple[Read, ...]:
     """The source byte ranges a shard reads, adjacent ones coalesced (a split reads one range)."""
     reads: list[Read] = []
     for w in writes:
-        file, begin = w.src.file, w.src.offset
-        if not file:
+        if not w.src.file:
             continue  # computed: counted in the task's casts; its files are in the plan's source_files
+        file, begin = name_of(w.src.file), w.src.offset
         if reads and reads[-1][0] == file and reads[-1][2] == begin:
             reads[-1] = (file, reads[-1][1], begin + w.src.nbytes)
         else:
@@ -173,10 +186,15 @@ def source_identity(paths: Sequence[str]) -> tuple[SourceFile, ...]:
     return tuple(out)
 
 
-def build_plan(spec: PlanSpec, job: ShardJob, *, side_files: Sequence[str], side_paths: Sequence[str]) -> ConversionPlan:
-    """The plan of ``job`` (planned from ``spec``'s source with ``spec.options``)."""
+Identity = Callable[[Sequence[str]], tuple[SourceFile, ...]]  # plan names → each one's identity now, sorted
+
+
+def build_plan(spec: PlanSpec, job: ShardJob, *, side_files: Sequence[str], side_paths: Sequence[str],
+               name_of: Callable[[str], str] = same_path, identity: Identity = source_identity) -> ConversionPlan:
+    """The plan of ``job`` (planned from ``spec``'s source with ``spec.options``); ``name_of`` and
+    ``identity`` as the source was opened (local files: the paths and their size and mtime)."""
     files = [e.file for e in job.source.entries() if e.file] + list(job.source.paths) + list(side_paths)
-    return ConversionPlan(spec, source_identity(files), shard_tasks(job, spec.options),
+    return ConversionPlan(spec, identity(sorted({name_of(f) for f in files})), shard_tasks(job, spec.options, name_of=name_of),
                           job.path(job.plan.index_filename) if job.plan.index_filename else None,
                           tuple(sorted(side_files)), job.plan.total_bytes)
 
@@ -190,7 +208,7 @@ def dump_plan(plan: ConversionPlan) -> bytes:
         "key": spec.key, "options": options_to_json(spec.options),
         "keymap": {"include": list(km.include), "exclude": list(km.exclude), "strip_prefix": km.strip_prefix,
                    "add_prefix": km.add_prefix, "rename": [list(p) for p in km.rename]},
-        "source_files": [[s.path, s.size_bytes, s.mtime_ns] for s in plan.sources],
+        "source_files": [[s.path, s.size_bytes, s.etag or s.mtime_ns] for s in plan.sources],
         "finalize": {"index": plan.index, "side_files": list(plan.side_files), "total_bytes": plan.total_bytes},
     }
     lines = [json.dumps({"task": t.index, "output": t.output, "size_bytes": t.size_bytes, "tensors": t.tensors,
@@ -229,7 +247,7 @@ def _parse(doc: dict[str, object], path: str) -> ConversionPlan:
         raise _bad(path, "tasks and source_files must be lists, finalize an object")
     if not 0 < len(raw_tasks) <= MAX_TASKS or len(raw_sources) > MAX_TASKS:
         raise _bad(path, f"it must hold 1 to {MAX_TASKS} tasks")
-    sources = tuple(SourceFile(str(p), _count(n), _count(m)) for p, n, m in raw_sources)
+    sources = tuple(_source_file(p, n, m) for p, n, m in raw_sources)
     tasks = tuple(_task(t, i, path) for i, t in enumerate(raw_tasks))
     if sum(len(t.reads) for t in tasks) > MAX_READS:
         raise _bad(path, f"more than {MAX_READS} read ranges")
@@ -240,6 +258,13 @@ def _parse(doc: dict[str, object], path: str) -> ConversionPlan:
     if len(set(names)) != len(names):
         raise _bad(path, "two tasks or files write the same output name")
     return ConversionPlan(spec, sources, tasks, index, tuple(side), _count(fin["total_bytes"]))
+
+
+def _source_file(path: object, size_bytes: object, version: object) -> SourceFile:
+    """``[path, size, mtime]`` of a local file, ``[url, size, "etag"]`` of an object in a store."""
+    if isinstance(version, str):
+        return SourceFile(str(path), _count(size_bytes), 0, version)
+    return SourceFile(str(path), _count(size_bytes), _count(version))
 
 
 def _task(doc: object, i: int, path: str) -> ShardTask:

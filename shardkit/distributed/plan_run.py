@@ -23,7 +23,6 @@ import errno
 import os
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 
 from .. import _faults
 from ..atomic.journal import PLAN_MARK, TMP_MARK, fsync_dir, is_stale_tmp, remove_path, try_lock
@@ -36,7 +35,6 @@ from ..sharding.flush import BackgroundSync, copy_side_file
 from ..sharding.job import (
     ShardJob,
     ShardWriter,
-    SideFile,
     copied_names,
     open_settled,
     plan_job,
@@ -50,24 +48,15 @@ from ..sharding.outputs import JobOutput, LocalOutput
 from ..sharding.single_file import is_file_output
 from ..sharding.writer import write_safetensors
 from ..sources.keymap import KeyMap, KeyMapSource
-from ..stores.urls import is_store_url
+from ..stores.urls import is_store_url, parse_store_url
 from ..units import ByteCounter, ProgressCallback
-from .plan_file import ConversionPlan, PlanSpec, ShardTask, build_plan, shard_tasks
+from . import plan_store
+from .plan_file import ConversionPlan, PlanSpec, ShardTask, build_plan
+from .plan_source import PlanRun, SourceOpener, local_source, opened_job
 
-__all__ = ["PlanRun", "finalize", "is_done", "make_plan", "run_tasks", "work_folder"]
+__all__ = ["PlanRun", "done_tasks", "finalize", "is_done", "make_plan", "run_tasks", "work_folder"]
 
 PUBLISHED = "published"  # written into the work folder once the output is published: only cleanup is left
-
-
-@dataclass
-class PlanRun:
-    """What one call did: the tasks it wrote, those already done, and whether it published."""
-
-    plan_id: str
-    output: str
-    written: list[int]
-    skipped: list[int]
-    published: bool = False
 
 
 def work_folder(plan: ConversionPlan) -> str:
@@ -81,48 +70,64 @@ def _done_name(task: ShardTask) -> str:
 
 
 def is_done(plan: ConversionPlan, index: int) -> bool:
-    """Whether task ``index`` finished (one ``stat``)."""
-    return os.path.exists(os.path.join(work_folder(plan), _done_name(plan.tasks[index])))
+    """Whether task ``index`` finished (one ``stat``, or one ``HEAD`` in a store)."""
+    return index in done_tasks(plan) if is_store_url(plan.spec.output) else \
+        os.path.exists(os.path.join(work_folder(plan), _done_name(plan.tasks[index])))
 
 
-def check_sources(plan: ConversionPlan) -> None:
-    """Refuse (one line) when a source file's size or mtime is not what the plan recorded."""
-    for f in plan.sources:
-        try:
-            st = os.stat(f.path)
-        except OSError as e:
-            raise InvalidInputError(f"{f.path}: the plan's source is gone ({describe_os_error(e)}); "
-                                    "write the plan again from the source as it is now") from e
-        if (st.st_size, st.st_mtime_ns) != (f.size_bytes, f.mtime_ns):
-            what = f"size {st.st_size}, planned {f.size_bytes}" if st.st_size != f.size_bytes else "modified"
-            raise InvalidInputError(f"{f.path}: the source changed since the plan was written ({what}); nothing "
-                                    "was written: write the plan again")
+def done_tasks(plan: ConversionPlan) -> set[int]:
+    """Every task recorded done (one listing)."""
+    if is_store_url(plan.spec.output):
+        return plan_store.done_tasks(plan)
+    found = set(os.listdir(os.path.join(work_folder(plan), "done"))) if os.path.isdir(work_folder(plan)) else set()
+    return {t.index for t in plan.tasks if os.path.basename(_done_name(t)) in found}
 
 
 def make_plan(command: str, source: str, output: str, *, options: WriteOptions, key: str | None = None,
-              keymap: KeyMap | None = None) -> ConversionPlan:
-    """Plan ``command`` (split or convert) of a local ``source`` into a local folder ``output``.
+              keymap: KeyMap | None = None, opener: SourceOpener = local_source) -> ConversionPlan:
+    """Plan ``command`` (split or convert) of ``source`` into the folder or ``s3://`` prefix ``output``.
 
     Only headers are read. The options are the call's own :class:`WriteOptions` (less the
-    callbacks and ``dry_run``: a plan is what would run).
+    callbacks and ``dry_run``: a plan is what would run). ``opener`` opens a source that is not a
+    local path (an ``s3://`` prefix; see :mod:`.plan_source`).
     """
-    if is_store_url(source) or is_store_url(output) or "://" in source:
-        raise InvalidInputError(f"{source} -> {output}: a plan reads a local checkpoint into a local folder; "
-                                "convert a bucket or hf:// source without write_plan=...")
-    if is_pipeline_folder(source) or is_file_output(output):
+    source, output = _where(source, role="source"), _where(output, role="output")
+    if is_file_output(output):
         raise InvalidInputError(f"{source} -> {output}: a plan writes the shards of one model into a folder; "
-                                "a pipeline folder or a single .safetensors output is written in one process")
-    source, output = os.path.abspath(source), os.path.abspath(output)
-    refuse_output_inside_source(source, output)
+                                "a single .safetensors output is written in one process")
+    if "://" in source or "://" in output:
+        if output.rstrip("/") == source.rstrip("/") or output.startswith(source.rstrip("/") + "/"):
+            raise InvalidInputError(f"{output}: a plan writes a prefix outside its source {source}; reshard a bucket in "
+                                    "place without write_plan=...")
+    else:
+        refuse_output_inside_source(source, output)
     spec = PlanSpec(command, source, output, dataclasses.replace(options, dry_run=False, progress=None), key,
                     keymap or KeyMap())
-    with open_settled(source, key=key, dry_run=True, output=output) as inner:
-        mapped = inner if spec.keymap.is_identity() else KeyMapSource(inner, spec.keymap)
-        job = plan_job(mapped, options=spec.options)
-        copies = side_files(source, output)
-        plan = build_plan(spec, job, side_files=copied_names(copies), side_paths=[path for path, _ in copies])
-    _refuse_taken_output(plan, dry_run=options.dry_run)
+    with opener(source) as opened:
+        if is_pipeline_folder(opened.checkpoint):
+            raise InvalidInputError(f"{source}: a plan writes the shards of one model; a pipeline folder is written "
+                                    "in one process")
+        with open_settled(opened.checkpoint, key=key, dry_run=True, output=output) as inner:
+            mapped = inner if spec.keymap.is_identity() else KeyMapSource(inner, spec.keymap)
+            job = plan_job(mapped, options=spec.options)
+            copies = side_files(opened.checkpoint, output)
+            plan = build_plan(spec, job, side_files=copied_names(copies), side_paths=[path for path, _ in copies],
+                              name_of=opened.name_of, identity=opened.identity)
+    if is_store_url(output):
+        plan_store.refuse_taken_prefix(plan, dry_run=options.dry_run)
+    else:
+        _refuse_taken_output(plan, dry_run=options.dry_run)
     return plan
+
+
+def _where(path: str, *, role: str) -> str:
+    """A local path made absolute; an ``s3://`` URL as the store writes it; any other scheme refused."""
+    if "://" not in path:
+        return os.path.abspath(path)
+    if not is_store_url(path):
+        raise InvalidInputError(f"{path}: a plan's {role} is a local path or s3://BUCKET/PREFIX; convert an hf:// "
+                                "source without write_plan=..., or download it first")
+    return str(parse_store_url(path))
 
 
 def _refuse_taken_output(plan: ConversionPlan, *, dry_run: bool) -> None:
@@ -135,20 +140,6 @@ def _refuse_taken_output(plan: ConversionPlan, *, dry_run: bool) -> None:
         warn_if_output_taken(output, overwrite=False)
     elif not os.path.isdir(work_folder(plan)):
         raise OutputExistsError(f"{output} exists and is not empty; pass overwrite=True to replace its checkpoint")
-
-
-@contextlib.contextmanager
-def opened_job(plan: ConversionPlan) -> Iterator[tuple[ShardJob, list[SideFile]]]:
-    """The job the plan describes, planned again from its source: refused unless it is the same plan."""
-    spec = plan.spec
-    check_sources(plan)
-    with open_settled(spec.source, key=spec.key, dry_run=False, output=spec.output) as inner:
-        mapped = inner if spec.keymap.is_identity() else KeyMapSource(inner, spec.keymap)
-        job = plan_job(mapped, options=spec.options)
-        if shard_tasks(job, spec.options) != plan.tasks:
-            raise InvalidInputError(f"{spec.source}: planned again, it does not give the plan's tasks (the source or "
-                                    "shardkit changed); nothing was written: write the plan again")
-        yield job, side_files(spec.source, spec.output)
 
 
 @contextlib.contextmanager
@@ -168,11 +159,14 @@ def _work_lock(plan: ConversionPlan) -> Iterator[str]:
         os.close(fd)
 
 
-def run_tasks(plan: ConversionPlan, indexes: Sequence[int], *, progress: ProgressCallback | None = None) -> PlanRun:
+def run_tasks(plan: ConversionPlan, indexes: Sequence[int], *, progress: ProgressCallback | None = None,
+              opener: SourceOpener = local_source) -> PlanRun:
     """Run the tasks ``indexes`` that are not done yet (the source opened once for all of them)."""
     for i in indexes:
         if not 0 <= i < len(plan.tasks):
             raise InvalidInputError(f"task={i}: the plan has tasks 0 to {len(plan.tasks) - 1}")
+    if is_store_url(plan.spec.output):
+        return plan_store.run_tasks(plan, indexes, progress=progress, opener=opener)
     run = PlanRun(plan.plan_id, plan.spec.output, [], [])
     with _work_lock(plan) as work:
         pending = [i for i in indexes if not os.path.exists(os.path.join(work, _done_name(plan.tasks[i])))]
@@ -180,7 +174,7 @@ def run_tasks(plan: ConversionPlan, indexes: Sequence[int], *, progress: Progres
         if not pending:
             return run
         total = sum(plan.tasks[i].size_bytes for i in pending)
-        with opened_job(plan) as (job, _):
+        with opened_job(plan, opener) as (job, _, _):
             tick = ByteCounter(total, progress)
             for i in pending:
                 _write_task(plan, job, plan.tasks[i], work, tick)
@@ -283,13 +277,15 @@ def _published(plan: ConversionPlan, work: str) -> bool:
         return False
 
 
-def finalize(plan: ConversionPlan) -> PlanRun:
+def finalize(plan: ConversionPlan, *, opener: SourceOpener = local_source) -> PlanRun:
     """Check every shard, then publish the output (side files, manifest, index last); remove the work folder."""
+    if is_store_url(plan.spec.output):
+        return plan_store.finalize(plan, opener=opener)
     run = PlanRun(plan.plan_id, plan.spec.output, [], [], published=True)
     with _work_lock(plan) as work:
         if not _published(plan, work):
             records = _records(plan, work)
-            with opened_job(plan) as (job, copies):
+            with opened_job(plan, opener) as (job, copies, _):
                 run_jobs(plan.spec.output, [job], options=plan.spec.options, side_files=copies,
                          shards=_adopt(work, records))
             _faults.point("plan:published")
