@@ -72,19 +72,27 @@ def test_recover_from_python_finishes_a_journal_and_removes_dead_temporaries(tmp
     assert not shardkit.recover(tmp_path).changed
 
 
-_PLAN_MODEL = """
+_PLANS = """
 import json, sys
+import accelerate
 import shardkit
+from diffusers import UNet2DConditionModel
 
 plan = shardkit.plan_model("diffusers:UNet2DConditionModel", sys.argv[1], gpu_bytes=[10**6], cpu_bytes=10**9,
                            strategies=True)
-print(json.dumps(plan.to_dict()))
+placement = shardkit.plan_device_map("diffusers:UNet2DConditionModel", checkpoint=sys.argv[1],
+                                     max_memory={0: 10**6, "cpu": 10**9})
+with accelerate.init_empty_weights():
+    unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(sys.argv[2]))
+estimate = shardkit.estimate_memory(unet, gpu_bytes=10**6, checkpoint=sys.argv[1])
+print(json.dumps({"plan": plan.to_dict(), "placement": placement.to_dict(), "estimate": estimate.to_dict()}))
 """
 
 
 @pytest.mark.hub
-def test_plan_model_of_a_hub_repo_equals_the_local_folder(hub, tmp_path: Path) -> None:
-    """hf:// for plan from Python: a header-only mirror gives the local folder's placement and strategies."""
+def test_plan_model_plan_device_map_and_estimate_memory_take_a_hub_repo(hub, tmp_path: Path) -> None:
+    """hf:// for plan_model, plan_device_map and estimate_memory from Python (as for fit): a header-only
+    mirror gives the local folder's placement and strategies. One process a location: the three share it."""
     from conftest import tiny_unet
     from helpers_hub import folder_files, hub_env, run_python
     from helpers_load import save_model
@@ -92,10 +100,12 @@ def test_plan_model_of_a_hub_repo_equals_the_local_folder(hub, tmp_path: Path) -
     folder = save_model(tiny_unet(), tmp_path / "unet")
     hub.state.add_repo("alice/unet", folder_files(folder))
     env = hub_env(hub, tmp_path / "home")
-    got = json.loads(run_python(_PLAN_MODEL, env, "hf://alice/unet").stdout)
-    want = json.loads(run_python(_PLAN_MODEL, env, folder).stdout)
-    assert got.pop("checkpoint") == "hf://alice/unet" and want.pop("checkpoint") == str(folder)
-    assert got == want and want["strategies"]["strategies"] and want["device_map"]
+    got = json.loads(run_python(_PLANS, env, "hf://alice/unet", folder).stdout)
+    want = json.loads(run_python(_PLANS, env, folder, folder).stdout)
+    assert got["plan"].pop("checkpoint") == "hf://alice/unet" and want["plan"].pop("checkpoint") == str(folder)
+    got["placement"].pop("checkpoint", None), want["placement"].pop("checkpoint", None)
+    assert got == want and want["plan"]["strategies"]["strategies"] and want["plan"]["device_map"]
+    assert want["placement"]["device_map"] and want["estimate"]["strategies"]
 
 
 _SPLIT_AND_PUSH = """
@@ -182,32 +192,3 @@ def test_a_local_split_from_python_or_the_cli_never_enters_hub(tmp_path: Path) -
     assert (tmp_path / "d" / "model.safetensors.index.json").is_file()
 
 
-_PLAN_DEVICE_MAP = """
-import json, sys
-import accelerate
-import shardkit
-from diffusers import UNet2DConditionModel
-
-placement = shardkit.plan_device_map("diffusers:UNet2DConditionModel", checkpoint=sys.argv[1],
-                                     max_memory={0: 10**6, "cpu": 10**9})
-with accelerate.init_empty_weights():
-    unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(sys.argv[2]))
-estimate = shardkit.estimate_memory(unet, gpu_bytes=10**6, checkpoint=sys.argv[1])
-print(json.dumps({"placement": placement.to_dict(), "estimate": estimate.to_dict()}))
-"""
-
-
-@pytest.mark.hub
-def test_plan_device_map_and_estimate_memory_take_a_hub_repo(hub, tmp_path: Path) -> None:
-    """hf:// for plan_device_map and estimate_memory, as for fit and plan_model: the local folder's answers."""
-    from conftest import tiny_unet
-    from helpers_hub import folder_files, hub_env, run_python
-    from helpers_load import save_model
-
-    folder = save_model(tiny_unet(), tmp_path / "unet")
-    hub.state.add_repo("alice/unet", folder_files(folder))
-    env = hub_env(hub, tmp_path / "home")
-    got = json.loads(run_python(_PLAN_DEVICE_MAP, env, "hf://alice/unet", folder).stdout)
-    want = json.loads(run_python(_PLAN_DEVICE_MAP, env, folder, folder).stdout)
-    got["placement"].pop("checkpoint", None), want["placement"].pop("checkpoint", None)
-    assert got == want and want["placement"]["device_map"] and want["estimate"]["strategies"]
