@@ -157,10 +157,11 @@ def _host_tensor(address: int, nbytes: int):
     return torch.from_numpy(np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(address)))
 
 
-def _mapped(folder: str, threads: int = 8) -> dict:
-    """Prototype, not shardkit's path: DMA straight from the page cache. Each thread registers a 64 MiB
-    window of a file's read-only mapping (``cudaHostRegister``, read-only), copies the tensors' bytes in it
-    on its own stream, waits, unregisters: no host copy at all."""
+def _mapped(folder: str, window_mib: int = 64, threads: int = 8) -> dict:
+    """Prototype, not shardkit's path: DMA straight from the page cache. Thread k takes windows k, k + T,
+    ... of the files' read-only mappings: registers one (``cudaHostRegister``, read-only), queues the
+    copies of the tensor bytes in it on its own stream, then unregisters the window before it once that
+    window's copies are done (so registering overlaps copying). No host copy at all."""
     from concurrent.futures import ThreadPoolExecutor
 
     import torch
@@ -168,7 +169,7 @@ def _mapped(folder: str, threads: int = 8) -> dict:
     import shardkit
     from shardkit.loading.ring_plan import byte_view
 
-    cudart = torch.cuda.cudart()
+    cudart, window = torch.cuda.cudart(), window_mib << 20
     with shardkit.open(folder) as ckpt:
         names = list(ckpt)
         dests = {n: torch.empty(ckpt.shape_of(n), dtype=ckpt.dtype_of(n), device=DEVICE) for n in names}
@@ -177,31 +178,43 @@ def _mapped(folder: str, threads: int = 8) -> dict:
             e = ckpt.entry(n)
             view, at, end = byte_view(dests[n]), e.offset, e.offset + e.nbytes
             while at < end:
-                start = at // MAPPED_CHUNK * MAPPED_CHUNK
-                take = min(end, start + MAPPED_CHUNK) - at
+                start = at // window * window
+                take = min(end, start + window) - at
                 windows.setdefault((str(e.file), start), []).append((view, at - e.offset, at - start, take))
                 at += take
         maps = {path: _map_file(path) for path, _ in windows}
+        keys = sorted(windows)
 
-        def copy_window(key: tuple[str, int]) -> None:
-            path, start = key
-            address, size = maps[path]
-            length = min(MAPPED_CHUNK, size - start)
-            err = cudart.cudaHostRegister(address + start, length, REGISTER_READ_ONLY)
+        def register(key: tuple[str, int]) -> int:
+            address, size = maps[key[0]]
+            err = cudart.cudaHostRegister(address + key[1], min(window, size - key[1]), REGISTER_READ_ONLY)
             if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {path} at {start} failed: {err}")
+                raise RuntimeError(f"cudaHostRegister of {key} failed: {err}")
+            return address + key[1]
+
+        def worker(k: int) -> None:
+            stream, pending = torch.cuda.Stream(), []
             try:
-                src = _host_tensor(address + start, length)
-                stream = torch.cuda.Stream()
-                with torch.cuda.stream(stream):
-                    for view, dest_at, src_at, n in windows[key]:
-                        view[dest_at:dest_at + n].copy_(src[src_at:src_at + n], non_blocking=True)
-                stream.synchronize()
+                for key in keys[k::threads]:
+                    at = register(key)
+                    src = _host_tensor(at, min(window, maps[key[0]][1] - key[1]))
+                    with torch.cuda.stream(stream):
+                        for view, dest_at, src_at, n in windows[key]:
+                            view[dest_at:dest_at + n].copy_(src[src_at:src_at + n], non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                    pending.append((event, at))
+                    if len(pending) > 1:
+                        done, old = pending.pop(0)
+                        done.synchronize()
+                        cudart.cudaHostUnregister(old)
             finally:
-                cudart.cudaHostUnregister(address + start)
+                stream.synchronize()
+                for _, old in pending:
+                    cudart.cudaHostUnregister(old)
 
         with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(copy_window, sorted(windows)))
+            list(pool.map(worker, range(threads)))
     return dests
 
 
@@ -223,7 +236,10 @@ def run_case(name: str, folder: str, ring: str | None) -> None:
     import shardkit.loading.device_reads as device_reads
     from shardkit.loading.pipeline_copy import RingTuning
 
-    if ring:  # "slots,MiB,threads[,eager]"
+    if ring and name == "shardkit-mapped":  # "MiB per window,threads"
+        mib, threads = (int(x) for x in ring.split(","))
+        CASES[name] = lambda folder: _mapped(folder, mib, threads)
+    elif ring:  # "slots,MiB,threads[,eager]"
         slots, mib, threads, *rest = ring.split(",")
         device_reads.LOCAL = RingTuning(slots=int(slots), slot_bytes=int(mib) << 20, threads=int(threads),
                                         grow=rest != ["eager"])
@@ -305,6 +321,10 @@ def run_profile(folder: str) -> None:
     ckpt.open_shards()
     names = list(ckpt)
     row = {"headers_s": time.perf_counter() - stamp}
+    stamp = time.perf_counter()
+    with shardkit.open(folder) as again:
+        again.open_shards()
+    row["headers_again_s"] = time.perf_counter() - stamp
     stamp = time.perf_counter()
     def stage():
         return CudaCopyStage(torch.device(DEVICE)) if DEVICE.startswith("cuda") else HostCopyStage()
@@ -463,6 +483,8 @@ def main() -> int:
     parser.add_argument("--cold", action="store_true")
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--tp", action="store_true")
+    parser.add_argument("--mapped-sweep", action="store_true")
+    parser.add_argument("--peers", default=",".join(PEERS), help="the cases of the warm table")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--skip-warm", action="store_true")
     parser.add_argument("--case", nargs=2)
@@ -484,7 +506,7 @@ def main() -> int:
         run_profile(args.profile_child)
         return 0
     os.makedirs(args.work, exist_ok=True)
-    peers = [p for p in PEERS if _available(p)]
+    peers = [p for p in args.peers.split(",") if _available(p)]
     print("peers:", peers, "| missing:", [p for p in PEERS if p not in peers], flush=True)
     out = []
     folders = {}
@@ -512,6 +534,12 @@ def main() -> int:
         folder = folders[next(iter(folders))]
         out.append(table(bench(folder, [(f"shardkit@{r}", r) for r in rings], 2, cold=False),
                          "ring sweep (slots, MiB per slot, threads; 2 runs)", cold=False))
+        print(out[-1], flush=True)
+    if args.mapped_sweep:
+        folder = folders[next(iter(folders))]
+        cases = [("shardkit", None)] + [(f"shardkit-mapped@{m}", m) for m in ("64,8", "256,8", "64,4", "128,16")]
+        out.append(table(bench(folder, cases, args.runs, cold=False),
+                         "DMA from the page cache (MiB per window, threads)", cold=False))
         print(out[-1], flush=True)
     print("\n\n".join(out))
     return 0

@@ -380,8 +380,10 @@ def test_cuda_stage_slots_are_pinned_and_a_slice_lands_on_the_gpu(tmp_path) -> N
     import shardkit
     from shardkit.loading.pipeline_copy import CudaCopyStage
 
-    ring = BufferRing(CudaCopyStage(torch.device("cuda:0")), count=2, nbytes=1 << 20)
-    assert ring.block.is_pinned() and ring.block.numel() == 2 << 20
+    ring = BufferRing(CudaCopyStage(torch.device("cuda:0")), count=2, nbytes=1 << 20, grow=True)
+    slots = [ring.acquire(threading.Event()) for _ in range(2)]
+    assert all(s is not None and s.memory.is_pinned() and s.memory.numel() == 1 << 20 for s in slots)
+    assert ring.allocated == 2
     w = torch.randn(64, 256, dtype=torch.bfloat16)
     path = tmp_path / "w.safetensors"
     safetensors.torch.save_file({"w": w}, path)
