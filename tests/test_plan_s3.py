@@ -97,3 +97,98 @@ def test_recover_removes_an_abandoned_plan_and_its_open_upload(s3_env: Any, s3_s
     removed = shardkit.recover(out).removed
     assert s3_env.keys("out/") == [] and s3_env.uploads() == []
     assert any("multipart upload aborted" in r for r in removed)
+
+
+# ----------------------------------------------------------------------------- killed, then run again
+
+BIG = ["--max-shard-size", "20MB", "--dtype", "bf16"]  # shards of 16.8 MB: each a multipart upload of 2 parts
+
+
+def big_source(s3_env: Any, tmp_path: Path) -> str:
+    """Six float32 tensors of 16 MiB in the bucket: 3 bf16 shards past one 16 MiB part each."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder = tmp_path / "big"
+    folder.mkdir()
+    torch.manual_seed(1)
+    save_file({f"layers.{i}.weight": torch.randn(2048, 2048) for i in range(6)}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text('{"model_type": "toy"}\n')
+    s3_env.put_folder(folder, "big")
+    return f"s3://{s3_env.bucket}/big"
+
+
+def _shardkit(args: list[str], trace: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "shardkit", *args, "-q"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "SHARDKIT_FAULT_TRACE": str(trace), **env})
+
+
+def _trace(path: Path) -> list[tuple[str, int]]:
+    """``(label, bytes written so far)`` for every fault point a run passed."""
+    rows = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+    return [(label, int(b)) for _, label, b in rows]
+
+
+def _kill_then_rerun(s3_env: Any, tmp_path: Path, args: Any, points: Any) -> list[tuple[str, int, int]]:
+    """Run ``args(out)`` uninterrupted, then for each kill point a run SIGKILLed there and the same run again:
+    the objects equal the uninterrupted run's, no upload is left open, at most one shard is written twice."""
+    src = big_source(s3_env, tmp_path)
+    plan = shardkit.write_plan(src, f"s3://{s3_env.bucket}/x", max_shard_size="20MB", dtype="bf16")
+    shard_bytes = max(t.size_bytes for t in plan.tasks)
+    assert len(plan.tasks) == 3 and shard_bytes > 16 << 20
+    ref_run = _shardkit(args(src, "ref", tmp_path), tmp_path / "ref.trace")
+    assert ref_run.returncode == 0, ref_run.stderr
+    ref = _trace(tmp_path / "ref.trace")
+    reference = prefix_bytes(s3_env, "ref")
+    report = []
+    for k in points([label for label, _ in ref]):
+        out = f"out{k}"
+        killed = _shardkit(args(src, out, tmp_path), tmp_path / f"kill{k}.trace", SHARDKIT_FAULT_KILL_AT=str(k))
+        assert killed.returncode == -9, f"point {k}: {killed.returncode} {killed.stderr[-2000:]}"
+        left_open = len(s3_env.uploads())
+        rerun = _shardkit(args(src, out, tmp_path), tmp_path / f"rerun{k}.trace")
+        assert rerun.returncode == 0, f"point {k}: {rerun.stderr[-2000:]}"
+        assert prefix_bytes(s3_env, out) == reference, f"point {k}: the objects differ"
+        assert s3_env.uploads() == [], f"point {k}: a multipart upload is left open"
+        killed_trace, rerun_trace = _trace(tmp_path / f"kill{k}.trace"), _trace(tmp_path / f"rerun{k}.trace")
+        twice = killed_trace[-1][1] + (rerun_trace[-1][1] if rerun_trace else 0) - ref[-1][1]
+        assert 0 <= twice <= shard_bytes, f"point {k} ({killed_trace[-1][0]}): {twice} bytes written twice"
+        report.append((killed_trace[-1][0], twice, left_open))
+    return report
+
+
+def _run_args(src: str, out: str, tmp_path: Path) -> list[str]:
+    """A worker running every task of the plan, then publishing (the plan written once per output)."""
+    plan = tmp_path / f"{out}.json"
+    if not plan.exists():
+        shardkit.write_plan(src, f"s3://{Path(src).parts[1]}/{out}", plan, max_shard_size="20MB", dtype="bf16")
+    return ["run", str(plan)]
+
+
+def test_a_worker_killed_mid_upload_then_run_again_ends_identical_with_at_most_one_shard_rewritten(
+        s3_env: Any, tmp_path: Path) -> None:
+    def mid_second_upload(labels: list[str]) -> list[int]:  # its first 16 MiB part sent, the rest not
+        return [labels.index(f"store:sent:model-00002-of-00003.safetensors:{(8 << 20) * 2 + 216}") + 1]
+
+    [(label, twice, left_open)] = _kill_then_rerun(s3_env, tmp_path, _run_args, mid_second_upload)
+    assert label.startswith("store:sent:model-00002") and left_open == 1  # the killed upload, aborted by the rerun
+    assert 16 << 20 < twice < 17 << 20  # that one shard only
+
+
+def _resume_args(src: str, out: str, tmp_path: Path) -> list[str]:
+    return ["convert", src, f"s3://{Path(src).parts[1]}/{out}", *BIG, "--resume"]
+
+
+@pytest.mark.slow
+def test_an_s3_to_s3_convert_resume_killed_at_ten_points_ends_identical_with_at_most_one_shard_rewritten(
+        s3_env: Any, tmp_path: Path) -> None:
+    def ten(labels: list[str]) -> list[int]:  # spread over the run, its first and last points included
+        return sorted({1 + round(i * (len(labels) - 1) / 9) for i in range(10)})
+
+    report = _kill_then_rerun(s3_env, tmp_path, _resume_args, ten)
+    kinds = {":".join(label.split(":")[:2]) for label, _, _ in report}
+    assert len(report) == 10 and {"store:sent", "plan:shard-uploaded", "plan:task-done", "store:put",
+                                  "plan:published"} <= kinds
+    assert any(left_open for _, _, left_open in report)  # killed mid-upload at least once
