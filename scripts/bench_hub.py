@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""Hub benchmarks against the tests' offline Hub (tests/hub_server.py) on loopback: two tables of cases.
+
+The server counts every body byte it sends. The repositories' weight files are lazy
+(build_checkpoint.hub_unet_repo, hub_flux_repo): real headers from the real classes built on the
+meta device, zeros made as they are sent, so building them costs nothing.
+
+    .venv/bin/python scripts/bench_hub.py split --runs 3
+    .venv/bin/python scripts/bench_hub.py info                     # info + fit; the download's bytes computed
+    .venv/bin/python scripts/bench_hub.py info --download          # also time snapshot_download (~34 GB to disk)
+    .venv/bin/python scripts/bench_hub.py info --download 'vae/*'  # time the download of part of it
+
+split  Reshard the SD 1.5 UNet in fp32 (3.44 GB, two shards, true sha256 oids): ``split hf://`` streamed
+       (``--no-cache``) and through the cache, against ``curl`` of the same bytes (the floor), Python
+       start-up + import, and the incumbents (``snapshot_download``, then ``save_torch_state_dict``). A
+       fresh process and a fresh HF cache per case, interleaved, the order rotating: the median time,
+       the peak RSS of the process (``wait4``), the bytes sent and what was left in the HF cache.
+info   ``shardkit info`` / ``fit`` of a FLUX.1-dev-sized pipeline (34 GB, bf16) by range reads, against
+       ``snapshot_download``: the bytes each transfers and its time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from benchlib import ROOT, markdown, med, parser, publish_report, rounds
+from build_checkpoint import hub_flux_repo, hub_unet_repo
+
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from helpers_hub import run_measured  # noqa: E402
+from hub_server import HubServer  # noqa: E402
+
+FLOOR = "curl (floor: the same bytes to disk)"
+HF_RESHARD = """
+import sys
+from huggingface_hub import save_torch_state_dict, snapshot_download
+from safetensors.torch import load_file
+import json, os
+root = snapshot_download(sys.argv[1])
+index = json.load(open(os.path.join(root, "diffusion_pytorch_model.safetensors.index.json")))
+state = {}
+for shard in sorted(set(index["weight_map"].values())):
+    state.update(load_file(os.path.join(root, shard)))
+save_torch_state_dict(state, sys.argv[2], filename_pattern="diffusion_pytorch_model{suffix}.safetensors",
+                      max_shard_size="1GB")
+"""
+
+
+def hub_env(url: str, home: str) -> dict[str, str]:
+    """This environment without its HF_* variables, pointed at the Hub at ``url`` with ``home`` as HF_HOME."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    return {**env, "HF_ENDPOINT": url, "HF_HOME": home, "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1"}
+
+
+@contextlib.contextmanager
+def serve(repo: str, files: dict[str, Any]) -> Iterator[tuple[Path, Any, dict[str, str]]]:
+    """A scratch folder, the Hub serving ``files`` as ``repo``, and the environment that points at it."""
+    with tempfile.TemporaryDirectory(prefix="bench-hub-", dir=os.environ.get("BENCH_DIR")) as tmp, \
+            HubServer(Path(tmp) / "hub") as hub:
+        hub.state.add_repo(repo, files)
+        yield Path(tmp), hub, hub_env(hub.url, f"{tmp}/home")
+
+
+def du_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink()) if path.exists() else 0
+
+
+def split_cases(repo: str, url: str, files: dict[str, Any], tmp: Path) -> dict[str, list[str]]:
+    curl = ["curl", "-sSf", "--parallel"]
+    for name in (n for n in files if n.endswith(".safetensors")):
+        curl += [f"{url}/{repo}/resolve/main/{name}", "-o", str(tmp / "out" / name)]
+    py, split = sys.executable, [sys.executable, "-m", "shardkit", "split", f"hf://{repo}", str(tmp / "out"),
+                                 "--max-shard-size", "1GB", "-q"]
+    return {
+        FLOOR: curl,
+        "python start-up + shardkit import": [py, "-c", "import shardkit.cli"],
+        "snapshot_download (incumbent, to the cache)": [py, "-c", "import sys; from huggingface_hub import "
+                                                        "snapshot_download; snapshot_download(sys.argv[1])", repo],
+        "snapshot_download + save_torch_state_dict (incumbent reshard)": [py, "-c", HF_RESHARD, repo, str(tmp / "out")],
+        "shardkit split hf:// (through the cache)": split,
+        "shardkit split hf:// --no-cache (streamed)": [*split, "--no-cache"],
+    }
+
+
+def bench_split(args: Any) -> str:
+    repo, files = f"bench/{args.unet}-unet", hub_unet_repo(args.unet)
+    weight_bytes = sum(len(v) for k, v in files.items() if k.endswith(".safetensors"))
+    with serve(repo, files) as (tmp, hub, env):
+        cases = split_cases(repo, hub.url, files, tmp)
+
+        def one(label: str, r: int) -> dict[str, float]:
+            for leftover in (tmp / "out", tmp / "home"):
+                shutil.rmtree(leftover, ignore_errors=True)
+            (tmp / "out").mkdir()  # an empty folder: curl and save_torch_state_dict need it, shardkit takes it
+            before = hub.state.bytes_sent()
+            code, seconds, peak, stderr = run_measured(cases[label], env)
+            if code != 0:
+                raise SystemExit(f"{label} failed:\n{stderr}")
+            print(f"  run {r + 1}/{args.runs} {label}: {seconds:.2f} s, {peak / 2**20:,.0f} MiB", flush=True)
+            return {"seconds": seconds, "peak": peak, "sent": hub.state.bytes_sent() - before,
+                    "cache": du_bytes(tmp / "home")}
+
+        results = rounds(list(cases), args.runs, one)
+    floor = med(results[FLOOR], "seconds")
+    rows = [[label, f"{med(rs, 'seconds'):.2f} s", f"{med(rs, 'seconds') / floor:.2f}×",
+             f"{max(r['peak'] for r in rs) / 2**20:,.0f} MiB", f"{med(rs, 'sent') / 1e9:.2f} GB",
+             f"{med(rs, 'cache') / 1e9:.2f} GB"] for label, rs in results.items()]
+    return (f"repository {repo}: {weight_bytes / 1e9:.2f} GB of safetensors in {len(files)} files; median of "
+            f"{args.runs} rounds\n\n" + markdown(["case", "time", "× curl", "peak RSS", "transferred",
+                                                  "left in HF cache"], rows))
+
+
+def bench_info(args: Any) -> str:
+    repo, files = "bench/FLUX.1-dev", hub_flux_repo()
+    repo_bytes = sum(len(v) for v in files.values())
+    rows = []
+    with serve(repo, files) as (tmp, hub, env):
+        for label, argv in (("shardkit info", ["-m", "shardkit", "info", f"hf://{repo}"]),
+                            ("shardkit fit --gpu 16GB --gpu 16GB", ["-m", "shardkit", "fit", f"hf://{repo}", "--gpu",
+                                                                   "16GB", "--gpu", "16GB"]),
+                            *([] if not args.download else [(
+                                "snapshot_download" + (f" of {args.download}" if args.download != "*" else ""),
+                                ["-c", "import sys; from huggingface_hub import snapshot_download; snapshot_download("
+                                 "sys.argv[1], local_dir=sys.argv[2], allow_patterns=[sys.argv[3]])", repo,
+                                 f"{tmp}/snapshot", args.download])])):
+            before, start = hub.state.bytes_sent(), time.perf_counter()
+            subprocess.run([sys.executable, *argv], env=env, check=True, capture_output=True)
+            rows.append((label, hub.state.bytes_sent() - before, time.perf_counter() - start))
+    if not args.download:
+        rows.append(("snapshot_download (not run: --download)", repo_bytes, float("nan")))
+    elif args.download != "*":
+        rows.append(("snapshot_download (all, at that rate)", repo_bytes, rows[-1][2] * repo_bytes / rows[-1][1]))
+    return (f"repository {repo}: {repo_bytes / 1e9:.1f} GB in {len(files)} files\n\n" +
+            markdown(["command", "bytes transferred", "time"],
+                     [[label, f"{nbytes / 1e6:,.2f} MB", f"{seconds:.1f} s"] for label, nbytes, seconds in rows]))
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("table", choices=["split", "info"])
+    p.add_argument("--unet", choices=["sd15", "tiny"], default="sd15", help="split: the repository (tiny: a check)")
+    p.add_argument("--download", nargs="?", const="*", metavar="PATTERN",
+                   help="info: also time snapshot_download (of the files matching PATTERN; all: ~34 GB to disk)")
+    args = p.parse_args()
+    publish_report((bench_split if args.table == "split" else bench_info)(args), args.output)
+
+
+if __name__ == "__main__":
+    main()
