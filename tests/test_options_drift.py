@@ -44,8 +44,8 @@ def test_the_docstring_documents_every_field() -> None:
 
 def test_quantize_choices_are_the_schemes_the_writers_know() -> None:
     from shardkit.formats.gguf import GGUF_QUANTIZE
+    from shardkit.layouts.fp4_quantize import FP4_SCHEMES
     from shardkit.layouts.fp8 import QUANTIZE_SCHEMES
-    from shardkit.sources.quantized_fp4 import FP4_SCHEMES
 
     assert set(get_args(Quantize)) == {*QUANTIZE_SCHEMES, *FP4_SCHEMES, *GGUF_QUANTIZE}
 

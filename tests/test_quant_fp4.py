@@ -161,7 +161,7 @@ def test_dequantized_gpt_oss_loads_in_transformers(gpt_oss, tmp_path: Path) -> N
 
 
 def test_bands_give_the_same_bytes_as_one_pass(gpt_oss, llama, tmp_path: Path, monkeypatch) -> None:
-    import shardkit.sources.dequantized_fp4 as fp4_source
+    import shardkit.layouts.fp4_math as fp4_source
 
     folder, _ = gpt_oss
     nvfp4 = _nvfp4("modelopt", llama, tmp_path)

@@ -28,12 +28,13 @@ from dataclasses import dataclass, field
 from ..formats.header import TensorEntry
 from ..formats.json_types import Config
 
-__all__ = ["COMPRESSED_NVFP4", "E4M3", "FP4_FINDERS", "MODELOPT_NVFP4", "MXFP4", "Fp4Layout", "PackedModule",
+__all__ = ["COMPRESSED_NVFP4", "E4M3", "FP4_FINDERS", "HF_QUANT_CONFIG", "MODELOPT_NVFP4", "MXFP4", "Fp4Layout", "PackedModule",
            "PackedSlot", "PackedWeight", "find_fp4_layout", "packed_modules"]
 
 MODELOPT_NVFP4 = "NVIDIA ModelOpt NVFP4"
 COMPRESSED_NVFP4 = "compressed-tensors nvfp4-pack-quantized"
 MXFP4 = "gpt-oss MXFP4"
+HF_QUANT_CONFIG = "hf_quant_config.json"  # ModelOpt's recipe, beside config.json
 NVFP4_FORMAT = "nvfp4-pack-quantized"
 E4M3 = "F8_E4M3"
 E8M0 = ("U8", "F8_E8M0")

@@ -18,15 +18,17 @@ weight's own dtype as llm-compressor observes it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from .fp4 import COMPRESSED_NVFP4, MXFP4, Fp4Layout
+from ..errors import InvalidInputError
+from .fp4 import COMPRESSED_NVFP4, HF_QUANT_CONFIG, MODELOPT_NVFP4, MXFP4, Fp4Layout, PackedWeight
+from .quant import DenseWeight, TensorReader
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["E2M1_VALUES", "dequantize_mxfp4", "dequantize_nvfp4", "quantize_mxfp4", "quantize_nvfp4",
+__all__ = ["BAND_BYTES", "E2M1_VALUES", "Fp4Dequantizer", "dequantize_mxfp4", "dequantize_nvfp4", "quantize_mxfp4", "quantize_nvfp4",
            "nvfp4_global_scale", "scale_problems", "unpack_e2m1"]
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -34,6 +36,7 @@ E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 NVFP4_BLOCK = 16
 MXFP4_BLOCK = 32
+BAND_BYTES = 16 * 2**20  # float32 bytes of one band's temporaries
 
 
 def unpack_e2m1(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -169,3 +172,64 @@ def scale_problems(layout: Fp4Layout, read: Callable[[str], torch.Tensor]) -> li
                 problems.append((weight.packed, f"global scale {weight.global_scale} of {weight.packed} is "
                                                 f"{value.reshape(-1).tolist()}"))
     return problems
+
+
+class Fp4Dequantizer:
+    """The dense weights of an fp4 layout (a :class:`~shardkit.layouts.quant.Dequantizer`): band by band of rows
+    (NVFP4) or of one expert's input columns (MXFP4), never the whole tensor."""
+
+    dropped_metadata: frozenset[str] = frozenset()
+    side_files = frozenset({HF_QUANT_CONFIG})  # ModelOpt's recipe goes with the quantization
+
+    def __init__(self, layout: Fp4Layout) -> None:
+        self.layout = layout
+        self._packed = {w.packed: w for w in layout.weights}
+        self._weights = tuple(DenseWeight(w.packed, w.output, w.shape, tuple(s for s in (w.scale, w.global_scale) if s))
+                              for w in layout.weights)
+
+    def weights(self) -> tuple[DenseWeight, ...]:
+        return self._weights
+
+    def broken(self, reader: TensorReader, *, where: str, allow_lossy: bool) -> frozenset[str]:
+        """The weights whose scales hold NaN or infinity (refused unless ``allow_lossy``)."""
+        problems = scale_problems(self.layout, reader.whole)
+        if problems and not allow_lossy:
+            raise InvalidInputError(f"{where}: {self.layout.scheme}: {'; '.join(p for _, p in problems[:3])}; "
+                                    "dequantized, these weights would be NaN or infinite (re-export the checkpoint, or "
+                                    "pass allow_lossy=True to copy them as they are)")
+        return frozenset(packed for packed, _ in problems)
+
+    def dense_bands(self, reader: TensorReader, weight: DenseWeight, out_dtype: torch.dtype, *,
+                    first: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
+        packed = self._packed[weight.stored]
+        if self.layout.scheme == MXFP4:
+            return _mxfp4_bands(reader, packed, out_dtype, first)
+        return _nvfp4_bands(reader, packed, out_dtype, first, modelopt=self.layout.scheme == MODELOPT_NVFP4)
+
+
+def _nvfp4_bands(reader: TensorReader, weight: PackedWeight, out_dtype: torch.dtype, first: int, *,
+                 modelopt: bool) -> Iterator[tuple[int, torch.Tensor]]:
+    rows, cols = weight.shape
+    step = max(1, BAND_BYTES // (cols * 4))
+    global_scale = reader.whole(weight.global_scale or "")
+    for row0 in range(first // max(1, cols) // step * step, rows, step):
+        row1 = min(rows, row0 + step)
+        band = dequantize_nvfp4(reader.rows(weight.packed, row0, row1), reader.rows(weight.scale, row0, row1),
+                                global_scale, modelopt=modelopt, out_dtype=out_dtype)
+        yield row0 * cols, band
+
+
+def _mxfp4_bands(reader: TensorReader, weight: PackedWeight, out_dtype: torch.dtype,
+                 first: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Expert by expert, a run of input columns at a time: dense rows ``(e, c0:c1)`` are the transposed
+    dequantized columns ``c0:c1`` of the stored ``(out, in)`` matrix of expert ``e``."""
+    experts, cols, rows = weight.shape  # dense (E, in, out)
+    groups = cols // MXFP4_BLOCK
+    per_band = max(1, BAND_BYTES // (rows * MXFP4_BLOCK * 4))  # groups of 32 input columns per band
+    for expert in range(first // max(1, cols * rows), experts):
+        blocks = reader.rows(weight.packed, expert, expert + 1).reshape(rows, groups, 16)
+        scales = reader.rows(weight.scale, expert, expert + 1).reshape(rows, groups)
+        for g0 in range(0, groups, per_band):
+            g1 = min(groups, g0 + per_band)
+            dense = dequantize_mxfp4(blocks[:, g0:g1], scales[:, g0:g1], out_dtype).transpose(0, 1)
+            yield (expert * cols + g0 * MXFP4_BLOCK) * rows, dense

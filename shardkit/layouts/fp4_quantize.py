@@ -1,25 +1,34 @@
-"""fp4, the writing side: how ``--quantize nvfp4/mxfp4`` names and shapes its tensors, and the config it writes.
+"""fp4 as a strategy of the registry: how ``--quantize nvfp4/mxfp4`` names, shapes and computes its tensors, the
+config it writes, and how fp4 checkpoints are read back.
 
 :func:`fp4_target` is the inverse of :func:`shardkit.layouts.fp4.find_fp4_layout` for the two schemes
-shardkit writes (compressed-tensors NVFP4, gpt-oss MXFP4); the arithmetic is
-:mod:`shardkit.layouts.fp4_math`, and the view that computes the bytes is
-:class:`shardkit.sources.quantized_fp4.Fp4QuantizedSource`.
+shardkit writes (compressed-tensors NVFP4, gpt-oss MXFP4); :class:`Fp4Scheme` is the
+:class:`~shardkit.layouts.quant.QuantStrategy` over it. The arithmetic is :mod:`shardkit.layouts.fp4_math`.
+NVFP4 bands are rows as stored; MXFP4 bands are one expert at a time, as (out, in) rows. The global scale of
+an NVFP4 weight needs its absmax first: one extra read of that weight.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..formats.header import TensorEntry
+from ..formats.json_types import JsonObject
 from ..units import tensor_nbytes
-from .fp4 import E4M3, find_fp4_layout
-from .fp8 import should_skip_quantize
+from .fp4 import E4M3, MXFP4, Fp4Layout, find_fp4_layout
+from .fp8 import QuantLayout, should_skip_quantize
+from .quant import BandBytes, QuantTarget, TensorReader, band_bytes
 from .table import Mapped
 
-__all__ = ["EXPERTS", "FP4_SCHEMES", "NVFP4A16_CONFIG", "Fp4Scheme", "Fp4Target", "fp4_config", "fp4_target"]
+if TYPE_CHECKING:
+    import torch
+
+    from .fp4_math import Fp4Dequantizer
+
+__all__ = ["EXPERTS", "FP4_SCHEMES", "NVFP4A16_CONFIG", "Fp4Scheme", "fp4_config", "fp4_target"]
 
 
 FP4_SCHEMES = ("nvfp4", "mxfp4")
@@ -35,24 +44,7 @@ NVFP4A16_CONFIG: dict[str, Any] = {
 }
 
 
-@dataclass(frozen=True)
-class Fp4Target:
-    """One weight ``--quantize nvfp4/mxfp4`` quantizes: its source entry and the names written for it.
-
-    Attributes:
-        source: the dense weight.
-        packed, scale, global_scale: the names written (``global_scale`` None for MXFP4).
-        written: the entries written for it (packed, scale, and global scale), in order.
-    """
-
-    source: TensorEntry
-    packed: str
-    scale: str
-    global_scale: str | None
-    written: tuple[TensorEntry, ...]
-
-
-def fp4_target(entry: TensorEntry, scheme: str) -> Fp4Target | None:
+def fp4_target(entry: TensorEntry, scheme: str) -> QuantTarget | None:
     """What ``scheme`` writes for ``entry``, or None when it is kept as it is (the inverse of :func:`find_fp4_layout`).
 
     - ``nvfp4``: a 2-D float ``X.weight`` that :func:`~shardkit.layouts.fp8.should_skip_quantize` does not keep,
@@ -70,7 +62,7 @@ def fp4_target(entry: TensorEntry, scheme: str) -> Fp4Target | None:
         rows, cols = entry.shape
         base = entry.name[: -len("weight")]
         packed, scale, global_scale = base + "weight_packed", base + "weight_scale", base + "weight_global_scale"
-        return Fp4Target(entry, packed, scale, global_scale, (
+        return QuantTarget(entry, (
             TensorEntry(packed, "U8", (rows, cols // 2), tensor_nbytes("U8", (rows, cols // 2))),
             TensorEntry(scale, E4M3, (rows, cols // 16), tensor_nbytes(E4M3, (rows, cols // 16))),
             TensorEntry(global_scale, "F32", (1,), 4)))
@@ -79,7 +71,7 @@ def fp4_target(entry: TensorEntry, scheme: str) -> Fp4Target | None:
         return None
     experts, cols, rows = entry.shape  # dense (E, in, out)
     blocks, scales = (experts, rows, cols // 32, 16), (experts, rows, cols // 32)
-    return Fp4Target(entry, entry.name + "_blocks", entry.name + "_scales", None, (
+    return QuantTarget(entry, (
         TensorEntry(entry.name + "_blocks", "U8", blocks, tensor_nbytes("U8", blocks)),
         TensorEntry(entry.name + "_scales", "U8", scales, tensor_nbytes("U8", scales))))
 
@@ -107,14 +99,14 @@ class Fp4Scheme:
         entries: list[TensorEntry] = []
         kept: list[str] = []
         for entry in plain.entries:
-            target = fp4_target(entry, self.scheme)
+            target = self.target(entry)
             if target is None:
                 entries.append(entry)
                 if entry.name.endswith(".weight") and len(entry.shape) >= 2:
                     kept.append(entry.name[: -len(".weight")])
             else:
                 entries += target.written
-        return Mapped(tuple(entries), {**plain.config, "quantization_config": fp4_config(self.scheme, kept)})
+        return Mapped(tuple(entries), {**plain.config, "quantization_config": self.quantization_config(kept)})
 
     def inverse(self, stored: Mapped) -> Mapped:
         """What dequantizing to bf16 gives: each packed weight as its dense bf16 tensor, its scales gone."""
@@ -130,6 +122,79 @@ class Fp4Scheme:
             elif e.name not in layout.extra:
                 out.append(e)
         return Mapped(tuple(out), {k: v for k, v in stored.config.items() if k != "quantization_config"})
+
+    kept_to_bf16 = False  # the tensors kept stay as stored
+
+    @property
+    def applies_to(self) -> str:
+        """What the scheme quantizes: finding nothing is refused (the output would not be fp4)."""
+        if self.scheme == "mxfp4":
+            return "gpt-oss-style MoE experts (….experts.gate_up_proj / down_proj, 3-D, input dimension a multiple of 32)"
+        return "2-D linear weights (input dimension a multiple of 16)"
+
+    def target(self, entry: TensorEntry) -> QuantTarget | None:
+        return fp4_target(entry, self.scheme)
+
+    def quantization_config(self, kept: Sequence[str]) -> JsonObject:
+        return fp4_config(self.scheme, kept)
+
+    def dequantizer(self, layout: QuantLayout | Fp4Layout, entries: Sequence[TensorEntry]) -> Fp4Dequantizer | None:
+        """The dense weights of an fp4 layout this scheme reads (MXFP4; NVFP4: ModelOpt's and compressed-tensors')."""
+        from .fp4_math import Fp4Dequantizer
+
+        if not isinstance(layout, Fp4Layout) or (layout.scheme == MXFP4) != (self.scheme == "mxfp4"):
+            return None
+        return Fp4Dequantizer(layout)
+
+    def prepare(self, reader: TensorReader, target: QuantTarget) -> torch.Tensor | None:
+        """NVFP4: compressed-tensors' global scale of the weight (from its absmax, in its stored dtype)."""
+        if self.scheme != "nvfp4":
+            return None
+        import torch
+
+        from .fp4_math import nvfp4_global_scale
+
+        absmax = None
+        for band in self.source_bands(reader, target):
+            top = torch.max(band.amin().clamp(max=0).abs(), band.amax().clamp(min=0))
+            absmax = top if absmax is None else torch.max(absmax, top)
+        return nvfp4_global_scale(absmax if absmax is not None else torch.zeros(()))
+
+    def source_bands(self, reader: TensorReader, target: QuantTarget) -> Iterator[torch.Tensor]:
+        """NVFP4: bands of rows, as stored; MXFP4: one expert at a time, as (out, in) rows."""
+        from .fp4_math import BAND_BYTES
+
+        if self.scheme == "mxfp4":
+            experts, cols, rows = target.source.shape
+            for expert in range(experts):
+                yield reader.rows(target.source.name, expert, expert + 1).reshape(cols, rows).transpose(0, 1).contiguous()
+            return
+        rows, cols = target.source.shape
+        step = max(1, BAND_BYTES // (cols * 4))
+        for row0 in range(0, rows, step):
+            yield reader.rows(target.source.name, row0, min(rows, row0 + step))
+
+    def quantize_band(self, band: torch.Tensor, target: QuantTarget,
+                      prepared: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        from .fp4_math import quantize_mxfp4, quantize_nvfp4
+
+        return quantize_nvfp4(band, prepared) if prepared is not None else quantize_mxfp4(band)
+
+    def dequantize_band(self, q: torch.Tensor, scale: torch.Tensor, target: QuantTarget,
+                        prepared: torch.Tensor | None) -> torch.Tensor:
+        import torch
+
+        from .fp4_math import dequantize_mxfp4, dequantize_nvfp4
+
+        if prepared is not None:
+            return dequantize_nvfp4(q, scale, prepared, modelopt=False, out_dtype=torch.float32)
+        return dequantize_mxfp4(q, scale, torch.float32)
+
+    def side_bytes(self, target: QuantTarget, scales: Sequence[torch.Tensor],
+                   prepared: torch.Tensor | None) -> tuple[BandBytes, ...]:
+        """The block scales, every band's one after another; NVFP4: then the global scale."""
+        joined = b"".join(bytes(band_bytes(s)) for s in scales)
+        return (joined,) if prepared is None else (joined, band_bytes(prepared))
 
 
 _SAMPLE: tuple[tuple[str, tuple[int, ...]], ...] = (

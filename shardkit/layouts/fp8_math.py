@@ -13,18 +13,19 @@ transformers' ``Fp8Quantize`` computes it. All functions take and return one ban
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError
 from ..formats.dtypes import to_torch
 from ..formats.header import TensorEntry
-from .fp8 import QuantLayout, ScaledWeight, find_layout, matrix_shape
+from .fp8 import COMFY_METADATA_KEY, QuantLayout, ScaledWeight, find_layout, matrix_shape
+from .quant import DenseWeight, TensorReader
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["E4M3_MAX", "band_rows", "dequantize_band", "dequantize_state_dict", "quantize_band", "refuse_disagreeing",
+__all__ = ["E4M3_MAX", "Fp8Dequantizer", "band_rows", "dequantize_band", "dequantize_state_dict", "quantize_band", "refuse_disagreeing",
            "scale_to_float32", "state_dict_entries", "tensor_from_bytes"]
 
 E4M3_MAX = 448.0
@@ -146,6 +147,39 @@ def refuse_disagreeing(fused: Mapping[str, torch.Tensor], *, where: str) -> None
         raise InvalidInputError(f"{where}: fused per-tensor scales disagree ({'; '.join(disagree[:3])}): which rows "
                                 "each one scales is not recorded, so the weights cannot be dequantized (copy the "
                                 "checkpoint as is, without dtype=...)")
+
+
+class Fp8Dequantizer:
+    """The dense weights of an fp8 layout (a :class:`~shardkit.layouts.quant.Dequantizer`): weight × scale, band
+    by band of rows, a whole number of scale blocks at a time."""
+
+    dropped_metadata = frozenset({COMFY_METADATA_KEY})
+    side_files: frozenset[str] = frozenset()
+
+    def __init__(self, layout: QuantLayout, entries: Sequence[TensorEntry]) -> None:
+        shapes = {e.name: tuple(e.shape) for e in entries}
+        self.layout = layout
+        self._scaled = {w.weight: w for w in layout.weights}
+        self._weights = tuple(DenseWeight(w.weight, w.weight, shapes[w.weight], (w.scale,)) for w in layout.weights)
+
+    def weights(self) -> tuple[DenseWeight, ...]:
+        return self._weights
+
+    def broken(self, reader: TensorReader, *, where: str, allow_lossy: bool) -> frozenset[str]:
+        """None: several per-tensor scales on one (fused) weight that disagree are refused, even with ``allow_lossy``."""
+        refuse_disagreeing({w.scale: scale_to_float32(reader.whole(w.scale), name=w.scale)
+                            for w in self.layout.weights if w.granularity == "fused"}, where=where)
+        return frozenset()
+
+    def dense_bands(self, reader: TensorReader, weight: DenseWeight, out_dtype: torch.dtype, *,
+                    first: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
+        scaled = self._scaled[weight.stored]
+        rows, cols = matrix_shape(weight.shape)
+        scale = scale_to_float32(reader.whole(scaled.scale), name=scaled.scale)
+        step = band_rows(scaled, cols)
+        for row0 in range(first // max(1, cols) // step * step, rows, step):
+            band = reader.rows(scaled.weight, row0, min(rows, row0 + step))
+            yield row0 * cols, dequantize_band(band, scale, scaled, row0, out_dtype)
 
 
 def state_dict_entries(tensors: Mapping[str, torch.Tensor]) -> list[TensorEntry]:

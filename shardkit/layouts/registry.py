@@ -24,19 +24,19 @@ from ..formats.json_types import Config, JsonObject
 from ..formats.layout import read_config
 from ..formats.links import parse_json, read_inside
 from .adapters import PeftLora
-from .fp4 import Fp4Layout, find_fp4_layout
+from .fp4 import HF_QUANT_CONFIG, Fp4Layout, find_fp4_layout
 from .fp4_quantize import Fp4Scheme
 from .fp8 import QuantLayout, find_layout
 from .fp8_quantize import QUANTIZE_RECIPES
 from .gguf_names import GgufNames
+from .quant import Dequantizer, QuantStrategy
 from .single_file_export import LDM_VAE, UNET, SingleFileFamily
 from .table import LayoutStrategy
 
-__all__ = ["HF_QUANT_CONFIG", "LAYOUTS", "AnyLayout", "RegisteredLayout", "find_quant_layout", "quant_config",
-           "registered"]
+__all__ = ["HF_QUANT_CONFIG", "LAYOUTS", "AnyLayout", "RegisteredLayout", "dequantizer", "find_quant_layout",
+           "quant_config", "quant_strategy", "registered"]
 
 AnyLayout = QuantLayout | Fp4Layout
-HF_QUANT_CONFIG = "hf_quant_config.json"
 MAX_QUANT_CONFIG_BYTES = 16 * 2**20
 
 
@@ -166,3 +166,27 @@ def registered(name: str) -> RegisteredLayout:
         if layout.name == name:
             return layout
     raise InvalidInputError(f"no layout {name!r}; the layouts are {', '.join(layout.name for layout in LAYOUTS)}")
+
+
+def quant_strategy(name: str) -> QuantStrategy:
+    """The quantized layout called ``name`` (``quantize=name``) as its :class:`~shardkit.layouts.quant.QuantStrategy`.
+
+    Raises:
+        InvalidInputError: no quantized layout of that name; the message lists them.
+    """
+    for layout in LAYOUTS:
+        if layout.name == name and isinstance(layout.strategy, QuantStrategy):
+            return layout.strategy
+    names = ", ".join(layout.name for layout in LAYOUTS if isinstance(layout.strategy, QuantStrategy))
+    raise InvalidInputError(f"quantize={name!r}: expected one of {names}")
+
+
+def dequantizer(layout: AnyLayout, entries: Sequence[TensorEntry]) -> Dequantizer:
+    """The dense weights of a checkpoint's quantized ``layout`` (:func:`find_quant_layout`, found among ``entries``),
+    from the first entry of :data:`LAYOUTS` that reads it."""
+    for registered_layout in LAYOUTS:
+        strategy = registered_layout.strategy
+        found = strategy.dequantizer(layout, entries) if isinstance(strategy, QuantStrategy) else None
+        if found is not None:
+            return found
+    raise InvalidInputError(f"{layout.scheme}: no layout of the registry reads it (add its strategy to LAYOUTS)")

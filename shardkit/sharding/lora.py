@@ -23,12 +23,10 @@ from typing import TYPE_CHECKING
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.json_types import JsonObject
-from ..layouts.fp4 import Fp4Layout
 from ..layouts.fp8 import matrix_shape
 from ..layouts.registry import find_quant_layout
 from ..sources import Source
 from ..sources.dequantized import DequantizedSource, ViewSource, bytes_in_range, read_rows
-from ..sources.dequantized_fp4 import Fp4DequantizedSource
 from ..units import LOSSLESS_TARGETS, tensor_nbytes
 from .lora_adapter import Adapter, LowRank, Replace, is_peft_folder, load_adapter, plan_merge
 from .lora_original import Placement, is_original_flux, original_placements
@@ -82,9 +80,7 @@ def _dequantized(inner: Source, options: WriteOptions) -> Source:
         raise InvalidInputError(f"{inner.description}: a LoRA merges into the plain weights of this {layout.describe()} "
                                 "base; choose what to write: dtype='bf16' (or 'fp16', 'fp32'), or quantize='fp8-block' "
                                 "(or another scheme) to quantize the merged weights again")
-    if isinstance(layout, Fp4Layout):
-        return Fp4DequantizedSource(inner, layout, "F32", allow_lossy=options.allow_lossy)
-    return DequantizedSource(inner, layout, "F32")
+    return DequantizedSource(inner, layout, "F32", allow_lossy=options.allow_lossy)
 
 
 class LoraSource(ViewSource):

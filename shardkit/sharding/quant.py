@@ -33,10 +33,8 @@ from ..layouts.fp8 import FP8_DTYPES, find_layout
 from ..layouts.registry import find_quant_layout, quant_config
 from ..sources import Source
 from ..sources.dequantized import DequantizedSource
-from ..sources.dequantized_fp4 import Fp4DequantizedSource
 from ..sources.gguf import find_gguf
 from ..sources.quantized import QuantizedSource
-from ..sources.quantized_fp4 import FP4_SCHEMES, Fp4QuantizedSource
 from ..units import LOSSLESS_TARGETS
 from .options import WriteOptions, warn
 
@@ -45,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = ["config_edits", "dequantized_for_mapping", "dropped_side_files", "kept_cast", "quant_report", "quant_view",
            "written_view"]
-VIEWS = (DequantizedSource, Fp4DequantizedSource, QuantizedSource, Fp4QuantizedSource)
+VIEWS = (DequantizedSource, QuantizedSource)
 
 _FP8_CASTS = FP8_DTYPES | {"F8_E8M0"}  # plain fp8 casts: the fp8 dtypes and e8m0
 _WIDE = frozenset({"F32", "F64"})
@@ -77,7 +75,7 @@ def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset
                      "(transformers FineGrainedFP8), 'fp8-channel' or 'fp8-tensor' (compressed-tensors), which "
                      "write scales and a quantization_config")
             return src, frozenset()
-        view = (Fp4QuantizedSource if options.quantize in FP4_SCHEMES else QuantizedSource)(src, options.quantize)
+        view = QuantizedSource(src, options.quantize)
         return view, view.scale_names()
     if options.quantize is not None:
         raise InvalidInputError(f"{src.description}: already quantized ({layout.describe()}); quantize=... applies to a "
@@ -89,9 +87,7 @@ def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset
         raise InvalidInputError(f"{src.description}: dtype={options.dtype!r} of a checkpoint already in "
                                 f"{layout.describe()} would drop its scales; copy it as is (no dtype=...) or dequantize "
                                 "(dtype='bf16')")
-    if isinstance(layout, Fp4Layout):
-        return Fp4DequantizedSource(src, layout, cast_to, allow_lossy=options.allow_lossy), frozenset()
-    return DequantizedSource(src, layout, cast_to), frozenset()
+    return DequantizedSource(src, layout, cast_to, allow_lossy=options.allow_lossy), frozenset()
 
 
 def source_config(src: Source) -> JsonObject | None:
@@ -109,7 +105,7 @@ def kept_cast(src: Source, options: WriteOptions) -> str | None:
     ``--dtype`` the checkpoint's compute dtype for the tensors it keeps (norms, embeddings...): bf16 when
     they are stored in fp32/fp64, so the fp8 output is smaller than a bf16 copy; None (as they are) otherwise.
     """
-    if options.cast_to is not None or not isinstance(src, QuantizedSource):
+    if options.cast_to is not None or not isinstance(src, QuantizedSource) or not src.strategy.kept_to_bf16:
         return options.cast_to
     scales = src.scale_names()
     stored: dict[str, int] = {}
@@ -126,13 +122,13 @@ def quant_report(src: Source, *, cast_to: str | None = None,
     if view is None:
         return None
     report = view.report()
-    if isinstance(view, QuantizedSource):
+    if isinstance(view, QuantizedSource) and view.strategy.kept_to_bf16:
         report["kept_dtype"] = cast_to  # None: kept as stored
         report["kept_dtype_chosen"] = cast_to is not None and (options is None or options.cast_to is None)
     return report
 
 
-def written_view(src: Source) -> DequantizedSource | Fp4DequantizedSource | QuantizedSource | Fp4QuantizedSource | None:
+def written_view(src: Source) -> DequantizedSource | QuantizedSource | None:
     """The (de)quantizing view a job writes through: ``src`` itself, or one beneath the views put over it
     (a LoRA merge over a dequantized base, :mod:`shardkit.sharding.lora`, then the key options); None without one."""
     while not isinstance(src, VIEWS):
@@ -184,7 +180,7 @@ def config_edits(output: str, jobs: Sequence[tuple[str, Source]],
 def dropped_side_files(jobs: Sequence[tuple[str, Source]]) -> frozenset[str]:
     """Side files a dequantizing job leaves out (``hf_quant_config.json`` beside its config.json)."""
     return frozenset(os.path.join(os.path.dirname(name), dropped) for name, src in jobs
-                     if isinstance(view := written_view(src), Fp4DequantizedSource)
+                     if isinstance(view := written_view(src), DequantizedSource)
                      for dropped in view.dropped_side_files())
 
 

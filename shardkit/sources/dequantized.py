@@ -1,10 +1,13 @@
-"""A view of an fp8-with-scales checkpoint as the plain checkpoint it stands for: weight × scale.
+"""A view of a quantized checkpoint (fp8 with scales, NVFP4, MXFP4) as the plain checkpoint it stands for.
 
-:class:`DequantizedSource` wraps any source whose :class:`~shardkit.layouts.fp8.QuantLayout` is
-known: every scaled weight becomes one tensor of the output dtype (computed band by band of rows, a
-whole number of scale blocks at a time, so memory never depends on the tensor's size), the scales,
-input scales and markers disappear, and every other tensor passes through with its file offsets (still
-copied kernel-side). ``edit_config`` drops ``quantization_config`` from the checkpoint's config.json.
+:class:`DequantizedSource` wraps any source whose quantized layout is known
+(:func:`~shardkit.layouts.registry.find_quant_layout`): every quantized weight becomes one dense tensor of
+the output dtype, under its dense name (gpt-oss experts ``X_blocks`` → ``X``, transposed), computed band
+by band by the layout's strategy (:func:`~shardkit.layouts.registry.dequantizer`), so memory never depends
+on the tensor's size; the scales, input scales and markers disappear, and every other tensor passes through
+with its file offsets (still copied kernel-side). ``edit_config`` drops ``quantization_config`` from the
+checkpoint's config.json. Scales that cannot be used (fp4 scales holding NaN or infinity, fused fp8 scales
+that disagree) are refused before anything is written.
 """
 
 from __future__ import annotations
@@ -15,14 +18,16 @@ from typing import TYPE_CHECKING
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.json_types import JsonObject
-from ..layouts.fp8 import COMFY_METADATA_KEY, QuantLayout, ScaledWeight, matrix_shape
+from ..layouts.fp8 import matrix_shape
+from ..layouts.quant import DenseWeight
+from ..layouts.registry import AnyLayout, dequantizer
 from ..units import DTYPE_BITS, tensor_nbytes
 from .base import Source
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DequantizedSource", "ViewSource", "bytes_in_range", "read_rows", "read_whole"]
+__all__ = ["DequantizedSource", "SourceReader", "ViewSource", "bytes_in_range", "read_rows", "read_whole"]
 
 
 def bytes_in_range(pieces: Iterable[tuple[int, bytes | memoryview]], begin: int, end: int) -> bytes:
@@ -83,75 +88,87 @@ class ViewSource(Source):
         self.inner.close()
 
 
-class DequantizedSource(ViewSource):
-    """``inner`` with every scaled weight dequantized to ``out_dtype`` (a safetensors code) and its scales gone."""
+class SourceReader:
+    """``source``'s stored tensors by name, for the layouts' strategies (a :class:`~shardkit.layouts.quant.TensorReader`)."""
 
-    def __init__(self, inner: Source, layout: QuantLayout, out_dtype: str) -> None:
+    def __init__(self, source: Source, by_name: dict[str, TensorEntry]) -> None:
+        self.source, self.by_name = source, by_name
+
+    def whole(self, name: str) -> torch.Tensor:
+        return read_whole(self.source, self.by_name[name])
+
+    def rows(self, name: str, row0: int, row1: int) -> torch.Tensor:
+        return read_rows(self.source, self.by_name[name], row0, row1)
+
+
+class DequantizedSource(ViewSource):
+    """``inner`` with every quantized weight of ``layout`` dequantized to ``out_dtype`` (a safetensors code) and its
+    scales gone.
+
+    Raises:
+        InvalidInputError: scales that cannot be used (unless ``allow_lossy``, where the layout allows it: those
+            weights are then passed through as stored).
+    """
+
+    def __init__(self, inner: Source, layout: AnyLayout, out_dtype: str, *, allow_lossy: bool = False) -> None:
         super().__init__(inner)
         self.layout, self.out_dtype = layout, out_dtype
         self._by_name = {e.name: e for e in inner.entries()}
-        self._scaled = {w.weight: w for w in layout.weights}
-        self._entries = [self._output_entry(e) for e in inner.entries() if e.name not in layout.extra]
-        self._check_fused()
+        self._reader = SourceReader(inner, self._by_name)
+        self.dequantizer = dequantizer(layout, inner.entries())
+        broken = self.dequantizer.broken(self._reader, where=inner.description, allow_lossy=allow_lossy)
+        weights = [w for w in self.dequantizer.weights() if w.stored not in broken]
+        self._stored = {w.stored: w for w in weights}
+        self._dense = {w.name: w for w in weights}
+        dropped = layout.extra - {s for w in self.dequantizer.weights() if w.stored in broken for s in w.scales}
+        self._entries = [self._output_entry(e) for e in inner.entries() if e.name not in dropped]
 
     def _output_entry(self, entry: TensorEntry) -> TensorEntry:
-        if entry.name not in self._scaled:
+        weight = self._stored.get(entry.name)
+        if weight is None:
             return entry
-        return TensorEntry(entry.name, self.out_dtype, entry.shape, tensor_nbytes(self.out_dtype, entry.shape))
-
-    def _check_fused(self) -> None:
-        """Several per-tensor scales on one (fused) weight are usable only when they agree."""
-        from ..layouts.fp8_math import refuse_disagreeing, scale_to_float32
-
-        refuse_disagreeing({w.scale: scale_to_float32(read_whole(self.inner, self._by_name[w.scale]), name=w.scale)
-                            for w in self.layout.weights if w.granularity == "fused"}, where=self.description)
+        return TensorEntry(weight.name, self.out_dtype, weight.shape, tensor_nbytes(self.out_dtype, weight.shape))
 
     def entries(self) -> list[TensorEntry]:
         return list(self._entries)
 
     def metadata(self) -> dict[str, str]:
-        return {k: v for k, v in self.inner.metadata().items() if k != COMFY_METADATA_KEY}
+        return {k: v for k, v in self.inner.metadata().items() if k not in self.dequantizer.dropped_metadata}
 
     def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
-        weight = self._scaled.get(entry.name)
+        weight = self._dense.get(entry.name)
         if weight is None:
             return self.inner.read(self._by_name[entry.name], begin, end)
-        row_bytes = entry.nbytes // max(1, matrix_shape(entry.shape)[0])
-        first = begin // row_bytes if row_bytes else 0
-        bands = ((row0 * row_bytes, data) for row0, data in self._bands(weight, first_row=first))
-        return bytes_in_range(bands, begin, end)
+        return bytes_in_range(self._bands(weight, first_byte=begin), begin, end)
 
     def chunks(self, entry: TensorEntry, chunk_bytes: int) -> Iterator[bytes | memoryview]:
-        weight = self._scaled.get(entry.name)
+        weight = self._dense.get(entry.name)
         if weight is None:
             yield from self.inner.chunks(self._by_name[entry.name], chunk_bytes)
             return
         for _, data in self._bands(weight):
             yield data
 
-    def _bands(self, weight: ScaledWeight, *, first_row: int = 0) -> Iterator[tuple[int, memoryview]]:
-        """(first row, bytes of the dequantized rows) for bands from ``first_row`` (rounded down to a block) on."""
+    def _bands(self, weight: DenseWeight, *, first_byte: int = 0) -> Iterator[tuple[int, memoryview]]:
+        """(byte offset in the dense tensor, its bytes) for every band from the one holding ``first_byte`` on."""
         import torch
 
         from ..formats.dtypes import to_torch
-        from ..layouts.fp8_math import band_rows, dequantize_band, scale_to_float32
 
-        stored = self._by_name[weight.weight]
-        rows, cols = matrix_shape(stored.shape)
-        scale = scale_to_float32(read_whole(self.inner, self._by_name[weight.scale]), name=weight.scale)
-        step, out_dtype = band_rows(weight, cols), to_torch(self.out_dtype)
-        start = first_row // step * step
-        for row0 in range(start, rows, step):
-            row1 = min(rows, row0 + step)
-            band = dequantize_band(read_rows(self.inner, stored, row0, row1), scale, weight, row0, out_dtype)
-            yield row0, band.contiguous().view(torch.uint8).numpy().data.cast("B")
+        item_bytes = max(1, DTYPE_BITS[self.out_dtype] // 8)
+        bands = self.dequantizer.dense_bands(self._reader, weight, to_torch(self.out_dtype), first=first_byte // item_bytes)
+        for offset, band in bands:
+            yield offset * item_bytes, band.contiguous().view(torch.uint8).numpy().data.cast("B")
 
     def edit_config(self, config: JsonObject) -> JsonObject:
         """The config.json of the output: without ``quantization_config`` (the weights are plain now)."""
         return {k: v for k, v in config.items() if k != "quantization_config"}
 
-    def report(self) -> dict[str, object]:
-        """What was dequantized: the layout read, how many weights, how many scale/marker tensors dropped."""
-        return {"dequantized": self.layout.describe(), "dtype": self.out_dtype, "weights": len(self.layout.weights),
-                "dropped": len(self.layout.extra)}
+    def dropped_side_files(self) -> frozenset[str]:
+        """Side files that describe the quantization and go with it: ModelOpt's ``hf_quant_config.json``."""
+        return self.dequantizer.side_files
 
+    def report(self) -> dict[str, object]:
+        """What was dequantized: the layout read, how many weights, how many scale and marker tensors dropped."""
+        return {"dequantized": self.layout.describe(), "dtype": self.out_dtype, "weights": len(self._dense),
+                "dropped": len(self.layout.extra)}

@@ -1,18 +1,21 @@
-"""A view of a checkpoint quantized to fp8 with scales, in a layout that loaders read, computed as it is written.
+"""A view of a plain checkpoint quantized in a layout that loaders read, computed as it is written.
 
-:class:`QuantizedSource` wraps any source. Each 2-D float ``.weight`` that
-:func:`~shardkit.layouts.fp8.should_skip_quantize` does not keep becomes an e4m3fn weight plus its
-scale, computed band by band of rows (memory never depends on the tensor's size):
+:class:`QuantizedSource` wraps any source and one quantized layout of the registry
+(:func:`~shardkit.layouts.registry.quant_strategy`): every weight the layout's strategy quantizes becomes
+the tensors it writes (the quantized weight, then its scales), computed band by band (memory never depends
+on the tensor's size); everything else passes through with its file offsets. The layouts written:
 
 - ``fp8-block``: 128×128 blocks, ``X.weight_scale_inv`` (transformers FineGrainedFP8); a weight whose
   dimensions are not multiples of 128 is kept, since transformers' loader derives the block from the
   scale grid and would misread it;
 - ``fp8-channel`` / ``fp8-tensor``: ``X.weight_scale`` of shape ``(out, 1)`` / ``(1,)``
-  (compressed-tensors ``float-quantized``).
+  (compressed-tensors ``float-quantized``);
+- ``nvfp4``: compressed-tensors ``nvfp4-pack-quantized`` (``X.weight_packed``, ``X.weight_scale``,
+  ``X.weight_global_scale``), bit-equal to compressed-tensors' own compressor;
+- ``mxfp4``: gpt-oss-style MoE experts as ``X_blocks`` and ``X_scales``.
 
-Everything else passes through (with its file offsets). ``edit_config`` adds the recipe's
-``quantization_config`` (the kept modules in ``modules_to_not_convert`` / ``ignore``), and
-:meth:`QuantizedSource.report` gives the quantization error of every tensor written.
+``edit_config`` adds the layout's ``quantization_config`` (the kept modules in ``modules_to_not_convert`` /
+``ignore``), and :meth:`QuantizedSource.report` gives the quantization error of every weight written.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from typing import TYPE_CHECKING
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.json_types import JsonObject
-from ..layouts.fp8 import ScaledWeight, matrix_shape
-from ..layouts.fp8_quantize import QUANTIZE_RECIPES
+from ..layouts.quant import BandBytes, QuantTarget
+from ..layouts.registry import quant_strategy
 from .base import Source
-from .dequantized import ViewSource, read_rows
+from .dequantized import SourceReader, ViewSource
 from .memory import host_bytes
 
 if TYPE_CHECKING:
@@ -37,117 +40,94 @@ __all__ = ["QuantizedSource"]
 
 
 class QuantizedSource(ViewSource):
-    """``inner`` with its weights quantized by ``scheme`` (``"fp8-block"``, ``"fp8-channel"``, ``"fp8-tensor"``)."""
+    """``inner`` with its weights quantized by ``scheme`` (``"fp8-block"``, ``"fp8-channel"``, ``"fp8-tensor"``,
+    ``"nvfp4"``, ``"mxfp4"``).
+
+    Raises:
+        InvalidInputError: an unknown scheme, or one that found nothing to quantize where that is an error.
+    """
 
     def __init__(self, inner: Source, scheme: str) -> None:
-        if scheme not in QUANTIZE_RECIPES:
-            raise InvalidInputError(f"quantize={scheme!r}: expected one of {', '.join(QUANTIZE_RECIPES)}")
+        self.strategy = quant_strategy(scheme)
         super().__init__(inner)
-        self.scheme, self.recipe = scheme, QUANTIZE_RECIPES[scheme]
-        self._by_name: dict[str, TensorEntry] = {}
-        self._weights: dict[str, ScaledWeight] = {}  # output name (weight or scale) → its weight
+        self.scheme = scheme
+        self._by_name = {e.name: e for e in inner.entries()}
+        self._reader = SourceReader(inner, self._by_name)
+        self._targets: dict[str, QuantTarget] = {}  # every name written for a quantized weight → its target
         self._entries: list[TensorEntry] = []
-        self._scale_dtypes: dict[str, str] = {}
         self.skipped: list[str] = []
         for entry in inner.entries():
             self._add(entry)
-        self._scales: dict[str, torch.Tensor] = {}
-        self._absmax: dict[str, torch.Tensor] = {}
+        if self.strategy.applies_to is not None and not self._targets:
+            raise InvalidInputError(f"{inner.description}: quantize={scheme!r} found nothing to quantize: it applies "
+                                    f"to {self.strategy.applies_to}")
+        self._side: dict[str, BandBytes] = {}  # scales computed with their weight, until read
+        self._prepared: dict[str, torch.Tensor | None] = {}
         self._errors: dict[str, dict[str, float]] = {}
 
     def _add(self, entry: TensorEntry) -> None:
-        self._by_name[entry.name] = entry
-        target = self.recipe.target(entry)
+        target = self.strategy.target(entry)
         if target is None:
             if entry.name.endswith(".weight") and len(entry.shape) >= 2:
                 self.skipped.append(entry.name[: -len(".weight")])
             self._entries.append(entry)
             return
-        weight, stored, scale = target
-        self._weights[entry.name] = self._weights[weight.scale] = weight
-        self._entries += [stored, scale]
-        self._scale_dtypes[entry.name] = scale.dtype
+        self._entries += target.written
+        for written in target.written:
+            self._targets[written.name] = target
 
     def scale_names(self) -> frozenset[str]:
-        """The scale tensors written: never cast by ``dtype``."""
-        return frozenset(w.scale for w in self._weights.values())
+        """The tensors written for quantized weights: never cast by ``dtype``."""
+        return frozenset(self._targets)
 
     def entries(self) -> list[TensorEntry]:
         return list(self._entries)
 
     def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
-        weight = self._weights.get(entry.name)
-        if weight is None:
+        if entry.name not in self._targets:
             return self.inner.read(self._by_name[entry.name], begin, end)
-        if entry.name == weight.scale:
-            return self._scale_bytes(weight)[begin:end]
-        return b"".join(bytes(c) for c in self._quantized(weight, record=False))[begin:end]
+        return b"".join(bytes(c) for c in self.chunks(entry, max(1, end)))[begin:end]
 
     def chunks(self, entry: TensorEntry, chunk_bytes: int) -> Iterator[bytes | memoryview]:
-        weight = self._weights.get(entry.name)
-        if weight is None:
+        target = self._targets.get(entry.name)
+        if target is None:
             yield from self.inner.chunks(self._by_name[entry.name], chunk_bytes)
-        elif entry.name == weight.scale:
-            yield self._scale_bytes(weight)
+        elif entry.name == target.written[0].name:
+            yield from self._quantized(target)
         else:
-            yield from self._quantized(weight, record=True)
+            if entry.name not in self._side:
+                for _ in self._quantized(target):
+                    pass
+            yield self._side.pop(entry.name)
 
-    def _scale_bytes(self, weight: ScaledWeight) -> memoryview:
-        if weight.weight not in self._scales:
-            for _ in self._quantized(weight, record=True):
-                pass
-        scale = self._scales.pop(weight.weight)
-        return host_bytes(scale)
-
-    def _quantized(self, weight: ScaledWeight, *, record: bool) -> Iterator[memoryview]:
-        """The e4m3fn bytes of ``weight``, band by band; with ``record``, keep its scales and error."""
+    def _quantized(self, target: QuantTarget) -> Iterator[memoryview]:
+        """The quantized bytes of ``target``, band by band; its scales are kept for their own tensors, its error
+        recorded."""
         import torch
 
-        from ..formats.dtypes import to_torch
-        from ..layouts.fp8_math import band_rows, dequantize_band, quantize_band
-
-        stored = self._by_name[weight.weight]
-        rows, cols = matrix_shape(stored.shape)
-        absmax = self._tensor_absmax(weight) if weight.granularity == "tensor" else None
+        name = target.source.name
+        if name not in self._prepared:
+            self._prepared[name] = self.strategy.prepare(self._reader, target)
+        prepared = self._prepared[name]
         scales, err_sq, ref_sq, worst = [], 0.0, 0.0, 0.0
-        step = band_rows(weight, cols)
-        for row0 in range(0, rows, step):
-            w = read_rows(self.inner, stored, row0, min(rows, row0 + step)).to(torch.float32)
-            q, scale = quantize_band(w, weight.granularity, block=weight.block, absmax=absmax,
-                                     scale_dtype=to_torch(self._scale_dtypes[weight.weight]))
-            if record:
-                diff = dequantize_band(q, scale, weight, 0, torch.float32) - w
-                err_sq, ref_sq = err_sq + float(diff.square().sum()), ref_sq + float(w.square().sum())
-                worst = max(worst, float(diff.abs().max()) if diff.numel() else 0.0)
-                scales.append(scale)
-            yield q.view(torch.uint8).numpy().data.cast("B")
-        if record:
-            self._scales[weight.weight] = scales[0] if weight.granularity == "tensor" else torch.cat(scales)
-            self._errors[weight.weight] = {"relative_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0,
-                                           "max_abs_error": worst}
-
-    def _tensor_absmax(self, weight: ScaledWeight) -> torch.Tensor:
-        import torch
-
-        from ..layouts.fp8_math import band_rows
-
-        if weight.weight not in self._absmax:
-            stored = self._by_name[weight.weight]
-            rows, cols = matrix_shape(stored.shape)
-            step, found = band_rows(weight, cols), torch.zeros((), dtype=torch.float32)
-            for row0 in range(0, rows, step):
-                band = read_rows(self.inner, stored, row0, min(rows, row0 + step)).to(torch.float32)
-                found = torch.maximum(found, band.abs().amax())
-            self._absmax[weight.weight] = found
-        return self._absmax[weight.weight]
+        for band in self.strategy.source_bands(self._reader, target):
+            q, scale = self.strategy.quantize_band(band, target, prepared)
+            plain = band.to(torch.float32)
+            diff = self.strategy.dequantize_band(q, scale, target, prepared) - plain
+            err_sq, ref_sq = err_sq + float(diff.square().sum()), ref_sq + float(plain.square().sum())
+            worst = max(worst, float(diff.abs().max()) if diff.numel() else 0.0)
+            scales.append(scale)
+            yield host_bytes(q)
+        side = self.strategy.side_bytes(target, scales, prepared)
+        self._side.update({written.name: data for written, data in zip(target.written[1:], side, strict=True)})
+        self._errors[name] = {"relative_error": math.sqrt(err_sq / ref_sq) if ref_sq else 0.0, "max_abs_error": worst}
 
     def edit_config(self, config: JsonObject) -> JsonObject:
-        """The config.json of the output: the recipe's ``quantization_config`` added (replacing any)."""
-        return {**config, "quantization_config": self.recipe.config(sorted(self.skipped), self.recipe.granularity)}
+        """The config.json of the output: the layout's ``quantization_config`` added (replacing any)."""
+        return {**config, "quantization_config": self.strategy.quantization_config(self.skipped)}
 
     def report(self) -> dict[str, object]:
-        """What was quantized: the scheme, the kept modules, and each tensor's error (after the write)."""
-        quantized = [n for n, w in self._weights.items() if n == w.weight]
+        """What was quantized: the scheme, how many weights, the kept modules, each weight's error (after the write)."""
+        quantized = list(dict.fromkeys(t.source.name for t in self._targets.values()))
         return {"scheme": self.scheme, "quantized": len(quantized), "kept": sorted(self.skipped),
                 "errors": {n: self._errors[n] for n in quantized if n in self._errors}}
-
