@@ -142,7 +142,9 @@ def test_config_json_as_a_special_file(command: str, kind: str, built: Path, tmp
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("kind", ["fifo", "dev-zero"])
+# dev-zero in the slow run: its refusal is the same regular-file check as the FIFO's, and
+# test_config_json_as_a_special_file[...-dev-zero] checks it for info, split and verify in the default run.
+@pytest.mark.parametrize("kind", ["fifo", pytest.param("dev-zero", marks=pytest.mark.slow)])
 def test_fit_and_plan_refuse_a_special_config(kind: str, tmp_path: Path) -> None:
     from conftest import tiny_unet
     from helpers_load import save_model
