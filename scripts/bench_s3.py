@@ -274,7 +274,7 @@ def child_open(case: str, args: argparse.Namespace, extra: dict[str, Any]) -> di
 
     import shardkit
 
-    for name in ("shardkit.api.stores", "shardkit.stores.s3", "shardkit.stores.hf"):  # before the clock too
+    for name in ("shardkit.api.stores", "shardkit.stores.s3", "shardkit.stores.hf", "shardkit.hub.remote"):  # pre-clock
         with contextlib.suppress(ModuleNotFoundError):
             importlib.import_module(name)
     if case == "open":  # shardkit.open alone (headers only), three times in this process
