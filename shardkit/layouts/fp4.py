@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from ..formats.header import TensorEntry
 from ..formats.json_types import Config
 
-__all__ = ["COMPRESSED_NVFP4", "E4M3", "FP4_FINDERS", "HF_QUANT_CONFIG", "MODELOPT_NVFP4", "MXFP4", "Fp4Layout", "PackedModule",
-           "PackedSlot", "PackedWeight", "find_fp4_layout", "packed_modules"]
+__all__ = ["COMPRESSED_NVFP4", "E4M3", "FP4_FINDERS", "HF_QUANT_CONFIG", "MODELOPT_NVFP4", "MXFP4", "Fp4Layout",
+           "PackedWeight", "find_fp4_layout"]
 
 MODELOPT_NVFP4 = "NVIDIA ModelOpt NVFP4"
 COMPRESSED_NVFP4 = "compressed-tensors nvfp4-pack-quantized"
@@ -258,36 +258,3 @@ def _order(by_name: Mapping[str, TensorEntry], suffix: str) -> Callable[[str], t
 
 FP4_FINDERS: tuple[Callable[[Mapping[str, TensorEntry], Config], Fp4Layout | None], ...] = (
     _modelopt, _compressed, _mxfp4)
-
-
-@dataclass(frozen=True)
-class PackedSlot:
-    """One dense parameter of a module and the attributes holding it packed (names relative to the module)."""
-
-    dense: str
-    packed: str
-    scale: str
-    global_scale: str | None
-    shape: tuple[int, ...]
-    names: tuple[str, ...]  # the checkpoint names of packed, scale (and global scale)
-
-
-@dataclass(frozen=True)
-class PackedModule:
-    """A module whose dense parameters are stored packed, and how to unpack them."""
-
-    module: str
-    scheme: str
-    slots: tuple[PackedSlot, ...]
-
-
-def packed_modules(layout: Fp4Layout) -> list[PackedModule]:
-    """The modules of ``layout``'s packed weights, their slots grouped per module."""
-    grouped: dict[str, list[PackedSlot]] = {}
-    for w in layout.weights:
-        module, _, dense = w.output.rpartition(".")
-        names = tuple(n for n in (w.packed, w.scale, w.global_scale) if n)
-        grouped.setdefault(module, []).append(PackedSlot(
-            dense, w.packed.rpartition(".")[2], w.scale.rpartition(".")[2],
-            w.global_scale.rpartition(".")[2] if w.global_scale else None, w.shape, names))
-    return [PackedModule(module, layout.scheme, tuple(slots)) for module, slots in grouped.items()]

@@ -32,8 +32,8 @@ from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.json_types import Config, JsonObject
 
-__all__ = ["FP8_DTYPES", "QUANTIZE_SCHEMES", "QUANTIZE_SKIP_PATTERNS", "QuantLayout", "ScaledModule", "ScaledWeight",
-           "find_layout", "matrix_shape", "scaled_modules", "should_skip_quantize"]
+__all__ = ["FP8_DTYPES", "QUANTIZE_SCHEMES", "QUANTIZE_SKIP_PATTERNS", "QuantLayout", "ScaledWeight", "find_layout",
+           "matrix_shape", "should_skip_quantize"]
 
 FP8_DTYPES = frozenset({"F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"})
 DEFAULT_BLOCK = (128, 128)
@@ -286,22 +286,3 @@ def should_skip_quantize(entry: TensorEntry) -> bool:
         return True
     module = entry.name[: -len(".weight")]
     return any(re.search(p, module) for p in QUANTIZE_SKIP_PATTERNS)  # on the module's name, as diffusers matches
-
-
-@dataclass(frozen=True)
-class ScaledModule:
-    """One module whose ``weight`` is stored in fp8: its name, the scale buffer's name on it, the scaling."""
-
-    module: str
-    scale_attr: str
-    weight: ScaledWeight
-
-
-def scaled_modules(layout: QuantLayout) -> list[ScaledModule]:
-    """The modules of ``layout``'s scaled weights (``X.weight`` with scale ``X.<attr>``)."""
-    found = []
-    for w in layout.weights:
-        module, _, attr = w.scale.rpartition(".")
-        if w.weight == (f"{module}.weight" if module else "weight"):
-            found.append(ScaledModule(module, attr, w))
-    return found

@@ -1,12 +1,11 @@
 """Loading fp8 / fp4 checkpoints with scales without upcasting: the skeleton gets the scales as buffers.
 
 :func:`attach_scales` runs on the meta skeleton before key matching: it recognises the checkpoint's
-layout (:func:`shardkit.layouts.fp8.find_layout`), registers each scale as a buffer of its module
-and wraps the module's ``forward`` to dequantize at compute (:mod:`shardkit.runtime.scaled_fp8`).
-Key matching then loads the fp8 weights and their scales like any other tensor, in their stored
-dtypes, whatever ``dtype`` asks for the rest; input scales and markers are not model tensors. fp4
-checkpoints (NVFP4, MXFP4) get their packed tensors in place of the dense parameters
-(:mod:`shardkit.runtime.scaled_fp4`).
+layout (:func:`shardkit.layouts.registry.find_quant_layout`), puts each stored quantized tensor (fp8
+weights; fp4 packed tensors in place of the dense parameters) and its scales on its module, and wraps the
+module's ``forward`` to dequantize at compute (:mod:`shardkit.runtime.scaled_fp`). Key matching then loads
+them like any other tensor, in their stored dtypes, whatever ``dtype`` asks for the rest; input scales and
+markers are not model tensors.
 """
 
 from __future__ import annotations
@@ -16,11 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..layouts.fp4 import Fp4Layout, packed_modules
-from ..layouts.fp8 import scaled_modules
-from ..layouts.registry import find_quant_layout, quant_config
-from ..runtime.scaled_fp4 import attach_packed_fp4
-from ..runtime.scaled_fp8 import attach_scaled_fp8
+from ..layouts.fp8 import QuantLayout
+from ..layouts.registry import dequantizer, find_quant_layout, quant_config
+from ..runtime.scaled_fp import attach_dequantizing
 from .lazy import LazyCheckpoint
 
 if TYPE_CHECKING:
@@ -56,20 +53,13 @@ def attach_scales(skeleton: torch.nn.Module, checkpoint: LazyCheckpoint) -> Scal
                                where=checkpoint.description)
     if layout is None:
         return ScaledLoad()
-    if isinstance(layout, Fp4Layout):  # NVFP4 / MXFP4: kept packed, dequantized at compute
-        shapes = {n: (checkpoint.shape_of(n), checkpoint.dtype_of(n)) for w in layout.weights
-                  for n in (w.packed, w.scale, w.global_scale) if n}
-        kept = attach_packed_fp4(skeleton, packed_modules(layout), shapes)
-        return ScaledLoad({n: checkpoint.dtype_of(n) for n in kept}, frozenset(layout.extra - set(kept)),
-                          layout.describe())
-    refuse_disagreeing({w.scale: scale_to_float32(checkpoint.get_tensor(w.scale)) for w in layout.weights
-                        if w.granularity == "fused"}, where=checkpoint.description)
-    shapes = {w.scale: (checkpoint.shape_of(w.scale), checkpoint.dtype_of(w.scale)) for w in layout.weights}
-    kept = attach_scaled_fp8(skeleton, scaled_modules(layout), shapes)
-    scales = {w.scale for w in layout.weights if w.weight in kept}
-    stored = {name: checkpoint.dtype_of(name) for name in [*kept, *scales]}
-    extra = frozenset(n for n in layout.extra if n not in scales)
-    return ScaledLoad(stored, extra, layout.describe())
+    if isinstance(layout, QuantLayout):  # fused fp8 scales that disagree cannot be used (fp4 scales: verify reads them)
+        refuse_disagreeing({w.scale: scale_to_float32(checkpoint.get_tensor(w.scale)) for w in layout.weights
+                            if w.granularity == "fused"}, where=checkpoint.description)
+    weights = dequantizer(layout, entries)
+    shapes = {n: (checkpoint.shape_of(n), checkpoint.dtype_of(n)) for w in weights.weights() for n in (w.stored, *w.scales)}
+    kept = attach_dequantizing(skeleton, weights, shapes)
+    return ScaledLoad({n: checkpoint.dtype_of(n) for n in kept}, frozenset(layout.extra - set(kept)), layout.describe())
 
 
 def has_scales(folder: str) -> bool:
