@@ -149,12 +149,12 @@ def convert(source: str, output: str, key: str | None, strip_prefix: str | None,
     from .split import print_plan
 
     if plan_file is not None or resume:  # the job as a plan (shardkit run), or run as one that resumes
-        if to or config or component or lora or no_cache:
-            raise click.UsageError("--write-plan/--resume plan a local convert into a folder: drop --to, --config, "
-                                   "--component, --lora and --no-cache")
+        if to or config or component or no_cache:
+            raise click.UsageError("--write-plan/--resume plan a convert into a folder or s3:// prefix: drop --to, "
+                                   "--config, --component and --no-cache")
         run_as_plan("convert", source, output, plan_file=plan_file, resume=resume, as_json=as_json, quiet=quiet,
                     options=WriteOptions(**write), key=key, include=include, exclude=exclude, strip_prefix=strip_prefix,
-                    add_prefix=add_prefix, rename=rename)
+                    add_prefix=add_prefix, rename=rename, lora=lora, lora_scale=lora_scale)
         return
     with torchrun_group() as collective:  # under torchrun: every rank writes its share of the shards
         quiet, as_json = quiet or not is_rank_zero(), as_json and is_rank_zero()  # rank 0 reports for all
