@@ -34,6 +34,7 @@ def write_plan(source: str | os.PathLike[str], output: str | os.PathLike[str], p
                *, command: Command = "convert", options: WriteOptions | None = None, key: str | None = None,
                include: Iterable[str] = (), exclude: Iterable[str] = (), strip_prefix: str | None = None,
                add_prefix: str | None = None, rename: Iterable[str] | Mapping[str, str] = (),
+               lora: str | os.PathLike[str] | Iterable[str | os.PathLike[str]] = (), lora_scale: float = 1.0,
                **shorthands: Unpack[WriteKeywords]) -> ConversionPlan:
     """Plan a split or convert of ``source`` into ``output`` and write the plan to ``plan`` (a JSON file).
 
@@ -49,6 +50,8 @@ def write_plan(source: str | os.PathLike[str], output: str | os.PathLike[str], p
         command: ``"split"`` or ``"convert"`` (recorded in the plan; both run the same job).
         options, key, include, exclude, strip_prefix, add_prefix, rename, **shorthands: as for
             :func:`shardkit.convert`.
+        lora, lora_scale: local LoRA adapters merged into every task's weights, as :func:`shardkit.convert`
+            merges them (a ``convert`` plan; the adapters' files are part of the source's identity).
 
     Returns:
         The :class:`~shardkit.distributed.plan_file.ConversionPlan`.
@@ -65,13 +68,29 @@ def write_plan(source: str | os.PathLike[str], output: str | os.PathLike[str], p
     keymap = build_keymap(include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
                           rename=dict(rename) if isinstance(rename, Mapping) else rename)
     made = make_plan(command, os.fspath(source), os.fspath(output), options=built, key=key, keymap=keymap,
-                     opener=open_plan_source)
+                     opener=open_plan_source, lora=_adapters(lora, command), lora_scale=lora_scale)
     if plan is not None and not built.dry_run:
         from ..atomic.commit import file_transaction
 
         with file_transaction(os.path.abspath(os.fspath(plan)), overwrite=True) as tmp:
             _write_new(tmp, dump_plan(made))
     return made
+
+
+def _adapters(lora: str | os.PathLike[str] | Iterable[str | os.PathLike[str]], command: Command) -> list[str]:
+    """The local adapters of a plan; a remote one is refused (a worker reads the adapter where the plan says)."""
+    from ..stores import url_scheme
+
+    adapters = [os.fspath(lora)] if isinstance(lora, (str, os.PathLike)) else [os.fspath(a) for a in lora]
+    if adapters and command != "convert":
+        raise InvalidInputError("lora=... merges in a convert; write the plan with command='convert'")
+    for adapter in adapters:
+        if url_scheme(adapter) is not None:
+            raise InvalidInputError(f"lora={adapter!r}: a plan merges local adapters; download it first "
+                                    "(shardkit.convert merges a remote adapter in one process)")
+        if not os.path.exists(adapter):
+            raise InvalidInputError(f"lora={adapter!r}: no such adapter file or folder")
+    return adapters
 
 
 @contextlib.contextmanager
@@ -224,7 +243,8 @@ def _run_ranks(plan: ConversionPlan, *, progress: ProgressCallback | None) -> Pl
 def resume(source: str | os.PathLike[str], output: str | os.PathLike[str], *, command: Command = "convert",
            options: WriteOptions | None = None, key: str | None = None, include: Iterable[str] = (),
            exclude: Iterable[str] = (), strip_prefix: str | None = None, add_prefix: str | None = None,
-           rename: Iterable[str] | Mapping[str, str] = (), **shorthands: Unpack[WriteKeywords]) -> PlanRun:
+           rename: Iterable[str] | Mapping[str, str] = (), lora: str | os.PathLike[str] | Iterable[str | os.PathLike[str]] = (),
+           lora_scale: float = 1.0, **shorthands: Unpack[WriteKeywords]) -> PlanRun:
     """A split or convert that a kill does not lose: run as its plan, continued from the shards a killed
     run finished (the same arguments find the same plan). Same arguments as :func:`write_plan`.
     Under torchrun every rank plans the same job and runs every ``WORLD_SIZE``-th task; rank 0 publishes.
@@ -233,7 +253,8 @@ def resume(source: str | os.PathLike[str], output: str | os.PathLike[str], *, co
     """
     built = WriteOptions.build(options, shorthands, where="resume()")
     plan = write_plan(source, output, None, command=command, options=built, key=key, include=include,
-                      exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix, rename=rename)
+                      exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix, rename=rename, lora=lora,
+                      lora_scale=lora_scale)
     from ..distributed import plan_run
 
     world = os.environ.get("WORLD_SIZE", "").strip()

@@ -25,15 +25,19 @@ Examples:
   torchrun --nproc-per-node 2 -m shardkit run plan.json   # each rank every 2nd task; rank 0 publishes
   shardkit run plan.json --engine ray          # Ray tasks (pip install shardkit[ray]); publish here
   shardkit convert ckpt/ out/ --dtype bf16 --resume       # killed? the same line continues it
+  shardkit convert s3://b/ckpt s3://b/out --dtype bf16 --write-plan plan.json   # each task its own upload
+  shardkit convert base/ merged/ --lora adapter/ --dtype bf16 --write-plan plan.json   # a LoRA merge
 
 \b
 A plan (--write-plan) lists one task per output shard (the source byte ranges it reads, its casts,
 its name and exact size) and a finalize (index, manifest, configs); it carries the source files'
-sizes and mtimes, so a task refuses a source that changed. A task writes its shard into
+sizes and mtimes (an s3:// object's size and ETag), so a task refuses a source that changed. A task writes its shard into
 .OUTPUT.shardkit-plan-ID beside OUTPUT and records it done: a done task is skipped, a killed
 one redone. Finalize checks every shard (size, header crc32) and publishes, index last; the output
 is byte-identical to a single-process convert. `shardkit recover OUTPUT` (an existing folder)
-removes an abandoned plan's work folder. See docs/plans.md.
+removes an abandoned plan's work folder. Into s3://BUCKET/PREFIX each task uploads its shard as its
+own multipart upload and records it done under PREFIX/.shardkit-plan-ID/; finalize puts the index
+last; `shardkit recover s3://BUCKET/PREFIX` removes an abandoned plan. See docs/plans.md.
 """
 
 F = TypeVar("F", bound=Callable[..., object])
@@ -53,7 +57,7 @@ def plan_options(f: F) -> F:
 def run_as_plan(command: Command, source: str, output: str, *, plan_file: str | None, resume: bool, as_json: bool,
                 quiet: bool, options: WriteOptions, key: str | None, include: Iterable[str] = (),
                 exclude: Iterable[str] = (), strip_prefix: str | None = None, add_prefix: str | None = None,
-                rename: Iterable[str] = ()) -> None:
+                rename: Iterable[str] = (), lora: Iterable[str] = (), lora_scale: float = 1.0) -> None:
     """``split``/``convert`` with ``--write-plan`` or ``--resume``."""
     from ..api.plans import plan_summary, write_plan
     from ..api.plans import resume as resume_api
@@ -63,14 +67,16 @@ def run_as_plan(command: Command, source: str, output: str, *, plan_file: str | 
     if resume:
         with byte_progress(command, enabled=not (quiet or as_json)) as progress:
             run = resume_api(source, output, command=command, key=key, include=include, exclude=exclude,
-                             strip_prefix=strip_prefix, add_prefix=add_prefix, rename=rename,
+                             strip_prefix=strip_prefix, add_prefix=add_prefix, rename=rename, lora=lora,
+                             lora_scale=lora_scale,
                              options=dataclasses.replace(options, dry_run=False, progress=progress))
         from ..api.jobs import is_rank_zero
 
         _report(run, as_json=as_json and is_rank_zero(), quiet=quiet or not is_rank_zero())  # torchrun: rank 0
         return
     plan = write_plan(source, output, plan_file, command=command, options=options, key=key, include=include,
-                      exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix, rename=rename)
+                      exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix, rename=rename, lora=lora,
+                      lora_scale=lora_scale)
     if as_json:
         echo_json({"plan": plan_file, "plan_id": plan.plan_id, "tasks": len(plan.tasks), "written": not options.dry_run})
     elif not quiet:

@@ -82,6 +82,8 @@ class PlanSpec:
     options: WriteOptions
     key: str | None = None
     keymap: KeyMap = dataclasses.field(default_factory=KeyMap)
+    lora: tuple[str, ...] = ()  # local LoRA adapters merged into the source, in order (convert only)
+    lora_scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -190,11 +192,15 @@ Identity = Callable[[Sequence[str]], tuple[SourceFile, ...]]  # plan names → e
 
 
 def build_plan(spec: PlanSpec, job: ShardJob, *, side_files: Sequence[str], side_paths: Sequence[str],
-               name_of: Callable[[str], str] = same_path, identity: Identity = source_identity) -> ConversionPlan:
+               name_of: Callable[[str], str] = same_path, identity: Identity = source_identity,
+               local_files: Sequence[str] = ()) -> ConversionPlan:
     """The plan of ``job`` (planned from ``spec``'s source with ``spec.options``); ``name_of`` and
-    ``identity`` as the source was opened (local files: the paths and their size and mtime)."""
+    ``identity`` as the source was opened (local files: the paths and their size and mtime).
+    ``local_files``: local files read besides the source (LoRA adapters), known by size and mtime."""
     files = [e.file for e in job.source.entries() if e.file] + list(job.source.paths) + list(side_paths)
-    return ConversionPlan(spec, identity(sorted({name_of(f) for f in files})), shard_tasks(job, spec.options, name_of=name_of),
+    read = {name_of(f) for f in files if f not in local_files}
+    known = sorted(identity(sorted(read)) + source_identity(local_files), key=lambda f: f.path)
+    return ConversionPlan(spec, tuple(known), shard_tasks(job, spec.options, name_of=name_of),
                           job.path(job.plan.index_filename) if job.plan.index_filename else None,
                           tuple(sorted(side_files)), job.plan.total_bytes)
 
@@ -211,6 +217,8 @@ def dump_plan(plan: ConversionPlan) -> bytes:
         "source_files": [[s.path, s.size_bytes, s.etag or s.mtime_ns] for s in plan.sources],
         "finalize": {"index": plan.index, "side_files": list(plan.side_files), "total_bytes": plan.total_bytes},
     }
+    if spec.lora:  # only then: a plan without adapters keeps the bytes it always had
+        head["lora"] = {"adapters": list(spec.lora), "scale": spec.lora_scale}
     lines = [json.dumps({"task": t.index, "output": t.output, "size_bytes": t.size_bytes, "tensors": t.tensors,
                          "reads": [list(r) for r in t.reads], "casts": dict(t.casts)},
                         sort_keys=True, separators=(",", ":")) for t in plan.tasks]
@@ -241,7 +249,7 @@ def _parse(doc: dict[str, object], path: str) -> ConversionPlan:
             or not (key is None or isinstance(key, str)):
         raise _bad(path, "command must be split or convert, source and output strings")
     spec = PlanSpec(command, source, output, options_from_json(doc["options"], where=path), key,
-                    keymap_from_json(doc["keymap"], where=path))
+                    keymap_from_json(doc["keymap"], where=path), *_lora(doc.get("lora"), path))
     raw_tasks, raw_sources, fin = doc["tasks"], doc["source_files"], doc["finalize"]
     if not isinstance(raw_tasks, list) or not isinstance(raw_sources, list) or not isinstance(fin, dict):
         raise _bad(path, "tasks and source_files must be lists, finalize an object")
@@ -258,6 +266,17 @@ def _parse(doc: dict[str, object], path: str) -> ConversionPlan:
     if len(set(names)) != len(names):
         raise _bad(path, "two tasks or files write the same output name")
     return ConversionPlan(spec, sources, tasks, index, tuple(side), _count(fin["total_bytes"]))
+
+
+def _lora(doc: object, path: str) -> tuple[tuple[str, ...], float]:
+    """The plan's ``lora`` entry: ``{"adapters": [PATH, ...], "scale": X}``, or none."""
+    if doc is None:
+        return (), 1.0
+    if not isinstance(doc, dict) or set(doc) != {"adapters", "scale"} or not isinstance(doc["adapters"], list) \
+            or not doc["adapters"] or len(doc["adapters"]) > 64 or not all(isinstance(a, str) for a in doc["adapters"]) \
+            or isinstance(doc["scale"], bool) or not isinstance(doc["scale"], (int, float)):
+        raise _bad(path, "lora must be {\"adapters\": [1 to 64 paths], \"scale\": a number}")
+    return tuple(doc["adapters"]), float(doc["scale"])
 
 
 def _source_file(path: object, size_bytes: object, version: object) -> SourceFile:

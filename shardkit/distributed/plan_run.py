@@ -47,12 +47,12 @@ from ..sharding.options import WriteOptions, warn_if_output_taken
 from ..sharding.outputs import JobOutput, LocalOutput
 from ..sharding.single_file import is_file_output
 from ..sharding.writer import write_safetensors
-from ..sources.keymap import KeyMap, KeyMapSource
+from ..sources.keymap import KeyMap
 from ..stores.urls import is_store_url, parse_store_url
 from ..units import ByteCounter, ProgressCallback
 from . import plan_store
 from .plan_file import ConversionPlan, PlanSpec, ShardTask, build_plan
-from .plan_source import PlanRun, SourceOpener, local_source, opened_job
+from .plan_source import PlanRun, SourceOpener, adapter_files, job_source, local_source, opened_job
 
 __all__ = ["PlanRun", "done_tasks", "finalize", "is_done", "make_plan", "run_tasks", "work_folder"]
 
@@ -84,12 +84,14 @@ def done_tasks(plan: ConversionPlan) -> set[int]:
 
 
 def make_plan(command: str, source: str, output: str, *, options: WriteOptions, key: str | None = None,
-              keymap: KeyMap | None = None, opener: SourceOpener = local_source) -> ConversionPlan:
+              keymap: KeyMap | None = None, opener: SourceOpener = local_source, lora: Sequence[str] = (),
+              lora_scale: float = 1.0) -> ConversionPlan:
     """Plan ``command`` (split or convert) of ``source`` into the folder or ``s3://`` prefix ``output``.
 
     Only headers are read. The options are the call's own :class:`WriteOptions` (less the
     callbacks and ``dry_run``: a plan is what would run). ``opener`` opens a source that is not a
-    local path (an ``s3://`` prefix; see :mod:`.plan_source`).
+    local path (an ``s3://`` prefix; see :mod:`.plan_source`). ``lora``: local adapters merged as ``convert``
+    merges them (files known by size and mtime like a local source's).
     """
     source, output = _where(source, role="source"), _where(output, role="output")
     if is_file_output(output):
@@ -102,17 +104,16 @@ def make_plan(command: str, source: str, output: str, *, options: WriteOptions, 
     else:
         refuse_output_inside_source(source, output)
     spec = PlanSpec(command, source, output, dataclasses.replace(options, dry_run=False, progress=None), key,
-                    keymap or KeyMap())
+                    keymap or KeyMap(), tuple(os.path.abspath(a) for a in lora), float(lora_scale))
     with opener(source) as opened:
         if is_pipeline_folder(opened.checkpoint):
             raise InvalidInputError(f"{source}: a plan writes the shards of one model; a pipeline folder is written "
                                     "in one process")
         with open_settled(opened.checkpoint, key=key, dry_run=True, output=output) as inner:
-            mapped = inner if spec.keymap.is_identity() else KeyMapSource(inner, spec.keymap)
-            job = plan_job(mapped, options=spec.options)
+            job = plan_job(job_source(inner, spec), options=spec.options)
             copies = side_files(opened.checkpoint, output)
             plan = build_plan(spec, job, side_files=copied_names(copies), side_paths=[path for path, _ in copies],
-                              name_of=opened.name_of, identity=opened.identity)
+                              name_of=opened.name_of, identity=opened.identity, local_files=adapter_files(spec))
     if is_store_url(output):
         plan_store.refuse_taken_prefix(plan, dry_run=options.dry_run)
     else:

@@ -17,10 +17,12 @@ from dataclasses import dataclass
 
 from ..errors import InvalidInputError
 from ..sharding.job import ShardJob, SideFile, open_settled, plan_job, side_files
+from ..sources.base import Source
 from ..sources.keymap import KeyMapSource
-from .plan_file import ConversionPlan, Identity, same_path, shard_tasks, source_identity
+from .plan_file import ConversionPlan, Identity, PlanSpec, same_path, shard_tasks, source_identity
 
-__all__ = ["OpenedSource", "PlanRun", "SourceOpener", "check_sources", "local_source", "opened_job"]
+__all__ = ["OpenedSource", "PlanRun", "SourceOpener", "adapter_files", "check_sources", "job_source", "local_source",
+           "opened_job"]
 
 
 @dataclass
@@ -55,8 +57,10 @@ def local_source(source: str) -> Iterator[OpenedSource]:
 
 def check_sources(plan: ConversionPlan, opened: OpenedSource) -> None:
     """Refuse (one line) when a source file's size, mtime or ETag is not what the plan recorded."""
+    adapters = set(adapter_files(plan.spec))
     try:
-        now = {f.path: f for f in opened.identity([f.path for f in plan.sources])}
+        now = {f.path: f for f in opened.identity([f.path for f in plan.sources if f.path not in adapters])}
+        now.update((f.path, f) for f in source_identity(sorted(adapters)))
     except (OSError, KeyError) as e:
         raise InvalidInputError(f"{plan.spec.source}: a file of the plan's source is gone ({e}); "
                                 "write the plan again from the source as it is now") from e
@@ -78,9 +82,30 @@ def opened_job(plan: ConversionPlan, opener: SourceOpener = local_source,
     with opener(spec.source) as opened:
         check_sources(plan, opened)  # before a tensor byte is read
         with open_settled(opened.checkpoint, key=spec.key, dry_run=False, output=spec.output) as inner:
-            mapped = inner if spec.keymap.is_identity() else KeyMapSource(inner, spec.keymap)
-            job = plan_job(mapped, options=spec.options)
+            job = plan_job(job_source(inner, spec), options=spec.options)
             if shard_tasks(job, spec.options, name_of=opened.name_of) != plan.tasks:
                 raise InvalidInputError(f"{spec.source}: planned again, it does not give the plan's tasks (the source "
                                         "or shardkit changed); nothing was written: write the plan again")
             yield job, side_files(opened.checkpoint, spec.output), opened
+
+
+def job_source(inner: Source, spec: PlanSpec) -> Source:
+    """What the plan's job writes: the source opened, the LoRA adapters merged, the key map applied (as ``convert``)."""
+    merged = inner
+    if spec.lora:
+        from ..sharding.lora import merged_view
+
+        merged = merged_view(inner, spec.lora, scale=spec.lora_scale, options=spec.options)
+    return merged if spec.keymap.is_identity() else KeyMapSource(merged, spec.keymap)
+
+
+def adapter_files(spec: PlanSpec) -> list[str]:
+    """The files of the plan's LoRA adapters (a file, or every file of an adapter folder): known by size and mtime."""
+    files: list[str] = []
+    for adapter in spec.lora:
+        if os.path.isdir(adapter):
+            files += sorted(os.path.join(adapter, n) for n in os.listdir(adapter)
+                            if os.path.isfile(os.path.join(adapter, n)))
+        else:
+            files.append(adapter)
+    return files
