@@ -10,7 +10,9 @@ fresh process with its peak RSS (getrusage of the children); every write ends wi
 Groups, each with its own floor:
   * .bin → 5GB shards: ``cp`` of the .bin; shardkit convert; torch.load + save_torch_state_dict
   * DCP  → 5GB shards: ``cp -r`` of the folder; shardkit convert; ``accelerate merge-weights``
-  * verify read speed (warm page cache): ``cat shards > /dev/null``; ``shardkit verify``
+  * verify read speed (warm page cache, the 2GB shards): ``cat shards > /dev/null``; a plain read loop
+    (1 MiB ``readv``); ``hashlib.file_digest`` sha256 on one thread; ``shardkit verify`` of the shards, of
+    the single file, and of the shards ``--against`` the single file
 
     .venv/bin/python scripts/bench_convert.py --runs 3            # SD 1.5 UNet
     .venv/bin/python scripts/bench_convert.py --large --runs 3    # SDXL UNet
@@ -30,6 +32,10 @@ from build_checkpoint import TORCH_SAVE, build_once, unet_source
 DCP_SAVE = ("import sys, warnings; warnings.simplefilter('ignore'); import torch.distributed.checkpoint as dcp; "
             "from safetensors.torch import load_file; "
             "dcp.save({'model': load_file(sys.argv[1])}, checkpoint_id=sys.argv[2], no_dist=True)")
+# Child-process code reading the files sys.argv[1:] (as ``verify`` must): a plain loop, or sha256 on one thread.
+READ_LOOP = ("import mmap, os, sys\nview = memoryview(mmap.mmap(-1, 1 << 20))\nfor p in sys.argv[1:]:\n"
+             "    fd = os.open(p, os.O_RDONLY)\n    while os.readv(fd, [view]): pass\n    os.close(fd)")
+SHA256 = "import hashlib, sys\nfor p in sys.argv[1:]:\n    hashlib.file_digest(open(p, 'rb'), 'sha256')"
 BIN = os.path.dirname(sys.executable)
 SK = quote(os.path.join(BIN, "shardkit"))
 
@@ -49,7 +55,7 @@ def groups(kind: str, work: str) -> dict[str, tuple[str, list[Case]]]:
     if not os.path.exists(sharded):
         subprocess.run([os.path.join(BIN, "shardkit"), "split", src, sharded, "--max-shard-size", "2GB", "-q"],
                        check=True)
-    out = os.path.join(work, "out")
+    out, py = os.path.join(work, "out"), quote(sys.executable)
     q_out, target = quote(out), "≤ 1.5× cp, ≤ 1 GB"
     hub = (f"{quote(sys.executable)} -c \"import torch; from huggingface_hub import save_torch_state_dict; "
            f"save_torch_state_dict(torch.load('{pkl}', weights_only=True, mmap=True), '{out}', max_shard_size='5GB')\"")
@@ -69,7 +75,12 @@ def groups(kind: str, work: str) -> dict[str, tuple[str, list[Case]]]:
                  f"{q_out} >/dev/null 2>&1 && sync", "incumbent (one file)", [out])]),
         "verify": (sharded, [
             Case("cat shards > /dev/null (floor, warm)", f"cat {shards} > /dev/null"),
-            Case("shardkit verify", f"{SK} verify {quote(sharded)} -q", "≥ 0.8× cat speed")]),
+            Case("read loop (1 MiB readv)", f"{py} -c {quote(READ_LOOP)} {shards}"),
+            Case("hashlib.file_digest sha256 (1 thread)", f"{py} -c {quote(SHA256)} {shards}"),
+            Case("shardkit verify", f"{SK} verify {quote(sharded)} -q", "≥ 0.8× cat speed"),
+            Case("shardkit verify of the single file", f"{SK} verify {quote(src)} -q"),
+            Case("shardkit verify --against the single file", f"{SK} verify {quote(sharded)} --against {quote(src)} -q",
+                 "reads both")]),
     }
 
 
