@@ -245,11 +245,24 @@ def info(path: str | os.PathLike[str], *, token: str | None = None) -> Checkpoin
     return info_local(path)
 
 
+def _verify_remote_gguf(path: str, *, token: str | None, progress: ProgressCallback | None,
+                        read_data: bool) -> VerifyReport:
+    """A GGUF in a store, checked as a local one: every part's header, bytes and values (see checking.gguf_verify)."""
+    from ..checking.verify import verify as verify_local
+    from ..stores.gguf_fetch import fetched_gguf
+
+    with fetched_gguf(path, token=token) as local:
+        report = verify_local(local, progress=progress, read_data=read_data)
+    report.path = path
+    return report
+
+
 def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = None, token: str | None = None,
            progress: ProgressCallback | None = None, read_data: bool = True) -> VerifyReport:
     """Check a checkpoint: structure, every byte, and with ``against`` every tensor; either may be remote.
 
-    ``verify("hf://...")`` or ``verify("s3://...")`` checks the folder's structure without tensor data;
+    ``verify("hf://...")`` or ``verify("s3://...")`` checks the folder's structure without tensor data (a ``.gguf``
+    file there is fetched whole and checked as a local one, a split's every part);
     ``verify(folder, against="hf://...")`` compares by the digests the Hub lists, then tensor by
     tensor; any other remote side is read whole by ranged reads and compared tensor by tensor.
     ``progress`` and ``read_data`` are as for :func:`shardkit.checking.verify.verify`.
@@ -258,6 +271,8 @@ def verify(path: str | os.PathLike[str], *, against: CheckpointSource | None = N
     """
     from .store_verify import verify_against_listing, verify_structure
 
+    if is_remote(path) and path.endswith(".gguf") and against is None:  # fetched whole (a split: every part)
+        return _verify_remote_gguf(path, token=token, progress=progress, read_data=read_data)
     if is_remote(path) and against is None:
         return verify_structure(path, token=token)
     if not is_remote(path) and lists_digests(against):

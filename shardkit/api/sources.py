@@ -112,7 +112,9 @@ def opened(source: CheckpointSource, *, token: str | None = None, cache: bool = 
     with opened("hf://org/model", cache=False) as readable:
         split_with(readable, "out/", options=WriteOptions())
 
-    A location whose row has a cache (``hf://``) is read through it unless ``cache=False``; then,
+    A ``.gguf`` file in a store (and a split's every part) is fetched whole into a temporary folder
+    (:mod:`shardkit.stores.gguf_fetch`). A location whose row has a cache (``hf://``) is read through
+    it unless ``cache=False``; then,
     and for every other store (``s3://``), it is read where it lives (tensor bytes by ranged reads,
     no local copy; objects with a listed digest front to back, checked). ``pickles``: a cached
     folder holding pickle weights only is downloaded (never read by range).
@@ -128,6 +130,12 @@ def opened(source: CheckpointSource, *, token: str | None = None, cache: bool = 
             shown = path if path is not None else f"a {type(source).__name__}"
             raise InvalidInputError(f"cache=False applies to an hf://ORG/REPO source, not to {shown}; drop it")
         yield source
+        return
+    if path.endswith(".gguf"):  # GGUF is read locally: the file (a split's every part) fetched whole
+        from ..stores.gguf_fetch import fetched_gguf
+
+        with fetched_gguf(path, token=token) as local:
+            yield local
         return
     if row.cached is not None and (cache or (row.names_a_file is not None and row.names_a_file(path))):
         if not cache:

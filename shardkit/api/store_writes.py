@@ -36,9 +36,10 @@ __all__ = ["recover_prefix", "shown_path", "write_to_store"]
 
 
 def _split_url(output: str) -> tuple[StoreUrl, str]:
-    """The store folder and the local name of the output: ``s3://b/p/model.safetensors`` is a file in ``s3://b/p``."""
+    """The store folder and the local name of the output: ``s3://b/p/model.safetensors`` (or ``.gguf``) is a file in
+    ``s3://b/p``."""
     url = parse_store_url(output)
-    if url.prefix.endswith(".safetensors"):
+    if url.prefix.endswith((".safetensors", ".gguf")):
         folder, _, name = url.prefix.rpartition("/")
         return dataclasses.replace(url, prefix=folder), name
     return url, "out"
@@ -67,9 +68,10 @@ def write_to_store(output: str, job: Callable[[str, ProgressCallback | None], Wr
             with bind_output(local, store_output(store, overwrite=overwrite), target=str(url)) as bound:
                 phases = _Phases(progress, bound)
                 result = job(local, phases.job if progress else None)
-            if not dry_run and not bound.used:
-                _upload(store, local, overwrite=overwrite, progress=phases.upload)
-        return dataclasses.replace(result, output=output)
+            if not dry_run and not bound.used:  # a split GGUF's files are beside the name given: all of staging
+                _upload(store, local if os.path.exists(local) else staging, overwrite=overwrite, progress=phases.upload)
+        shown = {os.path.abspath(local): output, os.path.abspath(staging): str(url)}  # a file's folder: the store's
+        return dataclasses.replace(result, output=shown.get(os.path.abspath(result.output), output))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

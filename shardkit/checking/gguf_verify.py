@@ -29,7 +29,7 @@ from ..formats.links import open_regular
 if TYPE_CHECKING:
     from ..sources.gguf import GgufSource
 
-__all__ = ["GgufCheck", "verify_gguf"]
+__all__ = ["GgufCheck", "gguf_folder_files", "is_gguf_checkpoint", "verify_gguf", "verify_gguf_path"]
 
 READ_BYTES = 16 * 2**20
 
@@ -81,6 +81,67 @@ def verify_gguf(path: str, *, progress: Callable[[int, int], None] | None = None
         return report
     if _check_model(path, report, progress=progress, read_data=read_data) and read_data:
         report.files = [_sha256(part) for part in split.paths]
+    return report
+
+
+def is_gguf_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a ``.gguf`` file, or a folder of GGUF weights (:func:`gguf_folder_files`)."""
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return True
+    return os.path.isdir(path) and gguf_folder_files(path) is not None
+
+
+def verify_gguf_path(path: str, *, progress: Callable[[int, int], None] | None = None,
+                     read_data: bool = True) -> GgufCheck:
+    """:func:`verify_gguf` of a GGUF file, or :func:`verify_gguf_folder` of a folder of them; each warning names
+    its file."""
+    names = gguf_folder_files(path) if os.path.isdir(path) else None
+    if names is not None:
+        return verify_gguf_folder(path, names, progress=progress, read_data=read_data)
+    check = verify_gguf(path, progress=progress, read_data=read_data)
+    check.warnings = [f"{os.path.basename(path)}: {warning}" for warning in check.warnings]
+    return check
+
+
+def gguf_folder_files(folder: str) -> list[str] | None:
+    """The ``.gguf`` files of ``folder`` (not its subfolders) when it holds GGUF weights and no safetensors or
+    pickle ones (a folder of GGUFs, as ``push`` sends one), sorted; else None."""
+    from ..formats.suffixes import CHECKPOINT_SUFFIXES
+
+    try:
+        names = sorted(n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n)))
+    except OSError:
+        return None
+    ggufs = [n for n in names if n.endswith(".gguf")]
+    return ggufs if ggufs and not any(n.endswith(CHECKPOINT_SUFFIXES) for n in names) else None
+
+
+def verify_gguf_folder(folder: str, names: list[str], *, progress: Callable[[int, int], None] | None = None,
+                       read_data: bool = True) -> GgufCheck:
+    """Check every GGUF of ``folder`` (``names``, from :func:`gguf_folder_files`): each whole file, and each split
+    from its first part; a part whose first part is not there is a finding."""
+    from ..formats.gguf import read_gguf
+    from ..formats.gguf_split import SPLIT_NAME, first_part
+
+    report = GgufCheck()
+    for name in names:
+        match = SPLIT_NAME.fullmatch(name)
+        if match is not None and int(match.group(2)) > 1:  # a later part: checked with its first
+            try:
+                first = first_part(read_gguf(os.path.join(folder, name)))
+            except HeaderError as e:
+                report.findings.append((name, None, str(e).removeprefix(f"{os.path.join(folder, name)}: ")))
+                continue
+            if first is not None and not os.path.isfile(first):
+                report.findings.append((name, None, f"a part of a split GGUF whose first part, "
+                                                    f"{os.path.basename(first)}, is not in the folder"))
+            if first is not None:
+                continue
+        check = verify_gguf(os.path.join(folder, name), progress=progress, read_data=read_data)
+        report.findings += check.findings
+        report.warnings += [f"{name}: {warning}" for warning in check.warnings]
+        report.files += check.files
+        report.tensors_checked += check.tensors_checked
     return report
 
 

@@ -19,6 +19,7 @@ from ..sources.base import CheckpointSource, Source
 from ..sources.ranged import RangedCheckpoint, beneath, shown
 from ..units import FLOAT_DTYPES, ProgressCallback
 from .bytescan import ScanResult, TensorComparator, scan_file
+from .gguf_verify import is_gguf_checkpoint, verify_gguf_path
 from .integrity import Expected, compare_with_manifest, expected_files, manifest_ranges
 from .manifest_trust import trusted_entries
 from .structure import HeaderRead, Layout, Problem, check_structure, resolve_layout
@@ -154,7 +155,7 @@ def verify(path: str | os.PathLike[str] | RangedCheckpoint, *, against: Checkpoi
     report = VerifyReport(path, against=against_path if against is not None else None)
     if against is not None and report.against is None:
         report.against = "<in-memory source>"
-    if path.endswith(".gguf") and os.path.isfile(path):
+    if ranged is None and is_gguf_checkpoint(path):  # a GGUF file, a split's first part, a folder of GGUFs
         return _verify_gguf(path, report, against=against, progress=progress, read_data=read_data)
     opened: list[Source] = []
     try:
@@ -182,16 +183,14 @@ def verify(path: str | os.PathLike[str] | RangedCheckpoint, *, against: Checkpoi
 
 def _verify_gguf(path: str, report: VerifyReport, *, against: CheckpointSource | None, progress: ProgressCallback | None,
                  read_data: bool) -> VerifyReport:
-    """A GGUF file: container, model metadata and every value (see :mod:`shardkit.checking.gguf_verify`)."""
-    from .gguf_verify import verify_gguf
-
+    """A GGUF file (a split: every part), or a folder of them: container, model metadata and every value (see
+    :mod:`shardkit.checking.gguf_verify`)."""
     if against is not None:
         raise InvalidInputError(f"{path}: against=... compares safetensors checkpoints; convert the GGUF first "
                                 "with dtype='fp32' and verify that against it")
-    name = os.path.basename(path)
-    check = verify_gguf(path, progress=progress, read_data=read_data)  # a split GGUF: every part
+    check = verify_gguf_path(path, progress=progress, read_data=read_data)  # a split GGUF: every part
     report.findings += [Finding(file, tensor, message) for file, tensor, message in check.findings]
-    report.warnings += [f"{name}: {message}" for message in check.warnings]
+    report.warnings += check.warnings
     report.tensors_checked = check.tensors_checked
     checked = "gguf-values" if check.tensors_checked else "structure"  # values need every part of a split
     report.files += [FileReport(file, nbytes, sha256, checked=checked) for file, nbytes, sha256 in check.files]

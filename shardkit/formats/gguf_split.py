@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from ..errors import HeaderError, SourceNotFoundError
 from .gguf import GgufFile, read_gguf
 
-__all__ = ["MAX_SPLITS", "SplitCheck", "check_split_parts", "first_part", "read_split_gguf", "split_count"]
+__all__ = ["MAX_SPLITS", "SPLIT_NAME", "SplitCheck", "check_split_parts", "first_part", "later_part_message", "part_name",
+           "read_split_gguf", "split_count"]
 
 MAX_SPLITS = 9999
 SPLIT_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.gguf")

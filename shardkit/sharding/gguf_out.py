@@ -83,7 +83,10 @@ def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize
             tensor without a GGUF name, or a non-float tensor to quantize.
     """
     if not output.endswith(".gguf") or os.path.isdir(output):
-        raise InvalidInputError(f"{output}: to='gguf' writes one file; give an OUTPUT ending in .gguf")
+        from .outputs import output_target
+
+        raise InvalidInputError(f"{output_target(output)}: to='gguf' writes one file (or a split's files beside it); "
+                                "give an output ending in .gguf")
     if options.dtype is not None:
         raise InvalidInputError(f"dtype={options.dtype!r} does not apply with to='gguf': quantize='f16', 'bf16', 'q8_0' or 'q4_0' "
                                 "sets the ggml type (without it, types are kept)")
