@@ -285,3 +285,25 @@ def test_a_type_shardkit_cannot_dequantize_is_named(tmp_path: Path, run_cli) -> 
     assert run_cli("verify", path).exit_code == 0
     line = assert_one_line_error(run_cli("convert", path, tmp_path / "out", "--dtype", "bf16"), contains="IQ4_NL")
     assert "llama-quantize" in line and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("qtype", ["MXFP4", "NVFP4", "Q1_0"])
+def test_the_fp4_types_are_read_and_copied_whole(qtype: str, tmp_path: Path, run_cli) -> None:
+    """gpt-oss GGUFs keep their experts MXFP4 (convert_hf_to_gguf.py); NVFP4 and Q1_0 are llama.cpp's newest types:
+    named by info, the container verified, split and merged back byte for byte; not dequantized (one line)."""
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
+    tensors = {f"blk.{i}.ffn_up_exps.weight": (random_blocks(qtype, 16, seed=i), (4, 4 * block), qtype) for i in range(4)}
+    path = write_raw_gguf(tmp_path / "m.gguf", "gpt-oss", tensors)
+    assert {t.name: t.kind.name for t in read_gguf(path).tensors} == {name: qtype for name in tensors}
+    assert f"{qtype} ×4" in shardkit.info(path).quantization["description"]
+    assert run_cli("verify", path).exit_code == 0
+    (tmp_path / "split").mkdir()
+    parts = shardkit.convert(path, tmp_path / "split" / "m.gguf", to="gguf", max_shard_size=f"{16 * 17 * 2}B").files
+    assert len(parts) >= 2 and shardkit.verify(parts[0]).ok
+    shardkit.convert(parts[0], tmp_path / "merged.gguf", to="gguf")
+    assert gguf_raw(tmp_path / "merged.gguf") == gguf_raw(path)
+    assert_one_line_error(run_cli("convert", path, tmp_path / "out", "--dtype", "bf16"), contains=qtype)
+
+
+def gguf_raw(path: Path) -> dict[str, tuple[str, bytes]]:
+    return {t.name: (t.tensor_type.name, np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(str(path)).tensors}

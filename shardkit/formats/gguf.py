@@ -58,7 +58,8 @@ GGML_TYPES: dict[int, GgmlType] = {t.id: t for t in (
     GgmlType(22, "IQ2_S", 256, 82), GgmlType(23, "IQ4_XS", 256, 136), GgmlType(24, "I8", 1, 1),
     GgmlType(25, "I16", 1, 2), GgmlType(26, "I32", 1, 4), GgmlType(27, "I64", 1, 8), GgmlType(28, "F64", 1, 8),
     GgmlType(29, "IQ1_M", 256, 56), GgmlType(30, "BF16", 1, 2), GgmlType(34, "TQ1_0", 256, 54),
-    GgmlType(35, "TQ2_0", 256, 66),
+    GgmlType(35, "TQ2_0", 256, 66), GgmlType(39, "MXFP4", 32, 17), GgmlType(40, "NVFP4", 64, 36),
+    GgmlType(41, "Q1_0", 128, 18),  # MXFP4: gpt-oss's experts as llama.cpp's converter keeps them
 )}
 _BY_NAME = {t.name: t for t in GGML_TYPES.values()}
 
