@@ -37,7 +37,7 @@ from build_checkpoint import hub_flux_repo, hub_unet_repo
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from helpers_hub import run_measured  # noqa: E402
+from helpers_hub import hub_env, run_measured  # noqa: E402
 from hub_server import HubServer  # noqa: E402
 
 FLOOR = "curl (floor: the same bytes to disk)"
@@ -56,20 +56,13 @@ save_torch_state_dict(state, sys.argv[2], filename_pattern="diffusion_pytorch_mo
 """
 
 
-def hub_env(url: str, home: str) -> dict[str, str]:
-    """This environment without its HF_* variables, pointed at the Hub at ``url`` with ``home`` as HF_HOME."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    return {**env, "HF_ENDPOINT": url, "HF_HOME": home, "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-            "HF_HUB_DISABLE_TELEMETRY": "1", "HF_HUB_DISABLE_XET": "1"}
-
-
 @contextlib.contextmanager
 def serve(repo: str, files: dict[str, Any]) -> Iterator[tuple[Path, Any, dict[str, str]]]:
     """A scratch folder, the Hub serving ``files`` as ``repo``, and the environment that points at it."""
     with tempfile.TemporaryDirectory(prefix="bench-hub-", dir=os.environ.get("BENCH_DIR")) as tmp, \
             HubServer(Path(tmp) / "hub") as hub:
         hub.state.add_repo(repo, files)
-        yield Path(tmp), hub, hub_env(hub.url, f"{tmp}/home")
+        yield Path(tmp), hub, hub_env(hub, Path(tmp) / "home", token=None)
 
 
 def du_bytes(path: Path) -> int:
