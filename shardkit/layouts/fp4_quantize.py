@@ -20,7 +20,7 @@ from ..formats.json_types import JsonObject
 from ..units import tensor_nbytes
 from .fp4 import E4M3, MXFP4, Fp4Layout, find_fp4_layout
 from .fp8 import QuantLayout, should_skip_quantize
-from .quant import BandBytes, QuantTarget, TensorReader, band_bytes
+from .quant import BandBytes, QuantTarget, TensorReader, band_bytes, dequantized_mapped, quantized_mapped
 from .table import Mapped
 
 if TYPE_CHECKING:
@@ -96,32 +96,14 @@ class Fp4Scheme:
 
     def forward(self, plain: Mapped) -> Mapped:
         """Each weight the scheme quantizes as its packed tensors, the rest as it is, and the ``quantization_config``."""
-        entries: list[TensorEntry] = []
-        kept: list[str] = []
-        for entry in plain.entries:
-            target = self.target(entry)
-            if target is None:
-                entries.append(entry)
-                if entry.name.endswith(".weight") and len(entry.shape) >= 2:
-                    kept.append(entry.name[: -len(".weight")])
-            else:
-                entries += target.written
-        return Mapped(tuple(entries), {**plain.config, "quantization_config": self.quantization_config(kept)})
+        return quantized_mapped(self, plain)
 
     def inverse(self, stored: Mapped) -> Mapped:
         """What dequantizing to bf16 gives: each packed weight as its dense bf16 tensor, its scales gone."""
         layout = find_fp4_layout(stored.entries, config=stored.config, where=self.scheme)
         if layout is None:
             return stored
-        dense = {w.packed: w for w in layout.weights}
-        out = []
-        for e in stored.entries:
-            if e.name in dense:
-                w = dense[e.name]
-                out.append(TensorEntry(w.output, "BF16", w.shape, tensor_nbytes("BF16", w.shape)))
-            elif e.name not in layout.extra:
-                out.append(e)
-        return Mapped(tuple(out), {k: v for k, v in stored.config.items() if k != "quantization_config"})
+        return dequantized_mapped(stored, self.dequantizer(layout, stored.entries), layout.extra)
 
     kept_to_bf16 = False  # the tensors kept stay as stored
 

@@ -20,7 +20,7 @@ from ..errors import InvalidInputError
 from ..formats.dtypes import to_torch
 from ..formats.header import TensorEntry
 from .fp8 import COMFY_METADATA_KEY, QuantLayout, ScaledWeight, find_layout, matrix_shape
-from .quant import DenseWeight, TensorReader
+from .quant import DenseWeight, TensorReader, TensorsReader, dense_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -201,14 +201,12 @@ def dequantize_state_dict(tensors: Mapping[str, torch.Tensor], *, out_dtype: tor
     Raises:
         InvalidInputError: as :func:`~shardkit.layouts.fp8.find_layout`, or fused scales that disagree.
     """
-    layout = find_layout(state_dict_entries(tensors), metadata=metadata, where=where)
+    entries = state_dict_entries(tensors)
+    layout = find_layout(entries, metadata=metadata, where=where)
     if layout is None:
         return dict(tensors), None
+    weights, reader = Fp8Dequantizer(layout, entries), TensorsReader(tensors.__getitem__)
+    weights.broken(reader, where=where, allow_lossy=False)
     out = {n: t for n, t in tensors.items() if n not in layout.extra}
-    refuse_disagreeing({w.scale: scale_to_float32(tensors[w.scale], name=w.scale) for w in layout.weights if w.granularity == "fused"},
-                       where=where)
-    for weight in layout.weights:
-        stored, scale = tensors[weight.weight], scale_to_float32(tensors[weight.scale], name=weight.scale)
-        flat = stored.reshape(matrix_shape(tuple(stored.shape)))
-        out[weight.weight] = dequantize_band(flat, scale, weight, 0, out_dtype).reshape(stored.shape)
+    out.update({w.name: dense_tensor(weights, reader, w, out_dtype) for w in weights.weights()})
     return out, layout

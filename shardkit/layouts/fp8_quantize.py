@@ -31,7 +31,7 @@ from .fp8 import (
     matrix_shape,
     should_skip_quantize,
 )
-from .quant import BandBytes, QuantTarget, TensorReader, band_bytes
+from .quant import BandBytes, QuantTarget, TensorReader, band_bytes, dequantized_mapped, quantized_mapped
 from .table import Mapped
 
 if TYPE_CHECKING:
@@ -114,27 +114,14 @@ class Fp8Recipe:
 
     def forward(self, plain: Mapped) -> Mapped:
         """Every weight this recipe quantizes as fp8 + scale, the rest as it is, and the ``quantization_config``."""
-        entries: list[TensorEntry] = []
-        kept: list[str] = []
-        for entry in plain.entries:
-            target = self.target(entry)
-            if target is None:
-                entries.append(entry)
-                if entry.name.endswith(".weight") and len(entry.shape) >= 2:
-                    kept.append(entry.name[: -len(".weight")])
-            else:
-                entries += target.written
-        return Mapped(tuple(entries), {**plain.config, "quantization_config": self.quantization_config(kept)})
+        return quantized_mapped(self, plain)
 
     def inverse(self, stored: Mapped) -> Mapped:
         """What dequantizing to bf16 gives: each scaled weight in bf16, its scale gone (as ``convert --dtype bf16``)."""
         layout = find_layout(stored.entries, config=stored.config, where=self.scheme)
         if layout is None:
             return stored
-        scaled = {w.weight for w in layout.weights}
-        return Mapped(tuple(TensorEntry(e.name, "BF16", e.shape, tensor_nbytes("BF16", e.shape)) if e.name in scaled
-                            else e for e in stored.entries if e.name not in layout.extra),
-                      {k: v for k, v in stored.config.items() if k != "quantization_config"})
+        return dequantized_mapped(stored, self.dequantizer(layout, stored.entries), layout.extra)
 
     kept_to_bf16 = True  # fp8 output smaller than a bf16 copy: fp32 norms and embeddings go to bf16
     applies_to = None  # a model with nothing to quantize is written as it is

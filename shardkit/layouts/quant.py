@@ -15,12 +15,15 @@ so the same bands are computed on disk and at compute, bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..formats.header import TensorEntry
 from ..formats.json_types import JsonObject
+from ..units import tensor_nbytes
+from .fp8 import matrix_shape
+from .table import Mapped
 
 if TYPE_CHECKING:
     import torch
@@ -28,7 +31,8 @@ if TYPE_CHECKING:
     from .fp4 import Fp4Layout
     from .fp8 import QuantLayout
 
-__all__ = ["BandBytes", "DenseWeight", "Dequantizer", "QuantStrategy", "QuantTarget", "TensorReader", "band_bytes"]
+__all__ = ["BandBytes", "DenseWeight", "Dequantizer", "QuantStrategy", "QuantTarget", "QuantizedTable", "TensorReader",
+           "TensorsReader", "band_bytes", "dense_entries", "dense_tensor", "dequantized_mapped", "quantized_mapped", "quantized_table"]
 
 BandBytes = bytes | memoryview
 
@@ -44,6 +48,20 @@ class TensorReader(Protocol):
     def rows(self, name: str, row0: int, row1: int) -> torch.Tensor:
         """Rows ``row0:row1`` of ``name`` seen as a matrix, 2-D."""
         ...
+
+
+class TensorsReader:
+    """A :class:`TensorReader` over tensors in memory (a state dict, a module's parameters), found by ``lookup``."""
+
+    def __init__(self, lookup: Callable[[str], torch.Tensor]) -> None:
+        self.lookup = lookup
+
+    def whole(self, name: str) -> torch.Tensor:
+        return self.lookup(name).detach()
+
+    def rows(self, name: str, row0: int, row1: int) -> torch.Tensor:
+        found = self.whole(name)
+        return found.reshape(matrix_shape(tuple(found.shape)))[row0:row1]
 
 
 @dataclass(frozen=True)
@@ -92,6 +110,18 @@ class Dequantizer(Protocol):
                     first: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
         """(element offset in the dense tensor, the band's values) for each band from the one holding ``first`` on."""
         ...
+
+
+def dense_tensor(weights: Dequantizer, reader: TensorReader, weight: DenseWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The whole dense ``weight`` in ``dtype``, on its stored tensor's device, filled band by band (the temporaries
+    are one band's; the result is the only full-size allocation)."""
+    import torch
+
+    out = torch.empty(weight.shape, dtype=dtype, device=reader.whole(weight.stored).device)
+    flat = out.view(-1)
+    for offset, band in weights.dense_bands(reader, weight, dtype):
+        flat[offset:offset + band.numel()].view(band.shape).copy_(band)
+    return out
 
 
 @dataclass(frozen=True)
@@ -163,3 +193,58 @@ def band_bytes(tensor: torch.Tensor) -> memoryview:
     import torch
 
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data.cast("B")
+
+
+@dataclass(frozen=True)
+class QuantizedTable:
+    """A plain table as a quantizing strategy writes it.
+
+    Attributes:
+        entries: every tensor written, in order (each quantized weight replaced by its ``written`` tensors).
+        targets: the quantized weights.
+        kept: the modules whose ≥2-D ``weight`` is kept as it was (``modules_to_not_convert`` / ``ignore``).
+    """
+
+    entries: tuple[TensorEntry, ...]
+    targets: tuple[QuantTarget, ...]
+    kept: tuple[str, ...]
+
+
+def quantized_table(strategy: QuantStrategy, entries: Iterable[TensorEntry]) -> QuantizedTable:
+    """``entries`` as ``strategy`` writes them."""
+    written: list[TensorEntry] = []
+    targets: list[QuantTarget] = []
+    kept: list[str] = []
+    for entry in entries:
+        target = strategy.target(entry)
+        if target is None:
+            written.append(entry)
+            if entry.name.endswith(".weight") and len(entry.shape) >= 2:
+                kept.append(entry.name[: -len(".weight")])
+        else:
+            written += target.written
+            targets.append(target)
+    return QuantizedTable(tuple(written), tuple(targets), tuple(kept))
+
+
+def quantized_mapped(strategy: QuantStrategy, plain: Mapped) -> Mapped:
+    """A strategy's ``forward``: each weight it quantizes as the tensors it writes, and its ``quantization_config``."""
+    table = quantized_table(strategy, plain.entries)
+    return Mapped(table.entries, {**plain.config, "quantization_config": strategy.quantization_config(table.kept)})
+
+
+def dense_entries(weights: Iterable[DenseWeight], entries: Iterable[TensorEntry], *, dropped: frozenset[str],
+                  dtype: str) -> list[TensorEntry]:
+    """``entries`` dequantized to ``dtype``: each stored weight of ``weights`` as its dense tensor, ``dropped`` gone."""
+    dense = {w.stored: w for w in weights}
+    return [TensorEntry(w.name, dtype, w.shape, tensor_nbytes(dtype, w.shape)) if (w := dense.get(e.name)) else e
+            for e in entries if e.name not in dropped]
+
+
+def dequantized_mapped(stored: Mapped, weights: Dequantizer | None, extra: frozenset[str]) -> Mapped:
+    """A strategy's ``inverse``: what dequantizing to bf16 gives (as ``convert dtype='bf16'``), ``extra`` (scales,
+    markers) and the ``quantization_config`` gone; ``stored`` itself when the strategy does not read it."""
+    if weights is None:
+        return stored
+    return Mapped(tuple(dense_entries(weights.weights(), stored.entries, dropped=extra, dtype="BF16")),
+                  {k: v for k, v in stored.config.items() if k != "quantization_config"})

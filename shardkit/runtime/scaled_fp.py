@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
-from ..layouts.fp8 import matrix_shape
-from ..layouts.quant import DenseWeight, Dequantizer
+from ..layouts.quant import DenseWeight, Dequantizer, TensorsReader, dense_tensor
 
 if TYPE_CHECKING:
     import torch
@@ -121,34 +120,16 @@ def _dequantizing(module: nn.Module, forward: Callable[P, R], dequantizer: Dequa
     return dequantizing_forward
 
 
-class _ModuleReader:
-    """One module's tensors by their checkpoint names (a :class:`~shardkit.layouts.quant.TensorReader`)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
-    def whole(self, name: str) -> torch.Tensor:
-        import torch
-
-        found = getattr(self.module, _attr(name))
-        if not isinstance(found, torch.Tensor):
-            raise TypeError(f"{name}: not a tensor of the module")  # registered by attach_dequantizing
-        return found.detach()
-
-    def rows(self, name: str, row0: int, row1: int) -> torch.Tensor:
-        found = self.whole(name)
-        return found.reshape(matrix_shape(tuple(found.shape)))[row0:row1]
-
-
 def dense_weight(module: nn.Module, dequantizer: Dequantizer, weight: DenseWeight,
                  compute: torch.dtype) -> torch.Tensor:
     """The dense ``weight`` of ``module`` in ``compute``, band by band: the float32 temporaries are one band's, not
     the layer's (the layer's compute-dtype copy is the only full-size allocation)."""
     import torch
 
-    reader = _ModuleReader(module)
-    out = torch.empty(weight.shape, dtype=compute, device=reader.whole(weight.stored).device)
-    flat = out.view(-1)
-    for offset, band in dequantizer.dense_bands(reader, weight, compute):
-        flat[offset:offset + band.numel()].view(band.shape).copy_(band)
-    return out
+    def lookup(name: str) -> torch.Tensor:
+        found = getattr(module, _attr(name))
+        if not isinstance(found, torch.Tensor):
+            raise TypeError(f"{name}: not a tensor of the module")  # registered by attach_dequantizing
+        return found
+
+    return dense_tensor(dequantizer, TensorsReader(lookup), weight, compute)

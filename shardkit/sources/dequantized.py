@@ -19,9 +19,9 @@ from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.json_types import JsonObject
 from ..layouts.fp8 import matrix_shape
-from ..layouts.quant import DenseWeight
+from ..layouts.quant import DenseWeight, dense_entries
 from ..layouts.registry import AnyLayout, dequantizer
-from ..units import DTYPE_BITS, tensor_nbytes
+from ..units import DTYPE_BITS
 from .base import Source
 
 if TYPE_CHECKING:
@@ -118,16 +118,9 @@ class DequantizedSource(ViewSource):
         self.dequantizer = dequantizer(layout, inner.entries())
         broken = self.dequantizer.broken(self._reader, where=inner.description, allow_lossy=allow_lossy)
         weights = [w for w in self.dequantizer.weights() if w.stored not in broken]
-        self._stored = {w.stored: w for w in weights}
         self._dense = {w.name: w for w in weights}
         dropped = layout.extra - {s for w in self.dequantizer.weights() if w.stored in broken for s in w.scales}
-        self._entries = [self._output_entry(e) for e in inner.entries() if e.name not in dropped]
-
-    def _output_entry(self, entry: TensorEntry) -> TensorEntry:
-        weight = self._stored.get(entry.name)
-        if weight is None:
-            return entry
-        return TensorEntry(weight.name, self.out_dtype, weight.shape, tensor_nbytes(self.out_dtype, weight.shape))
+        self._entries = dense_entries(weights, inner.entries(), dropped=dropped, dtype=out_dtype)
 
     def entries(self) -> list[TensorEntry]:
         return list(self._entries)

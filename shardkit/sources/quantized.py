@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from ..errors import InvalidInputError
 from ..formats.header import TensorEntry
 from ..formats.json_types import JsonObject
-from ..layouts.quant import BandBytes, QuantTarget
+from ..layouts.quant import BandBytes, QuantTarget, quantized_table
 from ..layouts.registry import quant_strategy
 from .base import Source
 from .dequantized import SourceReader, ViewSource
@@ -53,28 +53,15 @@ class QuantizedSource(ViewSource):
         self.scheme = scheme
         self._by_name = {e.name: e for e in inner.entries()}
         self._reader = SourceReader(inner, self._by_name)
-        self._targets: dict[str, QuantTarget] = {}  # every name written for a quantized weight → its target
-        self._entries: list[TensorEntry] = []
-        self.skipped: list[str] = []
-        for entry in inner.entries():
-            self._add(entry)
-        if self.strategy.applies_to is not None and not self._targets:
+        table = quantized_table(self.strategy, inner.entries())
+        self._entries, self.skipped = list(table.entries), list(table.kept)
+        self._targets = {written.name: t for t in table.targets for written in t.written}  # every name written → its target
+        if self.strategy.applies_to is not None and not table.targets:
             raise InvalidInputError(f"{inner.description}: quantize={scheme!r} found nothing to quantize: it applies "
                                     f"to {self.strategy.applies_to}")
         self._side: dict[str, BandBytes] = {}  # scales computed with their weight, until read
         self._prepared: dict[str, torch.Tensor | None] = {}
         self._errors: dict[str, dict[str, float]] = {}
-
-    def _add(self, entry: TensorEntry) -> None:
-        target = self.strategy.target(entry)
-        if target is None:
-            if entry.name.endswith(".weight") and len(entry.shape) >= 2:
-                self.skipped.append(entry.name[: -len(".weight")])
-            self._entries.append(entry)
-            return
-        self._entries += target.written
-        for written in target.written:
-            self._targets[written.name] = target
 
     def scale_names(self) -> frozenset[str]:
         """The tensors written for quantized weights: never cast by ``dtype``."""
