@@ -175,7 +175,8 @@ try:
     main(["split", src, out + "/d", "--max-shard-size", "40KB"])
 except SystemExit as e:
     assert e.code == 0, e.code
-print(sorted(m for m in sys.modules if m.startswith("shardkit.hub")))
+# hub/options.py is the push options' definition (the CLI builds `push`'s flags from it): no Hub code
+print(sorted(m for m in sys.modules if m.startswith("shardkit.hub") and m not in ("shardkit.hub", "shardkit.hub.options")))
 """
 
 

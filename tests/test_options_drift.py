@@ -15,7 +15,14 @@ import click
 import pytest
 
 import shardkit
-from shardkit.api.options import DEFAULT_MAX_SHARD_SIZE, ConvertTo, option_keyword, write_fields
+from shardkit.api.options import (
+    DEFAULT_MAX_SHARD_SIZE,
+    ConvertTo,
+    PushOptions,
+    option_keyword,
+    push_fields,
+    write_fields,
+)
 from shardkit.cli import cli
 from shardkit.sharding.options import Quantize, SaveKeywords, WriteKeywords, WriteOptions
 
@@ -130,3 +137,41 @@ def options_table() -> str:
 def test_the_docs_table_is_the_definition() -> None:
     page = (REPO / "docs" / "options.md").read_text()
     assert options_table() in page, "docs/options.md's table drifted; it should read:\n" + options_table()
+
+
+def test_the_push_flags_are_made_from_the_fields() -> None:
+    options = _options("push")
+    assert set(options) - {f.name for f in push_fields()} == {"as_json", "quiet"}  # how the CLI prints
+    for f in push_fields():
+        if not f.metadata["cli"]:
+            assert f.name not in options, f"{f.name} has no CLI flag by definition"
+            continue
+        option = options[f.name]
+        flag = "--" + f.name.replace("_", "-")
+        expected = [f"--no-{flag[2:]}"] if f.default is True else [flag, *([f.metadata["short"]] if f.metadata["short"] else [])]
+        assert option.opts == expected, (f.name, option.opts)
+        assert option.help == f.metadata["help"] and option.multiple == bool(f.metadata["repeatable"])
+        assert list(getattr(option.type, "choices", [])) == list(f.metadata["choices"]), f.name
+        if not option.multiple:  # a repeatable flag given no value is an empty tuple, as the field's default
+            assert option.default == f.default, (f.name, option.default)
+
+
+def test_the_push_docstring_documents_every_field() -> None:
+    documented = re.findall(r"^        (\w+): ", PushOptions.__doc__ or "", flags=re.M)
+    assert documented == [f.name for f in push_fields()]
+
+
+def push_options_table() -> str:
+    """The push table docs/options.md holds, made from the fields."""
+    rows = ["| Python | CLI | default | what it does |", "|---|---|---|---|"]
+    for f in push_fields():
+        flag = "--" + ("no-" if f.default is True else "") + f.name.replace("_", "-")
+        flag += f", {f.metadata['short']}" if f.metadata["short"] else ""
+        shown = f"`{flag}`" if f.metadata["cli"] else "—"
+        rows.append(f"| `{f.name}` | {shown} | `{f.default!r}` | {f.metadata['help']} |")
+    return "\n".join(rows)
+
+
+def test_the_docs_push_table_is_the_definition() -> None:
+    page = (REPO / "docs" / "options.md").read_text()
+    assert push_options_table() in page, "docs/options.md's push table drifted; it should read:\n" + push_options_table()

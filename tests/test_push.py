@@ -238,6 +238,8 @@ def test_dry_run_lists_the_plan_and_changes_nothing(hub, tmp_path):
     assert len(result["unchanged"]) == 4
     proc = run_shardkit(env, "push", changed, REPO, "--dry-run", "--json", "--exclude", "*.md")
     assert json.loads(proc.stdout)["uploaded"] == ["model-00004-of-00004.safetensors", "shardkit.manifest.json"]
+    proc = run_shardkit(env, "push", changed, REPO, "--dry-run", "--json", "--include", "*.md", "--include", "*.json")
+    assert json.loads(proc.stdout)["uploaded"] == ["README.md", "shardkit.manifest.json"]
     assert hub.state.repo(REPO).history == history
     assert {method for method, _, _ in hub.state.requests[start:]} <= {"GET", "HEAD"}
 

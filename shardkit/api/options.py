@@ -1,8 +1,9 @@
 """The options of each job, defined once: what ``shardkit.split``/``convert``/``save_sharded`` take
-(``options=WriteOptions(...)`` or its keyword shorthands) and what the CLI makes its flags from.
+(``options=WriteOptions(...)`` or its keyword shorthands), what ``shardkit.push`` takes
+(``PushOptions``), and what the CLI makes its flags from.
 
 Light on purpose: the CLI imports it to build its commands, so it pulls in no stage beyond
-``sharding/options.py`` (errors and units only).
+``sharding/options.py`` and ``hub/options.py`` (errors and units only).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+from ..hub.options import PushOptions
 from ..sharding.options import (
     DEFAULT_MAX_SHARD_SIZE,
     ProgressCallback,
@@ -20,8 +22,8 @@ from ..sharding.options import (
     option_keyword,
 )
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "ConvertTo", "ProgressCallback", "Quantize", "SaveKeywords", "WriteKeywords", "WriteOptions",
-           "option_keyword", "write_fields"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "ConvertTo", "ProgressCallback", "PushOptions", "Quantize", "SaveKeywords",
+           "WriteKeywords", "WriteOptions", "option_keyword", "push_fields", "write_fields"]
 
 ConvertTo = Literal["diffusers", "single-file", "gguf"]  # convert's targets: the Python type and the CLI's --to choices
 
@@ -29,3 +31,8 @@ ConvertTo = Literal["diffusers", "single-file", "gguf"]  # convert's targets: th
 def write_fields() -> tuple[dataclasses.Field[object], ...]:
     """The :class:`WriteOptions` fields, in the order the CLI's ``--help`` and the docs list them."""
     return dataclasses.fields(WriteOptions)
+
+
+def push_fields() -> tuple[dataclasses.Field[object], ...]:
+    """The :class:`PushOptions` fields, in the order ``shardkit push --help`` lists them."""
+    return dataclasses.fields(PushOptions)

@@ -263,25 +263,41 @@ class LibraryWordsOption(click.Option):
         return None if record is None else (record[0], cli_words(record[1]))
 
 
-def _write_option(option: Field[object]) -> Decorator:
-    """The click option of one :class:`WriteOptions` field: ``--KEYWORD`` (``max_shard_bytes`` is
-    typed as ``--max-shard-size``), stored under the field's name so a command passes ``**write`` on."""
+def option_from_field(option: Field[object]) -> Decorator:
+    """The click option of one options field (:class:`WriteOptions`, :class:`PushOptions`): ``--KEYWORD``
+    (``max_shard_bytes`` is typed as ``--max-shard-size``), stored under the field's name so a command
+    passes ``**options`` on."""
     from ..api.options import DEFAULT_MAX_SHARD_SIZE, option_keyword
 
     flag = "--" + option_keyword(option).replace("_", "-")
     meta = option.metadata
+    decls = [flag, *([meta["short"]] if meta.get("short") else []), option.name]
     common: dict[str, Any] = {"help": meta["help"], "cls": LibraryWordsOption}
     if option.name.endswith("_bytes"):  # a size, parsed here at the edge into bytes
-        return click.option(flag, option.name, type=SIZE, default=DEFAULT_MAX_SHARD_SIZE, show_default=True, **common)
+        return click.option(*decls, type=SIZE, default=DEFAULT_MAX_SHARD_SIZE, show_default=True, **common)
     if isinstance(option.default, bool):
         if meta["negatable"]:
             return click.option(f"{flag}/--no-{flag[2:]}", option.name, default=option.default, show_default=True,
                                 **common)
-        return click.option(flag, option.name, is_flag=True, default=option.default, **common)
+        if option.default:  # on unless turned off: typed --no-NAME alone
+            return click.option(f"--no-{flag[2:]}", option.name, is_flag=True, flag_value=False, default=True,
+                                **common)
+        return click.option(*decls, is_flag=True, default=option.default, **common)
     if meta["choices"]:
-        return click.option(flag, option.name, type=click.Choice(list(meta["choices"])), default=option.default,
-                            **common)
-    return click.option(flag, option.name, default=option.default, **common)
+        return click.option(*decls, type=click.Choice(list(meta["choices"])), default=option.default,
+                            show_default=True, **common)
+    if meta.get("repeatable"):
+        return click.option(*decls, multiple=True, metavar=meta["repeatable"], **common)
+    return click.option(*decls, default=option.default, **common)
+
+
+def push_options(f: Command) -> Command:
+    """Add ``shardkit push``'s options, one per :class:`PushOptions` field the CLI has a flag for."""
+    from ..api.options import push_fields
+
+    for option in reversed([o for o in push_fields() if o.metadata["cli"]]):
+        f = option_from_field(option)(f)
+    return f
 
 
 def _shard_options() -> dict[str, Decorator]:
@@ -289,7 +305,7 @@ def _shard_options() -> dict[str, Decorator]:
     field the CLI has a flag for, made from the field, plus the CLI's own ``--json`` and ``--quiet``."""
     from ..api.options import option_keyword, write_fields
 
-    made = {option_keyword(f).replace("_", "-"): _write_option(f) for f in write_fields() if f.metadata["cli"]}
+    made = {option_keyword(f).replace("_", "-"): option_from_field(f) for f in write_fields() if f.metadata["cli"]}
     made["json"] = click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
     made["quiet"] = click.option("--quiet", "-q", is_flag=True, help="No progress bar and no summary.")
     return made

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..units import format_size
-from .common import byte_progress, echo_json
+from .common import byte_progress, echo_json, push_options
 
 if TYPE_CHECKING:
-    from ..api.jobs import PushOptions, PushResult
+    from ..api.jobs import PushResult
+    from ..api.options import PushOptions
 
 EPILOG = """\b
 Examples:
@@ -39,43 +40,19 @@ is refused before anything is sent: push would upload its target (a token, an SS
 @click.command(epilog=EPILOG, short_help="Upload a checkpoint to the Hub, sending only what changed.")
 @click.argument("path", type=click.Path(path_type=str))
 @click.argument("repo_id")
-@click.option("--private", is_flag=True, help="Create the repository as private (if it does not exist).")
-@click.option("--revision", help="Branch to push to (created from main if missing), or the base of --create-pr.")
-@click.option("--create-pr", is_flag=True, help="Open a pull request instead of committing to the branch.")
-@click.option("--message", "-m", help="Commit message (default: 'Upload N file(s) with shardkit').")
-@click.option("--path-in-repo", help="Folder in the repository to upload into (default: its root).")
-@click.option("--repo-type", type=click.Choice(["model", "dataset"]), default="model", show_default=True)
-@click.option("--token", help="Hugging Face token with write access (default: HF_TOKEN or the stored login).")
-@click.option("--include", multiple=True, metavar="GLOB",
-              help="Only push files whose path inside PATH matches, e.g. 'unet/*' (repeatable).")
-@click.option("--exclude", multiple=True, metavar="GLOB",
-              help="Skip files whose path inside PATH matches, e.g. '*.bin' (repeatable).")
-@click.option("--dry-run", is_flag=True,
-              help="List what would be uploaded and what is already there; change nothing. Asks the Hub what it has; "
-                   "offline, lists every file as an upload.")
-@click.option("--no-verify", "no_verify", is_flag=True, help="Push without verifying the checkpoint first.")
-@click.option("--allow-lossy", is_flag=True,
-              help="Push a quantized checkpoint even if a weight's scales or quantization config are unusable.")
-@click.option("--follow-symlinks", is_flag=True,
-              help="Upload the contents of files that are symlinks leading outside PATH (refused by default).")
+@push_options
 @click.option("--json", "as_json", is_flag=True, help="Print a machine-readable summary.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar; print only the commit URL.")
-def push(path: str, repo_id: str, private: bool, revision: str | None, create_pr: bool, message: str | None,
-         path_in_repo: str | None, repo_type: str, token: str | None, include: tuple[str, ...],
-         exclude: tuple[str, ...], dry_run: bool, no_verify: bool, allow_lossy: bool, follow_symlinks: bool,
-         as_json: bool, quiet: bool) -> None:
+def push(path: str, repo_id: str, as_json: bool, quiet: bool, **options: Any) -> None:
     """Upload the checkpoint in PATH (a folder, a file or s3://BUCKET/PREFIX) to the Hub repository REPO_ID.
 
     Creates the repository if it does not exist, uploads only what changed, and prints the
     commit URL (and the pull request URL with --create-pr).
     """
-    from ..api.jobs import PushOptions
+    from ..api.options import PushOptions
 
-    options = PushOptions(private=private, revision=revision, create_pr=create_pr, message=message,
-                          path_in_repo=path_in_repo, repo_type=repo_type, token=token, include=include,
-                          exclude=exclude, dry_run=dry_run, verify=not no_verify, allow_lossy=allow_lossy,
-                          follow_symlinks=follow_symlinks)
-    result = push_and_report(path, repo_id, options, report="none" if as_json else "url" if quiet else "summary")
+    result = push_and_report(path, repo_id, PushOptions(**options),
+                             report="none" if as_json else "url" if quiet else "summary")
     if as_json:
         echo_json(result.to_dict())
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..errors import HubError, InvalidInputError, VerificationError
 from ..stores.hf_errors import HubCall, hub_errors, is_network_failure
-from ..units import ByteCounter, ProgressCallback
+from ..units import ByteCounter
 from .commits import (
     FollowedLink,
     LocalFile,
@@ -44,6 +44,7 @@ from .commits import (
     store_files,
 )
 from .known import known_digests
+from .options import PushOptions
 
 SMALL_OBJECT_BYTES = 10 << 20  # a store object up to this size is read whole and sent as bytes (Xet can take it)
 
@@ -53,58 +54,6 @@ __all__ = ["PushOptions", "PushResult", "check_repo_id", "push", "push_call", "p
 if TYPE_CHECKING:
     from ..checking.verify import VerifyReport
     from ..stores.base import ObjectStore
-
-
-@dataclass(frozen=True)
-class PushOptions:
-    """How a push publishes: the one definition of the push options (``shardkit.push``, ``split_and_push``
-    and ``shardkit push``'s flags all build this).
-
-    Args:
-        private: create the repository as private (when it does not exist).
-        revision: the branch to push to (created from main if missing), or the base of ``create_pr``.
-        create_pr: open a pull request instead of committing to the branch.
-        message: the commit message (default: "Upload N file(s) with shardkit").
-        path_in_repo: the folder in the repository to upload into (default: its root).
-        repo_type: ``"model"`` or ``"dataset"``.
-        token: a token with write access (default ``HF_TOKEN`` or the stored login).
-        include, exclude: globs on the paths inside the pushed folder (a str is one glob).
-        dry_run: list what would be uploaded and what is already there; change nothing.
-        verify: verify the checkpoint first and refuse a broken one.
-        follow_symlinks: upload the targets of symlinks leading outside the folder (refused by default).
-        allow_lossy: push a quantized checkpoint whose scales or quantization config are unusable.
-        progress: ``progress(done_bytes, total_bytes)``, called as each file's upload ends.
-
-    >>> PushOptions(include="unet/*").include
-    ('unet/*',)
-    """
-
-    private: bool = False
-    revision: str | None = None
-    create_pr: bool = False
-    message: str | None = None
-    path_in_repo: str | None = None
-    repo_type: str = "model"
-    token: str | None = None
-    include: tuple[str, ...] | list[str] | str = ()
-    exclude: tuple[str, ...] | list[str] | str = ()
-    dry_run: bool = False
-    verify: bool = True
-    follow_symlinks: bool = False
-    allow_lossy: bool = False
-    progress: ProgressCallback | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("include", "exclude"):  # one glob, a list or a tuple: kept as a tuple
-            value = getattr(self, name)
-            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value or ()))
-        if self.create_pr and self.revision is not None and self.revision.startswith("refs/pr/"):
-            raise InvalidInputError(f"revision={self.revision!r} is a pull request already; push to it without "
-                                    "create_pr=True")
-
-    def globs(self) -> tuple[list[str] | None, list[str] | None]:
-        """``include`` and ``exclude`` as huggingface_hub's filter takes them (None: no filter)."""
-        return list(self.include) or None, list(self.exclude) or None
 
 
 @dataclass

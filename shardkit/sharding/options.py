@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 __all__ = ["DEFAULT_MAX_SHARD_SIZE", "DTYPE_CHOICES", "ProgressCallback", "Quantize", "SaveKeywords", "WriteKeywords",
-           "WriteOptions", "option_keyword", "resolve_cast", "warn", "warn_if_many_shards", "warn_if_output_taken"]
+           "WriteOptions", "option_field", "option_keyword", "resolve_cast", "warn", "warn_if_many_shards", "warn_if_output_taken"]
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 DEFAULT_MAX_SHARD_BYTES = parse_size(DEFAULT_MAX_SHARD_SIZE)
@@ -33,12 +33,16 @@ DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")  # what the CLI
 T = TypeVar("T")
 
 
-def _option(default: T, help: str, *, keyword: str | None = None, choices: tuple[str, ...] = (),
-            cli: bool = True, negatable: bool = False) -> T:
-    """A :class:`WriteOptions` field and everything the front ends derive from it: its one-line help
-    (the CLI's ``--help`` and the docs' table), its Python keyword when it is not the field's name,
-    its closed choices, and whether the CLI has a flag for it (``--no-NAME`` too when ``negatable``)."""
-    metadata = {"help": help, "keyword": keyword, "choices": choices, "cli": cli, "negatable": negatable}
+def option_field(default: T, help: str, *, keyword: str | None = None, choices: tuple[str, ...] = (),
+                 cli: bool = True, negatable: bool = False, short: str | None = None,
+                 repeatable: str | None = None) -> T:
+    """An options field (:class:`WriteOptions`, ``PushOptions``) and everything the front ends derive from
+    it: its one-line help (the CLI's ``--help`` and the docs' table), its Python keyword when it is not the
+    field's name, its closed choices, whether the CLI has a flag for it (``--no-NAME`` too when
+    ``negatable``; a flag defaulting to True that is not negatable is typed ``--no-NAME`` alone), its
+    short flag (``"-m"``), and for a tuple of values the metavar of its repeatable flag."""
+    metadata = {"help": help, "keyword": keyword, "choices": choices, "cli": cli, "negatable": negatable,
+                "short": short, "repeatable": repeatable}
     return field(default=default, metadata=metadata)
 
 
@@ -78,28 +82,28 @@ class WriteOptions:
     2000000000
     """
 
-    max_shard_bytes: int = _option(
+    max_shard_bytes: int = option_field(
         DEFAULT_MAX_SHARD_BYTES, "Largest shard, in tensor bytes: 5GB = 5×10^9 bytes, 5GiB = 5×2^30 bytes; a bare "
         "number is bytes.", keyword="max_shard_size")
-    dtype: str | None = _option(None, "Cast floating-point tensors (F64/F32/F16/BF16) in bounded chunks.",
+    dtype: str | None = option_field(None, "Cast floating-point tensors (F64/F32/F16/BF16) in bounded chunks.",
                                 choices=DTYPE_CHOICES)
-    allow_lossy: bool = _option(False, "Permit casts that lose range or precision (fp8).")
-    quantize: Quantize | None = _option(
+    allow_lossy: bool = option_field(False, "Permit casts that lose range or precision (fp8).")
+    quantize: Quantize | None = option_field(
         None, "Weights to fp8 with absmax scales: fp8-block = 128x128 blocks (transformers FineGrainedFP8), "
         "fp8-channel/fp8-tensor = compressed-tensors; norms, embeddings, lm_head and modulation layers kept. "
         "nvfp4 = compressed-tensors nvfp4-pack-quantized; mxfp4 = gpt-oss MoE experts (original layout). "
         "f16/bf16/q8_0/q4_0/q4_1/q5_0/q5_1/f32: ggml types, for a convert with to='gguf' (1-D tensors stay F32).", choices=get_args(Quantize))
-    name: str | None = _option(None, "Output file prefix, e.g. 'model' or 'diffusion_pytorch_model'.")
-    variant: str | None = _option(None, "Variant inserted before the extension, e.g. 'fp16'.")
-    overwrite: bool = _option(False, "Replace the checkpoint in an existing output folder.")
-    dry_run: bool = _option(False, "Print the plan and write nothing.")
-    manifest: bool = _option(
+    name: str | None = option_field(None, "Output file prefix, e.g. 'model' or 'diffusion_pytorch_model'.")
+    variant: str | None = option_field(None, "Variant inserted before the extension, e.g. 'fp16'.")
+    overwrite: bool = option_field(False, "Replace the checkpoint in an existing output folder.")
+    dry_run: bool = option_field(False, "Print the plan and write nothing.")
+    manifest: bool = option_field(
         True, "Write shardkit.manifest.json (crc32 of every tensor) so `verify` catches a changed byte; "
         "manifest=False skips reading back a source that has none (instant copy-on-write reshards of foreign "
         "checkpoints).", negatable=True)
-    metadata: Mapping[str, str] | None = _option(None, "Extra safetensors header metadata for every shard.",
+    metadata: Mapping[str, str] | None = option_field(None, "Extra safetensors header metadata for every shard.",
                                                  cli=False)
-    progress: ProgressCallback | None = _option(
+    progress: ProgressCallback | None = option_field(
         None, "Called as progress(done_bytes, total_bytes) while bytes are written.", cli=False)
 
     def __post_init__(self) -> None:
