@@ -7,6 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import SHARDKIT_BIN
 from safetensors.torch import save_file
@@ -94,3 +95,23 @@ def test_max_shard_size_help_says_bytes() -> None:
 
     text = " ".join(CliRunner().invoke(cli, ["split", "--help"]).output.split())
     assert "5GB = 5×10^9 bytes" in text and "units" not in text
+
+
+def test_a_bug_is_one_line_exit_2_and_its_traceback_with_debug(capsys: pytest.CaptureFixture[str]) -> None:
+    import click
+
+    from shardkit.cli.common import run_cli
+
+    @click.group()
+    @click.option("--debug", is_flag=True)  # as the real group has
+    def group(debug: bool) -> None: ...
+
+    @group.command()
+    def broken() -> None:
+        raise KeyError("not-a-real-key")
+
+    assert run_cli(group, ["broken"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error KeyError" in err and "--debug" in err
+    with pytest.raises(KeyError, match="not-a-real-key"):
+        run_cli(group, ["broken", "--debug"])

@@ -128,8 +128,14 @@ def run_cli(group: click.Group, argv: list[str] | None = None) -> int:
             return e.exit_code
         except (ShardkitError, OSError, ValueError, RuntimeError, ArithmeticError, MemoryError) as e:
             # shardkit's errors, a file it did not expect to fail on, and the failures of the libraries it
-            # drives (torch's RuntimeError, parsers' ValueError); any other exception is a bug: its traceback
+            # drives (torch's RuntimeError, parsers' ValueError)
             return _report_error(e, debug=debug)
+        except Exception as e:  # a bug: still one line for the user, the traceback with --debug
+            if debug:
+                raise
+            click.echo(f"error: internal error {type(e).__name__}: {e} (a bug in shardkit: run with --debug for the "
+                       "traceback and report it)", err=True)
+            return 2
     return 0
 
 
