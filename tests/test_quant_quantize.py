@@ -92,6 +92,72 @@ def test_block_quantize_keeps_weights_that_are_not_block_multiples(tmp_path: Pat
     assert out["b.weight_scale"].shape == (200, 1) and out["b.weight_scale"].dtype == torch.float32
 
 
+HUGE_BAND = 2**40  # every weight in one band: the whole tensor at once
+
+
+def _quantize_and_back(src: Path, out: Path, scheme: str, monkeypatch: pytest.MonkeyPatch, *,
+                       band_bytes: int | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """``src`` quantized by ``scheme`` (with ``band_bytes`` in both fp8 and fp4 bands when given), and that read
+    back in bf16: both outputs' tensors."""
+    import shardkit.layouts.fp4_math as fp4_math
+    import shardkit.layouts.fp8_math as fp8_math
+
+    if band_bytes is not None:
+        monkeypatch.setattr(fp8_math, "BAND_BYTES", band_bytes)
+        monkeypatch.setattr(fp4_math, "BAND_BYTES", band_bytes)
+    out.mkdir()
+    shardkit.split(src, out / "q", quantize=scheme)
+    shardkit.convert(out / "q", out / "bf16", dtype="bf16")
+    return load_file(out / "q" / "model.safetensors"), load_file(out / "bf16" / "model.safetensors")
+
+
+def _save_plain(folder: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    state = {name: (torch.randn(shape, generator=g) * 0.05).to(torch.bfloat16) for name, shape in shapes.items()}
+    folder.mkdir()
+    save_file(state, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return state
+
+
+def test_block_quantize_of_a_weight_wider_than_one_band_of_blocks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the default band, 128 rows of a weight wider than 32,768 columns are more than a band: the band is still
+    whole 128-row blocks, and the bytes are those of the whole tensor quantized at once (and read back)."""
+    from shardkit.layouts.fp8_math import quantize_band
+
+    state = _save_plain(tmp_path / "plain", {"wide.weight": (256, 257 * 128), "odd.weight": (200, 257 * 128)})
+    banded = _quantize_and_back(tmp_path / "plain", tmp_path / "banded", "fp8-block", monkeypatch)
+    q, scale = quantize_band(state["wide.weight"].float(), "block")
+    assert torch.equal(banded[0]["wide.weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(banded[0]["wide.weight_scale_inv"], scale)
+    assert torch.equal(banded[0]["odd.weight"], state["odd.weight"])  # rows not a multiple of 128: kept, as before
+    whole = _quantize_and_back(tmp_path / "plain", tmp_path / "whole", "fp8-block", monkeypatch, band_bytes=HUGE_BAND)
+    for got, want in zip(banded, whole, strict=True):
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("band_bytes", [127 * 256 * 4, 1000])
+@pytest.mark.parametrize("scheme", ["fp8-block", "fp8-channel", "fp8-tensor", "nvfp4", "mxfp4"])
+def test_a_band_narrower_than_a_block_row_gives_the_whole_tensors_bytes(scheme: str, band_bytes: int, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A band of 127 rows of 256 columns (less than one 128-row block, and than one expert), or less than one row:
+    quantized and read back, every byte is the one-band bytes."""
+    shapes = {"l.weight": (384, 256), "w.weight": (256, 512), "norm.weight": (256,),
+              "m.experts.gate_up_proj": (2, 256, 384), "m.experts.down_proj": (2, 384, 256)}
+    _save_plain(tmp_path / "plain", shapes)
+    banded = _quantize_and_back(tmp_path / "plain", tmp_path / "banded", scheme, monkeypatch, band_bytes=band_bytes)
+    whole = _quantize_and_back(tmp_path / "plain", tmp_path / "whole", scheme, monkeypatch, band_bytes=HUGE_BAND)
+    assert len(banded[0]) > len(shapes)  # something was quantized
+    for got, want in zip(banded, whole, strict=True):
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name].view(torch.uint8), want[name].view(torch.uint8)), name
+
+
 def test_quantized_flux_transformer_keeps_modulation_and_runs_close(tmp_path: Path) -> None:
     from diffusers import FluxTransformer2DModel
     from helpers_offload import run_flux

@@ -53,11 +53,18 @@ def scale_to_float32(scale: torch.Tensor, *, name: str | None = None) -> torch.T
     return factors
 
 
-def band_rows(weight: ScaledWeight, cols: int) -> int:
-    """Rows per band: a whole number of scale blocks, about :data:`BAND_BYTES` of float32."""
+def band_rows(weight: ScaledWeight, cols: int, *, whole_blocks: bool = False) -> int:
+    """Rows per band: about :data:`BAND_BYTES` of float32, a whole number of scale blocks when one fits.
+
+    With ``whole_blocks`` (quantizing: each block's absmax needs all its rows) a band is at least one block
+    of rows, over the budget for a weight wider than ``BAND_BYTES / (4 × block rows)`` columns; without it
+    (dequantizing, a block read from a checkpoint may be huge) such a block is cut and its scale gathered.
+    """
     step = weight.block[0] if weight.granularity == "block" else 1
     fit = max(1, BAND_BYTES // max(1, cols * 4))
-    return fit // step * step if fit >= step else fit  # whole blocks when they fit; a huge block is cut (gathered)
+    if fit >= step or whole_blocks:
+        return max(1, fit // step) * step
+    return fit
 
 
 def dequantize_band(q: torch.Tensor, scale: torch.Tensor, weight: ScaledWeight, row0: int,

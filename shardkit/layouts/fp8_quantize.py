@@ -147,13 +147,13 @@ class Fp8Recipe:
         return found
 
     def source_bands(self, reader: TensorReader, target: QuantTarget) -> Iterator[torch.Tensor]:
-        """Bands of rows in float32, a whole number of scale blocks each."""
+        """Bands of rows in float32, a whole number of scale blocks each (one block at least, however wide)."""
         import torch
 
         from .fp8_math import band_rows
 
         rows, cols = matrix_shape(target.source.shape)
-        step = band_rows(self.scaled(target), cols)
+        step = band_rows(self.scaled(target), cols, whole_blocks=True)
         for row0 in range(0, rows, step):
             yield reader.rows(target.source.name, row0, min(rows, row0 + step)).to(torch.float32)
 
