@@ -65,6 +65,27 @@ def test_local_to_s3_and_s3_to_local_equal_one_process(s3_env: Any, s3_source: s
     assert folder_bytes(tmp_path / "down") == folder_bytes(tmp_path / "local-ref")
 
 
+def test_slurm_array_processes_into_a_bucket_one_task_twice_at_once_equal_one_process(
+        s3_env: Any, s3_source: str, tmp_path: Path) -> None:
+    import os
+
+    shardkit.write_plan(s3_source, f"s3://{s3_env.bucket}/out", tmp_path / "plan.json", **OPTIONS)
+    shardkit.run_plan(tmp_path / "plan.json", task=[1, 3, 4, 5])
+    tasks = [0, 2, 2]  # task 2 runs in two processes at once: both upload it, the same bytes
+    procs = [subprocess.Popen([sys.executable, "-m", "shardkit", "run", str(tmp_path / "plan.json"), "-q"],
+                              env={**os.environ, "SLURM_ARRAY_TASK_ID": str(i)}, stderr=subprocess.PIPE, text=True)
+             for i in tasks]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+    assert not [k for k in s3_env.keys("out/") if k.endswith(".index.json")]  # array tasks never publish
+    result = subprocess.run([sys.executable, "-m", "shardkit", "run", str(tmp_path / "plan.json"), "--finalize", "-q"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert prefix_bytes(s3_env, "out") == prefix_bytes(s3_env, "ref")
+    assert s3_env.uploads() == []
+
+
 def test_a_task_refuses_a_changed_source_object_in_one_line(s3_env: Any, s3_source: str, tmp_path: Path) -> None:
     shardkit.write_plan(s3_source, f"s3://{s3_env.bucket}/out", tmp_path / "plan.json", **OPTIONS)
     s3_env.put("src/config.json", b'{"model_type": "yot"}\n')  # the same size, another version
