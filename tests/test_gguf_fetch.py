@@ -16,6 +16,7 @@ from conftest import assert_one_line_error
 from helpers_gguf import tiny_llama_folder
 
 import shardkit
+from shardkit.formats.gguf import read_gguf
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*no tokenizer.json:shardkit.errors.ShardkitWarning")
 
@@ -102,6 +103,22 @@ def test_verify_of_a_split_in_a_bucket_reads_every_part(ggufs: dict[str, Path], 
     assert result.exit_code == 1 and f"FAIL {parts[1].name}: missing: part 2" in result.stdout
     assert "/tmp" not in result.stdout + result.stderr
     assert_one_line_error(run_cli("convert", url, "x.gguf", "--to", "gguf"), contains=f"{parts[1].name}: missing")
+
+
+def test_info_of_a_split_in_a_bucket_reads_the_headers(ggufs: dict[str, Path], s3_env, run_cli,
+                                                       no_leftovers: Path) -> None:
+    """Each part's header fetched (the data left a hole): the same description as the local split, a shard per part."""
+    parts = _parts(ggufs)
+    s3_env.put_folder(ggufs["split"], "split")
+    url = f"s3://{s3_env.bucket}/split/{parts[0].name}"
+    remote, local = shardkit.info(url), shardkit.info(parts[0])
+    assert remote.path == url and remote.quantization == local.quantization
+    assert [(s.file, s.tensors, s.file_bytes) for s in remote.shards] == [
+        (s.file, s.tensors, s.file_bytes) for s in local.shards] == [
+        (p.name, len(read_gguf(p).tensors), p.stat().st_size) for p in parts]
+    result = run_cli("info", url)
+    assert result.exit_code == 0 and all(p.name in result.stdout for p in parts), result.stderr
+    assert list(no_leftovers.iterdir()) == []
 
 
 def test_a_missing_file_or_a_later_part_is_one_line(ggufs: dict[str, Path], s3_env, run_cli, tmp_path: Path) -> None:

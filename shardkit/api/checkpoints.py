@@ -237,10 +237,21 @@ def info(path: str | os.PathLike[str], *, token: str | None = None) -> Checkpoin
 
     shardkit.info("hf://black-forest-labs/FLUX.1-dev").parameter_count
     """
+    from ..checking.info import info as info_local
+
+    if is_remote(path) and path.endswith(".gguf"):  # its header (a split: each part's) fetched, the data a hole
+        from ..stores.gguf_fetch import fetched_gguf
+
+        with fetched_gguf(path, token=token, headers_only=True) as local:
+            summary = info_local(local)
+        summary.path = path
+        for shard in summary.shards:
+            shard.shared_bytes = None
+        summary.shared_bytes = None
+        return summary
     if is_remote(path):
         return store_info(path, token=token)
     check_local(path, role="checkpoint")
-    from ..checking.info import info as info_local
 
     return info_local(path)
 

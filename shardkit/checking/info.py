@@ -154,10 +154,12 @@ def _checkpoint_info(path: str) -> CheckpointInfo:
                             index_name, metadata=dict(metadata))
     if index_name:
         result.index_metadata = dict(load_index(target).metadata)
-    if gguf is not None:
-        entries_on_disk = gguf[1]
-        result.shards = [ShardInfo(os.path.basename(target), len(entries_on_disk),
-                                   sum(e.nbytes for e in entries_on_disk), _disk_bytes(target), _shared_bytes(target))]
+    if gguf is not None:  # a split GGUF: a shard per part
+        parts: dict[str, list[TensorEntry]] = {}
+        for entry in gguf[1]:
+            parts.setdefault(entry.file or target, []).append(entry)
+        result.shards = [ShardInfo(os.path.basename(file), len(held), sum(e.nbytes for e in held), _disk_bytes(file),
+                                   _shared_bytes(file)) for file, held in parts.items()]
     elif headers is not None:
         result.shards = [ShardInfo(os.path.basename(h.path), len(h.entries), sum(e.nbytes for e in h.entries),
                                    h.file_bytes, _shared_bytes(h.path)) for h in sorted(headers, key=lambda h: h.path)]
@@ -188,7 +190,6 @@ def _quantization(target: str, entries: list[TensorEntry], metadata: dict[str, s
     from ..errors import InvalidInputError
     from ..formats.layout import read_config
     from ..formats.links import UntrustedFileError
-    from ..layouts.fp4 import Fp4Layout
     from ..layouts.registry import find_quant_layout, quant_config_of
 
     folder = target if os.path.isdir(target) else os.path.dirname(os.path.abspath(target))
@@ -204,7 +205,7 @@ def _quantization(target: str, entries: list[TensorEntry], metadata: dict[str, s
         return {"error": str(e)}, frozenset()
     if layout is None:
         return None, frozenset()
-    found, refusal = layout.to_dict(), layout.refusal(target) if isinstance(layout, Fp4Layout) else None
+    found, refusal = layout.to_dict(), layout.refusal(target)
     if refusal is not None:
         found = {"error": refusal, **{k: v for k, v in found.items() if k != "description"}}
     return found, layout.extra

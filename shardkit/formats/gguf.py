@@ -25,7 +25,7 @@ from .header import MAX_DIM
 from .links import UntrustedFileError, open_regular
 
 __all__ = ["GGML_TYPES", "GGUF_MAGIC", "GGUF_QUANTIZE", "GgmlType", "GgufFile", "GgufTensor", "Value", "build_gguf_header",
-           "ggml_type", "is_gguf_file", "metadata_rows", "padded", "read_gguf", "tensor_nbytes_ggml"]
+           "ggml_type", "is_gguf_file", "metadata_rows", "padded", "read_gguf", "read_gguf_from", "tensor_nbytes_ggml"]
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -234,6 +234,12 @@ def read_gguf(path: str | os.PathLike[str]) -> GgufFile:
         from .header import open_error
 
         raise open_error(path, e) from e
+
+
+def read_gguf_from(f: BinaryIO, name: str, size_bytes: int) -> GgufFile:
+    """:func:`read_gguf` of an open binary file of ``size_bytes`` positioned at its start (a remote object through a
+    buffered range reader); ``name`` is what messages call it."""
+    return _parse(_Cursor(f, name, size_bytes))
 
 
 def _parse(cur: _Cursor) -> GgufFile:

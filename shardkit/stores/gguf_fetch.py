@@ -6,26 +6,35 @@ gguf-split layout (``NAME-00001-of-0000N.gguf``, ``split.count`` N in its header
 through the store's ranged reads (:func:`~shardkit.stores.read_ranges`, parallel, :data:`FETCH_BYTES` of memory at
 most) from the version listed, and where the store lists a sha256 (the Hub's LFS files) checked against it.
 Errors name the location, never the temporary folder. Costs: 1× the GGUF on the local disk.
+
+``headers_only`` (what ``info`` needs) fetches each file's header alone (parsed through buffered ranged reads, at
+most the header's bounds) into a sparse file of the object's size: the header, then a hole.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError, SourceNotFoundError, StoreError
-from ..formats.gguf import read_gguf
+from ..formats.gguf import read_gguf, read_gguf_from
 from ..formats.gguf_split import MAX_SPLITS, SPLIT_NAME, part_name, split_count
-from . import ObjectInfo, ObjectStore, RangeRequest, open_store, read_ranges
+from . import ObjectInfo, ObjectStore, RangeRequest, RemoteObject, open_store, read_ranges
 from .mirror import renamed_errors
+
+if TYPE_CHECKING:
+    from _typeshed import WriteableBuffer
 
 __all__ = ["FETCH_BYTES", "fetched_gguf", "names_a_gguf"]
 
 FETCH_BYTES = 64 << 20  # bytes of an object held at once while it is fetched
+HEADER_READ_BYTES = 1 << 20  # one ranged request while a header is parsed
 
 
 def names_a_gguf(path: str) -> bool:
@@ -38,7 +47,7 @@ def names_a_gguf(path: str) -> bool:
 
 
 @contextlib.contextmanager
-def fetched_gguf(path: str, *, token: str | None = None) -> Iterator[str]:
+def fetched_gguf(path: str, *, token: str | None = None, headers_only: bool = False) -> Iterator[str]:
     """The GGUF ``path`` (and a split's every part) in a temporary folder: the local path of the file named.
 
     with fetched_gguf("s3://models/llama/model-00001-of-00003.gguf") as local:
@@ -56,24 +65,30 @@ def fetched_gguf(path: str, *, token: str | None = None) -> Iterator[str]:
     try:
         with open_store(folder, token=token, check_bucket=False) as store, renamed_errors(tmp, folder):
             listed = {o.name: o for o in store.list_objects() if o.name.endswith(".gguf") and "/" not in o.name}
-            local = _fetch(store, listed, name, tmp)
+            fetch = _fetch_header if headers_only else _fetch
+            local = fetch(store, listed, name, tmp)
             match = SPLIT_NAME.fullmatch(name)
             count = split_count(read_gguf(local))
             if count > 1 and match is not None and int(match.group(2)) == 1 and count <= MAX_SPLITS:
                 for number in range(2, count + 1):  # one missing is named by the split reader, as for a local split
                     with contextlib.suppress(SourceNotFoundError):
-                        _fetch(store, listed, part_name(match.group(1), number, count), tmp)
+                        fetch(store, listed, part_name(match.group(1), number, count), tmp)
             yield local
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _fetch(store: ObjectStore, listed: dict[str, ObjectInfo], name: str, folder: str) -> str:
-    """Object ``name`` of the store's folder into ``folder``, checked against its listed sha256 where there is one."""
+def _listed(store: ObjectStore, listed: dict[str, ObjectInfo], name: str) -> ObjectInfo:
     info = listed.get(name)
     if info is None:
         raise SourceNotFoundError(f"{store.url.child(name)}: no such object (check the name; a split GGUF is named by "
                                   "its first part, NAME-00001-of-0000N.gguf)")
+    return info
+
+
+def _fetch(store: ObjectStore, listed: dict[str, ObjectInfo], name: str, folder: str) -> str:
+    """Object ``name`` of the store's folder into ``folder``, checked against its listed sha256 where there is one."""
+    info = _listed(store, listed, name)
     local = os.path.join(folder, name)
     digest = hashlib.sha256()
     buffer = bytearray(min(FETCH_BYTES, info.size_bytes))
@@ -92,3 +107,39 @@ def _fetch(store: ObjectStore, listed: dict[str, ObjectInfo], name: str, folder:
                          f"{info.digest[1]}; fetch it again")
     return local
 
+
+
+class _RangeReader(io.RawIOBase):
+    """A remote object as a raw binary stream (for :class:`io.BufferedReader`): each read one ranged request."""
+
+    def __init__(self, remote: RemoteObject) -> None:
+        self.remote, self.pos = remote, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: WriteableBuffer) -> int:
+        view = memoryview(buffer).cast("B")[: max(0, self.remote.size_bytes - self.pos)]
+        self.remote.read_into(self.pos, view)
+        self.pos += len(view)
+        return len(view)
+
+
+def _fetch_header(store: ObjectStore, listed: dict[str, ObjectInfo], name: str, folder: str) -> str:
+    """Object ``name``'s GGUF header into a sparse file of its size in ``folder`` (the tensor data a hole)."""
+    info = _listed(store, listed, name)
+    remote = RemoteObject(store, info)
+    with io.BufferedReader(_RangeReader(remote), buffer_size=HEADER_READ_BYTES) as reader:
+        header = read_gguf_from(reader, remote.name, info.size_bytes)
+    head = bytearray(header.data_start)
+    read_ranges(store, [RangeRequest(info.name, 0, memoryview(head))])
+    local = os.path.join(folder, name)
+    fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        view = memoryview(head)
+        while view:
+            view = view[os.write(fd, view):]
+        os.ftruncate(fd, info.size_bytes)
+    finally:
+        os.close(fd)
+    return local
