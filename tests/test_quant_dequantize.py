@@ -134,6 +134,25 @@ def test_fused_per_tensor_scales_must_agree(tmp_path: Path, run_cli) -> None:
             assert not (tmp_path / f"out-{ok}").exists() and not leftovers(tmp_path)
 
 
+def test_verify_reports_the_fp8_scales_convert_refuses(tmp_path: Path, run_cli) -> None:
+    """A NaN scale or fused per-tensor scales that disagree: convert refuses them, verify names them (read through
+    the layout's strategy, as fp4 scales are)."""
+    q, _ = quantize(torch.randn(384, 128) * 0.1, "tensor")
+    cases = {"ok": ([0.5, 0.5, 0.5], None), "fused": ([0.5, 0.25, 0.5], "fused per-tensor scales qkv.weight_scale"),
+             "nan": ([float("nan")], "scale qkv.weight_scale of qkv.weight holds non-finite values")}
+    for case, (values, problem) in cases.items():
+        src = tmp_path / case
+        src.mkdir()
+        save_file({"qkv.weight": q, "qkv.weight_scale": torch.tensor(values)}, src / "model.safetensors")
+        verify = run_cli("verify", src)
+        convert = run_cli("convert", src, tmp_path / f"out-{case}", "--dtype", "bf16")
+        if problem is None:
+            assert verify.exit_code == 0 and convert.exit_code == 0, verify.stdout + convert.stderr
+            continue
+        assert verify.exit_code == 1 and problem in verify.stdout, verify.stdout
+        assert_one_line_error(convert)
+
+
 def test_fp8_dtype_or_quantize_of_a_scaled_checkpoint_is_refused(llama, tmp_path: Path, run_cli) -> None:
     src = _layout_folder("comfy-scaled", llama, tmp_path)
     line = assert_one_line_error(run_cli("convert", src, tmp_path / "out", "--dtype", "fp8_e4m3", "--allow-lossy"))

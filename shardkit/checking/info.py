@@ -190,7 +190,6 @@ def _quantization(target: str, entries: list[TensorEntry], metadata: dict[str, s
     from ..errors import InvalidInputError
     from ..formats.layout import read_config
     from ..formats.links import UntrustedFileError
-    from ..layouts.fp4 import Fp4Layout
     from ..layouts.registry import find_quant_layout, quant_config_of
 
     folder = target if os.path.isdir(target) else os.path.dirname(os.path.abspath(target))
@@ -206,7 +205,7 @@ def _quantization(target: str, entries: list[TensorEntry], metadata: dict[str, s
         return {"error": str(e)}, frozenset()
     if layout is None:
         return None, frozenset()
-    found, refusal = layout.to_dict(), layout.refusal(target) if isinstance(layout, Fp4Layout) else None
+    found, refusal = layout.to_dict(), layout.refusal(target)
     if refusal is not None:
         found = {"error": refusal, **{k: v for k, v in found.items() if k != "description"}}
     return found, layout.extra

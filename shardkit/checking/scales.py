@@ -16,11 +16,11 @@ __all__ = ["scale_problems_of"]
 
 def scale_problems_of(path: str, root: str, entries: Sequence[TensorEntry], metadata: Mapping[str, str], *,
                       where: str, read_scales: bool) -> list[str]:
-    """One line per quantized weight whose scale or recipe is missing, misshapen or (``read_scales``)
-    non-finite, for the checkpoint at ``path`` (its folder ``root``; ``where`` names it in messages)."""
+    """One line per quantized weight whose scale or recipe is missing, misshapen or (``read_scales``) unusable
+    (non-finite, fused scales that disagree), for the checkpoint at ``path`` (its folder ``root``; ``where`` names
+    it in messages)."""
     from ..formats.links import UntrustedFileError
-    from ..layouts.fp4 import Fp4Layout
-    from ..layouts.registry import find_quant_layout, quant_config
+    from ..layouts.registry import dequantizer, find_quant_layout, quant_config
 
     try:
         config = quant_config(root)
@@ -33,15 +33,14 @@ def scale_problems_of(path: str, root: str, entries: Sequence[TensorEntry], meta
             find_quant_layout(list(entries), config=config, metadata=dict(metadata), where=where)
     except InvalidInputError as e:
         return [str(e).removeprefix(f"{where}: ")]
-    if not isinstance(found, Fp4Layout):
+    if found is None:
         return []
     problems = list(found.problems)
-    if read_scales and found.weights:
-        from ..layouts.fp4_math import scale_problems
+    if read_scales and found.weights:  # the values, through the layout's own strategy
         from ..sources import open_source
-        from ..sources.dequantized import read_whole
+        from ..sources.dequantized import SourceReader
 
         with open_source(path) as source:
-            by_name = {e.name: e for e in source.entries()}
-            problems += [line for _, line in scale_problems(found, lambda name: read_whole(source, by_name[name]))]
+            reader = SourceReader(source, {e.name: e for e in source.entries()})
+            problems += [line for _, line in dequantizer(found, list(entries)).scale_problems(reader)]
     return [f"{found.scheme}: {p}" for p in problems]

@@ -192,12 +192,16 @@ class Fp4Dequantizer:
 
     def broken(self, reader: TensorReader, *, where: str, allow_lossy: bool) -> frozenset[str]:
         """The weights whose scales hold NaN or infinity (refused unless ``allow_lossy``)."""
-        problems = scale_problems(self.layout, reader.whole)
+        problems = self.scale_problems(reader)
         if problems and not allow_lossy:
             raise InvalidInputError(f"{where}: {self.layout.scheme}: {'; '.join(p for _, p in problems[:3])}; "
                                     "dequantized, these weights would be NaN or infinite (re-export the checkpoint, or "
                                     "pass allow_lossy=True to copy them as they are)")
         return frozenset(packed for packed, _ in problems)
+
+    def scale_problems(self, reader: TensorReader) -> list[tuple[str, str]]:
+        """Scales holding NaN or infinity, global scales that are zero (:func:`scale_problems`)."""
+        return scale_problems(self.layout, reader.whole)
 
     def dense_bands(self, reader: TensorReader, weight: DenseWeight, out_dtype: torch.dtype, *,
                     first: int = 0) -> Iterator[tuple[int, torch.Tensor]]:

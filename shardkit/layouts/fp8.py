@@ -131,6 +131,15 @@ class QuantLayout:
                 "extra_tensors": len(self.extra), "granularity": grains, "weight_dtype": self.weight_dtype,
                 "scale_dtype": self.scale_dtype}
 
+    @property
+    def problems(self) -> tuple[str, ...]:
+        """None: :func:`find_layout` refuses an inconsistent fp8 checkpoint (as :attr:`Fp4Layout.problems` reads)."""
+        return ()
+
+    def refusal(self, where: str) -> str | None:
+        """None: a layout found is consistent (as :meth:`Fp4Layout.refusal` reads)."""
+        return None
+
 
 def find_layout(entries: Sequence[TensorEntry], *, config: Config | None = None,
                 metadata: Mapping[str, str] | None = None, where: str = "checkpoint") -> QuantLayout | None:

@@ -46,11 +46,17 @@ def scale_to_float32(scale: torch.Tensor, *, name: str | None = None) -> torch.T
     """A scale tensor as float32 multipliers (uint8 holds e8m0 exponents); NaN or infinite values are refused."""
     import torch
 
-    factors = (scale.to(torch.float32) - 127.0).exp2() if scale.dtype == torch.uint8 else scale.to(torch.float32)
+    factors = _factors(scale)
     if not bool(torch.isfinite(factors).all()):
         raise InvalidInputError(f"scale {name or 'tensor'} holds NaN or infinite values (as float32 multipliers); "
                                 "the checkpoint is corrupt: re-export it")
     return factors
+
+
+def _factors(scale: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    return (scale.to(torch.float32) - 127.0).exp2() if scale.dtype == torch.uint8 else scale.to(torch.float32)
 
 
 def band_rows(weight: ScaledWeight, cols: int, *, whole_blocks: bool = False) -> int:
@@ -177,6 +183,20 @@ class Fp8Dequantizer:
         refuse_disagreeing({w.scale: scale_to_float32(reader.whole(w.scale), name=w.scale)
                             for w in self.layout.weights if w.granularity == "fused"}, where=where)
         return frozenset()
+
+    def scale_problems(self, reader: TensorReader) -> list[tuple[str, str]]:
+        """Scales holding NaN or infinity (as float32 multipliers), fused per-tensor scales that disagree."""
+        import torch
+
+        problems = []
+        for w in self.layout.weights:
+            factors = _factors(reader.whole(w.scale))
+            if not bool(torch.isfinite(factors).all()):
+                problems.append((w.weight, f"scale {w.scale} of {w.weight} holds non-finite values"))
+            elif w.granularity == "fused" and not bool((factors == factors.reshape(-1)[0]).all()):
+                problems.append((w.weight, f"fused per-tensor scales {w.scale} of {w.weight} disagree: which rows each "
+                                           "one scales is not recorded"))
+        return problems
 
     def dense_bands(self, reader: TensorReader, weight: DenseWeight, out_dtype: torch.dtype, *,
                     first: int = 0) -> Iterator[tuple[int, torch.Tensor]]:

@@ -106,6 +106,11 @@ class Dequantizer(Protocol):
         """
         ...
 
+    def scale_problems(self, reader: TensorReader) -> list[tuple[str, str]]:
+        """(stored weight, one line naming the tensor) per scale whose values cannot be used: NaN or infinite
+        values, a zero divisor, fused per-tensor scales that disagree (what ``verify`` reports)."""
+        ...
+
     def dense_bands(self, reader: TensorReader, weight: DenseWeight, out_dtype: torch.dtype, *,
                     first: int = 0) -> Iterator[tuple[int, torch.Tensor]]:
         """(element offset in the dense tensor, the band's values) for each band from the one holding ``first`` on."""
