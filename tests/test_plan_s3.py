@@ -86,6 +86,16 @@ def test_slurm_array_processes_into_a_bucket_one_task_twice_at_once_equal_one_pr
     assert s3_env.uploads() == []
 
 
+@pytest.mark.slow
+def test_torchrun_convert_resume_s3_to_s3_is_the_plan_run_over_ranks(s3_env: Any, s3_source: str) -> None:
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "-m", "shardkit", "convert", s3_source, f"s3://{s3_env.bucket}/out", "--max-shard-size", "20KB",
+                          "--dtype", "bf16", "--resume"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "terminate called" not in run.stderr, run.stderr[-3000:]
+    assert "wrote 3 shard task(s); published" in run.stdout  # rank 0 reports its share
+    assert prefix_bytes(s3_env, "out") == prefix_bytes(s3_env, "ref") and s3_env.uploads() == []
+
+
 def test_a_task_refuses_a_changed_source_object_in_one_line(s3_env: Any, s3_source: str, tmp_path: Path) -> None:
     shardkit.write_plan(s3_source, f"s3://{s3_env.bucket}/out", tmp_path / "plan.json", **OPTIONS)
     s3_env.put("src/config.json", b'{"model_type": "yot"}\n')  # the same size, another version
