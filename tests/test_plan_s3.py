@@ -54,6 +54,17 @@ def test_s3_to_s3_tasks_in_any_order_then_finalize_equal_one_process(s3_env: Any
     assert again.plan_id == plan.plan_id
 
 
+def test_a_one_shard_plan_without_an_index_and_a_rerun_after_publish(s3_env: Any, s3_source: str) -> None:
+    bucket = f"s3://{s3_env.bucket}"
+    shardkit.convert(s3_source, f"{bucket}/one-ref", dtype="bf16")
+    plan = shardkit.write_plan(s3_source, f"{bucket}/one", dtype="bf16")
+    assert len(plan.tasks) == 1 and plan.index is None
+    assert shardkit.run_plan(plan).published
+    assert prefix_bytes(s3_env, "one") == prefix_bytes(s3_env, "one-ref")
+    with pytest.raises(shardkit.OutputExistsError):  # done and cleaned up: the same plan again is a new write
+        shardkit.write_plan(s3_source, f"{bucket}/one", dtype="bf16")
+
+
 def test_local_to_s3_and_s3_to_local_equal_one_process(s3_env: Any, s3_source: str, tmp_path: Path) -> None:
     src = make_source(tmp_path / "local-src")
     up = shardkit.write_plan(src, f"s3://{s3_env.bucket}/up", **OPTIONS)
