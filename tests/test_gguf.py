@@ -307,3 +307,19 @@ def test_the_fp4_types_are_read_and_copied_whole(qtype: str, tmp_path: Path, run
 
 def gguf_raw(path: Path) -> dict[str, tuple[str, bytes]]:
     return {t.name: (t.tensor_type.name, np.asarray(t.data).tobytes()) for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def test_a_llama_file_with_experts_gets_no_llama_config(tmp_path: Path) -> None:
+    """Mixtral GGUFs are written as llama with stacked experts (ffn_*_exps): read back, the experts keep their GGUF
+    names, so no config.json is made (a LlamaForCausalLM config would load the model without its experts)."""
+    import transformers
+
+    config = tiny_llama_config()
+    state = {k: v for k, v in transformers.LlamaForCausalLM(config).state_dict().items() if ".mlp." not in k}
+    experts = {f"blk.{i}.ffn_{kind}_exps.weight": np.ones((4, 128, 64) if kind != "down" else (4, 64, 128), np.float32)
+               for i in range(2) for kind in ("gate", "up", "down")}
+    path = write_llama_gguf(tmp_path / "moe.gguf", state, config, "F16", extra=experts)
+    shardkit.convert(path, tmp_path / "out", dtype="fp32")
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    assert set(experts) <= set(written) and "model.layers.0.self_attn.q_proj.weight" in written
+    assert not (tmp_path / "out" / "config.json").exists()

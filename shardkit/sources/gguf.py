@@ -142,10 +142,12 @@ class GgufSource(Source):
 
     def config(self) -> JsonObject | None:
         """The transformers ``config.json`` rebuilt from the metadata of a Llama, Qwen2, Qwen3 or BERT file; None for
-        other architectures."""
+        other architectures, and for a Llama file with stacked experts (Mixtral, written as llama: its experts keep
+        their GGUF names, so a LlamaForCausalLM config would load a model without them)."""
         from ..layouts.gguf_names import CONFIG_ARCHITECTURES, config_from_metadata
 
-        if self.gguf.architecture not in CONFIG_ARCHITECTURES:
+        if self.gguf.architecture not in CONFIG_ARCHITECTURES or any(
+                t.name.endswith("_exps.weight") for t in self.gguf.tensors):
             return None
         return config_from_metadata(self.gguf.metadata, has_output="output.weight" in {t.name for t in self.gguf.tensors},
                                     where=self.description)
