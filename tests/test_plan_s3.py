@@ -119,6 +119,8 @@ def test_a_task_refuses_a_changed_source_object_in_one_line(s3_env: Any, s3_sour
 def test_a_prefix_with_objects_is_refused_unless_the_plan_ran_there(s3_env: Any, s3_source: str) -> None:
     with pytest.raises(shardkit.OutputExistsError, match="already holds"):
         shardkit.write_plan(s3_source, f"s3://{s3_env.bucket}/ref", **OPTIONS)
+    with pytest.warns(shardkit.ShardkitWarning, match="needs overwrite=True"):  # a dry run warns only
+        shardkit.write_plan(s3_source, f"s3://{s3_env.bucket}/ref", **OPTIONS, dry_run=True)
     with pytest.raises(shardkit.InvalidInputError, match="cannot replace it atomically"):
         shardkit.write_plan(s3_source, f"s3://{s3_env.bucket}/ref", **OPTIONS, overwrite=True)
     plan = shardkit.write_plan(s3_source, f"s3://{s3_env.bucket}/out", **OPTIONS)

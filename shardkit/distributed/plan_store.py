@@ -39,6 +39,7 @@ from ..formats.manifest import MANIFEST_NAME, FileDigest, ManifestError, dump_ma
 from ..sharding.digest import ManifestRecorder
 from ..sharding.flush import ByteCounter
 from ..sharding.job import ShardJob, ShardWriter, SideFile, run_jobs, shard_metadata
+from ..sharding.options import warn
 from ..sharding.outputs import JobOutput, OutputOpener, OutputPlan, bind_output
 from ..sharding.store_output import SOURCE_CHUNK_BYTES, StoreOutput
 from ..sharding.stream_writer import stream_safetensors
@@ -92,7 +93,12 @@ def refuse_taken_prefix(plan: ConversionPlan, *, dry_run: bool) -> None:
     (a store cannot replace them atomically), unless the plan already ran there (its journal is there)."""
     with open_store(plan.spec.output) as store:
         existing = {o.name for o in store.list_objects()}
-    if dry_run or not existing or journal_name(plan) in existing:
+    if not existing or journal_name(plan) in existing:
+        return
+    if dry_run:  # a dry run warns, as for a local folder
+        if not plan.spec.options.overwrite:
+            warn(f"{plan.spec.output}: the prefix already holds {len(existing)} object(s); running this plan needs "
+                 "overwrite=True")
         return
     if not plan.spec.options.overwrite:
         raise OutputExistsError(f"{plan.spec.output}: the prefix already holds {len(existing)} object(s); pass "
