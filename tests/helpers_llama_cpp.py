@@ -287,6 +287,9 @@ def tiny_model_folder(folder: Path, arch: str, *, dtype: Any = None, **overrides
                    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
                        "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                        "tie_word_embeddings": False}),
+                   "mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+                       "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None,
+                       "tie_word_embeddings": False}),
                    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
                        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                        "shared_expert_intermediate_size": 96, "tie_word_embeddings": False})}

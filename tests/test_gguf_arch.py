@@ -28,9 +28,10 @@ FAST = [("llama", "q8_0", None), ("mistral", "q8_0", torch.bfloat16), ("qwen2", 
         ("bert", "q8_0", None), ("llama-spm", "q8_0", None), ("llama", "f16", None), ("qwen2", "bf16", None),
         ("qwen3", "f32", torch.bfloat16), ("bert", "f16", None), ("gemma2", "q8_0", None), ("gemma2", "f16", torch.bfloat16),
         ("qwen3moe", "q8_0", None), ("qwen3moe", "bf16", torch.bfloat16), ("phi3", "q8_0", None),
-        ("gemma3", "q8_0", None), ("gemma3", "f16", torch.bfloat16), ("qwen2moe", "q8_0", None)]
+        ("gemma3", "q8_0", None), ("gemma3", "f16", torch.bfloat16), ("qwen2moe", "q8_0", None),
+        ("mixtral", "q8_0", None), ("mixtral", "bf16", torch.bfloat16)]
 FULL = [(a, t, None) for a in ("llama", "mistral", "qwen2", "qwen3", "bert", "llama-spm", "gemma2", "qwen3moe", "phi3", "gemma3",
-                                        "qwen2moe")
+                                        "qwen2moe", "mixtral")
         for t in ("f32", "f16", "bf16", "q8_0")]
 CASES = FAST + [pytest.param(*case, marks=pytest.mark.slow) for case in FULL if case not in FAST]
 
@@ -69,7 +70,7 @@ def test_every_tensor_and_key_equals_the_converters(arch: str, outtype: str, dty
     assert gguf_fields(out) == gguf_fields(reference)
     expected = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "bert": "bert",
                 "llama-spm": "llama", "gemma2": "gemma2", "qwen3moe": "qwen3moe", "phi3": "phi3",
-                "gemma3": "gemma3", "qwen2moe": "qwen2moe"}[arch]
+                "gemma3": "gemma3", "qwen2moe": "qwen2moe", "mixtral": "llama"}[arch]
     assert shardkit.info(out).quantization["architecture"] == expected
 
 

@@ -22,7 +22,7 @@ TEXT = "Hello world, the quick brown fox jumps over the lazy dog 123"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "llama-spm", "gemma2", "gemma3", "qwen3moe", "phi3", "qwen2moe",
-                                  pytest.param("mistral", marks=pytest.mark.slow),
+                                  "mixtral", pytest.param("mistral", marks=pytest.mark.slow),
                                   pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_llama_cpp_runs_our_file_as_it_runs_the_converters(arch: str, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,6 +11,10 @@ from the config (written by :mod:`shardkit.layouts.gguf_keys`: the converter's
 written     ``model_type``                    what differs from Llama
 ==========  ================================  =============================================================
 llama       llama, mistral                    (Mistral is written as llama, as llama.cpp's converter does)
+llama       mixtral                           llama's, with each layer's experts (``block_sparse_moe.experts.N.w1/w2/w3``)
+                                              stacked as qwen3moe's (``ffn_gate_exps``, ``ffn_down_exps``, ``ffn_up_exps``),
+                                              the router ``block_sparse_moe.gate`` as ``ffn_gate_inp`` F32 (the
+                                              converter's LlamaModel: MixtralForCausalLM shares llama's entry there)
 qwen2       qwen2                             q/k/v biases, no q/k permutation, no vocab_size/rope keys
 qwen3       qwen3                             q/k norms (``attn_q_norm``, ``attn_k_norm``), no biases
 bert        bert                              embeddings, position and token-type tables, LayerNorm biases,
@@ -67,7 +71,10 @@ _GEMMA2_LAYER = {**_DECODER_LAYER, "post_attention_layernorm": "post_attention_n
                  "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
 _PHI3_LAYER = {**{k: v for k, v in _DECODER_LAYER.items() if k not in ("mlp.gate_proj", "mlp.up_proj")},
                "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
-_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(\w+)$")
+_MIXTRAL_LAYER = {**{k: v for k, v in _DECODER_LAYER.items() if not k.startswith("mlp.")},
+                  "block_sparse_moe.gate": "ffn_gate_inp", "block_sparse_moe.experts.w1": "ffn_gate_exps",
+                  "block_sparse_moe.experts.w2": "ffn_down_exps", "block_sparse_moe.experts.w3": "ffn_up_exps"}
+_EXPERT = re.compile(r"(.*\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)$")
 _BERT_TOP = {"embeddings.word_embeddings": "token_embd", "embeddings.position_embeddings": "position_embd",
              "embeddings.token_type_embeddings": "token_types", "embeddings.LayerNorm": "token_embd_norm"}
 
@@ -89,6 +96,7 @@ class GgufArch:
     norm_shift: float = 0.0      # added to every *norm.weight (Gemma stores norm - 1)
     experts: bool = False        # per-expert tensors stacked into one (MoE)
     space_prefix: bool | None = None  # add_space_prefix written whatever the tokenizer says (Gemma: False)
+    key: str = ""                # its key in ARCHITECTURES when ``name`` is another entry's (Mixtral is written as llama)
 
     def gguf_name(self, hf_name: str) -> str | None:
         """llama.cpp's name of the HF tensor ``hf_name``, or None when it has none (every expert of a layer has the
@@ -143,7 +151,7 @@ class GgufArch:
         return hf_name.endswith(self.dropped) or (self.bert and hf_name.startswith(("pooler.", "cls.")))
 
 
-ARCHITECTURES: dict[str, GgufArch] = {a.name: a for a in (
+ARCHITECTURES: dict[str, GgufArch] = {a.key or a.name: a for a in (
     GgufArch("llama", ("llama", "mistral"), _DECODER_LAYER, _DECODER_TOP, permute_qk=True, llama_keys=True),
     GgufArch("qwen2", ("qwen2",), _DECODER_LAYER, _DECODER_TOP),
     GgufArch("qwen3", ("qwen3",), _QWEN3_LAYER, _DECODER_TOP),
@@ -157,6 +165,8 @@ ARCHITECTURES: dict[str, GgufArch] = {a.name: a for a in (
              norm_shift=1.0, space_prefix=False, dropped=("rotary_emb.inv_freq", "lm_head.weight")),
     GgufArch("bert", ("bert",), _BERT_LAYER, _BERT_TOP, layer_prefix="encoder.layer.", bert=True,
              dropped=("embeddings.position_ids",)),
+    GgufArch("llama", ("mixtral",), _MIXTRAL_LAYER, _DECODER_TOP, permute_qk=True, llama_keys=True, experts=True,
+             key="mixtral"),
 )}
 
 
