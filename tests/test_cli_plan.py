@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import subprocess
 import sys
 
@@ -137,3 +139,38 @@ def test_quiet_prints_one_line_per_result(run_cli, tmp_path) -> None:
     result = run_cli("plan", folder, "--model", "diffusers:UNet2DConditionModel", "--gpu", "1GB", "--strategies",
                      "--quiet")
     assert result.stdout.splitlines()[-1] == "fastest that fits: gpu"
+
+
+_FREED = """
+import sys
+from shardkit.cli.run import map_large_blocks
+if sys.argv[1] == "mapped":
+    map_large_blocks()
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) // 1024
+warm = bytearray(8 << 20)
+del warm                                    # glibc raises its mmap threshold to 8 MiB here
+keep, big = [], []
+for _ in range(16):
+    big.append(bytearray(4 << 20))
+    keep.append(bytearray(200 << 10))       # small blocks after each: the heap cannot shrink from its top
+before = rss_mb()
+del big
+print(before - rss_mb())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_a_plan_worker_gives_freed_large_blocks_back() -> None:
+    """`shardkit run` maps blocks of 1 MiB and more (as MALLOC_MMAP_THRESHOLD_=1048576 does): freed, they leave
+    the process, where glibc's own threshold would keep 64 MiB of freed 4 MiB blocks in the heap."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+
+    def freed_mb(mode: str) -> int:
+        proc = subprocess.run([sys.executable, "-c", _FREED, mode], capture_output=True, text=True, env=env, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return int(proc.stdout)
+
+    assert freed_mb("mapped") >= 60
+    assert freed_mb("default") < 30  # what the setting changes (glibc keeps them)
