@@ -23,9 +23,10 @@ if TYPE_CHECKING:
     from ..distributed.plan_source import OpenedSource
     from ..distributed.plan_source import PlanRun as PlanRun
 
-__all__ = ["Command", "Engine", "open_plan_source", "plan_summary", "read_plan", "resume", "run_plan", "write_plan"]
+__all__ = ["Command", "Engine", "PlanTo", "open_plan_source", "plan_summary", "read_plan", "resume", "run_plan", "write_plan"]
 
 Command = Literal["split", "convert"]
+PlanTo = Literal["gguf"]
 Engine = Literal["local", "ray"]
 MAX_ENV_TASK = 10**9
 
@@ -35,7 +36,7 @@ def write_plan(source: str | os.PathLike[str], output: str | os.PathLike[str], p
                include: Iterable[str] = (), exclude: Iterable[str] = (), strip_prefix: str | None = None,
                add_prefix: str | None = None, rename: Iterable[str] | Mapping[str, str] = (),
                lora: str | os.PathLike[str] | Iterable[str | os.PathLike[str]] = (), lora_scale: float = 1.0,
-               **shorthands: Unpack[WriteKeywords]) -> ConversionPlan:
+               to: PlanTo | None = None, **shorthands: Unpack[WriteKeywords]) -> ConversionPlan:
     """Plan a split or convert of ``source`` into ``output`` and write the plan to ``plan`` (a JSON file).
 
     Reads headers only. The same source and options give the same bytes. With ``dry_run=True``
@@ -52,6 +53,9 @@ def write_plan(source: str | os.PathLike[str], output: str | os.PathLike[str], p
             :func:`shardkit.convert`.
         lora, lora_scale: local LoRA adapters merged into every task's weights, as :func:`shardkit.convert`
             merges them (a ``convert`` plan; the adapters' files are part of the source's identity).
+        to: ``"gguf"``: ``output`` is a local ``.gguf`` path and the plan writes what ``shardkit.convert(...,
+            to='gguf')`` writes (one task per file: the one file, or each gguf-split part with ``max_shard_size``;
+            ``quantize`` sets the ggml type).
 
     Returns:
         The :class:`~shardkit.distributed.plan_file.ConversionPlan`.
@@ -65,10 +69,12 @@ def write_plan(source: str | os.PathLike[str], output: str | os.PathLike[str], p
     built = WriteOptions.build(options, shorthands, where="write_plan()")
     if command not in ("split", "convert"):
         raise InvalidInputError(f"command={command!r}: a plan is of a 'split' or a 'convert'")
+    if to is not None and command != "convert":
+        raise InvalidInputError(f"to={to!r}: write the plan with command='convert'")
     keymap = build_keymap(include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
                           rename=dict(rename) if isinstance(rename, Mapping) else rename)
     made = make_plan(command, os.fspath(source), os.fspath(output), options=built, key=key, keymap=keymap,
-                     opener=open_plan_source, lora=_adapters(lora, command), lora_scale=lora_scale)
+                     opener=open_plan_source, lora=_adapters(lora, command), lora_scale=lora_scale, to=to)
     if plan is not None and not built.dry_run:
         from ..atomic.commit import file_transaction
 
@@ -244,7 +250,7 @@ def resume(source: str | os.PathLike[str], output: str | os.PathLike[str], *, co
            options: WriteOptions | None = None, key: str | None = None, include: Iterable[str] = (),
            exclude: Iterable[str] = (), strip_prefix: str | None = None, add_prefix: str | None = None,
            rename: Iterable[str] | Mapping[str, str] = (), lora: str | os.PathLike[str] | Iterable[str | os.PathLike[str]] = (),
-           lora_scale: float = 1.0, **shorthands: Unpack[WriteKeywords]) -> PlanRun:
+           lora_scale: float = 1.0, to: PlanTo | None = None, **shorthands: Unpack[WriteKeywords]) -> PlanRun:
     """A split or convert that a kill does not lose: run as its plan, continued from the shards a killed
     run finished (the same arguments find the same plan). Same arguments as :func:`write_plan`.
     Under torchrun every rank plans the same job and runs every ``WORLD_SIZE``-th task; rank 0 publishes.
@@ -254,7 +260,7 @@ def resume(source: str | os.PathLike[str], output: str | os.PathLike[str], *, co
     built = WriteOptions.build(options, shorthands, where="resume()")
     plan = write_plan(source, output, None, command=command, options=built, key=key, include=include,
                       exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix, rename=rename, lora=lora,
-                      lora_scale=lora_scale)
+                      lora_scale=lora_scale, to=to)
     from ..distributed import plan_run
 
     world = os.environ.get("WORLD_SIZE", "").strip()

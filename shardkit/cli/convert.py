@@ -32,6 +32,7 @@ Examples:
   shardkit convert llama-hf/ llama-merged/ --lora my-adapter/ --dtype bf16   # a PEFT LoRA merged in
   shardkit convert ckpt/ out/ --dtype bf16 --write-plan plan.json   # then: shardkit run plan.json
   shardkit convert ckpt/ out/ --dtype bf16 --resume                 # killed? run it again: continues
+  shardkit convert llama-hf/ llama-q8_0.gguf --to gguf --quantize q8_0 --resume   # a GGUF too (per file)
 
 \b
 SOURCE kinds: .safetensors file, index or folder; .bin/.pt/.pth/.ckpt pickle (loaded with
@@ -149,12 +150,13 @@ def convert(source: str, output: str, key: str | None, strip_prefix: str | None,
     from .split import print_plan
 
     if plan_file is not None or resume:  # the job as a plan (shardkit run), or run as one that resumes
-        if to or config or component or no_cache:
-            raise click.UsageError("--write-plan/--resume plan a convert into a folder or s3:// prefix: drop --to, "
-                                   "--config, --component and --no-cache")
+        if to not in (None, "gguf") or config or component or no_cache:
+            raise click.UsageError("--write-plan/--resume plan a convert into a folder, an s3:// prefix or (--to gguf) "
+                                   "a .gguf file: drop --to diffusers/single-file, --config, --component and --no-cache")
         run_as_plan("convert", source, output, plan_file=plan_file, resume=resume, as_json=as_json, quiet=quiet,
                     options=WriteOptions(**write), key=key, include=include, exclude=exclude, strip_prefix=strip_prefix,
-                    add_prefix=add_prefix, rename=rename, lora=lora, lora_scale=lora_scale)
+                    add_prefix=add_prefix, rename=rename, lora=lora, lora_scale=lora_scale,
+                    to="gguf" if to == "gguf" else None)
         return
     with torchrun_group() as collective:  # under torchrun: every rank writes its share of the shards
         quiet, as_json = quiet or not is_rank_zero(), as_json and is_rank_zero()  # rank 0 reports for all

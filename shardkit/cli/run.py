@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, TypeVar
 import click
 
 from ..api.options import WriteOptions
-from ..api.plans import Command, Engine
+from ..api.plans import Command, Engine, PlanTo
 from .common import byte_progress, echo_json
 
 if TYPE_CHECKING:
@@ -29,6 +29,7 @@ Examples:
   shardkit convert ckpt/ out/ --dtype bf16 --resume       # killed? the same line continues it
   shardkit convert s3://b/ckpt s3://b/out --dtype bf16 --write-plan plan.json   # each task its own upload
   shardkit convert base/ merged/ --lora adapter/ --dtype bf16 --write-plan plan.json   # a LoRA merge
+  shardkit convert llama-hf/ llama.gguf --to gguf --quantize q8_0 --max-shard-size 2GB --write-plan plan.json
 
 \b
 A plan (--write-plan) lists one task per output shard (the source byte ranges it reads, its casts,
@@ -78,7 +79,8 @@ def plan_options(f: F) -> F:
 def run_as_plan(command: Command, source: str, output: str, *, plan_file: str | None, resume: bool, as_json: bool,
                 quiet: bool, options: WriteOptions, key: str | None, include: Iterable[str] = (),
                 exclude: Iterable[str] = (), strip_prefix: str | None = None, add_prefix: str | None = None,
-                rename: Iterable[str] = (), lora: Iterable[str] = (), lora_scale: float = 1.0) -> None:
+                rename: Iterable[str] = (), lora: Iterable[str] = (), lora_scale: float = 1.0,
+                to: PlanTo | None = None) -> None:
     """``split``/``convert`` with ``--write-plan`` or ``--resume``."""
     from ..api.plans import plan_summary, write_plan
     from ..api.plans import resume as resume_api
@@ -90,7 +92,7 @@ def run_as_plan(command: Command, source: str, output: str, *, plan_file: str | 
         with byte_progress(command, enabled=not (quiet or as_json)) as progress:
             run = resume_api(source, output, command=command, key=key, include=include, exclude=exclude,
                              strip_prefix=strip_prefix, add_prefix=add_prefix, rename=rename, lora=lora,
-                             lora_scale=lora_scale,
+                             lora_scale=lora_scale, to=to,
                              options=dataclasses.replace(options, dry_run=False, progress=progress))
         from ..api.jobs import is_rank_zero
 
@@ -98,7 +100,7 @@ def run_as_plan(command: Command, source: str, output: str, *, plan_file: str | 
         return
     plan = write_plan(source, output, plan_file, command=command, options=options, key=key, include=include,
                       exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix, rename=rename, lora=lora,
-                      lora_scale=lora_scale)
+                      lora_scale=lora_scale, to=to)
     if as_json:
         echo_json({"plan": plan_file, "plan_id": plan.plan_id, "tasks": len(plan.tasks), "written": not options.dry_run})
     elif not quiet:

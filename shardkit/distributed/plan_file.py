@@ -31,12 +31,13 @@ from ..sharding.writer import TensorWrite, clone_alignment
 from ..sources.keymap import KeyMap
 from ..units import format_size
 
-__all__ = ["FORMAT", "MAX_PLAN_BYTES", "MAX_TASKS", "PLAN_OPTION_FIELDS", "ConversionPlan", "PlanSpec", "ShardTask",
+__all__ = ["FORMAT", "GGUF_VERSION", "MAX_PLAN_BYTES", "MAX_TASKS", "PLAN_OPTION_FIELDS", "ConversionPlan", "PlanSpec", "ShardTask",
            "SourceFile", "build_plan", "dump_plan", "keymap_from_json", "options_from_json", "parse_plan",
            "same_path", "shard_tasks", "source_identity", "summary"]
 
 FORMAT = "shardkit.plan"
 VERSION = 1
+GGUF_VERSION = 2  # a plan with to="gguf": refused by a shardkit that would write it as safetensors
 MAX_PLAN_BYTES = 256 * 2**20  # a plan of 100,000 shards with their read ranges stays far below
 MAX_TASKS = 100_000
 MAX_READS = 10_000_000
@@ -70,6 +71,7 @@ class ShardTask:
     tensors: int
     reads: tuple[Read, ...]
     casts: tuple[tuple[str, int], ...]  # ("F32->BF16", tensor count), sorted
+    header_crc32: str | None = None  # known up front where the plan holds the header (a GGUF part's)
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,7 @@ class PlanSpec:
     keymap: KeyMap = dataclasses.field(default_factory=KeyMap)
     lora: tuple[str, ...] = ()  # local LoRA adapters merged into the source, in order (convert only)
     lora_scale: float = 1.0
+    to: str | None = None  # "gguf": the output is a .gguf file (or gguf-split's parts), one task per file
 
 
 @dataclass(frozen=True)
@@ -210,7 +213,7 @@ def dump_plan(plan: ConversionPlan) -> bytes:
     spec = plan.spec
     km = spec.keymap
     head = {
-        "format": FORMAT, "version": VERSION, "command": spec.command, "source": spec.source, "output": spec.output,
+        "format": FORMAT, "version": GGUF_VERSION if spec.to else VERSION, "command": spec.command, "source": spec.source, "output": spec.output,
         "key": spec.key, "options": options_to_json(spec.options),
         "keymap": {"include": list(km.include), "exclude": list(km.exclude), "strip_prefix": km.strip_prefix,
                    "add_prefix": km.add_prefix, "rename": [list(p) for p in km.rename]},
@@ -219,8 +222,11 @@ def dump_plan(plan: ConversionPlan) -> bytes:
     }
     if spec.lora:  # only then: a plan without adapters keeps the bytes it always had
         head["lora"] = {"adapters": list(spec.lora), "scale": spec.lora_scale}
+    if spec.to:  # likewise: only a GGUF plan (version 2) has it
+        head["to"] = spec.to
     lines = [json.dumps({"task": t.index, "output": t.output, "size_bytes": t.size_bytes, "tensors": t.tensors,
-                         "reads": [list(r) for r in t.reads], "casts": dict(t.casts)},
+                         "reads": [list(r) for r in t.reads], "casts": dict(t.casts)}
+                        | ({"header_crc32": t.header_crc32} if t.header_crc32 is not None else {}),
                         sort_keys=True, separators=(",", ":")) for t in plan.tasks]
     text = json.dumps(head, sort_keys=True, indent=1)[:-2]
     return (text + ',\n "tasks": [\n  ' + ",\n  ".join(lines) + "\n ]\n}\n").encode()
@@ -233,8 +239,9 @@ def parse_plan(data: bytes, *, path: str) -> ConversionPlan:
     doc = parse_json(data, path=path, what="shardkit plan")
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise _bad(path, f"not a {FORMAT} file")
-    if doc.get("version") != VERSION:
-        raise _bad(path, f"version {doc.get('version')!r} is not {VERSION}: written by another shardkit? re-plan it")
+    if doc.get("version") not in (VERSION, GGUF_VERSION) or (doc.get("version") == GGUF_VERSION) != ("to" in doc):
+        raise _bad(path, f"version {doc.get('version')!r} is not {VERSION} (or {GGUF_VERSION} with to): written by "
+                         "another shardkit? re-plan it")
     try:
         return _parse(doc, path)
     except InvalidInputError:
@@ -248,8 +255,11 @@ def _parse(doc: dict[str, object], path: str) -> ConversionPlan:
     if command not in ("split", "convert") or not isinstance(source, str) or not isinstance(output, str) \
             or not (key is None or isinstance(key, str)):
         raise _bad(path, "command must be split or convert, source and output strings")
+    to = doc.get("to")
+    if to not in (None, "gguf"):
+        raise _bad(path, f"to={to!r}: a plan writes safetensors, or to='gguf'")
     spec = PlanSpec(command, source, output, options_from_json(doc["options"], where=path), key,
-                    keymap_from_json(doc["keymap"], where=path), *_lora(doc.get("lora"), path))
+                    keymap_from_json(doc["keymap"], where=path), *_lora(doc.get("lora"), path), to=to)
     raw_tasks, raw_sources, fin = doc["tasks"], doc["source_files"], doc["finalize"]
     if not isinstance(raw_tasks, list) or not isinstance(raw_sources, list) or not isinstance(fin, dict):
         raise _bad(path, "tasks and source_files must be lists, finalize an object")
@@ -291,7 +301,11 @@ def _task(doc: object, i: int, path: str) -> ShardTask:
         raise _bad(path, f"task {i} is out of order")
     reads = tuple((str(f), _count(b), _count(e)) for f, b, e in doc["reads"])
     casts = tuple(sorted((str(k), _count(v)) for k, v in doc["casts"].items()))
-    return ShardTask(i, str(doc["output"]), _count(doc["size_bytes"]), _count(doc["tensors"]), reads, casts)
+    crc = doc.get("header_crc32")
+    if crc is not None and not (isinstance(crc, str) and len(crc) == 8 and all(c in "0123456789abcdef" for c in crc)):
+        raise ValueError(f"header_crc32 {crc!r} is not 8 hex digits")
+    return ShardTask(i, str(doc["output"]), _count(doc["size_bytes"]), _count(doc["tensors"]), reads, casts,
+                     None if crc is None else str(crc))
 
 
 def _count(value: object) -> int:
@@ -329,6 +343,10 @@ def summary(plan: ConversionPlan) -> list[str]:
             lines.append(f"  ... {len(plan.tasks) - 12} more task(s)")
         lines.append(f"  task {t.index}: {t.output} {format_size(t.size_bytes)} ({t.tensors} tensors, "
                      f"{len(t.reads)} read range(s))")
+    if spec.to == "gguf":
+        lines.append(f"  finalize: publish {len(plan.tasks)} .gguf file(s) (each checked: size, header crc32)"
+                     + (", the first one last" if len(plan.tasks) > 1 else ""))
+        return lines
     lines.append(f"  finalize: {plan.index or 'no index (one file)'}"
                  f"{', manifest' if spec.options.manifest else ''}, {len(plan.side_files)} side file(s)")
     return lines

@@ -17,16 +17,15 @@ the output is byte-identical to a single-process write, whichever engine ran the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import os
 import secrets
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from .. import _faults
-from ..atomic.journal import PLAN_MARK, TMP_MARK, fsync_dir, is_stale_tmp, remove_path, try_lock
-from ..errors import InvalidInputError, OutputExistsError, ShardkitWriteError, describe_os_error
+from ..atomic.journal import TMP_MARK, fsync_dir, remove_path
+from ..errors import InvalidInputError, OutputExistsError, ShardkitWriteError
 from ..formats.layout import is_pipeline_folder
 from ..formats.links import read_inside
 from ..formats.manifest import FileDigest, ManifestError, dump_manifest, parse_manifest, read_digests
@@ -53,39 +52,36 @@ from ..units import ByteCounter, ProgressCallback
 from . import plan_store
 from .plan_file import ConversionPlan, PlanSpec, ShardTask, build_plan
 from .plan_source import PlanRun, SourceOpener, adapter_files, job_source, local_source, opened_job
+from .plan_work import (
+    PUBLISHED,
+    done_name,
+    local_done_tasks,
+    remove_stale_tmp,
+    remove_work,
+    work_folder,
+    work_lock,
+    write_small,
+)
 
-__all__ = ["PlanRun", "done_tasks", "finalize", "is_done", "make_plan", "run_tasks", "work_folder"]
-
-PUBLISHED = "published"  # written into the work folder once the output is published: only cleanup is left
-
-
-def work_folder(plan: ConversionPlan) -> str:
-    """Where the plan's tasks put their shards: beside the output, named by the plan's digest."""
-    parent, base = os.path.split(os.path.abspath(plan.spec.output))
-    return os.path.join(parent, f".{base}{PLAN_MARK}{plan.plan_id}")
-
-
-def _done_name(task: ShardTask) -> str:
-    return f"done/{task.index:05d}.json"
-
+__all__ = ["PUBLISHED", "PlanRun", "done_name", "done_tasks", "finalize", "is_done", "make_plan", "remove_stale_tmp",
+           "remove_work", "run_tasks", "work_folder", "work_lock", "write_small"]
 
 def is_done(plan: ConversionPlan, index: int) -> bool:
     """Whether task ``index`` finished (one ``stat``, or one ``HEAD`` in a store)."""
     return index in done_tasks(plan) if is_store_url(plan.spec.output) else \
-        os.path.exists(os.path.join(work_folder(plan), _done_name(plan.tasks[index])))
+        os.path.exists(os.path.join(work_folder(plan), done_name(plan.tasks[index])))
 
 
 def done_tasks(plan: ConversionPlan) -> set[int]:
     """Every task recorded done (one listing)."""
     if is_store_url(plan.spec.output):
         return plan_store.done_tasks(plan)
-    found = set(os.listdir(os.path.join(work_folder(plan), "done"))) if os.path.isdir(work_folder(plan)) else set()
-    return {t.index for t in plan.tasks if os.path.basename(_done_name(t)) in found}
+    return local_done_tasks(plan)
 
 
 def make_plan(command: str, source: str, output: str, *, options: WriteOptions, key: str | None = None,
               keymap: KeyMap | None = None, opener: SourceOpener = local_source, lora: Sequence[str] = (),
-              lora_scale: float = 1.0) -> ConversionPlan:
+              lora_scale: float = 1.0, to: str | None = None) -> ConversionPlan:
     """Plan ``command`` (split or convert) of ``source`` into the folder or ``s3://`` prefix ``output``.
 
     Only headers are read. The options are the call's own :class:`WriteOptions` (less the
@@ -94,6 +90,14 @@ def make_plan(command: str, source: str, output: str, *, options: WriteOptions, 
     merges them (files known by size and mtime like a local source's).
     """
     source, output = _where(source, role="source"), _where(output, role="output")
+    if to == "gguf":
+        from .plan_gguf import make_gguf_plan
+
+        return make_gguf_plan(PlanSpec(command, source, output, dataclasses.replace(options, dry_run=False, progress=None),
+                                       key, keymap or KeyMap(), tuple(lora), float(lora_scale), to=to),
+                              dry_run=options.dry_run)
+    if to is not None:
+        raise InvalidInputError(f"to={to!r}: a plan writes safetensors shards, or to='gguf'")
     if is_file_output(output):
         raise InvalidInputError(f"{source} -> {output}: a plan writes the shards of one model into a folder; "
                                 "a single .safetensors output is written in one process")
@@ -143,34 +147,21 @@ def _refuse_taken_output(plan: ConversionPlan, *, dry_run: bool) -> None:
         raise OutputExistsError(f"{output} exists and is not empty; pass overwrite=True to replace its checkpoint")
 
 
-@contextlib.contextmanager
-def _work_lock(plan: ConversionPlan) -> Iterator[str]:
-    """The work folder (made if missing), share-locked for the block: recover leaves it alone meanwhile."""
-    work = work_folder(plan)
-    try:
-        os.makedirs(os.path.join(work, "done"), exist_ok=True)
-        fd = try_lock(work, shared=True)
-    except OSError as e:
-        raise ShardkitWriteError(f"{work}: cannot make the plan's work folder: {describe_os_error(e)}") from e
-    if fd is None:
-        raise ShardkitWriteError(f"{work} is being removed by `shardkit recover`; run the task again when it is done")
-    try:
-        yield work
-    finally:
-        os.close(fd)
-
-
 def run_tasks(plan: ConversionPlan, indexes: Sequence[int], *, progress: ProgressCallback | None = None,
               opener: SourceOpener = local_source) -> PlanRun:
     """Run the tasks ``indexes`` that are not done yet (the source opened once for all of them)."""
     for i in indexes:
         if not 0 <= i < len(plan.tasks):
             raise InvalidInputError(f"task={i}: the plan has tasks 0 to {len(plan.tasks) - 1}")
+    if plan.spec.to == "gguf":
+        from . import plan_gguf
+
+        return plan_gguf.run_tasks(plan, indexes, progress=progress)
     if is_store_url(plan.spec.output):
         return plan_store.run_tasks(plan, indexes, progress=progress, opener=opener)
     run = PlanRun(plan.plan_id, plan.spec.output, [], [])
-    with _work_lock(plan) as work:
-        pending = [i for i in indexes if not os.path.exists(os.path.join(work, _done_name(plan.tasks[i])))]
+    with work_lock(plan) as work:
+        pending = [i for i in indexes if not os.path.exists(os.path.join(work, done_name(plan.tasks[i])))]
         run.skipped = [i for i in indexes if i not in set(pending)]
         if not pending:
             return run
@@ -185,7 +176,7 @@ def run_tasks(plan: ConversionPlan, indexes: Sequence[int], *, progress: Progres
 
 def _write_task(plan: ConversionPlan, job: ShardJob, task: ShardTask, work: str, tick: ByteCounter) -> None:
     """Write one shard into ``work`` (temporary name, fsync, rename), then its done record."""
-    _remove_stale_tmp(work, task.output)
+    remove_stale_tmp(work, task.output)
     shard = job.plan.shards[task.index]
     by_name = {w.out.name: w for w in job.writes}
     writes = [by_name[n] for n in shard.names]
@@ -202,7 +193,7 @@ def _write_task(plan: ConversionPlan, job: ShardJob, task: ShardTask, work: str,
         os.rename(tmp, os.path.join(work, task.output))
         fsync_dir(work)
         _faults.point("plan:shard-renamed")
-        _write_small(work, _done_name(task), dump_manifest({task.output: digest}))
+        write_small(work, done_name(task), dump_manifest({task.output: digest}))
     except BaseException:
         remove_path(tmp)
         raise
@@ -218,40 +209,16 @@ def _header_digest(path: str, size_bytes: int) -> FileDigest:
     return FileDigest(size_bytes, None, data_start, crcs[0], {})
 
 
-def _remove_stale_tmp(work: str, name: str) -> None:
-    """Temporary files of this shard left by a killed task (its pid gone)."""
-    for entry in os.listdir(work):
-        if entry.startswith(TMP_MARK) and entry.endswith(f"-{name}") and is_stale_tmp(entry):
-            remove_path(os.path.join(work, entry))
-
-
-def _write_small(work: str, name: str, data: bytes) -> None:
-    path = os.path.join(work, name)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        fsync_dir(os.path.dirname(path))
-    except OSError as e:
-        remove_path(tmp)
-        raise ShardkitWriteError(f"recording {path} failed: {describe_os_error(e)}") from e
-
-
 def _records(plan: ConversionPlan, work: str) -> dict[str, FileDigest]:
     """Every task's record, each shard checked against it and the plan (size, header crc32)."""
     records: dict[str, FileDigest] = {}
-    missing = [t.index for t in plan.tasks if not os.path.exists(os.path.join(work, _done_name(t)))]
+    missing = [t.index for t in plan.tasks if not os.path.exists(os.path.join(work, done_name(t)))]
     if missing:
         shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
         raise InvalidInputError(f"{plan.spec.output}: {len(missing)} task(s) not done ({shown}); run them "
                                 f"(shardkit.run_plan(plan, task=N), or every one with no task) before finalize=True")
     for t in plan.tasks:
-        name = _done_name(t)
+        name = done_name(t)
         try:
             record = parse_manifest(read_inside(work, name, where=work), path=os.path.join(work, name)).files[t.output]
             size_bytes = os.path.getsize(os.path.join(work, t.output))
@@ -280,21 +247,22 @@ def _published(plan: ConversionPlan, work: str) -> bool:
 
 def finalize(plan: ConversionPlan, *, opener: SourceOpener = local_source) -> PlanRun:
     """Check every shard, then publish the output (side files, manifest, index last); remove the work folder."""
+    if plan.spec.to == "gguf":
+        from . import plan_gguf
+
+        return plan_gguf.finalize(plan)
     if is_store_url(plan.spec.output):
         return plan_store.finalize(plan, opener=opener)
     run = PlanRun(plan.plan_id, plan.spec.output, [], [], published=True)
-    with _work_lock(plan) as work:
+    with work_lock(plan) as work:
         if not _published(plan, work):
             records = _records(plan, work)
             with opened_job(plan, opener) as (job, copies, _):
                 run_jobs(plan.spec.output, [job], options=plan.spec.options, side_files=copies,
                          shards=_adopt(work, records))
             _faults.point("plan:published")
-            _write_small(work, PUBLISHED, b"")
-    gone = f"{work}-published"  # renamed first: a kill mid-removal never leaves a half work folder
-    remove_path(gone)  # an earlier run's, killed mid-removal
-    os.replace(work, gone)
-    remove_path(gone)
+            write_small(work, PUBLISHED, b"")
+    remove_work(work)
     return run
 
 

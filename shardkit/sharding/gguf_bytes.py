@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .. import _faults
 from ..errors import InvalidInputError
 from ..formats.gguf import ggml_type, padded
 from ..formats.header import TensorEntry
@@ -65,6 +66,7 @@ def _write_all(fd: int, data: bytes | memoryview, path: str) -> None:
         if written <= 0:
             raise OSError(f"write to {path} wrote nothing")
         view = view[written:]
+        _faults.point("write", written)
 
 
 def tensor_bytes(t: PlannedTensor, src: Source) -> Iterator[bytes | memoryview]:

@@ -42,11 +42,12 @@ from ..formats.json_types import Config
 from ..sources import Source, open_source
 from ..sources.gguf import GgufSource
 from .gguf_bytes import PlannedTensor
-from .gguf_split import Row, plan_files, split_files, write_files
+from .gguf_split import GgufFiles, Row, plan_files, split_files, write_files
 from .job import SplitResult, refuse_output_inside_source
 from .options import WriteOptions, warn
+from .plan import ShardPlan
 
-__all__ = ["GGUF_QUANTIZE", "convert_to_gguf"]
+__all__ = ["GGUF_QUANTIZE", "GgufJob", "convert_to_gguf", "open_gguf_job"]
 
 FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32}  # llama.cpp's general.file_type (LLAMA_FTYPE)
 FLOAT_SOURCES = frozenset({"F32", "F16", "BF16", "F64"})
@@ -82,6 +83,34 @@ def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize
         InvalidInputError: an output not ending in ``.gguf``, a model that is neither Llama nor Flux, a
             tensor without a GGUF name, or a non-float tensor to quantize.
     """
+    with open_gguf_job(source, output, options=options, quantize=quantize, component=component, view=view) as job:
+        folder = os.path.dirname(os.path.abspath(output))
+        result = SplitResult(folder, job.plan, job.src.description, quantize, options.dry_run)
+        if options.dry_run:
+            taken = [name for name, _, _ in job.files if os.path.exists(os.path.join(folder, name))]
+            if taken and not options.overwrite:
+                warn(f"{os.path.join(folder, taken[0])} exists: the real run needs overwrite=True")
+        else:
+            write_files(folder, job.files, job.src, overwrite=options.overwrite, progress=options.progress)
+    if job.model.note:
+        warn(job.model.note)
+    return result
+
+
+@dataclass(frozen=True)
+class GgufJob:
+    """A GGUF output planned: the model's source (open), what it is, and each file's name, header and tensors."""
+
+    src: Source
+    model: GgufModel
+    plan: ShardPlan
+    files: GgufFiles
+
+
+@contextlib.contextmanager
+def open_gguf_job(source: Any, output: str, *, options: WriteOptions, quantize: str | None = None,
+                  component: str | None = None, view: Callable[[Source], Source] | None = None) -> Iterator[GgufJob]:
+    """The files :func:`convert_to_gguf` writes, planned (headers only read), the source open for the block."""
     if not output.endswith(".gguf") or os.path.isdir(output):
         from .outputs import output_target
 
@@ -99,19 +128,8 @@ def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize
     with _open_model(path, component=component, variant=options.variant) as (src, model):
         src = view(src) if view is not None else src
         tensors = _plan(src, model, quantize=quantize)
-        folder = os.path.dirname(os.path.abspath(output))
         plan = plan_files(tensors, output, max_shard_bytes=options.max_shard_bytes)
-        files = split_files(plan, tensors, _metadata(model, tensors, quantize))
-        result = SplitResult(folder, plan, src.description, quantize, options.dry_run)
-        if options.dry_run:
-            taken = [name for name, _, _ in files if os.path.exists(os.path.join(folder, name))]
-            if taken and not options.overwrite:
-                warn(f"{os.path.join(folder, taken[0])} exists: the real run needs overwrite=True")
-        else:
-            write_files(folder, files, src, overwrite=options.overwrite, progress=options.progress)
-    if model.note:
-        warn(model.note)
-    return result
+        yield GgufJob(src, model, plan, split_files(plan, tensors, _metadata(model, tensors, quantize)))
 
 
 # ----------------------------------------------------------------------------- which model

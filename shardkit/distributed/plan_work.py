@@ -1,0 +1,87 @@
+"""A local plan's work folder, shared by its safetensors and its GGUF tasks (:mod:`.plan_run`, :mod:`.plan_gguf`).
+
+``.OUTPUT.shardkit-plan-ID/`` beside the output: each task's file, its done record (``done/NNNNN.json``),
+and once published the ``published`` marker. Tasks hold it share-locked (``recover`` leaves it alone), write
+small records atomically, and a published plan's folder is renamed before it is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+from ..atomic.journal import PLAN_MARK, TMP_MARK, fsync_dir, is_stale_tmp, remove_path, try_lock
+from ..errors import ShardkitWriteError, describe_os_error
+from .plan_file import ConversionPlan, ShardTask
+
+__all__ = ["PUBLISHED", "done_name", "local_done_tasks", "remove_stale_tmp", "remove_work", "work_folder", "work_lock",
+           "write_small"]
+
+PUBLISHED = "published"  # written into the work folder once the output is published: only cleanup is left
+
+
+def work_folder(plan: ConversionPlan) -> str:
+    """Where the plan's tasks put their shards: beside the output, named by the plan's digest."""
+    parent, base = os.path.split(os.path.abspath(plan.spec.output))
+    return os.path.join(parent, f".{base}{PLAN_MARK}{plan.plan_id}")
+
+
+def done_name(task: ShardTask) -> str:
+    return f"done/{task.index:05d}.json"
+
+
+@contextlib.contextmanager
+def work_lock(plan: ConversionPlan) -> Iterator[str]:
+    """The work folder (made if missing), share-locked for the block: recover leaves it alone meanwhile."""
+    work = work_folder(plan)
+    try:
+        os.makedirs(os.path.join(work, "done"), exist_ok=True)
+        fd = try_lock(work, shared=True)
+    except OSError as e:
+        raise ShardkitWriteError(f"{work}: cannot make the plan's work folder: {describe_os_error(e)}") from e
+    if fd is None:
+        raise ShardkitWriteError(f"{work} is being removed by `shardkit recover`; run the task again when it is done")
+    try:
+        yield work
+    finally:
+        os.close(fd)
+
+
+def remove_stale_tmp(work: str, name: str) -> None:
+    """Temporary files of this shard left by a killed task (its pid gone)."""
+    for entry in os.listdir(work):
+        if entry.startswith(TMP_MARK) and entry.endswith(f"-{name}") and is_stale_tmp(entry):
+            remove_path(os.path.join(work, entry))
+
+
+def write_small(work: str, name: str, data: bytes) -> None:
+    path = os.path.join(work, name)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(path))
+    except OSError as e:
+        remove_path(tmp)
+        raise ShardkitWriteError(f"recording {path} failed: {describe_os_error(e)}") from e
+
+
+def remove_work(work: str) -> None:
+    """The work folder of a published plan, gone (renamed first: a kill mid-removal never leaves a half one)."""
+    gone = f"{work}-published"
+    remove_path(gone)  # an earlier run's, killed mid-removal
+    os.replace(work, gone)
+    remove_path(gone)
+
+
+def local_done_tasks(plan: ConversionPlan) -> set[int]:
+    """Every task recorded done in the local work folder (one listing)."""
+    work = work_folder(plan)
+    found = set(os.listdir(os.path.join(work, "done"))) if os.path.isdir(work) else set()
+    return {t.index for t in plan.tasks if os.path.basename(done_name(t)) in found}
