@@ -149,3 +149,13 @@ def test_resume_killed_at_points_ends_identical(tmp_path: Path, llama: Path) -> 
 def test_resume_killed_at_ten_points_ends_identical(tmp_path: Path, llama: Path) -> None:
     killed_at = _kill_then_rerun(tmp_path, llama, 10)
     assert "write" in killed_at
+
+
+def test_recover_removes_an_abandoned_gguf_plan(tmp_path: Path, llama: Path) -> None:
+    plan = write_plan(llama, tmp_path / "m.gguf", tmp_path / "plan.json", to="gguf", quantize="q8_0",
+                      max_shard_size="40KB")
+    run_plan(tmp_path / "plan.json", task=1)
+    assert [p.name for p in tmp_path.glob(".m.gguf.shardkit-plan-*/*.gguf")] == [plan.tasks[1].output]
+    report = shardkit.recover(tmp_path / "m.gguf")  # the output's path, as for a single-file write
+    assert [Path(p).name for p in report.removed] == [f".m.gguf.shardkit-plan-{plan.plan_id}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
