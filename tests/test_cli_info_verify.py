@@ -218,7 +218,7 @@ def test_merge_dry_run_checks_and_writes_nothing(run_cli, tmp_path) -> None:
 
 def test_exclude_help_says_what_it_matches(run_cli) -> None:
     assert "whose name (as stored in SOURCE)" in " ".join(run_cli("convert", "--help").stdout.split())
-    assert "whose path inside PATH" in " ".join(run_cli("push", "--help").stdout.split())
+    assert "whose path inside the folder" in " ".join(run_cli("push", "--help").stdout.split())
 
 
 def test_verify_help_says_what_the_manifest_holds(out, run_cli):
