@@ -69,7 +69,7 @@ def test_a_half_written_shard_is_redone_and_a_damaged_one_is_caught_by_finalize(
     # a recorded shard that changed afterwards is refused by finalize, naming the fix
     good = (work / plan.tasks[4].output).read_bytes()
     (work / plan.tasks[4].output).write_bytes(good[:-1])
-    with pytest.raises(shardkit.InvalidInputError, match="not the shard task 4 recorded"):
+    with pytest.raises(shardkit.InvalidInputError, match="not the file task 4 recorded"):
         shardkit.run_plan(plan_path, finalize=True)
     (work / plan.tasks[4].output).write_bytes(good)
     shardkit.run_plan(plan_path, finalize=True)

@@ -23,8 +23,7 @@ from ..atomic.commit import file_transaction
 from ..atomic.journal import TMP_MARK, fsync_dir, remove_path
 from ..errors import InvalidInputError, OutputExistsError, ShardkitWriteError, describe_os_error
 from ..formats.gguf import ggml_type, padded, tensor_nbytes_ggml
-from ..formats.links import read_inside
-from ..formats.manifest import FileDigest, ManifestError, dump_manifest, parse_manifest, read_digests
+from ..formats.manifest import FileDigest, dump_manifest
 from ..sharding.gguf_bytes import PlannedTensor, write_gguf_file
 from ..sharding.gguf_out import GgufJob, open_gguf_job
 from ..sharding.gguf_split import GgufFiles
@@ -168,27 +167,6 @@ def _write_task(job: GgufJob, task: ShardTask, work: str, tick: ByteCounter) -> 
     _faults.point("plan:task-done")
 
 
-def _check_records(plan: ConversionPlan, work: str) -> None:
-    """Every task recorded done, and its file the one recorded and planned (size, header crc32)."""
-    missing = sorted(set(range(len(plan.tasks))) - plan_work.local_done_tasks(plan))
-    if missing:
-        shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
-        raise InvalidInputError(f"{plan.spec.output}: {len(missing)} task(s) not done ({shown}); run them "
-                                f"(shardkit.run_plan(plan, task=N), or every one with no task) before finalize=True")
-    for t in plan.tasks:
-        name = plan_work.done_name(t)
-        try:
-            record = parse_manifest(read_inside(work, name, where=work), path=os.path.join(work, name)).files[t.output]
-            size_bytes = os.path.getsize(os.path.join(work, t.output))
-            _, crcs, _ = read_digests(os.path.join(work, t.output), [("", 0, record.data_start or 0)], sha256=False)
-        except (OSError, ManifestError, KeyError) as e:
-            raise InvalidInputError(f"{work}: task {t.index}'s file or record is unreadable ({e}); delete {name} "
-                                    "and run the task again") from e
-        if not size_bytes == record.size_bytes == t.size_bytes or not crcs[0] == record.header_crc32 == t.header_crc32:
-            raise InvalidInputError(f"{work}/{t.output}: not the file task {t.index} recorded (size {size_bytes}, "
-                                    f"plan {t.size_bytes}); delete {name} and run the task again")
-
-
 def _is_published(work: str, dst: str, name: str) -> bool:
     try:
         return os.path.samefile(os.path.join(work, name), dst)
@@ -202,7 +180,7 @@ def finalize(plan: ConversionPlan) -> PlanRun:
     folder = os.path.dirname(plan.spec.output)
     with plan_work.work_lock(plan) as work:
         if not os.path.exists(os.path.join(work, plan_work.PUBLISHED)):
-            _check_records(plan, work)
+            plan_work.checked_records(plan, work)
             with contextlib.ExitStack() as stack:  # left in reverse: the first file (a split's index) last
                 for t in plan.tasks:
                     dst = os.path.join(folder, t.output)

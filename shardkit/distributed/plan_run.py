@@ -27,8 +27,7 @@ from .. import _faults
 from ..atomic.journal import TMP_MARK, fsync_dir, remove_path
 from ..errors import InvalidInputError, OutputExistsError, ShardkitWriteError
 from ..formats.layout import is_pipeline_folder
-from ..formats.links import read_inside
-from ..formats.manifest import FileDigest, ManifestError, dump_manifest, parse_manifest, read_digests
+from ..formats.manifest import FileDigest, dump_manifest, read_digests
 from ..sharding.digest import ManifestRecorder
 from ..sharding.flush import BackgroundSync, copy_side_file
 from ..sharding.job import (
@@ -54,6 +53,7 @@ from .plan_file import ConversionPlan, PlanSpec, ShardTask, build_plan
 from .plan_source import PlanRun, SourceOpener, adapter_files, job_source, local_source, opened_job
 from .plan_work import (
     PUBLISHED,
+    checked_records,
     done_name,
     local_done_tasks,
     remove_stale_tmp,
@@ -209,30 +209,6 @@ def _header_digest(path: str, size_bytes: int) -> FileDigest:
     return FileDigest(size_bytes, None, data_start, crcs[0], {})
 
 
-def _records(plan: ConversionPlan, work: str) -> dict[str, FileDigest]:
-    """Every task's record, each shard checked against it and the plan (size, header crc32)."""
-    records: dict[str, FileDigest] = {}
-    missing = [t.index for t in plan.tasks if not os.path.exists(os.path.join(work, done_name(t)))]
-    if missing:
-        shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
-        raise InvalidInputError(f"{plan.spec.output}: {len(missing)} task(s) not done ({shown}); run them "
-                                f"(shardkit.run_plan(plan, task=N), or every one with no task) before finalize=True")
-    for t in plan.tasks:
-        name = done_name(t)
-        try:
-            record = parse_manifest(read_inside(work, name, where=work), path=os.path.join(work, name)).files[t.output]
-            size_bytes = os.path.getsize(os.path.join(work, t.output))
-            _, crcs, _ = read_digests(os.path.join(work, t.output), [("", 0, record.data_start or 0)], sha256=False)
-        except (OSError, ManifestError, KeyError) as e:
-            raise InvalidInputError(f"{work}: task {t.index}'s shard or record is unreadable ({e}); delete {name} "
-                                    "and run the task again") from e
-        if not size_bytes == record.size_bytes == t.size_bytes or crcs[0] != record.header_crc32:
-            raise InvalidInputError(f"{work}/{t.output}: not the shard task {t.index} recorded (size {size_bytes}, "
-                                    f"plan {t.size_bytes}); delete {name} and run the task again")
-        records[t.output] = record
-    return records
-
-
 def _published(plan: ConversionPlan, work: str) -> bool:
     """Whether a finalize already published this plan (killed before its cleanup): the output's
     shards are the work folder's own files (hard links)."""
@@ -256,7 +232,7 @@ def finalize(plan: ConversionPlan, *, opener: SourceOpener = local_source) -> Pl
     run = PlanRun(plan.plan_id, plan.spec.output, [], [], published=True)
     with work_lock(plan) as work:
         if not _published(plan, work):
-            records = _records(plan, work)
+            records = checked_records(plan, work)
             with opened_job(plan, opener) as (job, copies, _):
                 run_jobs(plan.spec.output, [job], options=plan.spec.options, side_files=copies,
                          shards=_adopt(work, records))

@@ -12,10 +12,12 @@ import os
 from collections.abc import Iterator
 
 from ..atomic.journal import PLAN_MARK, TMP_MARK, fsync_dir, is_stale_tmp, remove_path, try_lock
-from ..errors import ShardkitWriteError, describe_os_error
+from ..errors import InvalidInputError, ShardkitWriteError, describe_os_error
+from ..formats.links import read_inside
+from ..formats.manifest import FileDigest, ManifestError, parse_manifest, read_digests
 from .plan_file import ConversionPlan, ShardTask
 
-__all__ = ["PUBLISHED", "done_name", "local_done_tasks", "remove_stale_tmp", "remove_work", "work_folder", "work_lock",
+__all__ = ["PUBLISHED", "checked_records", "done_name", "local_done_tasks", "remove_stale_tmp", "remove_work", "work_folder", "work_lock",
            "write_small"]
 
 PUBLISHED = "published"  # written into the work folder once the output is published: only cleanup is left
@@ -85,3 +87,33 @@ def local_done_tasks(plan: ConversionPlan) -> set[int]:
     work = work_folder(plan)
     found = set(os.listdir(os.path.join(work, "done"))) if os.path.isdir(work) else set()
     return {t.index for t in plan.tasks if os.path.basename(done_name(t)) in found}
+
+
+def checked_records(plan: ConversionPlan, work: str) -> dict[str, FileDigest]:
+    """Every task's done record, by output name, each file checked against it and the plan (size, header
+    crc32; the plan's own crc32 too where it knows one, as a GGUF plan does).
+
+    Raises:
+        InvalidInputError: a task not done, or its file or record unreadable or not what it recorded.
+    """
+    missing = [t.index for t in plan.tasks if not os.path.exists(os.path.join(work, done_name(t)))]
+    if missing:
+        shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        raise InvalidInputError(f"{plan.spec.output}: {len(missing)} task(s) not done ({shown}); run them "
+                                f"(shardkit.run_plan(plan, task=N), or every one with no task) before finalize=True")
+    records: dict[str, FileDigest] = {}
+    for t in plan.tasks:
+        name = done_name(t)
+        try:
+            record = parse_manifest(read_inside(work, name, where=work), path=os.path.join(work, name)).files[t.output]
+            size_bytes = os.path.getsize(os.path.join(work, t.output))
+            _, crcs, _ = read_digests(os.path.join(work, t.output), [("", 0, record.data_start or 0)], sha256=False)
+        except (OSError, ManifestError, KeyError) as e:
+            raise InvalidInputError(f"{work}: task {t.index}'s file or record is unreadable ({e}); delete {name} "
+                                    "and run the task again") from e
+        if not size_bytes == record.size_bytes == t.size_bytes or crcs[0] != record.header_crc32 or \
+                t.header_crc32 not in (None, crcs[0]):
+            raise InvalidInputError(f"{work}/{t.output}: not the file task {t.index} recorded (size {size_bytes}, "
+                                    f"plan {t.size_bytes}); delete {name} and run the task again")
+        records[t.output] = record
+    return records
