@@ -11,13 +11,13 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .. import _faults
 from ..errors import InvalidInputError
 from ..formats.gguf import ggml_type, padded
 from ..formats.header import TensorEntry
 from ..sources import Source
 from ..sources.gguf import GgufSource
 from .options import ProgressCallback
+from .writer import write_all
 
 __all__ = ["BAND_BYTES", "PlannedTensor", "tensor_bytes", "write_gguf_file"]
 
@@ -44,29 +44,19 @@ def write_gguf_file(path: str, head: bytes, tensors: list[PlannedTensor], src: S
     done = 0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        _write_all(fd, head, path)
+        write_all(fd, head, path)
         for t in tensors:
             written = 0
             for data in tensor_bytes(t, src):
-                _write_all(fd, data, path)
+                write_all(fd, data, path)
                 written += len(data)
-            _write_all(fd, b"\0" * (padded(written) - written), path)
+            write_all(fd, b"\0" * (padded(written) - written), path)
             done += t.entry.nbytes
             if progress is not None:
                 progress(done, total)
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _write_all(fd: int, data: bytes | memoryview, path: str) -> None:
-    view = memoryview(data).cast("B")
-    while view:
-        written = os.write(fd, view)
-        if written <= 0:
-            raise OSError(f"write to {path} wrote nothing")
-        view = view[written:]
-        _faults.point("write", written)
 
 
 def tensor_bytes(t: PlannedTensor, src: Source) -> Iterator[bytes | memoryview]:

@@ -119,7 +119,7 @@ def write_safetensors(path: str, writes: list[TensorWrite], source: Source, *,
         # The final size first: writes below EOF get no speculative preallocation, which XFS
         # would otherwise leave allocated under the ranges that clones replace.
         os.ftruncate(fd, len(head) + sum(p.out.nbytes for p in writes))
-        _write_all(fd, head, path)
+        write_all(fd, head, path)
         crc32s: dict[str, str] = {}
         cloneable = _write_pieces(fd, writes, source, path, tick, data_start=len(head), crc32s=crc32s)
         cloned = _cloned_bytes(fd, len(head)) if cloneable else 0
@@ -274,7 +274,7 @@ def _write_through(fd: int, p: TensorWrite, source: Source, path: str, tick: Pro
         return _cast_tensor(fd, p, source, path, tick)
     crc, done = 0, 0
     for chunk in source.chunks(p.src, CHUNK_BYTES):
-        _write_all(fd, chunk, path)
+        write_all(fd, chunk, path)
         crc = zlib.crc32(chunk, crc)
         nbytes = memoryview(chunk).nbytes
         done += nbytes
@@ -331,7 +331,7 @@ def _cast_tensor(fd: int, p: TensorWrite, source: Source, path: str, tick: Progr
     """Cast one tensor chunk by chunk while writing it; returns the crc32 of the bytes written."""
     crc = 0
     for cast in cast_chunks(p, source):
-        _write_all(fd, cast, path)
+        write_all(fd, cast, path)
         crc = zlib.crc32(cast, crc)
         tick(cast.nbytes)  # progress counts output bytes, as the plan's total does
     return crc
@@ -353,7 +353,8 @@ def cast_chunks(p: TensorWrite, source: Source) -> Iterator[memoryview]:
         yield torch.frombuffer(raw, dtype=src_dtype).to(out_dtype).view(torch.uint8).numpy().data
 
 
-def _write_all(fd: int, data: bytes | memoryview, path: str) -> None:
+def write_all(fd: int, data: bytes | memoryview, path: str) -> None:
+    """Write every byte of ``data`` at ``fd``'s position, checking each call's count (a fault point per call)."""
     view = memoryview(data).cast("B")
     while view:
         written = os.write(fd, view)
