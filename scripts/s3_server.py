@@ -29,6 +29,7 @@ import glob
 import json
 import os
 import queue
+import random
 import re
 import shutil
 import signal
@@ -68,10 +69,32 @@ def weed_unavailable() -> str | None:
     return None
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free TCP ports on loopback (held together while chosen, so distinct)."""
-    holders = [socket.create_server(("127.0.0.1", 0)) for _ in range(count)]
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands to outgoing connections (32768 where it cannot be read)."""
     try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free TCP ports on loopback, below the ephemeral range.
+
+    Ports the kernel picks (port 0) come from the range it also gives outgoing connections, so one
+    chosen here can be taken as a client's source port before the server binds it. Random ports under
+    that range, each bound while chosen, make such a collision rare; ``start`` retries the rest.
+    """
+    floor = _ephemeral_floor()
+    low = 10000 if floor > 12000 else 1024
+    rng = random.Random()
+    holders: list[socket.socket] = []
+    try:
+        while len(holders) < count:
+            try:
+                holders.append(socket.create_server(("127.0.0.1", rng.randrange(low, floor))))
+            except OSError:
+                continue
         return [s.getsockname()[1] for s in holders]
     finally:
         for s in holders:
@@ -99,7 +122,21 @@ class SeaweedS3:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    BIND_TRIES = 3
+
     def start(self) -> SeaweedS3:
+        """Start the server; a port taken between choosing and binding it is retried on fresh ports."""
+        for attempt in range(self.BIND_TRIES):
+            try:
+                return self._start_once()
+            except RuntimeError as e:
+                if "address already in use" not in str(e) or attempt + 1 == self.BIND_TRIES:
+                    raise
+                # never ready, so nothing was stored: start over clean on new ports
+                shutil.rmtree(os.path.join(self.data_dir, "store"), ignore_errors=True)
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> SeaweedS3:
         weed = weed_binary()
         if weed is None:
             raise RuntimeError(weed_unavailable() or "no weed binary")

@@ -67,3 +67,39 @@ def test_stop_kills_the_whole_process_group_with_a_bound(tmp_path) -> None:
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)
     server.stop()  # idempotent
+
+
+def test_ports_are_chosen_below_the_range_the_kernel_gives_clients() -> None:
+    import s3_server
+
+    ports = s3_server.free_ports(8)
+    assert len(set(ports)) == 8
+    assert all(p < s3_server._ephemeral_floor() for p in ports)
+
+
+def test_a_port_taken_before_the_server_binds_it_is_retried_on_new_ones(tmp_path, monkeypatch) -> None:
+    import socket
+
+    import s3_server
+
+    taken = socket.create_server(("127.0.0.1", 0))
+    chosen: list[list[int]] = []
+    real = s3_server.free_ports
+
+    def first_one_taken(count: int) -> list[int]:
+        ports = real(count)
+        if not chosen:
+            ports[2] = taken.getsockname()[1]  # the volume server's port, as in a CI failure
+        chosen.append(ports)
+        return ports
+
+    monkeypatch.setattr(s3_server, "free_ports", first_one_taken)
+    try:
+        server = start_or_skip(tmp_path / "weed")
+        try:
+            assert len(chosen) == 2 and server.port == chosen[1][0]
+            assert "address already in use" in server.log_tail(100_000)
+        finally:
+            server.stop()
+    finally:
+        taken.close()
