@@ -26,7 +26,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from ..errors import HubError, InvalidInputError, VerificationError
+from ..checking.refusal import refuse_broken, verify_folder
+from ..errors import HubError, InvalidInputError
 from ..stores.hf_errors import HubCall, hub_errors, is_network_failure
 from ..units import ByteCounter
 from .commits import (
@@ -48,8 +49,7 @@ from .options import PushOptions
 
 SMALL_OBJECT_BYTES = 10 << 20  # a store object up to this size is read whole and sent as bytes (Xet can take it)
 
-__all__ = ["PushOptions", "PushResult", "check_repo_id", "push", "push_call", "push_objects", "refuse_broken",
-           "verify_folder"]
+__all__ = ["PushOptions", "PushResult", "check_repo_id", "push", "push_call", "push_objects"]
 
 if TYPE_CHECKING:
     from ..checking.verify import VerifyReport
@@ -174,40 +174,6 @@ def check_repo_id(repo_id: str) -> None:
         reason = " ".join(str(e).split())
         raise InvalidInputError(f"{repo_id!r} is not a valid Hub repository id ({reason}); use 'org/name' with "
                                 "letters, digits, '-', '_' and '.'") from e
-
-
-def verify_folder(path: str | os.PathLike[str], *, allow_lossy: bool = False) -> VerifyReport:
-    """Run ``shardkit.verify`` and refuse a broken checkpoint; returns the report.
-
-    Raises:
-        InvalidInputError: a quantized weight's scales or recipe are unusable (unless ``allow_lossy``).
-        VerificationError: any other finding.
-    """
-    from ..checking.verify import verify as verify_checkpoint
-
-    report = verify_checkpoint(path)
-    refuse_broken(report, os.fspath(path), allow_lossy=allow_lossy)
-    return report
-
-
-def refuse_broken(report: VerifyReport, path: str, *, allow_lossy: bool = False) -> None:
-    """Raise for a verification with findings, as :func:`verify_folder` does."""
-    quant = [f for f in report.findings if f.quantization]
-    if quant and not allow_lossy:
-        raise InvalidInputError(f"{path}: refusing to push: {_describe(quant[0])}"
-                                f"{f' (and {len(quant) - 1} more)' if len(quant) > 1 else ''}; fix the checkpoint, or "
-                                "pass allow_lossy=True to push it as it is")
-    if any(not f.quantization for f in report.findings):
-        findings = [_describe(finding) for finding in report.findings if not finding.quantization]
-        first = findings[0] if findings else "see `shardkit verify`"
-        raise VerificationError(f"{path}: refusing to push, verification found {len(findings)} problem(s), "
-                                f"first: {first} (fix the folder, or pass verify=False)", findings)
-
-
-def _describe(finding: object) -> str:
-    where = ": ".join(str(part) for part in (getattr(finding, "file", None), getattr(finding, "tensor", None)) if part)
-    text = getattr(finding, "message", None) or str(finding)
-    return f"{where}: {text}" if where else text
 
 
 # ----------------------------------------------------------------------------- remote side
