@@ -112,8 +112,10 @@ def opened(source: CheckpointSource, *, token: str | None = None, cache: bool = 
     with opened("hf://org/model", cache=False) as readable:
         split_with(readable, "out/", options=WriteOptions())
 
-    A ``.gguf`` file in a store (and a split's every part) is fetched whole into a temporary folder
-    (:mod:`shardkit.stores.gguf_fetch`). A location whose row has a cache (``hf://``) is read through
+    A ``.gguf`` file in a store (and a split's every part) is read by range: its headers fetched into a
+    temporary folder, each tensor's bytes by ranged reads (:func:`shardkit.sources.gguf.remote_gguf`); one
+    in a store that lists digests (``hf://``) is fetched whole and checked against its sha256 unless
+    ``cache=False`` (:mod:`shardkit.stores.gguf_fetch`). A location whose row has a cache (``hf://``) is read through
     it unless ``cache=False``; then,
     and for every other store (``s3://``), it is read where it lives (tensor bytes by ranged reads,
     no local copy; objects with a listed digest front to back, checked). ``pickles``: a cached
@@ -131,10 +133,11 @@ def opened(source: CheckpointSource, *, token: str | None = None, cache: bool = 
             raise InvalidInputError(f"cache=False applies to an hf://ORG/REPO source, not to {shown}; drop it")
         yield source
         return
-    if path.endswith(".gguf"):  # GGUF is read locally: the file (a split's every part) fetched whole
+    if path.endswith(".gguf"):  # by range; whole (a split's every part) where a listed digest is checked
+        from ..sources.gguf import remote_gguf
         from ..stores.gguf_fetch import fetched_gguf
 
-        with fetched_gguf(path, token=token) as local:
+        with fetched_gguf(path, token=token) if row.digests and cache else remote_gguf(path, token=token) as local:
             yield local
         return
     if row.cached is not None and (cache or (row.names_a_file is not None and row.names_a_file(path))):

@@ -7,7 +7,7 @@ uint32 ggml type, uint64 offset into the data section); the data section begins 
 of ``general.alignment`` (default 32) and every tensor's offset is a multiple of it.
 
 The file is untrusted: every count and length is checked against what is left of the file before it
-is read, strings and arrays against fixed bounds, tensors against the data section (inside it, aligned,
+is read, strings, arrays and the whole header (:data:`MAX_HEADER_BYTES`) against fixed bounds, tensors against the data section (inside it, aligned,
 no two overlapping), and every error is one line naming the field.
 """
 
@@ -24,8 +24,8 @@ from ..errors import HeaderError
 from .header import MAX_DIM
 from .links import UntrustedFileError, open_regular
 
-__all__ = ["GGML_TYPES", "GGUF_MAGIC", "GGUF_QUANTIZE", "GgmlType", "GgufFile", "GgufTensor", "Value", "build_gguf_header",
-           "ggml_type", "is_gguf_file", "metadata_rows", "padded", "read_gguf", "read_gguf_from", "tensor_nbytes_ggml"]
+__all__ = ["GGML_TYPES", "GGUF_MAGIC", "GGUF_QUANTIZE", "MAX_HEADER_BYTES", "GgmlType", "GgufFile", "GgufTensor", "Value",
+           "build_gguf_header", "ggml_type", "is_gguf_file", "metadata_rows", "padded", "read_gguf", "read_gguf_from", "tensor_nbytes_ggml"]
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -35,6 +35,7 @@ MAX_TOTAL_ITEMS = 2**26           # every array element of the file together
 MAX_NAME_BYTES = 1024             # a tensor name (llama.cpp's own limit is 64)
 MAX_DIMS = 4                      # GGML_MAX_DIMS
 MAX_ALIGNMENT = 2**16
+MAX_HEADER_BYTES = 256 * 2**20    # everything before the data section (a 262 k-token vocabulary with merges is ~20 MB)
 GGUF_QUANTIZE = ("f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "f32")  # what ``convert --to gguf --quantize`` writes
 
 
@@ -171,6 +172,9 @@ class _Cursor:
         if nbytes > self.file_bytes - self.pos:
             raise HeaderError(f"{self.path}: {what} needs {nbytes} bytes at offset {self.pos} but the file ends at "
                               f"{self.file_bytes} (truncated or corrupt GGUF)")
+        if nbytes > MAX_HEADER_BYTES - self.pos:
+            raise HeaderError(f"{self.path}: {what} ({nbytes} bytes at offset {self.pos}) runs the header past "
+                              f"{MAX_HEADER_BYTES} bytes, more than GGUF writers produce (corrupt or hostile GGUF)")
         data = self.f.read(nbytes)
         if len(data) != nbytes:
             raise HeaderError(f"{self.path}: {what}: short read at offset {self.pos} (file changed while reading?)")

@@ -6,12 +6,18 @@ come from :mod:`shardkit.layouts.gguf_names` (Llama; Flux keeps its BFL names). 
 (:mod:`shardkit.layouts.ggml`, bit-equal to ``gguf.quants.dequantize``) band by band of rows when read,
 so memory never depends on a tensor's size. Tensors stored as they are listed (plain, not permuted)
 carry their file offset and are copied kernel-side.
+
+A GGUF in a store is opened through :func:`remote_gguf`: its header stand-ins (the header, then a hole) are what
+this source parses, and every tensor byte is read by range from the object (never the hole, never kernel-side).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -20,17 +26,51 @@ from ..formats.gguf import GgufFile, GgufTensor
 from ..formats.gguf_split import read_split_gguf
 from ..formats.header import TensorEntry
 from ..formats.json_types import JsonObject
+from ..formats.ranges import RangeFile
 from ..units import tensor_nbytes
 from .base import Source, pread_exactly
+from .ranged import RangedCheckpoint
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["GgufSource", "find_gguf", "load_gguf_tensors", "open_gguf"]
+__all__ = ["GgufSource", "find_gguf", "load_gguf_tensors", "open_gguf", "remote_gguf"]
 
 PLAIN = {"F32": "F32", "F16": "F16", "BF16": "BF16", "F64": "F64", "I8": "I8", "I16": "I16", "I32": "I32",
          "I64": "I64"}
 BAND_BYTES = 4 * 2**20  # output bytes computed at a time (float32)
+
+_BY_RANGE: dict[str, RangedCheckpoint] = {}  # a temporary folder of header stand-ins → where their bytes are read
+_BY_RANGE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def remote_gguf(path: str, *, token: str | None = None) -> Iterator[str]:
+    """A GGUF in a store (``s3://BUCKET/PATH/NAME.gguf``, ``hf://ORG/REPO/PATH/NAME.gguf``; a split's every part) for
+    the local readers: the local path of its header stand-in. Until exit, every :class:`GgufSource` opened on it reads
+    its tensor bytes by range from the store (:func:`~shardkit.stores.gguf_fetch.gguf_headers`); errors name the
+    location.
+
+    with remote_gguf("s3://models/llama/model-q8_0.gguf") as local, GgufSource(local) as src:
+        data = src.read(src.entries()[0], 0, 64)   # one ranged request
+    """
+    from ..stores.gguf_fetch import gguf_headers
+
+    with gguf_headers(path, token=token) as remote:
+        ranged = RangedCheckpoint(remote.local, remote.open_file, name=remote.folder, root=remote.root)
+        with _BY_RANGE_LOCK:
+            _BY_RANGE[os.path.abspath(remote.root)] = ranged
+        try:
+            yield remote.local
+        finally:
+            with _BY_RANGE_LOCK:
+                del _BY_RANGE[os.path.abspath(remote.root)]
+
+
+def _read_by_range(path: str) -> RangedCheckpoint | None:
+    """Where the tensor bytes of the GGUF stand-in ``path`` are read (None: a local file, read where it is)."""
+    with _BY_RANGE_LOCK:
+        return _BY_RANGE.get(os.path.dirname(os.path.abspath(path)))
 
 
 def open_gguf(path: str, **_: object) -> GgufSource:
@@ -64,6 +104,12 @@ class GgufSource(Source):
             self.gguf.tensors = [t for part in parts for t in part.tensors]
         self.file_of = {t.name: part.path for part in parts for t in part.tensors}  # GGUF tensor name → its file
         self.description, self.paths = path, tuple(part.path for part in parts)
+        self._ranges: dict[str, RangeFile] = {}  # a stand-in's path → its object in a store (remote_gguf)
+        ranged = _read_by_range(path)
+        if ranged is not None:
+            self.description = path.replace(ranged.root, ranged.name, 1)
+            self._ranges = {p: ranged.open_file(p) for p in self.paths}
+            self.kernel_copy = False  # the stand-ins hold holes where the tensors are
         mapping = name_map(self.gguf.architecture, [t.name for t in self.gguf.tensors], self.gguf.metadata,
                            where=path)
         self.names: dict[str, GgufTensor] = {mapping.to_hf.get(t.name, t.name): t for t in self.gguf.tensors}
@@ -182,11 +228,24 @@ class GgufSource(Source):
 
     # ------------------------------------------------------------------ bytes
 
+    @property
+    def by_range(self) -> bool:
+        """Whether the tensor bytes are read by range from a store (:func:`remote_gguf`), not from local files."""
+        return bool(self._ranges)
+
+    def _pread(self, file: str, nbytes: int, offset: int, name: str) -> bytes:
+        """``nbytes`` of ``file`` at ``offset`` (tensor ``name``'s): from the local file, or by range from its object
+        (each read's byte count checked by the store; a range past its end refused, naming it)."""
+        remote = self._ranges.get(file)
+        if remote is None:
+            return pread_exactly(self._fd(file), nbytes, offset, file=file, name=name)
+        out = bytearray(nbytes)
+        remote.read_into(offset, memoryview(out))
+        return bytes(out)
+
     def stored_bytes(self, tensor: GgufTensor, begin: int, end: int) -> bytes:
         """Bytes ``begin:end`` of ``tensor``'s data as the file stores it (llama.cpp's row order, its ggml type)."""
-        file = self.file_of[tensor.name]
-        return pread_exactly(self._fd(file), end - begin, tensor.offset + begin, file=file,
-                             name=tensor.name)
+        return self._pread(self.file_of[tensor.name], end - begin, tensor.offset + begin, tensor.name)
 
     def matrix(self, name: str) -> tuple[int, int]:
         """``name`` as rows the permutation and the bands move whole: (rows, values per row).
@@ -210,9 +269,8 @@ class GgufSource(Source):
         tensor = self.names[name]
         rows = self.matrix(name)[0]
         row_bytes = tensor.nbytes // rows
-        file = self.file_of[tensor.name]
-        raw = pread_exactly(self._fd(file), (row1 - row0) * row_bytes, tensor.offset + row0 * row_bytes,
-                            file=file, name=tensor.name)
+        raw = self._pread(self.file_of[tensor.name], (row1 - row0) * row_bytes, tensor.offset + row0 * row_bytes,
+                          tensor.name)
         heads = self.heads.get(name)
         if heads is None:
             return raw
@@ -249,8 +307,7 @@ class GgufSource(Source):
 
     def read(self, entry: TensorEntry, begin: int, end: int) -> bytes | memoryview:
         if entry.file is not None:
-            return pread_exactly(self._fd(entry.file), end - begin, entry.offset + begin, file=entry.file,
-                                 name=entry.name)
+            return self._pread(entry.file, end - begin, entry.offset + begin, entry.name)
         rows = self.matrix(entry.name)[0]
         band_bytes = self.band_rows(entry.name) * (entry.nbytes // max(1, rows))
         first = begin // band_bytes if band_bytes else 0
@@ -290,18 +347,23 @@ def load_gguf_tensors(path: str, *, dequantize_to: str) -> tuple[dict[str, torch
         if len(src.paths) > 1:
             raise InvalidInputError(f"{path}: a split GGUF ({len(src.paths)} parts) is read here as one file only; "
                                     "merge it first: convert it with to='gguf' to one .gguf")
-        mapped = torch.from_file(path, shared=False, size=src.gguf.file_bytes, dtype=torch.uint8)
+        # read by range (a store's file): every tensor read into memory, none mapped from the stand-in's hole
+        mapped = None if src.by_range else torch.from_file(path, shared=False, size=src.gguf.file_bytes,
+                                                           dtype=torch.uint8)
         tensors: dict[str, torch.Tensor] = {}
         offsets: dict[str, int] = {}
         for entry in src.entries():
-            if entry.file is not None:
+            if entry.file is not None and mapped is not None:
                 view = mapped[entry.offset:entry.offset + entry.nbytes]
                 tensors[entry.name] = view.view(to_torch(entry.dtype)).reshape(entry.shape)
                 offsets[entry.name] = entry.offset
                 continue
             raw = bytearray(src.read(entry, 0, entry.nbytes))
-            values = torch.frombuffer(raw, dtype=to_torch(entry.dtype)) if raw else torch.empty(0)
-            tensors[entry.name] = values.reshape(entry.shape).to(to_torch(dequantize_to))
+            values = torch.frombuffer(raw, dtype=to_torch(entry.dtype)) if raw else torch.empty(0, dtype=to_torch(
+                entry.dtype))
+            plain = entry.file is not None  # kept as stored; a dequantized one cast
+            tensors[entry.name] = values.reshape(entry.shape) if plain else values.reshape(entry.shape).to(
+                to_torch(dequantize_to))
         return tensors, offsets, src.quantized()
     finally:
         src.close()
