@@ -258,11 +258,12 @@ def info(path: str | os.PathLike[str], *, token: str | None = None) -> Checkpoin
 
 def _verify_remote_gguf(path: str, *, token: str | None, progress: ProgressCallback | None,
                         read_data: bool) -> VerifyReport:
-    """A GGUF in a store, checked as a local one: every part's header, bytes and values (see checking.gguf_verify)."""
+    """A GGUF in a store, checked as a local one: every part's header, bytes and values (see checking.gguf_verify);
+    fetched whole (each file's sha256, the Hub's listed one checked), or with ``read_data=False`` its headers only."""
     from ..checking.verify import verify as verify_local
     from ..stores.gguf_fetch import fetched_gguf
 
-    with fetched_gguf(path, token=token) as local:
+    with fetched_gguf(path, token=token, headers_only=not read_data) as local:
         report = verify_local(local, progress=progress, read_data=read_data)
     report.path = path
     return report

@@ -18,14 +18,15 @@ import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import BinaryIO
+from typing import Protocol
 
 from ..errors import HeaderError
 from .header import MAX_DIM
 from .links import UntrustedFileError, open_regular
 
-__all__ = ["GGML_TYPES", "GGUF_MAGIC", "GGUF_QUANTIZE", "MAX_HEADER_BYTES", "GgmlType", "GgufFile", "GgufTensor", "Value",
-           "build_gguf_header", "ggml_type", "is_gguf_file", "metadata_rows", "padded", "read_gguf", "read_gguf_from", "tensor_nbytes_ggml"]
+__all__ = ["GGML_TYPES", "GGUF_MAGIC", "GGUF_QUANTIZE", "MAX_HEADER_BYTES", "GgmlType", "GgufFile", "GgufTensor",
+           "ReadsBytes", "Value", "build_gguf_header", "ggml_type", "is_gguf_file", "metadata_rows", "padded", "read_gguf",
+           "read_gguf_from", "tensor_nbytes_ggml"]
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -161,10 +162,16 @@ def is_gguf_file(path: str) -> bool:
         return False
 
 
+class ReadsBytes(Protocol):
+    """What the header parser reads from: ``read(n)`` gives the next ``n`` bytes (fewer only at the end)."""
+
+    def read(self, n: int, /) -> bytes: ...
+
+
 class _Cursor:
     """Bounded reads from the header: each one checked against the bytes left in the file."""
 
-    def __init__(self, f: BinaryIO, path: str, file_bytes: int) -> None:
+    def __init__(self, f: ReadsBytes, path: str, file_bytes: int) -> None:
         self.f, self.path, self.file_bytes, self.pos, self.items = f, path, file_bytes, 0, 0
         self.last_item = -1
 
@@ -240,7 +247,7 @@ def read_gguf(path: str | os.PathLike[str]) -> GgufFile:
         raise open_error(path, e) from e
 
 
-def read_gguf_from(f: BinaryIO, name: str, size_bytes: int) -> GgufFile:
+def read_gguf_from(f: ReadsBytes, name: str, size_bytes: int) -> GgufFile:
     """:func:`read_gguf` of an open binary file of ``size_bytes`` positioned at its start (a remote object through a
     buffered range reader); ``name`` is what messages call it."""
     return _parse(_Cursor(f, name, size_bytes))

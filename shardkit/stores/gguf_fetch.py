@@ -6,7 +6,7 @@ is fetched into a temporary folder, removed on exit: for the first part of llama
 temporary folder. Three ways, by what the caller reads:
 
 - :func:`gguf_headers` (what ``convert``, ``shardkit.open_source`` and the GGUF readers use): each header is parsed
-  through buffered ranged reads (at most the header's bounds, :data:`~shardkit.formats.gguf.MAX_HEADER_BYTES`) and
+  through ranged reads of growing size (at most the header's bounds, :data:`~shardkit.formats.gguf.MAX_HEADER_BYTES`) and
   written as it arrives into a sparse file of the object's size (the header, then a hole); each tensor's bytes are
   then read by range from the object (:class:`RangedGguf`: one ranged request, or parallel parts of
   :data:`~shardkit.stores.base.PART_BYTES` for a larger read), never fetched whole. Costs: the headers on disk,
@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..errors import InvalidInputError, SourceNotFoundError, StoreError
 from ..formats.gguf import read_gguf, read_gguf_from
@@ -38,13 +36,11 @@ from . import ObjectInfo, ObjectStore, RangeRequest, RemoteObject, open_store, r
 from .base import PART_BYTES
 from .mirror import renamed_errors
 
-if TYPE_CHECKING:
-    from _typeshed import WriteableBuffer
-
 __all__ = ["FETCH_BYTES", "RangedGguf", "RemoteGguf", "fetched_gguf", "gguf_headers", "names_a_gguf"]
 
 FETCH_BYTES = 64 << 20  # bytes of an object held at once while it is fetched
-HEADER_READ_BYTES = 1 << 20  # one ranged request while a header is parsed
+FIRST_HEADER_READ_BYTES = 64 << 10  # the first ranged request of a header (the fixed part, most tensor infos)
+HEADER_READ_BYTES = 1 << 20  # the largest one while a header is parsed (a vocabulary is a few of them)
 
 _Fetch = Callable[[ObjectStore, dict[str, ObjectInfo], str, str], str]
 
@@ -203,40 +199,45 @@ def _fetch(store: ObjectStore, listed: dict[str, ObjectInfo], name: str, folder:
     return local
 
 
-class _TeeReader(io.RawIOBase):
-    """A remote object as a raw binary stream (for :class:`io.BufferedReader`): each read one ranged request, its
-    bytes also written at their offset into the local stand-in ``fd``."""
+class _HeaderStream:
+    """A remote object read front to back for the header parser: requests of :data:`FIRST_HEADER_READ_BYTES`,
+    doubling up to :data:`HEADER_READ_BYTES` (a small header costs one small request), each one's bytes also written
+    at their offset into the local stand-in ``fd``. Memory: the bytes asked for and one request."""
 
-    def __init__(self, remote: RemoteObject, fd: int) -> None:
-        self.remote, self.fd, self.pos = remote, fd, 0
+    def __init__(self, remote: RangedGguf, fd: int) -> None:
+        self.remote, self.fd = remote, fd
+        self.fetched = 0  # bytes of the object fetched (and written) so far
+        self.pending = memoryview(b"")  # fetched, not yet read
+        self.step = FIRST_HEADER_READ_BYTES
 
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: WriteableBuffer) -> int:
-        view = memoryview(buffer).cast("B")[: max(0, self.remote.size_bytes - self.pos)]
-        self.remote.read_into(self.pos, view)
-        _write_all(self.fd, view, self.pos, self.remote.name)
-        self.pos += len(view)
-        return len(view)
+    def read(self, n: int, /) -> bytes:
+        if n > len(self.pending):
+            wanted = min(self.remote.size_bytes - self.fetched, max(n - len(self.pending), self.step))
+            self.step = min(HEADER_READ_BYTES, self.step * 2)
+            more = memoryview(bytearray(wanted))
+            self.remote.read_into(self.fetched, more)
+            _write_all(self.fd, more, self.fetched, self.remote.name)
+            self.fetched += wanted
+            self.pending = memoryview(bytes(self.pending) + more) if self.pending else more
+        data, self.pending = bytes(self.pending[:n]), self.pending[n:]
+        return data
 
 
 def _fetch_header(store: ObjectStore, listed: dict[str, ObjectInfo], name: str, folder: str) -> str:
     """Object ``name``'s GGUF header into a sparse file of its size in ``folder`` (the tensor data a hole), written
     as it is parsed: memory holds one read buffer and the parsed header, never the header's bytes again."""
     info = _listed(store, listed, name)
-    remote = RemoteObject(store, info)
+    remote = RangedGguf(store, info)
     local = os.path.join(folder, name)
     fd = os.open(local, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, info.size_bytes)
-        raw = _TeeReader(remote, fd)
-        with io.BufferedReader(raw, buffer_size=HEADER_READ_BYTES) as reader:
-            header = read_gguf_from(reader, remote.name, info.size_bytes)
-        if raw.pos < header.data_start:  # the padding before the data section (less than the alignment)
-            rest = memoryview(bytearray(header.data_start - raw.pos))
-            remote.read_into(raw.pos, rest)
-            _write_all(fd, rest, raw.pos, remote.name)
+        stream = _HeaderStream(remote, fd)
+        header = read_gguf_from(stream, remote.name, info.size_bytes)
+        if stream.fetched < header.data_start:  # the padding before the data section (less than the alignment)
+            rest = memoryview(bytearray(header.data_start - stream.fetched))
+            remote.read_into(stream.fetched, rest)
+            _write_all(fd, rest, stream.fetched, remote.name)
     finally:
         os.close(fd)
     return local
