@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -141,3 +142,15 @@ def test_a_dequantized_fp8_tensor_is_counted_as_computed_and_runs_to_the_convert
     shardkit.convert(tmp_path / "fp8", tmp_path / "ref", max_shard_size="100KB", dtype="bf16")
     assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == \
         {p.name: p.read_bytes() for p in (tmp_path / "ref").iterdir()}
+
+
+def test_a_plan_file_write_that_writes_nothing_is_an_error_naming_the_plan(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from test_plan_work import writes_nothing_under
+
+    src = make_source(tmp_path / "src", tensors=2)
+    (tmp_path / "plans").mkdir()
+    writes_nothing_under(tmp_path / "plans", monkeypatch)
+    with pytest.raises(shardkit.ShardkitWriteError, match=r"plan\.json"):
+        shardkit.write_plan(src, tmp_path / "out", tmp_path / "plans" / "plan.json", max_shard_size="20KB")
+    assert os.listdir(tmp_path / "plans") == []  # neither the plan nor its temporary

@@ -78,8 +78,9 @@ def write_plan(source: str | os.PathLike[str], output: str | os.PathLike[str], p
     if plan is not None and not built.dry_run:
         from ..atomic.commit import file_transaction
 
-        with file_transaction(os.path.abspath(os.fspath(plan)), overwrite=True) as tmp:
-            _write_new(tmp, dump_plan(made))
+        plan_path = os.path.abspath(os.fspath(plan))
+        with file_transaction(plan_path, overwrite=True) as tmp:
+            _write_new(tmp, dump_plan(made), name=plan_path)
     return made
 
 
@@ -132,15 +133,24 @@ def open_plan_source(source: str) -> Iterator[OpenedSource]:
         yield OpenedSource(checkpoint, name_of, identity)
 
 
-def _write_new(path: str, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+def _write_new(path: str, data: bytes, *, name: str) -> None:
+    """Write ``data`` to the new file ``path`` (the temporary of the plan file ``name``) and fsync it.
+
+    Raises:
+        ShardkitWriteError: a write failed or wrote nothing, naming ``name``.
+    """
+    from ..sharding.flush import write_error
+    from ..sharding.writer import write_all
+
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            write_all(fd, data, path, fault_points=False)  # bookkeeping, not output: no fault points
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise write_error(name, e) from e
 
 
 def read_plan(plan: str | os.PathLike[str] | ConversionPlan) -> ConversionPlan:

@@ -15,6 +15,7 @@ from ..atomic.journal import PLAN_MARK, TMP_MARK, fsync_dir, is_stale_tmp, remov
 from ..errors import InvalidInputError, ShardkitWriteError, describe_os_error
 from ..formats.links import read_inside
 from ..formats.manifest import FileDigest, ManifestError, parse_manifest, read_digests
+from ..sharding.writer import write_all
 from .plan_file import ConversionPlan, ShardTask
 
 __all__ = ["PUBLISHED", "checked_records", "done_name", "local_done_tasks", "remove_stale_tmp", "remove_work", "work_folder", "work_lock",
@@ -63,7 +64,7 @@ def write_small(work: str, name: str, data: bytes) -> None:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            os.write(fd, data)
+            write_all(fd, data, tmp, fault_points=False)
             os.fsync(fd)
         finally:
             os.close(fd)
