@@ -25,7 +25,7 @@ import subprocess
 import sys
 from shlex import quote
 
-from benchlib import Case, machine_line, parser, publish_report, run_interleaved, table
+from benchlib import SK, Case, parser, shell_bench
 from build_checkpoint import TORCH_SAVE, build_once, unet_source
 
 # Child-process code saving sys.argv[1] (safetensors) as a DCP folder at sys.argv[2], as FSDP training does.
@@ -37,7 +37,6 @@ READ_LOOP = ("import mmap, os, sys\nview = memoryview(mmap.mmap(-1, 1 << 20))\nf
              "    fd = os.open(p, os.O_RDONLY)\n    while os.readv(fd, [view]): pass\n    os.close(fd)")
 SHA256 = "import hashlib, sys\nfor p in sys.argv[1:]:\n    hashlib.file_digest(open(p, 'rb'), 'sha256')"
 BIN = os.path.dirname(sys.executable)
-SK = quote(os.path.join(BIN, "shardkit"))
 
 
 def size_bytes(path: str) -> int:
@@ -46,8 +45,8 @@ def size_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
 
 
-def groups(kind: str, work: str) -> dict[str, tuple[str, list[Case]]]:
-    """Each group's input (built once) and cases, the floor first."""
+def groups(kind: str, work: str) -> dict[str, list[Case]]:
+    """Each group's cases (inputs built once), the floor first; named with the input's size."""
     src = unet_source(kind, work)
     pkl = build_once(os.path.join(work, f"{kind}-unet.bin"), TORCH_SAVE, src, hide_stderr=True)
     dcp = build_once(os.path.join(work, f"{kind}-unet-dcp"), DCP_SAVE, src, hide_stderr=True)
@@ -61,26 +60,26 @@ def groups(kind: str, work: str) -> dict[str, tuple[str, list[Case]]]:
            f"save_torch_state_dict(torch.load('{pkl}', weights_only=True, mmap=True), '{out}', max_shard_size='5GB')\"")
     shards = " ".join(quote(p) for p in sorted(os.path.join(sharded, f) for f in os.listdir(sharded)))
     return {
-        "bin": (pkl, [
+        f"bin ({size_bytes(pkl) / 1e9:.2f} GB)": [
             Case("cp .bin (floor)", f"mkdir -p {q_out} && cp {quote(pkl)} {q_out}/ && sync", cleanup=[out]),
             Case("shardkit convert .bin 5GB", f"{SK} convert {quote(pkl)} {q_out} --max-shard-size 5GB -q && sync",
                  target, [out]),
             Case("torch.load(mmap) + hub save_torch_state_dict", f"mkdir -p {q_out} && {hub} && sync", "incumbent",
-                 [out])]),
-        "dcp": (dcp, [
+                 [out])],
+        f"dcp ({size_bytes(dcp) / 1e9:.2f} GB)": [
             Case("cp -r DCP (floor)", f"cp -r {quote(dcp)} {q_out} && sync", cleanup=[out]),
             Case("shardkit convert DCP 5GB", f"{SK} convert {quote(dcp)} {q_out} --max-shard-size 5GB -q && sync",
                  target, [out]),
             Case("accelerate merge-weights", f"{quote(os.path.join(BIN, 'accelerate'))} merge-weights {quote(dcp)} "
-                 f"{q_out} >/dev/null 2>&1 && sync", "incumbent (one file)", [out])]),
-        "verify": (sharded, [
+                 f"{q_out} >/dev/null 2>&1 && sync", "incumbent (one file)", [out])],
+        f"verify ({size_bytes(sharded) / 1e9:.2f} GB)": [
             Case("cat shards > /dev/null (floor, warm)", f"cat {shards} > /dev/null"),
             Case("read loop (1 MiB readv)", f"{py} -c {quote(READ_LOOP)} {shards}"),
             Case("hashlib.file_digest sha256 (1 thread)", f"{py} -c {quote(SHA256)} {shards}"),
             Case("shardkit verify", f"{SK} verify {quote(sharded)} -q", "≥ 0.8× cat speed"),
             Case("shardkit verify of the single file", f"{SK} verify {quote(src)} -q"),
             Case("shardkit verify --against the single file", f"{SK} verify {quote(sharded)} --against {quote(src)} -q",
-                 "reads both")]),
+                 "reads both")],
     }
 
 
@@ -91,13 +90,7 @@ def main() -> int:
     args = p.parse_args()
     kind = "tiny" if args.tiny else "sdxl" if args.large else "sd15"
     os.makedirs(args.work, exist_ok=True)
-    all_groups = groups(kind, args.work)
-    run_interleaved([c for _, cases in all_groups.values() for c in cases], runs=args.runs)
-    parts = [f"convert benchmark: {kind} UNet, median of {args.runs} runs, interleaved, each write followed by sync",
-             f"machine: {machine_line()}"]
-    for name, (path, cases) in all_groups.items():
-        parts.append(f"\n{name} ({size_bytes(path) / 1e9:.2f} GB):\n{table(cases, floor=cases[0].name)}")
-    publish_report("\n".join(parts) + "\n", args.output)
+    shell_bench(f"convert benchmark: {kind} UNet", groups(kind, args.work), runs=args.runs, output=args.output)
     return 0
 
 

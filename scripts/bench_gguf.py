@@ -21,7 +21,7 @@ import os
 import sys
 from shlex import quote
 
-from benchlib import Case, machine_line, parser, publish_report, run_interleaved, table
+from benchlib import SK, Case, parser, shell_bench
 from build_checkpoint import build_once
 
 BUILD = """
@@ -66,20 +66,16 @@ def main() -> int:
     os.makedirs(args.work, exist_ok=True)
     src = build_once(os.path.join(args.work, f"llama-{args.layers}l-q4_0.gguf"), BUILD, str(args.layers))
     out = os.path.join(args.work, "gguf-out")
-    sk = quote(os.path.join(os.path.dirname(sys.executable), "shardkit"))
     q_src, q_out = quote(src), quote(out)
     cases = [
         Case("cp .gguf (floor)", f"mkdir -p {q_out} && cp {q_src} {q_out}/ && sync", cleanup=[out]),
-        Case("shardkit convert --dtype bf16", f"{sk} convert {q_src} {q_out} --dtype bf16 -q && sync",
+        Case("shardkit convert --dtype bf16", f"{SK} convert {q_src} {q_out} --dtype bf16 -q && sync",
              "≤ 500 MB", [out]),
         Case("gguf dequantize + save_file (incumbent)", f"mkdir -p {q_out} && {quote(sys.executable)} -c "
              f"{quote(INCUMBENT)} {q_src} {q_out}/model.safetensors && sync", "incumbent", [out]),
     ]
-    run_interleaved(cases, runs=args.runs)
-    report = (f"GGUF convert benchmark: Llama-shaped Q4_0, {args.layers} layers, {os.path.getsize(src) / 1e9:.2f} GB, "
-              f"median of {args.runs} runs, each write followed by sync\nmachine: {machine_line()}\n\n"
-              f"{table(cases, floor='cp .gguf (floor)')}\n")
-    publish_report(report, args.output)
+    shell_bench(f"GGUF convert benchmark: Llama-shaped Q4_0, {args.layers} layers, {os.path.getsize(src) / 1e9:.2f} GB",
+                {"": cases}, runs=args.runs, output=args.output)
     return 0
 
 

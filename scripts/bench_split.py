@@ -24,10 +24,9 @@ import subprocess
 import sys
 from shlex import quote
 
-from benchlib import Case, filesystem_line, loop_mount, machine_line, parser, publish_report, run_interleaved, table
+from benchlib import SK, Case, filesystem_line, loop_mount, parser, shell_bench
 from build_checkpoint import TORCH_SAVE, build_once, unet_source
 
-SK = quote(os.path.join(os.path.dirname(sys.executable), "shardkit"))
 COW = "≤ 2× floor, < 5% of copying cp"
 
 
@@ -78,8 +77,8 @@ def cow_cases(src: str, mount: str) -> list[Case]:
     out = os.path.join(mount, "out")
     merge, hub = shared_cases(src, mount, COW)
     return [
-        copy_case("cp --reflink=never", src, out, "cp --reflink=never"),
         copy_case("cp --reflink=always (floor)", src, out, "cp --reflink=always"),
+        copy_case("cp --reflink=never", src, out, "cp --reflink=never"),
         split_case("shardkit split 2GB", src, out, "--max-shard-size 2GB", COW),
         split_case("shardkit split 5GB", src, out, "--max-shard-size 5GB", COW),
         split_case("shardkit split 2GB --no-manifest", src, out, "--max-shard-size 2GB --no-manifest", COW),
@@ -99,26 +98,21 @@ def main() -> int:
     os.makedirs(args.work, exist_ok=True)
     src = unet_source(args.size, args.work)
     size = os.path.getsize(src)
-    head = (f"{args.size} UNet, {size / 1e9:.2f} GB fp32 safetensors, median of {args.runs} runs, interleaved, "
-            f"each write followed by sync\nmachine: {machine_line()}\n")
+    title = f"{args.size} UNet, {size / 1e9:.2f} GB fp32 safetensors"
     if args.fs:  # copy the source into a fresh loop-mounted filesystem and time the copy-on-write cases there
         with loop_mount(args.fs, os.path.abspath(os.path.join(args.work, f"{args.fs}.img")), 2 * size + 6 * 10**9) as mnt:
             inner = os.path.join(mnt, "unet", os.path.basename(src))
             os.makedirs(os.path.dirname(inner))
             print(f"copying the source into {mnt} ...", flush=True)
             subprocess.run(["cp", "--reflink=never", src, inner], check=True)
-            all_cases = cow_cases(inner, mnt)
-            run_interleaved(all_cases, runs=args.runs)
-            fs = f"{filesystem_line(mnt)} (a sparse image on {filesystem_line(args.work)}, loop-mounted)"
-        publish_report(f"copy-on-write split benchmark: {head}filesystem: {fs}\n\n"
-                       f"{table(all_cases, floor='cp --reflink=always (floor)', also='cp --reflink=never')}\n", args.output)
+            shell_bench(f"copy-on-write split benchmark: {title}", {"": cow_cases(inner, mnt)}, runs=args.runs,
+                        output=args.output, also="cp --reflink=never", note=f"filesystem: {filesystem_line(mnt)} "
+                        f"(a sparse image on {filesystem_line(args.work)}, loop-mounted)")
         return 0
     pickle = build_once(os.path.join(args.work, f"{args.size}-unet.bin"), TORCH_SAVE, src,
                         note=" (torch.save of the same state dict)")
-    all_cases = cases(src, pickle, args.work, with_diffusers=args.with_diffusers)
-    run_interleaved(all_cases, runs=args.runs)
-    publish_report(f"split benchmark: {head}filesystem: {filesystem_line(args.work)}\n\n"
-                   f"{table(all_cases, floor='cp (floor)')}\n", args.output)
+    shell_bench(f"split benchmark: {title}", {"": cases(src, pickle, args.work, with_diffusers=args.with_diffusers)},
+                runs=args.runs, output=args.output, note=f"filesystem: {filesystem_line(args.work)}")
     return 0
 
 

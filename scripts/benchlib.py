@@ -16,6 +16,7 @@ import json
 import os
 import platform
 import resource
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -27,7 +28,9 @@ from typing import Any, TypeVar
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+SK = shlex.quote(os.path.join(os.path.dirname(sys.executable), "shardkit"))  # this interpreter's CLI, for shell cases
 K = TypeVar("K")
+Runs = list[dict[str, Any]]
 
 
 @dataclass(eq=False)
@@ -46,8 +49,9 @@ class Case:
 
 def measure(command: str) -> tuple[float, float]:
     """Wall seconds and peak RSS (MB) of ``bash -c command``, run from a fresh process."""
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--run", command],
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--run", command], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(out.stderr.strip()[-3000:])
     data = json.loads(out.stdout.strip().splitlines()[-1])
     return data["seconds"], data["rss_mb"]
 
@@ -157,6 +161,12 @@ def med(results: list[dict[str, Any]], key: str) -> float:
     return statistics.median(r[key] for r in results)
 
 
+def median_of(results: list[dict[str, Any]], key: str) -> float | None:
+    """The median of ``key`` over the results that have it (failed runs do not); None when none has it."""
+    values = [r[key] for r in results if key in r]
+    return statistics.median(values) if values else None
+
+
 def pinned_copy_gbps(device: str = "cuda:0") -> float:
     """The PCIe floor: GB/s of a 1 GiB pinned host → ``device`` copy, median of 5 after a warm-up."""
     import torch
@@ -251,14 +261,27 @@ def markdown(head: list[str], rows: Iterable[list[str]], *, align: str = "") -> 
     return "\n".join([lines[0], "|" + "|".join(rule) + "|", *lines[1:]])
 
 
-def table(cases: list[Case], *, floor: str, also: str | None = None) -> str:
-    """The medians of shell cases against their floor; ``also`` adds a column of ratios to a second case."""
+def table(cases: list[Case], *, floor: str = "", also: str | None = None) -> str:
+    """The medians of shell cases against their floor (default the first case); ``also`` adds a column of ratios
+    to a second case."""
+    floor = floor or cases[0].name
     medians = {c.name: statistics.median(c.times) for c in cases}
     head = ["case", "median s", "× floor", *([f"× {also}"] if also else []), "peak RSS MB", "target"]
     rows = [[c.name, f"{medians[c.name]:.2f}", f"{medians[c.name] / medians[c.floor or floor]:.2f}×",
              *([f"{medians[c.name] / medians[also]:.3f}×"] if also else []), f"{max(c.rss_mb):.0f}", c.target]
             for c in cases]
     return markdown(head, rows, align="l" + "r" * (len(head) - 2) + "l")
+
+
+def shell_bench(title: str, tables: dict[str, list[Case]], *, runs: int, output: str | None, note: str = "",
+                also: str | None = None) -> None:
+    """Every table's shell cases run interleaved in one pool of rounds; the report gives each table (named unless
+    its name is empty) against its floor, its first case unless a case names its own."""
+    run_interleaved([case for cases in tables.values() for case in cases], runs=runs)
+    head = [f"{title}; median of {runs} runs, interleaved, each write followed by sync", f"machine: {machine_line()}",
+            *([note] if note else [])]
+    body = [(f"{name}:\n" if name else "") + table(cases, also=also) for name, cases in tables.items()]
+    publish_report("\n".join(head) + "\n\n" + "\n\n".join(body) + "\n", output)
 
 
 # ----------------------------------------------------------------------------- page cache, mounts
