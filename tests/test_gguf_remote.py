@@ -189,3 +189,13 @@ def test_a_gguf_on_the_hub_is_read_by_range_with_cache_false(big: dict[str, Path
     assert (tmp_path / "back.gguf").read_bytes() == big["one"].read_bytes()
     assert size <= hub.state.bytes_sent() - before < size + 1_000_000
     assert not (tmp_path / "home" / "hub").exists() or not any((tmp_path / "home" / "hub").rglob("*.gguf"))
+
+
+def test_open_and_load_of_a_remote_gguf_say_what_to_do(s3_env, proxy, run_cli) -> None:
+    """As for a local GGUF: ``open``/``load_model`` read safetensors; the message names the location and ``convert``."""
+    url = f"s3://{s3_env.bucket}/m/m.gguf"
+    for call in (lambda: shardkit.open(url), lambda: shardkit.load_model("transformers:LlamaForCausalLM", url)):
+        with pytest.raises(shardkit.InvalidInputError, match=rf"^{url}: not a safetensors checkpoint \(a GGUF file\); "
+                                                             "convert it first, e.g. shardkit.convert"):
+            call()
+    assert proxy.requests == {}

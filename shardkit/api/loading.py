@@ -65,6 +65,7 @@ def open(path: str | os.PathLike[str] | RangedCheckpoint, *, variant: str | None
     """
     if not is_remote(path):
         return open_local(path, variant=variant, read=read, read_ahead_bytes=read_ahead_bytes)
+    _refuse_gguf(path)
     from .stores import store_checkpoint
 
     with contextlib.ExitStack() as stack:
@@ -101,10 +102,20 @@ def load_model(model: ModelSpec, checkpoint: str | os.PathLike[str] | LazyCheckp
                              offload_options=offload_options, layerwise_casting=layerwise_casting, read=read)
     if not is_remote(checkpoint):
         return load(model, checkpoint)
+    _refuse_gguf(checkpoint)
     from .stores import store_checkpoint
 
     with store_checkpoint(checkpoint, token=token) as ranged:
         return load(model, ranged)
+
+
+def _refuse_gguf(path: str) -> None:
+    """A GGUF in a store is refused as a local one is (these read safetensors), naming it, before any request."""
+    if path.endswith(".gguf"):
+        from ..errors import InvalidInputError
+
+        raise InvalidInputError(f"{path}: not a safetensors checkpoint (a GGUF file); convert it first, e.g. "
+                                f"shardkit.convert({path!r}, 'OUT/', dtype='bf16'), which reads it by range")
 
 
 def plan_device_map(model: ModelSpec, *, config: ConfigSpec | None = None,
