@@ -142,7 +142,7 @@ def test_dispatched_module_is_refused():
 
 def test_weights_already_on_accelerator_before_sequential_are_refused(monkeypatch, pipe):
     # A CPU machine cannot place weights on CUDA; pretend the placement probe saw it (the GPU test does it for real).
-    monkeypatch.setattr("shardkit.runtime.offload.placed_devices", lambda obj: {"cuda:0"})
+    monkeypatch.setattr("shardkit.runtime.offload_targets.placed_devices", lambda obj: {"cuda:0"})
     with pytest.raises(OffloadError, match="already moved to cuda:0 before sequential offload"):
         shardkit.apply_offload(pipe, "sequential", device="cpu")
     with pytest.raises(OffloadError, match="already moved"):

@@ -22,39 +22,30 @@ apply_offload(unet, "group", offload_type="block_level", num_blocks_per_group=2,
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..errors import InvalidInputError, ShardkitError
 from ..errors import OffloadError as OffloadError  # re-exported: defined with every public error
+from .offload_targets import (
+    Modules,
+    Offloadable,
+    OffloadPipeline,
+    Options,
+    compute_device,
+    record_offload,
+    refuse_device_mapped,
+    refuse_on_accelerator,
+    target_kind,
+    target_modules,
+)
 
 if TYPE_CHECKING:
-    import torch
     from torch import nn
 
 # A pipeline, a module or a list of modules: returned as given.
 _Target = TypeVar("_Target")
-# The caller's keyword options, forwarded to diffusers/accelerate (which type them themselves).
-Options: TypeAlias = "dict[str, Any]"
-Modules: TypeAlias = "nn.Module | list[nn.Module] | tuple[nn.Module, ...]"
-
-
-class OffloadPipeline(Protocol):
-    """What offloading uses of a diffusers ``DiffusionPipeline`` (diffusers is imported only when used)."""
-
-    @property
-    def components(self) -> Mapping[str, object]: ...
-
-    def enable_model_cpu_offload(self, *, device: torch.device) -> None: ...
-
-    def enable_sequential_cpu_offload(self, *, device: torch.device) -> None: ...
-
-    def enable_group_offload(self, **kwargs: Any) -> None: ...
-
-
-Offloadable: TypeAlias = "Modules | OffloadPipeline"
-
 
 GROUP_OPTIONS = frozenset({
     "device", "onload_device", "offload_device", "offload_type", "num_blocks_per_group", "non_blocking",
@@ -111,9 +102,9 @@ def apply_offload(obj: _Target, strategy: str = "model", **options: Any) -> _Tar
     if unknown:
         allowed = ", ".join(sorted(spec.options)) or "none"
         raise InvalidInputError(f"offload strategy {strategy!r} takes no option {', '.join(unknown)}; allowed: {allowed}")
-    kind = _target_kind(obj)
-    target = cast("Offloadable", obj)  # checked by _target_kind
-    _refuse_device_mapped(target, kind, strategy)
+    kind = target_kind(obj)
+    target = cast("Offloadable", obj)  # checked by target_kind
+    refuse_device_mapped(target, kind, strategy)
     if strategy != "none":
         _remove(target, kind)
     apply = spec.pipeline if kind == "pipeline" else spec.module
@@ -123,119 +114,22 @@ def apply_offload(obj: _Target, strategy: str = "model", **options: Any) -> _Tar
         raise
     except (ValueError, RuntimeError, NotImplementedError) as e:
         raise OffloadError(f"offload strategy {strategy!r} failed on {type(obj).__name__}: {e}") from e
-    _record(target, strategy, options)
+    record_offload(target, strategy, options)
     return obj
-
-
-# --- targets -------------------------------------------------------------------------------------
-
-def _target_kind(obj: object) -> str:
-    from torch import nn
-
-    if isinstance(obj, nn.Module):
-        return "module"
-    if isinstance(obj, (list, tuple)) and obj and all(isinstance(m, nn.Module) for m in obj):
-        return "modules"
-    if isinstance(getattr(obj, "components", None), dict) and hasattr(obj, "enable_model_cpu_offload"):
-        return "pipeline"
-    raise InvalidInputError(
-        f"apply_offload needs a diffusers pipeline, an nn.Module or a list of modules, got {type(obj).__name__}"
-    )
-
-
-def _modules(obj: Offloadable) -> list[tuple[str, nn.Module]]:
-    from torch import nn
-
-    if isinstance(obj, nn.Module):
-        return [("", obj)]
-    if isinstance(obj, (list, tuple)):
-        return [(str(i), m) for i, m in enumerate(obj)]
-    return [(k, v) for k, v in obj.components.items() if isinstance(v, nn.Module)]
-
-
-def _record(obj: Offloadable, strategy: str, options: Options) -> None:
-    record = None if strategy == "none" else (strategy, dict(options))
-    for _, module in _modules(obj):
-        object.__setattr__(module, "shardkit_offload", record)  # a plain attribute, not a submodule
-    if not isinstance(obj, (list, tuple)):
-        object.__setattr__(obj, "shardkit_offload", None if strategy == "none" else (strategy, dict(options)))
-
-
-# --- guards for the known traps ------------------------------------------------------------------
-
-def _refuse_device_mapped(obj: Offloadable, kind: str, strategy: str) -> None:
-    if kind == "pipeline":
-        device_map = getattr(obj, "hf_device_map", None)
-        if isinstance(device_map, dict) and len(device_map) > 1:
-            raise OffloadError(
-                f"this pipeline was loaded with a device map ({_short_map(device_map)}); offload strategy "
-                f"{strategy!r} needs the components on the host: call pipe.reset_device_map() first"
-            )
-        return
-    for name, module in _modules(obj):
-        device_map = getattr(module, "hf_device_map", None)
-        if isinstance(device_map, dict) and len(set(map(str, device_map.values()))) > 1:
-            raise OffloadError(
-                f"module {name or type(module).__name__} was dispatched over {_short_map(device_map)} by a device map; "
-                f"offload strategy {strategy!r} would break that placement: load it with device_map=None or 'cpu'"
-            )
-
-
-def _short_map(device_map: Mapping[object, object]) -> str:
-    items = [f"{k}→{v}" for k, v in list(device_map.items())[:4]]
-    return ", ".join(items) + (", ..." if len(device_map) > 4 else "")
-
-
-def placed_devices(obj: Offloadable) -> set[str]:
-    """Devices (``"cuda:0"``, ``"cpu"``...) holding the parameters of ``obj``, meta excluded."""
-    devices = set()
-    for _, module in _modules(obj):
-        for tensor in module.parameters():
-            if not tensor.is_meta:
-                devices.add(str(tensor.device))
-    return devices
-
-
-def _refuse_on_accelerator(obj: Offloadable) -> None:
-    on_accelerator = sorted(d for d in placed_devices(obj) if not d.startswith("cpu"))
-    if on_accelerator:
-        raise OffloadError(
-            f"the weights were already moved to {', '.join(on_accelerator)} before sequential offload, which would keep "
-            "them there and save nothing; move them back with .to('cpu') (do not call .to('cuda') before offloading)"
-        )
-
-
-# --- devices -------------------------------------------------------------------------------------
-
-def _device(options: Options, key: str = "device") -> torch.device:
-    import torch
-
-    value = options.pop(key, None)
-    if value is None:
-        if not torch.cuda.is_available():
-            raise OffloadError(
-                "offloading needs an accelerator to compute on and none was found; pass device='cpu' to run the hooks "
-                "on the host (useful for testing), or device='cuda:N'"
-            )
-        value = "cuda"
-    device = torch.device(value) if not isinstance(value, torch.device) else value
-    if device.type != "cpu" and device.index is None:
-        device = torch.device(device.type, 0)
-    return device
 
 
 # --- model offload -------------------------------------------------------------------------------
 
 def _model_pipeline(pipe: OffloadPipeline, options: Options) -> None:
-    pipe.enable_model_cpu_offload(device=_device(options))
+    pipe.enable_model_cpu_offload(device=compute_device(options))
 
 
 def _model_modules(obj: Modules, options: Options) -> None:
     from accelerate import cpu_offload_with_hook
 
-    device = _device(options)
+    device = compute_device(options)
     hook = None
-    for _, module in _modules(obj):
+    for _, module in target_modules(obj):
         module.to("cpu")
         _, hook = cpu_offload_with_hook(module, execution_device=device, prev_module_hook=hook)
         module.shardkit_model_hook = hook
@@ -244,8 +138,8 @@ def _model_modules(obj: Modules, options: Options) -> None:
 # --- sequential offload --------------------------------------------------------------------------
 
 def _sequential_pipeline(pipe: OffloadPipeline, options: Options) -> None:
-    _refuse_on_accelerator(pipe)
-    device = _device(options)
+    refuse_on_accelerator(pipe)
+    device = compute_device(options)
     if device.type != "cpu":
         pipe.enable_sequential_cpu_offload(device=device)
         return
@@ -253,16 +147,16 @@ def _sequential_pipeline(pipe: OffloadPipeline, options: Options) -> None:
     # with Parameter.to("cpu:0"), which returns a plain Tensor its post-forward cannot handle. On
     # the host we install the very same accelerate hooks per component with an index-free device.
     excluded = set(getattr(pipe, "_exclude_from_cpu_offload", ()))
-    _sequential_modules([m for n, m in _modules(pipe) if n not in excluded], {"device": device})
+    _sequential_modules([m for n, m in target_modules(pipe) if n not in excluded], {"device": device})
 
 
 def _sequential_modules(obj: Modules, options: Options) -> None:
     from accelerate import cpu_offload
 
-    _refuse_on_accelerator(obj)
-    device = _device(options)
+    refuse_on_accelerator(obj)
+    device = compute_device(options)
     offload_buffers = bool(options.pop("offload_buffers", False))
-    for _, module in _modules(obj):
+    for _, module in target_modules(obj):
         cpu_offload(module, execution_device=device, offload_buffers=offload_buffers)
 
 
@@ -274,7 +168,7 @@ def _group_kwargs(options: Options) -> Options:
 
     if "onload_device" in options and "device" in options:
         raise InvalidInputError("group offload: pass device= or onload_device=, not both")
-    onload = _device(options, "onload_device" if "onload_device" in options else "device")
+    onload = compute_device(options, "onload_device" if "onload_device" in options else "device")
     kwargs = {"onload_device": onload, "offload_device": torch.device(options.pop("offload_device", "cpu")), **options}
     kwargs.setdefault("offload_type", "block_level")
     if kwargs["offload_type"] not in ("block_level", "leaf_level"):
@@ -313,7 +207,7 @@ def _group_modules(obj: Modules, options: Options) -> None:
     kwargs = _group_kwargs(options)
     if kwargs.pop("exclude_modules", None) is not None:
         raise InvalidInputError("group offload: exclude_modules applies to pipelines; apply_offload the modules you want")
-    for name, module in _modules(obj):
+    for name, module in target_modules(obj):
         if getattr(module, "_supports_group_offloading", True) is False:
             raise OffloadError(f"{type(module).__name__} does not support group offloading (diffusers says so); use 'model' or 'sequential'")
         module_kwargs = dict(kwargs)
@@ -330,9 +224,9 @@ def _disk_modules(obj: Offloadable, options: Options) -> None:
     folder = options.pop("offload_dir", None)
     if not folder:
         raise InvalidInputError("disk offload needs offload_dir='folder/' for the offloaded weights")
-    _refuse_on_accelerator(obj)
-    device = _device(options)
-    for name, module in _modules(obj):
+    refuse_on_accelerator(obj)
+    device = compute_device(options)
+    for name, module in target_modules(obj):
         disk_offload(module, os.path.join(folder, name) if name else folder, execution_device=device,
                      offload_buffers=bool(options.get("offload_buffers", False)))
 
@@ -345,7 +239,7 @@ _DIFFUSERS_OFFLOAD_HOOKS = ("group_offloading", "layer_execution_tracker", "lazy
 def _remove(obj: Offloadable, kind: str) -> None:
     from accelerate.hooks import remove_hook_from_module
 
-    for _, module in _modules(obj):
+    for _, module in target_modules(obj):
         _restore_group_offloaded(module)
         # Registries may sit on submodules only (a VAE offloads its encoder/decoder blocks).
         for sub in module.modules():
@@ -406,7 +300,7 @@ STRATEGIES: dict[str, Strategy] = {
 def installed_hooks(obj: Offloadable) -> list[str]:
     """``"name: HookClass"`` for every accelerate and diffusers hook under ``obj`` (for tests and debugging)."""
     found = []
-    for prefix, module in _modules(obj):
+    for prefix, module in target_modules(obj):
         for name, sub in module.named_modules():
             full = ".".join(p for p in (prefix, name) if p)
             if hasattr(sub, "_hf_hook"):
