@@ -390,3 +390,22 @@ def test_cuda_stage_slots_are_pinned_and_a_slice_lands_on_the_gpu(tmp_path) -> N
     with shardkit.open(path) as ckpt:
         part = ckpt.slice("w", 1, 3, 4, device="cuda:0")
     assert part.device.type == "cuda" and torch.equal(part.cpu(), w.chunk(4, dim=1)[3])
+
+
+def test_a_ring_made_directly_grows_as_one_made_from_a_tuning_does() -> None:
+    """One default: a BufferRing built without grow= pins its slots on first need, as RingTuning's default says."""
+    class Counting(HostCopyStage):
+        allocations = 0
+
+        def allocate(self, nbytes):
+            Counting.allocations += 1
+            return super().allocate(nbytes)
+
+    tuning = RingTuning(slots=4, slot_bytes=8192, threads=1)
+    direct = BufferRing(Counting(), count=4, nbytes=8192)
+    from_tuning = BufferRing.for_tuning(Counting(), tuning)
+    assert tuning.grow and direct.allocated == from_tuning.allocated == 0 and Counting.allocations == 0
+    stop = threading.Event()
+    slot = direct.acquire(stop)
+    assert slot is not None and direct.allocated == 1 and Counting.allocations == 1  # one slot, pinned when needed
+    direct.release(slot)

@@ -42,6 +42,7 @@ CopyToken: TypeAlias = "torch.cuda.Event | None"  # what a stage's wait() waits 
 MAX_RING_BYTES = 1 << 30   # pinned host memory per device, whatever the tuning asks for
 WAIT_TIMEOUT_S = 0.5       # how often a thread waiting for a free slot checks whether another failed
 JOIN_TIMEOUT_S = 30.0      # after an interrupt: how long to wait for each reader thread's read in flight
+GROW_SLOTS = True          # the default of RingTuning.grow and BufferRing(grow=...): pin each slot on first need
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class RingTuning:
     slot_bytes: int
     threads: int
     gap_bytes: int = 1 << 20
-    grow: bool = True   # pin each slot when a reader first needs one (False: one block before the first read)
+    grow: bool = GROW_SLOTS   # pin each slot when a reader first needs one (False: one block before the first read)
 
     def __post_init__(self) -> None:
         if self.slots < self.threads or self.threads < 1:
@@ -187,7 +188,7 @@ class BufferRing:
     the next load). Without it, one block is allocated up front and cut into slots.
     """
 
-    def __init__(self, stage: CopyStage, *, count: int, nbytes: int, grow: bool = False) -> None:
+    def __init__(self, stage: CopyStage, *, count: int, nbytes: int, grow: bool = GROW_SLOTS) -> None:
         self.nbytes = nbytes
         self.count = count
         self._stage = stage
