@@ -233,17 +233,17 @@ class GgufSource(Source):
         """Whether the tensor bytes are read by range from a store (:func:`remote_gguf`), not from local files."""
         return bool(self._ranges)
 
-    def _pread(self, file: str, nbytes: int, offset: int, name: str) -> bytes:
+    def _pread(self, file: str, nbytes: int, offset: int, name: str) -> bytes | memoryview:
         """``nbytes`` of ``file`` at ``offset`` (tensor ``name``'s): from the local file, or by range from its object
         (each read's byte count checked by the store; a range past its end refused, naming it)."""
         remote = self._ranges.get(file)
         if remote is None:
             return pread_exactly(self._fd(file), nbytes, offset, file=file, name=name)
-        out = bytearray(nbytes)
-        remote.read_into(offset, memoryview(out))
-        return bytes(out)
+        out = memoryview(bytearray(nbytes))  # filled in place: no second copy
+        remote.read_into(offset, out)
+        return out
 
-    def stored_bytes(self, tensor: GgufTensor, begin: int, end: int) -> bytes:
+    def stored_bytes(self, tensor: GgufTensor, begin: int, end: int) -> bytes | memoryview:
         """Bytes ``begin:end`` of ``tensor``'s data as the file stores it (llama.cpp's row order, its ggml type)."""
         return self._pread(self.file_of[tensor.name], end - begin, tensor.offset + begin, tensor.name)
 
@@ -260,7 +260,7 @@ class GgufSource(Source):
             return shape[0], 1
         return 1, math.prod(shape)
 
-    def raw_rows(self, name: str, row0: int, row1: int) -> bytes:
+    def raw_rows(self, name: str, row0: int, row1: int) -> bytes | memoryview:
         """Stored bytes of HF rows ``row0:row1`` of tensor ``name`` (whole heads where permuted), in HF row order."""
         import torch
 
@@ -288,7 +288,7 @@ class GgufSource(Source):
             step = max(per_head, step // per_head * per_head)
         return min(step, rows)
 
-    def _bands(self, entry: TensorEntry, first_band: int = 0) -> Iterator[bytes]:
+    def _bands(self, entry: TensorEntry, first_band: int = 0) -> Iterator[bytes | memoryview]:
         """The output bytes of ``entry``, band by band from band ``first_band``."""
         import torch
 
