@@ -192,3 +192,46 @@ def gguf_metadata(path: Path) -> dict[str, Any]:
 
 def config_of(folder: Path) -> dict[str, Any]:
     return json.loads((folder / "config.json").read_text())
+
+
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                "beta_slow": 1.0, "truncate": False, "rope_theta": 150000.0}
+
+
+def tiny_gpt_oss_folder(folder: Path, *, mxfp4: bool = True, legacy_config: bool = False) -> Path:
+    """A random transformers GptOssForCausalLM (2 layers: one sliding, one full; 4 experts, top 2; hidden 64, experts'
+    width 96, so that a transposition shows) saved in bf16 with a byte-level BPE tokenizer; with ``mxfp4``, its experts
+    then quantized by shardkit's ``quantize='mxfp4'`` into gpt-oss's MXFP4 layout (``X_blocks`` / ``X_scales``,
+    ``quantization_config: {"quant_method": "mxfp4"}``), as the released checkpoints are. ``legacy_config``: config.json
+    as openai/gpt-oss-20b's (``rope_scaling`` and a top-level ``rope_theta``, no ``rope_parameters``)."""
+    import shutil
+
+    import transformers
+    from helpers_llama_cpp import tiny_bpe_tokenizer
+
+    import shardkit
+
+    plain = folder.with_name(folder.name + "-bf16") if mxfp4 else folder
+    size = tiny_bpe_tokenizer(plain)
+    config = transformers.GptOssConfig(
+        vocab_size=size + 4, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=32,
+        max_position_embeddings=256, rope_parameters=dict(GPT_OSS_ROPE), bos_token_id=0, eos_token_id=2,
+        layer_types=["sliding_attention", "full_attention"], tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():  # every tensor away from its init (norms 1, sinks and biases 0), so that a swap shows
+        for name, param in model.named_parameters():
+            param.copy_(torch.randn_like(param) * (0.1 if "norm" in name else 0.05) + (1.0 if "norm" in name else 0.0))
+    model.save_pretrained(plain)
+    if mxfp4:
+        shardkit.convert(plain, folder, quantize="mxfp4")
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(plain / name, folder / name)
+    if legacy_config:
+        fields = json.loads((folder / "config.json").read_text())
+        rope = fields.pop("rope_parameters")
+        fields["rope_theta"] = rope.pop("rope_theta")
+        fields.update(rope_scaling=rope, experts_per_token=2, initial_context_length=64)
+        (folder / "config.json").write_text(json.dumps(fields, indent=2))
+    return folder

@@ -4,7 +4,8 @@ The kernels are gguf-py's (llama.cpp's Python quantizers) step for step, in nump
 arithmetic, so the bytes are gguf-py's by construction (the tests compare them): F32, F16, BF16 (round to
 nearest even, NaN quieted), Q8_0 (round half away from zero), Q4_0 and Q5_0 (scale from the value of
 largest magnitude / −8 or −16, ``trunc(x / d + 8.5 or 16.5)``), Q4_1 and Q5_1 (min and (max − min) / 15 or
-31, ``trunc((x − min) / d + 0.5)``).
+31, ``trunc((x − min) / d + 0.5)``). MXFP4 is never computed from values: :func:`mxfp4_blocks` repacks
+gpt-oss's MXFP4 blocks as llama.cpp's converter does (the same e8m0 scales and e2m1 codes, nibbles reordered).
 
 Values are taken in chunks of :data:`CHUNK_VALUES` (bf16 and f16 widened to float32 chunk by chunk), so every
 intermediate array stays in the CPU cache: this is what makes gguf-py's own quantizer fast (it works 16 rows at
@@ -24,7 +25,7 @@ from ..formats.gguf import GgmlType
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CHUNK_VALUES", "QUANTIZABLE", "quantize", "quantize_array"]
+__all__ = ["CHUNK_VALUES", "QUANTIZABLE", "mxfp4_blocks", "quantize", "quantize_array"]
 
 CHUNK_VALUES = 2**15  # 128 KiB of float32 a chunk: a whole number of every block size (32, 256)
 Array = np.ndarray
@@ -164,3 +165,23 @@ def quantize(values: torch.Tensor, kind: GgmlType) -> torch.Tensor:
     else:
         array, source = flat.to(torch.float32).contiguous().numpy(), "F32"
     return torch.from_numpy(quantize_array(array, source, kind))
+
+
+def mxfp4_blocks(blocks: Array, scales: Array) -> Array:
+    """ggml MXFP4 blocks (uint8, ``(n, 17)``) of gpt-oss MXFP4 ``blocks`` (uint8, ``(..., 16)``: code ``2j`` in the low
+    nibble of byte ``j``, ``2j + 1`` in the high) and their e8m0 ``scales`` (uint8, ``blocks.shape[:-1]``): the scale
+    byte, then 16 bytes holding codes ``j`` (low nibble) and ``j + 16`` (high), as llama.cpp's converter repacks them
+    (``GptOssModel.repack_mxfp4``; ggml's e2m1 table is gpt-oss's doubled, and its scale half of e8m0's: the same
+    values).
+
+    >>> mxfp4_blocks(np.arange(16, dtype=np.uint8).reshape(1, 16), np.array([127], np.uint8))[0, :5].tolist()
+    [127, 128, 0, 145, 0]
+    """
+    packed = blocks.reshape(-1, 16)
+    codes = np.empty((packed.shape[0], 32), dtype=np.uint8)
+    codes[:, 0::2] = packed & 0x0F
+    codes[:, 1::2] = packed >> 4
+    out = np.empty((packed.shape[0], 17), dtype=np.uint8)
+    out[:, 0] = scales.reshape(-1)
+    out[:, 1:] = codes[:, :16] | (codes[:, 16:] << 4)
+    return out

@@ -33,19 +33,28 @@ gemma3      gemma3_text                       gemma2's, with q/k norms (shifted 
 phi3        phi3                              fused ``qkv_proj`` (``attn_qkv``) and ``gate_up_proj``
                                               (``ffn_up``) kept fused; its own keys (rope dimension count
                                               from the partial rotary factor, original context length)
+gpt-oss     gpt_oss                           q/k/v/o biases, attention sinks (``attn_sinks``), the router
+                                              ``mlp.router`` as ``ffn_gate_inp`` F32, experts already stacked:
+                                              MXFP4 ``X_blocks``/``X_scales`` pairs kept as ggml MXFP4 (the
+                                              nibbles reordered, the values unchanged), dense ones (E, in, out)
+                                              transposed; ``gate_up_proj`` (and its bias) split into gate (even
+                                              output rows) and up (odd); sliding-window and yarn keys
 ==========  ================================  =============================================================
+
+A Hugging Face tensor becomes one or more :class:`Piece` s (:meth:`GgufArch.pieces`): usually one GGUF tensor; a share
+of one (the output rows ``first::step`` of an interleaved fused tensor); or half of an MXFP4 pair.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import InvalidInputError
 from ..formats.json_types import Config
 
-__all__ = ["ARCHITECTURES", "GgufArch", "arch_for_config"]
+__all__ = ["ARCHITECTURES", "GgufArch", "Piece", "arch_for_config"]
 
 U32, F32, BOOL, STR = "u32", "f32", "bool", "str"
 
@@ -74,9 +83,35 @@ _PHI3_LAYER = {**{k: v for k, v in _DECODER_LAYER.items() if k not in ("mlp.gate
 _MIXTRAL_LAYER = {**{k: v for k, v in _DECODER_LAYER.items() if not k.startswith("mlp.")},
                   "block_sparse_moe.gate": "ffn_gate_inp", "block_sparse_moe.experts.w1": "ffn_gate_exps",
                   "block_sparse_moe.experts.w2": "ffn_down_exps", "block_sparse_moe.experts.w3": "ffn_up_exps"}
+_GPT_OSS_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.sinks": "attn_sinks", "mlp.router": "ffn_gate_inp", "mlp.experts.down_proj": "ffn_down_exps",
+}
+_GPT_OSS_SPLIT = {"mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps")}  # even output rows, odd ones
 _EXPERT = re.compile(r"(.*\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)$")
 _BERT_TOP = {"embeddings.word_embeddings": "token_embd", "embeddings.position_embeddings": "position_embd",
              "embeddings.token_type_embeddings": "token_types", "embeddings.LayerNorm": "token_embd_norm"}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What a Hugging Face tensor is in the GGUF file (see :meth:`GgufArch.pieces`).
+
+    Attributes:
+        name: the GGUF tensor's name.
+        first, step: the output features it takes, ``first::step`` (gpt-oss's ``gate_up_proj`` interleaves gate and
+            up: even ones gate, odd ones up); of a bias, its last dimension.
+        mxfp4: ``"blocks"`` or ``"scales"``: one half of an MXFP4 pair written as one ggml MXFP4 tensor; "" a float
+            tensor.
+        transpose: experts stored (E, in, out) (gpt-oss's dense ones), written (E, out, in).
+    """
+
+    name: str
+    first: int = 0
+    step: int = 1
+    mxfp4: str = ""
+    transpose: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,6 +132,9 @@ class GgufArch:
     experts: bool = False        # per-expert tensors stacked into one (MoE)
     space_prefix: bool | None = None  # add_space_prefix written whatever the tokenizer says (Gemma: False)
     key: str = ""                # its key in ARCHITECTURES when ``name`` is another entry's (Mixtral is written as llama)
+    split: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # fused HF tensor → the GGUF tensors its rows interleave
+    bare_names: bool = False     # gpt-oss: ``X_bias`` is X.bias, ``X_blocks``/``X_scales`` an MXFP4 pair, ``X`` X.weight
+    experts_in_out: bool = False  # dense ``mlp.experts.*`` weights stored (E, in, out): written transposed
 
     def gguf_name(self, hf_name: str) -> str | None:
         """llama.cpp's name of the HF tensor ``hf_name``, or None when it has none (every expert of a layer has the
@@ -116,6 +154,26 @@ class GgufArch:
                 return f"blk.{index}.{self.layer[inner]}.{suffix}"
             return None
         return f"{self.top[stem]}.{suffix}" if stem in self.top else None
+
+    def pieces(self, hf_name: str) -> tuple[Piece, ...]:
+        """What ``hf_name`` becomes in the GGUF file: nothing (no llama.cpp name), one tensor, or its interleaved
+        output rows as several (a fused tensor of :attr:`split`).
+
+        >>> [p.name for p in ARCHITECTURES["gpt-oss"].pieces("model.layers.0.mlp.experts.gate_up_proj_bias")]
+        ['blk.0.ffn_gate_exps.bias', 'blk.0.ffn_up_exps.bias']
+        >>> ARCHITECTURES["gpt-oss"].pieces("model.layers.0.mlp.experts.down_proj_scales")
+        (Piece(name='blk.0.ffn_down_exps.weight', first=0, step=1, mxfp4='scales', transpose=False),)
+        """
+        name, mxfp4 = _canonical(hf_name) if self.bare_names else (hf_name, "")
+        stem, _, suffix = name.rpartition(".")
+        inner = stem[len(self.layer_prefix):].partition(".")[2] if stem.startswith(self.layer_prefix) else ""
+        transpose = (self.experts_in_out and not mxfp4 and suffix == "weight" and inner.startswith("mlp.experts."))
+        if inner in self.split:
+            index = stem[len(self.layer_prefix):].partition(".")[0]
+            names = self.split[inner]
+            return tuple(Piece(f"blk.{index}.{g}.{suffix}", i, len(names), mxfp4, transpose) for i, g in enumerate(names))
+        gguf = self.gguf_name(name)
+        return () if gguf is None else (Piece(gguf, mxfp4=mxfp4, transpose=transpose),)
 
     def expert_index(self, hf_name: str) -> int | None:
         """The expert number of a per-expert HF tensor (``...mlp.experts.3.up_proj.weight`` → 3), else None."""
@@ -151,6 +209,17 @@ class GgufArch:
         return hf_name.endswith(self.dropped) or (self.bert and hf_name.startswith(("pooler.", "cls.")))
 
 
+def _canonical(hf_name: str) -> tuple[str, str]:
+    """gpt-oss's names as the converter reads them: ``X_bias`` → ``X.bias``, ``X_blocks``/``X_scales`` → ``X.weight``
+    (and which half of the MXFP4 pair), a name without ``.weight``/``.bias`` (``sinks``, dense experts) → ``X.weight``."""
+    for end, half in (("_blocks", "blocks"), ("_scales", "scales")):
+        if hf_name.endswith(end):
+            return hf_name[: -len(end)] + ".weight", half
+    if hf_name.endswith("_bias"):
+        return hf_name[: -len("_bias")] + ".bias", ""
+    return (hf_name if hf_name.endswith((".weight", ".bias")) else hf_name + ".weight"), ""
+
+
 ARCHITECTURES: dict[str, GgufArch] = {a.key or a.name: a for a in (
     GgufArch("llama", ("llama", "mistral"), _DECODER_LAYER, _DECODER_TOP, permute_qk=True, llama_keys=True),
     GgufArch("qwen2", ("qwen2",), _DECODER_LAYER, _DECODER_TOP),
@@ -167,6 +236,8 @@ ARCHITECTURES: dict[str, GgufArch] = {a.key or a.name: a for a in (
              dropped=("embeddings.position_ids",)),
     GgufArch("llama", ("mixtral",), _MIXTRAL_LAYER, _DECODER_TOP, permute_qk=True, llama_keys=True, experts=True,
              key="mixtral"),
+    GgufArch("gpt-oss", ("gpt_oss",), _GPT_OSS_LAYER, _DECODER_TOP, keys="gpt_oss", split=_GPT_OSS_SPLIT,
+             bare_names=True, experts_in_out=True),
 )}
 
 

@@ -1,6 +1,7 @@
 """The ``{arch}.*`` GGUF keys of a transformers config, as llama.cpp's converter writes them for each architecture
 entry of :mod:`shardkit.layouts.gguf_arch`: its ``TextModel.set_gguf_parameters`` (plus Llama's, BERT's and the MoE
-keys), or an architecture's own (Gemma 2, Gemma 3, Phi-3); rope scaling (Llama 3.1's computed
+keys), or an architecture's own (Gemma 2, Gemma 3, Phi-3; gpt-oss adds the sliding window and the experts' width to
+TextModel's); rope scaling (Llama 3.1's computed
 ``rope_freqs.weight``, linear/yarn/longrope keys) and sentence-transformers' pooling type.
 """
 
@@ -56,6 +57,10 @@ def arch_metadata(arch: GgufArch, config: Config, folder: str, *, where: str) ->
         _gemma3_keys(keys, config, layers, folder)
     elif arch.keys == "phi3":
         _phi3_keys(keys, config, layers)
+    elif arch.keys == "gpt_oss":  # the converter's GptOssModel: TextModel's, then these two
+        _text_keys(keys, config, layers, folder)
+        keys.put("attention.sliding_window", U32, _need(config, keys, "sliding_window"))
+        keys.put("expert_feed_forward_length", U32, _need(config, keys, "intermediate_size"))
     else:
         _text_keys(keys, config, layers, folder)
     return keys.rows

@@ -106,7 +106,7 @@ def name_map(architecture: str, names: list[str], metadata: Config, *, where: st
         from .gguf_arch import ARCHITECTURES
 
         arch = ARCHITECTURES.get(architecture)
-        if arch is not None and (arch.norm_shift or arch.experts):  # values or layout not HF's: names kept as stored
+        if arch is not None and (arch.norm_shift or arch.experts or arch.split):  # values or layout not HF's: names kept
             arch = None
         hf_names = {name: arch.hf_name(name) for name in names} if arch is not None else {}
         return NameMap(architecture, {g: hf for g, hf in hf_names.items() if hf is not None}, {})

@@ -5,8 +5,8 @@ Which model, and how its tensors are named in GGUF:
 =================================================  =========================================================
 source                                             written
 =================================================  =========================================================
-transformers folder: Llama, Mistral, Qwen2,        as llama.cpp's ``convert_hf_to_gguf.py`` writes it: the
-Qwen3, BERT (config.json ``model_type``)           entry of :mod:`shardkit.layouts.gguf_arch` (names, Llama's
+transformers folder whose ``model_type`` has       as llama.cpp's ``convert_hf_to_gguf.py`` writes it: the
+an entry in :mod:`shardkit.layouts.gguf_arch`      entry of :mod:`shardkit.layouts.gguf_arch` (names, Llama's
                                                    q/k row permutation, ``{arch}.*`` keys from config.json,
                                                    BERT's pooling type), and the vocabulary of its
                                                    tokenizer.json (:mod:`shardkit.layouts.gguf_vocab`; none:
@@ -21,7 +21,8 @@ a ``.gguf`` file                                   its tensors back in llama.cpp
 dimensions; 1-D tensors stay F32, and so do, for language models, what llama.cpp's converter keeps F32
 (norms, biases, BERT's position and token-type tables). Rows that are not whole blocks fall back to F16 for
 language models (as that converter does) and stay F32 for Flux. The bytes are :func:`shardkit.layouts.ggml.quantize`
-of the float32 values, identical to ``gguf.quants.quantize``. Without ``quantize``, F32/F16/BF16 tensors keep
+of the float32 values, identical to ``gguf.quants.quantize``. gpt-oss's MXFP4 experts stay MXFP4 whatever
+``quantize`` (repacked, values unchanged, as the converter does). Without ``quantize``, F32/F16/BF16 tensors keep
 their type and a GGUF source keeps each tensor's ggml type (its bytes copied). The file is written tensor by
 tensor, band by band of rows (memory never depends on a tensor's size: :mod:`shardkit.sharding.gguf_bytes`), into a
 temporary file published atomically; with ``max_shard_size``, llama.cpp's gguf-split layout (:mod:`shardkit.sharding.gguf_split`).
@@ -39,6 +40,7 @@ from ..errors import InvalidInputError
 from ..formats.gguf import BOOL, FLOAT32, GGUF_QUANTIZE, STRING, UINT32, ggml_type
 from ..formats.header import TensorEntry
 from ..formats.json_types import Config
+from ..layouts.gguf_arch import Piece
 from ..sources import Source, open_source
 from ..sources.gguf import GgufSource
 from .gguf_bytes import PlannedTensor
@@ -49,7 +51,7 @@ from .plan import ShardPlan
 
 __all__ = ["GGUF_QUANTIZE", "GgufJob", "convert_to_gguf", "open_gguf_job"]
 
-FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32}  # llama.cpp's general.file_type (LLAMA_FTYPE)
+FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "BF16": 32, "MXFP4": 38}  # llama.cpp's general.file_type (LLAMA_FTYPE)
 FLOAT_SOURCES = frozenset({"F32", "F16", "BF16", "F64"})
 BFL_PREFIX = "model.diffusion_model."
 LLAMA_CPP_ONLY = frozenset({"rope_freqs.weight"})  # llama.cpp tensors with no HF name, kept by a GGUF source
@@ -70,6 +72,7 @@ class GgufModel:
     extra: dict[str, bytes] = field(default_factory=dict)  # GGUF name → F32 bytes of tensors computed from the config
     shift: Callable[[str], float] = lambda name: 0.0  # added to a tensor's values (by HF name; Gemma's norms: 1)
     expert_index: Callable[[str], int | None] = lambda name: None  # the expert of a tensor stacked with its peers
+    pieces: Callable[[str], tuple[Piece, ...]] | None = None  # what an HF tensor becomes (else its ``gguf_name``)
 
 
 def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize: str | None = None,
@@ -201,7 +204,7 @@ def _text_model(config: Config | None, *, where: str, folder: str) -> GgufModel:
     if arch.space_prefix is not None:
         vocab.append(("tokenizer.ggml.add_space_prefix", BOOL, arch.space_prefix, None))
     return GgufModel(arch.name, arch.gguf_name, heads_of, rows + vocab, note, arch.drops, arch.keeps_f32, "F16", extra,
-                     arch.shift, arch.expert_index)
+                     arch.shift, arch.expert_index, arch.pieces)
 
 
 def _vocab_rows(folder: str, config: Config, *, where: str, bert: bool = False,
@@ -231,28 +234,30 @@ def _gguf_model(src: GgufSource) -> GgufModel:
 
 
 def _plan(src: Source, model: GgufModel, *, quantize: str | None) -> list[PlannedTensor]:
-    gguf = src if isinstance(src, GgufSource) else None
     out: list[PlannedTensor] = []
     missing: list[str] = []
     experts: dict[str, dict[int, TensorEntry]] = {}
+    pairs: dict[str, tuple[Piece, dict[str, TensorEntry]]] = {}  # MXFP4: GGUF name → (piece, its blocks and scales)
     for entry in src.entries():
-        name = model.gguf_name(entry.name) or (entry.name if entry.name in LLAMA_CPP_ONLY else None)
-        if name is None:
+        pieces = (model.pieces(entry.name) if model.pieces is not None else ()) or _named(model, entry.name)
+        if not pieces:
             if not model.drops(entry.name):  # e.g. rotary_emb.inv_freq: recomputed by every loader
                 missing.append(entry.name)
             continue
         expert = model.expert_index(entry.name)
-        if expert is not None:  # stacked once the layer's experts are all known
-            if name not in experts:
-                out.append(PlannedTensor(entry, name, "", None))
-            experts.setdefault(name, {})[expert] = entry
-            continue
-        stored = gguf.names[entry.name].kind.name if gguf is not None else None
-        kind = _kind(entry, quantize, stored, where=src.description, keep_f32=model.keep_f32(name),
-                     partial_blocks=model.partial_blocks)
-        out.append(PlannedTensor(entry, name, kind, model.heads(entry.name), shift=model.shift(entry.name)))
-    out = [_stacked(t, experts[t.name], quantize, model, where=src.description) if t.name in experts else t
-           for t in out]
+        for piece in pieces:  # an MXFP4 pair or a layer's experts: put together once all their parts are known
+            if piece.mxfp4:
+                if piece.name not in pairs:
+                    out.append(PlannedTensor(entry, piece.name, "", None))
+                pairs.setdefault(piece.name, (piece, {}))[1][piece.mxfp4] = entry
+            elif expert is not None:
+                if piece.name not in experts:
+                    out.append(PlannedTensor(entry, piece.name, "", None))
+                experts.setdefault(piece.name, {})[expert] = entry
+            else:
+                out.append(_planned(entry, piece, src, model, quantize))
+    out = [_stacked(t, experts[t.name], quantize, model, where=src.description) if t.name in experts
+           else _mxfp4(t.name, *pairs[t.name], where=src.description) if t.name in pairs else t for t in out]
     for name, data in model.extra.items():
         if name not in {t.name for t in out}:
             out.append(PlannedTensor(TensorEntry(name, "F32", (len(data) // 4,), len(data)), name, "F32", None, data))
@@ -261,6 +266,47 @@ def _plan(src: Source, model: GgufModel, *, quantize: str | None) -> list[Planne
                                 f"{', '.join(missing[:3])}; to='gguf' writes {model.architecture} models as "
                                 "llama.cpp's converter names them (see shardkit.layouts.gguf_arch)")
     return out
+
+
+def _named(model: GgufModel, hf_name: str) -> tuple[Piece, ...]:
+    name = model.gguf_name(hf_name) or (hf_name if hf_name in LLAMA_CPP_ONLY else None)
+    return () if name is None else (Piece(name),)
+
+
+def _planned(entry: TensorEntry, piece: Piece, src: Source, model: GgufModel, quantize: str | None) -> PlannedTensor:
+    """One float tensor (or the part of it ``piece`` takes) and the ggml type it is written in."""
+    gguf = src if isinstance(src, GgufSource) else None
+    stored = gguf.names[entry.name].kind.name if gguf is not None else None
+    if piece.step == 1 and not piece.transpose:
+        kind = _kind(entry, quantize, stored, where=src.description, keep_f32=model.keep_f32(piece.name),
+                     partial_blocks=model.partial_blocks)
+        return PlannedTensor(entry, piece.name, kind, model.heads(entry.name), shift=model.shift(entry.name))
+    shape = (*entry.shape[:-1], entry.shape[-1] // piece.step)
+    if entry.shape[-1] % piece.step or (piece.transpose and len(shape) != 3):
+        raise InvalidInputError(f"{src.description}: tensor {entry.name} {list(entry.shape)} does not split into "
+                                f"{piece.step} interleaved parts (or is not 3-D experts); to='gguf' writes it as "
+                                "llama.cpp's converter does")
+    if piece.transpose:
+        shape = (shape[0], shape[2], shape[1])
+    part = TensorEntry(piece.name, entry.dtype, shape, entry.nbytes // piece.step)
+    kind = _kind(part, quantize, None, where=src.description, keep_f32=model.keep_f32(piece.name),
+                 partial_blocks=model.partial_blocks)
+    return PlannedTensor(part, piece.name, kind, None, parts=(entry,), piece=piece)
+
+
+def _mxfp4(name: str, piece: Piece, pair: dict[str, TensorEntry], *, where: str) -> PlannedTensor:
+    """An MXFP4 pair (blocks (E, R, G, 16) U8, scales (E, R, G) U8) as one ggml MXFP4 tensor (E, R / step, G × 32)."""
+    blocks, scales = pair.get("blocks"), pair.get("scales")
+    if blocks is None or scales is None or blocks.dtype != "U8" or len(blocks.shape) != 4 or blocks.shape[3] != 16 \
+            or scales.dtype not in ("U8", "F8_E8M0") or tuple(scales.shape) != tuple(blocks.shape[:3]) \
+            or blocks.shape[1] % piece.step:
+        raise InvalidInputError(f"{where}: the MXFP4 tensors of {name} are not a pair of U8 blocks (E, R, G, 16) and "
+                                f"e8m0 scales (E, R, G) (got {blocks and list(blocks.shape)}, "
+                                f"{scales and list(scales.shape)}); to='gguf' keeps gpt-oss's MXFP4 experts as they are")
+    experts, rows, groups, _ = blocks.shape
+    shape = (experts, rows // piece.step, groups * 32)
+    entry = TensorEntry(name, "U8", shape, experts * rows // piece.step * groups * 17)
+    return PlannedTensor(entry, name, "MXFP4", None, parts=(blocks, scales), piece=piece)
 
 
 def _stacked(first: PlannedTensor, parts: dict[int, TensorEntry], quantize: str | None, model: GgufModel, *,
@@ -279,8 +325,8 @@ def _stacked(first: PlannedTensor, parts: dict[int, TensorEntry], quantize: str 
 
 def _kind(entry: TensorEntry, quantize: str | None, stored: str | None, *, where: str, keep_f32: bool = False,
           partial_blocks: str = "F32") -> str:
-    if stored is not None and (quantize is None or len(entry.shape) < 2 and stored == "F32"):
-        return stored
+    if stored is not None and (quantize is None or len(entry.shape) < 2 and stored == "F32" or stored == "MXFP4"):
+        return stored  # MXFP4 (gpt-oss's experts) stays MXFP4 whatever quantize, as llama.cpp's converter keeps it
     if entry.dtype not in FLOAT_SOURCES:
         raise InvalidInputError(f"{where}: tensor {entry.name} is {entry.dtype}; to='gguf' writes float tensors "
                                 "(dequantize it first: convert dtype='bf16')")
@@ -299,6 +345,8 @@ def _metadata(model: GgufModel, tensors: list[PlannedTensor], quantize: str | No
     if not any(r[0] == "general.architecture" for r in rows):
         rows.insert(0, ("general.architecture", STRING, model.architecture, None))
     rows += [("general.quantization_version", UINT32, 2, None)]
+    if main in ("F32", "F16", "BF16") and "MXFP4" in kinds:  # the converter's MOSTLY_MXFP4_MOE (gpt-oss's experts kept)
+        main = "MXFP4"
     if main in FILE_TYPE:
         rows += [("general.file_type", UINT32, FILE_TYPE[main], None)]
     return rows
