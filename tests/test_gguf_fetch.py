@@ -1,6 +1,7 @@
 """GGUF in stores: ``s3://`` (a real SeaweedFS) and ``hf://`` (the offline Hub) as sources and destinations.
 
-A GGUF in a store (a split's every part) is fetched whole for the local readers (:mod:`shardkit.stores.gguf_fetch`);
+A GGUF in a store (a split's every part) is read by range, or fetched whole where every byte is checked (``verify``,
+the Hub through its cache: :mod:`shardkit.stores.gguf_fetch`; by range: tests/test_gguf_remote.py);
 ``convert --to gguf`` into ``s3://.../NAME.gguf`` stages the file (or the split's files) and uploads them; a folder of
 GGUFs is verified and pushed to the Hub. Every result is compared byte for byte with the local one.
 """

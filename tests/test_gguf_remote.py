@@ -199,3 +199,17 @@ def test_open_and_load_of_a_remote_gguf_say_what_to_do(s3_env, proxy, run_cli) -
                                                              "convert it first, e.g. shardkit.convert"):
             call()
     assert proxy.requests == {}
+
+
+def test_torch_tensors_of_a_remote_gguf_equal_the_local_ones(big: dict[str, Path], s3_env) -> None:
+    """What ``to='diffusers'`` reads a GGUF through: by range every tensor is read into memory (none mapped)."""
+    import torch
+
+    from shardkit.sources.gguf import load_gguf_tensors
+
+    s3_env.put("m/m.gguf", big["one"].read_bytes())
+    with remote_gguf(f"s3://{s3_env.bucket}/m/m.gguf") as local:
+        remote, offsets, _ = load_gguf_tensors(local, dequantize_to="F32")
+    kept, kept_offsets, _ = load_gguf_tensors(str(big["one"]), dequantize_to="F32")
+    assert offsets == {} and kept_offsets and remote.keys() == kept.keys()
+    assert all(remote[k].dtype == kept[k].dtype and torch.equal(remote[k], kept[k]) for k in kept)
