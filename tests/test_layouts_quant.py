@@ -123,3 +123,26 @@ def test_a_plain_table_is_written_as_it_is() -> None:
     for name in QUANTIZED:
         table = quantized_table(registry.quant_strategy(name), [entry])
         assert table == QuantizedTable((entry,), (), ())
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_every_band_a_strategy_quantizes_is_within_the_band_bound_and_the_bytes_are_the_whole_tensors(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The band size bounds the float32 temporaries of quantizing (MXFP4 too: rows of one expert, not the whole
+    expert), and cutting a weight into bands changes no byte written."""
+    strategy = registry.quant_strategy(name)
+    monkeypatch.setattr(fp8_math, "BAND_BYTES", 2**40)
+    monkeypatch.setattr(fp4_math, "BAND_BYTES", 2**40)
+    whole, _ = _quantize(strategy, _plain())
+    bound = 128 * 256 * 4 if name.startswith("fp8") else 4096  # fp8: one 128-row block of 256 columns a band
+    monkeypatch.setattr(fp8_math, "BAND_BYTES", 128 * 256 * 4)
+    monkeypatch.setattr(fp4_math, "BAND_BYTES", 4096)
+    plain = _plain()
+    reader = TensorsReader(plain.__getitem__)
+    for target in quantized_table(strategy, state_dict_entries(plain)).targets:
+        bands = list(strategy.source_bands(reader, target))
+        assert len(bands) > 1 and max(b.numel() * 4 for b in bands) <= bound, (target.source.name, [b.shape for b in bands])
+    banded, _ = _quantize(strategy, plain)
+    assert banded.keys() == whole.keys()
+    for key, tensor in whole.items():
+        assert torch.equal(banded[key].view(torch.uint8), tensor.view(torch.uint8)), key

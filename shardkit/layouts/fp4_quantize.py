@@ -4,7 +4,7 @@ config it writes, and how fp4 checkpoints are read back.
 :func:`fp4_target` is the inverse of :func:`shardkit.layouts.fp4.find_fp4_layout` for the two schemes
 shardkit writes (compressed-tensors NVFP4, gpt-oss MXFP4); :class:`Fp4Scheme` is the
 :class:`~shardkit.layouts.quant.QuantStrategy` over it. The arithmetic is :mod:`shardkit.layouts.fp4_math`.
-NVFP4 bands are rows as stored; MXFP4 bands are one expert at a time, as (out, in) rows. The global scale of
+NVFP4 bands are rows as stored; MXFP4 bands are rows of one expert at a time, as (out, in) rows. The global scale of
 an NVFP4 weight needs its absmax first: one extra read of that weight.
 """
 
@@ -143,18 +143,27 @@ class Fp4Scheme:
         return nvfp4_global_scale(absmax if absmax is not None else torch.zeros(()))
 
     def source_bands(self, reader: TensorReader, target: QuantTarget) -> Iterator[torch.Tensor]:
-        """NVFP4: bands of rows, as stored; MXFP4: one expert at a time, as (out, in) rows."""
+        """Bands of about :data:`~shardkit.layouts.fp4_math.BAND_BYTES` of float32 (one row at least), in the stored
+        dtype. NVFP4: rows as stored; MXFP4: one expert at a time, as (out, in) rows, a band of its rows at a time
+        (blocks run along a row, so a band quantizes to the very bytes of the whole expert).
+
+        An MXFP4 expert is read whole as stored (``reader.rows`` reads rows of (E, in × out), and each output row
+        is a column of the stored expert), then cut into bands.
+        """
         from .fp4_math import BAND_BYTES
 
-        if self.scheme == "mxfp4":
-            experts, cols, rows = target.source.shape
-            for expert in range(experts):
-                yield reader.rows(target.source.name, expert, expert + 1).reshape(cols, rows).transpose(0, 1).contiguous()
-            return
-        rows, cols = target.source.shape
+        name, cols = target.source.name, target.source.shape[1]  # NVFP4 (out, in); MXFP4 (E, in, out)
         step = max(1, BAND_BYTES // (cols * 4))
+        if self.scheme == "mxfp4":
+            experts, _, rows = target.source.shape
+            for expert in range(experts):
+                stored = reader.rows(name, expert, expert + 1).reshape(cols, rows)
+                for row0 in range(0, rows, step):
+                    yield stored[:, row0:row0 + step].transpose(0, 1).contiguous()
+            return
+        rows = target.source.shape[0]
         for row0 in range(0, rows, step):
-            yield reader.rows(target.source.name, row0, min(rows, row0 + step))
+            yield reader.rows(name, row0, min(rows, row0 + step))
 
     def quantize_band(self, band: torch.Tensor, target: QuantTarget,
                       prepared: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
