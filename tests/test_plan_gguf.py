@@ -159,3 +159,19 @@ def test_recover_removes_an_abandoned_gguf_plan(tmp_path: Path, llama: Path) -> 
     report = shardkit.recover(tmp_path / "m.gguf")  # the output's path, as for a single-file write
     assert [Path(p).name for p in report.removed] == [f".m.gguf.shardkit-plan-{plan.plan_id}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+
+
+def test_a_missing_output_folder_is_refused_as_one_process_refuses_it(tmp_path: Path, llama: Path) -> None:
+    """Neither writing the plan nor running it makes the output's folder: the single process's error, exit 2."""
+    one = assert_one_line_error(invoke_cli("convert", llama, tmp_path / "gone" / "m.gguf", "--to", "gguf"), code=2,
+                                contains="folder of the output does not exist")
+    planned = assert_one_line_error(invoke_cli("convert", llama, tmp_path / "gone" / "m.gguf", "--to", "gguf",
+                                               "--write-plan", tmp_path / "plan.json"), code=2)
+    assert planned == one
+    assert not (tmp_path / "gone").exists() and not (tmp_path / "plan.json").exists()
+    (tmp_path / "out").mkdir()
+    with pytest.warns(UserWarning):  # no vocabulary
+        write_plan(llama, tmp_path / "out" / "m.gguf", tmp_path / "plan.json", to="gguf")
+    (tmp_path / "out").rmdir()  # removed before the plan runs
+    ran = assert_one_line_error(invoke_cli("run", tmp_path / "plan.json"), code=2)
+    assert ran == one.replace("gone", "out") and not (tmp_path / "out").exists()

@@ -68,7 +68,7 @@ from .journal import (
 )
 
 __all__ = ["JOURNAL", "TMP_MARK", "OutputTransaction", "atomic_output_file", "file_transaction", "fsync_dir",
-           "publish_file", "recover"]
+           "output_folder", "publish_file", "recover"]
 
 
 # ----------------------------------------------------------------------------- writing
@@ -274,6 +274,18 @@ class OutputTransaction:
             raise _write_error(f"writing into {self.output}", exc) from exc
 
 
+def output_folder(path: str) -> str:
+    """The folder a single-file output ``path`` goes into, which must exist: shardkit makes no parent folders.
+
+    Raises:
+        ShardkitError: it does not exist.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ShardkitError(f"{folder}: folder of the output does not exist")
+    return folder
+
+
 def atomic_output_file(path: str, *, overwrite: bool = False) -> str:
     """A temporary path beside ``path`` for a single-file output; see :func:`publish_file`."""
     check_local(path, role="output")
@@ -281,9 +293,7 @@ def atomic_output_file(path: str, *, overwrite: bool = False) -> str:
         raise OutputExistsError(f"{path} exists; pass overwrite=True to replace it")
     if os.path.isdir(path):
         raise OutputExistsError(f"{path} is a folder; expected a file path")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ShardkitError(f"{folder}: folder of the output does not exist")
+    folder = output_folder(path)
     base = os.path.basename(path)
     for name in os.listdir(folder):  # temporaries of earlier, killed writes of this same file
         if name.startswith(TMP_MARK) and name.endswith(f"-{base}") and is_stale_tmp(name):

@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 
 from .. import _faults
-from ..atomic.commit import file_transaction
+from ..atomic.commit import file_transaction, output_folder
 from ..atomic.journal import TMP_MARK, fsync_dir, remove_path
 from ..errors import InvalidInputError, OutputExistsError, ShardkitWriteError, describe_os_error
 from ..formats.gguf import ggml_type, padded, tensor_nbytes_ggml
@@ -95,7 +95,7 @@ def make_gguf_plan(spec: PlanSpec, *, dry_run: bool = False) -> ConversionPlan:
         tasks = gguf_tasks(job.files)
         plan = ConversionPlan(spec, source_identity(_read_files(job)), tasks, None, (), job.plan.total_bytes)
         note = job.model.note
-    folder = os.path.dirname(spec.output)
+    folder = os.path.dirname(spec.output) if dry_run else output_folder(spec.output)  # as one process: never made
     taken = [t.output for t in tasks if os.path.exists(os.path.join(folder, t.output))]
     if taken and not spec.options.overwrite and not os.path.isdir(plan_work.work_folder(plan)):
         if dry_run:
@@ -121,6 +121,7 @@ def _checked_job(plan: ConversionPlan) -> Iterator[GgufJob]:
 def run_tasks(plan: ConversionPlan, indexes: Sequence[int], *, progress: ProgressCallback | None) -> PlanRun:
     """Write the files ``indexes`` not recorded done (the source opened once for all of them)."""
     run = PlanRun(plan.plan_id, plan.spec.output, [], [])
+    output_folder(plan.spec.output)  # removed since the plan was written: refused, not made by the work folder
     with plan_work.work_lock(plan) as work:
         done = plan_work.local_done_tasks(plan)
         pending = [i for i in indexes if i not in done]
