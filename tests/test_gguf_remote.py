@@ -213,3 +213,17 @@ def test_torch_tensors_of_a_remote_gguf_equal_the_local_ones(big: dict[str, Path
     kept, kept_offsets, _ = load_gguf_tensors(str(big["one"]), dequantize_to="F32")
     assert offsets == {} and kept_offsets and remote.keys() == kept.keys()
     assert all(remote[k].dtype == kept[k].dtype and torch.equal(remote[k], kept[k]) for k in kept)
+
+
+def test_verify_without_data_reads_the_headers_only(big: dict[str, Path], s3_env, proxy) -> None:
+    """``verify`` reads every byte (each file's sha256: fetched whole); with ``read_data=False`` the headers only."""
+    size = big["one"].stat().st_size
+    s3_env.put("m/m.gguf", big["one"].read_bytes())
+    url = f"s3://{s3_env.bucket}/m/m.gguf"
+    proxy.sent_bytes = 0
+    report = shardkit.verify(url, read_data=False)
+    assert report.ok and report.path == url and report.files == []
+    assert proxy.sent_bytes < size // 4, proxy.sent_bytes
+    proxy.sent_bytes = 0
+    report = shardkit.verify(url)
+    assert report.ok and [f.name for f in report.files] == ["m.gguf"] and proxy.sent_bytes >= size
