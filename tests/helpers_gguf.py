@@ -235,3 +235,48 @@ def tiny_gpt_oss_folder(folder: Path, *, mxfp4: bool = True, legacy_config: bool
         fields.update(rope_scaling=rope, experts_per_token=2, initial_context_length=64)
         (folder / "config.json").write_text(json.dumps(fields, indent=2))
     return folder
+
+
+def tiny_nomic_bert_folder(folder: Path, *, native_fields: bool = True) -> Path:
+    """A random nomic-bert (nomic-embed-text v1.5's config shrunk to 2 layers of 32; remote code, so its state dict is
+    built by hand under the checkpoint's names: ``emb_ln``, ``encoder.layers.N.attn.Wqkv``, ``mlp.fc11/fc12/fc2``...)
+    with all-MiniLM-L6-v2's real WordPiece tokenizer and mean-pooling files. ``native_fields`` also writes transformers'
+    own ``NomicBertConfig`` fields (``hidden_size``...), which llama.cpp's converter reads first (without them it takes
+    that class's defaults, nomic-embed-text v1.5's sizes)."""
+    import shutil
+
+    from helpers_llama_cpp import minilm_folder
+    from safetensors.torch import save_file
+
+    minilm = minilm_folder()
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json", "modules.json",
+                 "sentence_bert_config.json", "1_Pooling/config.json"):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(minilm / name, folder / name)
+    hidden, inner, layers, vocab = 32, 64, 2, 30528
+    config: dict[str, Any] = {
+        "architectures": ["NomicBertModel"], "model_type": "nomic_bert", "activation_function": "swiglu",
+        "auto_map": {"AutoConfig": "nomic-ai/nomic-bert-2048--configuration_hf_nomic_bert.NomicBertConfig",
+                     "AutoModel": "nomic-ai/nomic-bert-2048--modeling_hf_nomic_bert.NomicBertModel"},
+        "causal": False, "layer_norm_epsilon": 1e-12, "max_trained_positions": 2048, "mlp_fc1_bias": False,
+        "mlp_fc2_bias": False, "n_embd": hidden, "n_head": 4, "n_inner": inner, "n_layer": layers, "n_positions": 8192,
+        "prenorm": False, "qkv_proj_bias": False, "rotary_emb_base": 1000, "rotary_emb_fraction": 1.0,
+        "rotary_emb_interleaved": False, "rotary_emb_scale_base": None, "rotary_scaling_factor": None,
+        "type_vocab_size": 2, "use_rms_norm": False, "vocab_size": vocab, "torch_dtype": "float32"}
+    if native_fields:
+        config.update(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, intermediate_size=inner)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    shapes = {"embeddings.word_embeddings.weight": (vocab, hidden), "embeddings.token_type_embeddings.weight": (2, hidden),
+              "emb_ln.weight": (hidden,), "emb_ln.bias": (hidden,)}
+    for i in range(layers):
+        p = f"encoder.layers.{i}."
+        shapes.update({p + "attn.Wqkv.weight": (3 * hidden, hidden), p + "attn.out_proj.weight": (hidden, hidden),
+                       p + "mlp.fc11.weight": (inner, hidden), p + "mlp.fc12.weight": (inner, hidden),
+                       p + "mlp.fc2.weight": (hidden, inner), p + "norm1.weight": (hidden,), p + "norm1.bias": (hidden,),
+                       p + "norm2.weight": (hidden,), p + "norm2.bias": (hidden,)})
+    generator = torch.Generator().manual_seed(0)
+    state = {name: torch.randn(shape, generator=generator) * (0.1 if "norm" in name or "emb_ln" in name else 0.05)
+             + (1.0 if name.endswith(("norm1.weight", "norm2.weight", "emb_ln.weight")) else 0.0)
+             for name, shape in shapes.items()}
+    save_file(state, folder / "model.safetensors")
+    return folder

@@ -10,6 +10,7 @@ files.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,74 @@ def test_fields_a_config_leaves_out_are_transformers_defaults(arch: str, tmp_pat
     shardkit.convert(folder, tmp_path / "ours.gguf", to="gguf", quantize="f16")
     assert gguf_fields(tmp_path / "ours.gguf") == gguf_fields(reference)
     assert f"{arch}.attention.key_length" in gguf_fields(reference)
+
+
+# nomic-bert (remote code): a state dict built by hand under the checkpoint's names (helpers_gguf), WordPiece tokenizer.
+NOMIC_CASES = ["q8_0", "f16", pytest.param("f32", marks=pytest.mark.slow), pytest.param("bf16", marks=pytest.mark.slow)]
+
+
+@pytest.fixture(scope="module")
+def nomic(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from helpers_gguf import tiny_nomic_bert_folder
+
+    return tiny_nomic_bert_folder(tmp_path_factory.mktemp("nomic") / "nomic")
+
+
+@pytest.mark.parametrize("outtype", NOMIC_CASES)
+def test_nomic_bert_equals_the_converters(outtype: str, nomic: Path, tmp_path: Path) -> None:
+    reference = run_converter(nomic, tmp_path / "ref.gguf", outtype=outtype)
+    out = tmp_path / "ours.gguf"
+    shardkit.convert(nomic, out, to="gguf", quantize=outtype)
+    assert gguf_tensors(out) == gguf_tensors(reference)
+    fields = gguf_fields(out)
+    assert fields == gguf_fields(reference)
+    assert fields["nomic-bert.attention.causal"][1] is False and fields["nomic-bert.pooling_type"][1] == 1  # mean
+    assert fields["nomic-bert.context_length"][1] == 2048 and fields["nomic-bert.rope.freq_base"][1] == 1000.0
+    assert "position_embd.weight" not in gguf_tensors(out) and gguf_tensors(out)["blk.0.attn_qkv.weight"][1] == (32, 96)
+    if outtype == "q8_0":  # config.json as nomic ships it (remote-code fields only): the same file
+        remote = tmp_path / "remote"
+        remote.mkdir()
+        for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                     "special_tokens_map.json", "modules.json", "1_Pooling/config.json"):
+            (remote / name).parent.mkdir(parents=True, exist_ok=True)
+            (remote / name).write_bytes((nomic / name).read_bytes())
+        config = json.loads((nomic / "config.json").read_text())
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+            del config[key]
+        (remote / "config.json").write_text(json.dumps(config))
+        shardkit.convert(remote, tmp_path / "remote.gguf", to="gguf", quantize="q8_0")
+        assert (tmp_path / "remote.gguf").read_bytes() == out.read_bytes()
+
+
+def test_llama_cpp_embeds_a_nomic_bert_as_transformers_does(nomic: Path, tmp_path: Path) -> None:
+    """llama.cpp's embedding of shardkit's file equals its embedding of the converter's, and transformers' own
+    NomicBertModel (which reads the remote-code checkpoint) mean-pooled (cosine ≥ 0.999)."""
+    import numpy as np
+    import transformers
+    from helpers_llama_cpp import run_llama_cpp
+
+    text = "Hello world, the quick brown fox jumps over the lazy dog 123"
+    reference = run_converter(nomic, tmp_path / "ref.gguf", outtype="f16")
+    out = tmp_path / "ours.gguf"
+    shardkit.convert(nomic, out, to="gguf", quantize="f16")
+    got = run_llama_cpp(out, "embed", text)
+    assert got == run_llama_cpp(reference, "embed", text)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(nomic)
+    model = transformers.AutoModel.from_pretrained(nomic).eval()
+    encoded = tokenizer([text], return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**encoded).last_hidden_state[0]
+    expected = hidden.mean(0).numpy()
+    vector = np.array(got["embedding"])
+    assert float(expected @ vector / np.linalg.norm(expected) / np.linalg.norm(vector)) >= 0.999
+
+
+@pytest.mark.parametrize("change", [{"prenorm": True}, {"moe_every_n_layers": 2}, {"n_positions": 4096}])
+def test_a_nomic_bert_the_converter_refuses_is_one_line(change: dict[str, object], nomic: Path, tmp_path: Path,
+                                                        run_cli) -> None:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes((nomic / "model.safetensors").read_bytes())
+    (folder / "config.json").write_text(json.dumps({**json.loads((nomic / "config.json").read_text()), **change}))
+    line = assert_one_line_error(run_cli("convert", folder, tmp_path / "x.gguf", "--to", "gguf"), contains="nomic-bert")
+    assert next(iter(change)) in line and not (tmp_path / "x.gguf").exists()

@@ -84,7 +84,7 @@ Flux files keep their BFL names (--to diffusers --config for a
 diffusers folder). Quantized ggml tensors (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K) need --dtype
 (bf16, fp16, or fp32 for gguf's exact dequantized values). --to gguf writes OUTPUT.gguf from a
 transformers Llama, Mistral, Qwen2, Qwen3, Qwen2/3-MoE, Mixtral, gpt-oss (MXFP4 experts kept MXFP4), Gemma 2/3,
-Phi-3 or BERT folder (as llama.cpp's convert_hf_to_gguf.py writes it, tokenizer.json's vocabulary included), a
+Phi-3, BERT or nomic-bert folder (as llama.cpp's convert_hf_to_gguf.py writes it, tokenizer.json's vocabulary included), a
 diffusers Flux transformer (or pipeline) folder, a BFL Flux file or a GGUF; --quantize f32/f16/bf16/q8_0/q4_0/q4_1/q5_0/q5_1 sets the type of 2-D tensors (1-D
 ones, norms and biases stay F32); without it types are kept. --max-shard-size writes llama.cpp's gguf-split
 files (OUTPUT-00001-of-0000N.gguf).

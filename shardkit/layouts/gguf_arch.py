@@ -39,6 +39,9 @@ gpt-oss     gpt_oss                           q/k/v/o biases, attention sinks (`
                                               nibbles reordered, the values unchanged), dense ones (E, in, out)
                                               transposed; ``gate_up_proj`` (and its bias) split into gate (even
                                               output rows) and up (odd); sliding-window and yarn keys
+nomic-bert  nomic_bert                        BERT's keys and vocabulary; remote-code names (``encoder.layers.N``,
+                                              fused ``attn.Wqkv`` as ``attn_qkv``, ``mlp.fc11``/``fc12`` as
+                                              ``ffn_up``/``ffn_gate``, ``emb_ln``), no position table (rope)
 ==========  ================================  =============================================================
 
 A Hugging Face tensor becomes one or more :class:`Piece` s (:meth:`GgufArch.pieces`): usually one GGUF tensor; a share
@@ -88,6 +91,10 @@ _GPT_OSS_LAYER = {
     "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "self_attn.sinks": "attn_sinks", "mlp.router": "ffn_gate_inp", "mlp.experts.down_proj": "ffn_down_exps",
 }
+_NOMIC_LAYER = {"attn.Wqkv": "attn_qkv", "attn.out_proj": "attn_output", "mlp.fc11": "ffn_up", "mlp.fc12": "ffn_gate",
+                "mlp.fc2": "ffn_down", "norm1": "attn_output_norm", "norm2": "layer_output_norm"}
+_NOMIC_TOP = {"embeddings.word_embeddings": "token_embd", "embeddings.token_type_embeddings": "token_types",
+              "emb_ln": "token_embd_norm"}
 _GPT_OSS_SPLIT = {"mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps")}  # even output rows, odd ones
 _EXPERT = re.compile(r"(.*\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)$")
 _BERT_TOP = {"embeddings.word_embeddings": "token_embd", "embeddings.position_embeddings": "position_embd",
@@ -236,6 +243,8 @@ ARCHITECTURES: dict[str, GgufArch] = {a.key or a.name: a for a in (
              dropped=("embeddings.position_ids",)),
     GgufArch("llama", ("mixtral",), _MIXTRAL_LAYER, _DECODER_TOP, permute_qk=True, llama_keys=True, experts=True,
              key="mixtral"),
+    GgufArch("nomic-bert", ("nomic_bert",), _NOMIC_LAYER, _NOMIC_TOP, layer_prefix="encoder.layers.", bert=True,
+             keys="nomic", dropped=("embeddings.position_ids",)),
     GgufArch("gpt-oss", ("gpt_oss",), _GPT_OSS_LAYER, _DECODER_TOP, keys="gpt_oss", split=_GPT_OSS_SPLIT,
              bare_names=True, experts_in_out=True),
 )}

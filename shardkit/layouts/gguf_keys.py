@@ -57,6 +57,8 @@ def arch_metadata(arch: GgufArch, config: Config, folder: str, *, where: str) ->
         _gemma3_keys(keys, config, layers, folder)
     elif arch.keys == "phi3":
         _phi3_keys(keys, config, layers)
+    elif arch.keys == "nomic":  # the converter's NomicBertModel: BertModel's keys
+        _text_keys(keys, _nomic_config(config, where=where), layers, folder)
     elif arch.keys == "gpt_oss":  # the converter's GptOssModel: TextModel's, then these two
         _text_keys(keys, config, layers, folder)
         keys.put("attention.sliding_window", U32, _need(config, keys, "sliding_window"))
@@ -97,6 +99,38 @@ def with_defaults(config: Config) -> Config:
                 continue
             value = hidden // heads
         out[key] = value
+    return out
+
+
+def _nomic_config(config: Config, *, where: str) -> Config:
+    """A nomic-bert config.json (remote code: ``n_embd``, ``n_layer``, ``n_head``, ``n_inner``, ``rotary_emb_base``...) as
+    the converter reads it through transformers' ``NomicBertConfig``: its own fields where config.json has them,
+    context 2048 (nomic-embed-text v1/v1.5 are trained for 2048 positions), ``head_dim`` hidden / heads.
+
+    Raises:
+        InvalidInputError: what the converter refuses too (MoE, prenorm, biases, partial or interleaved rope...).
+    """
+    expected = {"activation_function": "swiglu", "causal": False, "qkv_proj_bias": False, "mlp_fc1_bias": False,
+                "mlp_fc2_bias": False, "prenorm": False, "rotary_emb_fraction": 1.0, "rotary_emb_interleaved": False,
+                "rotary_emb_scale_base": None}
+    wrong = [f"{k}={config.get(k)!r}" for k, v in expected.items() if config.get(k, v) != v]
+    if config.get("moe_every_n_layers"):
+        wrong.append(f"moe_every_n_layers={config['moe_every_n_layers']!r}")
+    positions = (config.get("n_positions", 8192), config.get("max_trained_positions", 2048))
+    if positions != (8192, 2048):
+        wrong.append(f"n_positions, max_trained_positions = {positions}")
+    if wrong:
+        raise InvalidInputError(f"{where}: to='gguf' writes nomic-bert as llama.cpp's converter does (nomic-embed-text "
+                                f"v1/v1.5: swiglu, post-norm, no biases, full rope, no MoE); this config has "
+                                f"{', '.join(wrong)}")
+    native = {"hidden_size": config.get("n_embd"), "num_hidden_layers": config.get("n_layer"),
+              "num_attention_heads": config.get("n_head"), "intermediate_size": config.get("n_inner"),
+              "max_position_embeddings": 2048, "layer_norm_eps": config.get("layer_norm_epsilon"),
+              "rope_theta": config.get("rotary_emb_base", 1000.0)}
+    out = {**{k: v for k, v in native.items() if v is not None}, **config}
+    hidden, heads = out.get("hidden_size"), out.get("num_attention_heads")
+    if "head_dim" not in out and isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        out["head_dim"] = hidden // heads
     return out
 
 
