@@ -9,7 +9,7 @@ temporary folder. Three ways, by what the caller reads:
   through ranged reads of growing size (at most the header's bounds, :data:`~shardkit.formats.gguf.MAX_HEADER_BYTES`) and
   written as it arrives into a sparse file of the object's size (the header, then a hole); each tensor's bytes are
   then read by range from the object (:class:`RangedGguf`: one ranged request, or parallel parts of
-  :data:`~shardkit.stores.base.PART_BYTES` for a larger read), never fetched whole. Costs: the headers on disk,
+  :data:`RANGE_PART_BYTES` for a larger read), never fetched whole. Costs: the headers on disk,
   the bytes read in memory.
 - ``fetched_gguf(headers_only=True)`` (``info``): the same stand-ins, no tensor bytes.
 - :func:`fetched_gguf` (``verify``, which reads every byte and reports each file's sha256, and the Hub's files
@@ -33,7 +33,6 @@ from ..formats.gguf import read_gguf, read_gguf_from
 from ..formats.gguf_split import MAX_SPLITS, SPLIT_NAME, part_name, split_count
 from ..formats.ranges import RangeFile
 from . import ObjectInfo, ObjectStore, RangeRequest, RemoteObject, open_store, read_ranges
-from .base import PART_BYTES
 from .mirror import renamed_errors
 
 __all__ = ["FETCH_BYTES", "RangedGguf", "RemoteGguf", "fetched_gguf", "gguf_headers", "names_a_gguf"]
@@ -41,6 +40,7 @@ __all__ = ["FETCH_BYTES", "RangedGguf", "RemoteGguf", "fetched_gguf", "gguf_head
 FETCH_BYTES = 64 << 20  # bytes of an object held at once while it is fetched
 FIRST_HEADER_READ_BYTES = 64 << 10  # the first ranged request of a header (the fixed part, most tensor infos)
 HEADER_READ_BYTES = 1 << 20  # the largest one while a header is parsed (a vocabulary is a few of them)
+RANGE_PART_BYTES = 4 << 20  # a larger read of tensor bytes is cut into parallel requests of this size
 
 _Fetch = Callable[[ObjectStore, dict[str, ObjectInfo], str, str], str]
 
@@ -72,7 +72,7 @@ class RemoteGguf:
 
 
 class RangedGguf:
-    """One GGUF object as a :class:`~shardkit.formats.ranges.RangeFile`: a read of up to ``PART_BYTES`` is one
+    """One GGUF object as a :class:`~shardkit.formats.ranges.RangeFile`: a read of up to ``RANGE_PART_BYTES`` is one
     ranged request, a larger one parallel requests of that size (:func:`~shardkit.stores.read_ranges`); every
     read's byte count is checked by the store, every range against the object's size here."""
 
@@ -88,10 +88,10 @@ class RangedGguf:
         return self._info.size_bytes
 
     def read_into(self, offset: int, out: memoryview) -> None:
-        if len(out) <= PART_BYTES or offset < 0 or offset + len(out) > self._info.size_bytes:
+        if len(out) <= RANGE_PART_BYTES or offset < 0 or offset + len(out) > self._info.size_bytes:
             self._one.read_into(offset, out)  # one request; a range past the end is refused there, naming it
             return
-        read_ranges(self._store, [RangeRequest(self._info.name, offset, out)])
+        read_ranges(self._store, [RangeRequest(self._info.name, offset, out)], part_bytes=RANGE_PART_BYTES)
 
     def close(self) -> None:
         pass  # the store owns the connections
