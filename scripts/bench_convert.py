@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark ``shardkit convert`` (zip pickle and DCP sources) and ``shardkit verify``, in one run.
+"""Benchmark ``shardkit convert`` (zip pickle, DCP and GGUF sources) and ``shardkit verify``, in one run.
 
 Builds the SD 1.5 UNet (default, ~3.4 GB fp32) or the SDXL UNet (``--large``, ~10.3 GB) with
 random weights, then writes the same state dict as a ``torch.save`` zip pickle and as a
@@ -13,9 +13,17 @@ Groups, each with its own floor:
   * verify read speed (warm page cache, the 2GB shards): ``cat shards > /dev/null``; a plain read loop
     (1 MiB ``readv``); ``hashlib.file_digest`` sha256 on one thread; ``shardkit verify`` of the shards, of
     the single file, and of the shards ``--against`` the single file
+  * GGUF → bf16 safetensors (``--groups gguf``): a Llama-7B-shaped GGUF of ``--layers`` layers (default 9:
+    ~1.04 GB of Q4_0, random blocks with finite f16 scales, written by ``gguf.GGUFWriter``): ``cp`` of it (the
+    floor for bytes moved, though a dequantizing convert writes 3.6× more); ``shardkit convert --dtype bf16``
+    (HF names, q/k unpermuted, config.json); the incumbent a user writes today: ``gguf.GGUFReader`` +
+    ``gguf.quants.dequantize`` of every tensor into a bf16 state dict, then ``safetensors.torch.save_file``
+    (llama.cpp names, no permutation undone: less work than shardkit does)
 
     .venv/bin/python scripts/bench_convert.py --runs 3            # SD 1.5 UNet
     .venv/bin/python scripts/bench_convert.py --large --runs 3    # SDXL UNet
+    .venv/bin/python scripts/bench_convert.py --groups gguf --runs 3
+    .venv/bin/python scripts/bench_convert.py --groups gguf --layers 1 --runs 1   # ~0.2 GB, to check the script
 """
 
 from __future__ import annotations
@@ -25,31 +33,56 @@ import subprocess
 import sys
 from shlex import quote
 
-from benchlib import SK, Case, parser, shell_bench
-from build_checkpoint import TORCH_SAVE, build_once, unet_source
+from benchlib import SK, Case, parser, shell_bench, tree_bytes
+from build_checkpoint import DCP_SAVE, TORCH_SAVE, build_once, unet_source
 
-# Child-process code saving sys.argv[1] (safetensors) as a DCP folder at sys.argv[2], as FSDP training does.
-DCP_SAVE = ("import sys, warnings; warnings.simplefilter('ignore'); import torch.distributed.checkpoint as dcp; "
-            "from safetensors.torch import load_file; "
-            "dcp.save({'model': load_file(sys.argv[1])}, checkpoint_id=sys.argv[2], no_dist=True)")
 # Child-process code reading the files sys.argv[1:] (as ``verify`` must): a plain loop, or sha256 on one thread.
 READ_LOOP = ("import mmap, os, sys\nview = memoryview(mmap.mmap(-1, 1 << 20))\nfor p in sys.argv[1:]:\n"
              "    fd = os.open(p, os.O_RDONLY)\n    while os.readv(fd, [view]): pass\n    os.close(fd)")
 SHA256 = "import hashlib, sys\nfor p in sys.argv[1:]:\n    hashlib.file_digest(open(p, 'rb'), 'sha256')"
 BIN = os.path.dirname(sys.executable)
+# Child-process code writing a Llama-shaped Q4_0 GGUF of sys.argv[1] layers at sys.argv[2].
+GGUF_BUILD = """
+import sys, numpy as np, gguf
+from gguf import GGMLQuantizationType as T
+layers, path = int(sys.argv[1]), sys.argv[2]
+rng = np.random.default_rng(0)
+H, I, V = 4096, 11008, 32000
+w = gguf.GGUFWriter(path, "llama")
+w.add_context_length(4096); w.add_embedding_length(H); w.add_block_count(layers); w.add_feed_forward_length(I)
+w.add_head_count(32); w.add_head_count_kv(8); w.add_layer_norm_rms_eps(1e-5); w.add_rope_freq_base(10000.0)
+w.add_rope_dimension_count(128); w.add_vocab_size(V); w.add_tokenizer_model("no_vocab")
+def add(name, rows, cols):
+    n = rows * cols // 32
+    raw = rng.integers(0, 256, size=(n, 18), dtype=np.uint8)
+    raw[:, :2] = np.frombuffer((rng.standard_normal(n) * 0.01).astype(np.float16).tobytes(), np.uint8).reshape(n, 2)
+    raw = raw.reshape(rows, cols // 32 * 18)
+    w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=T.Q4_0)
+add("token_embd.weight", V, H)
+for i in range(layers):
+    w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(H, np.float32))
+    w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(H, np.float32))
+    for name, rows, cols in (("attn_q", H, H), ("attn_k", 1024, H), ("attn_v", 1024, H), ("attn_output", H, H),
+                             ("ffn_gate", I, H), ("ffn_up", I, H), ("ffn_down", H, I)):
+        add(f"blk.{i}.{name}.weight", rows, cols)
+w.add_tensor("output_norm.weight", np.ones(H, np.float32))
+add("output.weight", V, H)
+w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
+"""
+
+# Child-process code: the incumbent GGUF → bf16 safetensors (sys.argv[1] → sys.argv[2]).
+INCUMBENT = ("import sys, numpy as np, torch, gguf; from safetensors.torch import save_file; "
+             "r = gguf.GGUFReader(sys.argv[1]); "
+             "sd = {t.name: torch.from_numpy(gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape("
+             "[int(d) for d in reversed(t.shape)])).to(torch.bfloat16) for t in r.tensors}; "
+             "save_file(sd, sys.argv[2])")
 
 
-def size_bytes(path: str) -> int:
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-
-
-def groups(kind: str, work: str) -> dict[str, list[Case]]:
-    """Each group's cases (inputs built once), the floor first; named with the input's size."""
+def unet_groups(kind: str, work: str) -> dict[str, list[Case]]:
+    """The UNet groups' cases (inputs built once), the floor first; named with the input's size."""
     src = unet_source(kind, work)
     pkl = build_once(os.path.join(work, f"{kind}-unet.bin"), TORCH_SAVE, src, hide_stderr=True)
-    dcp = build_once(os.path.join(work, f"{kind}-unet-dcp"), DCP_SAVE, src, hide_stderr=True)
+    dcp = build_once(os.path.join(work, f"{kind}-unet-dcp"), DCP_SAVE, src, "0", hide_stderr=True)
     sharded = os.path.join(work, f"{kind}-unet-5GB")
     if not os.path.exists(sharded):
         subprocess.run([os.path.join(BIN, "shardkit"), "split", src, sharded, "--max-shard-size", "2GB", "-q"],
@@ -60,19 +93,19 @@ def groups(kind: str, work: str) -> dict[str, list[Case]]:
            f"save_torch_state_dict(torch.load('{pkl}', weights_only=True, mmap=True), '{out}', max_shard_size='5GB')\"")
     shards = " ".join(quote(p) for p in sorted(os.path.join(sharded, f) for f in os.listdir(sharded)))
     return {
-        f"bin ({size_bytes(pkl) / 1e9:.2f} GB)": [
+        f"bin ({tree_bytes(pkl) / 1e9:.2f} GB)": [
             Case("cp .bin (floor)", f"mkdir -p {q_out} && cp {quote(pkl)} {q_out}/ && sync", cleanup=[out]),
             Case("shardkit convert .bin 5GB", f"{SK} convert {quote(pkl)} {q_out} --max-shard-size 5GB -q && sync",
                  target, [out]),
             Case("torch.load(mmap) + hub save_torch_state_dict", f"mkdir -p {q_out} && {hub} && sync", "incumbent",
                  [out])],
-        f"dcp ({size_bytes(dcp) / 1e9:.2f} GB)": [
+        f"dcp ({tree_bytes(dcp) / 1e9:.2f} GB)": [
             Case("cp -r DCP (floor)", f"cp -r {quote(dcp)} {q_out} && sync", cleanup=[out]),
             Case("shardkit convert DCP 5GB", f"{SK} convert {quote(dcp)} {q_out} --max-shard-size 5GB -q && sync",
                  target, [out]),
             Case("accelerate merge-weights", f"{quote(os.path.join(BIN, 'accelerate'))} merge-weights {quote(dcp)} "
                  f"{q_out} >/dev/null 2>&1 && sync", "incumbent (one file)", [out])],
-        f"verify ({size_bytes(sharded) / 1e9:.2f} GB)": [
+        f"verify ({tree_bytes(sharded) / 1e9:.2f} GB)": [
             Case("cat shards > /dev/null (floor, warm)", f"cat {shards} > /dev/null"),
             Case("read loop (1 MiB readv)", f"{py} -c {quote(READ_LOOP)} {shards}"),
             Case("hashlib.file_digest sha256 (1 thread)", f"{py} -c {quote(SHA256)} {shards}"),
@@ -83,14 +116,32 @@ def groups(kind: str, work: str) -> dict[str, list[Case]]:
     }
 
 
+def gguf_group(layers: int, work: str) -> dict[str, list[Case]]:
+    src = build_once(os.path.join(work, f"llama-{layers}l-q4_0.gguf"), GGUF_BUILD, str(layers))
+    out = os.path.join(work, "gguf-out")
+    q_src, q_out = quote(src), quote(out)
+    return {f"gguf (Llama-shaped Q4_0, {layers} layers, {tree_bytes(src) / 1e9:.2f} GB)": [
+        Case("cp .gguf (floor)", f"mkdir -p {q_out} && cp {q_src} {q_out}/ && sync", cleanup=[out]),
+        Case("shardkit convert --dtype bf16", f"{SK} convert {q_src} {q_out} --dtype bf16 -q && sync", "≤ 500 MB",
+             [out]),
+        Case("gguf dequantize + save_file (incumbent)", f"mkdir -p {q_out} && {quote(sys.executable)} -c "
+             f"{quote(INCUMBENT)} {q_src} {q_out}/model.safetensors && sync", "incumbent", [out])]}
+
+
 def main() -> int:
     p = parser(__doc__, work="bench-data")
     p.add_argument("--large", action="store_true", help="SDXL UNet (~10.3 GB) instead of SD 1.5 (~3.4 GB)")
     p.add_argument("--tiny", action="store_true", help="a few MB, to check the script itself")
+    p.add_argument("--groups", default="bin,dcp,verify", help="which of bin, dcp, verify and gguf (comma-separated)")
+    p.add_argument("--layers", type=int, default=9, help="gguf: the Llama's layers (9: ~1.04 GB of Q4_0)")
     args = p.parse_args()
-    kind = "tiny" if args.tiny else "sdxl" if args.large else "sd15"
+    kind, wanted = "tiny" if args.tiny else "sdxl" if args.large else "sd15", args.groups.split(",")
     os.makedirs(args.work, exist_ok=True)
-    shell_bench(f"convert benchmark: {kind} UNet", groups(kind, args.work), runs=args.runs, output=args.output)
+    unet = set(wanted) - {"gguf"}
+    tables = {name: cases for name, cases in (unet_groups(kind, args.work) if unet else {}).items()
+              if name.split()[0] in wanted}
+    tables.update(gguf_group(args.layers, args.work) if "gguf" in wanted else {})
+    shell_bench("convert benchmark" + (f": {kind} UNet" if unet else ""), tables, runs=args.runs, output=args.output)
     return 0
 
 

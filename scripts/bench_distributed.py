@@ -40,22 +40,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from benchlib import HERE, machine_line, markdown, measure, med, parser, publish_report, rank_peaks_mb, remove, rounds
-from build_checkpoint import build_once, build_random, unet_source
+from build_checkpoint import DCP_SAVE, build_once, build_random, unet_source
 
 DEFAULT_SOURCE = "/work/cowbench/sdxl-unet/diffusion_pytorch_model.safetensors"
 BUCKET = "bench"
 WRAPPER = f"{os.path.join(HERE, 'benchlib.py')} --shardkit"  # shardkit recording its process's peak RSS
 SHARDKIT = f"{sys.executable} {WRAPPER}"
-
-# sys.argv: [source safetensors, max bytes (0: all), output DCP folder]
-DCP_SAVE = ("import sys, warnings; warnings.simplefilter('ignore'); import torch.distributed.checkpoint as dcp; "
-            "from safetensors import safe_open\n"
-            "limit = int(float(sys.argv[2])); sd = {}; total = 0\n"
-            "with safe_open(sys.argv[1], 'pt') as f:\n"
-            "    for k in f.keys():\n"
-            "        t = f.get_tensor(k); total += t.numel() * t.element_size(); sd[k] = t\n"
-            "        if limit and total >= limit: break\n"
-            "dcp.save({'model': sd}, checkpoint_id=sys.argv[3], no_dist=True)")
 
 DCP_TO_TORCH = ("import sys, warnings; warnings.simplefilter('ignore'); "
                 "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save; "
@@ -85,7 +75,7 @@ def run_plan(workers: int, source: str, output: str, convert_args: str, work: st
 
     plan_path = os.path.join(work, "plan.json")
     args = convert_args.split()
-    options = {"max_shard_size": args[args.index("--max-shard-size") + 1]}
+    options: dict[str, Any] = {"max_shard_size": args[args.index("--max-shard-size") + 1]}
     if "--dtype" in args:
         options["dtype"] = args[args.index("--dtype") + 1]
     tasks = len(shardkit.write_plan(source, output, plan_path, **options).tasks)

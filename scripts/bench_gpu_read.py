@@ -19,7 +19,6 @@ rank's bytes read (``/proc/self/io`` rchar) and checking its tensors against sli
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -29,6 +28,7 @@ import time
 
 from benchlib import child as run_child
 from benchlib import markdown, pinned_copy_gbps, set_cache, shard_files, status_bytes
+from benchlib import parser as bench_parser
 from build_checkpoint import SDXL_UNET
 
 LLAMA_3B = {"vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
@@ -476,9 +476,7 @@ def table(results: dict[str, list[dict]], title: str, *, cold: bool) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--work", default="/tmp/shardkit-gpu-read")
-    parser.add_argument("--runs", type=int, default=3)
+    parser = bench_parser(__doc__, work="/tmp/shardkit-gpu-read", output=False)
     parser.add_argument("--models", default="sdxl,llama3b")
     parser.add_argument("--cold", action="store_true")
     parser.add_argument("--sweep", action="store_true")

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchlib import ROOT, markdown, med, parser, publish_report, rounds
+from benchlib import ROOT, markdown, med, parser, publish_report, rounds, tree_bytes
 from build_checkpoint import hub_flux_repo, hub_unet_repo
 
 sys.path.insert(0, os.path.join(ROOT, "tests"))
@@ -63,10 +63,6 @@ def serve(repo: str, files: dict[str, Any]) -> Iterator[tuple[Path, Any, dict[st
             HubServer(Path(tmp) / "hub") as hub:
         hub.state.add_repo(repo, files)
         yield Path(tmp), hub, hub_env(hub, Path(tmp) / "home", token=None)
-
-
-def du_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink()) if path.exists() else 0
 
 
 def split_cases(repo: str, url: str, files: dict[str, Any], tmp: Path) -> dict[str, list[str]]:
@@ -102,7 +98,7 @@ def bench_split(args: Any) -> str:
                 raise SystemExit(f"{label} failed:\n{stderr}")
             print(f"  run {r + 1}/{args.runs} {label}: {seconds:.2f} s, {peak / 2**20:,.0f} MiB", flush=True)
             return {"seconds": seconds, "peak": peak, "sent": hub.state.bytes_sent() - before,
-                    "cache": du_bytes(tmp / "home")}
+                    "cache": tree_bytes(str(tmp / "home"))}
 
         results = rounds(list(cases), args.runs, one)
     floor = med(results[FLOOR], "seconds")

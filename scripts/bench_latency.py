@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Loading at the latency limit (issue 22): readers through a FUSE mount that costs a round trip per request.
+"""Loading through mounts: at the latency limit (issue 22), through FUSE (issue 34), each read backend (issue 13).
 
 ``scripts/bench_load.py --latency-ms 2 [0.5 5]`` runs this. The SD 1.5 UNet in fp16 (~1.7 GB, 4
 shards; ``--latency-model tiny`` for a ~0.2 GB stand-in) is served by
@@ -15,7 +15,14 @@ the peak in flight. Median of ``--runs``.
 
 ``--bindfs`` adds the zero-latency FUSE case (issue 34): the same cases through a bindfs
 (FUSE passthrough, C) mount of the same folder, backing files evicted before each run (a cold
-read, as a local FUSE or container volume over a local disk sees it), beside the local disk.
+read, as a local FUSE or container volume over a local disk sees it), beside the local disk;
+``--latency-ms 0`` is the latency mount adding nothing (a Python FUSE server).
+
+``scripts/bench_load.py --read-backends`` runs the read-backend matrix (issue 13): an SD 1.5 UNet in
+fp16 (~1.7 GB, one file), on the local disk and on a bindfs mount of the same folder, page cache
+cold (evicted with POSIX_FADV_DONTNEED, checked with mincore) and warm; floor ``dd bs=16M``; cases
+safetensors ``load_file`` (mmap and pread), accelerate, diffusers and ``shardkit.load_model`` with
+each ``read=`` backend, every page of every weight touched, timed inside the fresh child process.
 """
 
 from __future__ import annotations
@@ -24,13 +31,23 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
-import time
+from shlex import quote
 from typing import Any
 
-from bench_load import load
-from benchlib import evict, filesystem_line, machine_line, markdown, rotated, set_cache, shard_files
-from build_checkpoint import sharded_unet
+from bench_load import load, outside
+from benchlib import (
+    bindfs_mount,
+    evict,
+    filesystem_line,
+    machine_line,
+    markdown,
+    med,
+    median_of,
+    rounds,
+    set_cache,
+    shard_files,
+)
+from build_checkpoint import sharded_unet, unet_source
 
 CASES = {  # label: (bench_load loader, options); every case touches one byte of every page of every weight
     "floor: 16 threads × 4 MiB O_DIRECT reads, no tensors": ("odirect", {}),
@@ -47,27 +64,29 @@ CASES = {  # label: (bench_load loader, options); every case touches one byte of
 }
 LOCAL_CASES = ["shardkit.open, ck[k] for every key", "shardkit.load_model(device_map='cpu')"]
 Runs = dict[str, list[dict[str, Any]]]
+DD = "dd bs=16M (cold)"
 
 
 def run_case(label: str, folder: str) -> dict[str, Any]:
     """One case in a fresh process; its time ``s`` is the load with every page touched (imports excluded)."""
+    if label == DD:
+        return {"s": outside(" && ".join(f"dd if={quote(p)} of=/dev/null bs=16M" for p in shard_files(folder)))["load_s"]}
     name, options = CASES[label]
     result = load(name, folder, {**options, "touch": "pages"}, check=False)
     return {**result, "s": result["touch_s"]} if "error" not in result else result
 
 
-def run_mounted(folder: str, mnt: str, runs: int, cases: list[str], prepare: Any, note: Any) -> Runs:
-    """Every case ``runs`` times through ``mnt``, interleaved; ``prepare()`` before each, ``note(result)`` after."""
-    results: Runs = {c: [] for c in cases}
-    for r in range(runs):
-        for label in rotated(cases, r):
-            prepare()
-            result = run_case(label, mnt)
-            note(result)
-            results[label].append(result)
-            print(f"  {os.path.basename(mnt)} run {r + 1}/{runs} {label}: {result.get('s', result.get('error'))} "
-                  f"{result.get('requests', '')}, load average {os.getloadavg()[0]:.1f}", flush=True)
-    return results
+def run_cases(folder: str, runs: int, cases: list[str], prepare: Any, note: Any = dict) -> Runs:
+    """Every case ``runs`` times on ``folder``, interleaved; ``prepare()`` before each, ``note(result)`` after."""
+    def one(label: str, r: int) -> dict[str, Any]:
+        prepare()
+        result = run_case(label, folder)
+        note(result)
+        print(f"  {os.path.basename(folder)} run {r + 1}/{runs} {label}: {result.get('s', result.get('error'))} "
+              f"{result.get('requests', '')}, load average {os.getloadavg()[0]:.1f}", flush=True)
+        return result
+
+    return rounds(cases, runs, one)
 
 
 def run_latency(folder: str, latency_ms: float, runs: int, cases: list[str]) -> Runs:
@@ -75,48 +94,27 @@ def run_latency(folder: str, latency_ms: float, runs: int, cases: list[str]) -> 
     from latency_mount import LatencyMount
 
     with LatencyMount(folder, folder + f"-mnt-{latency_ms}", latency_ms=latency_ms) as mount:
-        results = run_mounted(folder, mount.mountpoint, runs, cases,
-                              prepare=lambda: (set_cache(shard_files(folder), cold=False), mount.reset()),
-                              note=lambda result: result.update({k: v for k, v in mount.stats().items() if k != "files"}))
+        results = run_cases(mount.mountpoint, runs, cases,
+                            prepare=lambda: (set_cache(shard_files(folder), cold=False), mount.reset()),
+                            note=lambda result: result.update({k: v for k, v in mount.stats().items() if k != "files"}))
         results["_limit"] = [{"bytes_per_s": mount.limit_bytes_per_s() if latency_ms else float("inf")}]
     return results
 
 
 def run_bindfs(folder: str, runs: int, cases: list[str]) -> Runs:
     """Through a bindfs mount of ``folder`` (FUSE passthrough, no latency), backing files evicted."""
-    from benchlib import bindfs_mount
-
     with bindfs_mount(folder) as mnt:
-        return run_mounted(folder, mnt, runs, cases, prepare=lambda: [evict(p) for p in shard_files(folder)],
-                           note=lambda result: None)
+        return run_cases(mnt, runs, cases, prepare=lambda: set_cache(shard_files(folder), cold=True))
 
 
 def run_local_cold(folder: str, runs: int) -> Runs:
-    results: Runs = {"dd bs=16M (cold)": [], **{c: [] for c in LOCAL_CASES}}
-    for _ in range(runs):
-        for path in shard_files(folder):
-            evict(path)
-        start = time.perf_counter()
-        for path in shard_files(folder):
-            subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], capture_output=True, check=True)
-        results["dd bs=16M (cold)"].append({"s": time.perf_counter() - start})
-        for label in LOCAL_CASES:
-            for path in shard_files(folder):
-                evict(path)
-            results[label].append(run_case(label, folder))
-            print(f"  local cold {label}: {results[label][-1].get('s')}", flush=True)
-    return results
+    return run_cases(folder, runs, [DD, *LOCAL_CASES], prepare=lambda: set_cache(shard_files(folder), cold=True))
 
 
 def _cpu(runs: list[dict[str, Any]]) -> str:
     """The case's median CPU seconds (every thread of its process; the mount server's not included)."""
-    cpu = [r["cpu_s"] for r in runs if "cpu_s" in r]
-    return f"{statistics.median(cpu):.2f}" if cpu else "–"
-
-
-def _median(runs: list[dict[str, Any]]) -> float | None:
-    times = [r["s"] for r in runs if "s" in r]
-    return statistics.median(times) if times else None
+    cpu = median_of(runs, "cpu_s")
+    return "–" if cpu is None else f"{cpu:.2f}"
 
 
 def _failed(runs: list[dict[str, Any]]) -> str:
@@ -124,10 +122,10 @@ def _failed(runs: list[dict[str, Any]]) -> str:
 
 
 def bindfs_table(results: Runs, nbytes: int) -> str:
-    base = _median(results.get("safetensors load_file (per shard)", [])) or 0.0
+    base = median_of(results.get("safetensors load_file (per shard)", []), "s") or 0.0
     rows = []
     for label, runs in results.items():
-        t = _median(runs)
+        t = median_of(runs, "s")
         each = ", ".join(f"{r['s']:.2f}" for r in runs if "s" in r)
         rows.append([label, f"{t:.2f} ({nbytes / t / 1e9:.2f})", f"{base / t:.2f}×", _cpu(runs), each] if t else
                     [label, _failed(runs), "", "", ""])
@@ -142,7 +140,7 @@ def table(by_latency: dict[float, Runs], local: Runs, nbytes: int) -> str:
         cells = []
         for x in lat:
             runs = by_latency[x][label]
-            t = _median(runs)
+            t = median_of(runs, "s")
             cells.append(f"{t:.2f} ({nbytes / t / 1e9:.2f}), {statistics.median(r['requests'] for r in runs):.0f}, "
                          f"{max(r['peak_in_flight'] for r in runs)}, {_cpu(runs)}" if t else _failed(runs))
         rows.append([label, *cells])
@@ -152,8 +150,8 @@ def table(by_latency: dict[float, Runs], local: Runs, nbytes: int) -> str:
                      *(f"{nbytes / limit:.2f} ({limit * 1e-9:.2f})" if limit != float("inf") else "none" for limit in limits)])
     text = markdown(["reader", *(f"{x:g} ms: s (GB/s), requests, peak in flight, CPU s" for x in lat)], rows)
     if local:
-        dd = _median(local["dd bs=16M (cold)"]) or 0.0
-        rows = [[label, f"{t:.2f} ({nbytes / t / 1e9:.2f})", f"{dd / t:.2f}×"] if (t := _median(runs)) else
+        dd = median_of(local[DD], "s") or 0.0
+        rows = [[label, f"{t:.2f} ({nbytes / t / 1e9:.2f})", f"{dd / t:.2f}×"] if (t := median_of(runs, "s")) else
                 [label, "failed", ""] for label, runs in local.items()]
         text += "\n\n" + markdown(["local disk, page cache evicted", "s (GB/s)", "× dd"], rows)
     return text
@@ -189,6 +187,58 @@ def main_latency(args: argparse.Namespace) -> int:
         print(table(by_latency, cold, nbytes))
     if passthrough:
         print("\n" + bindfs_table(passthrough, nbytes))
+    if not args.keep:
+        shutil.rmtree(args.work, ignore_errors=True)
+    return 0
+
+
+READ_CASES = [  # (label, loader, options)
+    ("safetensors load_file (mmap)", "floor", {}),
+    ("safetensors load_file(backend='pread')", "floor", {"backend": "pread"}),
+    ("accelerate load_checkpoint_and_dispatch", "accelerate", {}),
+    ("diffusers from_pretrained", "diffusers", {}),
+    *[(f"shardkit.load_model read={r}", "shardkit", {"read": r}) for r in ("mmap", "pread", "direct", "auto")],
+]
+
+
+def main_read(args: Any) -> int:
+    """``--read-backends``: the SD 1.5 UNet fp16 (one file) on the local disk and a bindfs mount, cold and warm."""
+
+    os.makedirs(args.work, exist_ok=True)
+    weights = unet_source("tiny" if args.tiny else "sd15", args.work, dtype="F16")
+    folder, nbytes = os.path.dirname(weights), os.path.getsize(weights)
+    cases = [(label, name, opts) for label, name, opts in READ_CASES
+             if not args.only or any(word in label for word in args.only)]
+    with bindfs_mount(folder) as mount:
+        print(f"SD 1.5 UNet fp16: {nbytes / 1e9:.2f} GB in {folder} ({filesystem_line(folder)}), FUSE: {mount}; "
+              f"{machine_line()}", flush=True)
+        specs = {label: (name, opts) for label, name, opts in [("dd bs=16M (floor)", "dd", {}), *cases]}
+
+        def one(cell: tuple[str, str, str], r: int) -> dict[str, Any]:
+            label, where, cache = cell  # cold runs evict first (and check)
+            (name, opts), root = specs[label], folder if where == "local" else mount
+            path = os.path.join(root, os.path.basename(weights))
+            left = max(evict(weights), evict(path)) if cache == "cold" else set_cache([path], cold=False)
+            result = outside(f"dd if={path} of=/dev/null bs=16M") if name == "dd" else \
+                load(name, root, {**opts, "touch": "pages"})
+            print(f"  run {r + 1}/{args.runs} {cache} {where} {label}: {result['touch_s']:.2f} s "
+                  f"(cached before: {left:.0%}), peak {(result['hwm'] - result['base']) / 2**20:.0f} MB", flush=True)
+            return result
+
+        results = rounds([(label, where, cache) for cache in ("cold", "warm") for where in ("local", "fuse")
+                          for label in specs], args.runs, one)
+    cols = [("local", "cold"), ("local", "warm"), ("fuse", "cold"), ("fuse", "warm")]
+    rows = []
+    for label in dict.fromkeys(label for label, _, _ in results):
+        cells = []
+        for where, cache in cols:
+            t, dd = med(results[(label, where, cache)], "touch_s"), med(results[("dd bs=16M (floor)", where, "cold")], "touch_s")
+            cells.append(f"{t:.2f} ({nbytes / t / 1e9:.2f}, {dd / t:.2f}×)")
+        rss = max(r["hwm"] - r["base"] for (lb, _, _), v in results.items() if lb == label for r in v)
+        rows.append([label, *cells, f"{rss / 2**20:.0f}"])
+    print(f"\nSD 1.5 UNet fp16, {nbytes / 1e9:.2f} GB, one file; load + touch every page of every weight, "
+          f"median of {args.runs} interleaved runs in fresh processes, imports excluded; {machine_line()}:\n")
+    print(markdown(["case", *(f"{w} {c} s (GB/s, × dd cold)" for w, c in cols), "peak RSS above imports MB"], rows))
     if not args.keep:
         shutil.rmtree(args.work, ignore_errors=True)
     return 0

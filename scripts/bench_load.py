@@ -22,26 +22,11 @@ RSS after imports. Checkpoint pages are in the page cache (warm) for every run a
 
     .venv/bin/python scripts/bench_load.py --small --runs 3
 
-``--read-backends`` runs the read-backend matrix instead (issue 13): an SD 1.5 UNet in fp16
-(~1.7 GB, one file), on the local disk and on a bindfs (FUSE passthrough) mount of the same
-folder, page cache cold (evicted with POSIX_FADV_DONTNEED, checked with mincore) and warm; floors
-``dd bs=16M``; cases safetensors ``load_file`` (mmap and pread), accelerate, diffusers and
-``shardkit.load_model`` with each ``read=`` backend. Every case loads and then touches one byte of
-every page of every weight; the time is measured inside the fresh child process, so interpreter
-start-up and imports are excluded (dd runs alone: its start-up is negligible).
+``--read-backends`` (issue 13), ``--latency-ms MS...`` (issue 22) and ``--bindfs`` (issue 34) read through
+mounts instead, cold and warm: :mod:`bench_latency` runs them and says what they measure.
 
     .venv/bin/python scripts/bench_load.py --read-backends --runs 3
-
-``--latency-ms 0.5 2 5`` runs the latency benchmark instead (issue 22, :mod:`bench_latency`): the
-SD 1.5 UNet in fp16 read through a FUSE mount that sleeps that long in every read request
-(:mod:`latency_mount`), for safetensors, fastsafetensors, diffusers and shardkit's lazy mapping,
-``to_state_dict`` and ``load_model``, plus the local cold disk and the mount's limit.
-
     .venv/bin/python scripts/bench_load.py --latency-ms 0.5 2 5 --runs 3
-
-``--bindfs`` adds the zero-latency FUSE case to it (a bindfs mount, backing files evicted before
-each run); ``--latency-ms 0`` is the latency mount adding nothing (a Python FUSE server).
-
     .venv/bin/python scripts/bench_load.py --latency-ms 0 2 --bindfs --runs 3
 """
 
@@ -56,19 +41,16 @@ from typing import Any
 
 from benchlib import (
     child,
-    evict,
-    filesystem_line,
     machine_line,
     markdown,
     measure,
     med,
     parser,
     pinned_copy_gbps,
-    rotated,
     rounds,
-    set_cache,
     shard_files,
     status_bytes,
+    tree_bytes,
 )
 from build_checkpoint import FLUX_DEV, sharded_unet
 
@@ -211,8 +193,7 @@ def run_case(name: str, folder: str, options: dict[str, Any]) -> None:
     offload = options.get("offload")
     print(json.dumps({"load_s": seconds, "touch_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu,
                       "base": base, "loaded_hwm": loaded_hwm, "hwm": status_bytes("VmHWM"),
-                      "written": sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(offload) for f in fs)
-                      if offload else 0}))
+                      "written": tree_bytes(offload) if offload else 0}))
 
 
 # ------------------------------------------------------------------------- orchestration (parent side)
@@ -309,61 +290,6 @@ def table(results: dict[str, list[dict[str, Any]]], model_bytes: int) -> str:
             "every case); 'use every weight' sums each tensor once, which pages lazily mapped weights in.")
 
 
-# ------------------------------------------------------------------------- read backends (issue 13)
-
-READ_CASES = [  # (label, loader, options)
-    ("safetensors load_file (mmap)", "floor", {}),
-    ("safetensors load_file(backend='pread')", "floor", {"backend": "pread"}),
-    ("accelerate load_checkpoint_and_dispatch", "accelerate", {}),
-    ("diffusers from_pretrained", "diffusers", {}),
-    *[(f"shardkit.load_model read={r}", "shardkit", {"read": r}) for r in ("mmap", "pread", "direct", "auto")],
-]
-
-
-def main_read(args: Any) -> int:
-    """``--read-backends``: the SD 1.5 UNet fp16 (one file) on the local disk and a bindfs mount, cold and warm."""
-    from benchlib import bindfs_mount
-    from build_checkpoint import unet_source
-
-    os.makedirs(args.work, exist_ok=True)
-    weights = unet_source("tiny" if args.tiny else "sd15", args.work, dtype="F16")
-    folder, nbytes = os.path.dirname(weights), os.path.getsize(weights)
-    cases = [(label, name, opts) for label, name, opts in READ_CASES
-             if not args.only or any(word in label for word in args.only)]
-    results: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
-    with bindfs_mount(folder) as mount:
-        print(f"SD 1.5 UNet fp16: {nbytes / 1e9:.2f} GB in {folder} ({filesystem_line(folder)}), FUSE: {mount}; "
-              f"{machine_line()}", flush=True)
-        cells = [(where, label, name, opts) for where in ("local", "fuse")
-                 for label, name, opts in [("dd bs=16M (floor)", "dd", {}), *cases]]
-        for r in range(args.runs):
-            for cache in ("cold", "warm"):
-                for where, label, name, opts in rotated(cells, r):  # cold runs evict first (and check)
-                    root = folder if where == "local" else mount
-                    path = os.path.join(root, os.path.basename(weights))
-                    left = max(evict(weights), evict(path)) if cache == "cold" else set_cache([path], cold=False)
-                    result = outside(f"dd if={path} of=/dev/null bs=16M") if name == "dd" else \
-                        load(name, root, {**opts, "touch": "pages"})
-                    results.setdefault((label, where, cache), []).append(result)
-                    print(f"  run {r + 1}/{args.runs} {cache} {where} {label}: {result['touch_s']:.2f} s "
-                          f"(cached before: {left:.0%}), peak {(result['hwm'] - result['base']) / 2**20:.0f} MB", flush=True)
-    cols = [("local", "cold"), ("local", "warm"), ("fuse", "cold"), ("fuse", "warm")]
-    rows = []
-    for label in dict.fromkeys(label for label, _, _ in results):
-        cells = []
-        for where, cache in cols:
-            t, dd = med(results[(label, where, cache)], "touch_s"), med(results[("dd bs=16M (floor)", where, "cold")], "touch_s")
-            cells.append(f"{t:.2f} ({nbytes / t / 1e9:.2f}, {dd / t:.2f}×)")
-        rss = max(r["hwm"] - r["base"] for (lb, _, _), v in results.items() if lb == label for r in v)
-        rows.append([label, *cells, f"{rss / 2**20:.0f}"])
-    print(f"\nSD 1.5 UNet fp16, {nbytes / 1e9:.2f} GB, one file; load + touch every page of every weight, "
-          f"median of {args.runs} interleaved runs in fresh processes, imports excluded; {machine_line()}:\n")
-    print(markdown(["case", *(f"{w} {c} s (GB/s, × dd cold)" for w, c in cols), "peak RSS above imports MB"], rows))
-    if not args.keep:
-        shutil.rmtree(args.work, ignore_errors=True)
-    return 0
-
-
 def main() -> int:
     if len(sys.argv) >= 2 and sys.argv[1] == "--case":
         run_case(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))
@@ -384,12 +310,10 @@ def main() -> int:
     p.add_argument("--bindfs", action="store_true",
                    help="with --latency-ms (may be empty): also the zero-latency FUSE case, a cold bindfs mount")
     args = p.parse_args()
-    if args.latency_ms is not None and (args.latency_ms or args.bindfs):
-        from bench_latency import main_latency
+    if args.read_backends or args.latency_ms is not None and (args.latency_ms or args.bindfs):
+        import bench_latency
 
-        return main_latency(args)
-    if args.read_backends:
-        return main_read(args)
+        return bench_latency.main_read(args) if args.read_backends else bench_latency.main_latency(args)
     import torch
 
     os.makedirs(args.work, exist_ok=True)

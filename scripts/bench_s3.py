@@ -58,7 +58,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import benchlib
-from benchlib import child, markdown, median, parser, peak_rss_mb, rotated
+from benchlib import child, markdown, median, parser, peak_rss_mb, rounds
 from build_checkpoint import build_random, build_unet
 from s3_server import DelayProxy, SeaweedS3
 
@@ -347,20 +347,15 @@ def run_child(case: str, env: dict[str, str], args: argparse.Namespace, *, retry
 
 def measure(keys: list[tuple[str, str]], args: argparse.Namespace, one: Callable[[str, str], dict[str, Any]],
             line: Callable[[dict[str, Any]], str]) -> dict[tuple[str, str], list[dict[str, Any]]]:
-    """``one(path, case)`` for every key, ``--runs`` rounds: each round every case on one path, then on the
-    next, the case order rotating by round; the load average at the start and end of each round."""
-    results: dict[tuple[str, str], list[dict[str, Any]]] = {key: [] for key in keys}
-    paths = list(dict.fromkeys(p for p, _ in keys))
-    for r in range(args.runs):
-        load = os.getloadavg()[0]
-        for path in paths:
-            for case in rotated([c for p, c in keys if p == path], r):
-                data = one(path, case)
-                results[(path, case)].append(data)
-                print(f"  run {r + 1}/{args.runs} {path:>12} {case:>16}: {line(data)}, load {os.getloadavg()[0]:.1f}",
-                      flush=True)
-        args.loads.append((load, os.getloadavg()[0]))
-    return results
+    """``one(path, case)`` for every key, ``--runs`` rounds, the order rotating by round; the load average at the
+    start and end of each round into ``args.loads``."""
+    def run(key: tuple[str, str], r: int) -> dict[str, Any]:
+        data = one(*key)
+        print(f"  run {r + 1}/{args.runs} {key[0]:>12} {key[1]:>16}: {line(data)}, load {os.getloadavg()[0]:.1f}",
+              flush=True)
+        return data
+
+    return rounds(keys, args.runs, run, loads=args.loads)
 
 
 def header(args: argparse.Namespace, what: str) -> str:

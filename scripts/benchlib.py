@@ -91,14 +91,19 @@ def rotated(items: list[K], round_index: int) -> list[K]:
     return items[k:] + items[:k]
 
 
-def rounds(keys: list[K], runs: int, run_one: Callable[[K, int], dict[str, Any] | None]) -> dict[K, list[dict[str, Any]]]:
-    """``run_one(key, round)`` for every key, ``runs`` rounds, order rotating; its results by key (None: dropped)."""
+def rounds(keys: list[K], runs: int, run_one: Callable[[K, int], dict[str, Any] | None], *,
+           loads: list[tuple[float, float]] | None = None) -> dict[K, list[dict[str, Any]]]:
+    """``run_one(key, round)`` for every key, ``runs`` rounds, order rotating; its results by key (None: dropped).
+    ``loads`` gets the load average (1 min) at the start and end of each round."""
     results: dict[K, list[dict[str, Any]]] = {key: [] for key in keys}
     for r in range(runs):
+        load = os.getloadavg()[0]
         for key in rotated(keys, r):
             result = run_one(key, r)
             if result is not None:
                 results[key].append(result)
+        if loads is not None:
+            loads.append((load, os.getloadavg()[0]))
     return results
 
 
@@ -285,6 +290,14 @@ def shell_bench(title: str, tables: dict[str, list[Case]], *, runs: int, output:
 
 
 # ----------------------------------------------------------------------------- page cache, mounts
+
+def tree_bytes(path: str) -> int:
+    """The bytes of the file ``path``, or of every regular file under the folder ``path`` (links not followed)."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(p) for d, _, names in os.walk(path) for n in names
+               if not os.path.islink(p := os.path.join(d, n)))
+
 
 def shard_files(folder: str) -> list[str]:
     return sorted(os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".safetensors"))

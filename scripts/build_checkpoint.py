@@ -56,6 +56,16 @@ FLUX_DEV = {
 # Child-process code writing sys.argv[1] (a safetensors file) as a torch.save zip pickle at sys.argv[2].
 TORCH_SAVE = ("import sys, torch; from safetensors.torch import load_file; "
               "torch.save(load_file(sys.argv[1]), sys.argv[2])")
+# Child-process code saving sys.argv[1] (safetensors) as a DCP folder at sys.argv[3], as FSDP training does: its
+# first tensors up to sys.argv[2] bytes ("0": all).
+DCP_SAVE = ("import sys, warnings; warnings.simplefilter('ignore'); import torch.distributed.checkpoint as dcp; "
+            "from safetensors import safe_open\n"
+            "limit = int(float(sys.argv[2])); sd = {}; total = 0\n"
+            "with safe_open(sys.argv[1], 'pt') as f:\n"
+            "    for k in f.keys():\n"
+            "        t = f.get_tensor(k); total += t.numel() * t.element_size(); sd[k] = t\n"
+            "        if limit and total >= limit: break\n"
+            "dcp.save({'model': sd}, checkpoint_id=sys.argv[3], no_dist=True)")
 
 
 def unet_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:

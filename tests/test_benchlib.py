@@ -43,6 +43,42 @@ def test_shell_cases_are_timed_in_fresh_processes_with_their_cleanup(tmp_path: P
     assert table.splitlines()[2].startswith("| floor | ") and "| 1.00× |" in table.splitlines()[2]
 
 
+def test_rounds_record_the_load_average_of_each_round() -> None:
+    loads: list[tuple[float, float]] = []
+    results = benchlib.rounds(["a", "b"], 2, lambda key, r: {"r": r}, loads=loads)
+    assert results == {"a": [{"r": 0}, {"r": 1}], "b": [{"r": 0}, {"r": 1}]}
+    assert len(loads) == 2 and all(a >= 0 and b >= 0 for a, b in loads)
+
+
+def test_shell_bench_reports_each_table_against_its_own_first_case(tmp_path: Path) -> None:
+    report = tmp_path / "report.md"
+    tables = {"one (1 B)": [benchlib.Case("floor a", "true"), benchlib.Case("a", "true", "t")],
+              "two": [benchlib.Case("floor b", "true"), benchlib.Case("b", "true")]}
+    benchlib.shell_bench("title", tables, runs=1, output=str(report), note="note line")
+    lines = report.read_text().splitlines()
+    assert lines[0] == "title; median of 1 runs, interleaved, each write followed by sync"
+    assert lines[1].startswith("machine: ") and lines[2] == "note line" and lines[3] == ""
+    assert lines[4] == "one (1 B):" and lines[5].startswith("| case | median s | × floor |")
+    assert lines[7].startswith("| floor a | ") and "| 1.00× |" in lines[7] and lines[8].endswith("| t |")
+    assert lines[10] == "two:" and lines[13].startswith("| floor b | ") and "| 1.00× |" in lines[13]
+
+
+def test_measure_fails_with_the_commands_stderr() -> None:
+    with pytest.raises(SystemExit, match="went wrong"):
+        benchlib.measure("echo went wrong >&2; exit 3")
+
+
+def test_tree_bytes_and_median_of(tmp_path: Path) -> None:
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "d" / "x").write_bytes(b"12345")
+    (tmp_path / "d" / "e" / "y").write_bytes(b"123")
+    (tmp_path / "d" / "link").symlink_to(tmp_path / "d" / "x")
+    assert benchlib.tree_bytes(str(tmp_path / "d")) == 8 and benchlib.tree_bytes(str(tmp_path / "d" / "x")) == 5
+    assert benchlib.tree_bytes(str(tmp_path / "missing")) == 0
+    assert benchlib.median_of([{"s": 1.0}, {"error": "x"}, {"s": 3.0}], "s") == 2.0
+    assert benchlib.median_of([{"error": "x"}], "s") is None
+
+
 def test_a_failing_child_is_an_error_or_a_miss(tmp_path: Path) -> None:
     script = tmp_path / "child.py"
     script.write_text("import json, sys\nif sys.argv[1] == 'ok': print(json.dumps({'x': 1}))\nelse: sys.exit('bad input')\n")
