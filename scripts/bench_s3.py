@@ -47,9 +47,9 @@ import importlib.util
 import io
 import json
 import os
+import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -547,17 +547,13 @@ def digests(server: SeaweedS3, prefix: str) -> dict[str, str]:
 
 
 def split_cli(case: str, dst: str, env: dict[str, str], staged_src: str | None) -> dict[str, float]:
-    """One CLI split in a fresh process: wall seconds, peak RSS MB of that process."""
-    path = staged_src if case == "staged" else benchlib.ROOT
+    """One CLI split in a fresh process (shardkit from ``staged_src`` for the staged case): wall seconds, and the
+    peak RSS MB of that process."""
+    path = shlex.quote(staged_src if case == "staged" and staged_src else benchlib.ROOT)
     with tempfile.TemporaryDirectory(prefix="bench-rss-") as rss:
-        start = time.perf_counter()
-        done = subprocess.run([sys.executable, os.path.join(benchlib.HERE, "benchlib.py"), "--shardkit", "split",
-                               f"s3://{BUCKET}/src", dst, "--max-shard-size", "1GB"],
-                              env={**os.environ, **env, "PYTHONPATH": path or benchlib.ROOT, "BENCH_RSS_DIR": rss},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=path, timeout=3600)
-        seconds = time.perf_counter() - start
-        if done.returncode != 0:
-            raise SystemExit(f"{case} failed ({done.returncode}): {done.stderr.decode()[-2000:]}")
+        seconds, _ = benchlib.measure(f"cd {path} && PYTHONPATH={path} BENCH_RSS_DIR={rss} {sys.executable} "
+                                      f"{benchlib.HERE}/benchlib.py --shardkit split s3://{BUCKET}/src {dst} "
+                                      "--max-shard-size 1GB", env=env)
         return {"seconds": seconds, "rss_mb": benchlib.rank_peaks_mb(rss)[0]}
 
 

@@ -42,14 +42,14 @@ class Case:
     times: list[float] = field(default_factory=list)
     rss_mb: list[float] = field(default_factory=list)
     floor: str = ""              # name of this case's floor, when it is not the table's default
-    rss_dir: str = ""            # where a shardkit process run through ``benchlib.py --shardkit`` leaves its peaks
 
 
 # ----------------------------------------------------------------------------- running cases
 
-def measure(command: str) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MB) of ``bash -c command``, run from a fresh process."""
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--run", command], capture_output=True, text=True)
+def measure(command: str, *, env: dict[str, str] | None = None) -> tuple[float, float]:
+    """Wall seconds and peak RSS (MB) of ``bash -c command``, run from a fresh process (``env`` added to ours)."""
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--run", command], capture_output=True, text=True,
+                         env={**os.environ, **(env or {})})
     if out.returncode != 0:
         raise SystemExit(out.stderr.strip()[-3000:])
     data = json.loads(out.stdout.strip().splitlines()[-1])
