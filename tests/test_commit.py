@@ -61,7 +61,7 @@ def test_existing_output_is_refused_without_overwrite(tmp_path: Path) -> None:
     afile.write_text("x")
     with pytest.raises(OutputExistsError, match="is a file"):
         OutputTransaction(afile).__enter__()
-    with pytest.raises(ShardkitWriteError, match="parent folder"):
+    with pytest.raises(ShardkitWriteError, match="the folder the output goes into does not exist; create it first"):
         OutputTransaction(tmp_path / "no" / "such" / "out").__enter__()
 
 
@@ -206,3 +206,17 @@ def test_recover_command_prints_removed_bytes(run_cli, tmp_path: Path) -> None:
     assert result.exit_code == 0, result.stderr
     assert "removed 1 temporary file(s) of dead writers, 2.00 KB" in result.stdout
     assert result.stdout.strip().endswith("consistent")
+
+
+def test_a_missing_folder_above_the_output_is_one_error_for_a_folder_and_a_file(tmp_path: Path) -> None:
+    """The one check (output_folder): the same type and words whether the output is a folder or a file; nothing made."""
+    errors = []
+    for output in (tmp_path / "gone" / "out", tmp_path / "gone" / "m.safetensors"):
+        with pytest.raises(ShardkitWriteError) as e:
+            if output.suffix:
+                atomic_output_file(str(output))
+            else:
+                OutputTransaction(output).__enter__()
+        errors.append(str(e.value))
+    assert errors == [f"{tmp_path / 'gone'}: the folder the output goes into does not exist; create it first"] * 2
+    assert list(tmp_path.iterdir()) == []

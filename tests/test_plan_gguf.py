@@ -164,7 +164,7 @@ def test_recover_removes_an_abandoned_gguf_plan(tmp_path: Path, llama: Path) -> 
 def test_a_missing_output_folder_is_refused_as_one_process_refuses_it(tmp_path: Path, llama: Path) -> None:
     """Neither writing the plan nor running it makes the output's folder: the single process's error, exit 2."""
     one = assert_one_line_error(invoke_cli("convert", llama, tmp_path / "gone" / "m.gguf", "--to", "gguf"), code=2,
-                                contains="folder of the output does not exist")
+                                contains="the folder the output goes into does not exist; create it first")
     planned = assert_one_line_error(invoke_cli("convert", llama, tmp_path / "gone" / "m.gguf", "--to", "gguf",
                                                "--write-plan", tmp_path / "plan.json"), code=2)
     assert planned == one

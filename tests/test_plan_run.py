@@ -205,3 +205,29 @@ def test_an_in_place_reshard_as_a_plan_equals_the_one_process_in_place_reshard(t
     assert shardkit.run_plan(tmp_path / "p.json").published
     assert folder_bytes(src) == folder_bytes(tmp_path / "ck2")
     assert sorted(os.listdir(tmp_path)) == ["ck", "ck2", "p.json"]
+
+
+MISSING_FOLDER = "the folder the output goes into does not exist; create it first"
+
+
+def test_a_missing_output_folder_is_refused_as_one_process_refuses_it(tmp_path: Path) -> None:
+    """Neither writing the plan nor running it makes the folder the output goes into: the single process's
+    error (ShardkitWriteError, exit 2), and nothing made: no plan file, no folder."""
+    src = make_source(tmp_path / "src")
+    out = tmp_path / "gone" / "deeper" / "out"
+    one = assert_one_line_error(invoke_cli("split", src, out, "--max-shard-size", "20KB"), code=2,
+                                contains=f"{tmp_path / 'gone' / 'deeper'}: {MISSING_FOLDER}")
+    planned = assert_one_line_error(invoke_cli("split", src, out, "--max-shard-size", "20KB",
+                                               "--write-plan", tmp_path / "plan.json"), code=2)
+    assert planned == one
+    with pytest.raises(shardkit.ShardkitWriteError, match=MISSING_FOLDER):
+        shardkit.write_plan(src, out, tmp_path / "plan.json", max_shard_size="20KB")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    # the plan written, then the folder removed before it runs: refused when a task runs and at finalize, never made
+    (tmp_path / "there").mkdir()
+    shardkit.write_plan(src, tmp_path / "there" / "out", tmp_path / "plan.json", max_shard_size="20KB")
+    (tmp_path / "there").rmdir()
+    for args in (["--task", "0"], []):
+        ran = assert_one_line_error(invoke_cli("run", tmp_path / "plan.json", *args), code=2)
+        assert ran == one.replace(str(tmp_path / "gone" / "deeper"), str(tmp_path / "there"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "src"]

@@ -107,9 +107,7 @@ class OutputTransaction:
     def __enter__(self) -> OutputTransaction:
         if os.path.exists(self.output) and not os.path.isdir(self.output):
             raise OutputExistsError(f"{self.output} exists and is a file; the output must be a folder")
-        parent = os.path.dirname(self.output)
-        if not os.path.isdir(parent):
-            raise ShardkitWriteError(f"{parent}: parent folder of the output does not exist")
+        parent = output_folder(self.output)
         try:
             self._enter(parent)
         except OSError as e:
@@ -275,14 +273,15 @@ class OutputTransaction:
 
 
 def output_folder(path: str) -> str:
-    """The folder a single-file output ``path`` goes into, which must exist: shardkit makes no parent folders.
+    """The folder the output ``path`` (a file, or a checkpoint folder) goes into, which must exist: shardkit makes
+    no folders above its output. The one check of every local write, and of a plan when it is written and when it runs.
 
     Raises:
-        ShardkitError: it does not exist.
+        ShardkitWriteError: it does not exist.
     """
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise ShardkitError(f"{folder}: folder of the output does not exist")
+        raise ShardkitWriteError(f"{folder}: the folder the output goes into does not exist; create it first")
     return folder
 
 

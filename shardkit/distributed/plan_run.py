@@ -24,6 +24,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 
 from .. import _faults
+from ..atomic.commit import output_folder
 from ..atomic.journal import TMP_MARK, fsync_dir, remove_path
 from ..errors import InvalidInputError, OutputExistsError, ShardkitWriteError
 from ..formats.layout import is_pipeline_folder
@@ -107,6 +108,8 @@ def make_plan(command: str, source: str, output: str, *, options: WriteOptions, 
                                     "place without write_plan=...")
     else:
         refuse_output_inside_source(source, output)
+        if not options.dry_run:
+            output_folder(output)  # as one process refuses it: never made, not when a task runs either
     spec = PlanSpec(command, source, output, dataclasses.replace(options, dry_run=False, progress=None), key,
                     keymap or KeyMap(), tuple(os.path.abspath(a) for a in lora), float(lora_scale))
     with opener(source) as opened:

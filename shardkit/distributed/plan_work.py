@@ -11,6 +11,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+from ..atomic.commit import output_folder
 from ..atomic.journal import PLAN_MARK, TMP_MARK, fsync_dir, is_stale_tmp, remove_path, try_lock
 from ..errors import InvalidInputError, ShardkitWriteError, describe_os_error
 from ..formats.links import read_inside
@@ -36,10 +37,18 @@ def done_name(task: ShardTask) -> str:
 
 @contextlib.contextmanager
 def work_lock(plan: ConversionPlan) -> Iterator[str]:
-    """The work folder (made if missing), share-locked for the block: recover leaves it alone meanwhile."""
+    """The work folder (made if missing), share-locked for the block: recover leaves it alone meanwhile.
+
+    Raises:
+        ShardkitWriteError: the folder the output goes into is gone (never made: one process refuses it too), or the
+            work folder cannot be made.
+    """
     work = work_folder(plan)
+    output_folder(plan.spec.output)
     try:
-        os.makedirs(os.path.join(work, "done"), exist_ok=True)
+        for folder in (work, os.path.join(work, "done")):  # never a folder above: the output's own stays refused
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(folder)
         fd = try_lock(work, shared=True)
     except OSError as e:
         raise ShardkitWriteError(f"{work}: cannot make the plan's work folder: {describe_os_error(e)}") from e
