@@ -57,3 +57,44 @@ def test_verify_reports_a_shard_linked_outside_and_reads_nothing_behind_it(tmp_p
     assert "symlink leading outside the checkpoint folder (to " in result.stdout + result.stderr
     inside = _local_dir_with_a_link_to(tmp_path / "ok" / "blobs-inside" / "shard", tmp_path / "ok")
     assert invoke_cli("verify", inside).exit_code == 0
+
+
+# ----------------------------------------------------------------------------- write_fd: the one checked write loop
+
+
+@pytest.mark.parametrize("offset", [None, 3])
+def test_write_fd_continues_short_writes_and_refuses_one_that_writes_nothing(tmp_path: Path, offset: int | None,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Short writes are continued (the bytes exact, each call's count reported); a call that writes nothing is
+    ``OSError(EIO)`` naming the file and how far it got, never a loop that spins."""
+    import errno
+    import os
+
+    from shardkit.formats.links import write_fd
+
+    data = bytes(range(256)) * 40
+    path = tmp_path / "f"
+    real_write, real_pwrite = os.write, os.pwrite
+    monkeypatch.setattr(os, "write", lambda fd, b: real_write(fd, bytes(b)[:4093]))
+    monkeypatch.setattr(os, "pwrite", lambda fd, b, at: real_pwrite(fd, bytes(b)[:4093], at))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        counts: list[int] = []
+        write_fd(fd, data, path=str(path), offset=offset, wrote=counts.append)
+        assert counts == [4093, 4093, len(data) - 2 * 4093]
+        calls = [0]
+
+        def nothing(*_: object) -> int:
+            calls[0] += 1
+            assert calls[0] < 100, "a write loop kept calling after a write that wrote nothing"
+            return 0
+
+        monkeypatch.setattr(os, "write", nothing)
+        monkeypatch.setattr(os, "pwrite", nothing)
+        with pytest.raises(OSError) as e:
+            write_fd(fd, memoryview(data)[:10], path=str(path), offset=offset)
+    finally:
+        os.close(fd)
+    assert (e.value.errno, e.value.filename, calls[0]) == (errno.EIO, str(path), 1)
+    assert e.value.strerror == "took 0 of 10 bytes" + ("" if offset is None else " at offset 3")
+    assert path.read_bytes() == b"\0" * (offset or 0) + data

@@ -23,7 +23,7 @@ from ..errors import UntrustedFileError as UntrustedFileError  # re-exported: de
 
 __all__ = ["BOUNDARY_RULE", "LINK_RULE", "MAX_JSON_BYTES", "OutsideFolderError", "UntrustedFileError", "check_name", "check_write_target",
            "fd_path", "leads_outside", "link_target", "loads_json", "open_inside", "open_parent", "open_regular", "parse_json", "read_fd", "read_inside",
-           "read_regular"]
+           "read_regular", "write_fd"]
 
 LINK_RULE = "shardkit follows such links only inside the folder or into a Hugging Face cache's blobs/"
 _CACHE_REPO_RE = re.compile(r"^(models|datasets|spaces)--.+")
@@ -237,6 +237,31 @@ def read_fd(fd: int, *, path: str) -> bytes:
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
+
+
+def write_fd(fd: int, data: bytes | bytearray | memoryview, *, path: str, offset: int | None = None,
+             wrote: Callable[[int], None] | None = None) -> None:
+    """Write every byte of ``data`` on ``fd``: at its position, or from ``offset`` (``pwrite``); each call's count
+    checked. The one write loop: shards, GGUF files, plan records and the stores' local copies all write through it.
+
+    ``wrote(n)`` after each call (the writer's fault points count output bytes there).
+
+    Raises:
+        OSError: the system's; or ``EIO`` for a call that wrote nothing (never for a regular file: a loop would spin
+            forever instead), its ``filename`` ``path`` and its ``strerror`` how far it got. Callers turn it into
+            their own error (:class:`~shardkit.errors.ShardkitWriteError`, :class:`~shardkit.errors.StoreError`).
+    """
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        rest = view[done:]
+        written = os.write(fd, rest) if offset is None else os.pwrite(fd, rest, offset + done)
+        if written <= 0:
+            at = "" if offset is None else f" at offset {offset + done}"
+            raise OSError(errno.EIO, f"took 0 of {len(rest)} bytes{at}", path)
+        done += written
+        if wrote is not None:
+            wrote(written)
 
 
 def read_inside(folder: str, name: str, *, where: str, max_bytes: int = MAX_JSON_BYTES) -> bytes:

@@ -32,6 +32,7 @@ from .. import _faults
 from ..atomic.extents import CLONE_BLOCK_BYTES, shared_bytes_fd
 from ..errors import HeaderError, InvalidInputError
 from ..formats.header import HEADER_ALIGN_BYTES, TensorEntry, build_header
+from ..formats.links import write_fd
 from ..sources.base import Source
 from ..units import DTYPE_BITS, tensor_nbytes
 from .flush import BackgroundSync, write_error
@@ -354,18 +355,14 @@ def cast_chunks(p: TensorWrite, source: Source) -> Iterator[memoryview]:
 
 
 def write_all(fd: int, data: bytes | memoryview, path: str, *, fault_points: bool = True) -> None:
-    """Write every byte of ``data`` at ``fd``'s position, checking each call's count.
-
-    A call that writes nothing (never for a regular file) raises ``OSError(EIO)`` naming ``path``
+    """Write every byte of ``data`` at ``fd``'s position through the one checked loop
+    (:func:`~shardkit.formats.links.write_fd`): a call that writes nothing raises ``OSError(EIO)`` naming ``path``
     instead of looping forever; callers turn it into their :class:`~shardkit.errors.ShardkitWriteError`.
     ``fault_points``: a fault point per call, counting output bytes (shards, GGUF files); False for
     bookkeeping (plan files, done records), which the crash tests do not count as output.
     """
-    view = memoryview(data).cast("B")
-    while view:
-        written = os.write(fd, view)
-        if written <= 0:  # a loop that would spin forever otherwise
-            raise OSError(errno.EIO, f"write to {path} wrote nothing")
-        view = view[written:]
-        if fault_points:
-            _faults.point("write", written)
+    write_fd(fd, data, path=path, wrote=_wrote if fault_points else None)
+
+
+def _wrote(nbytes: int) -> None:
+    _faults.point("write", nbytes)

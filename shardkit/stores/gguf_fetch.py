@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from ..errors import InvalidInputError, SourceNotFoundError, StoreError
 from ..formats.gguf import read_gguf, read_gguf_from
 from ..formats.gguf_split import MAX_SPLITS, SPLIT_NAME, part_name, split_count
+from ..formats.links import write_fd
 from ..formats.ranges import RangeFile
 from . import ObjectInfo, ObjectStore, RangeRequest, RemoteObject, open_store, read_ranges
-from .mirror import renamed_errors
+from .mirror import local_copy_error, renamed_errors
 
 __all__ = ["FETCH_BYTES", "RangedGguf", "RemoteGguf", "fetched_gguf", "gguf_headers", "names_a_gguf"]
 
@@ -168,14 +169,12 @@ def _listed(store: ObjectStore, listed: dict[str, ObjectInfo], name: str) -> Obj
 
 
 def _write_all(fd: int, data: memoryview, offset: int, where: str) -> None:
-    """``data`` written at ``offset`` of ``fd``, every write's byte count checked: one that writes nothing is an
-    error naming ``where`` (never a loop that spins)."""
-    while data:
-        written = os.pwrite(fd, data, offset)
-        if written <= 0:
-            raise StoreError(f"{where}: its temporary copy took {written} of {len(data)} bytes at offset {offset} (disk "
-                             f"full?); free space in {tempfile.gettempdir()}, or point TMPDIR elsewhere")
-        data, offset = data[written:], offset + written
+    """``data`` written at ``offset`` of ``fd`` through the one checked loop: a write that writes nothing (or fails)
+    is the stores' error naming ``where`` (never a loop that spins)."""
+    try:
+        write_fd(fd, data, path=where, offset=offset)
+    except OSError as e:
+        raise local_copy_error(where, e) from e
 
 
 def _fetch(store: ObjectStore, listed: dict[str, ObjectInfo], name: str, folder: str) -> str:

@@ -15,11 +15,13 @@ import contextlib
 import functools
 import os
 import struct
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ..errors import HeaderError, InvalidInputError, ShardkitError, StoreError
 from ..formats.header import MAX_HEADER_BYTES, parse_header
+from ..formats.links import write_fd
 from ..formats.names import MODEL_INDEX
 from ..formats.suffixes import PICKLE_SUFFIXES
 from ..units import format_size
@@ -27,7 +29,7 @@ from .base import MAX_OBJECT_BYTES, ObjectInfo, ObjectStore, RangeRequest, read_
 from .urls import has_control_characters
 
 __all__ = ["FIRST_RANGE_BYTES", "MAX_WHOLE_BYTES", "HeaderMirror", "build_header_mirror", "check_not_pickle_only",
-           "renamed_errors"]
+           "local_copy_error", "renamed_errors"]
 
 FIRST_RANGE_BYTES = 64 << 10  # most headers fit; a larger one costs exactly one more request
 MAX_WHOLE_BYTES = 10_000_000  # a config, index or manifest; a bigger one is not one of them
@@ -187,15 +189,18 @@ def _write_new(path: str, data: bytes, *, size_bytes: int, append: bool = False)
     except OSError as e:  # e.g. the listing holds both "a" and "a/b"
         raise StoreError(f"{path}: cannot mirror this object ({e.strerror}); the listing names it twice") from e
     try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            if n <= 0:
-                raise OSError(f"{path}: short write")
-            view = view[n:]
+        write_fd(fd, data, path=path)
         os.ftruncate(fd, size_bytes)
+    except OSError as e:
+        raise local_copy_error(path, e) from e
     finally:
         os.close(fd)
+
+
+def local_copy_error(where: str, e: OSError) -> StoreError:
+    """A failed write of a store's local copy (the mirror's files, a fetched GGUF), naming ``where`` and the fix."""
+    return StoreError(f"{where}: writing its local copy failed ({e.strerror or e}); free space in "
+                      f"{tempfile.gettempdir()}, or point TMPDIR elsewhere")
 
 
 def check_not_pickle_only(store: ObjectStore, objects: list[ObjectInfo], *, download: Callable[[str], str]) -> None:
