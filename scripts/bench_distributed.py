@@ -13,7 +13,8 @@ folder (the floor), ``shardkit convert`` with each of ``--ranks`` (1: one proces
 local SeaweedFS (scripts/s3_server.py), converted into a fresh prefix: ``--ranks`` (default 1,2)
 and a plan run by each of ``--workers`` (default 1,2; local: none). A plan case writes the plan
 first (not timed), then times its tasks (W workers: W processes at once, tasks w, w + W, ...) and
-its finalize apart.
+its finalize apart (never more workers than tasks: a worker given no task would run them all and
+publish).
 
 Every case runs in a fresh process, ``--runs`` times interleaved (median); local writes end with
 ``sync``; ``--dtype`` casts too. Peak RSS: the process tree's, and each shardkit rank's or worker's
@@ -79,6 +80,10 @@ def run_plan(workers: int, source: str, output: str, convert_args: str, work: st
     if "--dtype" in args:
         options["dtype"] = args[args.index("--dtype") + 1]
     tasks = len(shardkit.write_plan(source, output, plan_path, **options).tasks)
+    if workers > tasks:  # a worker given no task would run every task, then publish, while the others run theirs
+        print(f"plan, {workers} workers: the plan has {tasks} task(s), so {tasks} worker(s) run it (raise --size-mb or "
+              "lower --max-shard-size for more)", file=sys.stderr, flush=True)
+        workers = tasks
     shares = [" ".join(f"--task {i}" for i in range(w, tasks, workers)) for w in range(workers)]
     run = " ".join(f"BENCH_RSS_DIR={rss} RANK={w} {SHARDKIT} run {plan_path} {share} -q & p{w}=$!;"
                    for w, share in enumerate(shares))

@@ -65,6 +65,29 @@ def test_a_one_shard_plan_without_an_index_and_a_rerun_after_publish(s3_env: Any
         shardkit.write_plan(s3_source, f"{bucket}/one", dtype="bf16")
 
 
+@pytest.mark.parametrize("manifest", [True, False])
+def test_a_one_shard_plan_finalized_again_after_its_publish_only_cleans_up(s3_env: Any, s3_source: str,
+                                                                           manifest: bool) -> None:
+    # scripts/bench_distributed.py: a worker given no task ran the whole plan and published it; the --finalize
+    # after it refused the complete checkpoint ("1 task(s) not done (0)"): no index told it the plan was published
+    bucket = f"s3://{s3_env.bucket}"
+    shardkit.convert(s3_source, f"{bucket}/one-ref", dtype="bf16", manifest=manifest)
+    plan = shardkit.write_plan(s3_source, f"{bucket}/one", dtype="bf16", manifest=manifest)
+    assert len(plan.tasks) == 1 and plan.index is None
+    assert shardkit.run_plan(plan).published
+    assert shardkit.run_plan(plan, finalize=True).published
+    assert prefix_bytes(s3_env, "one") == prefix_bytes(s3_env, "one-ref") and s3_env.uploads() == []
+    # a shard uploaded whose record is gone is never taken for a published plan
+    other = shardkit.write_plan(s3_source, f"{bucket}/two", dtype="bf16", manifest=manifest)
+    shardkit.run_plan(other, task=0)
+    client = s3_env.client()
+    client.delete_object(Bucket=s3_env.bucket, Key=f"two/{work_prefix(other)}/done/00000.json")
+    client.close()
+    with pytest.raises(shardkit.InvalidInputError, match=r"1 task\(s\) not done \(0\)"):
+        shardkit.run_plan(other, finalize=True)
+    assert f"two/{journal_name(other)}" in s3_env.keys("two/")  # recover still knows the plan
+
+
 def test_local_to_s3_and_s3_to_local_equal_one_process(s3_env: Any, s3_source: str, tmp_path: Path) -> None:
     src = make_source(tmp_path / "local-src")
     up = shardkit.write_plan(src, f"s3://{s3_env.bucket}/up", **OPTIONS)

@@ -190,13 +190,26 @@ def finalize(plan: ConversionPlan, *, opener: SourceOpener = local_source) -> Pl
 
 
 def _published(store: ObjectStore, plan: ConversionPlan, listed: Mapping[str, ObjectInfo]) -> bool:
-    """Whether a finalize already published this plan (killed before its cleanup): its marker, or a live
-    index naming exactly the plan's shards."""
+    """Whether a finalize already published this plan (killed before its cleanup, or done): its marker, a live
+    index naming exactly the plan's shards, or, a plan without an index (one shard), no record left (the cleanup had
+    begun), every shard at its planned size and every name the publish puts, the manifest naming each shard at that
+    size (without a manifest: the journal gone, the cleanup over). A second finalize then only cleans up."""
     if _marker(plan) in listed:
         return True
-    if plan.index is None or plan.index not in listed:
+    if plan.index is not None:
+        return plan.index in listed and index_names(store, listed[plan.index]) == {t.output for t in plan.tasks}
+    if any(n.startswith(f"{work_prefix(plan)}/done/") for n in listed) or \
+            any(t.output not in listed or listed[t.output].size_bytes != t.size_bytes for t in plan.tasks) or \
+            any(n not in listed for n in _side_names(plan)):
         return False
-    return index_names(store, listed[plan.index]) == {t.output for t in plan.tasks}
+    if not plan.spec.options.manifest:  # nothing to read back: only once the cleanup is over (the journal gone)
+        return journal_name(plan) not in listed
+    data = _read_whole(store, [listed[MANIFEST_NAME]], bound=MAX_RECORD_BYTES)[0]
+    try:
+        files = parse_manifest(bytes(data), path=f"{plan.spec.output}/{MANIFEST_NAME}").files
+    except ManifestError:
+        return False  # not the manifest the publish put: not published
+    return all(t.output in files and files[t.output].size_bytes == t.size_bytes for t in plan.tasks)
 
 
 def _records(store: ObjectStore, plan: ConversionPlan, listed: Mapping[str, ObjectInfo]) -> dict[str, FileDigest]:
