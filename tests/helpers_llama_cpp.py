@@ -9,9 +9,13 @@ wheel. Without the network the tests that need them skip, saying why.
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import functools
+import json
 import os
+import select
+import signal
 import subprocess
 import sys
 import tarfile
@@ -104,6 +108,94 @@ def llama_cpp_converter() -> Path:
     return script
 
 
+# The converter's imports (torch, transformers, its ~90 model modules) take seconds per run: one server per test
+# process imports them once and forks a child per conversion, which runs the wrapper's code as a fresh process
+# would (its own argv, environment and working folder). A line of JSON in, a line of JSON out (the exit code and the
+# end of what it printed).
+SERVER = WRAPPER.replace("sys.argv = sys.argv[1:]\nrunpy.run_path(script, run_name=\"__main__\")\n", """
+import json, traceback
+import numpy, torch, gguf, transformers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+import conversion
+for line in sys.stdin:
+    request = json.loads(line)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.environ.clear()
+            os.environ.update(request["env"])
+            os.chdir(request["cwd"])
+            os.close(read_end)
+            os.dup2(write_end, 1)
+            os.dup2(write_end, 2)
+            sys.argv = [script, *request["args"]]
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as output:
+        said = output.read()
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"code": os.waitstatus_to_exitcode(status), "output": said[-3000:].decode(errors="replace")}),
+          flush=True)
+""")
+SERVER_TIMEOUT_S = 600
+_servers: dict[str, subprocess.Popen[str]] = {}
+
+
+def _stop_servers() -> None:
+    for server in _servers.values():
+        if server.stdin is not None:
+            server.stdin.close()  # its loop ends
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=10)
+    _servers.clear()
+
+
+def _converter_server(script: Path) -> subprocess.Popen[str]:
+    server = _servers.get(str(script))
+    if server is None or server.poll() is not None:
+        if not _servers:
+            atexit.register(_stop_servers)
+        env = {**os.environ}
+        env.pop("NO_LOCAL_GGUF", None)  # its own gguf-py, as vendored
+        server = subprocess.Popen([sys.executable, "-c", SERVER, str(script)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                                  start_new_session=True)
+        _servers[str(script)] = server
+    return server
+
+
+def _run_in_server(script: Path, args: list[str], env: dict[str, str]) -> tuple[int, str]:
+    """The converter with ``args`` in a child of the server: its exit code and the end of its output."""
+    server = _converter_server(script)
+    assert server.stdin is not None and server.stdout is not None
+    request = {"args": args, "env": env, "cwd": os.getcwd()}
+    server.stdin.write(json.dumps(request) + "\n")
+    server.stdin.flush()
+    ready, _, _ = select.select([server.stdout], [], [], SERVER_TIMEOUT_S)
+    line = server.stdout.readline() if ready else ""
+    if not line:  # stuck or gone: stop it (a later call starts another)
+        _servers.pop(str(script), None)
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=10)
+        pytest.fail(f"the converter server {'timed out' if not ready else 'exited'} running {args}")
+    answer = json.loads(line)
+    return int(answer["code"]), str(answer["output"])
+
+
 def run_converter(folder: Path, out: Path, *, outtype: str = "f32", pre_fallback: str | None = None,
                   extra: tuple[str, ...] = ()) -> Path:
     """llama.cpp's converter on ``folder`` → ``out`` (``--outtype``, then ``extra`` arguments: ``--split-max-size``
@@ -111,10 +203,8 @@ def run_converter(folder: Path, out: Path, *, outtype: str = "f32", pre_fallback
     script = llama_cpp_converter()
     env = {**os.environ, "PRE_FALLBACK": pre_fallback or ""}
     env.pop("NO_LOCAL_GGUF", None)  # its own gguf-py, as vendored
-    done = subprocess.run([sys.executable, str(script.parent / "wrapper.py"), str(script), str(folder), "--outfile",
-                           str(out), "--outtype", outtype, *extra], capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert done.returncode == 0 and (out.is_file() or extra), done.stderr[-3000:]
+    code, output = _run_in_server(script, [str(folder), "--outfile", str(out), "--outtype", outtype, *extra], env)
+    assert code == 0 and (out.is_file() or extra), output
     return out
 
 
