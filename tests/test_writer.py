@@ -105,6 +105,29 @@ def test_falls_back_to_chunked_copy_when_kernel_copy_is_unsupported(
     assert slow.read_bytes() == fast.read_bytes()
 
 
+def test_a_chunked_copy_write_that_writes_nothing_is_an_error_naming_the_shard(
+        safetensors_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fallback copy writes through the one checked loop: a pwrite of 0 bytes is a ShardkitWriteError naming the
+    shard (it spun forever)."""
+    calls = [0]
+
+    def nothing(*a: Any) -> int:
+        calls[0] += 1
+        assert calls[0] < 100, "the copy kept calling pwrite after a write that wrote nothing"
+        return 0
+
+    def unsupported(*a: Any) -> int:
+        raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+
+    monkeypatch.setattr(os, "copy_file_range", unsupported)
+    monkeypatch.setattr(os, "pwrite", nothing)
+    out = tmp_path / "out.safetensors"
+    with open_safetensors_file(str(safetensors_file)) as src, \
+            pytest.raises(ShardkitWriteError, match=f"writing {out} failed: I/O error"):
+        write_safetensors(str(out), _writes(src), src)
+    assert calls[0] == 1
+
+
 def test_memory_source_goes_through_bounded_chunks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(writer, "CHUNK_BYTES", 7)
     tensors = make_state_dict(shapes=[(), (0,), (5, 3), (33,)])

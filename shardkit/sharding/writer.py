@@ -233,7 +233,7 @@ def _write_pieces(fd: int, writes: list[TensorWrite], source: Source, path: str,
             if source.kernel_copy and first.src.file is not None and first.src.dtype == first.out.dtype:
                 edges, middle = _pieces(run, begin)
                 for piece in edges:
-                    _copy_piece(fd, piece, fds.get(piece.src_path), tick)
+                    _copy_piece(fd, piece, fds.get(piece.src_path), path, tick)
                 middles += [middle] if middle else []
             else:
                 os.lseek(fd, begin, os.SEEK_SET)
@@ -241,7 +241,7 @@ def _write_pieces(fd: int, writes: list[TensorWrite], source: Source, path: str,
                     crc32s[p.out.name] = f"{_write_through(fd, p, source, path, tick):08x}"
             begin += sum(p.out.nbytes for p in run)
         for piece in middles:
-            _copy_piece(fd, piece, fds.get(piece.src_path), tick)
+            _copy_piece(fd, piece, fds.get(piece.src_path), path, tick)
     return bool(middles)
 
 
@@ -292,7 +292,7 @@ def _check_length(entry: TensorEntry, got_bytes: int, want_bytes: int, source: S
                           "(the source changed while it was read?); nothing was published: convert from an intact copy")
 
 
-def _copy_piece(fd: int, piece: _Piece, src_fd: int, tick: ProgressFn) -> None:
+def _copy_piece(fd: int, piece: _Piece, src_fd: int, path: str, tick: ProgressFn) -> None:
     """``copy_file_range`` one piece in calls of at most COPY_CALL_BYTES (a block multiple, so a
     middle stays aligned call after call); falls back to pread/pwrite where the kernel refuses."""
     done = 0
@@ -303,7 +303,7 @@ def _copy_piece(fd: int, piece: _Piece, src_fd: int, tick: ProgressFn) -> None:
         except OSError as e:
             if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM):
                 raise
-            _copy_by_chunks(src_fd, fd, src_at, dst_at, piece.nbytes - done, tick)
+            _copy_by_chunks(src_fd, fd, src_at, dst_at, piece.nbytes - done, path, tick)
             return
         if n == 0:
             raise InvalidInputError(
@@ -314,17 +314,15 @@ def _copy_piece(fd: int, piece: _Piece, src_fd: int, tick: ProgressFn) -> None:
         tick(n)
 
 
-def _copy_by_chunks(src_fd: int, fd: int, src_offset: int, dst_offset: int, count: int, tick: ProgressFn) -> None:
+def _copy_by_chunks(src_fd: int, fd: int, src_offset: int, dst_offset: int, count: int, path: str,
+                    tick: ProgressFn) -> None:
     done = 0
     while done < count:
         chunk = os.pread(src_fd, min(CHUNK_BYTES, count - done), src_offset + done)
         if not chunk:
             raise InvalidInputError("source file ended early while copying tensor data (truncated?)")
-        view = memoryview(chunk)
-        while view:
-            written = os.pwrite(fd, view, dst_offset + done)
-            view, done = view[written:], done + written
-            _faults.point("write", written)
+        write_fd(fd, chunk, path=path, offset=dst_offset + done, wrote=_wrote)  # the checked loop, a fault point a call
+        done += len(chunk)
         tick(len(chunk))
 
 
