@@ -42,18 +42,33 @@ class Case:
     times: list[float] = field(default_factory=list)
     rss_mb: list[float] = field(default_factory=list)
     floor: str = ""              # name of this case's floor, when it is not the table's default
+    cpu_s: list[float] = field(default_factory=list)  # user + sys CPU seconds of each run
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One run of a shell command: wall seconds, peak RSS (MB) and user + sys CPU seconds of its process tree."""
+    seconds: float
+    rss_mb: float
+    cpu_s: float
 
 
 # ----------------------------------------------------------------------------- running cases
 
 def measure(command: str, *, env: dict[str, str] | None = None) -> tuple[float, float]:
     """Wall seconds and peak RSS (MB) of ``bash -c command``, run from a fresh process (``env`` added to ours)."""
+    usage = measure_usage(command, env=env)
+    return usage.seconds, usage.rss_mb
+
+
+def measure_usage(command: str, *, env: dict[str, str] | None = None) -> Usage:
+    """:func:`measure`, with the user + sys CPU seconds of the command's process tree (getrusage of the children)."""
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--run", command], capture_output=True, text=True,
                          env={**os.environ, **(env or {})})
     if out.returncode != 0:
         raise SystemExit(out.stderr.strip()[-3000:])
     data = json.loads(out.stdout.strip().splitlines()[-1])
-    return data["seconds"], data["rss_mb"]
+    return Usage(data["seconds"], data["rss_mb"], data["cpu_s"])
 
 
 def _run_and_report(command: str) -> None:
@@ -63,8 +78,8 @@ def _run_and_report(command: str) -> None:
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr)
         raise SystemExit(f"benchmark command failed ({proc.returncode}): {command}")
-    rss_kb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    print(json.dumps({"seconds": seconds, "rss_mb": rss_kb / 1024}))
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    print(json.dumps({"seconds": seconds, "rss_mb": usage.ru_maxrss / 1024, "cpu_s": usage.ru_utime + usage.ru_stime}))
 
 
 def run_shardkit_recording_peak(argv: list[str]) -> None:
@@ -120,10 +135,12 @@ def run_interleaved(cases: list[Case], *, runs: int, log: Callable[[str], None] 
         for path in case.cleanup:
             remove(path)
         subprocess.run(["sync"], check=True)
-        seconds, rss = measure(case.command)
-        case.times.append(seconds)
-        case.rss_mb.append(rss)
-        log(f"  run {r + 1}/{runs} {case.name}: {seconds:.2f} s, {rss:.0f} MB peak RSS")
+        usage = measure_usage(case.command)
+        case.times.append(usage.seconds)
+        case.rss_mb.append(usage.rss_mb)
+        case.cpu_s.append(usage.cpu_s)
+        log(f"  run {r + 1}/{runs} {case.name}: {usage.seconds:.2f} s, {usage.cpu_s:.2f} CPU-s, "
+            f"{usage.rss_mb:.0f} MB peak RSS")
 
     rounds(cases, runs, one)
     for case in cases:
