@@ -88,6 +88,23 @@ def test_a_one_shard_plan_finalized_again_after_its_publish_only_cleans_up(s3_en
     assert f"two/{journal_name(other)}" in s3_env.keys("two/")  # recover still knows the plan
 
 
+def test_a_task_that_ends_after_another_process_published_the_plan_says_so_and_records_nothing(
+        s3_env: Any, s3_source: str, tmp_path: Path) -> None:
+    # a worker given no task runs the whole plan and publishes it while another still runs its task: the late task
+    # used to record itself done in the published prefix (an object no finalize removes); it now says what happened
+    from helpers_s3 import paused_cli
+
+    shardkit.write_plan(s3_source, f"s3://{s3_env.bucket}/out", tmp_path / "plan.json", **OPTIONS)
+    worker = paused_cli(s3_env, "plan:shard-uploaded", ["run", str(tmp_path / "plan.json"), "--task", "0", "-q"],
+                        tmp_path / "go")
+    assert shardkit.run_plan(tmp_path / "plan.json").published  # every task (0 too), then publish
+    (tmp_path / "go").touch()
+    _, err = worker.communicate(timeout=300)
+    assert worker.returncode == 2 and "was published (or removed by recover) by another process while task 0 ran" \
+        in err.decode(), err.decode()
+    assert prefix_bytes(s3_env, "out") == prefix_bytes(s3_env, "ref") and s3_env.uploads() == []
+
+
 def test_local_to_s3_and_s3_to_local_equal_one_process(s3_env: Any, s3_source: str, tmp_path: Path) -> None:
     src = make_source(tmp_path / "local-src")
     up = shardkit.write_plan(src, f"s3://{s3_env.bucket}/up", **OPTIONS)

@@ -165,8 +165,21 @@ def _write_task(store: ObjectStore, plan: ConversionPlan, job: ShardJob, task: S
                                      f"{task.size_bytes}; nothing was published: report this")
         writer.commit()
     _faults.point("plan:shard-uploaded")
+    _refuse_gone_plan(store, plan, task)
     store.put(_done_name(plan, task), dump_manifest({task.output: streamed.digest}))
     _faults.point("plan:task-done")
+
+
+def _refuse_gone_plan(store: ObjectStore, plan: ConversionPlan, task: ShardTask) -> None:
+    """Refuse to record a task once the journal it put is gone (one ``HEAD``): another process finalized the plan
+    (or recover removed it) meanwhile, and a record now would stay in the published prefix."""
+    try:
+        store.stat(journal_name(plan))
+    except SourceNotFoundError as e:
+        raise InvalidInputError(
+            f"{plan.spec.output}: the plan was published (or removed by recover) by another process while task "
+            f"{task.index} ran; {task.output} was uploaded again, not recorded: a run with no task runs every task and "
+            "publishes, so give each worker task=..., then finalize=True once all are done") from e
 
 
 def finalize(plan: ConversionPlan, *, opener: SourceOpener = local_source) -> PlanRun:
