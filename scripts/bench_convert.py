@@ -23,18 +23,49 @@ Groups, each with its own floor:
     .venv/bin/python scripts/bench_convert.py --runs 3            # SD 1.5 UNet
     .venv/bin/python scripts/bench_convert.py --large --runs 3    # SDXL UNet
     .venv/bin/python scripts/bench_convert.py --groups gguf --runs 3
+  * bf16 safetensors → GGUF q8_0 (``--groups gguf-out``, ``--sizes`` layer counts, default 4,10,20: ~0.5, 1.1,
+    2.2 GB): a TinyLlama-shaped bf16 folder per size (hidden 2048, 32 heads, 4 KV heads, intermediate 5632, vocab
+    32000; 500 MB shards of random weights streamed by ``shardkit.split``; a tiny byte-level BPE tokenizer), then
+    ``shardkit convert --to gguf --quantize q8_0`` against llama.cpp's ``convert_hf_to_gguf.py --outtype q8_0``:
+    wall, user + sys CPU seconds and peak RSS of each, and the two outputs checked equal (the whole file, or every
+    tensor and every key but ``general.*``). Each size's folder and outputs are deleted after it. Needs the test
+    extras (``pip install -e '.[test]'``): the converter and tokenizer come from tests/helpers_llama_cpp.py
+    (llama-cpp-python's sdist, cached in ``$SHARDKIT_TEST_CACHE``); the tiny tokenizer hashes to no real model, so
+    both sides are told it is ``gpt-2`` (the converter through the helpers' wrapper and ``PRE_FALLBACK``, shardkit
+    through its pre-tokenizer table, patched in the process that runs its CLI)
+
+    .venv/bin/python scripts/bench_convert.py --runs 3            # SD 1.5 UNet
+    .venv/bin/python scripts/bench_convert.py --large --runs 3    # SDXL UNet
+    .venv/bin/python scripts/bench_convert.py --groups gguf --runs 3
     .venv/bin/python scripts/bench_convert.py --groups gguf --layers 1 --runs 1   # ~0.2 GB, to check the script
+    .venv/bin/python scripts/bench_convert.py --groups gguf-out --sizes 4,10,20 --runs 2
+    .venv/bin/python scripts/bench_convert.py --groups gguf-out --sizes 1 --runs 1   # ~0.3 GB, to check the script
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from shlex import quote
+from statistics import median
+from types import ModuleType
 
-from benchlib import SK, Case, parser, shell_bench, tree_bytes
-from build_checkpoint import DCP_SAVE, TORCH_SAVE, build_once, unet_source
+from benchlib import (
+    SK,
+    Case,
+    machine_line,
+    markdown,
+    parser,
+    publish_report,
+    remove,
+    run_interleaved,
+    shell_bench,
+    tree_bytes,
+)
+from build_checkpoint import DCP_SAVE, TORCH_SAVE, build_once, random_source, unet_source
 
 # Child-process code reading the files sys.argv[1:] (as ``verify`` must): a plain loop, or sha256 on one thread.
 READ_LOOP = ("import mmap, os, sys\nview = memoryview(mmap.mmap(-1, 1 << 20))\nfor p in sys.argv[1:]:\n"
@@ -128,15 +159,130 @@ def gguf_group(layers: int, work: str) -> dict[str, list[Case]]:
              f"{quote(INCUMBENT)} {q_src} {q_out}/model.safetensors && sync", "incumbent", [out])]}
 
 
+# The TinyLlama shape the earlier hand measurement used (docs/quantized.md): 10 layers are 1.14 GB of bf16.
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
+         "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+         "rope_theta": 10000.0, "vocab_size": 32000, "bos_token_id": 0, "eos_token_id": 2, "hidden_act": "silu",
+         "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+# Child-process code: shardkit's CLI (sys.argv[2:]) with the tiny tokenizer's probe hash (sys.argv[1]) taken as gpt-2.
+SHARDKIT_PRE = ("import runpy, sys; from shardkit.layouts import gguf_pre; gguf_pre.PRE_TOKENIZERS[sys.argv[1]] = 'gpt-2'; "
+                "sys.argv = ['shardkit', *sys.argv[2:]]; runpy.run_module('shardkit', run_name='__main__', alter_sys=True)")
+# Child-process code: "identical" when the GGUF files sys.argv[1:3] are, "tensors and keys" when every tensor (type,
+# shape, bytes) and every key but general.* are; otherwise it fails naming the first difference.
+SAME_GGUF = """
+import filecmp, sys, numpy as np, gguf
+a, b = sys.argv[1:3]
+if filecmp.cmp(a, b, shallow=False):
+    print("identical"); sys.exit(0)
+ra, rb = gguf.GGUFReader(a), gguf.GGUFReader(b)
+ta, tb = {t.name: t for t in ra.tensors}, {t.name: t for t in rb.tensors}
+if sorted(ta) != sorted(tb):
+    sys.exit(f"tensor names differ: {sorted(set(ta) ^ set(tb))[:5]}")
+for name, t in ta.items():
+    u = tb[name]
+    if (t.tensor_type, list(t.shape)) != (u.tensor_type, list(u.shape)) or \
+            np.asarray(t.data).tobytes() != np.asarray(u.data).tobytes():
+        sys.exit(f"tensor {name} differs")
+def keys(r):
+    return {k: (f.types, f.contents()) for k, f in r.fields.items() if not k.startswith(("GGUF.", "general."))}
+if keys(ra) != keys(rb):
+    sys.exit(f"keys differ: {sorted(k for k in set(keys(ra)) | set(keys(rb)) if keys(ra).get(k) != keys(rb).get(k))[:5]}")
+print("tensors and keys")
+"""
+
+
+def llama_shapes(layers: int) -> dict[str, tuple[int, ...]]:
+    """The tensors of a :data:`LLAMA` of ``layers`` layers, as transformers names them."""
+    h, i, v = LLAMA["hidden_size"], LLAMA["intermediate_size"], LLAMA["vocab_size"]
+    kv = h // LLAMA["num_attention_heads"] * LLAMA["num_key_value_heads"]
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
+                                          "lm_head.weight": (v, h)}
+    for n in range(layers):
+        p = f"model.layers.{n}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (h, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, h),
+                       p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                       p + "mlp.down_proj.weight": (h, i)})
+    return shapes
+
+
+def llama_helpers() -> ModuleType:
+    """tests/helpers_llama_cpp.py (the converter, its wrapper, the tiny tokenizer), imported by path."""
+    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    import helpers_llama_cpp
+
+    return helpers_llama_cpp
+
+
+def build_llama_folder(folder: str, layers: int) -> str:
+    """A bf16 :data:`LLAMA` folder of ``layers`` layers (random weights streamed into 500 MB shards, config.json,
+    the tiny BPE tokenizer); returns the tokenizer's probe hash."""
+    import shardkit
+    from shardkit.layouts.gguf_vocab import probe_hash
+
+    remove(folder)
+    shardkit.split(random_source(llama_shapes(layers), dtype="BF16"), folder, max_shard_size="500MB", manifest=False)
+    Path(folder, "config.json").write_text(json.dumps({**LLAMA, "num_hidden_layers": layers}, indent=2))
+    llama_helpers().tiny_bpe_tokenizer(Path(folder))
+    return probe_hash(os.path.join(folder, "tokenizer.json"))
+
+
+def gguf_out_sweep(sizes: list[int], work: str, *, runs: int) -> str:
+    """For each layer count: build the folder, run shardkit and the converter interleaved, check their outputs equal,
+    delete it all; the report (markdown)."""
+    converter = llama_helpers().llama_cpp_converter()
+    wrapper, py = quote(str(converter.with_name("wrapper.py"))), quote(sys.executable)
+    rows, loads = [], []
+    for layers in sizes:
+        folder, ours, theirs = (os.path.join(work, f"llama-{layers}l-bf16{s}") for s in ("", ".sk.gguf", ".ref.gguf"))
+        print(f"building {folder} ...", flush=True)
+        digest = build_llama_folder(folder, layers)
+        cases = [Case("shardkit", f"rm -f {quote(ours)} && {py} -c {quote(SHARDKIT_PRE)} {digest} convert "
+                      f"{quote(folder)} {quote(ours)} --to gguf --quantize q8_0 -q && sync"),
+                 Case("converter", f"rm -f {quote(theirs)} && env -u NO_LOCAL_GGUF PRE_FALLBACK=gpt-2 {py} {wrapper} "
+                      f"{quote(str(converter))} {quote(folder)} --outfile {quote(theirs)} --outtype q8_0 "
+                      ">/dev/null 2>&1 && sync")]
+        before = os.getloadavg()[0]
+        run_interleaved(cases, runs=runs)
+        loads.append(f"{before:.1f}-{os.getloadavg()[0]:.1f}")
+        same = subprocess.run([sys.executable, "-c", SAME_GGUF, ours, theirs], capture_output=True, text=True)
+        verdict = same.stdout.strip() if same.returncode == 0 else f"DIFFER: {same.stderr.strip()[-200:]}"
+        rows.append(gguf_out_row(layers, tree_bytes(folder), cases, verdict))
+        for path in (folder, ours, theirs):
+            remove(path)
+    head = ["layers (bf16 GB)", "shardkit wall s", "CPU s", "peak RSS MB", "converter wall s", "CPU s", "peak RSS MB",
+            "ratios (wall, CPU, RSS)", "outputs"]
+    return (f"bf16 folder → GGUF q8_0, median of {runs} run(s) each, interleaved, each write followed by sync\n"
+            f"machine: {machine_line()}; load average (1 min) at each size's start-end: {', '.join(loads)}\n\n"
+            + markdown(head, rows, align="l" + "r" * 7 + "l") + "\n")
+
+
+def gguf_out_row(layers: int, size_bytes: int, cases: list[Case], verdict: str) -> list[str]:
+    sk, ref = ({"wall": median(c.times), "cpu": median(c.cpu_s), "rss": max(c.rss_mb)} for c in cases)
+    ratios = ", ".join(f"{sk[k] / ref[k]:.2f}" for k in ("wall", "cpu", "rss"))
+    return [f"{layers} ({size_bytes / 1e9:.2f} GB)", f"{sk['wall']:.1f}", f"{sk['cpu']:.1f}", f"{sk['rss']:.0f}",
+            f"{ref['wall']:.1f}", f"{ref['cpu']:.1f}", f"{ref['rss']:.0f}", ratios, verdict]
+
+
 def main() -> int:
     p = parser(__doc__, work="bench-data")
     p.add_argument("--large", action="store_true", help="SDXL UNet (~10.3 GB) instead of SD 1.5 (~3.4 GB)")
     p.add_argument("--tiny", action="store_true", help="a few MB, to check the script itself")
-    p.add_argument("--groups", default="bin,dcp,verify", help="which of bin, dcp, verify and gguf (comma-separated)")
+    p.add_argument("--groups", default="bin,dcp,verify", help="which of bin, dcp, verify and gguf (comma-separated), or gguf-out alone")
     p.add_argument("--layers", type=int, default=9, help="gguf: the Llama's layers (9: ~1.04 GB of Q4_0)")
+    p.add_argument("--sizes", default="4,10,20", help="gguf-out: the bf16 Llamas' layer counts (10: ~1.14 GB)")
     args = p.parse_args()
     kind, wanted = "tiny" if args.tiny else "sdxl" if args.large else "sd15", args.groups.split(",")
     os.makedirs(args.work, exist_ok=True)
+    if "gguf-out" in wanted:
+        if len(wanted) > 1:
+            p.error("--groups gguf-out runs alone (its report is a size sweep)")
+        sizes = [int(n) for n in args.sizes.split(",")]
+        publish_report(gguf_out_sweep(sizes, args.work, runs=args.runs), args.output)
+        return 0
     unet = set(wanted) - {"gguf"}
     tables = {name: cases for name, cases in (unet_groups(kind, args.work) if unet else {}).items()
               if name.split()[0] in wanted}
