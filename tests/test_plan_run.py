@@ -54,6 +54,31 @@ def test_run_with_no_task_runs_what_is_left_and_publishes(planned: tuple[Path, P
     assert folder_bytes(Path(run.output)) == ref
 
 
+def test_a_published_plan_run_again_does_nothing_and_another_plan_is_refused(planned: tuple[Path, Path, dict],
+                                                                              tmp_path: Path) -> None:
+    """A second finalize (another worker, a repeated Slurm job) used to refuse '6 task(s) not done' and leave an
+    empty work folder; a task, a whole run and a resume of the same job now find it published and change nothing."""
+    src, plan_path, ref = planned
+    plan = read_plan(plan_path)
+    assert shardkit.run_plan(plan_path).published
+    beside = sorted(p.name for p in tmp_path.iterdir())
+    for again in ({"finalize": True}, {}, {"task": 0}):
+        run = shardkit.run_plan(plan_path, **again)
+        assert run.written == [] and (run.published or again == {"task": 0}), again
+    resumed = invoke_cli("convert", src, tmp_path / "out", "--max-shard-size", "20KB", "--dtype", "bf16", "--resume")
+    assert resumed.exit_code == 0, resumed.stderr
+    assert folder_bytes(Path(plan.spec.output)) == ref
+    assert sorted(p.name for p in tmp_path.iterdir()) == beside  # no work folder made again
+    # The same names and sizes from another job (fp16 instead of bf16) are not this plan's: refused as before.
+    shardkit.write_plan(src, tmp_path / "out", tmp_path / "fp16.json", max_shard_size="20KB", dtype="fp16",
+                        overwrite=True)
+    with pytest.raises(shardkit.InvalidInputError, match=r"6 task\(s\) not done"):
+        shardkit.run_plan(tmp_path / "fp16.json", finalize=True)
+    assert_one_line_error(invoke_cli("convert", src, tmp_path / "out", "--max-shard-size", "20KB", "--dtype", "fp16",
+                                     "--resume"), contains="exists and is not empty")
+    assert folder_bytes(Path(plan.spec.output)) == ref
+
+
 def test_a_half_written_shard_is_redone_and_a_damaged_one_is_caught_by_finalize(planned: tuple[Path, Path, dict]) -> None:
     _, plan_path, ref = planned
     plan = read_plan(plan_path)

@@ -140,13 +140,13 @@ def _where(path: str, *, role: str) -> str:
 
 def _refuse_taken_output(plan: ConversionPlan, *, dry_run: bool) -> None:
     """A plan whose finalize would refuse its output is refused before any task runs (a dry run warns),
-    unless the plan already ran there (a resume after its publish, killed before the cleanup)."""
+    unless the plan already ran there (a resume after its publish, killed before the cleanup, or done)."""
     output = plan.spec.output
     if plan.spec.options.overwrite or not (os.path.isdir(output) and os.listdir(output)):
         return
     if dry_run:
         warn_if_output_taken(output, overwrite=False)
-    elif not os.path.isdir(work_folder(plan)):
+    elif not os.path.isdir(work_folder(plan)) and not published_here(plan):
         raise OutputExistsError(f"{output} exists and is not empty; pass overwrite=True to replace its checkpoint")
 
 
@@ -163,6 +163,9 @@ def run_tasks(plan: ConversionPlan, indexes: Sequence[int], *, progress: Progres
     if is_store_url(plan.spec.output):
         return plan_store.run_tasks(plan, indexes, progress=progress, opener=opener)
     run = PlanRun(plan.plan_id, plan.spec.output, [], [])
+    if published_here(plan):  # every task's shard is in the published output: each is done
+        run.skipped = list(indexes)
+        return run
     with work_lock(plan) as work:
         pending = [i for i in indexes if not os.path.exists(os.path.join(work, done_name(plan.tasks[i])))]
         run.skipped = [i for i in indexes if i not in set(pending)]
@@ -224,6 +227,36 @@ def _published(plan: ConversionPlan, work: str) -> bool:
         return False
 
 
+def published_here(plan: ConversionPlan) -> bool:
+    """Whether the output already holds this plan, published and cleaned up (its work folder gone): the manifest
+    naming every shard at its planned size, each shard that size with the plan's tensor count and cast dtypes. Then
+    a task or finalize run again does nothing, as a store's finalize only cleans up. Without a manifest nothing
+    says whose shards they are: False (a finalize then asks for the tasks again)."""
+    from collections import Counter
+
+    from ..errors import HeaderError
+    from ..formats.header import read_header
+    from ..formats.links import read_inside
+    from ..formats.manifest import MANIFEST_NAME, ManifestError, parse_manifest
+
+    out = plan.spec.output
+    if not plan.spec.options.manifest or os.path.isdir(work_folder(plan)) or not os.path.isdir(out):
+        return False
+    try:
+        files = parse_manifest(read_inside(out, MANIFEST_NAME, where=out), path=os.path.join(out, MANIFEST_NAME)).files
+        for t in plan.tasks:
+            path = os.path.join(out, t.output)
+            if t.output not in files or not files[t.output].size_bytes == os.path.getsize(path) == t.size_bytes:
+                return False
+            entries = read_header(path).entries
+            dtypes = Counter(e.dtype for e in entries)
+            if len(entries) != t.tensors or any(dtypes[cast.split("->")[1]] < n for cast, n in t.casts):
+                return False
+    except (OSError, ManifestError, HeaderError):
+        return False
+    return True
+
+
 def finalize(plan: ConversionPlan, *, opener: SourceOpener = local_source) -> PlanRun:
     """Check every shard, then publish the output (side files, manifest, index last); remove the work folder."""
     if plan.spec.to == "gguf":
@@ -233,6 +266,8 @@ def finalize(plan: ConversionPlan, *, opener: SourceOpener = local_source) -> Pl
     if is_store_url(plan.spec.output):
         return plan_store.finalize(plan, opener=opener)
     run = PlanRun(plan.plan_id, plan.spec.output, [], [], published=True)
+    if published_here(plan):  # finalized before (by another worker, or a run now repeated): nothing left to do
+        return run
     with work_lock(plan) as work:
         if not _published(plan, work):
             records = checked_records(plan, work)
