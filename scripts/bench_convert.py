@@ -19,26 +19,22 @@ Groups, each with its own floor:
     (HF names, q/k unpermuted, config.json); the incumbent a user writes today: ``gguf.GGUFReader`` +
     ``gguf.quants.dequantize`` of every tensor into a bf16 state dict, then ``safetensors.torch.save_file``
     (llama.cpp names, no permutation undone: less work than shardkit does)
-
-    .venv/bin/python scripts/bench_convert.py --runs 3            # SD 1.5 UNet
-    .venv/bin/python scripts/bench_convert.py --large --runs 3    # SDXL UNet
-    .venv/bin/python scripts/bench_convert.py --groups gguf --runs 3
-  * bf16 safetensors → GGUF q8_0 (``--groups gguf-out``, ``--sizes`` layer counts, default 4,10,20: ~0.5, 1.1,
-    2.2 GB): a TinyLlama-shaped bf16 folder per size (hidden 2048, 32 heads, 4 KV heads, intermediate 5632, vocab
-    32000; 500 MB shards of random weights streamed by ``shardkit.split``; a tiny byte-level BPE tokenizer), then
-    ``shardkit convert --to gguf --quantize q8_0`` against llama.cpp's ``convert_hf_to_gguf.py --outtype q8_0``:
-    wall, user + sys CPU seconds and peak RSS of each, and the two outputs checked equal (the whole file, or every
-    tensor and every key but ``general.*``). Each size's folder and outputs are deleted after it. Needs the test
-    extras (``pip install -e '.[test]'``): the converter and tokenizer come from tests/helpers_llama_cpp.py
-    (llama-cpp-python's sdist, cached in ``$SHARDKIT_TEST_CACHE``); the tiny tokenizer hashes to no real model, so
-    both sides are told it is ``gpt-2`` (the converter through the helpers' wrapper and ``PRE_FALLBACK``, shardkit
-    through its pre-tokenizer table, patched in the process that runs its CLI)
+  * bf16 safetensors → GGUF q8_0 (``--groups gguf-out``, ``--sizes`` layer counts, default 4,10,20: ~0.6, 1.1, 2.0
+    GB): a TinyLlama-shaped bf16 folder per size (hidden 2048, 32 heads, 4 KV heads, intermediate 5632, vocab 32000;
+    500 MB shards of random weights streamed by ``shardkit.split``; a tiny byte-level BPE tokenizer), then ``shardkit
+    convert --to gguf --quantize q8_0`` against llama.cpp's ``convert_hf_to_gguf.py --outtype q8_0``: wall, user + sys
+    CPU seconds and peak RSS of each, and the two outputs checked equal (the whole file, or every tensor and every key
+    but ``general.*``). Each size's folder and outputs are deleted after it. Needs the dev extras' test tools (``pip
+    install -e '.[dev]'``: pytest, transformers, gguf, sentencepiece): the converter and tokenizer come from
+    tests/helpers_llama_cpp.py (llama-cpp-python's sdist, cached in ``$SHARDKIT_TEST_CACHE``); the tiny tokenizer
+    hashes to no real model, so both sides are told it is ``gpt-2`` (the converter through the helpers' wrapper and
+    ``PRE_FALLBACK``, shardkit through its pre-tokenizer table, patched in the process that runs its CLI)
 
     .venv/bin/python scripts/bench_convert.py --runs 3            # SD 1.5 UNet
     .venv/bin/python scripts/bench_convert.py --large --runs 3    # SDXL UNet
     .venv/bin/python scripts/bench_convert.py --groups gguf --runs 3
     .venv/bin/python scripts/bench_convert.py --groups gguf --layers 1 --runs 1   # ~0.2 GB, to check the script
-    .venv/bin/python scripts/bench_convert.py --groups gguf-out --sizes 4,10,20 --runs 2
+    .venv/bin/python scripts/bench_convert.py --groups gguf-out --sizes 4,10,20 --runs 3
     .venv/bin/python scripts/bench_convert.py --groups gguf-out --sizes 1 --runs 1   # ~0.3 GB, to check the script
 """
 
