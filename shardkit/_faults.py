@@ -38,6 +38,7 @@ _ERRNO_AT, _, _ERRNO_NAME = os.environ.get("SHARDKIT_FAULT_ERRNO_AT", "").partit
 _ERRNO_AT_N = int(_ERRNO_AT) if _ERRNO_AT.isdigit() else 0
 _WAIT_AT = os.environ.get("SHARDKIT_FAULT_WAIT_AT") or None
 _WAIT_FILE = os.environ.get("SHARDKIT_FAULT_WAIT_FILE") or None
+WAIT_LIMIT_S = 600.0  # a process paused at a point waits at most this long for its go-ahead, then is killed
 ACTIVE = bool(_TRACE or _KILL_AT or _KILL_AT_LABEL or _KILL_AFTER_BYTES or _ERRNO_AT_N or (_WAIT_AT and _WAIT_FILE))
 
 _points = 0
@@ -67,5 +68,8 @@ def _hit(label: str, nbytes: int) -> None:
         raise OSError(code, f"{os.strerror(code)} (injected at {label})")
     if _WAIT_AT and _WAIT_FILE and label.startswith(_WAIT_AT):
         open(f"{_WAIT_FILE}.ready.{os.getpid()}", "a").close()
+        deadline = time.monotonic() + WAIT_LIMIT_S
         while not os.path.exists(_WAIT_FILE):
+            if time.monotonic() > deadline:  # the test that paused it is gone: never outlive it by more
+                os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(0.01)
