@@ -55,7 +55,8 @@ def paused_cli(s3_env: S3Env, point: str, args: list[str], wait: Path) -> subpro
     (``shardkit._faults``: it waits for ``wait`` and marks it ``.ready.*``); the test fails if it never gets there."""
     from conftest import SHARDKIT_BIN
 
-    env = {**os.environ, **s3_env.env, "SHARDKIT_FAULT_WAIT_AT": point, "SHARDKIT_FAULT_WAIT_FILE": str(wait)}
+    env = {**os.environ, **s3_env.env, "SHARDKIT_FAULT_WAIT_AT": point, "SHARDKIT_FAULT_WAIT_FILE": str(wait),
+           "PYTHONFAULTHANDLER": "1"}  # a test that finds it stuck sends SIGABRT: every thread's stack on stderr
     proc = subprocess.Popen([SHARDKIT_BIN, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not list(wait.parent.glob(wait.name + ".ready.*")):
