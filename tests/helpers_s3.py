@@ -8,6 +8,7 @@ The fixtures in conftest.py: ``s3_server`` (one SeaweedFS per session, stopped a
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -57,7 +58,10 @@ def paused_cli(s3_env: S3Env, point: str, args: list[str], wait: Path) -> subpro
 
     env = {**os.environ, **s3_env.env, "SHARDKIT_FAULT_WAIT_AT": point, "SHARDKIT_FAULT_WAIT_FILE": str(wait),
            "PYTHONFAULTHANDLER": "1"}  # a test that finds it stuck sends SIGABRT: every thread's stack on stderr
-    proc = subprocess.Popen([SHARDKIT_BIN, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # SIGINT reset to its default: a test runner started in the background (a CI job, `cmd &`) ignores SIGINT, the
+    # child would inherit that, and Python then installs no KeyboardInterrupt handler (Ctrl-C tests would hang)
+    proc = subprocess.Popen([SHARDKIT_BIN, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 120
     while not list(wait.parent.glob(wait.name + ".ready.*")):
         if proc.poll() is not None or time.monotonic() > deadline:
