@@ -139,13 +139,13 @@ def _write_new(path: str, data: bytes, *, name: str) -> None:
     Raises:
         ShardkitWriteError: a write failed or wrote nothing, naming ``name``.
     """
+    from ..formats.links import write_fd
     from ..sharding.flush import write_error
-    from ..sharding.writer import write_all
 
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            write_all(fd, data, path, fault_points=False)  # bookkeeping, not output: no fault points
+            write_fd(fd, data, path=path)  # bookkeeping, not output: no fault points
             os.fsync(fd)
         finally:
             os.close(fd)

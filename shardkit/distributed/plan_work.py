@@ -14,9 +14,8 @@ from collections.abc import Iterator
 from ..atomic.commit import output_folder
 from ..atomic.journal import PLAN_MARK, TMP_MARK, fsync_dir, is_stale_tmp, remove_path, try_lock
 from ..errors import InvalidInputError, ShardkitWriteError, describe_os_error
-from ..formats.links import read_inside
+from ..formats.links import read_inside, write_fd
 from ..formats.manifest import FileDigest, ManifestError, parse_manifest, read_digests
-from ..sharding.writer import write_all
 from .plan_file import ConversionPlan, ShardTask
 
 __all__ = ["PUBLISHED", "checked_records", "done_name", "local_done_tasks", "remove_stale_tmp", "remove_work", "work_folder", "work_lock",
@@ -73,7 +72,7 @@ def write_small(work: str, name: str, data: bytes) -> None:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            write_all(fd, data, tmp, fault_points=False)
+            write_fd(fd, data, path=tmp)  # bookkeeping, not output: no fault points
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -352,14 +352,14 @@ def cast_chunks(p: TensorWrite, source: Source) -> Iterator[memoryview]:
         yield torch.frombuffer(raw, dtype=src_dtype).to(out_dtype).view(torch.uint8).numpy().data
 
 
-def write_all(fd: int, data: bytes | memoryview, path: str, *, fault_points: bool = True) -> None:
+def write_all(fd: int, data: bytes | memoryview, path: str) -> None:
     """Write every byte of ``data`` at ``fd``'s position through the one checked loop
     (:func:`~shardkit.formats.links.write_fd`): a call that writes nothing raises ``OSError(EIO)`` naming ``path``
     instead of looping forever; callers turn it into their :class:`~shardkit.errors.ShardkitWriteError`.
-    ``fault_points``: a fault point per call, counting output bytes (shards, GGUF files); False for
-    bookkeeping (plan files, done records), which the crash tests do not count as output.
+    A fault point per call counts output bytes (shards, GGUF files); bookkeeping (plan files, done records), which
+    the crash tests do not count as output, calls ``write_fd`` itself.
     """
-    write_fd(fd, data, path=path, wrote=_wrote if fault_points else None)
+    write_fd(fd, data, path=path, wrote=_wrote)
 
 
 def _wrote(nbytes: int) -> None:
