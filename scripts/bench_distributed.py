@@ -10,7 +10,7 @@ folder (the floor), ``shardkit convert`` with each of ``--ranks`` (1: one proces
 ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` (a .pt file), one process each.
 
 ``--s3``: one safetensors object of random fp16 values (``--size-mb``, in 64 MiB tensors) in a
-local SeaweedFS (scripts/s3_server.py), converted into a fresh prefix: ``--ranks`` (default 1,2)
+local SeaweedFS (tests/s3_server.py), converted into a fresh prefix: ``--ranks`` (default 1,2)
 and a plan run by each of ``--workers`` (default 1,2; local: none). A plan case writes the plan
 first (not timed), then times its tasks (W workers: W processes at once, tasks w, w + W, ...) and
 its finalize apart (never more workers than tasks: a worker given no task would run them all and

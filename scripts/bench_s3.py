@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""S3 benchmarks against a real SeaweedFS on loopback (scripts/s3_server.py): four tables of cases (issue 33).
+"""S3 benchmarks against a real SeaweedFS on loopback (tests/s3_server.py): four tables of cases (issue 33).
 
 Every case runs in a fresh process, cases interleaved, ``--runs`` rounds, the order rotating; the
 clock starts after the case's imports; peak RSS is the child's own ``VmHWM`` (``ru_maxrss`` would

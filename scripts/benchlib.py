@@ -28,6 +28,10 @@ from typing import Any, TypeVar
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+TESTS = os.path.join(ROOT, "tests")  # the test servers (s3_server, hub_server) and the latency mount live there
+for _path in (ROOT, TESTS):  # appended: shardkit from this checkout when it is not installed, then tests/
+    if _path not in sys.path:
+        sys.path.append(_path)
 SK = shlex.quote(os.path.join(os.path.dirname(sys.executable), "shardkit"))  # this interpreter's CLI, for shell cases
 K = TypeVar("K")
 Runs = list[dict[str, Any]]
@@ -389,9 +393,6 @@ def bindfs_mount(folder: str) -> Iterator[str]:
     finally:
         subprocess.run(["fusermount", "-u", mount], check=False)
 
-
-if ROOT not in sys.path:  # shardkit from this checkout when it is not installed
-    sys.path.append(ROOT)
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--run":
     _run_and_report(sys.argv[2])

@@ -14,7 +14,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.append(os.path.join(os.path.dirname(HERE), "tests"))  # tests/s3_server.py
 
 
 def step(title: str) -> None:

@@ -1,15 +1,9 @@
-"""The latency mount (scripts/latency_mount.py) for tests; skips with the reason where FUSE is missing."""
+"""The latency mount (tests/latency_mount.py) for tests; skips with the reason where FUSE is missing."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
-
-from latency_mount import LatencyMount, fuse_unavailable  # noqa: E402
+from latency_mount import LatencyMount, fuse_unavailable
 
 __all__ = ["LatencyMount", "mount_or_skip"]
 

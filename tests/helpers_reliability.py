@@ -1,4 +1,4 @@
-"""Crash-consistency harness and checkers, shared by the reliability tests and scripts/crash_harness.py.
+"""Crash-consistency harness and checkers, shared by the reliability tests and tests/crash_harness.py.
 
 A *scenario* is one shardkit command (split, convert, merge; fresh output, overwrite, in place)
 on a small checkpoint with many tensors and shards, or on a diffusers pipeline folder (several

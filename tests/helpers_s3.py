@@ -1,4 +1,4 @@
-"""SeaweedFS and the delay proxy (scripts/s3_server.py) for tests; skips with the reason where ``weed`` cannot run.
+"""SeaweedFS and the delay proxy (tests/s3_server.py) for tests; skips with the reason where ``weed`` cannot run.
 
 The fixtures in conftest.py: ``s3_server`` (one SeaweedFS per session, stopped at its end),
 ``s3_env`` (a fresh bucket, and the standard AWS_* variables pointing at the server with
@@ -10,17 +10,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
-
-from s3_server import ACCESS_KEY, SECRET_KEY, DelayProxy, SeaweedS3, weed_unavailable  # noqa: E402
+from s3_server import ACCESS_KEY, SECRET_KEY, DelayProxy, SeaweedS3, weed_unavailable
 
 __all__ = ["ACCESS_KEY", "SECRET_KEY", "DelayProxy", "S3Env", "SeaweedS3", "new_bucket", "paused_cli",
            "sharded_checkpoint", "start_or_skip"]

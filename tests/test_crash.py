@@ -1,7 +1,7 @@
 """Crash consistency: SIGKILL split, convert, merge and pipeline splits at many points; nothing is lost or half-visible.
 
 See ``tests/helpers_reliability.py`` for what is checked after each kill, and
-``scripts/crash_harness.py`` for the long mode (every fault point of every scenario, 300+).
+``tests/crash_harness.py`` for the long mode (every fault point of every scenario, 300+).
 """
 
 from __future__ import annotations

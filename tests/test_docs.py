@@ -278,7 +278,7 @@ def _flux_config(page: Page) -> None:
 
 
 def _s3(page: Page) -> None:
-    """A SeaweedFS S3 server (scripts/s3_server.py; the page skips where ``weed`` cannot run) with a
+    """A SeaweedFS S3 server (tests/s3_server.py; the page skips where ``weed`` cannot run) with a
     bucket ``models``: ``s3://models/sd15/unet`` holds the tiny UNet in 1 MB shards, ``model.safetensors``
     is its single file here, and the standard AWS_* variables name the server (``~/.aws`` hidden)."""
     from helpers_s3 import start_or_skip

@@ -1,6 +1,6 @@
 """Reads that keep the pipe full: parallel ranges, read-ahead, one plan over all shards, row slices.
 
-Counted by the latency mount (scripts/latency_mount.py): requests in flight, bytes, distinct bytes.
+Counted by the latency mount (tests/latency_mount.py): requests in flight, bytes, distinct bytes.
 No timings are asserted.
 """
 

@@ -16,7 +16,7 @@ The counters are read through two virtual files at the mount's root (never count
         ...read files under mnt_folder...
         print(mount.stats())       # {"requests": ..., "bytes": ..., "peak_in_flight": ..., ...}
 
-Run alone: ``python scripts/latency_mount.py SRC MNT --latency-ms 2`` (foreground; unmount with
+Run alone: ``python tests/latency_mount.py SRC MNT --latency-ms 2`` (foreground; unmount with
 ``fusermount3 -u MNT``). Needs ``/dev/fuse``, ``fusermount3`` (Debian: ``fuse3``) and the
 ``mfusepy`` package (dev extras); :func:`fuse_unavailable` says which is missing.
 """

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Crash-consistency harness, long mode: SIGKILL shardkit at every fault point of every scenario.
 
-    .venv/bin/python scripts/crash_harness.py                 # every point + byte kills (300+)
-    .venv/bin/python scripts/crash_harness.py --budget 8      # a sample per scenario (as in CI)
-    .venv/bin/python scripts/crash_harness.py --scenario split-in-place --keep
+    .venv/bin/python tests/crash_harness.py                 # every point + byte kills (300+)
+    .venv/bin/python tests/crash_harness.py --budget 8      # a sample per scenario (as in CI)
+    .venv/bin/python tests/crash_harness.py --scenario split-in-place --keep
 
 Scenarios: split into a new folder, over another checkpoint, in place (sharded → sharded, single →
 sharded, sharded → single, with --dtype fp16), merge (new and over an existing file), convert (new
@@ -18,14 +18,11 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-import helpers_reliability as h  # noqa: E402
+import helpers_reliability as h  # tests/, this file's folder, is first on sys.path
 
 BYTE_KILLS_PER_SCENARIO = 8
 

@@ -17,7 +17,7 @@ each way. Run it in another process than the client being measured (it takes the
     with SeaweedS3(tmp_dir) as s3, DelayProxy(s3.port, delay_ms=1) as proxy:
         env = s3.client_env(port=proxy.port)   # AWS_* variables for any S3 client
 
-Run alone: ``python scripts/s3_server.py DIR [--delay-ms 1]`` prints the environment to export
+Run alone: ``python tests/s3_server.py DIR [--delay-ms 1]`` prints the environment to export
 and serves until interrupted.
 """
 
