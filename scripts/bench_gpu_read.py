@@ -19,16 +19,16 @@ rank's bytes read (``/proc/self/io`` rchar) and checking its tensors against sli
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
 
-from benchlib import child as run_child
-from benchlib import markdown, pinned_copy_gbps, set_cache, shard_files, status_bytes
-from benchlib import parser as bench_parser
+import benchlib
+from benchlib import shard_files
 from build_checkpoint import SDXL_UNET
 
 LLAMA_3B = {"vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
@@ -37,7 +37,6 @@ TINY = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "num_hi
         "num_attention_heads": 8, "num_key_value_heads": 4, "tie_word_embeddings": True}
 CONFIGS = {"llama3b": LLAMA_3B, "tiny": TINY}
 DEVICE = os.environ.get("BENCH_DEVICE", "cuda:0")  # "cpu": a smoke test of the script itself
-PEERS = ["shardkit", "shardkit-mapped", "safetensors", "safetensors-prefetch", "fastsafetensors", "runai", "instanttensor"]
 
 
 # ------------------------------------------------------------------------- building (parent)
@@ -127,7 +126,6 @@ def _instanttensor(folder: str) -> dict:
 
 
 REGISTER_READ_ONLY = 8     # cudaHostRegisterReadOnly: pin read-only pages (a file's page cache) for DMA
-MAPPED_CHUNK = 64 << 20    # bytes registered and copied at once by one thread
 
 
 def _map_file(path: str) -> tuple[int, int]:
@@ -218,8 +216,11 @@ def _mapped(folder: str, window_mib: int = 64, threads: int = 8) -> dict:
     return dests
 
 
-CASES = {"shardkit": _shardkit, "shardkit-mapped": _mapped, "safetensors": _safetensors, "safetensors-prefetch": _safetensors_prefetch,
-         "fastsafetensors": _fastsafetensors, "runai": _runai, "instanttensor": _instanttensor}
+# Every reader of the warm table: its loader and the module it needs (None: a condition of its own, see available).
+PEERS = {"shardkit": (_shardkit, "shardkit"), "shardkit-mapped": (_mapped, None),
+         "safetensors": (_safetensors, "safetensors"), "safetensors-prefetch": (_safetensors_prefetch, None),
+         "fastsafetensors": (_fastsafetensors, "fastsafetensors"), "runai": (_runai, "runai_model_streamer"),
+         "instanttensor": (_instanttensor, "instanttensor")}
 
 
 def _sync() -> None:
@@ -229,37 +230,34 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_case(name: str, folder: str, ring: str | None) -> None:
+def run_case(name: str, folder: str, ring: str = "") -> dict:
+    """Child process: one reader's time (after imports and CUDA start-up), bytes, checksum and peak RSS."""
     import torch
 
     import shardkit.api.loading  # noqa: F401  (imports are not part of the read time)
     import shardkit.loading.device_reads as device_reads
     from shardkit.loading.pipeline_copy import RingTuning
 
+    read = PEERS[name][0]
     if ring and name == "shardkit-mapped":  # "MiB per window,threads"
         mib, threads = (int(x) for x in ring.split(","))
-        CASES[name] = lambda folder: _mapped(folder, mib, threads)
+        read = functools.partial(_mapped, window_mib=mib, threads=threads)
     elif ring:  # "slots,MiB,threads[,eager]"
         slots, mib, threads, *rest = ring.split(",")
         device_reads.LOCAL = RingTuning(slots=int(slots), slot_bytes=int(mib) << 20, threads=int(threads),
                                         grow=rest != ["eager"])
     torch.zeros(1, device=DEVICE)
     _sync()
-    base = status_bytes("VmRSS") / 1024
+    base = benchlib.status_bytes("VmRSS") / 1024
     start = time.perf_counter()
-    state = CASES[name](folder)
+    state = read(folder)
     _sync()
     seconds = time.perf_counter() - start
-    hwm = status_bytes("VmHWM") / 1024
+    hwm = benchlib.status_bytes("VmHWM") / 1024
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     checksum = int(sum(int(t.reshape(-1).view(torch.uint8).sum(dtype=torch.int64)) for t in state.values()))
-    print(json.dumps({"load_s": seconds, "bytes": nbytes, "checksum": checksum, "tensors": len(state),
-                      "peak_rss_mb": hwm / 1024, "above_base_mb": (hwm - base) / 1024}))
-
-
-def run_floor() -> None:
-    """The PCIe floor: a 1 GiB pinned host → GPU copy, median of 5 after a warm-up."""
-    print(json.dumps({"gbps": pinned_copy_gbps(DEVICE)}))
+    return {"load_s": seconds, "bytes": nbytes, "checksum": checksum, "tensors": len(state),
+            "peak_rss_mb": hwm / 1024, "above_base_mb": (hwm - base) / 1024}
 
 
 def run_tp(folder: str) -> None:
@@ -414,7 +412,7 @@ def _rank_slice(full, spec, rank: int, world: int):
 # ------------------------------------------------------------------------- orchestration (parent)
 
 def child(*args: str) -> dict:
-    return run_child(__file__, *args, check=False, timeout=300)
+    return benchlib.child(__file__, "--child", *args, check=False, timeout=300)
 
 
 def dd_direct_gbps(files: list[str]) -> float:
@@ -425,123 +423,93 @@ def dd_direct_gbps(files: list[str]) -> float:
     return nbytes / (time.perf_counter() - start) / 1e9
 
 
-def _available(name: str) -> bool:
-    import importlib.util
-
-    module = {"shardkit": "shardkit", "shardkit-mapped": "shardkit", "safetensors": "safetensors", "fastsafetensors": "fastsafetensors",
-              "runai": "runai_model_streamer", "instanttensor": "instanttensor"}.get(name)
+def available(name: str) -> bool:
     if name == "shardkit-mapped":
         return DEVICE.startswith("cuda")
     if name == "safetensors-prefetch":
         import safetensors
 
         return tuple(int(x) for x in safetensors.__version__.split(".")[:2]) >= (0, 9)
-    return module is not None and importlib.util.find_spec(module) is not None
+    return importlib.util.find_spec(PEERS[name][1] or name) is not None
 
 
-def bench(folder: str, cases: list[tuple[str, str | None]], runs: int, *, cold: bool) -> dict[str, list[dict]]:
-    files = shard_files(folder)
-    results: dict[str, list[dict]] = {label: [] for label, _ in cases}
-    results["floor"] = []
-    for _ in range(runs):
-        results["floor"].append(dd_direct_gbps(files) if cold else child("--floor").get("gbps", float("nan")))
-        for label, ring in cases:
-            resident = set_cache(files, cold=cold)
-            name = label.split("@")[0]
-            result = child("--case", name, folder, *(["--ring", ring] if ring else []))
-            result["resident"] = resident
-            results[label].append(result)
-            print(f"  {label:<28} {json.dumps(result)}", flush=True)
-    return results
+def bench(folder: str, cases: list[tuple[str, str]], runs: int, *, cold: bool) -> dict[str, list[dict]]:
+    """Every case (label, ring) and the floor (the disk's O_DIRECT rate cold, the pinned copy warm) in each round,
+    the order rotating; the page cache evicted (cold) or filled (warm) before each case, and checked."""
+    files, rings = shard_files(folder), dict(cases)
+
+    def one(label: str, r: int) -> dict:
+        if label == "floor":
+            return {"gbps": dd_direct_gbps(files)} if cold else child("floor")
+        resident = benchlib.set_cache(files, cold=cold)
+        return {**child("case", label.split("@")[0], folder, rings[label]), "resident": resident}
+
+    return benchlib.rounds(["floor", *rings], runs, one, line=json.dumps)
 
 
 def table(results: dict[str, list[dict]], title: str, *, cold: bool) -> str:
-    floor = statistics.median(results.pop("floor"))  # type: ignore[type-var]
+    floor = benchlib.med(results.pop("floor"), "gbps") or float("nan")
     rows = []
     for label, runs in results.items():
         ok = [r for r in runs if "error" not in r]
         if not ok:
             rows.append([label, f"error: {runs[0].get('error') if runs else 'not run'}", "", "", "", ""])
             continue
-        load = statistics.median(r["load_s"] for r in ok)
-        gbps = ok[0]["bytes"] / load / 1e9
-        sums = {r["checksum"] for r in ok}
-        each = ", ".join(f"{r['load_s']:.3f}" for r in ok)
-        rows.append([label, f"{load:.3f} ({each})",
-                     f"{gbps:.1f}", f"{gbps / floor:.2f}", f"{statistics.median(r['peak_rss_mb'] for r in ok):.0f}",
+        load, sums = benchlib.med(ok, "load_s"), {r["checksum"] for r in ok}
+        gbps, each = ok[0]["bytes"] / load / 1e9, ", ".join(f"{r['load_s']:.3f}" for r in ok)
+        rows.append([label, f"{load:.3f} ({each})", f"{gbps:.1f}",
+                     f"{gbps / floor:.2f}", f"{benchlib.med(ok, 'peak_rss_mb'):.0f}",
                      f"{'ok' if len(sums) == 1 else 'DIFFERS'} {min(sums) % 10**6:06d}"])
     what = "dd iflag=direct, the disk" if cold else "pinned 1 GiB host → GPU copy, PCIe"
     return (f"### {title}\n\nfloor ({what}): {floor:.1f} GB/s\n\n"
-            + markdown(["case", "load s (runs)", "GB/s", "× floor", "peak RSS MB", "checksum"], rows, align="lrrrrl"))
+            + benchlib.markdown(["case", "load s (runs)", "GB/s", "× floor", "peak RSS MB", "checksum"], rows,
+                                align="lrrrrl"))
 
 
-def main() -> int:
-    parser = bench_parser(__doc__, work="/tmp/shardkit-gpu-read", output=False)
-    parser.add_argument("--models", default="sdxl,llama3b")
-    parser.add_argument("--cold", action="store_true")
-    parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--tp", action="store_true")
-    parser.add_argument("--mapped-sweep", action="store_true")
-    parser.add_argument("--peers", default=",".join(PEERS), help="the cases of the warm table")
-    parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--skip-warm", action="store_true")
-    parser.add_argument("--case", nargs=2)
-    parser.add_argument("--ring")
-    parser.add_argument("--floor", action="store_true")
-    parser.add_argument("--tp-child")
-    parser.add_argument("--profile-child")
-    args = parser.parse_args()
-    if args.case:
-        run_case(args.case[0], args.case[1], args.ring)
-        return 0
-    if args.floor:
-        run_floor()
-        return 0
-    if args.tp_child:
-        run_tp(args.tp_child)
-        return 0
-    if args.profile_child:
-        run_profile(args.profile_child)
-        return 0
+def main() -> None:
+    benchlib.serve_child({"case": run_case, "floor": lambda: {"gbps": benchlib.pinned_copy_gbps(DEVICE)},
+                          "tp": run_tp, "profile": run_profile})
+    p = benchlib.parser(__doc__, work="/tmp/shardkit-gpu-read", output=False)
+    p.add_argument("--models", default="sdxl,llama3b", help="of sdxl, " + ", ".join(CONFIGS))
+    p.add_argument("--peers", default=",".join(PEERS), help="the cases of the warm table")
+    for flag, what in (("--cold", "the cold table"), ("--sweep", "ring sizes"), ("--tp", "4 TP ranks of llama3b"),
+                       ("--mapped-sweep", "DMA from the page cache"), ("--profile", "where the time goes"),
+                       ("--skip-warm", "no warm table")):
+        p.add_argument(flag, action="store_true", help=what)
+    args = p.parse_args()
     os.makedirs(args.work, exist_ok=True)
-    peers = [p for p in args.peers.split(",") if _available(p)]
-    print("peers:", peers, "| missing:", [p for p in PEERS if p not in peers], flush=True)
-    out = []
-    folders = {}
+    peers = [name for name in args.peers.split(",") if available(name)]
+    print("peers:", peers, "| missing:", [name for name in PEERS if name not in peers], flush=True)
+    folders, out = {}, []
     for model in args.models.split(","):
         start = time.perf_counter()
         folders[model] = build(model, args.work)
         print(f"built {folders[model]} in {time.perf_counter() - start:.1f} s", flush=True)
-    for model, folder in folders.items() if not args.skip_warm else ():
-        out.append(table(bench(folder, [(p, None) for p in peers], args.runs, cold=False), f"{model}, warm", cold=False))
+
+    def report(title: str, folder: str, cases: list[tuple[str, str]], runs: int, cold: bool = False) -> None:
+        out.append(table(bench(folder, cases, runs, cold=cold), title, cold=cold))
         print(out[-1], flush=True)
+
+    for model, folder in folders.items() if not args.skip_warm else ():
+        report(f"{model}, warm", folder, [(name, "") for name in peers], args.runs)
     if args.tp and "llama3b" in folders:
         print("### TP=4 on one GPU (llama3b)", flush=True)
-        subprocess.run([sys.executable, os.path.abspath(__file__), "--tp-child", folders["llama3b"]], timeout=300)
-    if args.profile:
-        for model, folder in folders.items():
-            print(f"### where the time goes ({model})", flush=True)
-            subprocess.run([sys.executable, os.path.abspath(__file__), "--profile-child", folder], timeout=300)
+        subprocess.run([sys.executable, __file__, "--child", "tp", folders["llama3b"]], timeout=300)
+    for model, folder in folders.items() if args.profile else ():
+        print(f"### where the time goes ({model})", flush=True)
+        subprocess.run([sys.executable, __file__, "--child", "profile", folder], timeout=300)
+    first = folders[next(iter(folders))]
     if args.cold:
-        folder = folders[next(iter(folders))]
-        cold_cases = [(p, None) for p in ("shardkit", "safetensors") if p in peers] + [("shardkit@16,16,4", "16,16,4")]
-        out.append(table(bench(folder, cold_cases, args.runs, cold=True), "cold", cold=True))
-        print(out[-1], flush=True)
-    if args.sweep:
-        rings = ["16,16,8,eager", "16,16,8", "32,16,16"]   # 2026-11-28, H200: 24,16,12 and 16,32,8 were slower
-        folder = folders[next(iter(folders))]
-        out.append(table(bench(folder, [(f"shardkit@{r}", r) for r in rings], 2, cold=False),
-                         "ring sweep (slots, MiB per slot, threads; 2 runs)", cold=False))
-        print(out[-1], flush=True)
+        cases = [(name, "") for name in ("shardkit", "safetensors") if name in peers]
+        report("cold", first, [*cases, ("shardkit@16,16,4", "16,16,4")], args.runs, cold=True)
+    if args.sweep:  # 2026-11-28, H200: 24,16,12 and 16,32,8 were slower
+        rings = ("16,16,8,eager", "16,16,8", "32,16,16")
+        report("ring sweep (slots, MiB per slot, threads; 2 runs)", first, [(f"shardkit@{r}", r) for r in rings], 2)
     if args.mapped_sweep:
-        folder = folders[next(iter(folders))]
-        cases = [("shardkit", None)] + [(f"shardkit-mapped@{m}", m) for m in ("64,8", "256,8", "64,4", "128,16")]
-        out.append(table(bench(folder, cases, args.runs, cold=False),
-                         "DMA from the page cache (MiB per window, threads)", cold=False))
-        print(out[-1], flush=True)
+        windows = [(f"shardkit-mapped@{m}", m) for m in ("64,8", "256,8", "64,4", "128,16")]
+        report("DMA from the page cache (MiB per window, threads)", first, [("shardkit", ""), *windows], args.runs)
     print("\n\n".join(out))
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

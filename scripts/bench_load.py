@@ -32,6 +32,7 @@ mounts instead, cold and warm: :mod:`bench_latency` runs them and says what they
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -39,19 +40,8 @@ import sys
 import time
 from typing import Any
 
-from benchlib import (
-    child,
-    machine_line,
-    markdown,
-    measure,
-    med,
-    parser,
-    pinned_copy_gbps,
-    rounds,
-    shard_files,
-    status_bytes,
-    tree_bytes,
-)
+import benchlib
+from benchlib import med, shard_files, status_bytes
 from build_checkpoint import FLUX_DEV, sharded_unet
 
 # ------------------------------------------------------------------------- loaders (child side)
@@ -165,8 +155,8 @@ LOADERS = {"floor": _floor, "assign": _assign, "shardkit": _shardkit, "accelerat
            "odirect": _odirect}
 
 
-def run_case(name: str, folder: str, options: dict[str, Any]) -> None:
-    """Child process: import, load, use every weight, print one JSON line."""
+def run_case(name: str, folder: str, options_json: str) -> dict[str, Any]:
+    """Child process: import, load, use every weight; the times, peaks and bytes written."""
     import accelerate.big_modeling  # noqa: F401
     import safetensors.torch  # noqa: F401
     import torch
@@ -174,6 +164,7 @@ def run_case(name: str, folder: str, options: dict[str, Any]) -> None:
 
     import shardkit.loading.load  # noqa: F401  (imports are not part of the load time)
 
+    options = json.loads(options_json)
     base, cpu = status_bytes("VmRSS"), time.process_time()  # CPU of every thread: on a shared machine it moves less
     start = time.perf_counter()
     loaded = LOADERS[name](folder, **options)
@@ -191,9 +182,9 @@ def run_case(name: str, folder: str, options: dict[str, Any]) -> None:
         else:
             tensor.float().sum().item()
     offload = options.get("offload")
-    print(json.dumps({"load_s": seconds, "touch_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu,
-                      "base": base, "loaded_hwm": loaded_hwm, "hwm": status_bytes("VmHWM"),
-                      "written": tree_bytes(offload) if offload else 0}))
+    return {"load_s": seconds, "touch_s": time.perf_counter() - start, "cpu_s": time.process_time() - cpu,
+            "base": base, "loaded_hwm": loaded_hwm, "hwm": status_bytes("VmHWM"),
+            "written": benchlib.tree_bytes(offload) if offload else 0}
 
 
 # ------------------------------------------------------------------------- orchestration (parent side)
@@ -201,13 +192,13 @@ def run_case(name: str, folder: str, options: dict[str, Any]) -> None:
 def load(name: str, folder: str, options: dict[str, Any] | None = None, *, check: bool = True) -> dict[str, Any]:
     """One loader in a fresh process: its JSON line, plus ``wall_s`` (the whole process)."""
     start = time.perf_counter()
-    result = child(__file__, "--case", name, folder, json.dumps(options or {}), check=check)
+    result = benchlib.child(__file__, "--child", "case", name, folder, json.dumps(options or {}), check=check)
     return {**result, "wall_s": time.perf_counter() - start}
 
 
 def outside(command: str) -> dict[str, Any]:
     """A command timed from outside (dd, the plan CLI): seconds and the process tree's peak."""
-    seconds, rss_mb = measure(command)
+    seconds, rss_mb = benchlib.measure(command)
     return {"load_s": seconds, "touch_s": seconds, "wall_s": seconds, "base": 0, "loaded_hwm": 0,
             "hwm": int(rss_mb * 2**20), "written": 0}
 
@@ -242,7 +233,8 @@ def build_cases(folder: str, model_bytes: int, work: str, *, gpu: bool,
     cases.append(("shardkit plan Flux 12B (process)", f"{sys.executable} -m shardkit plan --model "
                   f"diffusers:FluxTransformer2DModel --config {flux} --max-memory 0=16GB,1=16GB --dtype bf16 >/dev/null",
                   {}, None))
-    return [c for c in cases if not only or any(word in c[0] for word in only)]
+    labels = benchlib.picked([c[0] for c in cases], only)
+    return [c for c in cases if c[0] in labels]
 
 
 def run_all(cases: list[tuple[str, str, dict[str, Any], str | None]], folder: str, runs: int) -> dict[str, list[dict[str, Any]]]:
@@ -253,14 +245,11 @@ def run_all(cases: list[tuple[str, str, dict[str, Any], str | None]], folder: st
         if offload:
             shutil.rmtree(offload, ignore_errors=True)
         result = outside(name) if name not in LOADERS else load(name, folder, options, check=False)
-        if "error" in result:  # a miss is reported as a miss, and the other cases go on
-            print(f"  run {r + 1}/{runs} {label}: FAILED\n{result['error']}", flush=True)
-            return None
-        print(f"  run {r + 1}/{runs} {label}: load {result['load_s']:.2f} s, process {result['wall_s']:.2f} s, "
-              f"peak {result['hwm'] / 2**20:.0f} MB, written {result['written'] / 1e6:.1f} MB", flush=True)
-        return result
+        return None if "error" in result else result  # a miss is reported as a miss, and the other cases go on
 
-    results = rounds(list(by_label), runs, one)
+    results = benchlib.rounds(list(by_label), runs, one, line=lambda d: (
+        f"load {d['load_s']:.2f} s, process {d['wall_s']:.2f} s, peak {d['hwm'] / 2**20:.0f} MB, "
+        f"written {d['written'] / 1e6:.1f} MB"))
     for *_, offload in cases:
         if offload:
             shutil.rmtree(offload, ignore_errors=True)
@@ -284,24 +273,20 @@ def table(results: dict[str, list[dict[str, Any]]], model_bytes: int) -> str:
                          f"{med(runs, 'touch_s'):.2f}", f"{loaded / 2**20:.0f}",
                          f"{used / 2**20:.0f} ({used / model_bytes:.2f}×)", f"{med(runs, 'wall_s'):.2f}",
                          f"{max(r['written'] for r in runs) / 1e6:.2f} MB" if "disk" in name else ""])
-    return (markdown(["case", "load s", "× floor", "load + use every weight s", "peak RSS after load MB",
+    return (benchlib.markdown(["case", "load s", "× floor", "load + use every weight s", "peak RSS after load MB",
                       "peak RSS after use MB (× model)", "process s", "offload written"], rows)
             + "\n\nRSS columns are above the process's RSS after imports (torch, diffusers, accelerate: the same for "
             "every case); 'use every weight' sums each tensor once, which pages lazily mapped weights in.")
 
 
 def main() -> int:
-    if len(sys.argv) >= 2 and sys.argv[1] == "--case":
-        run_case(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))
-        return 0
-    p = parser(__doc__, work="/tmp/shardkit-bench-load", output=False)
+    benchlib.serve_child({"case": run_case})
+    p = benchlib.parser(__doc__, work="/tmp/shardkit-bench-load", output=False, only=True)
     p.add_argument("--small", action="store_true", help="SD 1.5 UNet (3.4 GB) instead of SDXL (10.3 GB)")
     p.add_argument("--tiny", action="store_true", help="a few MB, to check the script itself")
     p.add_argument("--keep", action="store_true", help="keep the built checkpoint for the next run")
     p.add_argument("--read-backends", action="store_true",
                    help="the read-backend matrix (cold/warm, local/FUSE, each backend) instead")
-    p.add_argument("--only", action="append", default=[], metavar="WORDS",
-                   help="only cases whose label contains WORDS (repeatable)")
     p.add_argument("--latency-ms", type=float, nargs="*", metavar="MS",
                    help="the latency benchmark through a FUSE mount adding MS per read request (issue 22)")
     p.add_argument("--latency-model", default="sd15", choices=["sd15", "tiny"],
@@ -310,26 +295,32 @@ def main() -> int:
     p.add_argument("--bindfs", action="store_true",
                    help="with --latency-ms (may be empty): also the zero-latency FUSE case, a cold bindfs mount")
     args = p.parse_args()
+    os.makedirs(args.work, exist_ok=True)
     if args.read_backends or args.latency_ms is not None and (args.latency_ms or args.bindfs):
         import bench_latency
 
-        return bench_latency.main_read(args) if args.read_backends else bench_latency.main_latency(args)
-    import torch
-
-    os.makedirs(args.work, exist_ok=True)
-    kind = "tiny" if args.tiny else "sd15" if args.small else "sdxl"
-    folder, model_bytes = sharded_unet(kind, args.work)
-    gpu = torch.cuda.is_available()
-    print(f"{kind} UNet: {model_bytes / 1e9:.2f} GB in {folder}; {machine_line()}, "
-          f"CUDA: {torch.cuda.get_device_name(0) if gpu else 'none'}", flush=True)
-    if gpu:
-        print(f"pinned host → GPU 0 copy (the PCIe floor): {pinned_copy_gbps():.1f} GB/s", flush=True)
-    results = run_all(build_cases(folder, model_bytes, args.work, gpu=gpu, only=args.only), folder, args.runs)
-    print(f"\n{kind} UNet, {model_bytes / 1e9:.2f} GB fp32, median of {args.runs} interleaved runs:")
-    print(table(results, model_bytes))
+        (bench_latency.main_read if args.read_backends else bench_latency.main_latency)(args)
+    else:
+        bench_unets(args)
     if not args.keep:
         shutil.rmtree(args.work, ignore_errors=True)
     return 0
+
+
+def bench_unets(args: argparse.Namespace) -> None:
+    """The UNet in shards on the local disk: every loader against the floor."""
+    import torch
+
+    kind = "tiny" if args.tiny else "sd15" if args.small else "sdxl"
+    folder, model_bytes = sharded_unet(kind, args.work)
+    gpu = torch.cuda.is_available()
+    print(f"{kind} UNet: {model_bytes / 1e9:.2f} GB in {folder}; {benchlib.machine_line()}, "
+          f"CUDA: {torch.cuda.get_device_name(0) if gpu else 'none'}", flush=True)
+    if gpu:
+        print(f"pinned host → GPU 0 copy (the PCIe floor): {benchlib.pinned_copy_gbps():.1f} GB/s", flush=True)
+    results = run_all(build_cases(folder, model_bytes, args.work, gpu=gpu, only=args.only), folder, args.runs)
+    print(f"\n{kind} UNet, {model_bytes / 1e9:.2f} GB fp32, median of {args.runs} interleaved runs:")
+    print(table(results, model_bytes))
 
 
 if __name__ == "__main__":

@@ -55,10 +55,11 @@ import tempfile
 import time
 import zlib
 from collections.abc import Callable, Iterator
+from statistics import median
 from typing import Any
 
 import benchlib
-from benchlib import child, markdown, median, parser, peak_rss_mb, rounds
+from benchlib import markdown, peak_rss_mb
 from build_checkpoint import build_random, build_unet
 from s3_server import DelayProxy, SeaweedS3
 
@@ -335,8 +336,8 @@ def run_child(case: str, env: dict[str, str], args: argparse.Namespace, *, retry
     """One case in a fresh process (``--child``); ``retry``: a failed one is tried once more, noted."""
     argv = sys.argv[1:]
     for attempt in range(2 if retry else 1):
-        data = child(__file__, *argv, "--child", case, "--extra", json.dumps(extra), env=env,
-                     check=attempt == 1 or not retry, timeout=1800)
+        data = benchlib.child(__file__, *argv, "--child", case, "--extra", json.dumps(extra), env=env,
+                              check=attempt == 1 or not retry, timeout=1800)
         if "error" not in data:
             return data
         args.notes.append(f"Failed and retried: {case} (try {attempt + 1}, load {os.getloadavg()[0]:.1f}): "
@@ -347,21 +348,12 @@ def run_child(case: str, env: dict[str, str], args: argparse.Namespace, *, retry
 
 def measure(keys: list[tuple[str, str]], args: argparse.Namespace, one: Callable[[str, str], dict[str, Any]],
             line: Callable[[dict[str, Any]], str]) -> dict[tuple[str, str], list[dict[str, Any]]]:
-    """``one(path, case)`` for every key, ``--runs`` rounds, the order rotating by round; the load average at the
-    start and end of each round into ``args.loads``."""
-    def run(key: tuple[str, str], r: int) -> dict[str, Any]:
-        data = one(*key)
-        print(f"  run {r + 1}/{args.runs} {key[0]:>12} {key[1]:>16}: {line(data)}, load {os.getloadavg()[0]:.1f}",
-              flush=True)
-        return data
-
-    return rounds(keys, args.runs, run, loads=args.loads)
+    """``one(path, case)`` for every key, ``--runs`` rounds, the order rotating (the load averages into ``args``)."""
+    return benchlib.rounds(keys, args.runs, lambda key, r: one(*key), loads=args.loads, line=line)
 
 
 def header(args: argparse.Namespace, what: str) -> str:
-    loads = ", ".join(f"{a:.1f}/{b:.1f}" for a, b in args.loads)
-    return "\n".join([f"Machine: {benchlib.machine_line()}. Load average (1 min) at the start/end of each round: {loads}.",
-                      f"{what}; median of {args.runs}, fresh process each, interleaved.", *args.notes, ""])
+    return benchlib.report_head(f"{what}; fresh process each", runs=args.runs, loads=args.loads, notes=args.notes)
 
 
 def paths_of(server: SeaweedS3, proxy: DelayProxy, args: argparse.Namespace) -> dict[str, dict[str, str]]:
@@ -369,26 +361,24 @@ def paths_of(server: SeaweedS3, proxy: DelayProxy, args: argparse.Namespace) -> 
             f"proxy {args.delay_ms:g} ms": {**server.client_env(port=proxy.port), **RUNAI_ENV}}
 
 
-def upload_blob(server: SeaweedS3, size: int) -> int:
-    """A ``size``-byte object of random bytes (multipart, 64 MiB at a time); the crc32 of its middle MiB."""
-    client: Any = server.client()
-    client.create_bucket(Bucket=BUCKET)
-    upload_id = client.create_multipart_upload(Bucket=BUCKET, Key=KEY)["UploadId"]
-    parts, crc, part = [], 0, 64 << 20
-    for n, begin in enumerate(range(0, size, part), start=1):
-        data = os.urandom(min(part, size - begin))
-        if begin <= size // 2 < begin + len(data):
-            crc = zlib.crc32(data[size // 2 - begin: size // 2 - begin + (1 << 20)])
-        etag = client.upload_part(Bucket=BUCKET, Key=KEY, UploadId=upload_id, PartNumber=n, Body=data)["ETag"]
-        parts.append({"PartNumber": n, "ETag": etag})
-    client.complete_multipart_upload(Bucket=BUCKET, Key=KEY, UploadId=upload_id, MultipartUpload={"Parts": parts})
-    client.close()
+def upload_blob(server: SeaweedS3, work: str, size: int) -> int:
+    """A ``size``-byte object of random bytes at KEY (written to disk first); the crc32 of its middle MiB."""
+    folder = os.path.join(work, "blob")
+    os.makedirs(folder)
+    with open(os.path.join(folder, "blob.bin"), "wb") as f:
+        for begin in range(0, size, 64 << 20):
+            f.write(os.urandom(min(64 << 20, size - begin)))
+    with open(os.path.join(folder, "blob.bin"), "rb") as f:
+        f.seek(size // 2)
+        crc = zlib.crc32(f.read(1 << 20))
+    server.upload(folder, BUCKET, KEY.partition("/")[0])
+    shutil.rmtree(folder)
     return crc
 
 
 def bench_clients(args: argparse.Namespace, cases: list[str]) -> str:
-    with serve(args) as (_, server, proxy):
-        crc, paths = upload_blob(server, args.size_mb << 20), paths_of(server, proxy, args)
+    with serve(args) as (work, server, proxy):
+        crc, paths = upload_blob(server, work, args.size_mb << 20), paths_of(server, proxy, args)
 
         def moved(case: str) -> int:
             return (args.write_mb if case.startswith("write-") else args.size_mb) << 20
@@ -602,7 +592,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main() -> None:
-    p = parser(__doc__)
+    p = benchlib.parser(__doc__)
     p.add_argument("table", choices=sorted(BENCHES))
     p.add_argument("--size-mb", type=int, help="bytes of the object or checkpoint, MiB (default: " +
                    ", ".join(f"{k} {v}" for k, v in SIZE_MB.items()) + ")")

@@ -111,9 +111,11 @@ def rotated(items: list[K], round_index: int) -> list[K]:
 
 
 def rounds(keys: list[K], runs: int, run_one: Callable[[K, int], dict[str, Any] | None], *,
-           loads: list[tuple[float, float]] | None = None) -> dict[K, list[dict[str, Any]]]:
+           loads: list[tuple[float, float]] | None = None,
+           line: Callable[[dict[str, Any]], str] | None = None) -> dict[K, list[dict[str, Any]]]:
     """``run_one(key, round)`` for every key, ``runs`` rounds, order rotating; its results by key (None: dropped).
-    ``loads`` gets the load average (1 min) at the start and end of each round."""
+    ``loads`` gets the load average (1 min) at the start and end of each round; ``line(result)`` is printed after
+    each run, with the round, the key and the load average (a failed run, ``{"error": ...}``, says so instead)."""
     results: dict[K, list[dict[str, Any]]] = {key: [] for key in keys}
     for r in range(runs):
         load = os.getloadavg()[0]
@@ -121,6 +123,10 @@ def rounds(keys: list[K], runs: int, run_one: Callable[[K, int], dict[str, Any] 
             result = run_one(key, r)
             if result is not None:
                 results[key].append(result)
+            if line is not None:
+                shown = line(result) if result and "error" not in result else f"FAILED {(result or {}).get('error')}"
+                name = " ".join(map(str, key)) if isinstance(key, tuple) else key
+                print(f"  run {r + 1}/{runs} {name}: {shown}, load {os.getloadavg()[0]:.1f}", flush=True)
         if loads is not None:
             loads.append((load, os.getloadavg()[0]))
     return results
@@ -133,8 +139,10 @@ def remove(path: str) -> None:
         os.unlink(path)
 
 
-def run_interleaved(cases: list[Case], *, runs: int, log: Callable[[str], None] = print) -> None:
-    """Run every shell case ``runs`` times, interleaved, after ``sync``; times and RSS into the cases."""
+def run_interleaved(cases: list[Case], *, runs: int, log: Callable[[str], None] = print,
+                    loads: list[tuple[float, float]] | None = None) -> None:
+    """Run every shell case ``runs`` times, interleaved, after ``sync``; times and RSS into the cases (the load
+    averages of each round into ``loads``)."""
     def one(case: Case, r: int) -> None:
         for path in case.cleanup:
             remove(path)
@@ -146,7 +154,7 @@ def run_interleaved(cases: list[Case], *, runs: int, log: Callable[[str], None] 
         log(f"  run {r + 1}/{runs} {case.name}: {usage.seconds:.2f} s, {usage.cpu_s:.2f} CPU-s, "
             f"{usage.rss_mb:.0f} MB peak RSS")
 
-    rounds(cases, runs, one)
+    rounds(cases, runs, one, loads=loads)
     for case in cases:
         for path in case.cleanup:
             remove(path)
@@ -168,6 +176,16 @@ def child(script: str, *args: str, env: dict[str, str] | None = None, check: boo
     return {"error": (done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1][:200]}
 
 
+def serve_child(children: dict[str, Callable[..., object]]) -> None:
+    """In a Python case's own process (``python SCRIPT --child NAME ARGS...``, started by :func:`child`): print what
+    ``children[NAME](*ARGS)`` returns as one JSON line (unless None: it printed its own lines), then exit."""
+    if len(sys.argv) >= 3 and sys.argv[1] == "--child":
+        result = children[sys.argv[2]](*sys.argv[3:])
+        if result is not None:
+            print(json.dumps(result))
+        sys.exit(0)
+
+
 def status_bytes(name: str) -> int:
     """A field of /proc/self/status in bytes: VmHWM (peak RSS since exec), VmRSS..."""
     with open("/proc/self/status", encoding="ascii") as f:
@@ -179,15 +197,7 @@ def peak_rss_mb() -> float:
     return status_bytes("VmHWM") / 2**20
 
 
-def median(values: Iterable[float]) -> float:
-    return statistics.median(values)
-
-
-def med(results: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(r[key] for r in results)
-
-
-def median_of(results: list[dict[str, Any]], key: str) -> float | None:
+def med(results: list[dict[str, Any]], key: str) -> float | None:
     """The median of ``key`` over the results that have it (failed runs do not); None when none has it."""
     values = [r[key] for r in results if key in r]
     return statistics.median(values) if values else None
@@ -247,15 +257,36 @@ def timed_steps(step: Callable[[], object], steps: int, *, reset_peak: bool = Tr
 
 # ----------------------------------------------------------------------------- reports
 
-def parser(doc: str | None, *, runs: int = 3, work: str | None = None, output: bool = True) -> argparse.ArgumentParser:
-    """The options every benchmark takes: ``--runs``, and ``--work`` / ``--output`` where it has them."""
+def parser(doc: str | None, *, runs: int | None = 3, work: str | None = None, output: bool = True,
+           only: bool = False) -> argparse.ArgumentParser:
+    """The options benchmarks share: ``--runs`` (unless None), ``--work``, ``--output`` and ``--only`` where they
+    have them."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", type=int, default=runs)
+    if runs is not None:
+        p.add_argument("--runs", type=int, default=runs, help=f"rounds of every case (default {runs})")
     if work is not None:
         p.add_argument("--work", default=work, help=f"scratch folder (default {work})")
     if output:
         p.add_argument("--output", help="also write the report (markdown) here")
+    if only:
+        p.add_argument("--only", action="append", default=[], metavar="WORDS",
+                       help="only the cases whose label contains WORDS (repeatable)")
     return p
+
+
+def picked(labels: Iterable[str], only: list[str]) -> list[str]:
+    """The labels that contain one of ``only``'s words (all of them when ``only`` is empty)."""
+    return [label for label in labels if not only or any(word in label for word in only)]
+
+
+def report_head(what: str, *, runs: int, loads: list[tuple[float, float]] | None = None,
+                notes: Iterable[str] = ()) -> str:
+    """The lines above a report's tables: what was measured and how, the machine, the load of each round."""
+    lines = [f"{what}; median of {runs} run(s), cases interleaved", f"machine: {machine_line()}"]
+    if loads:
+        lines.append("load average (1 min) at the start/end of each round: " +
+                     ", ".join(f"{a:.1f}/{b:.1f}" for a, b in loads))
+    return "\n".join([*lines, *notes, "", ""])
 
 
 def publish_report(report: str, output: str | None) -> None:
@@ -303,11 +334,11 @@ def shell_bench(title: str, tables: dict[str, list[Case]], *, runs: int, output:
                 also: str | None = None) -> None:
     """Every table's shell cases run interleaved in one pool of rounds; the report gives each table (named unless
     its name is empty) against its floor, its first case unless a case names its own."""
-    run_interleaved([case for cases in tables.values() for case in cases], runs=runs)
-    head = [f"{title}; median of {runs} runs, interleaved, each write followed by sync", f"machine: {machine_line()}",
-            *([note] if note else [])]
+    loads: list[tuple[float, float]] = []
+    run_interleaved([case for cases in tables.values() for case in cases], runs=runs, loads=loads)
+    head = report_head(f"{title}; each write followed by sync", runs=runs, loads=loads, notes=[note] if note else [])
     body = [(f"{name}:\n" if name else "") + table(cases, also=also) for name, cases in tables.items()]
-    publish_report("\n".join(head) + "\n\n" + "\n\n".join(body) + "\n", output)
+    publish_report(head + "\n\n".join(body) + "\n", output)
 
 
 # ----------------------------------------------------------------------------- page cache, mounts

@@ -67,11 +67,12 @@ def test_shell_bench_reports_each_table_against_its_own_first_case(tmp_path: Pat
               "two": [benchlib.Case("floor b", "true"), benchlib.Case("b", "true")]}
     benchlib.shell_bench("title", tables, runs=1, output=str(report), note="note line")
     lines = report.read_text().splitlines()
-    assert lines[0] == "title; median of 1 runs, interleaved, each write followed by sync"
-    assert lines[1].startswith("machine: ") and lines[2] == "note line" and lines[3] == ""
-    assert lines[4] == "one (1 B):" and lines[5].startswith("| case | median s | × floor |")
-    assert lines[7].startswith("| floor a | ") and "| 1.00× |" in lines[7] and lines[8].endswith("| t |")
-    assert lines[10] == "two:" and lines[13].startswith("| floor b | ") and "| 1.00× |" in lines[13]
+    assert lines[0] == "title; each write followed by sync; median of 1 run(s), cases interleaved"
+    assert lines[1].startswith("machine: ") and lines[2].startswith("load average (1 min) at the start/end of each")
+    assert lines[3] == "note line" and lines[4] == ""
+    assert lines[5] == "one (1 B):" and lines[6].startswith("| case | median s | × floor |")
+    assert lines[8].startswith("| floor a | ") and "| 1.00× |" in lines[8] and lines[9].endswith("| t |")
+    assert lines[11] == "two:" and lines[14].startswith("| floor b | ") and "| 1.00× |" in lines[14]
 
 
 def test_measure_fails_with_the_commands_stderr() -> None:
@@ -86,8 +87,8 @@ def test_tree_bytes_and_median_of(tmp_path: Path) -> None:
     (tmp_path / "d" / "link").symlink_to(tmp_path / "d" / "x")
     assert benchlib.tree_bytes(str(tmp_path / "d")) == 8 and benchlib.tree_bytes(str(tmp_path / "d" / "x")) == 5
     assert benchlib.tree_bytes(str(tmp_path / "missing")) == 0
-    assert benchlib.median_of([{"s": 1.0}, {"error": "x"}, {"s": 3.0}], "s") == 2.0
-    assert benchlib.median_of([{"error": "x"}], "s") is None
+    assert benchlib.med([{"s": 1.0}, {"error": "x"}, {"s": 3.0}], "s") == 2.0
+    assert benchlib.med([{"error": "x"}], "s") is None
 
 
 def test_a_failing_child_is_an_error_or_a_miss(tmp_path: Path) -> None:
