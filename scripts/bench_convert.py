@@ -47,20 +47,9 @@ import sys
 from pathlib import Path
 from shlex import quote
 from statistics import median
-from types import ModuleType
 
-from benchlib import (
-    SK,
-    Case,
-    machine_line,
-    markdown,
-    parser,
-    publish_report,
-    remove,
-    run_interleaved,
-    shell_bench,
-    tree_bytes,
-)
+import benchlib
+from benchlib import SK, Case, tree_bytes
 from build_checkpoint import DCP_SAVE, TORCH_SAVE, build_once, random_source, unet_source
 
 # Child-process code reading the files sys.argv[1:] (as ``verify`` must): a plain loop, or sha256 on one thread.
@@ -203,33 +192,27 @@ def llama_shapes(layers: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def llama_helpers() -> ModuleType:
-    """tests/helpers_llama_cpp.py (the converter, its wrapper, the tiny tokenizer), imported by path."""
-    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    import helpers_llama_cpp
-
-    return helpers_llama_cpp
-
-
 def build_llama_folder(folder: str, layers: int) -> str:
     """A bf16 :data:`LLAMA` folder of ``layers`` layers (random weights streamed into 500 MB shards, config.json,
     the tiny BPE tokenizer); returns the tokenizer's probe hash."""
+    from helpers_llama_cpp import tiny_bpe_tokenizer  # tests/ (on sys.path through benchlib)
+
     import shardkit
     from shardkit.layouts.gguf_vocab import probe_hash
 
-    remove(folder)
+    benchlib.remove(folder)
     shardkit.split(random_source(llama_shapes(layers), dtype="BF16"), folder, max_shard_size="500MB", manifest=False)
     Path(folder, "config.json").write_text(json.dumps({**LLAMA, "num_hidden_layers": layers}, indent=2))
-    llama_helpers().tiny_bpe_tokenizer(Path(folder))
+    tiny_bpe_tokenizer(Path(folder))
     return probe_hash(os.path.join(folder, "tokenizer.json"))
 
 
 def gguf_out_sweep(sizes: list[int], work: str, *, runs: int) -> str:
     """For each layer count: build the folder, run shardkit and the converter interleaved, check their outputs equal,
     delete it all; the report (markdown)."""
-    converter = llama_helpers().llama_cpp_converter()
+    from helpers_llama_cpp import llama_cpp_converter  # the converter and its wrapper, from tests/
+
+    converter = llama_cpp_converter()
     wrapper, py = quote(str(converter.with_name("wrapper.py"))), quote(sys.executable)
     rows, loads = [], []
     for layers in sizes:
@@ -241,19 +224,16 @@ def gguf_out_sweep(sizes: list[int], work: str, *, runs: int) -> str:
                  Case("converter", f"rm -f {quote(theirs)} && env -u NO_LOCAL_GGUF PRE_FALLBACK=gpt-2 {py} {wrapper} "
                       f"{quote(str(converter))} {quote(folder)} --outfile {quote(theirs)} --outtype q8_0 "
                       ">/dev/null 2>&1 && sync")]
-        before = os.getloadavg()[0]
-        run_interleaved(cases, runs=runs)
-        loads.append(f"{before:.1f}-{os.getloadavg()[0]:.1f}")
+        benchlib.run_interleaved(cases, runs=runs, loads=loads)
         same = subprocess.run([sys.executable, "-c", SAME_GGUF, ours, theirs], capture_output=True, text=True)
         verdict = same.stdout.strip() if same.returncode == 0 else f"DIFFER: {same.stderr.strip()[-200:]}"
         rows.append(gguf_out_row(layers, tree_bytes(folder), cases, verdict))
         for path in (folder, ours, theirs):
-            remove(path)
+            benchlib.remove(path)
     head = ["layers (bf16 GB)", "shardkit wall s", "CPU s", "peak RSS MB", "converter wall s", "CPU s", "peak RSS MB",
             "ratios (wall, CPU, RSS)", "outputs"]
-    return (f"bf16 folder → GGUF q8_0, median of {runs} run(s) each, interleaved, each write followed by sync\n"
-            f"machine: {machine_line()}; load average (1 min) at each size's start-end: {', '.join(loads)}\n\n"
-            + markdown(head, rows, align="l" + "r" * 7 + "l") + "\n")
+    return (benchlib.report_head("bf16 folder → GGUF q8_0, each write followed by sync", runs=runs, loads=loads)
+            + benchlib.markdown(head, rows, align="l" + "r" * 7 + "l") + "\n")
 
 
 def gguf_out_row(layers: int, size_bytes: int, cases: list[Case], verdict: str) -> list[str]:
@@ -264,7 +244,7 @@ def gguf_out_row(layers: int, size_bytes: int, cases: list[Case], verdict: str) 
 
 
 def main() -> int:
-    p = parser(__doc__, work="bench-data")
+    p = benchlib.parser(__doc__, work="bench-data")
     p.add_argument("--large", action="store_true", help="SDXL UNet (~10.3 GB) instead of SD 1.5 (~3.4 GB)")
     p.add_argument("--tiny", action="store_true", help="a few MB, to check the script itself")
     p.add_argument("--groups", default="bin,dcp,verify", help="which of bin, dcp, verify and gguf (comma-separated), or gguf-out alone")
@@ -277,13 +257,13 @@ def main() -> int:
         if len(wanted) > 1:
             p.error("--groups gguf-out runs alone (its report is a size sweep)")
         sizes = [int(n) for n in args.sizes.split(",")]
-        publish_report(gguf_out_sweep(sizes, args.work, runs=args.runs), args.output)
+        benchlib.publish_report(gguf_out_sweep(sizes, args.work, runs=args.runs), args.output)
         return 0
     unet = set(wanted) - {"gguf"}
     tables = {name: cases for name, cases in (unet_groups(kind, args.work) if unet else {}).items()
               if name.split()[0] in wanted}
     tables.update(gguf_group(args.layers, args.work) if "gguf" in wanted else {})
-    shell_bench("convert benchmark" + (f": {kind} UNet" if unet else ""), tables, runs=args.runs, output=args.output)
+    benchlib.shell_bench("convert benchmark" + (f": {kind} UNet" if unet else ""), tables, runs=args.runs, output=args.output)
     return 0
 
 

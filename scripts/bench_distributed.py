@@ -40,7 +40,8 @@ import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from benchlib import HERE, machine_line, markdown, measure, med, parser, publish_report, rank_peaks_mb, remove, rounds
+import benchlib
+from benchlib import HERE, measure, med, rank_peaks_mb, remove
 from build_checkpoint import DCP_SAVE, build_once, build_random, unet_source
 
 DEFAULT_SOURCE = "/work/cowbench/sdxl-unet/diffusion_pytorch_model.safetensors"
@@ -161,15 +162,15 @@ def run(args: argparse.Namespace) -> tuple[str, int, dict[str, list[dict[str, An
                 if got != reference[0]:
                     raise SystemExit(f"{name}: the output differs from the first shardkit output")
             drop(out)
-            print(f"run {r + 1} {name}: {result['seconds']:.2f} s, {result['rss_mb']:.0f} MB, ranks "
-                  f"{_mb(result['rank_mb'])} MB (load {load:.1f} before)", flush=True)
             return {**result, "load": load}
 
-        return f"{src}: {size_bytes / 1e9:.2f} GB, {convert_args}", size_bytes, rounds(list(all_cases), args.runs, one)
+        results = benchlib.rounds(list(all_cases), args.runs, one, line=lambda d: (
+            f"{d['seconds']:.2f} s, {d['rss_mb']:.0f} MB, ranks {_mb(d['rank_mb'])} MB (load {d['load']:.1f} before)"))
+        return f"{src}: {size_bytes / 1e9:.2f} GB, {convert_args}", size_bytes, results
 
 
 def main() -> None:
-    p = parser(__doc__, runs=1, work="/tmp/bench-distributed")
+    p = benchlib.parser(__doc__, runs=1, work="/tmp/bench-distributed")
     p.add_argument("--s3", action="store_true", help="convert s3:// to s3:// in a local SeaweedFS")
     p.add_argument("--source", default=DEFAULT_SOURCE, help="local: the SDXL UNet safetensors file")
     p.add_argument("--gb", type=float, default=0.0, help="local: keep only the first tensors up to this many GB (0: all)")
@@ -192,10 +193,11 @@ def main() -> None:
              f"{med(runs, 'finalize_s'):.2f}" if "finalize_s" in runs[0] else "-",
              f"{max(r['rss_mb'] for r in runs):.0f}", "; ".join(_mb(r["rank_mb"]) for r in runs) or "-",
              ", ".join(f"{r['load']:.1f}" for r in runs)] for name, runs in results.items()]
-    publish_report(f"{what}, median of {args.runs} run(s); {machine_line()}; load average at the end "
-                   f"{os.getloadavg()[0]:.1f}; the benchmark took {time.perf_counter() - started:.0f} s\n\n" +
-                   markdown(["case", "runs s", "median s", "GB/s", "finalize s", "peak RSS MB (largest process)",
-                             "per-rank (worker) peak MB", "load before"], rows, align="llrrrrll"), args.output)
+    head = benchlib.report_head(what, runs=args.runs, notes=[f"load average at the end {os.getloadavg()[0]:.1f}; "
+                                                             f"the benchmark took {time.perf_counter() - started:.0f} s"])
+    table = benchlib.markdown(["case", "runs s", "median s", "GB/s", "finalize s", "peak RSS MB (largest process)",
+                               "per-rank (worker) peak MB", "load before"], rows, align="llrrrrll")
+    benchlib.publish_report(head + table, args.output)
 
 
 def _ints(text: str) -> list[int]:

@@ -17,10 +17,12 @@ process, interleaved, ``--runs`` times (median reported):
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
-from benchlib import HERE, child, med, parser, rounds, shard_files
+import benchlib
+from benchlib import med, shard_files
 from build_checkpoint import random_source
 
 CHILD = r"""
@@ -68,28 +70,30 @@ def build(work: str, double: int, single: int) -> tuple[str, str]:
 
 
 def main() -> None:
-    p = parser(__doc__, work="/tmp/shardkit-bench-fp8", output=False)
+    p = benchlib.parser(__doc__, work="/tmp/shardkit-bench-fp8")
     p.add_argument("--double", type=int, default=2)
     p.add_argument("--single", type=int, default=4)
     args = p.parse_args()
     paths = dict(zip(("bf16", "fp8-block"), build(args.work, args.double, args.single), strict=True))
 
-    def one(key: tuple[str, str], r: int) -> dict[str, float]:
-        name, forward = key
-        data = child("-c", CHILD, HERE, paths[name], forward)
-        print(f"  run {r + 1} {name} {'load+forward' if forward == '1' else 'load'}: {data}", flush=True)
-        return data
+    def one(key: tuple[str, str], r: int) -> dict[str, float]:  # key: (checkpoint, "1" with a forward pass)
+        return benchlib.child("-c", CHILD, benchlib.HERE, paths[key[0]], key[1])
 
-    results = rounds([(name, forward) for name in paths for forward in ("0", "1")], args.runs, one)
-    print(f"\nFluxTransformer2DModel, width 3072, {args.double} double + {args.single} single blocks, random weights, "
-          f"CPU, median of {args.runs}")
-    print("| checkpoint | on disk | held in memory | load_model s | peak RSS | load + 1 forward s | peak RSS |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    loads: list[tuple[float, float]] = []
+    results = benchlib.rounds([(name, forward) for name in paths for forward in ("0", "1")], args.runs, one,
+                              loads=loads, line=json.dumps)
+    rows = []
     for name, path in paths.items():
         load, run = results[(name, "0")], results[(name, "1")]
-        print(f"| {name} | {sum(os.path.getsize(f) for f in shard_files(path)) / 1e9:.2f} GB | "
-              f"{med(load, 'held_bytes') / 1e9:.2f} GB | {med(load, 'load_s'):.2f} | {med(load, 'rss_mb') / 1024:.2f} GiB | "
-              f"{med(run, 'total_s'):.2f} | {med(run, 'rss_mb') / 1024:.2f} GiB |")
+        rows.append([name, f"{sum(os.path.getsize(f) for f in shard_files(path)) / 1e9:.2f} GB",
+                     f"{med(load, 'held_bytes') / 1e9:.2f} GB", f"{med(load, 'load_s'):.2f}",
+                     f"{med(load, 'rss_mb') / 1024:.2f} GiB", f"{med(run, 'total_s'):.2f}",
+                     f"{med(run, 'rss_mb') / 1024:.2f} GiB"])
+    head = benchlib.report_head(f"FluxTransformer2DModel, width 3072, {args.double} double + {args.single} single "
+                                "blocks, random weights, CPU", runs=args.runs, loads=loads)
+    table = benchlib.markdown(["checkpoint", "on disk", "held in memory", "load_model s", "peak RSS",
+                               "load + 1 forward s", "peak RSS"], rows)
+    benchlib.publish_report(head + table, args.output)
 
 
 if __name__ == "__main__":

@@ -32,13 +32,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchlib import ROOT, markdown, med, parser, publish_report, rounds, tree_bytes
+import benchlib  # first: puts tests/ (the tests' Hub and its helpers) on sys.path
+from benchlib import markdown, med
 from build_checkpoint import hub_flux_repo, hub_unet_repo
-
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-
-from helpers_hub import hub_env, run_measured  # noqa: E402
-from hub_server import HubServer  # noqa: E402
+from helpers_hub import hub_env, run_measured
+from hub_server import HubServer
 
 FLOOR = "curl (floor: the same bytes to disk)"
 HF_RESHARD = """
@@ -96,11 +94,11 @@ def bench_split(args: Any) -> str:
             code, seconds, peak, stderr = run_measured(cases[label], env)
             if code != 0:
                 raise SystemExit(f"{label} failed:\n{stderr}")
-            print(f"  run {r + 1}/{args.runs} {label}: {seconds:.2f} s, {peak / 2**20:,.0f} MiB", flush=True)
             return {"seconds": seconds, "peak": peak, "sent": hub.state.bytes_sent() - before,
-                    "cache": tree_bytes(str(tmp / "home"))}
+                    "cache": benchlib.tree_bytes(str(tmp / "home"))}
 
-        results = rounds(list(cases), args.runs, one)
+        results = benchlib.rounds(list(cases), args.runs, one,
+                                  line=lambda d: f"{d['seconds']:.2f} s, {d['peak'] / 2**20:,.0f} MiB")
     floor = med(results[FLOOR], "seconds")
     rows = [[label, f"{med(rs, 'seconds'):.2f} s", f"{med(rs, 'seconds') / floor:.2f}×",
              f"{max(r['peak'] for r in rs) / 2**20:,.0f} MiB", f"{med(rs, 'sent') / 1e9:.2f} GB",
@@ -136,13 +134,13 @@ def bench_info(args: Any) -> str:
 
 
 def main() -> None:
-    p = parser(__doc__)
+    p = benchlib.parser(__doc__)
     p.add_argument("table", choices=["split", "info"])
     p.add_argument("--unet", choices=["sd15", "tiny"], default="sd15", help="split: the repository (tiny: a check)")
     p.add_argument("--download", nargs="?", const="*", metavar="PATTERN",
                    help="info: also time snapshot_download (of the files matching PATTERN; all: ~34 GB to disk)")
     args = p.parse_args()
-    publish_report((bench_split if args.table == "split" else bench_info)(args), args.output)
+    benchlib.publish_report((bench_split if args.table == "split" else bench_info)(args), args.output)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ import subprocess
 import sys
 from typing import Any
 
+import benchlib  # also puts tests/ (the tests' Hub: hub_state) on sys.path
+
 SD15_UNET = {
     "_class_name": "UNet2DConditionModel", "act_fn": "silu", "attention_head_dim": 8,
     "block_out_channels": [320, 640, 1280, 1280], "center_input_sample": False, "cross_attention_dim": 768,
@@ -123,7 +125,7 @@ def build_unet(kind: str, path: str, *, dtype: str = "F32", overwrite: bool = Fa
     shardkit.split(source, path, max_shard_size=max_shard_size, overwrite=overwrite)
     with open(os.path.join(path, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2)
-    return sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))[0]
+    return benchlib.shard_files(path)[0]
 
 
 def build_random(path: str, *, size_bytes: int, shard_bytes: int | str = "1TB", tensor_bytes: int = 64 << 20,
@@ -180,23 +182,13 @@ def sharded_unet(kind: str, work: str, *, dtype: str = "F32", shards: int | None
 
 # ----------------------------------------------------------------------------- Hub repositories (lazy bytes)
 
-def lazy_blob() -> Any:
-    """tests/hub_state.LazyBlob: a file of the tests' Hub whose bytes after its head are zeros made as sent."""
-    tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
-    if tests not in sys.path:
-        sys.path.insert(0, tests)
-    from hub_state import LazyBlob
-
-    return LazyBlob
-
-
 def lazy_weights(model: Any, *, dtype: str, prefix: str, limit: int = 10**12, true_oid: bool = False) -> dict[str, Any]:
     """``model``'s tensors as safetensors files of ``dtype`` for the tests' Hub (tests/hub_state.LazyBlob: real
     headers, zeros made as they are sent), in shards of ``limit`` bytes named as save_pretrained names them,
     with their index when there are several."""
-    from shardkit.formats.header import TensorEntry, build_header
+    from hub_state import LazyBlob  # tests/: a file of the tests' Hub whose bytes after its head are made as sent
 
-    LazyBlob = lazy_blob()
+    from shardkit.formats.header import TensorEntry, build_header
 
     itemsize = 2 if dtype in ("BF16", "F16") else 4
     entries = [TensorEntry(k, dtype, tuple(t.shape), math.prod(t.shape) * itemsize) for k, t in model.state_dict().items()]
@@ -235,6 +227,7 @@ def hub_flux_repo() -> dict[str, Any]:
     built on the meta device from their real configs, the scheduler, tokenizer files at their real sizes."""
     from accelerate import init_empty_weights
     from diffusers import AutoencoderKL, FluxTransformer2DModel
+    from hub_state import LazyBlob
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     vae = {"latent_channels": 16, "block_out_channels": [128, 256, 512, 512], "down_block_types":
@@ -267,11 +260,10 @@ def hub_flux_repo() -> dict[str, Any]:
     files["model_index.json"] = json.dumps(index).encode()
     files["scheduler/scheduler_config.json"] = json.dumps(
         {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0, "use_dynamic_shifting": True}).encode()
-    lazy = lazy_blob()
     # tokenizer files at their real sizes; header-only commands must not fetch them
-    files["tokenizer_2/tokenizer.json"] = lazy(b"{}", 2_424_035)
-    files["tokenizer_2/spiece.model"] = lazy(b"", 791_656)
-    files["tokenizer/vocab.json"] = lazy(b"{}", 1_059_962)
+    files["tokenizer_2/tokenizer.json"] = LazyBlob(b"{}", 2_424_035)
+    files["tokenizer_2/spiece.model"] = LazyBlob(b"", 791_656)
+    files["tokenizer/vocab.json"] = LazyBlob(b"{}", 1_059_962)
     return files
 
 
