@@ -75,6 +75,35 @@ def test_shell_bench_reports_each_table_against_its_own_first_case(tmp_path: Pat
     assert lines[11] == "two:" and lines[14].startswith("| floor b | ") and "| 1.00× |" in lines[14]
 
 
+def test_rounds_print_a_line_per_run_and_say_which_failed(capsys: pytest.CaptureFixture[str]) -> None:
+    results = benchlib.rounds([("local", "a"), ("fuse", "b")], 1, lambda key, r: {"error": "no"} if key[1] == "b" else
+                              {"s": 1.5}, line=lambda d: f"{d['s']} s")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("  run 1/1 local a: 1.5 s, load ") and lines[1].startswith("  run 1/1 fuse b: FAILED no")
+    assert results[("fuse", "b")] == [{"error": "no"}]
+
+
+def test_report_head_and_the_only_filter() -> None:
+    head = benchlib.report_head("what", runs=3, loads=[(1.0, 2.5)], notes=["a note"]).splitlines()
+    assert head[0] == "what; median of 3 run(s), cases interleaved" and head[1].startswith("machine: ")
+    assert head[2].endswith(": 1.0/2.5") and head[3:] == ["a note", ""]
+    assert benchlib.picked(["cp (floor)", "shardkit split", "hub"], ["split", "floor"]) == ["cp (floor)",
+                                                                                             "shardkit split"]
+    assert benchlib.picked(["a", "b"], []) == ["a", "b"]
+    args = benchlib.parser("doc", work="w", only=True).parse_args(["--only", "x", "--only", "y"])
+    assert (args.runs, args.work, args.only, args.output) == (3, "w", ["x", "y"], None)
+    assert not hasattr(benchlib.parser("doc", runs=None, output=False).parse_args([]), "runs")
+
+
+def test_a_python_case_runs_in_its_own_process_and_returns_one_json_line(tmp_path: Path) -> None:
+    script = tmp_path / "bench.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(SCRIPTS)!r})\nimport benchlib\n"
+                      "benchlib.serve_child({'add': lambda a, b: {'sum': int(a) + int(b)}})\nprint('parent')\n")
+    assert benchlib.child(str(script), "--child", "add", "2", "3") == {"sum": 5}
+    parent = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True)
+    assert parent.stdout == "parent\n"
+
+
 def test_measure_fails_with_the_commands_stderr() -> None:
     with pytest.raises(SystemExit, match="went wrong"):
         benchlib.measure("echo went wrong >&2; exit 3")
