@@ -7,28 +7,17 @@ random weights, then writes the same state dict as a ``torch.save`` zip pickle a
 training leaves it). Every case runs interleaved, ``--runs`` times (median reported), each in a
 fresh process with its peak RSS (getrusage of the children); every write ends with ``sync``.
 
-Groups, each with its own floor:
-  * .bin → 5GB shards: ``cp`` of the .bin; shardkit convert; torch.load + save_torch_state_dict
-  * DCP  → 5GB shards: ``cp -r`` of the folder; shardkit convert; ``accelerate merge-weights``
-  * verify read speed (warm page cache, the 2GB shards): ``cat shards > /dev/null``; a plain read loop
-    (1 MiB ``readv``); ``hashlib.file_digest`` sha256 on one thread; ``shardkit verify`` of the shards, of
-    the single file, and of the shards ``--against`` the single file
-  * GGUF → bf16 safetensors (``--groups gguf``): a Llama-7B-shaped GGUF of ``--layers`` layers (default 9:
-    ~1.04 GB of Q4_0, random blocks with finite f16 scales, written by ``gguf.GGUFWriter``): ``cp`` of it (the
-    floor for bytes moved, though a dequantizing convert writes 3.6× more); ``shardkit convert --dtype bf16``
-    (HF names, q/k unpermuted, config.json); the incumbent a user writes today: ``gguf.GGUFReader`` +
-    ``gguf.quants.dequantize`` of every tensor into a bf16 state dict, then ``safetensors.torch.save_file``
-    (llama.cpp names, no permutation undone: less work than shardkit does)
-  * bf16 safetensors → GGUF q8_0 (``--groups gguf-out``, ``--sizes`` layer counts, default 4,10,20: ~0.6, 1.1, 2.0
-    GB): a TinyLlama-shaped bf16 folder per size (hidden 2048, 32 heads, 4 KV heads, intermediate 5632, vocab 32000;
-    500 MB shards of random weights streamed by ``shardkit.split``; a tiny byte-level BPE tokenizer), then ``shardkit
-    convert --to gguf --quantize q8_0`` against llama.cpp's ``convert_hf_to_gguf.py --outtype q8_0``: wall, user + sys
-    CPU seconds and peak RSS of each, and the two outputs checked equal (the whole file, or every tensor and every key
-    but ``general.*``). Each size's folder and outputs are deleted after it. Needs the dev extras' test tools (``pip
-    install -e '.[dev]'``: pytest, transformers, gguf, sentencepiece): the converter and tokenizer come from
-    tests/helpers_llama_cpp.py (llama-cpp-python's sdist, cached in ``$SHARDKIT_TEST_CACHE``); the tiny tokenizer
-    hashes to no real model, so both sides are told it is ``gpt-2`` (the converter through the helpers' wrapper and
-    ``PRE_FALLBACK``, shardkit through its pre-tokenizer table, patched in the process that runs its CLI)
+Groups, each a table of shell cases against its own floor (:func:`unet_groups`, :func:`gguf_group`): .bin and DCP
+→ 5GB shards against ``cp`` and the incumbents (save_torch_state_dict, ``accelerate merge-weights``); verify's read
+speed (warm, the 2GB shards) against ``cat``, a 1 MiB ``readv`` loop and one-thread sha256; ``--groups gguf``: a
+Llama-7B-shaped Q4_0 GGUF of ``--layers`` layers (9: ~1.04 GB, random blocks, finite f16 scales) → bf16 safetensors
+against ``cp`` and gguf's own dequantize + save_file (llama.cpp names, no q/k permutation undone: less work).
+
+``--groups gguf-out`` (alone): TinyLlama-shaped bf16 folders of ``--sizes`` layers (4,10,20: ~0.6, 1.1, 2.0 GB; 500 MB
+shards, a tiny byte-level BPE tokenizer) → GGUF q8_0, shardkit against llama.cpp's ``convert_hf_to_gguf.py``: wall,
+CPU seconds and peak RSS of each, outputs checked equal (the whole file, or every tensor and key but ``general.*``),
+each size deleted after it. Needs the dev extras: the converter and tokenizer come from tests/helpers_llama_cpp.py;
+the tokenizer hashes to no real model, so both sides are told it is ``gpt-2``.
 
     .venv/bin/python scripts/bench_convert.py --runs 3            # SD 1.5 UNet
     .venv/bin/python scripts/bench_convert.py --large --runs 3    # SDXL UNet

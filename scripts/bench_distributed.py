@@ -1,26 +1,17 @@
 #!/usr/bin/env python3
 """Benchmark ``convert`` in one process, as ``torchrun`` ranks and as a plan run by workers, against the incumbents.
 
-Local (default): the SDXL UNet safetensors file (10.27 GB fp32; ``--source``, default the one under
-/work/cowbench, else built with random weights); ``--gb`` keeps only its first tensors up to that
-many GB, for machines with little memory or time. It is saved once as a DCP folder
-(``dcp.save({"model": sd}, no_dist=True)``, as FSDP training leaves it). Cases: ``cp -r`` of the
-folder (the floor), ``shardkit convert`` with each of ``--ranks`` (1: one process, N: ``torchrun
---nproc-per-node N``), ``accelerate merge-weights`` (safetensors) and
-``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` (a .pt file), one process each.
+Local (default): the SDXL UNet (10.27 GB fp32; ``--source``, else built with random weights; ``--gb`` keeps its first
+tensors up to that many GB) saved once as a DCP folder, as FSDP training leaves it. Cases (:func:`cases`): ``cp -r``
+(the floor), ``shardkit convert`` with each of ``--ranks`` (N > 1: ``torchrun --nproc-per-node N``), ``accelerate
+merge-weights`` and ``dcp_to_torch_save``. ``--s3``: one safetensors object of random fp16 (``--size-mb``) in a local
+SeaweedFS (tests/s3_server.py) converted into a fresh prefix by ``--ranks`` (1,2) and by a plan on each of
+``--workers`` (1,2): the plan written first (not timed), its tasks timed on W processes at once, its finalize apart.
 
-``--s3``: one safetensors object of random fp16 values (``--size-mb``, in 64 MiB tensors) in a
-local SeaweedFS (tests/s3_server.py), converted into a fresh prefix: ``--ranks`` (default 1,2)
-and a plan run by each of ``--workers`` (default 1,2; local: none). A plan case writes the plan
-first (not timed), then times its tasks (W workers: W processes at once, tasks w, w + W, ...) and
-its finalize apart (never more workers than tasks: a worker given no task would run them all and
-publish).
-
-Every case runs in a fresh process, ``--runs`` times interleaved (median); local writes end with
-``sync``; ``--dtype`` casts too. Peak RSS: the process tree's, and each shardkit rank's or worker's
-own (VmHWM, recorded at its exit by ``benchlib.py --shardkit``). Every shardkit output is checked
-equal to the first (local: every file's bytes; S3: object names, sizes and the manifest). The load
-average before each run is in the table: other work on the machine shows there.
+Every case in a fresh process, ``--runs`` times interleaved (median); local writes end with ``sync``; ``--dtype``
+casts too. Peak RSS: the process tree's, and each shardkit rank's or worker's own (VmHWM, recorded by ``benchlib.py
+--shardkit``). Every shardkit output is checked equal to the first (local: every file's bytes; S3: names, sizes and
+the manifest). The load average before each run is in the table.
 
     .venv/bin/python scripts/bench_distributed.py --gb 2.5 --runs 1     # what fits a 2-core box
     .venv/bin/python scripts/bench_distributed.py --runs 3              # the full 10.27 GB

@@ -1,20 +1,12 @@
 #!/usr/bin/env python3
 """Benchmark loading sharded checkpoints: shardkit.load_model against the floor and the incumbents.
 
-Builds the SDXL UNet (default, ~10.3 GB fp32) or with ``--small`` the SD 1.5 UNet (~3.4 GB) with
-random weights, splits it into shards with shardkit, then runs every case interleaved,
-``--runs`` times (median reported), each in a fresh process:
-
-* ``safetensors.torch.load_file`` over all shards (the floor; since safetensors 0.6 it maps the
-  files lazily, so it reads nothing until a tensor is used), and a meta skeleton filled from it
-  with ``load_state_dict(assign=True)`` (the least work that yields a model)
-* ``shardkit.load_model(device_map="cpu")``
-* ``accelerate.load_checkpoint_and_dispatch`` into an ``init_empty_weights`` skeleton
-* ``UNet2DConditionModel.from_pretrained``
-* disk offload: ``max_memory={"cpu": 4GiB}`` (scaled to the model for ``--small``) + offload
-  folder, for shardkit and accelerate: time, RSS and bytes written to the offload folder
-* ``shardkit plan`` for the 12B FLUX.1-dev transformer skeleton (whole process: imports included)
-* with CUDA: host → GPU 0 for shardkit and accelerate
+Builds the SDXL UNet (default, ~10.3 GB fp32) or with ``--small`` the SD 1.5 UNet (~3.4 GB) with random weights in
+shards, then runs every case of :func:`build_cases` interleaved, ``--runs`` times (median), each in a fresh process:
+the floor is ``safetensors.torch.load_file`` (it maps lazily: nothing is read until a tensor is used), then a meta
+skeleton filled by ``load_state_dict(assign=True)`` (the least work that yields a model), shardkit, accelerate and
+diffusers into a model; disk offload at ``max_memory={"cpu": 4GiB}`` (scaled for ``--small``; bytes written
+counted); ``shardkit plan`` of the 12B FLUX.1-dev transformer (the whole process); with CUDA, host → GPU 0.
 
 "load s" is the load call alone (imports excluded, the same for every case); "process s" is the
 whole process. "peak RSS" is the process's high-water mark (VmHWM); "above imports" subtracts the
