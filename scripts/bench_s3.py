@@ -1,11 +1,9 @@
 #!/usr/bin/env python3
 """S3 benchmarks against a real SeaweedFS on loopback (tests/s3_server.py): four tables of cases (issue 33).
 
-Every case runs in a fresh process, cases interleaved, ``--runs`` rounds, the order rotating; the
-clock starts after the case's imports; peak RSS is the child's own ``VmHWM`` (``ru_maxrss`` would
-start from the parent's peak at fork). "Through the proxy": every request crosses the delay proxy
-(``--delay-ms`` each way), run in this parent so it never shares the client's GIL; it counts the
-bytes and requests that crossed the client. The tables show medians.
+Every case runs in a fresh process, cases interleaved, ``--runs`` rounds; the clock starts after its imports;
+peak RSS is the child's own ``VmHWM``. "Through the proxy": every request crosses the delay proxy (``--delay-ms``
+each way, run in this parent), which counts bytes and requests. What each table shows: docs/s3.md.
 
     python scripts/bench_s3.py clients --size-mb 1024 --write-mb 256 --runs 3 --delay-ms 1
     python scripts/bench_s3.py open --runs 3 --delay-ms 1
@@ -13,28 +11,17 @@ bytes and requests that crossed the client. The tables show medians.
     python scripts/bench_s3.py copy --size-mb 1024 --shards 5 --out-shards 2 --runs 3
     python scripts/bench_s3.py split --size-mb 6144 --runs 3 --staged-src /tmp/staged
 
-clients  One object of random bytes read whole into one buffer by ``--parts`` ranged GETs of
-         ``--part-mb`` in flight (checked against a sample), straight and through the proxy:
-         boto3-threads, s3transfer (download_fileobj), obstore-threads, obstore-ranges (get_ranges),
-         shardkit-stores (stores.read_ranges); write-shardkit (its multipart writer fed 8 MiB at a
-         time), write-s3transfer, write-obstore write ``--write-mb`` back (RSS includes that buffer).
-open     Every tensor of a checkpoint read once into memory, crc32 of every tensor checked, straight
-         and through the proxy: raw-boto3 (the limit: every object whole by ranged GETs), runai (the
-         Run:ai Model Streamer: ``pip install 'shardkit[bench]'``, else left out with a note),
-         shardkit-open (``shardkit.open(...).to_state_dict()``), load-model (``load_model`` of the
-         UNet, sd15 only), download+load (boto3 download_file, then safetensors load_file). ``setup
-         s`` is making the client, streamer or store and its header mirror, ``read s`` the rest. The
-         checkpoint: the SD 1.5 UNet in fp16 (one 1.72 GB file and config.json) or ``--model random``.
-         ``--open-runs N`` times ``shardkit.open`` alone instead (3 opens a process, N processes) and
-         counts its requests; ``--shardkit-path`` imports shardkit from another checkout.
-copy     ``--shards`` shards of random bf16 resharded into ``--out-shards``, through the proxy: copy
-         (``shardkit.split`` s3→s3, composed by UploadPartCopy), staged (the copies switched off:
-         ranged GETs, a local split, the multipart upload), copy-N (copy parts of N MiB), boto3
-         (s3transfer download, ``shardkit.split`` locally, s3transfer upload). Every output equal to
-         the first case's, object by object.
-split    ``shardkit split s3://bench/src s3://out-N/ckpt --max-shard-size 1GB`` (CLI process), straight:
-         streamed (this tree) against staged (``--staged-src``: a tree from before streaming, e.g.
-         ``git archive 396671a | tar -x -C /tmp/staged``); names, sizes and manifest checked equal.
+clients  One object read whole into one buffer by ``--parts`` ranged GETs of ``--part-mb`` (checked against a
+         sample) by each client, and ``--write-mb`` written back by each writer, straight and through the proxy.
+open     Every tensor of a checkpoint (the SD 1.5 UNet in fp16, or ``--model random``) read into memory, crc32
+         checked: raw-boto3 (every object whole by ranged GETs), the Run:ai streamer (``shardkit[bench]``),
+         shardkit.open, load_model, download + load_file; ``setup s`` is making the client and its header
+         mirror. ``--open-runs N`` times ``shardkit.open`` alone (3 opens a process, N processes, requests counted).
+copy     ``--shards`` shards of random bf16 resharded into ``--out-shards`` through the proxy: copy (UploadPartCopy),
+         staged (copies switched off), copy-N (parts of N MiB), boto3 (download, local split, upload); every
+         output equal to the first, object by object.
+split    ``shardkit split s3://bench/src s3://out-N/ckpt --max-shard-size 1GB`` (CLI process): streamed (this tree)
+         against staged (``--staged-src``: a tree from before streaming, ``git archive 396671a | tar -x -C DIR``).
 """
 
 from __future__ import annotations

@@ -42,12 +42,7 @@ def main() -> int:
     dst = os.path.join(args.out, f"{kind}-unet-sharded")
     started = time.perf_counter()
 
-    step(f"1. build the {'tiny' if args.tiny else 'SD 1.5'} UNet from its config with random fp32 weights")
-    if not os.path.exists(os.path.join(src, "diffusion_pytorch_model.safetensors")):
-        from build_checkpoint import build_unet
-
-        shutil.rmtree(src, ignore_errors=True)
-        build_unet(kind, src)
+    build(kind, src)
     print(f"{src}/diffusion_pytorch_model.safetensors: "
           f"{os.path.getsize(os.path.join(src, 'diffusion_pytorch_model.safetensors')) / 1e9:.2f} GB")
 
@@ -66,6 +61,16 @@ def main() -> int:
     return 0
 
 
+def build(kind: str, src: str) -> None:
+    """Step 1: the ``kind`` UNet at ``src`` (kept from an earlier run)."""
+    step(f"1. build the {'tiny' if kind == 'tiny' else 'SD 1.5'} UNet from its config with random fp32 weights")
+    if not os.path.exists(os.path.join(src, "diffusion_pytorch_model.safetensors")):
+        from build_checkpoint import build_unet
+
+        shutil.rmtree(src, ignore_errors=True)
+        build_unet(kind, src)
+
+
 def s3_demo(out: str) -> int:
     """The tiny UNet through a local SeaweedFS: upload, info, split bucket to bucket, verify, load_model."""
     import signal
@@ -79,12 +84,7 @@ def s3_demo(out: str) -> int:
         return 2
     started = time.perf_counter()
     src = os.path.join(out, "tiny-unet")
-    step("1. build the tiny UNet from its config with random fp32 weights")
-    if not os.path.exists(os.path.join(src, "diffusion_pytorch_model.safetensors")):
-        from build_checkpoint import build_unet
-
-        shutil.rmtree(src, ignore_errors=True)
-        build_unet("tiny", src)
+    build("tiny", src)
     data = tempfile.mkdtemp(prefix="shardkit-demo-s3-")
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill runs the finally below too
     server = SeaweedS3(data)
