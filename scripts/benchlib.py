@@ -34,7 +34,6 @@ for _path in (ROOT, TESTS):  # appended: shardkit from this checkout when it is 
         sys.path.append(_path)
 SK = shlex.quote(os.path.join(os.path.dirname(sys.executable), "shardkit"))  # this interpreter's CLI, for shell cases
 K = TypeVar("K")
-Runs = list[dict[str, Any]]
 
 
 @dataclass(eq=False)
