@@ -14,7 +14,9 @@ quiet_pip() {
     # pip warns about every local index folder it skips; keep the log readable.
     local log status=0
     log="$(mktemp)"
-    "$VENV/bin/pip" install --disable-pip-version-check -q "$@" >"$log" 2>&1 || status=$?
+    # --no-compile: byte-compiling every installed module (torch alone: ~25 s) is skipped; Python compiles
+    # the modules a run imports, once, on first import.
+    "$VENV/bin/pip" install --disable-pip-version-check --no-compile -q "$@" >"$log" 2>&1 || status=$?
     grep -v "is ignored: it is neither" "$log" || true
     rm -f "$log"
     return "$status"
