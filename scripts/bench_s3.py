@@ -9,7 +9,7 @@ each way, run in this parent), which counts bytes and requests. What each table 
     python scripts/bench_s3.py open --runs 3 --delay-ms 1
     python scripts/bench_s3.py open --model random --size-mb 256 --shard-mb 50 --open-runs 5
     python scripts/bench_s3.py copy --size-mb 1024 --shards 5 --out-shards 2 --runs 3
-    python scripts/bench_s3.py split --size-mb 6144 --runs 3 --staged-src /tmp/staged
+    python scripts/bench_s3.py split --size-mb 6144 --runs 3
 
 clients  One object read whole into one buffer by ``--parts`` ranged GETs of ``--part-mb`` (checked against a
          sample) by each client, and ``--write-mb`` written back by each writer, straight and through the proxy.
@@ -20,8 +20,7 @@ open     Every tensor of a checkpoint (the SD 1.5 UNet in fp16, or ``--model ran
 copy     ``--shards`` shards of random bf16 resharded into ``--out-shards`` through the proxy: copy (UploadPartCopy),
          staged (copies switched off), copy-N (parts of N MiB), boto3 (download, local split, upload); every
          output equal to the first, object by object.
-split    ``shardkit split s3://bench/src s3://out-N/ckpt --max-shard-size 1GB`` (CLI process): streamed (this tree)
-         against staged (``--staged-src``: a tree from before streaming, ``git archive 396671a | tar -x -C DIR``).
+split    ``shardkit split s3://bench/src s3://out-N/ckpt --max-shard-size 1GB`` (CLI process), streamed.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ BUCKET, KEY, PREFIX = "bench", "bench/blob.bin", "ckpt"
 CASES = {"clients": ["boto3-threads", "s3transfer", "obstore-threads", "obstore-ranges", "shardkit-stores",
                      "write-shardkit", "write-s3transfer", "write-obstore"],
          "open": ["raw-boto3", "runai", "shardkit-open", "load-model", "download+load"],
-         "copy": ["copy", "staged", "boto3"], "split": ["streamed", "staged"]}
+         "copy": ["copy", "staged", "boto3"], "split": ["streamed"]}
 SIZE_MB = {"clients": 1024, "open": 1024, "copy": 1024, "split": 6144}
 RUNAI_MISSING = ("the Run:ai streamer is not installed: pip install 'shardkit[bench]' "
                  "(runai-model-streamer runai-model-streamer-s3); its case is left out")
@@ -523,19 +522,17 @@ def digests(server: SeaweedS3, prefix: str) -> dict[str, str]:
     return found
 
 
-def split_cli(case: str, dst: str, env: dict[str, str], staged_src: str | None) -> dict[str, float]:
-    """One CLI split in a fresh process (shardkit from ``staged_src`` for the staged case): wall seconds, and the
-    peak RSS MB of that process."""
-    path = shlex.quote(staged_src if case == "staged" and staged_src else benchlib.ROOT)
+def split_cli(dst: str, env: dict[str, str]) -> dict[str, float]:
+    """One CLI split in a fresh process: wall seconds, and the peak RSS MB of that process."""
     with tempfile.TemporaryDirectory(prefix="bench-rss-") as rss:
-        seconds, _ = benchlib.measure(f"cd {path} && PYTHONPATH={path} BENCH_RSS_DIR={rss} {sys.executable} "
+        root = shlex.quote(benchlib.ROOT)
+        seconds, _ = benchlib.measure(f"cd {root} && PYTHONPATH={root} BENCH_RSS_DIR={rss} {sys.executable} "
                                       f"{benchlib.HERE}/benchlib.py --shardkit split s3://{BUCKET}/src {dst} "
                                       "--max-shard-size 1GB", env=env)
         return {"seconds": seconds, "rss_mb": benchlib.rank_peaks_mb(rss)[0]}
 
 
 def bench_split(args: argparse.Namespace, cases: list[str]) -> str:
-    cases = [c for c in cases if c != "staged" or args.staged_src]
     expected: list[Any] = []
     with serve(args) as (work, server, _):
         local = os.path.join(work, "src")
@@ -550,7 +547,7 @@ def bench_split(args: argparse.Namespace, cases: list[str]) -> str:
             bucket = f"out-{count[0]}"
             client: Any = server.client()
             client.create_bucket(Bucket=bucket)
-            data = split_cli(case, f"s3://{bucket}/ckpt", server.client_env(), args.staged_src)
+            data = split_cli(f"s3://{bucket}/ckpt", server.client_env())
             manifest = client.get_object(Bucket=bucket, Key="ckpt/shardkit.manifest.json")["Body"].read()
             client.close()
             got = (server.objects(bucket), manifest)
@@ -596,7 +593,6 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=5, help="copy: source shards")
     p.add_argument("--out-shards", type=int, default=2, help="copy: output shards")
     p.add_argument("--source-shard-mb", type=int, default=2048, help="split: source shard size, MiB")
-    p.add_argument("--staged-src", default=None, help="split: a shardkit tree from before streaming (the staged case)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--extra", default="{}", help=argparse.SUPPRESS)
     args = p.parse_args()
