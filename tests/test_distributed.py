@@ -88,12 +88,15 @@ def _folder_bytes(folder: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("kind", ["transformers", pytest.param("diffusers", marks=pytest.mark.slow)])
-def test_collective_save_equals_single_process_save(tmp_path: Path, kind: str) -> None:
+def test_collective_save_equals_single_process_save(tmp_path: Path, kind: str, one_start: Path) -> None:
     build = _tiny_llama if kind == "transformers" else _tiny_unet
-    out, ref = tmp_path / "out", tmp_path / "ref"
-    run_ranks(tmp_path, _save_rank, build, str(out), str(ref), 20_000)
+    if kind == "transformers":  # ran in the module's one start of the ranks
+        out, ref = one_start / "save" / "out", one_start / "save" / "ref"
+    else:
+        out, ref = tmp_path / "out", tmp_path / "ref"
+        run_ranks(tmp_path, _save_rank, build, str(out), str(ref), 20_000)
     assert _folder_bytes(out) == _folder_bytes(ref)
-    assert not [n for n in os.listdir(tmp_path) if "shardkit-tmp" in n]
+    assert not [n for n in os.listdir(out.parent) if "shardkit-tmp" in n]
     if kind == "transformers":
         from transformers import LlamaForCausalLM
 
@@ -127,7 +130,7 @@ def _uneven_state(Shard: Any, Replicate: Any) -> dict:
             "half": (torch.randn(7, generator=g).to(torch.bfloat16), Shard(0))}
 
 
-def test_collective_save_of_uneven_and_mixed_placements_equals_one_process(tmp_path: Path) -> None:
+def test_collective_save_of_uneven_and_mixed_placements_equals_one_process(tmp_path: Path, one_start: Path) -> None:
     from torch.distributed.tensor import Replicate, Shard
 
     import shardkit
@@ -135,9 +138,8 @@ def test_collective_save_of_uneven_and_mixed_placements_equals_one_process(tmp_p
     full = {name: t for name, (t, _) in _uneven_state(Shard, Replicate).items()}
     full["plain"] = torch.arange(6, dtype=torch.int64)
     shardkit.save_sharded(full, tmp_path / "ref", max_shard_size=64)
-    run_ranks(tmp_path, _uneven_rank, str(tmp_path / "out"))
     assert len(list((tmp_path / "ref").glob("*.safetensors"))) > 2
-    assert _folder_bytes(tmp_path / "out") == _folder_bytes(tmp_path / "ref")
+    assert _folder_bytes(one_start / "uneven") == _folder_bytes(tmp_path / "ref")
 
 
 def _kill_rank(rank: int, world: int, out: str) -> None:
@@ -250,12 +252,8 @@ def _load_rank(rank: int, world: int, ckpt: str, report: str) -> None:
     Path(report).with_suffix(f".{rank}").write_text(f"{done.read_bytes} {local_bytes} {done.global_bytes}")
 
 
-def test_rank_local_loading_reads_only_each_ranks_slice(tmp_path: Path) -> None:
-    from shardkit import save_sharded
-
-    save_sharded(_tiny_llama(), tmp_path / "ckpt", max_shard_size=20_000)
-    run_ranks(tmp_path, _load_rank, str(tmp_path / "ckpt"), str(tmp_path / "report"))
-    reads = [tuple(map(int, (tmp_path / f"report.{r}").read_text().split())) for r in (0, 1)]
+def test_rank_local_loading_reads_only_each_ranks_slice(one_start: Path) -> None:
+    reads = [tuple(map(int, (one_start / f"report.{r}").read_text().split())) for r in (0, 1)]
     for read_bytes, local_bytes, global_bytes in reads:
         assert read_bytes == local_bytes < global_bytes
     assert sum(r[0] for r in reads) == reads[0][2]  # the two ranks' slices tile every tensor once
@@ -280,11 +278,10 @@ def _subgroup_rank(rank: int, world: int, out: str) -> None:
     dist.barrier()
 
 
-def test_collective_save_over_a_subgroup_is_accepted(tmp_path: Path) -> None:
+def test_collective_save_over_a_subgroup_is_accepted(one_start: Path) -> None:
     from safetensors.torch import load_file
 
-    run_ranks(tmp_path, _subgroup_rank, str(tmp_path / "out"))
-    shards = sorted((tmp_path / "out").glob("*.safetensors"))
+    shards = sorted((one_start / "subgroup").glob("*.safetensors"))
     assert len(shards) == 2
     got = {k: v for p in shards for k, v in load_file(p).items()}
     assert sorted(got) == ["w0", "w1", "w2", "w3"] and torch.equal(got["w3"], torch.full((10, 10), 3.0))
@@ -300,18 +297,44 @@ def _manifest_rank(rank: int, world: int, out: str) -> None:
         Path(f"{out}-{manifest}.result{rank}").write_text(str(result.cloned_bytes + result.copied_bytes))
 
 
-def test_collective_save_obeys_manifest_option_like_one_process(tmp_path: Path) -> None:
+def test_collective_save_obeys_manifest_option_like_one_process(tmp_path: Path, one_start: Path) -> None:
     import shardkit
 
     state = {f"w{i}": torch.full((10, 10), float(i)) for i in range(4)}
-    run_ranks(tmp_path, _manifest_rank, str(tmp_path / "out"))
     for manifest in (True, False):
         shardkit.save_sharded(state, tmp_path / f"ref-{manifest}", max_shard_size=800, manifest=manifest)
-        out = tmp_path / f"out-{manifest}"
+        out = one_start / f"manifest-{manifest}"
         assert (out / "shardkit.manifest.json").exists() is manifest
         assert _folder_bytes(out) == _folder_bytes(tmp_path / f"ref-{manifest}")
         for r in (0, 1):  # every rank reports the bytes of all ranks' shards
-            assert (tmp_path / f"out-{manifest}.result{r}").read_text() == str(4 * 400)
+            assert (one_start / f"manifest-{manifest}.result{r}").read_text() == str(4 * 400)
+
+
+# ----------------------------------------------------------------------------- one start of the ranks
+
+def _every_body_rank(rank: int, world: int, root: str) -> None:
+    """The collective bodies above, one after another in one start of the ranks (each rank's start, imports
+    of torch, transformers and shardkit, is most of a body's time); each writes under its own folder."""
+    _save_rank(rank, world, _tiny_llama, f"{root}/save/out", f"{root}/save/ref", 20_000)
+    dist.barrier()
+    _uneven_rank(rank, world, f"{root}/uneven")
+    dist.barrier()
+    _load_rank(rank, world, f"{root}/ckpt", f"{root}/report")
+    dist.barrier()
+    _subgroup_rank(rank, world, f"{root}/subgroup")
+    _manifest_rank(rank, world, f"{root}/manifest")
+
+
+@pytest.fixture(scope="module")
+def one_start(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder where one start of two gloo ranks ran every collective body of this module's default tests."""
+    from shardkit import save_sharded
+
+    root = tmp_path_factory.mktemp("ranks")
+    (root / "save").mkdir()
+    save_sharded(_tiny_llama(), root / "ckpt", max_shard_size=20_000)  # what _load_rank loads
+    run_ranks(root, _every_body_rank, str(root))
+    return root
 
 
 # ----------------------------------------------------------------------------- torchrun convert

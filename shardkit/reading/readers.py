@@ -37,7 +37,7 @@ log = logging.getLogger("shardkit")
 
 CHUNK_BYTES = 32 << 20        # one pread call on a local disk: long sequential reads
 # Network/FUSE: every request is a round trip, so speed = requests in flight x request size / latency.
-# Measured through a FUSE mount adding 2 ms per 128 KiB request (scripts/latency_mount.py): 16 threads x
+# Measured through a FUSE mount adding 2 ms per 128 KiB request (tests/latency_mount.py): 16 threads x
 # 4 MiB ranges keep the mount's server busy, where 4 x 32 MiB (tuned on bindfs, no latency) left it idle.
 REMOTE_CHUNK_BYTES = 4 << 20
 REMOTE_THREADS = 16
