@@ -101,7 +101,7 @@ def test_verify_refuses_fifos_and_devices_in_seconds(name: str, kind: str, built
     """Before: verify hung on a FIFO, and an index or manifest linked to /dev/zero grew past 6 GB."""
     folder, outside = _copy(built, tmp_path)
     _replace(_shard(folder) if name == "shard" else folder / name, kind, outside)
-    b.assert_refused(b.run_bounded("verify", folder, limit_s=30), code=1)
+    b.assert_refused(b.run_bounded("verify", folder), code=1)
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "directory"])
@@ -110,7 +110,7 @@ def test_a_manifest_listed_file_replaced_by_a_special_file_is_a_finding(kind: st
     """Before: a listed config.json replaced by a FIFO, /dev/zero or a folder was skipped and verify said ok."""
     folder, outside = _copy(built, tmp_path)
     _replace(folder / "config.json", kind, outside)
-    line = b.assert_refused(b.run_bounded("verify", folder, limit_s=30), code=1)
+    line = b.assert_refused(b.run_bounded("verify", folder), code=1)
     assert "config.json" in line or "config.json" in b.run_bounded("verify", folder).stdout
 
 
@@ -125,8 +125,8 @@ def test_a_single_file_that_is_a_fifo_or_dev_zero(kind: str, tmp_path: Path) -> 
     else:
         _replace_new.symlink_to("/dev/zero")
     for command in ("verify", "info"):
-        b.assert_refused(b.run_bounded(command, folder, limit_s=30), code=(1, 2))
-        b.assert_refused(b.run_bounded(command, _replace_new, limit_s=30), code=(1, 2))
+        b.assert_refused(b.run_bounded(command, folder), code=(1, 2))
+        b.assert_refused(b.run_bounded(command, _replace_new), code=(1, 2))
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-zero", "outside-json"])
@@ -136,7 +136,7 @@ def test_config_json_as_a_special_file(command: str, kind: str, built: Path, tmp
     folder, outside = _copy(built, tmp_path)
     _replace(folder / "config.json", kind, outside)
     args = [tmp_path / "out", "-q"] if command == "split" else []
-    run = b.run_bounded(command, folder, *args, limit_s=30)
+    run = b.run_bounded(command, folder, *args)
     b.assert_refused(run, code=(1, 2))
     assert MARKER not in run.stdout + run.stderr
     assert not (tmp_path / "out").exists()
@@ -151,9 +151,8 @@ def test_fit_and_plan_refuse_a_special_config(kind: str, tmp_path: Path) -> None
 
     folder = save_model(tiny_unet(), tmp_path / "unet", dtype="fp16")
     _replace(folder / "config.json", kind, tmp_path)
-    b.assert_refused(b.run_bounded("fit", folder, "--gpu", "1GB", limit_s=30))
-    b.assert_refused(b.run_bounded("plan", folder, "--model", "diffusers:UNet2DConditionModel", "--gpu", "1GB",
-                                   limit_s=30))
+    b.assert_refused(b.run_bounded("fit", folder, "--gpu", "1GB"))
+    b.assert_refused(b.run_bounded("plan", folder, "--model", "diffusers:UNet2DConditionModel", "--gpu", "1GB"))
 
 
 def test_a_pipeline_component_linked_outside_is_refused(tmp_path: Path) -> None:

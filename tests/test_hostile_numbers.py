@@ -60,7 +60,7 @@ BLOCKS = {
 def test_hostile_block_sizes_are_refused_before_dequantizing(case: str, tmp_path: Path) -> None:
     block, field = BLOCKS[case]
     src = _fp8(tmp_path / "src", qconfig=_fine(block), scale=("F32", [1, 2], struct.pack("<f", 1.0) * 2))
-    line = b.assert_refused(b.run_bounded("split", src, tmp_path / "out", "--dtype", "bf16", "-q", limit_s=30),
+    line = b.assert_refused(b.run_bounded("split", src, tmp_path / "out", "--dtype", "bf16", "-q"),
                             contains=field)
     assert "config.json" in line
     assert not (tmp_path / "out").exists()
@@ -71,7 +71,7 @@ def test_a_block_larger_than_its_weight_covers_the_weight(tmp_path: Path) -> Non
     from safetensors.torch import load_file
 
     src = _fp8(tmp_path / "src", qconfig=_fine([65536, 128]), scale=("F32", [1, 2], struct.pack("<f", 2.0) * 2))
-    run = b.run_bounded("split", src, tmp_path / "out", "--dtype", "bf16", "-q", limit_s=60)
+    run = b.run_bounded("split", src, tmp_path / "out", "--dtype", "bf16", "-q")
     assert run.returncode == 0, run.stderr
     assert run.peak_rss_bytes < b.MAX_RSS_BYTES
     out = load_file(str(tmp_path / "out" / "model.safetensors"))
