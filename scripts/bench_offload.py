@@ -1,15 +1,9 @@
 #!/usr/bin/env python
-"""Peak GPU memory and seconds per denoising step for each offload strategy, next to the estimate.
-
-With CUDA: builds a real-size denoiser (SDXL UNet or Flux transformer; random weights, or
-filled from shards with ``--checkpoint``), then for every strategy of
-:func:`shardkit.fitting.estimate.strategy_specs` (the single-GPU rows of :data:`shardkit.fitting.peaks.STRATEGIES`,
-named as ``shardkit fit`` names them) installs it with ``apply_offload`` /
-``apply_layerwise_casting``, runs ``--steps`` forward passes at ``--size`` pixels and records
-``torch.cuda.max_memory_allocated`` and the median step time. Without CUDA it says so and prints
-the estimator's table for the real-size meta skeleton only.
+"""Peak GPU memory and seconds per denoising step of each single-GPU offload strategy, next to the fit planner's
+estimate (one table of cases). Method and results: docs/benchmarks.md, "Offload strategies".
 
     python scripts/bench_offload.py --model sdxl --gpu 16GB
+    python scripts/bench_offload.py --model sd15 --size 512 --batch 2 --dtype fp16 --steps 4   # calibration
     python scripts/bench_offload.py --model flux --checkpoint flux-sharded/transformer --json out.json
 """
 
@@ -22,39 +16,43 @@ import statistics
 import sys
 from typing import Any
 
+import benchlib
 from benchlib import fresh_copy, gpu_weights, timed_steps
-from build_checkpoint import FLUX_DEV, SDXL_UNET
+from build_checkpoint import FLUX_DEV, SD15_UNET, SDXL_UNET
+
+CONFIGS = {"sd15": SD15_UNET, "sdxl": SDXL_UNET, "flux": FLUX_DEV}
 
 
 def build(model: str, *, meta: bool) -> Any:
     from accelerate import init_empty_weights
     from diffusers import FluxTransformer2DModel, UNet2DConditionModel
 
-    cls, config = (UNet2DConditionModel, SDXL_UNET) if model == "sdxl" else (FluxTransformer2DModel, FLUX_DEV)
+    cls = FluxTransformer2DModel if model == "flux" else UNet2DConditionModel
     if meta:
         with init_empty_weights():
-            return cls.from_config(config)
-    return cls.from_config(config)
+            return cls.from_config(CONFIGS[model])
+    return cls.from_config(CONFIGS[model])
 
 
-def inputs(model: str, size: int, dtype: Any, device: str) -> dict[str, Any]:
+def inputs(model: str, size: int, batch: int) -> dict[str, Any]:
+    """One step's inputs on the CPU (``batch`` 2: classifier-free guidance's two halves)."""
     import torch
 
     latent = size // 8
+    if model == "flux":
+        tokens = (latent // 2) ** 2
+        return {"hidden_states": torch.randn(batch, tokens, 64), "encoder_hidden_states": torch.randn(batch, 512, 4096),
+                "pooled_projections": torch.randn(batch, 768), "timestep": torch.tensor([0.5]),
+                "guidance": torch.tensor([3.5]), "img_ids": torch.zeros(tokens, 3), "txt_ids": torch.zeros(512, 3)}
+    config = CONFIGS[model]
+    feed = {"sample": torch.randn(batch, config["in_channels"], latent, latent), "timestep": torch.tensor([500]),
+            "encoder_hidden_states": torch.randn(batch, 77, config["cross_attention_dim"])}
     if model == "sdxl":
-        return {"sample": torch.randn(1, 4, latent, latent), "timestep": torch.tensor([500]),
-                "encoder_hidden_states": torch.randn(1, 77, 2048),
-                "added_cond_kwargs": {"text_embeds": torch.randn(1, 1280), "time_ids": torch.randn(1, 6)}}
-    tokens = (latent // 2) ** 2
-    cast = {k: v.to(dtype) for k, v in {"hidden_states": torch.randn(1, tokens, 64),
-                                         "encoder_hidden_states": torch.randn(1, 512, 4096),
-                                         "pooled_projections": torch.randn(1, 768)}.items()}
-    return {**cast, "timestep": torch.tensor([0.5]), "guidance": torch.tensor([3.5]),
-            "img_ids": torch.zeros(tokens, 3), "txt_ids": torch.zeros(512, 3)}
+        feed["added_cond_kwargs"] = {"text_embeds": torch.randn(batch, 1280), "time_ids": torch.randn(batch, 6)}
+    return feed
 
 
 def _to(value: Any, device: str, dtype: Any) -> Any:
-
     if isinstance(value, dict):
         return {k: _to(v, device, dtype) for k, v in value.items()}
     return value.to(device, dtype) if value.is_floating_point() else value.to(device)
@@ -66,7 +64,8 @@ def weights(args: argparse.Namespace, dtype: Any) -> dict[str, Any]:
 
     if args.checkpoint:
         skeleton = build(args.model, meta=True)
-        return shardkit.load_model(type(skeleton), args.checkpoint, config=dict(skeleton.config), dtype=dtype).state_dict()
+        loaded = shardkit.load_model(type(skeleton), args.checkpoint, config=dict(skeleton.config), dtype=dtype)
+        return loaded.state_dict()
     return gpu_weights(lambda: build(args.model, meta=False), dtype)
 
 
@@ -84,7 +83,7 @@ def measure(args: argparse.Namespace, spec: Any, dtype: Any, state: dict[str, An
         model.to("cuda")
     else:
         shardkit.apply_offload(model, spec.offload, device="cuda", **spec.options)
-    feed = _to(inputs(args.model, args.size, dtype, "cuda"), "cuda", dtype)
+    feed = _to(inputs(args.model, args.size, args.batch), "cuda", dtype)
     times, peak = timed_steps(functools.partial(model, **feed), args.steps)
     del model, feed
     gc.collect()
@@ -92,15 +91,22 @@ def measure(args: argparse.Namespace, spec: Any, dtype: Any, state: dict[str, An
     return {"measured_peak_bytes": peak, "s_per_step": statistics.median(times[1:] or times)}
 
 
+def table_line(row: Any, measured: dict[str, Any]) -> str:
+    est, peak, seconds = row.peak_bytes, measured["measured_peak_bytes"], measured["s_per_step"]
+    if peak is None:
+        return f"| {row.spec.name} | {est / 1e9:.2f} | OOM | | |"
+    return f"| {row.spec.name} | {est / 1e9:.2f} | {peak / 1e9:.2f} | {est / peak:.2f} | {seconds:.3f} |"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=["sdxl", "flux"], default="sdxl")
+    parser = benchlib.parser(__doc__, runs=None, output=False, only=True)
+    parser.add_argument("--model", choices=sorted(CONFIGS), default="sdxl")
     parser.add_argument("--gpu", default=None, help="GPU budget to mark fits against, e.g. 16GB")
     parser.add_argument("--size", type=int, default=1024, help="image size in pixels")
+    parser.add_argument("--batch", type=int, default=1, help="batch of each step (2: classifier-free guidance)")
     parser.add_argument("--steps", type=int, default=4, help="forward passes per strategy (first one is warm-up)")
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--checkpoint", help="fill the model from these shards instead of random weights")
-    parser.add_argument("--only", nargs="*", help="strategy names to run (default: all)")
     parser.add_argument("--json", help="write the rows to this file")
     args = parser.parse_args(argv)
 
@@ -108,7 +114,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import shardkit
     from shardkit.formats.dtypes import resolve_torch_dtype
-    from shardkit.units import format_size
 
     dtype = resolve_torch_dtype(args.dtype)
     gpu_bytes = args.gpu or (torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
@@ -120,24 +125,20 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: running the estimator only (no measured peaks or step times)")
         print(estimate.table())
         return 0
-    rows = []
-    state = weights(args, dtype)
-    for row in estimate.rows:
-        spec = row.spec
-        if args.only and spec.name not in args.only:
-            continue
+    print(f"{torch.cuda.get_device_name(0)}; {args.model} {args.dtype}, {args.size}², batch {args.batch}\n")
+    print("| strategy | est. peak GB | measured peak GB | est/meas | s/step |\n|---|---:|---:|---:|---:|", flush=True)
+    rows, state = [], weights(args, dtype)
+    for row in [r for r in estimate.rows if r.spec.name in benchlib.picked([r.spec.name], args.only)]:
         try:
-            measured = measure(args, spec, dtype, state)
+            measured = measure(args, row.spec, dtype, state)
         except torch.cuda.OutOfMemoryError:
             measured = {"measured_peak_bytes": None, "s_per_step": None, "error": "out of memory"}
         rows.append({**row.to_dict(), **measured})
-        peak = measured["measured_peak_bytes"]
-        print(f"{spec.name:<26} est {format_size(row.peak_bytes):>10}  measured "
-              f"{format_size(peak) if peak else 'OOM':>10}  {measured['s_per_step'] or float('nan'):.3f} s/step", flush=True)
+        print(table_line(row, measured), flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.model, "size": args.size, "dtype": args.dtype, "device": torch.cuda.get_device_name(0),
-                       "rows": rows}, f, indent=2)
+            json.dump({"model": args.model, "size": args.size, "batch": args.batch, "dtype": args.dtype,
+                       "device": torch.cuda.get_device_name(0), "rows": rows}, f, indent=2)
     return 0
 
 

@@ -236,14 +236,13 @@ def fresh_copy(skeleton: Any, state: dict[str, Any]) -> Any:
     return skeleton.eval()
 
 
-def timed_steps(step: Callable[[], object], steps: int, *, reset_peak: bool = True) -> tuple[list[float], int]:
+def timed_steps(step: Callable[[], object], steps: int) -> tuple[list[float], int]:
     """Seconds of each of ``steps`` calls of ``step`` (no grad, CUDA synchronized) and the peak GPU bytes
-    allocated (since here, or since the caller's own reset)."""
+    allocated since here."""
     import torch
 
     torch.cuda.synchronize()
-    if reset_peak:
-        torch.cuda.reset_peak_memory_stats()
+    torch.cuda.reset_peak_memory_stats()
     times = []
     with torch.no_grad():
         for _ in range(steps):

@@ -1,37 +1,20 @@
 #!/usr/bin/env python
-"""Calibrate the fit planner's estimates against measurements; prints a markdown table.
+"""The fit planner's estimates against torch.cuda-free accounting on the CPU, small UNets; a markdown table.
+Method: docs/benchmarks.md, "The fit planner against measured peaks" (the GPU peaks: scripts/bench_offload.py).
 
-With CUDA: a real-size UNet (SD 1.5 config, fp16) — filled from ``--checkpoint`` shards when
-given (a shardkit/diffusers ``unet/`` folder), else random weights — runs one denoising step per
-candidate setup (all on GPU, model offload, group offload block/leaf with and without streams,
-sequential offload, each ± fp8 layerwise casting) and records the measured peak
-(``torch.cuda.max_memory_allocated``) and step time next to the planner's estimate.
-
-Without CUDA: the estimates are checked against torch.cuda-free accounting on the CPU: parameter
-bytes actually resident after building the model (sum of ``numel × element_size``), and the
-activation bytes of a forward pass, measured as the peak of live tensor-storage bytes seen by a
-``TorchDispatchMode`` (every op output is counted until its tensor is freed).
-
-    .venv/bin/python scripts/calibrate_fit.py                 # CPU accounting, small UNets
-    .venv/bin/python scripts/calibrate_fit.py --checkpoint sd15-sharded/unet --height 512
+    .venv/bin/python scripts/calibrate_fit.py --height 256
 """
 
 from __future__ import annotations
 
-import argparse
-import functools
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
-from benchlib import fresh_copy, gpu_weights, timed_steps
-from build_checkpoint import SD15_UNET
+import benchlib
+from build_checkpoint import TINY_UNET
 
 SMALL_UNETS = {
-    "tiny (32,64)": {"block_out_channels": [32, 64], "layers_per_block": 1, "cross_attention_dim": 32,
-                     "attention_head_dim": 4, "norm_num_groups": 8,
-                     "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
-                     "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"]},
+    "tiny (32,64)": {k: v for k, v in TINY_UNET.items() if k != "_class_name"},
     "small (64,128,256)": {"block_out_channels": [64, 128, 256], "layers_per_block": 2, "cross_attention_dim": 128,
                            "attention_head_dim": 8, "norm_num_groups": 32,
                            "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
@@ -105,90 +88,13 @@ def cpu_rows(height: int, width: int) -> list[str]:
             "|---|---|---:|---:|---:|---:|---:|", *rows]
 
 
-def unet_copy(config: Any, state: dict[str, Any]) -> Any:
-    """A UNet skeleton given its own copy of ``state`` (filled outside init_empty_weights, which would
-    move the assigned tensors to the meta device)."""
-    from accelerate import init_empty_weights
-    from diffusers import UNet2DConditionModel
-
-    with init_empty_weights():
-        skeleton = UNet2DConditionModel.from_config(config)
-    return fresh_copy(skeleton, state)
-
-
-def gpu_rows(checkpoint: str | None, height: int, width: int, steps: int) -> Iterator[str]:
-    """The table's lines, each yielded as soon as it is measured (a long run shows its progress)."""
-    import torch
-    from diffusers import UNet2DConditionModel
-
-    from shardkit.fitting.activations import Workload
-    from shardkit.fitting.candidates import Budget, Margin, evaluate
-    from shardkit.fitting.peaks import STRATEGIES
-    from shardkit.fitting.profile import profile_module
-
-    if checkpoint:
-        import shardkit
-
-        probe = shardkit.load_model(UNet2DConditionModel, checkpoint, config=checkpoint, device_map="cpu",
-                                    dtype=torch.float16).eval()
-        weights = probe.state_dict()
-    else:
-        weights = gpu_weights(lambda: UNet2DConditionModel.from_config(SD15_UNET), torch.float16)
-        probe = unet_copy(SD15_UNET, weights)
-
-    def build() -> Any:  # each setup gets its own copy of the weights (built or loaded once)
-        return unet_copy(probe.config, weights)
-
-    profile = profile_module(probe, Workload(height, width, 1, True, "sdpa"), name="unet", role="denoiser",
-                             config=dict(probe.config))
-    budget = Budget((torch.cuda.get_device_properties(0).total_memory,))
-    yield "| setup | est. peak GB | measured peak GB | est/meas | s/step |"
-    yield "|---|---:|---:|---:|---:|"
-    for strategy in [s for s in STRATEGIES if s.min_gpus == 1]:
-        for fp8 in (False, True):
-            cand = evaluate(strategy, fp8, [profile], budget, Margin(0.0, 0))
-            model = build()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            from shardkit.fitting.autofit import apply_plan  # noqa: F401  (same code path as fit="auto")
-            from shardkit.runtime.casting import apply_layerwise_casting
-            from shardkit.runtime.offload import apply_offload
-
-            if fp8:
-                apply_layerwise_casting(model, "float8_e4m3fn", "float16")
-            if strategy.offload:
-                apply_offload(model, strategy.offload, device="cuda", **dict(strategy.offload_options))
-            else:
-                model.to("cuda")
-            inputs = unet_inputs(model, height, width, 2, "cuda", torch.float16)
-            times, peak_bytes = timed_steps(functools.partial(model, *inputs), steps + 1, reset_peak=False)  # 1 warm-up
-            seconds = sum(times[1:]) / steps
-            peak = peak_bytes - base
-            est = max(cand.peaks.gpu)
-            yield f"| {cand.label} | {est / 1e9:.2f} | {peak / 1e9:.2f} | {est / max(peak, 1):.2f} | {seconds:.3f} |"
-            del model, inputs
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", help="a unet/ folder of shards (GPU mode); default: random SD 1.5 UNet")
-    parser.add_argument("--height", type=int, default=None)
-    parser.add_argument("--width", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--cpu", action="store_true", help="CPU accounting even when CUDA is present")
+    parser = benchlib.parser(__doc__, runs=None, output=False)
+    parser.add_argument("--height", type=int, default=256)
+    parser.add_argument("--width", type=int, default=256)
     args = parser.parse_args()
-    import torch
-
-    if torch.cuda.is_available() and not args.cpu:
-        h, w = args.height or 512, args.width or 512
-        print(f"CUDA: {torch.cuda.get_device_name(0)}; SD 1.5 UNet fp16, {h}x{w}, batch 2 (CFG)\n")
-        for line in gpu_rows(args.checkpoint, h, w, args.steps):
-            print(line, flush=True)
-    else:
-        h, w = args.height or 256, args.width or 256
-        print(f"no CUDA: CPU accounting (fp32, batch 2 for CFG), {h}x{w}\n")
-        print("\n".join(cpu_rows(h, w)))
+    print(f"CPU accounting (fp32, batch 2 for CFG), {args.height}x{args.width}\n")
+    print("\n".join(cpu_rows(args.height, args.width)))
 
 
 if __name__ == "__main__":
