@@ -1,9 +1,8 @@
 #!/usr/bin/env python3
 """Hub benchmarks against the tests' offline Hub (tests/hub_server.py) on loopback: two tables of cases.
 
-The server counts every body byte it sends. The repositories' weight files are lazy
-(build_checkpoint.hub_unet_repo, hub_flux_repo): real headers from the real classes built on the
-meta device, zeros made as they are sent, so building them costs nothing.
+The server counts every body byte it sends. The repositories' weight files are lazy (tests/hub_repos.py):
+real headers from the real classes built on the meta device, zeros made as they are sent.
 
     .venv/bin/python scripts/bench_hub.py split --runs 3
     .venv/bin/python scripts/bench_hub.py info                     # info + fit; the download's bytes computed
@@ -34,8 +33,9 @@ from typing import Any
 
 import benchlib  # first: puts tests/ (the tests' Hub and its helpers) on sys.path
 from benchlib import markdown, med
-from build_checkpoint import hub_flux_repo, hub_unet_repo
+from build_checkpoint import CONFIGS, FLUX_DEV
 from helpers_hub import hub_env, run_measured
+from hub_repos import hub_flux_repo, hub_unet_repo
 from hub_server import HubServer
 
 FLOOR = "curl (floor: the same bytes to disk)"
@@ -81,7 +81,8 @@ def split_cases(repo: str, url: str, files: dict[str, Any], tmp: Path) -> dict[s
 
 
 def bench_split(args: Any) -> str:
-    repo, files = f"bench/{args.unet}-unet", hub_unet_repo(args.unet)
+    limit = 2 * 10**9 if args.unet == "sd15" else 1 << 20  # sd15: two shards, as diffusers saves it
+    repo, files = f"bench/{args.unet}-unet", hub_unet_repo(CONFIGS[args.unet], limit=limit)
     weight_bytes = sum(len(v) for k, v in files.items() if k.endswith(".safetensors"))
     with serve(repo, files) as (tmp, hub, env):
         cases = split_cases(repo, hub.url, files, tmp)
@@ -109,7 +110,7 @@ def bench_split(args: Any) -> str:
 
 
 def bench_info(args: Any) -> str:
-    repo, files = "bench/FLUX.1-dev", hub_flux_repo()
+    repo, files = "bench/FLUX.1-dev", hub_flux_repo(FLUX_DEV)
     repo_bytes = sum(len(v) for v in files.values())
     rows = []
     with serve(repo, files) as (tmp, hub, env):

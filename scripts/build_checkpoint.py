@@ -22,7 +22,7 @@ import subprocess
 import sys
 from typing import Any
 
-import benchlib  # also puts tests/ (the tests' Hub: hub_state) on sys.path
+import benchlib
 
 SD15_UNET = {
     "_class_name": "UNet2DConditionModel", "act_fn": "silu", "attention_head_dim": 8,
@@ -178,93 +178,6 @@ def sharded_unet(kind: str, work: str, *, dtype: str = "F32", shards: int | None
         limit = nbytes // shards + (64 << 20) if shards else "5GB" if kind == "sdxl" else "2GB"
         build_unet(kind, folder, dtype=dtype, overwrite=True, max_shard_size=limit)
     return folder, nbytes
-
-
-# ----------------------------------------------------------------------------- Hub repositories (lazy bytes)
-
-def lazy_weights(model: Any, *, dtype: str, prefix: str, limit: int = 10**12, true_oid: bool = False) -> dict[str, Any]:
-    """``model``'s tensors as safetensors files of ``dtype`` for the tests' Hub (tests/hub_state.LazyBlob: real
-    headers, zeros made as they are sent), in shards of ``limit`` bytes named as save_pretrained names them,
-    with their index when there are several."""
-    from hub_state import LazyBlob  # tests/: a file of the tests' Hub whose bytes after its head are made as sent
-
-    from shardkit.formats.header import TensorEntry, build_header
-
-    itemsize = 2 if dtype in ("BF16", "F16") else 4
-    entries = [TensorEntry(k, dtype, tuple(t.shape), math.prod(t.shape) * itemsize) for k, t in model.state_dict().items()]
-    groups: list[list[TensorEntry]] = [[]]
-    for e in entries:
-        if groups[-1] and sum(x.nbytes for x in groups[-1]) + e.nbytes > limit:
-            groups.append([])
-        groups[-1].append(e)
-    names = [f"{prefix}.safetensors"] if len(groups) == 1 else \
-        [f"{prefix}-{i:05d}-of-{len(groups):05d}.safetensors" for i in range(1, len(groups) + 1)]
-    files: dict[str, Any] = {}
-    for filename, group in zip(names, groups, strict=True):
-        head, _ = build_header(group)
-        files[filename] = LazyBlob(head, len(head) + sum(e.nbytes for e in group), true_oid=true_oid)
-    if len(groups) > 1:
-        weight_map = {e.name: f for f, g in zip(names, groups, strict=True) for e in g}
-        files[f"{prefix}.safetensors.index.json"] = json.dumps(
-            {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}).encode()
-    return files
-
-
-def hub_unet_repo(kind: str = "sd15") -> dict[str, Any]:
-    """The ``kind`` UNet in fp32 (sd15: 3.44 GB) as diffusers saves it in two shards: config.json, shards, index."""
-    from accelerate import init_empty_weights
-    from diffusers import UNet2DConditionModel
-
-    with init_empty_weights():
-        model = UNet2DConditionModel.from_config(CONFIGS[kind])
-    limit = 2 * 10**9 if kind == "sd15" else 1 << 20
-    return {"config.json": json.dumps(dict(model.config)).encode(),
-            **lazy_weights(model, dtype="F32", prefix="diffusion_pytorch_model", limit=limit, true_oid=True)}
-
-
-def hub_flux_repo() -> dict[str, Any]:
-    """A FLUX.1-dev-sized pipeline in bf16 (34 GB): the transformer (11.9B), T5-XXL (4.8B), CLIP-L and the VAE
-    built on the meta device from their real configs, the scheduler, tokenizer files at their real sizes."""
-    from accelerate import init_empty_weights
-    from diffusers import AutoencoderKL, FluxTransformer2DModel
-    from hub_state import LazyBlob
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
-
-    vae = {"latent_channels": 16, "block_out_channels": [128, 256, 512, 512], "down_block_types":
-           ["DownEncoderBlock2D"] * 4, "up_block_types": ["UpDecoderBlock2D"] * 4, "layers_per_block": 2,
-           "sample_size": 1024, "scaling_factor": 0.3611, "shift_factor": 0.1159, "use_quant_conv": False,
-           "use_post_quant_conv": False}
-    t5 = T5Config(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vocab_size=32128,
-                  feed_forward_proj="gated-gelu", is_encoder_decoder=False, relative_attention_num_buckets=32)
-    clip = CLIPTextConfig(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
-                          vocab_size=49408, max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu")
-    with init_empty_weights():
-        models = {"transformer": ("diffusers", "FluxTransformer2DModel", FluxTransformer2DModel.from_config(FLUX_DEV)),
-                  "text_encoder": ("transformers", "CLIPTextModel", CLIPTextModel(clip)),
-                  "text_encoder_2": ("transformers", "T5EncoderModel", T5EncoderModel(t5)),
-                  "vae": ("diffusers", "AutoencoderKL", AutoencoderKL(**vae))}
-    files: dict[str, Any] = {}
-    index: dict[str, object] = {"_class_name": "FluxPipeline", "_diffusers_version": "0.30.0",
-                                "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-                                "tokenizer": ["transformers", "CLIPTokenizer"],
-                                "tokenizer_2": ["transformers", "T5TokenizerFast"]}
-    limits = {"transformer": 10 * 10**9, "text_encoder_2": 5 * 10**9}
-    for name, (library, class_name, model) in models.items():
-        index[name] = [library, class_name]
-        config = model.config
-        files[f"{name}/config.json"] = (config.to_json_string() if hasattr(config, "to_json_string")
-                                        else json.dumps(dict(config))).encode()
-        weights = lazy_weights(model, dtype="BF16", limit=limits.get(name, 10**12),
-                               prefix="diffusion_pytorch_model" if library == "diffusers" else "model")
-        files.update({f"{name}/{filename}": blob for filename, blob in weights.items()})
-    files["model_index.json"] = json.dumps(index).encode()
-    files["scheduler/scheduler_config.json"] = json.dumps(
-        {"_class_name": "FlowMatchEulerDiscreteScheduler", "shift": 3.0, "use_dynamic_shifting": True}).encode()
-    # tokenizer files at their real sizes; header-only commands must not fetch them
-    files["tokenizer_2/tokenizer.json"] = LazyBlob(b"{}", 2_424_035)
-    files["tokenizer_2/spiece.model"] = LazyBlob(b"", 791_656)
-    files["tokenizer/vocab.json"] = LazyBlob(b"{}", 1_059_962)
-    return files
 
 
 def main() -> int:
