@@ -1,23 +1,7 @@
 #!/usr/bin/env python3
-"""Benchmark ``shardkit convert`` (zip pickle, DCP and GGUF sources) and ``shardkit verify``, in one run.
-
-Builds the SD 1.5 UNet (default, ~3.4 GB fp32) or the SDXL UNet (``--large``, ~10.3 GB) with
-random weights, then writes the same state dict as a ``torch.save`` zip pickle and as a
-``torch.distributed.checkpoint`` folder (``dcp.save({"model": sd}, no_dist=True)``, as FSDP
-training leaves it). Every case runs interleaved, ``--runs`` times (median reported), each in a
-fresh process with its peak RSS (getrusage of the children); every write ends with ``sync``.
-
-Groups, each a table of shell cases against its own floor (:func:`unet_groups`, :func:`gguf_group`): .bin and DCP
-→ 5GB shards against ``cp`` and the incumbents (save_torch_state_dict, ``accelerate merge-weights``); verify's read
-speed (warm, the 2GB shards) against ``cat``, a 1 MiB ``readv`` loop and one-thread sha256; ``--groups gguf``: a
-Llama-7B-shaped Q4_0 GGUF of ``--layers`` layers (9: ~1.04 GB, random blocks, finite f16 scales) → bf16 safetensors
-against ``cp`` and gguf's own dequantize + save_file (llama.cpp names, no q/k permutation undone: less work).
-
-``--groups gguf-out`` (alone): TinyLlama-shaped bf16 folders of ``--sizes`` layers (4,10,20: ~0.6, 1.1, 2.0 GB; 500 MB
-shards, a tiny byte-level BPE tokenizer) → GGUF q8_0, shardkit against llama.cpp's ``convert_hf_to_gguf.py``: wall,
-CPU seconds and peak RSS of each, outputs checked equal (the whole file, or every tensor and key but ``general.*``),
-each size deleted after it. Needs the dev extras: the converter and tokenizer come from tests/helpers_llama_cpp.py;
-the tokenizer hashes to no real model, so both sides are told it is ``gpt-2``.
+"""Benchmark ``shardkit convert`` (zip pickle, DCP and GGUF sources; GGUF out) and ``shardkit verify``, in one run:
+groups of shell cases, each against its own floor (:func:`unet_groups`, :func:`gguf_group`).
+Method: docs/benchmarks.md, "How each benchmark measures".
 
     .venv/bin/python scripts/bench_convert.py --runs 3            # SD 1.5 UNet
     .venv/bin/python scripts/bench_convert.py --large --runs 3    # SDXL UNet

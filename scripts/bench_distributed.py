@@ -1,17 +1,7 @@
 #!/usr/bin/env python3
-"""Benchmark ``convert`` in one process, as ``torchrun`` ranks and as a plan run by workers, against the incumbents.
-
-Local (default): the SDXL UNet (10.27 GB fp32; ``--source``, else built with random weights; ``--gb`` keeps its first
-tensors up to that many GB) saved once as a DCP folder, as FSDP training leaves it. Cases (:func:`cases`): ``cp -r``
-(the floor), ``shardkit convert`` with each of ``--ranks`` (N > 1: ``torchrun --nproc-per-node N``), ``accelerate
-merge-weights`` and ``dcp_to_torch_save``. ``--s3``: one safetensors object of random fp16 (``--size-mb``) in a local
-SeaweedFS (tests/s3_server.py) converted into a fresh prefix by ``--ranks`` (1,2) and by a plan on each of
-``--workers`` (1,2): the plan written first (not timed), its tasks timed on W processes at once, its finalize apart.
-
-Every case in a fresh process, ``--runs`` times interleaved (median); local writes end with ``sync``; ``--dtype``
-casts too. Peak RSS: the process tree's, and each shardkit rank's or worker's own (VmHWM, recorded by ``benchlib.py
---shardkit``). Every shardkit output is checked equal to the first (local: every file's bytes; S3: names, sizes and
-the manifest). The load average before each run is in the table.
+"""Benchmark ``convert`` in one process, as ``torchrun`` ranks and as a plan run by workers, against the incumbents
+(:func:`cases`), locally or with ``--s3`` in SeaweedFS (tests/s3_server.py).
+Method: docs/benchmarks.md, "How each benchmark measures".
 
     .venv/bin/python scripts/bench_distributed.py --gb 2.5 --runs 1     # what fits a 2-core box
     .venv/bin/python scripts/bench_distributed.py --runs 3              # the full 10.27 GB

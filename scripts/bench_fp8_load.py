@@ -1,16 +1,6 @@
 #!/usr/bin/env python3
-"""Benchmark a Flux-shaped transformer as bf16 vs fp8-block on disk: bytes, load time, peak RSS (issue 23).
-
-Builds a FluxTransformer2DModel of the real width (24 heads × 128, 3072) with ``--double`` double and
-``--single`` single blocks (default 2 and 4: ~1.3B parameters) from its config, random bf16 weights,
-saves it, and writes its ``shardkit convert --quantize fp8-block`` copy. Then, each in a fresh
-process, interleaved, ``--runs`` times (median reported):
-
-* ``shardkit.load_model(..., device_map="cpu")`` of each (the fp8 copy stays fp8 in memory), and
-* the same plus one forward pass (every weight touched: the fp8 copy dequantizes layer by layer).
-
-"load s" is measured inside the child (imports excluded); peak RSS is the child's high-water mark
-(VmHWM: ru_maxrss would carry the RSS of this parent, which built the model, across exec).
+"""Benchmark a Flux-shaped transformer as bf16 vs fp8-block on disk: bytes, load time (and one forward pass), peak RSS
+(issue 23). Method: docs/benchmarks.md, "How each benchmark measures".
 
     .venv/bin/python scripts/bench_fp8_load.py --runs 3
 """

@@ -1,18 +1,7 @@
 #!/usr/bin/env python3
 """Host → GPU reads (issue 46): shardkit's pinned ring against safetensors, fastsafetensors, the Run:ai
 streamer and InstantTensor, with the pinned-copy floor measured in the same run.
-
-Checkpoints (bf16, random weights, real architectures' names and shapes, built on the GPU once):
-the SDXL UNet (5.1 GB, 1680 tensors, many small) and a Llama-3.2-3B-shaped decoder (6.4 GB, 255
-tensors). Every case runs in a fresh process, interleaved, ``--runs`` times (median); the time is
-the read alone (imports and CUDA start-up excluded, ``torch.cuda.synchronize`` included). Warm: the
-files are in the page cache (checked with mincore). Cold: each file evicted (``POSIX_FADV_DONTNEED``,
-checked) before every run, against ``dd iflag=direct`` of the same files (the disk's O_DIRECT rate).
-Each case prints a byte checksum of what it loaded: every case must agree.
-
-``--sweep`` times shardkit's ring with other slot counts, slot sizes and thread counts (how the
-default was chosen); ``--tp`` reads the Llama as 4 tensor-parallel ranks on one GPU, counting each
-rank's bytes read (``/proc/self/io`` rchar) and checking its tensors against slices of the full ones.
+Method: docs/benchmarks.md, "How each benchmark measures".
 
     python3 scripts/bench_gpu_read.py --work /tmp/gpu-read --runs 3 --cold --sweep --tp
 """

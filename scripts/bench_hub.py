@@ -1,21 +1,12 @@
 #!/usr/bin/env python3
-"""Hub benchmarks against the tests' offline Hub (tests/hub_server.py) on loopback: two tables of cases.
-
-The server counts every body byte it sends. The repositories' weight files are lazy (tests/hub_repos.py):
-real headers from the real classes built on the meta device, zeros made as they are sent.
+"""Hub benchmarks against the tests' offline Hub (tests/hub_server.py, its lazy repositories tests/hub_repos.py) on
+loopback: ``split`` (reshard hf://) and ``info`` (info + fit by range reads).
+Method: docs/benchmarks.md, "How each benchmark measures".
 
     .venv/bin/python scripts/bench_hub.py split --runs 3
     .venv/bin/python scripts/bench_hub.py info                     # info + fit; the download's bytes computed
     .venv/bin/python scripts/bench_hub.py info --download          # also time snapshot_download (~34 GB to disk)
     .venv/bin/python scripts/bench_hub.py info --download 'vae/*'  # time the download of part of it
-
-split  Reshard the SD 1.5 UNet in fp32 (3.44 GB, two shards, true sha256 oids): ``split hf://`` streamed
-       (``--no-cache``) and through the cache, against ``curl`` of the same bytes (the floor), Python
-       start-up + import, and the incumbents (``snapshot_download``, then ``save_torch_state_dict``). A
-       fresh process and a fresh HF cache per case, interleaved, the order rotating: the median time,
-       the peak RSS of the process (``wait4``), the bytes sent and what was left in the HF cache.
-info   ``shardkit info`` / ``fit`` of a FLUX.1-dev-sized pipeline (34 GB, bf16) by range reads, against
-       ``snapshot_download``: the bytes each transfers and its time.
 """
 
 from __future__ import annotations

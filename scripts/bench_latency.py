@@ -1,24 +1,7 @@
 #!/usr/bin/env python3
-"""Loading through mounts: at the latency limit (issue 22), through FUSE (issue 34), each read backend (issue 13).
-
-``scripts/bench_load.py --latency-ms 2 [0.5 5]`` runs this. The SD 1.5 UNet in fp16 (~1.7 GB, 4
-shards; ``--latency-model tiny`` for a ~0.2 GB stand-in) is served by :mod:`latency_mount`
-(tests/latency_mount.py: ``latency_ms`` slept in every read request, 16 requests served at once,
-backing files kept in the page cache, the mount's own page cache dropped at each open: every
-fresh process reads cold through it). Every case of :data:`CASES` runs in a fresh process, timed
-after imports, every weight's pages touched; plus, on the local disk with the page cache evicted,
-``dd bs=16M`` and shardkit's two paths. The mount's limit is requests in flight × request size ÷
-latency; each row also gives the requests the mount saw and the peak in flight. Median of ``--runs``.
-
-``--bindfs`` adds the zero-latency FUSE case (issue 34): the same cases through a bindfs (FUSE
-passthrough, C) mount of the same folder, backing files evicted before each run (a cold read, as a
-local FUSE or container volume over a local disk sees it); ``--latency-ms 0`` is the latency mount
-adding nothing (a Python FUSE server).
-
-``scripts/bench_load.py --read-backends`` runs the read-backend matrix (issue 13): an SD 1.5 UNet in
-fp16 (~1.7 GB, one file), on the local disk and on a bindfs mount of the same folder, page cache
-cold (evicted with POSIX_FADV_DONTNEED, checked with mincore) and warm; floor ``dd bs=16M``; the
-cases of :data:`READ_CASES`, every page of every weight touched, timed inside the fresh child process.
+"""Loading through mounts: at the latency limit (issue 22), through FUSE (issue 34), each read backend (issue 13);
+``scripts/bench_load.py --latency-ms``, ``--bindfs`` and ``--read-backends`` run it.
+Method: docs/benchmarks.md, "How each benchmark measures".
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 #!/usr/bin/env python3
-"""Benchmark loading sharded checkpoints: shardkit.load_model against the floor and the incumbents.
-
-Builds the SDXL UNet (default, ~10.3 GB fp32) or with ``--small`` the SD 1.5 UNet (~3.4 GB) with random weights in
-shards, then runs every case of :func:`build_cases` interleaved, ``--runs`` times (median), each in a fresh process:
-the floor is ``safetensors.torch.load_file`` (it maps lazily: nothing is read until a tensor is used), then a meta
-skeleton filled by ``load_state_dict(assign=True)`` (the least work that yields a model), shardkit, accelerate and
-diffusers into a model; disk offload at ``max_memory={"cpu": 4GiB}`` (scaled for ``--small``; bytes written
-counted); ``shardkit plan`` of the 12B FLUX.1-dev transformer (the whole process); with CUDA, host → GPU 0.
-
-"load s" is the load call alone (imports excluded, the same for every case); "process s" is the
-whole process. "peak RSS" is the process's high-water mark (VmHWM); "above imports" subtracts the
-RSS after imports. Checkpoint pages are in the page cache (warm) for every run after the first.
+"""Benchmark loading sharded checkpoints: shardkit.load_model against the floor and the incumbents (the cases of
+:func:`build_cases`); through mounts with :mod:`bench_latency`.
+Method: docs/benchmarks.md, "How each benchmark measures".
 
     .venv/bin/python scripts/bench_load.py --small --runs 3
-
-``--read-backends`` (issue 13), ``--latency-ms MS...`` (issue 22) and ``--bindfs`` (issue 34) read through
-mounts instead, cold and warm: :mod:`bench_latency` runs them and says what they measure.
-
     .venv/bin/python scripts/bench_load.py --read-backends --runs 3
     .venv/bin/python scripts/bench_load.py --latency-ms 0.5 2 5 --runs 3
     .venv/bin/python scripts/bench_load.py --latency-ms 0 2 --bindfs --runs 3

@@ -1,26 +1,13 @@
 #!/usr/bin/env python3
-"""S3 benchmarks against a real SeaweedFS on loopback (tests/s3_server.py): four tables of cases (issue 33).
-
-Every case runs in a fresh process, cases interleaved, ``--runs`` rounds; the clock starts after its imports;
-peak RSS is the child's own ``VmHWM``. "Through the proxy": every request crosses the delay proxy (``--delay-ms``
-each way, run in this parent), which counts bytes and requests. What each table shows: docs/s3.md.
+"""S3 benchmarks against a real SeaweedFS on loopback (tests/s3_server.py), through a counting delay proxy: four
+tables of cases (issue 33).
+Method: docs/benchmarks.md, "How each benchmark measures"; what each table shows: docs/s3.md.
 
     python scripts/bench_s3.py clients --size-mb 1024 --write-mb 256 --runs 3 --delay-ms 1
     python scripts/bench_s3.py open --runs 3 --delay-ms 1
     python scripts/bench_s3.py open --model random --size-mb 256 --shard-mb 50 --open-runs 5
     python scripts/bench_s3.py copy --size-mb 1024 --shards 5 --out-shards 2 --runs 3
     python scripts/bench_s3.py split --size-mb 6144 --runs 3
-
-clients  One object read whole into one buffer by ``--parts`` ranged GETs of ``--part-mb`` (checked against a
-         sample) by each client, and ``--write-mb`` written back by each writer, straight and through the proxy.
-open     Every tensor of a checkpoint (the SD 1.5 UNet in fp16, or ``--model random``) read into memory, crc32
-         checked: raw-boto3 (every object whole by ranged GETs), the Run:ai streamer (``shardkit[bench]``),
-         shardkit.open, load_model, download + load_file; ``setup s`` is making the client and its header
-         mirror. ``--open-runs N`` times ``shardkit.open`` alone (3 opens a process, N processes, requests counted).
-copy     ``--shards`` shards of random bf16 resharded into ``--out-shards`` through the proxy: copy (UploadPartCopy),
-         staged (copies switched off), copy-N (parts of N MiB), boto3 (download, local split, upload); every
-         output equal to the first, object by object.
-split    ``shardkit split s3://bench/src s3://out-N/ckpt --max-shard-size 1GB`` (CLI process), streamed.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 #!/usr/bin/env python3
-"""Benchmark ``shardkit split`` (and ``merge``) against ``cp`` (the floor) and huggingface_hub, in one run.
-
-Builds the SDXL UNet (default, ~10.3 GB fp32) or the SD 1.5 UNet (``--size sd15``, ~3.4 GB) as
-one .safetensors file with random weights, plus a ``torch.save`` pickle of the same state dict,
-then runs every case interleaved, ``--runs`` times (median reported), each in a fresh process
-with its peak RSS. Every write case ends with ``sync`` so timings include getting bytes to disk.
-
-``--fs xfs`` (or ``btrfs``) runs the copy-on-write cases instead, on a fresh filesystem made in
-a sparse image under ``--work`` and loop-mounted there (needs root; installs xfsprogs or
-btrfs-progs with apt-get when missing; unmounted and deleted at the end): ``cp
---reflink=never``, ``cp --reflink=always`` (the floor), split at 2 GB and 5 GB, huggingface_hub's
-path and a merge of 5 GB shards back into one file.
+"""Benchmark ``shardkit split`` (and ``merge``) against ``cp`` (the floor) and huggingface_hub, in one run; ``--fs xfs``
+(or ``btrfs``): the copy-on-write cases on a loop-mounted filesystem.
+Method: docs/benchmarks.md, "How each benchmark measures".
 
     .venv/bin/python scripts/bench_split.py --size sd15 --runs 3
     .venv/bin/python scripts/bench_split.py --runs 5 --output bench-ext4.md

@@ -1,11 +1,6 @@
-"""What every benchmark shares: cases run interleaved in fresh processes, timed, with their peak RSS.
-
-Two kinds of case. A shell command (:class:`Case`) runs as ``python benchlib.py --run CMD`` in a
-child process: getrusage(RUSAGE_CHILDREN) there is the peak RSS of exactly that command's process
-tree. A Python case runs as ``python SCRIPT --child NAME ARGS...`` (:func:`child`), times itself
-after its imports and prints one JSON line, with its own peak RSS (:func:`peak_rss_mb`: VmHWM, as
-ru_maxrss would carry over the forking parent's). :func:`rounds` runs either kind ``--runs``
-times, the case order rotating each round; the tables show medians.
+"""What every benchmark shares: cases (shell commands, :class:`Case`, or Python cases, :func:`child`) run interleaved
+in fresh processes by :func:`rounds`, timed, with their peak RSS.
+Method: docs/benchmarks.md, "How each benchmark measures".
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 #!/usr/bin/env python3
-"""Build a real-architecture checkpoint with random weights, without holding it in memory.
-
-The UNet skeleton is built on the meta device from its real config; tensors are generated one at
-a time (seeded per name, so the same command gives the same bytes) and streamed into one
-``diffusion_pytorch_model.safetensors`` file, in the order safetensors' own writer uses
-(alphabetical for a single dtype). Used by ``scripts/demo`` and the benchmarks.
+"""Build a real-architecture checkpoint with random weights (seeded per tensor name), streamed without holding it in
+memory. Used by ``scripts/demo`` and the benchmarks. Method: docs/benchmarks.md, "How each benchmark measures".
 
     python scripts/build_checkpoint.py sd15 out/unet        # SD 1.5 UNet, ~3.4 GB fp32
     python scripts/build_checkpoint.py sdxl out/unet        # SDXL UNet, ~10.3 GB fp32
