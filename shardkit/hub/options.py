@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..sharding.options import option_field
 from ..units import ProgressCallback
 
@@ -45,7 +45,7 @@ class PushOptions:
 
     private: bool = option_field(False, "Create the repository as private (if it does not exist).")
     revision: str | None = option_field(
-        None, "Branch to push to (created from main if missing), or the base of create_pr=True.")
+        None, ("Branch to push to (created from main if missing), or the base of ", Option("create_pr", True), "."))
     create_pr: bool = option_field(False, "Open a pull request instead of committing to the branch.")
     message: str | None = option_field(None, "Commit message (default: 'Upload N file(s) with shardkit').",
                                        short="-m")
@@ -61,7 +61,8 @@ class PushOptions:
         False, "List what would be uploaded and what is already there; change nothing. Asks the Hub what it has; "
         "offline, lists every file as an upload.")
     verify: bool = option_field(
-        True, "Verify the checkpoint first and refuse a broken one (verify=False pushes it unverified).")
+        True, ("Verify the checkpoint first and refuse a broken one (", Option("verify", False),
+               " pushes it unverified)."))
     allow_lossy: bool = option_field(
         False, "Push a quantized checkpoint even if a weight's scales or quantization config are unusable.")
     follow_symlinks: bool = option_field(

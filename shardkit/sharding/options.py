@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, get_args
 
-from ..errors import InvalidInputError, InvalidSizeError, ShardkitWarning
+from ..errors import InvalidInputError, InvalidSizeError, Option, Part, ShardkitWarning, join_parts
 from ..units import LOSSLESS_TARGETS, ProgressCallback, normalize_dtype, parse_size
 
 if TYPE_CHECKING:
@@ -33,15 +33,17 @@ DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")  # what the CLI
 T = TypeVar("T")
 
 
-def option_field(default: T, help: str, *, keyword: str | None = None, choices: tuple[str, ...] = (),
+def option_field(default: T, help: str | tuple[Part, ...], *, keyword: str | None = None, choices: tuple[str, ...] = (),
                  cli: bool = True, negatable: bool = False, short: str | None = None,
                  repeatable: str | None = None) -> T:
     """An options field (:class:`WriteOptions`, ``PushOptions``) and everything the front ends derive from
     it: its one-line help (the CLI's ``--help`` and the docs' table), its Python keyword when it is not the
     field's name, its closed choices, whether the CLI has a flag for it (``--no-NAME`` too when
     ``negatable``; a flag defaulting to True that is not negatable is typed ``--no-NAME`` alone), its
-    short flag (``"-m"``), and for a tuple of values the metavar of its repeatable flag."""
-    metadata = {"help": help, "keyword": keyword, "choices": choices, "cli": cli, "negatable": negatable,
+    short flag (``"-m"``), and for a tuple of values the metavar of its repeatable flag. ``help`` is text, or
+    its parts when it names options (:class:`~shardkit.errors.Option`: flags in the CLI's help)."""
+    help_parts = (help,) if isinstance(help, str) else help
+    metadata = {"help": join_parts(help_parts), "help_parts": help_parts, "keyword": keyword, "choices": choices, "cli": cli, "negatable": negatable,
                 "short": short, "repeatable": repeatable}
     return field(default=default, metadata=metadata)
 
@@ -89,18 +91,19 @@ class WriteOptions:
                                 choices=DTYPE_CHOICES)
     allow_lossy: bool = option_field(False, "Permit casts that lose range or precision (fp8).")
     quantize: Quantize | None = option_field(
-        None, "Weights to fp8 with absmax scales: fp8-block = 128x128 blocks (transformers FineGrainedFP8), "
-        "fp8-channel/fp8-tensor = compressed-tensors; norms, embeddings, lm_head and modulation layers kept. "
-        "nvfp4 = compressed-tensors nvfp4-pack-quantized; mxfp4 = gpt-oss MoE experts (original layout). "
-        "f16/bf16/q8_0/q4_0/q4_1/q5_0/q5_1/f32: ggml types, for a convert with to='gguf' (1-D tensors stay F32).", choices=get_args(Quantize))
+        None, ("Weights to fp8 with absmax scales: fp8-block = 128x128 blocks (transformers FineGrainedFP8), "
+               "fp8-channel/fp8-tensor = compressed-tensors; norms, embeddings, lm_head and modulation layers kept. "
+               "nvfp4 = compressed-tensors nvfp4-pack-quantized; mxfp4 = gpt-oss MoE experts (original layout). "
+               "f16/bf16/q8_0/q4_0/q4_1/q5_0/q5_1/f32: ggml types, for a convert with ", Option("to", "gguf"),
+               " (1-D tensors stay F32)."), choices=get_args(Quantize))
     name: str | None = option_field(None, "Output file prefix, e.g. 'model' or 'diffusion_pytorch_model'.")
     variant: str | None = option_field(None, "Variant inserted before the extension, e.g. 'fp16'.")
     overwrite: bool = option_field(False, "Replace the checkpoint in an existing output folder.")
     dry_run: bool = option_field(False, "Print the plan and write nothing.")
     manifest: bool = option_field(
-        True, "Write shardkit.manifest.json (crc32 of every tensor) so `verify` catches a changed byte; "
-        "manifest=False skips reading back a source that has none (instant copy-on-write reshards of foreign "
-        "checkpoints).", negatable=True)
+        True, ("Write shardkit.manifest.json (crc32 of every tensor) so `verify` catches a changed byte; ",
+               Option("manifest", False), " skips reading back a source that has none (instant copy-on-write "
+               "reshards of foreign checkpoints)."), negatable=True)
     metadata: Mapping[str, str] | None = option_field(None, "Extra safetensors header metadata for every shard.",
                                                  cli=False)
     progress: ProgressCallback | None = option_field(
