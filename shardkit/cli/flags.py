@@ -89,6 +89,8 @@ def _flag_form(flag: Flag, option: Option) -> str | None:
         return flag.off
     if flag.on is None:
         return None
+    if isinstance(value, dict):  # a budget: the CLI's DEVICE=SIZE,... form
+        value = ",".join(f"{device}={size}" for device, size in value.items())
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     text = " ".join(f"{flag.on} {shlex.quote(str(item))}" for item in items) or flag.on
     if option.choices:
@@ -99,8 +101,8 @@ def _flag_form(flag: Flag, option: Option) -> str | None:
 def option_words(option: Option, table: Mapping[str, Flag] | None = None) -> str:
     """How the CLI writes one option a message names: its flag, or its Python form when no command has one.
 
-    >>> option_words(Option("to", "diffusers")), option_words(Option("device_map", "auto"))
-    ('--to diffusers', "device_map='auto'")
+    >>> option_words(Option("to", "diffusers")), option_words(Option("weights_only", True))
+    ('--to diffusers', 'weights_only=True')
     """
     flag = (_table() if table is None else table).get(option.name)
     rendered = None if flag is None else _flag_form(flag, option)
@@ -115,6 +117,8 @@ def cli_words(parts: Iterable[Part], table: Mapping[str, Flag] | None = None) ->
     'out/ is not empty; pass --overwrite, or drop --to diffusers and --no-cache'
     >>> cli_words(["give ", Option("dtype", "bf16", choices=("fp16", "fp32")), "; see load_model(device_map='auto')"])
     "give --dtype bf16, fp16 or fp32; see load_model(device_map='auto')"
+    >>> cli_words([Option("exclude", ["model_ema.*", "x y"]), " or ", Option("max_memory", {0: "8GB", "cpu": "1GB"})])
+    "--exclude 'model_ema.*' --exclude 'x y' or --max-memory 0=8GB,cpu=1GB"
     """
     return "".join(part if isinstance(part, str) else option_words(part, table) for part in parts)
 

@@ -75,10 +75,10 @@ class PushOptions:
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value or ()))
         if self.repo_type not in REPO_TYPES:
-            raise InvalidInputError(f"repo_type={self.repo_type!r}: expected one of {', '.join(REPO_TYPES)}")
+            raise InvalidInputError(Option("repo_type", self.repo_type), f": expected one of {', '.join(REPO_TYPES)}")
         if self.create_pr and self.revision is not None and self.revision.startswith("refs/pr/"):
-            raise InvalidInputError(f"revision={self.revision!r} is a pull request already; push to it without "
-                                    "create_pr=True")
+            raise InvalidInputError(Option("revision", self.revision), " is a pull request already; push to it without ",
+                                    Option("create_pr", True))
 
     def globs(self) -> tuple[list[str] | None, list[str] | None]:
         """``include`` and ``exclude`` as huggingface_hub's filter takes them (None: no filter)."""

@@ -118,11 +118,11 @@ class WriteOptions:
         code = resolve_cast(self.dtype, allow_lossy=self.allow_lossy)
         if self.quantize is not None:
             if self.quantize not in get_args(Quantize):
-                raise InvalidInputError(f"quantize={self.quantize!r}: expected one of "
+                raise InvalidInputError(Option("quantize", self.quantize), ": expected one of "
                                         f"{', '.join(get_args(Quantize))}")
             if code is not None and code not in LOSSLESS_TARGETS:
-                raise InvalidInputError(f"quantize={self.quantize!r} with dtype={self.dtype!r}: dtype=... casts the "
-                                        "tensors quantize=... keeps (norms, embeddings...); give bf16, fp16 or fp32")
+                raise InvalidInputError(Option("quantize", self.quantize), " with ", Option("dtype", self.dtype), ": ", Option("dtype"), " casts the "
+                                        "tensors ", Option("quantize"), " keeps (norms, embeddings...); give bf16, fp16 or fp32")
 
     @classmethod
     def parse(cls, **fields: Unpack[WriteKeywords]) -> WriteOptions:
@@ -203,7 +203,7 @@ def resolve_cast(dtype: str | None, *, allow_lossy: bool) -> str | None:
         return None
     code = normalize_dtype(str(dtype).removeprefix("torch."))
     if code not in LOSSLESS_TARGETS and not allow_lossy:
-        raise InvalidInputError(f"casting to {dtype} loses precision; pass allow_lossy=True to do it")
+        raise InvalidInputError(f"casting to {dtype} loses precision; pass ", Option("allow_lossy", True), " to do it")
     return code
 
 
@@ -216,16 +216,16 @@ def warn_if_many_shards(shard_count: int, *, max_shard_bytes: int, total_bytes: 
         from ..units import format_size
 
         warn(f"the plan has {shard_count} shards of at most {format_size(max_shard_bytes)} for "
-             f"{format_size(total_bytes)} of tensors; is max_shard_size=... in the unit you meant (5GB, 500MB)?")
+             f"{format_size(total_bytes)} of tensors; is ", Option("max_shard_size"), " in the unit you meant (5GB, 500MB)?")
 
 
 def warn_if_output_taken(output: str, *, overwrite: bool) -> None:
     """A dry run writes nothing, but says when the real run would refuse the output."""
     if not overwrite and os.path.isdir(output) and os.listdir(output):
-        warn(f"{output} exists and is not empty: the real run needs overwrite=True")
+        warn(f"{output} exists and is not empty: the real run needs ", Option("overwrite", True))
 
 
-def warn(message: str) -> None:
+def warn(*parts: Part) -> None:
     """A :class:`ShardkitWarning` attributed to the first caller outside shardkit.
 
     A fixed ``stacklevel`` would be wrong for some entry points: the same job runs under
@@ -234,4 +234,4 @@ def warn(message: str) -> None:
     frame, level = sys._getframe(1), 2
     while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("shardkit."):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, ShardkitWarning, stacklevel=level)
+    warnings.warn(ShardkitWarning(*parts), stacklevel=level)
