@@ -80,7 +80,8 @@ def _plan(model: str, checkpoint: str | None, *, config: str | None, max_memory:
 
     budget = merge_budgets(max_memory, gpu_bytes=list(gpu_bytes), cpu_bytes=cpu_bytes)
     if budget is None and not strategies:
-        raise InvalidInputError("give a budget (", Option("max_memory"), ", or ", Option("gpu_bytes"), " and ", Option("cpu_bytes"), "), ",
+        raise InvalidInputError("give a budget (", Option("max_memory"), ", or ", Option("gpu_bytes"), " and ",
+                                Option("cpu_bytes"), "), ",
                                 Option("strategies", True), ", or both")
     if config is None and checkpoint is not None and os.path.isfile(os.path.join(checkpoint, "config.json")):
         config = os.path.join(checkpoint, "config.json")

@@ -207,7 +207,8 @@ def run_plan(plan: str | os.PathLike[str] | ConversionPlan, *, task: int | Seque
         raise InvalidInputError(Option("engine", engine), ": use 'local' or 'ray'")
     if engine == "ray":
         if task is not None or finalize:
-            raise InvalidInputError(Option("engine", "ray"), " runs every task left and publishes; drop ", Option("task"), " and ", Option("finalize", True))
+            raise InvalidInputError(Option("engine", "ray"), " runs every task left and publishes; drop ",
+                                    Option("task"), " and ", Option("finalize", True))
         from ..distributed.ray import run_on_ray
 
         return run_on_ray(checked, opener=open_plan_source)

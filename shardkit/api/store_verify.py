@@ -76,7 +76,8 @@ def verify_against_listing(path: str, against: str, *, token: str | None = None)
     True
     """
     if not os.path.isdir(path):
-        raise SourceNotFoundError(f"{path}: no such folder (", Option("against", "hf://..."), " compares a local folder)")
+        raise SourceNotFoundError(f"{path}: no such folder (", Option("against", "hf://..."),
+                                  " compares a local folder)")
     with mirrored(against, token=token) as (mirror, store):
         shown = str(store.url)
         report = RemoteVerifyReport(path, against=shown)

@@ -127,7 +127,8 @@ class OutputTransaction:
             recover_locked(self.output)
         if os.path.isdir(self.output) and os.listdir(self.output):
             if not self.overwrite:
-                raise OutputExistsError(f"{self.output} exists and is not empty; pass ", Option("overwrite", True), " to replace its checkpoint")
+                raise OutputExistsError(f"{self.output} exists and is not empty; pass ", Option("overwrite", True),
+                                        " to replace its checkpoint")
             return
         if os.path.ismount(self.output):
             return  # a folder cannot be renamed onto a mount point: write inside it, as an in-place write does

@@ -43,7 +43,8 @@ def refuse_broken(report: VerifyReport, path: str, *, allow_lossy: bool = False)
         findings = [_describe(finding) for finding in report.findings if not finding.quantization]
         first = findings[0] if findings else "see `shardkit verify`"
         raise VerificationError(f"{path}: refusing to push, verification found {len(findings)} problem(s), "
-                                f"first: {first} (fix the folder, or pass ", Option("verify", False), ")", findings=findings)
+                                f"first: {first} (fix the folder, or pass ", Option("verify", False), ")",
+                                findings=findings)
 
 
 def _describe(finding: object) -> str:

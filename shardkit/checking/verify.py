@@ -118,7 +118,8 @@ def _verify_gguf(path: str, report: VerifyReport, *, against: CheckpointSource |
     """A GGUF file (a split: every part), or a folder of them: container, model metadata and every value (see
     :mod:`shardkit.checking.gguf_verify`)."""
     if against is not None:
-        raise InvalidInputError(f"{path}: ", Option("against"), " compares safetensors checkpoints; convert the GGUF first "
+        raise InvalidInputError(f"{path}: ", Option("against"),
+                                " compares safetensors checkpoints; convert the GGUF first "
                                 "with ", Option("dtype", "fp32"), " and verify that against it")
     check = verify_gguf_path(path, progress=progress, read_data=read_data)  # a split GGUF: every part
     report.findings += [Finding(file, tensor, message) for file, tensor, message in check.findings]

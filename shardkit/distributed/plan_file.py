@@ -324,7 +324,8 @@ def _check_output_name(name: object, path: str) -> None:
 
 
 def _bad(path: str, *why: Part) -> InvalidInputError:
-    return InvalidInputError(f"{path}: not a usable shardkit plan (", *why, "); write it again with ", Option("write_plan"))
+    return InvalidInputError(f"{path}: not a usable shardkit plan (", *why, "); write it again with ",
+                             Option("write_plan"))
 
 
 def summary(plan: ConversionPlan) -> list[str]:

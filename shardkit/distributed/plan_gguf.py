@@ -86,10 +86,12 @@ def _read_files(job: GgufJob) -> list[str]:
 def make_gguf_plan(spec: PlanSpec, *, dry_run: bool = False) -> ConversionPlan:
     """The plan of ``convert(source, output, to='gguf')`` into the local ``output`` (a ``.gguf`` path)."""
     if "://" in spec.source or "://" in spec.output:
-        raise InvalidInputError(f"{spec.source} -> {spec.output}: a plan with ", Option("to", "gguf"), " reads a local model and "
+        raise InvalidInputError(f"{spec.source} -> {spec.output}: a plan with ", Option("to", "gguf"),
+                                " reads a local model and "
                                 "writes a local .gguf; convert a store's model without ", Option("write_plan"))
     if spec.lora or spec.key is not None or not spec.keymap.is_identity():
-        raise InvalidInputError(Option("key"), ", ", Option("lora"), " and the key options do not apply to a plan with ", Option("to", "gguf"), ": "
+        raise InvalidInputError(Option("key"), ", ", Option("lora"),
+                                " and the key options do not apply to a plan with ", Option("to", "gguf"), ": "
                                 "merge first, then plan the merged folder's conversion")
     with _opened(spec) as job:
         tasks = gguf_tasks(job.files)
@@ -101,7 +103,8 @@ def make_gguf_plan(spec: PlanSpec, *, dry_run: bool = False) -> ConversionPlan:
         if dry_run:
             warn(f"{os.path.join(folder, taken[0])} exists: the real run needs ", Option("overwrite", True))
         else:
-            raise OutputExistsError(f"{os.path.join(folder, taken[0])} exists; pass ", Option("overwrite", True), " to replace it")
+            raise OutputExistsError(f"{os.path.join(folder, taken[0])} exists; pass ", Option("overwrite", True),
+                                    " to replace it")
     if note:
         warn(note)  # what the file will lack, as a single process says
     return plan

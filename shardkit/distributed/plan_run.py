@@ -147,7 +147,8 @@ def _refuse_taken_output(plan: ConversionPlan, *, dry_run: bool) -> None:
     if dry_run:
         warn_if_output_taken(output, overwrite=False)
     elif not os.path.isdir(work_folder(plan)) and not published_here(plan):
-        raise OutputExistsError(f"{output} exists and is not empty; pass ", Option("overwrite", True), " to replace its checkpoint")
+        raise OutputExistsError(f"{output} exists and is not empty; pass ", Option("overwrite", True),
+                                " to replace its checkpoint")
 
 
 def run_tasks(plan: ConversionPlan, indexes: Sequence[int], *, progress: ProgressCallback | None = None,

@@ -179,7 +179,8 @@ def _refuse_gone_plan(store: ObjectStore, plan: ConversionPlan, task: ShardTask)
         raise InvalidInputError(
             f"{plan.spec.output}: the plan was published (or removed by recover) by another process while task "
             f"{task.index} ran; {task.output} was uploaded again, not recorded: a run with no task runs every task and "
-            "publishes, so give each worker ", Option("task"), ", then ", Option("finalize", True), " once all are done") from e
+            "publishes, so give each worker ", Option("task"), ", then ", Option("finalize", True),
+                                " once all are done") from e
 
 
 def finalize(plan: ConversionPlan, *, opener: SourceOpener = local_source) -> PlanRun:
@@ -231,7 +232,8 @@ def _records(store: ObjectStore, plan: ConversionPlan, listed: Mapping[str, Obje
     if missing:
         shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
         raise InvalidInputError(f"{plan.spec.output}: {len(missing)} task(s) not done ({shown}); run them "
-                                "(shardkit.run_plan(plan, task=N), or every one with no task) before ", Option("finalize", True))
+                                "(shardkit.run_plan(plan, task=N), or every one with no task) before ",
+                                Option("finalize", True))
     names = [_done_name(plan, t) for t in plan.tasks]
     raw = _read_whole(store, [listed[n] for n in names], bound=MAX_RECORD_BYTES)
     records: dict[str, FileDigest] = {}

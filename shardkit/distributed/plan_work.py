@@ -109,7 +109,8 @@ def checked_records(plan: ConversionPlan, work: str) -> dict[str, FileDigest]:
     if missing:
         shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
         raise InvalidInputError(f"{plan.spec.output}: {len(missing)} task(s) not done ({shown}); run them "
-                                "(shardkit.run_plan(plan, task=N), or every one with no task) before ", Option("finalize", True))
+                                "(shardkit.run_plan(plan, task=N), or every one with no task) before ",
+                                Option("finalize", True))
     records: dict[str, FileDigest] = {}
     for t in plan.tasks:
         name = done_name(t)

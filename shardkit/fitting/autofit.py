@@ -180,7 +180,8 @@ def plan_fit(profiles: Sequence[ComponentProfile], budget: Budget, *, workload: 
     if any(b <= 0 for b in budget.gpu_bytes) or (budget.cpu_bytes is not None and budget.cpu_bytes <= 0):
         raise InvalidInputError("memory budgets must be greater than zero")
     if not budget.gpu_bytes and budget.cpu_bytes is None:
-        raise InvalidInputError("no memory budget: give at least one GPU budget (", Option("gpu", "8GB"), ") or a CPU budget")
+        raise InvalidInputError("no memory budget: give at least one GPU budget (", Option("gpu", "8GB"),
+                                ") or a CPU budget")
     candidates = tuple(rank(profiles, budget, margin=margin, allow_fp8=allow_fp8, streams=streams, exclude=exclude))
     chosen = next((c for c in candidates if c.fits), None)
     if chosen is None:

@@ -95,9 +95,11 @@ def _local_file(root: str, name: str, prefix: str, *, folder: bool = True) -> Lo
     target = link_target(path)
     if target is not None and (not os.path.isfile(target) or _special(target)):
         raise InvalidInputError(f"{path} is a symlink to {target}, which is not a regular file of a disk filesystem "
-                                "(a device, /proc, /sys or missing); remove the link or leave it out (", Option("exclude"), ")")
+                                "(a device, /proc, /sys or missing); remove the link or leave it out (",
+                                Option("exclude"), ")")
     if target is None and not os.path.isfile(path):
-        raise InvalidInputError(f"{path} is not a regular file (a FIFO, socket or device); remove it or leave it out (", Option("exclude"), ")")
+        raise InvalidInputError(f"{path} is not a regular file (a FIFO, socket or device); remove it or leave it out (",
+                                Option("exclude"), ")")
     return LocalFile(f"{prefix}{name}", path, os.path.getsize(path), target, root if folder else "", name)
 
 
@@ -161,7 +163,8 @@ def check_links(path: str | os.PathLike[str], files: list[LocalFile], *, follow:
         more = f" (and {len(outside) - 1} more link(s) leading outside)" if len(outside) > 1 else ""
         raise InvalidInputError(
             f"{first.local_path} is a symlink to {first.link_target}, outside {root}{more}: push would upload that "
-            f"file's contents; {LINK_RULE}; copy the file in, leave it out (", Option("exclude"), "), or pass ", Option("follow_symlinks", True), " to upload it "
+            f"file's contents; {LINK_RULE}; copy the file in, leave it out (", Option("exclude"), "), or pass ",
+                                Option("follow_symlinks", True), " to upload it "
             "knowingly")
     return links
 
@@ -200,8 +203,9 @@ def check_sizes(files: list[LocalFile]) -> None:
                 f"{f.local_path}: {format_size(f.size_bytes)} is over the Hub's 50 GB per-file limit; "
                 "re-split it with ", Option("max_shard_size", "5GB"))
         if f.size_bytes > WARN_FILE_BYTES:
-            warnings.warn(ShardkitWarning(f"{f.path_in_repo} is {format_size(f.size_bytes)}, above the Hub's recommended "
-                                          "20 GB per file; consider ", Option("max_shard_size", "5GB")), stacklevel=3)
+            warnings.warn(ShardkitWarning(f"{f.path_in_repo} is {format_size(f.size_bytes)}, above the Hub's "
+                                          "recommended 20 GB per file; consider ", Option("max_shard_size", "5GB")),
+                          stacklevel=3)
 
 
 def sha256_file(file: LocalFile) -> str:

@@ -77,7 +77,8 @@ class PushOptions:
         if self.repo_type not in REPO_TYPES:
             raise InvalidInputError(Option("repo_type", self.repo_type), f": expected one of {', '.join(REPO_TYPES)}")
         if self.create_pr and self.revision is not None and self.revision.startswith("refs/pr/"):
-            raise InvalidInputError(Option("revision", self.revision), " is a pull request already; push to it without ",
+            raise InvalidInputError(Option("revision", self.revision),
+                                    " is a pull request already; push to it without ",
                                     Option("create_pr", True))
 
     def globs(self) -> tuple[list[str] | None, list[str] | None]:

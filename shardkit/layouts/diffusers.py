@@ -58,14 +58,17 @@ def find_target(config: str | os.PathLike[str], *, component: str | None = None)
         return _pipeline_target(path, component)
     if component is not None:
         raise InvalidInputError(Option("component", component), " applies to a pipeline folder (with model_index.json) "
-                                "given as ", Option("config"), f"; {path} is one model's config: drop ", Option("component"))
+                                "given as ", Option("config"), f"; {path} is one model's config: drop ",
+                                Option("component"))
     config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(config_file):
-        raise InvalidInputError(Option("config", path), ": no config.json there; give a diffusers config.json, a model folder "
+        raise InvalidInputError(Option("config", path),
+                                ": no config.json there; give a diffusers config.json, a model folder "
                                 "holding one (e.g. a pipeline's unet/), or a pipeline folder with model_index.json")
     class_name = _read_json(config_file).get("_class_name")
     if not isinstance(class_name, str):
-        raise InvalidInputError(Option("config", config_file), ": no \"_class_name\"; it is not a diffusers model config "
+        raise InvalidInputError(Option("config", config_file),
+                                ": no \"_class_name\"; it is not a diffusers model config "
                                 "(diffusers writes one with save_pretrained)")
     return DiffusersTarget(class_name, config_file)
 
@@ -76,14 +79,17 @@ def _pipeline_target(folder: str, component: str | None) -> DiffusersTarget:
     if component is None:
         component = next((name for name in DENOISERS if name in models), None)
         if component is None:
-            raise InvalidInputError(Option("config", folder), f": no denoiser ({', '.join(DENOISERS)}) in its model_index.json; "
+            raise InvalidInputError(Option("config", folder),
+                                    f": no denoiser ({', '.join(DENOISERS)}) in its model_index.json; "
                                     "name the component with ", Option("component"), f" ({', '.join(sorted(models))})")
     if component not in models:
         raise InvalidInputError(Option("config", folder), f": no component {component!r}; its model_index.json lists "
                                 f"{', '.join(sorted(models)) or 'none'}")
     library, class_name = models[component]
     if library != "diffusers":
-        raise InvalidInputError(Option("component", component), f" is a {library} {class_name}; ", Option("to", "diffusers"), " converts diffusers "
+        raise InvalidInputError(Option("component", component), f" is a {library} {class_name}; ", Option("to",
+                                                                                                          "diffusers"),
+                                " converts diffusers "
                                 "models (unet, transformer, vae...)")
     config_file = os.path.join(folder, component, "config.json")
     if not os.path.isfile(config_file):
@@ -111,8 +117,10 @@ def missing_config_error(path: str, checkpoint: Mapping[str, Any]) -> InvalidInp
     model_type = sfu.infer_diffusers_model_type(checkpoint)
     repo = sfu.DIFFUSERS_DEFAULT_PIPELINE_PATHS.get(model_type, {}).get("pretrained_model_name_or_path", "?")
     return InvalidInputError(
-        f"{path}: ", Option("to", "diffusers"), " needs the diffusers config of the model, and shardkit never downloads one; "
-        f"this is a '{model_type}' checkpoint (diffusers takes its config from the Hub repo {repo}): pass ", Option("config"), " "
+        f"{path}: ", Option("to", "diffusers"),
+                             " needs the diffusers config of the model, and shardkit never downloads one; "
+        f"this is a '{model_type}' checkpoint (diffusers takes its config from the Hub repo {repo}): pass ",
+                             Option("config"), " "
         "with a local copy of that pipeline folder, of one of its component folders (unet/, transformer/, vae/), "
         "or of a component's config.json"
     )
@@ -134,7 +142,8 @@ def is_known_checkpoint(checkpoint: Mapping[str, Any]) -> bool:
 def unknown_checkpoint_error(path: str) -> InvalidInputError:
     return InvalidInputError(
         f"{path}: not a single-file checkpoint diffusers can convert (none of the key names of the formats it knows, "
-        "SD 1/2/XL/3, Flux, ..., are in it); a checkpoint already in diffusers names needs no ", Option("to", "diffusers")
+        "SD 1/2/XL/3, Flux, ..., are in it); a checkpoint already in diffusers names needs no ", Option("to",
+                                                                                                        "diffusers")
     )
 
 
@@ -183,12 +192,14 @@ def _model_class(target: DiffusersTarget) -> tuple[Any, Any]:
 
     cls = getattr(diffusers, target.class_name, None)
     if not isinstance(cls, type):
-        raise InvalidInputError(Option("config", target.config_file), f": diffusers {diffusers.__version__} has no model class "
+        raise InvalidInputError(Option("config", target.config_file),
+                                f": diffusers {diffusers.__version__} has no model class "
                                 f"{target.class_name}")
     mapping_fn = _mapping_fn(cls)
     if mapping_fn is not None:
         return cls, mapping_fn
-    raise InvalidInputError(f"diffusers has no single-file conversion for {target.class_name} (from ", Option("config"), " "
+    raise InvalidInputError(f"diffusers has no single-file conversion for {target.class_name} (from ",
+                            Option("config"), " "
                             f"{target.config_file}); it converts {', '.join(sorted(SINGLE_FILE_LOADABLE_CLASSES))}")
 
 
@@ -247,5 +258,8 @@ def _check_against_model(converted: Mapping[str, Any], expected: Mapping[str, tu
 def _mismatch_error(where: str, target: DiffusersTarget, checkpoint: Mapping[str, Any], what: str) -> InvalidInputError:
     if not is_known_checkpoint(checkpoint):
         return unknown_checkpoint_error(where)
-    return InvalidInputError(f"{where} does not convert into the {target.class_name} of ", Option("config", target.config_file), ": "
-                             f"{what}; check that ", Option("config"), " (and ", Option("component"), ") describe this checkpoint's model")
+    return InvalidInputError(f"{where} does not convert into the {target.class_name} of ", Option("config",
+                                                                                                  target.config_file),
+                             ": "
+                             f"{what}; check that ", Option("config"), " (and ", Option("component"),
+                             ") describe this checkpoint's model")

@@ -261,5 +261,6 @@ def arch_for_config(config: Config, *, where: str) -> GgufArch:
         if model_type in arch.model_types:
             return arch
     known = ", ".join(t for a in ARCHITECTURES.values() for t in a.model_types)
-    raise InvalidInputError(f"{where}: ", Option("to", "gguf"), f" writes language models of model_type {known} (and Flux "
+    raise InvalidInputError(f"{where}: ", Option("to", "gguf"),
+                            f" writes language models of model_type {known} (and Flux "
                             f"transformers); this config says {model_type!r}")

@@ -106,12 +106,14 @@ def read_vocab(folder: str, config: Config, *, bert: bool = False, space_prefix:
     if not bert and os.path.isfile(os.path.join(folder, "tokenizer.model")):
         return _sentencepiece(folder, config, tc, tokenizer if isinstance(tokenizer, dict) else None, rows)
     if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("model"), dict):
-        raise InvalidInputError(f"{folder}: no tokenizer.json; ", Option("to", "gguf"), f" writes the vocabulary of {SUPPORTED}")
+        raise InvalidInputError(f"{folder}: no tokenizer.json; ", Option("to", "gguf"),
+                                f" writes the vocabulary of {SUPPORTED}")
     kind = tokenizer["model"].get("type")
     if bert != (kind == "WordPiece") or (kind == "BPE" and _sentencepiece_style(tokenizer)) or kind not in (
             "BPE", "WordPiece"):
         raise InvalidInputError(f"{path}: a {kind} tokenizer{' for a BERT model' if bert else ''} (SentencePiece style "
-                                "without its tokenizer.model, or unsupported here); ", Option("to", "gguf"), " writes the vocabulary "
+                                "without its tokenizer.model, or unsupported here); ", Option("to", "gguf"),
+                                " writes the vocabulary "
                                 f"of {SUPPORTED}")
     tokens, types = _tokens(tokenizer, tc, config, where=path)
     pre = _pre_tokenizer(path, tokenizer)

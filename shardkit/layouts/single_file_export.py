@@ -44,7 +44,8 @@ from .table import Mapped
 
 __all__ = ["SUPPORTED", "ExportPart", "SingleFileFamily", "plan_export", "trace_part", "unplaced_components"]
 
-SUPPORTED: tuple[Part, ...] = ("SD 1.x / SD 2.x / SDXL UNets and VAEs and their pipelines (", Option("component", "all"),
+SUPPORTED: tuple[Part, ...] = ("SD 1.x / SD 2.x / SDXL UNets and VAEs and their pipelines (", Option("component",
+                                                                                                     "all"),
                                "), SD3/SD3.5 transformers and Flux.1 transformers")
 UNET, LDM_VAE, LDM_CLIP, SGM_CLIP = "model.diffusion_model.", "first_stage_model.", "cond_stage_model.", "conditioner."
 # diffusers class of a model folder → (layout, prefix when exported alone, model type or None: from its config)
@@ -90,7 +91,8 @@ def plan_export(source: str, *, component: str | None) -> tuple[str, list[Export
     if is_pipeline_folder(source):
         return _pipeline_parts(source, component)
     if component is not None:
-        raise InvalidInputError(Option("component", component), " applies to a pipeline folder (with model_index.json); "
+        raise InvalidInputError(Option("component", component),
+                                " applies to a pipeline folder (with model_index.json); "
                                 f"{source} is one model's folder: drop ", Option("component"))
     class_name, config = _model_config(source)
     if class_name not in _MODELS:
@@ -111,7 +113,8 @@ def _pipeline_parts(folder: str, component: str | None) -> tuple[str, list[Expor
         model_type, parts = plan_export(models[name].path, component=None)
         return (_pipeline_type(folder, family, models) if family else model_type), [replace(parts[0], component=name)]
     if family is None:
-        raise _unsupported(Option("component", "all"), f": {folder} is a {index.get('_class_name')}; export its transformer with ",
+        raise _unsupported(Option("component", "all"),
+                           f": {folder} is a {index.get('_class_name')}; export its transformer with ",
                            Option("component", "transformer"), ", or")
     model_type = _pipeline_type(folder, family, models)
     return model_type, [ExportPart(name, models[name].path, *_COMBINED[(model_type, name)]) for name in models
@@ -144,7 +147,8 @@ def _model_config(folder: str) -> tuple[str, JsonObject]:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise InvalidInputError(f"{folder}: not a diffusers model or pipeline folder (no config.json or "
-                                "model_index.json); ", Option("to", "single-file"), " reads a folder that save_pretrained wrote")
+                                "model_index.json); ", Option("to", "single-file"),
+                                " reads a folder that save_pretrained wrote")
     config = read_config(folder)
     if config is None:
         raise InvalidInputError(f"{path}: not a JSON object; not a diffusers model config")
@@ -153,7 +157,8 @@ def _model_config(folder: str) -> tuple[str, JsonObject]:
         raise InvalidInputError(f"{path}: names no model class (\"_class_name\"); not a diffusers model config")
     if class_name.startswith(("CLIPText", "T5")):
         raise InvalidInputError(f"{folder} holds a text encoder ({class_name}); a text encoder is exported inside its "
-                                "pipeline's checkpoint with ", Option("component", "all"), " (alone, its transformers names are "
+                                "pipeline's checkpoint with ", Option("component", "all"),
+                                " (alone, its transformers names are "
                                 "already what ComfyUI's CLIP loader reads)")
     return class_name, config
 

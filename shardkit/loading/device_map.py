@@ -305,7 +305,8 @@ def single_device(device_map: object) -> Device:
             "(0, 'cuda', 'cuda:1') or a dict of module → device"
         ) from None
     if device == "disk":
-        raise InvalidInputError(Option("device_map", "disk"), " puts no weight anywhere it can run: use ", Option("device_map", "auto"), " "
+        raise InvalidInputError(Option("device_map", "disk"), " puts no weight anywhere it can run: use ",
+                                Option("device_map", "auto"), " "
                                 "with max_memory and offload_folder to spill what does not fit to disk")
     return device
 

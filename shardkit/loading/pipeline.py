@@ -75,7 +75,9 @@ def load_pipeline_folder(
     if ranged is not None and (device_map == "balanced" or variant is not None):
         option = Option("device_map", "balanced") if device_map == "balanced" else Option("variant", variant)
         raise InvalidInputError(f"{shown(ranged)}: ", option, " does not apply to a pipeline read from a bucket (each "
-                                "component is loaded by ranged reads); use ", Option("device_map", "cpu", choices=("cuda",)), ", or name the "
+                                "component is loaded by ranged reads); use ", Option("device_map", "cpu",
+                                                                                     choices=("cuda",)),
+                                ", or name the "
                                 "variant's own prefix")
     kwargs: dict[str, Any] = {}
     if device_map is not None:
@@ -215,7 +217,8 @@ def _check_device_map(device_map: object, offload: str | None) -> None:
         )
     if device_map == "balanced" and offload not in (None, "none"):
         raise InvalidInputError(
-            Option("device_map", "balanced"), f" and offload={offload!r} exclude each other: a device-mapped pipeline must be "
+            Option("device_map", "balanced"),
+                                f" and offload={offload!r} exclude each other: a device-mapped pipeline must be "
             "reset (pipe.reset_device_map()) before offloading; pass one of them"
         )
 

@@ -86,13 +86,15 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
     output = os.fspath(output)
     keymap = keymap or KeyMap()
     if lora and to not in (None, "gguf"):
-        raise InvalidInputError(Option("lora"), " merges into a checkpoint written as safetensors or with ", Option("to", "gguf"), "; merge "
+        raise InvalidInputError(Option("lora"), " merges into a checkpoint written as safetensors or with ",
+                                Option("to", "gguf"), "; merge "
                                 "first (without ", Option("to"), "), then convert the merged folder")
     if to == "gguf":
         from .gguf_out import convert_to_gguf
 
         if not keymap.is_identity() or key is not None or config is not None:
-            raise InvalidInputError(Option("key"), ", ", Option("config"), " and the key options do not apply with ", Option("to", "gguf"), ": the model's "
+            raise InvalidInputError(Option("key"), ", ", Option("config"), " and the key options do not apply with ",
+                                    Option("to", "gguf"), ": the model's "
                                     "folder or file names its config and tensors")
         plain = replace(options, quantize=None)
         views: list[LoraSource] = []
@@ -115,14 +117,16 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
                                       keymap_is_identity=keymap.is_identity())
     if to is not None or config is not None or component is not None:
         if isinstance(source, RangedCheckpoint):
-            raise InvalidInputError(f"{source}: ", Option("to", "diffusers"), " maps the checkpoint file into memory; it cannot "
+            raise InvalidInputError(f"{source}: ", Option("to", "diffusers"),
+                                    " maps the checkpoint file into memory; it cannot "
                                     "read it by range (convert a local copy; a location with a cache, such as the "
                                     "Hub, is read whole without ", Option("cache", False), ")")
         return _convert_to(source, output, options=options, key=key, keymap=keymap, to=to, config=config,
                            component=component)
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
         if not keymap.is_identity():
-            raise InvalidInputError(f"{source}: key options (", Option("strip_prefix"), ", ", Option("include"), ", ", Option("rename"), ") do not apply "
+            raise InvalidInputError(f"{source}: key options (", Option("strip_prefix"), ", ", Option("include"), ", ",
+                                    Option("rename"), ") do not apply "
                                     "to a pipeline folder; convert a component folder instead")
         if lora:
             from .lora import pipeline_lora
@@ -163,11 +167,14 @@ def _convert_to(source: Any, output: str, *, options: WriteOptions, key: str | N
                 to: str | None, config: str | os.PathLike[str] | None, component: str | None) -> SplitResult:
     """``--to diffusers``: diffusers' own single-file conversion, written by the normal job."""
     if to != "diffusers":
-        raise InvalidInputError(*(Option("to", to), ": the only conversion target is 'diffusers'") if to is not None
-                                else (Option("config"), " and ", Option("component"), " apply with ", Option("to", "diffusers"),
-                                      "; add it, or drop them"))
+        if to is not None:
+            raise InvalidInputError(Option("to", to), ": the only conversion target is 'diffusers'")
+        raise InvalidInputError(Option("config"), " and ", Option("component"), " apply with ", Option("to",
+                                                                                                       "diffusers"),
+                                "; add it, or drop them")
     if not keymap.is_identity():
-        raise InvalidInputError("key options (", Option("strip_prefix"), ", ", Option("include"), ", ", Option("rename"), ") do not apply with ", Option("to", "diffusers"), ": "
+        raise InvalidInputError("key options (", Option("strip_prefix"), ", ", Option("include"), ", ",
+                                Option("rename"), ") do not apply with ", Option("to", "diffusers"), ": "
                                 "diffusers' conversion picks and names the model's tensors itself")
     if not isinstance(source, (str, os.PathLike)):
         raise InvalidInputError(Option("to", "diffusers"), f" converts a checkpoint file; got {type(source).__name__}")

@@ -112,7 +112,8 @@ def resolve_naming(source: Source, *, name: str | None, variant: str | None) -> 
     base = source.naming
     if name is not None:
         if not name or "/" in name or "." in name:
-            raise InvalidInputError("invalid ", Option("name", name), f": give a file prefix such as 'model' or '{DIFFUSERS_PREFIX}'")
+            raise InvalidInputError("invalid ", Option("name", name),
+                                    f": give a file prefix such as 'model' or '{DIFFUSERS_PREFIX}'")
         base = Naming(name, base.variant)
     return Naming(base.prefix, variant if variant is not None else base.variant)
 

@@ -43,7 +43,8 @@ def option_field(default: T, help: str | tuple[Part, ...], *, keyword: str | Non
     short flag (``"-m"``), and for a tuple of values the metavar of its repeatable flag. ``help`` is text, or
     its parts when it names options (:class:`~shardkit.errors.Option`: flags in the CLI's help)."""
     help_parts = (help,) if isinstance(help, str) else help
-    metadata = {"help": join_parts(help_parts), "help_parts": help_parts, "keyword": keyword, "choices": choices, "cli": cli, "negatable": negatable,
+    metadata = {"help": join_parts(help_parts), "help_parts": help_parts, "keyword": keyword, "choices": choices,
+                "cli": cli, "negatable": negatable,
                 "short": short, "repeatable": repeatable}
     return field(default=default, metadata=metadata)
 
@@ -121,8 +122,10 @@ class WriteOptions:
                 raise InvalidInputError(Option("quantize", self.quantize), ": expected one of "
                                         f"{', '.join(get_args(Quantize))}")
             if code is not None and code not in LOSSLESS_TARGETS:
-                raise InvalidInputError(Option("quantize", self.quantize), " with ", Option("dtype", self.dtype), ": ", Option("dtype"), " casts the "
-                                        "tensors ", Option("quantize"), " keeps (norms, embeddings...); give bf16, fp16 or fp32")
+                raise InvalidInputError(Option("quantize", self.quantize), " with ", Option("dtype", self.dtype), ": ",
+                                        Option("dtype"), " casts the "
+                                        "tensors ", Option("quantize"),
+                                        " keeps (norms, embeddings...); give bf16, fp16 or fp32")
 
     @classmethod
     def parse(cls, **fields: Unpack[WriteKeywords]) -> WriteOptions:
@@ -216,7 +219,8 @@ def warn_if_many_shards(shard_count: int, *, max_shard_bytes: int, total_bytes: 
         from ..units import format_size
 
         warn(f"the plan has {shard_count} shards of at most {format_size(max_shard_bytes)} for "
-             f"{format_size(total_bytes)} of tensors; is ", Option("max_shard_size"), " in the unit you meant (5GB, 500MB)?")
+             f"{format_size(total_bytes)} of tensors; is ", Option("max_shard_size"),
+             " in the unit you meant (5GB, 500MB)?")
 
 
 def warn_if_output_taken(output: str, *, overwrite: bool) -> None:

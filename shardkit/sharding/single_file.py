@@ -62,7 +62,8 @@ def split_to_file(src: Source, output_file: str, *, options: WriteOptions) -> Sp
     if len(job.plan.shards) > 1:
         raise InvalidInputError(
             f"{output_file} names one file, but {format_size(job.plan.total_bytes)} of tensors make "
-            f"{len(job.plan.shards)} shards at ", Option("max_shard_size", _flag_size(options.max_shard_bytes)), "; give a "
+            f"{len(job.plan.shards)} shards at ", Option("max_shard_size", _flag_size(options.max_shard_bytes)),
+                                "; give a "
             f"folder as OUTPUT (e.g. {output_file[: -len(SUFFIX)]}/) for shards with an index, or pass ",
             Option("max_shard_size", _flag_size(job.plan.total_bytes)), " or more for one file"
         )

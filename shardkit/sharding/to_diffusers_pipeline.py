@@ -108,7 +108,8 @@ def _gguf_dtype(path: str, options: WriteOptions) -> str:
         quantized = len(src.quantized())
         src.close()
         if quantized:
-            warn(f"{path}: {quantized} ggml-quantized tensor(s) dequantized to bf16 (choose with ", Option("dtype"), ")")
+            warn(f"{path}: {quantized} ggml-quantized tensor(s) dequantized to bf16 (choose with ", Option("dtype"),
+                 ")")
     return options.cast_to if options.cast_to in LOSSLESS_TARGETS else "BF16" if options.cast_to is None else "F32"
 
 
@@ -151,7 +152,8 @@ def convert_pipeline_to_diffusers(source: str | os.PathLike[str], output: str, *
         raise missing_config_error(path, backing.tensors)
     folder = os.fspath(config)
     if not is_pipeline_folder(folder):
-        raise InvalidInputError(Option("component", "all"), " writes a whole pipeline: ", Option("config"), " must be a pipeline folder "
+        raise InvalidInputError(Option("component", "all"), " writes a whole pipeline: ", Option("config"),
+                                " must be a pipeline folder "
                                 f"(with model_index.json), not {folder}")
     if options.name is not None:
         raise InvalidInputError(Option("name"), " does not apply to a pipeline: every component keeps its own naming")
@@ -186,10 +188,12 @@ def _component_source(component: Component, backing: FileBacked, folder: str, *,
                             keep=keep)
     if _is_model(cls):
         if not component.has_weights:
-            raise InvalidInputError(f"{component.name} ({component.class_name}) is not in {where} and ", Option("config", folder), " "
+            raise InvalidInputError(f"{component.name} ({component.class_name}) is not in {where} and ",
+                                    Option("config", folder), " "
                                     f"has no weights for it: add them to {component.path}, or set it to "
                                     "[null, null] in model_index.json if the pipeline can run without it")
-        warn(f"{component.name} ({component.class_name}) is not in {where}: its weights are copied from ", Option("config", folder))
+        warn(f"{component.name} ({component.class_name}) is not in {where}: its weights are copied from ",
+             Option("config", folder))
     return None
 
 

@@ -49,10 +49,12 @@ def convert_to_single_file(source: Any, output: str, *, options: WriteOptions, c
         raise InvalidInputError(f"{source}: ", Option("to", "single-file"), " reads a diffusers folder through "
                                 "the HF cache; drop ", Option("cache", False))
     if config is not None or key is not None or not keymap_is_identity:
-        raise InvalidInputError(Option("config"), ", ", Option("key"), " and the key options (", Option("strip_prefix"), ", ", Option("rename"), ") do not apply with ",
+        raise InvalidInputError(Option("config"), ", ", Option("key"), " and the key options (",
+                                Option("strip_prefix"), ", ", Option("rename"), ") do not apply with ",
                                 Option("to", "single-file"), ": the diffusers folder names its configs and tensors")
     if not isinstance(source, (str, os.PathLike)) or not os.path.isdir(source):
-        raise InvalidInputError(f"{source}: ", Option("to", "single-file"), " converts a diffusers model or pipeline folder")
+        raise InvalidInputError(f"{source}: ", Option("to", "single-file"),
+                                " converts a diffusers model or pipeline folder")
     path = os.fspath(source)
     refuse_output_inside_source(path, output)
     model_type, parts = plan_export(path, component=component)

@@ -215,7 +215,8 @@ def _auto_key(items: Mapping[str, object], path_of: Callable[[str], tuple[str, .
             others = sorted({path_of(f)[0] for f in items} - {candidate})
             if others:
                 warnings.warn(ShardkitWarning(f"{where}: converting the {candidate!r} state dict; also present: "
-                                              f"{', '.join(others[:10])} (choose with ", Option("key"), ")"), stacklevel=4)
+                                              f"{', '.join(others[:10])} (choose with ", Option("key"), ")"),
+                              stacklevel=4)
             return (candidate,)
     return ()
 

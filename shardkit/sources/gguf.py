@@ -182,7 +182,8 @@ class GgufSource(Source):
         if quantized and cast_to is None:
             kinds = sorted(set(quantized.values()))
             raise InvalidInputError(f"{self.description}: {len(quantized)} tensor(s) are ggml-quantized "
-                                    f"({', '.join(kinds)}), which safetensors and its loaders cannot hold; add ", Option("dtype", "bf16"), " "
+                                    f"({', '.join(kinds)}), which safetensors and its loaders cannot hold; add ",
+                                    Option("dtype", "bf16"), " "
                                     "(or 'fp16'; 'fp32' keeps gguf's dequantized values exactly), or write GGUF with ",
                                     Option("to", "gguf"))
 

@@ -99,7 +99,8 @@ def _revision_not_found(e: BaseException, call: HubCall) -> Message:
     if call.operation == "push":
         return (f"revision {call.revision!r} not found in {call.repo_id}; a pull request needs an existing branch "
                 "(push it first without ", Option("create_pr", True), ")")
-    return (f"{call.shown}: revision {call.revision!r} not found in {call.repo_id}; use a branch, tag or commit that exists",)
+    return (f"{call.shown}: revision {call.revision!r} not found in {call.repo_id}; use a branch, tag or commit that "
+            "exists",)
 
 
 def _entry_not_found(e: BaseException, call: HubCall) -> Message | None:
