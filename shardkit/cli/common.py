@@ -271,7 +271,7 @@ class LibraryWordsOption(click.Option):
         from .flags import cli_words
 
         record = super().get_help_record(ctx)
-        if record is None or not self.help or not record[1].startswith(self.help):
+        if record is None or not self.help or not self.help_parts or not record[1].startswith(self.help):
             return record
         return record[0], cli_words(self.help_parts) + record[1][len(self.help):]
 
