@@ -25,6 +25,7 @@ from .errors import (
     KeyMismatchError,
     ManifestError,
     OffloadError,
+    Option,
     OutputExistsError,
     OutsideFolderError,
     ShardkitError,
@@ -109,7 +110,7 @@ if TYPE_CHECKING:  # what editors and type checkers see; at run time each name i
 __all__ = [
     "CheckpointIndexError", "CopyRefusedError", "DistributedError", "FitError", "HeaderError", "HubError",
     "InvalidInputError", "InvalidSizeError", "JournalError", "KeyMismatchError", "ManifestError", "OffloadError",
-    "OutputExistsError", "OutsideFolderError", "ShardkitError", "ShardkitWarning", "ShardkitWriteError",
+    "Option", "OutputExistsError", "OutsideFolderError", "ShardkitError", "ShardkitWarning", "ShardkitWriteError",
     "SourceNotFoundError", "StoreError", "UntrustedFileError",
     "PushOptions", "SliceRule", "SplitResult", "TensorParallelPlan", "UnsafePickleError", "VerificationError", "WriteOptions", "__version__", "apply_layerwise_casting",
     "apply_offload", "convert", "estimate_memory", "fit", "format_size", "info", "load_into", "load_model",

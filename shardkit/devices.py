@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
 
-from .errors import InvalidInputError
+from .errors import InvalidInputError, Option
 from .units import format_size, parse_size
 
 if TYPE_CHECKING:
@@ -133,10 +133,11 @@ def merge_budgets(max_memory: Budgets | None, *, gpu_bytes: tuple[int, ...] | li
         if device in merged and merged[device] != size_bytes:
             a, b = format_size(merged[device]), format_size(size_bytes)
             a, b = (a, b) if a != b else (f"{merged[device]} B", f"{size_bytes} B")
-            flag = "the CPU budget (cpu=...)" if isinstance(device, str) else f"GPU budget number {device + 1} (gpu=...)"
+            flag = (("the CPU budget (", Option("cpu"), ")") if isinstance(device, str)
+                    else (f"GPU budget number {device + 1} (", Option("gpu"), ")"))
             raise InvalidInputError(
                 f"the budget for {device_label(device)} is given twice with different sizes: {a} in max memory "
-                f"(max_memory=...) and {b} as {flag}; give it once"
+                "(", Option("max_memory"), f") and {b} as ", *flag, "; give it once"
             )
         merged[device] = size_bytes
     return merged or None

@@ -3,17 +3,80 @@
 Every error derives from :class:`ShardkitError` and also from the builtin a caller would
 naturally catch (``ValueError``, ``FileNotFoundError``, ``OSError``). ``exit_code`` is what
 the CLI exits with: 2 for bad input or usage, 1 for a check that failed.
+
+A message is a sequence of parts: plain text, and :class:`Option` for each option it names
+(``overwrite=True``). ``str(error)`` is the Python text; ``error.parts`` keeps the structure, so the
+CLI writes each option as the flag a user of the command line types (``--overwrite``), without
+guessing from the text.
 """
 
 from __future__ import annotations
 
 import errno
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TypeAlias
+
+
+@dataclass(frozen=True)
+class Option:
+    """An option a message names, written as its Python parameter.
+
+    ``value`` is what the message suggests (Ellipsis: the parameter alone, ``config=...``);
+    ``choices`` are the other values it offers.
+
+    >>> str(Option("overwrite", True)), str(Option("config")), str(Option("to", "gguf"))
+    ('overwrite=True', 'config=...', "to='gguf'")
+    >>> str(Option("dtype", "bf16", choices=("fp16", "fp32")))
+    "dtype='bf16', 'fp16' or 'fp32'"
+    """
+
+    name: str
+    value: object = ...
+    choices: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        text = f"{self.name}=..." if self.value is ... else f"{self.name}={self.value!r}"
+        if not self.choices:
+            return text
+        others = [repr(choice) for choice in self.choices]
+        return f"{', '.join([text, *others[:-1]])} or {others[-1]}"
+
+
+Part: TypeAlias = str | Option
+
+
+def join_parts(parts: Iterable[Part]) -> str:
+    """The Python text of a message's parts.
+
+    >>> join_parts(["out/ is not empty; pass ", Option("overwrite", True)])
+    'out/ is not empty; pass overwrite=True'
+    """
+    return "".join(map(str, parts))
+
+
+def parts_of(error: BaseException) -> tuple[Part, ...]:
+    """The parts of an error's message (another library's error: its text), for a message that wraps it.
+
+    >>> parts_of(InvalidInputError("pass ", Option("overwrite", True))), parts_of(KeyError("w"))
+    (('pass ', Option(name='overwrite', value=True, choices=())), ("'w'",))
+    """
+    parts = getattr(error, "parts", None)
+    return tuple(parts) if isinstance(parts, tuple) else (str(error),)
 
 
 class ShardkitError(Exception):
-    """Base class of every error shardkit raises on purpose."""
+    """Base class of every error shardkit raises on purpose.
+
+    Made from message parts (:class:`Option` for each option named): ``str(error)`` is their Python
+    text, also the one element of ``args``; ``parts`` keeps them.
+    """
 
     exit_code = 2
+
+    def __init__(self, *parts: Part) -> None:
+        super().__init__(join_parts(parts))
+        self.parts: tuple[Part, ...] = parts
 
 
 class InvalidInputError(ShardkitError, ValueError):
@@ -57,8 +120,8 @@ class VerificationError(ShardkitError):
 
     exit_code = 1
 
-    def __init__(self, message: str, findings: list[str] | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, *parts: Part, findings: list[str] | None = None) -> None:
+        super().__init__(*parts)
         self.findings = list(findings or [])
 
 
@@ -102,14 +165,21 @@ class DistributedError(ShardkitWriteError):
 class FitError(InvalidInputError):
     """No candidate setup fits the memory budget; says the smallest budget that would."""
 
-    def __init__(self, message: str, *, min_gpu_bytes: int | None = None, min_cpu_bytes: int | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, *parts: Part, min_gpu_bytes: int | None = None, min_cpu_bytes: int | None = None) -> None:
+        super().__init__(*parts)
         self.min_gpu_bytes = min_gpu_bytes
         self.min_cpu_bytes = min_cpu_bytes
 
 
 class ShardkitWarning(UserWarning):
-    """Something worth a user's attention that is not an error (the CLI prints it as one line)."""
+    """Something worth a user's attention that is not an error (the CLI prints it as one line).
+
+    Made from message parts like :class:`ShardkitError`: ``warnings.warn(ShardkitWarning(...))``.
+    """
+
+    def __init__(self, *parts: Part) -> None:
+        super().__init__(join_parts(parts))
+        self.parts: tuple[Part, ...] = parts
 
 
 _WRITE_ERRORS = {

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from ..checking.info import CheckpointInfo
 from ..checking.verify import VerifyReport
 from ..distributed.save import save_sharded
+from ..errors import Option
 from ..formats.header import read_header
 from ..sharding.job import SplitResult
 from ..sharding.options import ProgressCallback, WriteOptions
@@ -139,7 +140,7 @@ def convert(source: CheckpointSource, output: str | os.PathLike[str], *, options
         from ..errors import InvalidInputError
 
         if adapters:
-            raise InvalidInputError("lora=... is not supported in a collective convert; merge in one process")
+            raise InvalidInputError(Option("lora"), " is not supported in a collective convert; merge in one process")
 
         check_collective(source)
         with opened(source, cache=cache) as readable:  # s3://: each rank reads its shards' byte ranges

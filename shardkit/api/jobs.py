@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 from ..distributed.group import group_from_env as torchrun_group
 from ..distributed.group import is_rank_zero
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..hub.push import PushOptions, PushResult
 from ..hub.push import push as push_local
 from .sources import is_remote
@@ -61,7 +61,8 @@ def push(path: str | os.PathLike[str], repo_id: str, *, options: PushOptions | N
     if not is_remote(path):
         return push_local(path, repo_id, built)
     if built.follow_symlinks:
-        raise InvalidInputError(f"{path}: follow_symlinks=True applies to a local folder; a store has no symlinks")
+        raise InvalidInputError(f"{path}: ", Option("follow_symlinks", True),
+                                " applies to a local folder; a store has no symlinks")
     from ..checking.verify import verify as verify_checkpoint
     from ..hub.push import push_objects
     from .stores import mirrored

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..devices import device_label
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..fitting.autofit import FitPlan, FitTarget
 from ..fitting.candidates import DEFAULT_MARGIN, Candidate, Margin, speed_class
 
@@ -80,8 +80,9 @@ def _plan(model: str, checkpoint: str | None, *, config: str | None, max_memory:
 
     budget = merge_budgets(max_memory, gpu_bytes=list(gpu_bytes), cpu_bytes=cpu_bytes)
     if budget is None and not strategies:
-        raise InvalidInputError("give a budget (max_memory=..., or gpu_bytes=... and cpu_bytes=...), "
-                                "strategies=True, or both")
+        raise InvalidInputError("give a budget (", Option("max_memory"), ", or ", Option("gpu_bytes"), " and ",
+                                Option("cpu_bytes"), "), ",
+                                Option("strategies", True), ", or both")
     if config is None and checkpoint is not None and os.path.isfile(os.path.join(checkpoint, "config.json")):
         config = os.path.join(checkpoint, "config.json")
     placement = estimate = None

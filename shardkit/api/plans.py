@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..units import ProgressCallback
 from .options import WriteKeywords, WriteOptions
 
@@ -70,7 +70,7 @@ def write_plan(source: str | os.PathLike[str], output: str | os.PathLike[str], p
     if command not in ("split", "convert"):
         raise InvalidInputError(f"command={command!r}: a plan is of a 'split' or a 'convert'")
     if to is not None and command != "convert":
-        raise InvalidInputError(f"to={to!r}: write the plan with command='convert'")
+        raise InvalidInputError(Option("to", to), ": write the plan with command='convert'")
     keymap = build_keymap(include=include, exclude=exclude, strip_prefix=strip_prefix, add_prefix=add_prefix,
                           rename=dict(rename) if isinstance(rename, Mapping) else rename)
     made = make_plan(command, os.fspath(source), os.fspath(output), options=built, key=key, keymap=keymap,
@@ -90,13 +90,13 @@ def _adapters(lora: str | os.PathLike[str] | Iterable[str | os.PathLike[str]], c
 
     adapters = [os.fspath(lora)] if isinstance(lora, (str, os.PathLike)) else [os.fspath(a) for a in lora]
     if adapters and command != "convert":
-        raise InvalidInputError("lora=... merges in a convert; write the plan with command='convert'")
+        raise InvalidInputError(Option("lora"), " merges in a convert; write the plan with command='convert'")
     for adapter in adapters:
         if url_scheme(adapter) is not None:
-            raise InvalidInputError(f"lora={adapter!r}: a plan merges local adapters; download it first "
+            raise InvalidInputError(Option("lora", adapter), ": a plan merges local adapters; download it first "
                                     "(shardkit.convert merges a remote adapter in one process)")
         if not os.path.exists(adapter):
-            raise InvalidInputError(f"lora={adapter!r}: no such adapter file or folder")
+            raise InvalidInputError(Option("lora", adapter), ": no such adapter file or folder")
     return adapters
 
 
@@ -204,16 +204,17 @@ def run_plan(plan: str | os.PathLike[str] | ConversionPlan, *, task: int | Seque
 
     checked = read_plan(plan)
     if engine not in ("local", "ray"):
-        raise InvalidInputError(f"engine={engine!r}: use 'local' or 'ray'")
+        raise InvalidInputError(Option("engine", engine), ": use 'local' or 'ray'")
     if engine == "ray":
         if task is not None or finalize:
-            raise InvalidInputError("engine='ray' runs every task left and publishes; drop task=... and finalize=True")
+            raise InvalidInputError(Option("engine", "ray"), " runs every task left and publishes; drop ",
+                                    Option("task"), " and ", Option("finalize", True))
         from ..distributed.ray import run_on_ray
 
         return run_on_ray(checked, opener=open_plan_source)
     if finalize:
         if task is not None:
-            raise InvalidInputError("finalize=True publishes; give task=... in another call")
+            raise InvalidInputError(Option("finalize", True), " publishes; give ", Option("task"), " in another call")
         return plan_run.finalize(checked, opener=open_plan_source)
     if task is not None:
         return plan_run.run_tasks(checked, [task] if isinstance(task, int) else list(task), progress=progress,
@@ -233,7 +234,7 @@ def run_plan(plan: str | os.PathLike[str] | ConversionPlan, *, task: int | Seque
 
 def _env_index(name: str, value: str) -> int:
     if not value.isdigit() or int(value) > MAX_ENV_TASK:
-        raise InvalidInputError(f"{name}={value!r} is not a task index; give task=N")
+        raise InvalidInputError(f"{name}={value!r} is not a task index; give ", Option("task"))
     return int(value)
 
 

@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TypeGuard
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..sources.base import CheckpointSource
 from ..stores.urls import check_scheme, url_scheme
 
@@ -130,7 +130,8 @@ def opened(source: CheckpointSource, *, token: str | None = None, cache: bool = 
     if path is None or row is None:
         if not cache:
             shown = path if path is not None else f"a {type(source).__name__}"
-            raise InvalidInputError(f"cache=False applies to an hf://ORG/REPO source, not to {shown}; drop it")
+            raise InvalidInputError(Option("cache", False),
+                                    f" applies to an hf://ORG/REPO source, not to {shown}; drop it")
         yield source
         return
     if path.endswith(".gguf"):  # by range; whole (a split's every part) where a listed digest is checked
@@ -142,7 +143,8 @@ def opened(source: CheckpointSource, *, token: str | None = None, cache: bool = 
         return
     if row.cached is not None and (cache or (row.names_a_file is not None and row.names_a_file(path))):
         if not cache:
-            raise InvalidInputError(f"{path}: cache=False streams a repository folder; for one file, drop cache=False "
+            raise InvalidInputError(f"{path}: ", Option("cache", False),
+                                    " streams a repository folder; for one file, drop ", Option("cache", False), " "
                                     f"(or stream its folder: {path.rpartition('/')[0]})")
         with row.cached(path, token=token, pickles=pickles) as local:
             yield local

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 
 from ..checking.verify import FileReport, Finding, VerifyReport, verify
-from ..errors import SourceNotFoundError
+from ..errors import Option, SourceNotFoundError
 from ..formats.header import Header, TensorEntry, read_header
 from ..formats.links import open_inside
 from ..formats.manifest import MANIFEST_NAME
@@ -76,7 +76,8 @@ def verify_against_listing(path: str, against: str, *, token: str | None = None)
     True
     """
     if not os.path.isdir(path):
-        raise SourceNotFoundError(f"{path}: no such folder (against='hf://...' compares a local folder)")
+        raise SourceNotFoundError(f"{path}: no such folder (", Option("against", "hf://..."),
+                                  " compares a local folder)")
     with mirrored(against, token=token) as (mirror, store):
         shown = str(store.url)
         report = RemoteVerifyReport(path, against=shown)

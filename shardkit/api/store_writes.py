@@ -22,7 +22,7 @@ from typing import TypeVar
 
 from .. import _faults
 from ..atomic.journal import Recovery
-from ..errors import OutputExistsError
+from ..errors import Option, OutputExistsError
 from ..sharding.job import SplitResult
 from ..sharding.merge import MergeResult
 from ..sharding.options import ProgressCallback
@@ -62,7 +62,8 @@ def write_to_store(output: str, job: Callable[[str, ProgressCallback | None], Wr
     try:
         with open_store(url) as store:
             if not overwrite and store.list_objects():
-                raise OutputExistsError(f"{url}: the prefix already holds objects; pass overwrite=True to "
+                raise OutputExistsError(f"{url}: the prefix already holds objects; pass ", Option("overwrite", True),
+                                        " to "
                                         "replace the checkpoint there")
             local = os.path.join(staging, local_name)
             with bind_output(local, store_output(store, overwrite=overwrite), target=str(url)) as bound:

@@ -45,6 +45,7 @@ from collections.abc import Iterable, Iterator
 
 from .. import _faults
 from ..errors import (
+    Option,
     OutputExistsError,
     ShardkitError,
     ShardkitWriteError,
@@ -126,7 +127,8 @@ class OutputTransaction:
             recover_locked(self.output)
         if os.path.isdir(self.output) and os.listdir(self.output):
             if not self.overwrite:
-                raise OutputExistsError(f"{self.output} exists and is not empty; pass overwrite=True to replace its checkpoint")
+                raise OutputExistsError(f"{self.output} exists and is not empty; pass ", Option("overwrite", True),
+                                        " to replace its checkpoint")
             return
         if os.path.ismount(self.output):
             return  # a folder cannot be renamed onto a mount point: write inside it, as an in-place write does
@@ -289,7 +291,7 @@ def atomic_output_file(path: str, *, overwrite: bool = False) -> str:
     """A temporary path beside ``path`` for a single-file output; see :func:`publish_file`."""
     check_local(path, role="output")
     if os.path.exists(path) and not overwrite:
-        raise OutputExistsError(f"{path} exists; pass overwrite=True to replace it")
+        raise OutputExistsError(f"{path} exists; pass ", Option("overwrite", True), " to replace it")
     if os.path.isdir(path):
         raise OutputExistsError(f"{path} is a folder; expected a file path")
     folder = output_folder(path)

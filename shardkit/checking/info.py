@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import SourceNotFoundError
+from ..errors import SourceNotFoundError, join_parts
 from ..formats.header import TensorEntry
 from ..units import FLOAT_DTYPES
 
@@ -207,7 +207,7 @@ def _quantization(target: str, entries: list[TensorEntry], metadata: dict[str, s
         return None, frozenset()
     found, refusal = layout.to_dict(), layout.refusal(target)
     if refusal is not None:
-        found = {"error": refusal, **{k: v for k, v in found.items() if k != "description"}}
+        found = {"error": join_parts(refusal), **{k: v for k, v in found.items() if k != "description"}}
     return found, layout.extra
 
 

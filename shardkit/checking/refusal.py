@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidInputError, VerificationError
+from ..errors import InvalidInputError, Option, VerificationError
 
 if TYPE_CHECKING:
     from .verify import VerifyReport
@@ -38,12 +38,13 @@ def refuse_broken(report: VerifyReport, path: str, *, allow_lossy: bool = False)
     if quant and not allow_lossy:
         raise InvalidInputError(f"{path}: refusing to push: {_describe(quant[0])}"
                                 f"{f' (and {len(quant) - 1} more)' if len(quant) > 1 else ''}; fix the checkpoint, or "
-                                "pass allow_lossy=True to push it as it is")
+                                "pass ", Option("allow_lossy", True), " to push it as it is")
     if any(not f.quantization for f in report.findings):
         findings = [_describe(finding) for finding in report.findings if not finding.quantization]
         first = findings[0] if findings else "see `shardkit verify`"
         raise VerificationError(f"{path}: refusing to push, verification found {len(findings)} problem(s), "
-                                f"first: {first} (fix the folder, or pass verify=False)", findings)
+                                f"first: {first} (fix the folder, or pass ", Option("verify", False), ")",
+                                findings=findings)
 
 
 def _describe(finding: object) -> str:

@@ -12,7 +12,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.header import TensorEntry
 from ..formats.manifest import MANIFEST_NAME, ManifestError
 from ..sources.base import CheckpointSource, Source
@@ -118,8 +118,9 @@ def _verify_gguf(path: str, report: VerifyReport, *, against: CheckpointSource |
     """A GGUF file (a split: every part), or a folder of them: container, model metadata and every value (see
     :mod:`shardkit.checking.gguf_verify`)."""
     if against is not None:
-        raise InvalidInputError(f"{path}: against=... compares safetensors checkpoints; convert the GGUF first "
-                                "with dtype='fp32' and verify that against it")
+        raise InvalidInputError(f"{path}: ", Option("against"),
+                                " compares safetensors checkpoints; convert the GGUF first "
+                                "with ", Option("dtype", "fp32"), " and verify that against it")
     check = verify_gguf_path(path, progress=progress, read_data=read_data)  # a split GGUF: every part
     report.findings += [Finding(file, tensor, message) for file, tensor, message in check.findings]
     report.warnings += check.warnings
@@ -134,7 +135,7 @@ def _prepare_pipeline(path: str, against: CheckpointSource | None, report: Verif
     from ..formats.layout import find_components, is_pipeline_folder
 
     if against is not None and not (isinstance(against, (str, os.PathLike)) and is_pipeline_folder(os.fspath(against))):
-        raise InvalidInputError(f"{path} is a pipeline folder: against=... must be a pipeline folder too "
+        raise InvalidInputError(f"{path} is a pipeline folder: ", Option("against"), " must be a pipeline folder too "
                                 f"(got {against!r}); or verify one component folder against a checkpoint")
     theirs = {c.name: c for c in find_components(against)} if against is not None else {}
     jobs: list[_ScanJob] = []

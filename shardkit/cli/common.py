@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import click
 
-from ..errors import ShardkitError
+from ..errors import Part, ShardkitError
 
 # A click command function, and what an option decorator does to one.
 Command = Callable[..., object]
@@ -143,9 +143,9 @@ def _report_error(e: Exception, *, debug: bool) -> int:
     if debug:
         traceback.print_exc()
     if isinstance(e, ShardkitError):
-        from .flags import cli_words
+        from .flags import message_words
 
-        click.echo(f"error: {cli_words(str(e))}", err=True)
+        click.echo(f"error: {message_words(e)}", err=True)
         return e.exit_code
     if isinstance(e, OSError) and e.filename:
         # A file the library did not expect to fail on (unreadable, vanished, read-only): name it.
@@ -184,9 +184,9 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
     from ..errors import ShardkitWarning
 
     if issubclass(category, ShardkitWarning):
-        from .flags import cli_words
+        from .flags import message_words
 
-        click.echo(f"warning: {cli_words(str(message))}", err=True)
+        click.echo(f"warning: {message_words(message)}", err=True)
 
 
 def _progress_requested() -> bool:
@@ -239,7 +239,9 @@ class SizeParam(_SizeType):
         try:
             size_bytes = parse_size(value, name="size")
         except ShardkitError as e:
-            self.fail(str(e), param, ctx)
+            from .flags import message_words
+
+            self.fail(message_words(e), param, ctx)
         _warn_bare_number(value, size_bytes, param)
         return size_bytes
 
@@ -259,14 +261,27 @@ SIZE = SizeParam()
 
 
 class LibraryWordsOption(click.Option):
-    """An option whose help comes from the library (a :class:`WriteOptions` field): its ``name=value``
-    mentions are shown as flags, like the library's error messages (:func:`~shardkit.cli.flags.cli_words`)."""
+    """An option whose help comes from the library (a :class:`WriteOptions` field): the options its help
+    names (its ``help_parts``) are shown as flags, like the library's error messages
+    (:func:`~shardkit.cli.flags.cli_words`)."""
+
+    help_parts: tuple[Part, ...] = ()
 
     def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
         from .flags import cli_words
 
         record = super().get_help_record(ctx)
-        return None if record is None else (record[0], cli_words(record[1]))
+        if record is None or not self.help or not self.help_parts or not record[1].startswith(self.help):
+            return record
+        return record[0], cli_words(self.help_parts) + record[1][len(self.help):]
+
+
+def _library_words_option(help_parts: tuple[Part, ...]) -> type[click.Option]:
+    class FieldOption(LibraryWordsOption):
+        pass
+
+    FieldOption.help_parts = help_parts
+    return FieldOption
 
 
 def option_from_field(option: Field[object]) -> Decorator:
@@ -278,7 +293,7 @@ def option_from_field(option: Field[object]) -> Decorator:
     flag = "--" + option_keyword(option).replace("_", "-")
     meta = option.metadata
     decls = [flag, *([meta["short"]] if meta.get("short") else []), option.name]
-    common: dict[str, Any] = {"help": meta["help"], "cls": LibraryWordsOption}
+    common: dict[str, Any] = {"help": meta["help"], "cls": _library_words_option(meta["help_parts"])}
     if option.name.endswith("_bytes"):  # a size, parsed here at the edge into bytes
         return click.option(*decls, type=SIZE, default=DEFAULT_MAX_SHARD_SIZE, show_default=True, **common)
     if isinstance(option.default, bool):

@@ -1,36 +1,39 @@
 """The library speaks Python, the CLI speaks flags: one table between them, made from the commands.
 
-Library messages name an option as its parameter (``overwrite=True``, ``to='diffusers'``,
-``cache=False``, ``config=...``); where the CLI prints a library error or warning it rewrites
-each such mention as the flag a user of the command line types (``--overwrite``, ``--to
-diffusers``, ``--no-cache``, ``--config``). The table is read from the registered click commands
-themselves, whose write options are made from :class:`~shardkit.api.options.WriteOptions`, so a
-flag renamed there is renamed in every message at once.
+Library messages name each option as an :class:`~shardkit.errors.Option` part of the error or
+warning (``Option("overwrite", True)``, whose Python text is ``overwrite=True``); where the CLI
+prints a library error, warning or option help it writes each such part as the flag a user of the
+command line types (``--overwrite``, ``--to diffusers``, ``--no-cache``, ``--config``). No text is
+parsed: a part is an option or it is plain text. The table is read from the registered click
+commands themselves, whose write options are made from :class:`~shardkit.api.options.WriteOptions`,
+so a flag renamed there is renamed in every message at once.
 
-Written forms (``NAME`` a parameter the CLI has a flag for):
+Written forms (``NAME`` a parameter the CLI has a flag for; any other option keeps its Python form):
 
-========================  ========================
-library                   CLI
-========================  ========================
-``NAME=True``             ``--name``
-``NAME=False``            ``--no-name``
-``NAME='value'``          ``--name value``
-``NAME=['a', 'b']``       ``--name a --name b``
-``NAME=5`` / ``NAME=...`` ``--name 5`` / ``--name``
-========================  ========================
+=================================  ========================
+library                            CLI
+=================================  ========================
+``NAME=True``                      ``--name``
+``NAME=False``                     ``--no-name``
+``NAME='value'``                   ``--name value``
+``NAME=['a', 'b']``                ``--name a --name b``
+``NAME=5`` / ``NAME=...``          ``--name 5`` / ``--name``
+``NAME='a', 'b' or 'c'``           ``--name a, b or c``
+=================================  ========================
 """
 
 from __future__ import annotations
 
-import ast
 import functools
-import re
 import shlex
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import click
 
-__all__ = ["Flag", "cli_words", "flag_table"]
+from ..errors import Option, Part, parts_of
+
+__all__ = ["Flag", "cli_words", "flag_table", "message_words", "option_words"]
 
 
 @dataclass(frozen=True)
@@ -78,44 +81,48 @@ def _table() -> dict[str, Flag]:
     return flag_table(cli)
 
 
-_VALUE = r"True|False|\.\.\.|'[^']*'|\"[^\"]*\"|\[[^\]]*\]|-?[0-9][\w.]*"
-_ALTERNATIVES = r"(?:,? (?:or )?'[^' ]*'(?=[ ,;)]|$))*"  # dtype='bf16', 'fp16' or 'fp32': the other choices
-
-
-@functools.lru_cache(maxsize=1)
-def _pattern() -> re.Pattern[str]:
-    names = "|".join(sorted(map(re.escape, _table()), key=len, reverse=True))
-    # not inside a word or a quoted name, and not a keyword of a Python call shown as such: f(device_map='auto')
-    return re.compile(rf"(?<![\w.\-'\"])(?<!\w\()({names})=({_VALUE})?(?![\w(])({_ALTERNATIVES})")
-
-
-def _render(flag: Flag, value: str | None) -> str | None:
-    if value in (None, "...", "True"):
+def _flag_form(flag: Flag, option: Option) -> str | None:
+    value = option.value
+    if value is ... or value is True:
         return flag.on
-    if value == "False":
+    if value is False:
         return flag.off
     if flag.on is None:
         return None
-    try:
-        parsed = ast.literal_eval(value) if value[0] in "'\"[" else value
-    except (ValueError, SyntaxError):
-        return None
-    items = parsed if isinstance(parsed, list) else [parsed]
-    return " ".join(f"{flag.on} {shlex.quote(str(item))}" for item in items) or flag.on
+    if isinstance(value, dict):  # a budget: the CLI's DEVICE=SIZE,... form
+        value = ",".join(f"{device}={size}" for device, size in value.items())
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    text = " ".join(f"{flag.on} {shlex.quote(str(item))}" for item in items) or flag.on
+    if option.choices:
+        text = f"{', '.join([text, *option.choices[:-1]])} or {option.choices[-1]}"
+    return text
 
 
-def cli_words(message: str) -> str:
-    """``message`` with every ``name=value`` of a CLI parameter written as its flag.
+def option_words(option: Option, table: Mapping[str, Flag] | None = None) -> str:
+    """How the CLI writes one option a message names: its flag, or its Python form when no command has one.
 
-    >>> cli_words("out/ is not empty; pass overwrite=True, or drop to='diffusers' and cache=False")
-    'out/ is not empty; pass --overwrite, or drop --to diffusers and --no-cache'
-    >>> cli_words("give dtype='bf16', 'fp16' or 'fp32'; see shardkit.load_model(device_map='auto')")
-    "give --dtype bf16, fp16 or fp32; see shardkit.load_model(device_map='auto')"
+    >>> option_words(Option("to", "diffusers")), option_words(Option("weights_only", True))
+    ('--to diffusers', 'weights_only=True')
     """
-    def flag_of(match: re.Match[str]) -> str:
-        rendered = _render(_table()[match.group(1)], match.group(2))
-        if rendered is None:
-            return match.group(0)
-        return rendered + match.group(3).replace("'", "")
+    flag = (_table() if table is None else table).get(option.name)
+    rendered = None if flag is None else _flag_form(flag, option)
+    return str(option) if rendered is None else rendered
 
-    return _pattern().sub(flag_of, message)
+
+def cli_words(parts: Iterable[Part], table: Mapping[str, Flag] | None = None) -> str:
+    """A message's parts as the CLI prints them: every option a flag where a command has one.
+
+    >>> cli_words(["out/ is not empty; pass ", Option("overwrite", True), ", or drop ", Option("to", "diffusers"),
+    ...            " and ", Option("cache", False)])
+    'out/ is not empty; pass --overwrite, or drop --to diffusers and --no-cache'
+    >>> cli_words(["give ", Option("dtype", "bf16", choices=("fp16", "fp32")), "; see load_model(device_map='auto')"])
+    "give --dtype bf16, fp16 or fp32; see load_model(device_map='auto')"
+    >>> cli_words([Option("exclude", ["model_ema.*", "x y"]), " or ", Option("max_memory", {0: "8GB", "cpu": "1GB"})])
+    "--exclude 'model_ema.*' --exclude 'x y' or --max-memory 0=8GB,cpu=1GB"
+    """
+    return "".join(part if isinstance(part, str) else option_words(part, table) for part in parts)
+
+
+def message_words(message: BaseException | str) -> str:
+    """An error's or warning's message as the CLI prints it (:func:`cli_words` of its parts; plain text as is)."""
+    return message if isinstance(message, str) else cli_words(parts_of(message))

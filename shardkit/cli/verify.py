@@ -70,7 +70,7 @@ def verify(path: str, against: str | None, as_json: bool, quiet: bool, token: st
         print_report(report, quiet=quiet)
     if not report.ok:
         raise VerificationError(f"verify found {len(report.findings)} problem(s) in {path}",
-                                [str(f) for f in report.findings])
+                                findings=[str(f) for f in report.findings])
 
 
 def print_report(report: VerifyReport, *, quiet: bool) -> None:

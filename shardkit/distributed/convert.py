@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.layout import is_pipeline_folder
 from ..sharding.job import SplitResult, open_settled, refuse_output_inside_source, side_files
 from ..sharding.options import WriteOptions
@@ -47,7 +47,7 @@ def convert_collective(source: Any, output: str | os.PathLike[str], *, options: 
     """
     output = os.fspath(output)
     if to is not None:
-        raise InvalidInputError(f"to={to!r} converts in one process; run it without torchrun")
+        raise InvalidInputError(Option("to", to), " converts in one process; run it without torchrun")
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
         raise InvalidInputError(f"{source}: a pipeline folder is converted by one process; run it without torchrun")
     if is_file_output(output):

@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option, Part, parts_of
 from ..formats.header import build_header
 from ..formats.links import OutsideFolderError, check_name, parse_json
 from ..sharding.job import ShardJob, shard_metadata
@@ -125,7 +125,7 @@ def options_from_json(doc: object, *, where: str) -> WriteOptions:
     try:
         return WriteOptions(**doc)
     except (TypeError, InvalidInputError) as e:
-        raise _bad(where, f"options: {e}") from e
+        raise _bad(where, "options: ", *parts_of(e)) from e
 
 
 def keymap_from_json(doc: object, *, where: str) -> KeyMap:
@@ -257,7 +257,7 @@ def _parse(doc: dict[str, object], path: str) -> ConversionPlan:
         raise _bad(path, "command must be split or convert, source and output strings")
     to = doc.get("to")
     if to not in (None, "gguf"):
-        raise _bad(path, f"to={to!r}: a plan writes safetensors, or to='gguf'")
+        raise _bad(path, Option("to", to), ": a plan writes safetensors, or ", Option("to", "gguf"))
     spec = PlanSpec(command, source, output, options_from_json(doc["options"], where=path), key,
                     keymap_from_json(doc["keymap"], where=path), *_lora(doc.get("lora"), path), to=to)
     raw_tasks, raw_sources, fin = doc["tasks"], doc["source_files"], doc["finalize"]
@@ -323,8 +323,9 @@ def _check_output_name(name: object, path: str) -> None:
         raise _bad(path, f"output name {name!r} is not a plain file name of the output")
 
 
-def _bad(path: str, why: str) -> InvalidInputError:
-    return InvalidInputError(f"{path}: not a usable shardkit plan ({why}); write it again with write_plan=...")
+def _bad(path: str, *why: Part) -> InvalidInputError:
+    return InvalidInputError(f"{path}: not a usable shardkit plan (", *why, "); write it again with ",
+                             Option("write_plan"))
 
 
 def summary(plan: ConversionPlan) -> list[str]:

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from .. import _faults
 from ..atomic.commit import file_transaction, output_folder
 from ..atomic.journal import TMP_MARK, fsync_dir, remove_path
-from ..errors import InvalidInputError, OutputExistsError, ShardkitWriteError, describe_os_error
+from ..errors import InvalidInputError, Option, OutputExistsError, ShardkitWriteError, describe_os_error
 from ..formats.gguf import ggml_type, padded, tensor_nbytes_ggml
 from ..formats.manifest import FileDigest, dump_manifest
 from ..sharding.gguf_bytes import PlannedTensor, write_gguf_file
@@ -86,10 +86,12 @@ def _read_files(job: GgufJob) -> list[str]:
 def make_gguf_plan(spec: PlanSpec, *, dry_run: bool = False) -> ConversionPlan:
     """The plan of ``convert(source, output, to='gguf')`` into the local ``output`` (a ``.gguf`` path)."""
     if "://" in spec.source or "://" in spec.output:
-        raise InvalidInputError(f"{spec.source} -> {spec.output}: a plan with to='gguf' reads a local model and "
-                                "writes a local .gguf; convert a store's model without write_plan=...")
+        raise InvalidInputError(f"{spec.source} -> {spec.output}: a plan with ", Option("to", "gguf"),
+                                " reads a local model and "
+                                "writes a local .gguf; convert a store's model without ", Option("write_plan"))
     if spec.lora or spec.key is not None or not spec.keymap.is_identity():
-        raise InvalidInputError("key=..., lora=... and the key options do not apply to a plan with to='gguf': "
+        raise InvalidInputError(Option("key"), ", ", Option("lora"),
+                                " and the key options do not apply to a plan with ", Option("to", "gguf"), ": "
                                 "merge first, then plan the merged folder's conversion")
     with _opened(spec) as job:
         tasks = gguf_tasks(job.files)
@@ -99,9 +101,10 @@ def make_gguf_plan(spec: PlanSpec, *, dry_run: bool = False) -> ConversionPlan:
     taken = [t.output for t in tasks if os.path.exists(os.path.join(folder, t.output))]
     if taken and not spec.options.overwrite and not os.path.isdir(plan_work.work_folder(plan)):
         if dry_run:
-            warn(f"{os.path.join(folder, taken[0])} exists: the real run needs overwrite=True")
+            warn(f"{os.path.join(folder, taken[0])} exists: the real run needs ", Option("overwrite", True))
         else:
-            raise OutputExistsError(f"{os.path.join(folder, taken[0])} exists; pass overwrite=True to replace it")
+            raise OutputExistsError(f"{os.path.join(folder, taken[0])} exists; pass ", Option("overwrite", True),
+                                    " to replace it")
     if note:
         warn(note)  # what the file will lack, as a single process says
     return plan

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from .. import _faults
 from ..atomic.commit import output_folder
 from ..atomic.journal import TMP_MARK, fsync_dir, remove_path
-from ..errors import InvalidInputError, OutputExistsError, ShardkitWriteError
+from ..errors import InvalidInputError, Option, OutputExistsError, ShardkitWriteError
 from ..formats.layout import is_pipeline_folder
 from ..formats.manifest import FileDigest, dump_manifest, read_digests
 from ..sharding.digest import ManifestRecorder
@@ -98,14 +98,14 @@ def make_plan(command: str, source: str, output: str, *, options: WriteOptions, 
                                        key, keymap or KeyMap(), tuple(lora), float(lora_scale), to=to),
                               dry_run=options.dry_run)
     if to is not None:
-        raise InvalidInputError(f"to={to!r}: a plan writes safetensors shards, or to='gguf'")
+        raise InvalidInputError(Option("to", to), ": a plan writes safetensors shards, or ", Option("to", "gguf"))
     if is_file_output(output):
         raise InvalidInputError(f"{source} -> {output}: a plan writes the shards of one model into a folder; "
                                 "a single .safetensors output is written in one process")
     if "://" in source or "://" in output:
         if output.rstrip("/") == source.rstrip("/") or output.startswith(source.rstrip("/") + "/"):
             raise InvalidInputError(f"{output}: a plan writes a prefix outside its source {source}; reshard a bucket in "
-                                    "place without write_plan=...")
+                                    "place without ", Option("write_plan"))
     else:
         refuse_output_inside_source(source, output)
         if not options.dry_run:
@@ -134,7 +134,7 @@ def _where(path: str, *, role: str) -> str:
         return os.path.abspath(path)
     if not is_store_url(path):
         raise InvalidInputError(f"{path}: a plan's {role} is a local path or s3://BUCKET/PREFIX; convert an hf:// "
-                                "source without write_plan=..., or download it first")
+                                "source without ", Option("write_plan"), ", or download it first")
     return str(parse_store_url(path))
 
 
@@ -147,7 +147,8 @@ def _refuse_taken_output(plan: ConversionPlan, *, dry_run: bool) -> None:
     if dry_run:
         warn_if_output_taken(output, overwrite=False)
     elif not os.path.isdir(work_folder(plan)) and not published_here(plan):
-        raise OutputExistsError(f"{output} exists and is not empty; pass overwrite=True to replace its checkpoint")
+        raise OutputExistsError(f"{output} exists and is not empty; pass ", Option("overwrite", True),
+                                " to replace its checkpoint")
 
 
 def run_tasks(plan: ConversionPlan, indexes: Sequence[int], *, progress: ProgressCallback | None = None,
@@ -155,7 +156,7 @@ def run_tasks(plan: ConversionPlan, indexes: Sequence[int], *, progress: Progres
     """Run the tasks ``indexes`` that are not done yet (the source opened once for all of them)."""
     for i in indexes:
         if not 0 <= i < len(plan.tasks):
-            raise InvalidInputError(f"task={i}: the plan has tasks 0 to {len(plan.tasks) - 1}")
+            raise InvalidInputError(Option("task", i), f": the plan has tasks 0 to {len(plan.tasks) - 1}")
     if plan.spec.to == "gguf":
         from . import plan_gguf
 

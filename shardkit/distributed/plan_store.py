@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from .. import _faults
 from ..atomic.journal import PLAN_MARK
-from ..errors import InvalidInputError, OutputExistsError, ShardkitWriteError, SourceNotFoundError
+from ..errors import InvalidInputError, Option, OutputExistsError, ShardkitWriteError, SourceNotFoundError, parts_of
 from ..formats.manifest import MANIFEST_NAME, FileDigest, ManifestError, dump_manifest, parse_manifest
 from ..sharding.digest import ManifestRecorder
 from ..sharding.flush import ByteCounter
@@ -97,12 +97,12 @@ def refuse_taken_prefix(plan: ConversionPlan, *, dry_run: bool) -> None:
         return
     if dry_run:  # a dry run warns, as for a local folder
         if not plan.spec.options.overwrite:
-            warn(f"{plan.spec.output}: the prefix already holds {len(existing)} object(s); running this plan needs "
-                 "overwrite=True")
+            warn(f"{plan.spec.output}: the prefix already holds {len(existing)} object(s); running this plan needs ",
+                 Option("overwrite", True))
         return
     if not plan.spec.options.overwrite:
-        raise OutputExistsError(f"{plan.spec.output}: the prefix already holds {len(existing)} object(s); pass "
-                                "overwrite=True to replace the checkpoint there")
+        raise OutputExistsError(f"{plan.spec.output}: the prefix already holds {len(existing)} object(s); pass ",
+                                Option("overwrite", True), " to replace the checkpoint there")
     clash = sorted(n for n in [t.output for t in plan.tasks] + list(plan.side_files)
                    if n in existing and not n.endswith(".json"))
     if clash:
@@ -179,7 +179,8 @@ def _refuse_gone_plan(store: ObjectStore, plan: ConversionPlan, task: ShardTask)
         raise InvalidInputError(
             f"{plan.spec.output}: the plan was published (or removed by recover) by another process while task "
             f"{task.index} ran; {task.output} was uploaded again, not recorded: a run with no task runs every task and "
-            "publishes, so give each worker task=..., then finalize=True once all are done") from e
+            "publishes, so give each worker ", Option("task"), ", then ", Option("finalize", True),
+                                " once all are done") from e
 
 
 def finalize(plan: ConversionPlan, *, opener: SourceOpener = local_source) -> PlanRun:
@@ -231,7 +232,8 @@ def _records(store: ObjectStore, plan: ConversionPlan, listed: Mapping[str, Obje
     if missing:
         shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
         raise InvalidInputError(f"{plan.spec.output}: {len(missing)} task(s) not done ({shown}); run them "
-                                f"(shardkit.run_plan(plan, task=N), or every one with no task) before finalize=True")
+                                "(shardkit.run_plan(plan, task=N), or every one with no task) before ",
+                                Option("finalize", True))
     names = [_done_name(plan, t) for t in plan.tasks]
     raw = _read_whole(store, [listed[n] for n in names], bound=MAX_RECORD_BYTES)
     records: dict[str, FileDigest] = {}
@@ -239,8 +241,8 @@ def _records(store: ObjectStore, plan: ConversionPlan, listed: Mapping[str, Obje
         try:
             records[t.output] = parse_manifest(bytes(data), path=f"{plan.spec.output}/{name}").files[t.output]
         except (ManifestError, KeyError) as e:
-            raise InvalidInputError(f"{plan.spec.output}/{name}: task {t.index}'s record is unreadable ({e}); delete "
-                                    "it and run the task again") from e
+            raise InvalidInputError(f"{plan.spec.output}/{name}: task {t.index}'s record is unreadable (", *parts_of(e),
+                                    "); delete it and run the task again") from e
     heads = [bytearray(min(records[t.output].data_start or 0, MAX_HEADER_BYTES)) for t in plan.tasks]
     sizes = [listed[t.output].size_bytes if t.output in listed else None for t in plan.tasks]
     read_ranges(store, [RangeRequest(t.output, 0, memoryview(h)) for t, h, n in zip(plan.tasks, heads, sizes, strict=True)
@@ -273,7 +275,7 @@ def _refuse_others(plan: ConversionPlan, listed: Mapping[str, ObjectInfo]) -> No
                     and not os.path.basename(n).startswith(JOURNAL_PREFIX))
     if others:
         raise OutputExistsError(f"{plan.spec.output}: {others[0]} appeared in the prefix while the plan ran; nothing was "
-                                "published: pass overwrite=True to the plan, or remove it")
+                                "published: pass ", Option("overwrite", True), " to the plan, or remove it")
 
 
 def _clear_leftovers(store: ObjectStore, plan: ConversionPlan, listed: Mapping[str, ObjectInfo]) -> None:

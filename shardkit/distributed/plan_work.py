@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from ..atomic.commit import output_folder
 from ..atomic.journal import PLAN_MARK, TMP_MARK, fsync_dir, is_stale_tmp, remove_path, try_lock
-from ..errors import InvalidInputError, ShardkitWriteError, describe_os_error
+from ..errors import InvalidInputError, Option, ShardkitWriteError, describe_os_error
 from ..formats.links import read_inside, write_fd
 from ..formats.manifest import FileDigest, ManifestError, parse_manifest, read_digests
 from .plan_file import ConversionPlan, ShardTask
@@ -109,7 +109,8 @@ def checked_records(plan: ConversionPlan, work: str) -> dict[str, FileDigest]:
     if missing:
         shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
         raise InvalidInputError(f"{plan.spec.output}: {len(missing)} task(s) not done ({shown}); run them "
-                                f"(shardkit.run_plan(plan, task=N), or every one with no task) before finalize=True")
+                                "(shardkit.run_plan(plan, task=N), or every one with no task) before ",
+                                Option("finalize", True))
     records: dict[str, FileDigest] = {}
     for t in plan.tasks:
         name = done_name(t)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeAlias, TypedDict, TypeVar
 
 from ..errors import FitError as FitError  # re-exported: defined with every public error
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option, Part
 from ..units import format_size
 from .activations import Workload
 from .candidates import DEFAULT_MARGIN, Budget, Candidate, Margin, rank, speed_class
@@ -180,7 +180,8 @@ def plan_fit(profiles: Sequence[ComponentProfile], budget: Budget, *, workload: 
     if any(b <= 0 for b in budget.gpu_bytes) or (budget.cpu_bytes is not None and budget.cpu_bytes <= 0):
         raise InvalidInputError("memory budgets must be greater than zero")
     if not budget.gpu_bytes and budget.cpu_bytes is None:
-        raise InvalidInputError("no memory budget: give at least one GPU budget (gpu='8GB') or a CPU budget")
+        raise InvalidInputError("no memory budget: give at least one GPU budget (", Option("gpu", "8GB"),
+                                ") or a CPU budget")
     candidates = tuple(rank(profiles, budget, margin=margin, allow_fp8=allow_fp8, streams=streams, exclude=exclude))
     chosen = next((c for c in candidates if c.fits), None)
     if chosen is None:
@@ -210,23 +211,25 @@ def _no_fit(candidates: Sequence[Candidate], budget: Budget, margin: Margin) -> 
     need = _budget_flags(gpu, cpu, best, budget, with_cpu=not within_cpu)
     lowest = min(options, key=lambda o: (o[0], o[1], o[2].slowdown))
     if budget.gpu_bytes and lowest[0] < gpu:
-        need += f", or {_budget_flags(*lowest, budget, with_cpu=True)}"
+        need += (", or ", *_budget_flags(*lowest, budget, with_cpu=True))
     return FitError(
-        f"no setup fits the budget ({have}; margin {margin_text}): the smallest budget that would fit is {need}",
+        f"no setup fits the budget ({have}; margin {margin_text}): the smallest budget that would fit is ", *need,
         min_gpu_bytes=gpu if budget.gpu_bytes else None, min_cpu_bytes=cpu,
     )
 
 
-def _budget_flags(gpu_bytes: int, cpu_bytes: int, candidate: Candidate, budget: Budget, *, with_cpu: bool) -> str:
-    """``--gpu 1.31GB [--cpu 4.41MB] (setup)``: the flags to rerun with, then what they pay for."""
+def _budget_flags(gpu_bytes: int, cpu_bytes: int, candidate: Candidate, budget: Budget, *,
+                  with_cpu: bool) -> tuple[Part, ...]:
+    """``gpu='1.31GB' [cpu='4.41MB'] (setup)`` (``--gpu 1.31GB [--cpu 4.41MB]`` in the CLI): the budget to rerun
+    with, then what it pays for."""
     if not budget.gpu_bytes:
-        return f"cpu={size_flag(cpu_bytes)!r} ({candidate.label})"
-    flags = f"gpu={size_flag(gpu_bytes)!r}"
+        return Option("cpu", size_flag(cpu_bytes)), f" ({candidate.label})"
+    flags: tuple[Part, ...] = (Option("gpu", size_flag(gpu_bytes)),)
     if with_cpu:
-        flags += f" cpu={size_flag(cpu_bytes)!r}"
+        flags += (" ", Option("cpu", size_flag(cpu_bytes)))
     one = " on one GPU" if len(budget.gpu_bytes) > 1 else ""
     cpu_note = "" if with_cpu or not candidate.peaks.cpu else f", {format_size(cpu_bytes)} of CPU RAM"
-    return f"{flags}{one} ({candidate.label}{cpu_note})"
+    return *flags, f"{one} ({candidate.label}{cpu_note})"
 
 
 def size_flag(size_bytes: int) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..devices import parse_max_memory
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..loading.pipeline import check_gpus, load_pipeline_folder
 from .autofit import FitPlan, apply_plan, fit
 
@@ -61,7 +61,7 @@ def load_fitted(path: str, fit_spec: object, *, max_memory: MaxMemory | None, dt
     setup = plan.setup()
     if setup["placement"] == "staged":
         raise InvalidInputError("a staged multi-GPU plan cannot be applied by load_pipeline; "
-                                "run scripts/staged_multi_gpu.py or plan with exclude=['staged']")
+                                "run scripts/staged_multi_gpu.py or plan with ", Option("exclude", ["staged"]))
     if setup["placement"] == "balanced":
         budgets: MaxMemory = {i: b for i, b in enumerate(plan.budget.gpu_bytes)}
         pipe = load_pipeline_folder(path, device_map="balanced", max_memory=budgets, dtype=dtype, variant=variant)

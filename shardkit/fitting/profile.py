@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidInputError, ShardkitWarning, first_line
+from ..errors import InvalidInputError, Option, ShardkitWarning, first_line
 from ..formats.json_types import Config, JsonObject
 from ..formats.layout import read_config
 from ..units import DTYPE_BITS
@@ -205,7 +205,7 @@ def _check_diffusion_part(path: str, config: JsonObject, role: str) -> None:
     model = f"transformers:{cls}" if cls else "diffusers:CLASS"
     raise InvalidInputError(f"{path}: a {kind} model on its own; fit plans diffusion pipelines (a pipeline folder, "
                             "or its denoiser or VAE folder) for image generation. For any model's device map "
-                            f"within a memory budget use plan with model={model!r} and the budget")
+                            "within a memory budget use plan with ", Option("model", model), " and the budget")
 
 
 def _guess(name: str, folder: str, roles: dict[str, str], configs: dict[str, JsonObject]) -> str:
@@ -216,7 +216,7 @@ def _guess(name: str, folder: str, roles: dict[str, str], configs: dict[str, Jso
     guess = guess_component(read_shapes(folder), role=known)
     roles[name] = guess.role or roles[name]
     configs[name] = guess.config
-    warnings.warn(f"{name}: {guess.description}", ShardkitWarning, stacklevel=4)
+    warnings.warn(ShardkitWarning(f"{name}: {guess.description}"), stacklevel=4)
     return guess.description
 
 

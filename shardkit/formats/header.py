@@ -14,7 +14,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from ..errors import HeaderError, InvalidInputError, SourceNotFoundError
+from ..errors import HeaderError, InvalidInputError, SourceNotFoundError, parts_of
 from ..units import DTYPE_BITS
 from .links import OutsideFolderError, loads_json, open_regular
 
@@ -100,7 +100,7 @@ def read_header(path: str | os.PathLike[str]) -> Header:
     except (FileNotFoundError, IsADirectoryError, PermissionError) as e:
         raise open_error(path, e) from e
     except OutsideFolderError as e:
-        raise HeaderError(str(e)) from e
+        raise HeaderError(*parts_of(e)) from e
     with os.fdopen(fd, "rb") as f:
         raw, file_bytes = read_header_bytes(f, path)
     return parse_header(raw, path=path, file_bytes=file_bytes)

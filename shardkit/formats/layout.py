@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeGuard
 
-from ..errors import InvalidInputError, SourceNotFoundError
+from ..errors import InvalidInputError, Part, SourceNotFoundError
 from .json_types import Config, JsonObject
 from .links import BOUNDARY_RULE, OutsideFolderError, parse_json, read_inside
 from .names import (
@@ -156,7 +156,7 @@ MAX_CONFIG_DEPTH = 16
 _COUNT_KEY = re.compile(r"(^|_)(layers?|depths?|n_layer|num_blocks|num_res_blocks|n_blocks)(_|$)", re.IGNORECASE)
 
 
-def check_config_numbers(config: Config, *, where: str) -> None:
+def check_config_numbers(config: Config, *, where: Part) -> None:
     """Bound every number a model would be built from, before anything is built or allocated.
 
     Layer and block counts (``layers_per_block``, ``num_hidden_layers``, ``depth``...) stay under
@@ -170,7 +170,7 @@ def check_config_numbers(config: Config, *, where: str) -> None:
     blocks = max((len(v) for k, v in config.items() if str(k).endswith("block_types") and isinstance(v, list)), default=1)
     counts = [_largest_int(v) for k, v in config.items() if _COUNT_KEY.search(str(k))]
     if blocks * max(counts, default=1) > MAX_CONFIG_BLOCKS:
-        raise InvalidInputError(f"{where}: fields *_block_types ({blocks} blocks) and the layer counts "
+        raise InvalidInputError(where, f": fields *_block_types ({blocks} blocks) and the layer counts "
                                 f"({max(counts)} per block) describe more than {MAX_CONFIG_BLOCKS} blocks; the config "
                                 "is corrupt or hostile")
 
@@ -183,28 +183,28 @@ def _largest_int(value: object) -> int:
     return 1
 
 
-def _check_value(value: object, *, where: str, field: str, count: bool, depth: int) -> None:
+def _check_value(value: object, *, where: Part, field: str, count: bool, depth: int) -> None:
     if depth > MAX_CONFIG_DEPTH:
-        raise InvalidInputError(f"{where}: field {field or '(top)'} is nested more than {MAX_CONFIG_DEPTH} deep")
+        raise InvalidInputError(where, f": field {field or '(top)'} is nested more than {MAX_CONFIG_DEPTH} deep")
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return
     if isinstance(value, int):
         limit = MAX_CONFIG_COUNT if count else MAX_CONFIG_INT
         if not -limit <= value <= limit:
-            raise InvalidInputError(f"{where}: field {field} is {str(value)[:40]}, beyond the bound {limit} shardkit "
+            raise InvalidInputError(where, f": field {field} is {str(value)[:40]}, beyond the bound {limit} shardkit "
                                     "builds models from; the config is corrupt or hostile")
     elif isinstance(value, float):
         if not math.isfinite(value):
-            raise InvalidInputError(f"{where}: field {field} is {value}, not a finite number")
+            raise InvalidInputError(where, f": field {field} is {value}, not a finite number")
     elif isinstance(value, list):
         if len(value) > MAX_CONFIG_LIST:
-            raise InvalidInputError(f"{where}: field {field} has {len(value)} entries, more than the {MAX_CONFIG_LIST} "
+            raise InvalidInputError(where, f": field {field} has {len(value)} entries, more than the {MAX_CONFIG_LIST} "
                                     "shardkit builds models from")
         for i, item in enumerate(value):
             _check_value(item, where=where, field=f"{field}[{i}]", count=count, depth=depth + 1)
     elif isinstance(value, Mapping):
         if len(value) > MAX_CONFIG_LIST:
-            raise InvalidInputError(f"{where}: field {field or '(top)'} has {len(value)} keys; too many for a config")
+            raise InvalidInputError(where, f": field {field or '(top)'} has {len(value)} keys; too many for a config")
         for key, item in value.items():
             part = str(key) if str(key).isprintable() and len(str(key)) <= 60 else repr(str(key)[:60])
             name = f"{field}.{part}" if field else part

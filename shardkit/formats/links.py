@@ -19,6 +19,7 @@ import stat
 from collections.abc import Callable
 
 from ..errors import OutsideFolderError as OutsideFolderError  # re-exported: defined with every public error
+from ..errors import Part
 from ..errors import UntrustedFileError as UntrustedFileError  # re-exported: defined with every public error
 
 __all__ = ["BOUNDARY_RULE", "LINK_RULE", "MAX_JSON_BYTES", "OutsideFolderError", "UntrustedFileError", "check_name", "check_write_target",
@@ -301,14 +302,14 @@ def loads_json(data: bytes | bytearray | str,
     return json.loads(text, parse_constant=_no_constants, object_pairs_hook=object_pairs_hook)
 
 
-def parse_json(data: bytes, *, path: str, what: str = "JSON file") -> object:
+def parse_json(data: bytes, *, path: Part, what: str = "JSON file") -> object:
     """JSON bytes as Python values; any malformation (depth, huge numbers, NaN, bad UTF-8) is one line naming ``path``."""
     try:
         return loads_json(data)
     except RecursionError as e:
-        raise UntrustedFileError(f"{path}: not valid JSON (a {what} nested too deeply)") from e
+        raise UntrustedFileError(path, f": not valid JSON (a {what} nested too deeply)") from e
     except ValueError as e:  # also bad UTF-8, and integers over Python's digit limit
-        raise UntrustedFileError(f"{path}: not valid JSON (a UTF-8 {what} expected: {str(e)[:200]})") from e
+        raise UntrustedFileError(path, f": not valid JSON (a UTF-8 {what} expected: {str(e)[:200]})") from e
 
 
 def check_write_target(folder: str, name: str, *, where: str, may_exist: bool = True, link_ok: bool = False) -> str:

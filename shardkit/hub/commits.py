@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, BinaryIO
 
-from ..errors import InvalidInputError, ShardkitWarning, SourceNotFoundError
+from ..errors import InvalidInputError, Option, ShardkitWarning, SourceNotFoundError
 from ..formats.links import (
     LINK_RULE,
     OutsideFolderError,
@@ -77,7 +77,7 @@ def collect_files(path: str | os.PathLike[str], *, path_in_repo: str | None = No
         raise SourceNotFoundError(f"{root}: no such file or folder to push")
     chosen = list(filter_repo_objects(relative, allow_patterns=include, ignore_patterns=exclude))
     if not chosen:
-        raise InvalidInputError(f"{path}: no files to push (check include=.../exclude=...)")
+        raise InvalidInputError(f"{path}: no files to push (check ", Option("include"), "/", Option("exclude"), ")")
     prefix = clean_prefix(path_in_repo)
     return [_local_file(root, name, prefix, folder=os.path.isdir(path)) for name in chosen]
 
@@ -95,9 +95,11 @@ def _local_file(root: str, name: str, prefix: str, *, folder: bool = True) -> Lo
     target = link_target(path)
     if target is not None and (not os.path.isfile(target) or _special(target)):
         raise InvalidInputError(f"{path} is a symlink to {target}, which is not a regular file of a disk filesystem "
-                                "(a device, /proc, /sys or missing); remove the link or leave it out (exclude=...)")
+                                "(a device, /proc, /sys or missing); remove the link or leave it out (",
+                                Option("exclude"), ")")
     if target is None and not os.path.isfile(path):
-        raise InvalidInputError(f"{path} is not a regular file (a FIFO, socket or device); remove it or leave it out (exclude=...)")
+        raise InvalidInputError(f"{path} is not a regular file (a FIFO, socket or device); remove it or leave it out (",
+                                Option("exclude"), ")")
     return LocalFile(f"{prefix}{name}", path, os.path.getsize(path), target, root if folder else "", name)
 
 
@@ -161,7 +163,8 @@ def check_links(path: str | os.PathLike[str], files: list[LocalFile], *, follow:
         more = f" (and {len(outside) - 1} more link(s) leading outside)" if len(outside) > 1 else ""
         raise InvalidInputError(
             f"{first.local_path} is a symlink to {first.link_target}, outside {root}{more}: push would upload that "
-            f"file's contents; {LINK_RULE}; copy the file in, leave it out (exclude=...), or pass follow_symlinks=True to upload it "
+            f"file's contents; {LINK_RULE}; copy the file in, leave it out (", Option("exclude"), "), or pass ",
+                                Option("follow_symlinks", True), " to upload it "
             "knowingly")
     return links
 
@@ -188,7 +191,7 @@ def _walk(root: str) -> Iterator[str]:
 def clean_prefix(path_in_repo: str | None) -> str:
     prefix = (path_in_repo or "").strip("/")
     if any(part in ("..", ".", ".git", ".cache") for part in prefix.split("/")):
-        raise InvalidInputError(f"path_in_repo={path_in_repo!r} must be a plain folder inside the repository")
+        raise InvalidInputError(Option("path_in_repo", path_in_repo), " must be a plain folder inside the repository")
     return f"{prefix}/" if prefix else ""
 
 
@@ -198,10 +201,11 @@ def check_sizes(files: list[LocalFile]) -> None:
         if f.size_bytes > MAX_FILE_BYTES:
             raise InvalidInputError(
                 f"{f.local_path}: {format_size(f.size_bytes)} is over the Hub's 50 GB per-file limit; "
-                f"re-split it with max_shard_size='5GB'")
+                "re-split it with ", Option("max_shard_size", "5GB"))
         if f.size_bytes > WARN_FILE_BYTES:
-            warnings.warn(f"{f.path_in_repo} is {format_size(f.size_bytes)}, above the Hub's recommended 20 GB "
-                          f"per file; consider max_shard_size='5GB'", ShardkitWarning, stacklevel=3)
+            warnings.warn(ShardkitWarning(f"{f.path_in_repo} is {format_size(f.size_bytes)}, above the Hub's "
+                                          "recommended 20 GB per file; consider ", Option("max_shard_size", "5GB")),
+                          stacklevel=3)
 
 
 def sha256_file(file: LocalFile) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..sharding.options import option_field
 from ..units import ProgressCallback
 
@@ -45,7 +45,7 @@ class PushOptions:
 
     private: bool = option_field(False, "Create the repository as private (if it does not exist).")
     revision: str | None = option_field(
-        None, "Branch to push to (created from main if missing), or the base of create_pr=True.")
+        None, ("Branch to push to (created from main if missing), or the base of ", Option("create_pr", True), "."))
     create_pr: bool = option_field(False, "Open a pull request instead of committing to the branch.")
     message: str | None = option_field(None, "Commit message (default: 'Upload N file(s) with shardkit').",
                                        short="-m")
@@ -61,7 +61,8 @@ class PushOptions:
         False, "List what would be uploaded and what is already there; change nothing. Asks the Hub what it has; "
         "offline, lists every file as an upload.")
     verify: bool = option_field(
-        True, "Verify the checkpoint first and refuse a broken one (verify=False pushes it unverified).")
+        True, ("Verify the checkpoint first and refuse a broken one (", Option("verify", False),
+               " pushes it unverified)."))
     allow_lossy: bool = option_field(
         False, "Push a quantized checkpoint even if a weight's scales or quantization config are unusable.")
     follow_symlinks: bool = option_field(
@@ -74,10 +75,11 @@ class PushOptions:
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value or ()))
         if self.repo_type not in REPO_TYPES:
-            raise InvalidInputError(f"repo_type={self.repo_type!r}: expected one of {', '.join(REPO_TYPES)}")
+            raise InvalidInputError(Option("repo_type", self.repo_type), f": expected one of {', '.join(REPO_TYPES)}")
         if self.create_pr and self.revision is not None and self.revision.startswith("refs/pr/"):
-            raise InvalidInputError(f"revision={self.revision!r} is a pull request already; push to it without "
-                                    "create_pr=True")
+            raise InvalidInputError(Option("revision", self.revision),
+                                    " is a pull request already; push to it without ",
+                                    Option("create_pr", True))
 
     def globs(self) -> tuple[list[str] | None, list[str] | None]:
         """``include`` and ``exclude`` as huggingface_hub's filter takes them (None: no filter)."""

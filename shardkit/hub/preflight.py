@@ -7,7 +7,7 @@ no symlink in the folder that the push would refuse.
 
 from __future__ import annotations
 
-from ..errors import HubError
+from ..errors import HubError, Option
 from ..stores.hf_errors import hub_errors
 from .commits import check_folder_links
 from .push import check_repo_id, push_call
@@ -38,7 +38,7 @@ def check_push_target(repo_id: str, *, token: str | None = None) -> str:
 
     resolved = token or get_token()
     if resolved is None:
-        raise HubError("no Hugging Face token: pass token=..., set HF_TOKEN, or run `hf auth login` "
+        raise HubError("no Hugging Face token: pass ", Option("token"), ", set HF_TOKEN, or run `hf auth login` "
                        "(checked before splitting, so nothing was written)")
     with hub_errors(push_call(repo_id)):
         HfApi(token=resolved).whoami()

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..checking.refusal import refuse_broken, verify_folder
-from ..errors import HubError, InvalidInputError
+from ..errors import HubError, InvalidInputError, Option
 from ..stores.hf_errors import HubCall, hub_errors, is_network_failure
 from ..units import ByteCounter
 from .commits import (
@@ -187,7 +187,7 @@ class _Pusher:
 
         self.token = options.token or get_token()
         if self.token is None and not options.dry_run:
-            raise HubError("no Hugging Face token: pass token=..., set HF_TOKEN, or run `hf auth login`")
+            raise HubError("no Hugging Face token: pass ", Option("token"), ", set HF_TOKEN, or run `hf auth login`")
         self.api = HfApi(token=self.token)
         self.options = options
         self.repo_id, self.repo_type, self.private = repo_id, options.repo_type, options.private

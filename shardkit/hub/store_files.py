@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.links import check_name
 from ..stores.base import ObjectInfo, ObjectStore, RemoteObject
 
@@ -77,7 +77,8 @@ def collect_store_files(store: ObjectStore, *, include: list[str] | str | None =
               if not any(part.startswith(".") for part in o.name.split("/")) and ".shardkit-" not in o.name}
     chosen = list(filter_repo_objects(sorted(listed), allow_patterns=include, ignore_patterns=exclude))
     if not chosen:
-        raise InvalidInputError(f"{store.url}: no objects to push (check the prefix and include=.../exclude=...)")
+        raise InvalidInputError(f"{store.url}: no objects to push (check the prefix and ", Option("include"), "/",
+                                Option("exclude"), ")")
     for name in chosen:
         check_name(name, where=f"{store.url}: object to push")
     return [listed[name] for name in chosen]

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidInputError, first_line
+from ..errors import InvalidInputError, Option, first_line
 from ..formats.layout import MAX_CONFIG_BYTES, check_config_numbers
 from ..formats.links import parse_json, read_regular
 
@@ -57,15 +57,18 @@ def find_target(config: str | os.PathLike[str], *, component: str | None = None)
     if os.path.isdir(path) and os.path.isfile(os.path.join(path, "model_index.json")):
         return _pipeline_target(path, component)
     if component is not None:
-        raise InvalidInputError(f"component={component!r} applies to a pipeline folder (with model_index.json) "
-                                f"given as config=...; {path} is one model's config: drop component=...")
+        raise InvalidInputError(Option("component", component), " applies to a pipeline folder (with model_index.json) "
+                                "given as ", Option("config"), f"; {path} is one model's config: drop ",
+                                Option("component"))
     config_file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(config_file):
-        raise InvalidInputError(f"config={path!r}: no config.json there; give a diffusers config.json, a model folder "
+        raise InvalidInputError(Option("config", path),
+                                ": no config.json there; give a diffusers config.json, a model folder "
                                 "holding one (e.g. a pipeline's unet/), or a pipeline folder with model_index.json")
     class_name = _read_json(config_file).get("_class_name")
     if not isinstance(class_name, str):
-        raise InvalidInputError(f"config={config_file!r}: no \"_class_name\"; it is not a diffusers model config "
+        raise InvalidInputError(Option("config", config_file),
+                                ": no \"_class_name\"; it is not a diffusers model config "
                                 "(diffusers writes one with save_pretrained)")
     return DiffusersTarget(class_name, config_file)
 
@@ -76,28 +79,31 @@ def _pipeline_target(folder: str, component: str | None) -> DiffusersTarget:
     if component is None:
         component = next((name for name in DENOISERS if name in models), None)
         if component is None:
-            raise InvalidInputError(f"config={folder!r}: no denoiser ({', '.join(DENOISERS)}) in its model_index.json; "
-                                    f"name the component with component=... ({', '.join(sorted(models))})")
+            raise InvalidInputError(Option("config", folder),
+                                    f": no denoiser ({', '.join(DENOISERS)}) in its model_index.json; "
+                                    "name the component with ", Option("component"), f" ({', '.join(sorted(models))})")
     if component not in models:
-        raise InvalidInputError(f"config={folder!r}: no component {component!r}; its model_index.json lists "
+        raise InvalidInputError(Option("config", folder), f": no component {component!r}; its model_index.json lists "
                                 f"{', '.join(sorted(models)) or 'none'}")
     library, class_name = models[component]
     if library != "diffusers":
-        raise InvalidInputError(f"component={component!r} is a {library} {class_name}; to='diffusers' converts diffusers "
+        raise InvalidInputError(Option("component", component), f" is a {library} {class_name}; ", Option("to",
+                                                                                                          "diffusers"),
+                                " converts diffusers "
                                 "models (unet, transformer, vae...)")
     config_file = os.path.join(folder, component, "config.json")
     if not os.path.isfile(config_file):
-        raise InvalidInputError(f"config={folder!r}: {component}/config.json is missing")
+        raise InvalidInputError(Option("config", folder), f": {component}/config.json is missing")
     return DiffusersTarget(class_name, config_file)
 
 
 def _read_json(path: str) -> dict[str, Any]:
     try:  # a checked descriptor with a byte cap: a FIFO or /dev/zero is refused unread
-        doc = parse_json(read_regular(path, max_bytes=MAX_CONFIG_BYTES), path=f"config={path!r}")
+        doc = parse_json(read_regular(path, max_bytes=MAX_CONFIG_BYTES), path=Option("config", path))
     except OSError as e:
-        raise InvalidInputError(f"config={path!r}: not a readable JSON file ({e.strerror or e})") from e
+        raise InvalidInputError(Option("config", path), f": not a readable JSON file ({e.strerror or e})") from e
     if not isinstance(doc, dict):
-        raise InvalidInputError(f"config={path!r}: not a JSON object")
+        raise InvalidInputError(Option("config", path), ": not a JSON object")
     return doc
 
 
@@ -111,8 +117,10 @@ def missing_config_error(path: str, checkpoint: Mapping[str, Any]) -> InvalidInp
     model_type = sfu.infer_diffusers_model_type(checkpoint)
     repo = sfu.DIFFUSERS_DEFAULT_PIPELINE_PATHS.get(model_type, {}).get("pretrained_model_name_or_path", "?")
     return InvalidInputError(
-        f"{path}: to='diffusers' needs the diffusers config of the model, and shardkit never downloads one; "
-        f"this is a '{model_type}' checkpoint (diffusers takes its config from the Hub repo {repo}): pass config=... "
+        f"{path}: ", Option("to", "diffusers"),
+                             " needs the diffusers config of the model, and shardkit never downloads one; "
+        f"this is a '{model_type}' checkpoint (diffusers takes its config from the Hub repo {repo}): pass ",
+                             Option("config"), " "
         "with a local copy of that pipeline folder, of one of its component folders (unet/, transformer/, vae/), "
         "or of a component's config.json"
     )
@@ -134,7 +142,8 @@ def is_known_checkpoint(checkpoint: Mapping[str, Any]) -> bool:
 def unknown_checkpoint_error(path: str) -> InvalidInputError:
     return InvalidInputError(
         f"{path}: not a single-file checkpoint diffusers can convert (none of the key names of the formats it knows, "
-        "SD 1/2/XL/3, Flux, ..., are in it); a checkpoint already in diffusers names needs no to='diffusers'"
+        "SD 1/2/XL/3, Flux, ..., are in it); a checkpoint already in diffusers names needs no ", Option("to",
+                                                                                                        "diffusers")
     )
 
 
@@ -183,12 +192,14 @@ def _model_class(target: DiffusersTarget) -> tuple[Any, Any]:
 
     cls = getattr(diffusers, target.class_name, None)
     if not isinstance(cls, type):
-        raise InvalidInputError(f"config={target.config_file!r}: diffusers {diffusers.__version__} has no model class "
+        raise InvalidInputError(Option("config", target.config_file),
+                                f": diffusers {diffusers.__version__} has no model class "
                                 f"{target.class_name}")
     mapping_fn = _mapping_fn(cls)
     if mapping_fn is not None:
         return cls, mapping_fn
-    raise InvalidInputError(f"diffusers has no single-file conversion for {target.class_name} (from config=... "
+    raise InvalidInputError(f"diffusers has no single-file conversion for {target.class_name} (from ",
+                            Option("config"), " "
                             f"{target.config_file}); it converts {', '.join(sorted(SINGLE_FILE_LOADABLE_CLASSES))}")
 
 
@@ -220,12 +231,12 @@ def _empty_model(cls: Any, config: dict[str, Any], target: DiffusersTarget) -> A
     """The model ``config`` describes, with every tensor on the meta device (no memory)."""
     import torch
 
-    check_config_numbers(config, where=f"config={target.config_file!r}")  # bounded before the model is built
+    check_config_numbers(config, where=Option("config", target.config_file))  # bounded before the model is built
     try:
         with torch.device("meta"):
             return cls.from_config(config)
     except Exception as e:  # a config the class refuses (ValueError, TypeError...) is the user's --config
-        raise InvalidInputError(f"config={target.config_file!r}: {target.class_name} refuses it "
+        raise InvalidInputError(Option("config", target.config_file), f": {target.class_name} refuses it "
                                 f"({type(e).__name__}: {first_line(e)})") from e
 
 
@@ -247,5 +258,8 @@ def _check_against_model(converted: Mapping[str, Any], expected: Mapping[str, tu
 def _mismatch_error(where: str, target: DiffusersTarget, checkpoint: Mapping[str, Any], what: str) -> InvalidInputError:
     if not is_known_checkpoint(checkpoint):
         return unknown_checkpoint_error(where)
-    return InvalidInputError(f"{where} does not convert into the {target.class_name} of config={target.config_file!r}: "
-                             f"{what}; check that config=... (and component=...) describe this checkpoint's model")
+    return InvalidInputError(f"{where} does not convert into the {target.class_name} of ", Option("config",
+                                                                                                  target.config_file),
+                             ": "
+                             f"{what}; check that ", Option("config"), " (and ", Option("component"),
+                             ") describe this checkpoint's model")

@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..errors import Option, Part
 from ..formats.header import TensorEntry
 from ..formats.json_types import Config
 
@@ -105,14 +106,14 @@ class Fp4Layout:
                              "dequantized": w.output, "shape": list(w.shape)} for w in self.weights],
                 **({"problems": list(self.problems)} if self.problems else {})}
 
-    def refusal(self, where: str) -> str | None:
+    def refusal(self, where: str) -> tuple[Part, ...] | None:
         """The one-line refusal of an inconsistent checkpoint, or None when nothing is wrong."""
         if not self.problems:
             return None
         more = f" (and {len(self.problems) - SHOWN} more)" if len(self.problems) > SHOWN else ""
         return (f"{where}: {self.scheme} checkpoint is inconsistent: {'; '.join(self.problems[:SHOWN])}{more}; "
-                "every fp4 weight needs its scales and the quantization config (re-export it, or pass allow_lossy=True "
-                "to copy such tensors as they are)")
+                "every fp4 weight needs its scales and the quantization config (re-export it, or pass ",
+                Option("allow_lossy", True), " to copy such tensors as they are)")
 
 
 def find_fp4_layout(entries: Sequence[TensorEntry], *, config: Config | None = None,

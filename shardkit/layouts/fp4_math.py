@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from .fp4 import COMPRESSED_NVFP4, HF_QUANT_CONFIG, MODELOPT_NVFP4, MXFP4, Fp4Layout, PackedWeight
 from .quant import DenseWeight, TensorReader
 
@@ -196,7 +196,7 @@ class Fp4Dequantizer:
         if problems and not allow_lossy:
             raise InvalidInputError(f"{where}: {self.layout.scheme}: {'; '.join(p for _, p in problems[:3])}; "
                                     "dequantized, these weights would be NaN or infinite (re-export the checkpoint, or "
-                                    "pass allow_lossy=True to copy them as they are)")
+                                    "pass ", Option("allow_lossy", True), " to copy them as they are)")
         return frozenset(packed for packed, _ in problems)
 
     def scale_problems(self, reader: TensorReader) -> list[tuple[str, str]]:

@@ -28,7 +28,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option, Part
 from ..formats.header import TensorEntry
 from ..formats.json_types import Config, JsonObject
 
@@ -136,7 +136,7 @@ class QuantLayout:
         """None: :func:`find_layout` refuses an inconsistent fp8 checkpoint (as :attr:`Fp4Layout.problems` reads)."""
         return ()
 
-    def refusal(self, where: str) -> str | None:
+    def refusal(self, where: str) -> tuple[Part, ...] | None:
         """None: a layout found is consistent (as :meth:`Fp4Layout.refusal` reads)."""
         return None
 
@@ -194,7 +194,7 @@ def find_layout(entries: Sequence[TensorEntry], *, config: Config | None = None,
         more = f" (and {len(problems) - SHOWN} more)" if len(problems) > SHOWN else ""
         raise InvalidInputError(f"{where}: {scheme.name} checkpoint is inconsistent: {'; '.join(problems[:SHOWN])}"
                                 f"{more}; every fp8 weight needs its scale (re-export it, or leave such layers out "
-                                "with exclude=...)")
+                                "with ", Option("exclude"), ")")
     return QuantLayout(scheme.name, tuple(weights), frozenset(extra),
                        _most_common([by_name[w.weight].dtype for w in weights]),
                        _most_common([by_name[w.scale].dtype for w in weights]))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.dtypes import to_torch
 from ..formats.header import TensorEntry
 from .fp8 import COMFY_METADATA_KEY, QuantLayout, ScaledWeight, find_layout, matrix_shape
@@ -159,7 +159,7 @@ def refuse_disagreeing(fused: Mapping[str, torch.Tensor], *, where: str) -> None
     if disagree:
         raise InvalidInputError(f"{where}: fused per-tensor scales disagree ({'; '.join(disagree[:3])}): which rows "
                                 "each one scales is not recorded, so the weights cannot be dequantized (copy the "
-                                "checkpoint as is, without dtype=...)")
+                                "checkpoint as is, without ", Option("dtype"), ")")
 
 
 class Fp8Dequantizer:

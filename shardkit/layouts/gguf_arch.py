@@ -54,7 +54,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.json_types import Config
 
 __all__ = ["ARCHITECTURES", "GgufArch", "Piece", "arch_for_config"]
@@ -261,5 +261,6 @@ def arch_for_config(config: Config, *, where: str) -> GgufArch:
         if model_type in arch.model_types:
             return arch
     known = ", ".join(t for a in ARCHITECTURES.values() for t in a.model_types)
-    raise InvalidInputError(f"{where}: to='gguf' writes language models of model_type {known} (and Flux "
+    raise InvalidInputError(f"{where}: ", Option("to", "gguf"),
+                            f" writes language models of model_type {known} (and Flux "
                             f"transformers); this config says {model_type!r}")

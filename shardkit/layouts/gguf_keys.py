@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.gguf import Scalar
 from ..formats.json_types import Config
 from .gguf_arch import BOOL, F32, STR, U32, GgufArch
@@ -120,7 +120,8 @@ def _nomic_config(config: Config, *, where: str) -> Config:
     if positions != (8192, 2048):
         wrong.append(f"n_positions, max_trained_positions = {positions}")
     if wrong:
-        raise InvalidInputError(f"{where}: to='gguf' writes nomic-bert as llama.cpp's converter does (nomic-embed-text "
+        raise InvalidInputError(f"{where}: ", Option("to", "gguf"),
+                                " writes nomic-bert as llama.cpp's converter does (nomic-embed-text "
                                 f"v1/v1.5: swiglu, post-norm, no biases, full rope, no MoE); this config has "
                                 f"{', '.join(wrong)}")
     native = {"hidden_size": config.get("n_embd"), "num_hidden_layers": config.get("n_layer"),

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypedDict
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.gguf import ARRAY, BOOL, FLOAT32, INT32, STRING, UINT32, Value
 from ..formats.json_types import Config, JsonObject
 from .gguf_pre import PRE_TOKENIZERS, PROBE_TEXT
@@ -106,12 +106,14 @@ def read_vocab(folder: str, config: Config, *, bert: bool = False, space_prefix:
     if not bert and os.path.isfile(os.path.join(folder, "tokenizer.model")):
         return _sentencepiece(folder, config, tc, tokenizer if isinstance(tokenizer, dict) else None, rows)
     if not isinstance(tokenizer, dict) or not isinstance(tokenizer.get("model"), dict):
-        raise InvalidInputError(f"{folder}: no tokenizer.json; to='gguf' writes the vocabulary of {SUPPORTED}")
+        raise InvalidInputError(f"{folder}: no tokenizer.json; ", Option("to", "gguf"),
+                                f" writes the vocabulary of {SUPPORTED}")
     kind = tokenizer["model"].get("type")
     if bert != (kind == "WordPiece") or (kind == "BPE" and _sentencepiece_style(tokenizer)) or kind not in (
             "BPE", "WordPiece"):
         raise InvalidInputError(f"{path}: a {kind} tokenizer{' for a BERT model' if bert else ''} (SentencePiece style "
-                                f"without its tokenizer.model, or unsupported here); to='gguf' writes the vocabulary "
+                                "without its tokenizer.model, or unsupported here); ", Option("to", "gguf"),
+                                " writes the vocabulary "
                                 f"of {SUPPORTED}")
     tokens, types = _tokens(tokenizer, tc, config, where=path)
     pre = _pre_tokenizer(path, tokenizer)
@@ -200,7 +202,7 @@ def probe_hash(tokenizer_file: str) -> str:
     try:
         from tokenizers import Tokenizer
     except ImportError as e:  # pragma: no cover - tokenizers comes with transformers
-        raise InvalidInputError("to='gguf' with a tokenizer needs the tokenizers package: pip install "
+        raise InvalidInputError(Option("to", "gguf"), " with a tokenizer needs the tokenizers package: pip install "
                                 "'shardkit[transformers]'") from e
     tokenizer = Tokenizer.from_file(tokenizer_file)
     tokenizer.no_truncation()  # as transformers' encode() (a tokenizer.json may keep a training-time max_length)

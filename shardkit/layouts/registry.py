@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.header import TensorEntry
 from ..formats.json_types import Config, JsonObject
 from ..formats.layout import read_config
@@ -61,7 +61,7 @@ def find_quant_layout(entries: Sequence[TensorEntry], *, config: Config | None =
     if fp4 is not None:
         refusal = fp4.refusal(where)
         if refusal is not None and not allow_lossy:
-            raise InvalidInputError(refusal)
+            raise InvalidInputError(*refusal)
         return fp4
     try:
         return find_layout(entries, config=config, metadata=metadata, where=where)
@@ -178,7 +178,7 @@ def quant_strategy(name: str) -> QuantStrategy:
         if layout.name == name and isinstance(layout.strategy, QuantStrategy):
             return layout.strategy
     names = ", ".join(layout.name for layout in LAYOUTS if isinstance(layout.strategy, QuantStrategy))
-    raise InvalidInputError(f"quantize={name!r}: expected one of {names}")
+    raise InvalidInputError(Option("quantize", name), f": expected one of {names}")
 
 
 def dequantizer(layout: AnyLayout, entries: Sequence[TensorEntry]) -> Dequantizer:

@@ -27,7 +27,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option, Part, parts_of
 from ..formats.header import TensorEntry
 from ..formats.json_types import Config, JsonObject
 from ..formats.layout import (
@@ -44,8 +44,9 @@ from .table import Mapped
 
 __all__ = ["SUPPORTED", "ExportPart", "SingleFileFamily", "plan_export", "trace_part", "unplaced_components"]
 
-SUPPORTED = ("SD 1.x / SD 2.x / SDXL UNets and VAEs and their pipelines (component='all'), SD3/SD3.5 transformers "
-             "and Flux.1 transformers")
+SUPPORTED: tuple[Part, ...] = ("SD 1.x / SD 2.x / SDXL UNets and VAEs and their pipelines (", Option("component",
+                                                                                                     "all"),
+                               "), SD3/SD3.5 transformers and Flux.1 transformers")
 UNET, LDM_VAE, LDM_CLIP, SGM_CLIP = "model.diffusion_model.", "first_stage_model.", "cond_stage_model.", "conditioner."
 # diffusers class of a model folder → (layout, prefix when exported alone, model type or None: from its config)
 _MODELS: dict[str, tuple[str, str, str | None]] = {
@@ -90,8 +91,9 @@ def plan_export(source: str, *, component: str | None) -> tuple[str, list[Export
     if is_pipeline_folder(source):
         return _pipeline_parts(source, component)
     if component is not None:
-        raise InvalidInputError(f"component={component!r} applies to a pipeline folder (with model_index.json); "
-                                f"{source} is one model's folder: drop component=...")
+        raise InvalidInputError(Option("component", component),
+                                " applies to a pipeline folder (with model_index.json); "
+                                f"{source} is one model's folder: drop ", Option("component"))
     class_name, config = _model_config(source)
     if class_name not in _MODELS:
         raise _unsupported(f"{source} holds a {class_name}")
@@ -107,12 +109,13 @@ def _pipeline_parts(folder: str, component: str | None) -> tuple[str, list[Expor
         name = component or next((n for n in ("unet", "transformer") if n in models), None)
         if name is None or name not in models:
             raise InvalidInputError(f"{folder}: no component {name or 'unet/transformer'!r}; its model_index.json lists "
-                                    f"{', '.join(sorted(models)) or 'none'} (or pass component='all')")
+                                    f"{', '.join(sorted(models)) or 'none'} (or pass ", Option("component", "all"), ")")
         model_type, parts = plan_export(models[name].path, component=None)
         return (_pipeline_type(folder, family, models) if family else model_type), [replace(parts[0], component=name)]
     if family is None:
-        raise _unsupported(f"component='all': {folder} is a {index.get('_class_name')}; export its transformer with "
-                           "component='transformer', or")
+        raise _unsupported(Option("component", "all"),
+                           f": {folder} is a {index.get('_class_name')}; export its transformer with ",
+                           Option("component", "transformer"), ", or")
     model_type = _pipeline_type(folder, family, models)
     return model_type, [ExportPart(name, models[name].path, *_COMBINED[(model_type, name)]) for name in models
                         if (model_type, name) in _COMBINED]
@@ -144,7 +147,8 @@ def _model_config(folder: str) -> tuple[str, JsonObject]:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise InvalidInputError(f"{folder}: not a diffusers model or pipeline folder (no config.json or "
-                                "model_index.json); to='single-file' reads a folder that save_pretrained wrote")
+                                "model_index.json); ", Option("to", "single-file"),
+                                " reads a folder that save_pretrained wrote")
     config = read_config(folder)
     if config is None:
         raise InvalidInputError(f"{path}: not a JSON object; not a diffusers model config")
@@ -153,13 +157,14 @@ def _model_config(folder: str) -> tuple[str, JsonObject]:
         raise InvalidInputError(f"{path}: names no model class (\"_class_name\"); not a diffusers model config")
     if class_name.startswith(("CLIPText", "T5")):
         raise InvalidInputError(f"{folder} holds a text encoder ({class_name}); a text encoder is exported inside its "
-                                "pipeline's checkpoint with component='all' (alone, its transformers names are "
+                                "pipeline's checkpoint with ", Option("component", "all"),
+                                " (alone, its transformers names are "
                                 "already what ComfyUI's CLIP loader reads)")
     return class_name, config
 
 
-def _unsupported(what: str) -> InvalidInputError:
-    return InvalidInputError(f"{what}; to='single-file' exports {SUPPORTED}")
+def _unsupported(*what: Part) -> InvalidInputError:
+    return InvalidInputError(*what, "; ", Option("to", "single-file"), " exports ", *SUPPORTED)
 
 
 def trace_part(part: ExportPart, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, Original]:
@@ -187,7 +192,7 @@ def _check_against_model(folder: str, config: Config, shapes: Mapping[str, tuple
         with torch.device("meta"):
             expected = {n: tuple(t.shape) for n, t in cls.from_config(dict(config)).state_dict().items()}
     except (TypeError, ValueError) as e:
-        raise InvalidInputError(f"{folder}/config.json: {cls.__name__} refuses it ({e})") from e
+        raise InvalidInputError(f"{folder}/config.json: {cls.__name__} refuses it (", *parts_of(e), ")") from e
     missing = [n for n in expected if n not in shapes]
     wrong = [f"{n} {list(shapes[n])} (config: {list(expected[n])})" for n in expected
              if n in shapes and shapes[n] != expected[n]]

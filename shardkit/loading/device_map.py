@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..devices import Device, device_label, parse_device, parse_max_memory
-from ..errors import InvalidInputError, ShardkitError
+from ..errors import InvalidInputError, Option, Part, ShardkitError
 from ..units import format_count, format_size
 
 if TYPE_CHECKING:
@@ -256,7 +256,7 @@ def _dominant_dtype(skeleton: torch.nn.Module) -> str | None:
     return max(counts, key=counts.__getitem__) if counts else None
 
 
-def check_devices_exist(devices: list[Device], *, where: str, fix: str | None = None) -> None:
+def check_devices_exist(devices: list[Device], *, where: Part, fix: tuple[Part, ...] | None = None) -> None:
     """Loading needs real devices (planning does not); ``fix`` replaces the advice after the ';'."""
     import torch
 
@@ -268,11 +268,11 @@ def check_devices_exist(devices: list[Device], *, where: str, fix: str | None = 
         if isinstance(device, int) and device >= count:
             have = f"GPUs 0-{count - 1}" if count else "no GPU"
             raise InvalidInputError(
-                f"{where} names GPU {device}, but this machine has {have}; " + (fix or "remove it, or use "
-                "'shardkit plan' / shardkit.plan_device_map to plan for hardware you do not have")
+                where, f" names GPU {device}, but this machine has {have}; ", *(fix or ("remove it, or use "
+                "'shardkit plan' / shardkit.plan_device_map to plan for hardware you do not have",))
             )
         if device == "mps" and not torch.backends.mps.is_available():
-            raise InvalidInputError(f"{where} names 'mps', which is not available on this machine")
+            raise InvalidInputError(where, " names 'mps', which is not available on this machine")
 
 
 def resolve_device_map(skeleton: torch.nn.Module, device_map: object, *, max_memory: dict[Device, int] | None,
@@ -305,7 +305,8 @@ def single_device(device_map: object) -> Device:
             "(0, 'cuda', 'cuda:1') or a dict of module → device"
         ) from None
     if device == "disk":
-        raise InvalidInputError("device_map='disk' puts no weight anywhere it can run: use device_map='auto' "
+        raise InvalidInputError(Option("device_map", "disk"), " puts no weight anywhere it can run: use ",
+                                Option("device_map", "auto"), " "
                                 "with max_memory and offload_folder to spill what does not fit to disk")
     return device
 

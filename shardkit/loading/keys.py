@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import KeyMismatchError, ShardkitWarning
+from ..errors import KeyMismatchError, Option, ShardkitWarning
 from .lazy import LazyCheckpoint
 from .scaled import ScaledLoad, attach_scales
 from .skeleton import ModelSpec, build_skeleton, cast_floating, keeps_fp32
@@ -129,14 +129,16 @@ def check_match(match: KeyMatch, *, strict: bool, model: str, checkpoint: str) -
         return
     if strict:
         raise KeyMismatchError(
-            f"{checkpoint} does not match {model}: {problems}; check that the model class and config (model=..., "
-            "config=...) are the ones this checkpoint was saved from, or load it anyway with "
-            "strict=False"
+            f"{checkpoint} does not match {model}: {problems}; check that the model class and config (",
+                               Option("model"), ", ",
+            Option("config"), ") are the ones this checkpoint was saved from, or load it anyway with ",
+            Option("strict", False)
         )
     done = [what for what, names in (("unexpected tensors are not loaded", match.unexpected),
                                      ("missing tensors are zeros", match.missing),
                                      ("mis-shaped tensors are zeros", match.mismatched)) if names]
-    warnings.warn(f"{checkpoint} vs {model} (strict=False): {problems}; {', '.join(done)}", ShardkitWarning,
+    warnings.warn(ShardkitWarning(f"{checkpoint} vs {model} (", Option("strict", False),
+                                  f"): {problems}; {', '.join(done)}"),
                   stacklevel=3)
 
 

@@ -17,7 +17,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 from ..devices import parse_max_memory
-from ..errors import InvalidInputError, ShardkitError, SourceNotFoundError, first_line
+from ..errors import InvalidInputError, Option, Part, ShardkitError, SourceNotFoundError, first_line
 from ..reading.residency import ReadMode
 from ..runtime.apply import RuntimeSetup, apply_runtime
 from ..sources.ranged import RangedCheckpoint, beneath, shown
@@ -73,15 +73,17 @@ def load_pipeline_folder(
     runtime = runtime or RuntimeSetup()
     _check_device_map(device_map, runtime.offload)
     if ranged is not None and (device_map == "balanced" or variant is not None):
-        option = "device_map='balanced'" if device_map == "balanced" else f"variant={variant!r}"
-        raise InvalidInputError(f"{shown(ranged)}: {option} does not apply to a pipeline read from a bucket (each "
-                                "component is loaded by ranged reads); use device_map='cpu' or 'cuda', or name the "
+        option = Option("device_map", "balanced") if device_map == "balanced" else Option("variant", variant)
+        raise InvalidInputError(f"{shown(ranged)}: ", option, " does not apply to a pipeline read from a bucket (each "
+                                "component is loaded by ranged reads); use ", Option("device_map", "cpu",
+                                                                                     choices=("cuda",)),
+                                ", or name the "
                                 "variant's own prefix")
     kwargs: dict[str, Any] = {}
     if device_map is not None:
         kwargs["device_map"] = device_map
     if device_map == "cuda":
-        check_gpus([0], where="device_map='cuda'")
+        check_gpus([0], where=Option("device_map", "cuda"))
     if max_memory is not None:
         kwargs["max_memory"] = parse_max_memory(max_memory)
         check_gpus(list(kwargs["max_memory"]), where="max_memory")
@@ -166,13 +168,14 @@ def _load_ranged_components(ranged: RangedCheckpoint, kwargs: dict[str, Any], *,
     return report
 
 
-PIPELINE_DEVICE_FIX = (
-    "to run on the CPU give no GPU (device_map='cpu', or fit='auto' with max_memory={'cpu': '24GB'}); to plan for "
-    "a GPU this machine lacks without loading, use shardkit.fit(path, max_memory=...)"
+PIPELINE_DEVICE_FIX: tuple[Part, ...] = (
+    "to run on the CPU give no GPU (", Option("device_map", "cpu"), ", or fit='auto' with ",
+    Option("max_memory", {"cpu": "24GB"}), "); to plan for a GPU this machine lacks without loading, use "
+    "shardkit.fit(path, max_memory=...)"
 )
 
 
-def check_gpus(devices: list[Device], *, where: str) -> None:
+def check_gpus(devices: list[Device], *, where: Part) -> None:
     """Refuse GPUs this machine lacks, as ``load_model`` does, with the pipeline's fixes.
 
     Args:
@@ -214,7 +217,8 @@ def _check_device_map(device_map: object, offload: str | None) -> None:
         )
     if device_map == "balanced" and offload not in (None, "none"):
         raise InvalidInputError(
-            f"device_map='balanced' and offload={offload!r} exclude each other: a device-mapped pipeline must be "
+            Option("device_map", "balanced"),
+                                f" and offload={offload!r} exclude each other: a device-mapped pipeline must be "
             "reset (pipe.reset_device_map()) before offloading; pass one of them"
         )
 

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
-from ..errors import InvalidInputError, ShardkitError, SourceNotFoundError
+from ..errors import InvalidInputError, Option, ShardkitError, SourceNotFoundError
 from ..formats.layout import MAX_CONFIG_BYTES, check_config_numbers
 from ..formats.links import parse_json, read_regular
 
@@ -114,7 +114,8 @@ def _is_transformers_model(cls: Factory) -> bool:
 
 def _build_diffusers(cls: Factory, config: Config | None) -> object:
     if config is None:
-        raise InvalidInputError(f"{cls.__name__} needs a config: give config= (a config.json path, its folder or a dict)")
+        raise InvalidInputError(f"{cls.__name__} needs a config: give ", Option("config"),
+                                " (a config.json path, its folder or a dict)")
     meant = config.get("_class_name")
     if isinstance(meant, str) and meant != cls.__name__:
         # diffusers fills every missing field with a default, so a VAE's config silently builds a UNet.
@@ -122,15 +123,17 @@ def _build_diffusers(cls: Factory, config: Config | None) -> object:
 
         from ..errors import ShardkitWarning
 
-        warnings.warn(f"the config is for {meant}, not {cls.__name__}; check model=... and config=...",
-                      ShardkitWarning, stacklevel=4)
+        warnings.warn(ShardkitWarning(f"the config is for {meant}, not {cls.__name__}; check ", Option("model"),
+                                      " and ", Option("config")),
+                      stacklevel=4)
     assert isinstance(cls, _FromConfig)  # checked by _is_diffusers_model
     return cls.from_config(config)
 
 
 def _build_transformers(cls: Factory, config: Config | None) -> object:
     if config is None:
-        raise InvalidInputError(f"{cls.__name__} needs a config: give config= (a config.json path, its folder or a dict)")
+        raise InvalidInputError(f"{cls.__name__} needs a config: give ", Option("config"),
+                                " (a config.json path, its folder or a dict)")
     from transformers import AutoConfig, PretrainedConfig
 
     config_class = getattr(cls, "config_class", None)
@@ -248,8 +251,9 @@ def _call_builder(builder: Builder, factory: Factory, cfg: Config | None, config
         hint = f"; the config is for {meant}" if meant and meant != name else ""
         where = f" from {config}" if isinstance(config, (str, os.PathLike)) else ""
         raise InvalidInputError(
-            f"building {name}{where} failed ({type(e).__name__}: {e}){hint}; check that model=... names the "
-            "class this config belongs to and config=... is that model's config.json"
+            f"building {name}{where} failed ({type(e).__name__}: {e}){hint}; check that ", Option("model"),
+                                " names the "
+            "class this config belongs to and ", Option("config"), " is that model's config.json"
         ) from e
 
 

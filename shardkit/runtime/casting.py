@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, parts_of
 from ..units import COMPUTE_DTYPES, STORAGE_DTYPES, TORCH_NAMES
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def resolve_casting_dtypes(storage_dtype: str | torch.dtype | None, compute_dtyp
         try:
             dtype = resolve_torch_dtype(value)
         except InvalidInputError as e:
-            raise InvalidInputError(f"layerwise casting: bad {role} dtype {value!r}: {e}") from e
+            raise InvalidInputError(f"layerwise casting: bad {role} dtype {value!r}: ", *parts_of(e)) from e
         if dtype is None or from_torch(dtype) not in allowed:
             raise InvalidInputError(f"layerwise casting: {role} dtype must be one of "
                                     f"{', '.join(TORCH_NAMES[code] for code in allowed)}, got {value!r}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
-from ..errors import InvalidInputError, OffloadError
+from ..errors import InvalidInputError, OffloadError, Option
 
 if TYPE_CHECKING:
     import torch
@@ -88,7 +88,8 @@ def refuse_device_mapped(obj: Offloadable, kind: str, strategy: str) -> None:
         if isinstance(device_map, dict) and len(set(map(str, device_map.values()))) > 1:
             raise OffloadError(
                 f"module {name or type(module).__name__} was dispatched over {_short_map(device_map)} by a device map; "
-                f"offload strategy {strategy!r} would break that placement: load it with device_map=None or 'cpu'"
+                f"offload strategy {strategy!r} would break that placement: load it with ",
+                Option("device_map", None, choices=("cpu",))
             )
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.json_types import JsonObject
 from ..formats.layout import is_pipeline_folder
 from ..sources import Source
@@ -86,13 +86,15 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
     output = os.fspath(output)
     keymap = keymap or KeyMap()
     if lora and to not in (None, "gguf"):
-        raise InvalidInputError("lora=... merges into a checkpoint written as safetensors or with to='gguf'; merge "
-                                "first (without to=...), then convert the merged folder")
+        raise InvalidInputError(Option("lora"), " merges into a checkpoint written as safetensors or with ",
+                                Option("to", "gguf"), "; merge "
+                                "first (without ", Option("to"), "), then convert the merged folder")
     if to == "gguf":
         from .gguf_out import convert_to_gguf
 
         if not keymap.is_identity() or key is not None or config is not None:
-            raise InvalidInputError("key=..., config=... and the key options do not apply with to='gguf': the model's "
+            raise InvalidInputError(Option("key"), ", ", Option("config"), " and the key options do not apply with ",
+                                    Option("to", "gguf"), ": the model's "
                                     "folder or file names its config and tensors")
         plain = replace(options, quantize=None)
         views: list[LoraSource] = []
@@ -115,14 +117,16 @@ def convert_with(source: Any, output: str | os.PathLike[str], *, options: WriteO
                                       keymap_is_identity=keymap.is_identity())
     if to is not None or config is not None or component is not None:
         if isinstance(source, RangedCheckpoint):
-            raise InvalidInputError(f"{source}: to='diffusers' maps the checkpoint file into memory; it cannot "
+            raise InvalidInputError(f"{source}: ", Option("to", "diffusers"),
+                                    " maps the checkpoint file into memory; it cannot "
                                     "read it by range (convert a local copy; a location with a cache, such as the "
-                                    "Hub, is read whole without cache=False)")
+                                    "Hub, is read whole without ", Option("cache", False), ")")
         return _convert_to(source, output, options=options, key=key, keymap=keymap, to=to, config=config,
                            component=component)
     if isinstance(source, (str, os.PathLike)) and is_pipeline_folder(source):
         if not keymap.is_identity():
-            raise InvalidInputError(f"{source}: key options (strip_prefix=..., include=..., rename=...) do not apply "
+            raise InvalidInputError(f"{source}: key options (", Option("strip_prefix"), ", ", Option("include"), ", ",
+                                    Option("rename"), ") do not apply "
                                     "to a pipeline folder; convert a component folder instead")
         if lora:
             from .lora import pipeline_lora
@@ -163,13 +167,17 @@ def _convert_to(source: Any, output: str, *, options: WriteOptions, key: str | N
                 to: str | None, config: str | os.PathLike[str] | None, component: str | None) -> SplitResult:
     """``--to diffusers``: diffusers' own single-file conversion, written by the normal job."""
     if to != "diffusers":
-        raise InvalidInputError(f"to={to!r}: the only conversion target is 'diffusers'" if to is not None else
-                                "config=... and component=... apply with to='diffusers'; add it, or drop them")
+        if to is not None:
+            raise InvalidInputError(Option("to", to), ": the only conversion target is 'diffusers'")
+        raise InvalidInputError(Option("config"), " and ", Option("component"), " apply with ", Option("to",
+                                                                                                       "diffusers"),
+                                "; add it, or drop them")
     if not keymap.is_identity():
-        raise InvalidInputError("key options (strip_prefix=..., include=..., rename=...) do not apply with to='diffusers': "
+        raise InvalidInputError("key options (", Option("strip_prefix"), ", ", Option("include"), ", ",
+                                Option("rename"), ") do not apply with ", Option("to", "diffusers"), ": "
                                 "diffusers' conversion picks and names the model's tensors itself")
     if not isinstance(source, (str, os.PathLike)):
-        raise InvalidInputError(f"to='diffusers' converts a checkpoint file; got {type(source).__name__}")
+        raise InvalidInputError(Option("to", "diffusers"), f" converts a checkpoint file; got {type(source).__name__}")
     if is_file_output(output):
         raise InvalidInputError(f"{output}: a diffusers model is a folder (config.json + weights); give a folder as "
                                 f"OUTPUT, e.g. {output[: -len('.safetensors')]}/")
@@ -193,9 +201,9 @@ def _report_ema(inner: Source, keymap: KeyMap) -> int:
     if not ema:
         return 0
     if any(keymap.map(n) is not None for n in ema):
-        hint = f"drop them with exclude=['{EMA_PREFIX}*'], or keep only them with include=['{EMA_PREFIX}*']"
-        warn(f"{inner.description}: {len(ema)} EMA tensors ({EMA_PREFIX}*) are included; {hint}")
+        warn(f"{inner.description}: {len(ema)} EMA tensors ({EMA_PREFIX}*) are included; drop them with ",
+             Option("exclude", [f"{EMA_PREFIX}*"]), ", or keep only them with ", Option("include", [f"{EMA_PREFIX}*"]))
     else:
         warn(f"{inner.description}: also holds {len(ema)} EMA tensors ({EMA_PREFIX}*), not selected; "
-             f"select them with include=['{EMA_PREFIX}*']")
+             "select them with ", Option("include", [f"{EMA_PREFIX}*"]))
     return len(ema)

@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.gguf import BOOL, FLOAT32, GGUF_QUANTIZE, STRING, UINT32, ggml_type
 from ..formats.header import TensorEntry
 from ..formats.json_types import Config
@@ -92,7 +92,7 @@ def convert_to_gguf(source: Any, output: str, *, options: WriteOptions, quantize
         if options.dry_run:
             taken = [name for name, _, _ in job.files if os.path.exists(os.path.join(folder, name))]
             if taken and not options.overwrite:
-                warn(f"{os.path.join(folder, taken[0])} exists: the real run needs overwrite=True")
+                warn(f"{os.path.join(folder, taken[0])} exists: the real run needs ", Option("overwrite", True))
         else:
             write_files(folder, job.files, job.src, overwrite=options.overwrite, progress=options.progress)
     if job.model.note:
@@ -117,15 +117,18 @@ def open_gguf_job(source: Any, output: str, *, options: WriteOptions, quantize: 
     if not output.endswith(".gguf") or os.path.isdir(output):
         from .outputs import output_target
 
-        raise InvalidInputError(f"{output_target(output)}: to='gguf' writes one file (or a split's files beside it); "
+        raise InvalidInputError(f"{output_target(output)}: ", Option("to", "gguf"),
+                                " writes one file (or a split's files beside it); "
                                 "give an output ending in .gguf")
     if options.dtype is not None:
-        raise InvalidInputError(f"dtype={options.dtype!r} does not apply with to='gguf': quantize='f16', 'bf16', 'q8_0' or 'q4_0' "
+        raise InvalidInputError(Option("dtype", options.dtype), " does not apply with ", Option("to", "gguf"), ": ",
+                                Option("quantize", "f16", choices=("bf16", "q8_0", "q4_0")), " "
                                 "sets the ggml type (without it, types are kept)")
     if quantize is not None and quantize not in GGUF_QUANTIZE:
-        raise InvalidInputError(f"quantize={quantize!r} with to='gguf': expected one of {', '.join(GGUF_QUANTIZE)}")
+        raise InvalidInputError(Option("quantize", quantize), " with ", Option("to", "gguf"),
+                                f": expected one of {', '.join(GGUF_QUANTIZE)}")
     if not isinstance(source, (str, os.PathLike)):
-        raise InvalidInputError(f"to='gguf' converts a checkpoint path; got {type(source).__name__}")
+        raise InvalidInputError(Option("to", "gguf"), f" converts a checkpoint path; got {type(source).__name__}")
     path = os.fspath(source)
     refuse_output_inside_source(path, output)
     with _open_model(path, component=component, variant=options.variant) as (src, model):
@@ -170,7 +173,8 @@ def _flux_folder(path: str, *, component: str | None, variant: str | None) -> It
 
     model_type, parts = plan_export(path, component=component)
     if model_type != "flux":
-        raise InvalidInputError(f"{path}: to='gguf' writes Flux transformers of diffusers folders; this is {model_type}")
+        raise InvalidInputError(f"{path}: ", Option("to", "gguf"),
+                                f" writes Flux transformers of diffusers folders; this is {model_type}")
     with OriginalLayoutSource.open(parts, variant=variant, trace=trace_part, metadata={},
                                    description=f"{path} as a BFL Flux single file") as src:
         yield src
@@ -182,7 +186,8 @@ def _text_model(config: Config | None, *, where: str, folder: str) -> GgufModel:
     from ..layouts.gguf_keys import arch_metadata, llama3_rope_factors
 
     if config is None:
-        raise InvalidInputError(f"{where}: to='gguf' needs the model's config.json beside the weights (a transformers "
+        raise InvalidInputError(f"{where}: ", Option("to", "gguf"),
+                                " needs the model's config.json beside the weights (a transformers "
                                 "model folder), or a Flux transformer (diffusers folder or BFL file)")
     arch = arch_for_config(config, where=where)
     kinds = {"u32": UINT32, "f32": FLOAT32, "bool": BOOL, "str": STRING}
@@ -263,7 +268,8 @@ def _plan(src: Source, model: GgufModel, *, quantize: str | None) -> list[Planne
             out.append(PlannedTensor(TensorEntry(name, "F32", (len(data) // 4,), len(data)), name, "F32", None, data))
     if missing:
         raise InvalidInputError(f"{src.description}: {len(missing)} tensor(s) have no llama.cpp name, e.g. "
-                                f"{', '.join(missing[:3])}; to='gguf' writes {model.architecture} models as "
+                                f"{', '.join(missing[:3])}; ", Option("to", "gguf"),
+                                f" writes {model.architecture} models as "
                                 "llama.cpp's converter names them (see shardkit.layouts.gguf_arch)")
     return out
 
@@ -284,7 +290,8 @@ def _planned(entry: TensorEntry, piece: Piece, src: Source, model: GgufModel, qu
     shape = (*entry.shape[:-1], entry.shape[-1] // piece.step)
     if entry.shape[-1] % piece.step or (piece.transpose and len(shape) != 3):
         raise InvalidInputError(f"{src.description}: tensor {entry.name} {list(entry.shape)} does not split into "
-                                f"{piece.step} interleaved parts (or is not 3-D experts); to='gguf' writes it as "
+                                f"{piece.step} interleaved parts (or is not 3-D experts); ", Option("to", "gguf"),
+                                " writes it as "
                                 "llama.cpp's converter does")
     if piece.transpose:
         shape = (shape[0], shape[2], shape[1])
@@ -302,7 +309,8 @@ def _mxfp4(name: str, piece: Piece, pair: dict[str, TensorEntry], *, where: str)
             or blocks.shape[1] % piece.step:
         raise InvalidInputError(f"{where}: the MXFP4 tensors of {name} are not a pair of U8 blocks (E, R, G, 16) and "
                                 f"e8m0 scales (E, R, G) (got {blocks and list(blocks.shape)}, "
-                                f"{scales and list(scales.shape)}); to='gguf' keeps gpt-oss's MXFP4 experts as they are")
+                                f"{scales and list(scales.shape)}); ", Option("to", "gguf"),
+                                " keeps gpt-oss's MXFP4 experts as they are")
     experts, rows, groups, _ = blocks.shape
     shape = (experts, rows // piece.step, groups * 32)
     entry = TensorEntry(name, "U8", shape, experts * rows // piece.step * groups * 17)
@@ -315,7 +323,7 @@ def _stacked(first: PlannedTensor, parts: dict[int, TensorEntry], quantize: str 
     entries = [parts[i] for i in sorted(parts)]
     if sorted(parts) != list(range(len(parts))) or len({(e.dtype, e.shape) for e in entries}) != 1:
         raise InvalidInputError(f"{where}: the experts of {first.name} are not numbered 0..{len(parts) - 1} with one "
-                                "dtype and shape; to='gguf' stacks them as llama.cpp's converter does")
+                                "dtype and shape; ", Option("to", "gguf"), " stacks them as llama.cpp's converter does")
     shape = (len(entries), *entries[0].shape)
     stack = TensorEntry(first.name, entries[0].dtype, shape, entries[0].nbytes * len(entries))
     kind = _kind(stack, quantize, None, where=where, keep_f32=model.keep_f32(first.name),
@@ -328,8 +336,9 @@ def _kind(entry: TensorEntry, quantize: str | None, stored: str | None, *, where
     if stored is not None and (quantize is None or len(entry.shape) < 2 and stored == "F32" or stored == "MXFP4"):
         return stored  # MXFP4 (gpt-oss's experts) stays MXFP4 whatever quantize, as llama.cpp's converter keeps it
     if entry.dtype not in FLOAT_SOURCES:
-        raise InvalidInputError(f"{where}: tensor {entry.name} is {entry.dtype}; to='gguf' writes float tensors "
-                                "(dequantize it first: convert dtype='bf16')")
+        raise InvalidInputError(f"{where}: tensor {entry.name} is {entry.dtype}; ", Option("to", "gguf"),
+                                " writes float tensors "
+                                "(dequantize it first: convert ", Option("dtype", "bf16"), ")")
     if quantize is None:
         return entry.dtype if entry.dtype != "F64" else "F32"
     kind = ggml_type(quantize)

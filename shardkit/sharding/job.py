@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..atomic.commit import OutputTransaction
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.index import DIFFUSERS_PREFIX, Naming, dump_index
 from ..formats.json_types import JsonObject
 from ..formats.manifest import MANIFEST_NAME
@@ -112,7 +112,8 @@ def resolve_naming(source: Source, *, name: str | None, variant: str | None) -> 
     base = source.naming
     if name is not None:
         if not name or "/" in name or "." in name:
-            raise InvalidInputError(f"invalid name={name!r}: give a file prefix such as 'model' or '{DIFFUSERS_PREFIX}'")
+            raise InvalidInputError("invalid ", Option("name", name),
+                                    f": give a file prefix such as 'model' or '{DIFFUSERS_PREFIX}'")
         base = Naming(name, base.variant)
     return Naming(base.prefix, variant if variant is not None else base.variant)
 
@@ -134,7 +135,7 @@ def refuse_output_inside_source(source: CheckpointSource, output: str) -> None:
         raise InvalidInputError(
             f"output {output} is inside the source folder {os.fspath(source)}: the source would change while it is "
             "read; write to a folder outside it, or reshard in place with the source folder itself as the output "
-            "and overwrite=True"
+            "and ", Option("overwrite", True)
         )
 
 

@@ -20,7 +20,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.header import TensorEntry
 from ..formats.json_types import JsonObject
 from ..layouts.fp8 import matrix_shape
@@ -78,7 +78,8 @@ def _dequantized(inner: Source, options: WriteOptions) -> Source:
         return inner
     if options.cast_to not in LOSSLESS_TARGETS and options.quantize is None:
         raise InvalidInputError(f"{inner.description}: a LoRA merges into the plain weights of this {layout.describe()} "
-                                "base; choose what to write: dtype='bf16' (or 'fp16', 'fp32'), or quantize='fp8-block' "
+                                "base; choose what to write: ", Option("dtype", "bf16"), " (or 'fp16', 'fp32'), or ",
+                                Option("quantize", "fp8-block"), " "
                                 "(or another scheme) to quantize the merged weights again")
     return DequantizedSource(inner, layout, "F32", allow_lossy=options.allow_lossy)
 

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidInputError, SourceNotFoundError
+from ..errors import InvalidInputError, Option, SourceNotFoundError
 from ..formats.header import TensorEntry
 from ..formats.json_types import Config, JsonObject
 from ..formats.links import parse_json, read_inside
@@ -313,7 +313,7 @@ def _base_entry(adapter: Adapter, key: str, name: str, base: Mapping[str, Tensor
                                 "is this the adapter's base model?")
     if entry.dtype not in ("F32", "F16", "BF16", "F64"):
         raise InvalidInputError(f"{where}: {name} is stored as {entry.dtype}; a LoRA merges into floating weights "
-                                "(dequantize the base first, e.g. with dtype='bf16')")
+                                "(dequantize the base first, e.g. with ", Option("dtype", "bf16"), ")")
     return entry
 
 

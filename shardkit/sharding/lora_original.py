@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.header import TensorEntry
 from ..layouts.single_file import LAYOUTS, Tensors
 from ..layouts.single_file_trace import contiguous_strides, trace_conversion
@@ -61,7 +61,7 @@ def original_placements(base: Sequence[TensorEntry], *, where: str) -> dict[str,
     if width != FLUX_WIDTH:
         raise InvalidInputError(f"{where}: an original-layout (BFL) Flux file of width {width}; diffusers maps those "
                                 f"at Flux.1's width {FLUX_WIDTH} only, so a diffusers-named LoRA cannot be placed in it: "
-                                "convert it with to='diffusers' first and merge into that folder")
+                                "convert it with ", Option("to", "diffusers"), " first and merge into that folder")
 
     def convert(checkpoint: Tensors) -> Mapping[str, torch.Tensor]:
         return LAYOUTS["flux"].forward(checkpoint, {}, "", shapes)  # diffusers' own mapping

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..atomic.commit import file_transaction, recover
-from ..errors import InvalidInputError, OutputExistsError
+from ..errors import InvalidInputError, Option, OutputExistsError
 from ..formats.header import Header, read_header
 from ..formats.index import find_checkpoint, load_index, naming_from_filename
 from ..sources.ranged import RangedCheckpoint, read_by_range, shown
@@ -80,7 +80,7 @@ def merge(folder: str | os.PathLike[str] | RangedCheckpoint, output_file: str | 
         total = sum(w.out.nbytes for w in writes)
         if dry_run:
             if os.path.exists(output_file) and not overwrite:
-                warn(f"{output_file} exists: the real run needs overwrite=True")
+                warn(f"{output_file} exists: the real run needs ", Option("overwrite", True))
             return MergeResult(output_file, source.description, len(source.headers), len(writes), total, dry_run=True)
         with file_transaction(output_file, overwrite=overwrite) as tmp:
             written = write_safetensors(tmp, writes, source, metadata=source.metadata(),

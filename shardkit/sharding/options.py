@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, get_args
 
-from ..errors import InvalidInputError, InvalidSizeError, ShardkitWarning
+from ..errors import InvalidInputError, InvalidSizeError, Option, Part, ShardkitWarning, join_parts
 from ..units import LOSSLESS_TARGETS, ProgressCallback, normalize_dtype, parse_size
 
 if TYPE_CHECKING:
@@ -33,15 +33,18 @@ DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp8_e4m3", "fp8_e5m2")  # what the CLI
 T = TypeVar("T")
 
 
-def option_field(default: T, help: str, *, keyword: str | None = None, choices: tuple[str, ...] = (),
+def option_field(default: T, help: str | tuple[Part, ...], *, keyword: str | None = None, choices: tuple[str, ...] = (),
                  cli: bool = True, negatable: bool = False, short: str | None = None,
                  repeatable: str | None = None) -> T:
     """An options field (:class:`WriteOptions`, ``PushOptions``) and everything the front ends derive from
     it: its one-line help (the CLI's ``--help`` and the docs' table), its Python keyword when it is not the
     field's name, its closed choices, whether the CLI has a flag for it (``--no-NAME`` too when
     ``negatable``; a flag defaulting to True that is not negatable is typed ``--no-NAME`` alone), its
-    short flag (``"-m"``), and for a tuple of values the metavar of its repeatable flag."""
-    metadata = {"help": help, "keyword": keyword, "choices": choices, "cli": cli, "negatable": negatable,
+    short flag (``"-m"``), and for a tuple of values the metavar of its repeatable flag. ``help`` is text, or
+    its parts when it names options (:class:`~shardkit.errors.Option`: flags in the CLI's help)."""
+    help_parts = (help,) if isinstance(help, str) else help
+    metadata = {"help": join_parts(help_parts), "help_parts": help_parts, "keyword": keyword, "choices": choices,
+                "cli": cli, "negatable": negatable,
                 "short": short, "repeatable": repeatable}
     return field(default=default, metadata=metadata)
 
@@ -89,18 +92,19 @@ class WriteOptions:
                                 choices=DTYPE_CHOICES)
     allow_lossy: bool = option_field(False, "Permit casts that lose range or precision (fp8).")
     quantize: Quantize | None = option_field(
-        None, "Weights to fp8 with absmax scales: fp8-block = 128x128 blocks (transformers FineGrainedFP8), "
-        "fp8-channel/fp8-tensor = compressed-tensors; norms, embeddings, lm_head and modulation layers kept. "
-        "nvfp4 = compressed-tensors nvfp4-pack-quantized; mxfp4 = gpt-oss MoE experts (original layout). "
-        "f16/bf16/q8_0/q4_0/q4_1/q5_0/q5_1/f32: ggml types, for a convert with to='gguf' (1-D tensors stay F32).", choices=get_args(Quantize))
+        None, ("Weights to fp8 with absmax scales: fp8-block = 128x128 blocks (transformers FineGrainedFP8), "
+               "fp8-channel/fp8-tensor = compressed-tensors; norms, embeddings, lm_head and modulation layers kept. "
+               "nvfp4 = compressed-tensors nvfp4-pack-quantized; mxfp4 = gpt-oss MoE experts (original layout). "
+               "f16/bf16/q8_0/q4_0/q4_1/q5_0/q5_1/f32: ggml types, for a convert with ", Option("to", "gguf"),
+               " (1-D tensors stay F32)."), choices=get_args(Quantize))
     name: str | None = option_field(None, "Output file prefix, e.g. 'model' or 'diffusion_pytorch_model'.")
     variant: str | None = option_field(None, "Variant inserted before the extension, e.g. 'fp16'.")
     overwrite: bool = option_field(False, "Replace the checkpoint in an existing output folder.")
     dry_run: bool = option_field(False, "Print the plan and write nothing.")
     manifest: bool = option_field(
-        True, "Write shardkit.manifest.json (crc32 of every tensor) so `verify` catches a changed byte; "
-        "manifest=False skips reading back a source that has none (instant copy-on-write reshards of foreign "
-        "checkpoints).", negatable=True)
+        True, ("Write shardkit.manifest.json (crc32 of every tensor) so `verify` catches a changed byte; ",
+               Option("manifest", False), " skips reading back a source that has none (instant copy-on-write "
+               "reshards of foreign checkpoints)."), negatable=True)
     metadata: Mapping[str, str] | None = option_field(None, "Extra safetensors header metadata for every shard.",
                                                  cli=False)
     progress: ProgressCallback | None = option_field(
@@ -115,11 +119,13 @@ class WriteOptions:
         code = resolve_cast(self.dtype, allow_lossy=self.allow_lossy)
         if self.quantize is not None:
             if self.quantize not in get_args(Quantize):
-                raise InvalidInputError(f"quantize={self.quantize!r}: expected one of "
+                raise InvalidInputError(Option("quantize", self.quantize), ": expected one of "
                                         f"{', '.join(get_args(Quantize))}")
             if code is not None and code not in LOSSLESS_TARGETS:
-                raise InvalidInputError(f"quantize={self.quantize!r} with dtype={self.dtype!r}: dtype=... casts the "
-                                        "tensors quantize=... keeps (norms, embeddings...); give bf16, fp16 or fp32")
+                raise InvalidInputError(Option("quantize", self.quantize), " with ", Option("dtype", self.dtype), ": ",
+                                        Option("dtype"), " casts the "
+                                        "tensors ", Option("quantize"),
+                                        " keeps (norms, embeddings...); give bf16, fp16 or fp32")
 
     @classmethod
     def parse(cls, **fields: Unpack[WriteKeywords]) -> WriteOptions:
@@ -200,7 +206,7 @@ def resolve_cast(dtype: str | None, *, allow_lossy: bool) -> str | None:
         return None
     code = normalize_dtype(str(dtype).removeprefix("torch."))
     if code not in LOSSLESS_TARGETS and not allow_lossy:
-        raise InvalidInputError(f"casting to {dtype} loses precision; pass allow_lossy=True to do it")
+        raise InvalidInputError(f"casting to {dtype} loses precision; pass ", Option("allow_lossy", True), " to do it")
     return code
 
 
@@ -213,16 +219,17 @@ def warn_if_many_shards(shard_count: int, *, max_shard_bytes: int, total_bytes: 
         from ..units import format_size
 
         warn(f"the plan has {shard_count} shards of at most {format_size(max_shard_bytes)} for "
-             f"{format_size(total_bytes)} of tensors; is max_shard_size=... in the unit you meant (5GB, 500MB)?")
+             f"{format_size(total_bytes)} of tensors; is ", Option("max_shard_size"),
+             " in the unit you meant (5GB, 500MB)?")
 
 
 def warn_if_output_taken(output: str, *, overwrite: bool) -> None:
     """A dry run writes nothing, but says when the real run would refuse the output."""
     if not overwrite and os.path.isdir(output) and os.listdir(output):
-        warn(f"{output} exists and is not empty: the real run needs overwrite=True")
+        warn(f"{output} exists and is not empty: the real run needs ", Option("overwrite", True))
 
 
-def warn(message: str) -> None:
+def warn(*parts: Part) -> None:
     """A :class:`ShardkitWarning` attributed to the first caller outside shardkit.
 
     A fixed ``stacklevel`` would be wrong for some entry points: the same job runs under
@@ -231,4 +238,4 @@ def warn(message: str) -> None:
     frame, level = sys._getframe(1), 2
     while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith("shardkit."):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, ShardkitWarning, stacklevel=level)
+    warnings.warn(ShardkitWarning(*parts), stacklevel=level)

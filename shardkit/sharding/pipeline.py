@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.index import naming_from_filename
 from ..formats.layout import find_components, is_pipeline_folder
 from ..formats.side_files import folder_side_files
@@ -77,8 +77,8 @@ def split_pipeline(folder: str | os.PathLike[str], output: str | os.PathLike[str
     given, folder, output = folder, os.fspath(folder), os.fspath(output)
     options = options or WriteOptions()
     if options.name is not None or key is not None:
-        option = "name=..." if options.name is not None else "key=..."
-        raise InvalidInputError(f"{option} does not apply to a pipeline folder ({folder}): every component keeps "
+        option = Option("name") if options.name is not None else Option("key")
+        raise InvalidInputError(option, f" does not apply to a pipeline folder ({folder}): every component keeps "
                                 "its own naming and state dict; run it on a component folder instead")
     settle_source(folder, output, dry_run=options.dry_run)  # rolled forward only in place
     jobs, left_out = _open_components(given, options, view)

@@ -24,7 +24,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option, join_parts
 from ..formats.gguf import GGUF_QUANTIZE
 from ..formats.json_types import JsonObject
 from ..formats.layout import read_config
@@ -57,36 +57,44 @@ def quant_view(src: Source, *, options: WriteOptions) -> tuple[Source, frozenset
             or a scaled one asked for fp8 or ``quantize``.
     """
     if options.quantize in GGUF_QUANTIZE:
-        raise InvalidInputError(f"quantize={options.quantize!r} is a GGUF type, which only convert writes, with "
-                                "to='gguf' and an OUTPUT ending in .gguf (safetensors outputs take "
-                                "quantize='fp8-block', 'fp8-channel', 'fp8-tensor', 'nvfp4' or 'mxfp4')")
+        raise InvalidInputError(Option("quantize", options.quantize),
+                                " is a GGUF type, which only convert writes, with ",
+                                Option("to", "gguf"), " and an OUTPUT ending in .gguf (safetensors outputs take ",
+                                Option("quantize", "fp8-block", choices=("fp8-channel", "fp8-tensor", "nvfp4",
+                                                                         "mxfp4")), ")")
     gguf = find_gguf(src)
     if gguf is not None:  # ggml-quantized tensors: dequantized (listed as F32) only when a dtype is given
         gguf.require_dtype(options.cast_to if options.quantize is None else "F32")
     layout = find_quant_layout(src.entries(), config=source_config(src), metadata=src.metadata(),
                                where=src.description, allow_lossy=options.allow_lossy)
     if isinstance(layout, Fp4Layout) and (refusal := layout.refusal(src.description)):
-        warn(f"{refusal.split('; every fp4 weight')[0]}: allow_lossy=True copies those tensors as they are")
+        warn(f"{join_parts(refusal).split('; every fp4 weight')[0]}: ", Option("allow_lossy", True),
+             " copies those tensors as they are")
     if layout is None:
         if options.quantize is None:
             if options.cast_to in _FP8_CASTS:
-                warn(f"{src.description}: dtype={options.dtype!r} writes plain fp8 tensors without scales, which "
-                     "transformers and diffusers cannot load as a model; for fp8 that loaders read, use quantize='fp8-block' "
+                warn(f"{src.description}: ", Option("dtype", options.dtype),
+                     " writes plain fp8 tensors without scales, which "
+                     "transformers and diffusers cannot load as a model; for fp8 that loaders read, use ",
+                     Option("quantize", "fp8-block"), " "
                      "(transformers FineGrainedFP8), 'fp8-channel' or 'fp8-tensor' (compressed-tensors), which "
                      "write scales and a quantization_config")
             return src, frozenset()
         view = QuantizedSource(src, options.quantize)
         return view, view.scale_names()
     if options.quantize is not None:
-        raise InvalidInputError(f"{src.description}: already quantized ({layout.describe()}); quantize=... applies to a "
-                                "plain checkpoint: dequantize it first (dtype='bf16'), or copy it as is")
+        raise InvalidInputError(f"{src.description}: already quantized ({layout.describe()}); ", Option("quantize"),
+                                " applies to a "
+                                "plain checkpoint: dequantize it first (", Option("dtype", "bf16"),
+                                "), or copy it as is")
     cast_to = options.cast_to
     if cast_to is None:
         return src, frozenset(layout.extra)  # copied as is, scales and all
     if cast_to not in LOSSLESS_TARGETS:
-        raise InvalidInputError(f"{src.description}: dtype={options.dtype!r} of a checkpoint already in "
-                                f"{layout.describe()} would drop its scales; copy it as is (no dtype=...) or dequantize "
-                                "(dtype='bf16')")
+        raise InvalidInputError(f"{src.description}: ", Option("dtype", options.dtype), " of a checkpoint already in "
+                                f"{layout.describe()} would drop its scales; copy it as is (no ", Option("dtype"),
+                                ") or dequantize "
+                                "(", Option("dtype", "bf16"), ")")
     return DequantizedSource(src, layout, cast_to, allow_lossy=options.allow_lossy), frozenset()
 
 
@@ -200,9 +208,10 @@ def dequantized_for_mapping(tensors: Mapping[str, torch.Tensor], *, options: Wri
         layout = find_layout(state_dict_entries(tensors), where=where)
         if layout is None:
             return dict(tensors)
-        raise InvalidInputError(f"{where}: dtype={options.dtype!r} of a checkpoint in {layout.describe()}: diffusers "
-                                "models hold plain weights; give dtype='bf16', 'fp16' or 'fp32'")
+        raise InvalidInputError(f"{where}: ", Option("dtype", options.dtype),
+                                f" of a checkpoint in {layout.describe()}: diffusers "
+                                "models hold plain weights; give ", Option("dtype", "bf16", choices=("fp16", "fp32")))
     converted, layout = dequantize_state_dict(tensors, out_dtype=to_torch(out_code), where=where)
     if layout is not None and options.cast_to is None:
-        warn(f"{where}: {layout.describe()}: weights × scales written as bf16 (choose with dtype=...)")
+        warn(f"{where}: {layout.describe()}: weights × scales written as bf16 (choose with ", Option("dtype"), ")")
     return converted

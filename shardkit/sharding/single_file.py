@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from ..atomic.commit import file_transaction
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.index import Naming
 from ..sources import Source
 from ..units import format_size
@@ -62,19 +62,20 @@ def split_to_file(src: Source, output_file: str, *, options: WriteOptions) -> Sp
     if len(job.plan.shards) > 1:
         raise InvalidInputError(
             f"{output_file} names one file, but {format_size(job.plan.total_bytes)} of tensors make "
-            f"{len(job.plan.shards)} shards at max_shard_size={_flag_size(options.max_shard_bytes)!r}; give a "
-            f"folder as OUTPUT (e.g. {output_file[: -len(SUFFIX)]}/) for shards with an index, or pass "
-            f"max_shard_size={_flag_size(job.plan.total_bytes)!r} or more for one file"
+            f"{len(job.plan.shards)} shards at ", Option("max_shard_size", _flag_size(options.max_shard_bytes)),
+                                "; give a "
+            f"folder as OUTPUT (e.g. {output_file[: -len(SUFFIX)]}/) for shards with an index, or pass ",
+            Option("max_shard_size", _flag_size(job.plan.total_bytes)), " or more for one file"
         )
     if options.name is not None or options.variant is not None:
-        warn(f"name=.../variant=... do not apply when OUTPUT is a file; writing {base}")
+        warn(Option("name"), "/", Option("variant"), f" do not apply when OUTPUT is a file; writing {base}")
     plan = plan_shards([(w.out.name, w.out.nbytes) for w in job.writes], max_shard_bytes=options.max_shard_bytes,
                        naming=Naming(base[: -len(SUFFIX)]))
     job = ShardJob(job.source, job.writes, plan, cast_to=job.cast_to)  # the (de)quantizing view plan_job chose
     result = job.result(folder, options)
     if options.dry_run:
         if os.path.exists(output_file) and not options.overwrite:
-            warn(f"{output_file} exists: the real run needs overwrite=True")
+            warn(f"{output_file} exists: the real run needs ", Option("overwrite", True))
         return result
     with file_transaction(output_file, overwrite=options.overwrite) as tmp:
         written = write_safetensors(tmp, job.writes, job.source, metadata=shard_metadata(job, options.metadata or {}),

@@ -33,7 +33,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import InvalidInputError, first_line
+from ..errors import InvalidInputError, Option, first_line
 from ..formats.index import DIFFUSERS_PREFIX, TRANSFORMERS_PREFIX, Naming
 from ..formats.layout import Component, find_components, is_pipeline_folder
 from ..layouts.diffusers import (
@@ -108,7 +108,8 @@ def _gguf_dtype(path: str, options: WriteOptions) -> str:
         quantized = len(src.quantized())
         src.close()
         if quantized:
-            warn(f"{path}: {quantized} ggml-quantized tensor(s) dequantized to bf16 (choose with dtype=...)")
+            warn(f"{path}: {quantized} ggml-quantized tensor(s) dequantized to bf16 (choose with ", Option("dtype"),
+                 ")")
     return options.cast_to if options.cast_to in LOSSLESS_TARGETS else "BF16" if options.cast_to is None else "F32"
 
 
@@ -151,10 +152,11 @@ def convert_pipeline_to_diffusers(source: str | os.PathLike[str], output: str, *
         raise missing_config_error(path, backing.tensors)
     folder = os.fspath(config)
     if not is_pipeline_folder(folder):
-        raise InvalidInputError(f"component='all' writes a whole pipeline: config=... must be a pipeline folder "
+        raise InvalidInputError(Option("component", "all"), " writes a whole pipeline: ", Option("config"),
+                                " must be a pipeline folder "
                                 f"(with model_index.json), not {folder}")
     if options.name is not None:
-        raise InvalidInputError("name=... does not apply to a pipeline: every component keeps its own naming")
+        raise InvalidInputError(Option("name"), " does not apply to a pipeline: every component keeps its own naming")
     jobs: list[ShardJob] = []
     try:
         for component in find_components(folder):
@@ -186,10 +188,12 @@ def _component_source(component: Component, backing: FileBacked, folder: str, *,
                             keep=keep)
     if _is_model(cls):
         if not component.has_weights:
-            raise InvalidInputError(f"{component.name} ({component.class_name}) is not in {where} and config={folder!r} "
+            raise InvalidInputError(f"{component.name} ({component.class_name}) is not in {where} and ",
+                                    Option("config", folder), " "
                                     f"has no weights for it: add them to {component.path}, or set it to "
                                     "[null, null] in model_index.json if the pipeline can run without it")
-        warn(f"{component.name} ({component.class_name}) is not in {where}: its weights are copied from config={folder!r}")
+        warn(f"{component.name} ({component.class_name}) is not in {where}: its weights are copied from ",
+             Option("config", folder))
     return None
 
 
@@ -230,7 +234,7 @@ def _text_encoder(cls: Any, component: Component, checkpoint: Mapping[str, Any],
     except Exception as e:  # diffusers raises ValueError/KeyError/OSError for a checkpoint or config that differ
         first = first_line(e)
         raise InvalidInputError(f"{component.name} ({component.class_name}): diffusers could not build it from the "
-                                f"checkpoint with config={folder!r} ({type(e).__name__}: {first})") from e
+                                "checkpoint with ", Option("config", folder), f" ({type(e).__name__}: {first})") from e
 
 
 def _refuse_missing(state: Mapping[str, Any], component: Component, where: str) -> None:
@@ -238,7 +242,7 @@ def _refuse_missing(state: Mapping[str, Any], component: Component, where: str) 
     missing = [name for name, t in state.items() if t.is_meta]
     if missing:
         raise InvalidInputError(f"{where}: {len(missing)} parameter(s) of {component.name} ({component.class_name}) "
-                                f"are not in the checkpoint, e.g. {', '.join(missing[:3])}; check config=...")
+                                f"are not in the checkpoint, e.g. {', '.join(missing[:3])}; check ", Option("config"))
 
 
 def _result(path: str, output: str, jobs: list[ShardJob], options: WriteOptions, copied: list[str]) -> PipelineResult:

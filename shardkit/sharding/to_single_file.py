@@ -16,7 +16,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..layouts.single_file_export import plan_export, trace_part, unplaced_components
 from ..sources.original_layout import OriginalLayoutSource
 from ..sources.ranged import RangedCheckpoint
@@ -46,13 +46,15 @@ def convert_to_single_file(source: Any, output: str, *, options: WriteOptions, c
     convert_to_single_file("sdxl/", "sdxl.safetensors", options=WriteOptions(), component="all")
     """
     if isinstance(source, RangedCheckpoint):
-        raise InvalidInputError(f"{source}: to='single-file' reads a diffusers folder through "
-                                "the HF cache; drop cache=False")
+        raise InvalidInputError(f"{source}: ", Option("to", "single-file"), " reads a diffusers folder through "
+                                "the HF cache; drop ", Option("cache", False))
     if config is not None or key is not None or not keymap_is_identity:
-        raise InvalidInputError("config=..., key=... and the key options (strip_prefix=..., rename=...) do not apply with "
-                                "to='single-file': the diffusers folder names its configs and tensors")
+        raise InvalidInputError(Option("config"), ", ", Option("key"), " and the key options (",
+                                Option("strip_prefix"), ", ", Option("rename"), ") do not apply with ",
+                                Option("to", "single-file"), ": the diffusers folder names its configs and tensors")
     if not isinstance(source, (str, os.PathLike)) or not os.path.isdir(source):
-        raise InvalidInputError(f"{source}: to='single-file' converts a diffusers model or pipeline folder")
+        raise InvalidInputError(f"{source}: ", Option("to", "single-file"),
+                                " converts a diffusers model or pipeline folder")
     path = os.fspath(source)
     refuse_output_inside_source(path, output)
     model_type, parts = plan_export(path, component=component)

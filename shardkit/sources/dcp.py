@@ -27,6 +27,7 @@ from typing import Any
 
 from ..errors import (
     InvalidInputError,
+    Option,
     ShardkitWarning,
     SourceNotFoundError,
 )
@@ -202,7 +203,7 @@ def _select(items: Mapping[str, object], paths: Mapping[str, Sequence[object]], 
     if bad:
         raise InvalidInputError(
             f"{where}: {len(bad)} value(s) are not tensors: {', '.join(repr(b) for b in bad[:5])}"
-            f"{' ...' if len(bad) > 5 else ''}; select the model's state dict with key=..."
+            f"{' ...' if len(bad) > 5 else ''}; select the model's state dict with ", Option("key")
         )
     return chosen
 
@@ -213,8 +214,9 @@ def _auto_key(items: Mapping[str, object], path_of: Callable[[str], tuple[str, .
         if candidate in tops:
             others = sorted({path_of(f)[0] for f in items} - {candidate})
             if others:
-                warnings.warn(f"{where}: converting the {candidate!r} state dict; also present: "
-                              f"{', '.join(others[:10])} (choose with key=...)", ShardkitWarning, stacklevel=4)
+                warnings.warn(ShardkitWarning(f"{where}: converting the {candidate!r} state dict; also present: "
+                                              f"{', '.join(others[:10])} (choose with ", Option("key"), ")"),
+                              stacklevel=4)
             return (candidate,)
     return ()
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.header import TensorEntry
 from ..formats.index import Naming
 from .memory import MemorySource, check_all_tensors
@@ -66,7 +66,8 @@ def load_file_backed(path: str, *, key: str | None = None, dequantize_to: str = 
         from ..formats.header import read_header
 
         if key is not None:
-            raise InvalidInputError(f"key=... applies to pickles; {path} is a safetensors file with one flat state dict")
+            raise InvalidInputError(Option("key"),
+                                    f" applies to pickles; {path} is a safetensors file with one flat state dict")
         header = read_header(path)  # validated by shardkit first: a hostile header gets shardkit's error
         return FileBacked(path, load_file(path), {e.name: e.offset for e in header.entries})
     if path.endswith(".gguf"):

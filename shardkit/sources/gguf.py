@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.gguf import GgufFile, GgufTensor
 from ..formats.gguf_split import read_split_gguf
 from ..formats.header import TensorEntry
@@ -182,9 +182,10 @@ class GgufSource(Source):
         if quantized and cast_to is None:
             kinds = sorted(set(quantized.values()))
             raise InvalidInputError(f"{self.description}: {len(quantized)} tensor(s) are ggml-quantized "
-                                    f"({', '.join(kinds)}), which safetensors and its loaders cannot hold; add dtype='bf16' "
-                                    "(or 'fp16'; 'fp32' keeps gguf's dequantized values exactly), or write GGUF with "
-                                    "to='gguf'")
+                                    f"({', '.join(kinds)}), which safetensors and its loaders cannot hold; add ",
+                                    Option("dtype", "bf16"), " "
+                                    "(or 'fp16'; 'fp32' keeps gguf's dequantized values exactly), or write GGUF with ",
+                                    Option("to", "gguf"))
 
     def config(self) -> JsonObject | None:
         """The transformers ``config.json`` rebuilt from the metadata of a Llama, Qwen2, Qwen3 or BERT file; None for
@@ -346,7 +347,7 @@ def load_gguf_tensors(path: str, *, dequantize_to: str) -> tuple[dict[str, torch
     try:
         if len(src.paths) > 1:
             raise InvalidInputError(f"{path}: a split GGUF ({len(src.paths)} parts) is read here as one file only; "
-                                    "merge it first: convert it with to='gguf' to one .gguf")
+                                    "merge it first: convert it with ", Option("to", "gguf"), " to one .gguf")
         # read by range (a store's file): every tensor read into memory, none mapped from the stand-in's hole
         mapped = None if src.by_range else torch.from_file(path, shared=False, size=src.gguf.file_bytes,
                                                            dtype=torch.uint8)

@@ -21,7 +21,7 @@ import fnmatch
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.header import TensorEntry
 from .base import Source
 
@@ -76,7 +76,8 @@ def parse_renames(pairs: Iterable[str]) -> tuple[tuple[str, str], ...]:
     for pair in pairs:
         old, sep, new = pair.partition("=")
         if not sep or not old:
-            raise InvalidInputError(f"rename={pair!r}: expected OLD=NEW, e.g. rename=['text_model.=model.']")
+            raise InvalidInputError(Option("rename", pair), ": expected OLD=NEW, e.g. ", Option("rename",
+                                                                                                ["text_model.=model."]))
         out.append((old, new))
     return tuple(out)
 
@@ -143,13 +144,15 @@ def _map_entries(entries: list[TensorEntry], keymap: KeyMap, *, where: str
         if new in by_name:
             raise InvalidInputError(
                 f"{where}: tensors {by_name[new].name!r} and {entry.name!r} would both be named {new!r}; "
-                "adjust rename=.../strip_prefix=.../add_prefix=... or exclude=... one of them"
+                "adjust ", Option("rename"), "/", Option("strip_prefix"), "/", Option("add_prefix"), " or ",
+                                    Option("exclude"), " one of them"
             )
         by_name[new] = entry
         mapped.append(dataclasses.replace(entry, name=new))
     if not mapped:
         raise InvalidInputError(
-            f"{where}: the include=.../exclude=... filters leave no tensors (source has {len(entries)}, "
+            f"{where}: the ", Option("include"), "/", Option("exclude"),
+                                f" filters leave no tensors (source has {len(entries)}, "
             f"e.g. {_examples(entries)}); filters match the names as stored in the source"
         )
     return mapped, by_name
@@ -161,7 +164,7 @@ def _check_matches(entries: list[TensorEntry], keymap: KeyMap, *, where: str) ->
     kept = [e.name for e in entries if filters.map(e.name) is not None]
     if keymap.strip_prefix and kept and not any(n.startswith(keymap.strip_prefix) for n in kept):
         raise InvalidInputError(
-            f"{where}: strip_prefix={keymap.strip_prefix!r} matches no tensor name "
+            f"{where}: ", Option("strip_prefix", keymap.strip_prefix), " matches no tensor name "
             f"(names look like {_examples(entries)})"
         )
     stripped = [n[len(keymap.strip_prefix):] if keymap.strip_prefix else n for n in kept
@@ -169,7 +172,8 @@ def _check_matches(entries: list[TensorEntry], keymap: KeyMap, *, where: str) ->
     for old, new in keymap.rename:
         if stripped and not any(n.startswith(old) for n in stripped):
             raise InvalidInputError(
-                f"{where}: rename=['{old}={new}'] matches no tensor name (after strip_prefix=...; names look "
+                f"{where}: ", Option("rename", [f"{old}={new}"]), " matches no tensor name (after ",
+                                    Option("strip_prefix"), "; names look "
                 f"like {', '.join(repr(n) for n in stripped[:3])})"
             )
 

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Collection, Hashable, Mapping
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.header import TensorEntry
 from ..formats.index import Naming
 from ..units import tensor_nbytes
@@ -93,7 +93,7 @@ def check_all_tensors(tensors: Mapping[str, object], *, where: str) -> None:
         shown = ", ".join(f"{k!r} ({type(tensors[k]).__name__})" for k in bad[:5])
         raise InvalidInputError(
             f"{where}: {len(bad)} value(s) are not tensors: {shown}{' ...' if len(bad) > 5 else ''}; "
-            "select the state dict with key=... or remove them"
+            "select the state dict with ", Option("key"), " or remove them"
         )
     if not tensors:
         raise InvalidInputError(f"{where}: holds no tensors")

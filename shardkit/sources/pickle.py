@@ -68,9 +68,9 @@ def load_pickle(path: str, *, fd: int | None = None) -> object:
     is_zip = zipfile.is_zipfile(checked)
     loaded = _torch_load(checked, path, mmap=is_zip)
     if not is_zip:  # warned only once loaded: a refused file gets its one-line error alone
-        warnings.warn(
+        warnings.warn(ShardkitWarning(
             f"{path} is a legacy (non-zip) pickle: it is loaded fully into memory; "
-            "re-save it with torch.save to stream it", ShardkitWarning, stacklevel=3)
+            "re-save it with torch.save to stream it"), stacklevel=3)
     return loaded
 
 

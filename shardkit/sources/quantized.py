@@ -24,7 +24,7 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from ..errors import InvalidInputError
+from ..errors import InvalidInputError, Option
 from ..formats.header import TensorEntry
 from ..formats.json_types import JsonObject
 from ..layouts.quant import BandBytes, QuantTarget, quantized_table
@@ -57,7 +57,8 @@ class QuantizedSource(ViewSource):
         self._entries, self.skipped = list(table.entries), list(table.kept)
         self._targets = {written.name: t for t in table.targets for written in t.written}  # every name written → its target
         if self.strategy.applies_to is not None and not table.targets:
-            raise InvalidInputError(f"{inner.description}: quantize={scheme!r} found nothing to quantize: it applies "
+            raise InvalidInputError(f"{inner.description}: ", Option("quantize", scheme),
+                                    " found nothing to quantize: it applies "
                                     f"to {self.strategy.applies_to}")
         self._side: dict[str, BandBytes] = {}  # scales computed with their weight, until read
         self._prepared: dict[str, torch.Tensor | None] = {}

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import HeaderError, HubError, InvalidInputError, SourceNotFoundError
+from ..errors import HeaderError, HubError, InvalidInputError, Option, SourceNotFoundError
 from ..formats.links import OutsideFolderError
 from .base import ObjectInfo, ObjectStore, ObjectWriter, PendingUpload
 from .hf_errors import RETRIES, HubCall, hub_errors
@@ -119,7 +119,8 @@ def _check_range_reply(response: Any, *, where: str, begin: int, end: int, whole
         length = response.headers.get("Content-Length", "unknown")
         raise HubError(f"{where}: asked for bytes {begin}-{end - 1} and the server answered {response.status_code} "
                        f"{response.reason_phrase or ''} with {length} bytes instead of 206 Partial Content: it ignores "
-                       "Range requests; use an endpoint (HF_ENDPOINT, proxy) that serves ranges, or drop cache=False")
+                       "Range requests; use an endpoint (HF_ENDPOINT, proxy) that serves ranges, or drop ",
+                       Option("cache", False))
 
 
 

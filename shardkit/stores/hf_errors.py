@@ -11,14 +11,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeAlias
 
-from ..errors import HubError, ShardkitError, first_line
+from ..errors import HubError, Option, Part, ShardkitError, first_line
 
 __all__ = ["RETRIES", "HubCall", "Operation", "describe_hub_error", "hub_errors", "is_network_failure"]
 
 RETRIES = 3  # range reads: huggingface_hub's http_backoff tries this many times more
 Operation = Literal["read", "push"]
+Message: TypeAlias = tuple[Part, ...]  # a message's parts (ShardkitError)
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,10 @@ def hub_errors(call: HubCall) -> Iterator[None]:
         message = describe_hub_error(e, call)
         if message is None:
             raise
-        raise HubError(message) from e
+        raise HubError(*message) from e
 
 
-def describe_hub_error(error: BaseException, call: HubCall) -> str | None:
+def describe_hub_error(error: BaseException, call: HubCall) -> Message | None:
     """A one-line explanation of a failed Hub call, or None if ``error`` is not one."""
     rules = _rules()
     for e in _chain(error):
@@ -58,7 +59,7 @@ def describe_hub_error(error: BaseException, call: HubCall) -> str | None:
     text = str(error).strip().splitlines()
     if call.operation == "push" and (type(error).__module__.startswith(("huggingface_hub", "hf_xet"))
                                      or "hf_xet" in repr(type(error))):
-        return f"upload to {call.repo_id} failed: {text[0] if text else type(error).__name__}"
+        return (f"upload to {call.repo_id} failed: {text[0] if text else type(error).__name__}",)
     return None
 
 
@@ -74,41 +75,42 @@ def _endpoint() -> str:
     return constants.ENDPOINT
 
 
-def _invalid(e: BaseException, call: HubCall) -> str:
+def _invalid(e: BaseException, call: HubCall) -> Message:
     if call.operation == "read":
-        return f"{call.shown}: invalid repository id or revision: {first_line(e, limit=10_000)}"
-    return f"invalid repository id or revision for {call.repo_id!r}: {first_line(e, limit=10_000)}"
+        return (f"{call.shown}: invalid repository id or revision: {first_line(e, limit=10_000)}",)
+    return (f"invalid repository id or revision for {call.repo_id!r}: {first_line(e, limit=10_000)}",)
 
 
-def _gated(e: BaseException, call: HubCall) -> str | None:
+def _gated(e: BaseException, call: HubCall) -> Message | None:
     if call.operation == "push":
         return _http(e, call)
     return (f"{call.shown}: {call.repo_id} is gated and this token has no access; accept its terms on the Hub "
-            "and pass token=... (or set HF_TOKEN, or run `hf auth login`)")
+            "and pass ", Option("token"), " (or set HF_TOKEN, or run `hf auth login`)")
 
 
-def _repo_not_found(e: BaseException, call: HubCall) -> str | None:
+def _repo_not_found(e: BaseException, call: HubCall) -> Message | None:
     if call.operation == "push":
         return _http(e, call)
     return (f"{call.shown}: repository {call.repo_id} not found at {_endpoint()}, or private and not visible with "
-            "this token; check the name, or pass token=... (or set HF_TOKEN)")
+            "this token; check the name, or pass ", Option("token"), " (or set HF_TOKEN)")
 
 
-def _revision_not_found(e: BaseException, call: HubCall) -> str:
+def _revision_not_found(e: BaseException, call: HubCall) -> Message:
     if call.operation == "push":
         return (f"revision {call.revision!r} not found in {call.repo_id}; a pull request needs an existing branch "
-                f"(push it first without create_pr=True)")
-    return f"{call.shown}: revision {call.revision!r} not found in {call.repo_id}; use a branch, tag or commit that exists"
+                "(push it first without ", Option("create_pr", True), ")")
+    return (f"{call.shown}: revision {call.revision!r} not found in {call.repo_id}; use a branch, tag or commit that "
+            "exists",)
 
 
-def _entry_not_found(e: BaseException, call: HubCall) -> str | None:
+def _entry_not_found(e: BaseException, call: HubCall) -> Message | None:
     if call.operation == "push":
         return _http(e, call)
     return (f"{call.shown}: no file {call.subfolder!r} in {call.repo_id} at {call.revision}; check the path "
-            "(see the repository's file list)")
+            "(see the repository's file list)",)
 
 
-def _http(e: BaseException, call: HubCall) -> str | None:
+def _http(e: BaseException, call: HubCall) -> Message | None:
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
     response = getattr(e, "response", None)
@@ -117,35 +119,36 @@ def _http(e: BaseException, call: HubCall) -> str | None:
     status, endpoint = response.status_code, _endpoint()
     if call.operation == "read":
         if status == 401:
-            return f"{call.shown}: authentication failed (401) at {endpoint}; pass a valid token=... or set HF_TOKEN"
+            return (f"{call.shown}: authentication failed (401) at {endpoint}; pass a valid ", Option("token"),
+                    " or set HF_TOKEN")
         first = first_line(e.server_message or str(e), limit=10_000)
-        return f"{call.shown}: the Hub answered {status} after {RETRIES} retries: {first}; try again later"
+        return (f"{call.shown}: the Hub answered {status} after {RETRIES} retries: {first}; try again later",)
     detail = e.server_message or response.headers.get("X-Error-Message") or ""
     if status == 401:
-        return (f"authentication failed (401) at {endpoint}: the token was rejected; pass a valid token=..., "
-                f"set HF_TOKEN, or run `hf auth login`")
+        return (f"authentication failed (401) at {endpoint}: the token was rejected; pass a valid ", Option("token"),
+                ", set HF_TOKEN, or run `hf auth login`")
     if status == 403:
-        return f"no permission to write to {call.repo_id} (403): {detail or 'use a token with write access'}"
+        return (f"no permission to write to {call.repo_id} (403): {detail or 'use a token with write access'}",)
     if isinstance(e, RepositoryNotFoundError):
-        return f"repository {call.repo_id} not found at {endpoint}, or not visible with this token"
+        return (f"repository {call.repo_id} not found at {endpoint}, or not visible with this token",)
     if status == 412:
-        return f"{call.repo_id}@{call.revision} changed while pushing; run the push again"
+        return (f"{call.repo_id}@{call.revision} changed while pushing; run the push again",)
     first = first_line(detail or str(e), limit=10_000)
     if status >= 500 or status in (408, 429):
         return (f"the Hub failed ({status}) for {call.repo_id}: {first}; run the push again to resume "
-                f"(what already arrived is not sent again)")
-    return f"the Hub answered {status} for {call.repo_id}: {first}"
+                f"(what already arrived is not sent again)",)
+    return (f"the Hub answered {status} for {call.repo_id}: {first}",)
 
 
-def _network(e: BaseException, call: HubCall) -> str:
+def _network(e: BaseException, call: HubCall) -> Message:
     if call.operation == "read":
         return (f"{call.shown}: network failure talking to {_endpoint()} (after {RETRIES} retries): "
-                f"{e or type(e).__name__}; check the connection (or HF_ENDPOINT) and try again")
+                f"{e or type(e).__name__}; check the connection (or HF_ENDPOINT) and try again",)
     return (f"network failure talking to {_endpoint()}: {e or type(e).__name__}; check the connection "
-            f"(or HF_ENDPOINT) and run the push again to resume")
+            f"(or HF_ENDPOINT) and run the push again to resume",)
 
 
-def _rules() -> dict[type, Callable[[BaseException, HubCall], str | None]]:
+def _rules() -> dict[type, Callable[[BaseException, HubCall], Message | None]]:
     """Exception type → its message, the first that matches answers (huggingface_hub is imported only
     when a call failed)."""
     from huggingface_hub.errors import (

@@ -12,6 +12,7 @@ never over an existing file.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import struct
@@ -19,7 +20,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from ..errors import HeaderError, InvalidInputError, ShardkitError, StoreError
+from ..errors import HeaderError, InvalidInputError, Part, ShardkitError, StoreError, join_parts
 from ..formats.header import MAX_HEADER_BYTES, parse_header
 from ..formats.links import write_fd
 from ..formats.names import MODEL_INDEX
@@ -237,7 +238,18 @@ def renamed_errors(root: str, shown: str) -> Iterator[None]:
     try:
         yield
     except ShardkitError as e:
-        text = str(e)
-        if root in text:
-            e.args = (text.replace(root + os.sep, shown + "/").replace(root, shown),)
+        if root in str(e):
+            e.parts = tuple(_renamed(part, root, shown) for part in e.parts)
+            e.args = (join_parts(e.parts),)
         raise
+
+
+def _renamed(part: Part, root: str, shown: str) -> Part:
+    def rename(text: str) -> str:
+        return text.replace(root + os.sep, shown + "/").replace(root, shown)
+
+    if isinstance(part, str):
+        return rename(part)
+    if isinstance(part.value, (str, os.PathLike)) and root in os.fspath(part.value):
+        return dataclasses.replace(part, value=rename(os.fspath(part.value)))
+    return part

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
-from ..errors import HubError
+from ..errors import HubError, Option
 from ..formats.links import open_inside
 from ..workers import ReadPool
 from .base import ObjectInfo, ObjectStore
@@ -246,7 +246,7 @@ class StreamedObjects:
             info = self.mirror.objects.get(name)
             if info is None or name not in self.mirror.prefix_bytes:
                 raise HubError(f"{self.store.url}: {name} is not a listed safetensors file; only safetensors "
-                               "weights can be streamed (drop cache=False)")
+                               "weights can be streamed (drop ", Option("cache", False), ")")
             fd = open_inside(self.mirror.root, name, where=str(self.store.url))
             try:  # the real bytes fetched for the mirror; the rest is a hole
                 head = os.pread(fd, self.mirror.prefix_bytes[name], 0)

@@ -29,7 +29,7 @@ import secrets
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import TracebackType
 
-from ..errors import InvalidInputError, OutputExistsError, ShardkitError, StoreError
+from ..errors import InvalidInputError, Option, OutputExistsError, ShardkitError, StoreError, parts_of
 from ..formats.links import loads_json
 from ..formats.suffixes import MANIFEST_FILE
 from .base import ObjectInfo, ObjectStore, ObjectWriter
@@ -89,7 +89,7 @@ class StoreTransaction:
         existing = {o.name: o for o in store.list_objects()}
         if existing and not overwrite:
             raise OutputExistsError(f"{store.url}: the prefix already holds {len(existing)} object(s); "
-                                    "pass overwrite=True to replace the checkpoint there")
+                                    "pass ", Option("overwrite", True), " to replace the checkpoint there")
         self._existing = set(existing)
         live_indexes = [o for n, o in existing.items() if is_index(n)]
         live = {n for o in live_indexes for n in index_names(store, o)}
@@ -270,7 +270,7 @@ def _read_json(store: ObjectStore, info: ObjectInfo, *, what: str, bad: str, fix
     try:
         doc = loads_json(raw)
     except ValueError as e:
-        raise InvalidInputError(f"{where}: {bad} ({e}); {fix}") from e
+        raise InvalidInputError(f"{where}: {bad} (", *parts_of(e), f"); {fix}") from e
     if not isinstance(doc, dict):
         raise InvalidInputError(f"{where}: {bad} (not a JSON object); {fix}")
     return doc
