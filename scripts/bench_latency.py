@@ -7,6 +7,7 @@ Method: docs/benchmarks.md, "How each benchmark measures".
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -18,51 +19,68 @@ from bench_load import load, outside
 from benchlib import markdown, med, set_cache, shard_files
 from build_checkpoint import sharded_unet, unet_source
 
-CASES = {  # label: (bench_load loader, options); every case touches one byte of every page of every weight
-    "floor: 16 threads × 4 MiB O_DIRECT reads, no tensors": ("odirect", {}),
-    "safetensors load_file (per shard)": ("floor", {}),
-    "fastsafetensors (nogds, cpu)": ("fastsafetensors", {}),
-    "diffusers from_pretrained": ("diffusers", {}),
-    "shardkit.open, ck[k] for every key": ("open", {}),
+DD = "dd bs=16M (floor)"
+# label: (bench_load loader, options, the tables it is in: "mount" (the latency mounts and bindfs), "local" (the local
+# disk, page cache evicted), "read" (--read-backends)); every case touches one byte of every page of every weight
+CASES = {
+    "floor: 16 threads × 4 MiB O_DIRECT reads, no tensors": ("odirect", {}, "mount"),
+    DD: ("dd", {}, "local read"),
+    "safetensors load_file (mmap)": ("floor", {}, "mount read"),
+    "safetensors load_file(backend='pread')": ("floor", {"backend": "pread"}, "read"),
+    "fastsafetensors (nogds, cpu)": ("fastsafetensors", {}, "mount"),
+    "accelerate load_checkpoint_and_dispatch": ("accelerate", {}, "read"),
+    "diffusers from_pretrained": ("diffusers", {}, "mount read"),
+    "shardkit.open, ck[k] for every key": ("open", {}, "mount local"),
     # read="direct": what ``auto`` chose on every FUSE/network mount before issue 34
-    "shardkit.open(read='direct'), ck[k] for every key": ("open", {"read": "direct"}),
+    "shardkit.open(read='direct'), ck[k] for every key": ("open", {"read": "direct"}, "mount"),
     # read="mmap": zero-copy views of private maps, as safetensors gives, no read-ahead of shardkit's
-    "shardkit.open(read='mmap'), ck[k] for every key": ("open", {"read": "mmap"}),
-    "shardkit to_state_dict": ("state_dict", {}),
-    "shardkit.load_model(device_map='cpu')": ("shardkit", {}),
+    "shardkit.open(read='mmap'), ck[k] for every key": ("open", {"read": "mmap"}, "mount"),
+    "shardkit to_state_dict": ("state_dict", {}, "mount"),
+    "shardkit.load_model read=auto": ("shardkit", {}, "mount local read"),
+    **{f"shardkit.load_model read={r}": ("shardkit", {"read": r}, "read") for r in ("mmap", "pread", "direct")},
 }
-LOCAL_CASES = ["shardkit.open, ck[k] for every key", "shardkit.load_model(device_map='cpu')"]
-READ_CASES = {  # label: (bench_load loader, options)
-    "dd bs=16M (floor)": ("dd", {}),
-    "safetensors load_file (mmap)": ("floor", {}),
-    "safetensors load_file(backend='pread')": ("floor", {"backend": "pread"}),
-    "accelerate load_checkpoint_and_dispatch": ("accelerate", {}),
-    "diffusers from_pretrained": ("diffusers", {}),
-    **{f"shardkit.load_model read={r}": ("shardkit", {"read": r}) for r in ("mmap", "pread", "direct", "auto")},
-}
+
+
+def labels_in(table: str) -> list[str]:
+    return [label for label, (*_, tables) in CASES.items() if table in tables.split()]
+
+
 Runs = dict[str, list[dict[str, Any]]]
-DD = "dd bs=16M (cold)"
+Place = tuple[str, Callable[[], object]]  # the folder a case reads, and what runs before each run (cache, counters)
 
 
 def run_case(name: str, options: dict[str, Any], folder: str) -> dict[str, Any]:
     """One case in a fresh process; its time ``s`` is the load with every page touched (imports excluded)."""
     if name == "dd":
-        return {"s": outside(" && ".join(f"dd if={quote(p)} of=/dev/null bs=16M" for p in shard_files(folder)))["load_s"]}
-    result = load(name, folder, {**options, "touch": "pages"}, check=False)
+        result = outside(" && ".join(f"dd if={quote(p)} of=/dev/null bs=16M" for p in shard_files(folder)))
+    else:
+        result = load(name, folder, {**options, "touch": "pages"}, check=False)
     return {**result, "s": result["touch_s"]} if "error" not in result else result
 
 
-def run_cases(folder: str, runs: int, cases: list[str], prepare: Callable[[], object],
-              note: Callable[[dict[str, Any]], object] = dict) -> Runs:
-    """Every case ``runs`` times on ``folder``, interleaved; ``prepare()`` before each, ``note(result)`` after."""
-    def one(label: str, r: int) -> dict[str, Any]:
-        prepare()
-        result = run_case(*CASES.get(label, ("dd", {})), folder)  # DD: dd of every shard
+def run_cells(labels: list[str], places: dict[str, Place], runs: int,
+              note: Callable[[dict[str, Any]], object] = dict) -> dict[tuple[str, str], list[dict[str, Any]]]:
+    """Every case at every place ``runs`` times, interleaved; the place's preparation before each, ``note(result)``
+    after."""
+    def one(cell: tuple[str, str], r: int) -> dict[str, Any]:
+        folder, prepare = places[cell[1]]
+        left = prepare()
+        result = run_case(*CASES[cell[0]][:2], folder)
         note(result)
-        return result
+        return {**result, "left": left} if isinstance(left, float) else result
 
-    return benchlib.rounds(cases, runs, one, line=lambda d: f"{os.path.basename(folder)}: {d['s']:.2f} s "
-                                                            f"{d.get('requests', '')}")
+    def line(d: dict[str, Any]) -> str:
+        return f"{d['s']:.2f} s" + (f", {d['requests']} requests" if "requests" in d else "") + \
+            (f" (cached before: {d['left']:.0%})" if "left" in d else "")
+
+    return benchlib.rounds([(label, where) for where in places for label in labels], runs, one, line=line)
+
+
+def run_cases(folder: str, runs: int, labels: list[str], prepare: Callable[[], object],
+              note: Callable[[dict[str, Any]], object] = dict) -> Runs:
+    """Every case ``runs`` times on ``folder``, interleaved: :func:`run_cells` at one place."""
+    return {label: v for (label, _), v in run_cells(labels, {os.path.basename(folder): (folder, prepare)}, runs,
+                                                    note).items()}
 
 
 def run_latency(folder: str, latency_ms: float, runs: int, cases: list[str]) -> Runs:
@@ -85,6 +103,12 @@ def cpu(runs: list[dict[str, Any]]) -> str:
     """The case's median CPU seconds (every thread of its process; the mount server's not included)."""
     seconds = med(runs, "cpu_s")
     return "–" if seconds is None else f"{seconds:.2f}"
+
+
+def speed(runs: list[dict[str, Any]], nbytes: int, base: float | None) -> list[str]:
+    """The median seconds (GB/s), and ``base`` over them: two cells (failed: why, and nothing)."""
+    t = med(runs, "s")
+    return [f"{t:.2f} ({nbytes / t / 1e9:.2f})", f"{(base or 0.0) / t:.2f}×"] if t else [failed(runs), ""]
 
 
 def latency_table(by_latency: dict[float, Runs], nbytes: int) -> str:
@@ -112,7 +136,7 @@ def main_latency(args: argparse.Namespace) -> None:
     if reason := fuse_unavailable():
         raise SystemExit(f"cannot run the latency benchmark: {reason}")
     folder, nbytes = sharded_unet(args.latency_model, args.work, dtype="F16", shards=4)
-    cases = benchlib.picked(CASES, args.only)
+    cases = benchlib.picked(labels_in("mount"), args.only)
     if importlib.util.find_spec("fastsafetensors") is None:
         cases = [c for c in cases if not c.startswith("fastsafetensors")]
         print("fastsafetensors is not installed (pip install fastsafetensors): its row is left out")
@@ -120,13 +144,12 @@ def main_latency(args: argparse.Namespace) -> None:
     print(f"{what}, {folder} ({benchlib.filesystem_line(folder)}); {benchlib.machine_line()}", flush=True)
     before = os.getloadavg()
     by_latency = {x: run_latency(folder, x, args.runs, cases) for x in args.latency_ms}
+    evicted = functools.partial(set_cache, shard_files(folder), cold=True)
     passthrough: Runs = {}
     if args.bindfs:  # through a bindfs mount of ``folder`` (FUSE passthrough, no latency), backing files evicted
         with benchlib.bindfs_mount(folder) as mnt:
-            passthrough = run_cases(mnt, args.runs, [c for c in cases if not c.startswith("floor")],
-                                    prepare=lambda: set_cache(shard_files(folder), cold=True))
-    cold = {} if args.no_local else run_cases(folder, args.runs, [DD, *LOCAL_CASES],
-                                              prepare=lambda: set_cache(shard_files(folder), cold=True))
+            passthrough = run_cases(mnt, args.runs, [c for c in cases if not c.startswith("floor")], evicted)
+    cold = {} if args.no_local else run_cases(folder, args.runs, labels_in("local"), evicted)
     print("\nload average (1, 5, 15 min) before: " + ", ".join(f"{x:.1f}" for x in before)
           + "; after: " + ", ".join(f"{x:.1f}" for x in os.getloadavg()))
     print(f"{what}; load + touch every page of every weight, median of {args.runs} runs in fresh processes, "
@@ -134,15 +157,12 @@ def main_latency(args: argparse.Namespace) -> None:
     if by_latency:
         print(latency_table(by_latency, nbytes))
     if cold:
-        dd = med(cold[DD], "s") or 0.0
-        rows = [[label, f"{t:.2f} ({nbytes / t / 1e9:.2f})", f"{dd / t:.2f}×"] if (t := med(runs, "s")) else
-                [label, failed(runs), ""] for label, runs in cold.items()]
+        rows = [[label, *speed(runs, nbytes, med(cold[DD], "s"))] for label, runs in cold.items()]
         print("\n" + markdown(["local disk, page cache evicted", "s (GB/s)", "× dd"], rows))
     if passthrough:
-        base = med(passthrough.get("safetensors load_file (per shard)", []), "s") or 0.0
-        rows = [[label, f"{t:.2f} ({nbytes / t / 1e9:.2f})", f"{base / t:.2f}×", cpu(runs),
-                 ", ".join(f"{r['s']:.2f}" for r in runs if "s" in r)] if (t := med(runs, "s")) else
-                [label, failed(runs), "", "", ""] for label, runs in passthrough.items()]
+        base = med(passthrough.get("safetensors load_file (mmap)", []), "s")
+        rows = [[label, *speed(runs, nbytes, base), cpu(runs), ", ".join(f"{r['s']:.2f}" for r in runs if "s" in r)]
+                for label, runs in passthrough.items()]
         print("\n" + markdown(["bindfs (no latency), backing evicted", "s (GB/s)", "× safetensors", "CPU s", "runs s"],
                               rows, align="lrrrl"))
 
@@ -151,35 +171,25 @@ def main_read(args: argparse.Namespace) -> None:
     """``--read-backends``: the SD 1.5 UNet fp16 (one file) on the local disk and a bindfs mount, cold and warm."""
     weights = unet_source("tiny" if args.tiny else "sd15", args.work, dtype="F16")
     folder, nbytes = os.path.dirname(weights), os.path.getsize(weights)
-    labels = ["dd bs=16M (floor)", *benchlib.picked(list(READ_CASES)[1:], args.only)]
+    labels = [DD, *benchlib.picked(labels_in("read")[1:], args.only)]
     with benchlib.bindfs_mount(folder) as mount:
         print(f"SD 1.5 UNet fp16: {nbytes / 1e9:.2f} GB in {folder} ({benchlib.filesystem_line(folder)}), FUSE: "
               f"{mount}; {benchlib.machine_line()}", flush=True)
 
-        def one(cell: tuple[str, str, str], r: int) -> dict[str, Any]:
-            label, where, cache = cell  # cold runs evict first (and check)
-            root = folder if where == "local" else mount
+        def cache(root: str, cold: bool) -> Callable[[], float]:  # cold: evict the backing file and the mount's
             path = os.path.join(root, os.path.basename(weights))
-            left = max(benchlib.evict(weights), benchlib.evict(path)) if cache == "cold" else \
-                set_cache([path], cold=False)
-            name, options = READ_CASES[label]
-            result = outside(f"dd if={path} of=/dev/null bs=16M") if name == "dd" else \
-                load(name, root, {**options, "touch": "pages"})
-            return {**result, "left": left}
+            return lambda: max(benchlib.evict(weights), benchlib.evict(path)) if cold else set_cache([path], cold=False)
 
-        results = benchlib.rounds([(label, where, cache) for cache in ("cold", "warm") for where in ("local", "fuse")
-                                   for label in labels], args.runs, one,
-                                  line=lambda d: f"{d['touch_s']:.2f} s (cached before: {d['left']:.0%}), "
-                                                 f"peak {(d['hwm'] - d['base']) / 2**20:.0f} MB")
-    cols = [("local", "cold"), ("local", "warm"), ("fuse", "cold"), ("fuse", "warm")]
+        roots = {"local": folder, "fuse": mount}
+        places = {f"{where} {c}": (root, cache(root, c == "cold"))
+                  for where, root in roots.items() for c in ("cold", "warm")}
+        results = run_cells(labels, places, args.runs)
     rows = []
     for label in labels:
-        cells = []
-        for where, cache in cols:
-            t, dd = med(results[(label, where, cache)], "touch_s"), med(results[(labels[0], where, "cold")], "touch_s")
-            cells.append(f"{t:.2f} ({nbytes / t / 1e9:.2f}, {dd / t:.2f}×)")
-        rss = max(r["hwm"] - r["base"] for (lb, _, _), v in results.items() if lb == label for r in v)
+        cells = [" ".join(speed(results[(label, p)], nbytes, med(results[(DD, p.split()[0] + " cold")], "s")))
+                 for p in places]
+        rss = max((r["hwm"] - r["base"] for p in places for r in results[(label, p)] if "hwm" in r), default=0)
         rows.append([label, *cells, f"{rss / 2**20:.0f}"])
     print(f"\nSD 1.5 UNet fp16, {nbytes / 1e9:.2f} GB, one file; load + touch every page of every weight, "
           f"median of {args.runs} interleaved runs in fresh processes, imports excluded; {benchlib.machine_line()}:\n")
-    print(markdown(["case", *(f"{w} {c} s (GB/s, × dd cold)" for w, c in cols), "peak RSS above imports MB"], rows))
+    print(markdown(["case", *(f"{p} s (GB/s) × dd cold" for p in places), "peak RSS above imports MB"], rows))
