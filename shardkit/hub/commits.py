@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 MAX_FILE_BYTES = 50 * 10**9  # the Hub refuses larger files
 WARN_FILE_BYTES = 20 * 10**9  # the Hub's recommended maximum
 MAX_FILES_PER_COMMIT = 100  # the Hub's advice; larger pushes take several commits
+_LEAVE_OUT = ("leave it out (", Option("exclude"), ")")  # how a refusal of one file names the way around it
 
 
 
@@ -95,11 +96,9 @@ def _local_file(root: str, name: str, prefix: str, *, folder: bool = True) -> Lo
     target = link_target(path)
     if target is not None and (not os.path.isfile(target) or _special(target)):
         raise InvalidInputError(f"{path} is a symlink to {target}, which is not a regular file of a disk filesystem "
-                                "(a device, /proc, /sys or missing); remove the link or leave it out (",
-                                Option("exclude"), ")")
+                                "(a device, /proc, /sys or missing); remove the link or ", *_LEAVE_OUT)
     if target is None and not os.path.isfile(path):
-        raise InvalidInputError(f"{path} is not a regular file (a FIFO, socket or device); remove it or leave it out (",
-                                Option("exclude"), ")")
+        raise InvalidInputError(f"{path} is not a regular file (a FIFO, socket or device); remove it or ", *_LEAVE_OUT)
     return LocalFile(f"{prefix}{name}", path, os.path.getsize(path), target, root if folder else "", name)
 
 
@@ -163,9 +162,8 @@ def check_links(path: str | os.PathLike[str], files: list[LocalFile], *, follow:
         more = f" (and {len(outside) - 1} more link(s) leading outside)" if len(outside) > 1 else ""
         raise InvalidInputError(
             f"{first.local_path} is a symlink to {first.link_target}, outside {root}{more}: push would upload that "
-            f"file's contents; {LINK_RULE}; copy the file in, leave it out (", Option("exclude"), "), or pass ",
-                                Option("follow_symlinks", True), " to upload it "
-            "knowingly")
+            f"file's contents; {LINK_RULE}; copy the file in, ", *_LEAVE_OUT, ", or pass ",
+            Option("follow_symlinks", True), " to upload it knowingly")
     return links
 
 

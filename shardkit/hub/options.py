@@ -61,8 +61,7 @@ class PushOptions:
         False, "List what would be uploaded and what is already there; change nothing. Asks the Hub what it has; "
         "offline, lists every file as an upload.")
     verify: bool = option_field(
-        True, ("Verify the checkpoint first and refuse a broken one (", Option("verify", False),
-               " pushes it unverified)."))
+        True, ("Verify the checkpoint first and refuse a broken one (", Option("verify", False), " pushes it unverified)."))
     allow_lossy: bool = option_field(
         False, "Push a quantized checkpoint even if a weight's scales or quantization config are unusable.")
     follow_symlinks: bool = option_field(
@@ -77,9 +76,8 @@ class PushOptions:
         if self.repo_type not in REPO_TYPES:
             raise InvalidInputError(Option("repo_type", self.repo_type), f": expected one of {', '.join(REPO_TYPES)}")
         if self.create_pr and self.revision is not None and self.revision.startswith("refs/pr/"):
-            raise InvalidInputError(Option("revision", self.revision),
-                                    " is a pull request already; push to it without ",
-                                    Option("create_pr", True))
+            raise InvalidInputError(Option("revision", self.revision), " is a pull request already; push to it "
+                                    "without ", Option("create_pr", True))
 
     def globs(self) -> tuple[list[str] | None, list[str] | None]:
         """``include`` and ``exclude`` as huggingface_hub's filter takes them (None: no filter)."""
