@@ -37,10 +37,16 @@ class Option:
 
     def __str__(self) -> str:
         text = f"{self.name}=..." if self.value is ... else f"{self.name}={self.value!r}"
-        if not self.choices:
-            return text
-        others = [repr(choice) for choice in self.choices]
-        return f"{', '.join([text, *others[:-1]])} or {others[-1]}"
+        return with_choices(text, [repr(choice) for choice in self.choices])
+
+
+def with_choices(first: str, others: list[str]) -> str:
+    """``first`` followed by the other choices a message offers, in both forms of an :class:`Option`.
+
+    >>> with_choices("dtype='bf16'", ["'fp16'", "'fp32'"]), with_choices("--to gguf", [])
+    ("dtype='bf16', 'fp16' or 'fp32'", '--to gguf')
+    """
+    return f"{', '.join([first, *others[:-1]])} or {others[-1]}" if others else first
 
 
 Part: TypeAlias = str | Option

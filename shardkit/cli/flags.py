@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import click
 
-from ..errors import Option, Part, parts_of
+from ..errors import Option, Part, parts_of, with_choices
 
 __all__ = ["Flag", "cli_words", "flag_table", "message_words", "option_words"]
 
@@ -93,9 +93,7 @@ def _flag_form(flag: Flag, option: Option) -> str | None:
         value = ",".join(f"{device}={size}" for device, size in value.items())
     items = list(value) if isinstance(value, (list, tuple)) else [value]
     text = " ".join(f"{flag.on} {shlex.quote(str(item))}" for item in items) or flag.on
-    if option.choices:
-        text = f"{', '.join([text, *option.choices[:-1]])} or {option.choices[-1]}"
-    return text
+    return with_choices(text, list(option.choices))
 
 
 def option_words(option: Option, table: Mapping[str, Flag] | None = None) -> str:
