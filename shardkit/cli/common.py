@@ -10,7 +10,7 @@ import signal
 import sys
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import Field
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
@@ -265,7 +265,10 @@ class LibraryWordsOption(click.Option):
     names (its ``help_parts``) are shown as flags, like the library's error messages
     (:func:`~shardkit.cli.flags.cli_words`)."""
 
-    help_parts: tuple[Part, ...] = ()
+    def __init__(self, param_decls: Sequence[str] | None = None, *, help_parts: tuple[Part, ...] = (),
+                 **attrs: Any) -> None:
+        super().__init__(param_decls, **attrs)
+        self.help_parts = help_parts
 
     def get_help_record(self, ctx: click.Context) -> tuple[str, str] | None:
         from .flags import cli_words
@@ -274,14 +277,6 @@ class LibraryWordsOption(click.Option):
         if record is None or not self.help or not self.help_parts or not record[1].startswith(self.help):
             return record
         return record[0], cli_words(self.help_parts) + record[1][len(self.help):]
-
-
-def _library_words_option(help_parts: tuple[Part, ...]) -> type[click.Option]:
-    class FieldOption(LibraryWordsOption):
-        pass
-
-    FieldOption.help_parts = help_parts
-    return FieldOption
 
 
 def option_from_field(option: Field[object]) -> Decorator:
@@ -293,7 +288,7 @@ def option_from_field(option: Field[object]) -> Decorator:
     flag = "--" + option_keyword(option).replace("_", "-")
     meta = option.metadata
     decls = [flag, *([meta["short"]] if meta.get("short") else []), option.name]
-    common: dict[str, Any] = {"help": meta["help"], "cls": _library_words_option(meta["help_parts"])}
+    common: dict[str, Any] = {"help": meta["help"], "cls": LibraryWordsOption, "help_parts": meta["help_parts"]}
     if option.name.endswith("_bytes"):  # a size, parsed here at the edge into bytes
         return click.option(*decls, type=SIZE, default=DEFAULT_MAX_SHARD_SIZE, show_default=True, **common)
     if isinstance(option.default, bool):
