@@ -14,7 +14,7 @@ quiet_pip() {
     # pip warns about every local index folder it skips; keep the log readable.
     local log status=0
     log="$(mktemp)"
-    # Byte-compiled after the installs (compile_venv) on every core, not by pip on one.
+    # Not byte-compiled by pip (on one core): compileall does it on every core after the installs, below.
     "$VENV/bin/pip" install --disable-pip-version-check --no-compile -q "$@" >"$log" 2>&1 || status=$?
     grep -v "is ignored: it is neither" "$log" || true
     rm -f "$log"
