@@ -44,8 +44,7 @@ def option_field(default: T, help: str | tuple[Part, ...], *, keyword: str | Non
     its parts when it names options (:class:`~shardkit.errors.Option`: flags in the CLI's help)."""
     help_parts = (help,) if isinstance(help, str) else help
     metadata = {"help": join_parts(help_parts), "help_parts": help_parts, "keyword": keyword, "choices": choices,
-                "cli": cli, "negatable": negatable,
-                "short": short, "repeatable": repeatable}
+                "cli": cli, "negatable": negatable, "short": short, "repeatable": repeatable}
     return field(default=default, metadata=metadata)
 
 
@@ -123,8 +122,7 @@ class WriteOptions:
                                         f"{', '.join(get_args(Quantize))}")
             if code is not None and code not in LOSSLESS_TARGETS:
                 raise InvalidInputError(Option("quantize", self.quantize), " with ", Option("dtype", self.dtype), ": ",
-                                        Option("dtype"), " casts the "
-                                        "tensors ", Option("quantize"),
+                                        Option("dtype"), " casts the tensors ", Option("quantize"),
                                         " keeps (norms, embeddings...); give bf16, fp16 or fp32")
 
     @classmethod
