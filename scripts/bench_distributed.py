@@ -69,11 +69,12 @@ def run_plan(workers: int, source: str, output: str, convert_args: str, work: st
     shares = [" ".join(f"--task {i}" for i in range(w, tasks, workers)) for w in range(workers)]
     run = " ".join(f"BENCH_RSS_DIR={rss} RANK={w} {SHARDKIT} run {plan_path} {share} -q & p{w}=$!;"
                    for w, share in enumerate(shares))
-    seconds, rss_mb = measure(run + " && ".join(f" wait $p{w}" for w in range(workers)))  # any worker failing fails it
+    tasks_run = measure(run + " && ".join(f" wait $p{w}" for w in range(workers)))  # any worker failing fails it
     peaks = rank_peaks_mb(rss)
-    final_s, final_mb = measure(f"BENCH_RSS_DIR={rss} RANK=f {SHARDKIT} run {plan_path} --finalize -q")
+    final = measure(f"BENCH_RSS_DIR={rss} RANK=f {SHARDKIT} run {plan_path} --finalize -q")
     remove(plan_path)
-    return {"seconds": seconds, "finalize_s": final_s, "rss_mb": max(rss_mb, final_mb), "rank_mb": peaks}
+    return {"seconds": tasks_run.seconds, "finalize_s": final.seconds, "rss_mb": max(tasks_run.rss_mb, final.rss_mb),
+            "rank_mb": peaks}
 
 
 @contextlib.contextmanager
@@ -135,8 +136,8 @@ def run(args: argparse.Namespace) -> tuple[str, int, dict[str, list[dict[str, An
             if isinstance(case, int):
                 result = run_plan(case, src, out, convert_args, args.work, rss)
             else:
-                seconds, rss_mb = measure(case.format(src=src, out=out, rss=rss))
-                result = {"seconds": seconds, "rss_mb": rss_mb, "rank_mb": rank_peaks_mb(rss)}
+                usage = measure(case.format(src=src, out=out, rss=rss))
+                result = {"seconds": usage.seconds, "rss_mb": usage.rss_mb, "rank_mb": rank_peaks_mb(rss)}
             if name.startswith(("shardkit", "plan")):  # every shardkit output equals the first
                 got = read_back(out)
                 reference[:] = reference or [got]

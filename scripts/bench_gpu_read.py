@@ -17,8 +17,8 @@ import sys
 import time
 
 import benchlib
-from benchlib import shard_files
-from build_checkpoint import SDXL_UNET
+from benchlib import shard_files, timed
+from build_checkpoint import SDXL_UNET, unet_shapes
 
 LLAMA_3B = {"vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
             "num_attention_heads": 24, "num_key_value_heads": 8, "tie_word_embeddings": True, "head_dim": 128}
@@ -30,20 +30,15 @@ DEVICE = os.environ.get("BENCH_DEVICE", "cuda:0")  # "cpu": a smoke test of the 
 
 # ------------------------------------------------------------------------- building (parent)
 
-def _shapes(model: str) -> dict[str, tuple[tuple[int, ...], object]]:
-    import torch
+def _shapes(model: str) -> dict[str, tuple[int, ...]]:
+    if model == "sdxl":
+        return unet_shapes(SDXL_UNET)
     from accelerate import init_empty_weights
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     with init_empty_weights():
-        if model == "sdxl":
-            from diffusers import UNet2DConditionModel
-
-            net = UNet2DConditionModel.from_config(SDXL_UNET)
-        else:
-            from transformers import LlamaConfig, LlamaForCausalLM
-
-            net = LlamaForCausalLM(LlamaConfig(**CONFIGS[model]))
-    return {n: (tuple(t.shape), torch.bfloat16) for n, t in net.state_dict().items() if n != "lm_head.weight"}
+        net = LlamaForCausalLM(LlamaConfig(**CONFIGS[model]))
+    return {n: tuple(t.shape) for n, t in net.state_dict().items() if n != "lm_head.weight"}
 
 
 def build(model: str, work: str) -> str:
@@ -56,8 +51,8 @@ def build(model: str, work: str) -> str:
     if os.path.exists(os.path.join(folder, "config.json")):
         return folder
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    state = {n: torch.randn(shape, dtype=torch.float32, device=DEVICE, generator=gen).to(dtype).cpu()  # type: ignore[arg-type]
-             for n, (shape, dtype) in _shapes(model).items()}
+    state = {n: torch.randn(shape, dtype=torch.float32, device=DEVICE, generator=gen).to(torch.bfloat16).cpu()
+             for n, shape in _shapes(model).items()}
     shardkit.save_sharded(state, folder, max_shard_size="3GB")
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(CONFIGS.get(model, {}), f)
@@ -302,29 +297,25 @@ def run_profile(folder: str) -> None:
         def submit(self, slot, copies):
             return None
 
-    torch.zeros(1, device=DEVICE)
-    stamp = time.perf_counter()
-    ckpt = shardkit.open(folder)
-    ckpt.open_shards()
-    names = list(ckpt)
-    row = {"headers_s": time.perf_counter() - stamp}
-    stamp = time.perf_counter()
-    with shardkit.open(folder) as again:
-        again.open_shards()
-    row["headers_again_s"] = time.perf_counter() - stamp
-    stamp = time.perf_counter()
     def stage():
         return CudaCopyStage(torch.device(DEVICE)) if DEVICE.startswith("cuda") else HostCopyStage()
 
-    ring = BufferRing.for_tuning(stage(), RingTuning(slots=16, slot_bytes=16 << 20, threads=8, grow=False))
-    row["pin_256MiB_s"] = time.perf_counter() - stamp
+    torch.zeros(1, device=DEVICE)
+    row: dict = {}
+    with timed(row, "headers_s"):
+        ckpt = shardkit.open(folder)
+        ckpt.open_shards()
+        names = list(ckpt)
+    with timed(row, "headers_again_s"), shardkit.open(folder) as again:
+        again.open_shards()
+    with timed(row, "pin_256MiB_s"):
+        ring = BufferRing.for_tuning(stage(), RingTuning(slots=16, slot_bytes=16 << 20, threads=8, grow=False))
     del ring  # back to torch's pinned cache: the runs below reuse it
     if DEVICE.startswith("cuda"):
         row.update(_pin_probes(folder))
-    stamp = time.perf_counter()
-    dests = {n: torch.empty(ckpt.shape_of(n), dtype=ckpt.dtype_of(n), device=DEVICE) for n in names}
-    _sync()
-    row["device_alloc_s"] = time.perf_counter() - stamp
+    with timed(row, "device_alloc_s"):
+        dests = {n: torch.empty(ckpt.shape_of(n), dtype=ckpt.dtype_of(n), device=DEVICE) for n in names}
+        _sync()
     nbytes = sum(ckpt.nbytes(n) for n in names)
     from contextlib import ExitStack
 
@@ -337,17 +328,14 @@ def run_profile(folder: str) -> None:
                 e = ckpt.entry(n)
                 by_file.setdefault(readers.index_of(n), []).append(CopyJob(byte_view(dests[n]), 0, e.offset, e.nbytes, n))
             sources = [(readers.readers[i], jobs) for i, jobs in by_file.items()]
-            stamp = time.perf_counter()
-            run_ring(sources, stage=NoCopy(), tuning=tuning, ring=BufferRing.for_tuning(HostCopyStage(), tuning))
-            row[f"reads_only_{threads}t_gbps"] = nbytes / (time.perf_counter() - stamp) / 1e9
-            stamp = time.perf_counter()
-            run_ring(sources, stage=stage(), tuning=tuning)
-            _sync()
-            row[f"ring_{threads}t_gbps"] = nbytes / (time.perf_counter() - stamp) / 1e9
-    stamp = time.perf_counter()
-    again = ckpt.to(DEVICE)
-    _sync()
-    row["second_to_gbps"] = nbytes / (time.perf_counter() - stamp) / 1e9
+            with timed(row, f"reads_only_{threads}t_gbps", nbytes):
+                run_ring(sources, stage=NoCopy(), tuning=tuning, ring=BufferRing.for_tuning(HostCopyStage(), tuning))
+            with timed(row, f"ring_{threads}t_gbps", nbytes):
+                run_ring(sources, stage=stage(), tuning=tuning)
+                _sync()
+    with timed(row, "second_to_gbps", nbytes):
+        again = ckpt.to(DEVICE)
+        _sync()
     del again
     print(json.dumps(row))
 
@@ -359,33 +347,27 @@ def _pin_probes(folder: str) -> dict:
     import torch
 
     cudart, row = torch.cuda.cudart(), {}
-    stamp = time.perf_counter()
-    slots = [torch.empty(16 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(16)]
-    row["pin_16x16MiB_s"] = time.perf_counter() - stamp
+    with timed(row, "pin_16x16MiB_s"):
+        slots = [torch.empty(16 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(16)]
     del slots
-    stamp = time.perf_counter()
-    host = np.ones(256 << 20, dtype=np.uint8)
-    row["malloc_touch_256MiB_s"] = time.perf_counter() - stamp
-    stamp = time.perf_counter()
-    row["register_256MiB_err"] = int(cudart.cudaHostRegister(host.ctypes.data, host.nbytes, 0))
-    row["register_256MiB_s"] = time.perf_counter() - stamp
+    with timed(row, "malloc_touch_256MiB_s"):
+        host = np.ones(256 << 20, dtype=np.uint8)
+    with timed(row, "register_256MiB_s"):
+        row["register_256MiB_err"] = int(cudart.cudaHostRegister(host.ctypes.data, host.nbytes, 0))
     cudart.cudaHostUnregister(host.ctypes.data)
     address, size = _map_file(shard_files(folder)[0])
     nbytes = min(1 << 30, size // 4096 * 4096)
-    stamp = time.perf_counter()
-    err = row["register_pagecache_err"] = int(cudart.cudaHostRegister(address, nbytes, REGISTER_READ_ONLY))
-    row["register_pagecache_1GiB_s"] = time.perf_counter() - stamp
+    with timed(row, "register_pagecache_1GiB_s"):
+        err = row["register_pagecache_err"] = int(cudart.cudaHostRegister(address, nbytes, REGISTER_READ_ONLY))
     if err == 0:
         src, dst = _host_tensor(address, nbytes), torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
         for _ in range(3):
             torch.cuda.synchronize()
-            stamp = time.perf_counter()
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize()
-            row["dma_from_pagecache_gbps"] = nbytes / (time.perf_counter() - stamp) / 1e9
-        stamp = time.perf_counter()
-        cudart.cudaHostUnregister(address)
-        row["unregister_1GiB_s"] = time.perf_counter() - stamp
+            with timed(row, "dma_from_pagecache_gbps", nbytes):
+                dst.copy_(src, non_blocking=True)
+                torch.cuda.synchronize()
+        with timed(row, "unregister_1GiB_s"):
+            cudart.cudaHostUnregister(address)
     return row
 
 

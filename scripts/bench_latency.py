@@ -46,6 +46,7 @@ def labels_in(table: str) -> list[str]:
 
 
 Runs = dict[str, list[dict[str, Any]]]
+LOADS: list[tuple[float, float]] = []  # the load average at the start and end of each round, for the report head
 Place = tuple[str, Callable[[], object]]  # the folder a case reads, and what runs before each run (cache, counters)
 
 
@@ -73,7 +74,7 @@ def run_cells(labels: list[str], places: dict[str, Place], runs: int,
         return f"{d['s']:.2f} s" + (f", {d['requests']} requests" if "requests" in d else "") + \
             (f" (cached before: {d['left']:.0%})" if "left" in d else "")
 
-    return benchlib.rounds([(label, where) for where in places for label in labels], runs, one, line=line)
+    return benchlib.rounds([(label, where) for where in places for label in labels], runs, one, loads=LOADS, line=line)
 
 
 def run_cases(folder: str, runs: int, labels: list[str], prepare: Callable[[], object],
@@ -142,7 +143,6 @@ def main_latency(args: argparse.Namespace) -> None:
         print("fastsafetensors is not installed (pip install fastsafetensors): its row is left out")
     what = f"{args.latency_model} UNet fp16, {nbytes / 1e9:.2f} GB, {len(shard_files(folder))} shards"
     print(f"{what}, {folder} ({benchlib.filesystem_line(folder)}); {benchlib.machine_line()}", flush=True)
-    before = os.getloadavg()
     by_latency = {x: run_latency(folder, x, args.runs, cases) for x in args.latency_ms}
     evicted = functools.partial(set_cache, shard_files(folder), cold=True)
     passthrough: Runs = {}
@@ -150,10 +150,8 @@ def main_latency(args: argparse.Namespace) -> None:
         with benchlib.bindfs_mount(folder) as mnt:
             passthrough = run_cases(mnt, args.runs, [c for c in cases if not c.startswith("floor")], evicted)
     cold = {} if args.no_local else run_cases(folder, args.runs, labels_in("local"), evicted)
-    print("\nload average (1, 5, 15 min) before: " + ", ".join(f"{x:.1f}" for x in before)
-          + "; after: " + ", ".join(f"{x:.1f}" for x in os.getloadavg()))
-    print(f"{what}; load + touch every page of every weight, median of {args.runs} runs in fresh processes, "
-          f"imports excluded; {benchlib.machine_line()}:\n")
+    print("\n" + benchlib.report_head(f"{what}; load + touch every page of every weight in fresh processes, imports "
+                                      "excluded", runs=args.runs, loads=LOADS), end="")
     if by_latency:
         print(latency_table(by_latency, nbytes))
     if cold:
@@ -190,6 +188,7 @@ def main_read(args: argparse.Namespace) -> None:
                  for p in places]
         rss = max((r["hwm"] - r["base"] for p in places for r in results[(label, p)] if "hwm" in r), default=0)
         rows.append([label, *cells, f"{rss / 2**20:.0f}"])
-    print(f"\nSD 1.5 UNet fp16, {nbytes / 1e9:.2f} GB, one file; load + touch every page of every weight, "
-          f"median of {args.runs} interleaved runs in fresh processes, imports excluded; {benchlib.machine_line()}:\n")
+    print("\n" + benchlib.report_head(f"SD 1.5 UNet fp16, {nbytes / 1e9:.2f} GB, one file; load + touch every page of "
+                                      "every weight in fresh processes, imports excluded", runs=args.runs,
+                                      loads=LOADS), end="")
     print(markdown(["case", *(f"{p} s (GB/s) × dd cold" for p in places), "peak RSS above imports MB"], rows))

@@ -177,61 +177,57 @@ def load(name: str, folder: str, options: dict[str, Any] | None = None, *, check
 
 def outside(command: str) -> dict[str, Any]:
     """A command timed from outside (dd, the plan CLI): seconds and the process tree's peak."""
-    seconds, rss_mb = benchlib.measure(command)
-    return {"load_s": seconds, "touch_s": seconds, "wall_s": seconds, "base": 0, "loaded_hwm": 0,
-            "hwm": int(rss_mb * 2**20), "written": 0}
+    usage = benchlib.measure(command)
+    return {"load_s": usage.seconds, "touch_s": usage.seconds, "wall_s": usage.seconds, "base": 0, "loaded_hwm": 0,
+            "hwm": int(usage.rss_mb * 2**20), "written": 0}
 
 
-def build_cases(folder: str, model_bytes: int, work: str, *, gpu: bool,
-                only: list[str]) -> list[tuple[str, str, dict[str, Any], str | None]]:
-    """(label, loader or shell command, options, offload folder to clear) of every case."""
+Cases = dict[str, tuple[str, dict[str, Any]]]  # label: (loader or shell command, options)
+
+
+def build_cases(model_bytes: int, work: str, *, gpu: bool, only: list[str]) -> Cases:
+    """Every case; an offload case's folder (its option ``offload``) is cleared before each run."""
     import importlib.util
 
     budget = 4 * 2**30 if model_bytes > 8e9 else int(model_bytes * 4 * 2**30 / 10.3e9)
-    cases: list[tuple[str, str, dict[str, Any], str | None]] = [
-        ("safetensors load_file (floor)", "floor", {}, None),
-        ("meta skeleton + load_file + load_state_dict(assign=True)", "assign", {}, None),
-        ("shardkit.load_model cpu", "shardkit", {}, None),
-        ("accelerate.load_checkpoint_and_dispatch cpu", "accelerate", {}, None),
-        ("diffusers from_pretrained", "diffusers", {}, None),
-    ]
+    cases: Cases = {
+        "safetensors load_file (floor)": ("floor", {}),
+        "meta skeleton + load_file + load_state_dict(assign=True)": ("assign", {}),
+        "shardkit.load_model cpu": ("shardkit", {}),
+        "accelerate.load_checkpoint_and_dispatch cpu": ("accelerate", {}),
+        "diffusers from_pretrained": ("diffusers", {}),
+    }
     for label, name in (("shardkit.load_model", "shardkit"), ("accelerate", "accelerate")):
-        off = os.path.join(work, f"offload-{name}")
-        cases.append((f"{label} cpu={budget / 2**30:.2f}GiB + disk", name,
-                      {"device_map": "auto", "max_memory": {"cpu": budget}, "offload": off}, off))
+        cases[f"{label} cpu={budget / 2**30:.2f}GiB + disk"] = (name, {
+            "device_map": "auto", "max_memory": {"cpu": budget}, "offload": os.path.join(work, f"offload-{name}")})
     if gpu:
         for label, name in (("safetensors load_file → cuda:0", "floor"), ("fastsafetensors (nogds) → cuda:0", "fastsafetensors"),
                             ("shardkit.load_model → cuda:0", "shardkit"), ("accelerate → cuda:0", "accelerate")):
             if name == "fastsafetensors" and importlib.util.find_spec("fastsafetensors") is None:
                 print("fastsafetensors is not installed (pip install 'shardkit[bench]'): its GPU row is left out")
                 continue
-            cases.append((label, name, {"device_map": 0}, None))
+            cases[label] = (name, {"device_map": 0})
     flux = os.path.join(work, "flux-config.json")
     with open(flux, "w") as f:
         json.dump(FLUX_DEV, f)
-    cases.append(("shardkit plan Flux 12B (process)", f"{sys.executable} -m shardkit plan --model "
-                  f"diffusers:FluxTransformer2DModel --config {flux} --max-memory 0=16GB,1=16GB --dtype bf16 >/dev/null",
-                  {}, None))
-    labels = benchlib.picked([c[0] for c in cases], only)
-    return [c for c in cases if c[0] in labels]
+    cases["shardkit plan Flux 12B (process)"] = (f"{sys.executable} -m shardkit plan --model diffusers:"
+                                                 f"FluxTransformer2DModel --config {flux} --max-memory 0=16GB,1=16GB "
+                                                 "--dtype bf16 >/dev/null", {})
+    return {label: cases[label] for label in benchlib.picked(cases, only)}
 
 
-def run_all(cases: list[tuple[str, str, dict[str, Any], str | None]], folder: str, runs: int) -> dict[str, list[dict[str, Any]]]:
-    by_label = {c[0]: c for c in cases}
-
+def run_all(cases: Cases, folder: str, runs: int) -> dict[str, list[dict[str, Any]]]:
     def one(label: str, r: int) -> dict[str, Any] | None:
-        _, name, options, offload = by_label[label]
-        if offload:
-            shutil.rmtree(offload, ignore_errors=True)
+        name, options = cases[label]
+        shutil.rmtree(options.get("offload", ""), ignore_errors=True)
         result = outside(name) if name not in LOADERS else load(name, folder, options, check=False)
         return None if "error" in result else result  # a miss is reported as a miss, and the other cases go on
 
-    results = benchlib.rounds(list(by_label), runs, one, line=lambda d: (
+    results = benchlib.rounds(list(cases), runs, one, line=lambda d: (
         f"load {d['load_s']:.2f} s, process {d['wall_s']:.2f} s, peak {d['hwm'] / 2**20:.0f} MB, "
         f"written {d['written'] / 1e6:.1f} MB"))
-    for *_, offload in cases:
-        if offload:
-            shutil.rmtree(offload, ignore_errors=True)
+    for _, options in cases.values():
+        shutil.rmtree(options.get("offload", ""), ignore_errors=True)
     return results
 
 
@@ -297,7 +293,7 @@ def bench_unets(args: argparse.Namespace) -> None:
           f"CUDA: {torch.cuda.get_device_name(0) if gpu else 'none'}", flush=True)
     if gpu:
         print(f"pinned host → GPU 0 copy (the PCIe floor): {benchlib.pinned_copy_gbps():.1f} GB/s", flush=True)
-    results = run_all(build_cases(folder, model_bytes, args.work, gpu=gpu, only=args.only), folder, args.runs)
+    results = run_all(build_cases(model_bytes, args.work, gpu=gpu, only=args.only), folder, args.runs)
     print(f"\n{kind} UNet, {model_bytes / 1e9:.2f} GB fp32, median of {args.runs} interleaved runs:")
     print(table(results, model_bytes))
 

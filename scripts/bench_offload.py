@@ -10,14 +10,13 @@ estimate (one table of cases). Method and results: docs/benchmarks.md, "Offload 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import statistics
 import sys
+import time
 from typing import Any
 
 import benchlib
-from benchlib import fresh_copy, gpu_weights, timed_steps
 from build_checkpoint import FLUX_DEV, SD15_UNET, SDXL_UNET
 
 CONFIGS = {"sd15": SD15_UNET, "sdxl": SDXL_UNET, "flux": FLUX_DEV}
@@ -60,13 +59,20 @@ def _to(value: Any, device: str, dtype: Any) -> Any:
 
 def weights(args: argparse.Namespace, dtype: Any) -> dict[str, Any]:
     """The model's weights on the CPU, built (or loaded) once; each strategy gets its own copy."""
+    import torch
+
     import shardkit
 
     if args.checkpoint:
         skeleton = build(args.model, meta=True)
         loaded = shardkit.load_model(type(skeleton), args.checkpoint, config=dict(skeleton.config), dtype=dtype)
         return loaded.state_dict()
-    return gpu_weights(lambda: build(args.model, meta=False), dtype)
+    with torch.device("cuda"):  # made on the GPU: seconds (minutes on the CPU)
+        model = build(args.model, meta=False).to(dtype)
+    state = {k: v.cpu() for k, v in model.state_dict().items()}
+    del model
+    torch.cuda.empty_cache()
+    return state
 
 
 def measure(args: argparse.Namespace, spec: Any, dtype: Any, state: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +82,9 @@ def measure(args: argparse.Namespace, spec: Any, dtype: Any, state: dict[str, An
 
     import shardkit
 
-    model = fresh_copy(build(args.model, meta=True), state)
+    model = build(args.model, meta=True)
+    model.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True, strict=True)  # each starts alike
+    model.eval()
     if spec.layerwise_casting:
         shardkit.apply_layerwise_casting(model, spec.layerwise_casting[0], str(dtype).removeprefix("torch."))
     if spec.offload == "none":
@@ -84,7 +92,16 @@ def measure(args: argparse.Namespace, spec: Any, dtype: Any, state: dict[str, An
     else:
         shardkit.apply_offload(model, spec.offload, device="cuda", **spec.options)
     feed = _to(inputs(args.model, args.size, args.batch), "cuda", dtype)
-    times, peak = timed_steps(functools.partial(model, **feed), args.steps)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    with torch.no_grad():
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            model(**feed)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated()
     del model, feed
     gc.collect()
     torch.cuda.empty_cache()

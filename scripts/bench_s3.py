@@ -32,7 +32,7 @@ from statistics import median
 from typing import Any
 
 import benchlib
-from benchlib import markdown, peak_rss_mb
+from benchlib import markdown, med, peak_rss_mb
 from build_checkpoint import build_random, build_unet
 from s3_server import DelayProxy, SeaweedS3
 
@@ -49,10 +49,6 @@ RUNAI_ENV = {"AWS_EC2_METADATA_DISABLED": "true", "RUNAI_STREAMER_S3_USE_VIRTUAL
 
 # ----------------------------------------------------------------------------- clients (children)
 
-def _ranges(size: int, part: int) -> list[tuple[int, int]]:
-    return [(b, min(b + part, size)) for b in range(0, size, part)]
-
-
 def boto3_client(parts: int) -> Any:
     import boto3
     from botocore.config import Config
@@ -60,23 +56,27 @@ def boto3_client(parts: int) -> Any:
     return boto3.client("s3", config=Config(max_pool_connections=parts, s3={"addressing_style": "path"}))
 
 
-def get_range_into(client: Any, bucket: str, key: str, begin: int, view: memoryview) -> None:
-    """The bytes of ``key`` from ``begin`` straight into ``view`` (1 MiB a readinto: urllib3 reads each
-    readinto into a temporary first)."""
-    body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={begin}-{begin + len(view) - 1}")["Body"]
-    got = 0
-    while got < len(view):
-        n = body.readinto(view[got:got + (1 << 20)])
-        if not n:
-            raise OSError(f"short read of {key} at {begin + got}")
-        got += n
-
-
 def _pool_map(fn: Callable[[Any], None], items: list[Any], threads: int) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(fn, items))
+
+
+def get_ranges(client: Any, bufs: dict[str, memoryview], part: int, parts: int) -> None:
+    """Every object of ``bufs`` straight into its buffer by ranged GETs of ``part`` bytes, ``parts`` in flight (1 MiB
+    a readinto: urllib3 reads each readinto into a temporary first)."""
+    def get(key: str, begin: int, view: memoryview) -> None:
+        body = client.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={begin}-{begin + len(view) - 1}")["Body"]
+        got = 0
+        while got < len(view):
+            n = body.readinto(view[got:got + (1 << 20)])
+            if not n:
+                raise OSError(f"short read of {key} at {begin + got}")
+            got += n
+
+    jobs = [(key, b, buf[b:b + part]) for key, buf in bufs.items() for b in range(0, len(buf), part)]
+    _pool_map(lambda job: get(*job), jobs, parts)
 
 
 class _BufferWriter:
@@ -116,14 +116,13 @@ def client_case(case: str, buf: memoryview, part: int, parts: int) -> None:
     size, transfer = len(buf), TransferConfig(multipart_threshold=part, multipart_chunksize=part,
                                               max_concurrency=parts, use_threads=True)
     if case == "boto3-threads":
-        client = boto3_client(parts)
-        _pool_map(lambda r: get_range_into(client, BUCKET, KEY, r[0], buf[r[0]:r[1]]), _ranges(size, part), parts)
+        get_ranges(boto3_client(parts), {KEY: buf}, part, parts)
     elif case == "s3transfer":
         boto3_client(parts).download_fileobj(BUCKET, KEY, _BufferWriter(buf), Config=transfer)
     elif case in ("obstore-threads", "obstore-ranges"):
         import obstore
 
-        store, ranges = _obstore(), _ranges(size, part)
+        store, ranges = _obstore(), [(b, min(b + part, size)) for b in range(0, size, part)]
         if case == "obstore-ranges":  # all ranges in one call: the Rust side fans them out
             replies = obstore.get_ranges(store, KEY, starts=[b for b, _ in ranges], ends=[e for _, e in ranges])
             for (b, e), data in zip(ranges, replies, strict=True):
@@ -165,7 +164,7 @@ def child_clients(case: str, args: argparse.Namespace, extra: dict[str, Any]) ->
     seconds = time.perf_counter() - start
     if not case.startswith("write-") and zlib.crc32(buf[size // 2: size // 2 + (1 << 20)]) != extra["crc"]:
         raise SystemExit(f"{case}: the bytes read differ from the object's")
-    return {"seconds": seconds, "rss_mb": peak_rss_mb()}
+    return {"seconds": seconds}
 
 
 # ----------------------------------------------------------------------------- open (children)
@@ -191,14 +190,13 @@ def open_case(case: str, args: argparse.Namespace) -> tuple[float, float, dict[s
 
     url = f"s3://{BUCKET}/{PREFIX}"
     if case == "raw-boto3":
-        part, start = args.part_mb << 20, time.perf_counter()
+        start = time.perf_counter()
         client = boto3_client(args.parts)
         objects = _objects(client)
         ready = time.perf_counter()
         # numpy.empty, as torch.empty in the other cases: bytearray(n) would first write n zero bytes
         bufs = {key: memoryview(numpy.empty(size, dtype=numpy.uint8)) for key, size in objects}
-        jobs = [(key, b, min(b + part, size)) for key, size in objects for b in range(0, size, part)]
-        _pool_map(lambda j: get_range_into(client, BUCKET, j[0], j[1], bufs[j[0]][j[1]:j[2]]), jobs, args.parts)
+        get_ranges(client, bufs, args.part_mb << 20, args.parts)
         end = time.perf_counter()
         crc = 0
         for key, _ in objects:
@@ -259,8 +257,8 @@ def child_open(case: str, args: argparse.Namespace, extra: dict[str, Any]) -> di
                 times.append(time.perf_counter() - start)
         return {"opens": times, "module": shardkit.__file__}
     seconds, setup, got = open_case(case, args)
-    return {"seconds": seconds, "setup": setup, "crc": got if isinstance(got, int) else _tensor_crc(got),
-            "rss_mb": peak_rss_mb()}
+    return {"seconds": seconds, "setup": setup, "read": seconds - setup,
+            "crc": got if isinstance(got, int) else _tensor_crc(got)}
 
 
 # ----------------------------------------------------------------------------- copy (children)
@@ -288,7 +286,7 @@ def child_copy(case: str, args: argparse.Namespace, extra: dict[str, Any]) -> di
             client.upload_file(os.path.join(dst, name), BUCKET, f"{out}/{name}", Config=config)
     else:
         cloned = shardkit.split(f"s3://{BUCKET}/src", f"s3://{BUCKET}/{out}", max_shard_size=max_shard).cloned_bytes
-    return {"seconds": time.perf_counter() - start, "rss_mb": peak_rss_mb(), "cloned": cloned}
+    return {"seconds": time.perf_counter() - start, "cloned": cloned}
 
 
 CHILDREN = {"clients": child_clients, "open": child_open, "copy": child_copy}
@@ -319,14 +317,12 @@ def run_child(case: str, env: dict[str, str], args: argparse.Namespace, *, retry
     raise AssertionError("unreachable: the last try raises")
 
 
-def measure(keys: list[tuple[str, str]], args: argparse.Namespace, one: Callable[[str, str], dict[str, Any]],
-            line: Callable[[dict[str, Any]], str]) -> dict[tuple[str, str], list[dict[str, Any]]]:
-    """``one(path, case)`` for every key, ``--runs`` rounds, the order rotating (the load averages into ``args``)."""
-    return benchlib.rounds(keys, args.runs, lambda key, r: one(*key), loads=args.loads, line=line)
-
-
 def header(args: argparse.Namespace, what: str) -> str:
     return benchlib.report_head(f"{what}; fresh process each", runs=args.runs, loads=args.loads, notes=args.notes)
+
+
+def peak(runs: list[dict[str, Any]]) -> str:
+    return f"{max(v['rss_mb'] for v in runs):.0f}"
 
 
 def paths_of(server: SeaweedS3, proxy: DelayProxy, args: argparse.Namespace) -> dict[str, dict[str, str]]:
@@ -356,12 +352,13 @@ def bench_clients(args: argparse.Namespace, cases: list[str]) -> str:
         def moved(case: str) -> int:
             return (args.write_mb if case.startswith("write-") else args.size_mb) << 20
 
-        results = measure([(p, c) for p in paths for c in cases], args,
-                          lambda p, c: {**run_child(c, paths[p], args, crc=crc), "moved": moved(c)},
-                          lambda d: f"{d['seconds']:.2f} s, {d['moved'] / d['seconds'] / 1e9:.2f} GB/s, "
-                                    f"{d['rss_mb']:.0f} MB")
-    rows = [[path, case, f"{median(v['seconds'] for v in vs):.2f}",
-             f"{moved(case) / median(v['seconds'] for v in vs) / 1e9:.2f}", f"{max(v['rss_mb'] for v in vs):.0f}"]
+        def one(key: tuple[str, str], r: int) -> dict[str, Any]:
+            return {**run_child(key[1], paths[key[0]], args, crc=crc), "moved": moved(key[1])}
+
+        results = benchlib.rounds([(p, c) for p in paths for c in cases], args.runs, one, loads=args.loads,
+                                  line=lambda d: f"{d['seconds']:.2f} s, {d['moved'] / d['seconds'] / 1e9:.2f} GB/s, "
+                                  f"{d['rss_mb']:.0f} MB")
+    rows = [[path, case, f"{med(vs, 'seconds'):.2f}", f"{moved(case) / med(vs, 'seconds') / 1e9:.2f}", peak(vs)]
             for (path, case), vs in results.items()]
     return header(args, f"One {args.size_mb} MiB object, {args.parts} ranged GETs of {args.part_mb} MiB in flight "
                         f"(RSS includes the destination); write cases write {args.write_mb} MiB from memory") + \
@@ -402,25 +399,22 @@ def bench_open(args: argparse.Namespace, cases: list[str]) -> str:
         if args.open_runs:
             return open_latency(paths, proxy, args)
 
-        def one(path: str, case: str) -> dict[str, Any]:
-            data = run_child(case, paths[path], args, retry=True)
-            if data["crc"] != expected[case]:
-                raise SystemExit(f"{case}: the bytes read differ from the checkpoint's")
+        def one(key: tuple[str, str], r: int) -> dict[str, Any]:
+            data = run_child(key[1], paths[key[0]], args, retry=True)
+            if data["crc"] != expected[key[1]]:
+                raise SystemExit(f"{key[1]}: the bytes read differ from the checkpoint's")
             return data
 
-        results = measure([(p, c) for p in paths for c in cases], args, one,
-                          lambda d: f"{d['seconds']:.2f} s (setup {d['setup']:.2f}), "
-                                    f"{data_bytes / d['seconds'] / 1e9:.2f} GB/s, {d['rss_mb']:.0f} MB")
-    nan = [{"seconds": float("nan"), "setup": 0.0}]
+        results = benchlib.rounds([(p, c) for p in paths for c in cases], args.runs, one, loads=args.loads,
+                                  line=lambda d: f"{d['seconds']:.2f} s (setup {d['setup']:.2f}), "
+                                  f"{data_bytes / d['seconds'] / 1e9:.2f} GB/s, {d['rss_mb']:.0f} MB")
     rows = []
-    for (path, case), vs in results.items():
-        total, raw, runai = (median(v["seconds"] for v in results.get((path, c), nan))
-                             for c in (case, "raw-boto3", "runai"))
-        read = median(v["seconds"] - v["setup"] for v in vs)
-        raw_read = median(v["seconds"] - v["setup"] for v in results.get((path, "raw-boto3"), nan))
+    for (path, case), vs in results.items():  # nan where a case compared with did not run
+        total, raw, runai, read, raw_read = (med(results.get((path, c), []), key) or float("nan") for c, key in (
+            (case, "seconds"), ("raw-boto3", "seconds"), ("runai", "seconds"), (case, "read"), ("raw-boto3", "read")))
         rows.append([path, case, f"{total:.2f}", f"{data_bytes / total / 1e9:.2f}", f"{total / raw:.2f}x",
-                     f"{total / runai:.2f}x", f"{median(v['setup'] for v in vs):.2f}", f"{read:.2f}",
-                     f"{read / raw_read:.2f}x", f"{max(v['rss_mb'] for v in vs):.0f}"])
+                     f"{total / runai:.2f}x", f"{med(vs, 'setup'):.2f}", f"{read:.2f}", f"{read / raw_read:.2f}x",
+                     peak(vs)])
     what = "the SD 1.5 UNet, fp16, one file" if args.model == "sd15" else f"fp16 tensors in {args.shard_mb} MB shards"
     return header(args, f"{data_bytes / 1e6:.0f} MB of {what}; clock after imports; raw-boto3: {args.parts} "
                         f"ranged GETs of {args.part_mb} MiB in flight") + \
@@ -462,11 +456,9 @@ def bench_copy(args: argparse.Namespace, cases: list[str]) -> str:
         size = server.upload(src, BUCKET, "src")
         shutil.rmtree(src)
         reference: list[dict[str, str]] = []
-        count = [0]
 
-        def one(path: str, case: str) -> dict[str, Any]:
-            count[0] += 1
-            scratch, out = tempfile.mkdtemp(dir=work), f"out-{case}-{count[0]}"
+        def one(key: tuple[str, str], r: int) -> dict[str, Any]:
+            case, scratch, out = key[1], tempfile.mkdtemp(dir=work), f"out-{key[1]}-{r}"
             before = proxy.sent_bytes + proxy.received_bytes
             data = run_child(case, server.client_env(port=proxy.port), args, out=out, max_shard=max_shard,
                              scratch=scratch)
@@ -478,16 +470,13 @@ def bench_copy(args: argparse.Namespace, cases: list[str]) -> str:
                 raise SystemExit(f"{case}: its output differs from the first case's: {got} != {reference[0]}")
             return data
 
-        results = measure([(f"proxy {args.delay_ms:g} ms", c) for c in cases], args, one,
-                          lambda d: f"{d['seconds']:.2f} s, through the client {d['moved'] / 1e6:.1f} MB "
-                                    f"({100 * d['moved'] / size:.2f}%), copied in the store {d['cloned'] / 1e6:.0f} "
-                                    f"MB, {d['rss_mb']:.0f} MB RSS")
-    rows = []
-    for (_, case), vs in results.items():
-        moved = median(v["moved"] for v in vs)
-        rows.append([case, f"{median(v['seconds'] for v in vs):.2f}", ", ".join(f"{v['seconds']:.2f}" for v in vs),
-                     f"{moved / 1e6:.1f} MB", f"{100 * moved / size:.2f}%",
-                     f"{max(v['cloned'] for v in vs) / 1e6:.0f} MB", f"{max(v['rss_mb'] for v in vs):.0f}"])
+        results = benchlib.rounds([(f"proxy {args.delay_ms:g} ms", c) for c in cases], args.runs, one, loads=args.loads,
+                                  line=lambda d: f"{d['seconds']:.2f} s, through the client {d['moved'] / 1e6:.1f} MB "
+                                  f"({100 * d['moved'] / size:.2f}%), copied in the store {d['cloned'] / 1e6:.0f} "
+                                  f"MB, {d['rss_mb']:.0f} MB RSS")
+    rows = [[case, f"{med(vs, 'seconds'):.2f}", ", ".join(f"{v['seconds']:.2f}" for v in vs),
+             f"{med(vs, 'moved') / 1e6:.1f} MB", f"{100 * med(vs, 'moved') / size:.2f}%",
+             f"{max(v['cloned'] for v in vs) / 1e6:.0f} MB", peak(vs)] for (_, case), vs in results.items()]
     return header(args, f"A {size / 1e6:.0f} MB checkpoint of random bf16 tensors in {args.shards} shards resharded "
                         f"into {args.out_shards}, every request through the counting proxy; outputs identical") + \
         markdown(["case", "median s", "runs s", "bytes through the client", "% of the checkpoint",
@@ -513,10 +502,10 @@ def split_cli(dst: str, env: dict[str, str]) -> dict[str, float]:
     """One CLI split in a fresh process: wall seconds, and the peak RSS MB of that process."""
     with tempfile.TemporaryDirectory(prefix="bench-rss-") as rss:
         root = shlex.quote(benchlib.ROOT)
-        seconds, _ = benchlib.measure(f"cd {root} && PYTHONPATH={root} BENCH_RSS_DIR={rss} {sys.executable} "
-                                      f"{benchlib.HERE}/benchlib.py --shardkit split s3://{BUCKET}/src {dst} "
-                                      "--max-shard-size 1GB", env=env)
-        return {"seconds": seconds, "rss_mb": benchlib.rank_peaks_mb(rss)[0]}
+        usage = benchlib.measure(f"cd {root} && PYTHONPATH={root} BENCH_RSS_DIR={rss} {sys.executable} "
+                                 f"{benchlib.HERE}/benchlib.py --shardkit split s3://{BUCKET}/src {dst} "
+                                 "--max-shard-size 1GB", env=env)
+        return {"seconds": usage.seconds, "rss_mb": benchlib.rank_peaks_mb(rss)[0]}
 
 
 def bench_split(args: argparse.Namespace, cases: list[str]) -> str:
@@ -527,11 +516,9 @@ def bench_split(args: argparse.Namespace, cases: list[str]) -> str:
         server.upload(local, BUCKET, "src")
         shutil.rmtree(local)
         print(f"source uploaded: {args.size_mb} MB; load average {os.getloadavg()[0]:.2f}", flush=True)
-        count = [0]
 
-        def one(path: str, case: str) -> dict[str, float]:
-            count[0] += 1
-            bucket = f"out-{count[0]}"
+        def one(key: tuple[str, str], r: int) -> dict[str, float]:
+            bucket = f"out-{r}-{cases.index(key[1])}"
             client: Any = server.client()
             client.create_bucket(Bucket=bucket)
             data = split_cli(f"s3://{bucket}/ckpt", server.client_env())
@@ -540,16 +527,15 @@ def bench_split(args: argparse.Namespace, cases: list[str]) -> str:
             got = (server.objects(bucket), manifest)
             expected[:] = expected or [got]
             if got != expected[0]:
-                raise SystemExit(f"{case}: the output differs from the first run's (names, sizes or manifest)")
+                raise SystemExit(f"{key[1]}: the output differs from the first run's (names, sizes or manifest)")
             server.drop(bucket)  # SeaweedFS frees a bucket's volumes with it
             return data
 
-        results = measure([("loopback", c) for c in cases], args, one,
-                          lambda d: f"{d['seconds']:.1f} s, peak RSS {d['rss_mb']:.0f} MB")
+        results = benchlib.rounds([("loopback", c) for c in cases], args.runs, one, loads=args.loads,
+                                  line=lambda d: f"{d['seconds']:.1f} s, peak RSS {d['rss_mb']:.0f} MB")
     shards = sum(1 for key in expected[0][0] if key.endswith(".safetensors"))
-    rows = [[case, ", ".join(f"{v['seconds']:.1f}" for v in vs), f"{median(v['seconds'] for v in vs):.1f}",
-             f"{(args.size_mb << 20) / median(v['seconds'] for v in vs) / 1e6:.0f}",
-             f"{max(v['rss_mb'] for v in vs):.0f}"] for (_, case), vs in results.items()]
+    rows = [[case, ", ".join(f"{v['seconds']:.1f}" for v in vs), f"{med(vs, 'seconds'):.1f}",
+             f"{(args.size_mb << 20) / med(vs, 'seconds') / 1e6:.0f}", peak(vs)] for (_, case), vs in results.items()]
     return header(args, f"`shardkit split s3://bench/src s3://out/ckpt --max-shard-size 1GB`: {args.size_mb} MiB of "
                         f"random bf16 in {args.source_shard_mb} MiB source shards → {shards} shards") + \
         markdown(["case", "wall s (runs)", "median s", "MB/s", "peak RSS MB (max)"], rows, align="llrrr")
@@ -585,7 +571,7 @@ def main() -> None:
     args = p.parse_args()
     args.size_mb = args.size_mb or SIZE_MB[args.table]
     if args.child:
-        print(json.dumps(CHILDREN[args.table](args.child, args, json.loads(args.extra))))
+        print(json.dumps({**CHILDREN[args.table](args.child, args, json.loads(args.extra)), "rss_mb": peak_rss_mb()}))
         return
     signal.signal(signal.SIGTERM, _interrupt)  # stop the server and remove its data on a plain kill too
     args.notes, args.loads = [], []

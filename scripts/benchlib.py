@@ -53,14 +53,9 @@ class Usage:
 
 # ----------------------------------------------------------------------------- running cases
 
-def measure(command: str, *, env: dict[str, str] | None = None) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MB) of ``bash -c command``, run from a fresh process (``env`` added to ours)."""
-    usage = measure_usage(command, env=env)
-    return usage.seconds, usage.rss_mb
-
-
-def measure_usage(command: str, *, env: dict[str, str] | None = None) -> Usage:
-    """:func:`measure`, with the user + sys CPU seconds of the command's process tree (getrusage of the children)."""
+def measure(command: str, *, env: dict[str, str] | None = None) -> Usage:
+    """Wall seconds, peak RSS (MB) and user + sys CPU seconds (getrusage of the children) of ``bash -c command``,
+    run from a fresh process (``env`` added to ours)."""
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--run", command], capture_output=True, text=True,
                          env={**os.environ, **(env or {})})
     if out.returncode != 0:
@@ -141,7 +136,7 @@ def run_interleaved(cases: list[Case], *, runs: int, log: Callable[[str], None] 
         for path in case.cleanup:
             remove(path)
         subprocess.run(["sync"], check=True)
-        usage = measure_usage(case.command)
+        usage = measure(case.command)
         case.times.append(usage.seconds)
         case.rss_mb.append(usage.rss_mb)
         case.cpu_s.append(usage.cpu_s)
@@ -197,6 +192,15 @@ def med(results: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+@contextlib.contextmanager
+def timed(row: dict[str, Any], key: str, nbytes: int = 0) -> Iterator[None]:
+    """Time the block into ``row[key]``: its seconds, or the GB/s it moved when given its ``nbytes``."""
+    start = time.perf_counter()
+    yield
+    seconds = time.perf_counter() - start
+    row[key] = nbytes / seconds / 1e9 if nbytes else seconds
+
+
 def pinned_copy_gbps(device: str = "cuda:0") -> float:
     """The PCIe floor: GB/s of a 1 GiB pinned host → ``device`` copy, median of 5 after a warm-up."""
     import torch
@@ -211,41 +215,6 @@ def pinned_copy_gbps(device: str = "cuda:0") -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return (1 << 30) / statistics.median(times[1:]) / 1e9
-
-
-def gpu_weights(build: Callable[[], Any], dtype: Any) -> dict[str, Any]:
-    """``build()``'s random weights in ``dtype``, made on the GPU (seconds; minutes on the CPU), kept on the CPU."""
-    import torch
-
-    with torch.device("cuda"):
-        model = build().to(dtype)
-    state = {k: v.cpu() for k, v in model.state_dict().items()}
-    del model
-    torch.cuda.empty_cache()
-    return state
-
-
-def fresh_copy(skeleton: Any, state: dict[str, Any]) -> Any:
-    """``skeleton`` (on the meta device) given its own copy of ``state``: each setup measured starts alike."""
-    skeleton.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True, strict=True)
-    return skeleton.eval()
-
-
-def timed_steps(step: Callable[[], object], steps: int) -> tuple[list[float], int]:
-    """Seconds of each of ``steps`` calls of ``step`` (no grad, CUDA synchronized) and the peak GPU bytes
-    allocated since here."""
-    import torch
-
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    with torch.no_grad():
-        for _ in range(steps):
-            start = time.perf_counter()
-            step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-    return times, torch.cuda.max_memory_allocated()
 
 
 # ----------------------------------------------------------------------------- reports

@@ -46,9 +46,9 @@ def test_shell_cases_are_timed_in_fresh_processes_with_their_cleanup(tmp_path: P
 
 def test_cases_record_the_cpu_seconds_of_their_process_tree(tmp_path: Path) -> None:
     burn = f"{sys.executable} -c 'import time\nwhile time.process_time() < 0.3: pass'"
-    usage = benchlib.measure_usage(f"{burn} & {burn}; wait")  # two children, both counted
+    usage = benchlib.measure(f"{burn} & {burn}; wait")  # two children, both counted
     assert usage.cpu_s >= 0.6 and usage.rss_mb > 0 and usage.seconds > 0
-    assert benchlib.measure_usage("true").cpu_s < 0.6
+    assert benchlib.measure("true").cpu_s < 0.6
     cases = [benchlib.Case("burn", burn), benchlib.Case("idle", "sleep 0.01")]
     benchlib.run_interleaved(cases, runs=2, log=lambda line: None)
     assert len(cases[0].cpu_s) == 2 and min(cases[0].cpu_s) >= 0.3 and max(cases[1].cpu_s) < 0.3
