@@ -15,9 +15,11 @@ HTML comment on the line just before a block steers it (options separated by spa
 in that order, among the lines the command printed (stdout, then stderr); ``...`` inside a line
 matches any text. ``python`` blocks share one namespace per page; a block starting with ``>>>`` is
 a doctest (ELLIPSIS, NORMALIZE_WHITESPACE). A plain ``shardkit ...`` command runs in-process through
-the CLI's own entry point (seconds saved on imports); anything else runs in ``bash -euo pipefail``
-with this interpreter's ``bin`` first on PATH. Pages that use the offline Hub (setup ``hub``) run
-every command and Python block in a subprocess, since huggingface_hub reads its endpoint on import.
+the CLI's own entry point (seconds saved on imports), as do ``python`` blocks, each under the page's
+environment (an S3 page's ``AWS_*`` variables: shardkit reads them per call); anything else runs in
+``bash -euo pipefail`` with this interpreter's ``bin`` first on PATH. Pages that use the offline Hub
+(setup ``hub``) run every command and Python block in a subprocess, since huggingface_hub reads its
+endpoint on import.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,7 +136,20 @@ class Page:
 
     @property
     def isolated(self) -> bool:
-        return self.hub is not None or self.s3 is not None
+        """Every command and Python block in a subprocess: huggingface_hub reads its endpoint on import."""
+        return self.hub is not None
+
+    @contextmanager
+    def environ(self) -> Iterator[None]:
+        """This process under the page's environment, for a command or block run in-process."""
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(self.env)
+        try:
+            yield
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
 
 
 def _tiny_unet(page: Page) -> None:
@@ -375,7 +391,8 @@ def run_command(page: Page, command: str) -> Ran:
     """One shell command: in-process when it is a plain ``shardkit`` call, else through bash."""
     if not page.isolated and _PLAIN_SHARDKIT.match(command.split(" #")[0].strip()):
         args = shlex.split(command, comments=True)[1:]
-        result = invoke_cli(*args)
+        with page.environ():
+            result = invoke_cli(*args)
         return Ran(result.exit_code, result.stdout + result.stderr)
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", command], cwd=page.folder, env=page.env,
                           capture_output=True, text=True, timeout=300)
@@ -464,10 +481,12 @@ def run_python(page: Page, block: Block) -> None:
         test = parser.get_doctest(block.code, page.namespace, block.where, str(block.path), block.line)
         runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
         out: list[str] = []
-        runner.run(test, out=out.append, clear_globs=False)
+        with page.environ():
+            runner.run(test, out=out.append, clear_globs=False)
         assert runner.failures == 0, "".join(out)
         return
-    exec(compile(block.code, block.where, "exec"), page.namespace)  # noqa: S102 - the docs' own examples
+    with page.environ():
+        exec(compile(block.code, block.where, "exec"), page.namespace)  # noqa: S102 - the docs' own examples
 
 
 RUNNERS = {"bash": run_bash, "console": run_console, "python": run_python}
