@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
-_SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "staged_multi_gpu.py")
+_SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "examples", "staged_multi_gpu.py")
 needs_cuda = torch.cuda.is_available()
 
 
 def staged_script() -> Any:
-    """scripts/staged_multi_gpu.py as a module: it owns the tiny Flux pipeline builder."""
+    """docs/examples/staged_multi_gpu.py as a module: it owns the tiny Flux pipeline builder."""
     spec = importlib.util.spec_from_file_location("staged_multi_gpu", _SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

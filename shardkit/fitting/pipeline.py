@@ -39,7 +39,7 @@ def load_fitted(path: str, fit_spec: object, *, max_memory: MaxMemory | None, dt
     refuses it (a plan made with ``device="cpu"`` runs on the CPU on purpose).
     ``fit="auto"`` plans for ``max_memory`` at the pipeline's default image size; pass a plan from
     :func:`fit` to choose height/width/batch. Staged multi-GPU plans are left to
-    ``scripts/staged_multi_gpu.py`` (a pipeline object keeps every component loaded), so the
+    ``docs/examples/staged_multi_gpu.py`` (a pipeline object keeps every component loaded), so the
     automatic plan here never picks them.
     """
     import torch
@@ -61,7 +61,7 @@ def load_fitted(path: str, fit_spec: object, *, max_memory: MaxMemory | None, dt
     setup = plan.setup()
     if setup["placement"] == "staged":
         raise InvalidInputError("a staged multi-GPU plan cannot be applied by load_pipeline; "
-                                "run scripts/staged_multi_gpu.py or plan with ", Option("exclude", ["staged"]))
+                                "run docs/examples/staged_multi_gpu.py or plan with ", Option("exclude", ["staged"]))
     if setup["placement"] == "balanced":
         budgets: MaxMemory = {i: b for i, b in enumerate(plan.budget.gpu_bytes)}
         pipe = load_pipeline_folder(path, device_map="balanced", max_memory=budgets, dtype=dtype, variant=variant)

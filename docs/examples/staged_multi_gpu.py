@@ -14,8 +14,8 @@ tokenizers; nothing is downloaded), shards it with ``shardkit.split``, runs the 
 that the image equals the one-shot pipeline's. On a machine without CUDA every stage runs on the
 CPU, which is what CI does.
 
-    python scripts/staged_multi_gpu.py --steps 2 --size 64
-    python scripts/staged_multi_gpu.py --folder flux-sharded/ --max-memory 0=16GB,1=16GB --dtype bf16
+    python docs/examples/staged_multi_gpu.py --steps 2 --size 64
+    python docs/examples/staged_multi_gpu.py --folder flux-sharded/ --max-memory 0=16GB,1=16GB --dtype bf16
 """
 
 from __future__ import annotations
