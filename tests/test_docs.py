@@ -16,8 +16,10 @@ in that order, among the lines the command printed (stdout, then stderr); ``...`
 matches any text. ``python`` blocks share one namespace per page; a block starting with ``>>>`` is
 a doctest (ELLIPSIS, NORMALIZE_WHITESPACE). A plain ``shardkit ...`` command runs in-process through
 the CLI's own entry point (seconds saved on imports), as do ``python`` blocks, each under the page's
-environment (an S3 page's ``AWS_*`` variables: shardkit reads them per call); anything else runs in
-``bash -euo pipefail`` with this interpreter's ``bin`` first on PATH. Pages that use the offline Hub
+environment (an S3 page's ``AWS_*`` variables: shardkit reads them per call). A shell block whose
+other lines leave no shell state (no variable, ``cd``, ``export`` or loop) runs line by line, its
+plain ``shardkit`` calls in-process; any other block runs whole in ``bash -euo pipefail``, with this
+interpreter's ``bin`` first on PATH. Pages that use the offline Hub
 (setup ``hub``) run every command and Python block in a subprocess, since huggingface_hub reads its
 endpoint on import.
 """
@@ -49,6 +51,9 @@ BIN = str(Path(sys.executable).parent)
 _FENCE = re.compile(r"^```(\S*)\s*$")
 _DIRECTIVE = re.compile(r"^<!--\s*doc-test:\s*(.*?)\s*-->\s*$")
 _PLAIN_SHARDKIT = re.compile(r"^shardkit\s[^|&;<>$`()]*$")
+# A line that leaves no shell state for the next one (no variable, cd, export or compound command)
+_STATELESS = re.compile(r"^(?!(cd|export|source|set|for|while|until|if|case|do|done|then|else|fi|function)\b)"
+                        r"(?![A-Za-z_]\w*=)[^$]*$")
 
 
 @dataclass
@@ -387,9 +392,22 @@ def logical_lines(code: str) -> list[str]:
     return commands
 
 
+def _bare(command: str) -> str:
+    return command.split(" #")[0].strip()
+
+
+def _runs_alone(command: str) -> bool:
+    """A line that is a whole command (quotes closed) and leaves no shell state for the next one."""
+    try:
+        shlex.split(command, comments=True)
+    except ValueError:  # a quote continues on the next line
+        return False
+    return _STATELESS.match(_bare(command)) is not None
+
+
 def run_command(page: Page, command: str) -> Ran:
     """One shell command: in-process when it is a plain ``shardkit`` call, else through bash."""
-    if not page.isolated and _PLAIN_SHARDKIT.match(command.split(" #")[0].strip()):
+    if not page.isolated and _PLAIN_SHARDKIT.match(_bare(command)):
         args = shlex.split(command, comments=True)[1:]
         with page.environ():
             result = invoke_cli(*args)
@@ -402,7 +420,9 @@ def run_command(page: Page, command: str) -> Ran:
 def run_bash(page: Page, block: Block) -> None:
     commands = logical_lines(block.code)
     assert commands, f"{block.where}: an empty shell block"
-    if page.isolated or not all(_PLAIN_SHARDKIT.match(c.split(" #")[0].strip()) for c in commands):
+    plain = [_PLAIN_SHARDKIT.match(_bare(c)) is not None for c in commands]
+    by_line = any(plain) and all(p or _runs_alone(c) for p, c in zip(plain, commands, strict=True))
+    if page.isolated or not by_line:
         ran = run_command_script(page, block.code)
         if os.environ.get("SHARDKIT_DOCS_SHOW"):
             print(f"--- {block.where} (exit {ran.code})\n{ran.output}")
