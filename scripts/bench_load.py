@@ -21,18 +21,16 @@ from typing import Any
 
 import benchlib
 from benchlib import med, shard_files, status_bytes
-from build_checkpoint import FLUX_DEV, sharded_unet
+from build_checkpoint import FLUX_DEV, diffusers_model, sharded_unet
 
 # ------------------------------------------------------------------------- loaders (child side)
 # Each loads ``folder`` (its shards, or a UNet from them) and returns a dict, a model or an iterable of tensors.
 
 
 def _skeleton(folder: str) -> Any:
-    from accelerate import init_empty_weights
     from diffusers import UNet2DConditionModel
 
-    with init_empty_weights():
-        return UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(folder))
+    return diffusers_model(UNet2DConditionModel.load_config(folder))
 
 
 def _floor(folder: str, *, backend: str = "mmap", device_map: Any = "cpu", **_: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ memory. Used by ``scripts/demo`` and the benchmarks. Method: docs/benchmarks.md,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -66,14 +67,18 @@ DCP_SAVE = ("import sys, warnings; warnings.simplefilter('ignore'); import torch
             "dcp.save({'model': sd}, checkpoint_id=sys.argv[3], no_dist=True)")
 
 
+def diffusers_model(config: dict[str, Any], *, meta: bool = True) -> Any:
+    """The diffusers model ``config`` describes (its ``_class_name``): on the meta device, or with random weights."""
+    import diffusers
+    from accelerate import init_empty_weights
+
+    with init_empty_weights() if meta else contextlib.nullcontext():
+        return getattr(diffusers, config["_class_name"]).from_config(config)
+
+
 def unet_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape of the UNet ``config`` describes (its skeleton built on the meta device)."""
-    from accelerate import init_empty_weights
-    from diffusers import UNet2DConditionModel
-
-    with init_empty_weights():
-        skeleton = UNet2DConditionModel.from_config({k: v for k, v in config.items() if k != "_class_name"})
-    return {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+    return {name: tuple(t.shape) for name, t in diffusers_model(config).state_dict().items()}
 
 
 def random_source(shapes: dict[str, tuple[int, ...]], *, dtype: str = "F32", prefix: str = "model") -> Any:

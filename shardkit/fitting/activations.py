@@ -5,7 +5,7 @@ the batch size, doubled for classifier-free guidance when the denoiser uses it):
 
 * UNet: skip tensors ``Σ_i (layers_per_block+1)·N_i·C_i`` plus the widest working set
   ``max_i k_i·N_i·C_i`` (``k=20`` at levels with attention — q/k/v/out, the GEGLU 8× feed-forward,
-  norms —, ``k=8`` for resnet-only levels; calibrated on CPU by scripts/calibrate_fit.py), where
+  norms —, ``k=8`` for resnet-only levels; calibrated on CPU by ``scripts/bench_offload.py --cpu-accounting``), where
   ``N_i = (H/f)(W/f)/4^i`` latent pixels and ``C_i`` the level's channels; eager attention adds ``heads·N_i²`` score bytes (``slice_size`` heads at a
   time with attention slicing), SDPA adds none;
 * transformer (DiT/MMDiT/Flux): ``14·T·D`` with ``T = (H/f/p)(W/f/p) + text tokens``, ``D`` the
@@ -15,8 +15,8 @@ the batch size, doubled for classifier-free guidance when the denoiser uses it):
   whole image (one tile with tiling);
 * text encoders: ``T·(4·D + 2·D_ff)`` plus eager ``heads·T²``.
 
-The constants are coarse on purpose: ``scripts/calibrate_fit.py`` compares them with measured
-peaks, and the planner adds a safety margin on top.
+The constants are coarse on purpose: ``scripts/bench_offload.py --cpu-accounting`` (CPU) and ``--model sd15``
+(GPU) compare them with measured peaks, and the planner adds a safety margin on top.
 """
 
 from __future__ import annotations
