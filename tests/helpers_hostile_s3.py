@@ -18,7 +18,6 @@ import os
 import resource
 import subprocess
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -251,12 +250,11 @@ def hostile_env(endpoint: str, home: Path) -> dict[str, str]:
 
 @dataclass
 class Ran:
-    """A bounded CLI run: its exit code, output and wall time."""
+    """A bounded CLI run: its exit code and output."""
 
     returncode: int
     stdout: str
     stderr: str
-    seconds: float
 
 
 def run_bounded(args: list[str], env: dict[str, str], *, timeout_s: float = 40.0,
@@ -269,11 +267,10 @@ def run_bounded(args: list[str], env: dict[str, str], *, timeout_s: float = 40.0
         if max_file_bytes is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
-    start = time.monotonic()
     try:
         proc = subprocess.run([SHARDKIT_BIN, *args], env=env, capture_output=True, text=True, timeout=timeout_s,
                               preexec_fn=limit)  # noqa: PLW1509 - a resource limit only
     except subprocess.TimeoutExpired as e:
         raise AssertionError(f"shardkit {' '.join(args)} still ran after {timeout_s} s (a hang): "
                              f"{(e.stderr or b'')[-500:]!r}") from None
-    return Ran(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
+    return Ran(proc.returncode, proc.stdout, proc.stderr)
