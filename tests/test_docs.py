@@ -19,9 +19,8 @@ the CLI's own entry point (seconds saved on imports), as do ``python`` blocks, e
 environment (an S3 page's ``AWS_*`` variables: shardkit reads them per call). A shell block whose
 other lines leave no shell state (no variable, ``cd``, ``export`` or loop) runs line by line, its
 plain ``shardkit`` calls in-process; any other block runs whole in ``bash -euo pipefail``, with this
-interpreter's ``bin`` first on PATH. Pages that use the offline Hub
-(setup ``hub``) run every command and Python block in a subprocess, since huggingface_hub reads its
-endpoint on import.
+interpreter's ``bin`` first on PATH. Pages that use the offline Hub (setup ``hub``) run every command
+and Python block in a subprocess, since huggingface_hub reads its endpoint on import.
 """
 
 from __future__ import annotations
@@ -36,10 +35,11 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 from conftest import REPO, invoke_cli
@@ -144,17 +144,9 @@ class Page:
         """Every command and Python block in a subprocess: huggingface_hub reads its endpoint on import."""
         return self.hub is not None
 
-    @contextmanager
-    def environ(self) -> Iterator[None]:
-        """This process under the page's environment, for a command or block run in-process."""
-        saved = dict(os.environ)
-        os.environ.clear()
-        os.environ.update(self.env)
-        try:
-            yield
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+    def environ(self) -> AbstractContextManager[object]:
+        """This process under the page's environment, for a command or block run in-process (restored after)."""
+        return mock.patch.dict(os.environ, self.env, clear=True)
 
 
 def _tiny_unet(page: Page) -> None:
